@@ -1,1 +1,216 @@
-//! placeholder
+//! tern's migration protocol.
+//!
+//! Pure encoding, decoding and validation: no I/O and no `unsafe`. Every
+//! message travels in a frame: an 8-byte [`FrameHeader`] (kind, flags,
+//! body length) followed by the body. Page packets are special: the engine
+//! reads their fixed header and page table first and then reads the payload
+//! straight into guest memory, so they are described by [`PagesHeader`] and
+//! [`PageEntry`] instead of being decoded into one value.
+//!
+//! All integers are little-endian. Every decoder validates every field and
+//! returns a [`WireError`]; no input makes it panic (a fuzz target checks
+//! that, see `fuzz/`).
+//!
+//! See `docs/protocol.md` for the message sequence.
+#![forbid(unsafe_code)]
+#![warn(missing_docs)]
+
+mod codec;
+mod error;
+mod message;
+mod pages;
+
+pub use codec::{Reader, Writer};
+pub use error::{AbortReason, WireError};
+pub use message::{
+    Abort, ChannelHello, Complete, DigestAlgorithm, Handshake, Hello, Message, Outcome, RegionInfo,
+    SessionSetup, StateSectionMsg, Sync, Welcome,
+};
+pub use pages::{PageEntry, PageKind, PagesHeader, decode_page_table, encode_pages_prefix};
+
+/// First bytes of every handshake.
+pub const MAGIC: [u8; 8] = *b"TERNMIG\0";
+/// Protocol version spoken by this build.
+pub const PROTOCOL_VERSION: u16 = 1;
+/// The only page size this version supports.
+pub const PAGE_SIZE: u32 = 4096;
+/// Most pages one packet may carry.
+pub const MAX_PAGES_PER_PACKET: usize = 128;
+/// Most page channels a session may use.
+pub const MAX_CHANNELS: u16 = 64;
+/// Most memory regions a session may describe.
+pub const MAX_REGIONS: usize = 1024;
+/// Largest region: page indices are 32-bit.
+pub const MAX_REGION_BYTES: u64 = (u32::MAX as u64 + 1) * PAGE_SIZE as u64;
+/// Longest state-section name, in bytes.
+pub const MAX_NAME_LEN: usize = 255;
+/// Largest state section.
+pub const MAX_SECTION_BYTES: usize = 64 << 20;
+/// Longest free-text message (abort reasons, outcome details).
+pub const MAX_TEXT_LEN: usize = 4096;
+/// Longest opaque statistics blob in an [`Outcome`].
+pub const MAX_STATS_LEN: usize = 64 << 10;
+/// Largest frame body of any kind.
+pub const MAX_FRAME_BODY: usize = MAX_SECTION_BYTES + MAX_NAME_LEN + 16;
+
+/// Length of a [`FrameHeader`] on the wire.
+pub const FRAME_HEADER_LEN: usize = 8;
+
+/// What a frame carries.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[repr(u8)]
+pub enum FrameKind {
+    /// Main-channel handshake with the session setup (source to destination).
+    Hello = 1,
+    /// Page-channel handshake (source to destination).
+    ChannelHello = 2,
+    /// Handshake accepted (destination to source).
+    Welcome = 3,
+    /// A packet of pages (source to destination, page channels).
+    Pages = 4,
+    /// End of a dirty iteration on this channel.
+    Sync = 5,
+    /// One device/vCPU state section (main channel).
+    StateSection = 6,
+    /// All memory and state sent, with the source's digest (main channel).
+    Complete = 7,
+    /// The destination's verdict (main channel).
+    Outcome = 8,
+    /// The sender gives up, with a reason (either direction).
+    Abort = 9,
+}
+
+impl FrameKind {
+    fn from_u8(value: u8) -> Result<Self, WireError> {
+        Ok(match value {
+            1 => Self::Hello,
+            2 => Self::ChannelHello,
+            3 => Self::Welcome,
+            4 => Self::Pages,
+            5 => Self::Sync,
+            6 => Self::StateSection,
+            7 => Self::Complete,
+            8 => Self::Outcome,
+            9 => Self::Abort,
+            other => return Err(WireError::UnknownFrameKind(other)),
+        })
+    }
+
+    /// Largest body a frame of this kind may have.
+    pub fn max_body(self) -> usize {
+        match self {
+            Self::Hello => 32 + 2 + MAX_REGIONS * RegionInfo::ENCODED_LEN,
+            Self::ChannelHello => Handshake::ENCODED_LEN,
+            Self::Welcome => 16,
+            Self::Pages => {
+                PagesHeader::ENCODED_LEN
+                    + MAX_PAGES_PER_PACKET * (PageEntry::ENCODED_LEN + PAGE_SIZE as usize)
+            }
+            Self::Sync => 8,
+            Self::StateSection => MAX_FRAME_BODY,
+            Self::Complete => 32,
+            Self::Outcome => 32 + MAX_TEXT_LEN + MAX_STATS_LEN,
+            Self::Abort => 8 + MAX_TEXT_LEN,
+        }
+    }
+}
+
+/// The 8 bytes in front of every frame body.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct FrameHeader {
+    /// What the body holds.
+    pub kind: FrameKind,
+    /// Body length in bytes.
+    pub body_len: u32,
+}
+
+impl FrameHeader {
+    /// Encodes the header: kind, flags (zero), two reserved bytes, length.
+    pub fn encode(&self) -> [u8; FRAME_HEADER_LEN] {
+        let mut out = [0u8; FRAME_HEADER_LEN];
+        out[0] = self.kind as u8;
+        out[4..8].copy_from_slice(&self.body_len.to_le_bytes());
+        out
+    }
+
+    /// Decodes and validates a header: known kind, zero flags and reserved
+    /// bytes, and a body no longer than the kind allows.
+    pub fn decode(bytes: &[u8; FRAME_HEADER_LEN]) -> Result<Self, WireError> {
+        let kind = FrameKind::from_u8(bytes[0])?;
+        if bytes[1..4] != [0, 0, 0] {
+            return Err(WireError::ReservedNotZero("frame header"));
+        }
+        let body_len = u32::from_le_bytes([bytes[4], bytes[5], bytes[6], bytes[7]]);
+        let max = kind.max_body();
+        if body_len as usize > max {
+            return Err(WireError::FrameTooLong {
+                kind,
+                len: body_len as usize,
+                max,
+            });
+        }
+        Ok(Self { kind, body_len })
+    }
+}
+
+/// One frame decoded by [`decode_stream`].
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Frame {
+    /// A control message.
+    Message(Message),
+    /// A page packet: its header and table (the payload is skipped).
+    Pages(PagesHeader, Vec<PageEntry>),
+}
+
+/// Decodes a whole byte stream of frames, as a receiver would: control
+/// messages are decoded; page packets are checked against `setup` (or
+/// against the setup of a [`Hello`] earlier in the stream). Used by the fuzz
+/// target and by tests; the engine reads frames from sockets piecewise with
+/// the same functions.
+pub fn decode_stream(
+    mut bytes: &[u8],
+    setup: Option<&SessionSetup>,
+) -> Result<Vec<Frame>, WireError> {
+    let mut frames = Vec::new();
+    let mut learned: Option<SessionSetup> = None;
+    while !bytes.is_empty() {
+        let Some((head, rest)) = bytes.split_first_chunk::<FRAME_HEADER_LEN>() else {
+            return Err(WireError::Truncated("frame header"));
+        };
+        let header = FrameHeader::decode(head)?;
+        let body_len = header.body_len as usize;
+        if rest.len() < body_len {
+            return Err(WireError::Truncated("frame body"));
+        }
+        let (body, rest) = rest.split_at(body_len);
+        bytes = rest;
+        if header.kind == FrameKind::Pages {
+            let setup = setup.or(learned.as_ref()).ok_or(WireError::Unexpected {
+                got: FrameKind::Pages,
+                expected: "a hello first",
+            })?;
+            let Some((pages_head, after)) =
+                body.split_first_chunk::<{ PagesHeader::ENCODED_LEN }>()
+            else {
+                return Err(WireError::Truncated("pages header"));
+            };
+            let (pages, payload_len) = PagesHeader::decode(pages_head, body_len, setup)?;
+            let (table, _payload) = after
+                .split_at_checked(pages.table_len())
+                .ok_or(WireError::Truncated("page table"))?;
+            let mut entries = Vec::new();
+            decode_page_table(&pages, table, payload_len, setup, &mut entries)?;
+            frames.push(Frame::Pages(pages, entries));
+        } else {
+            let message = Message::decode(header.kind, body)?;
+            if let Message::Hello(hello) = &message {
+                learned = Some(hello.setup.clone());
+            }
+            frames.push(Frame::Message(message));
+        }
+    }
+    Ok(frames)
+}
+
+#[cfg(test)]
+mod tests;

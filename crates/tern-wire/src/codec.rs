@@ -1,0 +1,160 @@
+//! Little-endian cursor reading and writing, with truncation reported as an
+//! error instead of a panic.
+
+use crate::WireError;
+
+/// Reads fields from a byte slice; every read checks the remaining length.
+#[derive(Debug)]
+pub struct Reader<'a> {
+    bytes: &'a [u8],
+    what: &'static str,
+}
+
+impl<'a> Reader<'a> {
+    /// A reader over `bytes`; `what` names the structure in error messages.
+    pub fn new(bytes: &'a [u8], what: &'static str) -> Self {
+        Self { bytes, what }
+    }
+
+    /// Takes the next `len` bytes.
+    pub fn take(&mut self, len: usize) -> Result<&'a [u8], WireError> {
+        if self.bytes.len() < len {
+            return Err(WireError::Truncated(self.what));
+        }
+        let (head, tail) = self.bytes.split_at(len);
+        self.bytes = tail;
+        Ok(head)
+    }
+
+    /// Takes exactly `N` bytes as an array.
+    pub fn array<const N: usize>(&mut self) -> Result<[u8; N], WireError> {
+        let mut out = [0u8; N];
+        out.copy_from_slice(self.take(N)?);
+        Ok(out)
+    }
+
+    /// Reads a byte.
+    pub fn u8(&mut self) -> Result<u8, WireError> {
+        Ok(self.array::<1>()?[0])
+    }
+
+    /// Reads a little-endian u16.
+    pub fn u16(&mut self) -> Result<u16, WireError> {
+        Ok(u16::from_le_bytes(self.array()?))
+    }
+
+    /// Reads a little-endian u32.
+    pub fn u32(&mut self) -> Result<u32, WireError> {
+        Ok(u32::from_le_bytes(self.array()?))
+    }
+
+    /// Reads a little-endian u64.
+    pub fn u64(&mut self) -> Result<u64, WireError> {
+        Ok(u64::from_le_bytes(self.array()?))
+    }
+
+    /// Reads a little-endian u128.
+    pub fn u128(&mut self) -> Result<u128, WireError> {
+        Ok(u128::from_le_bytes(self.array()?))
+    }
+
+    /// Reads a u32 length followed by that many bytes, at most `max`.
+    pub fn bytes_u32(&mut self, max: usize, field: &'static str) -> Result<&'a [u8], WireError> {
+        let len = self.u32()? as usize;
+        if len > max {
+            return Err(WireError::FieldTooLong { field, len, max });
+        }
+        self.take(len)
+    }
+
+    /// Reads a length-prefixed UTF-8 string of at most `max` bytes.
+    pub fn string(&mut self, max: usize, field: &'static str) -> Result<String, WireError> {
+        let bytes = self.bytes_u32(max, field)?;
+        String::from_utf8(bytes.to_vec()).map_err(|_| WireError::InvalidUtf8(field))
+    }
+
+    /// Requires reserved bytes to be zero.
+    pub fn reserved(&mut self, len: usize) -> Result<(), WireError> {
+        if self.take(len)?.iter().any(|&b| b != 0) {
+            return Err(WireError::ReservedNotZero(self.what));
+        }
+        Ok(())
+    }
+
+    /// Requires that nothing is left.
+    pub fn finish(self) -> Result<(), WireError> {
+        if self.bytes.is_empty() {
+            Ok(())
+        } else {
+            Err(WireError::TrailingBytes {
+                what: self.what,
+                extra: self.bytes.len(),
+            })
+        }
+    }
+
+    /// Bytes not read yet.
+    pub fn remaining(&self) -> usize {
+        self.bytes.len()
+    }
+}
+
+/// Appends little-endian fields to a buffer.
+#[derive(Debug)]
+pub struct Writer<'a> {
+    out: &'a mut Vec<u8>,
+}
+
+impl<'a> Writer<'a> {
+    /// A writer appending to `out`.
+    pub fn new(out: &'a mut Vec<u8>) -> Self {
+        Self { out }
+    }
+
+    /// Appends raw bytes.
+    pub fn bytes(&mut self, bytes: &[u8]) -> &mut Self {
+        self.out.extend_from_slice(bytes);
+        self
+    }
+
+    /// Appends a byte.
+    pub fn u8(&mut self, value: u8) -> &mut Self {
+        self.out.push(value);
+        self
+    }
+
+    /// Appends a little-endian u16.
+    pub fn u16(&mut self, value: u16) -> &mut Self {
+        self.bytes(&value.to_le_bytes())
+    }
+
+    /// Appends a little-endian u32.
+    pub fn u32(&mut self, value: u32) -> &mut Self {
+        self.bytes(&value.to_le_bytes())
+    }
+
+    /// Appends a little-endian u64.
+    pub fn u64(&mut self, value: u64) -> &mut Self {
+        self.bytes(&value.to_le_bytes())
+    }
+
+    /// Appends a little-endian u128.
+    pub fn u128(&mut self, value: u128) -> &mut Self {
+        self.bytes(&value.to_le_bytes())
+    }
+
+    /// Appends a u32 length and the bytes. Callers keep lengths within the
+    /// protocol's limits; longer input is truncated to `u32::MAX`, which the
+    /// peer then rejects.
+    pub fn bytes_u32(&mut self, bytes: &[u8]) -> &mut Self {
+        let len = u32::try_from(bytes.len()).unwrap_or(u32::MAX);
+        self.u32(len);
+        self.bytes(&bytes[..len as usize])
+    }
+
+    /// Appends zero bytes.
+    pub fn zeros(&mut self, len: usize) -> &mut Self {
+        self.out.resize(self.out.len() + len, 0);
+        self
+    }
+}

@@ -1,0 +1,529 @@
+//! Control messages: handshakes, syncs, state sections, completion, aborts.
+
+use crate::codec::{Reader, Writer};
+use crate::error::{AbortReason, WireError};
+use crate::{
+    FRAME_HEADER_LEN, FrameHeader, FrameKind, MAGIC, MAX_CHANNELS, MAX_NAME_LEN, MAX_REGION_BYTES,
+    MAX_REGIONS, MAX_SECTION_BYTES, MAX_STATS_LEN, MAX_TEXT_LEN, PAGE_SIZE, PROTOCOL_VERSION,
+};
+
+/// The part of the handshake every channel sends first.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Handshake {
+    /// Random identifier of the migration; page channels must repeat the
+    /// main channel's.
+    pub session_id: u64,
+    /// 0 for the main channel, 1..=channel_count for page channels.
+    pub channel_index: u16,
+}
+
+impl Handshake {
+    /// Encoded size: magic, version, channel index, reserved, session id.
+    pub const ENCODED_LEN: usize = 24;
+
+    fn encode(&self, w: &mut Writer<'_>) {
+        w.bytes(&MAGIC)
+            .u16(PROTOCOL_VERSION)
+            .u16(self.channel_index)
+            .zeros(4)
+            .u64(self.session_id);
+    }
+
+    fn decode(r: &mut Reader<'_>) -> Result<Self, WireError> {
+        if r.array::<8>()? != MAGIC {
+            return Err(WireError::BadMagic);
+        }
+        let version = r.u16()?;
+        if version != PROTOCOL_VERSION {
+            return Err(WireError::VersionMismatch {
+                theirs: version,
+                ours: PROTOCOL_VERSION,
+            });
+        }
+        let channel_index = r.u16()?;
+        r.reserved(4)?;
+        let session_id = r.u64()?;
+        Ok(Self {
+            session_id,
+            channel_index,
+        })
+    }
+}
+
+/// How memory digests are computed.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[repr(u8)]
+pub enum DigestAlgorithm {
+    /// XXH3-128 over fixed-size chunks, then over the chunk digests.
+    Xxh3Chunked = 1,
+}
+
+impl DigestAlgorithm {
+    fn from_u8(value: u8) -> Result<Self, WireError> {
+        match value {
+            1 => Ok(Self::Xxh3Chunked),
+            other => Err(WireError::InvalidField {
+                field: "digest algorithm",
+                detail: format!("unknown algorithm {other}"),
+            }),
+        }
+    }
+}
+
+/// One memory region as both sides must agree on it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct RegionInfo {
+    /// The VMM's region identifier.
+    pub id: u32,
+    /// Guest-physical start address.
+    pub guest_addr: u64,
+    /// Length in bytes.
+    pub len: u64,
+}
+
+impl RegionInfo {
+    /// Encoded size: id, reserved, guest address, length.
+    pub const ENCODED_LEN: usize = 24;
+
+    /// Number of pages.
+    pub fn pages(&self) -> u64 {
+        self.len / u64::from(PAGE_SIZE)
+    }
+}
+
+/// What both sides agree on before any page moves.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct SessionSetup {
+    /// Page size in bytes.
+    pub page_size: u32,
+    /// Number of page channels (the main channel is not counted).
+    pub channel_count: u16,
+    /// Codec of compressed pages: 0 = none; others are defined by `tern-page`.
+    pub codec: u8,
+    /// How the final digest is computed.
+    pub digest: DigestAlgorithm,
+    /// The guest's memory regions.
+    pub regions: Vec<RegionInfo>,
+}
+
+impl SessionSetup {
+    /// Looks a region up by id.
+    pub fn region(&self, id: u32) -> Option<&RegionInfo> {
+        self.regions.iter().find(|region| region.id == id)
+    }
+
+    /// Total guest memory in bytes.
+    pub fn total_bytes(&self) -> u64 {
+        self.regions.iter().map(|region| region.len).sum()
+    }
+
+    /// Checks every rule the protocol imposes on a setup.
+    pub fn validate(&self) -> Result<(), WireError> {
+        let invalid = |field, detail: String| Err(WireError::InvalidField { field, detail });
+        if self.page_size != PAGE_SIZE {
+            return invalid(
+                "page size",
+                format!("{} (only {PAGE_SIZE} is supported)", self.page_size),
+            );
+        }
+        if self.channel_count == 0 || self.channel_count > MAX_CHANNELS {
+            return invalid(
+                "channel count",
+                format!("{} (must be 1..={MAX_CHANNELS})", self.channel_count),
+            );
+        }
+        if self.regions.is_empty() || self.regions.len() > MAX_REGIONS {
+            return invalid(
+                "region count",
+                format!("{} (must be 1..={MAX_REGIONS})", self.regions.len()),
+            );
+        }
+        let mut spans = Vec::with_capacity(self.regions.len());
+        for region in &self.regions {
+            if region.len == 0
+                || region.len % u64::from(PAGE_SIZE) != 0
+                || region.len > MAX_REGION_BYTES
+            {
+                return invalid(
+                    "region length",
+                    format!(
+                        "region {} has {} bytes (must be a non-zero multiple of {PAGE_SIZE}, at most {MAX_REGION_BYTES})",
+                        region.id, region.len
+                    ),
+                );
+            }
+            let Some(end) = region.guest_addr.checked_add(region.len) else {
+                return invalid(
+                    "region address",
+                    format!("region {} wraps around the address space", region.id),
+                );
+            };
+            spans.push((region.guest_addr, end, region.id));
+        }
+        spans.sort_unstable();
+        for pair in spans.windows(2) {
+            if pair[1].0 < pair[0].1 {
+                return invalid(
+                    "region address",
+                    format!("regions {} and {} overlap", pair[0].2, pair[1].2),
+                );
+            }
+        }
+        let mut ids: Vec<u32> = self.regions.iter().map(|region| region.id).collect();
+        ids.sort_unstable();
+        if ids.windows(2).any(|pair| pair[0] == pair[1]) {
+            return invalid("region id", "two regions share an id".to_string());
+        }
+        Ok(())
+    }
+}
+
+/// Main-channel handshake: who we are and what we are about to send.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Hello {
+    /// Session and channel (index 0).
+    pub handshake: Handshake,
+    /// The session setup.
+    pub setup: SessionSetup,
+}
+
+/// Page-channel handshake.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ChannelHello {
+    /// Session and channel index (1..=channel_count).
+    pub handshake: Handshake,
+}
+
+/// The destination accepts a channel.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Welcome {
+    /// Echo of the session id.
+    pub session_id: u64,
+    /// Echo of the channel index.
+    pub channel_index: u16,
+}
+
+/// End of a dirty iteration on one page channel.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Sync {
+    /// The iteration that ends (0 = the first full pass).
+    pub iteration: u32,
+    /// Whether this is the final iteration, sent with the guest paused.
+    pub last: bool,
+}
+
+/// One saved device/vCPU state section.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct StateSectionMsg {
+    /// Section name.
+    pub name: String,
+    /// Layout version.
+    pub version: u32,
+    /// The state.
+    pub data: Vec<u8>,
+}
+
+/// Everything has been sent.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Complete {
+    /// The final iteration number (matches the last [`Sync`]).
+    pub final_iteration: u32,
+    /// How many state sections were sent.
+    pub sections: u32,
+    /// Digest of the source's memory.
+    pub digest: u128,
+}
+
+/// The destination's verdict on the migration.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Outcome {
+    /// Whether the destination's digest equals the source's and the guest
+    /// was restored; the source stops its guest only then.
+    pub verified: bool,
+    /// The destination's digest.
+    pub digest: u128,
+    /// Explanation when not verified.
+    pub detail: String,
+    /// The destination's statistics, as JSON.
+    pub stats: Vec<u8>,
+}
+
+/// The sender gives up.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Abort {
+    /// Reason class.
+    pub reason: AbortReason,
+    /// Human-readable explanation.
+    pub message: String,
+}
+
+/// A control message (everything except page packets).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Message {
+    /// See [`Hello`].
+    Hello(Hello),
+    /// See [`ChannelHello`].
+    ChannelHello(ChannelHello),
+    /// See [`Welcome`].
+    Welcome(Welcome),
+    /// See [`Sync`].
+    Sync(Sync),
+    /// See [`StateSectionMsg`].
+    StateSection(StateSectionMsg),
+    /// See [`Complete`].
+    Complete(Complete),
+    /// See [`Outcome`].
+    Outcome(Outcome),
+    /// See [`Abort`].
+    Abort(Abort),
+}
+
+impl Message {
+    /// The frame kind this message travels in.
+    pub fn kind(&self) -> FrameKind {
+        match self {
+            Self::Hello(_) => FrameKind::Hello,
+            Self::ChannelHello(_) => FrameKind::ChannelHello,
+            Self::Welcome(_) => FrameKind::Welcome,
+            Self::Sync(_) => FrameKind::Sync,
+            Self::StateSection(_) => FrameKind::StateSection,
+            Self::Complete(_) => FrameKind::Complete,
+            Self::Outcome(_) => FrameKind::Outcome,
+            Self::Abort(_) => FrameKind::Abort,
+        }
+    }
+
+    /// Appends the frame header and body to `out`.
+    pub fn encode(&self, out: &mut Vec<u8>) {
+        let start = out.len();
+        out.extend_from_slice(&[0; FRAME_HEADER_LEN]);
+        let mut w = Writer::new(out);
+        match self {
+            Self::Hello(hello) => {
+                hello.handshake.encode(&mut w);
+                let setup = &hello.setup;
+                w.u32(setup.page_size)
+                    .u16(setup.channel_count)
+                    .u8(setup.codec)
+                    .u8(setup.digest as u8);
+                w.u16(u16::try_from(setup.regions.len()).unwrap_or(u16::MAX));
+                for region in &setup.regions {
+                    w.u32(region.id)
+                        .zeros(4)
+                        .u64(region.guest_addr)
+                        .u64(region.len);
+                }
+            }
+            Self::ChannelHello(hello) => hello.handshake.encode(&mut w),
+            Self::Welcome(welcome) => {
+                w.u64(welcome.session_id)
+                    .u16(welcome.channel_index)
+                    .zeros(6);
+            }
+            Self::Sync(sync) => {
+                w.u32(sync.iteration).u32(u32::from(sync.last));
+            }
+            Self::StateSection(section) => {
+                w.u32(section.version)
+                    .bytes_u32(section.name.as_bytes())
+                    .bytes_u32(&section.data);
+            }
+            Self::Complete(complete) => {
+                w.u32(complete.final_iteration)
+                    .u32(complete.sections)
+                    .zeros(8)
+                    .u128(complete.digest);
+            }
+            Self::Outcome(outcome) => {
+                w.u8(u8::from(outcome.verified))
+                    .zeros(7)
+                    .u128(outcome.digest)
+                    .bytes_u32(outcome.detail.as_bytes())
+                    .bytes_u32(&outcome.stats);
+            }
+            Self::Abort(abort) => {
+                w.u16(abort.reason as u16)
+                    .zeros(2)
+                    .bytes_u32(abort.message.as_bytes());
+            }
+        }
+        let body_len = u32::try_from(out.len() - start - FRAME_HEADER_LEN).unwrap_or(u32::MAX);
+        let header = FrameHeader {
+            kind: self.kind(),
+            body_len,
+        };
+        out[start..start + FRAME_HEADER_LEN].copy_from_slice(&header.encode());
+    }
+
+    /// Encodes into a fresh buffer.
+    pub fn to_bytes(&self) -> Vec<u8> {
+        let mut out = Vec::new();
+        self.encode(&mut out);
+        out
+    }
+
+    /// Decodes and validates the body of a control frame of kind `kind`.
+    pub fn decode(kind: FrameKind, body: &[u8]) -> Result<Self, WireError> {
+        let mut r = Reader::new(body, kind_name(kind));
+        let message = match kind {
+            FrameKind::Hello => {
+                let handshake = Handshake::decode(&mut r)?;
+                if handshake.channel_index != 0 {
+                    return Err(WireError::InvalidField {
+                        field: "channel index",
+                        detail: format!(
+                            "main-channel hello names channel {}",
+                            handshake.channel_index
+                        ),
+                    });
+                }
+                let page_size = r.u32()?;
+                let channel_count = r.u16()?;
+                let codec = r.u8()?;
+                let digest = DigestAlgorithm::from_u8(r.u8()?)?;
+                let region_count = usize::from(r.u16()?);
+                if region_count > MAX_REGIONS {
+                    return Err(WireError::FieldTooLong {
+                        field: "regions",
+                        len: region_count,
+                        max: MAX_REGIONS,
+                    });
+                }
+                let mut regions = Vec::with_capacity(region_count);
+                for _ in 0..region_count {
+                    let id = r.u32()?;
+                    r.reserved(4)?;
+                    let guest_addr = r.u64()?;
+                    let len = r.u64()?;
+                    regions.push(RegionInfo {
+                        id,
+                        guest_addr,
+                        len,
+                    });
+                }
+                let setup = SessionSetup {
+                    page_size,
+                    channel_count,
+                    codec,
+                    digest,
+                    regions,
+                };
+                setup.validate()?;
+                Self::Hello(Hello { handshake, setup })
+            }
+            FrameKind::ChannelHello => {
+                let handshake = Handshake::decode(&mut r)?;
+                if handshake.channel_index == 0 || handshake.channel_index > MAX_CHANNELS {
+                    return Err(WireError::InvalidField {
+                        field: "channel index",
+                        detail: format!(
+                            "page channel index {} (must be 1..={MAX_CHANNELS})",
+                            handshake.channel_index
+                        ),
+                    });
+                }
+                Self::ChannelHello(ChannelHello { handshake })
+            }
+            FrameKind::Welcome => {
+                let session_id = r.u64()?;
+                let channel_index = r.u16()?;
+                r.reserved(6)?;
+                Self::Welcome(Welcome {
+                    session_id,
+                    channel_index,
+                })
+            }
+            FrameKind::Sync => {
+                let iteration = r.u32()?;
+                let last = match r.u32()? {
+                    0 => false,
+                    1 => true,
+                    other => {
+                        return Err(WireError::InvalidField {
+                            field: "sync flags",
+                            detail: format!("{other:#x}"),
+                        });
+                    }
+                };
+                Self::Sync(Sync { iteration, last })
+            }
+            FrameKind::StateSection => {
+                let version = r.u32()?;
+                let name = r.string(MAX_NAME_LEN, "section name")?;
+                if name.is_empty() {
+                    return Err(WireError::InvalidField {
+                        field: "section name",
+                        detail: "empty".to_string(),
+                    });
+                }
+                let data = r.bytes_u32(MAX_SECTION_BYTES, "section data")?.to_vec();
+                Self::StateSection(StateSectionMsg {
+                    name,
+                    version,
+                    data,
+                })
+            }
+            FrameKind::Complete => {
+                let final_iteration = r.u32()?;
+                let sections = r.u32()?;
+                r.reserved(8)?;
+                let digest = r.u128()?;
+                Self::Complete(Complete {
+                    final_iteration,
+                    sections,
+                    digest,
+                })
+            }
+            FrameKind::Outcome => {
+                let verified = match r.u8()? {
+                    0 => false,
+                    1 => true,
+                    other => {
+                        return Err(WireError::InvalidField {
+                            field: "verified flag",
+                            detail: format!("{other}"),
+                        });
+                    }
+                };
+                r.reserved(7)?;
+                let digest = r.u128()?;
+                let detail = r.string(MAX_TEXT_LEN, "outcome detail")?;
+                let stats = r.bytes_u32(MAX_STATS_LEN, "outcome statistics")?.to_vec();
+                Self::Outcome(Outcome {
+                    verified,
+                    digest,
+                    detail,
+                    stats,
+                })
+            }
+            FrameKind::Abort => {
+                let reason = AbortReason::from_u16(r.u16()?);
+                r.reserved(2)?;
+                let message = r.string(MAX_TEXT_LEN, "abort message")?;
+                Self::Abort(Abort { reason, message })
+            }
+            FrameKind::Pages => {
+                return Err(WireError::Unexpected {
+                    got: FrameKind::Pages,
+                    expected: "a control message",
+                });
+            }
+        };
+        r.finish()?;
+        Ok(message)
+    }
+}
+
+fn kind_name(kind: FrameKind) -> &'static str {
+    match kind {
+        FrameKind::Hello => "hello",
+        FrameKind::ChannelHello => "channel hello",
+        FrameKind::Welcome => "welcome",
+        FrameKind::Pages => "pages",
+        FrameKind::Sync => "sync",
+        FrameKind::StateSection => "state section",
+        FrameKind::Complete => "complete",
+        FrameKind::Outcome => "outcome",
+        FrameKind::Abort => "abort",
+    }
+}

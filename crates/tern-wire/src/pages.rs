@@ -1,0 +1,190 @@
+//! Page packets: a fixed header, a page table, then the payload.
+//!
+//! The payload is the concatenation of each page's encoded bytes in table
+//! order: nothing for a zero page, `PAGE_SIZE` bytes for a raw page, and
+//! `encoded_len` bytes for a compressed one.
+
+use crate::codec::{Reader, Writer};
+use crate::error::WireError;
+use crate::message::SessionSetup;
+use crate::{FRAME_HEADER_LEN, FrameHeader, FrameKind, MAX_PAGES_PER_PACKET};
+
+/// How one page is encoded in the payload.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[repr(u8)]
+pub enum PageKind {
+    /// All bytes zero; no payload.
+    Zero = 0,
+    /// The page as it is; `PAGE_SIZE` payload bytes.
+    Raw = 1,
+    /// Compressed with the session's codec; fewer than `PAGE_SIZE` bytes.
+    Compressed = 2,
+}
+
+/// One page-table entry.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct PageEntry {
+    /// Page index within the packet's region.
+    pub page_index: u32,
+    /// Encoding.
+    pub kind: PageKind,
+    /// Payload bytes for this page.
+    pub encoded_len: u32,
+}
+
+impl PageEntry {
+    /// Encoded size: index, length, kind, three reserved bytes.
+    pub const ENCODED_LEN: usize = 12;
+
+    fn encode(&self, w: &mut Writer<'_>) {
+        w.u32(self.page_index)
+            .u32(self.encoded_len)
+            .u8(self.kind as u8)
+            .zeros(3);
+    }
+}
+
+/// The fixed part of a page packet.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct PagesHeader {
+    /// Region the pages belong to.
+    pub region_id: u32,
+    /// Dirty iteration the pages belong to.
+    pub iteration: u32,
+    /// Number of table entries, 1..=[`MAX_PAGES_PER_PACKET`].
+    pub page_count: u16,
+}
+
+impl PagesHeader {
+    /// Encoded size: region, iteration, count, reserved.
+    pub const ENCODED_LEN: usize = 12;
+
+    /// Bytes of the page table that follows this header.
+    pub fn table_len(&self) -> usize {
+        usize::from(self.page_count) * PageEntry::ENCODED_LEN
+    }
+
+    /// Decodes the header of a page frame whose body is `body_len` bytes,
+    /// checking it against the session: the region exists, the page count is
+    /// allowed, and the table fits in the body. Returns the header and the
+    /// payload length.
+    pub fn decode(
+        bytes: &[u8; Self::ENCODED_LEN],
+        body_len: usize,
+        setup: &SessionSetup,
+    ) -> Result<(Self, usize), WireError> {
+        let mut r = Reader::new(bytes, "pages header");
+        let region_id = r.u32()?;
+        let iteration = r.u32()?;
+        let page_count = r.u16()?;
+        r.reserved(2)?;
+        if page_count == 0 || usize::from(page_count) > MAX_PAGES_PER_PACKET {
+            return Err(WireError::InvalidField {
+                field: "page count",
+                detail: format!("{page_count} (must be 1..={MAX_PAGES_PER_PACKET})"),
+            });
+        }
+        if setup.region(region_id).is_none() {
+            return Err(WireError::UnknownRegion(region_id));
+        }
+        let header = Self {
+            region_id,
+            iteration,
+            page_count,
+        };
+        let prefix = Self::ENCODED_LEN + header.table_len();
+        let Some(payload_len) = body_len.checked_sub(prefix) else {
+            return Err(WireError::Truncated("page table"));
+        };
+        Ok((header, payload_len))
+    }
+}
+
+/// Decodes and validates a page table into `entries` (cleared first): every
+/// page inside the region, every length consistent with its kind and the
+/// session's codec, and the lengths adding up to `payload_len`.
+pub fn decode_page_table(
+    header: &PagesHeader,
+    table: &[u8],
+    payload_len: usize,
+    setup: &SessionSetup,
+    entries: &mut Vec<PageEntry>,
+) -> Result<(), WireError> {
+    entries.clear();
+    let region = setup
+        .region(header.region_id)
+        .ok_or(WireError::UnknownRegion(header.region_id))?;
+    let region_pages = region.pages();
+    let page_size = setup.page_size;
+    let mut r = Reader::new(table, "page table");
+    let mut expected = 0usize;
+    for _ in 0..header.page_count {
+        let page_index = r.u32()?;
+        let encoded_len = r.u32()?;
+        let kind = r.u8()?;
+        r.reserved(3)?;
+        if u64::from(page_index) >= region_pages {
+            return Err(WireError::PageOutOfRange {
+                region: header.region_id,
+                page: page_index,
+                pages: region_pages,
+            });
+        }
+        let kind = match kind {
+            0 if encoded_len == 0 => PageKind::Zero,
+            1 if encoded_len == page_size => PageKind::Raw,
+            2 if setup.codec != 0 && encoded_len > 0 && encoded_len < page_size => {
+                PageKind::Compressed
+            }
+            _ => {
+                return Err(WireError::InvalidField {
+                    field: "page entry",
+                    detail: format!(
+                        "page {page_index}: kind {kind} with {encoded_len} bytes is not allowed"
+                    ),
+                });
+            }
+        };
+        expected += encoded_len as usize;
+        entries.push(PageEntry {
+            page_index,
+            kind,
+            encoded_len,
+        });
+    }
+    r.finish()?;
+    if expected != payload_len {
+        return Err(WireError::PayloadMismatch {
+            expected,
+            actual: payload_len,
+        });
+    }
+    Ok(())
+}
+
+/// Appends a page frame's header, pages header and page table to `out`;
+/// the caller sends the payload after it. Entries beyond
+/// [`MAX_PAGES_PER_PACKET`] are a caller bug and are rejected by the peer.
+pub fn encode_pages_prefix(
+    out: &mut Vec<u8>,
+    region_id: u32,
+    iteration: u32,
+    entries: &[PageEntry],
+) {
+    let payload: usize = entries.iter().map(|entry| entry.encoded_len as usize).sum();
+    let body_len = PagesHeader::ENCODED_LEN + entries.len() * PageEntry::ENCODED_LEN + payload;
+    let frame = FrameHeader {
+        kind: FrameKind::Pages,
+        body_len: u32::try_from(body_len).unwrap_or(u32::MAX),
+    };
+    out.reserve(FRAME_HEADER_LEN + PagesHeader::ENCODED_LEN + entries.len() * 12);
+    out.extend_from_slice(&frame.encode());
+    let mut w = Writer::new(out);
+    w.u32(region_id)
+        .u32(iteration)
+        .u16(u16::try_from(entries.len()).unwrap_or(u16::MAX))
+        .zeros(2);
+    for entry in entries {
+        entry.encode(&mut w);
+    }
+}

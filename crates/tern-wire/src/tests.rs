@@ -1,0 +1,327 @@
+use super::*;
+
+fn setup() -> SessionSetup {
+    SessionSetup {
+        page_size: PAGE_SIZE,
+        channel_count: 2,
+        codec: 0,
+        digest: DigestAlgorithm::Xxh3Chunked,
+        regions: vec![
+            RegionInfo {
+                id: 0,
+                guest_addr: 0,
+                len: 16 * 4096,
+            },
+            RegionInfo {
+                id: 7,
+                guest_addr: 1 << 32,
+                len: 4 * 4096,
+            },
+        ],
+    }
+}
+
+fn hello() -> Message {
+    Message::Hello(Hello {
+        handshake: Handshake {
+            session_id: 0xfeed_beef,
+            channel_index: 0,
+        },
+        setup: setup(),
+    })
+}
+
+fn round_trip(message: Message) {
+    let bytes = message.to_bytes();
+    let header = FrameHeader::decode(bytes[..8].try_into().unwrap()).unwrap();
+    assert_eq!(header.body_len as usize, bytes.len() - 8);
+    assert_eq!(Message::decode(header.kind, &bytes[8..]).unwrap(), message);
+}
+
+#[test]
+fn control_messages_round_trip() {
+    round_trip(hello());
+    round_trip(Message::ChannelHello(ChannelHello {
+        handshake: Handshake {
+            session_id: 1,
+            channel_index: 3,
+        },
+    }));
+    round_trip(Message::Welcome(Welcome {
+        session_id: 9,
+        channel_index: 2,
+    }));
+    round_trip(Message::Sync(Sync {
+        iteration: 4,
+        last: true,
+    }));
+    round_trip(Message::StateSection(StateSectionMsg {
+        name: "vcpu0".into(),
+        version: 3,
+        data: vec![1, 2, 3],
+    }));
+    round_trip(Message::Complete(Complete {
+        final_iteration: 5,
+        sections: 2,
+        digest: u128::MAX - 5,
+    }));
+    round_trip(Message::Outcome(Outcome {
+        verified: true,
+        digest: 77,
+        detail: String::new(),
+        stats: b"{}".to_vec(),
+    }));
+    round_trip(Message::Abort(Abort {
+        reason: AbortReason::Cancelled,
+        message: "operator said so".into(),
+    }));
+}
+
+#[test]
+fn handshake_rejects_wrong_magic_and_version() {
+    let mut bytes = hello().to_bytes();
+    bytes[8] = b'X';
+    assert_eq!(
+        Message::decode(FrameKind::Hello, &bytes[8..]),
+        Err(WireError::BadMagic)
+    );
+    let mut bytes = hello().to_bytes();
+    bytes[16] = 2; // version low byte
+    assert!(matches!(
+        Message::decode(FrameKind::Hello, &bytes[8..]),
+        Err(WireError::VersionMismatch { theirs: 2, .. })
+    ));
+}
+
+#[test]
+fn setup_validation() {
+    let mut bad = setup();
+    bad.page_size = 8192;
+    assert!(bad.validate().is_err());
+    let mut bad = setup();
+    bad.channel_count = 0;
+    assert!(bad.validate().is_err());
+    let mut bad = setup();
+    bad.regions[1].id = 0;
+    assert!(bad.validate().is_err());
+    let mut bad = setup();
+    bad.regions[1].guest_addr = 4096;
+    assert!(bad.validate().is_err(), "overlapping regions");
+    let mut bad = setup();
+    bad.regions[0].len = 100;
+    assert!(bad.validate().is_err());
+    let mut bad = setup();
+    bad.regions[1].guest_addr = u64::MAX - 4096;
+    assert!(bad.validate().is_err(), "wrapping region");
+    bad.regions.clear();
+    assert!(bad.validate().is_err());
+    assert!(setup().validate().is_ok());
+}
+
+#[test]
+fn frame_header_limits() {
+    let mut head = FrameHeader {
+        kind: FrameKind::Sync,
+        body_len: 9,
+    }
+    .encode();
+    assert!(matches!(
+        FrameHeader::decode(&head),
+        Err(WireError::FrameTooLong { .. })
+    ));
+    head[0] = 200;
+    assert_eq!(
+        FrameHeader::decode(&head),
+        Err(WireError::UnknownFrameKind(200))
+    );
+    let mut head = FrameHeader {
+        kind: FrameKind::Sync,
+        body_len: 8,
+    }
+    .encode();
+    head[2] = 1;
+    assert!(matches!(
+        FrameHeader::decode(&head),
+        Err(WireError::ReservedNotZero(_))
+    ));
+}
+
+fn packet(region: u32, entries: &[PageEntry], payload: usize) -> Vec<u8> {
+    let mut out = Vec::new();
+    encode_pages_prefix(&mut out, region, 1, entries);
+    out.resize(out.len() + payload, 0xab);
+    out
+}
+
+#[test]
+fn pages_round_trip_and_validation() {
+    let setup = setup();
+    let entries = [
+        PageEntry {
+            page_index: 0,
+            kind: PageKind::Zero,
+            encoded_len: 0,
+        },
+        PageEntry {
+            page_index: 15,
+            kind: PageKind::Raw,
+            encoded_len: PAGE_SIZE,
+        },
+    ];
+    let bytes = packet(0, &entries, 4096);
+    let frames = decode_stream(&bytes, Some(&setup)).unwrap();
+    assert_eq!(
+        frames,
+        vec![Frame::Pages(
+            PagesHeader {
+                region_id: 0,
+                iteration: 1,
+                page_count: 2
+            },
+            entries.to_vec()
+        )]
+    );
+
+    // Out of range page.
+    let mut out_of_range = entries;
+    out_of_range[1].page_index = 16;
+    assert!(matches!(
+        decode_stream(&packet(0, &out_of_range, 4096), Some(&setup)),
+        Err(WireError::PageOutOfRange { page: 16, .. })
+    ));
+    // Smaller region.
+    assert!(matches!(
+        decode_stream(&packet(7, &entries, 4096), Some(&setup)),
+        Err(WireError::PageOutOfRange { region: 7, .. })
+    ));
+    // Unknown region.
+    assert_eq!(
+        decode_stream(&packet(3, &entries, 4096), Some(&setup)),
+        Err(WireError::UnknownRegion(3))
+    );
+    // Payload shorter than the table says.
+    let mut short = packet(0, &entries, 4096);
+    short.truncate(short.len() - 1);
+    assert_eq!(
+        decode_stream(&short, Some(&setup)),
+        Err(WireError::Truncated("frame body"))
+    );
+    // Raw page with a wrong length.
+    let mut wrong_len = entries;
+    wrong_len[1].encoded_len = 100;
+    assert!(matches!(
+        decode_stream(&packet(0, &wrong_len, 100), Some(&setup)),
+        Err(WireError::InvalidField { .. })
+    ));
+    // Compressed pages need a codec.
+    let compressed = [PageEntry {
+        page_index: 1,
+        kind: PageKind::Compressed,
+        encoded_len: 10,
+    }];
+    assert!(decode_stream(&packet(0, &compressed, 10), Some(&setup)).is_err());
+    let mut with_codec = setup.clone();
+    with_codec.codec = 1;
+    assert!(decode_stream(&packet(0, &compressed, 10), Some(&with_codec)).is_ok());
+}
+
+#[test]
+fn pages_payload_mismatch_is_reported() {
+    let setup = setup();
+    let entries = [PageEntry {
+        page_index: 2,
+        kind: PageKind::Zero,
+        encoded_len: 0,
+    }];
+    // A frame whose body is longer than header + table + payload.
+    let mut bytes = packet(0, &entries, 0);
+    let body_len = u32::from_le_bytes(bytes[4..8].try_into().unwrap()) + 5;
+    bytes[4..8].copy_from_slice(&body_len.to_le_bytes());
+    bytes.extend_from_slice(&[0; 5]);
+    assert_eq!(
+        decode_stream(&bytes, Some(&setup)),
+        Err(WireError::PayloadMismatch {
+            expected: 0,
+            actual: 5
+        })
+    );
+}
+
+#[test]
+fn too_many_pages_rejected() {
+    let setup = setup();
+    let entries: Vec<PageEntry> = (0..129)
+        .map(|_| PageEntry {
+            page_index: 0,
+            kind: PageKind::Zero,
+            encoded_len: 0,
+        })
+        .collect();
+    assert!(decode_stream(&packet(0, &entries, 0), Some(&setup)).is_err());
+}
+
+#[test]
+fn pages_before_hello_rejected() {
+    let entries = [PageEntry {
+        page_index: 0,
+        kind: PageKind::Zero,
+        encoded_len: 0,
+    }];
+    assert!(decode_stream(&packet(0, &entries, 0), None).is_err());
+    let mut stream = hello().to_bytes();
+    stream.extend(packet(0, &entries, 0));
+    assert_eq!(decode_stream(&stream, None).unwrap().len(), 2);
+}
+
+#[test]
+fn truncations_of_every_message_are_errors() {
+    let mut stream = hello().to_bytes();
+    Message::StateSection(StateSectionMsg {
+        name: "dev".into(),
+        version: 1,
+        data: vec![9; 100],
+    })
+    .encode(&mut stream);
+    Message::Outcome(Outcome {
+        verified: false,
+        digest: 1,
+        detail: "nope".into(),
+        stats: vec![],
+    })
+    .encode(&mut stream);
+    assert_eq!(decode_stream(&stream, None).unwrap().len(), 3);
+    for cut in 0..stream.len() {
+        let prefix = &stream[..cut];
+        // Prefixes that end exactly on a frame boundary decode fine.
+        let _ = decode_stream(prefix, None);
+    }
+    // Cutting inside a body, then claiming the shorter length, must fail
+    // with a typed error rather than reading past the end.
+    let hello_bytes = hello().to_bytes();
+    for cut in 8..hello_bytes.len() {
+        assert!(Message::decode(FrameKind::Hello, &hello_bytes[8..cut]).is_err());
+    }
+}
+
+#[test]
+fn pseudo_random_input_never_panics() {
+    let mut state = 0x1234_5678_9abc_def0u64;
+    let mut next = || {
+        state ^= state << 13;
+        state ^= state >> 7;
+        state ^= state << 17;
+        state
+    };
+    let setup = setup();
+    for _ in 0..20_000 {
+        let len = (next() % 200) as usize;
+        let mut bytes: Vec<u8> = (0..len).map(|_| next() as u8).collect();
+        if let Some(first) = bytes.first_mut() {
+            *first = (*first % 10) + 1;
+        }
+        for byte in bytes.iter_mut().skip(1).take(3) {
+            *byte = 0;
+        }
+        let _ = decode_stream(&bytes, Some(&setup));
+    }
+}

@@ -1,0 +1,220 @@
+//! Migration settings.
+
+use std::str::FromStr;
+use std::time::Duration;
+
+use crate::error::MigrationError;
+
+/// Who looks for zero pages.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum ZeroPageDetection {
+    /// Nobody: every page is sent with its data.
+    None,
+    /// The producer thread, before pages reach the workers (QEMU's legacy
+    /// mode; a bottleneck kept for comparison).
+    Source,
+    /// The channel workers, in parallel.
+    #[default]
+    Workers,
+}
+
+impl ZeroPageDetection {
+    /// The name used on the command line and in statistics.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::None => "none",
+            Self::Source => "source",
+            Self::Workers => "workers",
+        }
+    }
+}
+
+impl FromStr for ZeroPageDetection {
+    type Err = String;
+
+    fn from_str(text: &str) -> Result<Self, String> {
+        match text {
+            "none" => Ok(Self::None),
+            "source" => Ok(Self::Source),
+            "workers" => Ok(Self::Workers),
+            other => Err(format!(
+                "unknown zero-page detection mode '{other}' (use none, source or workers)"
+            )),
+        }
+    }
+}
+
+/// What to do when the iteration or time limit is reached before the
+/// remaining dirty memory fits in the downtime limit.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum LimitPolicy {
+    /// Give up; the source guest runs on.
+    #[default]
+    Cancel,
+    /// Switch over anyway, accepting a longer downtime.
+    SwitchOver,
+}
+
+impl FromStr for LimitPolicy {
+    type Err = String;
+
+    fn from_str(text: &str) -> Result<Self, String> {
+        match text {
+            "cancel" => Ok(Self::Cancel),
+            "switch-over" => Ok(Self::SwitchOver),
+            other => Err(format!(
+                "unknown limit policy '{other}' (use cancel or switch-over)"
+            )),
+        }
+    }
+}
+
+/// Source-side settings.
+#[derive(Clone, Debug)]
+pub struct MigrationConfig {
+    /// Number of page channels (the main channel comes on top).
+    pub channels: u16,
+    /// Number of worker threads classifying and encoding pages; 0 = one per
+    /// channel.
+    pub workers: usize,
+    /// Largest acceptable downtime; the switch-over waits until the
+    /// remaining dirty memory can be sent within it.
+    pub downtime_limit: Duration,
+    /// Cap on the bytes per second written to all channels together.
+    pub max_bandwidth: Option<u64>,
+    /// Most dirty iterations before the limit policy applies.
+    pub max_iterations: Option<u32>,
+    /// Longest live phase before the limit policy applies.
+    pub max_time: Option<Duration>,
+    /// What happens at a limit.
+    pub limit_policy: LimitPolicy,
+    /// Throttle the guest when it dirties memory faster than we send it.
+    pub auto_converge: bool,
+    /// Throttle applied the first time auto-converge steps in (percent).
+    pub throttle_initial: u8,
+    /// Throttle added each further time (percent).
+    pub throttle_increment: u8,
+    /// Zero-page detection mode.
+    pub zero_page_detection: ZeroPageDetection,
+    /// Timeout of any single blocking send or receive.
+    pub io_timeout: Duration,
+    /// How long to keep trying to reach the destination.
+    pub connect_timeout: Duration,
+}
+
+impl Default for MigrationConfig {
+    fn default() -> Self {
+        Self {
+            channels: 2,
+            workers: 0,
+            downtime_limit: Duration::from_millis(300),
+            max_bandwidth: None,
+            max_iterations: None,
+            max_time: None,
+            limit_policy: LimitPolicy::Cancel,
+            auto_converge: true,
+            throttle_initial: 20,
+            throttle_increment: 10,
+            zero_page_detection: ZeroPageDetection::Workers,
+            io_timeout: Duration::from_secs(30),
+            connect_timeout: Duration::from_secs(10),
+        }
+    }
+}
+
+impl MigrationConfig {
+    /// Worker threads actually used.
+    pub fn worker_count(&self) -> usize {
+        if self.workers == 0 {
+            usize::from(self.channels)
+        } else {
+            self.workers
+        }
+    }
+
+    /// Rejects unusable values up front, naming the option.
+    pub fn validate(&self) -> Result<(), MigrationError> {
+        let bad = |text: String| Err(MigrationError::Config(text));
+        if self.channels == 0 || self.channels > tern_wire::MAX_CHANNELS {
+            return bad(format!(
+                "--channels {} is out of range (1..={})",
+                self.channels,
+                tern_wire::MAX_CHANNELS
+            ));
+        }
+        if self.worker_count() > 256 {
+            return bad(format!(
+                "{} workers is too many (at most 256)",
+                self.workers
+            ));
+        }
+        if self.downtime_limit.is_zero() {
+            return bad("--downtime-limit must be positive".into());
+        }
+        if self.max_bandwidth == Some(0) {
+            return bad("--max-bandwidth must be positive".into());
+        }
+        if self.max_iterations == Some(0) {
+            return bad("--max-iterations must be at least 1".into());
+        }
+        if self.throttle_initial > 99 || self.throttle_increment > 99 {
+            return bad("throttle percentages must be at most 99".into());
+        }
+        if self.io_timeout.is_zero() {
+            return bad("the I/O timeout must be positive".into());
+        }
+        Ok(())
+    }
+}
+
+/// Destination-side settings.
+#[derive(Clone, Debug)]
+pub struct ReceiveConfig {
+    /// How long to wait for the source's connections.
+    pub accept_timeout: Duration,
+    /// Timeout of any single blocking receive once data flows, and the
+    /// longest silence tolerated on a page channel.
+    pub io_timeout: Duration,
+}
+
+impl Default for ReceiveConfig {
+    fn default() -> Self {
+        Self {
+            accept_timeout: Duration::from_secs(60),
+            io_timeout: Duration::from_secs(30),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn rejects_bad_values() {
+        assert!(MigrationConfig::default().validate().is_ok());
+        for config in [
+            MigrationConfig {
+                channels: 0,
+                ..Default::default()
+            },
+            MigrationConfig {
+                downtime_limit: Duration::ZERO,
+                ..Default::default()
+            },
+            MigrationConfig {
+                max_bandwidth: Some(0),
+                ..Default::default()
+            },
+            MigrationConfig {
+                max_iterations: Some(0),
+                ..Default::default()
+            },
+        ] {
+            assert!(config.validate().is_err(), "{config:?}");
+        }
+        assert_eq!("workers".parse(), Ok(ZeroPageDetection::Workers));
+        assert!("dsa".parse::<ZeroPageDetection>().is_err());
+        assert_eq!("switch-over".parse(), Ok(LimitPolicy::SwitchOver));
+    }
+}

@@ -1,0 +1,761 @@
+//! The destination side: accept the channels, write received pages straight
+//! into guest memory, verify, restore and resume.
+
+use std::collections::HashSet;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Condvar, Mutex};
+use std::time::{Duration, Instant};
+
+use tern_wire::{
+    Abort, AbortReason, FrameKind, Message, Outcome, PageEntry, PageKind, PagesHeader,
+    SessionSetup, Welcome, decode_page_table,
+};
+
+use crate::config::ReceiveConfig;
+use crate::digest::{CHUNK_PAGES, digest_threads, memory_digest};
+use crate::error::{ChannelError, MigrationError};
+use crate::guest::{DestinationGuest, GuestError, MemoryRegion, PAGE_SIZE, StateSection};
+use crate::source::CancelToken;
+use crate::stats::{DestinationStats, millis, thread_cpu_seconds};
+use crate::transport::{Channel, Listener, Segment};
+
+/// How often blocked threads look at the failure flag.
+const POLL_INTERVAL: Duration = Duration::from_millis(100);
+
+/// Live counters of the destination.
+#[derive(Debug, Default)]
+pub struct ReceiveStats {
+    /// Bytes read from all channels.
+    pub received: AtomicU64,
+    /// Zero pages received.
+    pub zero_pages: AtomicU64,
+    /// Zero pages written over data received earlier.
+    pub zero_pages_cleared: AtomicU64,
+    /// Pages received with data.
+    pub normal_pages: AtomicU64,
+    /// Highest iteration all channels have finished.
+    pub iteration: AtomicU64,
+    /// Guest memory size, once known.
+    pub total: AtomicU64,
+    cpu: Mutex<std::collections::BTreeMap<String, f64>>,
+}
+
+impl ReceiveStats {
+    fn record_cpu(&self, thread: &str, seconds: f64) {
+        let mut map = self.cpu.lock().unwrap_or_else(|e| e.into_inner());
+        *map.entry(thread.to_string()).or_insert(0.0) += seconds;
+    }
+
+    fn snapshot(&self, digest_time: Duration) -> DestinationStats {
+        DestinationStats {
+            received: self.received.load(Ordering::Relaxed),
+            zero_pages: self.zero_pages.load(Ordering::Relaxed),
+            zero_pages_cleared: self.zero_pages_cleared.load(Ordering::Relaxed),
+            normal_pages: self.normal_pages.load(Ordering::Relaxed),
+            digest_time: millis(digest_time),
+            cpu_seconds: self.cpu.lock().unwrap_or_else(|e| e.into_inner()).clone(),
+        }
+    }
+}
+
+/// A completed incoming migration: the guest, restored and running.
+#[derive(Debug)]
+pub struct Received<G> {
+    /// The guest, resumed.
+    pub guest: G,
+    /// The destination's statistics.
+    pub stats: DestinationStats,
+    /// The session setup the source sent.
+    pub setup: SessionSetup,
+}
+
+/// Receives one migration.
+#[derive(Debug)]
+pub struct Destination {
+    config: ReceiveConfig,
+    stats: Arc<ReceiveStats>,
+    cancel: CancelToken,
+}
+
+impl Destination {
+    /// A destination with these settings.
+    pub fn new(config: ReceiveConfig) -> Self {
+        Self {
+            config,
+            stats: Arc::new(ReceiveStats::default()),
+            cancel: CancelToken::new(),
+        }
+    }
+
+    /// Live counters.
+    pub fn stats(&self) -> Arc<ReceiveStats> {
+        self.stats.clone()
+    }
+
+    /// A token that cancels the reception.
+    pub fn cancel_token(&self) -> CancelToken {
+        self.cancel.clone()
+    }
+
+    /// Accepts a migration on `listener`. `make_guest` builds the guest
+    /// (paused, memory zero) once the source's setup is known; its regions
+    /// must match the setup's.
+    pub fn receive<G, F>(
+        &self,
+        listener: &Listener,
+        make_guest: F,
+    ) -> Result<Received<G>, MigrationError>
+    where
+        G: DestinationGuest,
+        F: FnOnce(&SessionSetup) -> Result<G, GuestError>,
+    {
+        let cpu_start = thread_cpu_seconds();
+        let mut main = listener
+            .accept_timeout(self.config.accept_timeout)
+            .map_err(MigrationError::channel(0))?;
+        main.set_timeouts(self.config.io_timeout)
+            .map_err(MigrationError::channel(0))?;
+        let result = self.run(listener, &mut main, make_guest);
+        self.stats
+            .record_cpu("main", thread_cpu_seconds() - cpu_start);
+        if let Err(error) = &result {
+            if !matches!(error, MigrationError::PeerAborted { .. }) {
+                let _ = main.send_message(&Message::Abort(Abort {
+                    reason: error.abort_reason(),
+                    message: error.chain(),
+                }));
+            }
+            tracing::warn!(error = %error.chain(), "incoming migration failed");
+        }
+        result
+    }
+
+    fn run<G, F>(
+        &self,
+        listener: &Listener,
+        main: &mut Channel,
+        make_guest: F,
+    ) -> Result<Received<G>, MigrationError>
+    where
+        G: DestinationGuest,
+        F: FnOnce(&SessionSetup) -> Result<G, GuestError>,
+    {
+        let hello = match main.read_message().map_err(MigrationError::channel(0))? {
+            Message::Hello(hello) => hello,
+            Message::Abort(abort) => return Err(peer_aborted(abort)),
+            other => {
+                return Err(MigrationError::Protocol(format!(
+                    "expected a hello on the main channel, got {:?}",
+                    other.kind()
+                )));
+            }
+        };
+        let setup = hello.setup;
+        let session_id = hello.handshake.session_id;
+        let mut guest = make_guest(&setup).map_err(MigrationError::guest("create guest"))?;
+        let regions: Vec<MemoryRegion> = guest.regions().to_vec();
+        check_layout(&setup, &regions)?;
+        self.stats
+            .total
+            .store(setup.total_bytes(), Ordering::Relaxed);
+        main.send_message(&Message::Welcome(Welcome {
+            session_id,
+            channel_index: 0,
+        }))
+        .map_err(MigrationError::channel(0))?;
+
+        let channels = self.accept_page_channels(listener, session_id, setup.channel_count)?;
+        tracing::info!(channels = channels.len(), "all channels connected");
+
+        let shared = ReceiverShared {
+            setup: &setup,
+            regions: &regions,
+            populated: regions
+                .iter()
+                .map(|region| AtomicBitmap::new(region.pages()))
+                .collect(),
+            barrier: SyncBarrier::new(channels.len()),
+            failed: AtomicBool::new(false),
+            stats: &self.stats,
+            io_timeout: self.config.io_timeout,
+            cancel: &self.cancel,
+        };
+        let shutdown_handles: Vec<Channel> = channels
+            .iter()
+            .enumerate()
+            .map(|(index, channel)| {
+                channel
+                    .try_clone()
+                    .map_err(MigrationError::channel(index + 1))
+            })
+            .collect::<Result<_, _>>()?;
+
+        let (sections, complete, final_iterations) = std::thread::scope(|scope| {
+            let mut handles = Vec::with_capacity(channels.len());
+            for (index, channel) in channels.into_iter().enumerate() {
+                let shared = &shared;
+                let handle = std::thread::Builder::new()
+                    .name(format!("tern-receiver-{index}"))
+                    .spawn_scoped(scope, move || {
+                        let cpu_start = thread_cpu_seconds();
+                        let result = receive_pages(shared, index, channel);
+                        if result.is_err() {
+                            shared.fail();
+                        }
+                        shared.stats.record_cpu(
+                            &format!("receiver-{index}"),
+                            thread_cpu_seconds() - cpu_start,
+                        );
+                        result
+                    })
+                    .map_err(MigrationError::Thread)?;
+                handles.push(handle);
+            }
+            let main_result = read_main_channel(&shared, main);
+            if main_result.is_err() {
+                shared.fail();
+                for channel in &shutdown_handles {
+                    channel.shutdown();
+                }
+            }
+            let mut first_error = None;
+            let mut final_iterations = Vec::new();
+            for handle in handles {
+                match handle.join() {
+                    Ok(Ok(iteration)) => final_iterations.push(iteration),
+                    Ok(Err(error)) => {
+                        first_error.get_or_insert(error);
+                    }
+                    Err(_) => {
+                        first_error
+                            .get_or_insert(MigrationError::Protocol("a receiver panicked".into()));
+                    }
+                }
+            }
+            let (sections, complete) = match (main_result, first_error) {
+                // A peer abort on the main channel explains receiver errors.
+                (Err(error @ MigrationError::PeerAborted { .. }), _) => return Err(error),
+                (_, Some(error)) => return Err(error),
+                (Err(error), None) => return Err(error),
+                (Ok(done), None) => done,
+            };
+            Ok((sections, complete, final_iterations))
+        })?;
+
+        if final_iterations
+            .iter()
+            .any(|&iteration| iteration != complete.final_iteration)
+        {
+            return Err(MigrationError::Protocol(format!(
+                "channels ended at iterations {final_iterations:?}, the source says {}",
+                complete.final_iteration
+            )));
+        }
+        if sections.len() != complete.sections as usize {
+            return Err(MigrationError::Protocol(format!(
+                "received {} state sections, the source sent {}",
+                sections.len(),
+                complete.sections
+            )));
+        }
+
+        let digest_started = Instant::now();
+        let populated = &shared.populated;
+        let untouched = |region: usize, chunk: u64| {
+            populated[region].range_clear(chunk * CHUNK_PAGES, CHUNK_PAGES)
+        };
+        // SAFETY: every receiver has stopped and the guest is paused, so
+        // nothing writes guest memory while it is hashed.
+        let digest = unsafe { memory_digest(&regions, digest_threads(), &untouched) };
+        let digest_time = digest_started.elapsed();
+        if digest != complete.digest {
+            let error = MigrationError::DigestMismatch {
+                source_digest: complete.digest,
+                destination: digest,
+            };
+            let _ = main.send_message(&Message::Outcome(Outcome {
+                verified: false,
+                digest,
+                detail: error.to_string(),
+                stats: Vec::new(),
+            }));
+            return Err(error);
+        }
+        let restored = guest
+            .restore_state(&sections)
+            .map_err(MigrationError::guest("restore state"))
+            .and_then(|()| guest.resume().map_err(MigrationError::guest("resume")));
+        if let Err(error) = restored {
+            let _ = main.send_message(&Message::Outcome(Outcome {
+                verified: false,
+                digest,
+                detail: error.chain(),
+                stats: Vec::new(),
+            }));
+            return Err(error);
+        }
+        let stats = self.stats.snapshot(digest_time);
+        let stats_json = serde_json::to_vec(&stats).unwrap_or_default();
+        main.send_message(&Message::Outcome(Outcome {
+            verified: true,
+            digest,
+            detail: String::new(),
+            stats: stats_json,
+        }))
+        .map_err(MigrationError::channel(0))?;
+        Ok(Received {
+            guest,
+            stats,
+            setup,
+        })
+    }
+
+    fn accept_page_channels(
+        &self,
+        listener: &Listener,
+        session_id: u64,
+        count: u16,
+    ) -> Result<Vec<Channel>, MigrationError> {
+        let mut slots: Vec<Option<Channel>> = (0..count).map(|_| None).collect();
+        let mut seen = HashSet::new();
+        let deadline = Instant::now() + self.config.accept_timeout;
+        while seen.len() < usize::from(count) {
+            if self.cancel.is_cancelled() {
+                return Err(MigrationError::Cancelled);
+            }
+            let remaining = deadline.saturating_duration_since(Instant::now());
+            if remaining.is_zero() {
+                return Err(MigrationError::Channel {
+                    index: seen.len() + 1,
+                    source: ChannelError::Timeout("the source's page channels"),
+                });
+            }
+            let mut channel = match listener.accept_timeout(remaining.min(POLL_INTERVAL * 10)) {
+                Ok(channel) => channel,
+                Err(ChannelError::Timeout(_)) => continue,
+                Err(error) => return Err(MigrationError::channel(0)(error)),
+            };
+            let _ = channel.set_timeouts(self.config.io_timeout);
+            let verdict = match channel.read_message() {
+                Ok(Message::ChannelHello(hello)) => {
+                    let index = hello.handshake.channel_index;
+                    if hello.handshake.session_id != session_id {
+                        Err(format!(
+                            "session {:#x} is not the migration in progress ({session_id:#x})",
+                            hello.handshake.session_id
+                        ))
+                    } else if index == 0 || index > count {
+                        Err(format!("channel index {index} is outside 1..={count}"))
+                    } else if !seen.insert(index) {
+                        Err(format!("channel {index} connected twice"))
+                    } else {
+                        Ok(index)
+                    }
+                }
+                Ok(other) => Err(format!("expected a channel hello, got {:?}", other.kind())),
+                Err(error) => Err(error.to_string()),
+            };
+            match verdict {
+                Ok(index) => {
+                    channel
+                        .send_message(&Message::Welcome(Welcome {
+                            session_id,
+                            channel_index: index,
+                        }))
+                        .map_err(MigrationError::channel(usize::from(index)))?;
+                    slots[usize::from(index) - 1] = Some(channel);
+                }
+                Err(reason) => {
+                    // A stray or broken connection must not end the migration.
+                    tracing::warn!("rejected a connection: {reason}");
+                    let _ = channel.send_message(&Message::Abort(Abort {
+                        reason: AbortReason::ProtocolError,
+                        message: reason,
+                    }));
+                }
+            }
+        }
+        Ok(slots.into_iter().flatten().collect())
+    }
+}
+
+fn peer_aborted(abort: Abort) -> MigrationError {
+    MigrationError::PeerAborted {
+        reason: abort.reason,
+        message: abort.message,
+    }
+}
+
+/// The destination's regions must be exactly the source's.
+fn check_layout(setup: &SessionSetup, regions: &[MemoryRegion]) -> Result<(), MigrationError> {
+    if setup.regions.len() != regions.len() {
+        return Err(MigrationError::Incompatible(format!(
+            "the source has {} memory regions, the destination {}",
+            setup.regions.len(),
+            regions.len()
+        )));
+    }
+    for (theirs, ours) in setup.regions.iter().zip(regions) {
+        if theirs.id != ours.id()
+            || theirs.len != ours.len()
+            || theirs.guest_addr != ours.guest_addr()
+        {
+            return Err(MigrationError::Incompatible(format!(
+                "source region {} at {:#x} has {} bytes; destination region {} at {:#x} has {}",
+                theirs.id,
+                theirs.guest_addr,
+                theirs.len,
+                ours.id(),
+                ours.guest_addr(),
+                ours.len()
+            )));
+        }
+    }
+    Ok(())
+}
+
+struct ReceiverShared<'a> {
+    setup: &'a SessionSetup,
+    regions: &'a [MemoryRegion],
+    /// Pages that hold received data: a zero page must be written only over
+    /// these (other pages are still fresh zero memory, and touching them
+    /// would cost a page fault for nothing).
+    populated: Vec<AtomicBitmap>,
+    barrier: SyncBarrier,
+    failed: AtomicBool,
+    stats: &'a ReceiveStats,
+    io_timeout: Duration,
+    cancel: &'a CancelToken,
+}
+
+impl ReceiverShared<'_> {
+    fn fail(&self) {
+        self.failed.store(true, Ordering::Release);
+        self.barrier.abort();
+    }
+
+    fn failed(&self) -> bool {
+        self.failed.load(Ordering::Acquire) || self.cancel.is_cancelled()
+    }
+
+    fn region_index(&self, id: u32) -> Option<usize> {
+        self.setup.regions.iter().position(|region| region.id == id)
+    }
+
+    /// Waits for data, looking at the failure flag meanwhile.
+    fn wait_for_data(&self, channel: &Channel, index: usize) -> Result<(), MigrationError> {
+        let started = Instant::now();
+        loop {
+            if self.failed() {
+                return Err(if self.cancel.is_cancelled() {
+                    MigrationError::Cancelled
+                } else {
+                    MigrationError::Protocol("another channel failed".into())
+                });
+            }
+            if channel
+                .wait_readable(POLL_INTERVAL)
+                .map_err(MigrationError::channel(index))?
+            {
+                return Ok(());
+            }
+            if started.elapsed() > self.io_timeout {
+                return Err(MigrationError::Channel {
+                    index,
+                    source: ChannelError::Timeout("data from the source"),
+                });
+            }
+        }
+    }
+}
+
+/// Reads state sections until `Complete` arrives on the main channel.
+fn read_main_channel(
+    shared: &ReceiverShared<'_>,
+    main: &mut Channel,
+) -> Result<(Vec<StateSection>, tern_wire::Complete), MigrationError> {
+    let mut sections: Vec<StateSection> = Vec::new();
+    loop {
+        // The main channel is silent during the whole live phase.
+        loop {
+            if shared.failed() {
+                return Err(if shared.cancel.is_cancelled() {
+                    MigrationError::Cancelled
+                } else {
+                    MigrationError::Protocol("a page channel failed".into())
+                });
+            }
+            if main
+                .wait_readable(POLL_INTERVAL)
+                .map_err(MigrationError::channel(0))?
+            {
+                break;
+            }
+        }
+        match main.read_message().map_err(MigrationError::channel(0))? {
+            Message::StateSection(section) => {
+                if sections.iter().any(|known| known.name == section.name) {
+                    return Err(MigrationError::Protocol(format!(
+                        "state section '{}' sent twice",
+                        section.name
+                    )));
+                }
+                sections.push(StateSection {
+                    name: section.name,
+                    version: section.version,
+                    data: section.data,
+                });
+            }
+            Message::Complete(complete) => return Ok((sections, complete)),
+            Message::Abort(abort) => return Err(peer_aborted(abort)),
+            other => {
+                return Err(MigrationError::Protocol(format!(
+                    "unexpected {:?} on the main channel",
+                    other.kind()
+                )));
+            }
+        }
+    }
+}
+
+/// One page channel's receiver. Returns the final iteration.
+fn receive_pages(
+    shared: &ReceiverShared<'_>,
+    index: usize,
+    mut channel: Channel,
+) -> Result<u32, MigrationError> {
+    let channel_index = index + 1;
+    let on_channel = MigrationError::channel(channel_index);
+    let mut entries: Vec<PageEntry> = Vec::with_capacity(tern_wire::MAX_PAGES_PER_PACKET);
+    let mut table = vec![0u8; tern_wire::MAX_PAGES_PER_PACKET * PageEntry::ENCODED_LEN];
+    let mut segments: Vec<Segment> = Vec::with_capacity(tern_wire::MAX_PAGES_PER_PACKET);
+    let mut iteration: u32 = 0;
+    loop {
+        shared.wait_for_data(&channel, channel_index)?;
+        let header = channel
+            .read_frame_header()
+            .map_err(MigrationError::channel(channel_index))?;
+        let body_len = header.body_len as usize;
+        match header.kind {
+            FrameKind::Pages => {
+                let mut head = [0u8; PagesHeader::ENCODED_LEN];
+                channel
+                    .read_exact(&mut head)
+                    .map_err(MigrationError::channel(channel_index))?;
+                let (pages, payload_len) = PagesHeader::decode(&head, body_len, shared.setup)
+                    .map_err(|e| MigrationError::channel(channel_index)(e.into()))?;
+                if pages.iteration != iteration {
+                    return Err(MigrationError::Protocol(format!(
+                        "channel {channel_index}: packet of iteration {} during iteration {iteration}",
+                        pages.iteration
+                    )));
+                }
+                let table = &mut table[..pages.table_len()];
+                channel
+                    .read_exact(table)
+                    .map_err(MigrationError::channel(channel_index))?;
+                decode_page_table(&pages, table, payload_len, shared.setup, &mut entries)
+                    .map_err(|e| MigrationError::channel(channel_index)(e.into()))?;
+                let region_index = shared
+                    .region_index(pages.region_id)
+                    .ok_or(MigrationError::Protocol("region vanished".into()))?;
+                let region = &shared.regions[region_index];
+                segments.clear();
+                for entry in &entries {
+                    if entry.kind == PageKind::Raw {
+                        let ptr =
+                            region
+                                .page_ptr(u64::from(entry.page_index))
+                                .ok_or_else(|| {
+                                    MigrationError::Protocol("page outside its region".into())
+                                })?;
+                        segments.push(Segment {
+                            ptr,
+                            len: PAGE_SIZE,
+                        });
+                    }
+                }
+                // SAFETY: every segment is a whole page inside the region
+                // (bounds-checked by `page_ptr`), and within one iteration
+                // each page arrives on exactly one channel, so no other
+                // thread touches these pages during the read.
+                unsafe { channel.read_scattered(&segments) }
+                    .map_err(MigrationError::channel(channel_index))?;
+                let populated = &shared.populated[region_index];
+                let mut zero = 0;
+                let mut cleared = 0;
+                let mut normal = 0;
+                for entry in &entries {
+                    let page = u64::from(entry.page_index);
+                    match entry.kind {
+                        PageKind::Raw => {
+                            populated.set(page);
+                            normal += 1;
+                        }
+                        PageKind::Zero => {
+                            zero += 1;
+                            if populated.get(page) {
+                                let ptr = region.page_ptr(page).ok_or_else(|| {
+                                    MigrationError::Protocol("page outside its region".into())
+                                })?;
+                                // SAFETY: a whole page inside the region,
+                                // owned by this receiver for this iteration.
+                                unsafe { std::ptr::write_bytes(ptr, 0, PAGE_SIZE) };
+                                populated.clear(page);
+                                cleared += 1;
+                            }
+                        }
+                        PageKind::Compressed => {
+                            return Err(MigrationError::Protocol(
+                                "compressed page without a codec".into(),
+                            ));
+                        }
+                    }
+                }
+                let stats = shared.stats;
+                stats.received.fetch_add(
+                    (tern_wire::FRAME_HEADER_LEN + body_len) as u64,
+                    Ordering::Relaxed,
+                );
+                stats.zero_pages.fetch_add(zero, Ordering::Relaxed);
+                stats
+                    .zero_pages_cleared
+                    .fetch_add(cleared, Ordering::Relaxed);
+                stats.normal_pages.fetch_add(normal, Ordering::Relaxed);
+            }
+            FrameKind::Sync | FrameKind::Abort => {
+                let mut body = vec![0u8; body_len];
+                channel
+                    .read_exact(&mut body)
+                    .map_err(MigrationError::channel(channel_index))?;
+                match Message::decode(header.kind, &body)
+                    .map_err(|e| on_channel_err(channel_index, e))?
+                {
+                    Message::Sync(sync) => {
+                        if sync.iteration != iteration {
+                            return Err(MigrationError::Protocol(format!(
+                                "channel {channel_index}: sync for iteration {} during iteration {iteration}",
+                                sync.iteration
+                            )));
+                        }
+                        shared.barrier.wait()?;
+                        if index == 0 {
+                            shared
+                                .stats
+                                .iteration
+                                .store(u64::from(iteration) + 1, Ordering::Relaxed);
+                        }
+                        if sync.last {
+                            return Ok(iteration);
+                        }
+                        iteration += 1;
+                    }
+                    Message::Abort(abort) => return Err(peer_aborted(abort)),
+                    _ => unreachable!("decoded kind matches the frame kind"),
+                }
+            }
+            other => {
+                return Err(on_channel(ChannelError::Protocol(
+                    tern_wire::WireError::Unexpected {
+                        got: other,
+                        expected: "pages or a sync on a page channel",
+                    },
+                )));
+            }
+        }
+    }
+}
+
+fn on_channel_err(index: usize, error: tern_wire::WireError) -> MigrationError {
+    MigrationError::channel(index)(error.into())
+}
+
+/// A bitmap threads update concurrently without locks.
+struct AtomicBitmap {
+    words: Vec<AtomicU64>,
+}
+
+impl AtomicBitmap {
+    fn new(pages: u64) -> Self {
+        Self {
+            words: (0..pages.div_ceil(64)).map(|_| AtomicU64::new(0)).collect(),
+        }
+    }
+
+    fn set(&self, page: u64) {
+        if let Some(word) = self.words.get((page / 64) as usize) {
+            word.fetch_or(1 << (page % 64), Ordering::Relaxed);
+        }
+    }
+
+    fn clear(&self, page: u64) {
+        if let Some(word) = self.words.get((page / 64) as usize) {
+            word.fetch_and(!(1 << (page % 64)), Ordering::Relaxed);
+        }
+    }
+
+    fn get(&self, page: u64) -> bool {
+        self.words
+            .get((page / 64) as usize)
+            .is_some_and(|word| word.load(Ordering::Relaxed) & (1 << (page % 64)) != 0)
+    }
+
+    /// Whether no page in `start..start + len` is set (`start` and `len`
+    /// multiples of 64).
+    fn range_clear(&self, start: u64, len: u64) -> bool {
+        let first = (start / 64) as usize;
+        let last = (start + len).div_ceil(64) as usize;
+        self.words
+            .get(first..last.min(self.words.len()))
+            .is_none_or(|words| words.iter().all(|word| word.load(Ordering::Relaxed) == 0))
+    }
+}
+
+/// The per-iteration barrier between receivers. It can be aborted, so a
+/// failed channel never leaves the others waiting forever. It is crossed
+/// once per iteration, not per page, so a mutex is fine here.
+struct SyncBarrier {
+    parties: usize,
+    state: Mutex<(usize, u64)>,
+    condvar: Condvar,
+    aborted: AtomicBool,
+}
+
+impl SyncBarrier {
+    fn new(parties: usize) -> Self {
+        Self {
+            parties,
+            state: Mutex::new((0, 0)),
+            condvar: Condvar::new(),
+            aborted: AtomicBool::new(false),
+        }
+    }
+
+    fn abort(&self) {
+        self.aborted.store(true, Ordering::Release);
+        self.condvar.notify_all();
+    }
+
+    fn wait(&self) -> Result<(), MigrationError> {
+        let mut state = self.state.lock().unwrap_or_else(|e| e.into_inner());
+        let generation = state.1;
+        state.0 += 1;
+        if state.0 == self.parties {
+            state.0 = 0;
+            state.1 += 1;
+            self.condvar.notify_all();
+            return Ok(());
+        }
+        while state.1 == generation {
+            if self.aborted.load(Ordering::Acquire) {
+                return Err(MigrationError::Protocol("another channel failed".into()));
+            }
+            state = self
+                .condvar
+                .wait_timeout(state, POLL_INTERVAL)
+                .unwrap_or_else(|e| e.into_inner())
+                .0;
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,124 @@
+//! Engine errors.
+
+use std::io;
+
+use tern_wire::{AbortReason, WireError};
+
+use crate::guest::GuestError;
+
+/// A failure on one channel.
+#[derive(Debug, thiserror::Error)]
+pub enum ChannelError {
+    /// Connecting failed.
+    #[error("Cannot connect to {0}")]
+    Connect(String, #[source] io::Error),
+    /// The peer closed the channel.
+    #[error("Channel closed by the peer mid-stream")]
+    Closed,
+    /// Nothing arrived in time.
+    #[error("Timed out waiting for {0}")]
+    Timeout(&'static str),
+    /// The peer sent something invalid.
+    #[error("Protocol error")]
+    Protocol(#[from] WireError),
+    /// Any other I/O error.
+    #[error("I/O error")]
+    Io(#[source] io::Error),
+}
+
+/// Why a migration (either side) did not complete.
+#[derive(Debug, thiserror::Error)]
+pub enum MigrationError {
+    /// A configuration value is unusable.
+    #[error("Invalid configuration: {0}")]
+    Config(String),
+    /// A channel failed.
+    #[error("Channel {index} failed")]
+    Channel {
+        /// 0 = main channel, 1.. = page channels.
+        index: usize,
+        /// The cause.
+        #[source]
+        source: ChannelError,
+    },
+    /// The VMM's guest implementation failed.
+    #[error("Guest operation '{operation}' failed")]
+    Guest {
+        /// What was being done.
+        operation: &'static str,
+        /// The VMM's error.
+        #[source]
+        source: GuestError,
+    },
+    /// The peer aborted.
+    #[error("The peer aborted the migration ({}): {message}", reason.as_str())]
+    PeerAborted {
+        /// Reason class.
+        reason: AbortReason,
+        /// Peer's explanation.
+        message: String,
+    },
+    /// The session setup is not acceptable.
+    #[error("Incompatible setup: {0}")]
+    Incompatible(String),
+    /// The peer broke the protocol's sequence.
+    #[error("Protocol violation: {0}")]
+    Protocol(String),
+    /// The destination's memory differs from the source's.
+    #[error("Memory digest mismatch: source {source_digest:032x}, destination {destination:032x}")]
+    DigestMismatch {
+        /// Source digest.
+        source_digest: u128,
+        /// Destination digest.
+        destination: u128,
+    },
+    /// The migration was cancelled.
+    #[error("Migration cancelled")]
+    Cancelled,
+    /// The iteration or time limit was reached under the cancel policy.
+    #[error("Migration did not converge: {0}")]
+    LimitReached(String),
+    /// A thread could not be started.
+    #[error("Cannot start thread")]
+    Thread(#[source] io::Error),
+}
+
+impl MigrationError {
+    /// The reason to put in an abort message to the peer.
+    pub fn abort_reason(&self) -> AbortReason {
+        match self {
+            Self::Cancelled => AbortReason::Cancelled,
+            Self::Channel {
+                source: ChannelError::Protocol(_),
+                ..
+            }
+            | Self::Protocol(_) => AbortReason::ProtocolError,
+            Self::Incompatible(_) | Self::Config(_) => AbortReason::IncompatibleSetup,
+            Self::Guest { .. } => AbortReason::GuestError,
+            Self::Channel { .. } => AbortReason::ChannelFailed,
+            Self::DigestMismatch { .. } => AbortReason::DigestMismatch,
+            Self::LimitReached(_) => AbortReason::LimitReached,
+            Self::PeerAborted { .. } | Self::Thread(_) => AbortReason::Other,
+        }
+    }
+
+    /// The full cause chain as one line, for abort messages and reports.
+    pub fn chain(&self) -> String {
+        let mut text = self.to_string();
+        let mut source = std::error::Error::source(self);
+        while let Some(cause) = source {
+            text.push_str(": ");
+            text.push_str(&cause.to_string());
+            source = cause.source();
+        }
+        text
+    }
+
+    pub(crate) fn guest(operation: &'static str) -> impl FnOnce(GuestError) -> Self {
+        move |source| Self::Guest { operation, source }
+    }
+
+    pub(crate) fn channel(index: usize) -> impl FnOnce(ChannelError) -> Self {
+        move |source| Self::Channel { index, source }
+    }
+}

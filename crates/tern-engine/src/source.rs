@@ -1,0 +1,533 @@
+//! The source side: handshake, dirty iterations, convergence, switch-over.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, Instant};
+
+use tern_wire::{
+    ChannelHello, Complete, DigestAlgorithm, Handshake, Hello, Message, RegionInfo, SessionSetup,
+    StateSectionMsg, Welcome,
+};
+
+use crate::bitmap::DirtyBitmap;
+use crate::config::{LimitPolicy, MigrationConfig};
+use crate::digest::{digest_threads, memory_digest};
+use crate::error::{ChannelError, MigrationError};
+use crate::guest::{MemoryRegion, PAGE_SIZE, SourceGuest};
+use crate::pipeline::{Pipeline, PipelineSetup};
+use crate::stats::thread_cpu_seconds;
+use crate::stats::{DestinationStats, LiveStats, MigrationStats, MigrationStatus, millis};
+use crate::transport::{Address, Channel};
+
+/// Cancels a running migration from another thread (a signal handler's
+/// helper, a UI, a test).
+#[derive(Clone, Debug, Default)]
+pub struct CancelToken(Arc<AtomicBool>);
+
+impl CancelToken {
+    /// A token not yet cancelled.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Asks the migration to stop; it ends with status `cancelled` and the
+    /// source guest running.
+    pub fn cancel(&self) {
+        self.0.store(true, Ordering::Relaxed);
+    }
+
+    /// Whether cancellation was asked for.
+    pub fn is_cancelled(&self) -> bool {
+        self.0.load(Ordering::Relaxed)
+    }
+
+    fn flag(&self) -> Arc<AtomicBool> {
+        self.0.clone()
+    }
+}
+
+/// A migration that did not complete, with the statistics up to the
+/// failure. The source guest has been resumed.
+#[derive(Debug, thiserror::Error)]
+#[error("{error}")]
+pub struct MigrationFailure {
+    /// The cause.
+    #[source]
+    pub error: MigrationError,
+    /// Statistics up to the failure (status `failed` or `cancelled`).
+    pub stats: Box<MigrationStats>,
+}
+
+/// Migrates a guest's memory and state to a destination.
+#[derive(Debug)]
+pub struct Source {
+    config: MigrationConfig,
+    stats: Arc<LiveStats>,
+    cancel: CancelToken,
+}
+
+/// What the guest was left in, so a failure can undo it.
+#[derive(Default)]
+struct GuestChanges {
+    dirty_log: bool,
+    paused: bool,
+    throttled: bool,
+}
+
+impl Source {
+    /// Prepares a migration; rejects bad settings up front.
+    pub fn new(config: MigrationConfig) -> Result<Self, MigrationError> {
+        config.validate()?;
+        Ok(Self {
+            config,
+            stats: Arc::new(LiveStats::new()),
+            cancel: CancelToken::new(),
+        })
+    }
+
+    /// Live statistics, for progress display while [`Source::migrate`] runs.
+    pub fn stats(&self) -> Arc<LiveStats> {
+        self.stats.clone()
+    }
+
+    /// A token that cancels the migration.
+    pub fn cancel_token(&self) -> CancelToken {
+        self.cancel.clone()
+    }
+
+    /// Runs the migration to `address`. On success the guest stays paused
+    /// (it now runs on the destination); on failure it runs on here.
+    pub fn migrate<G: SourceGuest>(
+        &self,
+        guest: &mut G,
+        address: &Address,
+    ) -> Result<MigrationStats, MigrationFailure> {
+        let cpu_start = thread_cpu_seconds();
+        let mut changes = GuestChanges::default();
+        let mut main: Option<Channel> = None;
+        let result = self.run(guest, address, &mut changes, &mut main);
+        self.stats
+            .record_cpu("migration", thread_cpu_seconds() - cpu_start);
+        match result {
+            Ok(destination) => {
+                if changes.dirty_log {
+                    let _ = guest.stop_dirty_log();
+                }
+                self.stats.set_status(MigrationStatus::Completed);
+                let mut stats = self.stats.snapshot();
+                stats.destination = destination;
+                Ok(stats)
+            }
+            Err(error) => {
+                if let Some(channel) = main.as_mut() {
+                    if !matches!(error, MigrationError::PeerAborted { .. }) {
+                        let _ = channel.send_message(&Message::Abort(tern_wire::Abort {
+                            reason: error.abort_reason(),
+                            message: error.chain(),
+                        }));
+                    }
+                    channel.shutdown();
+                }
+                restore_guest(guest, &changes);
+                let status = if matches!(error, MigrationError::Cancelled) {
+                    MigrationStatus::Cancelled
+                } else {
+                    MigrationStatus::Failed
+                };
+                self.stats.set_status(status);
+                let mut stats = self.stats.snapshot();
+                stats.error = Some(error.chain());
+                tracing::warn!(error = %error.chain(), "migration {}", status.as_str());
+                Err(MigrationFailure {
+                    error,
+                    stats: Box::new(stats),
+                })
+            }
+        }
+    }
+
+    fn run<G: SourceGuest>(
+        &self,
+        guest: &mut G,
+        address: &Address,
+        changes: &mut GuestChanges,
+        main_slot: &mut Option<Channel>,
+    ) -> Result<Option<DestinationStats>, MigrationError> {
+        let config = &self.config;
+        let regions: Vec<MemoryRegion> = guest.regions().to_vec();
+        let setup = session_setup(&regions, config.channels)?;
+        let total: u64 = regions.iter().map(MemoryRegion::len).sum();
+        self.stats.total.store(total, Ordering::Relaxed);
+        self.stats.remaining.store(total, Ordering::Relaxed);
+        let session_id = random_session_id();
+
+        let main = main_slot.insert(
+            Channel::connect(address, config.connect_timeout)
+                .map_err(MigrationError::channel(0))?,
+        );
+        main.set_timeouts(config.io_timeout)
+            .map_err(MigrationError::channel(0))?;
+        main.send_message(&Message::Hello(Hello {
+            handshake: Handshake {
+                session_id,
+                channel_index: 0,
+            },
+            setup: setup.clone(),
+        }))
+        .map_err(MigrationError::channel(0))?;
+        expect_welcome(main, session_id, 0)?;
+
+        let mut page_channels = Vec::with_capacity(usize::from(config.channels));
+        for index in 1..=config.channels {
+            let mut channel = Channel::connect(address, config.connect_timeout)
+                .map_err(MigrationError::channel(usize::from(index)))?;
+            channel
+                .set_timeouts(config.io_timeout)
+                .map_err(MigrationError::channel(usize::from(index)))?;
+            channel
+                .send_message(&Message::ChannelHello(ChannelHello {
+                    handshake: Handshake {
+                        session_id,
+                        channel_index: index,
+                    },
+                }))
+                .map_err(MigrationError::channel(usize::from(index)))?;
+            expect_welcome(&mut channel, session_id, index)?;
+            page_channels.push(channel);
+        }
+        self.stats.set_setup_time(self.stats.started().elapsed());
+        tracing::info!(
+            channels = config.channels,
+            bytes = total,
+            "connected to {address}"
+        );
+
+        guest
+            .start_dirty_log()
+            .map_err(MigrationError::guest("start dirty log"))?;
+        changes.dirty_log = true;
+
+        std::thread::scope(|scope| {
+            let pipeline = Pipeline::start(
+                scope,
+                PipelineSetup {
+                    regions: regions.clone(),
+                    workers: config.worker_count(),
+                    detection: config.zero_page_detection,
+                    max_bandwidth: config.max_bandwidth,
+                    stats: self.stats.clone(),
+                    cancel: self.cancel.flag(),
+                },
+                page_channels,
+            )?;
+            let mut pipeline = Some(pipeline);
+            let result = self.iterate(guest, main, &regions, changes, &mut pipeline);
+            let pipeline_error = pipeline
+                .take()
+                .and_then(|pipeline| pipeline.shut_down(result.is_err()));
+            match (result, pipeline_error) {
+                (Ok(stats), _) => Ok(stats),
+                // A closed page channel is usually the symptom; the
+                // destination's abort message, when it sent one, is the cause.
+                (Err(error), _) => Err(peer_reason(main).unwrap_or(error)),
+            }
+        })
+    }
+
+    fn iterate<G: SourceGuest>(
+        &self,
+        guest: &mut G,
+        main: &mut Channel,
+        regions: &[MemoryRegion],
+        changes: &mut GuestChanges,
+        pipeline: &mut Option<Pipeline<'_>>,
+    ) -> Result<Option<DestinationStats>, MigrationError> {
+        let config = &self.config;
+        let stats = &self.stats;
+        let Some(pipe) = pipeline.as_mut() else {
+            return Err(MigrationError::Protocol("pipeline missing".into()));
+        };
+        let mut bitmaps: Vec<DirtyBitmap> = regions
+            .iter()
+            .map(|region| DirtyBitmap::new(region.pages()))
+            .collect();
+        bitmaps.iter_mut().for_each(DirtyBitmap::set_all);
+        stats.set_status(MigrationStatus::Active);
+        let live_start = Instant::now();
+        let mut iteration: u32 = 0;
+        let mut bandwidth: f64 = 0.0; // guest bytes per second
+        let mut throttle: u8 = 0;
+        let mut dirty_outruns = 0;
+        let mut forced = false;
+        loop {
+            let started = Instant::now();
+            let totals = pipe.send_iteration(&bitmaps, iteration, false)?;
+            let elapsed = started.elapsed().as_secs_f64().max(1e-6);
+            // Tiny iterations measure latency, not bandwidth.
+            if totals.pages >= 256 || bandwidth == 0.0 {
+                bandwidth = totals.pages as f64 * PAGE_SIZE as f64 / elapsed;
+            }
+            check_peer(main)?;
+
+            bitmaps.iter_mut().for_each(DirtyBitmap::clear);
+            guest
+                .sync_dirty_log(&mut bitmaps)
+                .map_err(MigrationError::guest("sync dirty log"))?;
+            stats.dirty_sync_count.fetch_add(1, Ordering::Relaxed);
+            let dirty_pages: u64 = bitmaps.iter().map(DirtyBitmap::count).sum();
+            let remaining = dirty_pages * PAGE_SIZE as u64;
+            let dirty_rate = dirty_pages as f64 / elapsed;
+            let expected_downtime = Duration::from_secs_f64(remaining as f64 / bandwidth.max(1.0));
+            iteration += 1;
+            stats.remaining.store(remaining, Ordering::Relaxed);
+            stats
+                .dirty_pages_rate
+                .store(dirty_rate as u64, Ordering::Relaxed);
+            stats.bandwidth.store(bandwidth as u64, Ordering::Relaxed);
+            stats
+                .expected_downtime_ms
+                .store(millis(expected_downtime), Ordering::Relaxed);
+            stats
+                .iteration
+                .store(u64::from(iteration), Ordering::Relaxed);
+            tracing::debug!(
+                iteration,
+                dirty_pages,
+                bandwidth_mb_s = bandwidth / 1e6,
+                "dirty iteration done"
+            );
+
+            if expected_downtime <= config.downtime_limit {
+                break;
+            }
+            if self.cancel.is_cancelled() {
+                return Err(MigrationError::Cancelled);
+            }
+            let over_iterations = config.max_iterations.is_some_and(|max| iteration >= max);
+            let over_time = config
+                .max_time
+                .is_some_and(|max| live_start.elapsed() >= max);
+            if over_iterations || over_time {
+                let what = if over_iterations {
+                    format!("{iteration} iterations")
+                } else {
+                    format!("{:.1} s", live_start.elapsed().as_secs_f64())
+                };
+                match config.limit_policy {
+                    LimitPolicy::Cancel => {
+                        return Err(MigrationError::LimitReached(format!(
+                            "after {what}, {remaining} dirty bytes would need {} ms of downtime (limit {} ms)",
+                            expected_downtime.as_millis(),
+                            config.downtime_limit.as_millis()
+                        )));
+                    }
+                    LimitPolicy::SwitchOver => {
+                        tracing::warn!("limit reached after {what}: forcing the switch-over");
+                        forced = true;
+                        stats.forced_switch_over.store(true, Ordering::Relaxed);
+                        break;
+                    }
+                }
+            }
+            if config.auto_converge {
+                if dirty_rate * PAGE_SIZE as f64 > bandwidth {
+                    dirty_outruns += 1;
+                } else {
+                    dirty_outruns = 0;
+                }
+                if dirty_outruns >= 2 && throttle < 99 {
+                    throttle = if throttle == 0 {
+                        config.throttle_initial.max(1)
+                    } else {
+                        throttle.saturating_add(config.throttle_increment).min(99)
+                    };
+                    guest
+                        .set_throttle(throttle)
+                        .map_err(MigrationError::guest("throttle"))?;
+                    changes.throttled = true;
+                    stats
+                        .throttle_percent
+                        .store(u64::from(throttle), Ordering::Relaxed);
+                    tracing::info!(throttle, "auto-converge: throttling the guest");
+                    dirty_outruns = 0;
+                }
+            }
+        }
+
+        // Switch-over: the guest stops, the rest goes, the destination checks.
+        stats.set_status(MigrationStatus::Device);
+        let paused_at = Instant::now();
+        guest.pause().map_err(MigrationError::guest("pause"))?;
+        changes.paused = true;
+        guest
+            .sync_dirty_log(&mut bitmaps)
+            .map_err(MigrationError::guest("sync dirty log"))?;
+        stats.dirty_sync_count.fetch_add(1, Ordering::Relaxed);
+        pipe.send_iteration(&bitmaps, iteration, true)?;
+        stats.remaining.store(0, Ordering::Relaxed);
+
+        let sections = guest
+            .save_state()
+            .map_err(MigrationError::guest("save state"))?;
+        for section in &sections {
+            main.send_message(&Message::StateSection(StateSectionMsg {
+                name: section.name.clone(),
+                version: section.version,
+                data: section.data.clone(),
+            }))
+            .map_err(MigrationError::channel(0))?;
+        }
+        // SAFETY: the guest is paused and the pipeline is idle, so nothing
+        // writes guest memory while it is hashed.
+        let digest = unsafe { memory_digest(regions, digest_threads(), &|_, _| false) };
+        main.send_message(&Message::Complete(Complete {
+            final_iteration: iteration,
+            sections: u32::try_from(sections.len()).unwrap_or(u32::MAX),
+            digest,
+        }))
+        .map_err(MigrationError::channel(0))?;
+
+        let outcome = loop {
+            match main.read_message() {
+                Ok(Message::Outcome(outcome)) => break outcome,
+                Ok(Message::Abort(abort)) => {
+                    return Err(MigrationError::PeerAborted {
+                        reason: abort.reason,
+                        message: abort.message,
+                    });
+                }
+                Ok(other) => {
+                    return Err(MigrationError::Protocol(format!(
+                        "expected the destination's outcome, got {:?}",
+                        other.kind()
+                    )));
+                }
+                Err(ChannelError::Timeout(_)) if !self.cancel.is_cancelled() => continue,
+                Err(error) => return Err(MigrationError::channel(0)(error)),
+            }
+        };
+        if !outcome.verified {
+            if outcome.digest != digest {
+                return Err(MigrationError::DigestMismatch {
+                    source_digest: digest,
+                    destination: outcome.digest,
+                });
+            }
+            return Err(MigrationError::Protocol(format!(
+                "the destination did not resume the guest: {}",
+                outcome.detail
+            )));
+        }
+        stats.set_downtime(paused_at.elapsed());
+        stats.set_digest_verified(true);
+        if forced {
+            tracing::info!("switch-over was forced by a limit");
+        }
+        Ok(serde_json::from_slice::<DestinationStats>(&outcome.stats).ok())
+    }
+}
+
+/// Builds the session setup from the guest's regions.
+fn session_setup(regions: &[MemoryRegion], channels: u16) -> Result<SessionSetup, MigrationError> {
+    let setup = SessionSetup {
+        page_size: PAGE_SIZE as u32,
+        channel_count: channels,
+        codec: 0,
+        digest: DigestAlgorithm::Xxh3Chunked,
+        regions: regions
+            .iter()
+            .map(|region| RegionInfo {
+                id: region.id(),
+                guest_addr: region.guest_addr(),
+                len: region.len(),
+            })
+            .collect(),
+    };
+    setup
+        .validate()
+        .map_err(|error| MigrationError::Config(format!("the guest's memory layout: {error}")))?;
+    Ok(setup)
+}
+
+fn expect_welcome(
+    channel: &mut Channel,
+    session_id: u64,
+    index: u16,
+) -> Result<(), MigrationError> {
+    match channel
+        .read_message()
+        .map_err(MigrationError::channel(usize::from(index)))?
+    {
+        Message::Welcome(Welcome {
+            session_id: id,
+            channel_index,
+        }) if id == session_id && channel_index == index => Ok(()),
+        Message::Abort(abort) => Err(MigrationError::PeerAborted {
+            reason: abort.reason,
+            message: abort.message,
+        }),
+        other => Err(MigrationError::Protocol(format!(
+            "expected a welcome on channel {index}, got {other:?}"
+        ))),
+    }
+}
+
+/// Fails if the destination has sent something on the main channel (it only
+/// speaks there before the end to abort).
+fn check_peer(main: &mut Channel) -> Result<(), MigrationError> {
+    match main.wait_readable(Duration::ZERO) {
+        Ok(false) => Ok(()),
+        Ok(true) => Err(peer_reason(main).unwrap_or(MigrationError::Channel {
+            index: 0,
+            source: ChannelError::Closed,
+        })),
+        Err(error) => Err(MigrationError::channel(0)(error)),
+    }
+}
+
+/// Reads an abort message the destination may have sent, waiting briefly.
+fn peer_reason(main: &mut Channel) -> Option<MigrationError> {
+    if !main.wait_readable(Duration::from_millis(500)).ok()? {
+        return None;
+    }
+    match main.read_message() {
+        Ok(Message::Abort(abort)) => Some(MigrationError::PeerAborted {
+            reason: abort.reason,
+            message: abort.message,
+        }),
+        _ => None,
+    }
+}
+
+fn restore_guest<G: SourceGuest>(guest: &mut G, changes: &GuestChanges) {
+    if changes.throttled
+        && let Err(error) = guest.set_throttle(0)
+    {
+        tracing::error!(%error, "cannot remove the throttle after a failed migration");
+    }
+    if changes.paused
+        && let Err(error) = guest.resume()
+    {
+        tracing::error!(%error, "cannot resume the guest after a failed migration");
+    }
+    if changes.dirty_log
+        && let Err(error) = guest.stop_dirty_log()
+    {
+        tracing::error!(%error, "cannot stop dirty logging after a failed migration");
+    }
+}
+
+fn random_session_id() -> u64 {
+    let mut bytes = [0u8; 8];
+    // SAFETY: `bytes` is writable for its length.
+    let filled = unsafe { libc::getrandom(bytes.as_mut_ptr().cast(), bytes.len(), 0) };
+    if filled == bytes.len() as isize {
+        u64::from_le_bytes(bytes)
+    } else {
+        // Uniqueness, not secrecy, is what matters here.
+        let now = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap_or_default();
+        now.as_nanos() as u64 ^ u64::from(std::process::id()).rotate_left(32)
+    }
+}

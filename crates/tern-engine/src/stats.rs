@@ -1,0 +1,360 @@
+//! Migration statistics: one struct of atomics updated by the pipeline, and
+//! one place that renders it with QEMU's `query-migrate` names.
+
+use std::collections::BTreeMap;
+use std::sync::Mutex;
+use std::sync::atomic::{AtomicBool, AtomicU8, AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use serde::{Deserialize, Serialize};
+
+/// Where a migration is.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+#[repr(u8)]
+pub enum MigrationStatus {
+    /// Connecting and handshaking.
+    Setup = 0,
+    /// Sending pages while the guest runs.
+    Active = 1,
+    /// Guest paused, sending the last pages and state.
+    Device = 2,
+    /// Done; the destination verified and resumed the guest.
+    Completed = 3,
+    /// Failed; the source guest runs on.
+    Failed = 4,
+    /// Cancelled; the source guest runs on.
+    Cancelled = 5,
+}
+
+impl MigrationStatus {
+    fn from_u8(value: u8) -> Self {
+        match value {
+            0 => Self::Setup,
+            1 => Self::Active,
+            2 => Self::Device,
+            3 => Self::Completed,
+            4 => Self::Failed,
+            _ => Self::Cancelled,
+        }
+    }
+
+    /// The name users see.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Setup => "setup",
+            Self::Active => "active",
+            Self::Device => "device",
+            Self::Completed => "completed",
+            Self::Failed => "failed",
+            Self::Cancelled => "cancelled",
+        }
+    }
+}
+
+/// Live counters, shared by the migration's threads and readable at any
+/// time (for progress display) through [`LiveStats::snapshot`].
+#[derive(Debug)]
+pub struct LiveStats {
+    started: Instant,
+    status: AtomicU8,
+    /// Bytes written to all channels.
+    pub transferred: AtomicU64,
+    /// Pages sent as zero pages.
+    pub duplicate: AtomicU64,
+    /// Pages sent with their data.
+    pub normal: AtomicU64,
+    /// Guest bytes of those pages.
+    pub normal_bytes: AtomicU64,
+    /// Bytes still dirty.
+    pub remaining: AtomicU64,
+    /// Guest memory size.
+    pub total: AtomicU64,
+    /// Dirty-log syncs done.
+    pub dirty_sync_count: AtomicU64,
+    /// Pages dirtied per second, measured over the last iteration.
+    pub dirty_pages_rate: AtomicU64,
+    /// Migration bandwidth in guest bytes per second (last iteration).
+    pub bandwidth: AtomicU64,
+    /// Expected downtime in milliseconds.
+    pub expected_downtime_ms: AtomicU64,
+    /// Current iteration.
+    pub iteration: AtomicU64,
+    /// Current throttle percentage.
+    pub throttle_percent: AtomicU64,
+    /// Whether the switch-over was forced by a limit.
+    pub forced_switch_over: AtomicBool,
+    setup_time_ms: AtomicU64,
+    downtime_ms: AtomicU64,
+    total_time_ms: AtomicU64,
+    digest_verified: AtomicBool,
+    cpu_seconds: Mutex<BTreeMap<String, f64>>,
+}
+
+impl Default for LiveStats {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl LiveStats {
+    /// Fresh counters; the clock starts now.
+    pub fn new() -> Self {
+        Self {
+            started: Instant::now(),
+            status: AtomicU8::new(MigrationStatus::Setup as u8),
+            transferred: AtomicU64::new(0),
+            duplicate: AtomicU64::new(0),
+            normal: AtomicU64::new(0),
+            normal_bytes: AtomicU64::new(0),
+            remaining: AtomicU64::new(0),
+            total: AtomicU64::new(0),
+            dirty_sync_count: AtomicU64::new(0),
+            dirty_pages_rate: AtomicU64::new(0),
+            bandwidth: AtomicU64::new(0),
+            expected_downtime_ms: AtomicU64::new(0),
+            iteration: AtomicU64::new(0),
+            throttle_percent: AtomicU64::new(0),
+            forced_switch_over: AtomicBool::new(false),
+            setup_time_ms: AtomicU64::new(0),
+            downtime_ms: AtomicU64::new(0),
+            total_time_ms: AtomicU64::new(0),
+            digest_verified: AtomicBool::new(false),
+            cpu_seconds: Mutex::new(BTreeMap::new()),
+        }
+    }
+
+    /// When the migration started.
+    pub fn started(&self) -> Instant {
+        self.started
+    }
+
+    /// Current status.
+    pub fn status(&self) -> MigrationStatus {
+        MigrationStatus::from_u8(self.status.load(Ordering::Acquire))
+    }
+
+    pub(crate) fn set_status(&self, status: MigrationStatus) {
+        self.status.store(status as u8, Ordering::Release);
+        if matches!(
+            status,
+            MigrationStatus::Completed | MigrationStatus::Failed | MigrationStatus::Cancelled
+        ) {
+            self.total_time_ms
+                .store(millis(self.started.elapsed()), Ordering::Relaxed);
+        }
+    }
+
+    pub(crate) fn set_setup_time(&self, time: Duration) {
+        self.setup_time_ms.store(millis(time), Ordering::Relaxed);
+    }
+
+    pub(crate) fn set_downtime(&self, time: Duration) {
+        self.downtime_ms.store(millis(time), Ordering::Relaxed);
+    }
+
+    pub(crate) fn set_digest_verified(&self, verified: bool) {
+        self.digest_verified.store(verified, Ordering::Relaxed);
+    }
+
+    /// Records the CPU time a thread used; called by each thread as it ends.
+    pub fn record_cpu(&self, thread: &str, seconds: f64) {
+        let mut map = self.cpu_seconds.lock().unwrap_or_else(|e| e.into_inner());
+        *map.entry(thread.to_string()).or_insert(0.0) += seconds;
+    }
+
+    /// A consistent-enough copy for display or the final report.
+    pub fn snapshot(&self) -> MigrationStats {
+        let status = self.status();
+        let total_time_ms = if matches!(
+            status,
+            MigrationStatus::Completed | MigrationStatus::Failed | MigrationStatus::Cancelled
+        ) {
+            self.total_time_ms.load(Ordering::Relaxed)
+        } else {
+            millis(self.started.elapsed())
+        };
+        let transferred = self.transferred.load(Ordering::Relaxed);
+        let normal = self.normal.load(Ordering::Relaxed);
+        let duplicate = self.duplicate.load(Ordering::Relaxed);
+        let seconds = (total_time_ms as f64 / 1000.0).max(1e-3);
+        let cpu_seconds = self
+            .cpu_seconds
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone();
+        MigrationStats {
+            status,
+            total_time: total_time_ms,
+            setup_time: self.setup_time_ms.load(Ordering::Relaxed),
+            downtime: self.downtime_ms.load(Ordering::Relaxed),
+            expected_downtime: self.expected_downtime_ms.load(Ordering::Relaxed),
+            ram: RamStats {
+                transferred,
+                remaining: self.remaining.load(Ordering::Relaxed),
+                total: self.total.load(Ordering::Relaxed),
+                duplicate,
+                normal,
+                normal_bytes: self.normal_bytes.load(Ordering::Relaxed),
+                mbps: transferred as f64 * 8.0 / 1e6 / seconds,
+                pages_per_second: ((normal + duplicate) as f64 / seconds) as u64,
+                dirty_sync_count: self.dirty_sync_count.load(Ordering::Relaxed),
+                dirty_pages_rate: self.dirty_pages_rate.load(Ordering::Relaxed),
+                iterations: self.iteration.load(Ordering::Relaxed),
+            },
+            throttle_percent: self.throttle_percent.load(Ordering::Relaxed),
+            forced_switch_over: self.forced_switch_over.load(Ordering::Relaxed),
+            digest_verified: self.digest_verified.load(Ordering::Relaxed),
+            cpu_seconds,
+            destination: None,
+            error: None,
+        }
+    }
+}
+
+/// Milliseconds, saturating.
+pub(crate) fn millis(time: Duration) -> u64 {
+    u64::try_from(time.as_millis()).unwrap_or(u64::MAX)
+}
+
+/// Memory counters, named as in QEMU's `query-migrate` `ram` object.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub struct RamStats {
+    /// Bytes written to the channels (headers included).
+    pub transferred: u64,
+    /// Dirty bytes not sent yet.
+    pub remaining: u64,
+    /// Guest memory size.
+    pub total: u64,
+    /// Pages sent as zero pages.
+    pub duplicate: u64,
+    /// Pages sent with data.
+    pub normal: u64,
+    /// Guest bytes of the normal pages.
+    pub normal_bytes: u64,
+    /// Average wire throughput in megabits per second.
+    pub mbps: f64,
+    /// Pages (zero or not) per second.
+    pub pages_per_second: u64,
+    /// Dirty-log syncs.
+    pub dirty_sync_count: u64,
+    /// Pages dirtied per second during the last iteration.
+    pub dirty_pages_rate: u64,
+    /// Dirty iterations done (tern's addition).
+    pub iterations: u64,
+}
+
+/// The statistics of one side of a migration. Durations are milliseconds.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub struct MigrationStats {
+    /// Final or current status.
+    pub status: MigrationStatus,
+    /// From start to the end (or to now).
+    pub total_time: u64,
+    /// Connecting and handshaking.
+    pub setup_time: u64,
+    /// Guest paused on the source until it runs on the destination
+    /// (including the digest comparison).
+    pub downtime: u64,
+    /// Downtime the last iteration predicted.
+    pub expected_downtime: u64,
+    /// Memory counters.
+    pub ram: RamStats,
+    /// Auto-converge throttle at the end.
+    pub throttle_percent: u64,
+    /// Whether an iteration or time limit forced the switch-over.
+    pub forced_switch_over: bool,
+    /// Whether the destination's memory digest matched the source's.
+    pub digest_verified: bool,
+    /// CPU seconds per thread of this side.
+    pub cpu_seconds: BTreeMap<String, f64>,
+    /// The destination's own statistics, when it sent them.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub destination: Option<DestinationStats>,
+    /// What went wrong, when something did.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub error: Option<String>,
+}
+
+/// What the destination reports back at the end.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub struct DestinationStats {
+    /// Bytes read from all channels.
+    pub received: u64,
+    /// Zero pages received.
+    pub zero_pages: u64,
+    /// Zero pages that had to be cleared because the page held data.
+    pub zero_pages_cleared: u64,
+    /// Pages received with data.
+    pub normal_pages: u64,
+    /// Milliseconds spent computing the memory digest.
+    pub digest_time: u64,
+    /// CPU seconds per thread.
+    pub cpu_seconds: BTreeMap<String, f64>,
+}
+
+/// CPU time used so far by the calling thread.
+pub fn thread_cpu_seconds() -> f64 {
+    let mut time = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: `time` is a valid timespec to write into.
+    let result = unsafe { libc::clock_gettime(libc::CLOCK_THREAD_CPUTIME_ID, &mut time) };
+    if result != 0 {
+        return 0.0;
+    }
+    time.tv_sec as f64 + time.tv_nsec as f64 / 1e9
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn json_uses_qemu_names() {
+        let stats = LiveStats::new();
+        stats.normal.store(3, Ordering::Relaxed);
+        stats.set_status(MigrationStatus::Completed);
+        let json = serde_json::to_value(stats.snapshot()).unwrap();
+        assert_eq!(json["status"], "completed");
+        for key in [
+            "total-time",
+            "setup-time",
+            "downtime",
+            "expected-downtime",
+            "digest-verified",
+        ] {
+            assert!(json.get(key).is_some(), "{key}");
+        }
+        for key in [
+            "transferred",
+            "remaining",
+            "total",
+            "duplicate",
+            "normal",
+            "normal-bytes",
+            "mbps",
+            "pages-per-second",
+            "dirty-sync-count",
+            "dirty-pages-rate",
+        ] {
+            assert!(json["ram"].get(key).is_some(), "{key}");
+        }
+        assert_eq!(json["ram"]["normal"], 3);
+    }
+
+    #[test]
+    fn thread_cpu_time_moves() {
+        let before = thread_cpu_seconds();
+        let mut x = 0u64;
+        for i in 0..5_000_000u64 {
+            x = x.wrapping_mul(31).wrapping_add(i);
+        }
+        std::hint::black_box(x);
+        assert!(thread_cpu_seconds() > before);
+    }
+}

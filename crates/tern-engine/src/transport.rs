@@ -1,0 +1,486 @@
+//! Channels: TCP or Unix stream sockets, with vectored sends from raw guest
+//! pointers and reads straight into guest memory.
+
+use std::fmt;
+use std::io::{self, Read, Write};
+use std::net::{TcpListener, TcpStream, ToSocketAddrs};
+use std::os::fd::{AsRawFd, RawFd};
+use std::os::unix::net::{UnixListener, UnixStream};
+use std::path::PathBuf;
+use std::str::FromStr;
+use std::time::{Duration, Instant};
+
+use tern_wire::{FRAME_HEADER_LEN, FrameHeader, Message};
+
+use crate::error::ChannelError;
+
+/// Where a destination listens, or a source connects.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Address {
+    /// `tcp:HOST:PORT` or plain `HOST:PORT`.
+    Tcp(String),
+    /// `unix:PATH`.
+    Unix(PathBuf),
+}
+
+impl FromStr for Address {
+    type Err = String;
+
+    fn from_str(text: &str) -> Result<Self, String> {
+        if let Some(path) = text.strip_prefix("unix:") {
+            if path.is_empty() {
+                return Err("unix: address needs a path".to_string());
+            }
+            return Ok(Self::Unix(PathBuf::from(path)));
+        }
+        let host_port = text.strip_prefix("tcp:").unwrap_or(text);
+        match host_port.rsplit_once(':') {
+            Some((host, port)) if !host.is_empty() && port.parse::<u16>().is_ok() => {
+                Ok(Self::Tcp(host_port.to_string()))
+            }
+            _ => Err(format!(
+                "'{text}' is not an address: use HOST:PORT, tcp:HOST:PORT or unix:PATH"
+            )),
+        }
+    }
+}
+
+impl fmt::Display for Address {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Self::Tcp(host_port) => write!(f, "tcp:{host_port}"),
+            Self::Unix(path) => write!(f, "unix:{}", path.display()),
+        }
+    }
+}
+
+/// A bound listening socket.
+#[derive(Debug)]
+pub enum Listener {
+    /// TCP.
+    Tcp(TcpListener),
+    /// Unix stream socket; the path is removed on drop.
+    Unix(UnixListener, PathBuf),
+}
+
+impl Listener {
+    /// Binds `address`. A stale Unix socket file is replaced.
+    pub fn bind(address: &Address) -> io::Result<Self> {
+        match address {
+            Address::Tcp(host_port) => Ok(Self::Tcp(TcpListener::bind(host_port.as_str())?)),
+            Address::Unix(path) => {
+                if path.exists() {
+                    std::fs::remove_file(path)?;
+                }
+                Ok(Self::Unix(UnixListener::bind(path)?, path.clone()))
+            }
+        }
+    }
+
+    /// The address a source should connect to (with the actual port when
+    /// bound to port 0).
+    pub fn local_address(&self) -> io::Result<Address> {
+        match self {
+            Self::Tcp(listener) => Ok(Address::Tcp(listener.local_addr()?.to_string())),
+            Self::Unix(_, path) => Ok(Address::Unix(path.clone())),
+        }
+    }
+
+    /// Waits at most `timeout` for a connection.
+    pub fn accept_timeout(&self, timeout: Duration) -> Result<Channel, ChannelError> {
+        let fd = match self {
+            Self::Tcp(listener) => listener.as_raw_fd(),
+            Self::Unix(listener, _) => listener.as_raw_fd(),
+        };
+        if !poll_readable(fd, timeout).map_err(ChannelError::Io)? {
+            return Err(ChannelError::Timeout("a connection"));
+        }
+        let stream = match self {
+            Self::Tcp(listener) => {
+                let (stream, _) = listener.accept().map_err(ChannelError::Io)?;
+                Stream::Tcp(stream)
+            }
+            Self::Unix(listener, _) => {
+                let (stream, _) = listener.accept().map_err(ChannelError::Io)?;
+                Stream::Unix(stream)
+            }
+        };
+        Channel::new(stream)
+    }
+}
+
+impl Drop for Listener {
+    fn drop(&mut self) {
+        if let Self::Unix(_, path) = self {
+            let _ = std::fs::remove_file(path);
+        }
+    }
+}
+
+#[derive(Debug)]
+enum Stream {
+    Tcp(TcpStream),
+    Unix(UnixStream),
+}
+
+/// One connected channel.
+#[derive(Debug)]
+pub struct Channel {
+    stream: Stream,
+    fd: RawFd,
+}
+
+/// A piece of a vectored send: a pointer and a length. The pointer may be
+/// into guest memory; see [`Channel::send_vectored`].
+#[derive(Clone, Copy, Debug)]
+pub struct Segment {
+    /// First byte.
+    pub ptr: *const u8,
+    /// Length in bytes.
+    pub len: usize,
+}
+
+/// Largest socket buffer we ask for; the kernel caps it at its own limit.
+const SOCKET_BUFFER_BYTES: libc::c_int = 4 << 20;
+
+impl Channel {
+    fn new(stream: Stream) -> Result<Self, ChannelError> {
+        let fd = match &stream {
+            Stream::Tcp(tcp) => {
+                tcp.set_nodelay(true).map_err(ChannelError::Io)?;
+                tcp.as_raw_fd()
+            }
+            Stream::Unix(unix) => unix.as_raw_fd(),
+        };
+        for option in [libc::SO_SNDBUF, libc::SO_RCVBUF] {
+            // SAFETY: `fd` is an open socket owned by `stream`; the option
+            // value is a c_int that outlives the call. Failure only leaves
+            // the default size, so the result is ignored.
+            unsafe {
+                libc::setsockopt(
+                    fd,
+                    libc::SOL_SOCKET,
+                    option,
+                    (&SOCKET_BUFFER_BYTES as *const libc::c_int).cast(),
+                    std::mem::size_of::<libc::c_int>() as libc::socklen_t,
+                );
+            }
+        }
+        Ok(Self { stream, fd })
+    }
+
+    /// Connects to `address`, retrying for up to `timeout` while the
+    /// destination is not listening yet.
+    pub fn connect(address: &Address, timeout: Duration) -> Result<Self, ChannelError> {
+        let deadline = Instant::now() + timeout;
+        loop {
+            let attempt = match address {
+                Address::Tcp(host_port) => connect_tcp(host_port, timeout).map(Stream::Tcp),
+                Address::Unix(path) => UnixStream::connect(path).map(Stream::Unix),
+            };
+            match attempt {
+                Ok(stream) => return Self::new(stream),
+                Err(error)
+                    if Instant::now() < deadline
+                        && matches!(
+                            error.kind(),
+                            io::ErrorKind::ConnectionRefused | io::ErrorKind::NotFound
+                        ) =>
+                {
+                    std::thread::sleep(Duration::from_millis(20));
+                }
+                Err(error) => return Err(ChannelError::Connect(address.to_string(), error)),
+            }
+        }
+    }
+
+    /// Sets the send and receive timeouts of blocking operations.
+    pub fn set_timeouts(&self, timeout: Duration) -> Result<(), ChannelError> {
+        let result = match &self.stream {
+            Stream::Tcp(tcp) => tcp
+                .set_read_timeout(Some(timeout))
+                .and_then(|()| tcp.set_write_timeout(Some(timeout))),
+            Stream::Unix(unix) => unix
+                .set_read_timeout(Some(timeout))
+                .and_then(|()| unix.set_write_timeout(Some(timeout))),
+        };
+        result.map_err(ChannelError::Io)
+    }
+
+    /// Shuts both directions down, waking any thread blocked on this channel.
+    pub fn shutdown(&self) {
+        // SAFETY: shutting down an open socket has no memory effects.
+        unsafe {
+            libc::shutdown(self.fd, libc::SHUT_RDWR);
+        }
+    }
+
+    /// A second handle on the same socket, for a thread that only reads
+    /// (or only writes) while another thread uses this one.
+    pub fn try_clone(&self) -> Result<Self, ChannelError> {
+        let stream = match &self.stream {
+            Stream::Tcp(tcp) => Stream::Tcp(tcp.try_clone().map_err(ChannelError::Io)?),
+            Stream::Unix(unix) => Stream::Unix(unix.try_clone().map_err(ChannelError::Io)?),
+        };
+        let fd = match &stream {
+            Stream::Tcp(tcp) => tcp.as_raw_fd(),
+            Stream::Unix(unix) => unix.as_raw_fd(),
+        };
+        Ok(Self { stream, fd })
+    }
+
+    /// Writes all of `bytes`.
+    pub fn write_all(&mut self, bytes: &[u8]) -> Result<(), ChannelError> {
+        let result = match &mut self.stream {
+            Stream::Tcp(tcp) => tcp.write_all(bytes),
+            Stream::Unix(unix) => unix.write_all(bytes),
+        };
+        result.map_err(map_io)
+    }
+
+    /// Encodes and sends one control message.
+    pub fn send_message(&mut self, message: &Message) -> Result<(), ChannelError> {
+        self.write_all(&message.to_bytes())
+    }
+
+    /// Reads exactly `buf.len()` bytes; a clean end of stream is reported as
+    /// [`ChannelError::Closed`].
+    pub fn read_exact(&mut self, buf: &mut [u8]) -> Result<(), ChannelError> {
+        let result = match &mut self.stream {
+            Stream::Tcp(tcp) => tcp.read_exact(buf),
+            Stream::Unix(unix) => unix.read_exact(buf),
+        };
+        result.map_err(map_io)
+    }
+
+    /// Reads and validates a frame header.
+    pub fn read_frame_header(&mut self) -> Result<FrameHeader, ChannelError> {
+        let mut head = [0u8; FRAME_HEADER_LEN];
+        self.read_exact(&mut head)?;
+        Ok(FrameHeader::decode(&head)?)
+    }
+
+    /// Reads one control message (frame header and body).
+    pub fn read_message(&mut self) -> Result<Message, ChannelError> {
+        let header = self.read_frame_header()?;
+        let mut body = vec![0u8; header.body_len as usize];
+        self.read_exact(&mut body)?;
+        Ok(Message::decode(header.kind, &body)?)
+    }
+
+    /// Waits up to `timeout` for the channel to have data (or to be closed).
+    pub fn wait_readable(&self, timeout: Duration) -> Result<bool, ChannelError> {
+        poll_readable(self.fd, timeout).map_err(ChannelError::Io)
+    }
+
+    /// Sends all segments in order with as few system calls as possible.
+    ///
+    /// # Safety
+    /// Every segment must point to `len` readable bytes for the duration of
+    /// the call. The bytes may be written concurrently by others (guest
+    /// memory); the kernel then sends some mix of old and new bytes, which
+    /// the dirty log makes harmless.
+    pub unsafe fn send_vectored(&mut self, segments: &[Segment]) -> Result<(), ChannelError> {
+        let mut iovecs: Vec<libc::iovec> = segments
+            .iter()
+            .filter(|segment| segment.len > 0)
+            .map(|segment| libc::iovec {
+                iov_base: segment.ptr as *mut libc::c_void,
+                iov_len: segment.len,
+            })
+            .collect();
+        let mut first = 0;
+        while first < iovecs.len() {
+            let batch = &mut iovecs[first..];
+            let count = batch.len().min(libc::UIO_MAXIOV as usize);
+            // SAFETY: an all-zero msghdr is a valid empty message.
+            let mut header: libc::msghdr = unsafe { std::mem::zeroed() };
+            header.msg_iov = batch.as_mut_ptr();
+            header.msg_iovlen = count;
+            // SAFETY: the iovecs point to readable memory (caller's
+            // contract) and live until the call returns; `header` points to
+            // them. MSG_NOSIGNAL turns a closed peer into EPIPE instead of a
+            // signal.
+            let sent = unsafe { libc::sendmsg(self.fd, &header, libc::MSG_NOSIGNAL) };
+            if sent < 0 {
+                let error = io::Error::last_os_error();
+                if error.kind() == io::ErrorKind::Interrupted {
+                    continue;
+                }
+                return Err(map_io(error));
+            }
+            let mut sent = sent as usize;
+            while sent > 0 {
+                let iov = &mut iovecs[first];
+                if sent >= iov.iov_len {
+                    sent -= iov.iov_len;
+                    first += 1;
+                } else {
+                    // SAFETY: advancing within the same iovec's buffer.
+                    iov.iov_base = unsafe { iov.iov_base.cast::<u8>().add(sent) }.cast();
+                    iov.iov_len -= sent;
+                    sent = 0;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Reads exactly the sum of the segments' lengths, scattering the bytes
+    /// into them in order.
+    ///
+    /// # Safety
+    /// Every segment must point to `len` writable bytes that nothing else
+    /// accesses during the call, and that lie inside memory the caller has
+    /// bounds-checked (guest pages or a scratch buffer).
+    pub unsafe fn read_scattered(&mut self, segments: &[Segment]) -> Result<(), ChannelError> {
+        let mut iovecs: Vec<libc::iovec> = segments
+            .iter()
+            .filter(|segment| segment.len > 0)
+            .map(|segment| libc::iovec {
+                iov_base: segment.ptr as *mut libc::c_void,
+                iov_len: segment.len,
+            })
+            .collect();
+        let mut first = 0;
+        while first < iovecs.len() {
+            let batch = &mut iovecs[first..];
+            let count = batch.len().min(libc::UIO_MAXIOV as usize);
+            // SAFETY: the iovecs describe writable memory (caller's contract)
+            // and live until the call returns.
+            let read = unsafe { libc::readv(self.fd, batch.as_ptr(), count as libc::c_int) };
+            if read < 0 {
+                let error = io::Error::last_os_error();
+                if error.kind() == io::ErrorKind::Interrupted {
+                    continue;
+                }
+                return Err(map_io(error));
+            }
+            if read == 0 {
+                return Err(ChannelError::Closed);
+            }
+            let mut read = read as usize;
+            while read > 0 {
+                let iov = &mut iovecs[first];
+                if read >= iov.iov_len {
+                    read -= iov.iov_len;
+                    first += 1;
+                } else {
+                    // SAFETY: advancing within the same iovec's buffer.
+                    iov.iov_base = unsafe { iov.iov_base.cast::<u8>().add(read) }.cast();
+                    iov.iov_len -= read;
+                    read = 0;
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+fn connect_tcp(host_port: &str, timeout: Duration) -> io::Result<TcpStream> {
+    let mut last_error = io::Error::new(io::ErrorKind::NotFound, "no address resolved");
+    for address in host_port.to_socket_addrs()? {
+        match TcpStream::connect_timeout(&address, timeout) {
+            Ok(stream) => return Ok(stream),
+            Err(error) => last_error = error,
+        }
+    }
+    Err(last_error)
+}
+
+fn poll_readable(fd: RawFd, timeout: Duration) -> io::Result<bool> {
+    let mut poll_fd = libc::pollfd {
+        fd,
+        events: libc::POLLIN,
+        revents: 0,
+    };
+    let millis = libc::c_int::try_from(timeout.as_millis()).unwrap_or(libc::c_int::MAX);
+    loop {
+        // SAFETY: `poll_fd` is a valid pollfd for the duration of the call.
+        let ready = unsafe { libc::poll(&mut poll_fd, 1, millis) };
+        if ready >= 0 {
+            return Ok(ready > 0);
+        }
+        let error = io::Error::last_os_error();
+        if error.kind() != io::ErrorKind::Interrupted {
+            return Err(error);
+        }
+    }
+}
+
+fn map_io(error: io::Error) -> ChannelError {
+    match error.kind() {
+        io::ErrorKind::UnexpectedEof => ChannelError::Closed,
+        io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut => {
+            ChannelError::Timeout("the peer (I/O timed out)")
+        }
+        _ => ChannelError::Io(error),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parses_addresses() {
+        assert_eq!(
+            "127.0.0.1:4444".parse::<Address>(),
+            Ok(Address::Tcp("127.0.0.1:4444".into()))
+        );
+        assert_eq!(
+            "tcp:[::1]:80".parse::<Address>(),
+            Ok(Address::Tcp("[::1]:80".into()))
+        );
+        assert_eq!(
+            "unix:/tmp/x.sock".parse::<Address>(),
+            Ok(Address::Unix("/tmp/x.sock".into()))
+        );
+        assert!("nonsense".parse::<Address>().is_err());
+        assert!("host:99999".parse::<Address>().is_err());
+        assert!("unix:".parse::<Address>().is_err());
+    }
+
+    #[test]
+    fn vectored_send_and_scattered_read() {
+        let dir = tempfile::tempdir().unwrap();
+        let address = Address::Unix(dir.path().join("s"));
+        let listener = Listener::bind(&address).unwrap();
+        let mut client = Channel::connect(&address, Duration::from_secs(1)).unwrap();
+        let mut server = listener.accept_timeout(Duration::from_secs(1)).unwrap();
+        let a = vec![1u8; 100_000];
+        let b = vec![2u8; 3];
+        let sender = std::thread::spawn(move || {
+            let segments = [
+                Segment {
+                    ptr: a.as_ptr(),
+                    len: a.len(),
+                },
+                Segment {
+                    ptr: b.as_ptr(),
+                    len: b.len(),
+                },
+            ];
+            // SAFETY: the vectors live until the call returns.
+            unsafe { client.send_vectored(&segments) }.unwrap();
+        });
+        let mut first = vec![0u8; 50_001];
+        let mut second = vec![0u8; 50_002];
+        let segments = [
+            Segment {
+                ptr: first.as_mut_ptr(),
+                len: first.len(),
+            },
+            Segment {
+                ptr: second.as_mut_ptr(),
+                len: second.len(),
+            },
+        ];
+        // SAFETY: both buffers are owned here and outlive the call.
+        unsafe { server.read_scattered(&segments) }.unwrap();
+        sender.join().unwrap();
+        assert!(first.iter().all(|&x| x == 1));
+        assert_eq!(&second[second.len() - 3..], &[2, 2, 2]);
+        assert!(matches!(server.read_message(), Err(ChannelError::Closed)));
+    }
+}

@@ -1,0 +1,247 @@
+//! `tern bench`: measured, not claimed. Every figure is a median over
+//! several runs made side by side in one invocation.
+
+use std::process::ExitCode;
+use std::time::Duration;
+
+use anyhow::{Context, bail};
+use serde::Serialize;
+use tern_engine::{Address, GuestControl, Listener, MigrationConfig, ReceiveConfig, Source};
+use tern_synthetic::{SyntheticConfig, SyntheticGuest};
+
+use crate::cli::{BenchCommand, BenchMigrateArgs};
+use crate::report::print_json;
+use crate::run::spawn_local_destination;
+
+pub fn run(command: BenchCommand) -> anyhow::Result<ExitCode> {
+    match command {
+        BenchCommand::Migrate(args) => bench_migrate(&args),
+    }
+}
+
+/// One run's figures.
+#[derive(Clone, Copy, Debug, Default, Serialize)]
+#[serde(rename_all = "kebab-case")]
+struct RunFigures {
+    total_ms: f64,
+    downtime_ms: f64,
+    setup_ms: f64,
+    iterations: f64,
+    /// Guest memory per second of total time.
+    throughput_gib_s: f64,
+    /// Wire throughput.
+    mbps: f64,
+    transferred_gib: f64,
+    source_cpu_s_per_gib: f64,
+    destination_cpu_s_per_gib: f64,
+    destination_digest_ms: f64,
+}
+
+#[derive(Debug, Serialize)]
+#[serde(rename_all = "kebab-case")]
+struct CaseResult {
+    guest: &'static str,
+    channels: u16,
+    runs: usize,
+    median: RunFigures,
+    all: Vec<RunFigures>,
+}
+
+#[derive(Debug, Serialize)]
+#[serde(rename_all = "kebab-case")]
+struct BenchReport {
+    machine: String,
+    memory_bytes: u64,
+    mix: String,
+    dirty_rate_bytes_per_sec: u64,
+    working_set_bytes: u64,
+    cases: Vec<CaseResult>,
+}
+
+fn bench_migrate(args: &BenchMigrateArgs) -> anyhow::Result<ExitCode> {
+    if args.runs == 0 {
+        bail!("--runs must be at least 1");
+    }
+    let mut cases = Vec::new();
+    let modes: &[(&'static str, u64)] = if args.paused_only {
+        &[("paused", 0)]
+    } else {
+        &[("paused", 0), ("dirtying", args.dirty_rate)]
+    };
+    for &(mode, dirty_rate) in modes {
+        eprintln!(
+            "bench: filling a {} {mode} guest...",
+            crate::units::human_bytes(args.memory)
+        );
+        let mut guest = SyntheticGuest::new(&SyntheticConfig {
+            memory_bytes: args.memory,
+            regions: 1,
+            mix: args.mix,
+            seed: 42,
+            dirty_rate_bytes_per_sec: dirty_rate,
+            working_set_bytes: args.working_set,
+            dirtier_threads: 1,
+        })
+        .context("cannot create the guest")?;
+        // Interleave the channel counts run by run, so slow drifts of a
+        // shared machine spread over every case instead of one.
+        let mut runs: Vec<Vec<RunFigures>> = vec![Vec::new(); args.channels.len()];
+        for run in 0..args.runs {
+            for (case, &channels) in args.channels.iter().enumerate() {
+                let figures = one_run(&mut guest, channels, args.memory)
+                    .with_context(|| format!("{mode} run {run} with {channels} channels"))?;
+                eprintln!(
+                    "bench: {mode:>8} {channels} ch run {run}: total {:.0} ms, downtime {:.0} ms, {:.2} GiB/s",
+                    figures.total_ms, figures.downtime_ms, figures.throughput_gib_s
+                );
+                runs[case].push(figures);
+                if dirty_rate > 0 {
+                    guest.resume().context("cannot resume the source guest")?;
+                }
+            }
+        }
+        for (case, all) in runs.into_iter().enumerate() {
+            cases.push(CaseResult {
+                guest: mode,
+                channels: args.channels[case],
+                runs: all.len(),
+                median: median_figures(&all),
+                all,
+            });
+        }
+    }
+    let report = BenchReport {
+        machine: machine_name(),
+        memory_bytes: args.memory,
+        mix: format!("{}:{}:{}", args.mix.zero, args.mix.random, args.mix.text),
+        dirty_rate_bytes_per_sec: args.dirty_rate,
+        working_set_bytes: args.working_set,
+        cases,
+    };
+    if args.json {
+        print_json(&report)?;
+    } else {
+        print_markdown(&report);
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+fn one_run(guest: &mut SyntheticGuest, channels: u16, memory: u64) -> anyhow::Result<RunFigures> {
+    let listener = Listener::bind(&Address::Tcp("127.0.0.1:0".into()))?;
+    let address = listener.local_address()?;
+    let destination = spawn_local_destination(listener, ReceiveConfig::default());
+    let source = Source::new(MigrationConfig {
+        channels,
+        ..MigrationConfig::default()
+    })?;
+    let result = source.migrate(guest, &address);
+    let received = destination
+        .join()
+        .map_err(|_| anyhow::anyhow!("the destination thread panicked"))?;
+    let stats = result.map_err(|failure| anyhow::anyhow!(failure.error.chain()))?;
+    let received = received?;
+    let gib = memory as f64 / (1u64 << 30) as f64;
+    let figures = RunFigures {
+        total_ms: stats.total_time as f64,
+        downtime_ms: stats.downtime as f64,
+        setup_ms: stats.setup_time as f64,
+        iterations: stats.ram.iterations as f64,
+        throughput_gib_s: gib / (stats.total_time as f64 / 1000.0).max(1e-3),
+        mbps: stats.ram.mbps,
+        transferred_gib: stats.ram.transferred as f64 / (1u64 << 30) as f64,
+        source_cpu_s_per_gib: stats.cpu_seconds.values().sum::<f64>() / gib,
+        destination_cpu_s_per_gib: received.stats.cpu_seconds.values().sum::<f64>() / gib,
+        destination_digest_ms: received.stats.digest_time as f64,
+    };
+    // Free the destination's memory before the next run.
+    drop(received);
+    std::thread::sleep(Duration::from_millis(200));
+    Ok(figures)
+}
+
+fn median(values: &mut [f64]) -> f64 {
+    values.sort_by(f64::total_cmp);
+    let n = values.len();
+    if n == 0 {
+        0.0
+    } else if n % 2 == 1 {
+        values[n / 2]
+    } else {
+        (values[n / 2 - 1] + values[n / 2]) / 2.0
+    }
+}
+
+fn median_figures(all: &[RunFigures]) -> RunFigures {
+    let pick = |field: fn(&RunFigures) -> f64| {
+        let mut values: Vec<f64> = all.iter().map(field).collect();
+        median(&mut values)
+    };
+    RunFigures {
+        total_ms: pick(|f| f.total_ms),
+        downtime_ms: pick(|f| f.downtime_ms),
+        setup_ms: pick(|f| f.setup_ms),
+        iterations: pick(|f| f.iterations),
+        throughput_gib_s: pick(|f| f.throughput_gib_s),
+        mbps: pick(|f| f.mbps),
+        transferred_gib: pick(|f| f.transferred_gib),
+        source_cpu_s_per_gib: pick(|f| f.source_cpu_s_per_gib),
+        destination_cpu_s_per_gib: pick(|f| f.destination_cpu_s_per_gib),
+        destination_digest_ms: pick(|f| f.destination_digest_ms),
+    }
+}
+
+/// CPU model, core count and memory, for the record.
+pub fn machine_name() -> String {
+    let cpu = std::fs::read_to_string("/proc/cpuinfo")
+        .ok()
+        .and_then(|text| {
+            text.lines()
+                .find(|line| line.starts_with("model name"))
+                .and_then(|line| line.split(':').nth(1))
+                .map(|name| name.trim().to_string())
+        })
+        .unwrap_or_else(|| "unknown CPU".into());
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let memory_gib = std::fs::read_to_string("/proc/meminfo")
+        .ok()
+        .and_then(|text| {
+            text.lines()
+                .find(|line| line.starts_with("MemTotal:"))
+                .and_then(|line| line.split_whitespace().nth(1))
+                .and_then(|kib| kib.parse::<u64>().ok())
+        })
+        .map_or(0.0, |kib| kib as f64 / (1u64 << 20) as f64);
+    format!("{cpu}, {cores} cores, {memory_gib:.0} GiB")
+}
+
+fn print_markdown(report: &BenchReport) {
+    println!(
+        "Machine: {}. Guest: {} ({} zero:random:text), dirtying case {} /s over {}.\n",
+        report.machine,
+        crate::units::human_bytes(report.memory_bytes),
+        report.mix,
+        crate::units::human_bytes(report.dirty_rate_bytes_per_sec),
+        crate::units::human_bytes(report.working_set_bytes)
+    );
+    println!(
+        "| guest | channels | runs | total (ms) | downtime (ms) | iterations | GiB/s | wire Mbit/s | transferred (GiB) | source CPU s/GiB | destination CPU s/GiB |"
+    );
+    println!("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
+    for case in &report.cases {
+        let m = &case.median;
+        println!(
+            "| {} | {} | {} | {:.0} | {:.0} | {:.0} | {:.2} | {:.0} | {:.2} | {:.3} | {:.3} |",
+            case.guest,
+            case.channels,
+            case.runs,
+            m.total_ms,
+            m.downtime_ms,
+            m.iterations,
+            m.throughput_gib_s,
+            m.mbps,
+            m.transferred_gib,
+            m.source_cpu_s_per_gib,
+            m.destination_cpu_s_per_gib
+        );
+    }
+}

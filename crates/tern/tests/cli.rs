@@ -1,0 +1,148 @@
+//! The `tern` command line, run as separate processes.
+
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+fn tern() -> Command {
+    Command::new(env!("CARGO_BIN_EXE_tern"))
+}
+
+fn json(output: &std::process::Output) -> serde_json::Value {
+    serde_json::from_slice(&output.stdout).unwrap_or_else(|error| {
+        panic!(
+            "stdout is not JSON ({error}):\n{}\nstderr:\n{}",
+            String::from_utf8_lossy(&output.stdout),
+            String::from_utf8_lossy(&output.stderr)
+        )
+    })
+}
+
+#[test]
+fn demo_json_completes_and_verifies() {
+    let output = tern()
+        .args(["demo", "--json", "--memory", "64MiB", "--working-set", "16MiB"])
+        .output()
+        .unwrap();
+    assert!(output.status.success(), "{output:?}");
+    let report = json(&output);
+    assert_eq!(report["status"], "completed");
+    assert_eq!(report["digest-verified"], true);
+    assert_eq!(report["resumed-on-destination"], true);
+    assert_eq!(report["ram"]["total"], 64 << 20);
+    assert!(report["destination"]["cpu-seconds"].is_object());
+}
+
+#[test]
+fn demo_over_a_unix_socket_prints_a_summary() {
+    let output = tern()
+        .args(["demo", "--unix", "--memory", "32MiB", "--channels", "3"])
+        .output()
+        .unwrap();
+    assert!(output.status.success(), "{output:?}");
+    let text = String::from_utf8_lossy(&output.stdout);
+    assert!(text.contains("completed"), "{text}");
+    assert!(text.contains("digest verified  true"), "{text}");
+}
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+#[test]
+fn migrate_to_a_separate_receive_process() {
+    let address = format!("127.0.0.1:{}", free_port());
+    let receiver = tern()
+        .args(["receive", "--json", "--listen", &address])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let output = tern()
+        .args([
+            "migrate",
+            "--json",
+            "--to",
+            &address,
+            "--memory",
+            "48MiB",
+            "--mix",
+            "30:30:40",
+            "--dirty-rate",
+            "16MiB",
+        ])
+        .output()
+        .unwrap();
+    assert!(output.status.success(), "{output:?}");
+    assert_eq!(json(&output)["status"], "completed");
+    let received = receiver.wait_with_output().unwrap();
+    assert!(received.status.success(), "{received:?}");
+    let report = json(&received);
+    assert_eq!(report["digest-verified"], true);
+    assert_eq!(report["resumed-guest-dirtying"], true);
+}
+
+#[test]
+fn killed_receiver_fails_the_migration_cleanly() {
+    let address = format!("127.0.0.1:{}", free_port());
+    let mut receiver = tern()
+        .args(["receive", "--listen", &address])
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    // A slow link keeps the migration running long enough to kill the
+    // destination in the middle of it.
+    let migrate = tern()
+        .args([
+            "migrate",
+            "--json",
+            "--to",
+            &address,
+            "--memory",
+            "64MiB",
+            "--mix",
+            "0:100:0",
+            "--max-bandwidth",
+            "16MiB",
+        ])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    std::thread::sleep(Duration::from_millis(1500));
+    receiver.kill().unwrap();
+    receiver.wait().unwrap();
+    let started = Instant::now();
+    let output = migrate.wait_with_output().unwrap();
+    assert!(started.elapsed() < Duration::from_secs(30));
+    assert_eq!(output.status.code(), Some(1), "{output:?}");
+    let report = json(&output);
+    assert_eq!(report["status"], "failed");
+    assert!(report["error"].as_str().unwrap().contains("Channel"), "{report}");
+}
+
+#[test]
+fn bad_options_are_clear_errors() {
+    let output = tern()
+        .args(["demo", "--memory", "lots"])
+        .output()
+        .unwrap();
+    assert_eq!(output.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&output.stderr).contains("not a size"));
+    let output = tern()
+        .args(["demo", "--channels", "0", "--memory", "4MiB"])
+        .output()
+        .unwrap();
+    assert_eq!(output.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&output.stderr).contains("--channels 0"));
+    let output = tern()
+        .args(["migrate", "--to", "unix:/nonexistent/dir/sock", "--memory", "4MiB", "--json", "--connect-timeout", "1"])
+        .output()
+        .unwrap();
+    assert_eq!(output.status.code(), Some(1));
+    assert!(json(&output)["error"].as_str().unwrap().contains("Cannot connect"));
+}

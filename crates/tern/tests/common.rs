@@ -1,0 +1,71 @@
+//! Helpers shared by the integration tests.
+#![allow(dead_code)]
+
+use std::thread::JoinHandle;
+use std::time::Duration;
+
+use tern_engine::{
+    Address, Destination, GuestError, Listener, MigrationConfig, MigrationError, ReceiveConfig,
+    Received,
+};
+use tern_synthetic::{ContentMix, SyntheticConfig, SyntheticGuest};
+
+pub const MIB: u64 = 1 << 20;
+
+/// A synthetic guest of `memory` bytes with the default mix.
+pub fn guest(memory: u64, dirty_rate: u64) -> SyntheticGuest {
+    SyntheticGuest::new(&SyntheticConfig {
+        memory_bytes: memory,
+        regions: 1,
+        mix: ContentMix::default(),
+        seed: 11,
+        dirty_rate_bytes_per_sec: dirty_rate,
+        working_set_bytes: memory / 4,
+        dirtier_threads: 1,
+    })
+    .expect("synthetic guest")
+}
+
+pub fn guest_with(config: SyntheticConfig) -> SyntheticGuest {
+    SyntheticGuest::new(&config).expect("synthetic guest")
+}
+
+pub fn make_destination_guest(
+    setup: &tern_wire::SessionSetup,
+) -> Result<SyntheticGuest, GuestError> {
+    let lens: Vec<u64> = setup.regions.iter().map(|region| region.len).collect();
+    SyntheticGuest::empty(&lens).map_err(|error| GuestError::with_source("destination", error))
+}
+
+/// A listener on a free TCP port of 127.0.0.1.
+pub fn tcp_listener() -> (Listener, Address) {
+    let listener = Listener::bind(&Address::Tcp("127.0.0.1:0".into())).expect("bind");
+    let address = listener.local_address().expect("address");
+    (listener, address)
+}
+
+/// Short timeouts so failing tests fail fast.
+pub fn receive_config() -> ReceiveConfig {
+    ReceiveConfig {
+        accept_timeout: Duration::from_secs(20),
+        io_timeout: Duration::from_secs(10),
+    }
+}
+
+pub fn migration_config(channels: u16) -> MigrationConfig {
+    MigrationConfig {
+        channels,
+        io_timeout: Duration::from_secs(10),
+        connect_timeout: Duration::from_secs(5),
+        ..MigrationConfig::default()
+    }
+}
+
+pub type DestinationResult = Result<Received<SyntheticGuest>, MigrationError>;
+
+/// Runs a destination on its own thread.
+pub fn spawn_destination(listener: Listener) -> JoinHandle<DestinationResult> {
+    std::thread::spawn(move || {
+        Destination::new(receive_config()).receive(&listener, make_destination_guest)
+    })
+}

@@ -1,0 +1,438 @@
+//! Bad input and faults: every case ends in a clear error, never a panic,
+//! a hang, or a write outside guest memory, and the source guest survives.
+
+mod common;
+
+use std::time::Duration;
+
+use common::*;
+use tern_engine::{Channel, ChannelError, MigrationError, MigrationStatus, Source};
+use tern_wire::{
+    ChannelHello, DigestAlgorithm, FrameHeader, FrameKind, Handshake, Hello, Message, PageEntry,
+    PageKind, RegionInfo, SessionSetup, Sync, encode_pages_prefix,
+};
+
+const SESSION: u64 = 0x5e55_1011;
+const REGION_BYTES: u64 = 4 * MIB;
+
+fn setup(channels: u16) -> SessionSetup {
+    SessionSetup {
+        page_size: 4096,
+        channel_count: channels,
+        codec: 0,
+        digest: DigestAlgorithm::Xxh3Chunked,
+        regions: vec![RegionInfo {
+            id: 0,
+            guest_addr: 0,
+            len: REGION_BYTES,
+        }],
+    }
+}
+
+/// A hand-driven source that speaks the protocol, or breaks it on purpose.
+struct FakeSource {
+    main: Channel,
+    pages: Vec<Channel>,
+}
+
+fn connect(address: &tern_engine::Address) -> Channel {
+    Channel::connect(address, Duration::from_secs(5)).expect("connect")
+}
+
+fn handshake(address: &tern_engine::Address, channels: u16) -> FakeSource {
+    let mut main = connect(address);
+    main.send_message(&Message::Hello(Hello {
+        handshake: Handshake {
+            session_id: SESSION,
+            channel_index: 0,
+        },
+        setup: setup(channels),
+    }))
+    .unwrap();
+    assert!(matches!(main.read_message().unwrap(), Message::Welcome(_)));
+    let mut pages = Vec::new();
+    for index in 1..=channels {
+        let mut channel = connect(address);
+        channel
+            .send_message(&Message::ChannelHello(ChannelHello {
+                handshake: Handshake {
+                    session_id: SESSION,
+                    channel_index: index,
+                },
+            }))
+            .unwrap();
+        assert!(matches!(channel.read_message().unwrap(), Message::Welcome(_)));
+        pages.push(channel);
+    }
+    FakeSource { main, pages }
+}
+
+fn expect_destination_error(
+    destination: std::thread::JoinHandle<DestinationResult>,
+    needle: &str,
+) -> MigrationError {
+    let error = destination
+        .join()
+        .expect("destination must not panic")
+        .expect_err("destination must fail");
+    let chain = error.chain();
+    assert!(
+        chain.to_lowercase().contains(&needle.to_lowercase()),
+        "expected '{needle}' in: {chain}"
+    );
+    error
+}
+
+fn expect_abort(channel: &mut Channel, needle: &str) {
+    match channel.read_message() {
+        Ok(Message::Abort(abort)) => assert!(
+            abort.message.to_lowercase().contains(&needle.to_lowercase()),
+            "abort message '{}' lacks '{needle}'",
+            abort.message
+        ),
+        other => panic!("expected an abort mentioning '{needle}', got {other:?}"),
+    }
+}
+
+#[test]
+fn garbage_on_the_main_channel() {
+    let (listener, address) = tcp_listener();
+    let destination = spawn_destination(listener);
+    let mut main = connect(&address);
+    main.write_all(b"GET / HTTP/1.1\r\nHost: tern\r\n\r\n").unwrap();
+    expect_destination_error(destination, "unknown frame kind");
+}
+
+#[test]
+fn wrong_magic() {
+    let (listener, address) = tcp_listener();
+    let destination = spawn_destination(listener);
+    let mut bytes = Message::Hello(Hello {
+        handshake: Handshake {
+            session_id: SESSION,
+            channel_index: 0,
+        },
+        setup: setup(1),
+    })
+    .to_bytes();
+    bytes[8..16].copy_from_slice(b"NOTTERN!");
+    let mut main = connect(&address);
+    main.write_all(&bytes).unwrap();
+    expect_abort(&mut main, "magic");
+    expect_destination_error(destination, "magic");
+}
+
+#[test]
+fn wrong_version() {
+    let (listener, address) = tcp_listener();
+    let destination = spawn_destination(listener);
+    let mut bytes = Message::Hello(Hello {
+        handshake: Handshake {
+            session_id: SESSION,
+            channel_index: 0,
+        },
+        setup: setup(1),
+    })
+    .to_bytes();
+    bytes[16..18].copy_from_slice(&99u16.to_le_bytes());
+    let mut main = connect(&address);
+    main.write_all(&bytes).unwrap();
+    expect_abort(&mut main, "version 99");
+    expect_destination_error(destination, "version 99");
+}
+
+#[test]
+fn wrong_session_on_a_page_channel_is_turned_away() {
+    let (listener, address) = tcp_listener();
+    let destination = spawn_destination(listener);
+    let mut main = connect(&address);
+    main.send_message(&Message::Hello(Hello {
+        handshake: Handshake {
+            session_id: SESSION,
+            channel_index: 0,
+        },
+        setup: setup(1),
+    }))
+    .unwrap();
+    assert!(matches!(main.read_message().unwrap(), Message::Welcome(_)));
+    let mut stray = connect(&address);
+    stray
+        .send_message(&Message::ChannelHello(ChannelHello {
+            handshake: Handshake {
+                session_id: SESSION + 1,
+                channel_index: 1,
+            },
+        }))
+        .unwrap();
+    expect_abort(&mut stray, "session");
+    // The stray connection did not end the migration: the right one is
+    // still welcome.
+    let mut right = connect(&address);
+    right
+        .send_message(&Message::ChannelHello(ChannelHello {
+            handshake: Handshake {
+                session_id: SESSION,
+                channel_index: 1,
+            },
+        }))
+        .unwrap();
+    assert!(matches!(right.read_message().unwrap(), Message::Welcome(_)));
+    drop(right);
+    drop(main);
+    expect_destination_error(destination, "closed");
+}
+
+#[test]
+fn page_outside_the_region_is_refused() {
+    let (listener, address) = tcp_listener();
+    let destination = spawn_destination(listener);
+    let mut fake = handshake(&address, 1);
+    let outside = (REGION_BYTES / 4096) as u32;
+    let mut packet = Vec::new();
+    encode_pages_prefix(
+        &mut packet,
+        0,
+        0,
+        &[PageEntry {
+            page_index: outside,
+            kind: PageKind::Raw,
+            encoded_len: 4096,
+        }],
+    );
+    packet.extend_from_slice(&[0xee; 4096]);
+    fake.pages[0].write_all(&packet).unwrap();
+    expect_destination_error(destination, "outside region");
+    expect_abort(&mut fake.main, "outside region");
+}
+
+#[test]
+fn unknown_region_is_refused() {
+    let (listener, address) = tcp_listener();
+    let destination = spawn_destination(listener);
+    let mut fake = handshake(&address, 1);
+    let mut packet = Vec::new();
+    encode_pages_prefix(
+        &mut packet,
+        9,
+        0,
+        &[PageEntry {
+            page_index: 0,
+            kind: PageKind::Zero,
+            encoded_len: 0,
+        }],
+    );
+    fake.pages[0].write_all(&packet).unwrap();
+    expect_destination_error(destination, "unknown region 9");
+}
+
+#[test]
+fn oversized_packet_is_refused_before_reading_it() {
+    let (listener, address) = tcp_listener();
+    let destination = spawn_destination(listener);
+    let mut fake = handshake(&address, 1);
+    let header = FrameHeader {
+        kind: FrameKind::Pages,
+        body_len: u32::MAX,
+    };
+    fake.pages[0].write_all(&header.encode()).unwrap();
+    expect_destination_error(destination, "exceeds the limit");
+}
+
+#[test]
+fn truncated_packet_then_close() {
+    let (listener, address) = tcp_listener();
+    let destination = spawn_destination(listener);
+    let mut fake = handshake(&address, 2);
+    let mut packet = Vec::new();
+    encode_pages_prefix(
+        &mut packet,
+        0,
+        0,
+        &[PageEntry {
+            page_index: 3,
+            kind: PageKind::Raw,
+            encoded_len: 4096,
+        }],
+    );
+    packet.extend_from_slice(&[1; 1000]); // 3096 bytes short
+    fake.pages[1].write_all(&packet).unwrap();
+    drop(fake.pages);
+    expect_destination_error(destination, "closed by the peer mid-stream");
+}
+
+#[test]
+fn garbage_on_a_page_channel() {
+    let (listener, address) = tcp_listener();
+    let destination = spawn_destination(listener);
+    let mut fake = handshake(&address, 1);
+    fake.pages[0].write_all(&[0xff; 64]).unwrap();
+    expect_destination_error(destination, "unknown frame kind 255");
+}
+
+#[test]
+fn payload_length_lies_are_refused() {
+    let (listener, address) = tcp_listener();
+    let destination = spawn_destination(listener);
+    let mut fake = handshake(&address, 1);
+    let mut packet = Vec::new();
+    encode_pages_prefix(
+        &mut packet,
+        0,
+        0,
+        &[PageEntry {
+            page_index: 1,
+            kind: PageKind::Raw,
+            encoded_len: 4096,
+        }],
+    );
+    // Claim a body 4 KiB longer than the table describes.
+    let body = u32::from_le_bytes(packet[4..8].try_into().unwrap()) + 4096;
+    packet[4..8].copy_from_slice(&body.to_le_bytes());
+    packet.extend_from_slice(&[7; 8192]);
+    fake.pages[0].write_all(&packet).unwrap();
+    expect_destination_error(destination, "page table describes");
+}
+
+#[test]
+fn sync_out_of_order_is_refused() {
+    let (listener, address) = tcp_listener();
+    let destination = spawn_destination(listener);
+    let mut fake = handshake(&address, 1);
+    fake.pages[0]
+        .send_message(&Message::Sync(Sync {
+            iteration: 5,
+            last: false,
+        }))
+        .unwrap();
+    expect_destination_error(destination, "iteration 5");
+}
+
+#[test]
+fn source_abort_is_reported_by_the_destination() {
+    let (listener, address) = tcp_listener();
+    let destination = spawn_destination(listener);
+    let mut fake = handshake(&address, 2);
+    fake.main
+        .send_message(&Message::Abort(tern_wire::Abort {
+            reason: tern_wire::AbortReason::Cancelled,
+            message: "operator cancelled".into(),
+        }))
+        .unwrap();
+    expect_destination_error(destination, "operator cancelled");
+}
+
+/// A destination that handshakes correctly and then dies mid-stream.
+fn dying_destination(
+    listener: tern_engine::Listener,
+    channels: u16,
+    read_bytes: usize,
+) -> std::thread::JoinHandle<()> {
+    std::thread::spawn(move || {
+        let mut main = listener.accept_timeout(Duration::from_secs(10)).unwrap();
+        let Message::Hello(hello) = main.read_message().unwrap() else {
+            panic!("no hello")
+        };
+        let session_id = hello.handshake.session_id;
+        main.send_message(&Message::Welcome(tern_wire::Welcome {
+            session_id,
+            channel_index: 0,
+        }))
+        .unwrap();
+        let mut pages = Vec::new();
+        for _ in 0..channels {
+            let mut channel = listener.accept_timeout(Duration::from_secs(10)).unwrap();
+            let Message::ChannelHello(hello) = channel.read_message().unwrap() else {
+                panic!("no channel hello")
+            };
+            channel
+                .send_message(&Message::Welcome(tern_wire::Welcome {
+                    session_id,
+                    channel_index: hello.handshake.channel_index,
+                }))
+                .unwrap();
+            pages.push(channel);
+        }
+        let mut sink = vec![0u8; read_bytes];
+        let _ = pages[0].read_exact(&mut sink);
+        // Dropping every socket is what the kernel does when the process dies.
+    })
+}
+
+#[test]
+fn destination_dying_mid_migration_leaves_source_running_and_intact() {
+    use tern_engine::GuestControl;
+    let memory = 64 * MIB;
+    let mut guest = guest(memory, 8 * MIB);
+    // The dirtier writes only the first quarter (the working set); the rest
+    // must come out of the failed migration byte for byte as it went in.
+    let untouched_from = (memory / 4) as usize;
+    guest.pause().unwrap();
+    let before = guest.region_bytes(0).unwrap()[untouched_from..].to_vec();
+    guest.resume().unwrap();
+    let (listener, address) = tcp_listener();
+    let dying = dying_destination(listener, 2, 1 << 20);
+    let failure = Source::new(migration_config(2))
+        .unwrap()
+        .migrate(&mut guest, &address)
+        .expect_err("the destination died");
+    dying.join().unwrap();
+    assert_eq!(failure.stats.status, MigrationStatus::Failed);
+    assert!(
+        matches!(
+            failure.error,
+            MigrationError::Channel { .. } | MigrationError::Protocol(_)
+        ),
+        "{}",
+        failure.error.chain()
+    );
+    assert!(guest.is_running(), "the source guest must run on");
+    let dirtied = guest.dirtied_pages();
+    let deadline = std::time::Instant::now() + Duration::from_secs(5);
+    while guest.dirtied_pages() == dirtied && std::time::Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    assert!(guest.dirtied_pages() > dirtied, "the guest still dirties memory");
+    guest.pause().unwrap();
+    let after = guest.region_bytes(0).unwrap()[untouched_from..].to_vec();
+    assert!(before == after, "memory outside the working set changed");
+}
+
+#[test]
+fn paused_source_memory_is_untouched_by_a_failed_migration() {
+    let mut guest = guest(32 * MIB, 0);
+    let digest_before = guest.digest();
+    let (listener, address) = tcp_listener();
+    let dying = dying_destination(listener, 1, 256 << 10);
+    let failure = Source::new(migration_config(1))
+        .unwrap()
+        .migrate(&mut guest, &address)
+        .expect_err("the destination died");
+    dying.join().unwrap();
+    assert!(matches!(
+        failure.error,
+        MigrationError::Channel {
+            source: ChannelError::Io(_) | ChannelError::Closed,
+            ..
+        } | MigrationError::Protocol(_)
+    ), "{}", failure.error.chain());
+    assert_eq!(guest.digest(), digest_before);
+}
+
+#[test]
+fn nobody_listening_is_a_clear_error() {
+    let (listener, address) = tcp_listener();
+    drop(listener);
+    let mut guest = guest(4 * MIB, 0);
+    let mut config = migration_config(1);
+    config.connect_timeout = Duration::from_millis(200);
+    let failure = Source::new(config)
+        .unwrap()
+        .migrate(&mut guest, &address)
+        .expect_err("nobody listens");
+    assert!(
+        failure.error.chain().contains("Cannot connect"),
+        "{}",
+        failure.error.chain()
+    );
+}
+

@@ -1,0 +1,240 @@
+//! End-to-end migrations between a source and a destination in this
+//! process, over real sockets, checked by digest.
+
+mod common;
+
+use std::time::Duration;
+
+use common::*;
+use tern_engine::{
+    Address, GuestControl, LimitPolicy, Listener, MigrationError, MigrationStatus, Source,
+    ZeroPageDetection,
+};
+use tern_synthetic::{ContentMix, SyntheticConfig};
+
+fn migrate_and_check(
+    guest: &mut tern_synthetic::SyntheticGuest,
+    config: tern_engine::MigrationConfig,
+    listener: Listener,
+    address: Address,
+) -> (tern_engine::MigrationStats, tern_synthetic::SyntheticGuest) {
+    let destination = spawn_destination(listener);
+    let source = Source::new(config).unwrap();
+    let stats = source.migrate(guest, &address).expect("migration");
+    let received = destination.join().unwrap().expect("destination");
+    assert_eq!(stats.status, MigrationStatus::Completed);
+    assert!(stats.digest_verified);
+    (stats, received.guest)
+}
+
+#[test]
+fn paused_guest_arrives_identical_over_tcp() {
+    let mut guest = guest(64 * MIB, 0);
+    let (listener, address) = tcp_listener();
+    let (stats, mut destination) =
+        migrate_and_check(&mut guest, migration_config(2), listener, address);
+    destination.pause().unwrap();
+    assert_eq!(destination.digest(), guest.digest());
+    let pages = 64 * MIB / 4096;
+    assert_eq!(stats.ram.normal + stats.ram.duplicate, pages);
+    // Half the pages are zero pages in the default mix.
+    assert!(stats.ram.duplicate > pages / 3, "{:?}", stats.ram);
+    assert_eq!(stats.ram.iterations, 1);
+    let destination_stats = stats.destination.expect("destination stats");
+    assert_eq!(destination_stats.normal_pages, stats.ram.normal);
+}
+
+#[test]
+fn dirtying_guest_converges_and_resumes_on_destination() {
+    let mut guest = guest(64 * MIB, 32 * MIB);
+    let (listener, address) = tcp_listener();
+    let (stats, mut destination) =
+        migrate_and_check(&mut guest, migration_config(3), listener, address);
+    assert!(!guest.is_running(), "the source stays paused after success");
+    assert!(stats.ram.dirty_sync_count >= 2);
+    // The guest carries on dirtying memory on the destination.
+    let before = destination.dirtied_pages();
+    let deadline = std::time::Instant::now() + Duration::from_secs(5);
+    while destination.dirtied_pages() == before && std::time::Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    assert!(destination.dirtied_pages() > before);
+    destination.pause().unwrap();
+}
+
+#[test]
+fn unix_socket_and_several_regions() {
+    let mut guest = guest_with(SyntheticConfig {
+        memory_bytes: 48 * MIB,
+        regions: 3,
+        mix: "20:40:40".parse().unwrap(),
+        seed: 5,
+        dirty_rate_bytes_per_sec: 16 * MIB,
+        working_set_bytes: 48 * MIB,
+        dirtier_threads: 2,
+    });
+    let dir = tempfile::tempdir().unwrap();
+    let address = Address::Unix(dir.path().join("m.sock"));
+    let listener = Listener::bind(&address).unwrap();
+    let (_, mut destination) =
+        migrate_and_check(&mut guest, migration_config(4), listener, address);
+    destination.pause().unwrap();
+}
+
+#[test]
+fn every_zero_page_detection_mode_verifies() {
+    for mode in [
+        ZeroPageDetection::None,
+        ZeroPageDetection::Source,
+        ZeroPageDetection::Workers,
+    ] {
+        let mut guest = guest(32 * MIB, 0);
+        let (listener, address) = tcp_listener();
+        let mut config = migration_config(2);
+        config.zero_page_detection = mode;
+        let (stats, _destination) = migrate_and_check(&mut guest, config, listener, address);
+        if mode == ZeroPageDetection::None {
+            assert_eq!(stats.ram.duplicate, 0);
+        } else {
+            assert!(stats.ram.duplicate > 0);
+        }
+    }
+}
+
+#[test]
+fn bandwidth_cap_is_respected_on_average() {
+    let mut guest = guest_with(SyntheticConfig {
+        memory_bytes: 16 * MIB,
+        regions: 1,
+        mix: ContentMix::new(0, 100, 0).unwrap(),
+        seed: 1,
+        dirty_rate_bytes_per_sec: 0,
+        working_set_bytes: 0,
+        dirtier_threads: 1,
+    });
+    let (listener, address) = tcp_listener();
+    let mut config = migration_config(2);
+    config.max_bandwidth = Some(64 * MIB);
+    let (stats, _) = migrate_and_check(&mut guest, config, listener, address);
+    // 16 MiB at 64 MiB/s cannot take less than a quarter second; the cap is
+    // a lower bound on time, which holds on any machine.
+    assert!(stats.total_time >= 240, "{} ms", stats.total_time);
+}
+
+#[test]
+fn iteration_limit_with_cancel_policy_leaves_source_running() {
+    // A guest dirtying far faster than a throttled link can carry.
+    let mut guest = guest_with(SyntheticConfig {
+        memory_bytes: 32 * MIB,
+        regions: 1,
+        mix: ContentMix::new(0, 100, 0).unwrap(),
+        seed: 3,
+        dirty_rate_bytes_per_sec: 512 * MIB,
+        working_set_bytes: 32 * MIB,
+        dirtier_threads: 1,
+    });
+    let (listener, address) = tcp_listener();
+    let destination = spawn_destination(listener);
+    let mut config = migration_config(2);
+    config.max_bandwidth = Some(32 * MIB);
+    config.max_iterations = Some(2);
+    config.auto_converge = false;
+    config.downtime_limit = Duration::from_millis(1);
+    let failure = Source::new(config)
+        .unwrap()
+        .migrate(&mut guest, &address)
+        .expect_err("cannot converge");
+    assert!(matches!(failure.error, MigrationError::LimitReached(_)));
+    assert_eq!(failure.stats.status, MigrationStatus::Failed);
+    assert!(guest.is_running(), "the source guest must keep running");
+    let error = destination.join().unwrap().expect_err("destination must fail");
+    assert!(
+        matches!(error, MigrationError::PeerAborted { .. }),
+        "{error}"
+    );
+    guest.pause().unwrap();
+}
+
+#[test]
+fn iteration_limit_with_switch_over_policy_completes() {
+    let mut guest = guest(32 * MIB, 256 * MIB);
+    let (listener, address) = tcp_listener();
+    let mut config = migration_config(2);
+    config.max_iterations = Some(2);
+    config.auto_converge = false;
+    config.downtime_limit = Duration::from_millis(1);
+    config.limit_policy = LimitPolicy::SwitchOver;
+    let (stats, mut destination) = migrate_and_check(&mut guest, config, listener, address);
+    assert!(stats.forced_switch_over);
+    destination.pause().unwrap();
+}
+
+#[test]
+fn auto_converge_throttles_a_fast_dirtier() {
+    let mut guest = guest_with(SyntheticConfig {
+        memory_bytes: 32 * MIB,
+        regions: 1,
+        mix: ContentMix::new(0, 100, 0).unwrap(),
+        seed: 9,
+        dirty_rate_bytes_per_sec: 256 * MIB,
+        working_set_bytes: 32 * MIB,
+        dirtier_threads: 1,
+    });
+    let (listener, address) = tcp_listener();
+    let mut config = migration_config(1);
+    config.max_bandwidth = Some(48 * MIB);
+    config.downtime_limit = Duration::from_millis(20);
+    let (stats, mut destination) = migrate_and_check(&mut guest, config, listener, address);
+    assert!(stats.throttle_percent >= 20, "{stats:?}");
+    destination.pause().unwrap();
+}
+
+#[test]
+fn cancellation_leaves_source_running_and_intact() {
+    let mut guest = guest(64 * MIB, 0);
+    let digest_before = guest.digest();
+    let (listener, address) = tcp_listener();
+    let destination = spawn_destination(listener);
+    let mut config = migration_config(2);
+    config.max_bandwidth = Some(16 * MIB);
+    let source = Source::new(config).unwrap();
+    let cancel = source.cancel_token();
+    let canceller = std::thread::spawn(move || {
+        std::thread::sleep(Duration::from_millis(300));
+        cancel.cancel();
+    });
+    let failure = source
+        .migrate(&mut guest, &address)
+        .expect_err("cancelled");
+    canceller.join().unwrap();
+    assert!(matches!(failure.error, MigrationError::Cancelled));
+    assert_eq!(failure.stats.status, MigrationStatus::Cancelled);
+    assert_eq!(guest.digest(), digest_before);
+    let error = destination.join().unwrap().expect_err("destination must fail");
+    assert!(error.to_string().contains("cancelled"), "{error}");
+}
+
+#[test]
+fn mismatched_destination_layout_is_refused() {
+    let mut guest = guest(8 * MIB, 0);
+    let (listener, address) = tcp_listener();
+    let destination = std::thread::spawn(move || {
+        tern_engine::Destination::new(receive_config()).receive(&listener, |_| {
+            tern_synthetic::SyntheticGuest::empty(&[4 * MIB])
+                .map_err(|e| tern_engine::GuestError::with_source("destination", e))
+        })
+    });
+    let failure = Source::new(migration_config(1))
+        .unwrap()
+        .migrate(&mut guest, &address)
+        .expect_err("layout differs");
+    assert!(
+        failure.error.to_string().contains("incompatible setup"),
+        "{}",
+        failure.error
+    );
+    assert!(matches!(
+        destination.join().unwrap(),
+        Err(MigrationError::Incompatible(_))
+    ));
+}

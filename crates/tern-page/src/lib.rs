@@ -1,1 +1,16 @@
-//! placeholder
+//! What happens to one page of guest memory during migration.
+//!
+//! Every page the engine sends passes through this crate first. The cheapest
+//! page to send is one we do not send at all: zero pages are announced with a
+//! flag instead of 4 KiB of payload, so [`zero`] decides that as fast as the
+//! memory system allows. The codec slot (compression of non-zero pages) will
+//! live here too.
+
+#![warn(missing_docs)]
+
+pub mod zero;
+
+pub use zero::{
+    PAGE_SIZE, ZeroCheckBackend, ZeroCheckError, ZeroChecker, is_zero_page_qemu_style,
+    read_bandwidth_probe,
+};

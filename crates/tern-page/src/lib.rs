@@ -1,27 +1,16 @@
-//! Temporary scalar placeholder; replaced by the SIMD module on branch `page`.
+//! What happens to one page of guest memory during migration.
+//!
+//! Every page the engine sends passes through this crate first. The cheapest
+//! page to send is one we do not send at all: zero pages are announced with a
+//! flag instead of 4 KiB of payload, so [`zero`] decides that as fast as the
+//! memory system allows. The codec slot (compression of non-zero pages) will
+//! live here too.
+
 #![warn(missing_docs)]
 
-/// Page size.
-pub const PAGE_SIZE: usize = 4096;
+pub mod zero;
 
-/// Zero-page checker.
-#[derive(Clone, Copy, Debug)]
-pub struct ZeroChecker;
-
-impl ZeroChecker {
-    /// Best available backend.
-    pub fn best() -> Self {
-        Self
-    }
-
-    /// Whether the page is all zero.
-    ///
-    /// # Safety
-    /// `page` points to PAGE_SIZE readable bytes.
-    pub unsafe fn is_zero_page(&self, page: *const u8) -> bool {
-        (0..PAGE_SIZE / 8).all(|i| {
-            // SAFETY: within the page, per the contract.
-            unsafe { page.cast::<u64>().add(i).read_unaligned() == 0 }
-        })
-    }
-}
+pub use zero::{
+    PAGE_SIZE, ZeroCheckBackend, ZeroCheckError, ZeroChecker, is_zero_page_qemu_style,
+    read_bandwidth_probe,
+};

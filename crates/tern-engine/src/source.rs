@@ -229,7 +229,10 @@ impl Source {
                 (Ok(stats), _) => Ok(stats),
                 // A closed page channel is usually the symptom; the
                 // destination's abort message, when it sent one, is the cause.
-                (Err(error), _) => Err(peer_reason(main).unwrap_or(error)),
+                (Err(error @ (MigrationError::Channel { .. } | MigrationError::Protocol(_))), _) => {
+                    Err(peer_reason(main).unwrap_or(error))
+                }
+                (Err(error), _) => Err(error),
             }
         })
     }
@@ -330,7 +333,9 @@ impl Source {
                 }
             }
             if config.auto_converge {
-                if dirty_rate * PAGE_SIZE as f64 > bandwidth {
+                // As QEMU does: the guest outruns the link when it dirties
+                // more than half of what one iteration could send.
+                if dirty_pages * 2 > totals.pages.max(1) {
                     dirty_outruns += 1;
                 } else {
                     dirty_outruns = 0;

@@ -57,6 +57,9 @@ pub fn migration_config(channels: u16) -> MigrationConfig {
         channels,
         io_timeout: Duration::from_secs(10),
         connect_timeout: Duration::from_secs(5),
+        // A migration that does not converge fails the test instead of
+        // hanging it.
+        max_time: Some(Duration::from_secs(60)),
         ..MigrationConfig::default()
     }
 }

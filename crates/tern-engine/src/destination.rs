@@ -115,9 +115,7 @@ impl Destination {
             .map_err(MigrationError::channel(0))?;
         main.set_timeouts(self.config.io_timeout)
             .map_err(MigrationError::channel(0))?;
-        let result = self.run(listener, &mut main, make_guest);
-        self.stats
-            .record_cpu("main", thread_cpu_seconds() - cpu_start);
+        let result = self.run(listener, &mut main, make_guest, cpu_start);
         if let Err(error) = &result {
             if !matches!(error, MigrationError::PeerAborted { .. }) {
                 let _ = main.send_message(&Message::Abort(Abort {
@@ -135,6 +133,7 @@ impl Destination {
         listener: &Listener,
         main: &mut Channel,
         make_guest: F,
+        cpu_start: f64,
     ) -> Result<Received<G>, MigrationError>
     where
         G: DestinationGuest,
@@ -266,7 +265,8 @@ impl Destination {
         };
         // SAFETY: every receiver has stopped and the guest is paused, so
         // nothing writes guest memory while it is hashed.
-        let digest = unsafe { memory_digest(&regions, digest_threads(), &untouched) };
+        let (digest, digest_cpu) = unsafe { memory_digest(&regions, digest_threads(), &untouched) };
+        self.stats.record_cpu("digest", digest_cpu);
         let digest_time = digest_started.elapsed();
         if digest != complete.digest {
             let error = MigrationError::DigestMismatch {
@@ -281,9 +281,16 @@ impl Destination {
             }));
             return Err(error);
         }
+        // Auto-converge throttling belongs to the migration, not to the
+        // guest's life on the destination.
         let restored = guest
             .restore_state(&sections)
             .map_err(MigrationError::guest("restore state"))
+            .and_then(|()| {
+                guest
+                    .set_throttle(0)
+                    .map_err(MigrationError::guest("throttle"))
+            })
             .and_then(|()| guest.resume().map_err(MigrationError::guest("resume")));
         if let Err(error) = restored {
             let _ = main.send_message(&Message::Outcome(Outcome {
@@ -294,6 +301,8 @@ impl Destination {
             }));
             return Err(error);
         }
+        self.stats
+            .record_cpu("main", thread_cpu_seconds() - cpu_start);
         let stats = self.stats.snapshot(digest_time);
         let stats_json = serde_json::to_vec(&stats).unwrap_or_default();
         main.send_message(&Message::Outcome(Outcome {

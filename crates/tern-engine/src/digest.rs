@@ -9,12 +9,14 @@
 use xxhash_rust::xxh3::{Xxh3, xxh3_128};
 
 use crate::guest::{MemoryRegion, PAGE_SIZE};
+use crate::stats::thread_cpu_seconds;
 
 /// Pages per digest chunk.
 pub const CHUNK_PAGES: u64 = 64;
 const CHUNK_BYTES: u64 = CHUNK_PAGES * PAGE_SIZE as u64;
 
-/// Computes the digest of `regions` with up to `threads` threads.
+/// Computes the digest of `regions` with up to `threads` threads, and the
+/// CPU seconds those threads used.
 /// `is_chunk_untouched(region_index, chunk_index)` may return true for a
 /// chunk known to be all zero, which is then not read.
 ///
@@ -25,7 +27,8 @@ pub unsafe fn memory_digest(
     regions: &[MemoryRegion],
     threads: usize,
     is_chunk_untouched: &(dyn Fn(usize, u64) -> bool + Sync),
-) -> u128 {
+) -> (u128, f64) {
+    let mut cpu_seconds = 0.0;
     let zero_chunk = vec![0u8; CHUNK_BYTES as usize];
     let mut final_hasher = Xxh3::new();
     for (region_index, region) in regions.iter().enumerate() {
@@ -35,9 +38,11 @@ pub unsafe fn memory_digest(
         let per_thread = digests.len().div_ceil(threads);
         let zero_full = xxh3_128(&zero_chunk);
         std::thread::scope(|scope| {
+            let mut workers = Vec::new();
             for (part, slots) in digests.chunks_mut(per_thread).enumerate() {
                 let zero_chunk = &zero_chunk;
-                scope.spawn(move || {
+                workers.push(scope.spawn(move || {
+                    let cpu_start = thread_cpu_seconds();
                     for (offset, slot) in slots.iter_mut().enumerate() {
                         let chunk = (part * per_thread + offset) as u64;
                         let start = chunk * CHUNK_BYTES;
@@ -62,7 +67,11 @@ pub unsafe fn memory_digest(
                             xxh3_128(bytes)
                         };
                     }
-                });
+                    thread_cpu_seconds() - cpu_start
+                }));
+            }
+            for worker in workers {
+                cpu_seconds += worker.join().unwrap_or(0.0);
             }
         });
         final_hasher.update(&region.id().to_le_bytes());
@@ -70,7 +79,7 @@ pub unsafe fn memory_digest(
             final_hasher.update(&digest.to_le_bytes());
         }
     }
-    final_hasher.digest128()
+    (final_hasher.digest128(), cpu_seconds)
 }
 
 /// Threads to use for hashing: all cores.
@@ -91,13 +100,13 @@ mod tests {
             MemoryRegion::new(0, 0, NonNull::new(memory.as_mut_ptr()).unwrap(), 200 * 4096)
         };
         // SAFETY: nothing writes during the calls.
-        let read_all = unsafe { memory_digest(&[region], 2, &|_, _| false) };
+        let (read_all, _) = unsafe { memory_digest(&[region], 2, &|_, _| false) };
         // SAFETY: as above.
-        let skip_all = unsafe { memory_digest(&[region], 1, &|_, _| true) };
+        let (skip_all, _) = unsafe { memory_digest(&[region], 1, &|_, _| true) };
         assert_eq!(read_all, skip_all);
         memory[150 * PAGE_SIZE] = 1;
         // SAFETY: as above.
-        let changed = unsafe { memory_digest(&[region], 3, &|_, _| false) };
+        let (changed, _) = unsafe { memory_digest(&[region], 3, &|_, _| false) };
         assert_ne!(changed, read_all);
     }
 }

@@ -80,7 +80,7 @@ impl MemoryRegion {
     /// the engine (in practice: as long as the [`GuestMemory`] that returned
     /// it lives). `len` must be a non-zero multiple of [`PAGE_SIZE`].
     pub unsafe fn new(id: u32, guest_addr: u64, host_addr: NonNull<u8>, len: u64) -> Self {
-        debug_assert!(len > 0 && len % PAGE_SIZE as u64 == 0);
+        debug_assert!(len > 0 && len.is_multiple_of(PAGE_SIZE as u64));
         Self {
             id,
             guest_addr,

@@ -188,6 +188,8 @@ pub(crate) struct IterationTotals {
 /// The producer's handle on a running pipeline.
 pub(crate) struct Pipeline<'scope> {
     shared: Arc<Shared>,
+    // Boxed so that rings move a pointer, not the batch's vectors' headers.
+    #[allow(clippy::vec_box)]
     pool: Vec<Box<Batch>>,
     in_flight: usize,
     next_worker: usize,

@@ -102,6 +102,7 @@ impl Source {
         guest: &mut G,
         address: &Address,
     ) -> Result<MigrationStats, MigrationFailure> {
+        self.stats.start_clock();
         let cpu_start = thread_cpu_seconds();
         let mut changes = GuestChanges::default();
         let mut main: Option<Channel> = None;
@@ -229,9 +230,10 @@ impl Source {
                 (Ok(stats), _) => Ok(stats),
                 // A closed page channel is usually the symptom; the
                 // destination's abort message, when it sent one, is the cause.
-                (Err(error @ (MigrationError::Channel { .. } | MigrationError::Protocol(_))), _) => {
-                    Err(peer_reason(main).unwrap_or(error))
-                }
+                (
+                    Err(error @ (MigrationError::Channel { .. } | MigrationError::Protocol(_))),
+                    _,
+                ) => Err(peer_reason(main).unwrap_or(error)),
                 (Err(error), _) => Err(error),
             }
         })
@@ -384,7 +386,9 @@ impl Source {
         }
         // SAFETY: the guest is paused and the pipeline is idle, so nothing
         // writes guest memory while it is hashed.
-        let digest = unsafe { memory_digest(regions, digest_threads(), &|_, _| false) };
+        let (digest, digest_cpu) =
+            unsafe { memory_digest(regions, digest_threads(), &|_, _| false) };
+        stats.record_cpu("digest", digest_cpu);
         main.send_message(&Message::Complete(Complete {
             final_iteration: iteration,
             sections: u32::try_from(sections.len()).unwrap_or(u32::MAX),

@@ -56,7 +56,9 @@ impl MigrationStatus {
 /// time (for progress display) through [`LiveStats::snapshot`].
 #[derive(Debug)]
 pub struct LiveStats {
-    started: Instant,
+    origin: Instant,
+    /// When the migration started, as nanoseconds after `origin`.
+    start_offset_ns: AtomicU64,
     status: AtomicU8,
     /// Bytes written to all channels.
     pub transferred: AtomicU64,
@@ -101,7 +103,8 @@ impl LiveStats {
     /// Fresh counters; the clock starts now.
     pub fn new() -> Self {
         Self {
-            started: Instant::now(),
+            origin: Instant::now(),
+            start_offset_ns: AtomicU64::new(0),
             status: AtomicU8::new(MigrationStatus::Setup as u8),
             transferred: AtomicU64::new(0),
             duplicate: AtomicU64::new(0),
@@ -126,7 +129,13 @@ impl LiveStats {
 
     /// When the migration started.
     pub fn started(&self) -> Instant {
-        self.started
+        self.origin + Duration::from_nanos(self.start_offset_ns.load(Ordering::Relaxed))
+    }
+
+    /// Starts the clock now (the stats may be created well before).
+    pub(crate) fn start_clock(&self) {
+        let offset = u64::try_from(self.origin.elapsed().as_nanos()).unwrap_or(u64::MAX);
+        self.start_offset_ns.store(offset, Ordering::Relaxed);
     }
 
     /// Current status.
@@ -141,7 +150,7 @@ impl LiveStats {
             MigrationStatus::Completed | MigrationStatus::Failed | MigrationStatus::Cancelled
         ) {
             self.total_time_ms
-                .store(millis(self.started.elapsed()), Ordering::Relaxed);
+                .store(millis(self.started().elapsed()), Ordering::Relaxed);
         }
     }
 
@@ -172,7 +181,7 @@ impl LiveStats {
         ) {
             self.total_time_ms.load(Ordering::Relaxed)
         } else {
-            millis(self.started.elapsed())
+            millis(self.started().elapsed())
         };
         let transferred = self.transferred.load(Ordering::Relaxed);
         let normal = self.normal.load(Ordering::Relaxed);

@@ -449,7 +449,7 @@ mod tests {
         let mut client = Channel::connect(&address, Duration::from_secs(1)).unwrap();
         let mut server = listener.accept_timeout(Duration::from_secs(1)).unwrap();
         let a = vec![1u8; 100_000];
-        let b = vec![2u8; 3];
+        let b = [2u8; 3];
         let sender = std::thread::spawn(move || {
             let segments = [
                 Segment {

@@ -270,7 +270,7 @@ impl SyntheticGuest {
         if config.memory_bytes == 0 {
             return Err(SyntheticError::ZeroMemory);
         }
-        if config.memory_bytes % PAGE != 0 {
+        if !config.memory_bytes.is_multiple_of(PAGE) {
             return Err(SyntheticError::UnalignedMemory(config.memory_bytes));
         }
         if config.regions == 0 {

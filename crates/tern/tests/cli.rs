@@ -20,7 +20,14 @@ fn json(output: &std::process::Output) -> serde_json::Value {
 #[test]
 fn demo_json_completes_and_verifies() {
     let output = tern()
-        .args(["demo", "--json", "--memory", "64MiB", "--working-set", "16MiB"])
+        .args([
+            "demo",
+            "--json",
+            "--memory",
+            "64MiB",
+            "--working-set",
+            "16MiB",
+        ])
         .output()
         .unwrap();
     assert!(output.status.success(), "{output:?}");
@@ -122,15 +129,15 @@ fn killed_receiver_fails_the_migration_cleanly() {
     assert_eq!(output.status.code(), Some(1), "{output:?}");
     let report = json(&output);
     assert_eq!(report["status"], "failed");
-    assert!(report["error"].as_str().unwrap().contains("Channel"), "{report}");
+    assert!(
+        report["error"].as_str().unwrap().contains("Channel"),
+        "{report}"
+    );
 }
 
 #[test]
 fn bad_options_are_clear_errors() {
-    let output = tern()
-        .args(["demo", "--memory", "lots"])
-        .output()
-        .unwrap();
+    let output = tern().args(["demo", "--memory", "lots"]).output().unwrap();
     assert_eq!(output.status.code(), Some(2));
     assert!(String::from_utf8_lossy(&output.stderr).contains("not a size"));
     let output = tern()
@@ -140,9 +147,23 @@ fn bad_options_are_clear_errors() {
     assert_eq!(output.status.code(), Some(2));
     assert!(String::from_utf8_lossy(&output.stderr).contains("--channels 0"));
     let output = tern()
-        .args(["migrate", "--to", "unix:/nonexistent/dir/sock", "--memory", "4MiB", "--json", "--connect-timeout", "1"])
+        .args([
+            "migrate",
+            "--to",
+            "unix:/nonexistent/dir/sock",
+            "--memory",
+            "4MiB",
+            "--json",
+            "--connect-timeout",
+            "1",
+        ])
         .output()
         .unwrap();
     assert_eq!(output.status.code(), Some(1));
-    assert!(json(&output)["error"].as_str().unwrap().contains("Cannot connect"));
+    assert!(
+        json(&output)["error"]
+            .as_str()
+            .unwrap()
+            .contains("Cannot connect")
+    );
 }

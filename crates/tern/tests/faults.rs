@@ -61,7 +61,10 @@ fn handshake(address: &tern_engine::Address, channels: u16) -> FakeSource {
                 },
             }))
             .unwrap();
-        assert!(matches!(channel.read_message().unwrap(), Message::Welcome(_)));
+        assert!(matches!(
+            channel.read_message().unwrap(),
+            Message::Welcome(_)
+        ));
         pages.push(channel);
     }
     FakeSource { main, pages }
@@ -86,7 +89,10 @@ fn expect_destination_error(
 fn expect_abort(channel: &mut Channel, needle: &str) {
     match channel.read_message() {
         Ok(Message::Abort(abort)) => assert!(
-            abort.message.to_lowercase().contains(&needle.to_lowercase()),
+            abort
+                .message
+                .to_lowercase()
+                .contains(&needle.to_lowercase()),
             "abort message '{}' lacks '{needle}'",
             abort.message
         ),
@@ -99,7 +105,8 @@ fn garbage_on_the_main_channel() {
     let (listener, address) = tcp_listener();
     let destination = spawn_destination(listener);
     let mut main = connect(&address);
-    main.write_all(b"GET / HTTP/1.1\r\nHost: tern\r\n\r\n").unwrap();
+    main.write_all(b"GET / HTTP/1.1\r\nHost: tern\r\n\r\n")
+        .unwrap();
     expect_destination_error(destination, "unknown frame kind");
 }
 
@@ -391,7 +398,10 @@ fn destination_dying_mid_migration_leaves_source_running_and_intact() {
     while guest.dirtied_pages() == dirtied && std::time::Instant::now() < deadline {
         std::thread::sleep(Duration::from_millis(5));
     }
-    assert!(guest.dirtied_pages() > dirtied, "the guest still dirties memory");
+    assert!(
+        guest.dirtied_pages() > dirtied,
+        "the guest still dirties memory"
+    );
     guest.pause().unwrap();
     let after = guest.region_bytes(0).unwrap()[untouched_from..].to_vec();
     assert!(before == after, "memory outside the working set changed");
@@ -408,13 +418,17 @@ fn paused_source_memory_is_untouched_by_a_failed_migration() {
         .migrate(&mut guest, &address)
         .expect_err("the destination died");
     dying.join().unwrap();
-    assert!(matches!(
-        failure.error,
-        MigrationError::Channel {
-            source: ChannelError::Io(_) | ChannelError::Closed,
-            ..
-        } | MigrationError::Protocol(_)
-    ), "{}", failure.error.chain());
+    assert!(
+        matches!(
+            failure.error,
+            MigrationError::Channel {
+                source: ChannelError::Io(_) | ChannelError::Closed,
+                ..
+            } | MigrationError::Protocol(_)
+        ),
+        "{}",
+        failure.error.chain()
+    );
     assert_eq!(guest.digest(), digest_before);
 }
 
@@ -435,4 +449,3 @@ fn nobody_listening_is_a_clear_error() {
         failure.error.chain()
     );
 }
-

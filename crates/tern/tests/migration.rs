@@ -147,7 +147,10 @@ fn iteration_limit_with_cancel_policy_leaves_source_running() {
     assert!(matches!(failure.error, MigrationError::LimitReached(_)));
     assert_eq!(failure.stats.status, MigrationStatus::Failed);
     assert!(guest.is_running(), "the source guest must keep running");
-    let error = destination.join().unwrap().expect_err("destination must fail");
+    let error = destination
+        .join()
+        .unwrap()
+        .expect_err("destination must fail");
     assert!(
         matches!(error, MigrationError::PeerAborted { .. }),
         "{error}"
@@ -203,14 +206,15 @@ fn cancellation_leaves_source_running_and_intact() {
         std::thread::sleep(Duration::from_millis(300));
         cancel.cancel();
     });
-    let failure = source
-        .migrate(&mut guest, &address)
-        .expect_err("cancelled");
+    let failure = source.migrate(&mut guest, &address).expect_err("cancelled");
     canceller.join().unwrap();
     assert!(matches!(failure.error, MigrationError::Cancelled));
     assert_eq!(failure.stats.status, MigrationStatus::Cancelled);
     assert_eq!(guest.digest(), digest_before);
-    let error = destination.join().unwrap().expect_err("destination must fail");
+    let error = destination
+        .join()
+        .unwrap()
+        .expect_err("destination must fail");
     assert!(error.to_string().contains("cancelled"), "{error}");
 }
 

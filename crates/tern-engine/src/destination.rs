@@ -175,6 +175,7 @@ impl Destination {
                 .collect(),
             barrier: SyncBarrier::new(channels.len()),
             failed: AtomicBool::new(false),
+            first_failure: Mutex::new(None),
             stats: &self.stats,
             io_timeout: self.config.io_timeout,
             cancel: &self.cancel,
@@ -197,10 +198,8 @@ impl Destination {
                     .name(format!("tern-receiver-{index}"))
                     .spawn_scoped(scope, move || {
                         let cpu_start = thread_cpu_seconds();
-                        let result = receive_pages(shared, index, channel);
-                        if result.is_err() {
-                            shared.fail();
-                        }
+                        let result = receive_pages(shared, index, channel)
+                            .map_err(|error| shared.fail(error));
                         shared.stats.record_cpu(
                             &format!("receiver-{index}"),
                             thread_cpu_seconds() - cpu_start,
@@ -210,33 +209,43 @@ impl Destination {
                     .map_err(MigrationError::Thread)?;
                 handles.push(handle);
             }
-            let main_result = read_main_channel(&shared, main);
-            if main_result.is_err() {
-                shared.fail();
+            let main_result = match read_main_channel(&shared, main) {
+                Ok(done) => Some(done),
+                // A peer abort on the main channel explains whatever the
+                // receivers saw next.
+                Err(error @ MigrationError::PeerAborted { .. }) => {
+                    shared.fail_first(error);
+                    None
+                }
+                Err(error) => {
+                    shared.fail(error);
+                    None
+                }
+            };
+            if main_result.is_none() {
                 for channel in &shutdown_handles {
                     channel.shutdown();
                 }
             }
-            let mut first_error = None;
             let mut final_iterations = Vec::new();
+            let mut receivers_failed = false;
             for handle in handles {
                 match handle.join() {
                     Ok(Ok(iteration)) => final_iterations.push(iteration),
-                    Ok(Err(error)) => {
-                        first_error.get_or_insert(error);
-                    }
+                    Ok(Err(_)) => receivers_failed = true,
                     Err(_) => {
-                        first_error
-                            .get_or_insert(MigrationError::Protocol("a receiver panicked".into()));
+                        receivers_failed = true;
+                        shared.fail(MigrationError::Protocol("a receiver panicked".into()));
                     }
                 }
             }
-            let (sections, complete) = match (main_result, first_error) {
-                // A peer abort on the main channel explains receiver errors.
-                (Err(error @ MigrationError::PeerAborted { .. }), _) => return Err(error),
-                (_, Some(error)) => return Err(error),
-                (Err(error), None) => return Err(error),
-                (Ok(done), None) => done,
+            let (sections, complete) = match main_result {
+                Some(done) if !receivers_failed => done,
+                _ => {
+                    return Err(shared.first_failure().unwrap_or_else(|| {
+                        MigrationError::Protocol("the migration stopped".into())
+                    }));
+                }
             };
             Ok((sections, complete, final_iterations))
         })?;
@@ -432,15 +441,42 @@ struct ReceiverShared<'a> {
     populated: Vec<AtomicBitmap>,
     barrier: SyncBarrier,
     failed: AtomicBool,
+    /// The first failure; later ones are its consequences. Taken once per
+    /// failure, never on the per-page path.
+    first_failure: Mutex<Option<MigrationError>>,
     stats: &'a ReceiveStats,
     io_timeout: Duration,
     cancel: &'a CancelToken,
 }
 
 impl ReceiverShared<'_> {
-    fn fail(&self) {
+    /// Records `error` if it is the first failure, and stops everyone.
+    fn fail(&self, error: MigrationError) {
+        {
+            let mut slot = self.first_failure.lock().unwrap_or_else(|e| e.into_inner());
+            if slot.is_none() {
+                *slot = Some(error);
+            }
+        }
+        self.stop();
+    }
+
+    /// Records `error` as the cause, replacing what was recorded.
+    fn fail_first(&self, error: MigrationError) {
+        *self.first_failure.lock().unwrap_or_else(|e| e.into_inner()) = Some(error);
+        self.stop();
+    }
+
+    fn stop(&self) {
         self.failed.store(true, Ordering::Release);
         self.barrier.abort();
+    }
+
+    fn first_failure(&self) -> Option<MigrationError> {
+        self.first_failure
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .take()
     }
 
     fn failed(&self) -> bool {

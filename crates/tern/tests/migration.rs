@@ -160,9 +160,11 @@ fn iteration_limit_with_cancel_policy_leaves_source_running() {
 
 #[test]
 fn iteration_limit_with_switch_over_policy_completes() {
-    let mut guest = guest(32 * MIB, 256 * MIB);
+    let mut guest = guest(32 * MIB, 64 * MIB);
     let (listener, address) = tcp_listener();
     let mut config = migration_config(2);
+    // A slow link and a 1 ms limit: the dirty working set can never fit.
+    config.max_bandwidth = Some(64 * MIB);
     config.max_iterations = Some(2);
     config.auto_converge = false;
     config.downtime_limit = Duration::from_millis(1);

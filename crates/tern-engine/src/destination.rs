@@ -12,7 +12,7 @@ use tern_wire::{
 };
 
 use crate::config::ReceiveConfig;
-use crate::digest::{CHUNK_PAGES, digest_threads, memory_digest};
+use crate::digest::{digest_threads, memory_digest};
 use crate::error::{ChannelError, MigrationError};
 use crate::guest::{DestinationGuest, GuestError, MemoryRegion, PAGE_SIZE, StateSection};
 use crate::source::CancelToken;
@@ -267,15 +267,15 @@ impl Destination {
             )));
         }
 
+        tracing::debug!("all pages and state received");
         let digest_started = Instant::now();
         let populated = &shared.populated;
-        let untouched = |region: usize, chunk: u64| {
-            populated[region].range_clear(chunk * CHUNK_PAGES, CHUNK_PAGES)
-        };
+        let untouched = |region: usize, page: u64| !populated[region].get(page);
         // SAFETY: every receiver has stopped and the guest is paused, so
         // nothing writes guest memory while it is hashed.
-        let (digest, digest_cpu) = unsafe { memory_digest(&regions, digest_threads(), &untouched) };
-        self.stats.record_cpu("digest", digest_cpu);
+        let digest = unsafe { memory_digest(&regions, digest_threads(), &untouched) };
+        self.stats.record_cpu("digest", digest.cpu_seconds);
+        let digest = digest.value;
         let digest_time = digest_started.elapsed();
         if digest != complete.digest {
             let error = MigrationError::DigestMismatch {
@@ -743,16 +743,6 @@ impl AtomicBitmap {
         self.words
             .get((page / 64) as usize)
             .is_some_and(|word| word.load(Ordering::Relaxed) & (1 << (page % 64)) != 0)
-    }
-
-    /// Whether no page in `start..start + len` is set (`start` and `len`
-    /// multiples of 64).
-    fn range_clear(&self, start: u64, len: u64) -> bool {
-        let first = (start / 64) as usize;
-        let last = (start + len).div_ceil(64) as usize;
-        self.words
-            .get(first..last.min(self.words.len()))
-            .is_none_or(|words| words.iter().all(|word| word.load(Ordering::Relaxed) == 0))
     }
 }
 

@@ -1,24 +1,36 @@
 //! Memory digests, compared at switch-over.
 //!
-//! The digest is XXH3-128 over the concatenated XXH3-128 digests of
-//! fixed-size chunks of each region, in region order. Chunking lets both
-//! sides hash in parallel, and lets the destination skip reading chunks it
-//! never wrote (they are known to be zero, and reading untouched memory costs
-//! a page fault per page).
+//! The digest is XXH3-128 over, for each region in order, the region's id
+//! and the XXH3-64 of each of its pages. Page granularity lets both sides
+//! hash on all cores, and lets the destination skip pages it never wrote:
+//! they are known to be zero, and reading untouched memory costs a page
+//! fault per page for nothing.
 
-use xxhash_rust::xxh3::{Xxh3, xxh3_128};
+use std::sync::OnceLock;
+
+use xxhash_rust::xxh3::{Xxh3, xxh3_64};
 
 use crate::guest::{MemoryRegion, PAGE_SIZE};
 use crate::stats::thread_cpu_seconds;
 
-/// Pages per digest chunk.
-pub const CHUNK_PAGES: u64 = 64;
-const CHUNK_BYTES: u64 = CHUNK_PAGES * PAGE_SIZE as u64;
+/// XXH3-64 of a zero page, computed once.
+fn zero_page_hash() -> u64 {
+    static HASH: OnceLock<u64> = OnceLock::new();
+    *HASH.get_or_init(|| xxh3_64(&[0u8; PAGE_SIZE]))
+}
 
-/// Computes the digest of `regions` with up to `threads` threads, and the
-/// CPU seconds those threads used.
-/// `is_chunk_untouched(region_index, chunk_index)` may return true for a
-/// chunk known to be all zero, which is then not read.
+/// A digest and what it cost.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Digest {
+    /// The digest.
+    pub value: u128,
+    /// CPU seconds of the hashing threads.
+    pub cpu_seconds: f64,
+}
+
+/// Computes the digest of `regions` with up to `threads` threads.
+/// `is_page_untouched(region_index, page)` may return true for a page known
+/// to be all zero, which is then not read.
 ///
 /// # Safety
 /// Nothing may write to the regions during the call (the guest is paused and
@@ -26,45 +38,34 @@ const CHUNK_BYTES: u64 = CHUNK_PAGES * PAGE_SIZE as u64;
 pub unsafe fn memory_digest(
     regions: &[MemoryRegion],
     threads: usize,
-    is_chunk_untouched: &(dyn Fn(usize, u64) -> bool + Sync),
-) -> (u128, f64) {
+    is_page_untouched: &(dyn Fn(usize, u64) -> bool + Sync),
+) -> Digest {
+    let zero_hash = zero_page_hash();
     let mut cpu_seconds = 0.0;
-    let zero_chunk = vec![0u8; CHUNK_BYTES as usize];
     let mut final_hasher = Xxh3::new();
     for (region_index, region) in regions.iter().enumerate() {
-        let chunks = region.len().div_ceil(CHUNK_BYTES);
-        let mut digests = vec![0u128; chunks as usize];
-        let threads = threads.clamp(1, chunks.max(1) as usize);
-        let per_thread = digests.len().div_ceil(threads);
-        let zero_full = xxh3_128(&zero_chunk);
+        let pages = region.pages();
+        let mut hashes = vec![0u64; usize::try_from(pages).expect("region fits in memory")];
+        let threads = threads.clamp(1, hashes.len().max(1));
+        let per_thread = hashes.len().div_ceil(threads);
         std::thread::scope(|scope| {
             let mut workers = Vec::new();
-            for (part, slots) in digests.chunks_mut(per_thread).enumerate() {
-                let zero_chunk = &zero_chunk;
+            for (part, slots) in hashes.chunks_mut(per_thread).enumerate() {
                 workers.push(scope.spawn(move || {
                     let cpu_start = thread_cpu_seconds();
+                    let first = (part * per_thread) as u64;
                     for (offset, slot) in slots.iter_mut().enumerate() {
-                        let chunk = (part * per_thread + offset) as u64;
-                        let start = chunk * CHUNK_BYTES;
-                        let len = (region.len() - start).min(CHUNK_BYTES) as usize;
-                        *slot = if is_chunk_untouched(region_index, chunk) {
-                            if len == CHUNK_BYTES as usize {
-                                zero_full
-                            } else {
-                                xxh3_128(&zero_chunk[..len])
-                            }
+                        let page = first + offset as u64;
+                        *slot = if is_page_untouched(region_index, page) {
+                            zero_hash
                         } else {
-                            // SAFETY: `start + len` lies inside the region's
-                            // mapping, and the caller guarantees nothing
-                            // writes to it during the call, so a shared
-                            // slice is sound.
-                            let bytes = unsafe {
-                                std::slice::from_raw_parts(
-                                    region.host_ptr().add(start as usize),
-                                    len,
-                                )
-                            };
-                            xxh3_128(bytes)
+                            let ptr = region
+                                .page_ptr(page)
+                                .expect("page index below the region's page count");
+                            // SAFETY: `page_ptr` bounds-checked the page,
+                            // and the caller guarantees nothing writes to
+                            // it during the call, so a shared slice is sound.
+                            xxh3_64(unsafe { std::slice::from_raw_parts(ptr, PAGE_SIZE) })
                         };
                     }
                     thread_cpu_seconds() - cpu_start
@@ -75,11 +76,14 @@ pub unsafe fn memory_digest(
             }
         });
         final_hasher.update(&region.id().to_le_bytes());
-        for digest in digests {
-            final_hasher.update(&digest.to_le_bytes());
+        for hash in hashes {
+            final_hasher.update(&hash.to_le_bytes());
         }
     }
-    (final_hasher.digest128(), cpu_seconds)
+    Digest {
+        value: final_hasher.digest128(),
+        cpu_seconds,
+    }
 }
 
 /// Threads to use for hashing: all cores.
@@ -100,13 +104,13 @@ mod tests {
             MemoryRegion::new(0, 0, NonNull::new(memory.as_mut_ptr()).unwrap(), 200 * 4096)
         };
         // SAFETY: nothing writes during the calls.
-        let (read_all, _) = unsafe { memory_digest(&[region], 2, &|_, _| false) };
+        let read_all = unsafe { memory_digest(&[region], 2, &|_, _| false) }.value;
         // SAFETY: as above.
-        let (skip_all, _) = unsafe { memory_digest(&[region], 1, &|_, _| true) };
+        let skip_all = unsafe { memory_digest(&[region], 1, &|_, _| true) }.value;
         assert_eq!(read_all, skip_all);
-        memory[150 * PAGE_SIZE] = 1;
+        memory[150 * PAGE_SIZE + 7] = 1;
         // SAFETY: as above.
-        let (changed, _) = unsafe { memory_digest(&[region], 3, &|_, _| false) };
+        let changed = unsafe { memory_digest(&[region], 3, &|_, _| false) }.value;
         assert_ne!(changed, read_all);
     }
 }

@@ -366,11 +366,38 @@ impl Source {
         let paused_at = Instant::now();
         guest.pause().map_err(MigrationError::guest("pause"))?;
         changes.paused = true;
+        tracing::debug!(
+            elapsed_ms = paused_at.elapsed().as_millis() as u64,
+            "guest paused"
+        );
         guest
             .sync_dirty_log(&mut bitmaps)
             .map_err(MigrationError::guest("sync dirty log"))?;
         stats.dirty_sync_count.fetch_add(1, Ordering::Relaxed);
-        pipe.send_iteration(&bitmaps, iteration, true)?;
+        // The guest is paused, so its memory no longer changes: hash it
+        // while the last pages travel instead of after.
+        let (sent, digest) = std::thread::scope(|scope| {
+            let hasher = std::thread::Builder::new()
+                .name("tern-digest".into())
+                // SAFETY: the guest is paused, and the pipeline only reads
+                // guest memory, so nothing writes it while it is hashed.
+                .spawn_scoped(scope, || unsafe {
+                    memory_digest(regions, digest_threads(), &|_, _| false)
+                })
+                .map_err(MigrationError::Thread)?;
+            let sent = pipe.send_iteration(&bitmaps, iteration, true);
+            let digest = hasher
+                .join()
+                .map_err(|_| MigrationError::Protocol("the digest thread panicked".into()))?;
+            Ok::<_, MigrationError>((sent, digest))
+        })?;
+        sent?;
+        tracing::debug!(
+            elapsed_ms = paused_at.elapsed().as_millis() as u64,
+            "final pages sent and memory hashed"
+        );
+        stats.record_cpu("digest", digest.cpu_seconds);
+        let digest = digest.value;
         stats.remaining.store(0, Ordering::Relaxed);
 
         let sections = guest
@@ -384,11 +411,6 @@ impl Source {
             }))
             .map_err(MigrationError::channel(0))?;
         }
-        // SAFETY: the guest is paused and the pipeline is idle, so nothing
-        // writes guest memory while it is hashed.
-        let (digest, digest_cpu) =
-            unsafe { memory_digest(regions, digest_threads(), &|_, _| false) };
-        stats.record_cpu("digest", digest_cpu);
         main.send_message(&Message::Complete(Complete {
             final_iteration: iteration,
             sections: u32::try_from(sections.len()).unwrap_or(u32::MAX),
@@ -396,6 +418,10 @@ impl Source {
         }))
         .map_err(MigrationError::channel(0))?;
 
+        tracing::debug!(
+            elapsed_ms = paused_at.elapsed().as_millis() as u64,
+            "state and digest sent"
+        );
         let outcome = loop {
             match main.read_message() {
                 Ok(Message::Outcome(outcome)) => break outcome,
@@ -415,6 +441,10 @@ impl Source {
                 Err(error) => return Err(MigrationError::channel(0)(error)),
             }
         };
+        tracing::debug!(
+            elapsed_ms = paused_at.elapsed().as_millis() as u64,
+            "outcome received"
+        );
         if !outcome.verified {
             if outcome.digest != digest {
                 return Err(MigrationError::DigestMismatch {

@@ -13,7 +13,7 @@ fuzz_target!(|data: &[u8]| {
         page_size: tern_wire::PAGE_SIZE,
         channel_count: 4,
         codec: 1,
-        digest: DigestAlgorithm::Xxh3Chunked,
+        digest: DigestAlgorithm::Xxh3Pages,
         regions: vec![
             RegionInfo { id: 0, guest_addr: 0, len: 64 << 12 },
             RegionInfo { id: 1, guest_addr: 1 << 30, len: 8 << 12 },

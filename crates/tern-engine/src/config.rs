@@ -69,6 +69,31 @@ impl FromStr for LimitPolicy {
     }
 }
 
+/// Whether the destination's memory is compared with the source's before
+/// the guest resumes there.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Verify {
+    /// The source hashes all its memory after pausing the guest (while the
+    /// last pages travel); the destination hashes each page as it writes it.
+    /// A mismatch fails the migration and the source guest runs on.
+    #[default]
+    Full,
+    /// No digest: the shortest downtime, trusting the dirty log.
+    None,
+}
+
+impl FromStr for Verify {
+    type Err = String;
+
+    fn from_str(text: &str) -> Result<Self, String> {
+        match text {
+            "full" => Ok(Self::Full),
+            "none" => Ok(Self::None),
+            other => Err(format!("unknown verify mode '{other}' (use full or none)")),
+        }
+    }
+}
+
 /// Source-side settings.
 #[derive(Clone, Debug)]
 pub struct MigrationConfig {
@@ -96,6 +121,8 @@ pub struct MigrationConfig {
     pub throttle_increment: u8,
     /// Zero-page detection mode.
     pub zero_page_detection: ZeroPageDetection,
+    /// Memory verification at switch-over.
+    pub verify: Verify,
     /// Timeout of any single blocking send or receive.
     pub io_timeout: Duration,
     /// How long to keep trying to reach the destination.
@@ -116,6 +143,7 @@ impl Default for MigrationConfig {
             throttle_initial: 20,
             throttle_increment: 10,
             zero_page_detection: ZeroPageDetection::Workers,
+            verify: Verify::Full,
             io_timeout: Duration::from_secs(30),
             connect_timeout: Duration::from_secs(10),
         }

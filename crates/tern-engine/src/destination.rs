@@ -6,13 +6,15 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
+use xxhash_rust::xxh3::Xxh3;
+
 use tern_wire::{
-    Abort, AbortReason, FrameKind, Message, Outcome, PageEntry, PageKind, PagesHeader,
-    SessionSetup, Welcome, decode_page_table,
+    Abort, AbortReason, DigestAlgorithm, FrameKind, Message, Outcome, PageEntry, PageKind,
+    PagesHeader, SessionSetup, Welcome, decode_page_table,
 };
 
 use crate::config::ReceiveConfig;
-use crate::digest::{digest_threads, memory_digest};
+use crate::digest::{add_region, page_hash, zero_page_hash};
 use crate::error::{ChannelError, MigrationError};
 use crate::guest::{DestinationGuest, GuestError, MemoryRegion, PAGE_SIZE, StateSection};
 use crate::source::CancelToken;
@@ -173,6 +175,16 @@ impl Destination {
                 .iter()
                 .map(|region| AtomicBitmap::new(region.pages()))
                 .collect(),
+            page_hashes: (setup.digest != DigestAlgorithm::None).then(|| {
+                regions
+                    .iter()
+                    .map(|region| {
+                        (0..region.pages())
+                            .map(|_| AtomicU64::new(zero_page_hash()))
+                            .collect()
+                    })
+                    .collect()
+            }),
             barrier: SyncBarrier::new(channels.len()),
             failed: AtomicBool::new(false),
             first_failure: Mutex::new(None),
@@ -269,15 +281,22 @@ impl Destination {
 
         tracing::debug!("all pages and state received");
         let digest_started = Instant::now();
-        let populated = &shared.populated;
-        let untouched = |region: usize, page: u64| !populated[region].get(page);
-        // SAFETY: every receiver has stopped and the guest is paused, so
-        // nothing writes guest memory while it is hashed.
-        let digest = unsafe { memory_digest(&regions, digest_threads(), &untouched) };
-        self.stats.record_cpu("digest", digest.cpu_seconds);
-        let digest = digest.value;
+        let digest = match &shared.page_hashes {
+            Some(page_hashes) => {
+                let mut hasher = Xxh3::new();
+                for (region, hashes) in regions.iter().zip(page_hashes) {
+                    add_region(
+                        &mut hasher,
+                        region.id(),
+                        hashes.iter().map(|hash| hash.load(Ordering::Relaxed)),
+                    );
+                }
+                hasher.digest128()
+            }
+            None => 0,
+        };
         let digest_time = digest_started.elapsed();
-        if digest != complete.digest {
+        if setup.digest != DigestAlgorithm::None && digest != complete.digest {
             let error = MigrationError::DigestMismatch {
                 source_digest: complete.digest,
                 destination: digest,
@@ -439,6 +458,10 @@ struct ReceiverShared<'a> {
     /// these (other pages are still fresh zero memory, and touching them
     /// would cost a page fault for nothing).
     populated: Vec<AtomicBitmap>,
+    /// The hash of each page as written, read back from guest memory right
+    /// after each write, so that the digest at the end costs no second pass
+    /// over memory. `None` when the session does not verify.
+    page_hashes: Option<Vec<Vec<AtomicU64>>>,
     barrier: SyncBarrier,
     failed: AtomicBool,
     /// The first failure; later ones are its consequences. Taken once per
@@ -627,6 +650,7 @@ fn receive_pages(
                 unsafe { channel.read_scattered(&segments) }
                     .map_err(MigrationError::channel(channel_index))?;
                 let populated = &shared.populated[region_index];
+                let hashes = shared.page_hashes.as_ref().map(|all| &all[region_index]);
                 let mut zero = 0;
                 let mut cleared = 0;
                 let mut normal = 0;
@@ -636,9 +660,22 @@ fn receive_pages(
                         PageKind::Raw => {
                             populated.set(page);
                             normal += 1;
+                            if let Some(hashes) = hashes {
+                                let ptr = region.page_ptr(page).ok_or_else(|| {
+                                    MigrationError::Protocol("page outside its region".into())
+                                })?;
+                                // SAFETY: a whole page inside the region,
+                                // written by this receiver just now and owned
+                                // by it for this iteration.
+                                let hash = unsafe { page_hash(ptr) };
+                                hashes[page as usize].store(hash, Ordering::Relaxed);
+                            }
                         }
                         PageKind::Zero => {
                             zero += 1;
+                            if let Some(hashes) = hashes {
+                                hashes[page as usize].store(zero_page_hash(), Ordering::Relaxed);
+                            }
                             if populated.get(page) {
                                 let ptr = region.page_ptr(page).ok_or_else(|| {
                                     MigrationError::Protocol("page outside its region".into())

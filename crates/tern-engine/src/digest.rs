@@ -14,7 +14,7 @@ use crate::guest::{MemoryRegion, PAGE_SIZE};
 use crate::stats::thread_cpu_seconds;
 
 /// XXH3-64 of a zero page, computed once.
-fn zero_page_hash() -> u64 {
+pub fn zero_page_hash() -> u64 {
     static HASH: OnceLock<u64> = OnceLock::new();
     *HASH.get_or_init(|| xxh3_64(&[0u8; PAGE_SIZE]))
 }
@@ -63,9 +63,8 @@ pub unsafe fn memory_digest(
                                 .page_ptr(page)
                                 .expect("page index below the region's page count");
                             // SAFETY: `page_ptr` bounds-checked the page,
-                            // and the caller guarantees nothing writes to
-                            // it during the call, so a shared slice is sound.
-                            xxh3_64(unsafe { std::slice::from_raw_parts(ptr, PAGE_SIZE) })
+                            // and the caller guarantees nothing writes to it.
+                            unsafe { page_hash(ptr) }
                         };
                     }
                     thread_cpu_seconds() - cpu_start
@@ -75,15 +74,31 @@ pub unsafe fn memory_digest(
                 cpu_seconds += worker.join().unwrap_or(0.0);
             }
         });
-        final_hasher.update(&region.id().to_le_bytes());
-        for hash in hashes {
-            final_hasher.update(&hash.to_le_bytes());
-        }
+        add_region(&mut final_hasher, region.id(), hashes);
     }
     Digest {
         value: final_hasher.digest128(),
         cpu_seconds,
     }
+}
+
+/// Adds one region's page hashes to a digest being built. The destination
+/// builds its digest from the hashes its receivers computed as they wrote
+/// each page, through the same function, so both sides agree on the format.
+pub fn add_region(hasher: &mut Xxh3, region_id: u32, page_hashes: impl IntoIterator<Item = u64>) {
+    hasher.update(&region_id.to_le_bytes());
+    for hash in page_hashes {
+        hasher.update(&hash.to_le_bytes());
+    }
+}
+
+/// XXH3-64 of one page.
+///
+/// # Safety
+/// `page` points to a readable page that nothing writes during the call.
+pub unsafe fn page_hash(page: *const u8) -> u64 {
+    // SAFETY: the caller's contract.
+    xxh3_64(unsafe { std::slice::from_raw_parts(page, PAGE_SIZE) })
 }
 
 /// Threads to use for hashing: all cores.

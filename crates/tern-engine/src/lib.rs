@@ -25,7 +25,7 @@ pub mod stats;
 pub mod transport;
 
 pub use bitmap::DirtyBitmap;
-pub use config::{LimitPolicy, MigrationConfig, ReceiveConfig, ZeroPageDetection};
+pub use config::{LimitPolicy, MigrationConfig, ReceiveConfig, Verify, ZeroPageDetection};
 pub use destination::{Destination, ReceiveStats, Received};
 pub use error::{ChannelError, MigrationError};
 pub use guest::{

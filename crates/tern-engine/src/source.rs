@@ -10,8 +10,8 @@ use tern_wire::{
 };
 
 use crate::bitmap::DirtyBitmap;
-use crate::config::{LimitPolicy, MigrationConfig};
-use crate::digest::{digest_threads, memory_digest};
+use crate::config::{LimitPolicy, MigrationConfig, Verify};
+use crate::digest::{Digest, digest_threads, memory_digest};
 use crate::error::{ChannelError, MigrationError};
 use crate::guest::{MemoryRegion, PAGE_SIZE, SourceGuest};
 use crate::pipeline::{Pipeline, PipelineSetup};
@@ -156,7 +156,7 @@ impl Source {
     ) -> Result<Option<DestinationStats>, MigrationError> {
         let config = &self.config;
         let regions: Vec<MemoryRegion> = guest.regions().to_vec();
-        let setup = session_setup(&regions, config.channels)?;
+        let setup = session_setup(&regions, config)?;
         let total: u64 = regions.iter().map(MemoryRegion::len).sum();
         self.stats.total.store(total, Ordering::Relaxed);
         self.stats.remaining.store(total, Ordering::Relaxed);
@@ -376,19 +376,31 @@ impl Source {
         stats.dirty_sync_count.fetch_add(1, Ordering::Relaxed);
         // The guest is paused, so its memory no longer changes: hash it
         // while the last pages travel instead of after.
+        let verify = config.verify == Verify::Full;
         let (sent, digest) = std::thread::scope(|scope| {
-            let hasher = std::thread::Builder::new()
-                .name("tern-digest".into())
-                // SAFETY: the guest is paused, and the pipeline only reads
-                // guest memory, so nothing writes it while it is hashed.
-                .spawn_scoped(scope, || unsafe {
-                    memory_digest(regions, digest_threads(), &|_, _| false)
+            let hasher = verify
+                .then(|| {
+                    std::thread::Builder::new()
+                        .name("tern-digest".into())
+                        // SAFETY: the guest is paused, and the pipeline only
+                        // reads guest memory, so nothing writes it while it
+                        // is hashed.
+                        .spawn_scoped(scope, || unsafe {
+                            memory_digest(regions, digest_threads(), &|_, _| false)
+                        })
+                        .map_err(MigrationError::Thread)
                 })
-                .map_err(MigrationError::Thread)?;
+                .transpose()?;
             let sent = pipe.send_iteration(&bitmaps, iteration, true);
-            let digest = hasher
-                .join()
-                .map_err(|_| MigrationError::Protocol("the digest thread panicked".into()))?;
+            let digest = match hasher {
+                Some(hasher) => hasher
+                    .join()
+                    .map_err(|_| MigrationError::Protocol("the digest thread panicked".into()))?,
+                None => Digest {
+                    value: 0,
+                    cpu_seconds: 0.0,
+                },
+            };
             Ok::<_, MigrationError>((sent, digest))
         })?;
         sent?;
@@ -458,7 +470,7 @@ impl Source {
             )));
         }
         stats.set_downtime(paused_at.elapsed());
-        stats.set_digest_verified(true);
+        stats.set_digest_verified(verify);
         if forced {
             tracing::info!("switch-over was forced by a limit");
         }
@@ -467,12 +479,18 @@ impl Source {
 }
 
 /// Builds the session setup from the guest's regions.
-fn session_setup(regions: &[MemoryRegion], channels: u16) -> Result<SessionSetup, MigrationError> {
+fn session_setup(
+    regions: &[MemoryRegion],
+    config: &MigrationConfig,
+) -> Result<SessionSetup, MigrationError> {
     let setup = SessionSetup {
         page_size: PAGE_SIZE as u32,
-        channel_count: channels,
+        channel_count: config.channels,
         codec: 0,
-        digest: DigestAlgorithm::Xxh3Chunked,
+        digest: match config.verify {
+            Verify::Full => DigestAlgorithm::Xxh3Pages,
+            Verify::None => DigestAlgorithm::None,
+        },
         regions: regions
             .iter()
             .map(|region| RegionInfo {

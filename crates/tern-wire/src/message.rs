@@ -54,14 +54,17 @@ impl Handshake {
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 #[repr(u8)]
 pub enum DigestAlgorithm {
-    /// XXH3-128 over fixed-size chunks, then over the chunk digests.
-    Xxh3Chunked = 1,
+    /// No verification: the destination resumes without comparing memory.
+    None = 0,
+    /// XXH3-128 over each region's id and the XXH3-64 of each of its pages.
+    Xxh3Pages = 1,
 }
 
 impl DigestAlgorithm {
     fn from_u8(value: u8) -> Result<Self, WireError> {
         match value {
-            1 => Ok(Self::Xxh3Chunked),
+            0 => Ok(Self::None),
+            1 => Ok(Self::Xxh3Pages),
             other => Err(WireError::InvalidField {
                 field: "digest algorithm",
                 detail: format!("unknown algorithm {other}"),

@@ -5,7 +5,7 @@ fn setup() -> SessionSetup {
         page_size: PAGE_SIZE,
         channel_count: 2,
         codec: 0,
-        digest: DigestAlgorithm::Xxh3Chunked,
+        digest: DigestAlgorithm::Xxh3Pages,
         regions: vec![
             RegionInfo {
                 id: 0,

@@ -51,6 +51,7 @@ struct CaseResult {
 #[serde(rename_all = "kebab-case")]
 struct BenchReport {
     machine: String,
+    verify: String,
     memory_bytes: u64,
     mix: String,
     dirty_rate_bytes_per_sec: u64,
@@ -88,7 +89,7 @@ fn bench_migrate(args: &BenchMigrateArgs) -> anyhow::Result<ExitCode> {
         let mut runs: Vec<Vec<RunFigures>> = vec![Vec::new(); args.channels.len()];
         for run in 0..args.runs {
             for (case, &channels) in args.channels.iter().enumerate() {
-                let figures = one_run(&mut guest, channels, args.memory)
+                let figures = one_run(&mut guest, channels, args)
                     .with_context(|| format!("{mode} run {run} with {channels} channels"))?;
                 eprintln!(
                     "bench: {mode:>8} {channels} ch run {run}: total {:.0} ms, downtime {:.0} ms, {:.2} GiB/s",
@@ -112,6 +113,7 @@ fn bench_migrate(args: &BenchMigrateArgs) -> anyhow::Result<ExitCode> {
     }
     let report = BenchReport {
         machine: machine_name(),
+        verify: format!("{:?}", args.verify).to_lowercase(),
         memory_bytes: args.memory,
         mix: format!("{}:{}:{}", args.mix.zero, args.mix.random, args.mix.text),
         dirty_rate_bytes_per_sec: args.dirty_rate,
@@ -126,12 +128,18 @@ fn bench_migrate(args: &BenchMigrateArgs) -> anyhow::Result<ExitCode> {
     Ok(ExitCode::SUCCESS)
 }
 
-fn one_run(guest: &mut SyntheticGuest, channels: u16, memory: u64) -> anyhow::Result<RunFigures> {
+fn one_run(
+    guest: &mut SyntheticGuest,
+    channels: u16,
+    args: &BenchMigrateArgs,
+) -> anyhow::Result<RunFigures> {
+    let memory = args.memory;
     let listener = Listener::bind(&Address::Tcp("127.0.0.1:0".into()))?;
     let address = listener.local_address()?;
     let destination = spawn_local_destination(listener, ReceiveConfig::default());
     let source = Source::new(MigrationConfig {
         channels,
+        verify: args.verify,
         ..MigrationConfig::default()
     })?;
     let result = source.migrate(guest, &address);
@@ -216,12 +224,13 @@ pub fn machine_name() -> String {
 
 fn print_markdown(report: &BenchReport) {
     println!(
-        "Machine: {}. Guest: {} ({} zero:random:text), dirtying case {} /s over {}.\n",
+        "Machine: {}. Guest: {} ({} zero:random:text), dirtying case {} /s over {}. Verify: {}.\n",
         report.machine,
         crate::units::human_bytes(report.memory_bytes),
         report.mix,
         crate::units::human_bytes(report.dirty_rate_bytes_per_sec),
-        crate::units::human_bytes(report.working_set_bytes)
+        crate::units::human_bytes(report.working_set_bytes),
+        report.verify
     );
     println!(
         "| guest | channels | runs | total (ms) | downtime (ms) | iterations | GiB/s | wire Mbit/s | transferred (GiB) | source CPU s/GiB | destination CPU s/GiB |"

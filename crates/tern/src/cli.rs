@@ -3,7 +3,7 @@
 use std::time::Duration;
 
 use clap::{Args, Parser, Subcommand};
-use tern_engine::{Address, LimitPolicy, MigrationConfig, ZeroPageDetection};
+use tern_engine::{Address, LimitPolicy, MigrationConfig, Verify, ZeroPageDetection};
 use tern_synthetic::{ContentMix, SyntheticConfig};
 
 use crate::units::{parse_rate, parse_size};
@@ -112,6 +112,9 @@ pub struct BenchMigrateArgs {
     /// Skip the running-guest case.
     #[arg(long)]
     pub paused_only: bool,
+    /// Memory verification at switch-over: full or none.
+    #[arg(long, default_value = "full", value_parser = parse_verify)]
+    pub verify: Verify,
     /// Print JSON instead of a Markdown table.
     #[arg(long)]
     pub json: bool,
@@ -184,6 +187,10 @@ pub struct TransferArgs {
     /// Who detects zero pages: none, source, workers.
     #[arg(long, default_value = "workers", value_parser = parse_detection)]
     pub zero_page_detection: ZeroPageDetection,
+    /// Compare memory digests before resuming on the destination: full, or
+    /// none (shortest downtime, trusts the dirty log).
+    #[arg(long, default_value = "full", value_parser = parse_verify)]
+    pub verify: Verify,
     /// Do not throttle a guest that dirties memory faster than it is sent.
     #[arg(long)]
     pub no_auto_converge: bool,
@@ -214,6 +221,7 @@ impl TransferArgs {
             limit_policy: self.on_limit,
             auto_converge: !self.no_auto_converge,
             zero_page_detection: self.zero_page_detection,
+            verify: self.verify,
             io_timeout: Duration::from_secs(self.io_timeout),
             connect_timeout: Duration::from_secs(self.connect_timeout),
             ..MigrationConfig::default()
@@ -226,6 +234,10 @@ fn parse_address(text: &str) -> Result<Address, String> {
 }
 
 fn parse_policy(text: &str) -> Result<LimitPolicy, String> {
+    text.parse()
+}
+
+fn parse_verify(text: &str) -> Result<Verify, String> {
     text.parse()
 }
 

@@ -20,7 +20,7 @@ fn setup(channels: u16) -> SessionSetup {
         page_size: 4096,
         channel_count: channels,
         codec: 0,
-        digest: DigestAlgorithm::Xxh3Chunked,
+        digest: DigestAlgorithm::Xxh3Pages,
         regions: vec![RegionInfo {
             id: 0,
             guest_addr: 0,

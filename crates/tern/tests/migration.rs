@@ -244,3 +244,111 @@ fn mismatched_destination_layout_is_refused() {
         Err(MigrationError::Incompatible(_))
     ));
 }
+
+/// A guest whose dirty log forgets every write: the destination ends up
+/// with stale pages, and only the digest can tell.
+struct ForgetfulDirtyLog(tern_synthetic::SyntheticGuest);
+
+impl tern_engine::GuestMemory for ForgetfulDirtyLog {
+    fn regions(&self) -> &[tern_engine::MemoryRegion] {
+        self.0.regions()
+    }
+}
+
+impl tern_engine::DirtyLog for ForgetfulDirtyLog {
+    fn start_dirty_log(&mut self) -> tern_engine::GuestResult<()> {
+        self.0.start_dirty_log()
+    }
+
+    fn sync_dirty_log(
+        &mut self,
+        bitmaps: &mut [tern_engine::DirtyBitmap],
+    ) -> tern_engine::GuestResult<()> {
+        let mut discarded: Vec<tern_engine::DirtyBitmap> = bitmaps
+            .iter()
+            .map(|bitmap| tern_engine::DirtyBitmap::new(bitmap.pages()))
+            .collect();
+        self.0.sync_dirty_log(&mut discarded)
+    }
+
+    fn stop_dirty_log(&mut self) -> tern_engine::GuestResult<()> {
+        self.0.stop_dirty_log()
+    }
+}
+
+impl GuestControl for ForgetfulDirtyLog {
+    fn pause(&mut self) -> tern_engine::GuestResult<()> {
+        self.0.pause()
+    }
+
+    fn resume(&mut self) -> tern_engine::GuestResult<()> {
+        self.0.resume()
+    }
+
+    fn set_throttle(&mut self, percent: u8) -> tern_engine::GuestResult<()> {
+        self.0.set_throttle(percent)
+    }
+}
+
+impl tern_engine::DeviceState for ForgetfulDirtyLog {
+    fn save_state(&mut self) -> tern_engine::GuestResult<Vec<tern_engine::StateSection>> {
+        self.0.save_state()
+    }
+
+    fn restore_state(
+        &mut self,
+        sections: &[tern_engine::StateSection],
+    ) -> tern_engine::GuestResult<()> {
+        self.0.restore_state(sections)
+    }
+}
+
+#[test]
+fn a_lying_dirty_log_is_caught_by_the_digest_and_the_source_runs_on() {
+    let mut guest = ForgetfulDirtyLog(guest(32 * MIB, 64 * MIB));
+    let (listener, address) = tcp_listener();
+    let destination = spawn_destination(listener);
+    // A slow link gives the dirtier time to change pages already sent.
+    let mut config = migration_config(2);
+    config.max_bandwidth = Some(64 * MIB);
+    let failure = Source::new(config)
+        .unwrap()
+        .migrate(&mut guest, &address)
+        .expect_err("stale pages must be detected");
+    assert!(
+        matches!(failure.error, MigrationError::DigestMismatch { .. }),
+        "{}",
+        failure.error.chain()
+    );
+    assert_eq!(failure.stats.status, MigrationStatus::Failed);
+    assert!(!failure.stats.digest_verified);
+    assert!(guest.0.is_running(), "the source guest must run on");
+    let error = destination
+        .join()
+        .unwrap()
+        .expect_err("destination must refuse");
+    assert!(
+        matches!(error, MigrationError::DigestMismatch { .. }),
+        "{error}"
+    );
+    guest.0.pause().unwrap();
+}
+
+#[test]
+fn verify_none_skips_the_digest() {
+    let mut guest = guest(16 * MIB, 0);
+    let (listener, address) = tcp_listener();
+    let mut config = migration_config(1);
+    config.verify = tern_engine::Verify::None;
+    let destination = spawn_destination(listener);
+    let stats = Source::new(config)
+        .unwrap()
+        .migrate(&mut guest, &address)
+        .expect("migration");
+    let received = destination.join().unwrap().expect("destination");
+    assert_eq!(stats.status, MigrationStatus::Completed);
+    assert!(!stats.digest_verified);
+    let mut destination_guest = received.guest;
+    destination_guest.pause().unwrap();
+    assert_eq!(destination_guest.digest(), guest.digest());
+}

@@ -281,14 +281,7 @@ impl Channel {
     /// memory); the kernel then sends some mix of old and new bytes, which
     /// the dirty log makes harmless.
     pub unsafe fn send_vectored(&mut self, segments: &[Segment]) -> Result<(), ChannelError> {
-        let mut iovecs: Vec<libc::iovec> = segments
-            .iter()
-            .filter(|segment| segment.len > 0)
-            .map(|segment| libc::iovec {
-                iov_base: segment.ptr as *mut libc::c_void,
-                iov_len: segment.len,
-            })
-            .collect();
+        let mut iovecs = to_iovecs(segments);
         let mut first = 0;
         while first < iovecs.len() {
             let batch = &mut iovecs[first..];
@@ -309,19 +302,7 @@ impl Channel {
                 }
                 return Err(map_io(error));
             }
-            let mut sent = sent as usize;
-            while sent > 0 {
-                let iov = &mut iovecs[first];
-                if sent >= iov.iov_len {
-                    sent -= iov.iov_len;
-                    first += 1;
-                } else {
-                    // SAFETY: advancing within the same iovec's buffer.
-                    iov.iov_base = unsafe { iov.iov_base.cast::<u8>().add(sent) }.cast();
-                    iov.iov_len -= sent;
-                    sent = 0;
-                }
-            }
+            first = advance(&mut iovecs, first, sent as usize);
         }
         Ok(())
     }
@@ -334,14 +315,7 @@ impl Channel {
     /// accesses during the call, and that lie inside memory the caller has
     /// bounds-checked (guest pages or a scratch buffer).
     pub unsafe fn read_scattered(&mut self, segments: &[Segment]) -> Result<(), ChannelError> {
-        let mut iovecs: Vec<libc::iovec> = segments
-            .iter()
-            .filter(|segment| segment.len > 0)
-            .map(|segment| libc::iovec {
-                iov_base: segment.ptr as *mut libc::c_void,
-                iov_len: segment.len,
-            })
-            .collect();
+        let mut iovecs = to_iovecs(segments);
         let mut first = 0;
         while first < iovecs.len() {
             let batch = &mut iovecs[first..];
@@ -359,22 +333,40 @@ impl Channel {
             if read == 0 {
                 return Err(ChannelError::Closed);
             }
-            let mut read = read as usize;
-            while read > 0 {
-                let iov = &mut iovecs[first];
-                if read >= iov.iov_len {
-                    read -= iov.iov_len;
-                    first += 1;
-                } else {
-                    // SAFETY: advancing within the same iovec's buffer.
-                    iov.iov_base = unsafe { iov.iov_base.cast::<u8>().add(read) }.cast();
-                    iov.iov_len -= read;
-                    read = 0;
-                }
-            }
+            first = advance(&mut iovecs, first, read as usize);
         }
         Ok(())
     }
+}
+
+fn to_iovecs(segments: &[Segment]) -> Vec<libc::iovec> {
+    segments
+        .iter()
+        .filter(|segment| segment.len > 0)
+        .map(|segment| libc::iovec {
+            iov_base: segment.ptr as *mut libc::c_void,
+            iov_len: segment.len,
+        })
+        .collect()
+}
+
+/// Consumes `done` bytes from `iovecs[first..]` after a partial transfer and
+/// returns the index of the first iovec with bytes left.
+fn advance(iovecs: &mut [libc::iovec], mut first: usize, mut done: usize) -> usize {
+    while done > 0 {
+        let iov = &mut iovecs[first];
+        if done >= iov.iov_len {
+            done -= iov.iov_len;
+            first += 1;
+        } else {
+            // SAFETY: `done` is below the iovec's length, so the new base
+            // stays inside the same buffer.
+            iov.iov_base = unsafe { iov.iov_base.cast::<u8>().add(done) }.cast();
+            iov.iov_len -= done;
+            done = 0;
+        }
+    }
+    first
 }
 
 fn connect_tcp(host_port: &str, timeout: Duration) -> io::Result<TcpStream> {

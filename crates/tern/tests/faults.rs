@@ -29,6 +29,60 @@ fn setup(channels: u16) -> SessionSetup {
     }
 }
 
+fn hello(channels: u16) -> Message {
+    Message::Hello(Hello {
+        handshake: Handshake {
+            session_id: SESSION,
+            channel_index: 0,
+        },
+        setup: setup(channels),
+    })
+}
+
+fn channel_hello(session_id: u64, channel_index: u16) -> Message {
+    Message::ChannelHello(ChannelHello {
+        handshake: Handshake {
+            session_id,
+            channel_index,
+        },
+    })
+}
+
+/// A one-page packet of iteration 0; the payload length is the kind's.
+fn packet(region_id: u32, page_index: u32, kind: PageKind, payload: &[u8]) -> Vec<u8> {
+    let encoded_len = match kind {
+        PageKind::Zero => 0,
+        PageKind::Raw => 4096,
+        PageKind::Compressed => payload.len() as u32,
+    };
+    let mut bytes = Vec::new();
+    encode_pages_prefix(
+        &mut bytes,
+        region_id,
+        0,
+        &[PageEntry {
+            page_index,
+            kind,
+            encoded_len,
+        }],
+    );
+    bytes.extend_from_slice(payload);
+    bytes
+}
+
+/// A hello damaged at `offset` must be refused with `needle` in the error,
+/// both in the abort the peer receives and in the destination's result.
+fn corrupted_hello_is_refused(offset: usize, patch: &[u8], needle: &str) {
+    let (listener, address) = tcp_listener();
+    let destination = spawn_destination(listener);
+    let mut bytes = hello(1).to_bytes();
+    bytes[offset..offset + patch.len()].copy_from_slice(patch);
+    let mut main = connect(&address);
+    main.write_all(&bytes).unwrap();
+    expect_abort(&mut main, needle);
+    expect_destination_error(destination, needle);
+}
+
 /// A hand-driven source that speaks the protocol, or breaks it on purpose.
 struct FakeSource {
     main: Channel,
@@ -41,25 +95,13 @@ fn connect(address: &tern_engine::Address) -> Channel {
 
 fn handshake(address: &tern_engine::Address, channels: u16) -> FakeSource {
     let mut main = connect(address);
-    main.send_message(&Message::Hello(Hello {
-        handshake: Handshake {
-            session_id: SESSION,
-            channel_index: 0,
-        },
-        setup: setup(channels),
-    }))
-    .unwrap();
+    main.send_message(&hello(channels)).unwrap();
     assert!(matches!(main.read_message().unwrap(), Message::Welcome(_)));
     let mut pages = Vec::new();
     for index in 1..=channels {
         let mut channel = connect(address);
         channel
-            .send_message(&Message::ChannelHello(ChannelHello {
-                handshake: Handshake {
-                    session_id: SESSION,
-                    channel_index: index,
-                },
-            }))
+            .send_message(&channel_hello(SESSION, index))
             .unwrap();
         assert!(matches!(
             channel.read_message().unwrap(),
@@ -112,40 +154,12 @@ fn garbage_on_the_main_channel() {
 
 #[test]
 fn wrong_magic() {
-    let (listener, address) = tcp_listener();
-    let destination = spawn_destination(listener);
-    let mut bytes = Message::Hello(Hello {
-        handshake: Handshake {
-            session_id: SESSION,
-            channel_index: 0,
-        },
-        setup: setup(1),
-    })
-    .to_bytes();
-    bytes[8..16].copy_from_slice(b"NOTTERN!");
-    let mut main = connect(&address);
-    main.write_all(&bytes).unwrap();
-    expect_abort(&mut main, "magic");
-    expect_destination_error(destination, "magic");
+    corrupted_hello_is_refused(8, b"NOTTERN!", "magic");
 }
 
 #[test]
 fn wrong_version() {
-    let (listener, address) = tcp_listener();
-    let destination = spawn_destination(listener);
-    let mut bytes = Message::Hello(Hello {
-        handshake: Handshake {
-            session_id: SESSION,
-            channel_index: 0,
-        },
-        setup: setup(1),
-    })
-    .to_bytes();
-    bytes[16..18].copy_from_slice(&99u16.to_le_bytes());
-    let mut main = connect(&address);
-    main.write_all(&bytes).unwrap();
-    expect_abort(&mut main, "version 99");
-    expect_destination_error(destination, "version 99");
+    corrupted_hello_is_refused(16, &99u16.to_le_bytes(), "version 99");
 }
 
 #[test]
@@ -153,36 +167,15 @@ fn wrong_session_on_a_page_channel_is_turned_away() {
     let (listener, address) = tcp_listener();
     let destination = spawn_destination(listener);
     let mut main = connect(&address);
-    main.send_message(&Message::Hello(Hello {
-        handshake: Handshake {
-            session_id: SESSION,
-            channel_index: 0,
-        },
-        setup: setup(1),
-    }))
-    .unwrap();
+    main.send_message(&hello(1)).unwrap();
     assert!(matches!(main.read_message().unwrap(), Message::Welcome(_)));
     let mut stray = connect(&address);
-    stray
-        .send_message(&Message::ChannelHello(ChannelHello {
-            handshake: Handshake {
-                session_id: SESSION + 1,
-                channel_index: 1,
-            },
-        }))
-        .unwrap();
+    stray.send_message(&channel_hello(SESSION + 1, 1)).unwrap();
     expect_abort(&mut stray, "session");
     // The stray connection did not end the migration: the right one is
     // still welcome.
     let mut right = connect(&address);
-    right
-        .send_message(&Message::ChannelHello(ChannelHello {
-            handshake: Handshake {
-                session_id: SESSION,
-                channel_index: 1,
-            },
-        }))
-        .unwrap();
+    right.send_message(&channel_hello(SESSION, 1)).unwrap();
     assert!(matches!(right.read_message().unwrap(), Message::Welcome(_)));
     drop(right);
     drop(main);
@@ -195,19 +188,9 @@ fn page_outside_the_region_is_refused() {
     let destination = spawn_destination(listener);
     let mut fake = handshake(&address, 1);
     let outside = (REGION_BYTES / 4096) as u32;
-    let mut packet = Vec::new();
-    encode_pages_prefix(
-        &mut packet,
-        0,
-        0,
-        &[PageEntry {
-            page_index: outside,
-            kind: PageKind::Raw,
-            encoded_len: 4096,
-        }],
-    );
-    packet.extend_from_slice(&[0xee; 4096]);
-    fake.pages[0].write_all(&packet).unwrap();
+    fake.pages[0]
+        .write_all(&packet(0, outside, PageKind::Raw, &[0xee; 4096]))
+        .unwrap();
     expect_destination_error(destination, "outside region");
     expect_abort(&mut fake.main, "outside region");
 }
@@ -217,18 +200,9 @@ fn unknown_region_is_refused() {
     let (listener, address) = tcp_listener();
     let destination = spawn_destination(listener);
     let mut fake = handshake(&address, 1);
-    let mut packet = Vec::new();
-    encode_pages_prefix(
-        &mut packet,
-        9,
-        0,
-        &[PageEntry {
-            page_index: 0,
-            kind: PageKind::Zero,
-            encoded_len: 0,
-        }],
-    );
-    fake.pages[0].write_all(&packet).unwrap();
+    fake.pages[0]
+        .write_all(&packet(9, 0, PageKind::Zero, &[]))
+        .unwrap();
     expect_destination_error(destination, "unknown region 9");
 }
 
@@ -250,19 +224,10 @@ fn truncated_packet_then_close() {
     let (listener, address) = tcp_listener();
     let destination = spawn_destination(listener);
     let mut fake = handshake(&address, 2);
-    let mut packet = Vec::new();
-    encode_pages_prefix(
-        &mut packet,
-        0,
-        0,
-        &[PageEntry {
-            page_index: 3,
-            kind: PageKind::Raw,
-            encoded_len: 4096,
-        }],
-    );
-    packet.extend_from_slice(&[1; 1000]); // 3096 bytes short
-    fake.pages[1].write_all(&packet).unwrap();
+    // 3096 bytes short of the page the table announces.
+    fake.pages[1]
+        .write_all(&packet(0, 3, PageKind::Raw, &[1; 1000]))
+        .unwrap();
     drop(fake.pages);
     expect_destination_error(destination, "closed by the peer mid-stream");
 }
@@ -281,22 +246,11 @@ fn payload_length_lies_are_refused() {
     let (listener, address) = tcp_listener();
     let destination = spawn_destination(listener);
     let mut fake = handshake(&address, 1);
-    let mut packet = Vec::new();
-    encode_pages_prefix(
-        &mut packet,
-        0,
-        0,
-        &[PageEntry {
-            page_index: 1,
-            kind: PageKind::Raw,
-            encoded_len: 4096,
-        }],
-    );
     // Claim a body 4 KiB longer than the table describes.
-    let body = u32::from_le_bytes(packet[4..8].try_into().unwrap()) + 4096;
-    packet[4..8].copy_from_slice(&body.to_le_bytes());
-    packet.extend_from_slice(&[7; 8192]);
-    fake.pages[0].write_all(&packet).unwrap();
+    let mut bytes = packet(0, 1, PageKind::Raw, &[7; 8192]);
+    let body = u32::from_le_bytes(bytes[4..8].try_into().unwrap()) + 4096;
+    bytes[4..8].copy_from_slice(&body.to_le_bytes());
+    fake.pages[0].write_all(&bytes).unwrap();
     expect_destination_error(destination, "page table describes");
 }
 

@@ -12,7 +12,7 @@ fuzz_target!(|data: &[u8]| {
     let setup = SessionSetup {
         page_size: tern_wire::PAGE_SIZE,
         channel_count: 4,
-        codec: 1,
+        codecs: 0b1110,
         digest: DigestAlgorithm::Xxh3Pages,
         regions: vec![
             RegionInfo { id: 0, guest_addr: 0, len: 64 << 12 },

@@ -510,6 +510,7 @@ fn encode(shared: &Shared, batch: &mut Batch) {
         &mut batch.prefix,
         shared.region_ids[batch.region],
         batch.iteration,
+        0,
         &batch.entries,
     );
     batch.wire_bytes = batch.prefix.len() as u64 + batch.normal_pages * PAGE_SIZE as u64;

@@ -486,7 +486,7 @@ fn session_setup(
     let setup = SessionSetup {
         page_size: PAGE_SIZE as u32,
         channel_count: config.channels,
-        codec: 0,
+        codecs: 0,
         digest: match config.verify {
             Verify::Full => DigestAlgorithm::Xxh3Pages,
             Verify::None => DigestAlgorithm::None,

@@ -101,8 +101,10 @@ pub struct SessionSetup {
     pub page_size: u32,
     /// Number of page channels (the main channel is not counted).
     pub channel_count: u16,
-    /// Codec of compressed pages: 0 = none; others are defined by `tern-page`.
-    pub codec: u8,
+    /// Codecs the source may use, one bit per codec id (bit 1 = codec 1;
+    /// ids are defined by `tern-page`); 0 = no compression. Each page packet
+    /// names the one it uses, so the source may switch between iterations.
+    pub codecs: u8,
     /// How the final digest is computed.
     pub digest: DigestAlgorithm,
     /// The guest's memory regions.
@@ -307,7 +309,7 @@ impl Message {
                 let setup = &hello.setup;
                 w.u32(setup.page_size)
                     .u16(setup.channel_count)
-                    .u8(setup.codec)
+                    .u8(setup.codecs)
                     .u8(setup.digest as u8);
                 w.u16(u16::try_from(setup.regions.len()).unwrap_or(u16::MAX));
                 for region in &setup.regions {
@@ -382,7 +384,13 @@ impl Message {
                 }
                 let page_size = r.u32()?;
                 let channel_count = r.u16()?;
-                let codec = r.u8()?;
+                let codecs = r.u8()?;
+                if codecs & 1 != 0 {
+                    return Err(WireError::InvalidField {
+                        field: "codecs",
+                        detail: "bit 0 (no codec) must not be set".into(),
+                    });
+                }
                 let digest = DigestAlgorithm::from_u8(r.u8()?)?;
                 let region_count = usize::from(r.u16()?);
                 if region_count > MAX_REGIONS {
@@ -407,7 +415,7 @@ impl Message {
                 let setup = SessionSetup {
                     page_size,
                     channel_count,
-                    codec,
+                    codecs,
                     digest,
                     regions,
                 };

@@ -17,7 +17,7 @@ pub enum PageKind {
     Zero = 0,
     /// The page as it is; `PAGE_SIZE` payload bytes.
     Raw = 1,
-    /// Compressed with the session's codec; fewer than `PAGE_SIZE` bytes.
+    /// Compressed with the packet's codec; fewer than `PAGE_SIZE` bytes.
     Compressed = 2,
 }
 
@@ -53,10 +53,13 @@ pub struct PagesHeader {
     pub iteration: u32,
     /// Number of table entries, 1..=[`MAX_PAGES_PER_PACKET`].
     pub page_count: u16,
+    /// Codec of the packet's compressed pages (0 when it has none); one the
+    /// session announced.
+    pub codec: u8,
 }
 
 impl PagesHeader {
-    /// Encoded size: region, iteration, count, reserved.
+    /// Encoded size: region, iteration, count, codec, reserved.
     pub const ENCODED_LEN: usize = 12;
 
     /// Bytes of the page table that follows this header.
@@ -77,7 +80,14 @@ impl PagesHeader {
         let region_id = r.u32()?;
         let iteration = r.u32()?;
         let page_count = r.u16()?;
-        r.reserved(2)?;
+        let codec = r.u8()?;
+        r.reserved(1)?;
+        if codec != 0 && (codec > 7 || setup.codecs & (1 << codec) == 0) {
+            return Err(WireError::InvalidField {
+                field: "packet codec",
+                detail: format!("codec {codec} was not announced in the session setup"),
+            });
+        }
         if page_count == 0 || usize::from(page_count) > MAX_PAGES_PER_PACKET {
             return Err(WireError::InvalidField {
                 field: "page count",
@@ -91,6 +101,7 @@ impl PagesHeader {
             region_id,
             iteration,
             page_count,
+            codec,
         };
         let prefix = Self::ENCODED_LEN + header.table_len();
         let Some(payload_len) = body_len.checked_sub(prefix) else {
@@ -102,7 +113,7 @@ impl PagesHeader {
 
 /// Decodes and validates a page table into `entries` (cleared first): every
 /// page inside the region, every length consistent with its kind and the
-/// session's codec, and the lengths adding up to `payload_len`.
+/// packet's codec, and the lengths adding up to `payload_len`.
 pub fn decode_page_table(
     header: &PagesHeader,
     table: &[u8],
@@ -133,7 +144,7 @@ pub fn decode_page_table(
         let kind = match kind {
             0 if encoded_len == 0 => PageKind::Zero,
             1 if encoded_len == page_size => PageKind::Raw,
-            2 if setup.codec != 0 && encoded_len > 0 && encoded_len < page_size => {
+            2 if header.codec != 0 && encoded_len > 0 && encoded_len < page_size => {
                 PageKind::Compressed
             }
             _ => {
@@ -169,6 +180,7 @@ pub fn encode_pages_prefix(
     out: &mut Vec<u8>,
     region_id: u32,
     iteration: u32,
+    codec: u8,
     entries: &[PageEntry],
 ) {
     let payload: usize = entries.iter().map(|entry| entry.encoded_len as usize).sum();
@@ -183,7 +195,8 @@ pub fn encode_pages_prefix(
     w.u32(region_id)
         .u32(iteration)
         .u16(u16::try_from(entries.len()).unwrap_or(u16::MAX))
-        .zeros(2);
+        .u8(codec)
+        .zeros(1);
     for entry in entries {
         entry.encode(&mut w);
     }

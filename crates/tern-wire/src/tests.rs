@@ -4,7 +4,7 @@ fn setup() -> SessionSetup {
     SessionSetup {
         page_size: PAGE_SIZE,
         channel_count: 2,
-        codec: 0,
+        codecs: 0,
         digest: DigestAlgorithm::Xxh3Pages,
         regions: vec![
             RegionInfo {
@@ -147,8 +147,12 @@ fn frame_header_limits() {
 }
 
 fn packet(region: u32, entries: &[PageEntry], payload: usize) -> Vec<u8> {
+    packet_with_codec(region, 0, entries, payload)
+}
+
+fn packet_with_codec(region: u32, codec: u8, entries: &[PageEntry], payload: usize) -> Vec<u8> {
     let mut out = Vec::new();
-    encode_pages_prefix(&mut out, region, 1, entries);
+    encode_pages_prefix(&mut out, region, 1, codec, entries);
     out.resize(out.len() + payload, 0xab);
     out
 }
@@ -176,7 +180,8 @@ fn pages_round_trip_and_validation() {
             PagesHeader {
                 region_id: 0,
                 iteration: 1,
-                page_count: 2
+                page_count: 2,
+                codec: 0,
             },
             entries.to_vec()
         )]
@@ -220,9 +225,16 @@ fn pages_round_trip_and_validation() {
         encoded_len: 10,
     }];
     assert!(decode_stream(&packet(0, &compressed, 10), Some(&setup)).is_err());
+    // ... one the session announced.
+    assert!(decode_stream(&packet_with_codec(0, 1, &compressed, 10), Some(&setup)).is_err());
     let mut with_codec = setup.clone();
-    with_codec.codec = 1;
-    assert!(decode_stream(&packet(0, &compressed, 10), Some(&with_codec)).is_ok());
+    with_codec.codecs = 1 << 1;
+    assert!(
+        decode_stream(&packet_with_codec(0, 1, &compressed, 10), Some(&with_codec)).is_ok()
+    );
+    assert!(decode_stream(&packet_with_codec(0, 2, &compressed, 10), Some(&with_codec)).is_err());
+    // A packet may name its codec and still carry only raw and zero pages.
+    assert!(decode_stream(&packet_with_codec(0, 1, &entries, 4096), Some(&with_codec)).is_ok());
 }
 
 #[test]

@@ -19,7 +19,7 @@ fn setup(channels: u16) -> SessionSetup {
     SessionSetup {
         page_size: 4096,
         channel_count: channels,
-        codec: 0,
+        codecs: 0,
         digest: DigestAlgorithm::Xxh3Pages,
         regions: vec![RegionInfo {
             id: 0,
@@ -59,6 +59,7 @@ fn packet(region_id: u32, page_index: u32, kind: PageKind, payload: &[u8]) -> Ve
     encode_pages_prefix(
         &mut bytes,
         region_id,
+        0,
         0,
         &[PageEntry {
             page_index,

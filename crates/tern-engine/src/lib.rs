@@ -23,6 +23,7 @@ pub mod ring;
 pub mod source;
 pub mod stats;
 pub mod transport;
+pub mod zerocopy;
 
 pub use bitmap::DirtyBitmap;
 pub use config::{LimitPolicy, MigrationConfig, ReceiveConfig, Verify, ZeroPageDetection};

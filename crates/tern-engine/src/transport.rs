@@ -194,6 +194,10 @@ impl Channel {
         }
     }
 
+    pub(crate) fn raw_fd(&self) -> RawFd {
+        self.fd
+    }
+
     /// Sets the send and receive timeouts of blocking operations.
     pub fn set_timeouts(&self, timeout: Duration) -> Result<(), ChannelError> {
         let result = match &self.stream {

@@ -123,6 +123,11 @@ pub struct MigrationConfig {
     pub zero_page_detection: ZeroPageDetection,
     /// Memory verification at switch-over.
     pub verify: Verify,
+    /// Send page data with `MSG_ZEROCOPY` straight from guest memory.
+    pub zero_copy: bool,
+    /// Bytes each zero-copy channel may keep pinned in flight; 0 picks a
+    /// window that fits `RLIMIT_MEMLOCK` (or 16 MiB with `CAP_IPC_LOCK`).
+    pub zero_copy_window: usize,
     /// Timeout of any single blocking send or receive.
     pub io_timeout: Duration,
     /// How long to keep trying to reach the destination.
@@ -144,6 +149,8 @@ impl Default for MigrationConfig {
             throttle_increment: 10,
             zero_page_detection: ZeroPageDetection::Workers,
             verify: Verify::Full,
+            zero_copy: false,
+            zero_copy_window: 0,
             io_timeout: Duration::from_secs(30),
             connect_timeout: Duration::from_secs(10),
         }

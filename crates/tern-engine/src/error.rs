@@ -78,6 +78,9 @@ pub enum MigrationError {
     /// The iteration or time limit was reached under the cancel policy.
     #[error("Migration did not converge: {0}")]
     LimitReached(String),
+    /// Zero-copy sending cannot be set up or failed.
+    #[error("Zero-copy send")]
+    ZeroCopy(#[source] crate::zerocopy::ZeroCopyError),
     /// A thread could not be started.
     #[error("Cannot start thread")]
     Thread(#[source] io::Error),
@@ -95,7 +98,7 @@ impl MigrationError {
             | Self::Protocol(_) => AbortReason::ProtocolError,
             Self::Incompatible(_) | Self::Config(_) => AbortReason::IncompatibleSetup,
             Self::Guest { .. } => AbortReason::GuestError,
-            Self::Channel { .. } => AbortReason::ChannelFailed,
+            Self::Channel { .. } | Self::ZeroCopy(_) => AbortReason::ChannelFailed,
             Self::DigestMismatch { .. } => AbortReason::DigestMismatch,
             Self::LimitReached(_) => AbortReason::LimitReached,
             Self::PeerAborted { .. } | Self::Thread(_) => AbortReason::Other,

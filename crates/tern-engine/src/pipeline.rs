@@ -24,11 +24,13 @@ use tern_wire::{MAX_PAGES_PER_PACKET, Message, PageEntry, PageKind, Sync, encode
 
 use crate::bitmap::DirtyBitmap;
 use crate::config::ZeroPageDetection;
+use crate::error::ChannelError;
 use crate::error::MigrationError;
 use crate::guest::{MemoryRegion, PAGE_SIZE};
 use crate::ring::{Doorbell, Ring};
 use crate::stats::{LiveStats, thread_cpu_seconds};
 use crate::transport::{Channel, Segment};
+use crate::zerocopy::{ZeroCopyError, ZeroCopySender};
 
 /// Requests a worker may have queued.
 const WORKER_RING_CAPACITY: usize = 4;
@@ -73,6 +75,35 @@ impl Batch {
         self.pages.clear();
         self.kinds.clear();
         self.prechecked = false;
+    }
+}
+
+/// How a sender writes its channel.
+pub(crate) enum PageSender {
+    /// `sendmsg` copying from guest memory.
+    Plain(Channel),
+    /// `MSG_ZEROCOPY` from guest memory.
+    ZeroCopy(Box<ZeroCopySender>),
+}
+
+impl PageSender {
+    fn channel(&self) -> &Channel {
+        match self {
+            Self::Plain(channel) => channel,
+            Self::ZeroCopy(sender) => sender.channel(),
+        }
+    }
+
+    fn write_control(&mut self, bytes: &[u8]) -> Result<(), ChannelError> {
+        match self {
+            Self::Plain(channel) => channel.write_all(bytes),
+            Self::ZeroCopy(sender) => {
+                // Everything sent before a sync completes before it: at each
+                // iteration's end and before switch-over nothing is pending.
+                sender.flush().map_err(ZeroCopyError::into_channel_error)?;
+                sender.channel_mut().write_all(bytes)
+            }
+        }
     }
 }
 
@@ -215,7 +246,7 @@ impl<'scope> Pipeline<'scope> {
     pub fn start<'env>(
         scope: &'scope Scope<'scope, 'env>,
         setup: PipelineSetup,
-        channels: Vec<Channel>,
+        channels: Vec<PageSender>,
     ) -> Result<Self, MigrationError> {
         let channel_count = channels.len();
         let pool_size = setup.workers * (WORKER_RING_CAPACITY + BATCHES_PER_WORKER);
@@ -267,6 +298,7 @@ impl<'scope> Pipeline<'scope> {
         for (index, channel) in channels.into_iter().enumerate() {
             pipeline.shutdown_handles.push(
                 channel
+                    .channel()
                     .try_clone()
                     .map_err(MigrationError::channel(index + 1))?,
             );
@@ -569,7 +601,7 @@ fn least_loaded_sender(shared: &Shared, worker: usize) -> usize {
     best
 }
 
-fn run_sender(shared: &Shared, index: usize, mut channel: Channel) {
+fn run_sender(shared: &Shared, index: usize, mut channel: PageSender) {
     let cpu_start = thread_cpu_seconds();
     let bell = shared.sender_bells[index].wait();
     let ring = &shared.sender_rings[index];
@@ -598,7 +630,7 @@ fn run_sender(shared: &Shared, index: usize, mut channel: Channel) {
             }
             SendItem::Sync(sync) => {
                 let bytes = Message::Sync(sync).to_bytes();
-                let result = channel.write_all(&bytes);
+                let result = channel.write_control(&bytes);
                 if result.is_ok() {
                     shared
                         .stats
@@ -615,6 +647,9 @@ fn run_sender(shared: &Shared, index: usize, mut channel: Channel) {
         }
         shared.producer_bell.ring();
     }
+    if let PageSender::ZeroCopy(sender) = &channel {
+        shared.stats.record_zero_copy(&sender.stats());
+    }
     shared
         .stats
         .record_cpu(&format!("sender-{index}"), thread_cpu_seconds() - cpu_start);
@@ -622,10 +657,10 @@ fn run_sender(shared: &Shared, index: usize, mut channel: Channel) {
 
 fn send_batch(
     shared: &Shared,
-    channel: &mut Channel,
+    channel: &mut PageSender,
     batch: &Batch,
     segments: &mut Vec<Segment>,
-) -> Result<(), crate::error::ChannelError> {
+) -> Result<(), ChannelError> {
     let region = &shared.regions[batch.region];
     segments.clear();
     segments.push(Segment {
@@ -652,11 +687,20 @@ fn send_batch(
             }),
         }
     }
-    // SAFETY: the prefix lives in the batch, which outlives the call; page
-    // pointers come from `page_ptr`, inside the region's mapping, which
-    // outlives the migration. Concurrent guest writes are acceptable (see
-    // `send_vectored`).
-    unsafe { channel.send_vectored(segments) }
+    match channel {
+        // SAFETY: the prefix lives in the batch, which outlives the call;
+        // page pointers come from `page_ptr`, inside the region's mapping,
+        // which outlives the migration. Concurrent guest writes are
+        // acceptable (see `send_vectored`).
+        PageSender::Plain(channel) => unsafe { channel.send_vectored(segments) },
+        // SAFETY: as above; the data segments point into guest memory,
+        // which stays mapped until the sender flushes at the next sync.
+        PageSender::ZeroCopy(sender) => unsafe {
+            sender
+                .send(&batch.prefix, &segments[1..])
+                .map_err(ZeroCopyError::into_channel_error)
+        },
+    }
 }
 
 #[cfg(test)]

@@ -14,10 +14,11 @@ use crate::config::{LimitPolicy, MigrationConfig, Verify};
 use crate::digest::{Digest, digest_threads, memory_digest};
 use crate::error::{ChannelError, MigrationError};
 use crate::guest::{MemoryRegion, PAGE_SIZE, SourceGuest};
-use crate::pipeline::{Pipeline, PipelineSetup};
+use crate::pipeline::{PageSender, Pipeline, PipelineSetup};
 use crate::stats::thread_cpu_seconds;
 use crate::stats::{DestinationStats, LiveStats, MigrationStats, MigrationStatus, millis};
 use crate::transport::{Address, Channel};
+use crate::zerocopy::{self, ZeroCopySender};
 
 /// Cancels a running migration from another thread (a signal handler's
 /// helper, a UI, a test).
@@ -161,6 +162,11 @@ impl Source {
         self.stats.total.store(total, Ordering::Relaxed);
         self.stats.remaining.store(total, Ordering::Relaxed);
         let session_id = random_session_id();
+        let zero_copy_window = if config.zero_copy {
+            Some(zero_copy_window(config)?)
+        } else {
+            None
+        };
 
         let main = main_slot.insert(
             Channel::connect(address, config.connect_timeout)
@@ -194,7 +200,14 @@ impl Source {
                 }))
                 .map_err(MigrationError::channel(usize::from(index)))?;
             expect_welcome(&mut channel, session_id, index)?;
-            page_channels.push(channel);
+            page_channels.push(match zero_copy_window {
+                // Enabled as the channel connects, so a refusal fails here.
+                Some(window) => PageSender::ZeroCopy(Box::new(
+                    ZeroCopySender::enable(channel, usize::from(index), window)
+                        .map_err(MigrationError::ZeroCopy)?,
+                )),
+                None => PageSender::Plain(channel),
+            });
         }
         self.stats.set_setup_time(self.stats.started().elapsed());
         tracing::info!(
@@ -476,6 +489,34 @@ impl Source {
         }
         Ok(serde_json::from_slice::<DestinationStats>(&outcome.stats).ok())
     }
+}
+
+/// The per-channel zero-copy window: the configured one, or the largest
+/// that lets every channel's window fit in `RLIMIT_MEMLOCK` together, capped
+/// at 16 MiB; checked against the limit either way.
+fn zero_copy_window(config: &MigrationConfig) -> Result<usize, MigrationError> {
+    const PREFERRED: usize = 16 << 20;
+    let channels = usize::from(config.channels);
+    let window = if config.zero_copy_window != 0 {
+        config.zero_copy_window
+    } else if zerocopy::has_cap_ipc_lock() {
+        PREFERRED
+    } else {
+        let soft = memlock_soft_limit().unwrap_or(u64::MAX);
+        let share = usize::try_from(soft / channels as u64).unwrap_or(usize::MAX);
+        // Leave a quarter for the rest of the process.
+        (share / 4 * 3).clamp(zerocopy::MIN_WINDOW_BYTES, PREFERRED)
+    };
+    zerocopy::check_memlock(window * channels).map_err(MigrationError::ZeroCopy)?;
+    Ok(window)
+}
+
+fn memlock_soft_limit() -> Option<u64> {
+    // SAFETY: an all-zero rlimit is a valid value to overwrite.
+    let mut limit: libc::rlimit = unsafe { std::mem::zeroed() };
+    // SAFETY: `limit` is valid for writes.
+    let result = unsafe { libc::getrlimit(libc::RLIMIT_MEMLOCK, &mut limit) };
+    (result == 0 && limit.rlim_cur != libc::RLIM_INFINITY).then_some(limit.rlim_cur)
 }
 
 /// Builds the session setup from the guest's regions.

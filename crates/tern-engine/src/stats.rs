@@ -8,6 +8,8 @@ use std::time::{Duration, Instant};
 
 use serde::{Deserialize, Serialize};
 
+use crate::zerocopy::ZeroCopyStats;
+
 /// Where a migration is.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "kebab-case")]
@@ -91,6 +93,7 @@ pub struct LiveStats {
     total_time_ms: AtomicU64,
     digest_verified: AtomicBool,
     cpu_seconds: Mutex<BTreeMap<String, f64>>,
+    zero_copy: Mutex<Option<ZeroCopyStats>>,
 }
 
 impl Default for LiveStats {
@@ -124,6 +127,7 @@ impl LiveStats {
             total_time_ms: AtomicU64::new(0),
             digest_verified: AtomicBool::new(false),
             cpu_seconds: Mutex::new(BTreeMap::new()),
+            zero_copy: Mutex::new(None),
         }
     }
 
@@ -172,6 +176,15 @@ impl LiveStats {
         *map.entry(thread.to_string()).or_insert(0.0) += seconds;
     }
 
+    /// Adds a zero-copy channel's accounting; called by each sender as it
+    /// ends.
+    pub fn record_zero_copy(&self, channel: &ZeroCopyStats) {
+        let mut total = self.zero_copy.lock().unwrap_or_else(|e| e.into_inner());
+        total
+            .get_or_insert_with(ZeroCopyStats::default)
+            .add(channel);
+    }
+
     /// A consistent-enough copy for display or the final report.
     pub fn snapshot(&self) -> MigrationStats {
         let status = self.status();
@@ -215,6 +228,7 @@ impl LiveStats {
             forced_switch_over: self.forced_switch_over.load(Ordering::Relaxed),
             digest_verified: self.digest_verified.load(Ordering::Relaxed),
             cpu_seconds,
+            zero_copy: *self.zero_copy.lock().unwrap_or_else(|e| e.into_inner()),
             destination: None,
             error: None,
         }
@@ -279,6 +293,9 @@ pub struct MigrationStats {
     pub digest_verified: bool,
     /// CPU seconds per thread of this side.
     pub cpu_seconds: BTreeMap<String, f64>,
+    /// Zero-copy accounting over all channels, when `--zero-copy` was on.
+    #[serde(skip_serializing_if = "Option::is_none", default)]
+    pub zero_copy: Option<ZeroCopyStats>,
     /// The destination's own statistics, when it sent them.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub destination: Option<DestinationStats>,

@@ -187,7 +187,8 @@ impl ZeroCopyError {
 }
 
 /// Accounting of one channel's zero-copy sends.
-#[derive(Clone, Copy, Debug, Default, PartialEq, serde::Serialize)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "kebab-case")]
 pub struct ZeroCopyStats {
     /// `sendmsg(MSG_ZEROCOPY)` calls that sent something (one id each).
     pub sends_queued: u64,
@@ -409,6 +410,12 @@ impl ZeroCopySender {
 
     /// The channel, for copied control messages (sync, end of stream). They
     /// keep their place in the byte stream; no flush is needed for order.
+    /// The channel.
+    pub fn channel(&self) -> &Channel {
+        &self.channel
+    }
+
+    /// The channel, for control messages (sent with ordinary copies).
     pub fn channel_mut(&mut self) -> &mut Channel {
         &mut self.channel
     }

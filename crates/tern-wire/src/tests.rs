@@ -229,9 +229,7 @@ fn pages_round_trip_and_validation() {
     assert!(decode_stream(&packet_with_codec(0, 1, &compressed, 10), Some(&setup)).is_err());
     let mut with_codec = setup.clone();
     with_codec.codecs = 1 << 1;
-    assert!(
-        decode_stream(&packet_with_codec(0, 1, &compressed, 10), Some(&with_codec)).is_ok()
-    );
+    assert!(decode_stream(&packet_with_codec(0, 1, &compressed, 10), Some(&with_codec)).is_ok());
     assert!(decode_stream(&packet_with_codec(0, 2, &compressed, 10), Some(&with_codec)).is_err());
     // A packet may name its codec and still carry only raw and zero pages.
     assert!(decode_stream(&packet_with_codec(0, 1, &entries, 4096), Some(&with_codec)).is_ok());

@@ -191,6 +191,10 @@ pub struct TransferArgs {
     /// none (shortest downtime, trusts the dirty log).
     #[arg(long, default_value = "full", value_parser = parse_verify)]
     pub verify: Verify,
+    /// Send page data with MSG_ZEROCOPY straight from guest memory (TCP only;
+    /// pays off on a real NIC, not on loopback, where the kernel copies).
+    #[arg(long)]
+    pub zero_copy: bool,
     /// Do not throttle a guest that dirties memory faster than it is sent.
     #[arg(long)]
     pub no_auto_converge: bool,
@@ -222,6 +226,7 @@ impl TransferArgs {
             auto_converge: !self.no_auto_converge,
             zero_page_detection: self.zero_page_detection,
             verify: self.verify,
+            zero_copy: self.zero_copy,
             io_timeout: Duration::from_secs(self.io_timeout),
             connect_timeout: Duration::from_secs(self.connect_timeout),
             ..MigrationConfig::default()

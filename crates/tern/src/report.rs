@@ -122,8 +122,22 @@ pub fn print_summary(stats: &MigrationStats, extra: &[(&str, String)]) {
             ]
         })
         .unwrap_or_default();
+    let zero_copy: Vec<(&str, String)> = stats
+        .zero_copy
+        .iter()
+        .map(|zc| {
+            (
+                "zero-copy",
+                format!(
+                    "{} sends, {} copied by the kernel, {:.3} s waiting",
+                    zc.sends_queued, zc.sends_copied, zc.wait_seconds
+                ),
+            )
+        })
+        .collect();
     let all: Vec<&(&str, String)> = rows
         .iter()
+        .chain(zero_copy.iter())
         .chain(destination_cpu.iter())
         .chain(extra.iter())
         .collect();

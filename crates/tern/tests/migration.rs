@@ -352,3 +352,42 @@ fn verify_none_skips_the_digest() {
     destination_guest.pause().unwrap();
     assert_eq!(destination_guest.digest(), guest.digest());
 }
+
+#[test]
+fn zero_copy_over_loopback_is_accounted_as_copied_and_verifies() {
+    let mut guest = guest(32 * MIB, 8 * MIB);
+    let (listener, address) = tcp_listener();
+    let mut config = migration_config(2);
+    config.zero_copy = true;
+    config.zero_copy_window = 1 << 20;
+    let (stats, mut destination) = migrate_and_check(&mut guest, config, listener, address);
+    let zero_copy = stats.zero_copy.expect("zero-copy statistics");
+    assert!(zero_copy.sends_queued > 0);
+    assert_eq!(zero_copy.sends_completed, zero_copy.sends_queued);
+    // Loopback never transmits from user pages: the kernel copies them and
+    // says so in every notification.
+    assert_eq!(zero_copy.sends_copied, zero_copy.sends_queued);
+    assert!(zero_copy.max_outstanding_bytes <= 1 << 20);
+    destination.pause().unwrap();
+}
+
+#[test]
+fn zero_copy_over_a_unix_socket_is_refused_at_connect() {
+    let mut guest = guest(4 * MIB, 0);
+    let dir = tempfile::tempdir().unwrap();
+    let address = Address::Unix(dir.path().join("z.sock"));
+    let listener = Listener::bind(&address).unwrap();
+    let destination = spawn_destination(listener);
+    let mut config = migration_config(1);
+    config.zero_copy = true;
+    let failure = Source::new(config)
+        .unwrap()
+        .migrate(&mut guest, &address)
+        .expect_err("unix sockets have no MSG_ZEROCOPY");
+    let chain = failure.error.chain();
+    assert!(
+        chain.contains("--zero-copy") && chain.contains("unix"),
+        "{chain}"
+    );
+    assert!(destination.join().unwrap().is_err());
+}

@@ -1,0 +1,205 @@
+//! Choosing the codec from what the link and the CPU can do.
+//!
+//! Compression pays only when the link, not the CPU, is the bottleneck. A
+//! codec turns `r` bytes/s of CPU into `r` bytes/s of guest memory sent, as
+//! long as the link can carry `r / ratio`; so the guest memory it moves per
+//! second is `min(r · threads, link · ratio)`, while sending raw moves
+//! `link`. [`choose_codec`] picks the option with the highest such rate, and
+//! keeps the current one unless another beats it by a margin, so the choice
+//! does not flap between iterations on measurement noise.
+
+use super::{CodecCounters, CodecError, CodecId, PageCompressor, PageDecompressor, thread_cpu_ns};
+use crate::PAGE_SIZE;
+
+/// What a codec achieves on this machine and this guest's pages.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct CodecMeasurement {
+    /// Wire codec.
+    pub codec: CodecId,
+    /// Level in force.
+    pub level: i32,
+    /// Input (guest) bytes compressed per CPU second on one thread, sampling
+    /// included.
+    pub compress_bytes_per_sec: f64,
+    /// Guest bytes decoded per CPU second on one destination thread, if
+    /// known.
+    pub decompress_bytes_per_sec: Option<f64>,
+    /// Guest bytes per wire byte (raw pages included).
+    pub ratio: f64,
+}
+
+impl CodecMeasurement {
+    /// From a worker's running counters (CPU rate and ratio). `None` until
+    /// some CPU time was measured.
+    pub fn from_counters(codec: CodecId, level: i32, c: &CodecCounters) -> Option<Self> {
+        Some(Self {
+            codec,
+            level,
+            compress_bytes_per_sec: c.bytes_per_cpu_second()?,
+            decompress_bytes_per_sec: None,
+            ratio: c.ratio(),
+        })
+    }
+
+    /// Guest bytes per second this codec moves over `link_bytes_per_sec`
+    /// with `threads` compressing (and as many decompressing).
+    pub fn effective_rate(&self, link_bytes_per_sec: f64, threads: usize) -> f64 {
+        let t = threads.max(1) as f64;
+        let mut r = (self.compress_bytes_per_sec * t).min(link_bytes_per_sec * self.ratio.max(0.0));
+        if let Some(d) = self.decompress_bytes_per_sec {
+            r = r.min(d * t);
+        }
+        r
+    }
+}
+
+/// The codec picked for the next iteration.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct AutoDecision {
+    /// Wire codec (`None`: send raw).
+    pub codec: CodecId,
+    /// Level to use.
+    pub level: i32,
+    /// Predicted guest bytes per second.
+    pub effective_bytes_per_sec: f64,
+}
+
+/// Picks the codec that moves the most guest memory per second. Pure.
+///
+/// * `link_bytes_per_sec`: measured link bandwidth.
+/// * `threads`: compression workers (and receivers).
+/// * `candidates`: measured codecs; entries with `codec == None` are
+///   ignored (raw is always a candidate, at the link rate).
+/// * `current`: the codec in use; it is kept unless another option is more
+///   than `margin` (e.g. 0.1 = 10 %) better.
+pub fn choose_codec(
+    link_bytes_per_sec: f64,
+    threads: usize,
+    candidates: &[CodecMeasurement],
+    current: CodecId,
+    margin: f64,
+) -> AutoDecision {
+    let raw = AutoDecision {
+        codec: CodecId::None,
+        level: 0,
+        effective_bytes_per_sec: link_bytes_per_sec,
+    };
+    let decide = |m: &CodecMeasurement| AutoDecision {
+        codec: m.codec,
+        level: m.level,
+        effective_bytes_per_sec: m.effective_rate(link_bytes_per_sec, threads),
+    };
+    let options = std::iter::once(raw).chain(
+        candidates
+            .iter()
+            .filter(|m| m.codec != CodecId::None)
+            .map(decide),
+    );
+    let best = options.clone().fold(raw, |best, o| {
+        if o.effective_bytes_per_sec > best.effective_bytes_per_sec {
+            o
+        } else {
+            best
+        }
+    });
+    // Hysteresis: stay with the current codec (if still measured) unless the
+    // best is clearly better.
+    let incumbent = options.clone().find(|o| o.codec == current);
+    match incumbent {
+        Some(inc)
+            if best.effective_bytes_per_sec <= inc.effective_bytes_per_sec * (1.0 + margin) =>
+        {
+            inc
+        }
+        _ => best,
+    }
+}
+
+/// Stateful wrapper around [`choose_codec`]: remembers the codec in force.
+#[derive(Clone, Debug)]
+pub struct AutoSelector {
+    threads: usize,
+    margin: f64,
+    current: CodecId,
+}
+
+impl AutoSelector {
+    /// Starts with no compression; `threads` compression workers; a 10 %
+    /// switching margin.
+    pub fn new(threads: usize) -> Self {
+        Self {
+            threads,
+            margin: 0.10,
+            current: CodecId::None,
+        }
+    }
+
+    /// Changes the switching margin (fraction).
+    pub fn with_margin(mut self, margin: f64) -> Self {
+        self.margin = margin;
+        self
+    }
+
+    /// The codec currently in force.
+    pub fn current(&self) -> CodecId {
+        self.current
+    }
+
+    /// Decides the codec for the next iteration.
+    pub fn next(&mut self, link_bytes_per_sec: f64, measured: &[CodecMeasurement]) -> AutoDecision {
+        let d = choose_codec(
+            link_bytes_per_sec,
+            self.threads,
+            measured,
+            self.current,
+            self.margin,
+        );
+        self.current = d.codec;
+        d
+    }
+}
+
+/// Measures codecs on a sample of the guest's pages (e.g. 64 pages picked
+/// across memory before the first iteration): one-thread CPU rate for
+/// compression (sampling on) and decompression, and the ratio.
+pub fn calibrate(
+    sample: &[[u8; PAGE_SIZE]],
+    candidates: &[(CodecId, i32)],
+) -> Result<Vec<CodecMeasurement>, CodecError> {
+    let mut result = Vec::new();
+    let mut out = vec![[0u8; PAGE_SIZE - 1]; sample.len()];
+    let mut lens = vec![None; sample.len()];
+    for &(codec, level) in candidates {
+        if codec == CodecId::None || sample.is_empty() {
+            continue;
+        }
+        let mut c = PageCompressor::new(codec, level)?;
+        let t0 = thread_cpu_ns();
+        let mut wire = 0usize;
+        for (i, p) in sample.iter().enumerate() {
+            lens[i] = c.compress(p, &mut out[i]);
+            wire += lens[i].unwrap_or(PAGE_SIZE);
+        }
+        let ct = thread_cpu_ns().saturating_sub(t0).max(1);
+        let mut d = PageDecompressor::new(codec)?;
+        let mut page = [0u8; PAGE_SIZE];
+        let t1 = thread_cpu_ns();
+        let mut decoded = 0usize;
+        for (i, len) in lens.iter().enumerate() {
+            if let Some(n) = *len {
+                d.decompress(&out[i][..n], &mut page)?;
+                decoded += PAGE_SIZE;
+            }
+        }
+        let dt = thread_cpu_ns().saturating_sub(t1).max(1);
+        let bytes = (sample.len() * PAGE_SIZE) as f64;
+        result.push(CodecMeasurement {
+            codec,
+            level: c.level(),
+            compress_bytes_per_sec: bytes / (ct as f64 / 1e9),
+            decompress_bytes_per_sec: (decoded > 0).then(|| decoded as f64 / (dt as f64 / 1e9)),
+            ratio: bytes / wire as f64,
+        });
+    }
+    Ok(result)
+}

@@ -1,0 +1,808 @@
+//! Per-page compression.
+//!
+//! Every page is compressed on its own: no dictionary or history is shared
+//! between pages, so the destination can decode any page alone, in any
+//! order, on any receiver thread, and an offload engine such as Intel IAA can
+//! work on all the pages of a packet at once.
+//!
+//! # Shape
+//!
+//! * [`PageCompressor`] is owned by one worker thread (no locks). It copies
+//!   the guest page to a private 4 KiB buffer (the guest may be writing it),
+//!   asks [`looks_incompressible`] whether the codec is worth running, runs
+//!   it with the output capped at `PAGE_SIZE - 1` bytes, and reports `None`
+//!   when the page did not shrink: the caller sends it raw (`PageKind::Raw`).
+//!   A compressed page is therefore always 1..=`PAGE_SIZE - 1` bytes, which
+//!   is exactly what the wire's `PageKind::Compressed` allows.
+//! * [`PageDecompressor`] is owned by one receiver thread. It decodes into
+//!   an exact 4096-byte output and fails, without writing past the page, on
+//!   malformed input or on any decoded size other than 4096.
+//! * [`AutoSelector`] picks the codec for the next iteration from the
+//!   measured link bandwidth and codec throughput.
+//!
+//! # Codecs and why these crates
+//!
+//! * **zstd** ([`zstd`] crate, libzstd): best ratio per CPU second at low
+//!   levels. Frames carry no checksum and no content size (the page size is
+//!   known; 2 bytes per page saved). Compressing a 4 KiB input with a known
+//!   size makes zstd size its window to the input.
+//! * **deflate** ([`libdeflater`], libdeflate): raw deflate (RFC 1951, no
+//!   zlib or gzip header). The input is one 4 KiB page, so no match distance
+//!   can exceed 4095 bytes: every stream fits a 4 KiB history window, which
+//!   is what Intel IAA's decompressor (and QPL) accept. This is the
+//!   IAA-compatible format, and [`CodecChoice::Qpl`] produces the same bytes
+//!   format, so either side may lack IAA. libdeflate is 2-3× faster than zlib
+//!   at the same level for whole-buffer compression.
+//! * **lz4** ([`lz4_flex`], block format): pure Rust, no C to build, and with
+//!   its `safe-decode` feature the decoder bounds-checks every write, which
+//!   matters for a decoder fed from the network. The block format has no
+//!   frame header (nothing wasted per page). It has a single speed: the C
+//!   `lz4` crate's HC levels would compress better but slower than zstd-1,
+//!   which already covers that point, so [`CodecId::Lz4`] reports level 1.
+//!
+//! Levels are honoured and reported: [`PageCompressor::level`] is the level
+//! in force after clamping to [`CodecId::level_range`].
+
+mod auto;
+mod bench;
+mod qpl;
+mod sample;
+mod stats;
+#[cfg(test)]
+mod tests;
+
+use std::fmt;
+use std::str::FromStr;
+
+use crate::PAGE_SIZE;
+
+pub use auto::{AutoDecision, AutoSelector, CodecMeasurement, calibrate, choose_codec};
+pub use bench::{CodecBenchRow, bench_codecs, corpus_page, default_bench_levels};
+pub use qpl::{QplCompressor, QplPath, qpl_available};
+pub use sample::{
+    INCOMPRESSIBLE_DISTINCT, SAMPLE_WORDS, looks_incompressible, looks_incompressible_bytes,
+    sample_distinct_bytes,
+};
+pub use stats::{CodecCounters, CodecImpl, CodecStats, thread_cpu_ns};
+
+/// Largest compressed page: a page that does not fit goes raw.
+pub const MAX_COMPRESSED: usize = PAGE_SIZE - 1;
+
+/// Codec errors.
+#[derive(Debug, thiserror::Error)]
+pub enum CodecError {
+    /// A name that is not a codec.
+    #[error("unknown codec {0:?} (expected none, zstd, deflate, lz4, qpl or auto)")]
+    UnknownCodec(String),
+    /// A wire codec byte that is not a codec.
+    #[error("unknown codec id {0} on the wire")]
+    UnknownCodecId(u8),
+    /// Compressed input that the codec rejects.
+    #[error("{codec} page malformed: {detail}")]
+    Malformed {
+        /// Codec name.
+        codec: &'static str,
+        /// What the decoder said.
+        detail: String,
+    },
+    /// Input that decodes to fewer than `PAGE_SIZE` bytes.
+    #[error("{codec} page decodes to {decoded} bytes, expected {PAGE_SIZE}")]
+    ShortPage {
+        /// Codec name.
+        codec: &'static str,
+        /// Bytes decoded.
+        decoded: usize,
+    },
+    /// Input that decodes to more than `PAGE_SIZE` bytes (decoding stopped at
+    /// the page end).
+    #[error("{codec} page decodes to more than {PAGE_SIZE} bytes")]
+    OversizedPage {
+        /// Codec name.
+        codec: &'static str,
+    },
+    /// A compressed page must be 1..PAGE_SIZE-1 bytes.
+    #[error("{codec} compressed page of {len} bytes (must be 1..={MAX_COMPRESSED})")]
+    BadInputLength {
+        /// Codec name.
+        codec: &'static str,
+        /// Input length.
+        len: usize,
+    },
+    /// Compressed data arrived for a session without a codec.
+    #[error("compressed page but the session has no codec")]
+    NoCodec,
+    /// A codec library failed to initialise.
+    #[error("{codec} initialisation failed: {detail}")]
+    Init {
+        /// Codec name.
+        codec: &'static str,
+        /// Detail.
+        detail: String,
+    },
+    /// QPL was requested but `libqpl.so` could not be loaded.
+    #[error("QPL unavailable: {0}")]
+    QplUnavailable(String),
+    /// libqpl loaded, but this build cannot drive it (job layout, path).
+    #[error("QPL unusable: {0}")]
+    QplUnsupported(String),
+    /// A QPL call failed.
+    #[error("QPL {call} failed with status {status}")]
+    Qpl {
+        /// The QPL function.
+        call: &'static str,
+        /// Its `qpl_status`.
+        status: u32,
+    },
+    /// `auto` must be resolved to a concrete codec (see [`AutoSelector`]).
+    #[error(
+        "codec choice 'auto' must be resolved by the AutoSelector before building a compressor"
+    )]
+    AutoUnresolved,
+}
+
+/// The wire's codec byte (`SessionSetup.codec`). QPL is not here: it
+/// produces [`CodecId::Deflate`]'s format.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+#[repr(u8)]
+pub enum CodecId {
+    /// No compression.
+    None = 0,
+    /// zstd frames.
+    Zstd = 1,
+    /// Raw deflate, 4 KiB window (IAA-compatible).
+    Deflate = 2,
+    /// lz4 block format.
+    Lz4 = 3,
+}
+
+impl CodecId {
+    /// Every wire codec.
+    pub const ALL: [CodecId; 4] = [CodecId::None, CodecId::Zstd, CodecId::Deflate, CodecId::Lz4];
+
+    /// Short lowercase name.
+    pub fn name(self) -> &'static str {
+        match self {
+            CodecId::None => "none",
+            CodecId::Zstd => "zstd",
+            CodecId::Deflate => "deflate",
+            CodecId::Lz4 => "lz4",
+        }
+    }
+
+    /// The wire byte.
+    pub fn to_wire(self) -> u8 {
+        self as u8
+    }
+
+    /// Parses the wire byte.
+    pub fn from_wire(b: u8) -> Result<Self, CodecError> {
+        match b {
+            0 => Ok(CodecId::None),
+            1 => Ok(CodecId::Zstd),
+            2 => Ok(CodecId::Deflate),
+            3 => Ok(CodecId::Lz4),
+            other => Err(CodecError::UnknownCodecId(other)),
+        }
+    }
+
+    /// Levels this build accepts for the codec; others are clamped.
+    pub fn level_range(self) -> (i32, i32) {
+        match self {
+            CodecId::None => (0, 0),
+            // Negative levels are zstd's "fast" levels.
+            CodecId::Zstd => {
+                let r = zstd::compression_level_range();
+                (*r.start(), *r.end())
+            }
+            // libdeflate: 0 is store-only (never shrinks), so start at 1.
+            CodecId::Deflate => (1, 12),
+            CodecId::Lz4 => (1, 1),
+        }
+    }
+
+    /// Default level: the fast end, which is what live migration wants.
+    pub fn default_level(self) -> i32 {
+        match self {
+            CodecId::None => 0,
+            _ => 1,
+        }
+    }
+
+    /// The level actually used when `requested` is asked for.
+    /// zstd's 0 means its default, 3.
+    pub fn clamp_level(self, requested: i32) -> i32 {
+        if self == CodecId::Zstd && requested == 0 {
+            return zstd::DEFAULT_COMPRESSION_LEVEL;
+        }
+        let (lo, hi) = self.level_range();
+        requested.clamp(lo, hi)
+    }
+}
+
+impl fmt::Display for CodecId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl FromStr for CodecId {
+    type Err = CodecError;
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s.to_ascii_lowercase().as_str() {
+            "none" => Ok(CodecId::None),
+            "zstd" => Ok(CodecId::Zstd),
+            "deflate" => Ok(CodecId::Deflate),
+            "lz4" => Ok(CodecId::Lz4),
+            _ => Err(CodecError::UnknownCodec(s.to_owned())),
+        }
+    }
+}
+
+/// What the user asked for on the command line (`--compression`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum CodecChoice {
+    /// No compression.
+    None,
+    /// zstd.
+    Zstd,
+    /// libdeflate raw deflate.
+    Deflate,
+    /// lz4.
+    Lz4,
+    /// Deflate through Intel QPL (IAA when present), same wire format as
+    /// [`CodecChoice::Deflate`].
+    Qpl,
+    /// Chosen per iteration by [`AutoSelector`].
+    Auto,
+}
+
+impl CodecChoice {
+    /// Every choice.
+    pub const ALL: [CodecChoice; 6] = [
+        CodecChoice::None,
+        CodecChoice::Zstd,
+        CodecChoice::Deflate,
+        CodecChoice::Lz4,
+        CodecChoice::Qpl,
+        CodecChoice::Auto,
+    ];
+
+    /// Short lowercase name, as on the command line.
+    pub fn name(self) -> &'static str {
+        match self {
+            CodecChoice::None => "none",
+            CodecChoice::Zstd => "zstd",
+            CodecChoice::Deflate => "deflate",
+            CodecChoice::Lz4 => "lz4",
+            CodecChoice::Qpl => "qpl",
+            CodecChoice::Auto => "auto",
+        }
+    }
+
+    /// The wire codec, if fixed. `None` for auto, which may change between
+    /// iterations: the wire names one codec per session, so the engine must
+    /// either announce a per-packet codec or restrict auto to switching
+    /// between the session's codec and raw pages (see `docs/compression.md`).
+    pub fn wire(self) -> Option<CodecId> {
+        match self {
+            CodecChoice::None => Some(CodecId::None),
+            CodecChoice::Zstd => Some(CodecId::Zstd),
+            CodecChoice::Deflate | CodecChoice::Qpl => Some(CodecId::Deflate),
+            CodecChoice::Lz4 => Some(CodecId::Lz4),
+            CodecChoice::Auto => None,
+        }
+    }
+}
+
+impl fmt::Display for CodecChoice {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl FromStr for CodecChoice {
+    type Err = CodecError;
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s.to_ascii_lowercase().as_str() {
+            "none" => Ok(CodecChoice::None),
+            "zstd" => Ok(CodecChoice::Zstd),
+            "deflate" => Ok(CodecChoice::Deflate),
+            "lz4" => Ok(CodecChoice::Lz4),
+            "qpl" => Ok(CodecChoice::Qpl),
+            "auto" => Ok(CodecChoice::Auto),
+            _ => Err(CodecError::UnknownCodec(s.to_owned())),
+        }
+    }
+}
+
+/// Why a page goes raw.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum RawReason {
+    /// The session has no codec.
+    NoCodec,
+    /// The sample said the page is random-looking; the codec did not run.
+    Sampled,
+    /// The codec ran and the output did not fit in `PAGE_SIZE - 1` bytes.
+    DidNotShrink,
+}
+
+/// What happened to one page of a batch.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum PageOutcome {
+    /// Compressed: `len` bytes at `offset` in [`CompressedBatch::data`].
+    Compressed {
+        /// Offset in the batch's data.
+        offset: usize,
+        /// Length, 1..=`PAGE_SIZE - 1`.
+        len: usize,
+    },
+    /// Send the page raw (straight from guest memory).
+    Raw(RawReason),
+}
+
+/// The output of [`PageCompressor::compress_batch`]: compressed bytes packed
+/// back to back, and one outcome per input page. Reuse it across batches.
+#[derive(Debug, Default)]
+pub struct CompressedBatch {
+    /// Compressed pages, back to back, in page order.
+    pub data: Vec<u8>,
+    /// One entry per input page.
+    pub outcomes: Vec<PageOutcome>,
+}
+
+impl CompressedBatch {
+    /// An empty batch.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Empties the batch, keeping its allocations.
+    pub fn clear(&mut self) {
+        self.data.clear();
+        self.outcomes.clear();
+    }
+
+    /// The compressed bytes of page `i`, or `None` if it goes raw.
+    pub fn compressed(&self, i: usize) -> Option<&[u8]> {
+        match self.outcomes[i] {
+            PageOutcome::Compressed { offset, len } => Some(&self.data[offset..offset + len]),
+            PageOutcome::Raw(_) => None,
+        }
+    }
+
+    pub(crate) fn push_compressed(&mut self, bytes: &[u8]) {
+        let offset = self.data.len();
+        self.data.extend_from_slice(bytes);
+        self.outcomes.push(PageOutcome::Compressed {
+            offset,
+            len: bytes.len(),
+        });
+    }
+}
+
+enum Engine {
+    None,
+    Zstd(Box<zstd::bulk::Compressor<'static>>),
+    Deflate(Box<libdeflater::Compressor>),
+    Lz4(Box<[u8]>),
+    Qpl(Box<QplCompressor>),
+}
+
+impl fmt::Debug for Engine {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Engine::None => "None",
+            Engine::Zstd(_) => "Zstd",
+            Engine::Deflate(_) => "Deflate",
+            Engine::Lz4(_) => "Lz4",
+            Engine::Qpl(_) => "Qpl",
+        })
+    }
+}
+
+/// Compresses pages one at a time, each independently. One per worker thread.
+#[derive(Debug)]
+pub struct PageCompressor {
+    codec: CodecId,
+    which: CodecImpl,
+    level: i32,
+    sampling: bool,
+    engine: Engine,
+    page: Box<[u8; PAGE_SIZE]>,
+    out: Box<[u8; MAX_COMPRESSED]>,
+    stats: CodecStats,
+    last_raw_reason: RawReason,
+}
+
+fn new_zstd(level: i32) -> Result<zstd::bulk::Compressor<'static>, CodecError> {
+    let init = |e: std::io::Error| CodecError::Init {
+        codec: "zstd",
+        detail: e.to_string(),
+    };
+    let mut c = zstd::bulk::Compressor::new(level).map_err(init)?;
+    c.include_checksum(false).map_err(init)?;
+    c.include_contentsize(false).map_err(init)?;
+    c.include_dictid(false).map_err(init)?;
+    Ok(c)
+}
+
+pub(crate) fn new_deflate(level: i32) -> libdeflater::Compressor {
+    let lvl = libdeflater::CompressionLvl::new(level)
+        .or_else(|_| libdeflater::CompressionLvl::new(1))
+        .unwrap_or_default();
+    libdeflater::Compressor::new(lvl)
+}
+
+/// Software deflate of one page into `out`; `None` when it does not fit.
+pub(crate) fn deflate_page(
+    c: &mut libdeflater::Compressor,
+    page: &[u8; PAGE_SIZE],
+    out: &mut [u8; MAX_COMPRESSED],
+) -> Option<usize> {
+    match c.deflate_compress(page, out) {
+        Ok(n) if n > 0 && n <= MAX_COMPRESSED => Some(n),
+        _ => None,
+    }
+}
+
+impl PageCompressor {
+    /// A software compressor for `codec` at `level` (clamped: see
+    /// [`level`](Self::level)). Sampling of incompressible pages is on.
+    pub fn new(codec: CodecId, level: i32) -> Result<Self, CodecError> {
+        let level = codec.clamp_level(level);
+        let (engine, which) = match codec {
+            CodecId::None => (Engine::None, CodecImpl::None),
+            CodecId::Zstd => (Engine::Zstd(Box::new(new_zstd(level)?)), CodecImpl::Zstd),
+            CodecId::Deflate => (
+                Engine::Deflate(Box::new(new_deflate(level))),
+                CodecImpl::Deflate,
+            ),
+            CodecId::Lz4 => (
+                Engine::Lz4(vec![0u8; lz4_flex::block::get_maximum_output_size(PAGE_SIZE)].into()),
+                CodecImpl::Lz4,
+            ),
+        };
+        Ok(Self::with_engine(codec, which, level, engine))
+    }
+
+    /// A compressor for a command-line choice. `Qpl` uses the given path
+    /// (and fails with [`CodecError::QplUnavailable`] without libqpl);
+    /// `Auto` is an error: resolve it with [`AutoSelector`] first.
+    pub fn for_choice(
+        choice: CodecChoice,
+        level: i32,
+        qpl_path: QplPath,
+    ) -> Result<Self, CodecError> {
+        match choice {
+            CodecChoice::None => Self::new(CodecId::None, level),
+            CodecChoice::Zstd => Self::new(CodecId::Zstd, level),
+            CodecChoice::Deflate => Self::new(CodecId::Deflate, level),
+            CodecChoice::Lz4 => Self::new(CodecId::Lz4, level),
+            CodecChoice::Qpl => Self::with_qpl(qpl_path, level),
+            CodecChoice::Auto => Err(CodecError::AutoUnresolved),
+        }
+    }
+
+    /// A compressor that offloads to Intel QPL (IAA hardware, QPL's software
+    /// path, or auto) and produces [`CodecId::Deflate`]'s wire format.
+    pub fn with_qpl(path: QplPath, level: i32) -> Result<Self, CodecError> {
+        let q = QplCompressor::new(path, level)?;
+        let level = q.level();
+        Ok(Self::with_engine(
+            CodecId::Deflate,
+            CodecImpl::Qpl,
+            level,
+            Engine::Qpl(Box::new(q)),
+        ))
+    }
+
+    fn with_engine(codec: CodecId, which: CodecImpl, level: i32, engine: Engine) -> Self {
+        Self {
+            codec,
+            which,
+            level,
+            sampling: true,
+            engine,
+            page: Box::new([0; PAGE_SIZE]),
+            out: Box::new([0; MAX_COMPRESSED]),
+            stats: CodecStats::default(),
+            last_raw_reason: RawReason::NoCodec,
+        }
+    }
+
+    /// Turns the incompressible-page sampling on or off (on by default).
+    pub fn set_sampling(&mut self, on: bool) {
+        self.sampling = on;
+    }
+
+    /// The wire codec this compressor produces.
+    pub fn codec(&self) -> CodecId {
+        self.codec
+    }
+
+    /// The implementation (differs from the wire codec for QPL).
+    pub fn implementation(&self) -> CodecImpl {
+        self.which
+    }
+
+    /// The level in force, after clamping the requested one to the codec's
+    /// range.
+    pub fn level(&self) -> i32 {
+        self.level
+    }
+
+    /// This worker's counters.
+    pub fn stats(&self) -> &CodecStats {
+        &self.stats
+    }
+
+    /// Returns this worker's counters and resets them (for per-iteration
+    /// reporting).
+    pub fn take_stats(&mut self) -> CodecStats {
+        std::mem::take(&mut self.stats)
+    }
+
+    /// Compresses the page at `page` into `out`. Returns the compressed
+    /// length (1..=`PAGE_SIZE - 1`), or `None` when the page should be sent
+    /// raw (no codec, sampled as random, or did not shrink).
+    ///
+    /// # Safety
+    ///
+    /// `page` must point to [`PAGE_SIZE`] readable bytes for the duration of
+    /// the call. The guest may write them concurrently: the page is copied to
+    /// a private buffer first and the codec only sees that snapshot (a page
+    /// written during the copy is dirty and sent again later).
+    pub unsafe fn compress_page(
+        &mut self,
+        page: *const u8,
+        out: &mut [u8; MAX_COMPRESSED],
+    ) -> Option<usize> {
+        // SAFETY: the caller guarantees PAGE_SIZE readable bytes at `page`;
+        // `self.page` is a private PAGE_SIZE buffer that cannot overlap guest
+        // memory.
+        unsafe { core::ptr::copy_nonoverlapping(page, self.page.as_mut_ptr(), PAGE_SIZE) };
+        let (result, reason) = self.compress_snapshot(out);
+        self.count(result, reason);
+        result
+    }
+
+    /// [`compress_page`](Self::compress_page) for an owned page.
+    pub fn compress(
+        &mut self,
+        page: &[u8; PAGE_SIZE],
+        out: &mut [u8; MAX_COMPRESSED],
+    ) -> Option<usize> {
+        // SAFETY: a &[u8; PAGE_SIZE] is PAGE_SIZE readable bytes.
+        unsafe { self.compress_page(page.as_ptr(), out) }
+    }
+
+    /// Compresses a batch (e.g. one packet's pages) into `batch` (cleared
+    /// first), measuring the thread's CPU time around the whole batch. With
+    /// QPL, all pages are submitted before waiting for any.
+    ///
+    /// # Safety
+    ///
+    /// Every pointer in `pages` must satisfy [`compress_page`](Self::compress_page)'s
+    /// contract.
+    pub unsafe fn compress_batch(&mut self, pages: &[*const u8], batch: &mut CompressedBatch) {
+        batch.clear();
+        let t0 = thread_cpu_ns();
+        if let Engine::Qpl(q) = &mut self.engine {
+            let sampling = self.sampling;
+            // SAFETY: forwarded caller contract.
+            let counts = unsafe { q.compress_batch(pages, batch, sampling) };
+            let c = self.stats.get_mut(CodecImpl::Qpl);
+            c.pages += pages.len() as u64;
+            c.bytes_in += (pages.len() * PAGE_SIZE) as u64;
+            c.compressed += counts.compressed;
+            c.raw_fallbacks += counts.did_not_shrink;
+            c.skipped_by_sampling += counts.sampled;
+            c.offload_fallbacks += counts.software;
+            c.bytes_out += batch.data.len() as u64
+                + (counts.did_not_shrink + counts.sampled) * PAGE_SIZE as u64;
+        } else {
+            let mut out = std::mem::replace(&mut self.out, Box::new([0; MAX_COMPRESSED]));
+            for &p in pages {
+                // SAFETY: forwarded caller contract.
+                match unsafe { self.compress_page(p, &mut out) } {
+                    Some(n) => batch.push_compressed(&out[..n]),
+                    None => batch.outcomes.push(PageOutcome::Raw(self.last_raw_reason)),
+                }
+            }
+            self.out = out;
+        }
+        self.stats.get_mut(self.which).cpu_ns += thread_cpu_ns().saturating_sub(t0);
+    }
+
+    fn compress_snapshot(&mut self, out: &mut [u8; MAX_COMPRESSED]) -> (Option<usize>, RawReason) {
+        if matches!(self.engine, Engine::None) {
+            return (None, RawReason::NoCodec);
+        }
+        if self.sampling && looks_incompressible_bytes(&self.page) {
+            return (None, RawReason::Sampled);
+        }
+        let page: &[u8; PAGE_SIZE] = &self.page;
+        let n = match &mut self.engine {
+            Engine::None => None,
+            Engine::Zstd(c) => match c.compress_to_buffer(&page[..], &mut out[..]) {
+                Ok(n) if n > 0 && n <= MAX_COMPRESSED => Some(n),
+                _ => None,
+            },
+            Engine::Deflate(c) => deflate_page(c, page, out),
+            Engine::Lz4(scratch) => match lz4_flex::block::compress_into(page, scratch) {
+                Ok(n) if n > 0 && n <= MAX_COMPRESSED => {
+                    out[..n].copy_from_slice(&scratch[..n]);
+                    Some(n)
+                }
+                _ => None,
+            },
+            Engine::Qpl(q) => {
+                let (n, software) = q.compress_one(page, out);
+                if software {
+                    self.stats.get_mut(CodecImpl::Qpl).offload_fallbacks += 1;
+                }
+                n
+            }
+        };
+        (n, RawReason::DidNotShrink)
+    }
+
+    fn count(&mut self, result: Option<usize>, reason: RawReason) {
+        let c = self.stats.get_mut(self.which);
+        c.pages += 1;
+        c.bytes_in += PAGE_SIZE as u64;
+        match result {
+            Some(n) => {
+                c.compressed += 1;
+                c.bytes_out += n as u64;
+            }
+            None => {
+                c.bytes_out += PAGE_SIZE as u64;
+                match reason {
+                    RawReason::Sampled => c.skipped_by_sampling += 1,
+                    RawReason::DidNotShrink => c.raw_fallbacks += 1,
+                    RawReason::NoCodec => {}
+                }
+                self.last_raw_reason = reason;
+            }
+        }
+    }
+}
+
+enum DecoderEngine {
+    None,
+    Zstd(Box<zstd::bulk::Decompressor<'static>>),
+    Deflate(Box<libdeflater::Decompressor>),
+    Lz4,
+}
+
+impl fmt::Debug for DecoderEngine {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            DecoderEngine::None => "None",
+            DecoderEngine::Zstd(_) => "Zstd",
+            DecoderEngine::Deflate(_) => "Deflate",
+            DecoderEngine::Lz4 => "Lz4",
+        })
+    }
+}
+
+/// Decodes single pages. One per receiver thread; receivers decode in
+/// parallel, each page on its own.
+#[derive(Debug)]
+pub struct PageDecompressor {
+    codec: CodecId,
+    engine: DecoderEngine,
+}
+
+impl PageDecompressor {
+    /// A decoder for the session's wire codec. A session whose pages came
+    /// from QPL uses [`CodecId::Deflate`].
+    pub fn new(codec: CodecId) -> Result<Self, CodecError> {
+        let engine = match codec {
+            CodecId::None => DecoderEngine::None,
+            CodecId::Zstd => {
+                DecoderEngine::Zstd(Box::new(zstd::bulk::Decompressor::new().map_err(|e| {
+                    CodecError::Init {
+                        codec: "zstd",
+                        detail: e.to_string(),
+                    }
+                })?))
+            }
+            CodecId::Deflate => DecoderEngine::Deflate(Box::new(libdeflater::Decompressor::new())),
+            CodecId::Lz4 => DecoderEngine::Lz4,
+        };
+        Ok(Self { codec, engine })
+    }
+
+    /// The wire codec this decoder reads.
+    pub fn codec(&self) -> CodecId {
+        self.codec
+    }
+
+    /// Decodes one compressed page into `out`. Errors unless `input` is a
+    /// valid stream of 1..=`PAGE_SIZE - 1` bytes decoding to exactly
+    /// `PAGE_SIZE` bytes. On error `out` holds unspecified bytes (the
+    /// migration fails anyway); nothing outside `out` is ever written.
+    pub fn decompress(
+        &mut self,
+        input: &[u8],
+        out: &mut [u8; PAGE_SIZE],
+    ) -> Result<(), CodecError> {
+        let codec = self.codec.name();
+        if matches!(self.engine, DecoderEngine::None) {
+            return Err(CodecError::NoCodec);
+        }
+        if input.is_empty() || input.len() > MAX_COMPRESSED {
+            return Err(CodecError::BadInputLength {
+                codec,
+                len: input.len(),
+            });
+        }
+        // Every decoder below takes `out` as an exact-size slice and checks
+        // each write against its length.
+        let decoded = match &mut self.engine {
+            DecoderEngine::None => unreachable!("checked above"),
+            DecoderEngine::Zstd(d) => match d.decompress_to_buffer(input, &mut out[..]) {
+                Ok(n) => n,
+                Err(e) => {
+                    let detail = e.to_string();
+                    return Err(if detail.contains("too small") {
+                        CodecError::OversizedPage { codec }
+                    } else {
+                        CodecError::Malformed { codec, detail }
+                    });
+                }
+            },
+            DecoderEngine::Deflate(d) => match d.deflate_decompress(input, out) {
+                Ok(n) => n,
+                Err(libdeflater::DecompressionError::InsufficientSpace) => {
+                    return Err(CodecError::OversizedPage { codec });
+                }
+                Err(e) => {
+                    return Err(CodecError::Malformed {
+                        codec,
+                        detail: e.to_string(),
+                    });
+                }
+            },
+            DecoderEngine::Lz4 => match lz4_flex::block::decompress_into(input, out) {
+                Ok(n) => n,
+                Err(lz4_flex::block::DecompressError::OutputTooSmall { .. }) => {
+                    return Err(CodecError::OversizedPage { codec });
+                }
+                Err(e) => {
+                    return Err(CodecError::Malformed {
+                        codec,
+                        detail: e.to_string(),
+                    });
+                }
+            },
+        };
+        if decoded != PAGE_SIZE {
+            return Err(CodecError::ShortPage { codec, decoded });
+        }
+        Ok(())
+    }
+
+    /// [`decompress`](Self::decompress) straight into guest memory, no
+    /// bounce buffer.
+    ///
+    /// # Safety
+    ///
+    /// `page_out` must point to [`PAGE_SIZE`] writable bytes that no other
+    /// thread reads or writes during the call (on the destination the guest
+    /// is not running and each page belongs to one receiver per iteration).
+    pub unsafe fn decompress_page(
+        &mut self,
+        input: &[u8],
+        page_out: *mut u8,
+    ) -> Result<(), CodecError> {
+        // SAFETY: the caller guarantees PAGE_SIZE writable, unaliased bytes
+        // at `page_out`, and u8 has alignment 1. The decoders write only
+        // through this exact-size reference and bound every write by its
+        // length, so nothing past the page can be written.
+        let out = unsafe { &mut *page_out.cast::<[u8; PAGE_SIZE]>() };
+        self.decompress(input, out)
+    }
+}

@@ -1,0 +1,625 @@
+//! Intel QPL (IAA offload), loaded at run time.
+//!
+//! QPL is not packaged in the registries this project builds from, so
+//! nothing links it: `libqpl.so` (or the file named by `TERN_QPL_LIB`) is
+//! opened with `libloading` the first time QPL is asked for, and a missing
+//! library is a clear [`CodecError::QplUnavailable`], never a build failure.
+//!
+//! # Format
+//!
+//! Jobs use `qpl_op_compress` with `FIRST | LAST | DYNAMIC_HUFFMAN |
+//! OMIT_VERIFY` and neither the gzip nor the zlib flag: the output is a raw
+//! deflate stream of one 4 KiB page, the same format as
+//! [`CodecId::Deflate`](super::CodecId::Deflate), so the destination decodes
+//! it with libdeflate whether or not it has IAA, and a page QPL cannot take
+//! is compressed by libdeflate instead with no change on the wire.
+//!
+//! # Asynchronous batches
+//!
+//! [`QplCompressor::compress_batch`] submits one job per page
+//! (`qpl_submit_job`), then waits for each (`qpl_wait_job`), so IAA works on
+//! all of a packet's pages concurrently. A submission that finds the work
+//! queues full (`QPL_STS_QUEUES_ARE_BUSY_ERR`) is retried
+//! [`BUSY_RETRIES`] times with a yield in between; after that, or on any
+//! other error, that page is compressed by libdeflate on the CPU (counted as
+//! an offload fallback).
+//!
+//! # Job layout: status
+//!
+//! `qpl_job` is allocated by the caller (`qpl_get_job_size` bytes, 64-byte
+//! aligned) and its public fields are set directly. The offsets below come
+//! from QPL's public header `include/qpl/c_api/job.h` (QPL 1.x): the struct
+//! starts `next_in_ptr` (pointer), `available_in`, `total_in` (u32),
+//! `next_out_ptr`, `available_out`, `total_out`, `op`, `flags`, `crc`,
+//! `xor_checksum`, `last_bit_offset`, `level` (enums are C `int`). Enum and
+//! flag values come from `defs.h` and `status.h` of the same release.
+//!
+//! **Not yet run against a real libqpl nor on IAA hardware**: no QPL build
+//! and no IAA device exist on the development machines. If the library
+//! exports `qpl_get_library_version` and reports a major version other than
+//! 1, loading fails with [`CodecError::QplUnsupported`] ("this build knows
+//! the qpl_job layout of QPL 1.x only") rather than writing fields at
+//! guessed offsets. A job size smaller than the known prefix is refused the
+//! same way.
+
+use std::alloc::{Layout, alloc_zeroed, dealloc};
+use std::fmt;
+use std::str::FromStr;
+use std::sync::{Arc, OnceLock};
+
+use super::{
+    CodecError, CompressedBatch, MAX_COMPRESSED, PageOutcome, RawReason, deflate_page,
+    looks_incompressible_bytes, new_deflate,
+};
+use crate::PAGE_SIZE;
+
+/// Submissions tried against a busy queue before the CPU takes the page.
+pub const BUSY_RETRIES: u32 = 8;
+
+/// `qpl_path_t`: which QPL implementation runs the jobs.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub enum QplPath {
+    /// Hardware when present, else QPL's software path.
+    #[default]
+    Auto,
+    /// IAA only; initialisation fails without a usable device.
+    Hardware,
+    /// QPL's software implementation (for testing the path without IAA).
+    Software,
+}
+
+impl QplPath {
+    fn raw(self) -> u32 {
+        match self {
+            QplPath::Auto => 0,
+            QplPath::Hardware => 1,
+            QplPath::Software => 2,
+        }
+    }
+
+    /// Short lowercase name.
+    pub fn name(self) -> &'static str {
+        match self {
+            QplPath::Auto => "auto",
+            QplPath::Hardware => "hardware",
+            QplPath::Software => "software",
+        }
+    }
+}
+
+impl fmt::Display for QplPath {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl FromStr for QplPath {
+    type Err = CodecError;
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s {
+            "auto" => Ok(QplPath::Auto),
+            "hardware" | "hw" => Ok(QplPath::Hardware),
+            "software" | "sw" => Ok(QplPath::Software),
+            _ => Err(CodecError::QplUnsupported(format!(
+                "unknown QPL path {s:?} (auto, hardware or software)"
+            ))),
+        }
+    }
+}
+
+/// Offsets and constants of QPL 1.x's public C API (see module docs).
+mod abi {
+    pub const OFF_NEXT_IN: usize = 0;
+    pub const OFF_AVAILABLE_IN: usize = 8;
+    pub const OFF_TOTAL_IN: usize = 12;
+    pub const OFF_NEXT_OUT: usize = 16;
+    pub const OFF_AVAILABLE_OUT: usize = 24;
+    pub const OFF_TOTAL_OUT: usize = 28;
+    pub const OFF_OP: usize = 32;
+    pub const OFF_FLAGS: usize = 36;
+    pub const OFF_LEVEL: usize = 52;
+    /// Bytes of the prefix this build writes or reads.
+    pub const KNOWN_PREFIX: usize = 56;
+
+    pub const OP_COMPRESS: u32 = 0x01;
+    pub const FLAG_FIRST: u32 = 0x0001;
+    pub const FLAG_LAST: u32 = 0x0002;
+    pub const FLAG_DYNAMIC_HUFFMAN: u32 = 0x2000;
+    pub const FLAG_OMIT_VERIFY: u32 = 0x4000;
+
+    pub const STS_OK: u32 = 0;
+    pub const STS_MORE_OUTPUT_NEEDED: u32 = 2;
+    pub const STS_QUEUES_ARE_BUSY: u32 = 5;
+    pub const STS_DST_IS_SHORT: u32 = 225;
+    pub const STS_INTL_OUTPUT_OVERFLOW: u32 = 311;
+}
+
+type GetJobSizeFn = unsafe extern "C" fn(u32, *mut u32) -> u32;
+type InitJobFn = unsafe extern "C" fn(u32, *mut u8) -> u32;
+type JobFn = unsafe extern "C" fn(*mut u8) -> u32;
+
+/// The resolved QPL entry points; the library stays open as long as this
+/// lives.
+struct QplLib {
+    get_job_size: GetJobSizeFn,
+    init_job: InitJobFn,
+    submit_job: JobFn,
+    wait_job: JobFn,
+    #[allow(dead_code)] // resolved so a library lacking it is refused early
+    check_job: JobFn,
+    fini_job: JobFn,
+    #[cfg(feature = "qpl")]
+    _lib: libloading::Library,
+}
+
+#[derive(Clone, Debug)]
+enum LoadFailure {
+    Missing(String),
+    #[cfg_attr(not(feature = "qpl"), allow(dead_code))]
+    Unsupported(String),
+}
+
+impl From<LoadFailure> for CodecError {
+    fn from(f: LoadFailure) -> Self {
+        match f {
+            LoadFailure::Missing(m) => CodecError::QplUnavailable(m),
+            LoadFailure::Unsupported(m) => CodecError::QplUnsupported(m),
+        }
+    }
+}
+
+#[cfg(feature = "qpl")]
+fn load_from(candidates: &[&str]) -> Result<QplLib, LoadFailure> {
+    let mut last = String::new();
+    let lib = candidates.iter().find_map(|name| {
+        // SAFETY: opening a shared library runs its initialisers. libqpl is a
+        // system library the operator installed on purpose, trusted like
+        // any library we would link.
+        match unsafe { libloading::Library::new(name) } {
+            Ok(l) => Some(l),
+            Err(e) => {
+                last = e.to_string();
+                None
+            }
+        }
+    });
+    let Some(lib) = lib else {
+        return Err(LoadFailure::Missing(format!(
+            "libqpl.so not found: install Intel QPL (https://github.com/intel/qpl) \
+             or set TERN_QPL_LIB to its path ({last})"
+        )));
+    };
+    macro_rules! sym {
+        ($name:literal, $ty:ty) => {{
+            // SAFETY: the symbol is QPL's public C function of this name,
+            // whose signature in QPL 1.x is $ty; the pointer is only used
+            // while `lib` is alive (it is stored next to it).
+            let s: libloading::Symbol<'_, $ty> = unsafe { lib.get($name) }.map_err(|e| {
+                LoadFailure::Unsupported(format!("libqpl lacks {}: {e}", stringify!($name)))
+            })?;
+            *s
+        }};
+    }
+    let get_job_size = sym!(b"qpl_get_job_size\0", GetJobSizeFn);
+    let init_job = sym!(b"qpl_init_job\0", InitJobFn);
+    let submit_job = sym!(b"qpl_submit_job\0", JobFn);
+    let wait_job = sym!(b"qpl_wait_job\0", JobFn);
+    let check_job = sym!(b"qpl_check_job\0", JobFn);
+    let fini_job = sym!(b"qpl_fini_job\0", JobFn);
+    type VersionFn = unsafe extern "C" fn() -> *const std::ffi::c_char;
+    // SAFETY: optional symbol; QPL declares it `const char *(void)`.
+    if let Ok(version) = unsafe { lib.get::<VersionFn>(b"qpl_get_library_version\0") } {
+        // SAFETY: the function takes no arguments and returns a static
+        // NUL-terminated string (or NULL, checked).
+        let p = unsafe { version() };
+        if !p.is_null() {
+            // SAFETY: non-null, NUL-terminated static string per QPL's API.
+            let v = unsafe { std::ffi::CStr::from_ptr(p) }
+                .to_string_lossy()
+                .into_owned();
+            let major = v.trim_start_matches(|c: char| !c.is_ascii_digit());
+            if !major.starts_with("1.") {
+                return Err(LoadFailure::Unsupported(format!(
+                    "libqpl {v} found but this build knows the qpl_job layout of QPL 1.x only"
+                )));
+            }
+        }
+    }
+    Ok(QplLib {
+        get_job_size,
+        init_job,
+        submit_job,
+        wait_job,
+        check_job,
+        fini_job,
+        _lib: lib,
+    })
+}
+
+#[cfg(not(feature = "qpl"))]
+fn load_from(_candidates: &[&str]) -> Result<QplLib, LoadFailure> {
+    Err(LoadFailure::Missing(
+        "libqpl.so not loaded: this build of tern-page has the `qpl` feature off; \
+         install Intel QPL and rebuild with it"
+            .into(),
+    ))
+}
+
+fn library() -> Result<Arc<QplLib>, CodecError> {
+    static LIB: OnceLock<Result<Arc<QplLib>, LoadFailure>> = OnceLock::new();
+    LIB.get_or_init(|| {
+        let env = std::env::var("TERN_QPL_LIB").ok();
+        let names: Vec<&str> = match env.as_deref() {
+            Some(p) => vec![p],
+            None => vec!["libqpl.so", "libqpl.so.1"],
+        };
+        load_from(&names).map(Arc::new)
+    })
+    .clone()
+    .map_err(CodecError::from)
+}
+
+/// Whether libqpl can be loaded; the error says why not.
+pub fn qpl_available() -> Result<(), CodecError> {
+    library().map(|_| ())
+}
+
+/// Loads QPL from explicit candidate file names (tests).
+#[cfg(test)]
+pub(crate) fn probe_library(candidates: &[&str]) -> Result<(), CodecError> {
+    load_from(candidates).map(|_| ()).map_err(CodecError::from)
+}
+
+/// One `qpl_job`, caller-allocated and initialised.
+struct Job {
+    ptr: *mut u8,
+    layout: Layout,
+    lib: Arc<QplLib>,
+}
+
+// SAFETY: the job memory is owned exclusively by this value; QPL jobs are
+// plain memory not tied to the thread that initialised them.
+unsafe impl Send for Job {}
+
+impl Job {
+    fn new(lib: &Arc<QplLib>, path: QplPath) -> Result<Self, CodecError> {
+        let mut size = 0u32;
+        // SAFETY: `size` is a valid u32 out-pointer.
+        let st = unsafe { (lib.get_job_size)(path.raw(), &mut size) };
+        if st != abi::STS_OK {
+            return Err(CodecError::Qpl {
+                call: "qpl_get_job_size",
+                status: st,
+            });
+        }
+        let size = size as usize;
+        if size < abi::KNOWN_PREFIX {
+            return Err(CodecError::QplUnsupported(format!(
+                "libqpl found but its job is {size} bytes, smaller than the QPL 1.x \
+                 qpl_job this build knows: cannot use its layout"
+            )));
+        }
+        let layout = Layout::from_size_align(size, 64).map_err(|e| CodecError::Init {
+            codec: "qpl",
+            detail: e.to_string(),
+        })?;
+        // SAFETY: layout has non-zero size (>= KNOWN_PREFIX).
+        let ptr = unsafe { alloc_zeroed(layout) };
+        if ptr.is_null() {
+            std::alloc::handle_alloc_error(layout);
+        }
+        // SAFETY: `ptr` is qpl_get_job_size bytes, 64-byte aligned, as
+        // qpl_init_job requires.
+        let st = unsafe { (lib.init_job)(path.raw(), ptr) };
+        if st != abi::STS_OK {
+            // SAFETY: allocated above with this layout, not initialised.
+            unsafe { dealloc(ptr, layout) };
+            return Err(CodecError::Qpl {
+                call: "qpl_init_job",
+                status: st,
+            });
+        }
+        Ok(Self {
+            ptr,
+            layout,
+            lib: lib.clone(),
+        })
+    }
+
+    /// Sets up a one-shot raw-deflate compression of `input` into `out`.
+    ///
+    /// # Safety
+    ///
+    /// `input` and `out` must stay valid and unmoved until the job is waited
+    /// for.
+    unsafe fn prepare(
+        &mut self,
+        input: &[u8; PAGE_SIZE],
+        out: &mut [u8; MAX_COMPRESSED],
+        level: u32,
+    ) {
+        let flags =
+            abi::FLAG_FIRST | abi::FLAG_LAST | abi::FLAG_DYNAMIC_HUFFMAN | abi::FLAG_OMIT_VERIFY;
+        // SAFETY: every offset + field size is within KNOWN_PREFIX <= the job
+        // size (checked in `new`); fields are written unaligned-safe.
+        unsafe {
+            let j = self.ptr;
+            j.add(abi::OFF_NEXT_IN)
+                .cast::<*const u8>()
+                .write_unaligned(input.as_ptr());
+            j.add(abi::OFF_AVAILABLE_IN)
+                .cast::<u32>()
+                .write_unaligned(PAGE_SIZE as u32);
+            j.add(abi::OFF_TOTAL_IN).cast::<u32>().write_unaligned(0);
+            j.add(abi::OFF_NEXT_OUT)
+                .cast::<*mut u8>()
+                .write_unaligned(out.as_mut_ptr());
+            j.add(abi::OFF_AVAILABLE_OUT)
+                .cast::<u32>()
+                .write_unaligned(MAX_COMPRESSED as u32);
+            j.add(abi::OFF_TOTAL_OUT).cast::<u32>().write_unaligned(0);
+            j.add(abi::OFF_OP)
+                .cast::<u32>()
+                .write_unaligned(abi::OP_COMPRESS);
+            j.add(abi::OFF_FLAGS).cast::<u32>().write_unaligned(flags);
+            j.add(abi::OFF_LEVEL).cast::<u32>().write_unaligned(level);
+        }
+    }
+
+    fn total_out(&self) -> usize {
+        // SAFETY: within the checked prefix.
+        unsafe {
+            self.ptr
+                .add(abi::OFF_TOTAL_OUT)
+                .cast::<u32>()
+                .read_unaligned() as usize
+        }
+    }
+
+    /// Submits, retrying a busy queue; returns the final submit status.
+    fn submit(&mut self) -> u32 {
+        let mut st = abi::STS_QUEUES_ARE_BUSY;
+        for _ in 0..=BUSY_RETRIES {
+            // SAFETY: the job was initialised and prepared.
+            st = unsafe { (self.lib.submit_job)(self.ptr) };
+            if st != abi::STS_QUEUES_ARE_BUSY {
+                break;
+            }
+            std::thread::yield_now();
+        }
+        st
+    }
+
+    fn wait(&mut self) -> u32 {
+        // SAFETY: the job was submitted successfully.
+        unsafe { (self.lib.wait_job)(self.ptr) }
+    }
+}
+
+impl Drop for Job {
+    fn drop(&mut self) {
+        // SAFETY: initialised in `new` and never in flight here (every
+        // submitted job is waited for in the same call that submitted it);
+        // then freed with the layout it was allocated with.
+        unsafe {
+            (self.lib.fini_job)(self.ptr);
+            dealloc(self.ptr, self.layout);
+        }
+    }
+}
+
+/// Counts from one batch.
+#[derive(Clone, Copy, Debug, Default)]
+pub(crate) struct BatchCounts {
+    pub compressed: u64,
+    pub did_not_shrink: u64,
+    pub sampled: u64,
+    pub software: u64,
+}
+
+enum Slot {
+    Sampled,
+    Submitted,
+    Done(Option<usize>),
+}
+
+/// Deflate through QPL, one job per page, with libdeflate as the fallback.
+pub struct QplCompressor {
+    lib: Arc<QplLib>,
+    path: QplPath,
+    level: i32,
+    jobs: Vec<Job>,
+    inputs: Vec<Box<[u8; PAGE_SIZE]>>,
+    // Boxed so each buffer's address handed to QPL never moves.
+    #[allow(clippy::vec_box)]
+    outs: Vec<Box<[u8; MAX_COMPRESSED]>>,
+    software: libdeflater::Compressor,
+}
+
+impl fmt::Debug for QplCompressor {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("QplCompressor")
+            .field("path", &self.path)
+            .field("level", &self.level)
+            .field("jobs", &self.jobs.len())
+            .finish()
+    }
+}
+
+impl QplCompressor {
+    /// Loads libqpl (once per process) and initialises one job. Levels: QPL
+    /// has 1 (default, the only one IAA hardware runs) and 3 (high,
+    /// software path); requests are clamped to those, and to 1 on the
+    /// hardware path.
+    pub fn new(path: QplPath, level: i32) -> Result<Self, CodecError> {
+        let lib = library()?;
+        let level = if path == QplPath::Hardware || level < 3 {
+            1
+        } else {
+            3
+        };
+        let first = Job::new(&lib, path)?;
+        Ok(Self {
+            lib,
+            path,
+            level,
+            jobs: vec![first],
+            inputs: Vec::new(),
+            outs: Vec::new(),
+            software: new_deflate(level),
+        })
+    }
+
+    /// The QPL level in force (1 or 3).
+    pub fn level(&self) -> i32 {
+        self.level
+    }
+
+    /// The execution path.
+    pub fn path(&self) -> QplPath {
+        self.path
+    }
+
+    fn ensure(&mut self, n: usize) -> Result<(), CodecError> {
+        while self.jobs.len() < n {
+            self.jobs.push(Job::new(&self.lib, self.path)?);
+        }
+        while self.inputs.len() < n {
+            self.inputs.push(Box::new([0; PAGE_SIZE]));
+            self.outs.push(Box::new([0; MAX_COMPRESSED]));
+        }
+        Ok(())
+    }
+
+    fn finish(status: u32, total_out: usize) -> Result<Option<usize>, ()> {
+        match status {
+            abi::STS_OK if (1..=MAX_COMPRESSED).contains(&total_out) => Ok(Some(total_out)),
+            abi::STS_OK
+            | abi::STS_MORE_OUTPUT_NEEDED
+            | abi::STS_DST_IS_SHORT
+            | abi::STS_INTL_OUTPUT_OVERFLOW => Ok(None),
+            _ => Err(()),
+        }
+    }
+
+    /// Compresses one page synchronously; the bool says whether the
+    /// software fallback did it.
+    pub(crate) fn compress_one(
+        &mut self,
+        page: &[u8; PAGE_SIZE],
+        out: &mut [u8; MAX_COMPRESSED],
+    ) -> (Option<usize>, bool) {
+        let level = self.level as u32;
+        let job = &mut self.jobs[0];
+        // SAFETY: `page` and `out` outlive the wait below.
+        unsafe { job.prepare(page, out, level) };
+        let st = job.submit();
+        let result = if st == abi::STS_OK {
+            let st = job.wait();
+            Self::finish(st, job.total_out())
+        } else {
+            Err(())
+        };
+        match result {
+            Ok(n) => (n, false),
+            Err(()) => (deflate_page(&mut self.software, page, out), true),
+        }
+    }
+
+    /// Compresses a packet's pages: copies each to a private buffer,
+    /// samples it, submits a job per page, then waits for all. Results are
+    /// appended to `batch` in page order.
+    ///
+    /// # Safety
+    ///
+    /// Every pointer must point to [`PAGE_SIZE`] readable bytes (concurrent
+    /// writes tolerated: each page is copied before QPL sees it).
+    pub(crate) unsafe fn compress_batch(
+        &mut self,
+        pages: &[*const u8],
+        batch: &mut CompressedBatch,
+        sampling: bool,
+    ) -> BatchCounts {
+        let mut counts = BatchCounts::default();
+        if self.ensure(pages.len()).is_err() {
+            // Could not get enough jobs: compress the whole batch on the CPU.
+            for &p in pages {
+                let mut input = [0u8; PAGE_SIZE];
+                // SAFETY: caller contract; private destination.
+                unsafe { core::ptr::copy_nonoverlapping(p, input.as_mut_ptr(), PAGE_SIZE) };
+                let mut out = [0u8; MAX_COMPRESSED];
+                counts.software += 1;
+                let n = deflate_page(&mut self.software, &input, &mut out);
+                Self::push(batch, &mut counts, n, &out);
+            }
+            return counts;
+        }
+        let level = self.level as u32;
+        let mut slots = Vec::with_capacity(pages.len());
+        for (i, &p) in pages.iter().enumerate() {
+            // SAFETY: caller contract; `inputs[i]` is private memory.
+            unsafe { core::ptr::copy_nonoverlapping(p, self.inputs[i].as_mut_ptr(), PAGE_SIZE) };
+            if sampling && looks_incompressible_bytes(&self.inputs[i]) {
+                slots.push(Slot::Sampled);
+                continue;
+            }
+            // SAFETY: inputs[i] and outs[i] are boxed (stable addresses) and
+            // not touched until this job is waited for below.
+            unsafe { self.jobs[i].prepare(&self.inputs[i], &mut self.outs[i], level) };
+            if self.jobs[i].submit() == abi::STS_OK {
+                slots.push(Slot::Submitted);
+            } else {
+                counts.software += 1;
+                let n = deflate_page(&mut self.software, &self.inputs[i], &mut self.outs[i]);
+                slots.push(Slot::Done(n));
+            }
+        }
+        for (i, slot) in slots.iter_mut().enumerate() {
+            if let Slot::Submitted = slot {
+                let st = self.jobs[i].wait();
+                *slot = match Self::finish(st, self.jobs[i].total_out()) {
+                    Ok(n) => Slot::Done(n),
+                    Err(()) => {
+                        counts.software += 1;
+                        Slot::Done(deflate_page(
+                            &mut self.software,
+                            &self.inputs[i],
+                            &mut self.outs[i],
+                        ))
+                    }
+                };
+            }
+        }
+        for (i, slot) in slots.into_iter().enumerate() {
+            match slot {
+                Slot::Sampled => {
+                    counts.sampled += 1;
+                    batch.outcomes.push(PageOutcome::Raw(RawReason::Sampled));
+                }
+                Slot::Done(n) => Self::push(batch, &mut counts, n, &self.outs[i]),
+                Slot::Submitted => unreachable!("every submitted job was waited for"),
+            }
+        }
+        counts
+    }
+
+    fn push(
+        batch: &mut CompressedBatch,
+        counts: &mut BatchCounts,
+        n: Option<usize>,
+        out: &[u8; MAX_COMPRESSED],
+    ) {
+        match n {
+            Some(n) => {
+                counts.compressed += 1;
+                batch.push_compressed(&out[..n]);
+            }
+            None => {
+                counts.did_not_shrink += 1;
+                batch
+                    .outcomes
+                    .push(PageOutcome::Raw(RawReason::DidNotShrink));
+            }
+        }
+    }
+}

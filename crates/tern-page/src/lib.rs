@@ -3,11 +3,13 @@
 //! Every page the engine sends passes through this crate first. The cheapest
 //! page to send is one we do not send at all: zero pages are announced with a
 //! flag instead of 4 KiB of payload, so [`zero`] decides that as fast as the
-//! memory system allows. The codec slot (compression of non-zero pages) will
+//! memory system allows, and [`dsa`] can hand the same question to an Intel
+//! DSA accelerator (or its software stand-in) in batches, asynchronously. The codec slot (compression of non-zero pages) will
 //! live here too.
 
 #![warn(missing_docs)]
 
+pub mod dsa;
 pub mod zero;
 
 pub use zero::{

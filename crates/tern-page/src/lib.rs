@@ -3,13 +3,16 @@
 //! Every page the engine sends passes through this crate first. The cheapest
 //! page to send is one we do not send at all: zero pages are announced with a
 //! flag instead of 4 KiB of payload, so [`zero`] decides that as fast as the
-//! memory system allows. Non-zero pages then go through [`codec`]: each page
-//! compressed on its own (zstd, IAA-compatible deflate, lz4, or Intel QPL),
-//! or sent raw when it would not shrink.
+//! memory system allows, and [`dsa`] can hand the same question to an Intel
+//! DSA accelerator (or its software stand-in) in batches, asynchronously.
+//! Non-zero pages then go through [`codec`]: each page compressed on its own
+//! (zstd, IAA-compatible deflate, lz4, or Intel QPL), or sent raw when it
+//! would not shrink.
 
 #![warn(missing_docs)]
 
 pub mod codec;
+pub mod dsa;
 pub mod zero;
 
 pub use codec::{

@@ -261,6 +261,20 @@ impl ZeroChecker {
         unsafe { (self.page_fn)(page) }
     }
 
+    /// Whether the `len` bytes at `ptr` are all zero, without the page
+    /// sampling step: for the part of a page an accelerator could not finish.
+    ///
+    /// # Safety
+    ///
+    /// `ptr` must point to `len` bytes readable for the whole call;
+    /// concurrent writes are tolerated as for
+    /// [`is_zero_page`](Self::is_zero_page).
+    #[inline]
+    pub unsafe fn is_zero_range(&self, ptr: *const u8, len: usize) -> bool {
+        // SAFETY: forwarded from the caller; backend available (invariant).
+        unsafe { (self.range_fn)(ptr, len) }
+    }
+
     /// Whether every byte of `bytes` is zero; any length, including 0 (true)
     /// and lengths that are not a multiple of the vector width.
     ///

@@ -1,0 +1,179 @@
+//! Throughput of every zero-page backend, for `tern bench zero`.
+//!
+//! Measured over one DRAM-resident buffer (every page written first, so it is
+//! backed by its own memory and not the kernel's shared zero page) in three
+//! cases: all-zero pages (the full read), pages whose first byte is non-zero
+//! (cheapest reject) and pages whose last byte is non-zero (full read, then
+//! reject). A plain read-bandwidth loop over the same buffer is the ceiling.
+
+use std::collections::VecDeque;
+use std::hint::black_box;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use super::offload::{DsaConfig, MAX_BATCH_PAGES, ZeroPageOffload, open_dsa, software_dsa};
+use super::soft::SoftwareDsaConfig;
+use crate::zero::{
+    PAGE_SIZE, ZeroCheckBackend, ZeroChecker, is_zero_page_qemu_style, read_bandwidth_probe,
+};
+
+/// One measurement.
+#[derive(Clone, Debug, PartialEq)]
+pub struct ZeroBenchRow {
+    /// Backend: a [`ZeroCheckBackend`] name, `qemu-style`, `read-bandwidth`,
+    /// `soft-dsa` or `dsa`.
+    pub backend: String,
+    /// `zero`, `first-byte` or `last-byte`.
+    pub case: &'static str,
+    /// Bytes checked per round.
+    pub bytes: u64,
+    /// Median seconds per round.
+    pub seconds: f64,
+    /// Bytes per second / 1e9, from the median round.
+    pub gb_per_s: f64,
+}
+
+/// Submissions kept in flight by the offload measurements, so the device
+/// works while the next batch is prepared.
+const OFFLOAD_DEPTH: usize = 4;
+
+/// Measures every backend on a `buffer_bytes` buffer (rounded down to whole
+/// pages, at least one), `rounds` times each (at least one), and returns the
+/// median of each. The hardware DSA is included when [`open_dsa`] with the
+/// default configuration succeeds.
+pub fn bench_zero(buffer_bytes: usize, rounds: usize) -> Vec<ZeroBenchRow> {
+    let pages = (buffer_bytes / PAGE_SIZE).max(1);
+    let bytes = pages * PAGE_SIZE;
+    let rounds = rounds.max(1);
+    // Fill with non-zero behind black_box, then zero: otherwise the
+    // allocation can become calloc and map the shared zero page.
+    let mut storage = vec![0xa5u8; bytes + PAGE_SIZE];
+    black_box(&mut storage);
+    storage.fill(0);
+    let start = storage.as_ptr().align_offset(PAGE_SIZE);
+    let buf = &mut storage[start..start + bytes];
+
+    let mut offloads: Vec<(String, Arc<dyn ZeroPageOffload>)> = vec![(
+        "soft-dsa".to_owned(),
+        software_dsa(SoftwareDsaConfig {
+            max_batch_size: MAX_BATCH_PAGES,
+            ..Default::default()
+        }),
+    )];
+    if let Ok(dsa) = open_dsa(&DsaConfig::default()) {
+        offloads.push(("dsa".to_owned(), dsa));
+    }
+
+    let mut rows = Vec::new();
+    let cases: [(&'static str, Option<usize>); 3] = [
+        ("zero", None),
+        ("first-byte", Some(0)),
+        ("last-byte", Some(PAGE_SIZE - 1)),
+    ];
+    for (case, mark) in cases {
+        for page in buf.chunks_exact_mut(PAGE_SIZE) {
+            page.fill(0);
+            if let Some(off) = mark {
+                page[off] = 1;
+            }
+        }
+        let expect_zero = mark.is_none();
+        let buf: &[u8] = buf;
+        let mut row = |backend: String, f: &mut dyn FnMut() -> usize| {
+            let mut times: Vec<Duration> = (0..rounds)
+                .map(|_| {
+                    let t = Instant::now();
+                    let zeros = black_box(f());
+                    let el = t.elapsed();
+                    debug_assert!(backend == "read-bandwidth" || (zeros == pages) == expect_zero);
+                    el
+                })
+                .collect();
+            times.sort();
+            let secs = times[rounds / 2].as_secs_f64().max(1e-9);
+            rows.push(ZeroBenchRow {
+                backend,
+                case,
+                bytes: bytes as u64,
+                seconds: secs,
+                gb_per_s: bytes as f64 / secs / 1e9,
+            });
+        };
+        row("read-bandwidth".to_owned(), &mut || {
+            read_bandwidth_probe(black_box(buf)) as usize
+        });
+        for b in ZeroCheckBackend::all_available() {
+            let c = ZeroChecker::with_backend(b).expect("listed as available");
+            row(b.name().to_owned(), &mut || {
+                buf.chunks_exact(PAGE_SIZE)
+                    // SAFETY: each chunk is PAGE_SIZE bytes of `buf`.
+                    .filter(|p| unsafe { c.is_zero_page(p.as_ptr()) })
+                    .count()
+            });
+        }
+        row("qemu-style".to_owned(), &mut || {
+            buf.chunks_exact(PAGE_SIZE)
+                // SAFETY: as above.
+                .filter(|p| unsafe { is_zero_page_qemu_style(p.as_ptr()) })
+                .count()
+        });
+        for (name, off) in &offloads {
+            row(name.clone(), &mut || count_with_offload(&**off, buf));
+        }
+    }
+    rows
+}
+
+/// Zero pages of `buf` through an offload, [`OFFLOAD_DEPTH`] submissions in
+/// flight.
+fn count_with_offload(off: &dyn ZeroPageOffload, buf: &[u8]) -> usize {
+    let mut in_flight = VecDeque::new();
+    let mut out = Vec::with_capacity(MAX_BATCH_PAGES);
+    let mut ptrs: Vec<*const u8> = Vec::with_capacity(MAX_BATCH_PAGES);
+    let mut zeros = 0;
+    for batch in buf.chunks(PAGE_SIZE * MAX_BATCH_PAGES) {
+        ptrs.clear();
+        ptrs.extend(batch.chunks_exact(PAGE_SIZE).map(<[u8]>::as_ptr));
+        if in_flight.len() == OFFLOAD_DEPTH {
+            let t = in_flight.pop_front().expect("non-empty");
+            off.wait(t, &mut out).expect("own ticket");
+            zeros += out.iter().filter(|&&z| z).count();
+        }
+        // SAFETY: the pages are in `buf`, borrowed until every ticket is
+        // waited below.
+        in_flight.push_back(unsafe { off.submit(&ptrs) }.expect("<= 128 pages"));
+    }
+    for t in in_flight {
+        off.wait(t, &mut out).expect("own ticket");
+        zeros += out.iter().filter(|&&z| z).count();
+    }
+    zeros
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn bench_rows_for_every_backend() {
+        let rows = bench_zero(4 << 20, 1);
+        let mut backends: Vec<String> = ZeroCheckBackend::all_available()
+            .into_iter()
+            .map(|b| b.name().to_owned())
+            .collect();
+        backends.extend(["qemu-style", "read-bandwidth", "soft-dsa"].map(String::from));
+        for case in ["zero", "first-byte", "last-byte"] {
+            for b in &backends {
+                let r = rows
+                    .iter()
+                    .find(|r| r.case == case && &r.backend == b)
+                    .unwrap_or_else(|| panic!("no row for {b} / {case}"));
+                assert!(r.gb_per_s > 0.0 && r.gb_per_s.is_finite(), "{r:?}");
+                assert_eq!(r.bytes, 4 << 20);
+            }
+        }
+        for r in &rows {
+            eprintln!("{:>14} {:>10} {:8.2} GB/s", r.backend, r.case, r.gb_per_s);
+        }
+    }
+}

@@ -1,0 +1,461 @@
+//! Submitting descriptors: the [`DsaQueue`] abstraction and the hardware
+//! implementation over `/dev/dsa/wqD.Q`.
+//!
+//! Three ways to hand a descriptor to a work queue, picked once at start-up:
+//!
+//! * **MOVDIR64B** to the mmap-ed portal of a *dedicated* queue: a posted
+//!   64-byte store; the queue's configured PASID is used. Software must not
+//!   have more descriptors outstanding than the queue holds, or they are
+//!   dropped silently; the offload engine's slot count bounds that.
+//! * **ENQCMD** to the portal of a *shared* queue: a non-posted store that
+//!   reports (ZF) whether the queue accepted; on refusal we retry a bounded
+//!   number of times and then report [`SubmitError::QueueFull`].
+//! * **write()** of the 64 bytes to the queue's file descriptor: for kernels
+//!   that refuse to map the portal (the INTEL-SA-01084 mitigation makes mmap
+//!   fail with EPERM without CAP_SYS_RAWIO). The kernel validates and submits
+//!   each descriptor itself and refuses BATCH descriptors, so on this path
+//!   [`DsaQueue::max_batch_size`] is 1 and every page is its own descriptor.
+
+use std::fmt;
+use std::fs::OpenOptions;
+use std::os::fd::{AsRawFd, OwnedFd};
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use super::OffloadError;
+use super::desc::{Descriptor, OPCODE_BATCH};
+use super::sysfs::{WorkQueueInfo, WqMode};
+
+/// How descriptors reach a queue.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum SubmissionMethod {
+    /// MOVDIR64B to a dedicated queue's portal.
+    Movdir64b,
+    /// ENQCMD (with bounded retry) to a shared queue's portal.
+    Enqcmd,
+    /// `write()` to the queue's character device; no batches.
+    Write,
+    /// The in-process software device (tests, demos).
+    Software,
+}
+
+impl SubmissionMethod {
+    /// Short name for logs and reports.
+    pub fn name(self) -> &'static str {
+        match self {
+            SubmissionMethod::Movdir64b => "movdir64b",
+            SubmissionMethod::Enqcmd => "enqcmd",
+            SubmissionMethod::Write => "write",
+            SubmissionMethod::Software => "software",
+        }
+    }
+
+    /// Whether BATCH descriptors can be submitted this way.
+    pub fn supports_batch(self) -> bool {
+        self != SubmissionMethod::Write
+    }
+}
+
+impl fmt::Display for SubmissionMethod {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// Why a descriptor was not accepted.
+#[derive(Debug, thiserror::Error)]
+pub enum SubmitError {
+    /// The queue stayed full (ENQCMD kept reporting retry, or the software
+    /// device's queue was full) for every allowed attempt.
+    #[error("work queue still full after {0} attempts")]
+    QueueFull(u32),
+    /// A BATCH descriptor on a path that cannot carry one (write()).
+    #[error("batch descriptors cannot be submitted with write()")]
+    BatchRefused,
+    /// The queue's file descriptor refused the write.
+    #[error("submitting to the work queue failed: {0}")]
+    Io(#[from] std::io::Error),
+    /// The (software) device has shut down.
+    #[error("the device has stopped")]
+    Stopped,
+}
+
+/// A work queue descriptors can be submitted to.
+pub trait DsaQueue: Send + Sync + fmt::Debug {
+    /// Hands one descriptor to the queue. Returns once the queue has it (not
+    /// once it is executed: completion is signalled through the record).
+    ///
+    /// # Safety
+    ///
+    /// Every address in `desc` (and, for BATCH, in every listed descriptor)
+    /// must stay valid for what the device does with it (read the source,
+    /// read the list, write the completion record) until the completion
+    /// record(s) have been written. The descriptor itself is copied during
+    /// the call and may be reused afterwards.
+    unsafe fn submit(&self, desc: &Descriptor) -> Result<(), SubmitError>;
+
+    /// How this queue submits.
+    fn method(&self) -> SubmissionMethod;
+
+    /// Largest BATCH this queue takes; 1 means "no batches" (write path or a
+    /// queue configured without batching).
+    fn max_batch_size(&self) -> usize;
+
+    /// Human-readable name, e.g. `dsa0/wq0.0`.
+    fn name(&self) -> String;
+
+    /// Submission attempts that were refused and retried so far.
+    fn retries(&self) -> u64;
+
+    /// Descriptors the queue holds, when submitting more would lose work
+    /// silently (dedicated queues fed with MOVDIR64B); `None` when the queue
+    /// reports "full" itself.
+    fn capacity(&self) -> Option<usize> {
+        None
+    }
+}
+
+/// Submission-related CPU features, read from CPUID leaf 7 directly because
+/// `is_x86_feature_detected!` does not know all of them.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct CpuSubmitFeatures {
+    /// MOVDIR64B (CPUID.7.0:ECX bit 28).
+    pub movdir64b: bool,
+    /// ENQCMD (CPUID.7.0:ECX bit 29).
+    pub enqcmd: bool,
+    /// UMONITOR/UMWAIT/TPAUSE (CPUID.7.0:ECX bit 5).
+    pub waitpkg: bool,
+}
+
+impl CpuSubmitFeatures {
+    /// Reads the features of the running CPU (all false off x86_64).
+    pub fn detect() -> Self {
+        #[cfg(target_arch = "x86_64")]
+        {
+            let max_leaf = core::arch::x86_64::__cpuid(0).eax;
+            if max_leaf < 7 {
+                return Self::default();
+            }
+            let ecx = core::arch::x86_64::__cpuid_count(7, 0).ecx;
+            Self {
+                movdir64b: ecx & (1 << 28) != 0,
+                enqcmd: ecx & (1 << 29) != 0,
+                waitpkg: ecx & (1 << 5) != 0,
+            }
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        Self::default()
+    }
+}
+
+/// Picks the submission method for a queue: the portal instruction that
+/// matches the queue's mode when the portal is mapped and the CPU has it,
+/// else write().
+pub fn choose_method(
+    mode: WqMode,
+    cpu: CpuSubmitFeatures,
+    portal_mapped: bool,
+) -> SubmissionMethod {
+    match (portal_mapped, mode) {
+        (true, WqMode::Dedicated) if cpu.movdir64b => SubmissionMethod::Movdir64b,
+        (true, WqMode::Shared) if cpu.enqcmd => SubmissionMethod::Enqcmd,
+        _ => SubmissionMethod::Write,
+    }
+}
+
+/// Size of the portal mapping (one page; any 64-byte store into it submits).
+const PORTAL_SIZE: usize = 4096;
+
+/// A mapped work-queue portal.
+#[derive(Debug)]
+struct Portal(*mut u8);
+
+// SAFETY: the portal is device MMIO; 64-byte MOVDIR64B/ENQCMD stores from
+// any thread are each atomic submissions, there is no Rust-visible state
+// behind the pointer.
+unsafe impl Send for Portal {}
+// SAFETY: as above; concurrent submissions are what shared queues are for,
+// and dedicated-queue users bound their own outstanding count.
+unsafe impl Sync for Portal {}
+
+impl Drop for Portal {
+    fn drop(&mut self) {
+        // SAFETY: self.0 came from a successful mmap of PORTAL_SIZE bytes and
+        // is unmapped exactly once.
+        unsafe {
+            libc::munmap(self.0.cast(), PORTAL_SIZE);
+        }
+    }
+}
+
+/// A real work queue opened from `/dev/dsa`.
+#[derive(Debug)]
+pub struct HardwareQueue {
+    info: WorkQueueInfo,
+    fd: OwnedFd,
+    portal: Option<Portal>,
+    method: SubmissionMethod,
+    enqcmd_attempts: u32,
+    retries: AtomicU64,
+}
+
+impl HardwareQueue {
+    /// Opens the queue's device node and maps its portal; falls back to
+    /// write() submission if mapping is refused (or `force_write`), and to
+    /// write() if the CPU lacks the instruction the queue's mode needs.
+    ///
+    /// `enqcmd_attempts` bounds ENQCMD retries on a shared queue.
+    ///
+    /// # Errors
+    ///
+    /// [`OffloadError::Open`] if the device node cannot be opened (missing,
+    /// or permissions: the node is root-owned unless udev rules say
+    /// otherwise).
+    pub fn open(
+        info: &WorkQueueInfo,
+        force_write: bool,
+        enqcmd_attempts: u32,
+    ) -> Result<Self, OffloadError> {
+        let file = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .open(&info.dev_path)
+            .map_err(|source| OffloadError::Open {
+                path: info.dev_path.clone(),
+                source,
+            })?;
+        let fd: OwnedFd = file.into();
+        let portal = if force_write {
+            None
+        } else {
+            // SAFETY: mapping a fresh region (addr NULL) of the queue's
+            // portal; the kernel validates offset and size. MAP_POPULATE
+            // avoids a fault on the first submission.
+            let p = unsafe {
+                libc::mmap(
+                    std::ptr::null_mut(),
+                    PORTAL_SIZE,
+                    libc::PROT_WRITE,
+                    libc::MAP_SHARED | libc::MAP_POPULATE,
+                    fd.as_raw_fd(),
+                    0,
+                )
+            };
+            if p == libc::MAP_FAILED {
+                let err = std::io::Error::last_os_error();
+                tracing::info!(
+                    "cannot map the portal of {} ({err}); submitting with write()",
+                    info.full_name()
+                );
+                None
+            } else {
+                Some(Portal(p.cast()))
+            }
+        };
+        let method = choose_method(info.mode, CpuSubmitFeatures::detect(), portal.is_some());
+        Ok(HardwareQueue {
+            info: info.clone(),
+            fd,
+            portal: if method == SubmissionMethod::Write {
+                None
+            } else {
+                portal
+            },
+            method,
+            enqcmd_attempts: enqcmd_attempts.max(1),
+            retries: AtomicU64::new(0),
+        })
+    }
+
+    /// What sysfs said about this queue.
+    pub fn info(&self) -> &WorkQueueInfo {
+        &self.info
+    }
+
+    /// write() submission: one descriptor per call, EAGAIN retried like a
+    /// refused ENQCMD.
+    fn submit_write(&self, desc: &Descriptor) -> Result<(), SubmitError> {
+        if desc.opcode == OPCODE_BATCH {
+            return Err(SubmitError::BatchRefused);
+        }
+        let bytes = desc.as_bytes();
+        for attempt in 0..self.enqcmd_attempts {
+            // SAFETY: writing 64 initialised bytes from a live buffer to an
+            // open fd.
+            let n = unsafe { libc::write(self.fd.as_raw_fd(), bytes.as_ptr().cast(), 64) };
+            if n == 64 {
+                return Ok(());
+            }
+            let err = std::io::Error::last_os_error();
+            if n < 0 && err.kind() == std::io::ErrorKind::WouldBlock {
+                if attempt > 0 {
+                    self.retries.fetch_add(1, Ordering::Relaxed);
+                }
+                std::hint::spin_loop();
+                continue;
+            }
+            return Err(SubmitError::Io(err));
+        }
+        Err(SubmitError::QueueFull(self.enqcmd_attempts))
+    }
+}
+
+impl DsaQueue for HardwareQueue {
+    unsafe fn submit(&self, desc: &Descriptor) -> Result<(), SubmitError> {
+        match (self.method, &self.portal) {
+            (SubmissionMethod::Movdir64b, Some(portal)) => {
+                // SAFETY: the portal is mapped and the CPU has MOVDIR64B
+                // (choose_method); `desc` is 64-byte aligned (type).
+                unsafe { x86::movdir64b(portal.0, desc) };
+                Ok(())
+            }
+            (SubmissionMethod::Enqcmd, Some(portal)) => {
+                for attempt in 0..self.enqcmd_attempts {
+                    // SAFETY: as above, with ENQCMD.
+                    if unsafe { x86::enqcmd(portal.0, desc) } {
+                        return Ok(());
+                    }
+                    if attempt + 1 < self.enqcmd_attempts {
+                        self.retries.fetch_add(1, Ordering::Relaxed);
+                    }
+                    std::hint::spin_loop();
+                }
+                Err(SubmitError::QueueFull(self.enqcmd_attempts))
+            }
+            _ => self.submit_write(desc),
+        }
+    }
+
+    fn method(&self) -> SubmissionMethod {
+        self.method
+    }
+
+    fn max_batch_size(&self) -> usize {
+        if self.method.supports_batch() {
+            (self.info.max_batch_size as usize).max(1)
+        } else {
+            1
+        }
+    }
+
+    fn name(&self) -> String {
+        self.info.full_name()
+    }
+
+    fn retries(&self) -> u64 {
+        self.retries.load(Ordering::Relaxed)
+    }
+
+    fn capacity(&self) -> Option<usize> {
+        (self.info.mode == WqMode::Dedicated).then_some(self.info.size as usize)
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+mod x86 {
+    use super::Descriptor;
+
+    /// MOVDIR64B `desc` to `portal`.
+    ///
+    /// # Safety
+    ///
+    /// The CPU must support MOVDIR64B and `portal` must be a mapped portal.
+    pub(super) unsafe fn movdir64b(portal: *mut u8, desc: &Descriptor) {
+        // SAFETY: caller guarantees CPU support and a mapped portal; the
+        // SFENCE orders the descriptor list and zeroed completion records
+        // (ordinary stores) before the weakly-ordered portal write, so the
+        // device never reads stale memory.
+        unsafe {
+            core::arch::asm!(
+                "sfence",
+                "movdir64b {dst}, zmmword ptr [{src}]",
+                dst = in(reg) portal,
+                src = in(reg) desc as *const Descriptor,
+                options(nostack),
+            );
+        }
+    }
+
+    /// ENQCMD `desc` to `portal`; `true` if the queue accepted it (ZF = 0).
+    ///
+    /// # Safety
+    ///
+    /// The CPU must support ENQCMD and `portal` must be a mapped portal of a
+    /// shared queue.
+    pub(super) unsafe fn enqcmd(portal: *mut u8, desc: &Descriptor) -> bool {
+        let retry: u8;
+        // SAFETY: caller guarantees CPU support and a mapped portal; SFENCE
+        // as for MOVDIR64B.
+        unsafe {
+            core::arch::asm!(
+                "sfence",
+                "enqcmd {dst}, zmmword ptr [{src}]",
+                "setz {retry}",
+                dst = in(reg) portal,
+                src = in(reg) desc as *const Descriptor,
+                retry = out(reg_byte) retry,
+                options(nostack),
+            );
+        }
+        retry == 0
+    }
+}
+
+#[cfg(not(target_arch = "x86_64"))]
+mod x86 {
+    use super::Descriptor;
+
+    /// Never called: choose_method needs CPU features only x86_64 reports.
+    pub(super) unsafe fn movdir64b(_: *mut u8, _: &Descriptor) {}
+
+    /// Never called, see above.
+    pub(super) unsafe fn enqcmd(_: *mut u8, _: &Descriptor) -> bool {
+        false
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn method_choice() {
+        let all = CpuSubmitFeatures {
+            movdir64b: true,
+            enqcmd: true,
+            waitpkg: true,
+        };
+        let none = CpuSubmitFeatures::default();
+        use SubmissionMethod::*;
+        assert_eq!(choose_method(WqMode::Dedicated, all, true), Movdir64b);
+        assert_eq!(choose_method(WqMode::Shared, all, true), Enqcmd);
+        assert_eq!(choose_method(WqMode::Dedicated, all, false), Write);
+        assert_eq!(choose_method(WqMode::Shared, all, false), Write);
+        assert_eq!(choose_method(WqMode::Dedicated, none, true), Write);
+        assert_eq!(choose_method(WqMode::Shared, none, true), Write);
+        assert!(!Write.supports_batch());
+        assert!(Movdir64b.supports_batch() && Enqcmd.supports_batch());
+        assert_eq!(Enqcmd.to_string(), "enqcmd");
+    }
+
+    #[test]
+    fn cpuid_reads() {
+        // Only checks it does not crash; prints what this host has.
+        eprintln!("{:?}", CpuSubmitFeatures::detect());
+    }
+
+    #[test]
+    fn opening_a_missing_node_is_an_error() {
+        let info = WorkQueueInfo {
+            device: "dsa9".into(),
+            queue: "wq9.0".into(),
+            label: String::new(),
+            mode: WqMode::Dedicated,
+            size: 16,
+            max_batch_size: 32,
+            dev_path: "/nonexistent/dsa/wq9.0".into(),
+            numa_node: None,
+        };
+        let err = HardwareQueue::open(&info, false, 8).unwrap_err();
+        assert!(err.to_string().contains("/nonexistent/dsa/wq9.0"), "{err}");
+    }
+}

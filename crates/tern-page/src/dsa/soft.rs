@@ -1,0 +1,628 @@
+//! A software DSA device: consumes the same 64-byte descriptors as the
+//! hardware and writes the same completion records, from its own thread, so
+//! the whole asynchronous path (submission, batching, completion polling,
+//! CPU fallback) runs in tests on machines without DSA.
+//!
+//! Behaviour follows the DSA specification for the operations the engine
+//! uses (NOOP, BATCH, COMPVAL), and it can misbehave on request: page faults,
+//! delays, error statuses and refused submissions are injectable through
+//! [`SoftwareDsaConfig`].
+
+use std::fmt;
+use std::ptr::{addr_of_mut, read_unaligned};
+use std::sync::atomic::{AtomicU8, AtomicU64, Ordering};
+use std::sync::mpsc::{Receiver, SyncSender, TrySendError, sync_channel};
+use std::sync::{Arc, Mutex};
+use std::thread::JoinHandle;
+use std::time::Duration;
+
+use super::desc::*;
+use super::queue::{DsaQueue, SubmissionMethod, SubmitError};
+
+/// Chooses descriptors for an injected fault or error: called with the
+/// 1-based index of the COMPVAL descriptor among all the device executed,
+/// and its source address.
+pub type InjectPredicate = Arc<dyn Fn(u64, u64) -> bool + Send + Sync>;
+
+/// How the software device behaves.
+#[derive(Clone)]
+pub struct SoftwareDsaConfig {
+    /// Name in logs and stats.
+    pub name: String,
+    /// Largest BATCH accepted (the sysfs `max_batch_size`); batches outside
+    /// 2..=this complete with DESC_CNT_ERANGE.
+    pub max_batch_size: usize,
+    /// Descriptors the queue holds before submissions are refused.
+    pub queue_depth: usize,
+    /// Submission method to emulate: [`SubmissionMethod::Write`] refuses
+    /// BATCH descriptors and reports a max batch size of 1, like the kernel's
+    /// write() path. Any other value accepts batches.
+    pub method: SubmissionMethod,
+    /// Submission attempts on a full queue before giving up (the ENQCMD
+    /// retry bound).
+    pub submit_attempts: u32,
+    /// Time each COMPVAL descriptor takes.
+    pub delay_per_descriptor: Duration,
+    /// COMPVAL descriptors for which this returns true stop with
+    /// PAGE_FAULT_NOBOF after [`fault_after_bytes`](Self::fault_after_bytes).
+    pub fault_if: Option<InjectPredicate>,
+    /// Bytes compared before an injected fault (clamped to the transfer).
+    pub fault_after_bytes: u32,
+    /// COMPVAL descriptors for which this returns true complete with
+    /// [`error_status`](Self::error_status).
+    pub error_if: Option<InjectPredicate>,
+    /// Status written for injected errors (default HW_ERR1).
+    pub error_status: u8,
+    /// Every n-th call to `submit` (1-based) is refused as if the queue had
+    /// stayed full.
+    pub refuse_every: Option<u64>,
+}
+
+impl Default for SoftwareDsaConfig {
+    fn default() -> Self {
+        SoftwareDsaConfig {
+            name: "soft-dsa".to_owned(),
+            max_batch_size: 32,
+            queue_depth: 128,
+            method: SubmissionMethod::Software,
+            submit_attempts: 64,
+            delay_per_descriptor: Duration::ZERO,
+            fault_if: None,
+            fault_after_bytes: 1024,
+            error_if: None,
+            error_status: STATUS_HW_ERR1,
+            refuse_every: None,
+        }
+    }
+}
+
+impl fmt::Debug for SoftwareDsaConfig {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("SoftwareDsaConfig")
+            .field("name", &self.name)
+            .field("max_batch_size", &self.max_batch_size)
+            .field("queue_depth", &self.queue_depth)
+            .field("method", &self.method)
+            .field("delay_per_descriptor", &self.delay_per_descriptor)
+            .field("fault_if", &self.fault_if.is_some())
+            .field("error_if", &self.error_if.is_some())
+            .field("refuse_every", &self.refuse_every)
+            .finish_non_exhaustive()
+    }
+}
+
+/// Counters of what the software device did.
+#[derive(Debug, Default)]
+struct DeviceCounters {
+    compval: AtomicU64,
+    submits: AtomicU64,
+    retries: AtomicU64,
+}
+
+/// The software device: a queue plus the thread that executes it.
+pub struct SoftwareDsa {
+    config: SoftwareDsaConfig,
+    tx: Mutex<Option<SyncSender<Descriptor>>>,
+    thread: Mutex<Option<JoinHandle<()>>>,
+    counters: Arc<DeviceCounters>,
+}
+
+impl fmt::Debug for SoftwareDsa {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("SoftwareDsa")
+            .field("config", &self.config)
+            .finish_non_exhaustive()
+    }
+}
+
+impl SoftwareDsa {
+    /// Starts the device thread.
+    pub fn new(config: SoftwareDsaConfig) -> Self {
+        let (tx, rx) = sync_channel(config.queue_depth.max(1));
+        let counters = Arc::new(DeviceCounters::default());
+        let device = Device {
+            config: config.clone(),
+            counters: counters.clone(),
+        };
+        let thread = std::thread::Builder::new()
+            .name(format!("{}-engine", config.name))
+            .spawn(move || device.run(rx))
+            .expect("spawning the software DSA thread");
+        SoftwareDsa {
+            config,
+            tx: Mutex::new(Some(tx)),
+            thread: Mutex::new(Some(thread)),
+            counters,
+        }
+    }
+
+    /// COMPVAL descriptors executed so far.
+    pub fn compval_executed(&self) -> u64 {
+        self.counters.compval.load(Ordering::Relaxed)
+    }
+}
+
+impl Drop for SoftwareDsa {
+    fn drop(&mut self) {
+        // Closing the channel ends the device thread after it drained the
+        // queue, so no completion record is written after we return.
+        self.tx.lock().map(|mut t| t.take()).ok();
+        if let Ok(mut t) = self.thread.lock()
+            && let Some(h) = t.take()
+        {
+            let _ = h.join();
+        }
+    }
+}
+
+impl DsaQueue for SoftwareDsa {
+    unsafe fn submit(&self, desc: &Descriptor) -> Result<(), SubmitError> {
+        if self.config.method == SubmissionMethod::Write && desc.opcode == OPCODE_BATCH {
+            return Err(SubmitError::BatchRefused);
+        }
+        let n = self.counters.submits.fetch_add(1, Ordering::Relaxed) + 1;
+        if self
+            .config
+            .refuse_every
+            .is_some_and(|k| k > 0 && n.is_multiple_of(k))
+        {
+            return Err(SubmitError::QueueFull(self.config.submit_attempts));
+        }
+        let tx = self
+            .tx
+            .lock()
+            .ok()
+            .and_then(|t| t.clone())
+            .ok_or(SubmitError::Stopped)?;
+        let mut d = *desc;
+        for attempt in 0..self.config.submit_attempts.max(1) {
+            match tx.try_send(d) {
+                Ok(()) => return Ok(()),
+                Err(TrySendError::Full(back)) => {
+                    d = back;
+                    if attempt + 1 < self.config.submit_attempts {
+                        self.counters.retries.fetch_add(1, Ordering::Relaxed);
+                    }
+                    // A full software queue drains only if its thread runs.
+                    std::thread::yield_now();
+                }
+                Err(TrySendError::Disconnected(_)) => return Err(SubmitError::Stopped),
+            }
+        }
+        Err(SubmitError::QueueFull(self.config.submit_attempts))
+    }
+
+    fn method(&self) -> SubmissionMethod {
+        self.config.method
+    }
+
+    fn max_batch_size(&self) -> usize {
+        if self.config.method.supports_batch() {
+            self.config.max_batch_size.max(1)
+        } else {
+            1
+        }
+    }
+
+    fn name(&self) -> String {
+        self.config.name.clone()
+    }
+
+    fn retries(&self) -> u64 {
+        self.counters.retries.load(Ordering::Relaxed)
+    }
+}
+
+/// The device thread's state.
+struct Device {
+    config: SoftwareDsaConfig,
+    counters: Arc<DeviceCounters>,
+}
+
+/// What one descriptor produced, before it is written to its record.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct Outcome {
+    status: u8,
+    result: u8,
+    bytes_completed: u32,
+    fault_addr: u64,
+}
+
+impl Outcome {
+    fn status(status: u8) -> Self {
+        Outcome {
+            status,
+            result: 0,
+            bytes_completed: 0,
+            fault_addr: 0,
+        }
+    }
+}
+
+impl Device {
+    fn run(self, rx: Receiver<Descriptor>) {
+        while let Ok(desc) = rx.recv() {
+            // SAFETY: submitters promised (DsaQueue::submit) that every
+            // address in the descriptor is valid until its record is written.
+            unsafe { self.execute(&desc, false) };
+        }
+    }
+
+    /// Executes one descriptor and writes its completion record as the spec
+    /// says: always when RCR is set, otherwise only when it did not succeed,
+    /// and never without CRAV. Returns the status for the enclosing batch.
+    ///
+    /// # Safety
+    ///
+    /// The descriptor's addresses must be valid (see `DsaQueue::submit`).
+    unsafe fn execute(&self, desc: &Descriptor, in_batch: bool) -> u8 {
+        let outcome = match desc.opcode {
+            OPCODE_NOOP => Outcome::status(STATUS_SUCCESS),
+            // SAFETY: forwarded from the caller.
+            OPCODE_COMPVAL => unsafe { self.compval(desc) },
+            // A batch inside a batch is not allowed.
+            OPCODE_BATCH if in_batch => Outcome::status(STATUS_BAD_OPCODE),
+            // SAFETY: forwarded from the caller.
+            OPCODE_BATCH => unsafe { self.batch(desc) },
+            _ => Outcome::status(STATUS_BAD_OPCODE),
+        };
+        let flags = desc.flags();
+        let wanted = flags & FLAG_RCR != 0 || outcome.status != STATUS_SUCCESS;
+        // A misaligned record address cannot be written; real hardware
+        // reports that through its software error register, which user
+        // space does not see, so the record simply never arrives.
+        if flags & FLAG_CRAV != 0 && wanted && desc.completion_addr.is_multiple_of(32) {
+            // SAFETY: the record address is valid and aligned (caller,
+            // checked just above).
+            unsafe { write_record(desc.completion_addr as *mut CompletionRecord, outcome) };
+        }
+        outcome.status
+    }
+
+    /// COMPVAL: compares `xfer_size` bytes at `src_addr` with the 8-byte
+    /// pattern in `dst_addr` (little-endian, repeating from the first byte).
+    /// Result 0 if equal, 1 if not, with `bytes_completed` the offset of the
+    /// first difference.
+    ///
+    /// # Safety
+    ///
+    /// `src_addr` must be readable for `xfer_size` bytes.
+    unsafe fn compval(&self, desc: &Descriptor) -> Outcome {
+        let n = self.counters.compval.fetch_add(1, Ordering::Relaxed) + 1;
+        if !self.config.delay_per_descriptor.is_zero() {
+            std::thread::sleep(self.config.delay_per_descriptor);
+        }
+        let src = desc.src_addr;
+        if self.config.error_if.as_ref().is_some_and(|f| f(n, src)) {
+            return Outcome::status(self.config.error_status);
+        }
+        let len = desc.xfer_size;
+        let limit = if self.config.fault_if.as_ref().is_some_and(|f| f(n, src)) {
+            Some(self.config.fault_after_bytes.min(len))
+        } else {
+            None
+        };
+        let scan = limit.unwrap_or(len);
+        // SAFETY: scan <= xfer_size, readable (caller).
+        let mismatch = unsafe { first_mismatch(src as *const u8, scan, desc.comp_pattern()) };
+        match (mismatch, limit) {
+            (Some(off), _) => Outcome {
+                status: STATUS_SUCCESS,
+                result: 1,
+                bytes_completed: off,
+                fault_addr: 0,
+            },
+            // Everything before the fault matched: report how far we got and
+            // where we stopped, the rest is the submitter's job.
+            (None, Some(done)) => Outcome {
+                status: STATUS_PAGE_FAULT_NOBOF,
+                result: 0,
+                bytes_completed: done,
+                fault_addr: src + u64::from(done),
+            },
+            (None, None) => Outcome {
+                status: STATUS_SUCCESS,
+                result: 0,
+                bytes_completed: len,
+                fault_addr: 0,
+            },
+        }
+    }
+
+    /// BATCH: checks count and list alignment, runs every listed descriptor
+    /// (each writes its own record), then reports SUCCESS if all succeeded,
+    /// else BATCH_FAIL, with the number of descriptors processed.
+    ///
+    /// # Safety
+    ///
+    /// The list must be readable for `desc_count` descriptors, each valid.
+    unsafe fn batch(&self, desc: &Descriptor) -> Outcome {
+        let count = desc.desc_count() as usize;
+        if !(2..=self.config.max_batch_size).contains(&count) {
+            return Outcome::status(STATUS_DESC_CNT_ERANGE);
+        }
+        let list = desc.desc_list_addr();
+        if !list.is_multiple_of(64) {
+            return Outcome::status(STATUS_DESCLIST_ALIGN);
+        }
+        let mut all_ok = true;
+        for i in 0..count {
+            // SAFETY: the list holds `count` aligned descriptors (caller);
+            // copied out so the device never holds a reference into memory
+            // the submitter owns.
+            let child = unsafe { (list as *const Descriptor).add(i).read() };
+            // SAFETY: forwarded from the caller.
+            let st = unsafe { self.execute(&child, true) };
+            all_ok &= st == STATUS_SUCCESS;
+        }
+        Outcome {
+            status: if all_ok {
+                STATUS_SUCCESS
+            } else {
+                STATUS_BATCH_FAIL
+            },
+            result: 0,
+            bytes_completed: count as u32,
+            fault_addr: 0,
+        }
+    }
+}
+
+/// Offset of the first byte at `p` (of `len`) that differs from the repeating
+/// little-endian `pattern`, or `None`.
+///
+/// # Safety
+///
+/// `p` must be readable for `len` bytes.
+unsafe fn first_mismatch(p: *const u8, len: u32, pattern: u64) -> Option<u32> {
+    let len = len as usize;
+    let pat = pattern.to_le_bytes();
+    let mut off = 0;
+    while len - off >= 8 {
+        // SAFETY: off + 8 <= len.
+        let w = unsafe { read_unaligned(p.add(off).cast::<u64>()) };
+        if w != pattern {
+            let diff = (w ^ pattern).to_le_bytes();
+            let first = diff.iter().position(|&b| b != 0).unwrap_or(0);
+            return Some((off + first) as u32);
+        }
+        off += 8;
+    }
+    while off < len {
+        // SAFETY: off < len.
+        if unsafe { p.add(off).read() } != pat[off % 8] {
+            return Some(off as u32);
+        }
+        off += 1;
+    }
+    None
+}
+
+/// Writes a record: the payload fields first, then the status byte with a
+/// Release store, so a poller that reads a non-zero status (Acquire) also
+/// sees the payload. This mirrors the device, which writes the status last.
+///
+/// # Safety
+///
+/// `rec` must be valid for writes and 32-byte aligned.
+unsafe fn write_record(rec: *mut CompletionRecord, o: Outcome) {
+    // SAFETY: valid record (caller); the fields other than `status` are not
+    // read by anyone until the status is non-zero.
+    unsafe {
+        addr_of_mut!((*rec).result).write(o.result);
+        addr_of_mut!((*rec).bytes_completed).write(o.bytes_completed);
+        addr_of_mut!((*rec).fault_addr).write(o.fault_addr);
+    }
+    // SAFETY: the status byte of a valid record; pollers access it only
+    // atomically (CompletionRecord::load_status).
+    let status = unsafe { &*addr_of_mut!((*rec).status).cast::<AtomicU8>() };
+    status.store(o.status, Ordering::Release);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::time::Instant;
+
+    /// Descriptors and records for direct device tests.
+    #[repr(C, align(64))]
+    struct Mem {
+        list: [Descriptor; 8],
+        recs: [CompletionRecord; 8],
+        batch_rec: CompletionRecord,
+    }
+
+    fn mem() -> Box<Mem> {
+        Box::new(Mem {
+            list: [Descriptor::default(); 8],
+            recs: [CompletionRecord::default(); 8],
+            batch_rec: CompletionRecord::default(),
+        })
+    }
+
+    fn wait(rec: *const CompletionRecord) -> CompletionRecord {
+        let t = Instant::now();
+        // SAFETY: `rec` points into a live Mem.
+        while unsafe { CompletionRecord::load_status(rec) } == 0 {
+            assert!(t.elapsed() < Duration::from_secs(10), "no completion");
+            std::thread::yield_now();
+        }
+        // SAFETY: as above; status is non-zero so the device is done.
+        unsafe { rec.read() }
+    }
+
+    fn addr<T>(r: &T) -> u64 {
+        r as *const T as u64
+    }
+
+    #[test]
+    fn compval_equal_and_different() {
+        let dev = SoftwareDsa::new(SoftwareDsaConfig::default());
+        let mut page = vec![0u8; 4096];
+        let mut m = mem();
+        let d = Descriptor::compval(page.as_ptr() as u64, 4096, 0, addr(&m.recs[0]));
+        // SAFETY: page and record outlive the wait below.
+        unsafe { dev.submit(&d).unwrap() };
+        let r = wait(&m.recs[0]);
+        assert_eq!((r.status, r.result), (STATUS_SUCCESS, 0));
+        assert_eq!(r.bytes_completed, 4096);
+
+        page[1234] = 9;
+        m.recs[1] = CompletionRecord::default();
+        let d = Descriptor::compval(page.as_ptr() as u64, 4096, 0, addr(&m.recs[1]));
+        // SAFETY: as above.
+        unsafe { dev.submit(&d).unwrap() };
+        let r = wait(&m.recs[1]);
+        assert_eq!((r.status, r.result), (STATUS_SUCCESS, 1));
+        assert_eq!(r.bytes_completed, 1234, "offset of the first difference");
+    }
+
+    #[test]
+    fn compval_nonzero_pattern_and_odd_length() {
+        let dev = SoftwareDsa::new(SoftwareDsaConfig::default());
+        let pattern = 0x0807_0605_0403_0201u64;
+        let buf: Vec<u8> = (0..21).map(|i| (i % 8 + 1) as u8).collect();
+        let m = mem();
+        let d = Descriptor::compval(buf.as_ptr() as u64, 21, pattern, addr(&m.recs[0]));
+        // SAFETY: buffer and record outlive the wait.
+        unsafe { dev.submit(&d).unwrap() };
+        let r = wait(&m.recs[0]);
+        assert_eq!((r.status, r.result), (STATUS_SUCCESS, 0));
+    }
+
+    #[test]
+    fn batch_success_fail_and_count_errors() {
+        let dev = SoftwareDsa::new(SoftwareDsaConfig {
+            max_batch_size: 4,
+            ..Default::default()
+        });
+        let zero = vec![0u8; 4096];
+        let mut m = mem();
+        for i in 0..3 {
+            let rec = addr(&m.recs[i]);
+            m.list[i] = Descriptor::compval(zero.as_ptr() as u64, 4096, 0, rec);
+        }
+        let d = Descriptor::batch(addr(&m.list[0]), 3, addr(&m.batch_rec));
+        // SAFETY: list, pages and records outlive the wait.
+        unsafe { dev.submit(&d).unwrap() };
+        let r = wait(&m.batch_rec);
+        assert_eq!(r.status, STATUS_SUCCESS);
+        assert_eq!(r.bytes_completed, 3, "descriptors completed");
+        assert!(m.recs[..3].iter().all(|r| r.status == STATUS_SUCCESS));
+
+        // One bad opcode makes the batch fail; the others still ran.
+        m.list[1].opcode = 0x7f;
+        m.recs = [CompletionRecord::default(); 8];
+        m.batch_rec = CompletionRecord::default();
+        // SAFETY: as above.
+        unsafe { dev.submit(&d).unwrap() };
+        let r = wait(&m.batch_rec);
+        assert_eq!(r.status, STATUS_BATCH_FAIL);
+        assert_eq!(m.recs[1].status, STATUS_BAD_OPCODE);
+        assert_eq!(m.recs[0].status, STATUS_SUCCESS);
+        assert_eq!(m.recs[2].status, STATUS_SUCCESS);
+
+        // Counts outside 2..=max.
+        for count in [1, 5] {
+            m.batch_rec = CompletionRecord::default();
+            let d = Descriptor::batch(addr(&m.list[0]), count, addr(&m.batch_rec));
+            // SAFETY: as above.
+            unsafe { dev.submit(&d).unwrap() };
+            assert_eq!(wait(&m.batch_rec).status, STATUS_DESC_CNT_ERANGE);
+        }
+        // Misaligned list.
+        m.batch_rec = CompletionRecord::default();
+        let d = Descriptor::batch(addr(&m.list[0]) + 8, 2, addr(&m.batch_rec));
+        // SAFETY: the device rejects the list before reading it.
+        unsafe { dev.submit(&d).unwrap() };
+        assert_eq!(wait(&m.batch_rec).status, STATUS_DESCLIST_ALIGN);
+        // Nested batch.
+        m.list[0] = Descriptor::batch(addr(&m.list[0]), 2, addr(&m.recs[0]));
+        m.list[1] = Descriptor::noop(addr(&m.recs[1]));
+        m.recs = [CompletionRecord::default(); 8];
+        m.batch_rec = CompletionRecord::default();
+        let d = Descriptor::batch(addr(&m.list[0]), 2, addr(&m.batch_rec));
+        // SAFETY: as above.
+        unsafe { dev.submit(&d).unwrap() };
+        assert_eq!(wait(&m.batch_rec).status, STATUS_BATCH_FAIL);
+        assert_eq!(m.recs[0].status, STATUS_BAD_OPCODE);
+        assert_eq!(m.recs[1].status, STATUS_SUCCESS);
+    }
+
+    #[test]
+    fn record_only_on_error_without_rcr_and_never_without_crav() {
+        let dev = SoftwareDsa::new(SoftwareDsaConfig::default());
+        let m = mem();
+        let mut ok = Descriptor::noop(addr(&m.recs[0]));
+        ok.set_flags(FLAG_CRAV);
+        let mut bad = Descriptor::noop(addr(&m.recs[1]));
+        bad.set_flags(FLAG_CRAV);
+        bad.opcode = 0x7f;
+        let mut silent = Descriptor::noop(addr(&m.recs[2]));
+        silent.set_flags(FLAG_RCR);
+        silent.opcode = 0x7f;
+        let fence = Descriptor::noop(addr(&m.recs[3]));
+        for d in [ok, bad, silent, fence] {
+            // SAFETY: records outlive the wait below.
+            unsafe { dev.submit(&d).unwrap() };
+        }
+        // The queue is FIFO, so once the last one completes the rest ran.
+        wait(&m.recs[3]);
+        assert_eq!(m.recs[0].status, STATUS_NONE, "success, no RCR: no record");
+        assert_eq!(m.recs[1].status, STATUS_BAD_OPCODE, "error: record");
+        assert_eq!(m.recs[2].status, STATUS_NONE, "no CRAV: no record");
+    }
+
+    #[test]
+    fn injected_fault_reports_partial_progress() {
+        let dev = SoftwareDsa::new(SoftwareDsaConfig {
+            fault_if: Some(Arc::new(|_, _| true)),
+            fault_after_bytes: 512,
+            ..Default::default()
+        });
+        let mut page = vec![0u8; 4096];
+        let m = mem();
+        let d = Descriptor::compval(page.as_ptr() as u64, 4096, 0, addr(&m.recs[0]));
+        // SAFETY: page and record outlive the wait.
+        unsafe { dev.submit(&d).unwrap() };
+        let r = wait(&m.recs[0]);
+        assert_eq!(r.decoded(), DsaStatus::PageFault { write: false });
+        assert_eq!(r.bytes_completed, 512);
+        assert_eq!(r.fault_addr, page.as_ptr() as u64 + 512);
+        // A difference before the fault point is found before the fault.
+        page[100] = 1;
+        let d = Descriptor::compval(page.as_ptr() as u64, 4096, 0, addr(&m.recs[1]));
+        // SAFETY: as above.
+        unsafe { dev.submit(&d).unwrap() };
+        let r = wait(&m.recs[1]);
+        assert_eq!(
+            (r.status, r.result, r.bytes_completed),
+            (STATUS_SUCCESS, 1, 100)
+        );
+    }
+
+    #[test]
+    fn injected_error_and_refusal_and_write_mode() {
+        let dev = SoftwareDsa::new(SoftwareDsaConfig {
+            error_if: Some(Arc::new(|n, _| n == 1)),
+            error_status: STATUS_TRANSLATION_FAIL,
+            refuse_every: Some(2),
+            method: SubmissionMethod::Write,
+            ..Default::default()
+        });
+        assert_eq!(dev.max_batch_size(), 1);
+        let page = vec![0u8; 4096];
+        let m = mem();
+        let d = Descriptor::compval(page.as_ptr() as u64, 4096, 0, addr(&m.recs[0]));
+        // SAFETY: page and record outlive the wait.
+        unsafe { dev.submit(&d).unwrap() };
+        assert_eq!(wait(&m.recs[0]).status, STATUS_TRANSLATION_FAIL);
+        // SAFETY: refused before the device sees it.
+        let refused = unsafe { dev.submit(&d) };
+        assert!(matches!(refused, Err(SubmitError::QueueFull(_))));
+        let b = Descriptor::batch(addr(&m.list[0]), 2, addr(&m.batch_rec));
+        // SAFETY: refused before the device sees it.
+        let r = unsafe { dev.submit(&b) };
+        assert!(matches!(r, Err(SubmitError::BatchRefused)));
+    }
+}

@@ -1,0 +1,288 @@
+//! Finding DSA work queues: the idxd driver publishes devices and their work
+//! queues under `/sys/bus/dsa/devices`, and user work queues as character
+//! devices `/dev/dsa/wqD.Q`.
+//!
+//! The root is a parameter so tests can run on a fake tree in a temporary
+//! directory. Real sysfs lists work queues both flat (`devices/wq0.0`) and as
+//! children of their device (`devices/dsa0/wq0.0`); both shapes are accepted
+//! and de-duplicated.
+
+use std::fs;
+use std::path::{Path, PathBuf};
+
+use super::OffloadError;
+
+/// How a work queue accepts descriptors.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum WqMode {
+    /// One submitter (PASID fixed on the queue); MOVDIR64B, posted writes,
+    /// no acceptance feedback: software must not overfill it.
+    Dedicated,
+    /// Many submitters; ENQCMD, which reports whether the queue accepted.
+    Shared,
+}
+
+impl WqMode {
+    /// The sysfs spelling.
+    pub fn name(self) -> &'static str {
+        match self {
+            WqMode::Dedicated => "dedicated",
+            WqMode::Shared => "shared",
+        }
+    }
+}
+
+/// A usable (enabled, user-type) work queue found in sysfs.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct WorkQueueInfo {
+    /// Device name, e.g. `dsa0`.
+    pub device: String,
+    /// Queue name as in sysfs and /dev, e.g. `wq0.0`.
+    pub queue: String,
+    /// The `name` attribute given with accel-config (may be empty).
+    pub label: String,
+    /// Dedicated or shared.
+    pub mode: WqMode,
+    /// Queue depth in descriptors (`size`).
+    pub size: u32,
+    /// Largest batch the queue accepts (`max_batch_size`).
+    pub max_batch_size: u32,
+    /// Character device to open, e.g. `/dev/dsa/wq0.0`.
+    pub dev_path: PathBuf,
+    /// NUMA node of the device, when sysfs says (`-1` is reported as None).
+    pub numa_node: Option<u32>,
+}
+
+impl WorkQueueInfo {
+    /// `dsa0/wq0.0`, the name accel-config uses.
+    pub fn full_name(&self) -> String {
+        format!("{}/{}", self.device, self.queue)
+    }
+}
+
+/// Reads one trimmed attribute; `None` if absent or unreadable.
+fn attr(dir: &Path, name: &str) -> Option<String> {
+    fs::read_to_string(dir.join(name))
+        .ok()
+        .map(|s| s.trim().to_owned())
+}
+
+/// Splits `wqD.Q` into `(D, Q)`.
+fn parse_wq_name(name: &str) -> Option<(u32, u32)> {
+    let rest = name.strip_prefix("wq")?;
+    let (d, q) = rest.split_once('.')?;
+    Some((d.parse().ok()?, q.parse().ok()?))
+}
+
+/// Lists the usable work queues under `sysfs_root` (normally
+/// `/sys/bus/dsa`), with device nodes under `dev_root` (normally `/dev/dsa`).
+///
+/// A queue is usable when it and its device are `enabled` and its `type` is
+/// `user` (kernel queues belong to the dmaengine driver). Disabled or kernel
+/// queues are skipped silently: they are someone else's configuration, not an
+/// error. The result is sorted by device then queue, so round-robin order is
+/// stable between runs.
+///
+/// # Errors
+///
+/// [`OffloadError::NoWorkQueue`] if the tree is missing or holds no usable
+/// queue, with a hint on how to configure one.
+pub fn discover_work_queues(
+    sysfs_root: &Path,
+    dev_root: &Path,
+) -> Result<Vec<WorkQueueInfo>, OffloadError> {
+    let no_wq = || OffloadError::NoWorkQueue {
+        root: sysfs_root.display().to_string(),
+    };
+    let devices = sysfs_root.join("devices");
+    let entries = fs::read_dir(&devices).map_err(|_| no_wq())?;
+    let mut candidates: Vec<PathBuf> = Vec::new();
+    for entry in entries.flatten() {
+        let name = entry.file_name().to_string_lossy().into_owned();
+        let path = entry.path();
+        if parse_wq_name(&name).is_some() {
+            candidates.push(path);
+        } else if name.starts_with("dsa")
+            && let Ok(children) = fs::read_dir(&path)
+        {
+            {
+                candidates.extend(
+                    children
+                        .flatten()
+                        .filter(|c| parse_wq_name(&c.file_name().to_string_lossy()).is_some())
+                        .map(|c| c.path()),
+                );
+            }
+        }
+    }
+    let mut found: Vec<(u32, u32, WorkQueueInfo)> = Vec::new();
+    for dir in candidates {
+        let queue = dir
+            .file_name()
+            .map(|n| n.to_string_lossy().into_owned())
+            .unwrap_or_default();
+        let Some((d, q)) = parse_wq_name(&queue) else {
+            continue;
+        };
+        if found.iter().any(|(fd, fq, _)| (*fd, *fq) == (d, q)) {
+            continue;
+        }
+        if let Some(info) = read_queue(&devices, &dir, d, &queue, dev_root) {
+            found.push((d, q, info));
+        }
+    }
+    if found.is_empty() {
+        return Err(no_wq());
+    }
+    found.sort_by_key(|(d, q, _)| (*d, *q));
+    Ok(found.into_iter().map(|(_, _, i)| i).collect())
+}
+
+/// Reads one queue directory; `None` if it is not usable by user space.
+fn read_queue(
+    devices: &Path,
+    dir: &Path,
+    dev_index: u32,
+    queue: &str,
+    dev_root: &Path,
+) -> Option<WorkQueueInfo> {
+    let device = format!("dsa{dev_index}");
+    let device_dir = devices.join(&device);
+    if attr(dir, "state")? != "enabled" {
+        return None;
+    }
+    // Older kernels and fake trees may lack the device's state file; the
+    // queue cannot be enabled without its device, so only an explicit
+    // non-enabled state disqualifies it.
+    if attr(&device_dir, "state").is_some_and(|s| s != "enabled") {
+        return None;
+    }
+    if attr(dir, "type")? != "user" {
+        return None;
+    }
+    let mode = match attr(dir, "mode")?.as_str() {
+        "dedicated" => WqMode::Dedicated,
+        "shared" => WqMode::Shared,
+        _ => return None,
+    };
+    let size: u32 = attr(dir, "size")?.parse().ok()?;
+    if size == 0 {
+        return None;
+    }
+    let max_batch_size = attr(dir, "max_batch_size")
+        .or_else(|| attr(&device_dir, "max_batch_size"))
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(0);
+    let numa_node = attr(&device_dir, "numa_node").and_then(|s| s.parse::<u32>().ok());
+    Some(WorkQueueInfo {
+        device,
+        queue: queue.to_owned(),
+        label: attr(dir, "name").unwrap_or_default(),
+        mode,
+        size,
+        max_batch_size,
+        dev_path: dev_root.join(queue),
+        numa_node,
+    })
+}
+
+#[cfg(test)]
+pub(crate) mod tests {
+    use super::*;
+
+    /// Writes a fake work queue directory.
+    #[allow(clippy::too_many_arguments)] // a test fixture, read at call sites
+    pub(crate) fn fake_wq(
+        root: &Path,
+        nested: bool,
+        dev: u32,
+        q: u32,
+        state: &str,
+        kind: &str,
+        mode: &str,
+        batch: u32,
+    ) {
+        let devdir = root.join("devices").join(format!("dsa{dev}"));
+        fs::create_dir_all(&devdir).unwrap();
+        fs::write(devdir.join("state"), "enabled\n").unwrap();
+        fs::write(devdir.join("numa_node"), "-1\n").unwrap();
+        let wq = if nested {
+            devdir.join(format!("wq{dev}.{q}"))
+        } else {
+            root.join("devices").join(format!("wq{dev}.{q}"))
+        };
+        fs::create_dir_all(&wq).unwrap();
+        for (k, v) in [
+            ("state", state),
+            ("type", kind),
+            ("mode", mode),
+            ("size", "16"),
+            ("name", "tern"),
+        ] {
+            fs::write(wq.join(k), format!("{v}\n")).unwrap();
+        }
+        fs::write(wq.join("max_batch_size"), format!("{batch}\n")).unwrap();
+    }
+
+    #[test]
+    fn finds_dedicated_and_shared_skips_disabled_and_kernel() {
+        let t = tempfile::tempdir().unwrap();
+        let root = t.path();
+        fake_wq(root, true, 0, 0, "enabled", "user", "dedicated", 32);
+        fake_wq(root, false, 1, 0, "enabled", "user", "shared", 1024);
+        fake_wq(root, true, 0, 1, "disabled", "user", "dedicated", 32);
+        fake_wq(root, true, 1, 1, "enabled", "kernel", "dedicated", 32);
+        let wqs = discover_work_queues(root, Path::new("/dev/dsa")).unwrap();
+        assert_eq!(wqs.len(), 2, "{wqs:?}");
+        assert_eq!(wqs[0].full_name(), "dsa0/wq0.0");
+        assert_eq!(wqs[0].mode, WqMode::Dedicated);
+        assert_eq!(wqs[0].max_batch_size, 32);
+        assert_eq!(wqs[0].size, 16);
+        assert_eq!(wqs[0].label, "tern");
+        assert_eq!(wqs[0].numa_node, None);
+        assert_eq!(wqs[0].dev_path, Path::new("/dev/dsa/wq0.0"));
+        assert_eq!(wqs[1].full_name(), "dsa1/wq1.0");
+        assert_eq!(wqs[1].mode, WqMode::Shared);
+        assert_eq!(wqs[1].max_batch_size, 1024);
+    }
+
+    #[test]
+    fn flat_and_nested_listing_is_deduplicated() {
+        let t = tempfile::tempdir().unwrap();
+        fake_wq(t.path(), true, 2, 3, "enabled", "user", "shared", 8);
+        fake_wq(t.path(), false, 2, 3, "enabled", "user", "shared", 8);
+        let wqs = discover_work_queues(t.path(), Path::new("/d")).unwrap();
+        assert_eq!(wqs.len(), 1);
+    }
+
+    #[test]
+    fn disabled_device_hides_its_queues() {
+        let t = tempfile::tempdir().unwrap();
+        fake_wq(t.path(), true, 0, 0, "enabled", "user", "dedicated", 32);
+        fs::write(t.path().join("devices/dsa0/state"), "disabled\n").unwrap();
+        assert!(discover_work_queues(t.path(), Path::new("/d")).is_err());
+    }
+
+    #[test]
+    fn missing_or_empty_tree_is_a_clear_error() {
+        let t = tempfile::tempdir().unwrap();
+        let missing = t.path().join("nope");
+        let err = discover_work_queues(&missing, Path::new("/d")).unwrap_err();
+        let msg = err.to_string();
+        assert!(msg.contains("no DSA work queue found"), "{msg}");
+        assert!(msg.contains("accel-config"), "{msg}");
+        fake_wq(t.path(), true, 0, 0, "disabled", "user", "dedicated", 32);
+        assert!(matches!(
+            discover_work_queues(t.path(), Path::new("/d")),
+            Err(OffloadError::NoWorkQueue { .. })
+        ));
+    }
+
+    #[test]
+    fn wq_names() {
+        assert_eq!(parse_wq_name("wq0.0"), Some((0, 0)));
+        assert_eq!(parse_wq_name("wq12.7"), Some((12, 7)));
+        assert_eq!(parse_wq_name("wq1"), None);
+        assert_eq!(parse_wq_name("engine0.0"), None);
+    }
+}

@@ -1,7 +1,11 @@
 //! Migration settings.
 
 use std::str::FromStr;
+use std::sync::Arc;
 use std::time::Duration;
+
+use tern_page::codec::{CodecChoice, QplPath};
+use tern_page::dsa::ZeroPageOffload;
 
 use crate::error::MigrationError;
 
@@ -16,6 +20,9 @@ pub enum ZeroPageDetection {
     /// The channel workers, in parallel.
     #[default]
     Workers,
+    /// The workers hand batches to Intel DSA (or a software stand-in) and
+    /// finish on the CPU what the device cannot.
+    Dsa,
 }
 
 impl ZeroPageDetection {
@@ -25,6 +32,7 @@ impl ZeroPageDetection {
             Self::None => "none",
             Self::Source => "source",
             Self::Workers => "workers",
+            Self::Dsa => "dsa",
         }
     }
 }
@@ -37,8 +45,9 @@ impl FromStr for ZeroPageDetection {
             "none" => Ok(Self::None),
             "source" => Ok(Self::Source),
             "workers" => Ok(Self::Workers),
+            "dsa" => Ok(Self::Dsa),
             other => Err(format!(
-                "unknown zero-page detection mode '{other}' (use none, source or workers)"
+                "unknown zero-page detection mode '{other}' (use none, source, workers or dsa)"
             )),
         }
     }
@@ -121,6 +130,18 @@ pub struct MigrationConfig {
     pub throttle_increment: u8,
     /// Zero-page detection mode.
     pub zero_page_detection: ZeroPageDetection,
+    /// The offload used in `dsa` mode; `None` opens the DSA work queues
+    /// found in sysfs (an error when there are none).
+    pub zero_page_offload: Option<Arc<dyn ZeroPageOffload>>,
+    /// Benchmark knob: the share (0.0..=1.0) of zero pages sent as normal
+    /// pages, to load the network with a known amount of data.
+    pub zero_page_as_normal: f64,
+    /// Page compression.
+    pub compression: CodecChoice,
+    /// Compression level; `None` is the codec's default (fast) level.
+    pub compression_level: Option<i32>,
+    /// QPL path for `CodecChoice::Qpl`.
+    pub qpl_path: QplPath,
     /// Memory verification at switch-over.
     pub verify: Verify,
     /// Send page data with `MSG_ZEROCOPY` straight from guest memory.
@@ -148,6 +169,11 @@ impl Default for MigrationConfig {
             throttle_initial: 20,
             throttle_increment: 10,
             zero_page_detection: ZeroPageDetection::Workers,
+            zero_page_offload: None,
+            zero_page_as_normal: 0.0,
+            compression: CodecChoice::None,
+            compression_level: None,
+            qpl_path: QplPath::Auto,
             verify: Verify::Full,
             zero_copy: false,
             zero_copy_window: 0,
@@ -198,6 +224,24 @@ impl MigrationConfig {
         if self.io_timeout.is_zero() {
             return bad("the I/O timeout must be positive".into());
         }
+        if !(0.0..=1.0).contains(&self.zero_page_as_normal) {
+            return bad(format!(
+                "--zero-page-as-normal {} must be a percentage from 0 to 100",
+                self.zero_page_as_normal * 100.0
+            ));
+        }
+        if self.zero_page_offload.is_some() && self.zero_page_detection != ZeroPageDetection::Dsa {
+            return bad(format!(
+                "a DSA device was given but --zero-page-detection is {}",
+                self.zero_page_detection.as_str()
+            ));
+        }
+        crate::zerocopy::check_combination(
+            self.zero_copy,
+            self.compression != CodecChoice::None,
+            false,
+        )
+        .map_err(MigrationError::Config)?;
         Ok(())
     }
 }

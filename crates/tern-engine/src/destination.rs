@@ -13,6 +13,8 @@ use tern_wire::{
     PagesHeader, SessionSetup, Welcome, decode_page_table,
 };
 
+use tern_page::codec::{CodecId, PageDecompressor};
+
 use crate::config::ReceiveConfig;
 use crate::digest::{add_region, page_hash, zero_page_hash};
 use crate::error::{ChannelError, MigrationError};
@@ -112,9 +114,7 @@ impl Destination {
         F: FnOnce(&SessionSetup) -> Result<G, GuestError>,
     {
         let cpu_start = thread_cpu_seconds();
-        let mut main = listener
-            .accept_timeout(self.config.accept_timeout)
-            .map_err(MigrationError::channel(0))?;
+        let mut main = self.accept_main(listener)?;
         main.set_timeouts(self.config.io_timeout)
             .map_err(MigrationError::channel(0))?;
         let result = self.run(listener, &mut main, make_guest, cpu_start);
@@ -153,6 +153,7 @@ impl Destination {
         };
         let setup = hello.setup;
         let session_id = hello.handshake.session_id;
+        let codecs = announced_codecs(setup.codecs)?;
         let mut guest = make_guest(&setup).map_err(MigrationError::guest("create guest"))?;
         let regions: Vec<MemoryRegion> = guest.regions().to_vec();
         check_layout(&setup, &regions)?;
@@ -206,11 +207,12 @@ impl Destination {
             let mut handles = Vec::with_capacity(channels.len());
             for (index, channel) in channels.into_iter().enumerate() {
                 let shared = &shared;
+                let codecs = &codecs;
                 let handle = std::thread::Builder::new()
                     .name(format!("tern-receiver-{index}"))
                     .spawn_scoped(scope, move || {
                         let cpu_start = thread_cpu_seconds();
-                        let result = receive_pages(shared, index, channel)
+                        let result = receive_pages(shared, index, channel, codecs)
                             .map_err(|error| shared.fail(error));
                         shared.stats.record_cpu(
                             &format!("receiver-{index}"),
@@ -347,6 +349,29 @@ impl Destination {
         })
     }
 
+    /// Waits for the source's main channel, looking at the cancel token
+    /// meanwhile.
+    fn accept_main(&self, listener: &Listener) -> Result<Channel, MigrationError> {
+        let deadline = Instant::now() + self.config.accept_timeout;
+        loop {
+            if self.cancel.is_cancelled() {
+                return Err(MigrationError::Cancelled);
+            }
+            let remaining = deadline.saturating_duration_since(Instant::now());
+            if remaining.is_zero() {
+                return Err(MigrationError::Channel {
+                    index: 0,
+                    source: ChannelError::Timeout("the source to connect"),
+                });
+            }
+            match listener.accept_timeout(remaining.min(POLL_INTERVAL)) {
+                Ok(channel) => return Ok(channel),
+                Err(ChannelError::Timeout(_)) => continue,
+                Err(error) => return Err(MigrationError::channel(0)(error)),
+            }
+        }
+    }
+
     fn accept_page_channels(
         &self,
         listener: &Listener,
@@ -421,6 +446,20 @@ fn peer_aborted(abort: Abort) -> MigrationError {
         reason: abort.reason,
         message: abort.message,
     }
+}
+
+/// The codecs the hello announces, each of which this build must decode.
+fn announced_codecs(bits: u8) -> Result<Vec<CodecId>, MigrationError> {
+    (1..8u8)
+        .filter(|id| bits & (1 << id) != 0)
+        .map(|id| {
+            CodecId::from_wire(id).map_err(|_| {
+                MigrationError::Incompatible(format!(
+                    "the source compresses with codec {id}, which this destination cannot decode"
+                ))
+            })
+        })
+        .collect()
 }
 
 /// The destination's regions must be exactly the source's.
@@ -591,8 +630,17 @@ fn receive_pages(
     shared: &ReceiverShared<'_>,
     index: usize,
     mut channel: Channel,
+    codecs: &[CodecId],
 ) -> Result<u32, MigrationError> {
     let channel_index = index + 1;
+    let mut decompressors: [Option<PageDecompressor>; 8] = Default::default();
+    for &codec in codecs {
+        decompressors[codec as usize] = Some(PageDecompressor::new(codec).map_err(|error| {
+            MigrationError::Incompatible(format!("cannot decode {}: {error}", codec.name()))
+        })?);
+    }
+    // Compressed payloads land here, then decode straight into their page.
+    let mut compressed = vec![0u8; tern_wire::MAX_PAGES_PER_PACKET * PAGE_SIZE];
     let on_channel = MigrationError::channel(channel_index);
     let mut entries: Vec<PageEntry> = Vec::with_capacity(tern_wire::MAX_PAGES_PER_PACKET);
     let mut table = vec![0u8; tern_wire::MAX_PAGES_PER_PACKET * PageEntry::ENCODED_LEN];
@@ -629,24 +677,40 @@ fn receive_pages(
                     .ok_or(MigrationError::Protocol("region vanished".into()))?;
                 let region = &shared.regions[region_index];
                 segments.clear();
+                let mut compressed_len = 0;
                 for entry in &entries {
-                    if entry.kind == PageKind::Raw {
-                        let ptr =
-                            region
-                                .page_ptr(u64::from(entry.page_index))
-                                .ok_or_else(|| {
-                                    MigrationError::Protocol("page outside its region".into())
-                                })?;
-                        segments.push(Segment {
-                            ptr,
-                            len: PAGE_SIZE,
-                        });
+                    match entry.kind {
+                        PageKind::Raw => {
+                            let ptr =
+                                region
+                                    .page_ptr(u64::from(entry.page_index))
+                                    .ok_or_else(|| {
+                                        MigrationError::Protocol("page outside its region".into())
+                                    })?;
+                            segments.push(Segment {
+                                ptr,
+                                len: PAGE_SIZE,
+                            });
+                        }
+                        PageKind::Compressed => {
+                            // The table was validated: each compressed page
+                            // is shorter than a page, and there are at most
+                            // 128 of them, so this stays inside the buffer.
+                            let len = entry.encoded_len as usize;
+                            segments.push(Segment {
+                                ptr: compressed[compressed_len..compressed_len + len].as_mut_ptr(),
+                                len,
+                            });
+                            compressed_len += len;
+                        }
+                        PageKind::Zero => {}
                     }
                 }
-                // SAFETY: every segment is a whole page inside the region
-                // (bounds-checked by `page_ptr`), and within one iteration
-                // each page arrives on exactly one channel, so no other
-                // thread touches these pages during the read.
+                // SAFETY: every segment is either a whole page inside the
+                // region (bounds-checked by `page_ptr`) — within one
+                // iteration each page arrives on exactly one channel, so no
+                // other thread touches it during the read — or a slice of
+                // this receiver's own compressed-payload buffer.
                 unsafe { channel.read_scattered(&segments) }
                     .map_err(MigrationError::channel(channel_index))?;
                 let populated = &shared.populated[region_index];
@@ -654,10 +718,37 @@ fn receive_pages(
                 let mut zero = 0;
                 let mut cleared = 0;
                 let mut normal = 0;
+                let mut compressed_offset = 0;
                 for entry in &entries {
                     let page = u64::from(entry.page_index);
+                    if entry.kind == PageKind::Compressed {
+                        let len = entry.encoded_len as usize;
+                        let input = &compressed[compressed_offset..compressed_offset + len];
+                        compressed_offset += len;
+                        let decompressor = decompressors[usize::from(pages.codec)]
+                            .as_mut()
+                            .ok_or_else(|| {
+                                MigrationError::Protocol(format!(
+                                    "channel {channel_index}: codec {} was not announced",
+                                    pages.codec
+                                ))
+                            })?;
+                        let ptr = region.page_ptr(page).ok_or_else(|| {
+                            MigrationError::Protocol("page outside its region".into())
+                        })?;
+                        // SAFETY: `ptr` is a whole page inside the region
+                        // (bounds-checked by `page_ptr`), owned by this
+                        // receiver for this iteration; the decoder writes
+                        // exactly one page or fails.
+                        unsafe { decompressor.decompress_page(input, ptr) }.map_err(|error| {
+                            MigrationError::Protocol(format!(
+                                "channel {channel_index}: page {page} of region {}: {error}",
+                                pages.region_id
+                            ))
+                        })?;
+                    }
                     match entry.kind {
-                        PageKind::Raw => {
+                        PageKind::Raw | PageKind::Compressed => {
                             populated.set(page);
                             normal += 1;
                             if let Some(hashes) = hashes {
@@ -686,11 +777,6 @@ fn receive_pages(
                                 populated.clear(page);
                                 cleared += 1;
                             }
-                        }
-                        PageKind::Compressed => {
-                            return Err(MigrationError::Protocol(
-                                "compressed page without a codec".into(),
-                            ));
                         }
                     }
                 }

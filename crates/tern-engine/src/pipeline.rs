@@ -19,7 +19,9 @@ use std::sync::{Arc, Mutex, OnceLock};
 use std::thread::{self, Scope, ScopedJoinHandle};
 use std::time::{Duration, Instant};
 
-use tern_page::ZeroChecker;
+use tern_page::codec::{CodecChoice, CodecId, CodecStats, CompressedBatch, PageOutcome, QplPath};
+use tern_page::dsa::{ZeroAsNormal, ZeroPageOffload};
+use tern_page::{PageCompressor, ZeroChecker};
 use tern_wire::{MAX_PAGES_PER_PACKET, Message, PageEntry, PageKind, Sync, encode_pages_prefix};
 
 use crate::bitmap::DirtyBitmap;
@@ -28,7 +30,10 @@ use crate::error::ChannelError;
 use crate::error::MigrationError;
 use crate::guest::{MemoryRegion, PAGE_SIZE};
 use crate::ring::{Doorbell, Ring};
-use crate::stats::{LiveStats, thread_cpu_seconds};
+use crate::stats::{
+    CodecReport, CompressionReport, LiveStats, OffloadReport, ZeroDetectionReport,
+    thread_cpu_seconds,
+};
 use crate::transport::{Channel, Segment};
 use crate::zerocopy::{ZeroCopyError, ZeroCopySender};
 
@@ -46,6 +51,11 @@ pub(crate) struct Batch {
     /// Filled by the producer in `source` mode, by the worker otherwise.
     kinds: Vec<PageKind>,
     prechecked: bool,
+    /// Codec for this batch's data pages, chosen by the producer.
+    codec: CodecId,
+    compressed: CompressedBatch,
+    /// What the worker's compressor did for this batch.
+    codec_stats: CodecStats,
     entries: Vec<PageEntry>,
     prefix: Vec<u8>,
     wire_bytes: u64,
@@ -61,6 +71,9 @@ impl Batch {
             pages: Vec::with_capacity(MAX_PAGES_PER_PACKET),
             kinds: Vec::with_capacity(MAX_PAGES_PER_PACKET),
             prechecked: false,
+            codec: CodecId::None,
+            compressed: CompressedBatch::new(),
+            codec_stats: CodecStats::default(),
             entries: Vec::with_capacity(MAX_PAGES_PER_PACKET),
             prefix: Vec::with_capacity(64 + MAX_PAGES_PER_PACKET * PageEntry::ENCODED_LEN),
             wire_bytes: 0,
@@ -69,9 +82,10 @@ impl Batch {
         }
     }
 
-    fn reset(&mut self, region: usize, iteration: u32) {
+    fn reset(&mut self, region: usize, iteration: u32, codec: CodecId) {
         self.region = region;
         self.iteration = iteration;
+        self.codec = codec;
         self.pages.clear();
         self.kinds.clear();
         self.prechecked = false;
@@ -161,6 +175,14 @@ struct Shared {
     stats: Arc<LiveStats>,
     zero_checker: ZeroChecker,
     detection: ZeroPageDetection,
+    /// The accelerator (or its software stand-in) in `dsa` mode.
+    zero_offload: Option<Arc<dyn ZeroPageOffload>>,
+    /// Benchmark knob: a share of zero pages sent as normal pages.
+    zero_as_normal: Option<ZeroAsNormal>,
+    compression: CompressionSetup,
+    /// Nanoseconds senders spent sending (blocked included), for the link
+    /// estimate of adaptive compression.
+    sender_busy_ns: AtomicU64,
     worker_rings: Vec<Ring<Box<Batch>>>,
     worker_bells: Vec<OnceLock<Doorbell>>,
     sender_rings: Vec<Ring<SendItem>>,
@@ -216,6 +238,54 @@ pub(crate) struct IterationTotals {
     pub wire_bytes: u64,
 }
 
+/// What the workers compress with.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct CompressionSetup {
+    pub choice: CodecChoice,
+    pub level: Option<i32>,
+    pub qpl_path: QplPath,
+}
+
+impl CompressionSetup {
+    /// Codecs the session may use (announced in the hello as a bitmask).
+    pub fn codecs(&self) -> Vec<CodecId> {
+        match self.choice.wire() {
+            Some(CodecId::None) => Vec::new(),
+            Some(codec) => vec![codec],
+            None => vec![CodecId::Zstd, CodecId::Deflate, CodecId::Lz4],
+        }
+    }
+
+    /// A compressor for `codec`, as the user's choice asks (QPL for deflate
+    /// when `qpl` was chosen).
+    pub fn compressor(&self, codec: CodecId) -> Result<PageCompressor, tern_page::CodecError> {
+        let level = self.level.unwrap_or_else(|| codec.default_level());
+        if self.choice == CodecChoice::Qpl && codec == CodecId::Deflate {
+            PageCompressor::with_qpl(self.qpl_path, level)
+        } else {
+            PageCompressor::new(codec, level)
+        }
+    }
+}
+
+/// Adaptive compression: the producer re-decides the codec every so many
+/// batches from the link rate and the codecs' measured speed and ratio.
+struct AutoCodec {
+    selector: tern_page::AutoSelector,
+    /// Calibrated at start, then updated from the workers' counters.
+    measurements: Vec<tern_page::codec::CodecMeasurement>,
+    batches_since: u64,
+    window_started: Instant,
+    wire_at_start: u64,
+    busy_at_start: u64,
+    switches: u64,
+}
+
+/// Adaptive compression decides again after at least this many batches and
+/// this much time: enough to measure the link, often enough to follow it.
+const AUTO_DECISION_BATCHES: u64 = 16;
+const AUTO_DECISION_INTERVAL: Duration = Duration::from_millis(50);
+
 /// The producer's handle on a running pipeline.
 pub(crate) struct Pipeline<'scope> {
     shared: Arc<Shared>,
@@ -229,6 +299,11 @@ pub(crate) struct Pipeline<'scope> {
     shutdown_handles: Vec<Channel>,
     cancel: Arc<AtomicBool>,
     totals: IterationTotals,
+    codec: CodecId,
+    auto: Option<AutoCodec>,
+    codec_stats: CodecStats,
+    /// For zero-page detection in `source` mode.
+    scratch: Scratch,
 }
 
 /// Settings of the pipeline.
@@ -236,6 +311,9 @@ pub(crate) struct PipelineSetup {
     pub regions: Vec<MemoryRegion>,
     pub workers: usize,
     pub detection: ZeroPageDetection,
+    pub zero_offload: Option<Arc<dyn ZeroPageOffload>>,
+    pub zero_as_normal: f64,
+    pub compression: CompressionSetup,
     pub max_bandwidth: Option<u64>,
     pub stats: Arc<LiveStats>,
     pub cancel: Arc<AtomicBool>,
@@ -256,6 +334,11 @@ impl<'scope> Pipeline<'scope> {
             stats: setup.stats,
             zero_checker: ZeroChecker::best(),
             detection: setup.detection,
+            zero_offload: setup.zero_offload,
+            zero_as_normal: (setup.zero_as_normal > 0.0)
+                .then(|| ZeroAsNormal::new(setup.zero_as_normal)),
+            compression: setup.compression,
+            sender_busy_ns: AtomicU64::new(0),
             worker_rings: (0..setup.workers)
                 .map(|_| Ring::new(WORKER_RING_CAPACITY))
                 .collect(),
@@ -285,7 +368,22 @@ impl<'scope> Pipeline<'scope> {
             shutdown_handles: Vec::new(),
             cancel: setup.cancel,
             totals: IterationTotals::default(),
+            codec: setup.compression.choice.wire().unwrap_or(CodecId::None),
+            auto: None,
+            codec_stats: CodecStats::default(),
+            scratch: Scratch::default(),
         };
+        if setup.compression.choice == CodecChoice::Auto {
+            pipeline.auto = Some(AutoCodec {
+                selector: tern_page::AutoSelector::new(setup.workers),
+                measurements: calibrate_codecs(&shared.regions),
+                batches_since: 0,
+                window_started: Instant::now(),
+                wire_at_start: 0,
+                busy_at_start: 0,
+                switches: 0,
+            });
+        }
         for index in 0..setup_workers(&shared) {
             let shared_for_thread = shared.clone();
             let handle = thread::Builder::new()
@@ -331,7 +429,7 @@ impl<'scope> Pipeline<'scope> {
                     Some(current) => current,
                     None => {
                         let mut fresh = self.take_batch()?;
-                        fresh.reset(region, iteration);
+                        fresh.reset(region, iteration, self.codec);
                         batch.insert(fresh)
                     }
                 };
@@ -349,6 +447,7 @@ impl<'scope> Pipeline<'scope> {
             }
         }
         self.sync_channels(iteration, last)?;
+        self.publish_reports();
         Ok(self.totals)
     }
 
@@ -377,9 +476,127 @@ impl<'scope> Pipeline<'scope> {
         }
     }
 
+    /// Adaptive compression: every [`AUTO_DECISION_INTERVAL`], picks
+    /// the codec that moves guest memory fastest over the link as measured.
+    fn maybe_switch_codec(&mut self) {
+        let Some(auto) = self.auto.as_mut() else {
+            return;
+        };
+        auto.batches_since += 1;
+        if auto.batches_since < AUTO_DECISION_BATCHES
+            || auto.window_started.elapsed() < AUTO_DECISION_INTERVAL
+        {
+            return;
+        }
+        let elapsed = auto.window_started.elapsed().as_secs_f64().max(1e-6);
+        let wire = self.shared.stats.transferred.load(Ordering::Relaxed);
+        let busy = self.shared.sender_busy_ns.load(Ordering::Relaxed);
+        let wire_rate = (wire - auto.wire_at_start) as f64 / elapsed;
+        // The share of time the senders were busy: near 1 the link is the
+        // bottleneck and the wire rate is its capacity; lower, the link
+        // could carry proportionally more.
+        let busy_share =
+            ((busy - auto.busy_at_start) as f64 / 1e9 / (elapsed * self.channel_count as f64))
+                .clamp(0.05, 1.0);
+        let link = wire_rate / busy_share;
+        if self.codec != CodecId::None {
+            let level = self
+                .shared
+                .compression
+                .level
+                .unwrap_or_else(|| self.codec.default_level());
+            let counters = self
+                .codec_stats
+                .used()
+                .find(|(which, _)| which.wire() == self.codec)
+                .map(|(_, counters)| *counters);
+            if let Some(measured) = counters.and_then(|counters| {
+                tern_page::codec::CodecMeasurement::from_counters(self.codec, level, &counters)
+            }) {
+                auto.measurements.retain(|known| known.codec != self.codec);
+                auto.measurements.push(measured);
+            }
+        }
+        let decision = auto.selector.next(link, &auto.measurements);
+        if decision.codec != self.codec {
+            auto.switches += 1;
+            tracing::info!(
+                from = self.codec.name(),
+                to = decision.codec.name(),
+                link_mb_s = link / 1e6,
+                "adaptive compression switches codec"
+            );
+            self.codec = decision.codec;
+        }
+        auto.batches_since = 0;
+        auto.window_started = Instant::now();
+        auto.wire_at_start = wire;
+        auto.busy_at_start = busy;
+    }
+
+    /// Publishes the compression and zero-page detection counters to the
+    /// live statistics (once per iteration: not on the per-page path).
+    fn publish_reports(&self) {
+        let shared = &self.shared;
+        if shared.compression.choice != CodecChoice::None {
+            shared.stats.set_compression(CompressionReport {
+                choice: shared.compression.choice.name().to_string(),
+                level: shared.compression.level,
+                codec_switches: self.auto.as_ref().map_or(0, |auto| auto.switches),
+                codecs: self
+                    .codec_stats
+                    .used()
+                    .map(|(which, counters)| {
+                        (
+                            which.name().to_string(),
+                            CodecReport {
+                                pages: counters.pages,
+                                compressed: counters.compressed,
+                                raw_fallbacks: counters.raw_fallbacks,
+                                skipped_by_sampling: counters.skipped_by_sampling,
+                                offload_fallbacks: counters.offload_fallbacks,
+                                bytes_in: counters.bytes_in,
+                                bytes_out: counters.bytes_out,
+                                ratio: counters.ratio(),
+                                cpu_seconds: counters.cpu_seconds(),
+                            },
+                        )
+                    })
+                    .collect(),
+            });
+        }
+        let offload = shared.zero_offload.as_ref().map(|offload| {
+            let stats = offload.stats();
+            let checked = stats.pages_device + stats.pages_cpu + stats.pages_fallback;
+            let gib = (checked * PAGE_SIZE as u64) as f64 / (1u64 << 30) as f64;
+            let cpu = stats.completion_thread_cpu.as_secs_f64();
+            OffloadReport {
+                pages_device: stats.pages_device,
+                pages_cpu: stats.pages_cpu,
+                cpu_fallbacks: stats.pages_fallback,
+                page_faults: stats.page_faults,
+                device_errors: stats.device_errors,
+                batches: stats.batches,
+                submit_retries: stats.submit_retries,
+                completion_thread_cpu_seconds: cpu,
+                cpu_seconds_per_gib: if gib > 0.0 { cpu / gib } else { 0.0 },
+            }
+        });
+        shared.stats.set_zero_detection(ZeroDetectionReport {
+            mode: shared.detection.as_str().to_string(),
+            backend: match (&shared.zero_offload, shared.detection) {
+                (Some(offload), _) => offload.describe(),
+                (None, ZeroPageDetection::None) => "none".to_string(),
+                (None, _) => shared.zero_checker.backend().name().to_string(),
+            },
+            offload,
+        });
+    }
+
     fn submit(&mut self, mut batch: Box<Batch>) -> Result<(), MigrationError> {
+        self.maybe_switch_codec();
         if self.shared.detection == ZeroPageDetection::Source {
-            classify(&self.shared, &mut batch);
+            classify(&self.shared, &mut batch, &mut self.scratch);
             batch.prechecked = true;
         }
         let workers = self.shared.worker_rings.len();
@@ -417,6 +634,7 @@ impl<'scope> Pipeline<'scope> {
             match completion {
                 Completion::Batch(batch) => {
                     self.in_flight -= 1;
+                    self.codec_stats.merge(&batch.codec_stats);
                     self.totals.pages += batch.pages.len() as u64;
                     self.totals.wire_bytes += batch.wire_bytes;
                     let stats = &self.shared.stats;
@@ -490,47 +708,102 @@ fn setup_workers(shared: &Shared) -> usize {
     shared.worker_rings.len()
 }
 
-fn classify(shared: &Shared, batch: &mut Batch) {
+fn page_ptr(region: &MemoryRegion, page: u32) -> *const u8 {
+    region
+        .page_ptr(u64::from(page))
+        .expect("the producer only batches pages of the region")
+        .cast_const()
+}
+
+fn classify(shared: &Shared, batch: &mut Batch, scratch: &mut Scratch) {
     let region = &shared.regions[batch.region];
     batch.kinds.clear();
-    for &page in &batch.pages {
-        let kind = match shared.detection {
-            ZeroPageDetection::None => PageKind::Raw,
-            ZeroPageDetection::Source | ZeroPageDetection::Workers => {
-                let ptr = region
-                    .page_ptr(u64::from(page))
-                    .expect("the producer only batches pages of the region");
+    match (shared.detection, &shared.zero_offload) {
+        (ZeroPageDetection::None, _) => batch.kinds.resize(batch.pages.len(), PageKind::Raw),
+        (ZeroPageDetection::Dsa, Some(offload)) => {
+            scratch.pointers.clear();
+            scratch
+                .pointers
+                .extend(batch.pages.iter().map(|&page| page_ptr(region, page)));
+            // SAFETY: the pointers are pages inside the region's mapping,
+            // which stays mapped for the whole migration, so past `wait`.
+            let answered = unsafe { offload.submit(&scratch.pointers) }
+                .and_then(|ticket| offload.wait(ticket, &mut scratch.zero_flags));
+            if answered.is_err() || scratch.zero_flags.len() != batch.pages.len() {
+                // The offload answers on the CPU itself when a device fails;
+                // this is the last resort for a misuse of its interface.
+                scratch.zero_flags.clear();
+                scratch.zero_flags.extend(batch.pages.iter().map(|&page| {
+                    // SAFETY: as above.
+                    unsafe { shared.zero_checker.is_zero_page(page_ptr(region, page)) }
+                }));
+            }
+            batch.kinds.extend(
+                scratch.zero_flags.iter().map(
+                    |&zero| {
+                        if zero { PageKind::Zero } else { PageKind::Raw }
+                    },
+                ),
+            );
+        }
+        _ => {
+            for &page in &batch.pages {
                 // SAFETY: `page_ptr` checked the page lies inside the
                 // region's mapping, which outlives the migration.
-                if unsafe { shared.zero_checker.is_zero_page(ptr) } {
-                    PageKind::Zero
-                } else {
-                    PageKind::Raw
-                }
+                let zero = unsafe { shared.zero_checker.is_zero_page(page_ptr(region, page)) };
+                batch
+                    .kinds
+                    .push(if zero { PageKind::Zero } else { PageKind::Raw });
             }
-        };
-        batch.kinds.push(kind);
+        }
+    }
+    if let Some(knob) = &shared.zero_as_normal {
+        for kind in &mut batch.kinds {
+            if *kind == PageKind::Zero && knob.demote() {
+                *kind = PageKind::Raw;
+            }
+        }
     }
 }
 
-fn encode(shared: &Shared, batch: &mut Batch) {
+/// A worker's reusable buffers and its compressors (one per codec, made
+/// when first needed).
+#[derive(Default)]
+struct Scratch {
+    pointers: Vec<*const u8>,
+    zero_flags: Vec<bool>,
+    compressors: [Option<PageCompressor>; 4],
+}
+
+fn encode(shared: &Shared, batch: &mut Batch, scratch: &mut Scratch) {
     if !batch.prechecked {
-        classify(shared, batch);
+        classify(shared, batch, scratch);
     }
+    compress(shared, batch, scratch);
     batch.entries.clear();
     batch.zero_pages = 0;
     batch.normal_pages = 0;
+    let mut outcomes = batch.compressed.outcomes.iter();
+    let mut payload = 0u64;
     for (&page, &kind) in batch.pages.iter().zip(&batch.kinds) {
-        let encoded_len = match kind {
+        let (kind, encoded_len) = match kind {
             PageKind::Zero => {
                 batch.zero_pages += 1;
-                0
+                (PageKind::Zero, 0)
             }
             PageKind::Raw | PageKind::Compressed => {
                 batch.normal_pages += 1;
-                PAGE_SIZE as u32
+                // Data pages have one outcome each when the batch was
+                // compressed, in page order.
+                match outcomes.next() {
+                    Some(&PageOutcome::Compressed { len, .. }) => {
+                        (PageKind::Compressed, len as u32)
+                    }
+                    _ => (PageKind::Raw, PAGE_SIZE as u32),
+                }
             }
         };
+        payload += u64::from(encoded_len);
         batch.entries.push(PageEntry {
             page_index: page,
             kind,
@@ -542,14 +815,85 @@ fn encode(shared: &Shared, batch: &mut Batch) {
         &mut batch.prefix,
         shared.region_ids[batch.region],
         batch.iteration,
-        0,
+        batch.codec.to_wire(),
         &batch.entries,
     );
-    batch.wire_bytes = batch.prefix.len() as u64 + batch.normal_pages * PAGE_SIZE as u64;
+    batch.wire_bytes = batch.prefix.len() as u64 + payload;
+}
+
+/// Compresses the batch's data pages with the batch's codec, each page on
+/// its own; pages that would not shrink stay raw.
+fn compress(shared: &Shared, batch: &mut Batch, scratch: &mut Scratch) {
+    batch.compressed.clear();
+    batch.codec_stats = CodecStats::default();
+    if batch.codec == CodecId::None {
+        return;
+    }
+    let slot = &mut scratch.compressors[batch.codec as usize];
+    if slot.is_none() {
+        match shared.compression.compressor(batch.codec) {
+            Ok(compressor) => *slot = Some(compressor),
+            Err(error) => {
+                // Checked at start-up, so this is unexpected: send raw.
+                tracing::warn!(%error, "cannot create a compressor; sending pages raw");
+                return;
+            }
+        }
+    }
+    let Some(compressor) = slot.as_mut() else {
+        return;
+    };
+    let region = &shared.regions[batch.region];
+    scratch.pointers.clear();
+    scratch.pointers.extend(
+        batch
+            .pages
+            .iter()
+            .zip(&batch.kinds)
+            .filter(|(_, kind)| **kind != PageKind::Zero)
+            .map(|(&page, _)| page_ptr(region, page)),
+    );
+    // SAFETY: the pointers are whole pages inside the region's mapping,
+    // which outlives the migration; the compressor copies each page before
+    // compressing it, so concurrent guest writes only make it stale.
+    unsafe { compressor.compress_batch(&scratch.pointers, &mut batch.compressed) };
+    batch.codec_stats = compressor.take_stats();
+}
+
+/// Measures the candidate codecs on pages sampled across guest memory, so
+/// adaptive compression starts from numbers of this guest and this machine.
+fn calibrate_codecs(regions: &[MemoryRegion]) -> Vec<tern_page::codec::CodecMeasurement> {
+    const SAMPLES: u64 = 64;
+    let total: u64 = regions.iter().map(MemoryRegion::pages).sum();
+    let mut sample = Vec::with_capacity(SAMPLES as usize);
+    for index in 0..SAMPLES {
+        let mut global = index * total.max(1) / SAMPLES;
+        for region in regions {
+            if global < region.pages() {
+                if let Some(ptr) = region.page_ptr(global) {
+                    let mut page = [0u8; PAGE_SIZE];
+                    // SAFETY: a whole page inside the region's mapping; the
+                    // guest may write it meanwhile, which only makes the
+                    // sample a little stale.
+                    unsafe { std::ptr::copy_nonoverlapping(ptr, page.as_mut_ptr(), PAGE_SIZE) };
+                    sample.push(page);
+                }
+                break;
+            }
+            global -= region.pages();
+        }
+    }
+    let candidates = [
+        (CodecId::Zstd, CodecId::Zstd.default_level()),
+        (CodecId::Deflate, CodecId::Deflate.default_level()),
+        (CodecId::Lz4, CodecId::Lz4.default_level()),
+    ];
+    tern_page::codec::calibrate(&sample, &candidates).unwrap_or_default()
 }
 
 fn run_worker(shared: &Shared, index: usize) {
     let cpu_start = thread_cpu_seconds();
+    let mut scratch = Scratch::default();
     let bell = shared.worker_bells[index].wait();
     let ring = &shared.worker_rings[index];
     loop {
@@ -560,7 +904,7 @@ fn run_worker(shared: &Shared, index: usize) {
         });
         let Some(mut batch) = item else { break };
         shared.producer_bell.ring();
-        encode(shared, &mut batch);
+        encode(shared, &mut batch, &mut scratch);
         let target = least_loaded_sender(shared, index);
         let mut item = SendItem::Batch(batch);
         loop {
@@ -615,10 +959,15 @@ fn run_sender(shared: &Shared, index: usize, mut channel: PageSender) {
         let Some(item) = item else { break };
         let result = match item {
             SendItem::Batch(batch) => {
+                let started = Instant::now();
                 if let Some(limiter) = &shared.limiter {
                     limiter.acquire(batch.wire_bytes);
                 }
                 let result = send_batch(shared, &mut channel, &batch, &mut segments);
+                shared.sender_busy_ns.fetch_add(
+                    u64::try_from(started.elapsed().as_nanos()).unwrap_or(u64::MAX),
+                    Ordering::Relaxed,
+                );
                 if result.is_ok() {
                     shared
                         .stats
@@ -667,24 +1016,26 @@ fn send_batch(
         ptr: batch.prefix.as_ptr(),
         len: batch.prefix.len(),
     });
+    let mut compressed_offset = 0;
     for entry in &batch.entries {
-        if entry.kind != PageKind::Raw {
-            continue;
-        }
-        let ptr = region
-            .page_ptr(u64::from(entry.page_index))
-            .expect("the producer only batches pages of the region")
-            .cast_const();
-        // Adjacent pages go out as one piece.
-        let has_page_segment = segments.len() > 1;
-        match segments.last_mut() {
-            Some(last) if has_page_segment && last.ptr.wrapping_add(last.len) == ptr => {
-                last.len += PAGE_SIZE;
+        let (ptr, len) = match entry.kind {
+            PageKind::Zero => continue,
+            PageKind::Raw => (page_ptr(region, entry.page_index), PAGE_SIZE),
+            PageKind::Compressed => {
+                let len = entry.encoded_len as usize;
+                let bytes = &batch.compressed.data[compressed_offset..compressed_offset + len];
+                compressed_offset += len;
+                (bytes.as_ptr(), len)
             }
-            _ => segments.push(Segment {
-                ptr,
-                len: PAGE_SIZE,
-            }),
+        };
+        // Adjacent pieces (neighbouring guest pages, or compressed pages
+        // packed back to back) go out as one iovec.
+        let has_payload_segment = segments.len() > 1;
+        match segments.last_mut() {
+            Some(last) if has_payload_segment && last.ptr.wrapping_add(last.len) == ptr => {
+                last.len += len;
+            }
+            _ => segments.push(Segment { ptr, len }),
         }
     }
     match channel {

@@ -10,11 +10,12 @@ use tern_wire::{
 };
 
 use crate::bitmap::DirtyBitmap;
+use crate::config::ZeroPageDetection;
 use crate::config::{LimitPolicy, MigrationConfig, Verify};
 use crate::digest::{Digest, digest_threads, memory_digest};
 use crate::error::{ChannelError, MigrationError};
 use crate::guest::{MemoryRegion, PAGE_SIZE, SourceGuest};
-use crate::pipeline::{PageSender, Pipeline, PipelineSetup};
+use crate::pipeline::{CompressionSetup, PageSender, Pipeline, PipelineSetup};
 use crate::stats::thread_cpu_seconds;
 use crate::stats::{DestinationStats, LiveStats, MigrationStats, MigrationStatus, millis};
 use crate::transport::{Address, Channel};
@@ -63,6 +64,8 @@ pub struct MigrationFailure {
 #[derive(Debug)]
 pub struct Source {
     config: MigrationConfig,
+    compression: CompressionSetup,
+    zero_offload: Option<Arc<dyn tern_page::dsa::ZeroPageOffload>>,
     stats: Arc<LiveStats>,
     cancel: CancelToken,
 }
@@ -77,10 +80,35 @@ struct GuestChanges {
 
 impl Source {
     /// Prepares a migration; rejects bad settings up front.
+    ///
+    /// This is also where accelerators and codecs are opened, so that an
+    /// explicitly requested DSA or QPL that is missing is a clear error
+    /// before anything connects.
     pub fn new(config: MigrationConfig) -> Result<Self, MigrationError> {
         config.validate()?;
+        let compression = CompressionSetup {
+            choice: config.compression,
+            level: config.compression_level,
+            qpl_path: config.qpl_path,
+        };
+        for codec in compression.codecs() {
+            compression.compressor(codec).map_err(|error| {
+                MigrationError::Config(format!("--compression {}: {error}", config.compression))
+            })?;
+        }
+        let zero_offload = match config.zero_page_detection {
+            ZeroPageDetection::Dsa => Some(match &config.zero_page_offload {
+                Some(offload) => offload.clone(),
+                None => tern_page::dsa::open_dsa(&tern_page::dsa::DsaConfig::default()).map_err(
+                    |error| MigrationError::Config(format!("--zero-page-detection dsa: {error}")),
+                )?,
+            }),
+            _ => None,
+        };
         Ok(Self {
             config,
+            compression,
+            zero_offload,
             stats: Arc::new(LiveStats::new()),
             cancel: CancelToken::new(),
         })
@@ -157,7 +185,7 @@ impl Source {
     ) -> Result<Option<DestinationStats>, MigrationError> {
         let config = &self.config;
         let regions: Vec<MemoryRegion> = guest.regions().to_vec();
-        let setup = session_setup(&regions, config)?;
+        let setup = session_setup(&regions, config, &self.compression)?;
         let total: u64 = regions.iter().map(MemoryRegion::len).sum();
         self.stats.total.store(total, Ordering::Relaxed);
         self.stats.remaining.store(total, Ordering::Relaxed);
@@ -228,6 +256,9 @@ impl Source {
                     regions: regions.clone(),
                     workers: config.worker_count(),
                     detection: config.zero_page_detection,
+                    zero_offload: self.zero_offload.clone(),
+                    zero_as_normal: config.zero_page_as_normal,
+                    compression: self.compression,
                     max_bandwidth: config.max_bandwidth,
                     stats: self.stats.clone(),
                     cancel: self.cancel.flag(),
@@ -523,11 +554,15 @@ fn memlock_soft_limit() -> Option<u64> {
 fn session_setup(
     regions: &[MemoryRegion],
     config: &MigrationConfig,
+    compression: &CompressionSetup,
 ) -> Result<SessionSetup, MigrationError> {
     let setup = SessionSetup {
         page_size: PAGE_SIZE as u32,
         channel_count: config.channels,
-        codecs: 0,
+        codecs: compression
+            .codecs()
+            .iter()
+            .fold(0, |bits, codec| bits | 1 << codec.to_wire()),
         digest: match config.verify {
             Verify::Full => DigestAlgorithm::Xxh3Pages,
             Verify::None => DigestAlgorithm::None,

@@ -94,6 +94,8 @@ pub struct LiveStats {
     digest_verified: AtomicBool,
     cpu_seconds: Mutex<BTreeMap<String, f64>>,
     zero_copy: Mutex<Option<ZeroCopyStats>>,
+    compression: Mutex<Option<CompressionReport>>,
+    zero_detection: Mutex<Option<ZeroDetectionReport>>,
 }
 
 impl Default for LiveStats {
@@ -128,6 +130,8 @@ impl LiveStats {
             digest_verified: AtomicBool::new(false),
             cpu_seconds: Mutex::new(BTreeMap::new()),
             zero_copy: Mutex::new(None),
+            compression: Mutex::new(None),
+            zero_detection: Mutex::new(None),
         }
     }
 
@@ -185,6 +189,20 @@ impl LiveStats {
             .add(channel);
     }
 
+    /// Replaces the compression report (the producer publishes it after each
+    /// iteration).
+    pub(crate) fn set_compression(&self, report: CompressionReport) {
+        *self.compression.lock().unwrap_or_else(|e| e.into_inner()) = Some(report);
+    }
+
+    /// Replaces the zero-page detection report.
+    pub(crate) fn set_zero_detection(&self, report: ZeroDetectionReport) {
+        *self
+            .zero_detection
+            .lock()
+            .unwrap_or_else(|e| e.into_inner()) = Some(report);
+    }
+
     /// A consistent-enough copy for display or the final report.
     pub fn snapshot(&self) -> MigrationStats {
         let status = self.status();
@@ -229,6 +247,16 @@ impl LiveStats {
             digest_verified: self.digest_verified.load(Ordering::Relaxed),
             cpu_seconds,
             zero_copy: *self.zero_copy.lock().unwrap_or_else(|e| e.into_inner()),
+            compression: self
+                .compression
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .clone(),
+            zero_page_detection: self
+                .zero_detection
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .clone(),
             destination: None,
             error: None,
         }
@@ -293,6 +321,12 @@ pub struct MigrationStats {
     pub digest_verified: bool,
     /// CPU seconds per thread of this side.
     pub cpu_seconds: BTreeMap<String, f64>,
+    /// Compression counters, when compression was on.
+    #[serde(skip_serializing_if = "Option::is_none", default)]
+    pub compression: Option<CompressionReport>,
+    /// How zero pages were found.
+    #[serde(skip_serializing_if = "Option::is_none", default)]
+    pub zero_page_detection: Option<ZeroDetectionReport>,
     /// Zero-copy accounting over all channels, when `--zero-copy` was on.
     #[serde(skip_serializing_if = "Option::is_none", default)]
     pub zero_copy: Option<ZeroCopyStats>,
@@ -302,6 +336,81 @@ pub struct MigrationStats {
     /// What went wrong, when something did.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub error: Option<String>,
+}
+
+/// Compression of one codec implementation.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub struct CodecReport {
+    /// Data pages given to the codec (raw fallbacks included).
+    pub pages: u64,
+    /// Pages sent compressed.
+    pub compressed: u64,
+    /// Pages compressed but sent raw because they did not shrink.
+    pub raw_fallbacks: u64,
+    /// Pages sent raw without compressing: the sample looked random.
+    pub skipped_by_sampling: u64,
+    /// Pages an accelerator could not take, compressed in software.
+    pub offload_fallbacks: u64,
+    /// Guest bytes in.
+    pub bytes_in: u64,
+    /// Bytes out (raw pages count whole).
+    pub bytes_out: u64,
+    /// bytes-in / bytes-out.
+    pub ratio: f64,
+    /// Worker CPU seconds spent in the codec (sampling included).
+    pub cpu_seconds: f64,
+}
+
+/// Compression over the whole migration.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub struct CompressionReport {
+    /// What was asked for: a codec, or `auto`.
+    pub choice: String,
+    /// Level in force (`None`: each codec's default).
+    pub level: Option<i32>,
+    /// Times adaptive compression changed codec.
+    pub codec_switches: u64,
+    /// Per codec implementation.
+    pub codecs: BTreeMap<String, CodecReport>,
+}
+
+/// How zero pages were found.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub struct ZeroDetectionReport {
+    /// `none`, `source`, `workers` or `dsa`.
+    pub mode: String,
+    /// The CPU backend (`avx512`, …) or the offload's description.
+    pub backend: String,
+    /// Accelerator counters in `dsa` mode.
+    #[serde(skip_serializing_if = "Option::is_none", default)]
+    pub offload: Option<OffloadReport>,
+}
+
+/// Accelerator counters.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub struct OffloadReport {
+    /// Pages the device answered.
+    pub pages_device: u64,
+    /// Pages checked on the CPU because that is the backend.
+    pub pages_cpu: u64,
+    /// Pages the device could not answer, finished on the CPU.
+    pub cpu_fallbacks: u64,
+    /// Pages that came back with a page fault.
+    pub page_faults: u64,
+    /// Device errors and timeouts.
+    pub device_errors: u64,
+    /// Submissions that reached a device.
+    pub batches: u64,
+    /// Submission attempts refused and retried.
+    pub submit_retries: u64,
+    /// CPU seconds of the completion thread.
+    pub completion_thread_cpu_seconds: f64,
+    /// Completion-thread CPU seconds per GiB checked.
+    pub cpu_seconds_per_gib: f64,
 }
 
 /// What the destination reports back at the end.

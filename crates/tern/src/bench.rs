@@ -7,16 +7,159 @@ use std::time::Duration;
 use anyhow::{Context, bail};
 use serde::Serialize;
 use tern_engine::{Address, GuestControl, Listener, MigrationConfig, ReceiveConfig, Source};
+use tern_page::codec::CodecChoice;
 use tern_synthetic::{SyntheticConfig, SyntheticGuest};
 
-use crate::cli::{BenchCommand, BenchMigrateArgs};
+use crate::cli::{BenchCodecArgs, BenchCommand, BenchMigrateArgs, BenchZeroArgs};
 use crate::report::print_json;
 use crate::run::spawn_local_destination;
 
 pub fn run(command: BenchCommand) -> anyhow::Result<ExitCode> {
     match command {
         BenchCommand::Migrate(args) => bench_migrate(&args),
+        BenchCommand::Zero(args) => bench_zero(&args),
+        BenchCommand::Codec(args) => bench_codec(&args),
     }
+}
+
+#[derive(Serialize)]
+#[serde(rename_all = "kebab-case")]
+struct ZeroRow {
+    backend: String,
+    case: &'static str,
+    gb_per_s: f64,
+    /// Share of the plain read loop's bandwidth measured in the same run.
+    of_read_bandwidth: f64,
+}
+
+fn bench_zero(args: &BenchZeroArgs) -> anyhow::Result<ExitCode> {
+    let buffer = usize::try_from(args.buffer).context("--buffer is too large")?;
+    if buffer < tern_page::PAGE_SIZE || args.rounds == 0 {
+        bail!("--buffer must hold at least one page and --rounds must be at least 1");
+    }
+    let rows = tern_page::dsa::bench_zero(buffer, args.rounds);
+    let read_bandwidth = rows
+        .iter()
+        .find(|row| row.backend == "read-bandwidth")
+        .map_or(0.0, |row| row.gb_per_s);
+    let rows: Vec<ZeroRow> = rows
+        .into_iter()
+        .map(|row| ZeroRow {
+            of_read_bandwidth: if read_bandwidth > 0.0 {
+                row.gb_per_s / read_bandwidth
+            } else {
+                0.0
+            },
+            backend: row.backend,
+            case: row.case,
+            gb_per_s: row.gb_per_s,
+        })
+        .collect();
+    if args.json {
+        #[derive(Serialize)]
+        struct Report<'a> {
+            machine: String,
+            buffer_bytes: u64,
+            rounds: usize,
+            rows: &'a [ZeroRow],
+        }
+        print_json(&Report {
+            machine: machine_name(),
+            buffer_bytes: args.buffer,
+            rounds: args.rounds,
+            rows: &rows,
+        })?;
+    } else {
+        println!(
+            "Machine: {}. Buffer {} (median of {} rounds).\n",
+            machine_name(),
+            crate::units::human_bytes(args.buffer),
+            args.rounds
+        );
+        println!("| backend | case | GB/s | of read bandwidth |");
+        println!("|---|---|---:|---:|");
+        for row in &rows {
+            println!(
+                "| {} | {} | {:.1} | {:.0}% |",
+                row.backend,
+                row.case,
+                row.gb_per_s,
+                row.of_read_bandwidth * 100.0
+            );
+        }
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+#[derive(Serialize)]
+#[serde(rename_all = "kebab-case")]
+struct CodecRow {
+    corpus: &'static str,
+    codec: &'static str,
+    level: i32,
+    sampling: bool,
+    compress_mb_s: f64,
+    decompress_mb_s: f64,
+    ratio: f64,
+    raw_pages: usize,
+    pages: usize,
+}
+
+fn bench_codec(args: &BenchCodecArgs) -> anyhow::Result<ExitCode> {
+    if args.pages == 0 {
+        bail!("--pages must be at least 1");
+    }
+    let rows: Vec<CodecRow> =
+        tern_page::codec::bench_codecs(args.pages, &tern_page::codec::default_bench_levels())?
+            .into_iter()
+            .map(|row| CodecRow {
+                corpus: row.corpus,
+                codec: row.codec.name(),
+                level: row.level,
+                sampling: row.sampling,
+                compress_mb_s: row.compress_mb_s,
+                decompress_mb_s: row.decompress_mb_s,
+                ratio: row.ratio,
+                raw_pages: row.raw_pages,
+                pages: row.pages,
+            })
+            .collect();
+    if args.json {
+        #[derive(Serialize)]
+        struct Report<'a> {
+            machine: String,
+            rows: &'a [CodecRow],
+        }
+        print_json(&Report {
+            machine: machine_name(),
+            rows: &rows,
+        })?;
+    } else {
+        println!(
+            "Machine: {}. One thread, {} pages per corpus.\n",
+            machine_name(),
+            args.pages
+        );
+        println!(
+            "| corpus | codec | level | sampling | compress MB/s | decompress MB/s | ratio | raw pages |"
+        );
+        println!("|---|---|---:|---|---:|---:|---:|---:|");
+        for row in &rows {
+            println!(
+                "| {} | {} | {} | {} | {:.0} | {:.0} | {:.2} | {}/{} |",
+                row.corpus,
+                row.codec,
+                row.level,
+                row.sampling,
+                row.compress_mb_s,
+                row.decompress_mb_s,
+                row.ratio,
+                row.raw_pages,
+                row.pages
+            );
+        }
+    }
+    Ok(ExitCode::SUCCESS)
 }
 
 /// One run's figures.
@@ -42,6 +185,8 @@ struct RunFigures {
 struct CaseResult {
     guest: &'static str,
     channels: u16,
+    compression: &'static str,
+    zero_copy: bool,
     runs: usize,
     median: RunFigures,
     all: Vec<RunFigures>,
@@ -84,27 +229,57 @@ fn bench_migrate(args: &BenchMigrateArgs) -> anyhow::Result<ExitCode> {
             dirtier_threads: 1,
         })
         .context("cannot create the guest")?;
-        // Interleave the channel counts run by run, so slow drifts of a
-        // shared machine spread over every case instead of one.
-        let mut runs: Vec<Vec<RunFigures>> = vec![Vec::new(); args.channels.len()];
+        let zero_copy_settings: &[bool] = if args.zero_copy {
+            &[false, true]
+        } else {
+            &[false]
+        };
+        let mut settings = Vec::new();
+        for &channels in &args.channels {
+            for &compression in &args.compression {
+                for &zero_copy in zero_copy_settings {
+                    if !(zero_copy && compression != CodecChoice::None) {
+                        settings.push(Case {
+                            channels,
+                            compression,
+                            zero_copy,
+                        });
+                    }
+                }
+            }
+        }
+        // Interleave the cases run by run, so slow drifts of a shared
+        // machine spread over every case instead of one.
+        let mut runs: Vec<Vec<RunFigures>> = vec![Vec::new(); settings.len()];
         for run in 0..args.runs {
-            for (case, &channels) in args.channels.iter().enumerate() {
-                let figures = one_run(&mut guest, channels, args)
-                    .with_context(|| format!("{mode} run {run} with {channels} channels"))?;
+            for (index, case) in settings.iter().enumerate() {
+                let figures = one_run(&mut guest, case, args).with_context(|| {
+                    format!(
+                        "{mode} run {run} with {} channels, compression {}",
+                        case.channels, case.compression
+                    )
+                })?;
                 eprintln!(
-                    "bench: {mode:>8} {channels} ch run {run}: total {:.0} ms, downtime {:.0} ms, {:.2} GiB/s",
-                    figures.total_ms, figures.downtime_ms, figures.throughput_gib_s
+                    "bench: {mode:>8} {} ch {:>7}{} run {run}: total {:.0} ms, downtime {:.0} ms, {:.2} GiB/s",
+                    case.channels,
+                    case.compression.name(),
+                    if case.zero_copy { " zero-copy" } else { "" },
+                    figures.total_ms,
+                    figures.downtime_ms,
+                    figures.throughput_gib_s
                 );
-                runs[case].push(figures);
+                runs[index].push(figures);
                 if dirty_rate > 0 {
                     guest.resume().context("cannot resume the source guest")?;
                 }
             }
         }
-        for (case, all) in runs.into_iter().enumerate() {
+        for (case, all) in settings.iter().zip(runs) {
             cases.push(CaseResult {
                 guest: mode,
-                channels: args.channels[case],
+                channels: case.channels,
+                compression: case.compression.name(),
+                zero_copy: case.zero_copy,
                 runs: all.len(),
                 median: median_figures(&all),
                 all,
@@ -128,9 +303,16 @@ fn bench_migrate(args: &BenchMigrateArgs) -> anyhow::Result<ExitCode> {
     Ok(ExitCode::SUCCESS)
 }
 
+/// One configuration compared by `bench migrate`.
+struct Case {
+    channels: u16,
+    compression: CodecChoice,
+    zero_copy: bool,
+}
+
 fn one_run(
     guest: &mut SyntheticGuest,
-    channels: u16,
+    case: &Case,
     args: &BenchMigrateArgs,
 ) -> anyhow::Result<RunFigures> {
     let memory = args.memory;
@@ -138,14 +320,15 @@ fn one_run(
     let address = listener.local_address()?;
     let destination = spawn_local_destination(listener, ReceiveConfig::default());
     let source = Source::new(MigrationConfig {
-        channels,
+        channels: case.channels,
+        compression: case.compression,
+        zero_copy: case.zero_copy,
+        max_bandwidth: args.max_bandwidth,
         verify: args.verify,
         ..MigrationConfig::default()
     })?;
     let result = source.migrate(guest, &address);
-    let received = destination
-        .join()
-        .map_err(|_| anyhow::anyhow!("the destination thread panicked"))?;
+    let received = destination.finish(result.is_ok());
     let stats = result.map_err(|failure| anyhow::anyhow!(failure.error.chain()))?;
     let received = received?;
     let gib = memory as f64 / (1u64 << 30) as f64;
@@ -233,15 +416,17 @@ fn print_markdown(report: &BenchReport) {
         report.verify
     );
     println!(
-        "| guest | channels | runs | total (ms) | downtime (ms) | iterations | GiB/s | wire Mbit/s | transferred (GiB) | source CPU s/GiB | destination CPU s/GiB |"
+        "| guest | channels | compression | zero-copy | runs | total (ms) | downtime (ms) | iterations | GiB/s | wire Mbit/s | transferred (GiB) | source CPU s/GiB | destination CPU s/GiB |"
     );
-    println!("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
+    println!("|---|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
     for case in &report.cases {
         let m = &case.median;
         println!(
-            "| {} | {} | {} | {:.0} | {:.0} | {:.0} | {:.2} | {:.0} | {:.2} | {:.3} | {:.3} |",
+            "| {} | {} | {} | {} | {} | {:.0} | {:.0} | {:.0} | {:.2} | {:.0} | {:.2} | {:.3} | {:.3} |",
             case.guest,
             case.channels,
+            case.compression,
+            if case.zero_copy { "yes" } else { "no" },
             case.runs,
             m.total_ms,
             m.downtime_ms,

@@ -4,6 +4,7 @@ use std::time::Duration;
 
 use clap::{Args, Parser, Subcommand};
 use tern_engine::{Address, LimitPolicy, MigrationConfig, Verify, ZeroPageDetection};
+use tern_page::codec::CodecChoice;
 use tern_synthetic::{ContentMix, SyntheticConfig};
 
 use crate::units::{parse_rate, parse_size};
@@ -84,9 +85,37 @@ pub struct ReceiveArgs {
 
 #[derive(Debug, Subcommand)]
 pub enum BenchCommand {
+    /// Zero-page detection throughput per backend (CPU SIMD backends,
+    /// QEMU's method, the software DSA device) beside a plain read loop.
+    Zero(BenchZeroArgs),
+    /// Per-page codec speed and ratio on a mixed corpus.
+    Codec(BenchCodecArgs),
     /// Localhost migrations of a synthetic guest, paused and dirtying, over
     /// several channel counts; medians of several runs.
     Migrate(BenchMigrateArgs),
+}
+
+#[derive(Debug, Args)]
+pub struct BenchZeroArgs {
+    /// Buffer size: larger than the caches, so pages come from DRAM.
+    #[arg(long, default_value = "256MiB", value_parser = parse_size)]
+    pub buffer: u64,
+    /// Rounds per case (the median is reported).
+    #[arg(long, default_value_t = 5)]
+    pub rounds: usize,
+    /// Print JSON instead of a Markdown table.
+    #[arg(long)]
+    pub json: bool,
+}
+
+#[derive(Debug, Args)]
+pub struct BenchCodecArgs {
+    /// Pages per corpus.
+    #[arg(long, default_value_t = 1024)]
+    pub pages: usize,
+    /// Print JSON instead of a Markdown table.
+    #[arg(long)]
+    pub json: bool,
 }
 
 #[derive(Debug, Args)]
@@ -115,6 +144,15 @@ pub struct BenchMigrateArgs {
     /// Memory verification at switch-over: full or none.
     #[arg(long, default_value = "full", value_parser = parse_verify)]
     pub verify: Verify,
+    /// Compression settings to compare, comma-separated.
+    #[arg(long, default_value = "none", value_delimiter = ',', value_parser = parse_compression)]
+    pub compression: Vec<CodecChoice>,
+    /// Cap on bytes per second (e.g. 1Gbit), as through a slower link.
+    #[arg(long, value_parser = parse_rate)]
+    pub max_bandwidth: Option<u64>,
+    /// Also run each case with --zero-copy.
+    #[arg(long)]
+    pub zero_copy: bool,
     /// Print JSON instead of a Markdown table.
     #[arg(long)]
     pub json: bool,
@@ -184,9 +222,23 @@ pub struct TransferArgs {
     /// What to do at a limit: cancel, or switch-over anyway.
     #[arg(long, default_value = "cancel", value_parser = parse_policy)]
     pub on_limit: LimitPolicy,
-    /// Who detects zero pages: none, source, workers.
+    /// Who detects zero pages: none, source, workers, dsa.
     #[arg(long, default_value = "workers", value_parser = parse_detection)]
     pub zero_page_detection: ZeroPageDetection,
+    /// With `--zero-page-detection dsa`: the work queues found in sysfs
+    /// (`hw`), or tern's software DSA device (`software`, for machines
+    /// without DSA; it runs the same descriptors on a CPU thread).
+    #[arg(long, default_value = "hw", value_parser = ["hw", "software"])]
+    pub dsa_device: String,
+    /// Benchmark knob: percent of zero pages sent as normal pages.
+    #[arg(long, default_value_t = 0.0)]
+    pub zero_page_as_normal: f64,
+    /// Page compression: none, zstd, deflate, lz4, qpl, auto.
+    #[arg(long, default_value = "none", value_parser = parse_compression)]
+    pub compression: CodecChoice,
+    /// Compression level (clamped to the codec's range; reported).
+    #[arg(long)]
+    pub compression_level: Option<i32>,
     /// Compare memory digests before resuming on the destination: full, or
     /// none (shortest downtime, trusts the dirty log).
     #[arg(long, default_value = "full", value_parser = parse_verify)]
@@ -225,6 +277,15 @@ impl TransferArgs {
             limit_policy: self.on_limit,
             auto_converge: !self.no_auto_converge,
             zero_page_detection: self.zero_page_detection,
+            zero_page_offload: match (self.zero_page_detection, self.dsa_device.as_str()) {
+                (ZeroPageDetection::Dsa, "software") => Some(tern_page::dsa::software_dsa(
+                    tern_page::dsa::SoftwareDsaConfig::default(),
+                )),
+                _ => None,
+            },
+            zero_page_as_normal: self.zero_page_as_normal / 100.0,
+            compression: self.compression,
+            compression_level: self.compression_level,
             verify: self.verify,
             zero_copy: self.zero_copy,
             io_timeout: Duration::from_secs(self.io_timeout),
@@ -240,6 +301,11 @@ fn parse_address(text: &str) -> Result<Address, String> {
 
 fn parse_policy(text: &str) -> Result<LimitPolicy, String> {
     text.parse()
+}
+
+fn parse_compression(text: &str) -> Result<CodecChoice, String> {
+    text.parse()
+        .map_err(|error: tern_page::CodecError| error.to_string())
 }
 
 fn parse_verify(text: &str) -> Result<Verify, String> {

@@ -135,8 +135,48 @@ pub fn print_summary(stats: &MigrationStats, extra: &[(&str, String)]) {
             )
         })
         .collect();
+    let compression: Vec<(&str, String)> = stats
+        .compression
+        .iter()
+        .flat_map(|report| {
+            report.codecs.iter().map(move |(name, codec)| {
+                (
+                    "compression",
+                    format!(
+                        "{name}: {} of {} pages compressed, ratio {:.2}, {} skipped by sampling, {:.2} CPU s ({} switches)",
+                        codec.compressed,
+                        codec.pages,
+                        codec.ratio,
+                        codec.skipped_by_sampling,
+                        codec.cpu_seconds,
+                        report.codec_switches
+                    ),
+                )
+            })
+        })
+        .collect();
+    let zero_detection: Vec<(&str, String)> = stats
+        .zero_page_detection
+        .iter()
+        .map(|report| {
+            let offload = report.offload.as_ref().map_or(String::new(), |offload| {
+                format!(
+                    ", {} pages on the device, {} CPU fallbacks, completion thread {:.3} CPU s",
+                    offload.pages_device,
+                    offload.cpu_fallbacks,
+                    offload.completion_thread_cpu_seconds
+                )
+            });
+            (
+                "zero pages found by",
+                format!("{} ({}){offload}", report.mode, report.backend),
+            )
+        })
+        .collect();
     let all: Vec<&(&str, String)> = rows
         .iter()
+        .chain(zero_detection.iter())
+        .chain(compression.iter())
         .chain(zero_copy.iter())
         .chain(destination_cpu.iter())
         .chain(extra.iter())

@@ -42,16 +42,36 @@ pub fn destination_guest(setup: &tern_wire::SessionSetup) -> Result<SyntheticGue
         .map_err(|error| GuestError::with_source("cannot create the destination guest", error))
 }
 
+/// A destination running in a thread of this process.
+pub struct LocalDestination {
+    thread: std::thread::JoinHandle<anyhow::Result<Received<SyntheticGuest>>>,
+    cancel: tern_engine::CancelToken,
+}
+
+impl LocalDestination {
+    /// Waits for the destination; when the source failed (`source_ok`
+    /// false) it is cancelled first, so it does not wait for a source that
+    /// will never come.
+    pub fn finish(self, source_ok: bool) -> anyhow::Result<Received<SyntheticGuest>> {
+        if !source_ok {
+            self.cancel.cancel();
+        }
+        self.thread
+            .join()
+            .map_err(|_| anyhow::anyhow!("the destination thread panicked"))?
+    }
+}
+
 /// Runs a destination in a thread of this process.
-pub fn spawn_local_destination(
-    listener: Listener,
-    config: ReceiveConfig,
-) -> std::thread::JoinHandle<anyhow::Result<Received<SyntheticGuest>>> {
-    std::thread::spawn(move || {
-        Destination::new(config)
+pub fn spawn_local_destination(listener: Listener, config: ReceiveConfig) -> LocalDestination {
+    let destination = Destination::new(config);
+    let cancel = destination.cancel_token();
+    let thread = std::thread::spawn(move || {
+        destination
             .receive(&listener, destination_guest)
             .context("the destination failed")
-    })
+    });
+    LocalDestination { thread, cancel }
 }
 
 /// Waits until the resumed guest has dirtied memory, or gives up.
@@ -106,9 +126,7 @@ fn demo(args: &DemoArgs) -> anyhow::Result<ExitCode> {
     let progress = Progress::start(source.stats());
     let result = source.migrate(&mut guest, &address);
     progress.finish();
-    let received = destination
-        .join()
-        .map_err(|_| anyhow::anyhow!("the destination thread panicked"))?;
+    let received = destination.finish(result.is_ok());
     let stats = match (result, received) {
         (Ok(stats), Ok(received)) => {
             let running = guest_keeps_running(&received.guest, Duration::from_secs(2))

@@ -16,10 +16,14 @@ const SESSION: u64 = 0x5e55_1011;
 const REGION_BYTES: u64 = 4 * MIB;
 
 fn setup(channels: u16) -> SessionSetup {
+    setup_with_codecs(channels, 0)
+}
+
+fn setup_with_codecs(channels: u16, codecs: u8) -> SessionSetup {
     SessionSetup {
         page_size: 4096,
         channel_count: channels,
-        codecs: 0,
+        codecs,
         digest: DigestAlgorithm::Xxh3Pages,
         regions: vec![RegionInfo {
             id: 0,
@@ -30,12 +34,16 @@ fn setup(channels: u16) -> SessionSetup {
 }
 
 fn hello(channels: u16) -> Message {
+    hello_with_codecs(channels, 0)
+}
+
+fn hello_with_codecs(channels: u16, codecs: u8) -> Message {
     Message::Hello(Hello {
         handshake: Handshake {
             session_id: SESSION,
             channel_index: 0,
         },
-        setup: setup(channels),
+        setup: setup_with_codecs(channels, codecs),
     })
 }
 
@@ -50,6 +58,16 @@ fn channel_hello(session_id: u64, channel_index: u16) -> Message {
 
 /// A one-page packet of iteration 0; the payload length is the kind's.
 fn packet(region_id: u32, page_index: u32, kind: PageKind, payload: &[u8]) -> Vec<u8> {
+    packet_with_codec(region_id, 0, page_index, kind, payload)
+}
+
+fn packet_with_codec(
+    region_id: u32,
+    codec: u8,
+    page_index: u32,
+    kind: PageKind,
+    payload: &[u8],
+) -> Vec<u8> {
     let encoded_len = match kind {
         PageKind::Zero => 0,
         PageKind::Raw => 4096,
@@ -60,7 +78,7 @@ fn packet(region_id: u32, page_index: u32, kind: PageKind, payload: &[u8]) -> Ve
         &mut bytes,
         region_id,
         0,
-        0,
+        codec,
         &[PageEntry {
             page_index,
             kind,
@@ -95,8 +113,13 @@ fn connect(address: &tern_engine::Address) -> Channel {
 }
 
 fn handshake(address: &tern_engine::Address, channels: u16) -> FakeSource {
+    handshake_with_codecs(address, channels, 0)
+}
+
+fn handshake_with_codecs(address: &tern_engine::Address, channels: u16, codecs: u8) -> FakeSource {
     let mut main = connect(address);
-    main.send_message(&hello(channels)).unwrap();
+    main.send_message(&hello_with_codecs(channels, codecs))
+        .unwrap();
     assert!(matches!(main.read_message().unwrap(), Message::Welcome(_)));
     let mut pages = Vec::new();
     for index in 1..=channels {
@@ -403,4 +426,49 @@ fn nobody_listening_is_a_clear_error() {
         "{}",
         failure.error.chain()
     );
+}
+
+#[test]
+fn garbage_compressed_page_is_a_clear_error() {
+    let (listener, address) = tcp_listener();
+    let destination = spawn_destination(listener);
+    let zstd = tern_page::CodecId::Zstd.to_wire();
+    let mut fake = handshake_with_codecs(&address, 1, 1 << zstd);
+    fake.pages[0]
+        .write_all(&packet_with_codec(
+            0,
+            zstd,
+            3,
+            PageKind::Compressed,
+            &[0x5a; 100],
+        ))
+        .unwrap();
+    expect_destination_error(destination, "page 3 of region 0");
+}
+
+#[test]
+fn unannounced_codec_is_refused() {
+    let (listener, address) = tcp_listener();
+    let destination = spawn_destination(listener);
+    let mut fake = handshake(&address, 1);
+    fake.pages[0]
+        .write_all(&packet_with_codec(
+            0,
+            1,
+            3,
+            PageKind::Compressed,
+            &[0x5a; 100],
+        ))
+        .unwrap();
+    expect_destination_error(destination, "was not announced");
+}
+
+#[test]
+fn unknown_codec_in_the_hello_is_refused() {
+    let (listener, address) = tcp_listener();
+    let destination = spawn_destination(listener);
+    let mut main = connect(&address);
+    main.send_message(&hello_with_codecs(1, 1 << 6)).unwrap();
+    expect_abort(&mut main, "codec 6");
+    expect_destination_error(destination, "cannot decode");
 }

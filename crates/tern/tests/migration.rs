@@ -391,3 +391,118 @@ fn zero_copy_over_a_unix_socket_is_refused_at_connect() {
     );
     assert!(destination.join().unwrap().is_err());
 }
+
+#[test]
+fn every_codec_verifies_and_reports() {
+    use tern_page::codec::CodecChoice;
+    for choice in [CodecChoice::Zstd, CodecChoice::Deflate, CodecChoice::Lz4] {
+        let mut guest = guest(32 * MIB, 8 * MIB);
+        let (listener, address) = tcp_listener();
+        let mut config = migration_config(2);
+        config.compression = choice;
+        let (stats, mut destination) = migrate_and_check(&mut guest, config, listener, address);
+        let report = stats.compression.expect("compression report");
+        let codec = &report.codecs[choice.name()];
+        assert!(codec.compressed > 0, "{choice}: {report:?}");
+        // Random pages are recognised by sampling and sent raw.
+        assert!(codec.skipped_by_sampling > 0, "{choice}: {report:?}");
+        assert!(codec.ratio > 1.0);
+        // Compressed text pages make the wire carry less than the data.
+        assert!(stats.ram.transferred < stats.ram.normal_bytes);
+        destination.pause().unwrap();
+    }
+}
+
+#[test]
+fn adaptive_compression_on_a_slow_link_compresses_and_verifies() {
+    let mut guest = guest(32 * MIB, 0);
+    let (listener, address) = tcp_listener();
+    let mut config = migration_config(2);
+    config.compression = tern_page::codec::CodecChoice::Auto;
+    config.max_bandwidth = Some(16 * MIB);
+    let (stats, _destination) = migrate_and_check(&mut guest, config, listener, address);
+    let report = stats.compression.expect("compression report");
+    assert_eq!(report.choice, "auto");
+    // On a link this slow any codec beats sending raw.
+    assert!(report.codec_switches >= 1, "{report:?}");
+    assert!(report.codecs.values().any(|codec| codec.compressed > 0));
+}
+
+#[test]
+fn zero_copy_and_compression_together_are_refused_up_front() {
+    let mut config = migration_config(1);
+    config.zero_copy = true;
+    config.compression = tern_page::codec::CodecChoice::Zstd;
+    let error = Source::new(config).expect_err("incompatible options");
+    let text = error.to_string();
+    assert!(
+        text.contains("--zero-copy") && text.contains("--compression"),
+        "{text}"
+    );
+}
+
+#[test]
+fn missing_accelerators_are_clear_errors_at_start_up() {
+    let mut config = migration_config(1);
+    config.compression = tern_page::codec::CodecChoice::Qpl;
+    if tern_page::codec::qpl_available().is_ok() {
+        eprintln!("skipped: libqpl is installed here, so QPL cannot be missing");
+    } else {
+        let error = Source::new(config).expect_err("no libqpl");
+        assert!(error.to_string().contains("libqpl"), "{error}");
+    }
+    let mut config = migration_config(1);
+    config.zero_page_detection = ZeroPageDetection::Dsa;
+    if std::path::Path::new("/dev/dsa").exists() {
+        eprintln!("skipped: this machine has DSA devices");
+    } else {
+        let error = Source::new(config).expect_err("no DSA");
+        assert!(error.to_string().contains("no DSA work queue"), "{error}");
+    }
+}
+
+#[test]
+fn dsa_offload_on_the_software_device_with_faults_and_errors_verifies() {
+    use std::sync::Arc;
+    use tern_page::dsa::{SoftwareDsaConfig, software_dsa};
+    let mut guest = guest(32 * MIB, 8 * MIB);
+    let (listener, address) = tcp_listener();
+    let mut config = migration_config(2);
+    config.zero_page_detection = ZeroPageDetection::Dsa;
+    // Every 7th page faults part-way; every 101st comes back with a device
+    // error: the CPU must finish both, and the memory must still match.
+    config.zero_page_offload = Some(software_dsa(SoftwareDsaConfig {
+        fault_if: Some(Arc::new(|index, _| index % 7 == 0)),
+        error_if: Some(Arc::new(|index, _| index % 101 == 0)),
+        ..SoftwareDsaConfig::default()
+    }));
+    let (stats, mut destination) = migrate_and_check(&mut guest, config, listener, address);
+    let detection = stats.zero_page_detection.expect("detection report");
+    assert_eq!(detection.mode, "dsa");
+    let offload = detection.offload.expect("offload counters");
+    assert!(offload.pages_device > 0, "{offload:?}");
+    assert!(offload.page_faults > 0, "{offload:?}");
+    assert!(offload.cpu_fallbacks > 0, "{offload:?}");
+    assert!(stats.ram.duplicate > 0);
+    destination.pause().unwrap();
+}
+
+#[test]
+fn zero_pages_sent_as_normal_on_request() {
+    let mut guest = guest_with(SyntheticConfig {
+        memory_bytes: 16 * MIB,
+        regions: 1,
+        mix: ContentMix::new(100, 0, 0).unwrap(),
+        seed: 2,
+        dirty_rate_bytes_per_sec: 0,
+        working_set_bytes: 0,
+        dirtier_threads: 1,
+    });
+    let (listener, address) = tcp_listener();
+    let mut config = migration_config(1);
+    config.zero_page_as_normal = 0.25;
+    let (stats, _) = migrate_and_check(&mut guest, config, listener, address);
+    let pages = 16 * MIB / 4096;
+    assert_eq!(stats.ram.normal + stats.ram.duplicate, pages);
+    assert_eq!(stats.ram.normal, pages / 4);
+}

@@ -185,7 +185,7 @@ fn load_from(candidates: &[&str]) -> Result<QplLib, LoadFailure> {
     });
     let Some(lib) = lib else {
         return Err(LoadFailure::Missing(format!(
-            "libqpl.so not found: install Intel QPL (https://github.com/intel/qpl) \
+            "libqpl.so not found: install Intel QPL (libqpl.so.1) \
              or set TERN_QPL_LIB to its path ({last})"
         )));
     };

@@ -289,11 +289,21 @@ mod tests {
                 max_iterations: Some(0),
                 ..Default::default()
             },
+            MigrationConfig {
+                zero_page_as_normal: 1.5,
+                ..Default::default()
+            },
+            MigrationConfig {
+                zero_copy: true,
+                compression: CodecChoice::Lz4,
+                ..Default::default()
+            },
         ] {
             assert!(config.validate().is_err(), "{config:?}");
         }
         assert_eq!("workers".parse(), Ok(ZeroPageDetection::Workers));
-        assert!("dsa".parse::<ZeroPageDetection>().is_err());
+        assert_eq!("dsa".parse(), Ok(ZeroPageDetection::Dsa));
+        assert!("magic".parse::<ZeroPageDetection>().is_err());
         assert_eq!("switch-over".parse(), Ok(LimitPolicy::SwitchOver));
     }
 }

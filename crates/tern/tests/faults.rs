@@ -15,10 +15,6 @@ use tern_wire::{
 const SESSION: u64 = 0x5e55_1011;
 const REGION_BYTES: u64 = 4 * MIB;
 
-fn setup(channels: u16) -> SessionSetup {
-    setup_with_codecs(channels, 0)
-}
-
 fn setup_with_codecs(channels: u16, codecs: u8) -> SessionSetup {
     SessionSetup {
         page_size: 4096,

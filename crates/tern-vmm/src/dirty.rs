@@ -18,8 +18,8 @@
 use std::os::fd::AsRawFd;
 
 use kvm_bindings::{
-    KVM_CAP_MANUAL_DIRTY_LOG_PROTECT2, KVM_DIRTY_LOG_MANUAL_PROTECT_ENABLE, KVM_MEM_LOG_DIRTY_PAGES,
-    kvm_clear_dirty_log, kvm_enable_cap, kvm_userspace_memory_region,
+    KVM_CAP_MANUAL_DIRTY_LOG_PROTECT2, KVM_DIRTY_LOG_MANUAL_PROTECT_ENABLE,
+    KVM_MEM_LOG_DIRTY_PAGES, kvm_clear_dirty_log, kvm_enable_cap, kvm_userspace_memory_region,
 };
 use kvm_ioctls::VmFd;
 use tern_engine::{DirtyBitmap, PAGE_SIZE};
@@ -55,7 +55,8 @@ impl ProtectMode {
     /// Chooses the mode for a new VM (before any memory slot exists),
     /// enabling manual protection where the kernel has it.
     pub fn enable(vm: &VmFd) -> Self {
-        let supported = vm.check_extension_raw(libc::c_ulong::from(KVM_CAP_MANUAL_DIRTY_LOG_PROTECT2));
+        let supported =
+            vm.check_extension_raw(libc::c_ulong::from(KVM_CAP_MANUAL_DIRTY_LOG_PROTECT2));
         let wanted = u64::from(KVM_DIRTY_LOG_MANUAL_PROTECT_ENABLE);
         if supported > 0 && (supported as u64) & wanted != 0 {
             let mut cap = kvm_enable_cap {

@@ -67,7 +67,10 @@ impl GuestRam {
         let file = File::open(image).map_err(image_error)?;
         let file_len = file.metadata().map_err(image_error)?.len();
         let ram = Self::anonymous(len)?;
-        let mapped = file_len.min(len).next_multiple_of(PAGE_SIZE as u64).min(len);
+        let mapped = file_len
+            .min(len)
+            .next_multiple_of(PAGE_SIZE as u64)
+            .min(len);
         if mapped > 0 {
             // SAFETY: MAP_FIXED replaces the first `mapped` bytes of the
             // anonymous mapping this function owns (`mapped <= len`); nothing
@@ -192,7 +195,11 @@ mod tests {
         ram.write(0, &[0xAA; 16]);
         assert_eq!(ram.read_u8(0), 0xAA);
         drop(ram);
-        assert_eq!(std::fs::read(file.path()).unwrap(), content, "file untouched");
+        assert_eq!(
+            std::fs::read(file.path()).unwrap(),
+            content,
+            "file untouched"
+        );
     }
 
     #[test]

@@ -9,8 +9,8 @@
 //! Unknown tags are an error: a newer source must bump the section version.
 
 use kvm_bindings::{
-    kvm_clock_data, kvm_debugregs, kvm_irqchip, kvm_lapic_state, kvm_mp_state, kvm_regs,
-    kvm_sregs, kvm_vcpu_events, kvm_xcrs, kvm_xsave,
+    kvm_clock_data, kvm_debugregs, kvm_irqchip, kvm_lapic_state, kvm_mp_state, kvm_regs, kvm_sregs,
+    kvm_vcpu_events, kvm_xcrs, kvm_xsave,
 };
 use tern_engine::StateSection;
 use zerocopy::{FromBytes, Immutable, IntoBytes};

@@ -127,7 +127,9 @@ struct Shared {
 
 impl Shared {
     fn control(&self) -> MutexGuard<'_, Control> {
-        self.control.lock().unwrap_or_else(|poison| poison.into_inner())
+        self.control
+            .lock()
+            .unwrap_or_else(|poison| poison.into_inner())
     }
 }
 
@@ -247,9 +249,7 @@ impl Vcpu {
             self.shared.want_run.store(false, Ordering::SeqCst);
         }
         self.kick();
-        self.wait_until(|status| {
-            matches!(status, VcpuStatus::Paused | VcpuStatus::Failed(_))
-        })
+        self.wait_until(|status| matches!(status, VcpuStatus::Paused | VcpuStatus::Failed(_)))
     }
 
     /// Lets the guest run.
@@ -394,7 +394,10 @@ fn set_msrs(fd: &VcpuFd, msrs: &[(u32, u64)]) -> Result<()> {
             .map_err(|error| VmmError::Thread(format!("MSR list: {error:?}")))?;
         let set = fd.set_msrs(&list).map_err(VmmError::kvm("set MSRs"))?;
         if set < rest.len() {
-            tracing::debug!(msr = format_args!("{:#x}", rest[set].index), "MSR not settable, skipped");
+            tracing::debug!(
+                msr = format_args!("{:#x}", rest[set].index),
+                "MSR not settable, skipped"
+            );
             rest = &rest[set + 1..];
         } else {
             rest = &[];

@@ -180,7 +180,8 @@ fn machine(ram: &GuestRam) -> Result<Machine> {
     let cpuid = kvm
         .get_supported_cpuid(KVM_MAX_CPUID_ENTRIES)
         .map_err(VmmError::kvm("get supported CPUID"))?;
-    vcpu.set_cpuid2(&cpuid).map_err(VmmError::kvm("set CPUID"))?;
+    vcpu.set_cpuid2(&cpuid)
+        .map_err(VmmError::kvm("set CPUID"))?;
     let msrs = readable_msrs(&kvm, &vcpu)?;
     Ok(Machine {
         kvm,
@@ -502,9 +503,7 @@ impl KvmGuest {
             self.layout.to_section(),
             self.save_vm()?.to_section(),
             vcpu.to_section(),
-            self.vcpu
-                .with_serial(|serial| serial.save())
-                .to_section(),
+            self.vcpu.with_serial(|serial| serial.save()).to_section(),
         ])
     }
 

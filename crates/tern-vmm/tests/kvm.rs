@@ -100,7 +100,10 @@ fn dirty_log_reports_the_working_set_and_not_the_rest() {
     guest
         .sync_dirty_log(std::slice::from_mut(&mut after))
         .unwrap();
-    assert!(after.get(first_ws_page), "writes after a sync are reported again");
+    assert!(
+        after.get(first_ws_page),
+        "writes after a sync are reported again"
+    );
     guest.stop_dirty_log().unwrap();
 }
 
@@ -195,7 +198,10 @@ fn live_migration_over_tcp_keeps_the_guest_counting() {
         .unwrap()
         .migrate(&mut guest, &address)
         .expect("the migration completes");
-    let received = destination.join().unwrap().expect("the destination completes");
+    let received = destination
+        .join()
+        .unwrap()
+        .expect("the destination completes");
     assert_eq!(stats.status, MigrationStatus::Completed);
     assert!(stats.digest_verified);
     assert!(stats.ram.iterations >= 1);
@@ -292,11 +298,17 @@ fn memory_image_is_the_starting_content_and_stays_untouched() {
     // Outside the guest's pages the image shows through.
     let mut byte = [0u8; 16];
     guest.read_memory(6 * MIB + 5, &mut byte);
-    assert_eq!(&byte, &content[(6 * MIB + 5) as usize..(6 * MIB + 21) as usize]);
+    assert_eq!(
+        &byte,
+        &content[(6 * MIB + 5) as usize..(6 * MIB + 21) as usize]
+    );
     guest.read_memory(20 * MIB, &mut byte);
     assert_eq!(byte, [0; 16], "past the image, memory is zero");
     drop(guest);
-    assert!(std::fs::read(image.path()).unwrap() == content, "the image file is unchanged");
+    assert!(
+        std::fs::read(image.path()).unwrap() == content,
+        "the image file is unchanged"
+    );
 }
 
 #[test]

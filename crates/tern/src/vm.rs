@@ -265,10 +265,7 @@ impl DestinationProof {
                         check.pages, check.edges
                     )
                 } else {
-                    format!(
-                        "FAILED: {}",
-                        check.failure.as_deref().unwrap_or("unknown")
-                    )
+                    format!("FAILED: {}", check.failure.as_deref().unwrap_or("unknown"))
                 },
             ),
             ("pass count before", self.pass_count_before.to_string()),
@@ -436,7 +433,10 @@ fn receive(args: &ReceiveArgs) -> anyhow::Result<ExitCode> {
     let listener = Listener::bind(&args.listen)
         .with_context(|| format!("cannot listen on {}", args.listen))?;
     if !args.json {
-        eprintln!("tern vm receive: listening on {}", listener.local_address()?);
+        eprintln!(
+            "tern vm receive: listening on {}",
+            listener.local_address()?
+        );
     }
     let destination = Destination::new(ReceiveConfig {
         accept_timeout: Duration::from_secs(args.accept_timeout),
@@ -585,10 +585,7 @@ fn demo(args: &DemoArgs) -> anyhow::Result<ExitCode> {
             if args.json {
                 print_json(&report)?;
             } else {
-                print_summary(
-                    &report.stats,
-                    &[("source guest runs on", runs.to_string())],
-                );
+                print_summary(&report.stats, &[("source guest runs on", runs.to_string())]);
             }
             Ok(ExitCode::from(1))
         }

@@ -432,12 +432,11 @@ fn migrate(args: &MigrateArgs) -> anyhow::Result<ExitCode> {
 fn receive(args: &ReceiveArgs) -> anyhow::Result<ExitCode> {
     let listener = Listener::bind(&args.listen)
         .with_context(|| format!("cannot listen on {}", args.listen))?;
-    if !args.json {
-        eprintln!(
-            "tern vm receive: listening on {}",
-            listener.local_address()?
-        );
-    }
+    // On stderr even with --json: scripts wait for this line.
+    eprintln!(
+        "tern vm receive: listening on {}",
+        listener.local_address()?
+    );
     let destination = Destination::new(ReceiveConfig {
         accept_timeout: Duration::from_secs(args.accept_timeout),
         io_timeout: Duration::from_secs(args.io_timeout),

@@ -423,43 +423,10 @@ impl KvmGuest {
         if pages == 0 {
             return Err("the test guest's layout is unknown (no state restored)".into());
         }
-        let byte = |page: u32| self.ram.read_u8(WORKING_SET_BASE + u64::from(page) * PAGE);
-        let pass_count = self.pass_count();
-        let mut edges = 0;
-        let mut failure = None;
-        let mut previous = byte(0);
-        for page in 1..pages {
-            let current = byte(page);
-            if current == previous.wrapping_sub(1) {
-                edges += 1;
-                if edges > 1 && failure.is_none() {
-                    failure = Some(format!("a second edge at page {page}"));
-                }
-            } else if current != previous && failure.is_none() {
-                failure = Some(format!(
-                    "page {page} holds {current}, its predecessor {previous}"
-                ));
-            }
-            previous = current;
-        }
-        let (first_byte, last_byte) = (byte(0), byte(pages - 1));
-        let counter_low = pass_count as u8;
-        let counter_matches = last_byte == counter_low || last_byte == counter_low.wrapping_add(1);
-        if !counter_matches && failure.is_none() {
-            failure = Some(format!(
-                "the last page holds {last_byte}, the pass counter is {pass_count}"
-            ));
-        }
-        Ok(ConsistencyReport {
-            passed: failure.is_none(),
-            pages,
-            edges,
-            first_byte,
-            last_byte,
-            pass_count,
-            counter_matches,
-            failure,
-        })
+        let bytes: Vec<u8> = (0..pages)
+            .map(|page| self.ram.read_u8(WORKING_SET_BASE + u64::from(page) * PAGE))
+            .collect();
+        Ok(check_working_set(&bytes, self.pass_count()))
     }
 
     fn save_vm(&self) -> Result<VmState> {
@@ -527,6 +494,49 @@ impl KvmGuest {
             .with_serial(|current| *current = Serial::restore(&serial));
         self.layout = layout;
         Ok(())
+    }
+}
+
+/// The consistency check over the first bytes of the working set's pages
+/// (`bytes[i]` of page `i`) and the pass counter.
+pub fn check_working_set(bytes: &[u8], pass_count: u64) -> ConsistencyReport {
+    let mut edges = 0;
+    let mut failure = None;
+    for (page, pair) in bytes.windows(2).enumerate() {
+        let (previous, current) = (pair[0], pair[1]);
+        let page = page + 1;
+        if current == previous.wrapping_sub(1) {
+            edges += 1;
+            if edges > 1 && failure.is_none() {
+                failure = Some(format!("a second edge at page {page}"));
+            }
+        } else if current != previous && failure.is_none() {
+            failure = Some(format!(
+                "page {page} holds {current}, its predecessor {previous}"
+            ));
+        }
+    }
+    let first_byte = bytes.first().copied().unwrap_or(0);
+    let last_byte = bytes.last().copied().unwrap_or(0);
+    let counter_low = pass_count as u8;
+    let counter_matches = last_byte == counter_low || last_byte == counter_low.wrapping_add(1);
+    if !counter_matches && failure.is_none() {
+        failure = Some(format!(
+            "the last page holds {last_byte}, the pass counter is {pass_count}"
+        ));
+    }
+    if bytes.is_empty() {
+        failure = Some("no pages to check".into());
+    }
+    ConsistencyReport {
+        passed: failure.is_none(),
+        pages: u32::try_from(bytes.len()).unwrap_or(u32::MAX),
+        edges,
+        first_byte,
+        last_byte,
+        pass_count,
+        counter_matches,
+        failure,
     }
 }
 
@@ -601,5 +611,35 @@ mod tests {
         };
         assert!(huge.validate().is_err());
         assert!(VmConfig::default().validate().is_ok());
+    }
+
+    #[test]
+    fn consistency_check_accepts_one_edge_and_wrap_around() {
+        assert!(check_working_set(&[5, 5, 5, 5], 5).passed);
+        // Mid-pass: pages 0-1 already incremented, the counter not yet.
+        let report = check_working_set(&[6, 6, 5, 5], 5);
+        assert!(report.passed && report.edges == 1, "{report:?}");
+        // All pages incremented, counter update pending.
+        assert!(check_working_set(&[6, 6, 6, 6], 5).passed);
+        // Wrap-around from 255 to 0 at the edge and in the counter.
+        assert!(check_working_set(&[0, 0, 255, 255], 255).passed);
+        assert!(check_working_set(&[0, 0, 0], 256).passed);
+        assert!(check_working_set(&[0, 255], 511).passed);
+    }
+
+    #[test]
+    fn consistency_check_rejects_what_a_migration_could_break() {
+        // Two edges: a page went missing from one iteration.
+        let report = check_working_set(&[7, 6, 6, 5], 5);
+        assert!(!report.passed && report.edges == 2);
+        // A page behind by two, or ahead of its predecessor.
+        assert!(!check_working_set(&[7, 5, 5], 5).passed);
+        assert!(!check_working_set(&[5, 6, 6], 6).passed);
+        // A page zeroed (never transferred).
+        assert!(!check_working_set(&[9, 9, 0, 9], 9).passed);
+        // Bytes fine, counter off.
+        let report = check_working_set(&[5, 5], 9);
+        assert!(!report.passed && !report.counter_matches);
+        assert!(!check_working_set(&[], 0).passed);
     }
 }

@@ -32,6 +32,9 @@ pub enum Command {
     /// Benchmarks.
     #[command(subcommand)]
     Bench(BenchCommand),
+    /// A real KVM guest: run, migrate, receive, demo.
+    #[command(subcommand)]
+    Vm(crate::vm::VmCommand),
 }
 
 #[derive(Debug, Args)]

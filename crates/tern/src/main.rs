@@ -5,6 +5,7 @@ mod cli;
 mod report;
 mod run;
 mod units;
+mod vm;
 
 use clap::Parser;
 

@@ -19,6 +19,7 @@ pub fn dispatch(command: Command) -> anyhow::Result<ExitCode> {
         Command::Migrate(args) => migrate(&args),
         Command::Receive(args) => receive(&args),
         Command::Bench(command) => crate::bench::run(command),
+        Command::Vm(command) => crate::vm::run(command),
     }
 }
 

@@ -1,0 +1,212 @@
+//! The test guest: a few dozen bytes of 32-bit x86 code of our own.
+//!
+//! The guest is entered in 32-bit protected mode with paging off and flat
+//! 4 GiB segments (set up through `kvm_sregs`, with a matching GDT in guest
+//! memory so the descriptors are real). It never takes an interrupt
+//! (`EFLAGS.IF` is clear) and needs no stack. Its program:
+//!
+//! ```text
+//! start:  esi = WORKING_SET_BASE; ecx = working-set pages
+//!         for each page: byte [page] = 0          ; a known start, even
+//!                                                  ; over image contents
+//! pass:   for each page: byte [page] += 1          ; dirties every page
+//!         dword [PASS_COUNTER] += 1
+//!         out 0x3f8, low byte of the counter       ; one exit per pass
+//!         jmp pass
+//! ```
+//!
+//! So at any instant the first bytes of the working set read
+//! `v+1, …, v+1, v, …, v` (the guest is in the middle of a pass) and the last
+//! page's byte equals the pass counter's low byte (or is one ahead of it
+//! between the last increment and the counter update): the property
+//! [`crate::KvmGuest::consistency_check`] verifies after a migration. The
+//! serial port receives exactly one byte per pass, so the number of bytes it
+//! has received equals the pass counter whenever the vCPU is paused.
+
+/// Guest-physical address of the GDT.
+pub const GDT_ADDR: u64 = 0x500;
+/// Guest-physical address where the code is loaded and entered.
+pub const CODE_ADDR: u64 = 0x1000;
+/// Guest-physical address of the 32-bit pass counter.
+pub const PASS_COUNTER_ADDR: u64 = 0x2000;
+/// Guest-physical address of the first working-set page (1 MiB).
+pub const WORKING_SET_BASE: u64 = 0x10_0000;
+/// The serial port the guest reports on (COM1's data register).
+pub const SERIAL_PORT: u16 = 0x3f8;
+/// Initial stack pointer (unused by the code, set for tidiness).
+pub const STACK_TOP: u64 = 0x8000;
+
+/// Code segment selector (GDT entry 1).
+pub const CODE_SELECTOR: u16 = 0x08;
+/// Data segment selector (GDT entry 2).
+pub const DATA_SELECTOR: u16 = 0x10;
+
+/// The GDT: null, flat 32-bit code (exec/read), flat 32-bit data (read/write).
+pub fn gdt() -> [u64; 3] {
+    [
+        0,
+        // base 0, limit 0xfffff pages, G=1 D=1 P=1 DPL=0 S=1 type=0xb
+        0x00cf_9b00_0000_ffff,
+        // base 0, limit 0xfffff pages, G=1 B=1 P=1 DPL=0 S=1 type=0x3
+        0x00cf_9300_0000_ffff,
+    ]
+}
+
+/// A tiny assembler for the handful of instructions the guest uses, with
+/// backward labels for the loops.
+#[derive(Debug, Default)]
+struct Asm {
+    code: Vec<u8>,
+}
+
+impl Asm {
+    fn label(&self) -> usize {
+        self.code.len()
+    }
+
+    fn emit(&mut self, bytes: &[u8]) {
+        self.code.extend_from_slice(bytes);
+    }
+
+    /// `mov r32, imm32` (B8+r id).
+    fn mov_imm32(&mut self, reg: u8, value: u32) {
+        self.emit(&[0xb8 + reg]);
+        self.emit(&value.to_le_bytes());
+    }
+
+    /// `mov dst, src` between 32-bit registers (89 /r, mod=11).
+    fn mov_reg(&mut self, dst: u8, src: u8) {
+        self.emit(&[0x89, 0xc0 | (src << 3) | dst]);
+    }
+
+    /// `mov byte [eax], imm8` (C6 /0, mod=00 rm=eax).
+    fn mov_byte_at_eax(&mut self, value: u8) {
+        self.emit(&[0xc6, 0x00, value]);
+    }
+
+    /// `inc byte [eax]` (FE /0, mod=00 rm=eax).
+    fn inc_byte_at_eax(&mut self) {
+        self.emit(&[0xfe, 0x00]);
+    }
+
+    /// `add eax, imm32` (05 id).
+    fn add_eax(&mut self, value: u32) {
+        self.emit(&[0x05]);
+        self.emit(&value.to_le_bytes());
+    }
+
+    /// `dec r32` (48+r, the one-byte form of 32-bit mode).
+    fn dec(&mut self, reg: u8) {
+        self.emit(&[0x48 + reg]);
+    }
+
+    /// `inc dword [disp32]` (FF /0, mod=00 rm=101).
+    fn inc_dword_at(&mut self, address: u32) {
+        self.emit(&[0xff, 0x05]);
+        self.emit(&address.to_le_bytes());
+    }
+
+    /// `mov al, [moffs32]` (A0).
+    fn mov_al_from(&mut self, address: u32) {
+        self.emit(&[0xa0]);
+        self.emit(&address.to_le_bytes());
+    }
+
+    /// `mov dx, imm16` (66 BA iw).
+    fn mov_dx(&mut self, value: u16) {
+        self.emit(&[0x66, 0xba]);
+        self.emit(&value.to_le_bytes());
+    }
+
+    /// `out dx, al` (EE).
+    fn out_dx_al(&mut self) {
+        self.emit(&[0xee]);
+    }
+
+    /// A short jump (`opcode rel8`) back to `target`.
+    fn jump_back(&mut self, opcode: u8, target: usize) {
+        let after = self.code.len() + 2;
+        let rel = i8::try_from(target as isize - after as isize).expect("loop fits a rel8 jump");
+        self.emit(&[opcode, rel.to_le_bytes()[0]]);
+    }
+
+    /// `jnz target` (75 cb).
+    fn jnz(&mut self, target: usize) {
+        self.jump_back(0x75, target);
+    }
+
+    /// `jmp target` (EB cb).
+    fn jmp(&mut self, target: usize) {
+        self.jump_back(0xeb, target);
+    }
+}
+
+const EAX: u8 = 0;
+const ECX: u8 = 1;
+const EDX: u8 = 2;
+const ESI: u8 = 6;
+const PAGE: u32 = 4096;
+
+/// The guest's machine code for a working set of `pages` pages at
+/// [`WORKING_SET_BASE`]. Load it at [`CODE_ADDR`].
+pub fn code(pages: u32) -> Vec<u8> {
+    let base = u32::try_from(WORKING_SET_BASE).expect("below 4 GiB");
+    let counter = u32::try_from(PASS_COUNTER_ADDR).expect("below 4 GiB");
+    let mut asm = Asm::default();
+    asm.mov_imm32(ESI, base); // esi = first page
+    asm.mov_imm32(ECX, pages); // ecx = pages
+    asm.mov_reg(EAX, ESI); // eax = page pointer
+    asm.mov_reg(EDX, ECX); // edx = pages left
+    let init = asm.label();
+    asm.mov_byte_at_eax(0); // byte [page] = 0
+    asm.add_eax(PAGE); // next page
+    asm.dec(EDX);
+    asm.jnz(init);
+    let pass = asm.label();
+    asm.mov_reg(EAX, ESI);
+    asm.mov_reg(EDX, ECX);
+    let page = asm.label();
+    asm.inc_byte_at_eax(); // byte [page] += 1
+    asm.add_eax(PAGE);
+    asm.dec(EDX);
+    asm.jnz(page);
+    asm.inc_dword_at(counter); // passes += 1
+    asm.mov_al_from(counter); // al = passes (low byte)
+    asm.mov_dx(SERIAL_PORT);
+    asm.out_dx_al(); // report the pass: the only exit
+    asm.jmp(pass);
+    asm.code
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn code_matches_hand_assembly() {
+        let code = code(0x100);
+        #[rustfmt::skip]
+        let expected: &[u8] = &[
+            0xbe, 0x00, 0x00, 0x10, 0x00,       // mov esi, 0x100000
+            0xb9, 0x00, 0x01, 0x00, 0x00,       // mov ecx, 0x100
+            0x89, 0xf0,                         // mov eax, esi
+            0x89, 0xca,                         // mov edx, ecx
+            0xc6, 0x00, 0x00,                   // init: mov byte [eax], 0
+            0x05, 0x00, 0x10, 0x00, 0x00,       // add eax, 0x1000
+            0x4a,                               // dec edx
+            0x75, 0xf5,                         // jnz init
+            0x89, 0xf0,                         // pass: mov eax, esi
+            0x89, 0xca,                         // mov edx, ecx
+            0xfe, 0x00,                         // page: inc byte [eax]
+            0x05, 0x00, 0x10, 0x00, 0x00,       // add eax, 0x1000
+            0x4a,                               // dec edx
+            0x75, 0xf6,                         // jnz page
+            0xff, 0x05, 0x00, 0x20, 0x00, 0x00, // inc dword [0x2000]
+            0xa0, 0x00, 0x20, 0x00, 0x00,       // mov al, [0x2000]
+            0x66, 0xba, 0xf8, 0x03,             // mov dx, 0x3f8
+            0xee,                               // out dx, al
+            0xeb, 0xe0,                         // jmp pass
+        ];
+        assert_eq!(code, expected);
+    }
+}

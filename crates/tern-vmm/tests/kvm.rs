@@ -1,0 +1,322 @@
+//! Integration tests against the host's KVM. Each test prints a skip
+//! message and returns where /dev/kvm is missing; where it exists they run
+//! for real.
+
+use std::time::{Duration, Instant};
+
+use tern_engine::{
+    Address, Destination, DirtyBitmap, DirtyLog, GuestControl, GuestMemory, Listener,
+    MigrationConfig, MigrationStatus, ReceiveConfig, Source,
+};
+use tern_vmm::{KvmGuest, VmConfig, kvm_available};
+
+const MIB: u64 = 1 << 20;
+
+macro_rules! require_kvm {
+    () => {
+        if !kvm_available() {
+            eprintln!("skipped: /dev/kvm not available");
+            return;
+        }
+    };
+}
+
+fn config(pages: u32) -> VmConfig {
+    VmConfig {
+        memory_bytes: 64 * MIB,
+        working_set_pages: pages,
+        image: None,
+    }
+}
+
+fn source(pages: u32) -> KvmGuest {
+    let guest = KvmGuest::new(&config(pages)).expect("create the source VM");
+    assert!(
+        guest.wait_for_pass_count_above(2, Duration::from_secs(20)),
+        "the guest makes passes (status {:?})",
+        guest.vcpu_status()
+    );
+    guest
+}
+
+#[test]
+fn guest_counts_passes_and_reports_them_on_serial() {
+    require_kvm!();
+    let mut guest = source(256);
+    let before = guest.pass_count();
+    assert!(guest.wait_for_pass_count_above(before + 5, Duration::from_secs(20)));
+    guest.pause().unwrap();
+    let passes = guest.pass_count();
+    assert_eq!(
+        guest.serial_transmitted(),
+        passes,
+        "one serial byte per pass"
+    );
+    assert_eq!(guest.serial_tail().last(), Some(&(passes as u8)));
+    let report = guest.consistency_check().unwrap();
+    assert!(report.passed, "{report:?}");
+    // Paused means paused.
+    std::thread::sleep(Duration::from_millis(50));
+    assert_eq!(guest.pass_count(), passes);
+    guest.resume().unwrap();
+    assert!(guest.wait_for_pass_count_above(passes, Duration::from_secs(20)));
+}
+
+#[test]
+fn dirty_log_reports_the_working_set_and_not_the_rest() {
+    require_kvm!();
+    let pages = 64;
+    let mut guest = source(pages);
+    guest.start_dirty_log().unwrap();
+    let total_pages = guest.regions()[0].pages();
+    let mut bitmap = DirtyBitmap::new(total_pages);
+    // A first sync covers writes since start; let a couple of passes happen.
+    let passes = guest.pass_count();
+    assert!(guest.wait_for_pass_count_above(passes + 2, Duration::from_secs(20)));
+    guest
+        .sync_dirty_log(std::slice::from_mut(&mut bitmap))
+        .unwrap();
+    let first_ws_page = 0x10_0000 / 4096;
+    for page in first_ws_page..first_ws_page + u64::from(pages) {
+        assert!(bitmap.get(page), "working-set page {page} reported");
+    }
+    assert!(bitmap.get(2), "the counter page is reported");
+    assert!(!bitmap.get(1), "the code page is never written");
+    assert!(!bitmap.get(first_ws_page + u64::from(pages) + 1));
+    // After a pause nothing more is written: the next sync is empty.
+    guest.pause().unwrap();
+    let mut drain = DirtyBitmap::new(total_pages);
+    guest
+        .sync_dirty_log(std::slice::from_mut(&mut drain))
+        .unwrap();
+    let mut after = DirtyBitmap::new(total_pages);
+    guest
+        .sync_dirty_log(std::slice::from_mut(&mut after))
+        .unwrap();
+    assert_eq!(after.count(), 0, "a paused guest dirties nothing");
+    guest.resume().unwrap();
+    let passes = guest.pass_count();
+    assert!(guest.wait_for_pass_count_above(passes + 1, Duration::from_secs(20)));
+    guest
+        .sync_dirty_log(std::slice::from_mut(&mut after))
+        .unwrap();
+    assert!(
+        after.get(first_ws_page),
+        "writes after a sync are reported again"
+    );
+    guest.stop_dirty_log().unwrap();
+}
+
+#[test]
+fn state_round_trip_in_process_continues_the_count() {
+    require_kvm!();
+    use tern_engine::DeviceState;
+    let mut from = source(128);
+    from.pause().unwrap();
+    let passes = from.pass_count();
+    let sections = from.save_state().unwrap();
+    let names: Vec<&str> = sections.iter().map(|s| s.name.as_str()).collect();
+    assert_eq!(names, ["test-guest", "vm", "vcpu0", "serial"]);
+
+    let mut to = KvmGuest::for_destination(&[from.memory_bytes()]).unwrap();
+    assert!(!to.is_running());
+    let mut page = vec![0u8; 4096];
+    for offset in (0..from.memory_bytes()).step_by(4096) {
+        from.read_memory(offset, &mut page);
+        if page.iter().any(|&byte| byte != 0) {
+            to.write_memory(offset, &page);
+        }
+    }
+    to.restore_state(&sections).unwrap();
+    assert_eq!(to.pass_count(), passes);
+    assert_eq!(to.serial_transmitted(), passes);
+    let report = to.consistency_check().unwrap();
+    assert!(report.passed, "{report:?}");
+    to.resume().unwrap();
+    assert!(
+        to.wait_for_pass_count_above(passes + 3, Duration::from_secs(20)),
+        "the restored guest counts on (status {:?})",
+        to.vcpu_status()
+    );
+    to.pause().unwrap();
+    assert_eq!(
+        to.serial_transmitted(),
+        to.pass_count(),
+        "no serial byte lost or repeated across the restore"
+    );
+    assert!(to.consistency_check().unwrap().passed);
+    // The source never ran again.
+    assert_eq!(from.pass_count(), passes);
+}
+
+#[test]
+fn throttle_slows_the_guest() {
+    require_kvm!();
+    let mut guest = source(256);
+    let rate = |guest: &KvmGuest| {
+        let start = (Instant::now(), guest.pass_count());
+        std::thread::sleep(Duration::from_millis(400));
+        (guest.pass_count() - start.1) as f64 / start.0.elapsed().as_secs_f64()
+    };
+    let full = rate(&guest);
+    guest.set_throttle(80).unwrap();
+    let throttled = rate(&guest);
+    guest.set_throttle(0).unwrap();
+    assert!(
+        throttled < full * 0.6,
+        "80% throttle: {throttled:.0} passes/s against {full:.0}"
+    );
+    assert!(throttled > 0.0, "a throttled guest still runs");
+}
+
+fn migration_config() -> MigrationConfig {
+    MigrationConfig {
+        channels: 2,
+        io_timeout: Duration::from_secs(20),
+        ..MigrationConfig::default()
+    }
+}
+
+#[test]
+fn live_migration_over_tcp_keeps_the_guest_counting() {
+    require_kvm!();
+    let mut guest = source(512);
+    let listener = Listener::bind(&Address::Tcp("127.0.0.1:0".into())).unwrap();
+    let address = listener.local_address().unwrap();
+    let destination = std::thread::spawn(move || {
+        Destination::new(ReceiveConfig {
+            io_timeout: Duration::from_secs(20),
+            ..ReceiveConfig::default()
+        })
+        .receive(&listener, |setup| {
+            let lens: Vec<u64> = setup.regions.iter().map(|region| region.len).collect();
+            Ok(KvmGuest::for_destination(&lens)?)
+        })
+    });
+    let before = guest.pass_count();
+    let stats = Source::new(migration_config())
+        .unwrap()
+        .migrate(&mut guest, &address)
+        .expect("the migration completes");
+    let received = destination
+        .join()
+        .unwrap()
+        .expect("the destination completes");
+    assert_eq!(stats.status, MigrationStatus::Completed);
+    assert!(stats.digest_verified);
+    assert!(stats.ram.iterations >= 1);
+    let mut moved = received.guest;
+    // The source stays paused where it stopped.
+    let final_count = guest.pass_count();
+    assert!(final_count >= before);
+    assert!(!guest.is_running());
+    assert!(
+        moved.wait_for_pass_count_above(final_count + 3, Duration::from_secs(20)),
+        "the guest counts on at the destination (status {:?})",
+        moved.vcpu_status()
+    );
+    moved.pause().unwrap();
+    let report = moved.consistency_check().unwrap();
+    assert!(report.passed, "{report:?}");
+    assert_eq!(moved.serial_transmitted(), moved.pass_count());
+}
+
+/// A destination that welcomes the source, reads a little and dies.
+fn dying_destination(listener: Listener, channels: u16) -> std::thread::JoinHandle<()> {
+    use tern_wire::{Message, Welcome};
+    std::thread::spawn(move || {
+        let mut main = listener.accept_timeout(Duration::from_secs(10)).unwrap();
+        let Message::Hello(hello) = main.read_message().unwrap() else {
+            panic!("expected a hello")
+        };
+        let session_id = hello.handshake.session_id;
+        main.send_message(&Message::Welcome(Welcome {
+            session_id,
+            channel_index: 0,
+        }))
+        .unwrap();
+        let mut channels_open = Vec::new();
+        for _ in 0..channels {
+            let mut channel = listener.accept_timeout(Duration::from_secs(10)).unwrap();
+            let Message::ChannelHello(hello) = channel.read_message().unwrap() else {
+                panic!("expected a channel hello")
+            };
+            channel
+                .send_message(&Message::Welcome(Welcome {
+                    session_id,
+                    channel_index: hello.handshake.channel_index,
+                }))
+                .unwrap();
+            channels_open.push(channel);
+        }
+        let mut sink = vec![0u8; 1 << 20];
+        let _ = channels_open[0].read_exact(&mut sink);
+        // Dropping the sockets is what the kernel does when a process dies.
+    })
+}
+
+#[test]
+fn destination_dying_mid_migration_leaves_the_source_running() {
+    require_kvm!();
+    let mut guest = source(512);
+    let listener = Listener::bind(&Address::Tcp("127.0.0.1:0".into())).unwrap();
+    let address = listener.local_address().unwrap();
+    let dying = dying_destination(listener, 2);
+    let failure = Source::new(migration_config())
+        .unwrap()
+        .migrate(&mut guest, &address)
+        .expect_err("the destination died");
+    dying.join().unwrap();
+    assert_eq!(failure.stats.status, MigrationStatus::Failed);
+    assert!(guest.is_running(), "status {:?}", guest.vcpu_status());
+    let passes = guest.pass_count();
+    assert!(
+        guest.wait_for_pass_count_above(passes + 3, Duration::from_secs(20)),
+        "the source guest keeps counting"
+    );
+    guest.pause().unwrap();
+    assert!(guest.consistency_check().unwrap().passed);
+    assert_eq!(guest.serial_transmitted(), guest.pass_count());
+}
+
+#[test]
+fn memory_image_is_the_starting_content_and_stays_untouched() {
+    require_kvm!();
+    use std::io::Write;
+    let mut image = tempfile::NamedTempFile::new().unwrap();
+    let content: Vec<u8> = (0..8 * MIB).map(|i| (i % 253) as u8 | 1).collect();
+    image.write_all(&content).unwrap();
+    let mut guest = KvmGuest::new(&VmConfig {
+        memory_bytes: 32 * MIB,
+        working_set_pages: 128,
+        image: Some(image.path().to_owned()),
+    })
+    .unwrap();
+    assert!(guest.wait_for_pass_count_above(3, Duration::from_secs(20)));
+    guest.pause().unwrap();
+    assert!(guest.consistency_check().unwrap().passed);
+    // Outside the guest's pages the image shows through.
+    let mut byte = [0u8; 16];
+    guest.read_memory(6 * MIB + 5, &mut byte);
+    assert_eq!(
+        &byte,
+        &content[(6 * MIB + 5) as usize..(6 * MIB + 21) as usize]
+    );
+    guest.read_memory(20 * MIB, &mut byte);
+    assert_eq!(byte, [0; 16], "past the image, memory is zero");
+    drop(guest);
+    assert!(
+        std::fs::read(image.path()).unwrap() == content,
+        "the image file is unchanged"
+    );
+}
+
+#[test]
+fn missing_kvm_is_a_clear_error() {
+    if kvm_available() {
+        eprintln!("skipped: /dev/kvm exists; the error path needs a host without it");
+        return;
+    }
+    let error = KvmGuest::new(&config(16)).unwrap_err();
+    assert!(error.to_string().contains("/dev/kvm"), "{error}");
+}

@@ -1,0 +1,188 @@
+//! `tern vm` as separate processes, against the host's KVM. Each test
+//! prints a skip message and returns where /dev/kvm is missing.
+
+use std::io::{BufRead, BufReader};
+use std::process::{Command, Stdio};
+use std::time::Duration;
+
+fn kvm_available() -> bool {
+    if std::path::Path::new("/dev/kvm").exists() {
+        true
+    } else {
+        eprintln!("skipped: /dev/kvm not available");
+        false
+    }
+}
+
+fn tern() -> Command {
+    Command::new(env!("CARGO_BIN_EXE_tern"))
+}
+
+fn json(output: &std::process::Output) -> serde_json::Value {
+    serde_json::from_slice(&output.stdout).unwrap_or_else(|error| {
+        panic!(
+            "stdout is not JSON ({error}):\n{}\nstderr:\n{}",
+            String::from_utf8_lossy(&output.stdout),
+            String::from_utf8_lossy(&output.stderr)
+        )
+    })
+}
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+#[test]
+fn vm_demo_json_proves_memory_and_execution() {
+    if !kvm_available() {
+        return;
+    }
+    let output = tern()
+        .args([
+            "vm",
+            "demo",
+            "--json",
+            "--memory",
+            "64MiB",
+            "--working-set",
+            "2MiB",
+            "--warmup",
+            "200",
+            "--run-after",
+            "300",
+        ])
+        .output()
+        .unwrap();
+    assert!(output.status.success(), "{output:?}");
+    let report = json(&output);
+    assert_eq!(report["status"], "completed");
+    assert_eq!(report["digest-verified"], true);
+    assert_eq!(report["consistency-check"]["passed"], true, "{report}");
+    assert_eq!(report["consistency-check"]["serial-matches"], true);
+    assert_eq!(report["guest-runs-on-destination"], true);
+    let before = report["pass-count-before"].as_u64().unwrap();
+    let after = report["pass-count-after"].as_u64().unwrap();
+    assert!(after > before, "{before} -> {after}");
+    assert_eq!(report["ram"]["total"], 64 << 20);
+    assert_eq!(report["working-set-pages"], 512);
+}
+
+#[test]
+fn vm_run_reports_the_dirty_rate() {
+    if !kvm_available() {
+        return;
+    }
+    let output = tern()
+        .args([
+            "vm",
+            "run",
+            "--json",
+            "--seconds",
+            "0.5",
+            "--memory",
+            "32MiB",
+        ])
+        .output()
+        .unwrap();
+    assert!(output.status.success(), "{output:?}");
+    let report = json(&output);
+    assert!(report["pass-count"].as_u64().unwrap() > 0);
+    assert_eq!(report["serial-bytes"], report["pass-count"]);
+    assert!(report["dirty-pages-per-second"].as_f64().unwrap() > 0.0);
+    assert_eq!(report["consistency-check"]["passed"], true);
+}
+
+/// Starts `tern vm receive` and waits until it listens.
+fn receiver(port: u16, extra: &[&str]) -> std::process::Child {
+    let mut child = tern()
+        .args(["vm", "receive", "--listen", &format!("127.0.0.1:{port}")])
+        .args(["--accept-timeout", "30"])
+        .args(extra)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let stderr = child.stderr.take().unwrap();
+    let mut line = String::new();
+    BufReader::new(stderr).read_line(&mut line).unwrap();
+    assert!(line.contains("listening"), "{line}");
+    child
+}
+
+#[test]
+fn vm_migrate_to_vm_receive_between_processes() {
+    if !kvm_available() {
+        return;
+    }
+    let port = free_port();
+    let destination = receiver(port, &["--json", "--run-after", "300"]);
+    let source = tern()
+        .args([
+            "vm",
+            "migrate",
+            "--json",
+            "--to",
+            &format!("127.0.0.1:{port}"),
+            "--memory",
+            "64MiB",
+            "--warmup",
+            "200",
+        ])
+        .output()
+        .unwrap();
+    let received = destination.wait_with_output().unwrap();
+    assert!(source.status.success(), "{source:?}");
+    assert!(received.status.success(), "{received:?}");
+    let source = json(&source);
+    let received = json(&received);
+    assert_eq!(source["status"], "completed");
+    assert_eq!(source["digest-verified"], true);
+    assert_eq!(received["consistency-check"]["passed"], true);
+    assert_eq!(received["guest-runs-on-destination"], true);
+    assert_eq!(
+        received["pass-count-before"], source["source-pass-count"],
+        "the destination starts where the source stopped"
+    );
+}
+
+#[test]
+fn vm_migrate_survives_a_killed_receiver() {
+    if !kvm_available() {
+        return;
+    }
+    let port = free_port();
+    let mut destination = receiver(port, &[]);
+    let source = tern()
+        .args([
+            "vm",
+            "migrate",
+            "--json",
+            "--to",
+            &format!("127.0.0.1:{port}"),
+            "--memory",
+            "64MiB",
+            "--warmup",
+            "100",
+            // Slow enough that the kill lands mid-transfer.
+            "--max-bandwidth",
+            "4MiB",
+            "--io-timeout",
+            "5",
+        ])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    std::thread::sleep(Duration::from_millis(1200));
+    destination.kill().unwrap();
+    destination.wait().unwrap();
+    let source = source.wait_with_output().unwrap();
+    assert_eq!(source.status.code(), Some(1), "{source:?}");
+    let report = json(&source);
+    assert_eq!(report["status"], "failed");
+    assert_eq!(report["source-guest-runs"], true, "{report}");
+}

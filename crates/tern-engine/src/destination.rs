@@ -586,11 +586,19 @@ fn read_main_channel(
         // The main channel is silent during the whole live phase.
         loop {
             if shared.failed() {
-                return Err(if shared.cancel.is_cancelled() {
-                    MigrationError::Cancelled
-                } else {
-                    MigrationError::Protocol("a page channel failed".into())
-                });
+                if shared.cancel.is_cancelled() {
+                    return Err(MigrationError::Cancelled);
+                }
+                // The source closes its page channels right after telling
+                // why on this one: prefer its reason to the closed channels.
+                if main
+                    .wait_readable(Duration::from_millis(500))
+                    .unwrap_or(false)
+                    && let Ok(Message::Abort(abort)) = main.read_message()
+                {
+                    return Err(peer_aborted(abort));
+                }
+                return Err(MigrationError::Protocol("a page channel failed".into()));
             }
             if main
                 .wait_readable(POLL_INTERVAL)

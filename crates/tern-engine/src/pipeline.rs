@@ -690,7 +690,7 @@ impl<'scope> Pipeline<'scope> {
 
     /// Stops every thread and waits for them. Safe to call after a failure:
     /// channels are shut down so no thread stays blocked in the kernel.
-    pub fn shut_down(mut self, abort_channels: bool) -> Option<MigrationError> {
+    pub fn shut_down(mut self, abort_channels: bool) {
         if abort_channels {
             for channel in &self.shutdown_handles {
                 channel.shutdown();
@@ -700,7 +700,6 @@ impl<'scope> Pipeline<'scope> {
         for handle in self.handles.drain(..) {
             let _ = handle.join();
         }
-        self.shared.take_failure()
     }
 }
 

@@ -76,6 +76,8 @@ struct GuestChanges {
     dirty_log: bool,
     paused: bool,
     throttled: bool,
+    /// The destination has been told why the migration stops.
+    abort_sent: bool,
 }
 
 impl Source {
@@ -150,11 +152,8 @@ impl Source {
             }
             Err(error) => {
                 if let Some(channel) = main.as_mut() {
-                    if !matches!(error, MigrationError::PeerAborted { .. }) {
-                        let _ = channel.send_message(&Message::Abort(tern_wire::Abort {
-                            reason: error.abort_reason(),
-                            message: error.chain(),
-                        }));
+                    if !changes.abort_sent {
+                        send_abort(channel, &error);
                     }
                     channel.shutdown();
                 }
@@ -266,20 +265,28 @@ impl Source {
                 page_channels,
             )?;
             let mut pipeline = Some(pipeline);
-            let result = self.iterate(guest, main, &regions, changes, &mut pipeline);
-            let pipeline_error = pipeline
-                .take()
-                .and_then(|pipeline| pipeline.shut_down(result.is_err()));
-            match (result, pipeline_error) {
-                (Ok(stats), _) => Ok(stats),
-                // A closed page channel is usually the symptom; the
-                // destination's abort message, when it sent one, is the cause.
-                (
-                    Err(error @ (MigrationError::Channel { .. } | MigrationError::Protocol(_))),
-                    _,
-                ) => Err(peer_reason(main).unwrap_or(error)),
-                (Err(error), _) => Err(error),
+            let result = self
+                .iterate(guest, main, &regions, changes, &mut pipeline)
+                .map_err(|error| {
+                    // A closed page channel is usually the symptom; the
+                    // destination's abort message, when it sent one, is the
+                    // cause.
+                    let error = match error {
+                        MigrationError::Channel { .. } | MigrationError::Protocol(_) => {
+                            peer_reason(main).unwrap_or(error)
+                        }
+                        other => other,
+                    };
+                    // Say why before the page channels close, so the
+                    // destination reports the cause, not the closed channels.
+                    send_abort(main, &error);
+                    changes.abort_sent = true;
+                    error
+                });
+            if let Some(pipeline) = pipeline.take() {
+                pipeline.shut_down(result.is_err());
             }
+            result
         })
     }
 
@@ -615,6 +622,16 @@ fn check_peer(main: &mut Channel) -> Result<(), MigrationError> {
             source: ChannelError::Closed,
         })),
         Err(error) => Err(MigrationError::channel(0)(error)),
+    }
+}
+
+/// Tells the destination why the migration stops (unless it told us).
+fn send_abort(main: &mut Channel, error: &MigrationError) {
+    if !matches!(error, MigrationError::PeerAborted { .. }) {
+        let _ = main.send_message(&Message::Abort(tern_wire::Abort {
+            reason: error.abort_reason(),
+            message: error.chain(),
+        }));
     }
 }
 

@@ -26,6 +26,8 @@ pub struct Digest {
     pub value: u128,
     /// CPU seconds of the hashing threads.
     pub cpu_seconds: f64,
+    /// Wall-clock time the hashing took.
+    pub elapsed: std::time::Duration,
 }
 
 /// Computes the digest of `regions` with up to `threads` threads.
@@ -40,6 +42,7 @@ pub unsafe fn memory_digest(
     threads: usize,
     is_page_untouched: &(dyn Fn(usize, u64) -> bool + Sync),
 ) -> Digest {
+    let started = std::time::Instant::now();
     let zero_hash = zero_page_hash();
     let mut cpu_seconds = 0.0;
     let mut final_hasher = Xxh3::new();
@@ -79,6 +82,7 @@ pub unsafe fn memory_digest(
     Digest {
         value: final_hasher.digest128(),
         cpu_seconds,
+        elapsed: started.elapsed(),
     }
 }
 

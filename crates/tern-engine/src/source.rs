@@ -450,6 +450,7 @@ impl Source {
                 None => Digest {
                     value: 0,
                     cpu_seconds: 0.0,
+                    elapsed: Duration::ZERO,
                 },
             };
             Ok::<_, MigrationError>((sent, digest))
@@ -460,6 +461,7 @@ impl Source {
             "final pages sent and memory hashed"
         );
         stats.record_cpu("digest", digest.cpu_seconds);
+        stats.set_digest_time(digest.elapsed);
         let digest = digest.value;
         stats.remaining.store(0, Ordering::Relaxed);
 

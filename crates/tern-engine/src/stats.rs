@@ -90,6 +90,7 @@ pub struct LiveStats {
     pub forced_switch_over: AtomicBool,
     setup_time_ms: AtomicU64,
     downtime_ms: AtomicU64,
+    digest_time_ms: AtomicU64,
     total_time_ms: AtomicU64,
     digest_verified: AtomicBool,
     cpu_seconds: Mutex<BTreeMap<String, f64>>,
@@ -126,6 +127,7 @@ impl LiveStats {
             forced_switch_over: AtomicBool::new(false),
             setup_time_ms: AtomicU64::new(0),
             downtime_ms: AtomicU64::new(0),
+            digest_time_ms: AtomicU64::new(0),
             total_time_ms: AtomicU64::new(0),
             digest_verified: AtomicBool::new(false),
             cpu_seconds: Mutex::new(BTreeMap::new()),
@@ -168,6 +170,10 @@ impl LiveStats {
 
     pub(crate) fn set_downtime(&self, time: Duration) {
         self.downtime_ms.store(millis(time), Ordering::Relaxed);
+    }
+
+    pub(crate) fn set_digest_time(&self, time: Duration) {
+        self.digest_time_ms.store(millis(time), Ordering::Relaxed);
     }
 
     pub(crate) fn set_digest_verified(&self, verified: bool) {
@@ -229,6 +235,7 @@ impl LiveStats {
             setup_time: self.setup_time_ms.load(Ordering::Relaxed),
             downtime: self.downtime_ms.load(Ordering::Relaxed),
             expected_downtime: self.expected_downtime_ms.load(Ordering::Relaxed),
+            digest_time: self.digest_time_ms.load(Ordering::Relaxed),
             ram: RamStats {
                 transferred,
                 remaining: self.remaining.load(Ordering::Relaxed),
@@ -309,8 +316,13 @@ pub struct MigrationStats {
     /// Guest paused on the source until it runs on the destination
     /// (including the digest comparison).
     pub downtime: u64,
-    /// Downtime the last iteration predicted.
+    /// Downtime the last iteration predicted (the data still to send; the
+    /// verification comes on top).
     pub expected_downtime: u64,
+    /// Time the source spent hashing its memory after pausing the guest
+    /// (`--verify full`), overlapped with sending the last pages; part of
+    /// the downtime.
+    pub digest_time: u64,
     /// Memory counters.
     pub ram: RamStats,
     /// Auto-converge throttle at the end.

@@ -178,6 +178,7 @@ struct RunFigures {
     source_cpu_s_per_gib: f64,
     destination_cpu_s_per_gib: f64,
     destination_digest_ms: f64,
+    source_digest_ms: f64,
 }
 
 #[derive(Debug, Serialize)]
@@ -196,6 +197,7 @@ struct CaseResult {
 #[serde(rename_all = "kebab-case")]
 struct BenchReport {
     machine: String,
+    max_bandwidth_bytes_per_sec: Option<u64>,
     verify: String,
     memory_bytes: u64,
     mix: String,
@@ -288,6 +290,7 @@ fn bench_migrate(args: &BenchMigrateArgs) -> anyhow::Result<ExitCode> {
     }
     let report = BenchReport {
         machine: machine_name(),
+        max_bandwidth_bytes_per_sec: args.max_bandwidth,
         verify: format!("{:?}", args.verify).to_lowercase(),
         memory_bytes: args.memory,
         mix: format!("{}:{}:{}", args.mix.zero, args.mix.random, args.mix.text),
@@ -343,6 +346,7 @@ fn one_run(
         source_cpu_s_per_gib: stats.cpu_seconds.values().sum::<f64>() / gib,
         destination_cpu_s_per_gib: received.stats.cpu_seconds.values().sum::<f64>() / gib,
         destination_digest_ms: received.stats.digest_time as f64,
+        source_digest_ms: stats.digest_time as f64,
     };
     // Free the destination's memory before the next run.
     drop(received);
@@ -378,6 +382,7 @@ fn median_figures(all: &[RunFigures]) -> RunFigures {
         source_cpu_s_per_gib: pick(|f| f.source_cpu_s_per_gib),
         destination_cpu_s_per_gib: pick(|f| f.destination_cpu_s_per_gib),
         destination_digest_ms: pick(|f| f.destination_digest_ms),
+        source_digest_ms: pick(|f| f.source_digest_ms),
     }
 }
 
@@ -415,14 +420,20 @@ fn print_markdown(report: &BenchReport) {
         crate::units::human_bytes(report.working_set_bytes),
         report.verify
     );
+    if let Some(cap) = report.max_bandwidth_bytes_per_sec {
+        println!(
+            "Bandwidth cap: {:.0} Mbit/s.\n",
+            cap as f64 * 8.0 / 1e6
+        );
+    }
     println!(
-        "| guest | channels | compression | zero-copy | runs | total (ms) | downtime (ms) | iterations | GiB/s | wire Mbit/s | transferred (GiB) | source CPU s/GiB | destination CPU s/GiB |"
+        "| guest | channels | compression | zero-copy | runs | total (ms) | downtime (ms) | of which source digest (ms) | iterations | GiB/s | wire Mbit/s | transferred (GiB) | source CPU s/GiB | destination CPU s/GiB |"
     );
-    println!("|---|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
+    println!("|---|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
     for case in &report.cases {
         let m = &case.median;
         println!(
-            "| {} | {} | {} | {} | {} | {:.0} | {:.0} | {:.0} | {:.2} | {:.0} | {:.2} | {:.3} | {:.3} |",
+            "| {} | {} | {} | {} | {} | {:.0} | {:.0} | {:.0} | {:.0} | {:.2} | {:.0} | {:.2} | {:.3} | {:.3} |",
             case.guest,
             case.channels,
             case.compression,
@@ -430,6 +441,7 @@ fn print_markdown(report: &BenchReport) {
             case.runs,
             m.total_ms,
             m.downtime_ms,
+            m.source_digest_ms,
             m.iterations,
             m.throughput_gib_s,
             m.mbps,

@@ -88,6 +88,7 @@ pub fn print_summary(stats: &MigrationStats, extra: &[(&str, String)]) {
             "expected downtime",
             format!("{} ms", stats.expected_downtime),
         ),
+        ("source digest", format!("{} ms", stats.digest_time)),
         ("memory", human_bytes(ram.total)),
         ("transferred", human_bytes(ram.transferred)),
         ("throughput", format!("{:.0} Mbit/s", ram.mbps)),

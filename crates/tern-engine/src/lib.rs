@@ -23,6 +23,7 @@ pub mod ring;
 pub mod source;
 pub mod stats;
 pub mod transport;
+pub mod uring_zc;
 pub mod zerocopy;
 
 pub use bitmap::DirtyBitmap;

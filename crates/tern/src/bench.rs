@@ -421,10 +421,7 @@ fn print_markdown(report: &BenchReport) {
         report.verify
     );
     if let Some(cap) = report.max_bandwidth_bytes_per_sec {
-        println!(
-            "Bandwidth cap: {:.0} Mbit/s.\n",
-            cap as f64 * 8.0 / 1e6
-        );
+        println!("Bandwidth cap: {:.0} Mbit/s.\n", cap as f64 * 8.0 / 1e6);
     }
     println!(
         "| guest | channels | compression | zero-copy | runs | total (ms) | downtime (ms) | of which source digest (ms) | iterations | GiB/s | wire Mbit/s | transferred (GiB) | source CPU s/GiB | destination CPU s/GiB |"

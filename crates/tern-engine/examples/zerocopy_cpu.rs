@@ -1,5 +1,5 @@
 //! CPU seconds per GiB over loopback TCP: plain `sendmsg` against
-//! `MSG_ZEROCOPY`. Usage: `zerocopy_cpu [GiB] [window MiB]`.
+//! `MSG_ZEROCOPY` and io_uring `SENDMSG_ZC`. Usage: `zerocopy_cpu [GiB] [window MiB] [rounds]`.
 //!
 //! Loopback always copies (every completion is flagged
 //! `SO_EE_CODE_ZEROCOPY_COPIED`), so this measures the cost of the
@@ -11,14 +11,18 @@ fn main() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
     let mut args = std::env::args().skip(1);
     let gib: f64 = args.next().map_or(Ok(1.0), |a| a.parse())?;
     let window_mib: usize = args.next().map_or(Ok(4), |a| a.parse())?;
+    let rounds: usize = args.next().map_or(Ok(3), |a| a.parse())?;
     let bytes = (gib * f64::from(1u32 << 30)) as u64;
     let modes = [
         SendMode::Plain,
         SendMode::ZeroCopy {
             window_bytes: window_mib << 20,
         },
+        SendMode::UringZeroCopy {
+            window_bytes: window_mib << 20,
+        },
     ];
-    for round in 0..3 {
+    for round in 0..rounds {
         for mode in modes {
             let m = measure_cpu_per_gib(bytes, mode)?;
             println!(

@@ -23,10 +23,13 @@ pub mod ring;
 pub mod source;
 pub mod stats;
 pub mod transport;
+pub mod uring_zc;
 pub mod zerocopy;
 
 pub use bitmap::DirtyBitmap;
-pub use config::{LimitPolicy, MigrationConfig, ReceiveConfig, Verify, ZeroPageDetection};
+pub use config::{
+    LimitPolicy, MigrationConfig, ReceiveConfig, Verify, ZeroCopyBackend, ZeroPageDetection,
+};
 pub use destination::{Destination, ReceiveStats, Received};
 pub use error::{ChannelError, MigrationError};
 pub use guest::{

@@ -35,7 +35,8 @@ use crate::stats::{
     thread_cpu_seconds,
 };
 use crate::transport::{Channel, Segment};
-use crate::zerocopy::{ZeroCopyError, ZeroCopySender};
+use crate::uring_zc::UringZeroCopySender;
+use crate::zerocopy::{ZeroCopyError, ZeroCopySender, ZeroCopyStats};
 
 /// Requests a worker may have queued.
 const WORKER_RING_CAPACITY: usize = 4;
@@ -98,6 +99,8 @@ pub(crate) enum PageSender {
     Plain(Channel),
     /// `MSG_ZEROCOPY` from guest memory.
     ZeroCopy(Box<ZeroCopySender>),
+    /// io_uring `SENDMSG_ZC` from guest memory.
+    UringZeroCopy(Box<UringZeroCopySender>),
 }
 
 impl PageSender {
@@ -105,6 +108,16 @@ impl PageSender {
         match self {
             Self::Plain(channel) => channel,
             Self::ZeroCopy(sender) => sender.channel(),
+            Self::UringZeroCopy(sender) => sender.channel(),
+        }
+    }
+
+    /// Zero-copy accounting, for the zero-copy variants.
+    fn zero_copy_stats(&self) -> Option<ZeroCopyStats> {
+        match self {
+            Self::Plain(_) => None,
+            Self::ZeroCopy(sender) => Some(sender.stats()),
+            Self::UringZeroCopy(sender) => Some(sender.stats()),
         }
     }
 
@@ -114,6 +127,10 @@ impl PageSender {
             Self::ZeroCopy(sender) => {
                 // Everything sent before a sync completes before it: at each
                 // iteration's end and before switch-over nothing is pending.
+                sender.flush().map_err(ZeroCopyError::into_channel_error)?;
+                sender.channel_mut().write_all(bytes)
+            }
+            Self::UringZeroCopy(sender) => {
                 sender.flush().map_err(ZeroCopyError::into_channel_error)?;
                 sender.channel_mut().write_all(bytes)
             }
@@ -995,8 +1012,8 @@ fn run_sender(shared: &Shared, index: usize, mut channel: PageSender) {
         }
         shared.producer_bell.ring();
     }
-    if let PageSender::ZeroCopy(sender) = &channel {
-        shared.stats.record_zero_copy(&sender.stats());
+    if let Some(zero_copy) = channel.zero_copy_stats() {
+        shared.stats.record_zero_copy(&zero_copy);
     }
     shared
         .stats
@@ -1046,6 +1063,12 @@ fn send_batch(
         // SAFETY: as above; the data segments point into guest memory,
         // which stays mapped until the sender flushes at the next sync.
         PageSender::ZeroCopy(sender) => unsafe {
+            sender
+                .send(&batch.prefix, &segments[1..])
+                .map_err(ZeroCopyError::into_channel_error)
+        },
+        // SAFETY: as above.
+        PageSender::UringZeroCopy(sender) => unsafe {
             sender
                 .send(&batch.prefix, &segments[1..])
                 .map_err(ZeroCopyError::into_channel_error)

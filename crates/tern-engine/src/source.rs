@@ -10,6 +10,7 @@ use tern_wire::{
 };
 
 use crate::bitmap::DirtyBitmap;
+use crate::config::ZeroCopyBackend;
 use crate::config::ZeroPageDetection;
 use crate::config::{LimitPolicy, MigrationConfig, Verify};
 use crate::digest::{Digest, digest_threads, memory_digest};
@@ -19,6 +20,7 @@ use crate::pipeline::{CompressionSetup, PageSender, Pipeline, PipelineSetup};
 use crate::stats::thread_cpu_seconds;
 use crate::stats::{DestinationStats, LiveStats, MigrationStats, MigrationStatus, millis};
 use crate::transport::{Address, Channel};
+use crate::uring_zc::UringZeroCopySender;
 use crate::zerocopy::{self, ZeroCopySender};
 
 /// Cancels a running migration from another thread (a signal handler's
@@ -229,10 +231,16 @@ impl Source {
             expect_welcome(&mut channel, session_id, index)?;
             page_channels.push(match zero_copy_window {
                 // Enabled as the channel connects, so a refusal fails here.
-                Some(window) => PageSender::ZeroCopy(Box::new(
-                    ZeroCopySender::enable(channel, usize::from(index), window)
-                        .map_err(MigrationError::ZeroCopy)?,
-                )),
+                Some(window) => match config.zero_copy_backend {
+                    ZeroCopyBackend::Msg => PageSender::ZeroCopy(Box::new(
+                        ZeroCopySender::enable(channel, usize::from(index), window)
+                            .map_err(MigrationError::ZeroCopy)?,
+                    )),
+                    ZeroCopyBackend::Uring => PageSender::UringZeroCopy(Box::new(
+                        UringZeroCopySender::enable(channel, usize::from(index), window)
+                            .map_err(MigrationError::ZeroCopy)?,
+                    )),
+                },
                 None => PageSender::Plain(channel),
             });
         }

@@ -166,6 +166,20 @@ pub enum ZeroCopyError {
         /// How long we waited.
         seconds: f64,
     },
+    /// io_uring, or its `SENDMSG_ZC` opcode, cannot be used here.
+    #[error("io_uring SENDMSG_ZC is not available: {reason}")]
+    UringUnavailable {
+        /// Why, with what to do about it.
+        reason: String,
+    },
+    /// The io_uring instance of a channel failed.
+    #[error("io_uring on channel {index} failed")]
+    Ring {
+        /// Page channel number.
+        index: usize,
+        /// The error.
+        source: io::Error,
+    },
 }
 
 impl ZeroCopyError {
@@ -904,6 +918,18 @@ pub enum SendMode {
         /// In-flight window in bytes.
         window_bytes: usize,
     },
+    /// [`UringZeroCopySender`](crate::uring_zc::UringZeroCopySender)
+    /// (io_uring `SENDMSG_ZC`) with the given window.
+    UringZeroCopy {
+        /// In-flight window in bytes.
+        window_bytes: usize,
+    },
+}
+
+enum MeasuredSender {
+    Plain,
+    MsgZerocopy(Box<ZeroCopySender>),
+    Uring(Box<crate::uring_zc::UringZeroCopySender>),
 }
 
 /// What [`measure_cpu_per_gib`] measured.
@@ -920,7 +946,7 @@ pub struct CpuMeasurement {
     pub process_cpu_seconds: f64,
     /// Wall-clock seconds.
     pub wall_seconds: f64,
-    /// Zero-copy accounting, for [`SendMode::ZeroCopy`].
+    /// Zero-copy accounting, for the zero-copy modes.
     pub stats: Option<ZeroCopyStats>,
 }
 
@@ -985,12 +1011,13 @@ pub fn measure_cpu_per_gib(
     let memory: Vec<u8> = (0..BUFFER).map(|i| (i / KERNEL_PAGE) as u8).collect();
     let header = [0x5au8; HEADER];
     let mut sender = match mode {
-        SendMode::Plain => None,
-        SendMode::ZeroCopy { window_bytes } => Some(ZeroCopySender::enable(
-            channel.try_clone()?,
-            1,
-            window_bytes,
-        )?),
+        SendMode::Plain => MeasuredSender::Plain,
+        SendMode::ZeroCopy { window_bytes } => MeasuredSender::MsgZerocopy(Box::new(
+            ZeroCopySender::enable(channel.try_clone()?, 1, window_bytes)?,
+        )),
+        SendMode::UringZeroCopy { window_bytes } => MeasuredSender::Uring(Box::new(
+            crate::uring_zc::UringZeroCopySender::enable(channel.try_clone()?, 1, window_bytes)?,
+        )),
     };
     let process_start = cpu_seconds(libc::CLOCK_PROCESS_CPUTIME_ID);
     let thread_start = cpu_seconds(libc::CLOCK_THREAD_CPUTIME_ID);
@@ -1003,7 +1030,7 @@ pub fn measure_cpu_per_gib(
             len: batch_bytes,
         };
         match &mut sender {
-            None => {
+            MeasuredSender::Plain => {
                 let segments = [
                     Segment {
                         ptr: header.as_ptr(),
@@ -1015,15 +1042,21 @@ pub fn measure_cpu_per_gib(
                 unsafe { channel.send_vectored(&segments) }?;
             }
             // SAFETY: `memory` outlives the sender, which is flushed below.
-            Some(sender) => unsafe { sender.send(&header, &[page]) }?,
+            MeasuredSender::MsgZerocopy(sender) => unsafe { sender.send(&header, &[page]) }?,
+            // SAFETY: as above.
+            MeasuredSender::Uring(sender) => unsafe { sender.send(&header, &[page]) }?,
         }
     }
     let stats = match &mut sender {
-        Some(sender) => {
+        MeasuredSender::MsgZerocopy(sender) => {
             sender.flush()?;
             Some(sender.stats())
         }
-        None => None,
+        MeasuredSender::Uring(sender) => {
+            sender.flush()?;
+            Some(sender.stats())
+        }
+        MeasuredSender::Plain => None,
     };
     let sender_cpu_seconds = cpu_seconds(libc::CLOCK_THREAD_CPUTIME_ID) - thread_start;
     reader.join().map_err(|_| "reader thread panicked")??;

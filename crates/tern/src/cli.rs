@@ -3,7 +3,9 @@
 use std::time::Duration;
 
 use clap::{Args, Parser, Subcommand};
-use tern_engine::{Address, LimitPolicy, MigrationConfig, Verify, ZeroPageDetection};
+use tern_engine::{
+    Address, LimitPolicy, MigrationConfig, Verify, ZeroCopyBackend, ZeroPageDetection,
+};
 use tern_page::codec::CodecChoice;
 use tern_synthetic::{ContentMix, SyntheticConfig};
 
@@ -250,6 +252,9 @@ pub struct TransferArgs {
     /// pays off on a real NIC, not on loopback, where the kernel copies).
     #[arg(long)]
     pub zero_copy: bool,
+    /// Zero-copy mechanism: msg (MSG_ZEROCOPY) or uring (io_uring SENDMSG_ZC).
+    #[arg(long, default_value = "msg", value_parser = parse_zero_copy_backend)]
+    pub zero_copy_backend: ZeroCopyBackend,
     /// Do not throttle a guest that dirties memory faster than it is sent.
     #[arg(long)]
     pub no_auto_converge: bool,
@@ -291,6 +296,7 @@ impl TransferArgs {
             compression_level: self.compression_level,
             verify: self.verify,
             zero_copy: self.zero_copy,
+            zero_copy_backend: self.zero_copy_backend,
             io_timeout: Duration::from_secs(self.io_timeout),
             connect_timeout: Duration::from_secs(self.connect_timeout),
             ..MigrationConfig::default()
@@ -309,6 +315,10 @@ fn parse_policy(text: &str) -> Result<LimitPolicy, String> {
 fn parse_compression(text: &str) -> Result<CodecChoice, String> {
     text.parse()
         .map_err(|error: tern_page::CodecError| error.to_string())
+}
+
+fn parse_zero_copy_backend(text: &str) -> Result<ZeroCopyBackend, String> {
+    text.parse()
 }
 
 fn parse_verify(text: &str) -> Result<Verify, String> {

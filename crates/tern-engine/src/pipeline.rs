@@ -35,8 +35,7 @@ use crate::stats::{
     thread_cpu_seconds,
 };
 use crate::transport::{Channel, Segment};
-use crate::uring_zc::UringZeroCopySender;
-use crate::zerocopy::{ZeroCopyError, ZeroCopySender, ZeroCopyStats};
+use crate::zerocopy::{ZeroCopyError, ZeroCopyStats, ZeroCopyTransport};
 
 /// Requests a worker may have queued.
 const WORKER_RING_CAPACITY: usize = 4;
@@ -97,10 +96,8 @@ impl Batch {
 pub(crate) enum PageSender {
     /// `sendmsg` copying from guest memory.
     Plain(Channel),
-    /// `MSG_ZEROCOPY` from guest memory.
-    ZeroCopy(Box<ZeroCopySender>),
-    /// io_uring `SENDMSG_ZC` from guest memory.
-    UringZeroCopy(Box<UringZeroCopySender>),
+    /// Zero-copy sends from guest memory (`MSG_ZEROCOPY` or io_uring).
+    ZeroCopy(Box<dyn ZeroCopyTransport>),
 }
 
 impl PageSender {
@@ -108,7 +105,6 @@ impl PageSender {
         match self {
             Self::Plain(channel) => channel,
             Self::ZeroCopy(sender) => sender.channel(),
-            Self::UringZeroCopy(sender) => sender.channel(),
         }
     }
 
@@ -117,7 +113,6 @@ impl PageSender {
         match self {
             Self::Plain(_) => None,
             Self::ZeroCopy(sender) => Some(sender.stats()),
-            Self::UringZeroCopy(sender) => Some(sender.stats()),
         }
     }
 
@@ -127,10 +122,6 @@ impl PageSender {
             Self::ZeroCopy(sender) => {
                 // Everything sent before a sync completes before it: at each
                 // iteration's end and before switch-over nothing is pending.
-                sender.flush().map_err(ZeroCopyError::into_channel_error)?;
-                sender.channel_mut().write_all(bytes)
-            }
-            Self::UringZeroCopy(sender) => {
                 sender.flush().map_err(ZeroCopyError::into_channel_error)?;
                 sender.channel_mut().write_all(bytes)
             }
@@ -1063,12 +1054,6 @@ fn send_batch(
         // SAFETY: as above; the data segments point into guest memory,
         // which stays mapped until the sender flushes at the next sync.
         PageSender::ZeroCopy(sender) => unsafe {
-            sender
-                .send(&batch.prefix, &segments[1..])
-                .map_err(ZeroCopyError::into_channel_error)
-        },
-        // SAFETY: as above.
-        PageSender::UringZeroCopy(sender) => unsafe {
             sender
                 .send(&batch.prefix, &segments[1..])
                 .map_err(ZeroCopyError::into_channel_error)

@@ -236,7 +236,7 @@ impl Source {
                         ZeroCopySender::enable(channel, usize::from(index), window)
                             .map_err(MigrationError::ZeroCopy)?,
                     )),
-                    ZeroCopyBackend::Uring => PageSender::UringZeroCopy(Box::new(
+                    ZeroCopyBackend::Uring => PageSender::ZeroCopy(Box::new(
                         UringZeroCopySender::enable(channel, usize::from(index), window)
                             .map_err(MigrationError::ZeroCopy)?,
                     )),

@@ -662,94 +662,21 @@ fn advance(iovecs: &mut [libc::iovec], first: &mut usize, mut sent: usize) {
     }
 }
 
+crate::zerocopy::impl_zero_copy_transport!(UringZeroCopySender);
+
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::error::ChannelError;
     use crate::transport::{Address, Listener};
+    use crate::zerocopy::test_support::{round_trip as round_trip_with, tcp_pair};
 
-    fn tcp_pair() -> (Channel, Channel) {
-        let listener = Listener::bind(&Address::Tcp("127.0.0.1:0".into())).unwrap();
-        let address = listener.local_address().unwrap();
-        let client = Channel::connect(&address, Duration::from_secs(5)).unwrap();
-        let server = listener.accept_timeout(Duration::from_secs(5)).unwrap();
-        client.set_timeouts(Duration::from_secs(20)).unwrap();
-        server.set_timeouts(Duration::from_secs(20)).unwrap();
-        (client, server)
-    }
-
-    fn page_byte(page: usize, offset: usize) -> u8 {
-        (page.wrapping_mul(131) ^ offset.wrapping_mul(7)) as u8
-    }
-
-    /// Sends `pages` scattered pages in batches of 48 with an 8-byte header
-    /// (the batch number, from a reused buffer); a reader checks every byte.
     fn round_trip(window: usize, pages: usize, slow_reader: bool) -> ZeroCopyStats {
-        let (client, mut server) = tcp_pair();
-        let memory: Vec<u8> = (0..pages * KERNEL_PAGE)
-            .map(|i| page_byte(i / KERNEL_PAGE, i % KERNEL_PAGE))
-            .collect();
-        let stride = 16;
-        let order: Vec<usize> = (0..stride)
-            .flat_map(|start| (start..pages).step_by(stride))
-            .collect();
-        let batches: Vec<Vec<usize>> = order.chunks(48).map(<[usize]>::to_vec).collect();
-        let expected = batches.clone();
-        let reader = std::thread::spawn(move || {
-            let mut page = vec![0u8; KERNEL_PAGE];
-            for (number, batch) in expected.iter().enumerate() {
-                let mut header = [0u8; 8];
-                server.read_exact(&mut header).unwrap();
-                assert_eq!(u64::from_le_bytes(header), number as u64);
-                for &index in batch {
-                    server.read_exact(&mut page).unwrap();
-                    assert!(
-                        page.iter()
-                            .enumerate()
-                            .all(|(offset, &byte)| byte == page_byte(index, offset)),
-                        "page {index} corrupted"
-                    );
-                }
-                if slow_reader && number % 8 == 0 {
-                    std::thread::sleep(Duration::from_millis(2));
-                }
-            }
-            let mut end = [0u8; 1];
-            assert!(matches!(
-                server.read_exact(&mut end),
-                Err(ChannelError::Closed)
-            ));
-        });
-        let mut sender = UringZeroCopySender::enable(client, 1, window).unwrap();
-        let mut header = [0u8; 8];
-        for (number, batch) in batches.iter().enumerate() {
-            let segments: Vec<Segment> = batch
-                .iter()
-                .map(|&index| Segment {
-                    ptr: memory[index * KERNEL_PAGE..].as_ptr(),
-                    len: KERNEL_PAGE,
-                })
-                .collect();
-            // The same header buffer is rewritten for every batch: the
-            // sender must have copied it.
-            header.copy_from_slice(&(number as u64).to_le_bytes());
-            // SAFETY: `memory` outlives the sender (flushed below) and is
-            // never written.
-            unsafe { sender.send(&header, &segments) }.unwrap();
-            assert!(sender.outstanding_charge() <= window);
-        }
-        sender.flush().unwrap();
-        assert_eq!(sender.outstanding_sends(), 0);
-        assert!(sender.in_flight.is_empty());
-        let stats = sender.stats();
-        let channel = sender.into_channel().unwrap();
-        channel.shutdown();
-        reader.join().unwrap();
-        assert!(stats.max_outstanding_bytes as usize <= window, "{stats:?}");
-        assert!(stats.max_outstanding_bytes > 0);
-        assert_eq!(stats.zero_copy_bytes, (pages * KERNEL_PAGE) as u64);
-        assert_eq!(stats.header_bytes, 8 * batches.len() as u64);
-        stats
+        round_trip_with(
+            |client| UringZeroCopySender::enable(client, 1, window).unwrap(),
+            window,
+            pages,
+            slow_reader,
+        )
     }
 
     fn available() -> bool {

@@ -140,9 +140,6 @@ pub struct Segment {
     pub len: usize,
 }
 
-/// Largest socket buffer we ask for; the kernel caps it at its own limit.
-const SOCKET_BUFFER_BYTES: libc::c_int = 4 << 20;
-
 impl Channel {
     fn new(stream: Stream) -> Result<Self, ChannelError> {
         let fd = match &stream {
@@ -152,20 +149,6 @@ impl Channel {
             }
             Stream::Unix(unix) => unix.as_raw_fd(),
         };
-        for option in [libc::SO_SNDBUF, libc::SO_RCVBUF] {
-            // SAFETY: `fd` is an open socket owned by `stream`; the option
-            // value is a c_int that outlives the call. Failure only leaves
-            // the default size, so the result is ignored.
-            unsafe {
-                libc::setsockopt(
-                    fd,
-                    libc::SOL_SOCKET,
-                    option,
-                    (&SOCKET_BUFFER_BYTES as *const libc::c_int).cast(),
-                    std::mem::size_of::<libc::c_int>() as libc::socklen_t,
-                );
-            }
-        }
         Ok(Self { stream, fd })
     }
 

@@ -264,7 +264,7 @@ def qemu_cmd(cfg, work: Path, name: str, source: bool) -> list[str]:
         backend = f"memory-backend-ram,id=ram,size={mem}"
     cmd = [
         "qemu-system-x86_64", "-accel", "kvm", "-machine", "pc,memory-backend=ram",
-        "-m", str(mem), "-object", backend, "-smp", "1",
+        "-m", f"{mem >> 20}M", "-object", backend, "-smp", "1",
         "-nodefaults", "-no-user-config", "-display", "none",
         "-kernel", str(cfg.guest),
         "-serial", f"file:{work / (name + '.serial')}",
@@ -689,7 +689,7 @@ def main():
     ap.add_argument("--quick", action="store_true",
                     help="smoke run: 1 repetition, 256 MiB guest, 2 channels only")
     ap.add_argument("--reps", type=int, default=3)
-    ap.add_argument("--memory-mib", type=int, default=512)
+    ap.add_argument("--memory-mib", type=int, default=1024)
     ap.add_argument("--working-set-mib", type=int, default=16)
     ap.add_argument("--warmup", type=int, default=1000, help="ms")
     ap.add_argument("--downtime-limit", type=int, default=300, help="ms")

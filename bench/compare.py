@@ -158,6 +158,24 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / CLK_TCK
 
 
+def thread_cpu(pid: int) -> dict[str, float]:
+    """CPU seconds per thread name (threads of one name summed)."""
+    out: dict[str, float] = {}
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            name = (task / "comm").read_text().strip()
+            fields = (task / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        out[name] = out.get(name, 0.0) + (int(fields[11]) + int(fields[12])) / CLK_TCK
+    return out
+
+
+def thread_delta(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    return {k: round(v - before.get(k, 0.0), 3) for k, v in sorted(after.items())
+            if v - before.get(k, 0.0) > 0.005}
+
+
 def netns_setup(rate: str, burst: str, latency: str):
     netns_cleanup()
     subprocess.run(["ip", "netns", "add", NETNS], check=True)
@@ -320,6 +338,7 @@ def run_qemu(cfg, case: dict, work: Path) -> dict:
         if case["mode"] == "paused":
             qs.cmd("stop")
         src_cpu0, dst_cpu0 = cpu_seconds(src.pid), cpu_seconds(dst.pid)
+        src_thr0, dst_thr0 = thread_cpu(src.pid), thread_cpu(dst.pid)
         t0 = time.time()
         qs.cmd("migrate", uri=f"tcp:127.0.0.1:{port}")
         info = {}
@@ -331,6 +350,8 @@ def run_qemu(cfg, case: dict, work: Path) -> dict:
             time.sleep(0.01)
         wall = time.time() - t0
         src_cpu1, dst_cpu1 = cpu_seconds(src.pid), cpu_seconds(dst.pid)
+        src_threads = thread_delta(src_thr0, thread_cpu(src.pid))
+        dst_threads = thread_delta(dst_thr0, thread_cpu(dst.pid))
         if info.get("status") != "completed":
             if info.get("status") not in ("failed", "cancelled"):
                 qs.cmd("migrate_cancel")
@@ -355,6 +376,7 @@ def run_qemu(cfg, case: dict, work: Path) -> dict:
             "wall_s": wall,
             "guest_ok": ok,
             "extra": {"ram": ram, "setup-time": info.get("setup-time"),
+                      "src-threads": src_threads, "dst-threads": dst_threads,
                       "expected-downtime": info.get("expected-downtime"),
                       "dirty-sync-count": ram.get("dirty-sync-count"),
                       "normal": ram.get("normal"), "duplicate": ram.get("duplicate")},
@@ -418,6 +440,7 @@ def run_tern(cfg, case: dict, variant: dict, work: Path) -> dict:
                                    + mig_err_path.read_text()[-2000:])
             time.sleep(0.002)
         src_cpu0, dst_cpu0 = cpu_seconds(mig.pid), cpu_seconds(recv.pid)
+        src_thr0, dst_thr0 = thread_cpu(mig.pid), thread_cpu(recv.pid)
         t0 = time.time()
         # The source exits right after completion: take its CPU from the
         # zombie before it is reaped (WNOWAIT keeps /proc/PID).
@@ -430,6 +453,9 @@ def run_tern(cfg, case: dict, variant: dict, work: Path) -> dict:
             time.sleep(0.002)
         src_cpu1 = cpu_seconds(mig.pid)
         dst_cpu1 = cpu_seconds(recv.pid)
+        # A zombie has no threads left to list: per-thread source figures
+        # come from tern's own --json; the destination's from /proc.
+        dst_threads = thread_delta(dst_thr0, thread_cpu(recv.pid))
         wall = time.time() - t0
         mig.wait(30)
         out, err = mig_out_path.read_text(), mig_err_path.read_text()
@@ -458,8 +484,9 @@ def run_tern(cfg, case: dict, variant: dict, work: Path) -> dict:
             "wall_s": wall,
             "guest_ok": ok,
             "extra": {k: stats.get(k) for k in ("setup-time", "dirty-sync-count",
-                                                "ram", "compression", "digest-verified")
-                      if k in stats},
+                                                "ram", "compression", "digest-verified",
+                                                "cpu-seconds")
+                      if k in stats} | {"dst-threads": dst_threads},
         }
     finally:
         kill(mig)
@@ -472,6 +499,8 @@ def run_tern(cfg, case: dict, variant: dict, work: Path) -> dict:
 
 
 def case_key(case: dict) -> str:
+    if case.get("extra"):
+        return f"{case['mode']}/{case['link']}/extra"
     return f"{case['mode']}/{case['link']}/{case['channels']}ch/{case['compression']}"
 
 
@@ -598,6 +627,11 @@ def write_report(cfg, results: dict, out: Path):
             continue
         rows = summary[case]
         q = rows.get("qemu")
+        if case.endswith("/extra"):
+            # Extra tern rows are compared with QEMU at the same channel
+            # count without compression.
+            twin = case[: -len("extra")] + f"{max(cfg.channels)}ch/none"
+            q = summary.get(twin, {}).get("qemu")
         for who in ("qemu", "tern", "tern-best", "tern-verify"):
             s = rows.get(who)
             if not s:
@@ -620,7 +654,8 @@ def write_report(cfg, results: dict, out: Path):
     lines += ["", "`*/extra` cases hold tern's extra rows (max channels): "
               "`tern-best` = `--compression auto --verify none`, "
               "`tern-verify` = `--compression none --verify full` (the digest check "
-              "at switch-over is inside tern's downtime).", ""]
+              "at switch-over is inside tern's downtime). Their ratios are against "
+              f"QEMU's `{max(cfg.channels)}ch/none` row of the same mode and link.", ""]
     best_lines = ["## tern's best against QEMU's best, per mode and link", "",
                   "| mode/link | QEMU best (total s) | config | tern best (total s) | config | "
                   "ratio |", "| --- | ---: | --- | ---: | --- | ---: |"]
@@ -630,7 +665,8 @@ def write_report(cfg, results: dict, out: Path):
             qs = [(v["qemu"]["total_time_s"], k) for k, v in summary.items()
                   if k.startswith(prefix) and "qemu" in v]
             ts = [(v[w]["total_time_s"], f"{k} {w}") for k, v in summary.items()
-                  if k.startswith(prefix) for w in ("tern", "tern-best") if w in v]
+                  if k.startswith(prefix) for w in ("tern", "tern-best", "tern-verify")
+                  if w in v]
             if qs and ts:
                 qb, tb = min(qs), min(ts)
                 best_lines.append(f"| {mode}/{link} | {qb[0]:.2f} | {qb[1][len(prefix):]} | "
@@ -706,6 +742,8 @@ def main():
                                                            str(ROOT / "target")))
     ap.add_argument("--work", default="/var/tmp/ternbench")
     ap.add_argument("--out", default=str(BENCH / "results"))
+    ap.add_argument("--report-only", action="store_true",
+                    help="regenerate results.md and the charts from results.json")
     cfg = ap.parse_args()
     if cfg.quick:
         cfg.reps = 1
@@ -717,6 +755,13 @@ def main():
     cfg.links = cfg.links.split(",")
     cfg.channels = [int(c) for c in cfg.channels.split(",")]
     cfg.compressions = cfg.compressions.split(",")
+    if cfg.report_only:
+        results = json.loads((Path(cfg.out) / "results.json").read_text())
+        for k, v in results["config"].items():
+            if k not in ("report_only", "out"):
+                setattr(cfg, k, v)
+        write_report(cfg, results, Path(cfg.out))
+        return
     if os.geteuid() != 0:
         sys.exit("run as root (network namespace, tc, /dev/kvm)")
 
@@ -757,8 +802,7 @@ def main():
             for index, (case, contenders) in enumerate(cases):
                 order = contenders if (rep + index) % 2 == 0 else contenders[::-1]
                 for who, variant in order:
-                    key = case_key(case) if not case.get("extra") else \
-                        f"{case['mode']}/{case['link']}/extra"
+                    key = case_key(case)
                     record = {"case": key, "contender": who, "rep": rep, **case}
                     try:
                         if who == "qemu":

@@ -201,7 +201,10 @@ const MULTIBOOT_HEADER_OFFSET: usize = 0x40;
 /// register, so the loader's own flat descriptors serve.
 pub fn multiboot_image(pages: u32) -> Vec<u8> {
     let code = code(pages);
-    assert!(code.len() <= MULTIBOOT_HEADER_OFFSET, "code overlaps the header");
+    assert!(
+        code.len() <= MULTIBOOT_HEADER_OFFSET,
+        "code overlaps the header"
+    );
     let load = u32::try_from(CODE_ADDR).expect("below 4 GiB");
     let end = u32::try_from(PASS_COUNTER_ADDR).expect("below 4 GiB") + PAGE;
     let mut image = vec![0u8; (end - load) as usize];

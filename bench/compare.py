@@ -308,7 +308,17 @@ def qemu_migration_settings(qmp: Qmp, case: dict, cfg):
     qmp.cmd("migrate-set-parameters", **params)
 
 
-def run_qemu(cfg, case: dict, work: Path) -> dict:
+def no_thp():
+    """In the child before exec: PR_SET_THP_DISABLE (inherited across exec),
+    so QEMU's MADV_HUGEPAGE on guest RAM has no effect and the destination
+    faults 4 KiB pages, like tern's VMM (which does not madvise)."""
+    import ctypes
+    ctypes.CDLL(None, use_errno=True).prctl(41, 1, 0, 0, 0)
+
+
+def run_qemu(cfg, case: dict, work: Path, variant: dict | None = None) -> dict:
+    variant = variant or {}
+    preexec = no_thp if variant.get("thp") is False else None
     for f in work.glob("q*"):
         f.unlink()
     port = next_port()
@@ -316,9 +326,11 @@ def run_qemu(cfg, case: dict, work: Path) -> dict:
     qs = qd = None
     try:
         dst = subprocess.Popen(wrap(qemu_cmd(cfg, work, "qdst", False), case["link"]),
-                               stdout=subprocess.DEVNULL, stderr=open(work / "qdst.err", "w"))
+                               stdout=subprocess.DEVNULL, stderr=open(work / "qdst.err", "w"),
+                               preexec_fn=preexec)
         src = subprocess.Popen(wrap(qemu_cmd(cfg, work, "qsrc", True), case["link"]),
-                               stdout=subprocess.DEVNULL, stderr=open(work / "qsrc.err", "w"))
+                               stdout=subprocess.DEVNULL, stderr=open(work / "qsrc.err", "w"),
+                               preexec_fn=preexec)
         qd = Qmp(work / "qdst.qmp")
         qs = Qmp(work / "qsrc.qmp")
         qemu_migration_settings(qd, case, cfg)
@@ -512,7 +524,8 @@ def plan(cfg) -> list[tuple[dict, list[tuple[str, dict | None]]]]:
         for link in cfg.links:
             for channels in cfg.channels:
                 for compression in cfg.compressions:
-                    contenders = [("qemu", None), ("tern", {})]
+                    contenders = [("qemu", None), ("qemu-nothp", {"thp": False}),
+                                  ("tern", {})]
                     cases.append(({"mode": mode, "link": link, "channels": channels,
                                    "compression": compression}, contenders))
             # Extra tern rows, once per mode x link.
@@ -617,22 +630,28 @@ def write_report(cfg, results: dict, out: Path):
         "",
         "## Medians per case",
         "",
+        "Ratios are tern (or qemu-nothp) over stock `qemu` of the same case; the last "
+        "two columns are tern over `qemu-nothp` (QEMU with 4 KiB destination pages, "
+        "like tern). Below 1 means tern is faster / smaller / cheaper.",
+        "",
         "| case | who | total s | downtime ms | MiB sent | src CPU s | dst CPU s | n | "
-        "tern/QEMU total | tern/QEMU downtime | tern/QEMU bytes | tern/QEMU CPU |",
-        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "/QEMU total | /QEMU downtime | /QEMU bytes | /QEMU CPU | /nothp total | /nothp CPU |",
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: "
+        "| ---: | ---: |",
     ]
     order = [case_key(c) for c, _ in plan(cfg)]
     for case in order:
         if case not in summary:
             continue
         rows = summary[case]
-        q = rows.get("qemu")
+        q, qn = rows.get("qemu"), rows.get("qemu-nothp")
         if case.endswith("/extra"):
             # Extra tern rows are compared with QEMU at the same channel
             # count without compression.
             twin = case[: -len("extra")] + f"{max(cfg.channels)}ch/none"
             q = summary.get(twin, {}).get("qemu")
-        for who in ("qemu", "tern", "tern-best", "tern-verify"):
+            qn = summary.get(twin, {}).get("qemu-nothp")
+        for who in ("qemu", "qemu-nothp", "tern", "tern-best", "tern-verify"):
             s = rows.get(who)
             if not s:
                 continue
@@ -644,6 +663,11 @@ def write_report(cfg, results: dict, out: Path):
                       ratio(s["bytes"], q["bytes"]), ratio(cpu, qcpu)]
             else:
                 rs = ["", "", "", ""]
+            if qn and who.startswith("tern"):
+                qncpu = (qn["src_cpu_s"] or 0) + (qn["dst_cpu_s"] or 0)
+                rs += [ratio(s["total_time_s"], qn["total_time_s"]), ratio(cpu, qncpu)]
+            else:
+                rs += ["", ""]
             flag = "" if s["guest_ok"] else " ⚠"
             lines.append(
                 f"| {case} | {who}{flag} | {fmt(s['total_time_s'])} | "
@@ -654,7 +678,9 @@ def write_report(cfg, results: dict, out: Path):
     lines += ["", "`*/extra` cases hold tern's extra rows (max channels): "
               "`tern-best` = `--compression auto --verify none`, "
               "`tern-verify` = `--compression none --verify full` (the digest check "
-              "at switch-over is inside tern's downtime). Their ratios are against "
+              "at switch-over is inside tern's downtime). `qemu-nothp` = QEMU with "
+              "transparent huge pages disabled for its processes (PR_SET_THP_DISABLE), "
+              "so its destination faults 4 KiB pages as tern's does. Extra rows' ratios are against "
               f"QEMU's `{max(cfg.channels)}ch/none` row of the same mode and link.", ""]
     best_lines = ["## tern's best against QEMU's best, per mode and link", "",
                   "| mode/link | QEMU best (total s) | config | tern best (total s) | config | "
@@ -662,8 +688,8 @@ def write_report(cfg, results: dict, out: Path):
     for mode in cfg.modes:
         for link in cfg.links:
             prefix = f"{mode}/{link}/"
-            qs = [(v["qemu"]["total_time_s"], k) for k, v in summary.items()
-                  if k.startswith(prefix) and "qemu" in v]
+            qs = [(v[w]["total_time_s"], f"{k} {w}") for k, v in summary.items()
+                  if k.startswith(prefix) for w in ("qemu", "qemu-nothp") if w in v]
             ts = [(v[w]["total_time_s"], f"{k} {w}") for k, v in summary.items()
                   if k.startswith(prefix) for w in ("tern", "tern-best", "tern-verify")
                   if w in v]
@@ -689,9 +715,9 @@ def charts(summary: dict, order: list[str], out: Path):
     import matplotlib.pyplot as plt
 
     cases = [c for c in order if c in summary]
-    whos = ["qemu", "tern", "tern-best", "tern-verify"]
-    colors = {"qemu": "#d95f02", "tern": "#1b9e77", "tern-best": "#7570b3",
-              "tern-verify": "#66a61e"}
+    whos = ["qemu", "qemu-nothp", "tern", "tern-best", "tern-verify"]
+    colors = {"qemu": "#d95f02", "qemu-nothp": "#e6ab02", "tern": "#1b9e77",
+              "tern-best": "#7570b3", "tern-verify": "#66a61e"}
     metrics = [("total_time.png", "total time (s)", lambda s: s["total_time_s"]),
                ("downtime.png", "downtime (ms)", lambda s: (s["downtime_s"] or 0) * 1000),
                ("cpu.png", "source + destination CPU (s)",
@@ -699,21 +725,20 @@ def charts(summary: dict, order: list[str], out: Path):
                ("bytes.png", "MiB transferred", lambda s: (s["bytes"] or 0) / 2**20)]
     for name, label, get in metrics:
         fig, ax = plt.subplots(figsize=(max(8, len(cases) * 0.7), 5))
-        width = 0.2
-        for i, who in enumerate(whos):
-            xs, ys = [], []
-            for j, c in enumerate(cases):
-                s = summary[c].get(who)
-                if s and get(s) is not None:
-                    xs.append(j + (i - 1.5) * width)
-                    ys.append(get(s))
-            if xs:
-                ax.bar(xs, ys, width, label=who, color=colors[who])
+        for j, c in enumerate(cases):
+            present = [w for w in whos if w in summary[c]]
+            width = 0.8 / max(1, len(present))
+            for i, who in enumerate(present):
+                s = summary[c][who]
+                ax.bar(j + (i - (len(present) - 1) / 2) * width, get(s) or 0, width,
+                       color=colors[who], label=who)
+        handles, labels = ax.get_legend_handles_labels()
+        unique = dict(zip(labels, handles))
         ax.set_xticks(range(len(cases)))
         ax.set_xticklabels(cases, rotation=60, ha="right", fontsize=8)
         ax.set_ylabel(label)
         ax.set_title(f"{label}, median (tern vs QEMU 10)")
-        ax.legend()
+        ax.legend(unique.values(), unique.keys())
         fig.tight_layout()
         fig.savefig(out / name, dpi=110)
         plt.close(fig)
@@ -805,8 +830,8 @@ def main():
                     key = case_key(case)
                     record = {"case": key, "contender": who, "rep": rep, **case}
                     try:
-                        if who == "qemu":
-                            r = run_qemu(cfg, case, work)
+                        if who.startswith("qemu"):
+                            r = run_qemu(cfg, case, work, variant)
                         else:
                             r = run_tern(cfg, case, variant, work)
                         record.update(r)

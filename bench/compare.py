@@ -617,11 +617,13 @@ def write_report(cfg, results: dict, out: Path):
         f"({results['image']['description']}), working set {cfg.working_set >> 20} MiB "
         f"(running cases), warm-up {cfg.warmup} ms",
         f"* Downtime limit {cfg.downtime_limit} ms on both; QEMU max-bandwidth uncapped; "
-        f"destination memory: anonymous, not pre-allocated, on both",
+        f"destination memory: anonymous, not pre-allocated, on both (stock QEMU "
+        f"madvises it MADV_HUGEPAGE; `qemu-nothp` runs QEMU with THP disabled, 4 KiB "
+        f"pages as tern)",
         f"* Links: loopback; 1gbit = `tc tbf rate {cfg.tbf_rate} burst {cfg.tbf_burst} "
         f"latency {cfg.tbf_latency}` on the loopback of network namespace `{NETNS}`",
-        f"* Repetitions: {cfg.reps}, interleaved A/B (order alternates per repetition); "
-        "figures are medians",
+        f"* Repetitions: {cfg.reps}, interleaved (per case qemu, qemu-nothp, tern back to "
+        "back, order reversed every other case and repetition); figures are medians",
         "* tern rows: same channels and codec as the QEMU row, `--verify none` "
         "(QEMU verifies nothing either); zstd at level 1 on both",
         "* CPU: utime+stime from /proc/PID/stat of the source and destination processes, "
@@ -703,6 +705,8 @@ def write_report(cfg, results: dict, out: Path):
     lines += ["", f"## Failed runs: {len(errors)}", ""]
     for r in errors:
         lines.append(f"* {r['case']} {r['contender']} rep {r['rep']}: {r['error'][:300]}")
+    if "elapsed_s" in results:
+        lines += ["", f"Run time: {results['elapsed_s'] / 60:.1f} min."]
     lines += ["", "Charts: `total_time.png`, `downtime.png`, `cpu.png`, `bytes.png`. "
               "All runs: `results.json`.", ""]
     (out / "results.md").write_text("\n".join(lines))

@@ -657,5 +657,24 @@ mod tests {
         assert_eq!(args.transfer.channels, 3);
         assert!(Cli::try_parse_from(["tern", "vm", "demo", "--json"]).is_ok());
         assert!(Cli::try_parse_from(["tern", "vm", "receive"]).is_err());
+        let cli = Cli::try_parse_from([
+            "tern",
+            "vm",
+            "migrate",
+            "--to",
+            "127.0.0.1:7000",
+            "--paused",
+        ])
+        .unwrap();
+        let Command::Vm(super::VmCommand::Migrate(args)) = cli.command else {
+            panic!("not vm migrate")
+        };
+        assert!(args.paused);
+        let cli =
+            Cli::try_parse_from(["tern", "vm", "export-guest", "--multiboot", "guest.mb"]).unwrap();
+        let Command::Vm(super::VmCommand::ExportGuest(args)) = cli.command else {
+            panic!("not vm export-guest")
+        };
+        assert_eq!(args.working_set, 4 << 20);
     }
 }

@@ -178,6 +178,57 @@ pub fn code(pages: u32) -> Vec<u8> {
     asm.code
 }
 
+/// The multiboot (version 1) header's magic number.
+pub const MULTIBOOT_MAGIC: u32 = 0x1bad_b002;
+/// Multiboot flag 16: the header carries the load addresses (the "a.out
+/// kludge"), so the image is a flat binary, not an ELF file.
+pub const MULTIBOOT_AOUT_KLUDGE: u32 = 1 << 16;
+/// Where the multiboot header sits in the image (after the code, 4-byte
+/// aligned, within the first 8 KiB as the specification requires).
+const MULTIBOOT_HEADER_OFFSET: usize = 0x40;
+
+/// The test guest as a flat multiboot image, for running the very same code
+/// under another VMM (QEMU's `-kernel`).
+///
+/// A multiboot loader enters 32-bit protected mode with flat segments and
+/// paging off, as this crate's VMM does, so the code runs unchanged. The
+/// image loads at [`CODE_ADDR`] and is entered there; it spans
+/// `CODE_ADDR..PASS_COUNTER_ADDR + 0x1000`, so the page holding the pass
+/// counter is loaded as zeros (as the VMM zeroes it) and a loader placing its
+/// information structures right after the image cannot touch the counter.
+/// The working-set size is baked into the code, as for [`code`]. The GDT at
+/// [`GDT_ADDR`] is not part of the image: the code never reloads a segment
+/// register, so the loader's own flat descriptors serve.
+pub fn multiboot_image(pages: u32) -> Vec<u8> {
+    let code = code(pages);
+    assert!(
+        code.len() <= MULTIBOOT_HEADER_OFFSET,
+        "code overlaps the header"
+    );
+    let load = u32::try_from(CODE_ADDR).expect("below 4 GiB");
+    let end = u32::try_from(PASS_COUNTER_ADDR).expect("below 4 GiB") + PAGE;
+    let mut image = vec![0u8; (end - load) as usize];
+    image[..code.len()].copy_from_slice(&code);
+    let header_addr = load + MULTIBOOT_HEADER_OFFSET as u32;
+    let flags = MULTIBOOT_AOUT_KLUDGE;
+    let checksum = 0u32.wrapping_sub(MULTIBOOT_MAGIC).wrapping_sub(flags);
+    let header = [
+        MULTIBOOT_MAGIC,
+        flags,
+        checksum,
+        header_addr, // header_addr
+        load,        // load_addr
+        end,         // load_end_addr
+        end,         // bss_end_addr: no bss beyond the image
+        load,        // entry_addr: the code's first byte
+    ];
+    for (index, word) in header.iter().enumerate() {
+        let at = MULTIBOOT_HEADER_OFFSET + index * 4;
+        image[at..at + 4].copy_from_slice(&word.to_le_bytes());
+    }
+    image
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -208,5 +259,23 @@ mod tests {
             0xeb, 0xe0,                         // jmp pass
         ];
         assert_eq!(code, expected);
+    }
+
+    #[test]
+    fn multiboot_image_holds_the_code_and_a_valid_header() {
+        let image = multiboot_image(0x100);
+        assert_eq!(image.len(), 0x2000);
+        assert_eq!(&image[..code(0x100).len()], code(0x100).as_slice());
+        let word = |index: usize| {
+            let at = MULTIBOOT_HEADER_OFFSET + index * 4;
+            u32::from_le_bytes(image[at..at + 4].try_into().unwrap())
+        };
+        assert_eq!(word(0), MULTIBOOT_MAGIC);
+        assert_eq!(word(0).wrapping_add(word(1)).wrapping_add(word(2)), 0);
+        assert_eq!(word(4), 0x1000);
+        assert_eq!(word(5), 0x3000);
+        assert_eq!(word(7), 0x1000);
+        // The counter page is loaded, as zeros.
+        assert!(image[0x1000..].iter().all(|&byte| byte == 0));
     }
 }

@@ -64,7 +64,8 @@ def ensure_qemu():
         except OSError:
             pass
     if "bookworm-backports" not in sources:
-        mirror = "http://deb.debian.org/debian"
+        # Backports come from the mirror the machine already uses.
+        mirror = None
         for line in sources.splitlines():
             line = line.strip()
             if line.startswith("URIs:") and "security" not in line:
@@ -73,6 +74,8 @@ def ensure_qemu():
             if line.startswith("deb ") and "security" not in line:
                 mirror = line.split()[1]
                 break
+        if mirror is None:
+            sys.exit("no Debian mirror found in /etc/apt/sources.list*: add bookworm-backports yourself")
         Path("/etc/apt/sources.list.d/backports.list").write_text(
             f"deb {mirror} bookworm-backports main\n"
         )

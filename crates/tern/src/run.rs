@@ -251,7 +251,7 @@ fn receive(args: &ReceiveArgs) -> anyhow::Result<ExitCode> {
 
 /// Runs `on_interrupt` once on SIGINT or SIGTERM, from a thread of its own
 /// (the handler itself only writes to a pipe).
-fn install_interrupt_handler(on_interrupt: impl FnOnce() + Send + 'static) {
+pub fn install_interrupt_handler(on_interrupt: impl FnOnce() + Send + 'static) {
     use std::io::Read;
     use std::os::fd::FromRawFd;
     static WRITE_FD: std::sync::atomic::AtomicI32 = std::sync::atomic::AtomicI32::new(-1);

@@ -436,6 +436,8 @@ fn migrate(args: &MigrateArgs) -> anyhow::Result<ExitCode> {
         "tern vm migrate: guest dirties {:.0} pages/s; migrating to {}...",
         rate.dirty_pages_per_second, args.to
     );
+    let cancel = source.cancel_token();
+    crate::run::install_interrupt_handler(move || cancel.cancel());
     let progress = Progress::start(source.stats());
     let result = source.migrate(&mut guest, &args.to);
     progress.finish();

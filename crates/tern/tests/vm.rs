@@ -143,9 +143,14 @@ fn vm_migrate_to_vm_receive_between_processes() {
     assert_eq!(source["digest-verified"], true);
     assert_eq!(received["consistency-check"]["passed"], true);
     assert_eq!(received["guest-runs-on-destination"], true);
-    assert_eq!(
-        received["pass-count-before"], source["source-pass-count"],
-        "the destination starts where the source stopped"
+    // The destination resumes the guest before it pauses it again for the
+    // check, so a few passes may already have run there; what must hold is
+    // that the count carried on from the source's, not from zero.
+    let source_count = source["source-pass-count"].as_u64().unwrap();
+    let destination_count = received["pass-count-before"].as_u64().unwrap();
+    assert!(
+        destination_count >= source_count && source_count > 0,
+        "the destination carries on from the source's count: source {source_count}, destination {destination_count}"
     );
 }
 

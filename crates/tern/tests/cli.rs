@@ -1,21 +1,10 @@
 //! The `tern` command line, run as separate processes.
 
-use std::process::{Command, Stdio};
+mod process;
+
+use process::{free_port, json, tern};
+use std::process::Stdio;
 use std::time::{Duration, Instant};
-
-fn tern() -> Command {
-    Command::new(env!("CARGO_BIN_EXE_tern"))
-}
-
-fn json(output: &std::process::Output) -> serde_json::Value {
-    serde_json::from_slice(&output.stdout).unwrap_or_else(|error| {
-        panic!(
-            "stdout is not JSON ({error}):\n{}\nstderr:\n{}",
-            String::from_utf8_lossy(&output.stdout),
-            String::from_utf8_lossy(&output.stderr)
-        )
-    })
-}
 
 #[test]
 fn demo_json_completes_and_verifies() {
@@ -49,14 +38,6 @@ fn demo_over_a_unix_socket_prints_a_summary() {
     let text = String::from_utf8_lossy(&output.stdout);
     assert!(text.contains("completed"), "{text}");
     assert!(text.contains("digest verified  true"), "{text}");
-}
-
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
 }
 
 #[test]

@@ -2,7 +2,10 @@
 //! prints a skip message and returns where /dev/kvm is missing.
 
 use std::io::{BufRead, BufReader};
-use std::process::{Command, Stdio};
+mod process;
+
+use process::{free_port, json, tern};
+use std::process::Stdio;
 use std::time::Duration;
 
 fn kvm_available() -> bool {
@@ -12,28 +15,6 @@ fn kvm_available() -> bool {
         eprintln!("skipped: /dev/kvm not available");
         false
     }
-}
-
-fn tern() -> Command {
-    Command::new(env!("CARGO_BIN_EXE_tern"))
-}
-
-fn json(output: &std::process::Output) -> serde_json::Value {
-    serde_json::from_slice(&output.stdout).unwrap_or_else(|error| {
-        panic!(
-            "stdout is not JSON ({error}):\n{}\nstderr:\n{}",
-            String::from_utf8_lossy(&output.stdout),
-            String::from_utf8_lossy(&output.stderr)
-        )
-    })
-}
-
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
 }
 
 #[test]

@@ -140,6 +140,16 @@ pub struct Segment {
     pub len: usize,
 }
 
+impl Segment {
+    /// The segment as an iovec for `sendmsg`/`readv`; `None` when empty.
+    pub(crate) fn iovec(&self) -> Option<libc::iovec> {
+        (self.len > 0).then_some(libc::iovec {
+            iov_base: self.ptr as *mut libc::c_void,
+            iov_len: self.len,
+        })
+    }
+}
+
 impl Channel {
     fn new(stream: Stream) -> Result<Self, ChannelError> {
         let fd = match &stream {
@@ -327,28 +337,22 @@ impl Channel {
 }
 
 fn to_iovecs(segments: &[Segment]) -> Vec<libc::iovec> {
-    segments
-        .iter()
-        .filter(|segment| segment.len > 0)
-        .map(|segment| libc::iovec {
-            iov_base: segment.ptr as *mut libc::c_void,
-            iov_len: segment.len,
-        })
-        .collect()
+    segments.iter().filter_map(Segment::iovec).collect()
 }
 
 /// Consumes `done` bytes from `iovecs[first..]` after a partial transfer and
-/// returns the index of the first iovec with bytes left.
-fn advance(iovecs: &mut [libc::iovec], mut first: usize, mut done: usize) -> usize {
+/// returns the index of the first iovec with bytes left. Shared by every
+/// sender and receiver that loops on short `sendmsg`/`readv` results.
+pub(crate) fn advance(iovecs: &mut [libc::iovec], mut first: usize, mut done: usize) -> usize {
     while done > 0 {
         let iov = &mut iovecs[first];
         if done >= iov.iov_len {
             done -= iov.iov_len;
             first += 1;
         } else {
-            // SAFETY: `done` is below the iovec's length, so the new base
-            // stays inside the same buffer.
-            iov.iov_base = unsafe { iov.iov_base.cast::<u8>().add(done) }.cast();
+            // `done` is below the iovec's length, so the new base stays
+            // inside the same buffer.
+            iov.iov_base = iov.iov_base.cast::<u8>().wrapping_add(done).cast();
             iov.iov_len -= done;
             done = 0;
         }

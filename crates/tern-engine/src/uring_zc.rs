@@ -342,15 +342,7 @@ impl UringZeroCopySender {
                 iov_len: buffer.len(),
             });
         }
-        self.iovecs.extend(
-            pages
-                .iter()
-                .filter(|segment| segment.len > 0)
-                .map(|segment| libc::iovec {
-                    iov_base: segment.ptr as *mut libc::c_void,
-                    iov_len: segment.len,
-                }),
-        );
+        self.iovecs.extend(pages.iter().filter_map(Segment::iovec));
         let first_id = self.next_id;
         let result = self.send_iovecs(header.len());
         // The header buffer must outlive every request that references it.
@@ -388,7 +380,7 @@ impl UringZeroCopySender {
             let header_part = sent.min(header_left);
             header_left -= header_part;
             self.stats.header_bytes += header_part as u64;
-            advance(&mut self.iovecs, &mut first, sent);
+            first = crate::transport::advance(&mut self.iovecs, first, sent);
         }
         Ok(())
     }
@@ -644,21 +636,6 @@ impl Drop for UringZeroCopySender {
             && self.enter(1, deadline, false).is_ok()
             && self.drain(None).is_ok()
         {}
-    }
-}
-
-/// Advances an iovec cursor by `sent` bytes.
-fn advance(iovecs: &mut [libc::iovec], first: &mut usize, mut sent: usize) {
-    while sent > 0 {
-        let iov = &mut iovecs[*first];
-        if sent >= iov.iov_len {
-            sent -= iov.iov_len;
-            *first += 1;
-        } else {
-            iov.iov_base = iov.iov_base.cast::<u8>().wrapping_add(sent).cast();
-            iov.iov_len -= sent;
-            sent = 0;
-        }
     }
 }
 

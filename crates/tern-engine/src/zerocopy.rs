@@ -532,15 +532,7 @@ impl ZeroCopySender {
     /// memory under a dirty log is; see the module documentation).
     pub unsafe fn send(&mut self, header: &[u8], pages: &[Segment]) -> Result<(), ZeroCopyError> {
         self.iovecs.clear();
-        self.iovecs.extend(
-            pages
-                .iter()
-                .filter(|segment| segment.len > 0)
-                .map(|segment| libc::iovec {
-                    iov_base: segment.ptr as *mut libc::c_void,
-                    iov_len: segment.len,
-                }),
-        );
+        self.iovecs.extend(pages.iter().filter_map(Segment::iovec));
         if !header.is_empty() {
             let more = if self.iovecs.is_empty() {
                 0
@@ -609,7 +601,7 @@ impl ZeroCopySender {
             enobufs = 0;
             let sent = sent as usize;
             self.record_send(sent);
-            advance(&mut self.iovecs, &mut first, sent);
+            first = crate::transport::advance(&mut self.iovecs, first, sent);
             if self.reap_continuously {
                 self.reap()?;
             }
@@ -837,21 +829,6 @@ impl ZeroCopySender {
             outstanding: self.outstanding_sends,
             bytes: self.outstanding_bytes,
             seconds: self.flush_timeout.as_secs_f64(),
-        }
-    }
-}
-
-/// Advances an iovec cursor by `sent` bytes.
-fn advance(iovecs: &mut [libc::iovec], first: &mut usize, mut sent: usize) {
-    while sent > 0 {
-        let iov = &mut iovecs[*first];
-        if sent >= iov.iov_len {
-            sent -= iov.iov_len;
-            *first += 1;
-        } else {
-            iov.iov_base = iov.iov_base.cast::<u8>().wrapping_add(sent).cast();
-            iov.iov_len -= sent;
-            sent = 0;
         }
     }
 }

@@ -392,7 +392,7 @@ impl<'scope> Pipeline<'scope> {
                 switches: 0,
             });
         }
-        for index in 0..setup_workers(&shared) {
+        for index in 0..shared.worker_rings.len() {
             let shared_for_thread = shared.clone();
             let handle = thread::Builder::new()
                 .name(format!("tern-worker-{index}"))
@@ -555,20 +555,7 @@ impl<'scope> Pipeline<'scope> {
                     .codec_stats
                     .used()
                     .map(|(which, counters)| {
-                        (
-                            which.name().to_string(),
-                            CodecReport {
-                                pages: counters.pages,
-                                compressed: counters.compressed,
-                                raw_fallbacks: counters.raw_fallbacks,
-                                skipped_by_sampling: counters.skipped_by_sampling,
-                                offload_fallbacks: counters.offload_fallbacks,
-                                bytes_in: counters.bytes_in,
-                                bytes_out: counters.bytes_out,
-                                ratio: counters.ratio(),
-                                cpu_seconds: counters.cpu_seconds(),
-                            },
-                        )
+                        (which.name().to_string(), CodecReport::from(counters))
                     })
                     .collect(),
             });
@@ -709,10 +696,6 @@ impl<'scope> Pipeline<'scope> {
             let _ = handle.join();
         }
     }
-}
-
-fn setup_workers(shared: &Shared) -> usize {
-    shared.worker_rings.len()
 }
 
 fn page_ptr(region: &MemoryRegion, page: u32) -> *const u8 {

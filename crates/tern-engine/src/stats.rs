@@ -374,6 +374,23 @@ pub struct CodecReport {
     pub cpu_seconds: f64,
 }
 
+impl From<&tern_page::codec::CodecCounters> for CodecReport {
+    /// The JSON shape of a worker's counters (tern-page stays free of serde).
+    fn from(counters: &tern_page::codec::CodecCounters) -> Self {
+        Self {
+            pages: counters.pages,
+            compressed: counters.compressed,
+            raw_fallbacks: counters.raw_fallbacks,
+            skipped_by_sampling: counters.skipped_by_sampling,
+            offload_fallbacks: counters.offload_fallbacks,
+            bytes_in: counters.bytes_in,
+            bytes_out: counters.bytes_out,
+            ratio: counters.ratio(),
+            cpu_seconds: counters.cpu_seconds(),
+        }
+    }
+}
+
 /// Compression over the whole migration.
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
 #[serde(rename_all = "kebab-case")]

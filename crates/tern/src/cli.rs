@@ -67,8 +67,9 @@ pub struct MigrateArgs {
     pub json: bool,
 }
 
+/// Where and how a destination waits (`tern receive`, `tern vm receive`).
 #[derive(Debug, Args)]
-pub struct ReceiveArgs {
+pub struct ListenArgs {
     /// Where to listen: HOST:PORT, tcp:HOST:PORT or unix:PATH.
     #[arg(long, value_parser = parse_address)]
     pub listen: Address,
@@ -79,6 +80,26 @@ pub struct ReceiveArgs {
     /// seconds.
     #[arg(long, default_value_t = 30)]
     pub io_timeout: u64,
+}
+
+impl ListenArgs {
+    /// Binds the listener and builds the destination's settings.
+    pub fn bind(&self) -> anyhow::Result<(tern_engine::Listener, tern_engine::ReceiveConfig)> {
+        use anyhow::Context;
+        let listener = tern_engine::Listener::bind(&self.listen)
+            .with_context(|| format!("cannot listen on {}", self.listen))?;
+        let config = tern_engine::ReceiveConfig {
+            accept_timeout: Duration::from_secs(self.accept_timeout),
+            io_timeout: Duration::from_secs(self.io_timeout),
+        };
+        Ok((listener, config))
+    }
+}
+
+#[derive(Debug, Args)]
+pub struct ReceiveArgs {
+    #[command(flatten)]
+    pub listen: ListenArgs,
     /// How long to let the resumed guest run before exiting, in
     /// milliseconds (shows it carries on dirtying memory here).
     #[arg(long, default_value_t = 200)]

@@ -203,15 +203,11 @@ fn migrate(args: &MigrateArgs) -> anyhow::Result<ExitCode> {
 }
 
 fn receive(args: &ReceiveArgs) -> anyhow::Result<ExitCode> {
-    let listener = Listener::bind(&args.listen)
-        .with_context(|| format!("cannot listen on {}", args.listen))?;
+    let (listener, config) = args.listen.bind()?;
     if !args.json {
         eprintln!("tern receive: listening on {}", listener.local_address()?);
     }
-    let destination = Destination::new(ReceiveConfig {
-        accept_timeout: Duration::from_secs(args.accept_timeout),
-        io_timeout: Duration::from_secs(args.io_timeout),
-    });
+    let destination = Destination::new(config);
     let cancel = destination.cancel_token();
     install_interrupt_handler(move || cancel.cancel());
     let received = destination

@@ -114,15 +114,8 @@ pub struct MigrateArgs {
 
 #[derive(Debug, Args)]
 pub struct ReceiveArgs {
-    /// Where to listen: HOST:PORT, tcp:HOST:PORT or unix:PATH.
-    #[arg(long, value_parser = parse_address)]
-    pub listen: Address,
-    /// How long to wait for the source, in seconds.
-    #[arg(long, default_value_t = 300)]
-    pub accept_timeout: u64,
-    /// Longest silence tolerated from the source, in seconds.
-    #[arg(long, default_value_t = 30)]
-    pub io_timeout: u64,
+    #[command(flatten)]
+    pub listen: crate::cli::ListenArgs,
     /// How long to let the guest run on here before reporting and exiting,
     /// in milliseconds.
     #[arg(long, default_value_t = 1000)]
@@ -468,17 +461,13 @@ fn migrate(args: &MigrateArgs) -> anyhow::Result<ExitCode> {
 }
 
 fn receive(args: &ReceiveArgs) -> anyhow::Result<ExitCode> {
-    let listener = Listener::bind(&args.listen)
-        .with_context(|| format!("cannot listen on {}", args.listen))?;
+    let (listener, config) = args.listen.bind()?;
     // On stderr even with --json: scripts wait for this line.
     eprintln!(
         "tern vm receive: listening on {}",
         listener.local_address()?
     );
-    let destination = Destination::new(ReceiveConfig {
-        accept_timeout: Duration::from_secs(args.accept_timeout),
-        io_timeout: Duration::from_secs(args.io_timeout),
-    });
+    let destination = Destination::new(config);
     let Received {
         mut guest,
         stats,

@@ -300,10 +300,25 @@ fn truncations_of_every_message_are_errors() {
     })
     .encode(&mut stream);
     assert_eq!(decode_stream(&stream, None).unwrap().len(), 3);
+    // Every prefix that ends on a frame boundary decodes; every other one
+    // is a truncation error.
+    let mut boundaries = vec![0];
+    let mut end = 0;
+    while end < stream.len() {
+        let body = u32::from_le_bytes(stream[end + 4..end + 8].try_into().unwrap()) as usize;
+        end += FRAME_HEADER_LEN + body;
+        boundaries.push(end);
+    }
     for cut in 0..stream.len() {
-        let prefix = &stream[..cut];
-        // Prefixes that end exactly on a frame boundary decode fine.
-        let _ = decode_stream(prefix, None);
+        let result = decode_stream(&stream[..cut], None);
+        if boundaries.contains(&cut) {
+            assert!(result.is_ok(), "cut at {cut}: {result:?}");
+        } else {
+            assert!(
+                matches!(result, Err(WireError::Truncated(_))),
+                "cut at {cut}: {result:?}"
+            );
+        }
     }
     // Cutting inside a body, then claiming the shorter length, must fail
     // with a typed error rather than reading past the end.

@@ -226,7 +226,8 @@ fn receive(args: &ReceiveArgs) -> anyhow::Result<ExitCode> {
     }
     let report = ReceiveReport {
         status: "completed",
-        digest_verified: true,
+        // The destination compared digests unless the source asked for none.
+        digest_verified: received.setup.digest != tern_wire::DigestAlgorithm::None,
         memory: received.setup.total_bytes(),
         resumed_guest_dirtying: running,
         stats: &received.stats,
@@ -235,10 +236,15 @@ fn receive(args: &ReceiveArgs) -> anyhow::Result<ExitCode> {
         print_json(&report)?;
     } else {
         println!(
-            "received {} in {} pages with data and {} zero pages; digest verified; guest resumed{}",
+            "received {} in {} pages with data and {} zero pages; digest {}; guest resumed{}",
             crate::units::human_bytes(report.memory),
             received.stats.normal_pages,
             received.stats.zero_pages,
+            if report.digest_verified {
+                "verified"
+            } else {
+                "not checked (--verify none)"
+            },
             if running { " and dirtying memory" } else { "" }
         );
     }

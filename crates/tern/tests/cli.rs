@@ -148,3 +148,24 @@ fn bad_options_are_clear_errors() {
             .contains("Cannot connect")
     );
 }
+
+#[test]
+fn receive_reports_an_unverified_migration_as_such() {
+    let address = format!("127.0.0.1:{}", free_port());
+    let receiver = tern()
+        .args(["receive", "--json", "--listen", &address])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let output = tern()
+        .args(["migrate", "--json", "--to", &address, "--memory", "16MiB"])
+        .args(["--dirty-rate", "0", "--verify", "none"])
+        .output()
+        .unwrap();
+    assert!(output.status.success(), "{output:?}");
+    assert_eq!(json(&output)["digest-verified"], false);
+    let received = receiver.wait_with_output().unwrap();
+    assert!(received.status.success(), "{received:?}");
+    assert_eq!(json(&received)["digest-verified"], false);
+}

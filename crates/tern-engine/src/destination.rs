@@ -2,7 +2,7 @@
 //! into guest memory, verify, restore and resume.
 
 use std::collections::HashSet;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU8, AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
@@ -26,9 +26,50 @@ use crate::transport::{Channel, Listener, Segment};
 /// How often blocked threads look at the failure flag.
 const POLL_INTERVAL: Duration = Duration::from_millis(100);
 
-/// Live counters of the destination.
+/// Where a destination is, for progress display.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[repr(u8)]
+pub enum ReceivePhase {
+    /// Waiting for the source to connect.
+    Waiting = 0,
+    /// Receiving pages.
+    Receiving = 1,
+    /// All pages and state are in; comparing digests, restoring, resuming.
+    Verifying = 2,
+    /// The guest runs here.
+    Resumed = 3,
+    /// The migration failed or was cancelled.
+    Failed = 4,
+}
+
+impl ReceivePhase {
+    fn from_u8(value: u8) -> Self {
+        match value {
+            0 => Self::Waiting,
+            1 => Self::Receiving,
+            2 => Self::Verifying,
+            3 => Self::Resumed,
+            _ => Self::Failed,
+        }
+    }
+
+    /// The name users see.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Waiting => "waiting",
+            Self::Receiving => "receiving",
+            Self::Verifying => "verifying",
+            Self::Resumed => "resumed",
+            Self::Failed => "failed",
+        }
+    }
+}
+
+/// Live counters of the destination, readable while [`Destination::receive`]
+/// runs (through the accessor methods) for progress display.
 #[derive(Debug, Default)]
 pub struct ReceiveStats {
+    phase: AtomicU8,
     /// Bytes read from all channels.
     pub received: AtomicU64,
     /// Zero pages received.
@@ -45,6 +86,43 @@ pub struct ReceiveStats {
 }
 
 impl ReceiveStats {
+    /// Where the destination is.
+    pub fn phase(&self) -> ReceivePhase {
+        ReceivePhase::from_u8(self.phase.load(Ordering::Acquire))
+    }
+
+    fn set_phase(&self, phase: ReceivePhase) {
+        self.phase.store(phase as u8, Ordering::Release);
+    }
+
+    /// Bytes read from all page channels so far.
+    pub fn received_bytes(&self) -> u64 {
+        self.received.load(Ordering::Relaxed)
+    }
+
+    /// Pages received so far (with data, and zero pages), counting a page
+    /// again each time an iteration resends it.
+    pub fn pages(&self) -> u64 {
+        self.normal_pages.load(Ordering::Relaxed) + self.zero_pages.load(Ordering::Relaxed)
+    }
+
+    /// Dirty iterations every channel has finished (syncs passed); the
+    /// first (0) sends every page once, so while this is 0, [`Self::pages`]
+    /// of [`Self::total_pages`] is the progress of the first copy.
+    pub fn iterations_done(&self) -> u64 {
+        self.iteration.load(Ordering::Relaxed)
+    }
+
+    /// Guest memory size in bytes, 0 until the source's setup arrives.
+    pub fn total_bytes(&self) -> u64 {
+        self.total.load(Ordering::Relaxed)
+    }
+
+    /// Guest memory size in pages.
+    pub fn total_pages(&self) -> u64 {
+        self.total_bytes() / PAGE_SIZE as u64
+    }
+
     fn record_cpu(&self, thread: &str, seconds: f64) {
         let mut map = self.cpu.lock().unwrap_or_else(|e| e.into_inner());
         *map.entry(thread.to_string()).or_insert(0.0) += seconds;
@@ -114,11 +192,18 @@ impl Destination {
         F: FnOnce(&SessionSetup) -> Result<G, GuestError>,
     {
         let cpu_start = thread_cpu_seconds();
-        let mut main = self.accept_main(listener)?;
-        main.set_timeouts(self.config.io_timeout)
-            .map_err(MigrationError::channel(0))?;
+        let mut main = self
+            .accept_main(listener)
+            .and_then(|main| {
+                main.set_timeouts(self.config.io_timeout)
+                    .map_err(MigrationError::channel(0))?;
+                Ok(main)
+            })
+            .inspect_err(|_| self.stats.set_phase(ReceivePhase::Failed))?;
+        self.stats.set_phase(ReceivePhase::Receiving);
         let result = self.run(listener, &mut main, make_guest, cpu_start);
         if let Err(error) = &result {
+            self.stats.set_phase(ReceivePhase::Failed);
             if !matches!(error, MigrationError::PeerAborted { .. }) {
                 let _ = main.send_message(&Message::Abort(Abort {
                     reason: error.abort_reason(),
@@ -282,6 +367,7 @@ impl Destination {
         }
 
         tracing::debug!("all pages and state received");
+        self.stats.set_phase(ReceivePhase::Verifying);
         let digest_started = Instant::now();
         let digest = match &shared.page_hashes {
             Some(page_hashes) => {
@@ -342,6 +428,7 @@ impl Destination {
             stats: stats_json,
         }))
         .map_err(MigrationError::channel(0))?;
+        self.stats.set_phase(ReceivePhase::Resumed);
         Ok(Received {
             guest,
             stats,

@@ -30,7 +30,7 @@ pub use bitmap::DirtyBitmap;
 pub use config::{
     LimitPolicy, MigrationConfig, ReceiveConfig, Verify, ZeroCopyBackend, ZeroPageDetection,
 };
-pub use destination::{Destination, ReceiveStats, Received};
+pub use destination::{Destination, ReceivePhase, ReceiveStats, Received};
 pub use error::{ChannelError, MigrationError};
 pub use guest::{
     DestinationGuest, DeviceState, DirtyLog, GuestControl, GuestError, GuestMemory, GuestResult,

@@ -47,6 +47,8 @@ const BATCHES_PER_WORKER: usize = 8;
 pub(crate) struct Batch {
     region: usize,
     iteration: u32,
+    /// Part of the switch-over pass, sent while the guest is paused.
+    paused: bool,
     pages: Vec<u32>,
     /// Filled by the producer in `source` mode, by the worker otherwise.
     kinds: Vec<PageKind>,
@@ -68,6 +70,7 @@ impl Batch {
         Self {
             region: 0,
             iteration: 0,
+            paused: false,
             pages: Vec::with_capacity(MAX_PAGES_PER_PACKET),
             kinds: Vec::with_capacity(MAX_PAGES_PER_PACKET),
             prechecked: false,
@@ -82,9 +85,10 @@ impl Batch {
         }
     }
 
-    fn reset(&mut self, region: usize, iteration: u32, codec: CodecId) {
+    fn reset(&mut self, region: usize, iteration: u32, paused: bool, codec: CodecId) {
         self.region = region;
         self.iteration = iteration;
+        self.paused = paused;
         self.codec = codec;
         self.pages.clear();
         self.kinds.clear();
@@ -423,6 +427,7 @@ impl<'scope> Pipeline<'scope> {
 
     /// Sends every page set in `bitmaps` (one per region) as part of
     /// `iteration`, then ends the iteration on every channel with a sync.
+    /// `last` is the switch-over pass, sent with the guest paused.
     pub fn send_iteration(
         &mut self,
         bitmaps: &[DirtyBitmap],
@@ -430,6 +435,10 @@ impl<'scope> Pipeline<'scope> {
         last: bool,
     ) -> Result<IterationTotals, MigrationError> {
         self.totals = IterationTotals::default();
+        let dirty_pages: u64 = bitmaps.iter().map(DirtyBitmap::count).sum();
+        self.shared
+            .stats
+            .start_iteration(dirty_pages * PAGE_SIZE as u64);
         for (region, bitmap) in bitmaps.iter().enumerate() {
             let mut batch: Option<Box<Batch>> = None;
             for page in bitmap.iter_dirty() {
@@ -437,7 +446,7 @@ impl<'scope> Pipeline<'scope> {
                     Some(current) => current,
                     None => {
                         let mut fresh = self.take_batch()?;
-                        fresh.reset(region, iteration, self.codec);
+                        fresh.reset(region, iteration, last, self.codec);
                         batch.insert(fresh)
                     }
                 };
@@ -642,6 +651,7 @@ impl<'scope> Pipeline<'scope> {
                     stats
                         .normal_bytes
                         .fetch_add(batch.normal_pages * PAGE_SIZE as u64, Ordering::Relaxed);
+                    stats.sent_dirty(batch.pages.len() as u64 * PAGE_SIZE as u64);
                     self.pool.push(batch);
                 }
                 Completion::Synced => synced += 1,
@@ -959,10 +969,7 @@ fn run_sender(shared: &Shared, index: usize, mut channel: PageSender) {
                     Ordering::Relaxed,
                 );
                 if result.is_ok() {
-                    shared
-                        .stats
-                        .transferred
-                        .fetch_add(batch.wire_bytes, Ordering::Relaxed);
+                    shared.stats.add_sent(batch.wire_bytes, batch.paused, true);
                     let _ = shared.completions.push(Completion::Batch(batch));
                 }
                 result
@@ -971,10 +978,7 @@ fn run_sender(shared: &Shared, index: usize, mut channel: PageSender) {
                 let bytes = Message::Sync(sync).to_bytes();
                 let result = channel.write_control(&bytes);
                 if result.is_ok() {
-                    shared
-                        .stats
-                        .transferred
-                        .fetch_add(bytes.len() as u64, Ordering::Relaxed);
+                    shared.stats.add_sent(bytes.len() as u64, sync.last, true);
                     let _ = shared.completions.push(Completion::Synced);
                 }
                 result

@@ -167,7 +167,7 @@ impl Source {
                 };
                 self.stats.set_status(status);
                 let mut stats = self.stats.snapshot();
-                stats.error = Some(error.chain());
+                stats.error_desc = Some(error.chain());
                 tracing::warn!(error = %error.chain(), "migration {}", status.as_str());
                 Err(MigrationFailure {
                     error,
@@ -255,6 +255,7 @@ impl Source {
             .start_dirty_log()
             .map_err(MigrationError::guest("start dirty log"))?;
         changes.dirty_log = true;
+        let dirty_log_started = Instant::now();
 
         std::thread::scope(|scope| {
             let pipeline = Pipeline::start(
@@ -274,7 +275,14 @@ impl Source {
             )?;
             let mut pipeline = Some(pipeline);
             let result = self
-                .iterate(guest, main, &regions, changes, &mut pipeline)
+                .iterate(
+                    guest,
+                    main,
+                    &regions,
+                    changes,
+                    &mut pipeline,
+                    dirty_log_started,
+                )
                 .map_err(|error| {
                     // A closed page channel is usually the symptom; the
                     // destination's abort message, when it sent one, is the
@@ -305,6 +313,7 @@ impl Source {
         regions: &[MemoryRegion],
         changes: &mut GuestChanges,
         pipeline: &mut Option<Pipeline<'_>>,
+        dirty_log_started: Instant,
     ) -> Result<Option<DestinationStats>, MigrationError> {
         let config = &self.config;
         let stats = &self.stats;
@@ -323,6 +332,7 @@ impl Source {
         let mut throttle: u8 = 0;
         let mut dirty_outruns = 0;
         let mut forced = false;
+        let mut previous_sync = dirty_log_started;
         loop {
             let started = Instant::now();
             let totals = pipe.send_iteration(&bitmaps, iteration, false)?;
@@ -337,10 +347,13 @@ impl Source {
             guest
                 .sync_dirty_log(&mut bitmaps)
                 .map_err(MigrationError::guest("sync dirty log"))?;
+            let synced = Instant::now();
+            let since_previous_sync = synced.duration_since(previous_sync).as_secs_f64().max(1e-6);
+            previous_sync = synced;
             stats.dirty_sync_count.fetch_add(1, Ordering::Relaxed);
             let dirty_pages: u64 = bitmaps.iter().map(DirtyBitmap::count).sum();
             let remaining = dirty_pages * PAGE_SIZE as u64;
-            let dirty_rate = dirty_pages as f64 / elapsed;
+            let dirty_rate = dirty_pages as f64 / since_previous_sync;
             let expected_downtime = Duration::from_secs_f64(remaining as f64 / bandwidth.max(1.0));
             iteration += 1;
             stats.remaining.store(remaining, Ordering::Relaxed);
@@ -412,7 +425,7 @@ impl Source {
                         .map_err(MigrationError::guest("throttle"))?;
                     changes.throttled = true;
                     stats
-                        .throttle_percent
+                        .cpu_throttle_percentage
                         .store(u64::from(throttle), Ordering::Relaxed);
                     tracing::info!(throttle, "auto-converge: throttling the guest");
                     dirty_outruns = 0;
@@ -476,20 +489,24 @@ impl Source {
         let sections = guest
             .save_state()
             .map_err(MigrationError::guest("save state"))?;
+        let mut send_paused = |message: Message| {
+            let bytes = message.to_bytes();
+            main.write_all(&bytes).map_err(MigrationError::channel(0))?;
+            stats.add_sent(bytes.len() as u64, true, false);
+            Ok::<_, MigrationError>(())
+        };
         for section in &sections {
-            main.send_message(&Message::StateSection(StateSectionMsg {
+            send_paused(Message::StateSection(StateSectionMsg {
                 name: section.name.clone(),
                 version: section.version,
                 data: section.data.clone(),
-            }))
-            .map_err(MigrationError::channel(0))?;
+            }))?;
         }
-        main.send_message(&Message::Complete(Complete {
+        send_paused(Message::Complete(Complete {
             final_iteration: iteration,
             sections: u32::try_from(sections.len()).unwrap_or(u32::MAX),
             digest,
-        }))
-        .map_err(MigrationError::channel(0))?;
+        }))?;
 
         tracing::debug!(
             elapsed_ms = paused_at.elapsed().as_millis() as u64,

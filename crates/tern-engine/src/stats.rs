@@ -64,19 +64,32 @@ pub struct LiveStats {
     status: AtomicU8,
     /// Bytes written to all channels.
     pub transferred: AtomicU64,
+    /// Of those, bytes written while the guest ran (live iterations).
+    pub precopy_bytes: AtomicU64,
+    /// Of those, bytes written while the guest was paused (the last pages,
+    /// the device state and the completion message).
+    pub downtime_bytes: AtomicU64,
+    /// Of those, bytes written to the page channels (everything but the main
+    /// channel).
+    pub multifd_bytes: AtomicU64,
     /// Pages sent as zero pages.
     pub duplicate: AtomicU64,
     /// Pages sent with their data.
     pub normal: AtomicU64,
     /// Guest bytes of those pages.
     pub normal_bytes: AtomicU64,
-    /// Bytes still dirty.
+    /// Dirty bytes not sent yet: set from the dirty bitmap when an
+    /// iteration starts, lowered as its pages are sent.
     pub remaining: AtomicU64,
+    /// Dirty bytes the current iteration started with (its whole size).
+    pub iteration_bytes: AtomicU64,
     /// Guest memory size.
     pub total: AtomicU64,
     /// Dirty-log syncs done.
     pub dirty_sync_count: AtomicU64,
-    /// Pages dirtied per second, measured over the last iteration.
+    /// The engine's measured dirty rate: pages the last dirty-log sync found
+    /// dirty, divided by the time since the sync before it (or since dirty
+    /// logging started), as QEMU's `dirty-pages-rate`.
     pub dirty_pages_rate: AtomicU64,
     /// Migration bandwidth in guest bytes per second (last iteration).
     pub bandwidth: AtomicU64,
@@ -84,8 +97,8 @@ pub struct LiveStats {
     pub expected_downtime_ms: AtomicU64,
     /// Current iteration.
     pub iteration: AtomicU64,
-    /// Current throttle percentage.
-    pub throttle_percent: AtomicU64,
+    /// Current auto-converge throttle, in percent.
+    pub cpu_throttle_percentage: AtomicU64,
     /// Whether the switch-over was forced by a limit.
     pub forced_switch_over: AtomicBool,
     setup_time_ms: AtomicU64,
@@ -113,17 +126,21 @@ impl LiveStats {
             start_offset_ns: AtomicU64::new(0),
             status: AtomicU8::new(MigrationStatus::Setup as u8),
             transferred: AtomicU64::new(0),
+            precopy_bytes: AtomicU64::new(0),
+            downtime_bytes: AtomicU64::new(0),
+            multifd_bytes: AtomicU64::new(0),
             duplicate: AtomicU64::new(0),
             normal: AtomicU64::new(0),
             normal_bytes: AtomicU64::new(0),
             remaining: AtomicU64::new(0),
+            iteration_bytes: AtomicU64::new(0),
             total: AtomicU64::new(0),
             dirty_sync_count: AtomicU64::new(0),
             dirty_pages_rate: AtomicU64::new(0),
             bandwidth: AtomicU64::new(0),
             expected_downtime_ms: AtomicU64::new(0),
             iteration: AtomicU64::new(0),
-            throttle_percent: AtomicU64::new(0),
+            cpu_throttle_percentage: AtomicU64::new(0),
             forced_switch_over: AtomicBool::new(false),
             setup_time_ms: AtomicU64::new(0),
             downtime_ms: AtomicU64::new(0),
@@ -209,6 +226,46 @@ impl LiveStats {
             .unwrap_or_else(|e| e.into_inner()) = Some(report);
     }
 
+    /// Counts `bytes` written to a channel: to `transferred`, and to
+    /// `downtime-bytes` when the guest was paused (`paused`), to
+    /// `precopy-bytes` otherwise; to `multifd-bytes` too for a page channel.
+    pub(crate) fn add_sent(&self, bytes: u64, paused: bool, page_channel: bool) {
+        self.transferred.fetch_add(bytes, Ordering::Relaxed);
+        let phase = if paused {
+            &self.downtime_bytes
+        } else {
+            &self.precopy_bytes
+        };
+        phase.fetch_add(bytes, Ordering::Relaxed);
+        if page_channel {
+            self.multifd_bytes.fetch_add(bytes, Ordering::Relaxed);
+        }
+    }
+
+    /// Starts an iteration of `bytes` dirty bytes: the progress of an
+    /// iteration is `iteration_bytes - remaining` of `iteration_bytes`.
+    pub(crate) fn start_iteration(&self, bytes: u64) {
+        self.iteration_bytes.store(bytes, Ordering::Relaxed);
+        self.remaining.store(bytes, Ordering::Relaxed);
+    }
+
+    /// Counts `bytes` of the current iteration as sent.
+    pub(crate) fn sent_dirty(&self, bytes: u64) {
+        let _ = self
+            .remaining
+            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |remaining| {
+                Some(remaining.saturating_sub(bytes))
+            });
+    }
+
+    /// The current iteration's progress: bytes sent of the bytes it started
+    /// with.
+    pub fn iteration_progress(&self) -> (u64, u64) {
+        let size = self.iteration_bytes.load(Ordering::Relaxed);
+        let remaining = self.remaining.load(Ordering::Relaxed).min(size);
+        (size - remaining, size)
+    }
+
     /// A consistent-enough copy for display or the final report.
     pub fn snapshot(&self) -> MigrationStats {
         let status = self.status();
@@ -238,6 +295,10 @@ impl LiveStats {
             digest_time: self.digest_time_ms.load(Ordering::Relaxed),
             ram: RamStats {
                 transferred,
+                precopy_bytes: self.precopy_bytes.load(Ordering::Relaxed),
+                downtime_bytes: self.downtime_bytes.load(Ordering::Relaxed),
+                multifd_bytes: self.multifd_bytes.load(Ordering::Relaxed),
+                page_size: crate::guest::PAGE_SIZE as u64,
                 remaining: self.remaining.load(Ordering::Relaxed),
                 total: self.total.load(Ordering::Relaxed),
                 duplicate,
@@ -249,7 +310,7 @@ impl LiveStats {
                 dirty_pages_rate: self.dirty_pages_rate.load(Ordering::Relaxed),
                 iterations: self.iteration.load(Ordering::Relaxed),
             },
-            throttle_percent: self.throttle_percent.load(Ordering::Relaxed),
+            cpu_throttle_percentage: self.cpu_throttle_percentage.load(Ordering::Relaxed),
             forced_switch_over: self.forced_switch_over.load(Ordering::Relaxed),
             digest_verified: self.digest_verified.load(Ordering::Relaxed),
             cpu_seconds,
@@ -265,7 +326,7 @@ impl LiveStats {
                 .unwrap_or_else(|e| e.into_inner())
                 .clone(),
             destination: None,
-            error: None,
+            error_desc: None,
         }
     }
 }
@@ -281,6 +342,16 @@ pub(crate) fn millis(time: Duration) -> u64 {
 pub struct RamStats {
     /// Bytes written to the channels (headers included).
     pub transferred: u64,
+    /// Bytes written while the guest ran (the live iterations).
+    pub precopy_bytes: u64,
+    /// Bytes written while the guest was paused; with `precopy-bytes` it
+    /// makes up `transferred`.
+    pub downtime_bytes: u64,
+    /// Bytes written to the page channels (tern's counterpart of QEMU's
+    /// multifd channels); the rest went over the main channel.
+    pub multifd_bytes: u64,
+    /// Guest page size in bytes.
+    pub page_size: u64,
     /// Dirty bytes not sent yet.
     pub remaining: u64,
     /// Guest memory size.
@@ -297,7 +368,8 @@ pub struct RamStats {
     pub pages_per_second: u64,
     /// Dirty-log syncs.
     pub dirty_sync_count: u64,
-    /// Pages dirtied per second during the last iteration.
+    /// The engine's measured dirty rate: pages the last dirty-log sync of
+    /// the live phase found dirty, per second since the sync before it.
     pub dirty_pages_rate: u64,
     /// Dirty iterations done (tern's addition).
     pub iterations: u64,
@@ -325,8 +397,8 @@ pub struct MigrationStats {
     pub digest_time: u64,
     /// Memory counters.
     pub ram: RamStats,
-    /// Auto-converge throttle at the end.
-    pub throttle_percent: u64,
+    /// Auto-converge throttle at the end, in percent.
+    pub cpu_throttle_percentage: u64,
     /// Whether an iteration or time limit forced the switch-over.
     pub forced_switch_over: bool,
     /// Whether the destination's memory digest matched the source's.
@@ -346,8 +418,8 @@ pub struct MigrationStats {
     #[serde(skip_serializing_if = "Option::is_none")]
     pub destination: Option<DestinationStats>,
     /// What went wrong, when something did.
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub error: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none", default)]
+    pub error_desc: Option<String>,
 }
 
 /// Compression of one codec implementation.
@@ -505,10 +577,53 @@ mod tests {
             "pages-per-second",
             "dirty-sync-count",
             "dirty-pages-rate",
+            "page-size",
+            "precopy-bytes",
+            "downtime-bytes",
+            "multifd-bytes",
         ] {
             assert!(json["ram"].get(key).is_some(), "{key}");
         }
         assert_eq!(json["ram"]["normal"], 3);
+        assert_eq!(json["ram"]["page-size"], 4096);
+        assert_eq!(json["cpu-throttle-percentage"], 0);
+        assert!(json.get("error-desc").is_none());
+        let mut failed = stats.snapshot();
+        failed.error_desc = Some("broken".into());
+        let json = serde_json::to_value(&failed).unwrap();
+        assert_eq!(json["error-desc"], "broken");
+        let back: MigrationStats = serde_json::from_value(json).unwrap();
+        assert_eq!(back, failed);
+    }
+
+    #[test]
+    fn sent_bytes_split_by_phase_and_channel() {
+        let stats = LiveStats::new();
+        stats.add_sent(1000, false, true);
+        stats.add_sent(200, false, false);
+        stats.add_sent(30, true, true);
+        stats.add_sent(4, true, false);
+        let ram = stats.snapshot().ram;
+        assert_eq!(ram.transferred, 1234);
+        assert_eq!(ram.precopy_bytes, 1200);
+        assert_eq!(ram.downtime_bytes, 34);
+        assert_eq!(ram.precopy_bytes + ram.downtime_bytes, ram.transferred);
+        assert_eq!(ram.multifd_bytes, 1030);
+    }
+
+    #[test]
+    fn remaining_falls_as_an_iteration_is_sent() {
+        let stats = LiveStats::new();
+        stats.start_iteration(10 * 4096);
+        assert_eq!(stats.iteration_progress(), (0, 10 * 4096));
+        stats.sent_dirty(3 * 4096);
+        assert_eq!(stats.remaining.load(Ordering::Relaxed), 7 * 4096);
+        assert_eq!(stats.iteration_progress(), (3 * 4096, 10 * 4096));
+        // Never below zero, even if more is counted than was dirty.
+        stats.sent_dirty(20 * 4096);
+        assert_eq!(stats.iteration_progress(), (10 * 4096, 10 * 4096));
+        stats.start_iteration(4096);
+        assert_eq!(stats.iteration_progress(), (0, 4096));
     }
 
     #[test]

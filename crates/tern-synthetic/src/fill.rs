@@ -106,9 +106,11 @@ fn text_page(rng: &mut WyRand, buf: &mut [u8; PAGE_SIZE + 8]) {
 /// cores. Zero pages are never touched: first-touch faults dominate the cost
 /// of a fill, and an untouched page also costs no memory.
 ///
+/// Adds the bytes of each chunk to `filled` as it is done, for progress.
+///
 /// Must run before any dirtier thread exists; it writes through raw pointers
 /// anyway so it never aliases a Rust reference with guest memory.
-pub(crate) fn fill(mapping: &Mapping, mix: ContentMix, seed: u64) {
+pub(crate) fn fill(mapping: &Mapping, mix: ContentMix, seed: u64, filled: &AtomicU64) {
     let pages = (mapping.len() / PAGE_SIZE) as u64;
     let next = AtomicU64::new(0);
     let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
@@ -120,7 +122,8 @@ pub(crate) fn fill(mapping: &Mapping, mix: ContentMix, seed: u64) {
             if start >= pages {
                 break;
             }
-            for page in start..(start + CHUNK_PAGES).min(pages) {
+            let end = (start + CHUNK_PAGES).min(pages);
+            for page in start..end {
                 let kind = page_kind(mix, seed, page);
                 let mut rng = WyRand(mix64(hash2(seed, page) ^ 0x5eed_f111));
                 match kind {
@@ -139,6 +142,7 @@ pub(crate) fn fill(mapping: &Mapping, mix: ContentMix, seed: u64) {
                     );
                 }
             }
+            filled.fetch_add((end - start) * PAGE_SIZE as u64, Ordering::Relaxed);
         }
     };
     std::thread::scope(|scope| {
@@ -167,6 +171,27 @@ mod tests {
         assert!((19_000..21_000).contains(&counts[0]), "{counts:?}");
         assert!((29_000..31_000).contains(&counts[1]), "{counts:?}");
         assert!((49_000..51_000).contains(&counts[2]), "{counts:?}");
+    }
+
+    #[test]
+    fn fill_progress_reaches_the_memory_size() {
+        let memory = 8u64 << 20;
+        let filled = AtomicU64::new(0);
+        let guest = crate::SyntheticGuest::new_with_fill_progress(
+            &crate::SyntheticConfig {
+                memory_bytes: memory,
+                regions: 1,
+                mix: ContentMix::default(),
+                seed: 3,
+                dirty_rate_bytes_per_sec: 0,
+                working_set_bytes: 0,
+                dirtier_threads: 1,
+            },
+            &filled,
+        )
+        .unwrap();
+        assert_eq!(filled.load(Ordering::Relaxed), memory);
+        drop(guest);
     }
 
     #[test]

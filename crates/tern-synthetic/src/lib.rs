@@ -21,6 +21,7 @@ mod state;
 use std::fmt;
 use std::str::FromStr;
 use std::sync::Arc;
+use std::sync::atomic::AtomicU64;
 
 use tern_engine::{
     DeviceState, DirtyBitmap, DirtyLog, GuestControl, GuestError, GuestMemory, GuestResult,
@@ -266,6 +267,17 @@ impl SyntheticGuest {
     /// starts the dirtiers: the guest is live before the migration begins,
     /// as a VMM's guest would be.
     pub fn new(config: &SyntheticConfig) -> Result<Self, SyntheticError> {
+        Self::new_with_fill_progress(config, &AtomicU64::new(0))
+    }
+
+    /// [`SyntheticGuest::new`], counting the bytes filled so far in
+    /// `filled` (it reaches `config.memory_bytes` when the fill is done), so
+    /// another thread can show the fill's progress: a fill of GiBs takes
+    /// seconds.
+    pub fn new_with_fill_progress(
+        config: &SyntheticConfig,
+        filled: &AtomicU64,
+    ) -> Result<Self, SyntheticError> {
         config.mix.validate()?;
         if config.memory_bytes == 0 {
             return Err(SyntheticError::ZeroMemory);
@@ -296,7 +308,7 @@ impl SyntheticGuest {
             ws => ws.min(pages),
         };
         let mapping = map(config.memory_bytes)?;
-        fill::fill(&mapping, config.mix, config.seed);
+        fill::fill(&mapping, config.mix, config.seed, filled);
         let mut guest = Self::assemble(
             mapping,
             region_pages,

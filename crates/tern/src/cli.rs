@@ -18,6 +18,8 @@ pub struct Cli {
     /// Log what happens (or set RUST_LOG).
     #[arg(short, long, global = true)]
     pub verbose: bool,
+    #[command(flatten)]
+    pub progress: crate::report::ProgressArgs,
     #[command(subcommand)]
     pub command: Command,
 }

@@ -1,73 +1,340 @@
-//! Live progress and the final summary.
+//! Live progress, the ready event and the final summary.
 
-use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::io::{IsTerminal, Write};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, OnceLock};
 use std::thread::JoinHandle;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 use serde::Serialize;
-use tern_engine::{LiveStats, MigrationStats};
+use tern_engine::{
+    Address, LiveStats, MigrationStats, MigrationStatus, PAGE_SIZE, ReceivePhase, ReceiveStats,
+};
 
 use crate::units::human_bytes;
 
-/// A progress bar fed from the live statistics by a thread of its own, so
-/// the migration never waits for the terminal.
+/// How progress is shown (`--progress`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, clap::ValueEnum)]
+pub enum ProgressMode {
+    /// A bar when stderr is a terminal, `plain` otherwise.
+    #[default]
+    Auto,
+    /// A live bar on stderr (drawn only on a terminal).
+    Bar,
+    /// One line on stderr every two seconds, for logs and CI.
+    Plain,
+    /// Nothing, for scripts.
+    None,
+}
+
+/// The `--progress` option, in a struct of its own so the commands' option
+/// lists stay apart from it.
+#[derive(Clone, Copy, Debug, clap::Args)]
+pub struct ProgressArgs {
+    /// Progress on stderr: auto (a bar on a terminal, plain otherwise), bar,
+    /// plain (a line every 2 s) or none.
+    #[arg(long, global = true, value_enum, default_value_t = ProgressMode::Auto)]
+    pub progress: ProgressMode,
+}
+
+static PROGRESS_MODE: OnceLock<ProgressMode> = OnceLock::new();
+
+/// Sets how progress is shown, once, before any command runs.
+pub fn set_progress_mode(mode: ProgressMode) {
+    let _ = PROGRESS_MODE.set(mode);
+}
+
+/// The mode in force, `auto` resolved.
+fn progress_mode() -> ProgressMode {
+    match PROGRESS_MODE.get().copied().unwrap_or_default() {
+        ProgressMode::Auto if std::io::stderr().is_terminal() => ProgressMode::Bar,
+        ProgressMode::Auto => ProgressMode::Plain,
+        mode => mode,
+    }
+}
+
+/// Seconds between two lines of `plain` progress.
+const PLAIN_INTERVAL: Duration = Duration::from_secs(2);
+
+/// What the progress display shows at one moment.
+struct View {
+    /// The phase, as a short word (`filling`, `active`, `receiving`, …).
+    phase: &'static str,
+    /// Bytes done of `length`; `length` 0 when the size is not known.
+    position: u64,
+    length: u64,
+    /// What `position` counts, for the plain line.
+    what: &'static str,
+    detail: String,
+}
+
+/// Progress drawn from live counters by a thread of its own, so the work
+/// never waits for the terminal: a bar, or a periodic line (`--progress`).
 pub struct Progress {
     stop: Arc<AtomicBool>,
     thread: Option<JoinHandle<()>>,
 }
 
 impl Progress {
-    /// Starts drawing on stderr (nothing is drawn when stderr is not a
-    /// terminal).
+    /// A migration's source side, from its live statistics.
     pub fn start(stats: Arc<LiveStats>) -> Self {
+        Self::spawn(move || source_view(&stats))
+    }
+
+    /// A destination, from its live counters.
+    pub fn receiving(stats: Arc<ReceiveStats>) -> Self {
+        Self::spawn(move || destination_view(&stats))
+    }
+
+    /// Filling `total` bytes of guest memory, `filled` of them done.
+    pub fn filling(total: u64, filled: Arc<AtomicU64>) -> Self {
+        Self::spawn(move || View {
+            phase: "filling",
+            position: filled.load(Ordering::Relaxed).min(total),
+            length: total,
+            what: "of guest memory written",
+            detail: String::new(),
+        })
+    }
+
+    fn spawn(view: impl FnMut() -> View + Send + 'static) -> Self {
         let stop = Arc::new(AtomicBool::new(false));
-        let bar = ProgressBar::with_draw_target(Some(1), ProgressDrawTarget::stderr_with_hz(10));
-        bar.set_style(
-            ProgressStyle::with_template(
-                "{spinner} {prefix:>9} [{bar:30}] {bytes:>10}/{total_bytes:<10} {msg}",
-            )
-            .unwrap_or_else(|_| ProgressStyle::default_bar())
-            .progress_chars("=> "),
-        );
-        let thread = {
-            let stop = stop.clone();
-            std::thread::Builder::new()
-                .name("tern-progress".into())
-                .spawn(move || {
-                    while !stop.load(Ordering::Relaxed) {
-                        let snapshot = stats.snapshot();
-                        let ram = &snapshot.ram;
-                        let sent = (ram.normal + ram.duplicate) * tern_engine::PAGE_SIZE as u64;
-                        bar.set_length(ram.total.max(1));
-                        bar.set_position(sent.min(ram.total));
-                        bar.set_prefix(snapshot.status.as_str());
-                        bar.set_message(format!(
-                            "iter {} | {:.0} Mbit/s | dirty {} | {} zero | throttle {}%",
-                            ram.iterations,
-                            ram.mbps,
-                            human_bytes(ram.remaining),
-                            ram.duplicate,
-                            snapshot.throttle_percent
-                        ));
-                        bar.tick();
-                        std::thread::sleep(Duration::from_millis(100));
-                    }
-                    bar.finish_and_clear();
-                })
-                .ok()
+        let thread = match progress_mode() {
+            ProgressMode::None => None,
+            ProgressMode::Plain => {
+                let stop = stop.clone();
+                std::thread::Builder::new()
+                    .name("tern-progress".into())
+                    .spawn(move || draw_plain(&stop, view))
+                    .ok()
+            }
+            _ => {
+                let stop = stop.clone();
+                std::thread::Builder::new()
+                    .name("tern-progress".into())
+                    .spawn(move || draw_bar(&stop, view))
+                    .ok()
+            }
         };
         Self { stop, thread }
     }
 
     /// Stops drawing and clears the bar.
     pub fn finish(mut self) {
+        self.stop();
+    }
+
+    fn stop(&mut self) {
         self.stop.store(true, Ordering::Relaxed);
         if let Some(thread) = self.thread.take() {
             let _ = thread.join();
         }
     }
+}
+
+impl Drop for Progress {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}
+
+/// Sleeps `period` in short steps, returning early once `stop` is set.
+fn pause(stop: &AtomicBool, period: Duration) {
+    let until = Instant::now() + period;
+    while !stop.load(Ordering::Relaxed) {
+        let left = until.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return;
+        }
+        std::thread::sleep(left.min(Duration::from_millis(100)));
+    }
+}
+
+fn draw_bar(stop: &AtomicBool, mut view: impl FnMut() -> View) {
+    let bar = ProgressBar::with_draw_target(Some(1), ProgressDrawTarget::stderr_with_hz(10));
+    let sized = ProgressStyle::with_template(
+        "{spinner} {prefix:>9} [{bar:30}] {bytes:>10}/{total_bytes:<10} {msg}",
+    )
+    .unwrap_or_else(|_| ProgressStyle::default_bar())
+    .progress_chars("=> ");
+    let unsized_style = ProgressStyle::with_template("{spinner} {prefix:>9} {msg}")
+        .unwrap_or_else(|_| ProgressStyle::default_spinner());
+    let mut showing_size = None;
+    while !stop.load(Ordering::Relaxed) {
+        let now = view();
+        let sized_now = now.length > 0;
+        if showing_size != Some(sized_now) {
+            bar.set_style(if sized_now {
+                sized.clone()
+            } else {
+                unsized_style.clone()
+            });
+            showing_size = Some(sized_now);
+        }
+        bar.set_length(now.length.max(1));
+        bar.set_position(now.position);
+        bar.set_prefix(now.phase);
+        bar.set_message(now.detail);
+        bar.tick();
+        pause(stop, Duration::from_millis(100));
+    }
+    bar.finish_and_clear();
+}
+
+fn draw_plain(stop: &AtomicBool, mut view: impl FnMut() -> View) {
+    // The first line after one interval: short runs print nothing.
+    pause(stop, PLAIN_INTERVAL);
+    while !stop.load(Ordering::Relaxed) {
+        eprintln!("tern: {}", plain_line(&view()));
+        pause(stop, PLAIN_INTERVAL);
+    }
+}
+
+/// One line of `plain` progress.
+fn plain_line(view: &View) -> String {
+    let mut line = view.phase.to_string();
+    if view.length > 0 {
+        line += &format!(
+            " {:.0}%: {} of {} {}",
+            view.position as f64 * 100.0 / view.length as f64,
+            human_bytes(view.position),
+            human_bytes(view.length),
+            view.what
+        );
+    }
+    if !view.detail.is_empty() {
+        line += if view.length > 0 { "; " } else { ": " };
+        line += &view.detail;
+    }
+    line
+}
+
+/// The source: the bar is the current iteration (its dirty bytes sent of
+/// those it started with); the line says which iteration, what went over
+/// the wire in all, and the engine's measured dirty rate.
+fn source_view(stats: &LiveStats) -> View {
+    let snapshot = stats.snapshot();
+    let ram = &snapshot.ram;
+    let (sent, size) = stats.iteration_progress();
+    let phase = snapshot.status.as_str();
+    if snapshot.status == MigrationStatus::Setup {
+        return View {
+            phase,
+            position: 0,
+            length: 0,
+            what: "",
+            detail: "connecting".into(),
+        };
+    }
+    let iteration = if snapshot.status == MigrationStatus::Device {
+        "final pass (guest paused)".to_string()
+    } else {
+        format!("iteration {}", ram.iterations)
+    };
+    let mut detail = format!(
+        "{iteration} | {} sent in all | {:.0} Mbit/s",
+        human_bytes(ram.transferred),
+        ram.mbps
+    );
+    if ram.dirty_sync_count > 0 {
+        detail += &format!(" | dirty rate {} pages/s", ram.dirty_pages_rate);
+    }
+    if snapshot.cpu_throttle_percentage > 0 {
+        detail += &format!(" | throttle {}%", snapshot.cpu_throttle_percentage);
+    }
+    View {
+        phase,
+        position: sent,
+        length: size,
+        what: "of this iteration's dirty memory sent",
+        detail,
+    }
+}
+
+/// The destination: while the first copy arrives (every page once), the bar
+/// is its progress; later iterations resend an amount only the source
+/// knows, so they show counts only.
+fn destination_view(stats: &ReceiveStats) -> View {
+    let phase = stats.phase();
+    let received = human_bytes(stats.received_bytes());
+    let pages = stats.pages();
+    let iterations = stats.iterations_done();
+    let total = stats.total_bytes();
+    match phase {
+        ReceivePhase::Waiting => View {
+            phase: phase.as_str(),
+            position: 0,
+            length: 0,
+            what: "",
+            detail: "waiting for the source".into(),
+        },
+        ReceivePhase::Receiving if iterations == 0 && total > 0 => View {
+            phase: phase.as_str(),
+            position: (pages * PAGE_SIZE as u64).min(total),
+            length: total,
+            what: "of guest memory received (first copy)",
+            detail: format!("{received} read | {pages} pages"),
+        },
+        _ => View {
+            phase: phase.as_str(),
+            position: 0,
+            length: 0,
+            what: "",
+            detail: format!("{received} read | {pages} pages | {iterations} iterations done"),
+        },
+    }
+}
+
+/// Runs `make` (which fills guest memory, counting bytes in its argument)
+/// with fill progress shown.
+pub fn with_fill_progress<T>(total: u64, make: impl FnOnce(&AtomicU64) -> T) -> T {
+    let filled = Arc::new(AtomicU64::new(0));
+    let progress = Progress::filling(total, filled.clone());
+    let made = make(&filled);
+    progress.finish();
+    made
+}
+
+/// The ready event of `tern receive` and `tern vm receive` (docs/cli.md,
+/// "Events").
+#[derive(Serialize)]
+struct ListeningEvent {
+    event: &'static str,
+    /// What to give `tern migrate --to`.
+    address: String,
+    transport: &'static str,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    port: Option<u16>,
+}
+
+fn listening_event(address: &Address) -> ListeningEvent {
+    match address {
+        Address::Tcp(host_port) => ListeningEvent {
+            event: "listening",
+            address: host_port.clone(),
+            transport: "tcp",
+            port: host_port
+                .rsplit_once(':')
+                .and_then(|(_, port)| port.parse().ok()),
+        },
+        Address::Unix(_) => ListeningEvent {
+            event: "listening",
+            address: address.to_string(),
+            transport: "unix",
+            port: None,
+        },
+    }
+}
+
+/// Prints the ready event as one JSON line on stdout and flushes it, so a
+/// script knows the destination accepts connections (and on which port).
+pub fn print_listening(address: &Address) -> anyhow::Result<()> {
+    let line = serde_json::to_string(&listening_event(address))?;
+    let mut stdout = std::io::stdout().lock();
+    writeln!(stdout, "{line}")?;
+    stdout.flush()?;
+    Ok(())
 }
 
 /// Prints a JSON document to stdout.
@@ -98,8 +365,22 @@ pub fn print_summary(stats: &MigrationStats, extra: &[(&str, String)]) {
         ),
         ("iterations", ram.iterations.to_string()),
         ("dirty syncs", ram.dirty_sync_count.to_string()),
-        ("dirty rate", format!("{} pages/s", ram.dirty_pages_rate)),
-        ("throttle", format!("{}%", stats.throttle_percent)),
+        (
+            "dirty rate (engine)",
+            format!(
+                "{} pages/s at the last dirty-log sync",
+                ram.dirty_pages_rate
+            ),
+        ),
+        (
+            "bytes live / paused",
+            format!(
+                "{} / {}",
+                human_bytes(ram.precopy_bytes),
+                human_bytes(ram.downtime_bytes)
+            ),
+        ),
+        ("throttle", format!("{}%", stats.cpu_throttle_percentage)),
         ("forced switch-over", stats.forced_switch_over.to_string()),
         ("digest verified", stats.digest_verified.to_string()),
         (
@@ -186,7 +467,41 @@ pub fn print_summary(stats: &MigrationStats, extra: &[(&str, String)]) {
     for (name, value) in all {
         println!("{name:>width$}  {value}");
     }
-    if let Some(error) = &stats.error {
+    if let Some(error) = &stats.error_desc {
         println!("{:>width$}  {error}", "error");
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn listening_event_gives_an_address_to_migrate_to() {
+        let event = listening_event(&Address::Tcp("127.0.0.1:4444".into()));
+        assert_eq!(
+            serde_json::to_string(&event).unwrap(),
+            r#"{"event":"listening","address":"127.0.0.1:4444","transport":"tcp","port":4444}"#
+        );
+        let event = listening_event(&Address::Unix("/tmp/t.sock".into()));
+        assert_eq!(event.address, "unix:/tmp/t.sock");
+        assert!(event.address.parse::<Address>().is_ok());
+        assert_eq!(event.port, None);
+    }
+
+    #[test]
+    fn plain_line_shows_the_share_done() {
+        let line = plain_line(&View {
+            phase: "active",
+            position: 1 << 30,
+            length: 4 << 30,
+            what: "of this iteration's dirty memory sent",
+            detail: "iteration 0".into(),
+        });
+        assert!(
+            line.starts_with("active 25%: 1.00 GiB of 4.00 GiB"),
+            "{line}"
+        );
+        assert!(line.ends_with("; iteration 0"), "{line}");
     }
 }

@@ -109,8 +109,7 @@ fn demo(args: &DemoArgs) -> anyhow::Result<ExitCode> {
             args.guest.mix.text
         );
     }
-    let mut guest = SyntheticGuest::new(&args.guest.synthetic_config())
-        .context("cannot create the synthetic guest")?;
+    let mut guest = fill_guest(&args.guest)?;
     let destination = spawn_local_destination(
         listener,
         ReceiveConfig {
@@ -182,8 +181,7 @@ fn report_failure(stats: &MigrationStats, json: bool) -> anyhow::Result<ExitCode
 fn migrate(args: &MigrateArgs) -> anyhow::Result<ExitCode> {
     let config = args.transfer.migration_config()?;
     let source = Source::new(config)?;
-    let mut guest = SyntheticGuest::new(&args.guest.synthetic_config())
-        .context("cannot create the synthetic guest")?;
+    let mut guest = fill_guest(&args.guest)?;
     let cancel = source.cancel_token();
     install_interrupt_handler(move || cancel.cancel());
     let progress = Progress::start(source.stats());
@@ -202,17 +200,25 @@ fn migrate(args: &MigrateArgs) -> anyhow::Result<ExitCode> {
     }
 }
 
+/// Creates the synthetic guest, showing the fill's progress.
+fn fill_guest(args: &crate::cli::GuestArgs) -> anyhow::Result<SyntheticGuest> {
+    let config = args.synthetic_config();
+    crate::report::with_fill_progress(config.memory_bytes, |filled| {
+        SyntheticGuest::new_with_fill_progress(&config, filled)
+    })
+    .context("cannot create the synthetic guest")
+}
+
 fn receive(args: &ReceiveArgs) -> anyhow::Result<ExitCode> {
     let (listener, config) = args.listen.bind()?;
-    if !args.json {
-        eprintln!("tern receive: listening on {}", listener.local_address()?);
-    }
+    crate::report::print_listening(&listener.local_address()?)?;
     let destination = Destination::new(config);
     let cancel = destination.cancel_token();
     install_interrupt_handler(move || cancel.cancel());
-    let received = destination
-        .receive(&listener, destination_guest)
-        .context("the incoming migration failed")?;
+    let progress = Progress::receiving(destination.stats());
+    let received = destination.receive(&listener, destination_guest);
+    progress.finish();
+    let received = received.context("the incoming migration failed")?;
     let running = guest_keeps_running(&received.guest, Duration::from_millis(args.run_after));
     #[derive(Serialize)]
     #[serde(rename_all = "kebab-case")]

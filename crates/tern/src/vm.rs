@@ -215,12 +215,29 @@ impl ConsistencyJson {
     }
 }
 
-/// The guest's own speed: passes and pages dirtied per second.
+/// The test guest's own speed, from its pass counter: passes per second,
+/// and page writes per second (each pass writes every working-set page
+/// once). Not the engine's dirty rate (`ram.dirty-pages-rate`), which counts
+/// distinct pages found dirty per second between dirty-log syncs: a page
+/// written many times between two syncs counts once there, and dirty
+/// logging itself slows the guest.
 #[derive(Clone, Copy, Serialize)]
 #[serde(rename_all = "kebab-case")]
 struct GuestRate {
     passes_per_second: f64,
-    dirty_pages_per_second: f64,
+    page_writes_per_second: f64,
+}
+
+/// The summary row of the guest's own rate, labelled apart from the
+/// engine's "dirty rate (engine)".
+fn guest_write_rate_row(rate: &GuestRate) -> (&'static str, String) {
+    (
+        "guest write rate",
+        format!(
+            "{:.0} pages/s (test guest's own counter, before the migration)",
+            rate.page_writes_per_second
+        ),
+    )
 }
 
 fn measure(guest: &KvmGuest, during: Duration) -> GuestRate {
@@ -230,7 +247,7 @@ fn measure(guest: &KvmGuest, during: Duration) -> GuestRate {
         (guest.pass_count() - passes) as f64 / start.elapsed().as_secs_f64().max(1e-9);
     GuestRate {
         passes_per_second,
-        dirty_pages_per_second: passes_per_second * f64::from(guest.working_set_pages()),
+        page_writes_per_second: passes_per_second * f64::from(guest.working_set_pages()),
     }
 }
 
@@ -334,12 +351,12 @@ fn run_guest(args: &RunArgs) -> anyhow::Result<ExitCode> {
         let rate = measure(&guest, slice);
         if !args.json {
             println!(
-                "{:>6.1} s  passes {:>9}  {:>9.0} passes/s  {:>10.0} pages/s dirtied ({}/s)  serial {} bytes",
+                "{:>6.1} s  passes {:>9}  {:>9.0} passes/s  {:>10.0} page writes/s ({}/s)  serial {} bytes",
                 started.elapsed().as_secs_f64(),
                 guest.pass_count(),
                 rate.passes_per_second,
-                rate.dirty_pages_per_second,
-                human_bytes(rate.dirty_pages_per_second as u64 * tern_engine::PAGE_SIZE as u64),
+                rate.page_writes_per_second,
+                human_bytes(rate.page_writes_per_second as u64 * tern_engine::PAGE_SIZE as u64),
                 guest.serial_transmitted()
             );
         }
@@ -375,7 +392,7 @@ fn run_guest(args: &RunArgs) -> anyhow::Result<ExitCode> {
         pass_count: passes,
         rate: GuestRate {
             passes_per_second: passes as f64 / elapsed,
-            dirty_pages_per_second: passes as f64 * f64::from(pages) / elapsed,
+            page_writes_per_second: passes as f64 * f64::from(pages) / elapsed,
         },
         serial_bytes: guest.serial_transmitted(),
         vm_exits: guest.exits(),
@@ -426,8 +443,8 @@ fn migrate(args: &MigrateArgs) -> anyhow::Result<ExitCode> {
     // On stderr even with --json: benchmark harnesses take their "migration
     // starts" samples on this line.
     eprintln!(
-        "tern vm migrate: guest dirties {:.0} pages/s; migrating to {}...",
-        rate.dirty_pages_per_second, args.to
+        "tern vm migrate: guest write rate (test guest's own counter) {:.0} pages/s; migrating to {}...",
+        rate.page_writes_per_second, args.to
     );
     let cancel = source.cancel_token();
     crate::run::install_interrupt_handler(move || cancel.cancel());
@@ -451,7 +468,10 @@ fn migrate(args: &MigrateArgs) -> anyhow::Result<ExitCode> {
     if args.json {
         print_json(&report)?;
     } else {
-        let mut rows = vec![("source pass count", report.source_pass_count.to_string())];
+        let mut rows = vec![
+            ("source pass count", report.source_pass_count.to_string()),
+            guest_write_rate_row(&report.guest_before_migration),
+        ];
         if let Some(runs) = runs {
             rows.push(("source guest runs on", runs.to_string()));
         }
@@ -462,20 +482,17 @@ fn migrate(args: &MigrateArgs) -> anyhow::Result<ExitCode> {
 
 fn receive(args: &ReceiveArgs) -> anyhow::Result<ExitCode> {
     let (listener, config) = args.listen.bind()?;
-    // On stderr even with --json: scripts wait for this line.
-    eprintln!(
-        "tern vm receive: listening on {}",
-        listener.local_address()?
-    );
+    crate::report::print_listening(&listener.local_address()?)?;
     let destination = Destination::new(config);
+    let progress = Progress::receiving(destination.stats());
+    let received = destination.receive(&listener, make_destination);
+    progress.finish();
     let Received {
         mut guest,
         stats,
         setup,
         ..
-    } = destination
-        .receive(&listener, make_destination)
-        .context("the incoming migration failed")?;
+    } = received.context("the incoming migration failed")?;
     let proof = prove_on_destination(&mut guest, Duration::from_millis(args.run_after))?;
     #[derive(Serialize)]
     #[serde(rename_all = "kebab-case")]
@@ -541,10 +558,10 @@ fn demo(args: &DemoArgs) -> anyhow::Result<ExitCode> {
     let rate = measure(&guest, Duration::from_millis(args.warmup));
     if !args.json {
         eprintln!(
-            "tern vm demo: a {} KVM guest dirtying {} pages per pass, {:.0} pages/s; migrating to {address}...",
+            "tern vm demo: a {} KVM guest writing {} pages per pass, guest write rate (test guest's own counter) {:.0} pages/s; migrating to {address}...",
             human_bytes(guest.memory_bytes()),
             guest.working_set_pages(),
-            rate.dirty_pages_per_second
+            rate.page_writes_per_second
         );
     }
     let io_timeout = config.io_timeout;
@@ -580,13 +597,7 @@ fn demo(args: &DemoArgs) -> anyhow::Result<ExitCode> {
                 print_json(&report)?;
             } else {
                 let mut rows = report.proof.rows();
-                rows.push((
-                    "guest dirty rate",
-                    format!(
-                        "{:.0} pages/s",
-                        report.guest_before_migration.dirty_pages_per_second
-                    ),
-                ));
+                rows.push(guest_write_rate_row(&report.guest_before_migration));
                 rows.push(("dirty log", report.dirty_log.to_string()));
                 print_summary(&report.stats, &rows);
             }

@@ -2,7 +2,7 @@
 
 mod process;
 
-use process::{free_port, json, tern};
+use process::{Receiver, json, tern};
 use std::process::Stdio;
 use std::time::{Duration, Instant};
 
@@ -42,19 +42,13 @@ fn demo_over_a_unix_socket_prints_a_summary() {
 
 #[test]
 fn migrate_to_a_separate_receive_process() {
-    let address = format!("127.0.0.1:{}", free_port());
-    let receiver = tern()
-        .args(["receive", "--json", "--listen", &address])
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
+    let receiver = Receiver::spawn(&["receive"], &["--json"]);
     let output = tern()
         .args([
             "migrate",
             "--json",
             "--to",
-            &address,
+            &receiver.address,
             "--memory",
             "48MiB",
             "--mix",
@@ -65,23 +59,30 @@ fn migrate_to_a_separate_receive_process() {
         .output()
         .unwrap();
     assert!(output.status.success(), "{output:?}");
-    assert_eq!(json(&output)["status"], "completed");
-    let received = receiver.wait_with_output().unwrap();
-    assert!(received.status.success(), "{received:?}");
-    let report = json(&received);
+    let source = json(&output);
+    assert_eq!(source["status"], "completed");
+    // QEMU's query-migrate names, and tern's split of the bytes.
+    let ram = &source["ram"];
+    assert_eq!(ram["page-size"], 4096);
+    assert_eq!(
+        ram["precopy-bytes"].as_u64().unwrap() + ram["downtime-bytes"].as_u64().unwrap(),
+        ram["transferred"].as_u64().unwrap(),
+        "{ram}"
+    );
+    assert!(ram["multifd-bytes"].as_u64().unwrap() < ram["transferred"].as_u64().unwrap());
+    assert!(source["cpu-throttle-percentage"].is_u64(), "{source}");
+    let report = receiver.report();
     assert_eq!(report["digest-verified"], true);
     assert_eq!(report["resumed-guest-dirtying"], true);
 }
 
 #[test]
 fn killed_receiver_fails_the_migration_cleanly() {
-    let address = format!("127.0.0.1:{}", free_port());
-    let mut receiver = tern()
-        .args(["receive", "--listen", &address])
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()
-        .unwrap();
+    let Receiver {
+        child: mut receiver,
+        address,
+        ..
+    } = Receiver::spawn(&["receive"], &["--progress", "none"]);
     // A slow link keeps the migration running long enough to kill the
     // destination in the middle of it.
     let migrate = tern()
@@ -111,7 +112,7 @@ fn killed_receiver_fails_the_migration_cleanly() {
     let report = json(&output);
     assert_eq!(report["status"], "failed");
     assert!(
-        report["error"].as_str().unwrap().contains("Channel"),
+        report["error-desc"].as_str().unwrap().contains("Channel"),
         "{report}"
     );
 }
@@ -142,7 +143,7 @@ fn bad_options_are_clear_errors() {
         .unwrap();
     assert_eq!(output.status.code(), Some(1));
     assert!(
-        json(&output)["error"]
+        json(&output)["error-desc"]
             .as_str()
             .unwrap()
             .contains("Cannot connect")
@@ -151,21 +152,71 @@ fn bad_options_are_clear_errors() {
 
 #[test]
 fn receive_reports_an_unverified_migration_as_such() {
-    let address = format!("127.0.0.1:{}", free_port());
-    let receiver = tern()
-        .args(["receive", "--json", "--listen", &address])
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
+    let receiver = Receiver::spawn(&["receive"], &["--json"]);
     let output = tern()
-        .args(["migrate", "--json", "--to", &address, "--memory", "16MiB"])
+        .args(["migrate", "--json", "--to", &receiver.address])
+        .args(["--memory", "16MiB"])
         .args(["--dirty-rate", "0", "--verify", "none"])
         .output()
         .unwrap();
     assert!(output.status.success(), "{output:?}");
     assert_eq!(json(&output)["digest-verified"], false);
-    let received = receiver.wait_with_output().unwrap();
-    assert!(received.status.success(), "{received:?}");
-    assert_eq!(json(&received)["digest-verified"], false);
+    assert_eq!(receiver.report()["digest-verified"], false);
+}
+
+#[test]
+fn receive_json_announces_its_address_on_the_first_line() {
+    // As a script would: start the receiver on a port the system picks,
+    // read one line, take the address from it, migrate there, then read
+    // the report that follows.
+    let receiver = Receiver::spawn(&["receive"], &["--json", "--progress", "none"]);
+    let (host, port) = receiver.address.rsplit_once(':').unwrap();
+    assert_eq!(host, "127.0.0.1");
+    assert_ne!(port.parse::<u16>().unwrap(), 0, "the bound port, not 0");
+    let output = tern()
+        .args(["migrate", "--json", "--progress", "none"])
+        .args(["--to", &receiver.address, "--memory", "8MiB"])
+        .output()
+        .unwrap();
+    assert!(output.status.success(), "{output:?}");
+    let (status, rest, stderr) = receiver.finish();
+    assert!(status.success(), "{stderr}");
+    let report: serde_json::Value = serde_json::from_slice(&rest).unwrap();
+    assert_eq!(report["status"], "completed");
+    assert_eq!(report["memory"], 8 << 20);
+    assert!(
+        !stderr.contains("listening on"),
+        "the event replaces the old text line: {stderr}"
+    );
+}
+
+#[test]
+fn plain_progress_writes_lines_on_stderr() {
+    // A slow link keeps the migration going for a few plain intervals.
+    let receiver = Receiver::spawn(&["receive"], &["--progress", "plain"]);
+    let output = tern()
+        .args(["migrate", "--json", "--progress", "plain"])
+        .args(["--to", &receiver.address, "--memory", "32MiB"])
+        .args(["--mix", "0:100:0", "--dirty-rate", "0"])
+        .args(["--max-bandwidth", "6MiB"])
+        .output()
+        .unwrap();
+    assert!(output.status.success(), "{output:?}");
+    let (status, _, receiver_stderr) = receiver.finish();
+    assert!(status.success(), "{receiver_stderr}");
+    let source_stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(
+        source_stderr
+            .lines()
+            .any(|line| line.starts_with("tern: active") && line.contains("iteration 0")),
+        "{source_stderr}"
+    );
+    assert!(
+        receiver_stderr
+            .lines()
+            .any(|line| line.starts_with("tern: receiving")),
+        "{receiver_stderr}"
+    );
+    // No bar escape codes off a terminal.
+    assert!(!source_stderr.contains('\u{1b}'), "{source_stderr}");
 }

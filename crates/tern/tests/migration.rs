@@ -190,7 +190,7 @@ fn auto_converge_throttles_a_fast_dirtier() {
     config.max_bandwidth = Some(48 * MIB);
     config.downtime_limit = Duration::from_millis(20);
     let (stats, mut destination) = migrate_and_check(&mut guest, config, listener, address);
-    assert!(stats.throttle_percent >= 20, "{stats:?}");
+    assert!(stats.cpu_throttle_percentage >= 20, "{stats:?}");
     destination.pause().unwrap();
 }
 

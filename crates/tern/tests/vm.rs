@@ -1,10 +1,9 @@
 //! `tern vm` as separate processes, against the host's KVM. Each test
 //! prints a skip message and returns where /dev/kvm is missing.
 
-use std::io::{BufRead, BufReader};
 mod process;
 
-use process::{free_port, json, tern};
+use process::{Receiver, json, tern};
 use std::process::Stdio;
 use std::time::Duration;
 
@@ -73,25 +72,16 @@ fn vm_run_reports_the_dirty_rate() {
     let report = json(&output);
     assert!(report["pass-count"].as_u64().unwrap() > 0);
     assert_eq!(report["serial-bytes"], report["pass-count"]);
-    assert!(report["dirty-pages-per-second"].as_f64().unwrap() > 0.0);
+    assert!(report["page-writes-per-second"].as_f64().unwrap() > 0.0);
     assert_eq!(report["consistency-check"]["passed"], true);
 }
 
 /// Starts `tern vm receive` and waits until it listens.
-fn receiver(port: u16, extra: &[&str]) -> std::process::Child {
-    let mut child = tern()
-        .args(["vm", "receive", "--listen", &format!("127.0.0.1:{port}")])
-        .args(["--accept-timeout", "30"])
-        .args(extra)
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let stderr = child.stderr.take().unwrap();
-    let mut line = String::new();
-    BufReader::new(stderr).read_line(&mut line).unwrap();
-    assert!(line.contains("listening"), "{line}");
-    child
+fn receiver(extra: &[&str]) -> Receiver {
+    Receiver::spawn(
+        &["vm", "receive"],
+        &[&["--accept-timeout", "30"], extra].concat(),
+    )
 }
 
 #[test]
@@ -99,15 +89,14 @@ fn vm_migrate_to_vm_receive_between_processes() {
     if !kvm_available() {
         return;
     }
-    let port = free_port();
-    let destination = receiver(port, &["--json", "--run-after", "300"]);
+    let destination = receiver(&["--json", "--run-after", "300"]);
     let source = tern()
         .args([
             "vm",
             "migrate",
             "--json",
             "--to",
-            &format!("127.0.0.1:{port}"),
+            &destination.address,
             "--memory",
             "64MiB",
             "--warmup",
@@ -115,13 +104,18 @@ fn vm_migrate_to_vm_receive_between_processes() {
         ])
         .output()
         .unwrap();
-    let received = destination.wait_with_output().unwrap();
     assert!(source.status.success(), "{source:?}");
-    assert!(received.status.success(), "{received:?}");
+    let received = destination.report();
     let source = json(&source);
-    let received = json(&received);
     assert_eq!(source["status"], "completed");
     assert_eq!(source["digest-verified"], true);
+    assert!(
+        source["guest-before-migration"]["page-writes-per-second"]
+            .as_f64()
+            .unwrap()
+            > 0.0,
+        "{source}"
+    );
     assert_eq!(received["consistency-check"]["passed"], true);
     assert_eq!(received["guest-runs-on-destination"], true);
     // The destination resumes the guest before it pauses it again for the
@@ -140,15 +134,18 @@ fn vm_migrate_survives_a_killed_receiver() {
     if !kvm_available() {
         return;
     }
-    let port = free_port();
-    let mut destination = receiver(port, &[]);
+    let Receiver {
+        child: mut destination,
+        address,
+        ..
+    } = receiver(&[]);
     let source = tern()
         .args([
             "vm",
             "migrate",
             "--json",
             "--to",
-            &format!("127.0.0.1:{port}"),
+            &address,
             "--memory",
             "64MiB",
             "--warmup",

@@ -1,4 +1,5 @@
 //! Helpers for tests that run the `tern` binary as separate processes.
+#![allow(dead_code)]
 
 use std::process::{Command, Output};
 
@@ -26,4 +27,70 @@ pub fn free_port() -> u16 {
         .local_addr()
         .unwrap()
         .port()
+}
+
+/// A `tern receive` or `tern vm receive` started on a port the system
+/// picked, known from its ready event (docs/cli.md, "Events").
+pub struct Receiver {
+    pub child: std::process::Child,
+    /// The event's `address`: what `--to` takes.
+    pub address: String,
+    stdout: std::io::BufReader<std::process::ChildStdout>,
+}
+
+impl Receiver {
+    /// Runs `tern <command…> --listen 127.0.0.1:0 <extra…>` and waits for its
+    /// ready event, the first line of its stdout.
+    pub fn spawn(command: &[&str], extra: &[&str]) -> Self {
+        use std::io::BufRead;
+        let mut child = tern()
+            .args(command)
+            .args(["--listen", "127.0.0.1:0"])
+            .args(extra)
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .unwrap();
+        let mut stdout = std::io::BufReader::new(child.stdout.take().unwrap());
+        // Blocks until the line arrives: the receiver prints it as soon as
+        // it listens, or exits (an empty read) if it cannot.
+        let mut line = String::new();
+        stdout.read_line(&mut line).unwrap();
+        let event: serde_json::Value = serde_json::from_str(&line)
+            .unwrap_or_else(|error| panic!("the first line is not an event ({error}): {line:?}"));
+        assert_eq!(event["event"], "listening", "{line}");
+        let address = event["address"].as_str().unwrap().to_string();
+        Self {
+            child,
+            address,
+            stdout,
+        }
+    }
+
+    /// Waits for the receiver to exit: its status, the rest of its stdout,
+    /// its stderr.
+    pub fn finish(mut self) -> (std::process::ExitStatus, Vec<u8>, String) {
+        use std::io::Read;
+        let mut rest = Vec::new();
+        self.stdout.read_to_end(&mut rest).unwrap();
+        let mut stderr = String::new();
+        if let Some(mut pipe) = self.child.stderr.take() {
+            pipe.read_to_string(&mut stderr).unwrap();
+        }
+        let status = self.child.wait().unwrap();
+        (status, rest, stderr)
+    }
+
+    /// [`Receiver::finish`] for a `--json` receiver that must succeed: its
+    /// report.
+    pub fn report(self) -> serde_json::Value {
+        let (status, rest, stderr) = self.finish();
+        assert!(status.success(), "{status}: {stderr}");
+        serde_json::from_slice(&rest).unwrap_or_else(|error| {
+            panic!(
+                "the report is not JSON ({error}):\n{}\nstderr:\n{stderr}",
+                String::from_utf8_lossy(&rest)
+            )
+        })
+    }
 }

@@ -895,6 +895,10 @@ fn receive_pages(
                     .map_err(|e| on_channel_err(channel_index, e))?
                 {
                     Message::Sync(sync) => {
+                        shared.stats.received.fetch_add(
+                            (tern_wire::FRAME_HEADER_LEN + body_len) as u64,
+                            Ordering::Relaxed,
+                        );
                         if sync.iteration != iteration {
                             return Err(MigrationError::Protocol(format!(
                                 "channel {channel_index}: sync for iteration {} during iteration {iteration}",

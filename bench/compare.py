@@ -412,24 +412,38 @@ def run_qemu(cfg, case: dict, work: Path, variant: dict | None = None) -> dict:
 # --------------------------------------------------------------------------
 
 
+def wait_listening(proc: subprocess.Popen, err_path: Path, timeout: float) -> str:
+    """The address from a tern receiver's ready event, the first line of its
+    stdout (docs/cli.md, "Events")."""
+    import selectors
+    with selectors.DefaultSelector() as sel:
+        sel.register(proc.stdout, selectors.EVENT_READ)
+        ready = sel.select(timeout)
+    line = proc.stdout.readline() if ready else ""
+    try:
+        event = json.loads(line)
+    except json.JSONDecodeError:
+        event = {}
+    if event.get("event") != "listening":
+        raise RuntimeError(f"tern vm receive did not start (first line {line!r}): "
+                           + err_path.read_text()[-2000:])
+    return event["address"]
+
+
 def run_tern(cfg, case: dict, variant: dict, work: Path) -> dict:
-    port = next_port()
-    addr = f"127.0.0.1:{port}"
     recv = mig = None
     try:
-        recv_err = open(work / "trecv.err", "w+")
+        recv_err_path = work / "trecv.err"
+        recv_err = open(recv_err_path, "w+")
+        # Port 0: the receiver's ready event says which port it got.
         recv = subprocess.Popen(
-            wrap([str(cfg.tern), "vm", "receive", "--listen", addr, "--json",
+            wrap([str(cfg.tern), "vm", "receive", "--listen", "127.0.0.1:0", "--json",
+                  "--progress", "none",
                   "--run-after", "1000", "--accept-timeout", str(int(cfg.timeout))],
                  case["link"]),
             stdout=subprocess.PIPE, stderr=recv_err, text=True)
-        deadline = time.time() + 20
-        while "listening" not in (work / "trecv.err").read_text():
-            if time.time() > deadline or recv.poll() is not None:
-                raise RuntimeError("tern vm receive did not start: "
-                                   + (work / "trecv.err").read_text())
-            time.sleep(0.02)
-        args = [str(cfg.tern), "vm", "migrate", "--to", addr, "--json",
+        addr = wait_listening(recv, recv_err_path, 20)
+        args = [str(cfg.tern), "vm", "migrate", "--to", addr, "--json", "--progress", "none",
                 "--memory", str(cfg.memory), "--working-set", str(cfg.working_set),
                 "--image", str(cfg.image), "--warmup", str(cfg.warmup),
                 "--downtime-limit", str(cfg.downtime_limit),
@@ -478,7 +492,9 @@ def run_tern(cfg, case: dict, variant: dict, work: Path) -> dict:
             stats = json.loads(out)
         except json.JSONDecodeError:
             raise RuntimeError("tern vm migrate: no JSON: " + err[-2000:])
-        rout, _ = recv.communicate(timeout=30)
+        # The ready line was read; the rest of stdout is the report.
+        recv.wait(30)
+        rout = recv.stdout.read()
         try:
             rstats = json.loads(rout)
         except json.JSONDecodeError:
@@ -498,10 +514,10 @@ def run_tern(cfg, case: dict, variant: dict, work: Path) -> dict:
             "dst_cpu_s": dst_cpu1 - dst_cpu0,
             "wall_s": wall,
             "guest_ok": ok,
-            "extra": {k: stats.get(k) for k in ("setup-time", "dirty-sync-count",
-                                                "ram", "compression", "digest-verified",
-                                                "cpu-seconds")
-                      if k in stats} | {"dst-threads": dst_threads},
+            "extra": {k: stats.get(k) for k in ("setup-time", "ram", "compression",
+                                                "digest-verified", "cpu-seconds")
+                      if k in stats} | {"dirty-sync-count": ram.get("dirty-sync-count"),
+                                        "dst-threads": dst_threads},
         }
     finally:
         kill(mig)

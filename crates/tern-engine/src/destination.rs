@@ -30,9 +30,9 @@ const POLL_INTERVAL: Duration = Duration::from_millis(100);
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 #[repr(u8)]
 pub enum ReceivePhase {
-    /// Waiting for the source to connect.
+    /// Waiting for the source to connect and announce the guest.
     Waiting = 0,
-    /// Receiving pages.
+    /// The guest's layout is known (`total_bytes`); receiving pages.
     Receiving = 1,
     /// All pages and state are in; comparing digests, restoring, resuming.
     Verifying = 2,
@@ -200,7 +200,6 @@ impl Destination {
                 Ok(main)
             })
             .inspect_err(|_| self.stats.set_phase(ReceivePhase::Failed))?;
-        self.stats.set_phase(ReceivePhase::Receiving);
         let result = self.run(listener, &mut main, make_guest, cpu_start);
         if let Err(error) = &result {
             self.stats.set_phase(ReceivePhase::Failed);
@@ -245,6 +244,7 @@ impl Destination {
         self.stats
             .total
             .store(setup.total_bytes(), Ordering::Relaxed);
+        self.stats.set_phase(ReceivePhase::Receiving);
         main.send_message(&Message::Welcome(Welcome {
             session_id,
             channel_index: 0,

@@ -356,7 +356,8 @@ impl Source {
             let dirty_rate = dirty_pages as f64 / since_previous_sync;
             let expected_downtime = Duration::from_secs_f64(remaining as f64 / bandwidth.max(1.0));
             iteration += 1;
-            stats.remaining.store(remaining, Ordering::Relaxed);
+            // The next iteration's size, before it starts.
+            stats.start_iteration(remaining);
             stats
                 .dirty_pages_rate
                 .store(dirty_rate as u64, Ordering::Relaxed);

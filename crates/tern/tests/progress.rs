@@ -53,10 +53,12 @@ fn remaining_falls_while_the_first_iteration_is_sent() {
         {
             let (sent, size) = stats.iteration_progress();
             let remaining = size - sent;
-            if size == memory && sent > 0 && remaining > 0 {
-                if remaining_seen.last() != Some(&remaining) {
-                    remaining_seen.push(remaining);
-                }
+            if size == memory
+                && sent > 0
+                && remaining > 0
+                && remaining_seen.last() != Some(&remaining)
+            {
+                remaining_seen.push(remaining);
             }
         }
         if received.phase() == ReceivePhase::Receiving && received.iterations_done() == 0 {

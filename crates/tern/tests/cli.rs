@@ -2,7 +2,7 @@
 
 mod process;
 
-use process::{free_port, json, tern};
+use process::{free_port, json, tern, wait_until_read};
 use std::process::Stdio;
 use std::time::{Duration, Instant};
 
@@ -101,7 +101,9 @@ fn killed_receiver_fails_the_migration_cleanly() {
         .stderr(Stdio::piped())
         .spawn()
         .unwrap();
-    std::thread::sleep(Duration::from_millis(1500));
+    // 1 MiB of the 64 MiB of random pages: the transfer is under way and
+    // still has seconds to go at 16 MiB/s.
+    wait_until_read(&receiver, 1 << 20);
     receiver.kill().unwrap();
     receiver.wait().unwrap();
     let started = Instant::now();

@@ -1,11 +1,43 @@
 //! Guest-level tests: small memories so the suite stays fast.
 
 use std::thread::sleep;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use super::*;
 
 const MIB: u64 = 1 << 20;
+
+/// How long a test waits for a running dirtier before it fails: far beyond
+/// any scheduling delay on a loaded machine, so only a hang reaches it.
+const DEADLINE: Duration = Duration::from_secs(60);
+
+/// Polls `condition` until it holds, panicking with `what` after [`DEADLINE`].
+fn wait_until(what: &str, mut condition: impl FnMut() -> bool) {
+    let deadline = Instant::now() + DEADLINE;
+    while !condition() {
+        assert!(
+            Instant::now() < deadline,
+            "timed out after {DEADLINE:?} waiting until {what}"
+        );
+        sleep(Duration::from_millis(1));
+    }
+}
+
+/// Waits until the running dirtier has written at least `pages` more pages.
+fn wait_for_dirtied(guest: &SyntheticGuest, pages: u64) {
+    let target = guest.dirtied_pages() + pages;
+    wait_until(&format!("the dirtier wrote {pages} pages"), || {
+        guest.dirtied_pages() >= target
+    });
+}
+
+/// Most pages `threads` dirtiers at `rate` bytes/s slowed by `throttle`
+/// percent can write in `elapsed`: credit is earned by elapsed time only,
+/// and each thread may carry less than one page of credit from before.
+fn rate_bound(rate: u64, throttle: u8, threads: u64, elapsed: Duration) -> u64 {
+    let bytes = rate as f64 * f64::from(100 - throttle) / 100.0 * elapsed.as_secs_f64();
+    (bytes / PAGE_SIZE as f64).ceil() as u64 + threads
+}
 
 fn config(memory_bytes: u64) -> SyntheticConfig {
     SyntheticConfig {
@@ -235,7 +267,9 @@ fn dirty_log_covers_every_change() {
     let before = snapshot(&guest);
     guest.start_dirty_log().unwrap();
     guest.resume().unwrap();
-    sleep(Duration::from_millis(60));
+    // A third of the working set lies in the second region; 300 random pages
+    // miss it with a probability of (2/3)^300.
+    wait_for_dirtied(&guest, 300);
     guest.pause().unwrap();
     guest.sync_dirty_log(&mut bitmaps).unwrap();
     let after = snapshot(&guest);
@@ -267,36 +301,54 @@ fn dirty_log_covers_every_change() {
 
 #[test]
 fn pause_resume_and_throttle() {
+    const RATE: u64 = 64 * MIB;
     let mut guest = SyntheticGuest::new(&SyntheticConfig {
-        dirty_rate_bytes_per_sec: 64 * MIB,
+        dirty_rate_bytes_per_sec: RATE,
         ..config(8 * MIB)
     })
     .unwrap();
-    sleep(Duration::from_millis(20));
+    wait_for_dirtied(&guest, 1);
     guest.pause().unwrap();
     assert!(!guest.is_running());
     let (digest, count) = (guest.digest(), guest.dirtied_pages());
-    assert!(count > 0);
+    // Not waiting for an event: a dirtier that failed to park would write
+    // during this pause, and nothing should happen.
     sleep(Duration::from_millis(50));
     assert_eq!(guest.digest(), digest);
     assert_eq!(guest.dirtied_pages(), count);
 
+    // Unthrottled, the dirtier makes progress and never exceeds its rate.
+    let started = Instant::now();
     guest.resume().unwrap();
-    sleep(Duration::from_millis(100));
+    wait_for_dirtied(&guest, 400);
     guest.pause().unwrap();
     let full_speed = guest.dirtied_pages() - count;
+    let bound = rate_bound(RATE, 0, 1, started.elapsed());
+    assert!(full_speed <= bound, "{full_speed} pages, at most {bound}");
     assert_ne!(guest.digest(), digest);
-    // 64 MiB/s is 1600 pages in 100 ms; allow for a busy machine.
-    assert!(full_speed > 400, "{full_speed}");
 
+    // Throttled by 99%, it still progresses but at most at 1% of its rate.
+    // The bound is on pages per elapsed time, so a loaded machine, which
+    // only slows the dirtier, cannot break it.
     assert!(guest.set_throttle(100).is_err());
     guest.set_throttle(99).unwrap();
     let count = guest.dirtied_pages();
+    let started = Instant::now();
     guest.resume().unwrap();
-    sleep(Duration::from_millis(100));
+    wait_for_dirtied(&guest, 1);
+    wait_until("100 ms passed", || {
+        started.elapsed() >= Duration::from_millis(100)
+    });
     guest.pause().unwrap();
+    let elapsed = started.elapsed();
     let throttled = guest.dirtied_pages() - count;
-    assert!(throttled * 10 < full_speed, "{throttled} vs {full_speed}");
+    let bound = rate_bound(RATE, 99, 1, elapsed);
+    assert!(
+        throttled <= bound,
+        "99% throttle: {throttled} pages in {elapsed:?}, at most {bound}"
+    );
+    // The same time unthrottled would allow 100 times as many pages.
+    assert!(bound * 50 < rate_bound(RATE, 0, 1, elapsed));
 }
 
 #[test]
@@ -310,7 +362,7 @@ fn state_moves_the_dirtier() {
     })
     .unwrap();
     source.set_throttle(20).unwrap();
-    sleep(Duration::from_millis(20));
+    wait_for_dirtied(&source, 1);
     assert!(source.save_state().is_err(), "running");
     source.pause().unwrap();
     let sections = source.save_state().unwrap();
@@ -352,7 +404,7 @@ fn state_moves_the_dirtier() {
     destination.set_throttle(0).unwrap();
     destination.resume().unwrap();
     assert!(destination.step_dirtier(1).is_err(), "running");
-    sleep(Duration::from_millis(50));
+    wait_for_dirtied(&destination, 100);
     destination.pause().unwrap();
     let changed = changed_pages(&before, &snapshot(&destination));
     assert!(!changed.is_empty());
@@ -400,7 +452,7 @@ fn rapid_pause_resume_and_restore() {
         ..config(MIB / 4)
     })
     .unwrap();
-    let start = std::time::Instant::now();
+    let start = Instant::now();
     for round in 0..200 {
         guest.pause().unwrap();
         let count = guest.dirtied_pages();
@@ -413,10 +465,11 @@ fn rapid_pause_resume_and_restore() {
         }
         guest.resume().unwrap();
     }
-    // Pausing wakes sleeping dirtiers instead of waiting out their slice.
+    // A pause that waited for a dirtier that never parks would hang; this
+    // bound is only there to turn such a hang into a failure.
     assert!(
-        start.elapsed() < Duration::from_secs(5),
-        "{:?}",
+        start.elapsed() < DEADLINE,
+        "200 pause/resume rounds took {:?}",
         start.elapsed()
     );
     // Dropping a running guest stops its threads before unmapping.

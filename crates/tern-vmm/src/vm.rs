@@ -135,21 +135,28 @@ impl std::fmt::Debug for KvmGuest {
     }
 }
 
-/// The parts shared by source and destination VMs.
+/// The parts shared by source and destination VMs, before any memory.
 struct Machine {
     kvm: Kvm,
     vm: VmFd,
-    slot: MemorySlot,
+    mode: ProtectMode,
     vcpu: VcpuFd,
     msrs: Vec<u32>,
 }
 
-fn machine(ram: &GuestRam) -> Result<Machine> {
+/// Builds a VM with its interrupt controllers and configured vCPU but no
+/// memory slot. Creating the interrupt controllers and the memory slot are
+/// the slow steps under load (each waits for KVM SRCU grace periods, see
+/// docs/vmm.md), which is why a destination does this part before the
+/// source connects.
+fn machine() -> Result<Machine> {
     if !kvm_available() {
         return Err(VmmError::KvmUnavailable);
     }
+    let mut phases = SetupPhases::start();
     let kvm = Kvm::new().map_err(VmmError::kvm("open /dev/kvm"))?;
     let vm = kvm.create_vm().map_err(VmmError::kvm("create VM"))?;
+    phases.end("create-vm");
     for (cap, name) in [
         (Cap::Irqchip, "IRQCHIP"),
         (Cap::ImmediateExit, "IMMEDIATE_EXIT"),
@@ -172,24 +179,57 @@ fn machine(ram: &GuestRam) -> Result<Machine> {
         .map_err(VmmError::kvm("set TSS address"))?;
     vm.create_irq_chip()
         .map_err(VmmError::kvm("create interrupt controllers"))?;
+    phases.end("irqchip");
     let mode = ProtectMode::enable(&vm);
-    // SAFETY: `ram` outlives the VM: `KvmGuest` owns both and drops the VM
-    // (field `vm`) before the memory (field `ram`).
-    let slot = unsafe { MemorySlot::register(&vm, 0, 0, ram, mode) }?;
     let vcpu = vm.create_vcpu(0).map_err(VmmError::kvm("create vCPU"))?;
+    phases.end("create-vcpu");
     let cpuid = kvm
         .get_supported_cpuid(KVM_MAX_CPUID_ENTRIES)
         .map_err(VmmError::kvm("get supported CPUID"))?;
     vcpu.set_cpuid2(&cpuid)
         .map_err(VmmError::kvm("set CPUID"))?;
+    phases.end("cpuid");
     let msrs = readable_msrs(&kvm, &vcpu)?;
+    phases.end("msrs");
     Ok(Machine {
         kvm,
         vm,
-        slot,
+        mode,
         vcpu,
         msrs,
     })
+}
+
+/// Registers `ram` as the VM's only memory slot.
+///
+/// # Safety
+/// `ram` must outlive the VM `vm`.
+unsafe fn register_ram(vm: &VmFd, ram: &GuestRam, mode: ProtectMode) -> Result<MemorySlot> {
+    let mut phases = SetupPhases::start();
+    // SAFETY: the caller promised that `ram` outlives the VM.
+    let slot = unsafe { MemorySlot::register(vm, 0, 0, ram, mode) }?;
+    phases.end("memory-slot");
+    Ok(slot)
+}
+
+/// Times the steps of building a VM, for `RUST_LOG=tern_vmm=debug`.
+struct SetupPhases {
+    last: Instant,
+}
+
+impl SetupPhases {
+    fn start() -> Self {
+        Self {
+            last: Instant::now(),
+        }
+    }
+
+    fn end(&mut self, phase: &'static str) {
+        let now = Instant::now();
+        let micros = now.duration_since(self.last).as_micros();
+        tracing::debug!(phase, micros, "VM setup phase done");
+        self.last = now;
+    }
 }
 
 /// The MSRs KVM lists that this vCPU can actually read.
@@ -265,6 +305,78 @@ fn region_of(ram: &GuestRam) -> MemoryRegion {
     unsafe { MemoryRegion::new(0, 0, ram.host_ptr(), ram.len()) }
 }
 
+/// The one region length of a destination for a source with `region_lens`.
+fn destination_len(region_lens: &[u64]) -> Result<u64> {
+    let [len] = region_lens else {
+        return Err(VmmError::Config(format!(
+            "the source has {} memory regions; this VMM has one",
+            region_lens.len()
+        )));
+    };
+    if *len > MAX_MEMORY {
+        return Err(VmmError::Config(format!(
+            "memory size {len} is above the VMM's limit of {MAX_MEMORY} bytes"
+        )));
+    }
+    Ok(*len)
+}
+
+/// A destination VM built before the source's memory layout is known:
+/// everything but the memory, with the vCPU thread started and paused.
+///
+/// Building a VM costs 10-30 ms on an idle host and far more on a loaded
+/// one, mostly in KVM grace periods; a receiver that builds it while it
+/// waits for the source keeps that out of the migration's setup time.
+/// [`DestinationVm::with_memory`] then only maps the memory and registers
+/// it, once the source has said how much there is.
+pub struct DestinationVm {
+    vcpu: Vcpu,
+    mode: ProtectMode,
+    vm: VmFd,
+    kvm: Kvm,
+}
+
+impl std::fmt::Debug for DestinationVm {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("DestinationVm")
+            .field("vcpu", &self.vcpu)
+            .finish_non_exhaustive()
+    }
+}
+
+impl DestinationVm {
+    /// Creates the VM and its paused vCPU.
+    pub fn new() -> Result<Self> {
+        let machine = machine()?;
+        let vcpu = Vcpu::spawn(machine.vcpu, Serial::new(), machine.msrs)?;
+        Ok(Self {
+            vcpu,
+            mode: machine.mode,
+            vm: machine.vm,
+            kvm: machine.kvm,
+        })
+    }
+
+    /// Adds zeroed memory for a source whose regions have lengths
+    /// `region_lens` (this VMM has exactly one).
+    pub fn with_memory(self, region_lens: &[u64]) -> Result<KvmGuest> {
+        let len = destination_len(region_lens)?;
+        let ram = GuestRam::anonymous(len)?;
+        // SAFETY: `ram` outlives the VM: `KvmGuest` owns both and drops the
+        // VM (field `vm`) before the memory (field `ram`).
+        let slot = unsafe { register_ram(&self.vm, &ram, self.mode) }?;
+        Ok(KvmGuest {
+            vcpu: self.vcpu,
+            slot,
+            vm: self.vm,
+            _kvm: self.kvm,
+            regions: vec![region_of(&ram)],
+            layout: GuestLayout::default(),
+            ram,
+        })
+    }
+}
+
 impl KvmGuest {
     /// Creates a VM, loads the test guest and starts it running.
     pub fn new(config: &VmConfig) -> Result<Self> {
@@ -276,7 +388,10 @@ impl KvmGuest {
             Some(path) => GuestRam::from_image(config.memory_bytes, path)?,
             None => GuestRam::anonymous(config.memory_bytes)?,
         };
-        let machine = machine(&ram)?;
+        let machine = machine()?;
+        // SAFETY: `ram` outlives the VM: `KvmGuest` owns both and drops the
+        // VM (field `vm`) before the memory (field `ram`).
+        let slot = unsafe { register_ram(&machine.vm, &ram, machine.mode) }?;
         let gdt_bytes: Vec<u8> = gdt().iter().flat_map(|entry| entry.to_le_bytes()).collect();
         ram.write(GDT_ADDR, &gdt_bytes);
         ram.write(
@@ -285,13 +400,18 @@ impl KvmGuest {
         );
         ram.write(PASS_COUNTER_ADDR, &[0; 4]);
         enter_protected_mode(&machine.vcpu)?;
-        let guest = Self::assemble(
-            machine,
-            ram,
-            GuestLayout {
+        let vcpu = Vcpu::spawn(machine.vcpu, Serial::new(), machine.msrs)?;
+        let guest = Self {
+            vcpu,
+            slot,
+            vm: machine.vm,
+            _kvm: machine.kvm,
+            regions: vec![region_of(&ram)],
+            layout: GuestLayout {
                 working_set_pages: config.working_set_pages,
             },
-        )?;
+            ram,
+        };
         guest.vcpu.resume()?;
         Ok(guest)
     }
@@ -299,37 +419,10 @@ impl KvmGuest {
     /// Creates a destination VM of the same shape as a source whose regions
     /// have lengths `region_lens` (this VMM has exactly one), memory zero,
     /// vCPU created but paused until state is restored and it is resumed.
+    /// [`DestinationVm`] does the same in two steps.
     pub fn for_destination(region_lens: &[u64]) -> Result<Self> {
-        let [len] = region_lens else {
-            return Err(VmmError::Config(format!(
-                "the source has {} memory regions; this VMM has one",
-                region_lens.len()
-            )));
-        };
-        if *len > MAX_MEMORY {
-            return Err(VmmError::Config(format!(
-                "memory size {len} is above the VMM's limit of {MAX_MEMORY} bytes"
-            )));
-        }
-        if !kvm_available() {
-            return Err(VmmError::KvmUnavailable);
-        }
-        let ram = GuestRam::anonymous(*len)?;
-        let machine = machine(&ram)?;
-        Self::assemble(machine, ram, GuestLayout::default())
-    }
-
-    fn assemble(machine: Machine, ram: GuestRam, layout: GuestLayout) -> Result<Self> {
-        let vcpu = Vcpu::spawn(machine.vcpu, Serial::new(), machine.msrs)?;
-        Ok(Self {
-            vcpu,
-            slot: machine.slot,
-            vm: machine.vm,
-            _kvm: machine.kvm,
-            regions: vec![region_of(&ram)],
-            layout,
-            ram,
-        })
+        destination_len(region_lens)?;
+        DestinationVm::new()?.with_memory(region_lens)
     }
 
     /// The guest's pass counter: full passes over the working set since it

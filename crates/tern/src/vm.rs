@@ -13,7 +13,7 @@ use tern_engine::{
     Address, Destination, GuestControl, GuestError, Listener, MigrationStats, ReceiveConfig,
     Received, Source,
 };
-use tern_vmm::{ConsistencyReport, KvmGuest, VmConfig};
+use tern_vmm::{ConsistencyReport, DestinationVm, KvmGuest, VmConfig};
 
 use crate::cli::TransferArgs;
 use crate::report::{Progress, print_json, print_summary};
@@ -321,10 +321,17 @@ impl DestinationProof {
     }
 }
 
-fn make_destination(setup: &tern_wire::SessionSetup) -> Result<KvmGuest, GuestError> {
-    let lens: Vec<u64> = setup.regions.iter().map(|region| region.len).collect();
-    KvmGuest::for_destination(&lens)
-        .map_err(|error| GuestError::with_source("cannot create the destination VM", error))
+/// Builds the destination VM now, before the source connects (VM creation
+/// can take a long time on a loaded host, docs/vmm.md), and returns the
+/// `make_guest` step that only adds the memory the source announces.
+fn prepare_destination()
+-> anyhow::Result<impl FnOnce(&tern_wire::SessionSetup) -> Result<KvmGuest, GuestError>> {
+    let vm = DestinationVm::new().context("cannot create the destination VM")?;
+    Ok(move |setup: &tern_wire::SessionSetup| {
+        let lens: Vec<u64> = setup.regions.iter().map(|region| region.len).collect();
+        vm.with_memory(&lens)
+            .map_err(|error| GuestError::with_source("cannot create the destination VM", error))
+    })
 }
 
 fn run_guest(args: &RunArgs) -> anyhow::Result<ExitCode> {
@@ -482,6 +489,7 @@ fn migrate(args: &MigrateArgs) -> anyhow::Result<ExitCode> {
 
 fn receive(args: &ReceiveArgs) -> anyhow::Result<ExitCode> {
     let (listener, config) = args.listen.bind()?;
+    let make_destination = prepare_destination()?;
     crate::report::print_listening(&listener.local_address()?)?;
     let destination = Destination::new(config);
     let progress = Progress::receiving(destination.stats());
@@ -565,6 +573,7 @@ fn demo(args: &DemoArgs) -> anyhow::Result<ExitCode> {
         );
     }
     let io_timeout = config.io_timeout;
+    let make_destination = prepare_destination()?;
     let destination = std::thread::spawn(move || {
         Destination::new(ReceiveConfig {
             io_timeout,

@@ -2,7 +2,7 @@
 
 mod process;
 
-use process::{Receiver, json, tern};
+use process::{Receiver, json, tern, wait_until_read};
 use std::process::Stdio;
 use std::time::{Duration, Instant};
 
@@ -102,7 +102,9 @@ fn killed_receiver_fails_the_migration_cleanly() {
         .stderr(Stdio::piped())
         .spawn()
         .unwrap();
-    std::thread::sleep(Duration::from_millis(1500));
+    // 1 MiB of the 64 MiB of random pages: the transfer is under way and
+    // still has seconds to go at 16 MiB/s.
+    wait_until_read(&receiver, 1 << 20);
     receiver.kill().unwrap();
     receiver.wait().unwrap();
     let started = Instant::now();

@@ -368,14 +368,9 @@ fn destination_dying_mid_migration_leaves_source_running_and_intact() {
     );
     assert!(guest.is_running(), "the source guest must run on");
     let dirtied = guest.dirtied_pages();
-    let deadline = std::time::Instant::now() + Duration::from_secs(5);
-    while guest.dirtied_pages() == dirtied && std::time::Instant::now() < deadline {
-        std::thread::sleep(Duration::from_millis(5));
-    }
-    assert!(
-        guest.dirtied_pages() > dirtied,
-        "the guest still dirties memory"
-    );
+    wait_until("the source guest dirties memory again", || {
+        guest.dirtied_pages() > dirtied
+    });
     guest.pause().unwrap();
     let after = guest.region_bytes(0).unwrap()[untouched_from..].to_vec();
     assert!(before == after, "memory outside the working set changed");

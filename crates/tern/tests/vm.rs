@@ -3,9 +3,8 @@
 
 mod process;
 
-use process::{Receiver, json, tern};
+use process::{Receiver, json, tern, wait_until_read};
 use std::process::Stdio;
-use std::time::Duration;
 
 fn kvm_available() -> bool {
     if std::path::Path::new("/dev/kvm").exists() {
@@ -160,7 +159,9 @@ fn vm_migrate_survives_a_killed_receiver() {
         .stderr(Stdio::piped())
         .spawn()
         .unwrap();
-    std::thread::sleep(Duration::from_millis(1200));
+    // Some pages have arrived: the kill lands after the handshake, during
+    // the transfer, whatever setup costs on a loaded machine.
+    wait_until_read(&destination, 256 << 10);
     destination.kill().unwrap();
     destination.wait().unwrap();
     let source = source.wait_with_output().unwrap();

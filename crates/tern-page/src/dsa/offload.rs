@@ -1336,7 +1336,8 @@ mod tests {
                 off.submit(&b.ptrs()).unwrap(),
             )
         };
-        assert!(!off.is_done(&tb), "64 × 200 µs cannot be done yet");
+        // Whether `tb` is still pending here depends on how long this thread
+        // was descheduled since the submit, so only the outcome is checked.
         off.wait(tb, &mut out).unwrap();
         assert_eq!(out, b.expected());
         assert!(off.is_done(&ta), "FIFO device: a finished before b");

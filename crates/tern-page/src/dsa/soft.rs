@@ -444,7 +444,9 @@ mod tests {
         let t = Instant::now();
         // SAFETY: `rec` points into a live Mem.
         while unsafe { CompletionRecord::load_status(rec) } == 0 {
-            assert!(t.elapsed() < Duration::from_secs(10), "no completion");
+            // Generous: the device thread may wait long for a CPU on a
+            // loaded machine; only a lost completion should fail here.
+            assert!(t.elapsed() < Duration::from_secs(60), "no completion");
             std::thread::yield_now();
         }
         // SAFETY: as above; status is non-zero so the device is done.

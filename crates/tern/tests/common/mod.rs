@@ -72,3 +72,19 @@ pub fn spawn_destination(listener: Listener) -> JoinHandle<DestinationResult> {
         Destination::new(receive_config()).receive(&listener, make_destination_guest)
     })
 }
+
+/// How long a test waits for something that should happen at once: far
+/// beyond any scheduling delay on a loaded machine, so only a hang fails.
+pub const DEADLINE: Duration = Duration::from_secs(60);
+
+/// Polls `condition` until it holds; panics naming `what` after [`DEADLINE`].
+pub fn wait_until(what: &str, mut condition: impl FnMut() -> bool) {
+    let deadline = std::time::Instant::now() + DEADLINE;
+    while !condition() {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "timed out after {DEADLINE:?} waiting until {what}"
+        );
+        std::thread::sleep(Duration::from_millis(5));
+    }
+}

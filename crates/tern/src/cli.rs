@@ -275,9 +275,11 @@ impl GuestArgs {
     /// the zero pages the dirtier writes to (untouched zero pages cost
     /// nothing).
     pub fn resident_estimate(&self) -> u64 {
-        let with_data = 100 - u64::from(self.mix.zero);
-        let written_zero = self.working_set() / 100 * u64::from(self.mix.zero);
-        self.memory / 100 * with_data + written_zero
+        let share = |bytes: u64, percent: u8| {
+            u64::try_from(u128::from(bytes) * u128::from(percent) / 100).unwrap_or(u64::MAX)
+        };
+        share(self.memory, 100 - self.mix.zero)
+            .saturating_add(share(self.working_set(), self.mix.zero))
     }
 
     pub fn synthetic_config(&self) -> SyntheticConfig {
@@ -601,5 +603,200 @@ mod tests {
         assert_eq!(args.transfer.max_bandwidth, Some(125_000_000));
         assert!(Cli::try_parse_from(["tern", "migrate", "--to", "nowhere"]).is_err());
         assert!(Cli::try_parse_from(["tern", "demo", "--zero-page-detection", "magic"]).is_err());
+    }
+
+    fn demo(options: &[&str]) -> Result<DemoArgs, clap::Error> {
+        let cli = Cli::try_parse_from(["tern", "demo"].iter().chain(options))?;
+        let Command::Demo(args) = cli.command else {
+            panic!("not demo")
+        };
+        Ok(args)
+    }
+
+    #[test]
+    fn accepts_qemu_spellings() {
+        let cli = Cli::try_parse_from(["tern", "migrate", "--to", "tcp::4444"]).unwrap();
+        let Command::Migrate(args) = cli.command else {
+            panic!("not migrate")
+        };
+        assert_eq!(args.to, Address::Tcp(":4444".into()));
+        let args = demo(&[
+            "--zero-page-detection",
+            "legacy",
+            "--max-bandwidth",
+            "1Gbps",
+            "--auto-converge",
+            "off",
+            "--cpu-throttle-initial",
+            "35",
+            "--cpu-throttle-increment",
+            "5",
+        ])
+        .unwrap();
+        let config = args.transfer.migration_config().unwrap();
+        assert_eq!(config.zero_page_detection, ZeroPageDetection::Source);
+        assert_eq!(config.max_bandwidth, Some(125_000_000));
+        assert!(!config.auto_converge);
+        assert_eq!(
+            (config.throttle_initial, config.throttle_increment),
+            (35, 5)
+        );
+        let config = demo(&["--zero-page-detection", "multifd"])
+            .unwrap()
+            .transfer
+            .migration_config()
+            .unwrap();
+        assert_eq!(config.zero_page_detection, ZeroPageDetection::Workers);
+        assert!(config.auto_converge);
+        let hidden_alias = demo(&["--no-auto-converge"]).unwrap();
+        assert!(
+            !hidden_alias
+                .transfer
+                .migration_config()
+                .unwrap()
+                .auto_converge
+        );
+        assert!(demo(&["--cpu-throttle-initial", "100"]).is_err());
+        assert!(demo(&["--auto-converge", "maybe"]).is_err());
+    }
+
+    #[test]
+    fn zlib_points_to_deflate() {
+        let error = demo(&["--compression", "zlib"]).unwrap_err().to_string();
+        assert!(error.contains("use deflate"), "{error}");
+    }
+
+    #[test]
+    fn one_channel_range_everywhere() {
+        for count in ["0", "65", "100000", "-1"] {
+            let error = demo(&[&format!("--channels={count}")])
+                .unwrap_err()
+                .to_string();
+            assert!(error.contains("out of range (1..=64)"), "{error}");
+        }
+        assert_eq!(demo(&["--channels", "64"]).unwrap().transfer.channels, 64);
+        let engine = MigrationConfig {
+            channels: 65,
+            ..MigrationConfig::default()
+        }
+        .validate()
+        .unwrap_err()
+        .to_string();
+        assert!(engine.contains("out of range (1..=64)"), "{engine}");
+        let bench = Cli::try_parse_from(["tern", "bench", "migrate", "--channels", "1,0"]);
+        assert!(
+            bench
+                .unwrap_err()
+                .to_string()
+                .contains("out of range (1..=64)")
+        );
+    }
+
+    #[test]
+    fn every_choice_option_lists_its_values() {
+        use clap::CommandFactory;
+        let mut command = Cli::command();
+        command.build();
+        let demo = command.find_subcommand("demo").unwrap();
+        for name in [
+            "on_limit",
+            "zero_page_detection",
+            "dsa_device",
+            "compression",
+            "verify",
+            "zero_copy_backend",
+            "auto_converge",
+            "color",
+        ] {
+            let arg = demo
+                .get_arguments()
+                .find(|arg| arg.get_id() == name)
+                .unwrap_or_else(|| panic!("no option {name}"));
+            assert!(
+                arg.get_possible_values().len() >= 2,
+                "--{name} lists no values"
+            );
+        }
+    }
+
+    #[test]
+    fn top_level_help_lists_every_command() {
+        use clap::CommandFactory;
+        let mut command = Cli::command();
+        let help = command.render_help().to_string();
+        for subcommand in command.get_subcommands() {
+            assert!(
+                help.contains(&format!("  {}", subcommand.get_name())),
+                "{} is missing from:\n{help}",
+                subcommand.get_name()
+            );
+        }
+        assert!(help.contains("  vm "), "{help}");
+    }
+
+    #[test]
+    fn working_set_must_fit_in_memory() {
+        let error = demo(&["--memory", "64MiB", "--working-set", "4GiB"])
+            .unwrap()
+            .guest
+            .check()
+            .unwrap_err()
+            .to_string();
+        assert_eq!(
+            error,
+            "--working-set 4.00 GiB is larger than --memory 64.00 MiB"
+        );
+        let small = demo(&["--memory", "32MiB"]).unwrap().guest;
+        small.check().unwrap();
+        assert_eq!(small.working_set(), 32 << 20);
+        assert_eq!(demo(&[]).unwrap().guest.working_set(), 256 << 20);
+    }
+
+    #[test]
+    fn resident_estimate_skips_untouched_zero_pages() {
+        let guest = demo(&[
+            "--memory",
+            "1GiB",
+            "--mix",
+            "50:25:25",
+            "--working-set",
+            "0",
+        ])
+        .unwrap()
+        .guest;
+        assert_eq!(guest.resident_estimate(), 512 << 20);
+        let guest = demo(&["--memory", "1GiB", "--mix", "0:100:0"])
+            .unwrap()
+            .guest;
+        assert_eq!(guest.resident_estimate(), 1 << 30);
+    }
+
+    #[test]
+    fn out_of_range_levels_are_named() {
+        let note = |options: &[&str]| demo(options).unwrap().transfer.compression_level_note();
+        let zstd = note(&["--compression", "zstd", "--compression-level", "99"]).unwrap();
+        assert!(zstd.ends_with("so 22"), "{zstd}");
+        let deflate = note(&["--compression", "deflate", "--compression-level", "0"]).unwrap();
+        assert!(deflate.ends_with("so 1"), "{deflate}");
+        let qpl = note(&["--compression", "qpl", "--compression-level", "9"]).unwrap();
+        assert!(qpl.ends_with("so 3"), "{qpl}");
+        assert!(
+            note(&["--compression-level", "3"])
+                .unwrap()
+                .contains("no effect")
+        );
+        assert_eq!(
+            note(&["--compression", "zstd", "--compression-level", "-5"]),
+            None
+        );
+        assert_eq!(note(&["--compression", "zstd"]), None);
+    }
+
+    #[test]
+    fn colour_follows_the_option() {
+        let cli = Cli::try_parse_from(["tern", "--color", "never", "bench", "codec"]).unwrap();
+        assert!(!cli.log_colour());
+        let cli = Cli::try_parse_from(["tern", "bench", "codec", "--color", "always"]).unwrap();
+        assert!(cli.log_colour());
     }
 }

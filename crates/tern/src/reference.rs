@@ -43,6 +43,8 @@ fn render_command(out: &mut String, command: &clap::Command, path: &str) {
                 arg_name(arg),
                 arg.get_default_values()
                     .iter()
+                    // A flag's default (`false`) says nothing.
+                    .filter(|_| arg.get_num_args().is_some_and(|range| range.takes_values()))
                     .map(|value| format!("`{}`", value.to_string_lossy()))
                     .collect::<Vec<_>>()
                     .join(","),
@@ -85,6 +87,9 @@ fn arg_help(arg: &clap::Arg) -> String {
         .or(arg.get_help())
         .map(|help| one_paragraph(&help.to_string()))
         .unwrap_or_default();
+    if !help.is_empty() && !help.ends_with('.') {
+        help.push('.');
+    }
     let values: Vec<String> = arg
         .get_possible_values()
         .iter()

@@ -307,12 +307,13 @@ fn migrate(args: &MigrateArgs, verbose: bool) -> anyhow::Result<ExitCode> {
 
 fn receive(args: &ReceiveArgs) -> anyhow::Result<ExitCode> {
     let (listener, config) = args.listen.bind()?;
-    if !args.json {
-        eprintln!("tern receive: listening on {}", listener.local_address()?);
-    }
+    // Before saying it listens: a script may signal it from then on.
     let destination = Destination::new(config);
     let cancel = destination.cancel_token();
     install_interrupt_handler(move || cancel.cancel());
+    if !args.json {
+        eprintln!("tern receive: listening on {}", listener.local_address()?);
+    }
     let received = destination
         .receive(&listener, destination_guest)
         .map_err(|error| Incomplete::error(error, "the incoming migration did not complete"))?;

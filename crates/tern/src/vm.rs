@@ -496,14 +496,15 @@ fn migrate(args: &MigrateArgs, verbose: bool) -> anyhow::Result<ExitCode> {
 
 fn receive(args: &ReceiveArgs) -> anyhow::Result<ExitCode> {
     let (listener, config) = args.listen.bind()?;
+    // Before saying it listens: a script may signal it from then on.
+    let destination = Destination::new(config);
+    let cancel = destination.cancel_token();
+    crate::run::install_interrupt_handler(move || cancel.cancel());
     // On stderr even with --json: scripts wait for this line.
     eprintln!(
         "tern vm receive: listening on {}",
         listener.local_address()?
     );
-    let destination = Destination::new(config);
-    let cancel = destination.cancel_token();
-    crate::run::install_interrupt_handler(move || cancel.cancel());
     let Received {
         mut guest,
         stats,

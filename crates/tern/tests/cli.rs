@@ -360,3 +360,48 @@ fn receive_reports_an_unverified_migration_as_such() {
     assert!(received.status.success(), "{received:?}");
     assert_eq!(json(&received)["digest-verified"], false);
 }
+
+#[test]
+fn sigterm_cancels_a_waiting_receiver_with_143() {
+    use std::io::BufRead;
+    let address = format!("127.0.0.1:{}", free_port());
+    let mut receiver = tern()
+        .args(["receive", "--listen", &address])
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let (lines_tx, lines) = std::sync::mpsc::channel();
+    let stderr = receiver.stderr.take().unwrap();
+    std::thread::spawn(move || {
+        for line in std::io::BufReader::new(stderr).lines() {
+            let Ok(line) = line else { break };
+            if lines_tx.send(line).is_err() {
+                break;
+            }
+        }
+    });
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let left = deadline.saturating_duration_since(Instant::now());
+        let line = lines
+            .recv_timeout(left)
+            .expect("tern receive did not say it listens within 60 s");
+        if line.contains("listening on") {
+            break;
+        }
+    }
+    // SAFETY: kill(2) on a child we spawned and have not reaped.
+    assert_eq!(
+        unsafe { libc::kill(receiver.id() as i32, libc::SIGTERM) },
+        0
+    );
+    let status = receiver.wait().unwrap();
+    assert_eq!(status.code(), Some(143), "{status:?}");
+    let rest: Vec<String> = lines.iter().collect();
+    let errors: Vec<&String> = rest
+        .iter()
+        .filter(|line| line.starts_with("tern: error:"))
+        .collect();
+    assert_eq!(errors.len(), 1, "{rest:?}");
+}

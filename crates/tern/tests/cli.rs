@@ -289,8 +289,7 @@ fn sigint_cancels_and_exits_130() {
         .spawn()
         .unwrap();
     wait_for_open_connection(&address, migrate.id());
-    // SAFETY: kill(2) on a child we spawned and have not reaped.
-    assert_eq!(unsafe { libc::kill(migrate.id() as i32, libc::SIGINT) }, 0);
+    send_signal(&migrate, libc::SIGINT);
     let output = migrate.wait_with_output().unwrap();
     assert_eq!(output.status.code(), Some(130), "{output:?}");
     assert_eq!(json(&output)["status"], "cancelled");
@@ -391,11 +390,8 @@ fn sigterm_cancels_a_waiting_receiver_with_143() {
             break;
         }
     }
-    // SAFETY: kill(2) on a child we spawned and have not reaped.
-    assert_eq!(
-        unsafe { libc::kill(receiver.id() as i32, libc::SIGTERM) },
-        0
-    );
+    send_signal(&receiver, libc::SIGTERM);
+
     let status = receiver.wait().unwrap();
     assert_eq!(status.code(), Some(143), "{status:?}");
     let rest: Vec<String> = lines.iter().collect();
@@ -404,4 +400,13 @@ fn sigterm_cancels_a_waiting_receiver_with_143() {
         .filter(|line| line.starts_with("tern: error:"))
         .collect();
     assert_eq!(errors.len(), 1, "{rest:?}");
+}
+
+/// Sends `signal` to a running child.
+fn send_signal(child: &std::process::Child, signal: libc::c_int) {
+    let pid = libc::pid_t::try_from(child.id()).unwrap();
+    // SAFETY: kill(2) on a child we spawned and have not reaped, so the pid
+    // is still ours.
+    let sent = unsafe { libc::kill(pid, signal) };
+    assert_eq!(sent, 0, "kill: {}", std::io::Error::last_os_error());
 }

@@ -43,11 +43,14 @@ impl FromStr for ZeroPageDetection {
     fn from_str(text: &str) -> Result<Self, String> {
         match text {
             "none" => Ok(Self::None),
-            "source" => Ok(Self::Source),
-            "workers" => Ok(Self::Workers),
+            // QEMU's `legacy` detects on the migration thread, its `multifd`
+            // in the multifd threads: tern's `source` and `workers`.
+            "source" | "legacy" => Ok(Self::Source),
+            "workers" | "multifd" => Ok(Self::Workers),
             "dsa" => Ok(Self::Dsa),
             other => Err(format!(
-                "unknown zero-page detection mode '{other}' (use none, source, workers or dsa)"
+                "unknown zero-page detection mode '{other}' (use none, source, workers or dsa; \
+                 QEMU's legacy and multifd mean source and workers)"
             )),
         }
     }
@@ -332,6 +335,8 @@ mod tests {
         assert_eq!("workers".parse(), Ok(ZeroPageDetection::Workers));
         assert_eq!("dsa".parse(), Ok(ZeroPageDetection::Dsa));
         assert!("magic".parse::<ZeroPageDetection>().is_err());
+        assert_eq!("legacy".parse(), Ok(ZeroPageDetection::Source));
+        assert_eq!("multifd".parse(), Ok(ZeroPageDetection::Workers));
         assert_eq!("switch-over".parse(), Ok(LimitPolicy::SwitchOver));
     }
 }

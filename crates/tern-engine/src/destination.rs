@@ -209,7 +209,8 @@ impl Destination {
                     message: error.chain(),
                 }));
             }
-            tracing::warn!(error = %error.chain(), "incoming migration failed");
+            // Returned to the caller, who reports it.
+            tracing::debug!(error = %error.chain(), "incoming migration failed");
         }
         result
     }

@@ -90,15 +90,22 @@ impl Source {
     /// before anything connects.
     pub fn new(config: MigrationConfig) -> Result<Self, MigrationError> {
         config.validate()?;
-        let compression = CompressionSetup {
+        let mut compression = CompressionSetup {
             choice: config.compression,
             level: config.compression_level,
             qpl_path: config.qpl_path,
         };
+        let mut levels = Vec::new();
         for codec in compression.codecs() {
-            compression.compressor(codec).map_err(|error| {
+            let compressor = compression.compressor(codec).map_err(|error| {
                 MigrationError::Config(format!("--compression {}: {error}", config.compression))
             })?;
+            levels.push(compressor.level());
+        }
+        // A single codec reports the level in force, after its clamping;
+        // `auto` keeps the level asked for, which each codec clamps.
+        if let [level] = levels[..] {
+            compression.level = Some(level);
         }
         let zero_offload = match config.zero_page_detection {
             ZeroPageDetection::Dsa => Some(match &config.zero_page_offload {
@@ -168,7 +175,9 @@ impl Source {
                 self.stats.set_status(status);
                 let mut stats = self.stats.snapshot();
                 stats.error_desc = Some(error.chain());
-                tracing::warn!(error = %error.chain(), "migration {}", status.as_str());
+                // Returned to the caller, who reports it: a warning here would
+                // print the same failure twice.
+                tracing::debug!(error = %error.chain(), "migration {}", status.as_str());
                 Err(MigrationFailure {
                     error,
                     stats: Box::new(stats),

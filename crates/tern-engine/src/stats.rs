@@ -469,7 +469,8 @@ impl From<&tern_page::codec::CodecCounters> for CodecReport {
 pub struct CompressionReport {
     /// What was asked for: a codec, or `auto`.
     pub choice: String,
-    /// Level in force (`None`: each codec's default).
+    /// Level in force, after the codec clamped it (with `auto`: the level
+    /// asked for, which each codec clamps; `None`: each codec's default).
     pub level: Option<i32>,
     /// Times adaptive compression changed codec.
     pub codec_switches: u64,

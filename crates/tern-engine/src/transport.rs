@@ -17,7 +17,9 @@ use crate::error::ChannelError;
 /// Where a destination listens, or a source connects.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Address {
-    /// `tcp:HOST:PORT` or plain `HOST:PORT`.
+    /// `tcp:HOST:PORT` or plain `HOST:PORT`. An empty host (`tcp::PORT`, as
+    /// QEMU writes it) listens on every interface and connects to this
+    /// machine.
     Tcp(String),
     /// `unix:PATH`.
     Unix(PathBuf),
@@ -33,13 +35,18 @@ impl FromStr for Address {
             }
             return Ok(Self::Unix(PathBuf::from(path)));
         }
-        let host_port = text.strip_prefix("tcp:").unwrap_or(text);
+        let (host_port, host_may_be_empty) = match text.strip_prefix("tcp:") {
+            Some(rest) => (rest, true),
+            None => (text, false),
+        };
         match host_port.rsplit_once(':') {
-            Some((host, port)) if !host.is_empty() && port.parse::<u16>().is_ok() => {
+            Some((host, port))
+                if (host_may_be_empty || !host.is_empty()) && port.parse::<u16>().is_ok() =>
+            {
                 Ok(Self::Tcp(host_port.to_string()))
             }
             _ => Err(format!(
-                "'{text}' is not an address: use HOST:PORT, tcp:HOST:PORT or unix:PATH"
+                "'{text}' is not an address: use HOST:PORT, tcp:HOST:PORT, tcp::PORT or unix:PATH"
             )),
         }
     }
@@ -67,7 +74,14 @@ impl Listener {
     /// Binds `address`. A stale Unix socket file is replaced.
     pub fn bind(address: &Address) -> io::Result<Self> {
         match address {
-            Address::Tcp(host_port) => Ok(Self::Tcp(TcpListener::bind(host_port.as_str())?)),
+            Address::Tcp(host_port) => match host_port.strip_prefix(':') {
+                // Every interface: IPv6's wildcard also takes IPv4 on Linux,
+                // unless the machine has no IPv6.
+                Some(port) => TcpListener::bind(format!("[::]:{port}"))
+                    .or_else(|_| TcpListener::bind(format!("0.0.0.0:{port}")))
+                    .map(Self::Tcp),
+                None => Ok(Self::Tcp(TcpListener::bind(host_port.as_str())?)),
+            },
             Address::Unix(path) => {
                 if path.exists() {
                     std::fs::remove_file(path)?;
@@ -362,6 +376,10 @@ pub(crate) fn advance(iovecs: &mut [libc::iovec], mut first: usize, mut done: us
 
 fn connect_tcp(host_port: &str, timeout: Duration) -> io::Result<TcpStream> {
     let mut last_error = io::Error::new(io::ErrorKind::NotFound, "no address resolved");
+    let host_port = match host_port.strip_prefix(':') {
+        Some(port) => format!("localhost:{port}"),
+        None => host_port.to_string(),
+    };
     for address in host_port.to_socket_addrs()? {
         match TcpStream::connect_timeout(&address, timeout) {
             Ok(stream) => return Ok(stream),
@@ -419,9 +437,30 @@ mod tests {
             "unix:/tmp/x.sock".parse::<Address>(),
             Ok(Address::Unix("/tmp/x.sock".into()))
         );
+        assert_eq!(
+            "tcp::4444".parse::<Address>(),
+            Ok(Address::Tcp(":4444".into()))
+        );
+        assert_eq!(
+            "tcp::4444".parse::<Address>().unwrap().to_string(),
+            "tcp::4444"
+        );
+        assert!(":4444".parse::<Address>().is_err());
         assert!("nonsense".parse::<Address>().is_err());
         assert!("host:99999".parse::<Address>().is_err());
         assert!("unix:".parse::<Address>().is_err());
+    }
+
+    #[test]
+    fn empty_host_listens_everywhere_and_connects_here() {
+        let listener = Listener::bind(&"tcp::0".parse().unwrap()).unwrap();
+        let Ok(Address::Tcp(bound)) = listener.local_address() else {
+            panic!("not a TCP listener")
+        };
+        let port = bound.rsplit_once(':').unwrap().1;
+        let address: Address = format!("tcp::{port}").parse().unwrap();
+        Channel::connect(&address, Duration::from_secs(30)).unwrap();
+        listener.accept_timeout(Duration::from_secs(30)).unwrap();
     }
 
     #[test]

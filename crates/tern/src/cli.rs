@@ -1,8 +1,11 @@
 //! Command-line syntax.
 
+use std::ffi::OsStr;
+use std::str::FromStr;
 use std::time::Duration;
 
-use clap::{Args, Parser, Subcommand};
+use clap::builder::{PossibleValue, TypedValueParser};
+use clap::{Args, ColorChoice, Parser, Subcommand};
 use tern_engine::{
     Address, LimitPolicy, MigrationConfig, Verify, ZeroCopyBackend, ZeroPageDetection,
 };
@@ -13,15 +16,35 @@ use crate::units::{parse_rate, parse_size};
 
 /// Live migration of virtual-machine memory over parallel channels.
 #[derive(Debug, Parser)]
-#[command(name = "tern", version, about)]
+#[command(name = "tern", version)]
 pub struct Cli {
-    /// Log what happens (or set RUST_LOG).
+    /// Log what happens (or set RUST_LOG), and print the statistics table
+    /// after a failed migration too.
     #[arg(short, long, global = true)]
     pub verbose: bool,
     #[command(flatten)]
     pub progress: crate::report::ProgressArgs,
+    /// Colour in log lines: auto (only on a terminal, and not when NO_COLOR
+    /// is set), always or never.
+    #[arg(long, global = true, value_enum, default_value_t = ColorChoice::Auto)]
+    pub color: ColorChoice,
     #[command(subcommand)]
     pub command: Command,
+}
+
+impl Cli {
+    /// Whether log lines on stderr carry colour.
+    pub fn log_colour(&self) -> bool {
+        use std::io::IsTerminal;
+        match self.color {
+            ColorChoice::Always => true,
+            ColorChoice::Never => false,
+            ColorChoice::Auto => {
+                std::env::var_os("NO_COLOR").is_none_or(|value| value.is_empty())
+                    && std::io::stderr().is_terminal()
+            }
+        }
+    }
 }
 
 #[derive(Debug, Subcommand)]
@@ -39,6 +62,16 @@ pub enum Command {
     /// A real KVM guest: run, migrate, receive, demo.
     #[command(subcommand)]
     Vm(crate::vm::VmCommand),
+    /// Print a shell completion script: `tern completions bash >
+    /// /etc/bash_completion.d/tern`.
+    Completions(CompletionsArgs),
+}
+
+#[derive(Debug, Args)]
+pub struct CompletionsArgs {
+    /// The shell.
+    #[arg(value_enum)]
+    pub shell: clap_complete::Shell,
 }
 
 #[derive(Debug, Args)]
@@ -57,7 +90,8 @@ pub struct DemoArgs {
 
 #[derive(Debug, Args)]
 pub struct MigrateArgs {
-    /// Destination: HOST:PORT, tcp:HOST:PORT or unix:PATH.
+    /// Destination: HOST:PORT, tcp:HOST:PORT, tcp::PORT (this machine) or
+    /// unix:PATH.
     #[arg(long, value_parser = parse_address)]
     pub to: Address,
     #[command(flatten)]
@@ -72,7 +106,8 @@ pub struct MigrateArgs {
 /// Where and how a destination waits (`tern receive`, `tern vm receive`).
 #[derive(Debug, Args)]
 pub struct ListenArgs {
-    /// Where to listen: HOST:PORT, tcp:HOST:PORT or unix:PATH.
+    /// Where to listen: HOST:PORT, tcp:HOST:PORT, tcp::PORT (every
+    /// interface) or unix:PATH.
     #[arg(long, value_parser = parse_address)]
     pub listen: Address,
     /// How long to wait for the source, in seconds.
@@ -155,7 +190,7 @@ pub struct BenchMigrateArgs {
     #[arg(long, default_value = "50:25:25")]
     pub mix: ContentMix,
     /// Channel counts to compare, comma-separated.
-    #[arg(long, default_value = "1,2,4", value_delimiter = ',')]
+    #[arg(long, default_value = "1,2,4", value_delimiter = ',', value_parser = parse_channels)]
     pub channels: Vec<u16>,
     /// Runs per case (the median is reported).
     #[arg(long, default_value_t = 3)]
@@ -169,11 +204,11 @@ pub struct BenchMigrateArgs {
     /// Skip the running-guest case.
     #[arg(long)]
     pub paused_only: bool,
-    /// Memory verification at switch-over: full or none.
-    #[arg(long, default_value = "full", value_parser = parse_verify)]
+    /// Memory verification at switch-over.
+    #[arg(long, default_value = "full", value_parser = verify_values())]
     pub verify: Verify,
     /// Compression settings to compare, comma-separated.
-    #[arg(long, default_value = "none", value_delimiter = ',', value_parser = parse_compression)]
+    #[arg(long, default_value = "none", value_delimiter = ',', value_parser = compression_values())]
     pub compression: Vec<CodecChoice>,
     /// Cap on bytes per second (e.g. 1Gbit), as through a slower link.
     #[arg(long, value_parser = parse_rate)]
@@ -185,6 +220,9 @@ pub struct BenchMigrateArgs {
     #[arg(long)]
     pub json: bool,
 }
+
+/// The synthetic guest's working set unless `--working-set` says otherwise.
+const DEFAULT_WORKING_SET: u64 = 256 << 20;
 
 /// The synthetic guest's options.
 #[derive(Debug, Args, Clone)]
@@ -198,9 +236,10 @@ pub struct GuestArgs {
     /// Bytes of pages the guest dirties per second (0: none).
     #[arg(long, default_value = "64MiB", value_parser = parse_rate)]
     pub dirty_rate: u64,
-    /// The part of memory the guest dirties, from its start.
-    #[arg(long, default_value = "256MiB", value_parser = parse_size)]
-    pub working_set: u64,
+    /// The part of memory the guest dirties, from its start, at most
+    /// --memory [default: 256MiB, or --memory if smaller].
+    #[arg(long, value_parser = parse_size)]
+    pub working_set: Option<u64>,
     /// Dirtier threads.
     #[arg(long, default_value_t = 1)]
     pub dirtier_threads: u32,
@@ -213,6 +252,38 @@ pub struct GuestArgs {
 }
 
 impl GuestArgs {
+    /// Rejects combinations the guest would otherwise quietly reinterpret.
+    pub fn check(&self) -> anyhow::Result<()> {
+        use crate::units::human_bytes;
+        if let Some(working_set) = self.working_set {
+            anyhow::ensure!(
+                working_set <= self.memory,
+                "--working-set {} is larger than --memory {}",
+                human_bytes(working_set),
+                human_bytes(self.memory)
+            );
+        }
+        Ok(())
+    }
+
+    /// The working set in force.
+    pub fn working_set(&self) -> u64 {
+        self.working_set
+            .unwrap_or(DEFAULT_WORKING_SET)
+            .min(self.memory)
+    }
+
+    /// Bytes of memory one end will have touched: the pages with data, and
+    /// the zero pages the dirtier writes to (untouched zero pages cost
+    /// nothing).
+    pub fn resident_estimate(&self) -> u64 {
+        let share = |bytes: u64, percent: u8| {
+            u64::try_from(u128::from(bytes) * u128::from(percent) / 100).unwrap_or(u64::MAX)
+        };
+        share(self.memory, 100 - self.mix.zero)
+            .saturating_add(share(self.working_set(), self.mix.zero))
+    }
+
     pub fn synthetic_config(&self) -> SyntheticConfig {
         SyntheticConfig {
             memory_bytes: self.memory,
@@ -220,7 +291,7 @@ impl GuestArgs {
             mix: self.mix,
             seed: self.seed,
             dirty_rate_bytes_per_sec: self.dirty_rate,
-            working_set_bytes: self.working_set,
+            working_set_bytes: self.working_set(),
             dirtier_threads: self.dirtier_threads,
         }
     }
@@ -229,16 +300,18 @@ impl GuestArgs {
 /// Options shared by everything that migrates.
 #[derive(Debug, Args, Clone)]
 pub struct TransferArgs {
-    /// Page channels (the main channel comes on top).
-    #[arg(long, default_value_t = 2)]
+    /// Page channels (the main channel comes on top), 1 to 64. QEMU:
+    /// multifd-channels.
+    #[arg(long, default_value_t = 2, value_parser = parse_channels)]
     pub channels: u16,
     /// Worker threads classifying pages (0: one per channel).
     #[arg(long, default_value_t = 0)]
     pub workers: usize,
-    /// Largest acceptable downtime, in milliseconds.
+    /// Largest acceptable downtime, in milliseconds. QEMU: downtime-limit.
     #[arg(long, default_value_t = 300)]
     pub downtime_limit: u64,
-    /// Cap on bytes per second over all channels (e.g. 1Gbit, 100MiB).
+    /// Cap on bytes per second over all channels (e.g. 1Gbps, 1Gbit,
+    /// 100MiB). QEMU: max-bandwidth.
     #[arg(long, value_parser = parse_rate)]
     pub max_bandwidth: Option<u64>,
     /// Most dirty iterations before --on-limit applies.
@@ -247,11 +320,21 @@ pub struct TransferArgs {
     /// Longest live phase in seconds before --on-limit applies.
     #[arg(long)]
     pub max_time: Option<f64>,
-    /// What to do at a limit: cancel, or switch-over anyway.
-    #[arg(long, default_value = "cancel", value_parser = parse_policy)]
+    /// What to do at a limit.
+    #[arg(long, default_value = "cancel", value_parser = Choices::<LimitPolicy>::new(&[
+        ("cancel", "give up; the source guest runs on"),
+        ("switch-over", "switch over anyway, with a longer downtime"),
+    ]))]
     pub on_limit: LimitPolicy,
-    /// Who detects zero pages: none, source, workers, dsa.
-    #[arg(long, default_value = "workers", value_parser = parse_detection)]
+    /// Who detects zero pages. QEMU: zero-page-detection.
+    #[arg(long, default_value = "workers", value_parser = Choices::<ZeroPageDetection>::new(&[
+        ("none", "nobody: every page is sent with its data"),
+        ("source", "the producer thread, before the workers"),
+        ("workers", "the channel workers, in parallel"),
+        ("dsa", "Intel DSA (see --dsa-device), finished on the CPU"),
+        ("legacy", "QEMU's name for source"),
+        ("multifd", "QEMU's name for workers"),
+    ]))]
     pub zero_page_detection: ZeroPageDetection,
     /// With `--zero-page-detection dsa`: the work queues found in sysfs
     /// (`hw`), or tern's software DSA device (`software`, for machines
@@ -261,26 +344,47 @@ pub struct TransferArgs {
     /// Benchmark knob: percent of zero pages sent as normal pages.
     #[arg(long, default_value_t = 0.0)]
     pub zero_page_as_normal: f64,
-    /// Page compression: none, zstd, deflate, lz4, qpl, auto.
-    #[arg(long, default_value = "none", value_parser = parse_compression)]
+    /// Page compression, each page on its own. QEMU: multifd-compression
+    /// (its zlib is a stream per channel: use deflate).
+    #[arg(long, default_value = "none", value_parser = compression_values())]
     pub compression: CodecChoice,
-    /// Compression level (clamped to the codec's range; reported).
-    #[arg(long)]
+    /// Compression level, clamped to the codec's range (zstd up to 22,
+    /// negative levels faster; deflate 1 to 12; lz4 1; qpl 1 or 3); the
+    /// level in force is reported.
+    /// QEMU: multifd-zstd-level, multifd-zlib-level.
+    #[arg(long, allow_negative_numbers = true)]
     pub compression_level: Option<i32>,
-    /// Compare memory digests before resuming on the destination: full, or
-    /// none (shortest downtime, trusts the dirty log).
-    #[arg(long, default_value = "full", value_parser = parse_verify)]
+    /// Compare memory digests before resuming on the destination.
+    #[arg(long, default_value = "full", value_parser = verify_values())]
     pub verify: Verify,
     /// Send page data with MSG_ZEROCOPY straight from guest memory (TCP only;
     /// pays off on a real NIC, not on loopback, where the kernel copies).
     #[arg(long)]
     pub zero_copy: bool,
-    /// Zero-copy mechanism: msg (MSG_ZEROCOPY) or uring (io_uring SENDMSG_ZC).
-    #[arg(long, default_value = "msg", value_parser = parse_zero_copy_backend)]
+    /// Zero-copy mechanism.
+    #[arg(long, default_value = "msg", value_parser = Choices::<ZeroCopyBackend>::new(&[
+        ("msg", "sendmsg with MSG_ZEROCOPY"),
+        ("uring", "io_uring SENDMSG_ZC (Linux 6.2 or later)"),
+    ]))]
     pub zero_copy_backend: ZeroCopyBackend,
-    /// Do not throttle a guest that dirties memory faster than it is sent.
-    #[arg(long)]
+    /// Throttle a guest that dirties memory faster than it is sent. QEMU:
+    /// the auto-converge capability.
+    #[arg(long, default_value = "on", value_parser = Choices::<OnOff>::new(&[
+        ("on", "throttle when needed"),
+        ("off", "never throttle"),
+    ]))]
+    pub auto_converge: OnOff,
+    /// The same as `--auto-converge off`.
+    #[arg(long, hide = true, conflicts_with = "auto_converge")]
     pub no_auto_converge: bool,
+    /// Throttle, in percent of the guest's time, applied the first time
+    /// auto-converge steps in. QEMU: cpu-throttle-initial.
+    #[arg(long, default_value_t = 20, value_parser = clap::value_parser!(u8).range(1..=99))]
+    pub cpu_throttle_initial: u8,
+    /// Throttle added each further time auto-converge steps in, in percent
+    /// (the total stops at 99). QEMU: cpu-throttle-increment.
+    #[arg(long, default_value_t = 10, value_parser = clap::value_parser!(u8).range(1..=99))]
+    pub cpu_throttle_increment: u8,
     /// Timeout of a blocked send or receive, in seconds.
     #[arg(long, default_value_t = 30)]
     pub io_timeout: u64,
@@ -290,7 +394,49 @@ pub struct TransferArgs {
 }
 
 impl TransferArgs {
+    /// What `--compression-level` turns into, when that is not what was
+    /// asked for (the codec clamps it; the summary reports the level in
+    /// force).
+    pub fn compression_level_note(&self) -> Option<String> {
+        use tern_page::codec::CodecId;
+        let requested = self.compression_level?;
+        let clamped = |codec: CodecId| {
+            let level = codec.clamp_level(requested);
+            let (low, high) = codec.level_range();
+            (level != requested).then(|| format!("{codec} {low}..={high}, so {level}"))
+        };
+        let notes: Vec<String> = match self.compression {
+            CodecChoice::None => {
+                return Some(format!(
+                    "--compression-level {requested} has no effect without --compression"
+                ));
+            }
+            CodecChoice::Qpl if requested != 1 && requested != 3 => {
+                vec![format!(
+                    "qpl 1 or 3, so {}",
+                    if requested < 3 { 1 } else { 3 }
+                )]
+            }
+            CodecChoice::Qpl => Vec::new(),
+            // lz4 has a single level; auto uses it as it is.
+            CodecChoice::Auto => [CodecId::Zstd, CodecId::Deflate]
+                .into_iter()
+                .filter_map(clamped)
+                .collect(),
+            fixed => fixed.wire().and_then(clamped).into_iter().collect(),
+        };
+        (!notes.is_empty()).then(|| {
+            format!(
+                "--compression-level {requested} is out of range: {}",
+                notes.join("; ")
+            )
+        })
+    }
+
     pub fn migration_config(&self) -> anyhow::Result<MigrationConfig> {
+        if let Some(note) = self.compression_level_note() {
+            eprintln!("tern: warning: {note}");
+        }
         let max_time = match self.max_time {
             Some(seconds) if seconds.is_finite() && seconds > 0.0 => {
                 Some(Duration::from_secs_f64(seconds))
@@ -306,7 +452,9 @@ impl TransferArgs {
             max_iterations: self.max_iterations,
             max_time,
             limit_policy: self.on_limit,
-            auto_converge: !self.no_auto_converge,
+            auto_converge: self.auto_converge == OnOff::On && !self.no_auto_converge,
+            throttle_initial: self.cpu_throttle_initial,
+            throttle_increment: self.cpu_throttle_increment,
             zero_page_detection: self.zero_page_detection,
             zero_page_offload: match (self.zero_page_detection, self.dsa_device.as_str()) {
                 (ZeroPageDetection::Dsa, "software") => Some(tern_page::dsa::software_dsa(
@@ -327,29 +475,99 @@ impl TransferArgs {
     }
 }
 
-fn parse_address(text: &str) -> Result<Address, String> {
+pub fn parse_address(text: &str) -> Result<Address, String> {
     text.parse()
 }
 
-fn parse_policy(text: &str) -> Result<LimitPolicy, String> {
-    text.parse()
+/// The engine's range, checked while parsing so that every command says
+/// the same.
+fn parse_channels(text: &str) -> Result<u16, String> {
+    let max = tern_wire::MAX_CHANNELS;
+    match text.trim().parse::<u64>() {
+        Ok(channels) if (1..=u64::from(max)).contains(&channels) => Ok(channels as u16),
+        _ => Err(format!("--channels {text} is out of range (1..={max})")),
+    }
 }
 
-fn parse_compression(text: &str) -> Result<CodecChoice, String> {
-    text.parse()
-        .map_err(|error: tern_page::CodecError| error.to_string())
+/// `on` or `off`, as QEMU writes capabilities.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum OnOff {
+    On,
+    Off,
 }
 
-fn parse_zero_copy_backend(text: &str) -> Result<ZeroCopyBackend, String> {
-    text.parse()
+impl FromStr for OnOff {
+    type Err = String;
+
+    fn from_str(text: &str) -> Result<Self, String> {
+        match text {
+            "on" => Ok(Self::On),
+            "off" => Ok(Self::Off),
+            other => Err(format!("'{other}' is neither on nor off")),
+        }
+    }
 }
 
-fn parse_verify(text: &str) -> Result<Verify, String> {
-    text.parse()
+fn compression_values() -> Choices<CodecChoice> {
+    Choices::new(&[
+        ("none", "pages go as they are"),
+        ("zstd", "zstd, level 1 unless --compression-level"),
+        ("deflate", "raw deflate, 4 KiB window (IAA-compatible)"),
+        ("lz4", "lz4 block format"),
+        ("qpl", "deflate through Intel QPL (IAA when present)"),
+        ("auto", "picked from the measured link and codec speeds"),
+    ])
 }
 
-fn parse_detection(text: &str) -> Result<ZeroPageDetection, String> {
-    text.parse()
+fn verify_values() -> Choices<Verify> {
+    Choices::new(&[
+        ("full", "compare digests of all memory before resuming"),
+        ("none", "shortest downtime; trusts the dirty log"),
+    ])
+}
+
+/// A value parser that lists its possible values (for help, completions
+/// and docs/cli.md) but parses with the type's own `FromStr`, so that
+/// aliases and helpful errors (`zlib`, `legacy`) stay in one place.
+#[derive(Clone, Debug)]
+pub struct Choices<T> {
+    values: &'static [(&'static str, &'static str)],
+    parsed: std::marker::PhantomData<fn() -> T>,
+}
+
+impl<T> Choices<T> {
+    fn new(values: &'static [(&'static str, &'static str)]) -> Self {
+        Self {
+            values,
+            parsed: std::marker::PhantomData,
+        }
+    }
+}
+
+impl<T, E> TypedValueParser for Choices<T>
+where
+    T: FromStr<Err = E> + Clone + Send + Sync + 'static,
+    E: std::fmt::Display,
+{
+    type Value = T;
+
+    fn parse_ref(
+        &self,
+        command: &clap::Command,
+        arg: Option<&clap::Arg>,
+        value: &OsStr,
+    ) -> Result<T, clap::Error> {
+        let parse = |text: &str| text.parse::<T>().map_err(|error| error.to_string());
+        parse.parse_ref(command, arg, value)
+    }
+
+    fn possible_values(&self) -> Option<Box<dyn Iterator<Item = PossibleValue> + '_>> {
+        Some(Box::new(
+            self.values
+                .iter()
+                .map(|(name, help)| PossibleValue::new(*name).help(*help)),
+        ))
+    }
 }
 
 #[cfg(test)]
@@ -387,5 +605,200 @@ mod tests {
         assert_eq!(args.transfer.max_bandwidth, Some(125_000_000));
         assert!(Cli::try_parse_from(["tern", "migrate", "--to", "nowhere"]).is_err());
         assert!(Cli::try_parse_from(["tern", "demo", "--zero-page-detection", "magic"]).is_err());
+    }
+
+    fn demo(options: &[&str]) -> Result<DemoArgs, clap::Error> {
+        let cli = Cli::try_parse_from(["tern", "demo"].iter().chain(options))?;
+        let Command::Demo(args) = cli.command else {
+            panic!("not demo")
+        };
+        Ok(args)
+    }
+
+    #[test]
+    fn accepts_qemu_spellings() {
+        let cli = Cli::try_parse_from(["tern", "migrate", "--to", "tcp::4444"]).unwrap();
+        let Command::Migrate(args) = cli.command else {
+            panic!("not migrate")
+        };
+        assert_eq!(args.to, Address::Tcp(":4444".into()));
+        let args = demo(&[
+            "--zero-page-detection",
+            "legacy",
+            "--max-bandwidth",
+            "1Gbps",
+            "--auto-converge",
+            "off",
+            "--cpu-throttle-initial",
+            "35",
+            "--cpu-throttle-increment",
+            "5",
+        ])
+        .unwrap();
+        let config = args.transfer.migration_config().unwrap();
+        assert_eq!(config.zero_page_detection, ZeroPageDetection::Source);
+        assert_eq!(config.max_bandwidth, Some(125_000_000));
+        assert!(!config.auto_converge);
+        assert_eq!(
+            (config.throttle_initial, config.throttle_increment),
+            (35, 5)
+        );
+        let config = demo(&["--zero-page-detection", "multifd"])
+            .unwrap()
+            .transfer
+            .migration_config()
+            .unwrap();
+        assert_eq!(config.zero_page_detection, ZeroPageDetection::Workers);
+        assert!(config.auto_converge);
+        let hidden_alias = demo(&["--no-auto-converge"]).unwrap();
+        assert!(
+            !hidden_alias
+                .transfer
+                .migration_config()
+                .unwrap()
+                .auto_converge
+        );
+        assert!(demo(&["--cpu-throttle-initial", "100"]).is_err());
+        assert!(demo(&["--auto-converge", "maybe"]).is_err());
+    }
+
+    #[test]
+    fn zlib_points_to_deflate() {
+        let error = demo(&["--compression", "zlib"]).unwrap_err().to_string();
+        assert!(error.contains("use deflate"), "{error}");
+    }
+
+    #[test]
+    fn one_channel_range_everywhere() {
+        for count in ["0", "65", "100000", "-1"] {
+            let error = demo(&[&format!("--channels={count}")])
+                .unwrap_err()
+                .to_string();
+            assert!(error.contains("out of range (1..=64)"), "{error}");
+        }
+        assert_eq!(demo(&["--channels", "64"]).unwrap().transfer.channels, 64);
+        let engine = MigrationConfig {
+            channels: 65,
+            ..MigrationConfig::default()
+        }
+        .validate()
+        .unwrap_err()
+        .to_string();
+        assert!(engine.contains("out of range (1..=64)"), "{engine}");
+        let bench = Cli::try_parse_from(["tern", "bench", "migrate", "--channels", "1,0"]);
+        assert!(
+            bench
+                .unwrap_err()
+                .to_string()
+                .contains("out of range (1..=64)")
+        );
+    }
+
+    #[test]
+    fn every_choice_option_lists_its_values() {
+        use clap::CommandFactory;
+        let mut command = Cli::command();
+        command.build();
+        let demo = command.find_subcommand("demo").unwrap();
+        for name in [
+            "on_limit",
+            "zero_page_detection",
+            "dsa_device",
+            "compression",
+            "verify",
+            "zero_copy_backend",
+            "auto_converge",
+            "color",
+        ] {
+            let arg = demo
+                .get_arguments()
+                .find(|arg| arg.get_id() == name)
+                .unwrap_or_else(|| panic!("no option {name}"));
+            assert!(
+                arg.get_possible_values().len() >= 2,
+                "--{name} lists no values"
+            );
+        }
+    }
+
+    #[test]
+    fn top_level_help_lists_every_command() {
+        use clap::CommandFactory;
+        let mut command = Cli::command();
+        let help = command.render_help().to_string();
+        for subcommand in command.get_subcommands() {
+            assert!(
+                help.contains(&format!("  {}", subcommand.get_name())),
+                "{} is missing from:\n{help}",
+                subcommand.get_name()
+            );
+        }
+        assert!(help.contains("  vm "), "{help}");
+    }
+
+    #[test]
+    fn working_set_must_fit_in_memory() {
+        let error = demo(&["--memory", "64MiB", "--working-set", "4GiB"])
+            .unwrap()
+            .guest
+            .check()
+            .unwrap_err()
+            .to_string();
+        assert_eq!(
+            error,
+            "--working-set 4.00 GiB is larger than --memory 64.00 MiB"
+        );
+        let small = demo(&["--memory", "32MiB"]).unwrap().guest;
+        small.check().unwrap();
+        assert_eq!(small.working_set(), 32 << 20);
+        assert_eq!(demo(&[]).unwrap().guest.working_set(), 256 << 20);
+    }
+
+    #[test]
+    fn resident_estimate_skips_untouched_zero_pages() {
+        let guest = demo(&[
+            "--memory",
+            "1GiB",
+            "--mix",
+            "50:25:25",
+            "--working-set",
+            "0",
+        ])
+        .unwrap()
+        .guest;
+        assert_eq!(guest.resident_estimate(), 512 << 20);
+        let guest = demo(&["--memory", "1GiB", "--mix", "0:100:0"])
+            .unwrap()
+            .guest;
+        assert_eq!(guest.resident_estimate(), 1 << 30);
+    }
+
+    #[test]
+    fn out_of_range_levels_are_named() {
+        let note = |options: &[&str]| demo(options).unwrap().transfer.compression_level_note();
+        let zstd = note(&["--compression", "zstd", "--compression-level", "99"]).unwrap();
+        assert!(zstd.ends_with("so 22"), "{zstd}");
+        let deflate = note(&["--compression", "deflate", "--compression-level", "0"]).unwrap();
+        assert!(deflate.ends_with("so 1"), "{deflate}");
+        let qpl = note(&["--compression", "qpl", "--compression-level", "9"]).unwrap();
+        assert!(qpl.ends_with("so 3"), "{qpl}");
+        assert!(
+            note(&["--compression-level", "3"])
+                .unwrap()
+                .contains("no effect")
+        );
+        assert_eq!(
+            note(&["--compression", "zstd", "--compression-level", "-5"]),
+            None
+        );
+        assert_eq!(note(&["--compression", "zstd"]), None);
+    }
+
+    #[test]
+    fn colour_follows_the_option() {
+        let cli = Cli::try_parse_from(["tern", "--color", "never", "bench", "codec"]).unwrap();
+        assert!(!cli.log_colour());
+        let cli = Cli::try_parse_from(["tern", "bench", "codec", "--color", "always"]).unwrap();
+        assert!(cli.log_colour());
     }
 }

@@ -2,6 +2,8 @@
 
 mod bench;
 mod cli;
+#[cfg(test)]
+mod reference;
 mod report;
 mod run;
 mod units;
@@ -19,12 +21,13 @@ fn main() -> std::process::ExitCode {
                 .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(filter)),
         )
         .with_writer(std::io::stderr)
+        .with_ansi(cli.log_colour())
         .init();
-    match run::dispatch(cli.command) {
+    match run::dispatch(cli.command, cli.verbose) {
         Ok(code) => code,
         Err(error) => {
             eprintln!("tern: error: {error:#}");
-            std::process::ExitCode::from(2)
+            std::process::ExitCode::from(run::exit_code(&error))
         }
     }
 }

@@ -425,7 +425,8 @@ pub fn print_summary(stats: &MigrationStats, extra: &[(&str, String)]) {
                 (
                     "compression",
                     format!(
-                        "{name}: {} of {} pages compressed, ratio {:.2}, {} skipped by sampling, {:.2} CPU s ({} switches)",
+                        "{name}{}: {} of {} pages compressed, ratio {:.2}, {} skipped by sampling, {:.2} CPU s ({} switches)",
+                        report.level.map_or(String::new(), |level| format!(" level {level}")),
                         codec.compressed,
                         codec.pages,
                         codec.ratio,

@@ -13,14 +13,81 @@ use tern_synthetic::SyntheticGuest;
 use crate::cli::{Command, DemoArgs, MigrateArgs, ReceiveArgs};
 use crate::report::{Progress, print_json, print_summary};
 
-pub fn dispatch(command: Command) -> anyhow::Result<ExitCode> {
+pub fn dispatch(command: Command, verbose: bool) -> anyhow::Result<ExitCode> {
     match command {
-        Command::Demo(args) => demo(&args),
-        Command::Migrate(args) => migrate(&args),
+        Command::Demo(args) => demo(&args, verbose),
+        Command::Migrate(args) => migrate(&args, verbose),
         Command::Receive(args) => receive(&args),
         Command::Bench(command) => crate::bench::run(command),
-        Command::Vm(command) => crate::vm::run(command),
+        Command::Vm(command) => crate::vm::run(command, verbose),
+        Command::Completions(args) => {
+            use clap::CommandFactory;
+            clap_complete::generate(
+                args.shell,
+                &mut crate::cli::Cli::command(),
+                "tern",
+                &mut std::io::stdout(),
+            );
+            Ok(ExitCode::SUCCESS)
+        }
     }
+}
+
+/// A migration that started and did not complete, with what became of the
+/// guest. `tern` exits with 1 for it, or with 128 + the signal that
+/// cancelled it; any other error is a usage or setup error (2).
+#[derive(Debug)]
+pub struct Incomplete(pub String);
+
+impl std::fmt::Display for Incomplete {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl Incomplete {
+    /// A failed or cancelled migration whose cause is `error`.
+    pub fn error(error: impl Into<anyhow::Error>, what: impl Into<String>) -> anyhow::Error {
+        error.into().context(Self(what.into()))
+    }
+}
+
+/// The exit status for an error: see [`Incomplete`] and docs/cli.md.
+pub fn exit_code(error: &anyhow::Error) -> u8 {
+    if error.downcast_ref::<Incomplete>().is_none() {
+        2
+    } else if let Some(signal) = interrupted_by() {
+        128 + signal as u8
+    } else {
+        1
+    }
+}
+
+/// Refuses a guest that this machine cannot hold: better a clear error now
+/// than the OOM killer minutes later. `need` is the memory the command
+/// will touch; `what` says why, for the message.
+pub fn check_memory_fits(need: u64, what: &str) -> anyhow::Result<()> {
+    let Some(available) = memory_available() else {
+        return Ok(());
+    };
+    anyhow::ensure!(
+        need <= available,
+        "{what} needs about {} of RAM, but this machine has {} available (MemAvailable in \
+         /proc/meminfo)",
+        crate::units::human_bytes(need),
+        crate::units::human_bytes(available)
+    );
+    Ok(())
+}
+
+/// MemAvailable from /proc/meminfo, in bytes.
+fn memory_available() -> Option<u64> {
+    let meminfo = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let line = meminfo
+        .lines()
+        .find(|line| line.starts_with("MemAvailable:"))?;
+    let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kib * 1024)
 }
 
 /// The demo's JSON document: the source's statistics (with the
@@ -38,6 +105,11 @@ struct DemoReport {
 
 /// Builds a destination guest of the layout the source announces.
 pub fn destination_guest(setup: &tern_wire::SessionSetup) -> Result<SyntheticGuest, GuestError> {
+    check_memory_fits(
+        setup.total_bytes(),
+        &format!("a {} guest", crate::units::human_bytes(setup.total_bytes())),
+    )
+    .map_err(|error| GuestError::new(error.to_string()))?;
     let lens: Vec<u64> = setup.regions.iter().map(|region| region.len).collect();
     SyntheticGuest::empty(&lens)
         .map_err(|error| GuestError::with_source("cannot create the destination guest", error))
@@ -88,8 +160,16 @@ pub fn guest_keeps_running(guest: &SyntheticGuest, within: Duration) -> bool {
     false
 }
 
-fn demo(args: &DemoArgs) -> anyhow::Result<ExitCode> {
+fn demo(args: &DemoArgs, verbose: bool) -> anyhow::Result<ExitCode> {
     let config = args.transfer.migration_config()?;
+    args.guest.check()?;
+    check_memory_fits(
+        2 * args.guest.resident_estimate(),
+        &format!(
+            "--memory {} with both ends of the demo in this process",
+            crate::units::human_bytes(args.guest.memory)
+        ),
+    )?;
     let source = Source::new(config.clone())?;
     let temp_dir;
     let listen = if args.unix {
@@ -123,11 +203,13 @@ fn demo(args: &DemoArgs) -> anyhow::Result<ExitCode> {
             config.channels
         );
     }
+    let cancel = source.cancel_token();
+    install_interrupt_handler(move || cancel.cancel());
     let progress = Progress::start(source.stats());
     let result = source.migrate(&mut guest, &address);
     progress.finish();
     let received = destination.finish(result.is_ok());
-    let stats = match (result, received) {
+    match (result, received) {
         (Ok(stats), Ok(received)) => {
             let running = guest_keeps_running(&received.guest, Duration::from_secs(2))
                 || args.guest.dirty_rate == 0;
@@ -155,31 +237,46 @@ fn demo(args: &DemoArgs) -> anyhow::Result<ExitCode> {
                     ],
                 );
             }
-            return Ok(ExitCode::SUCCESS);
+            Ok(ExitCode::SUCCESS)
         }
         (Err(failure), destination) => {
+            // The source's error names the cause; the destination's is
+            // mostly the same failure seen from the other end.
             if let Err(error) = destination {
-                eprintln!("tern: destination: {error:#}");
+                tracing::debug!("destination: {error:#}");
             }
-            *failure.stats
+            report_failure(&failure.stats, args.json, verbose)?;
+            Err(Incomplete::error(
+                failure.error,
+                "the migration did not complete; the source guest runs on",
+            ))
         }
-        (Ok(_), Err(error)) => return Err(error),
-    };
-    report_failure(&stats, args.json)
+        (Ok(_), Err(error)) => Err(Incomplete::error(
+            error,
+            "the source finished but the destination did not",
+        )),
+    }
 }
 
-fn report_failure(stats: &MigrationStats, json: bool) -> anyhow::Result<ExitCode> {
+/// The statistics of a failed migration: the JSON document with `--json`
+/// (scripts read `status` and `error`), the table only with `-v`; the cause
+/// itself is the one `tern: error:` line.
+pub fn report_failure(stats: &MigrationStats, json: bool, verbose: bool) -> anyhow::Result<()> {
     if json {
         print_json(stats)?;
-    } else {
+    } else if verbose {
         print_summary(stats, &[]);
-        eprintln!("tern: the migration did not complete; the source guest runs on");
     }
-    Ok(ExitCode::from(1))
+    Ok(())
 }
 
-fn migrate(args: &MigrateArgs) -> anyhow::Result<ExitCode> {
+fn migrate(args: &MigrateArgs, verbose: bool) -> anyhow::Result<ExitCode> {
     let config = args.transfer.migration_config()?;
+    args.guest.check()?;
+    check_memory_fits(
+        args.guest.resident_estimate(),
+        &format!("--memory {}", crate::units::human_bytes(args.guest.memory)),
+    )?;
     let source = Source::new(config)?;
     let mut guest = fill_guest(&args.guest)?;
     let cancel = source.cancel_token();
@@ -196,7 +293,13 @@ fn migrate(args: &MigrateArgs) -> anyhow::Result<ExitCode> {
             }
             Ok(ExitCode::SUCCESS)
         }
-        Err(failure) => report_failure(&failure.stats, args.json),
+        Err(failure) => {
+            report_failure(&failure.stats, args.json, verbose)?;
+            Err(Incomplete::error(
+                failure.error,
+                "the migration did not complete; the source guest runs on",
+            ))
+        }
     }
 }
 
@@ -211,14 +314,16 @@ fn fill_guest(args: &crate::cli::GuestArgs) -> anyhow::Result<SyntheticGuest> {
 
 fn receive(args: &ReceiveArgs) -> anyhow::Result<ExitCode> {
     let (listener, config) = args.listen.bind()?;
-    crate::report::print_listening(&listener.local_address()?)?;
+    // The handler before the ready event: a script may signal it from then on.
     let destination = Destination::new(config);
     let cancel = destination.cancel_token();
     install_interrupt_handler(move || cancel.cancel());
+    crate::report::print_listening(&listener.local_address()?)?;
     let progress = Progress::receiving(destination.stats());
     let received = destination.receive(&listener, destination_guest);
     progress.finish();
-    let received = received.context("the incoming migration failed")?;
+    let received = received
+        .map_err(|error| Incomplete::error(error, "the incoming migration did not complete"))?;
     let running = guest_keeps_running(&received.guest, Duration::from_millis(args.run_after));
     #[derive(Serialize)]
     #[serde(rename_all = "kebab-case")]
@@ -257,13 +362,31 @@ fn receive(args: &ReceiveArgs) -> anyhow::Result<ExitCode> {
     Ok(ExitCode::SUCCESS)
 }
 
+/// The first SIGINT or SIGTERM received, once a handler is installed.
+static INTERRUPTED_BY: std::sync::atomic::AtomicI32 = std::sync::atomic::AtomicI32::new(0);
+
+/// The signal that interrupted the command, if one did.
+pub fn interrupted_by() -> Option<i32> {
+    match INTERRUPTED_BY.load(std::sync::atomic::Ordering::Relaxed) {
+        0 => None,
+        signal => Some(signal),
+    }
+}
+
 /// Runs `on_interrupt` once on SIGINT or SIGTERM, from a thread of its own
-/// (the handler itself only writes to a pipe).
+/// (the handler itself only records the signal and writes to a pipe).
 pub fn install_interrupt_handler(on_interrupt: impl FnOnce() + Send + 'static) {
     use std::io::Read;
     use std::os::fd::FromRawFd;
     static WRITE_FD: std::sync::atomic::AtomicI32 = std::sync::atomic::AtomicI32::new(-1);
-    extern "C" fn handler(_: libc::c_int) {
+    extern "C" fn handler(signal: libc::c_int) {
+        // Lock-free atomics are async-signal-safe.
+        let _ = INTERRUPTED_BY.compare_exchange(
+            0,
+            signal,
+            std::sync::atomic::Ordering::Relaxed,
+            std::sync::atomic::Ordering::Relaxed,
+        );
         let fd = WRITE_FD.load(std::sync::atomic::Ordering::Relaxed);
         if fd >= 0 {
             // SAFETY: write(2) is async-signal-safe; the buffer is a static byte.

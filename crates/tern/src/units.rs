@@ -32,10 +32,20 @@ pub fn parse_size(text: &str) -> Result<u64, String> {
 }
 
 /// Parses a rate in bytes per second: a size, optionally followed by `/s`.
-/// Bit rates are accepted with a `bit` unit: `1Gbit`, `100Mbit/s`.
+/// Bit rates (decimal) are accepted with a `bit` or `bps` unit: `1Gbit`,
+/// `100Mbit/s`, `10Gbps`, `500Kbps`.
 pub fn parse_rate(text: &str) -> Result<u64, String> {
     let text = text.trim().trim_end_matches("/s");
-    for (suffix, bits) in [("Gbit", 1e9), ("Mbit", 1e6), ("Kbit", 1e3)] {
+    for (suffix, bits) in [
+        ("Gbit", 1e9),
+        ("Mbit", 1e6),
+        ("Kbit", 1e3),
+        ("kbit", 1e3),
+        ("Gbps", 1e9),
+        ("Mbps", 1e6),
+        ("Kbps", 1e3),
+        ("kbps", 1e3),
+    ] {
         if let Some(number) = text.strip_suffix(suffix) {
             let value: f64 = number
                 .trim()
@@ -82,6 +92,11 @@ mod tests {
     fn rates() {
         assert_eq!(parse_rate("1Gbit"), Ok(125_000_000));
         assert_eq!(parse_rate("100MiB/s"), Ok(100 << 20));
+        assert_eq!(parse_rate("1Gbps"), Ok(125_000_000));
+        assert_eq!(parse_rate("100Mbps"), Ok(12_500_000));
+        assert_eq!(parse_rate("8Kbps"), Ok(1000));
+        assert_eq!(parse_rate("8kbit/s"), Ok(1000));
+        assert!(parse_rate("fastGbps").is_err());
         assert_eq!(human_bytes(3 << 30), "3.00 GiB");
     }
 }

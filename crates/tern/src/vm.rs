@@ -66,6 +66,12 @@ impl VmArgs {
         let pages = u32::try_from(self.working_set / tern_engine::PAGE_SIZE as u64)
             .context("--working-set is too large")?;
         anyhow::ensure!(pages > 0, "--working-set must be at least one page");
+        anyhow::ensure!(
+            self.working_set <= self.memory,
+            "--working-set {} is larger than --memory {}",
+            human_bytes(self.working_set),
+            human_bytes(self.memory)
+        );
         Ok(VmConfig {
             memory_bytes: self.memory,
             working_set_pages: pages,
@@ -73,8 +79,20 @@ impl VmArgs {
         })
     }
 
-    fn start(&self) -> anyhow::Result<KvmGuest> {
-        KvmGuest::new(&self.config()?).context("cannot start the KVM guest")
+    /// Starts the guest; `ends` is how many copies of its memory this
+    /// process will hold (2 when the destination runs here too).
+    fn start(&self, ends: u64) -> anyhow::Result<KvmGuest> {
+        let config = self.config()?;
+        let what = if ends > 1 {
+            format!(
+                "--memory {} with both ends in this process",
+                human_bytes(self.memory)
+            )
+        } else {
+            format!("--memory {}", human_bytes(self.memory))
+        };
+        crate::run::check_memory_fits(ends * self.memory, &what)?;
+        KvmGuest::new(&config).context("cannot start the KVM guest")
     }
 }
 
@@ -92,8 +110,9 @@ pub struct RunArgs {
 
 #[derive(Debug, Args)]
 pub struct MigrateArgs {
-    /// Destination: HOST:PORT, tcp:HOST:PORT or unix:PATH.
-    #[arg(long, value_parser = parse_address)]
+    /// Destination: HOST:PORT, tcp:HOST:PORT, tcp::PORT (this machine) or
+    /// unix:PATH.
+    #[arg(long, value_parser = crate::cli::parse_address)]
     pub to: Address,
     #[command(flatten)]
     pub vm: VmArgs,
@@ -144,16 +163,12 @@ pub struct DemoArgs {
     pub json: bool,
 }
 
-fn parse_address(text: &str) -> Result<Address, String> {
-    text.parse()
-}
-
-pub fn run(command: VmCommand) -> anyhow::Result<ExitCode> {
+pub fn run(command: VmCommand, verbose: bool) -> anyhow::Result<ExitCode> {
     match command {
         VmCommand::Run(args) => run_guest(&args),
-        VmCommand::Migrate(args) => migrate(&args),
+        VmCommand::Migrate(args) => migrate(&args, verbose),
         VmCommand::Receive(args) => receive(&args),
-        VmCommand::Demo(args) => demo(&args),
+        VmCommand::Demo(args) => demo(&args, verbose),
         VmCommand::ExportGuest(args) => export_guest(&args),
     }
 }
@@ -323,11 +338,17 @@ impl DestinationProof {
 
 /// Builds the destination VM now, before the source connects (VM creation
 /// can take a long time on a loaded host, docs/vmm.md), and returns the
-/// `make_guest` step that only adds the memory the source announces.
+/// `make_guest` step that checks the announced size and only adds the
+/// memory the source announces.
 fn prepare_destination()
 -> anyhow::Result<impl FnOnce(&tern_wire::SessionSetup) -> Result<KvmGuest, GuestError>> {
     let vm = DestinationVm::new().context("cannot create the destination VM")?;
     Ok(move |setup: &tern_wire::SessionSetup| {
+        crate::run::check_memory_fits(
+            setup.total_bytes(),
+            &format!("a {} guest", human_bytes(setup.total_bytes())),
+        )
+        .map_err(|error| GuestError::new(error.to_string()))?;
         let lens: Vec<u64> = setup.regions.iter().map(|region| region.len).collect();
         vm.with_memory(&lens)
             .map_err(|error| GuestError::with_source("cannot create the destination VM", error))
@@ -339,7 +360,7 @@ fn run_guest(args: &RunArgs) -> anyhow::Result<ExitCode> {
         args.seconds.is_finite() && args.seconds > 0.0,
         "--seconds must be a positive number"
     );
-    let mut guest = args.vm.start()?;
+    let mut guest = args.vm.start(1)?;
     let pages = guest.working_set_pages();
     if !args.json {
         eprintln!(
@@ -439,10 +460,20 @@ struct SourceReport {
     source_guest_runs: Option<bool>,
 }
 
-fn migrate(args: &MigrateArgs) -> anyhow::Result<ExitCode> {
+/// What became of the source guest after a failed migration, for the one
+/// error line.
+fn source_guest_after_failure(runs: bool, paused: bool) -> &'static str {
+    match (runs, paused) {
+        (true, _) => "the migration did not complete; the source guest runs on",
+        (false, true) => "the migration did not complete; the source guest stays paused",
+        (false, false) => "the migration did not complete; the source guest does not run",
+    }
+}
+
+fn migrate(args: &MigrateArgs, verbose: bool) -> anyhow::Result<ExitCode> {
     let config = args.transfer.migration_config()?;
     let source = Source::new(config)?;
-    let mut guest = args.vm.start()?;
+    let mut guest = args.vm.start(1)?;
     let rate = measure(&guest, Duration::from_millis(args.warmup));
     if args.paused {
         guest.pause().context("cannot pause the guest")?;
@@ -458,12 +489,13 @@ fn migrate(args: &MigrateArgs) -> anyhow::Result<ExitCode> {
     let progress = Progress::start(source.stats());
     let result = source.migrate(&mut guest, &args.to);
     progress.finish();
-    let (stats, runs, code) = match result {
-        Ok(stats) => (stats, None, ExitCode::SUCCESS),
+    let (stats, runs, error) = match result {
+        Ok(stats) => (stats, None, None),
         Err(failure) => {
             let before = guest.pass_count();
-            let runs = guest.wait_for_pass_count_above(before, Duration::from_secs(5));
-            (*failure.stats, Some(runs), ExitCode::from(1))
+            let runs =
+                !args.paused && guest.wait_for_pass_count_above(before, Duration::from_secs(5));
+            (*failure.stats, Some(runs), Some(failure.error))
         }
     };
     let report = SourceReport {
@@ -474,7 +506,7 @@ fn migrate(args: &MigrateArgs) -> anyhow::Result<ExitCode> {
     };
     if args.json {
         print_json(&report)?;
-    } else {
+    } else if error.is_none() || verbose {
         let mut rows = vec![
             ("source pass count", report.source_pass_count.to_string()),
             guest_write_rate_row(&report.guest_before_migration),
@@ -484,14 +516,23 @@ fn migrate(args: &MigrateArgs) -> anyhow::Result<ExitCode> {
         }
         print_summary(&report.stats, &rows);
     }
-    Ok(code)
+    match error {
+        None => Ok(ExitCode::SUCCESS),
+        Some(error) => Err(crate::run::Incomplete::error(
+            error,
+            source_guest_after_failure(runs == Some(true), args.paused),
+        )),
+    }
 }
 
 fn receive(args: &ReceiveArgs) -> anyhow::Result<ExitCode> {
     let (listener, config) = args.listen.bind()?;
     let make_destination = prepare_destination()?;
-    crate::report::print_listening(&listener.local_address()?)?;
+    // The handler before the ready event: a script may signal it from then on.
     let destination = Destination::new(config);
+    let cancel = destination.cancel_token();
+    crate::run::install_interrupt_handler(move || cancel.cancel());
+    crate::report::print_listening(&listener.local_address()?)?;
     let progress = Progress::receiving(destination.stats());
     let received = destination.receive(&listener, make_destination);
     progress.finish();
@@ -500,7 +541,9 @@ fn receive(args: &ReceiveArgs) -> anyhow::Result<ExitCode> {
         stats,
         setup,
         ..
-    } = received.context("the incoming migration failed")?;
+    } = received.map_err(|error| {
+        crate::run::Incomplete::error(error, "the incoming migration did not complete")
+    })?;
     let proof = prove_on_destination(&mut guest, Duration::from_millis(args.run_after))?;
     #[derive(Serialize)]
     #[serde(rename_all = "kebab-case")]
@@ -556,13 +599,13 @@ struct DemoReport {
     channels: u16,
 }
 
-fn demo(args: &DemoArgs) -> anyhow::Result<ExitCode> {
+fn demo(args: &DemoArgs, verbose: bool) -> anyhow::Result<ExitCode> {
     let config = args.transfer.migration_config()?;
     let source = Source::new(config.clone())?;
     let listener = Listener::bind(&Address::Tcp("127.0.0.1:0".into()))
         .context("cannot listen on 127.0.0.1")?;
     let address = listener.local_address()?;
-    let mut guest = args.vm.start()?;
+    let mut guest = args.vm.start(2)?;
     let rate = measure(&guest, Duration::from_millis(args.warmup));
     if !args.json {
         eprintln!(
@@ -582,6 +625,8 @@ fn demo(args: &DemoArgs) -> anyhow::Result<ExitCode> {
         .receive(&listener, make_destination)
         .context("the destination failed")
     });
+    let cancel = source.cancel_token();
+    crate::run::install_interrupt_handler(move || cancel.cancel());
     let progress = Progress::start(source.stats());
     let result = source.migrate(&mut guest, &address);
     progress.finish();
@@ -617,8 +662,10 @@ fn demo(args: &DemoArgs) -> anyhow::Result<ExitCode> {
             })
         }
         (Err(failure), destination) => {
+            // The source's error names the cause; the destination's is
+            // mostly the same failure seen from the other end.
             if let Err(error) = destination {
-                eprintln!("tern: destination: {error:#}");
+                tracing::debug!("destination: {error:#}");
             }
             let before = guest.pass_count();
             let runs = guest.wait_for_pass_count_above(before, Duration::from_secs(5));
@@ -630,12 +677,18 @@ fn demo(args: &DemoArgs) -> anyhow::Result<ExitCode> {
             };
             if args.json {
                 print_json(&report)?;
-            } else {
-                print_summary(&report.stats, &[("source guest runs on", runs.to_string())]);
+            } else if verbose {
+                print_summary(&report.stats, &[]);
             }
-            Ok(ExitCode::from(1))
+            Err(crate::run::Incomplete::error(
+                failure.error,
+                source_guest_after_failure(runs, false),
+            ))
         }
-        (Ok(_), Err(error)) => Err(error),
+        (Ok(_), Err(error)) => Err(crate::run::Incomplete::error(
+            error,
+            "the source finished but the destination did not",
+        )),
     }
 }
 

@@ -129,7 +129,7 @@ fn bad_options_are_clear_errors() {
         .output()
         .unwrap();
     assert_eq!(output.status.code(), Some(2));
-    assert!(String::from_utf8_lossy(&output.stderr).contains("--channels 0"));
+    assert!(String::from_utf8_lossy(&output.stderr).contains("out of range (1..=64)"));
     let output = tern()
         .args([
             "migrate",
@@ -150,6 +150,189 @@ fn bad_options_are_clear_errors() {
             .unwrap()
             .contains("Cannot connect")
     );
+}
+
+/// stderr's lines, for tests that count them.
+fn stderr_lines(output: &std::process::Output) -> Vec<String> {
+    String::from_utf8_lossy(&output.stderr)
+        .lines()
+        .map(str::to_string)
+        .collect()
+}
+
+#[test]
+fn setup_errors_exit_2_with_one_line() {
+    for args in [
+        &["demo", "--memory", "64MiB", "--working-set", "4GiB"][..],
+        &["demo", "--memory", "1000TiB"],
+        &["migrate", "--to", "tcp::1", "--memory", "1000TiB"],
+    ] {
+        let output = tern().args(args).output().unwrap();
+        assert_eq!(output.status.code(), Some(2), "{args:?}: {output:?}");
+        let lines = stderr_lines(&output);
+        assert_eq!(lines.len(), 1, "{args:?}: {lines:?}");
+        assert!(lines[0].starts_with("tern: error: "), "{lines:?}");
+        assert!(output.stdout.is_empty(), "{args:?}: {output:?}");
+    }
+    let output = tern()
+        .args(["demo", "--memory", "1000TiB"])
+        .output()
+        .unwrap();
+    let line = &stderr_lines(&output)[0];
+    assert!(
+        line.contains("both ends") && line.contains("available"),
+        "{line}"
+    );
+}
+
+#[test]
+fn a_failed_migration_is_one_line_and_exit_1() {
+    let args = [
+        "migrate",
+        "--to",
+        "unix:/nonexistent/dir/sock",
+        "--memory",
+        "4MiB",
+        "--connect-timeout",
+        "1",
+    ];
+    let output = tern().args(args).output().unwrap();
+    assert_eq!(output.status.code(), Some(1), "{output:?}");
+    assert!(output.stdout.is_empty(), "no table on failure: {output:?}");
+    let lines = stderr_lines(&output);
+    assert_eq!(lines.len(), 1, "{lines:?}");
+    assert!(
+        lines[0]
+            .starts_with("tern: error: the migration did not complete; the source guest runs on: ")
+            && lines[0].contains("Cannot connect"),
+        "{lines:?}"
+    );
+    assert!(!lines[0].contains('\x1b'), "colour on a pipe: {lines:?}");
+    let verbose = tern().args(args).arg("-v").output().unwrap();
+    assert_eq!(verbose.status.code(), Some(1));
+    assert!(
+        String::from_utf8_lossy(&verbose.stdout).contains("status  failed"),
+        "-v prints the table: {verbose:?}"
+    );
+}
+
+#[test]
+fn colour_only_when_asked_off_a_terminal() {
+    let run = |extra: &[&str]| {
+        tern()
+            .args(["-v", "demo", "--memory", "4MiB", "--dirty-rate", "0"])
+            .args(extra)
+            .env_remove("RUST_LOG")
+            .output()
+            .unwrap()
+    };
+    let plain = run(&[]);
+    assert!(plain.status.success(), "{plain:?}");
+    assert!(!plain.stderr.is_empty(), "-v logs nothing: {plain:?}");
+    assert!(!plain.stderr.contains(&0x1b), "{plain:?}");
+    let coloured = run(&["--color", "always"]);
+    assert!(coloured.stderr.contains(&0x1b), "{coloured:?}");
+}
+
+#[test]
+fn qemu_spellings_migrate() {
+    let receiver = Receiver::spawn_at(&["receive"], "tcp::0", &["--json", "--progress", "none"]);
+    let port = receiver.port();
+    let output = tern()
+        .args(["migrate", "--json", "--to", &format!("tcp::{port}")])
+        .args(["--connect-timeout", "60"])
+        .args(["--memory", "16MiB", "--dirty-rate", "0"])
+        .args([
+            "--zero-page-detection",
+            "multifd",
+            "--max-bandwidth",
+            "10Gbps",
+        ])
+        .args(["--compression", "zstd", "--compression-level", "99"])
+        .args(["--auto-converge", "off", "--cpu-throttle-initial", "30"])
+        .output()
+        .unwrap();
+    assert!(output.status.success(), "{output:?}");
+    let report = json(&output);
+    assert_eq!(report["status"], "completed");
+    assert_eq!(report["compression"]["level"], 22, "the level in force");
+    let warning = String::from_utf8_lossy(&output.stderr);
+    assert!(warning.contains("so 22"), "{warning}");
+    let (status, _, stderr) = receiver.finish();
+    assert!(status.success(), "{status}: {stderr}");
+}
+
+#[test]
+fn sigint_cancels_and_exits_130() {
+    let Receiver {
+        child: mut receiver,
+        address,
+        ..
+    } = Receiver::spawn(&["receive"], &["--progress", "none"]);
+    // A slow link keeps the migration running until the signal comes.
+    let migrate = tern()
+        .args(["migrate", "--json", "--to", &address])
+        .args([
+            "--memory",
+            "64MiB",
+            "--mix",
+            "0:100:0",
+            "--max-bandwidth",
+            "1MiB",
+        ])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    wait_for_open_connection(&address, migrate.id());
+    send_signal(&migrate, libc::SIGINT);
+    let output = migrate.wait_with_output().unwrap();
+    assert_eq!(output.status.code(), Some(130), "{output:?}");
+    assert_eq!(json(&output)["status"], "cancelled");
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert_eq!(
+        stderr.matches("tern: error:").count(),
+        1,
+        "one error line: {stderr}"
+    );
+    let received = receiver.wait().unwrap();
+    assert_eq!(received.code(), Some(1), "the receiver saw the cancel");
+    let _ = receiver.kill();
+}
+
+/// Waits until process `pid` holds an established TCP connection to
+/// `address`: the migration is under way.
+fn wait_for_open_connection(address: &str, pid: u32) {
+    let port = address.rsplit_once(':').unwrap().1.parse::<u16>().unwrap();
+    let remote = format!(":{port:04X} ");
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let sockets = std::fs::read_to_string(format!("/proc/{pid}/net/tcp")).unwrap_or_default();
+        // Column 3 is the remote address, column 4 the state (01:
+        // established).
+        let connected = sockets.lines().skip(1).any(|line| {
+            let fields: Vec<&str> = line.split_whitespace().collect();
+            fields.len() > 3 && format!("{} ", fields[2]).ends_with(&remote) && fields[3] == "01"
+        });
+        if connected {
+            return;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "tern migrate did not connect to {address} within 60 s"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+#[test]
+fn completions_are_printed_for_each_shell() {
+    for shell in ["bash", "zsh", "fish"] {
+        let output = tern().args(["completions", shell]).output().unwrap();
+        assert!(output.status.success(), "{output:?}");
+        let script = String::from_utf8_lossy(&output.stdout);
+        assert!(script.contains("zero-page-detection"), "{shell}: {script}");
+    }
 }
 
 #[test]
@@ -221,4 +404,30 @@ fn plain_progress_writes_lines_on_stderr() {
     );
     // No bar escape codes off a terminal.
     assert!(!source_stderr.contains('\u{1b}'), "{source_stderr}");
+}
+
+#[test]
+fn sigterm_cancels_a_waiting_receiver_with_143() {
+    // The ready event comes after the signal handler is installed.
+    let receiver = Receiver::spawn(&["receive"], &["--progress", "none"]);
+    send_signal(&receiver.child, libc::SIGTERM);
+    let (status, _, stderr) = receiver.finish();
+    assert_eq!(status.code(), Some(143), "{status:?}: {stderr}");
+    assert_eq!(
+        stderr
+            .lines()
+            .filter(|line| line.starts_with("tern: error:"))
+            .count(),
+        1,
+        "{stderr}"
+    );
+}
+
+/// Sends `signal` to a running child.
+fn send_signal(child: &std::process::Child, signal: libc::c_int) {
+    let pid = libc::pid_t::try_from(child.id()).unwrap();
+    // SAFETY: kill(2) on a child we spawned and have not reaped, so the pid
+    // is still ours.
+    let sent = unsafe { libc::kill(pid, signal) };
+    assert_eq!(sent, 0, "kill: {}", std::io::Error::last_os_error());
 }

@@ -74,6 +74,13 @@ pub enum CodecError {
     /// A name that is not a codec.
     #[error("unknown codec {0:?} (expected none, zstd, deflate, lz4, qpl or auto)")]
     UnknownCodec(String),
+    /// `zlib`, QEMU's multifd compression, which tern does not speak.
+    #[error(
+        "zlib is not a tern codec: QEMU's multifd zlib is one zlib stream per channel, tern \
+         compresses each page on its own; use deflate (raw deflate per page, 4 KiB window) \
+         or zstd"
+    )]
+    Zlib,
     /// A wire codec byte that is not a codec.
     #[error("unknown codec id {0} on the wire")]
     UnknownCodecId(u8),
@@ -310,6 +317,7 @@ impl FromStr for CodecChoice {
             "lz4" => Ok(CodecChoice::Lz4),
             "qpl" => Ok(CodecChoice::Qpl),
             "auto" => Ok(CodecChoice::Auto),
+            "zlib" => Err(CodecError::Zlib),
             _ => Err(CodecError::UnknownCodec(s.to_owned())),
         }
     }

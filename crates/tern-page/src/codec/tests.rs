@@ -396,6 +396,8 @@ fn names_and_wire_ids() {
     assert_eq!(CodecChoice::Qpl.wire(), Some(CodecId::Deflate));
     assert_eq!(CodecChoice::Auto.wire(), None);
     assert!("brotli".parse::<CodecChoice>().is_err());
+    let zlib = "zlib".parse::<CodecChoice>().unwrap_err().to_string();
+    assert!(zlib.contains("use deflate"), "{zlib}");
     assert_eq!("ZSTD".parse::<CodecId>().unwrap().to_wire(), 1);
 }
 

@@ -42,10 +42,15 @@ impl Receiver {
     /// Runs `tern <command…> --listen 127.0.0.1:0 <extra…>` and waits for its
     /// ready event, the first line of its stdout.
     pub fn spawn(command: &[&str], extra: &[&str]) -> Self {
+        Self::spawn_at(command, "127.0.0.1:0", extra)
+    }
+
+    /// [`Receiver::spawn`] listening on `listen`.
+    pub fn spawn_at(command: &[&str], listen: &str, extra: &[&str]) -> Self {
         use std::io::BufRead;
         let mut child = tern()
             .args(command)
-            .args(["--listen", "127.0.0.1:0"])
+            .args(["--listen", listen])
             .args(extra)
             .stdout(std::process::Stdio::piped())
             .stderr(std::process::Stdio::piped())
@@ -65,6 +70,12 @@ impl Receiver {
             address,
             stdout,
         }
+    }
+
+    /// The bound TCP port, from the event's address.
+    pub fn port(&self) -> u16 {
+        let (_, port) = self.address.rsplit_once(':').expect("a TCP address");
+        port.parse().expect("a port number")
     }
 
     /// Waits for the receiver to exit: its status, the rest of its stdout,

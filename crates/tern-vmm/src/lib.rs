@@ -25,7 +25,7 @@ pub mod state;
 pub mod vcpu;
 mod vm;
 
-pub use vm::{ConsistencyReport, KvmGuest, MAX_MEMORY, VmConfig, check_working_set};
+pub use vm::{ConsistencyReport, GUEST_KIND, KvmGuest, MAX_MEMORY, VmConfig, check_working_set};
 
 use std::path::Path;
 

@@ -100,6 +100,7 @@ fn demo(args: &DemoArgs) -> anyhow::Result<ExitCode> {
     };
     let listener = Listener::bind(&listen).with_context(|| format!("cannot listen on {listen}"))?;
     let address = listener.local_address()?;
+    check_destination(&config, &address)?;
     if !args.json {
         eprintln!(
             "tern demo: filling a {} guest ({}% zero, {}% random, {}% text pages)...",
@@ -179,8 +180,29 @@ fn report_failure(stats: &MigrationStats, json: bool) -> anyhow::Result<ExitCode
     Ok(ExitCode::from(1))
 }
 
+/// Checks the options against the destination's transport before anything
+/// is built or connected, naming the command-line option for the engine's
+/// config field.
+pub fn check_destination(
+    config: &tern_engine::MigrationConfig,
+    to: &Address,
+) -> anyhow::Result<()> {
+    config.check_address(to).map_err(|error| match error {
+        tern_engine::MigrationError::UnsupportedTransport {
+            field,
+            address,
+            reason,
+        } => anyhow::anyhow!(
+            "--{} cannot be used with {address}: {reason}",
+            field.replace('_', "-")
+        ),
+        other => other.into(),
+    })
+}
+
 fn migrate(args: &MigrateArgs) -> anyhow::Result<ExitCode> {
     let config = args.transfer.migration_config()?;
+    check_destination(&config, &args.to)?;
     let source = Source::new(config)?;
     let mut guest = SyntheticGuest::new(&args.guest.synthetic_config())
         .context("cannot create the synthetic guest")?;

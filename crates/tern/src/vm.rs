@@ -417,6 +417,7 @@ struct SourceReport {
 
 fn migrate(args: &MigrateArgs) -> anyhow::Result<ExitCode> {
     let config = args.transfer.migration_config()?;
+    crate::run::check_destination(&config, &args.to)?;
     let source = Source::new(config)?;
     let mut guest = args.vm.start()?;
     let rate = measure(&guest, Duration::from_millis(args.warmup));

@@ -169,3 +169,27 @@ fn receive_reports_an_unverified_migration_as_such() {
     assert!(received.status.success(), "{received:?}");
     assert_eq!(json(&received)["digest-verified"], false);
 }
+
+#[test]
+fn zero_copy_to_a_unix_socket_is_refused_before_connecting() {
+    // Nothing listens there: a source that tried to connect first would
+    // report that it cannot connect.
+    let output = tern()
+        .args([
+            "migrate",
+            "--zero-copy",
+            "--to",
+            "unix:/nonexistent/dir/sock",
+            "--memory",
+            "4MiB",
+        ])
+        .output()
+        .unwrap();
+    assert!(!output.status.success(), "{output:?}");
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(
+        stderr.contains("--zero-copy cannot be used with unix:/nonexistent/dir/sock"),
+        "{stderr}"
+    );
+    assert!(!stderr.contains("Cannot connect"), "{stderr}");
+}

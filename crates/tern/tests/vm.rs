@@ -172,3 +172,53 @@ fn vm_migrate_survives_a_killed_receiver() {
     assert_eq!(report["status"], "failed");
     assert_eq!(report["source-guest-runs"], true, "{report}");
 }
+
+#[test]
+fn vm_migrate_to_a_synthetic_receiver_is_refused_before_any_page_moves() {
+    if !kvm_available() {
+        return;
+    }
+    let port = free_port();
+    let mut destination = tern()
+        .args(["receive", "--listen", &format!("127.0.0.1:{port}")])
+        .args(["--accept-timeout", "30"])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut stderr = BufReader::new(destination.stderr.take().unwrap());
+    let mut line = String::new();
+    stderr.read_line(&mut line).unwrap();
+    assert!(line.contains("listening"), "{line}");
+    let source = tern()
+        .args([
+            "vm",
+            "migrate",
+            "--json",
+            "--to",
+            &format!("127.0.0.1:{port}"),
+            "--memory",
+            "64MiB",
+            "--warmup",
+            "100",
+        ])
+        .output()
+        .unwrap();
+    let status = destination.wait().unwrap();
+    let mut destination_said = String::new();
+    std::io::Read::read_to_string(&mut stderr, &mut destination_said).unwrap();
+    let expected = "the destination expects a synthetic guest, the source sends a kvm test guest";
+    assert!(!status.success(), "{destination_said}");
+    assert!(
+        destination_said.to_lowercase().contains(expected),
+        "{destination_said}"
+    );
+    assert!(!source.status.success(), "{source:?}");
+    let report = json(&source);
+    assert!(
+        report.to_string().to_lowercase().contains(expected),
+        "{report}"
+    );
+    assert_eq!(report["ram"]["transferred"], 0, "{report}");
+    assert_eq!(report["source-guest-runs"], true, "{report}");
+}

@@ -18,6 +18,7 @@ fuzz_target!(|data: &[u8]| {
             RegionInfo { id: 0, guest_addr: 0, len: 64 << 12 },
             RegionInfo { id: 1, guest_addr: 1 << 30, len: 8 << 12 },
         ],
+        guest_kind: "synthetic".into(),
     };
     let _ = decode_stream(data, Some(&setup));
 });

@@ -8,6 +8,7 @@ use tern_page::codec::{CodecChoice, QplPath};
 use tern_page::dsa::ZeroPageOffload;
 
 use crate::error::MigrationError;
+use crate::transport::Address;
 
 /// Who looks for zero pages.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -275,6 +276,21 @@ impl MigrationConfig {
         .map_err(MigrationError::Config)?;
         Ok(())
     }
+
+    /// Rejects settings the transport to `address` cannot carry, before
+    /// anything connects: [`crate::Source::migrate`] calls it first, and a
+    /// front end may call it earlier still (before building its guest).
+    pub fn check_address(&self, address: &Address) -> Result<(), MigrationError> {
+        if self.zero_copy && matches!(address, Address::Unix(_)) {
+            return Err(MigrationError::UnsupportedTransport {
+                field: "zero_copy",
+                address: address.to_string(),
+                reason: "zero-copy sends (MSG_ZEROCOPY, io_uring SENDMSG_ZC) need TCP; \
+                         a Unix socket copies either way",
+            });
+        }
+        Ok(())
+    }
 }
 
 /// Destination-side settings.
@@ -338,5 +354,37 @@ mod tests {
         assert_eq!("legacy".parse(), Ok(ZeroPageDetection::Source));
         assert_eq!("multifd".parse(), Ok(ZeroPageDetection::Workers));
         assert_eq!("switch-over".parse(), Ok(LimitPolicy::SwitchOver));
+    }
+
+    #[test]
+    fn zero_copy_is_refused_for_a_unix_destination_naming_the_field() {
+        let config = MigrationConfig {
+            zero_copy: true,
+            ..Default::default()
+        };
+        let unix = Address::Unix("/tmp/tern.sock".into());
+        let error = config.check_address(&unix).unwrap_err();
+        assert!(
+            matches!(
+                error,
+                MigrationError::UnsupportedTransport {
+                    field: "zero_copy",
+                    ..
+                }
+            ),
+            "{error:?}"
+        );
+        let message = error.to_string();
+        assert!(
+            message.contains("zero_copy") && message.contains("unix:/tmp/tern.sock"),
+            "{message}"
+        );
+        assert!(!message.contains("--"), "names a CLI flag: {message}");
+        assert!(
+            config
+                .check_address(&Address::Tcp("127.0.0.1:4444".into()))
+                .is_ok()
+        );
+        assert!(MigrationConfig::default().check_address(&unix).is_ok());
     }
 }

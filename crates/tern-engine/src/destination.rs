@@ -240,6 +240,7 @@ impl Destination {
         let session_id = hello.handshake.session_id;
         let codecs = announced_codecs(setup.codecs)?;
         let mut guest = make_guest(&setup).map_err(MigrationError::guest("create guest"))?;
+        check_guest_kind(&setup.guest_kind, guest.guest_kind())?;
         let regions: Vec<MemoryRegion> = guest.regions().to_vec();
         check_layout(&setup, &regions)?;
         self.stats
@@ -252,7 +253,8 @@ impl Destination {
         }))
         .map_err(MigrationError::channel(0))?;
 
-        let channels = self.accept_page_channels(listener, session_id, setup.channel_count)?;
+        let channels =
+            self.accept_page_channels(listener, main, session_id, setup.channel_count)?;
         tracing::info!(channels = channels.len(), "all channels connected");
 
         let shared = ReceiverShared {
@@ -460,9 +462,13 @@ impl Destination {
         }
     }
 
+    /// Accepts the page channels. The source may give up meanwhile (a page
+    /// channel it cannot set up, a cancel): it says so on the main channel,
+    /// which is therefore watched too, so the reason ends the wait at once.
     fn accept_page_channels(
         &self,
         listener: &Listener,
+        main: &mut Channel,
         session_id: u64,
         count: u16,
     ) -> Result<Vec<Channel>, MigrationError> {
@@ -473,6 +479,19 @@ impl Destination {
             if self.cancel.is_cancelled() {
                 return Err(MigrationError::Cancelled);
             }
+            if main
+                .wait_readable(Duration::ZERO)
+                .map_err(MigrationError::channel(0))?
+            {
+                return Err(match main.read_message() {
+                    Ok(Message::Abort(abort)) => peer_aborted(abort),
+                    Ok(other) => MigrationError::Protocol(format!(
+                        "expected page channels, got {:?} on the main channel",
+                        other.kind()
+                    )),
+                    Err(error) => MigrationError::channel(0)(error),
+                });
+            }
             let remaining = deadline.saturating_duration_since(Instant::now());
             if remaining.is_zero() {
                 return Err(MigrationError::Channel {
@@ -480,7 +499,7 @@ impl Destination {
                     source: ChannelError::Timeout("the source's page channels"),
                 });
             }
-            let mut channel = match listener.accept_timeout(remaining.min(POLL_INTERVAL * 10)) {
+            let mut channel = match listener.accept_timeout(remaining.min(POLL_INTERVAL)) {
                 Ok(channel) => channel,
                 Err(ChannelError::Timeout(_)) => continue,
                 Err(error) => return Err(MigrationError::channel(0)(error)),
@@ -534,6 +553,18 @@ fn peer_aborted(abort: Abort) -> MigrationError {
         reason: abort.reason,
         message: abort.message,
     }
+}
+
+/// A destination refuses a guest of another kind than its own, unless one
+/// side does not say what its kind is.
+fn check_guest_kind(offered: &str, expected: &str) -> Result<(), MigrationError> {
+    if offered.is_empty() || expected.is_empty() || offered == expected {
+        return Ok(());
+    }
+    Err(MigrationError::GuestKindMismatch {
+        expected: expected.to_string(),
+        offered: offered.to_string(),
+    })
 }
 
 /// The codecs the hello announces, each of which this build must decode.

@@ -61,6 +61,26 @@ pub enum MigrationError {
     /// The session setup is not acceptable.
     #[error("Incompatible setup: {0}")]
     Incompatible(String),
+    /// The source sends a kind of guest the destination cannot restore.
+    #[error("The destination expects a {expected} guest, the source sends a {offered} guest")]
+    GuestKindMismatch {
+        /// The destination's [`crate::DeviceState::guest_kind`].
+        expected: String,
+        /// The kind the source announced.
+        offered: String,
+    },
+    /// A [`crate::MigrationConfig`] field cannot work over the destination's
+    /// transport. Found before connecting; the field is named as in the
+    /// config so that a front end can name its own option for it.
+    #[error("Config field {field} cannot be used with {address}: {reason}")]
+    UnsupportedTransport {
+        /// The `MigrationConfig` field, such as `"zero_copy"`.
+        field: &'static str,
+        /// The destination address.
+        address: String,
+        /// Why not.
+        reason: &'static str,
+    },
     /// The peer broke the protocol's sequence.
     #[error("Protocol violation: {0}")]
     Protocol(String),
@@ -96,7 +116,10 @@ impl MigrationError {
                 ..
             }
             | Self::Protocol(_) => AbortReason::ProtocolError,
-            Self::Incompatible(_) | Self::Config(_) => AbortReason::IncompatibleSetup,
+            Self::Incompatible(_)
+            | Self::GuestKindMismatch { .. }
+            | Self::Config(_)
+            | Self::UnsupportedTransport { .. } => AbortReason::IncompatibleSetup,
             Self::Guest { .. } => AbortReason::GuestError,
             Self::Channel { .. } | Self::ZeroCopy(_) => AbortReason::ChannelFailed,
             Self::DigestMismatch { .. } => AbortReason::DigestMismatch,

@@ -200,6 +200,17 @@ pub trait DeviceState: Send {
     /// Restores the sections saved by the source, before the destination
     /// resumes the guest.
     fn restore_state(&mut self, sections: &[StateSection]) -> GuestResult<()>;
+
+    /// What kind of guest this is, in words that read well in an error
+    /// ("the destination expects a synthetic guest"): guests of one kind can
+    /// restore each other's state sections. The source announces it in its
+    /// hello, and a destination of another kind refuses the session before
+    /// any page moves instead of failing at restore. Printable ASCII, at
+    /// most [`tern_wire::MAX_GUEST_KIND_LEN`] bytes. The default, empty,
+    /// means the VMM does not say; the kinds are then not compared.
+    fn guest_kind(&self) -> &str {
+        ""
+    }
 }
 
 /// Everything the source side needs from a VMM.

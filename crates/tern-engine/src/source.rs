@@ -194,8 +194,9 @@ impl Source {
         main_slot: &mut Option<Channel>,
     ) -> Result<Option<DestinationStats>, MigrationError> {
         let config = &self.config;
+        config.check_address(address)?;
         let regions: Vec<MemoryRegion> = guest.regions().to_vec();
-        let setup = session_setup(&regions, config, &self.compression)?;
+        let setup = session_setup(&regions, guest.guest_kind(), config, &self.compression)?;
         let total: u64 = regions.iter().map(MemoryRegion::len).sum();
         self.stats.total.store(total, Ordering::Relaxed);
         self.stats.remaining.store(total, Ordering::Relaxed);
@@ -594,9 +595,10 @@ fn memlock_soft_limit() -> Option<u64> {
     (result == 0 && limit.rlim_cur != libc::RLIM_INFINITY).then_some(limit.rlim_cur)
 }
 
-/// Builds the session setup from the guest's regions.
+/// Builds the session setup from the guest's regions and kind.
 fn session_setup(
     regions: &[MemoryRegion],
+    guest_kind: &str,
     config: &MigrationConfig,
     compression: &CompressionSetup,
 ) -> Result<SessionSetup, MigrationError> {
@@ -619,10 +621,11 @@ fn session_setup(
                 len: region.len(),
             })
             .collect(),
+        guest_kind: guest_kind.to_string(),
     };
-    setup
-        .validate()
-        .map_err(|error| MigrationError::Config(format!("the guest's memory layout: {error}")))?;
+    setup.validate().map_err(|error| {
+        MigrationError::Config(format!("the guest's memory layout or kind: {error}"))
+    })?;
     Ok(setup)
 }
 

@@ -35,6 +35,10 @@ pub use crate::state::{MAX_DIRTIER_THREADS, SECTION_NAME, SECTION_VERSION};
 
 const PAGE: u64 = PAGE_SIZE as u64;
 
+/// This guest's [`DeviceState::guest_kind`]: a destination of another kind
+/// (a KVM guest) refuses it at the handshake.
+pub const GUEST_KIND: &str = "synthetic";
+
 /// Errors from building or driving a synthetic guest.
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
@@ -556,6 +560,10 @@ impl DeviceState for SyntheticGuest {
         self.memory.set_throttle(saved.throttle);
         self.dirtier.replace(saved.config, saved.threads);
         Ok(())
+    }
+
+    fn guest_kind(&self) -> &str {
+        GUEST_KIND
     }
 }
 

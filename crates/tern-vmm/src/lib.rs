@@ -25,7 +25,9 @@ pub mod state;
 pub mod vcpu;
 mod vm;
 
-pub use vm::{ConsistencyReport, DestinationVm, KvmGuest, MAX_MEMORY, VmConfig, check_working_set};
+pub use vm::{
+    ConsistencyReport, DestinationVm, GUEST_KIND, KvmGuest, MAX_MEMORY, VmConfig, check_working_set,
+};
 
 use std::path::Path;
 

@@ -34,6 +34,10 @@ const TSS_ADDR: usize = 0xfffb_d000;
 /// Largest guest RAM: everything stays below the TSS and 32-bit reachable.
 pub const MAX_MEMORY: u64 = 3 << 30;
 
+/// This guest's [`DeviceState::guest_kind`]: its sections (vCPU, VM, serial,
+/// test program) are only restored by another `KvmGuest`.
+pub const GUEST_KIND: &str = "KVM test";
+
 /// How to build a source VM.
 #[derive(Clone, Debug)]
 pub struct VmConfig {
@@ -683,6 +687,10 @@ impl DeviceState for KvmGuest {
 
     fn restore_state(&mut self, sections: &[StateSection]) -> GuestResult<()> {
         Ok(self.restore_sections(sections)?)
+    }
+
+    fn guest_kind(&self) -> &str {
+        GUEST_KIND
     }
 }
 

@@ -31,7 +31,7 @@ pub use pages::{PageEntry, PageKind, PagesHeader, decode_page_table, encode_page
 /// First bytes of every handshake.
 pub const MAGIC: [u8; 8] = *b"TERNMIG\0";
 /// Protocol version spoken by this build.
-pub const PROTOCOL_VERSION: u16 = 1;
+pub const PROTOCOL_VERSION: u16 = 2;
 /// The only page size this version supports.
 pub const PAGE_SIZE: u32 = 4096;
 /// Most pages one packet may carry.
@@ -44,6 +44,8 @@ pub const MAX_REGIONS: usize = 1024;
 pub const MAX_REGION_BYTES: u64 = (u32::MAX as u64 + 1) * PAGE_SIZE as u64;
 /// Longest state-section name, in bytes.
 pub const MAX_NAME_LEN: usize = 255;
+/// Longest guest-kind name in a [`SessionSetup`], in bytes.
+pub const MAX_GUEST_KIND_LEN: usize = 64;
 /// Largest state section.
 pub const MAX_SECTION_BYTES: usize = 64 << 20;
 /// Longest free-text message (abort reasons, outcome details).
@@ -99,7 +101,7 @@ impl FrameKind {
     /// Largest body a frame of this kind may have.
     pub fn max_body(self) -> usize {
         match self {
-            Self::Hello => 32 + 2 + MAX_REGIONS * RegionInfo::ENCODED_LEN,
+            Self::Hello => 32 + 2 + MAX_REGIONS * RegionInfo::ENCODED_LEN + 4 + MAX_GUEST_KIND_LEN,
             Self::ChannelHello => Handshake::ENCODED_LEN,
             Self::Welcome => 16,
             Self::Pages => {

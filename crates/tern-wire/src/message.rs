@@ -3,8 +3,9 @@
 use crate::codec::{Reader, Writer};
 use crate::error::{AbortReason, WireError};
 use crate::{
-    FRAME_HEADER_LEN, FrameHeader, FrameKind, MAGIC, MAX_CHANNELS, MAX_NAME_LEN, MAX_REGION_BYTES,
-    MAX_REGIONS, MAX_SECTION_BYTES, MAX_STATS_LEN, MAX_TEXT_LEN, PAGE_SIZE, PROTOCOL_VERSION,
+    FRAME_HEADER_LEN, FrameHeader, FrameKind, MAGIC, MAX_CHANNELS, MAX_GUEST_KIND_LEN,
+    MAX_NAME_LEN, MAX_REGION_BYTES, MAX_REGIONS, MAX_SECTION_BYTES, MAX_STATS_LEN, MAX_TEXT_LEN,
+    PAGE_SIZE, PROTOCOL_VERSION,
 };
 
 /// The part of the handshake every channel sends first.
@@ -109,6 +110,11 @@ pub struct SessionSetup {
     pub digest: DigestAlgorithm,
     /// The guest's memory regions.
     pub regions: Vec<RegionInfo>,
+    /// What kind of guest the source sends, such as `"synthetic"`: the
+    /// destination refuses a guest whose state sections it could not
+    /// restore before any page moves. Printable ASCII, at most
+    /// [`MAX_GUEST_KIND_LEN`] bytes; empty when the VMM does not say.
+    pub guest_kind: String,
 }
 
 impl SessionSetup {
@@ -178,6 +184,21 @@ impl SessionSetup {
         ids.sort_unstable();
         if ids.windows(2).any(|pair| pair[0] == pair[1]) {
             return invalid("region id", "two regions share an id".to_string());
+        }
+        if self.guest_kind.len() > MAX_GUEST_KIND_LEN {
+            return Err(WireError::FieldTooLong {
+                field: "guest kind",
+                len: self.guest_kind.len(),
+                max: MAX_GUEST_KIND_LEN,
+            });
+        }
+        // Both sides print it in their errors, so it must be plain text.
+        if !self
+            .guest_kind
+            .bytes()
+            .all(|byte| byte.is_ascii_graphic() || byte == b' ')
+        {
+            return invalid("guest kind", "must be printable ASCII".to_string());
         }
         Ok(())
     }
@@ -318,6 +339,7 @@ impl Message {
                         .u64(region.guest_addr)
                         .u64(region.len);
                 }
+                w.bytes_u32(setup.guest_kind.as_bytes());
             }
             Self::ChannelHello(hello) => hello.handshake.encode(&mut w),
             Self::Welcome(welcome) => {
@@ -412,12 +434,14 @@ impl Message {
                         len,
                     });
                 }
+                let guest_kind = r.string(MAX_GUEST_KIND_LEN, "guest kind")?;
                 let setup = SessionSetup {
                     page_size,
                     channel_count,
                     codecs,
                     digest,
                     regions,
+                    guest_kind,
                 };
                 setup.validate()?;
                 Self::Hello(Hello { handshake, setup })

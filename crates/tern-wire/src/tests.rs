@@ -18,6 +18,7 @@ fn setup() -> SessionSetup {
                 len: 4 * 4096,
             },
         ],
+        guest_kind: "synthetic".into(),
     }
 }
 
@@ -86,10 +87,10 @@ fn handshake_rejects_wrong_magic_and_version() {
         Err(WireError::BadMagic)
     );
     let mut bytes = hello().to_bytes();
-    bytes[16] = 2; // version low byte
+    bytes[16] = 1; // version low byte: version 1 had no guest kind
     assert!(matches!(
         Message::decode(FrameKind::Hello, &bytes[8..]),
-        Err(WireError::VersionMismatch { theirs: 2, .. })
+        Err(WireError::VersionMismatch { theirs: 1, .. })
     ));
 }
 
@@ -115,7 +116,74 @@ fn setup_validation() {
     assert!(bad.validate().is_err(), "wrapping region");
     bad.regions.clear();
     assert!(bad.validate().is_err());
+    let mut bad = setup();
+    bad.guest_kind = "k".repeat(MAX_GUEST_KIND_LEN + 1);
+    assert!(matches!(
+        bad.validate(),
+        Err(WireError::FieldTooLong {
+            field: "guest kind",
+            ..
+        })
+    ));
+    let mut bad = setup();
+    bad.guest_kind = "KVM\x1b[31m test".into();
+    assert!(bad.validate().is_err(), "escape codes in the guest kind");
+    let mut unnamed = setup();
+    unnamed.guest_kind.clear();
+    assert!(unnamed.validate().is_ok(), "a VMM need not name its guest");
     assert!(setup().validate().is_ok());
+}
+
+#[test]
+fn hello_carries_the_guest_kind_within_bounds() {
+    let Message::Hello(mut longest) = hello() else {
+        unreachable!()
+    };
+    longest.setup.guest_kind = "K".repeat(MAX_GUEST_KIND_LEN);
+    round_trip(Message::Hello(longest.clone()));
+
+    // A peer announcing a longer kind is refused from its length prefix,
+    // before the bytes are read or copied.
+    let mut bytes = Message::Hello(longest).to_bytes();
+    let kind_len_at = bytes.len() - MAX_GUEST_KIND_LEN - 4;
+    bytes[kind_len_at..kind_len_at + 4].copy_from_slice(&u32::MAX.to_le_bytes());
+    assert_eq!(
+        Message::decode(FrameKind::Hello, &bytes[8..]),
+        Err(WireError::FieldTooLong {
+            field: "guest kind",
+            len: u32::MAX as usize,
+            max: MAX_GUEST_KIND_LEN
+        })
+    );
+
+    // Non-printable bytes are refused by the decoder's validation too.
+    let Message::Hello(mut hostile) = hello() else {
+        unreachable!()
+    };
+    hostile.setup.guest_kind = "tab\there".into();
+    let bytes = Message::Hello(hostile).to_bytes();
+    assert!(matches!(
+        Message::decode(FrameKind::Hello, &bytes[8..]),
+        Err(WireError::InvalidField {
+            field: "guest kind",
+            ..
+        })
+    ));
+
+    // The largest hello still fits its frame limit.
+    let Message::Hello(mut largest) = hello() else {
+        unreachable!()
+    };
+    largest.setup.guest_kind = "K".repeat(MAX_GUEST_KIND_LEN);
+    largest.setup.regions = (0..MAX_REGIONS as u32)
+        .map(|id| RegionInfo {
+            id,
+            guest_addr: u64::from(id) << 32,
+            len: 4096,
+        })
+        .collect();
+    let bytes = Message::Hello(largest).to_bytes();
+    assert_eq!(bytes.len() - FRAME_HEADER_LEN, FrameKind::Hello.max_body());
 }
 
 #[test]

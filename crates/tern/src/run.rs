@@ -180,6 +180,7 @@ fn demo(args: &DemoArgs, verbose: bool) -> anyhow::Result<ExitCode> {
     };
     let listener = Listener::bind(&listen).with_context(|| format!("cannot listen on {listen}"))?;
     let address = listener.local_address()?;
+    check_destination(&config, &address)?;
     if !args.json {
         eprintln!(
             "tern demo: filling a {} guest ({}% zero, {}% random, {}% text pages)...",
@@ -270,8 +271,29 @@ pub fn report_failure(stats: &MigrationStats, json: bool, verbose: bool) -> anyh
     Ok(())
 }
 
+/// Checks the options against the destination's transport before anything
+/// is built or connected, naming the command-line option for the engine's
+/// config field.
+pub fn check_destination(
+    config: &tern_engine::MigrationConfig,
+    to: &Address,
+) -> anyhow::Result<()> {
+    config.check_address(to).map_err(|error| match error {
+        tern_engine::MigrationError::UnsupportedTransport {
+            field,
+            address,
+            reason,
+        } => anyhow::anyhow!(
+            "--{} cannot be used with {address}: {reason}",
+            field.replace('_', "-")
+        ),
+        other => other.into(),
+    })
+}
+
 fn migrate(args: &MigrateArgs, verbose: bool) -> anyhow::Result<ExitCode> {
     let config = args.transfer.migration_config()?;
+    check_destination(&config, &args.to)?;
     args.guest.check()?;
     check_memory_fits(
         args.guest.resident_estimate(),

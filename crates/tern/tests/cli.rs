@@ -431,3 +431,81 @@ fn send_signal(child: &std::process::Child, signal: libc::c_int) {
     let sent = unsafe { libc::kill(pid, signal) };
     assert_eq!(sent, 0, "kill: {}", std::io::Error::last_os_error());
 }
+
+#[test]
+fn zero_copy_to_a_unix_socket_is_refused_before_connecting() {
+    // Nothing listens there: a source that tried to connect first would
+    // report that it cannot connect.
+    let output = tern()
+        .args([
+            "migrate",
+            "--zero-copy",
+            "--to",
+            "unix:/nonexistent/dir/sock",
+            "--memory",
+            "4MiB",
+        ])
+        .output()
+        .unwrap();
+    assert!(!output.status.success(), "{output:?}");
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(
+        stderr.contains("--zero-copy cannot be used with unix:/nonexistent/dir/sock"),
+        "{stderr}"
+    );
+    assert!(!stderr.contains("Cannot connect"), "{stderr}");
+}
+
+#[test]
+fn bench_zero_compares_each_backend_with_the_read_loop() {
+    let output = tern()
+        .args([
+            "bench", "zero", "--json", "--buffer", "1MiB", "--rounds", "1",
+        ])
+        .output()
+        .unwrap();
+    assert!(output.status.success(), "{output:?}");
+    let report = json(&output);
+    let baseline = report["read-loop-gib-per-s"].as_f64().unwrap();
+    assert!(baseline > 0.0, "{report}");
+    assert!(report["default-backend"].is_string(), "{report}");
+    for row in report["rows"].as_array().unwrap() {
+        let rate = row["gib-per-s"].as_f64().unwrap();
+        let times = row["times-read-loop"].as_f64().unwrap();
+        assert!(
+            (times * baseline - rate).abs() <= 1e-6 * rate.max(1.0),
+            "{row}"
+        );
+    }
+    let text = tern()
+        .args(["bench", "zero", "--buffer", "1MiB", "--rounds", "1"])
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&text.stdout);
+    assert!(text.contains("plain loop reading every byte"), "{text}");
+    assert!(!text.contains('%'), "{text}");
+}
+
+#[test]
+fn bench_codec_reports_no_decompression_rate_for_raw_pages() {
+    let output = tern()
+        .args(["bench", "codec", "--json", "--pages", "6"])
+        .output()
+        .unwrap();
+    assert!(output.status.success(), "{output:?}");
+    let report = json(&output);
+    for row in report["rows"].as_array().unwrap() {
+        let all_raw = row["raw-pages"] == row["pages"];
+        assert_eq!(row["decompress-mb-s"].is_null(), all_raw, "{row}");
+        if !all_raw {
+            assert!(row["decompress-mb-s"].as_f64().unwrap() > 0.0, "{row}");
+        }
+    }
+    let text = tern()
+        .args(["bench", "codec", "--pages", "6"])
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&text.stdout);
+    assert!(text.contains("| - (all raw) |"), "{text}");
+    assert!(!text.contains("| 0 |"), "{text}");
+}

@@ -26,6 +26,7 @@ fn setup_with_codecs(channels: u16, codecs: u8) -> SessionSetup {
             guest_addr: 0,
             len: REGION_BYTES,
         }],
+        guest_kind: "synthetic".into(),
     }
 }
 
@@ -462,4 +463,109 @@ fn unknown_codec_in_the_hello_is_refused() {
     main.send_message(&hello_with_codecs(1, 1 << 6)).unwrap();
     expect_abort(&mut main, "codec 6");
     expect_destination_error(destination, "cannot decode");
+}
+
+#[test]
+fn a_guest_of_another_kind_is_refused_at_the_handshake() {
+    let (listener, address) = tcp_listener();
+    let destination = spawn_destination(listener);
+    let Message::Hello(mut kvm) = hello(1) else {
+        unreachable!()
+    };
+    kvm.setup.guest_kind = tern_vmm::GUEST_KIND.into();
+    let mut main = connect(&address);
+    main.send_message(&Message::Hello(kvm)).unwrap();
+    let expected = "the destination expects a synthetic guest, the source sends a KVM test guest";
+    // Refused instead of welcomed: no page channel is ever accepted.
+    expect_abort(&mut main, expected);
+    let error = expect_destination_error(destination, expected);
+    assert!(
+        matches!(error, MigrationError::GuestKindMismatch { .. }),
+        "{error:?}"
+    );
+}
+
+#[test]
+fn a_source_that_does_not_name_its_guest_kind_is_accepted() {
+    let (listener, address) = tcp_listener();
+    let _destination = spawn_destination(listener);
+    let Message::Hello(mut unnamed) = hello(1) else {
+        unreachable!()
+    };
+    unnamed.setup.guest_kind.clear();
+    let mut main = connect(&address);
+    main.send_message(&Message::Hello(unnamed)).unwrap();
+    assert!(matches!(main.read_message().unwrap(), Message::Welcome(_)));
+}
+
+#[test]
+fn a_source_giving_up_while_page_channels_connect_is_heard_at_once() {
+    let (listener, address) = tcp_listener();
+    let destination = spawn_destination(listener);
+    let mut main = connect(&address);
+    main.send_message(&hello(2)).unwrap();
+    assert!(matches!(main.read_message().unwrap(), Message::Welcome(_)));
+    let mut first = connect(&address);
+    first.send_message(&channel_hello(SESSION, 1)).unwrap();
+    assert!(matches!(first.read_message().unwrap(), Message::Welcome(_)));
+    // Channel 2 never comes: the source could not set it up and says why
+    // on the main channel. The destination must report that, not wait for
+    // its accept timeout.
+    main.send_message(&Message::Abort(tern_wire::Abort {
+        reason: tern_wire::AbortReason::ChannelFailed,
+        message: "channel 2 cannot send zero-copy".into(),
+    }))
+    .unwrap();
+    let error = expect_destination_error(destination, "channel 2 cannot send zero-copy");
+    assert!(
+        matches!(error, MigrationError::PeerAborted { .. }),
+        "{error:?}"
+    );
+}
+
+#[test]
+fn a_source_failing_after_connecting_tells_the_destination_why() {
+    // A fake destination that welcomes the main channel and then answers
+    // the first page channel with someone else's session.
+    let (listener, address) = tcp_listener();
+    let fake = std::thread::spawn(move || {
+        let accept = || listener.accept_timeout(Duration::from_secs(30)).unwrap();
+        let mut main = accept();
+        let Message::Hello(hello) = main.read_message().unwrap() else {
+            panic!("expected a hello");
+        };
+        let session_id = hello.handshake.session_id;
+        main.send_message(&Message::Welcome(tern_wire::Welcome {
+            session_id,
+            channel_index: 0,
+        }))
+        .unwrap();
+        let mut page = accept();
+        assert!(matches!(
+            page.read_message().unwrap(),
+            Message::ChannelHello(_)
+        ));
+        page.send_message(&Message::Welcome(tern_wire::Welcome {
+            session_id: session_id ^ 1,
+            channel_index: 1,
+        }))
+        .unwrap();
+        main.read_message()
+    });
+    let source = Source::new(migration_config(2)).unwrap();
+    let mut guest = guest(4 * MIB, 0);
+    let failure = source.migrate(&mut guest, &address).unwrap_err();
+    assert!(
+        failure.error.chain().contains("welcome on channel 1"),
+        "{}",
+        failure.error.chain()
+    );
+    match fake.join().unwrap() {
+        Ok(Message::Abort(abort)) => assert!(
+            abort.message.contains("welcome on channel 1"),
+            "{}",
+            abort.message
+        ),
+        other => panic!("the source closed without saying why: {other:?}"),
+    }
 }

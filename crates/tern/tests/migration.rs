@@ -540,3 +540,37 @@ fn zero_pages_sent_as_normal_on_request() {
     assert_eq!(stats.ram.normal + stats.ram.duplicate, pages);
     assert_eq!(stats.ram.normal, pages / 4);
 }
+
+#[test]
+fn zero_copy_to_a_unix_socket_is_refused_before_connecting() {
+    let dir = tempfile::tempdir().unwrap();
+    let address = Address::Unix(dir.path().join("tern.sock"));
+    let listener = Listener::bind(&address).unwrap();
+    let source = Source::new(tern_engine::MigrationConfig {
+        zero_copy: true,
+        ..migration_config(2)
+    })
+    .unwrap();
+    let mut guest = guest(4 * MIB, 0);
+    let failure = source.migrate(&mut guest, &address).unwrap_err();
+    assert!(
+        matches!(
+            failure.error,
+            MigrationError::UnsupportedTransport {
+                field: "zero_copy",
+                ..
+            }
+        ),
+        "{:?}",
+        failure.error
+    );
+    assert_eq!(failure.stats.ram.transferred, 0);
+    // A connection would wait in the listener's backlog; there is none.
+    assert!(
+        matches!(
+            listener.accept_timeout(Duration::from_millis(1)),
+            Err(tern_engine::ChannelError::Timeout(_))
+        ),
+        "the source connected before refusing"
+    );
+}

@@ -170,3 +170,43 @@ fn vm_migrate_survives_a_killed_receiver() {
     assert_eq!(report["status"], "failed");
     assert_eq!(report["source-guest-runs"], true, "{report}");
 }
+
+#[test]
+fn vm_migrate_to_a_synthetic_receiver_is_refused_before_any_page_moves() {
+    if !kvm_available() {
+        return;
+    }
+    let destination = Receiver::spawn(
+        &["receive"],
+        &["--accept-timeout", "30", "--progress", "none"],
+    );
+    let source = tern()
+        .args([
+            "vm",
+            "migrate",
+            "--json",
+            "--to",
+            &destination.address,
+            "--memory",
+            "64MiB",
+            "--warmup",
+            "100",
+        ])
+        .output()
+        .unwrap();
+    let (status, _, destination_said) = destination.finish();
+    let expected = "the destination expects a synthetic guest, the source sends a kvm test guest";
+    assert!(!status.success(), "{destination_said}");
+    assert!(
+        destination_said.to_lowercase().contains(expected),
+        "{destination_said}"
+    );
+    assert!(!source.status.success(), "{source:?}");
+    let report = json(&source);
+    assert!(
+        report.to_string().to_lowercase().contains(expected),
+        "{report}"
+    );
+    assert_eq!(report["ram"]["transferred"], 0, "{report}");
+    assert_eq!(report["source-guest-runs"], true, "{report}");
+}

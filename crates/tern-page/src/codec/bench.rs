@@ -18,8 +18,9 @@ pub struct CodecBenchRow {
     pub sampling: bool,
     /// Guest MB/s (10^6 bytes) compressed on one thread, median of rounds.
     pub compress_mb_s: f64,
-    /// Guest MB/s decoded on one thread (compressed pages only), median.
-    pub decompress_mb_s: f64,
+    /// Guest MB/s decoded on one thread (compressed pages only), median;
+    /// `None` when every page went raw, so nothing was decompressed.
+    pub decompress_mb_s: Option<f64>,
     /// Guest bytes / wire bytes (raw pages count 4096).
     pub ratio: f64,
     /// Pages sent raw (sampled or did not shrink).
@@ -33,14 +34,15 @@ impl CodecBenchRow {
     pub fn to_json(&self) -> String {
         format!(
             "{{\"corpus\":\"{}\",\"codec\":\"{}\",\"level\":{},\"sampling\":{},\
-             \"compress_mb_s\":{:.1},\"decompress_mb_s\":{:.1},\"ratio\":{:.3},\
+             \"compress_mb_s\":{:.1},\"decompress_mb_s\":{},\"ratio\":{:.3},\
              \"raw_pages\":{},\"pages\":{}}}",
             self.corpus,
             self.codec,
             self.level,
             self.sampling,
             self.compress_mb_s,
-            self.decompress_mb_s,
+            self.decompress_mb_s
+                .map_or_else(|| "null".to_string(), |rate| format!("{rate:.1}")),
             self.ratio,
             self.raw_pages,
             self.pages
@@ -285,11 +287,9 @@ fn bench_corpus(
                 }
             }
             let secs = t.elapsed().as_secs_f64();
-            dtimes.push(if decoded == 0 {
-                0.0
-            } else {
-                decoded as f64 / secs / 1e6
-            });
+            if decoded > 0 {
+                dtimes.push(decoded as f64 / secs / 1e6);
+            }
         }
         let wire: usize = lens.iter().map(|l| l.unwrap_or(PAGE_SIZE)).sum();
         rows.push(CodecBenchRow {
@@ -298,7 +298,7 @@ fn bench_corpus(
             level: c.level(),
             sampling,
             compress_mb_s: median(ctimes),
-            decompress_mb_s: median(dtimes),
+            decompress_mb_s: (!dtimes.is_empty()).then(|| median(dtimes)),
             ratio: bytes / wire as f64,
             raw_pages: lens.iter().filter(|l| l.is_none()).count(),
             pages: pages.len(),

@@ -12,6 +12,7 @@ use crate::transport::Address;
 
 /// Who looks for zero pages.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[non_exhaustive]
 pub enum ZeroPageDetection {
     /// Nobody: every page is sent with its data.
     None,
@@ -60,6 +61,7 @@ impl FromStr for ZeroPageDetection {
 /// What to do when the iteration or time limit is reached before the
 /// remaining dirty memory fits in the downtime limit.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[non_exhaustive]
 pub enum LimitPolicy {
     /// Give up; the source guest runs on.
     #[default]
@@ -85,6 +87,7 @@ impl FromStr for LimitPolicy {
 /// Whether the destination's memory is compared with the source's before
 /// the guest resumes there.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[non_exhaustive]
 pub enum Verify {
     /// The source hashes all its memory after pausing the guest (while the
     /// last pages travel); the destination hashes each page as it writes it.
@@ -109,6 +112,7 @@ impl FromStr for Verify {
 
 /// How zero-copy sends are made.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[non_exhaustive]
 pub enum ZeroCopyBackend {
     /// `sendmsg(MSG_ZEROCOPY)` with completions read from the error queue.
     #[default]
@@ -227,53 +231,68 @@ impl MigrationConfig {
 
     /// Rejects unusable values up front, naming the option.
     pub fn validate(&self) -> Result<(), MigrationError> {
-        let bad = |text: String| Err(MigrationError::Config(text));
+        let bad = |field: &'static str, reason: String| {
+            Err(MigrationError::InvalidConfig { field, reason })
+        };
         if self.channels == 0 || self.channels > tern_wire::MAX_CHANNELS {
-            return bad(format!(
-                "--channels {} is out of range (1..={})",
-                self.channels,
-                tern_wire::MAX_CHANNELS
-            ));
+            return bad(
+                "channels",
+                format!(
+                    "{} is out of range (1..={})",
+                    self.channels,
+                    tern_wire::MAX_CHANNELS
+                ),
+            );
         }
         if self.worker_count() > 256 {
-            return bad(format!(
-                "{} workers is too many (at most 256)",
-                self.workers
-            ));
+            return bad(
+                "workers",
+                format!("{} is too many (at most 256)", self.workers),
+            );
         }
         if self.downtime_limit.is_zero() {
-            return bad("--downtime-limit must be positive".into());
+            return bad("downtime_limit", "must be positive".into());
         }
         if self.max_bandwidth == Some(0) {
-            return bad("--max-bandwidth must be positive".into());
+            return bad("max_bandwidth", "must be positive".into());
         }
         if self.max_iterations == Some(0) {
-            return bad("--max-iterations must be at least 1".into());
+            return bad("max_iterations", "must be at least 1".into());
         }
-        if self.throttle_initial > 99 || self.throttle_increment > 99 {
-            return bad("throttle percentages must be at most 99".into());
+        if self.throttle_initial > 99 {
+            return bad("throttle_initial", "a percentage of at most 99".into());
+        }
+        if self.throttle_increment > 99 {
+            return bad("throttle_increment", "a percentage of at most 99".into());
         }
         if self.io_timeout.is_zero() {
-            return bad("the I/O timeout must be positive".into());
+            return bad("io_timeout", "must be positive".into());
         }
         if !(0.0..=1.0).contains(&self.zero_page_as_normal) {
-            return bad(format!(
-                "--zero-page-as-normal {} must be a percentage from 0 to 100",
-                self.zero_page_as_normal * 100.0
-            ));
+            return bad(
+                "zero_page_as_normal",
+                format!("{} is not a fraction from 0 to 1", self.zero_page_as_normal),
+            );
         }
         if self.zero_page_offload.is_some() && self.zero_page_detection != ZeroPageDetection::Dsa {
-            return bad(format!(
-                "a DSA device was given but --zero-page-detection is {}",
-                self.zero_page_detection.as_str()
-            ));
+            return bad(
+                "zero_page_offload",
+                format!(
+                    "a DSA device was given but zero_page_detection is {}",
+                    self.zero_page_detection.as_str()
+                ),
+            );
         }
-        crate::zerocopy::check_combination(
-            self.zero_copy,
-            self.compression != CodecChoice::None,
-            false,
-        )
-        .map_err(MigrationError::Config)?;
+        if self.zero_copy && self.compression != CodecChoice::None {
+            return bad(
+                "zero_copy",
+                format!(
+                    "cannot be combined with compression ({}): compressed pages are built \
+                     in a private buffer, there is nothing to send from guest memory",
+                    self.compression
+                ),
+            );
+        }
         Ok(())
     }
 
@@ -319,34 +338,61 @@ mod tests {
     #[test]
     fn rejects_bad_values() {
         assert!(MigrationConfig::default().validate().is_ok());
-        for config in [
-            MigrationConfig {
-                channels: 0,
-                ..Default::default()
-            },
-            MigrationConfig {
-                downtime_limit: Duration::ZERO,
-                ..Default::default()
-            },
-            MigrationConfig {
-                max_bandwidth: Some(0),
-                ..Default::default()
-            },
-            MigrationConfig {
-                max_iterations: Some(0),
-                ..Default::default()
-            },
-            MigrationConfig {
-                zero_page_as_normal: 1.5,
-                ..Default::default()
-            },
-            MigrationConfig {
-                zero_copy: true,
-                compression: CodecChoice::Lz4,
-                ..Default::default()
-            },
+        for (field, config) in [
+            (
+                "channels",
+                MigrationConfig {
+                    channels: 0,
+                    ..Default::default()
+                },
+            ),
+            (
+                "downtime_limit",
+                MigrationConfig {
+                    downtime_limit: Duration::ZERO,
+                    ..Default::default()
+                },
+            ),
+            (
+                "max_bandwidth",
+                MigrationConfig {
+                    max_bandwidth: Some(0),
+                    ..Default::default()
+                },
+            ),
+            (
+                "max_iterations",
+                MigrationConfig {
+                    max_iterations: Some(0),
+                    ..Default::default()
+                },
+            ),
+            (
+                "zero_page_as_normal",
+                MigrationConfig {
+                    zero_page_as_normal: 1.5,
+                    ..Default::default()
+                },
+            ),
+            (
+                "zero_copy",
+                MigrationConfig {
+                    zero_copy: true,
+                    compression: CodecChoice::Lz4,
+                    ..Default::default()
+                },
+            ),
         ] {
-            assert!(config.validate().is_err(), "{config:?}");
+            match config.validate() {
+                Err(MigrationError::InvalidConfig {
+                    field: named,
+                    reason,
+                }) => {
+                    assert_eq!(named, field, "{reason}");
+                    assert!(!reason.contains("--"), "names a CLI flag: {reason}");
+                }
+                other => panic!("{config:?} gave {other:?}"),
+            }
         }
         assert_eq!("workers".parse(), Ok(ZeroPageDetection::Workers));
         assert_eq!("dsa".parse(), Ok(ZeroPageDetection::Dsa));

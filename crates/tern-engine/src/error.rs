@@ -8,6 +8,7 @@ use crate::guest::GuestError;
 
 /// A failure on one channel.
 #[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
 pub enum ChannelError {
     /// Connecting failed.
     #[error("Cannot connect to {0}")]
@@ -28,10 +29,25 @@ pub enum ChannelError {
 
 /// Why a migration (either side) did not complete.
 #[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
 pub enum MigrationError {
     /// A configuration value is unusable.
     #[error("Invalid configuration: {0}")]
     Config(String),
+    /// A [`crate::MigrationConfig`] field has an unusable value. The field is
+    /// named as in the config so that a front end can name its own option.
+    #[error("Invalid configuration: {field}: {reason}")]
+    InvalidConfig {
+        /// The config field, such as `"channels"`.
+        field: &'static str,
+        /// What is wrong with its value.
+        reason: String,
+    },
+    /// A fault inside this side of the migration (a thread that panicked, a
+    /// missing internal part), not something the peer did; the peer hears
+    /// only that this side failed, never a protocol error.
+    #[error("Internal error: {0}")]
+    Internal(String),
     /// A channel failed.
     #[error("Channel {index} failed")]
     Channel {
@@ -119,12 +135,13 @@ impl MigrationError {
             Self::Incompatible(_)
             | Self::GuestKindMismatch { .. }
             | Self::Config(_)
+            | Self::InvalidConfig { .. }
             | Self::UnsupportedTransport { .. } => AbortReason::IncompatibleSetup,
             Self::Guest { .. } => AbortReason::GuestError,
             Self::Channel { .. } | Self::ZeroCopy(_) => AbortReason::ChannelFailed,
             Self::DigestMismatch { .. } => AbortReason::DigestMismatch,
             Self::LimitReached(_) => AbortReason::LimitReached,
-            Self::PeerAborted { .. } | Self::Thread(_) => AbortReason::Other,
+            Self::PeerAborted { .. } | Self::Thread(_) | Self::Internal(_) => AbortReason::Other,
         }
     }
 

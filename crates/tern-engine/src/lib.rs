@@ -39,3 +39,9 @@ pub use guest::{
 pub use source::{CancelToken, MigrationFailure, Source};
 pub use stats::{DestinationStats, LiveStats, MigrationStats, MigrationStatus, RamStats};
 pub use transport::{Address, Channel, Listener};
+
+// Foreign types that appear in this crate's API, so that an embedder needs
+// no direct dependency on tern-page or tern-wire.
+pub use tern_page::codec::{CodecChoice, QplPath};
+pub use tern_page::dsa::ZeroPageOffload;
+pub use tern_wire::{AbortReason, RegionInfo, SessionSetup};

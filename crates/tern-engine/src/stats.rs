@@ -63,44 +63,44 @@ pub struct LiveStats {
     start_offset_ns: AtomicU64,
     status: AtomicU8,
     /// Bytes written to all channels.
-    pub transferred: AtomicU64,
+    pub(crate) transferred: AtomicU64,
     /// Of those, bytes written while the guest ran (live iterations).
-    pub precopy_bytes: AtomicU64,
+    pub(crate) precopy_bytes: AtomicU64,
     /// Of those, bytes written while the guest was paused (the last pages,
     /// the device state and the completion message).
-    pub downtime_bytes: AtomicU64,
+    pub(crate) downtime_bytes: AtomicU64,
     /// Of those, bytes written to the page channels (everything but the main
     /// channel).
-    pub multifd_bytes: AtomicU64,
+    pub(crate) multifd_bytes: AtomicU64,
     /// Pages sent as zero pages.
-    pub duplicate: AtomicU64,
+    pub(crate) duplicate: AtomicU64,
     /// Pages sent with their data.
-    pub normal: AtomicU64,
+    pub(crate) normal: AtomicU64,
     /// Guest bytes of those pages.
-    pub normal_bytes: AtomicU64,
+    pub(crate) normal_bytes: AtomicU64,
     /// Dirty bytes not sent yet: set from the dirty bitmap when an
     /// iteration starts, lowered as its pages are sent.
-    pub remaining: AtomicU64,
+    pub(crate) remaining: AtomicU64,
     /// Dirty bytes the current iteration started with (its whole size).
-    pub iteration_bytes: AtomicU64,
+    pub(crate) iteration_bytes: AtomicU64,
     /// Guest memory size.
-    pub total: AtomicU64,
+    pub(crate) total: AtomicU64,
     /// Dirty-log syncs done.
-    pub dirty_sync_count: AtomicU64,
+    pub(crate) dirty_sync_count: AtomicU64,
     /// The engine's measured dirty rate: pages the last dirty-log sync found
     /// dirty, divided by the time since the sync before it (or since dirty
     /// logging started), as QEMU's `dirty-pages-rate`.
-    pub dirty_pages_rate: AtomicU64,
+    pub(crate) dirty_pages_rate: AtomicU64,
     /// Migration bandwidth in guest bytes per second (last iteration).
-    pub bandwidth: AtomicU64,
+    pub(crate) bandwidth: AtomicU64,
     /// Expected downtime in milliseconds.
-    pub expected_downtime_ms: AtomicU64,
+    pub(crate) expected_downtime_ms: AtomicU64,
     /// Current iteration.
-    pub iteration: AtomicU64,
+    pub(crate) iteration: AtomicU64,
     /// Current auto-converge throttle, in percent.
-    pub cpu_throttle_percentage: AtomicU64,
+    pub(crate) cpu_throttle_percentage: AtomicU64,
     /// Whether the switch-over was forced by a limit.
-    pub forced_switch_over: AtomicBool,
+    pub(crate) forced_switch_over: AtomicBool,
     setup_time_ms: AtomicU64,
     downtime_ms: AtomicU64,
     digest_time_ms: AtomicU64,
@@ -256,6 +256,21 @@ impl LiveStats {
             .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |remaining| {
                 Some(remaining.saturating_sub(bytes))
             });
+    }
+
+    /// The current dirty iteration, counting from 0.
+    pub fn iteration(&self) -> u64 {
+        self.iteration.load(Ordering::Relaxed)
+    }
+
+    /// Bytes written to all channels so far.
+    pub fn transferred_bytes(&self) -> u64 {
+        self.transferred.load(Ordering::Relaxed)
+    }
+
+    /// Dirty bytes not sent yet in the current iteration.
+    pub fn remaining_bytes(&self) -> u64 {
+        self.remaining.load(Ordering::Relaxed)
     }
 
     /// The current iteration's progress: bytes sent of the bytes it started

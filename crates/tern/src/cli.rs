@@ -444,6 +444,12 @@ impl TransferArgs {
             Some(seconds) => anyhow::bail!("--max-time {seconds} must be a positive number"),
             None => None,
         };
+        if !(0.0..=100.0).contains(&self.zero_page_as_normal) {
+            anyhow::bail!(
+                "--zero-page-as-normal {} must be a percentage from 0 to 100",
+                self.zero_page_as_normal
+            );
+        }
         Ok(MigrationConfig {
             channels: self.channels,
             workers: self.workers,

@@ -180,7 +180,7 @@ fn demo(args: &DemoArgs, verbose: bool) -> anyhow::Result<ExitCode> {
     };
     let listener = Listener::bind(&listen).with_context(|| format!("cannot listen on {listen}"))?;
     let address = listener.local_address()?;
-    check_destination(&config, &address)?;
+    check_config(&config, &address)?;
     if !args.json {
         eprintln!(
             "tern demo: filling a {} guest ({}% zero, {}% random, {}% text pages)...",
@@ -271,29 +271,42 @@ pub fn report_failure(stats: &MigrationStats, json: bool, verbose: bool) -> anyh
     Ok(())
 }
 
-/// Checks the options against the destination's transport before anything
-/// is built or connected, naming the command-line option for the engine's
-/// config field.
-pub fn check_destination(
-    config: &tern_engine::MigrationConfig,
-    to: &Address,
-) -> anyhow::Result<()> {
-    config.check_address(to).map_err(|error| match error {
-        tern_engine::MigrationError::UnsupportedTransport {
-            field,
-            address,
-            reason,
-        } => anyhow::anyhow!(
-            "--{} cannot be used with {address}: {reason}",
-            field.replace('_', "-")
-        ),
-        other => other.into(),
-    })
+/// Checks the options, and the options against the destination's
+/// transport, before anything is built or connected; the engine names its
+/// config fields, this names the command-line options for them.
+pub fn check_config(config: &tern_engine::MigrationConfig, to: &Address) -> anyhow::Result<()> {
+    config
+        .validate()
+        .and_then(|()| config.check_address(to))
+        .map_err(|error| match error {
+            tern_engine::MigrationError::InvalidConfig { field, reason } => {
+                anyhow::anyhow!("{}: {reason}", option_for(field))
+            }
+            tern_engine::MigrationError::UnsupportedTransport {
+                field,
+                address,
+                reason,
+            } => anyhow::anyhow!(
+                "{} cannot be used with {address}: {reason}",
+                option_for(field)
+            ),
+            other => other.into(),
+        })
+}
+
+/// The command-line option that sets a `MigrationConfig` field.
+fn option_for(field: &str) -> String {
+    match field {
+        "throttle_initial" => "--cpu-throttle-initial".into(),
+        "throttle_increment" => "--cpu-throttle-increment".into(),
+        "zero_page_offload" => "--dsa-device".into(),
+        other => format!("--{}", other.replace('_', "-")),
+    }
 }
 
 fn migrate(args: &MigrateArgs, verbose: bool) -> anyhow::Result<ExitCode> {
     let config = args.transfer.migration_config()?;
-    check_destination(&config, &args.to)?;
+    check_config(&config, &args.to)?;
     args.guest.check()?;
     check_memory_fits(
         args.guest.resident_estimate(),

@@ -472,7 +472,7 @@ fn source_guest_after_failure(runs: bool, paused: bool) -> &'static str {
 
 fn migrate(args: &MigrateArgs, verbose: bool) -> anyhow::Result<ExitCode> {
     let config = args.transfer.migration_config()?;
-    crate::run::check_destination(&config, &args.to)?;
+    crate::run::check_config(&config, &args.to)?;
     let source = Source::new(config)?;
     let mut guest = args.vm.start(1)?;
     let rate = measure(&guest, Duration::from_millis(args.warmup));

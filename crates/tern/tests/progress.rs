@@ -4,7 +4,6 @@
 
 mod common;
 
-use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
 use common::*;
@@ -49,8 +48,7 @@ fn remaining_falls_while_the_first_iteration_is_sent() {
     let deadline = Instant::now() + DEADLINE;
     while !migration.is_finished() {
         assert!(Instant::now() < deadline, "the migration did not end");
-        if stats.status() == MigrationStatus::Active && stats.iteration.load(Ordering::Relaxed) == 0
-        {
+        if stats.status() == MigrationStatus::Active && stats.iteration() == 0 {
             let (sent, size) = stats.iteration_progress();
             let remaining = size - sent;
             if size == memory

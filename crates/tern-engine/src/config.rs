@@ -165,8 +165,10 @@ pub struct MigrationConfig {
     /// The offload used in `dsa` mode; `None` opens the DSA work queues
     /// found in sysfs (an error when there are none).
     pub zero_page_offload: Option<Arc<dyn ZeroPageOffload>>,
-    /// Benchmark knob: the share (0.0..=1.0) of zero pages sent as normal
-    /// pages, to load the network with a known amount of data.
+    /// Benchmark knob, not part of the stable API: the share (0.0..=1.0) of
+    /// zero pages sent as normal pages, to load the network with a known
+    /// amount of data (as the DSA series' benchmarks do).
+    #[doc(hidden)]
     pub zero_page_as_normal: f64,
     /// Page compression.
     pub compression: CodecChoice,
@@ -176,6 +178,10 @@ pub struct MigrationConfig {
     pub qpl_path: QplPath,
     /// Memory verification at switch-over.
     pub verify: Verify,
+    /// Threads hashing guest memory for the verification; 0 uses every
+    /// core. An embedder sharing the host with other guests may want fewer,
+    /// at the cost of a longer switch-over.
+    pub digest_threads: usize,
     /// Send page data with zero-copy sends straight from guest memory.
     pub zero_copy: bool,
     /// Which zero-copy mechanism (measured to a tie on loopback; see
@@ -210,6 +216,7 @@ impl Default for MigrationConfig {
             compression_level: None,
             qpl_path: QplPath::Auto,
             verify: Verify::Full,
+            digest_threads: 0,
             zero_copy: false,
             zero_copy_backend: ZeroCopyBackend::Msg,
             zero_copy_window: 0,
@@ -229,7 +236,16 @@ impl MigrationConfig {
         }
     }
 
-    /// Rejects unusable values up front, naming the option.
+    /// Threads actually used to hash guest memory.
+    pub fn digest_thread_count(&self) -> usize {
+        if self.digest_threads == 0 {
+            crate::digest::digest_threads()
+        } else {
+            self.digest_threads
+        }
+    }
+
+    /// Rejects unusable values up front, naming the field.
     pub fn validate(&self) -> Result<(), MigrationError> {
         let bad = |field: &'static str, reason: String| {
             Err(MigrationError::InvalidConfig { field, reason })

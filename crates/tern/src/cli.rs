@@ -357,6 +357,9 @@ pub struct TransferArgs {
     /// Compare memory digests before resuming on the destination.
     #[arg(long, default_value = "full", value_parser = verify_values())]
     pub verify: Verify,
+    /// Threads hashing memory for --verify full (0: every core).
+    #[arg(long, default_value_t = 0)]
+    pub digest_threads: usize,
     /// Send page data with MSG_ZEROCOPY straight from guest memory (TCP only;
     /// pays off on a real NIC, not on loopback, where the kernel copies).
     #[arg(long)]
@@ -472,6 +475,7 @@ impl TransferArgs {
             compression: self.compression,
             compression_level: self.compression_level,
             verify: self.verify,
+            digest_threads: self.digest_threads,
             zero_copy: self.zero_copy,
             zero_copy_backend: self.zero_copy_backend,
             io_timeout: Duration::from_secs(self.io_timeout),

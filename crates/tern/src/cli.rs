@@ -65,6 +65,17 @@ pub enum Command {
     /// Print a shell completion script: `tern completions bash >
     /// /etc/bash_completion.d/tern`.
     Completions(CompletionsArgs),
+    /// Report what this machine offers tern (KVM, DSA, IAA, QPL, kernel TLS,
+    /// io_uring, memlock limit, huge pages, NUMA) and how to fix what is
+    /// missing.
+    Doctor(DoctorArgs),
+}
+
+#[derive(Debug, Args)]
+pub struct DoctorArgs {
+    /// Print one JSON document instead of the table.
+    #[arg(long)]
+    pub json: bool,
 }
 
 #[derive(Debug, Args)]

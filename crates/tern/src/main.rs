@@ -2,6 +2,7 @@
 
 mod bench;
 mod cli;
+mod doctor;
 #[cfg(test)]
 mod reference;
 mod report;

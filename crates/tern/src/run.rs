@@ -20,6 +20,10 @@ pub fn dispatch(command: Command, verbose: bool) -> anyhow::Result<ExitCode> {
         Command::Receive(args) => receive(&args),
         Command::Bench(command) => crate::bench::run(command),
         Command::Vm(command) => crate::vm::run(command, verbose),
+        Command::Doctor(args) => {
+            crate::doctor::print(&crate::doctor::examine(), args.json)?;
+            Ok(ExitCode::SUCCESS)
+        }
         Command::Completions(args) => {
             use clap::CommandFactory;
             clap_complete::generate(

@@ -1,0 +1,558 @@
+//! `tern doctor`: what this machine offers tern, and the fix for what is
+//! missing.
+//!
+//! Every check is split in two: reading the machine (sysfs, /proc, a probe
+//! syscall) and a pure decision from what was read, so the decisions are
+//! unit-tested with the outputs of machines we do not have.
+
+use std::path::Path;
+
+use serde::Serialize;
+
+/// How a topic stands on this machine.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Status {
+    /// Present and usable.
+    Ok,
+    /// Usable with a restriction worth knowing.
+    Limited,
+    /// Absent or unusable: the feature falls back (or refuses).
+    Missing,
+}
+
+impl Status {
+    fn label(self) -> &'static str {
+        match self {
+            Self::Ok => "ok",
+            Self::Limited => "limited",
+            Self::Missing => "missing",
+        }
+    }
+}
+
+/// One line of the report.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct Finding {
+    /// What was checked: `kvm`, `dsa`, `iaa`, `qpl`, `ktls`, `io-uring`,
+    /// `memlock`, `thp`, `numa`, `cpu`.
+    pub topic: &'static str,
+    /// How it stands.
+    pub status: Status,
+    /// What was found.
+    pub detail: String,
+    /// What to do about it, when something can be done.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub fix: Option<String>,
+}
+
+impl Finding {
+    fn new(topic: &'static str, status: Status, detail: impl Into<String>) -> Self {
+        Self {
+            topic,
+            status,
+            detail: detail.into(),
+            fix: None,
+        }
+    }
+
+    fn fix(mut self, fix: impl Into<String>) -> Self {
+        self.fix = Some(fix.into());
+        self
+    }
+}
+
+/// Runs every check on this machine.
+pub fn examine() -> Vec<Finding> {
+    let cpu_flags = read("/proc/cpuinfo")
+        .and_then(|text| {
+            text.lines()
+                .find_map(|line| line.strip_prefix("flags"))
+                .map(|flags| flags.trim_start_matches([' ', '\t', ':']).to_string())
+        })
+        .unwrap_or_default();
+    let flags: Vec<&str> = cpu_flags.split_whitespace().collect();
+    let modules = loaded_modules();
+    let submit = tern_page::dsa::CpuSubmitFeatures::detect();
+    vec![
+        kvm_finding(
+            kvm_access(),
+            &modules.iter().map(String::as_str).collect::<Vec<_>>(),
+            &flags,
+        ),
+        cpu_finding(submit.movdir64b, submit.enqcmd, submit.waitpkg),
+        dsa_finding(Path::new("/sys/bus/dsa"), Path::new("/dev/dsa")),
+        iaa_finding(&accelerator_devices(Path::new("/sys/bus/dsa"), "iax")),
+        qpl_finding(tern_page::codec::qpl_available().map_err(|error| error.to_string())),
+        ktls_finding(
+            read("/proc/sys/net/ipv4/tcp_available_ulp").as_deref(),
+            tls_module_installed(),
+        ),
+        io_uring_finding(
+            tern_engine::uring_zc::check_available().map_err(|error| error.to_string()),
+        ),
+        memlock_finding(memlock_limit(), tern_engine::zerocopy::has_cap_ipc_lock()),
+        thp_finding(read("/sys/kernel/mm/transparent_hugepage/enabled").as_deref()),
+        numa_finding(read("/sys/devices/system/node/online").as_deref()),
+    ]
+}
+
+/// Prints the findings as a table, or as one JSON document.
+pub fn print(findings: &[Finding], json: bool) -> anyhow::Result<()> {
+    if json {
+        let document = serde_json::json!({ "findings": findings });
+        println!("{}", serde_json::to_string_pretty(&document)?);
+        return Ok(());
+    }
+    for finding in findings {
+        println!(
+            "{:<8} {:<9} {}",
+            finding.status.label(),
+            finding.topic,
+            finding.detail
+        );
+        if let Some(fix) = &finding.fix {
+            println!("{:<18} fix: {fix}", "");
+        }
+    }
+    Ok(())
+}
+
+fn read(path: &str) -> Option<String> {
+    std::fs::read_to_string(path).ok()
+}
+
+fn loaded_modules() -> Vec<String> {
+    std::fs::read_dir("/sys/module")
+        .map(|entries| {
+            entries
+                .flatten()
+                .map(|entry| entry.file_name().to_string_lossy().into_owned())
+                .filter(|name| name.starts_with("kvm"))
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+fn kvm_access() -> Result<(), String> {
+    std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open("/dev/kvm")
+        .map(drop)
+        .map_err(|error| error.to_string())
+}
+
+/// Whether guests can run, and how fast: natively with VT-x/AMD-V, or under
+/// PVM, where a guest that is not paravirtualized is emulated.
+pub fn kvm_finding(
+    access: Result<(), String>,
+    kvm_modules: &[&str],
+    cpu_flags: &[&str],
+) -> Finding {
+    if let Err(error) = access {
+        return Finding::new("kvm", Status::Missing, format!("/dev/kvm: {error}")).fix(
+            "load kvm_intel or kvm_amd (hardware virtualization enabled in firmware) and \
+             add this user to the kvm group; `tern vm` and the KVM tests need it",
+        );
+    }
+    let native = kvm_modules
+        .iter()
+        .any(|module| matches!(*module, "kvm_intel" | "kvm_amd"));
+    let nested = cpu_flags.contains(&"hypervisor");
+    if native {
+        let place = if nested { " (nested, inside a VM)" } else { "" };
+        return Finding::new(
+            "kvm",
+            Status::Ok,
+            format!("/dev/kvm usable, hardware virtualization{place}: guests run natively"),
+        );
+    }
+    if kvm_modules.contains(&"kvm_pvm") {
+        return Finding::new(
+            "kvm",
+            Status::Limited,
+            "/dev/kvm usable through PVM (no VT-x/AMD-V here): a guest that is not \
+             paravirtualized is emulated, a few million instructions per second",
+        )
+        .fix("fine for tern's memory-dirtying test guests; for real guests use a host with hardware virtualization");
+    }
+    Finding::new(
+        "kvm",
+        Status::Limited,
+        format!(
+            "/dev/kvm usable, provider unknown (modules: {})",
+            kvm_modules.join(", ")
+        ),
+    )
+}
+
+/// The CPU instructions the DSA path submits and waits with.
+pub fn cpu_finding(movdir64b: bool, enqcmd: bool, waitpkg: bool) -> Finding {
+    let yes_no = |present: bool| if present { "yes" } else { "no" };
+    let detail = format!(
+        "MOVDIR64B {}, ENQCMD {}, WAITPKG {}",
+        yes_no(movdir64b),
+        yes_no(enqcmd),
+        yes_no(waitpkg)
+    );
+    if movdir64b && enqcmd {
+        return Finding::new("cpu", Status::Ok, detail);
+    }
+    Finding::new("cpu", Status::Limited, detail).fix(
+        "without MOVDIR64B/ENQCMD tern submits DSA descriptors with write() on the queue's \
+         device file (slower, one syscall per batch); these come with 4th-gen Xeon and later",
+    )
+}
+
+/// Lists accelerator devices named `prefix`N under `/sys/bus/dsa/devices`.
+fn accelerator_devices(sysfs_root: &Path, prefix: &str) -> Vec<String> {
+    let mut names: Vec<String> = std::fs::read_dir(sysfs_root.join("devices"))
+        .map(|entries| {
+            entries
+                .flatten()
+                .map(|entry| entry.file_name().to_string_lossy().into_owned())
+                .filter(|name| {
+                    name.strip_prefix(prefix).is_some_and(|rest| {
+                        !rest.is_empty() && rest.bytes().all(|b| b.is_ascii_digit())
+                    })
+                })
+                .collect()
+        })
+        .unwrap_or_default();
+    names.sort();
+    names
+}
+
+/// DSA work queues tern can open.
+pub fn dsa_finding(sysfs_root: &Path, dev_root: &Path) -> Finding {
+    if !sysfs_root.exists() {
+        return Finding::new(
+            "dsa",
+            Status::Missing,
+            format!(
+                "no {} (no idxd driver or no DSA device)",
+                sysfs_root.display()
+            ),
+        )
+        .fix(
+            "needs Intel DSA (4th-gen Xeon or later, enabled in firmware, IOMMU in scalable \
+             mode), `modprobe idxd`, and user work queues configured with accel-config; zero \
+             pages are found on the CPU meanwhile",
+        );
+    }
+    match tern_page::dsa::sysfs::discover_work_queues(sysfs_root, dev_root) {
+        Ok(queues) => {
+            let mut unusable = Vec::new();
+            let listed: Vec<String> = queues
+                .iter()
+                .map(|queue| {
+                    let access = if is_read_write(&queue.dev_path) {
+                        ""
+                    } else {
+                        unusable.push(queue.dev_path.display().to_string());
+                        ", no access"
+                    };
+                    format!(
+                        "{} ({}, size {}, node {}{access})",
+                        queue.full_name(),
+                        queue.mode.name(),
+                        queue.size,
+                        queue
+                            .numa_node
+                            .map_or_else(|| "?".to_string(), |node| node.to_string())
+                    )
+                })
+                .collect();
+            let finding = Finding::new(
+                "dsa",
+                if unusable.is_empty() {
+                    Status::Ok
+                } else {
+                    Status::Limited
+                },
+                listed.join("; "),
+            );
+            if unusable.is_empty() {
+                finding
+            } else {
+                finding.fix(format!(
+                    "grant this user read/write on {} (a udev rule or group)",
+                    unusable.join(", ")
+                ))
+            }
+        }
+        Err(error) => Finding::new("dsa", Status::Missing, error.to_string()),
+    }
+}
+
+fn is_read_write(path: &Path) -> bool {
+    use std::os::unix::ffi::OsStrExt;
+    let Ok(path) = std::ffi::CString::new(path.as_os_str().as_bytes()) else {
+        return false;
+    };
+    // SAFETY: `path` is a valid NUL-terminated string; access() only reads it.
+    unsafe { libc::access(path.as_ptr(), libc::R_OK | libc::W_OK) == 0 }
+}
+
+/// IAA devices, for the QPL hardware path.
+pub fn iaa_finding(devices: &[String]) -> Finding {
+    if devices.is_empty() {
+        return Finding::new("iaa", Status::Missing, "no IAA device (iax*) under /sys/bus/dsa")
+            .fix("needs Intel IAA (4th-gen Xeon or later) with queues configured by accel-config; QPL's software path works without it");
+    }
+    Finding::new("iaa", Status::Ok, devices.join(", "))
+}
+
+/// The QPL library that `--compression qpl` loads at run time.
+pub fn qpl_finding(available: Result<(), String>) -> Finding {
+    match available {
+        Ok(()) => Finding::new("qpl", Status::Ok, "libqpl loads"),
+        Err(error) => Finding::new("qpl", Status::Missing, error).fix(
+            "install Intel QPL (libqpl.so.1, built from github.com/intel/qpl); the other codecs need nothing",
+        ),
+    }
+}
+
+fn tls_module_installed() -> bool {
+    let Some(release) = read("/proc/sys/kernel/osrelease") else {
+        return false;
+    };
+    let dir = format!("/lib/modules/{}/kernel/net/tls", release.trim());
+    std::fs::read_dir(dir)
+        .map(|entries| {
+            entries
+                .flatten()
+                .any(|entry| entry.file_name().to_string_lossy().starts_with("tls.ko"))
+        })
+        .unwrap_or(false)
+}
+
+/// Kernel TLS, which lets encrypted page data leave with one `sendmsg`.
+pub fn ktls_finding(available_ulps: Option<&str>, module_installed: bool) -> Finding {
+    let ulps = available_ulps.unwrap_or("").trim();
+    if ulps.split_whitespace().any(|ulp| ulp == "tls") {
+        return Finding::new("ktls", Status::Ok, format!("TCP ULPs: {ulps}"));
+    }
+    let finding = Finding::new(
+        "ktls",
+        Status::Missing,
+        format!(
+            "no \"tls\" TCP ULP (available: {})",
+            if ulps.is_empty() { "none" } else { ulps }
+        ),
+    );
+    if module_installed {
+        finding.fix("`modprobe tls`")
+    } else {
+        finding
+            .fix("this kernel has no tls module (CONFIG_TLS); encryption would run in user space")
+    }
+}
+
+/// io_uring `SENDMSG_ZC`, one of the two zero-copy backends.
+pub fn io_uring_finding(available: Result<(), String>) -> Finding {
+    match available {
+        Ok(()) => Finding::new("io-uring", Status::Ok, "SENDMSG_ZC supported"),
+        Err(error) => Finding::new("io-uring", Status::Missing, error)
+            .fix("use --zero-copy-backend msg (MSG_ZEROCOPY), the default"),
+    }
+}
+
+fn memlock_limit() -> Option<u64> {
+    // SAFETY: an all-zero rlimit is a valid value to overwrite.
+    let mut limit: libc::rlimit = unsafe { std::mem::zeroed() };
+    // SAFETY: `limit` is valid for writes.
+    let result = unsafe { libc::getrlimit(libc::RLIMIT_MEMLOCK, &mut limit) };
+    (result == 0 && limit.rlim_cur != libc::RLIM_INFINITY).then_some(limit.rlim_cur)
+}
+
+/// Zero-copy keeps sent pages pinned until the NIC is done with them, and
+/// the kernel charges them to `RLIMIT_MEMLOCK`. 16 MiB per channel is what
+/// the engine prefers; `None` is unlimited.
+pub fn memlock_finding(limit: Option<u64>, cap_ipc_lock: bool) -> Finding {
+    const PREFERRED_PER_CHANNEL: u64 = 16 << 20;
+    const SMALLEST_WINDOW: u64 = 256 << 10;
+    if cap_ipc_lock || limit.is_none() {
+        let why = if cap_ipc_lock {
+            "CAP_IPC_LOCK"
+        } else {
+            "RLIMIT_MEMLOCK unlimited"
+        };
+        return Finding::new(
+            "memlock",
+            Status::Ok,
+            format!("{why}: zero-copy windows of 16 MiB per channel"),
+        );
+    }
+    let limit = limit.unwrap_or(0);
+    let human = crate::units::human_bytes(limit);
+    let channels = limit / PREFERRED_PER_CHANNEL;
+    if channels >= 8 {
+        return Finding::new(
+            "memlock",
+            Status::Ok,
+            format!("RLIMIT_MEMLOCK {human}: 16 MiB zero-copy windows for {channels} channels"),
+        );
+    }
+    let fix = "raise it: `ulimit -l unlimited` in the shell, LimitMEMLOCK=infinity in a systemd \
+               unit, or grant CAP_IPC_LOCK";
+    if limit < SMALLEST_WINDOW {
+        return Finding::new(
+            "memlock",
+            Status::Missing,
+            format!("RLIMIT_MEMLOCK {human}: too small for --zero-copy"),
+        )
+        .fix(fix);
+    }
+    Finding::new(
+        "memlock",
+        Status::Limited,
+        format!("RLIMIT_MEMLOCK {human}: --zero-copy windows shrink to share it between channels"),
+    )
+    .fix(fix)
+}
+
+/// Transparent huge pages decide what a destination's first touch costs.
+pub fn thp_finding(enabled: Option<&str>) -> Finding {
+    let Some(text) = enabled else {
+        return Finding::new(
+            "thp",
+            Status::Ok,
+            "no transparent huge pages in this kernel",
+        );
+    };
+    let mode = text
+        .split_whitespace()
+        .find_map(|word| word.strip_prefix('[')?.strip_suffix(']'))
+        .unwrap_or("unknown");
+    match mode {
+        "always" => Finding::new(
+            "thp",
+            Status::Limited,
+            "always: a destination's first touch zeroes 2 MiB at a time, which QEMU pays \
+             and tern does not ask for",
+        )
+        .fix("`madvise` (echo madvise > /sys/kernel/mm/transparent_hugepage/enabled) compares both tools on equal footing"),
+        other => Finding::new(
+            "thp",
+            Status::Ok,
+            format!("{other}: destination memory is faulted in 4 KiB pages"),
+        ),
+    }
+}
+
+/// NUMA nodes, for placing channels and accelerators.
+pub fn numa_finding(online: Option<&str>) -> Finding {
+    let Some(online) = online.map(str::trim).filter(|text| !text.is_empty()) else {
+        return Finding::new("numa", Status::Ok, "no NUMA information (one node assumed)");
+    };
+    let nodes: u32 = online
+        .split(',')
+        .filter_map(|range| match range.split_once('-') {
+            Some((first, last)) => Some(last.parse::<u32>().ok()? - first.parse::<u32>().ok()? + 1),
+            None => range.parse::<u32>().ok().map(|_| 1),
+        })
+        .sum();
+    let detail = format!("{nodes} node(s) online ({online})");
+    if nodes > 1 {
+        Finding::new("numa", Status::Limited, detail).fix(
+            "pin tern (and the VMM) to the node of the NIC and of the DSA devices it uses, \
+             e.g. with numactl --cpunodebind",
+        )
+    } else {
+        Finding::new("numa", Status::Ok, detail)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn kvm_tells_native_pvm_and_missing_apart() {
+        assert_eq!(
+            kvm_finding(Ok(()), &["kvm", "kvm_intel"], &[]).status,
+            Status::Ok
+        );
+        let nested = kvm_finding(Ok(()), &["kvm", "kvm_amd"], &["hypervisor"]);
+        assert!(nested.detail.contains("nested"), "{}", nested.detail);
+        let pvm = kvm_finding(Ok(()), &["kvm", "kvm_pvm"], &["hypervisor"]);
+        assert_eq!(pvm.status, Status::Limited);
+        assert!(pvm.detail.contains("emulated"), "{}", pvm.detail);
+        let missing = kvm_finding(Err("No such file or directory".into()), &[], &[]);
+        assert_eq!(missing.status, Status::Missing);
+        assert!(missing.fix.is_some());
+    }
+
+    #[test]
+    fn ktls_needs_the_tls_ulp() {
+        assert_eq!(ktls_finding(Some("mptcp tls\n"), false).status, Status::Ok);
+        let absent = ktls_finding(Some("mptcp\n"), false);
+        assert_eq!(absent.status, Status::Missing);
+        assert!(absent.fix.unwrap().contains("CONFIG_TLS"));
+        assert!(
+            ktls_finding(None, true)
+                .fix
+                .unwrap()
+                .contains("modprobe tls")
+        );
+    }
+
+    #[test]
+    fn memlock_grades_the_limit() {
+        assert_eq!(memlock_finding(None, false).status, Status::Ok);
+        assert_eq!(memlock_finding(Some(8 << 10), true).status, Status::Ok);
+        assert_eq!(
+            memlock_finding(Some(8 << 10), false).status,
+            Status::Missing
+        );
+        assert_eq!(
+            memlock_finding(Some(8 << 20), false).status,
+            Status::Limited
+        );
+        assert_eq!(memlock_finding(Some(1 << 30), false).status, Status::Ok);
+    }
+
+    #[test]
+    fn thp_and_numa_are_read_from_their_sysfs_text() {
+        let always = thp_finding(Some("[always] madvise never\n"));
+        assert_eq!(always.status, Status::Limited);
+        assert!(
+            thp_finding(Some("always [madvise] never\n"))
+                .detail
+                .starts_with("madvise")
+        );
+        assert_eq!(numa_finding(Some("0\n")).status, Status::Ok);
+        let two = numa_finding(Some("0-1\n"));
+        assert_eq!(two.status, Status::Limited);
+        assert!(two.detail.starts_with("2 node"), "{}", two.detail);
+        assert!(numa_finding(Some("0,2-3")).detail.starts_with("3 node"));
+    }
+
+    #[test]
+    fn accelerators_are_found_in_a_fake_sysfs() {
+        let root = tempfile::tempdir().unwrap();
+        assert_eq!(
+            dsa_finding(&root.path().join("absent"), root.path()).status,
+            Status::Missing
+        );
+        let devices = root.path().join("devices");
+        for name in ["dsa0", "iax1", "iax3", "wq0.0", "iaxx"] {
+            std::fs::create_dir_all(devices.join(name)).unwrap();
+        }
+        assert_eq!(accelerator_devices(root.path(), "iax"), ["iax1", "iax3"]);
+        assert_eq!(iaa_finding(&[]).status, Status::Missing);
+        assert_eq!(iaa_finding(&["iax1".into()]).detail, "iax1");
+    }
+
+    #[test]
+    fn the_json_names_are_stable() {
+        let finding = Finding::new("qpl", Status::Missing, "absent").fix("install it");
+        let json = serde_json::to_value(&finding).unwrap();
+        assert_eq!(
+            json,
+            serde_json::json!({"topic": "qpl", "status": "missing", "detail": "absent", "fix": "install it"})
+        );
+    }
+}

@@ -41,6 +41,27 @@ fn demo_over_a_unix_socket_prints_a_summary() {
 }
 
 #[test]
+fn doctor_reports_every_topic_as_json() {
+    let output = tern().args(["doctor", "--json"]).output().unwrap();
+    assert!(output.status.success(), "{output:?}");
+    let report = json(&output);
+    let findings = report["findings"].as_array().expect("a findings array");
+    let topics: Vec<&str> = findings
+        .iter()
+        .map(|finding| finding["topic"].as_str().unwrap())
+        .collect();
+    for topic in [
+        "kvm", "cpu", "dsa", "iaa", "qpl", "ktls", "io-uring", "memlock", "thp", "numa",
+    ] {
+        assert!(topics.contains(&topic), "{topic} missing from {topics:?}");
+    }
+    for finding in findings {
+        let status = finding["status"].as_str().unwrap();
+        assert!(["ok", "limited", "missing"].contains(&status), "{finding}");
+    }
+}
+
+#[test]
 fn migrate_to_a_separate_receive_process() {
     let receiver = Receiver::spawn(&["receive"], &["--json"]);
     let output = tern()

@@ -124,6 +124,9 @@ pub struct FrameDecoder {
     need: usize,
     frame_len: usize,
     entries: Vec<PageEntry>,
+    /// The frame kinds this stream may carry, and how to name them in an
+    /// error; `None` = any.
+    only: Option<(&'static [FrameKind], &'static str)>,
 }
 
 impl Default for FrameDecoder {
@@ -154,7 +157,17 @@ impl FrameDecoder {
             need: FRAME_HEADER_LEN,
             frame_len: 0,
             entries: Vec::with_capacity(MAX_PAGES_PER_PACKET),
+            only: None,
         }
+    }
+
+    /// Refuses frames of other kinds than `kinds` as soon as their header
+    /// arrives, before any of their body is read or buffered: a page
+    /// channel, say, carries only pages, syncs and aborts. `expected` names
+    /// the allowed kinds in the [`WireError::Unexpected`] error.
+    pub fn only(mut self, kinds: &'static [FrameKind], expected: &'static str) -> Self {
+        self.only = Some((kinds, expected));
+        self
     }
 
     /// The setup page packets are checked against, if any.
@@ -389,6 +402,14 @@ impl FrameDecoder {
         let header = FrameHeader::decode(&head)?;
         let body_len = header.body_len as usize;
         self.frame_len = FRAME_HEADER_LEN + body_len;
+        if let Some((kinds, expected)) = self.only
+            && !kinds.contains(&header.kind)
+        {
+            return Err(WireError::Unexpected {
+                got: header.kind,
+                expected,
+            });
+        }
         match header.kind {
             FrameKind::Pages => {
                 if self.setup.is_none() {

@@ -679,3 +679,21 @@ fn outcome_statistics_are_bounded() {
         Err(WireError::FieldTooLong { .. })
     ));
 }
+
+#[test]
+fn decoder_refuses_kinds_outside_its_filter_at_the_header() {
+    let mut decoder = FrameDecoder::with_setup(setup())
+        .only(&[FrameKind::Pages, FrameKind::Sync], "pages or a sync");
+    let header = FrameHeader {
+        kind: FrameKind::StateSection,
+        body_len: 1000,
+    };
+    decoder.buffer().copy_from_slice(&header.encode());
+    assert_eq!(
+        decoder.filled(FRAME_HEADER_LEN),
+        Err(WireError::Unexpected {
+            got: FrameKind::StateSection,
+            expected: "pages or a sync"
+        })
+    );
+}

@@ -311,3 +311,228 @@ impl Placement {
         Ok(())
     }
 }
+
+#[cfg(test)]
+mod tests {
+    //! A receiver driven from a buffer instead of a socket: the whole page
+    //! channel path (decoding, placement, apply) without I/O.
+
+    use std::ptr::NonNull;
+    use std::time::Duration;
+
+    use tern_page::codec::PageCompressor;
+    use tern_wire::{DigestAlgorithm, RegionInfo, SessionSetup, Sync, encode_pages_prefix};
+
+    use super::*;
+    use crate::destination::ReceiveStats;
+    use crate::source::CancelToken;
+
+    /// A page channel's bytes held in memory.
+    struct Buffer {
+        bytes: Vec<u8>,
+        read: usize,
+    }
+
+    impl Buffer {
+        fn take(&mut self, len: usize) -> Result<&[u8], ChannelError> {
+            let bytes = self
+                .bytes
+                .get(self.read..self.read + len)
+                .ok_or(ChannelError::Closed)?;
+            self.read += len;
+            Ok(bytes)
+        }
+    }
+
+    impl FrameSource for Buffer {
+        fn wait_readable(&self, _: Duration) -> Result<bool, ChannelError> {
+            Ok(true)
+        }
+
+        fn read_exact(&mut self, buf: &mut [u8]) -> Result<(), ChannelError> {
+            buf.copy_from_slice(self.take(buf.len())?);
+            Ok(())
+        }
+
+        unsafe fn read_scattered(&mut self, segments: &[Segment]) -> Result<(), ChannelError> {
+            for segment in segments {
+                let bytes = self.take(segment.len)?;
+                // SAFETY: the caller's contract: `len` writable bytes that
+                // nothing else accesses; `bytes` is our own buffer.
+                unsafe {
+                    std::ptr::copy_nonoverlapping(
+                        bytes.as_ptr(),
+                        segment.ptr.cast_mut(),
+                        bytes.len(),
+                    )
+                };
+            }
+            Ok(())
+        }
+    }
+
+    const PAGES: usize = 8;
+
+    fn setup() -> SessionSetup {
+        SessionSetup {
+            page_size: tern_wire::PAGE_SIZE,
+            channel_count: 1,
+            codecs: 1 << tern_wire::codec_id::ZSTD,
+            digest: DigestAlgorithm::Xxh3Pages,
+            regions: vec![RegionInfo {
+                id: 5,
+                guest_addr: 0,
+                len: (PAGES * PAGE_SIZE) as u64,
+            }],
+            guest_kind: String::new(),
+        }
+    }
+
+    fn sync(iteration: u32, last: bool) -> Vec<u8> {
+        Message::Sync(Sync { iteration, last }).to_bytes()
+    }
+
+    /// Receives `stream` into a fresh guest of [`PAGES`] pages.
+    fn receive(stream: Vec<u8>) -> (Result<u32, MigrationError>, Vec<u8>, ReceiveStats) {
+        let setup = setup();
+        let mut memory = vec![0u8; PAGES * PAGE_SIZE];
+        // SAFETY: `memory` is a writable allocation of that length that
+        // outlives every use of the region below.
+        let region = unsafe {
+            MemoryRegion::new(
+                5,
+                0,
+                NonNull::new(memory.as_mut_ptr()).unwrap(),
+                memory.len() as u64,
+            )
+        };
+        let regions = [region];
+        let stats = ReceiveStats::default();
+        let cancel = CancelToken::new();
+        let result = {
+            let shared = ReceiverShared::new(
+                &setup,
+                &regions,
+                1,
+                &stats,
+                Duration::from_secs(30),
+                &cancel,
+            );
+            let source = Buffer {
+                bytes: stream,
+                read: 0,
+            };
+            receive_pages(&shared, 0, source, &[CodecId::Zstd])
+        };
+        (result, memory, stats)
+    }
+
+    fn page(memory: &[u8], index: usize) -> &[u8] {
+        &memory[index * PAGE_SIZE..(index + 1) * PAGE_SIZE]
+    }
+
+    #[test]
+    fn a_session_received_from_a_buffer() {
+        let text: Vec<u8> = b"tern ".iter().copied().cycle().take(PAGE_SIZE).collect();
+        let mut compressed = [0u8; tern_page::codec::MAX_COMPRESSED];
+        let len = PageCompressor::new(CodecId::Zstd, 1)
+            .unwrap()
+            .compress(text.as_slice().try_into().unwrap(), &mut compressed)
+            .expect("repeated text compresses");
+        let entries = [
+            PageEntry {
+                page_index: 1,
+                kind: PageKind::Raw,
+                encoded_len: PAGE_SIZE as u32,
+            },
+            PageEntry {
+                page_index: 2,
+                kind: PageKind::Zero,
+                encoded_len: 0,
+            },
+            PageEntry {
+                page_index: 3,
+                kind: PageKind::Compressed,
+                encoded_len: len as u32,
+            },
+        ];
+        let mut stream = Vec::new();
+        encode_pages_prefix(&mut stream, 5, 0, CodecId::Zstd.to_wire(), &entries);
+        stream.extend_from_slice(&[0xab; PAGE_SIZE]);
+        stream.extend_from_slice(&compressed[..len]);
+        stream.extend(sync(0, false));
+        // Iteration 1: page 1 became zero, so it is cleared.
+        let zero = [PageEntry {
+            page_index: 1,
+            kind: PageKind::Zero,
+            encoded_len: 0,
+        }];
+        encode_pages_prefix(&mut stream, 5, 1, 0, &zero);
+        stream.extend(sync(1, true));
+        let stream_len = stream.len() as u64;
+
+        let (result, memory, stats) = receive(stream);
+        assert_eq!(result.unwrap(), 1);
+        assert!(page(&memory, 1).iter().all(|&b| b == 0));
+        assert_eq!(page(&memory, 3), text.as_slice());
+        assert_eq!(stats.received_bytes(), stream_len);
+        assert_eq!(stats.zero_pages.load(Ordering::Relaxed), 2);
+        assert_eq!(stats.zero_pages_cleared.load(Ordering::Relaxed), 1);
+        assert_eq!(stats.normal_pages.load(Ordering::Relaxed), 2);
+        assert_eq!(stats.iterations_done(), 2);
+    }
+
+    #[test]
+    fn a_packet_of_another_iteration_is_refused() {
+        let mut stream = Vec::new();
+        let entry = [PageEntry {
+            page_index: 0,
+            kind: PageKind::Zero,
+            encoded_len: 0,
+        }];
+        encode_pages_prefix(&mut stream, 5, 4, 0, &entry);
+        let (result, _, _) = receive(stream);
+        let error = result.unwrap_err().to_string();
+        assert!(
+            error.contains("packet of iteration 4 during iteration 0"),
+            "{error}"
+        );
+    }
+
+    #[test]
+    fn a_stream_ending_inside_a_payload_is_a_closed_channel() {
+        let mut stream = Vec::new();
+        let entry = [PageEntry {
+            page_index: 0,
+            kind: PageKind::Raw,
+            encoded_len: PAGE_SIZE as u32,
+        }];
+        encode_pages_prefix(&mut stream, 5, 0, 0, &entry);
+        stream.extend_from_slice(&[1; 100]);
+        let (result, _, _) = receive(stream);
+        assert!(matches!(
+            result,
+            Err(MigrationError::Channel {
+                index: 1,
+                source: ChannelError::Closed
+            })
+        ));
+    }
+
+    #[test]
+    fn a_state_section_on_a_page_channel_is_refused_at_its_header() {
+        let stream = Message::StateSection(tern_wire::StateSectionMsg {
+            name: "cpu".into(),
+            version: 1,
+            data: vec![0; 1000],
+        })
+        .to_bytes();
+        let (result, _, _) = receive(stream[..tern_wire::FRAME_HEADER_LEN].to_vec());
+        let error = result.unwrap_err();
+        assert!(
+            error.chain().contains("pages or a sync on a page channel"),
+            "{}",
+            error.chain()
+        );
+    }
+}

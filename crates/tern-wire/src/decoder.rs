@@ -111,6 +111,35 @@ enum State {
 }
 
 /// Decodes one direction of one channel. See the module documentation.
+///
+/// A receiver's loop, reading from any byte source (here a slice standing
+/// in for a socket):
+///
+/// ```
+/// use tern_wire::{Event, Expect, FrameDecoder, Message, Sync};
+///
+/// let stream = Message::Sync(Sync { iteration: 0, last: true }).to_bytes();
+/// let mut socket = &stream[..];
+/// let mut decoder = FrameDecoder::new();
+/// let event = loop {
+///     match decoder.expect() {
+///         Expect::Framing { .. } => {
+///             let buf = decoder.buffer();
+///             let len = buf.len();
+///             buf.copy_from_slice(&socket[..len]); // read exactly `len` bytes
+///             socket = &socket[len..];
+///             if let Some(event) = decoder.filled(len)? {
+///                 break event;
+///             }
+///         }
+///         // Payload of a page packet: read it into place, then say so.
+///         Expect::Payload { len, .. } => decoder.consume_payload(len),
+///     }
+/// };
+/// assert!(matches!(event, Event::Message(Message::Sync(_))));
+/// assert!(decoder.at_frame_start());
+/// # Ok::<(), tern_wire::WireError>(())
+/// ```
 #[derive(Debug)]
 pub struct FrameDecoder {
     setup: Option<SessionSetup>,

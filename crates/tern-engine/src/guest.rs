@@ -17,8 +17,9 @@ use std::ptr::NonNull;
 
 use crate::bitmap::DirtyBitmap;
 
-/// Size of the pages tern tracks and transfers.
-pub const PAGE_SIZE: usize = 4096;
+/// Size of the pages tern tracks and transfers, as the protocol defines it
+/// ([`tern_wire::PAGE_SIZE`]).
+pub const PAGE_SIZE: usize = tern_wire::PAGE_SIZE as usize;
 
 /// An error reported by a VMM's implementation of the guest traits.
 #[derive(Debug, thiserror::Error)]

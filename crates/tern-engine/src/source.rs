@@ -563,7 +563,7 @@ impl Source {
         if forced {
             tracing::info!("switch-over was forced by a limit");
         }
-        Ok(serde_json::from_slice::<DestinationStats>(&outcome.stats).ok())
+        Ok(Some(DestinationStats::from_wire(&outcome.stats)))
     }
 }
 

@@ -7,6 +7,7 @@ use std::sync::atomic::{AtomicBool, AtomicU8, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use serde::{Deserialize, Serialize};
+use tern_wire::OutcomeStats;
 
 use crate::zerocopy::ZeroCopyStats;
 
@@ -546,6 +547,27 @@ pub struct DestinationStats {
     pub digest_time: u64,
     /// CPU seconds per thread.
     pub cpu_seconds: BTreeMap<String, f64>,
+}
+
+impl DestinationStats {
+    /// The statistics the destination's outcome message carries, with CPU
+    /// times under the thread names `main` and `receiver-<n>`.
+    pub(crate) fn from_wire(stats: &OutcomeStats) -> Self {
+        let seconds = |nanos: u64| nanos as f64 / 1e9;
+        let mut cpu_seconds = BTreeMap::new();
+        cpu_seconds.insert("main".to_string(), seconds(stats.main_cpu_nanos));
+        for (index, &nanos) in stats.receiver_cpu_nanos.iter().enumerate() {
+            cpu_seconds.insert(format!("receiver-{index}"), seconds(nanos));
+        }
+        Self {
+            received: stats.received_bytes,
+            zero_pages: stats.zero_pages,
+            zero_pages_cleared: stats.zero_pages_cleared,
+            normal_pages: stats.normal_pages,
+            digest_time: stats.digest_micros / 1000,
+            cpu_seconds,
+        }
+    }
 }
 
 /// CPU time used so far by the calling thread.

@@ -36,7 +36,8 @@ use std::fmt;
 use std::str::FromStr;
 
 /// Size of a guest page in bytes; the unit every page-level API works on.
-pub const PAGE_SIZE: usize = 4096;
+/// The protocol defines it ([`tern_wire::PAGE_SIZE`]).
+pub const PAGE_SIZE: usize = tern_wire::PAGE_SIZE as usize;
 
 /// Byte offsets of the three 8-byte words sampled before the full scan.
 ///

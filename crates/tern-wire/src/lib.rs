@@ -16,24 +16,42 @@
 #![warn(missing_docs)]
 
 mod codec;
+mod decoder;
 mod error;
 mod message;
 mod pages;
 
 pub use codec::{Reader, Writer};
+pub use decoder::{Decoded, Event, Expect, FrameDecoder, PagePacket};
 pub use error::{AbortReason, WireError};
 pub use message::{
-    Abort, ChannelHello, Complete, DigestAlgorithm, Handshake, Hello, Message, Outcome, RegionInfo,
-    SessionSetup, StateSectionMsg, Sync, Welcome,
+    Abort, ChannelHello, Complete, DigestAlgorithm, Handshake, Hello, Message, Outcome,
+    OutcomeStats, RegionInfo, SessionSetup, StateSectionMsg, Sync, Welcome,
 };
 pub use pages::{PageEntry, PageKind, PagesHeader, decode_page_table, encode_pages_prefix};
 
 /// First bytes of every handshake.
 pub const MAGIC: [u8; 8] = *b"TERNMIG\0";
 /// Protocol version spoken by this build.
-pub const PROTOCOL_VERSION: u16 = 2;
-/// The only page size this version supports.
+pub const PROTOCOL_VERSION: u16 = 3;
+/// The only page size this version supports: the one definition of tern's
+/// page size (`tern_page::PAGE_SIZE` and `tern_engine::PAGE_SIZE` are this
+/// value as a `usize`).
 pub const PAGE_SIZE: u32 = 4096;
+
+/// Page codec ids: the byte a page packet names its codec with
+/// ([`PagesHeader::codec`]) and the bit numbers of [`SessionSetup::codecs`].
+/// `tern-page` implements the codecs (its `CodecId` uses these values).
+pub mod codec_id {
+    /// No compression: a packet without compressed pages.
+    pub const NONE: u8 = 0;
+    /// zstd frames without checksum or content size.
+    pub const ZSTD: u8 = 1;
+    /// Raw deflate (RFC 1951) with a 4 KiB window, as Intel IAA decodes it.
+    pub const DEFLATE: u8 = 2;
+    /// lz4 block format.
+    pub const LZ4: u8 = 3;
+}
 /// Most pages one packet may carry.
 pub const MAX_PAGES_PER_PACKET: usize = 128;
 /// Most page channels a session may use.
@@ -50,8 +68,6 @@ pub const MAX_GUEST_KIND_LEN: usize = 64;
 pub const MAX_SECTION_BYTES: usize = 64 << 20;
 /// Longest free-text message (abort reasons, outcome details).
 pub const MAX_TEXT_LEN: usize = 4096;
-/// Longest opaque statistics blob in an [`Outcome`].
-pub const MAX_STATS_LEN: usize = 64 << 10;
 /// Largest frame body of any kind.
 pub const MAX_FRAME_BODY: usize = MAX_SECTION_BYTES + MAX_NAME_LEN + 16;
 
@@ -111,7 +127,7 @@ impl FrameKind {
             Self::Sync => 8,
             Self::StateSection => MAX_FRAME_BODY,
             Self::Complete => 32,
-            Self::Outcome => 32 + MAX_TEXT_LEN + MAX_STATS_LEN,
+            Self::Outcome => 32 + MAX_TEXT_LEN + OutcomeStats::MAX_ENCODED_LEN,
             Self::Abort => 8 + MAX_TEXT_LEN,
         }
     }
@@ -164,53 +180,30 @@ pub enum Frame {
     Pages(PagesHeader, Vec<PageEntry>),
 }
 
-/// Decodes a whole byte stream of frames, as a receiver would: control
+/// Decodes a whole byte stream of frames with a [`FrameDecoder`]: control
 /// messages are decoded; page packets are checked against `setup` (or
-/// against the setup of a [`Hello`] earlier in the stream). Used by the fuzz
-/// target and by tests; the engine reads frames from sockets piecewise with
-/// the same functions.
+/// against the setup of a [`Hello`] earlier in the stream) and their payload
+/// is skipped. Used by the fuzz target and by tests; the engine's receivers
+/// drive the same decoder from their sockets.
 pub fn decode_stream(
     mut bytes: &[u8],
     setup: Option<&SessionSetup>,
 ) -> Result<Vec<Frame>, WireError> {
+    let mut decoder = match setup {
+        Some(setup) => FrameDecoder::with_setup(setup.clone()),
+        None => FrameDecoder::new(),
+    };
     let mut frames = Vec::new();
-    let mut learned: Option<SessionSetup> = None;
-    while !bytes.is_empty() {
-        let Some((head, rest)) = bytes.split_first_chunk::<FRAME_HEADER_LEN>() else {
-            return Err(WireError::Truncated("frame header"));
-        };
-        let header = FrameHeader::decode(head)?;
-        let body_len = header.body_len as usize;
-        if rest.len() < body_len {
-            return Err(WireError::Truncated("frame body"));
-        }
-        let (body, rest) = rest.split_at(body_len);
-        bytes = rest;
-        if header.kind == FrameKind::Pages {
-            let setup = setup.or(learned.as_ref()).ok_or(WireError::Unexpected {
-                got: FrameKind::Pages,
-                expected: "a hello first",
-            })?;
-            let Some((pages_head, after)) =
-                body.split_first_chunk::<{ PagesHeader::ENCODED_LEN }>()
-            else {
-                return Err(WireError::Truncated("pages header"));
-            };
-            let (pages, payload_len) = PagesHeader::decode(pages_head, body_len, setup)?;
-            let (table, _payload) = after
-                .split_at_checked(pages.table_len())
-                .ok_or(WireError::Truncated("page table"))?;
-            let mut entries = Vec::new();
-            decode_page_table(&pages, table, payload_len, setup, &mut entries)?;
-            frames.push(Frame::Pages(pages, entries));
-        } else {
-            let message = Message::decode(header.kind, body)?;
-            if let Message::Hello(hello) = &message {
-                learned = Some(hello.setup.clone());
+    while let Some(decoded) = decoder.decode(&mut bytes)? {
+        match decoded {
+            Decoded::Event(Event::Message(message)) => frames.push(Frame::Message(message)),
+            Decoded::Event(Event::Pages(packet)) => {
+                frames.push(Frame::Pages(packet.header, decoder.entries().to_vec()));
             }
-            frames.push(Frame::Message(message));
+            Decoded::Payload { .. } => {}
         }
     }
+    decoder.finish()?;
     Ok(frames)
 }
 

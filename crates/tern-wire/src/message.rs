@@ -4,8 +4,8 @@ use crate::codec::{Reader, Writer};
 use crate::error::{AbortReason, WireError};
 use crate::{
     FRAME_HEADER_LEN, FrameHeader, FrameKind, MAGIC, MAX_CHANNELS, MAX_GUEST_KIND_LEN,
-    MAX_NAME_LEN, MAX_REGION_BYTES, MAX_REGIONS, MAX_SECTION_BYTES, MAX_STATS_LEN, MAX_TEXT_LEN,
-    PAGE_SIZE, PROTOCOL_VERSION,
+    MAX_NAME_LEN, MAX_REGION_BYTES, MAX_REGIONS, MAX_SECTION_BYTES, MAX_TEXT_LEN, PAGE_SIZE,
+    PROTOCOL_VERSION,
 };
 
 /// The part of the handshake every channel sends first.
@@ -103,7 +103,7 @@ pub struct SessionSetup {
     /// Number of page channels (the main channel is not counted).
     pub channel_count: u16,
     /// Codecs the source may use, one bit per codec id (bit 1 = codec 1;
-    /// ids are defined by `tern-page`); 0 = no compression. Each page packet
+    /// ids are in [`crate::codec_id`]); 0 = no compression. Each page packet
     /// names the one it uses, so the source may switch between iterations.
     pub codecs: u8,
     /// How the final digest is computed.
@@ -270,8 +270,76 @@ pub struct Outcome {
     pub digest: u128,
     /// Explanation when not verified.
     pub detail: String,
-    /// The destination's statistics, as JSON.
-    pub stats: Vec<u8>,
+    /// The destination's statistics (all zero when not verified).
+    pub stats: OutcomeStats,
+}
+
+/// The destination's statistics, carried by its [`Outcome`].
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct OutcomeStats {
+    /// Bytes read from the page channels (frame headers included).
+    pub received_bytes: u64,
+    /// Zero pages received.
+    pub zero_pages: u64,
+    /// Zero pages written over data received earlier.
+    pub zero_pages_cleared: u64,
+    /// Pages received with data.
+    pub normal_pages: u64,
+    /// Time spent computing the memory digest, in microseconds.
+    pub digest_micros: u64,
+    /// CPU time of the destination's main thread, in nanoseconds.
+    pub main_cpu_nanos: u64,
+    /// CPU time of each page channel's receiver thread, in channel order, in
+    /// nanoseconds; at most [`MAX_CHANNELS`] entries.
+    pub receiver_cpu_nanos: Vec<u64>,
+}
+
+impl OutcomeStats {
+    /// Most bytes the statistics take in an outcome: six counters, the
+    /// receiver count with reserved bytes, and one counter per channel.
+    pub const MAX_ENCODED_LEN: usize = 6 * 8 + 8 + MAX_CHANNELS as usize * 8;
+
+    fn encode(&self, w: &mut Writer<'_>) {
+        w.u64(self.received_bytes)
+            .u64(self.zero_pages)
+            .u64(self.zero_pages_cleared)
+            .u64(self.normal_pages)
+            .u64(self.digest_micros)
+            .u64(self.main_cpu_nanos);
+        let count = self.receiver_cpu_nanos.len().min(usize::from(MAX_CHANNELS));
+        w.u16(u16::try_from(count).unwrap_or(MAX_CHANNELS)).zeros(6);
+        for &nanos in &self.receiver_cpu_nanos[..count] {
+            w.u64(nanos);
+        }
+    }
+
+    fn decode(r: &mut Reader<'_>) -> Result<Self, WireError> {
+        let received_bytes = r.u64()?;
+        let zero_pages = r.u64()?;
+        let zero_pages_cleared = r.u64()?;
+        let normal_pages = r.u64()?;
+        let digest_micros = r.u64()?;
+        let main_cpu_nanos = r.u64()?;
+        let count = r.u16()?;
+        r.reserved(6)?;
+        if count > MAX_CHANNELS {
+            return Err(WireError::FieldTooLong {
+                field: "receiver CPU times",
+                len: usize::from(count),
+                max: usize::from(MAX_CHANNELS),
+            });
+        }
+        let receiver_cpu_nanos = (0..count).map(|_| r.u64()).collect::<Result<_, _>>()?;
+        Ok(Self {
+            received_bytes,
+            zero_pages,
+            zero_pages_cleared,
+            normal_pages,
+            digest_micros,
+            main_cpu_nanos,
+            receiver_cpu_nanos,
+        })
+    }
 }
 
 /// The sender gives up.
@@ -365,8 +433,8 @@ impl Message {
                 w.u8(u8::from(outcome.verified))
                     .zeros(7)
                     .u128(outcome.digest)
-                    .bytes_u32(outcome.detail.as_bytes())
-                    .bytes_u32(&outcome.stats);
+                    .bytes_u32(outcome.detail.as_bytes());
+                outcome.stats.encode(&mut w);
             }
             Self::Abort(abort) => {
                 w.u16(abort.reason as u16)
@@ -523,7 +591,7 @@ impl Message {
                 r.reserved(7)?;
                 let digest = r.u128()?;
                 let detail = r.string(MAX_TEXT_LEN, "outcome detail")?;
-                let stats = r.bytes_u32(MAX_STATS_LEN, "outcome statistics")?.to_vec();
+                let stats = OutcomeStats::decode(&mut r)?;
                 Self::Outcome(Outcome {
                     verified,
                     digest,

@@ -70,7 +70,15 @@ fn control_messages_round_trip() {
         verified: true,
         digest: 77,
         detail: String::new(),
-        stats: b"{}".to_vec(),
+        stats: OutcomeStats {
+            received_bytes: 1 << 40,
+            zero_pages: 3,
+            zero_pages_cleared: 1,
+            normal_pages: 9,
+            digest_micros: 1500,
+            main_cpu_nanos: 7,
+            receiver_cpu_nanos: vec![11, 12, 13],
+        },
     }));
     round_trip(Message::Abort(Abort {
         reason: AbortReason::Cancelled,
@@ -364,7 +372,7 @@ fn truncations_of_every_message_are_errors() {
         verified: false,
         digest: 1,
         detail: "nope".into(),
-        stats: vec![],
+        stats: OutcomeStats::default(),
     })
     .encode(&mut stream);
     assert_eq!(decode_stream(&stream, None).unwrap().len(), 3);
@@ -416,5 +424,315 @@ fn pseudo_random_input_never_panics() {
             *byte = 0;
         }
         let _ = decode_stream(&bytes, Some(&setup));
+        drive_like_a_receiver(&bytes, Some(setup.clone()), (next() % 17 + 1) as usize);
     }
+    // Valid streams cut into random reads decode to the same events.
+    let (_, stream) = session_stream();
+    for _ in 0..200 {
+        let read_size = (next() % 5000 + 1) as usize;
+        assert!(drive_like_a_receiver(&stream, None, read_size));
+    }
+}
+
+/// Drives a decoder as the fuzz target and the engine's receivers do:
+/// framing in reads of at most `read_size` bytes, payload consumed in place.
+/// Returns whether the stream decoded without error.
+fn drive_like_a_receiver(mut input: &[u8], setup: Option<SessionSetup>, read_size: usize) -> bool {
+    let mut decoder = match setup {
+        Some(setup) => FrameDecoder::with_setup(setup),
+        None => FrameDecoder::new(),
+    };
+    while !input.is_empty() {
+        match decoder.expect() {
+            Expect::Payload { entry, len } => {
+                assert!(entry < decoder.entries().len());
+                assert!(len > 0);
+                let len = len.min(input.len()).min(read_size);
+                decoder.consume_payload(len);
+                input = &input[len..];
+            }
+            Expect::Framing { remaining } => {
+                let buf = decoder.buffer();
+                assert!(!buf.is_empty() && buf.len() <= remaining);
+                let len = buf.len().min(input.len()).min(read_size);
+                buf[..len].copy_from_slice(&input[..len]);
+                input = &input[len..];
+                if decoder.filled(len).is_err() {
+                    return false;
+                }
+            }
+        }
+    }
+    decoder.finish().is_ok()
+}
+
+fn entry(page_index: u32, kind: PageKind, encoded_len: u32) -> PageEntry {
+    PageEntry {
+        page_index,
+        kind,
+        encoded_len,
+    }
+}
+
+/// A session stream: hello, a mixed packet, a zero-only packet, a sync, a
+/// state section and an outcome.
+fn session_stream() -> (SessionSetup, Vec<u8>) {
+    let mut setup = setup();
+    setup.codecs = 1 << codec_id::ZSTD;
+    let mut stream = Message::Hello(Hello {
+        handshake: Handshake {
+            session_id: 1,
+            channel_index: 0,
+        },
+        setup: setup.clone(),
+    })
+    .to_bytes();
+    let mixed = [
+        entry(0, PageKind::Zero, 0),
+        entry(1, PageKind::Raw, PAGE_SIZE),
+        entry(2, PageKind::Zero, 0),
+        entry(3, PageKind::Compressed, 10),
+        entry(4, PageKind::Raw, PAGE_SIZE),
+    ];
+    encode_pages_prefix(&mut stream, 0, 0, codec_id::ZSTD, &mixed);
+    for (index, entry) in mixed.iter().enumerate() {
+        stream.extend(std::iter::repeat_n(index as u8, entry.encoded_len as usize));
+    }
+    encode_pages_prefix(&mut stream, 7, 0, 0, &[entry(3, PageKind::Zero, 0)]);
+    Message::Sync(Sync {
+        iteration: 0,
+        last: true,
+    })
+    .encode(&mut stream);
+    Message::StateSection(StateSectionMsg {
+        name: "cpu".into(),
+        version: 2,
+        data: vec![5; 200_000],
+    })
+    .encode(&mut stream);
+    Message::Outcome(Outcome {
+        verified: true,
+        digest: 3,
+        detail: String::new(),
+        stats: OutcomeStats::default(),
+    })
+    .encode(&mut stream);
+    (setup, stream)
+}
+
+/// Decodes `stream` fed in pieces of `piece` bytes, collecting events and
+/// the payload bytes of each entry.
+fn decode_in_pieces(stream: &[u8], piece: usize) -> (Vec<Event>, Vec<(usize, Vec<u8>)>) {
+    let mut decoder = FrameDecoder::new();
+    let mut events = Vec::new();
+    let mut payloads: Vec<(usize, Vec<u8>)> = Vec::new();
+    for mut chunk in stream.chunks(piece) {
+        while let Some(decoded) = decoder.decode(&mut chunk).unwrap() {
+            match decoded {
+                Decoded::Event(event) => events.push(event),
+                Decoded::Payload { entry, bytes } => match payloads.last_mut() {
+                    Some((last, data)) if *last == entry => data.extend_from_slice(bytes),
+                    _ => payloads.push((entry, bytes.to_vec())),
+                },
+            }
+        }
+    }
+    decoder.finish().unwrap();
+    (events, payloads)
+}
+
+#[test]
+fn decoder_gives_the_same_frames_however_the_stream_is_cut() {
+    let (setup, stream) = session_stream();
+    let (whole, payloads) = decode_in_pieces(&stream, stream.len());
+    assert_eq!(whole.len(), 6);
+    assert!(matches!(&whole[0], Event::Message(Message::Hello(hello)) if hello.setup == setup));
+    let Event::Pages(packet) = &whole[1] else {
+        panic!("expected a page packet, got {:?}", whole[1]);
+    };
+    assert_eq!(packet.region_index, 0);
+    assert_eq!(packet.payload_len, 2 * PAGE_SIZE as usize + 10);
+    assert!(
+        matches!(&whole[2], Event::Pages(packet) if packet.region_index == 1 && packet.payload_len == 0)
+    );
+    // Payload comes per entry, skipping zero pages, in table order.
+    let lens: Vec<(usize, usize)> = payloads.iter().map(|(e, d)| (*e, d.len())).collect();
+    assert_eq!(lens, [(1, 4096), (3, 10), (4, 4096)]);
+    assert!(
+        payloads
+            .iter()
+            .all(|(e, d)| d.iter().all(|&b| b == *e as u8))
+    );
+    for piece in [1, 3, 7, 12, 100, 4095, 70_000] {
+        assert_eq!(
+            decode_in_pieces(&stream, piece),
+            (whole.clone(), payloads.clone()),
+            "piece {piece}"
+        );
+    }
+    assert_eq!(decode_stream(&stream, None).unwrap().len(), 6);
+}
+
+#[test]
+fn decoder_hands_out_payload_without_copying_it() {
+    let (setup, stream) = session_stream();
+    let mut decoder = FrameDecoder::with_setup(setup);
+    let mut input = &stream[..];
+    // Skip the hello.
+    assert!(matches!(
+        decoder.decode(&mut input),
+        Ok(Some(Decoded::Event(Event::Message(_))))
+    ));
+    // Framing of the packet, read exactly as a socket receiver does.
+    let event = loop {
+        let Expect::Framing { remaining } = decoder.expect() else {
+            panic!("payload before the table");
+        };
+        let buf = decoder.buffer();
+        assert!(buf.len() <= remaining);
+        let len = buf.len();
+        buf.copy_from_slice(&input[..len]);
+        input = &input[len..];
+        if let Some(event) = decoder.filled(len).unwrap() {
+            break event;
+        }
+    };
+    let Event::Pages(packet) = event else {
+        panic!("expected pages")
+    };
+    assert_eq!(decoder.entries().len(), 5);
+    assert_eq!(
+        decoder.frame_len(),
+        FRAME_HEADER_LEN + 12 + 5 * 12 + packet.payload_len
+    );
+    assert_eq!(
+        decoder.expect(),
+        Expect::Payload {
+            entry: 1,
+            len: 4096
+        }
+    );
+    assert!(decoder.buffer().is_empty());
+    // A part of entry 1, then the rest of it and all of entry 3 at once.
+    decoder.consume_payload(100);
+    assert_eq!(
+        decoder.expect(),
+        Expect::Payload {
+            entry: 1,
+            len: 3996
+        }
+    );
+    decoder.consume_payload(3996 + 10);
+    assert_eq!(
+        decoder.expect(),
+        Expect::Payload {
+            entry: 4,
+            len: 4096
+        }
+    );
+    decoder.consume_payload(4096);
+    assert!(decoder.at_frame_start());
+    input = &input[packet.payload_len..];
+    assert!(matches!(
+        decoder.decode(&mut input),
+        Ok(Some(Decoded::Event(Event::Pages(_))))
+    ));
+    // A zero-only packet has no payload: the next frame follows at once.
+    assert!(decoder.at_frame_start());
+}
+
+#[test]
+fn decoder_grows_a_body_only_as_it_arrives() {
+    let mut decoder = FrameDecoder::new();
+    let header = FrameHeader {
+        kind: FrameKind::StateSection,
+        body_len: MAX_FRAME_BODY as u32,
+    };
+    decoder.buffer().copy_from_slice(&header.encode());
+    assert_eq!(decoder.filled(FRAME_HEADER_LEN), Ok(None));
+    assert_eq!(
+        decoder.expect(),
+        Expect::Framing {
+            remaining: MAX_FRAME_BODY
+        }
+    );
+    assert!(decoder.buffer().len() <= 64 << 10);
+    assert_eq!(decoder.finish(), Err(WireError::Truncated("frame body")));
+}
+
+#[test]
+fn decoder_keeps_reporting_its_first_error() {
+    let setup = setup();
+    let mut decoder = FrameDecoder::with_setup(setup);
+    let mut bad = packet(9, &[entry(0, PageKind::Zero, 0)], 0);
+    let good = Message::Sync(Sync {
+        iteration: 0,
+        last: false,
+    })
+    .to_bytes();
+    bad.extend_from_slice(&good);
+    let mut input = &bad[..];
+    assert_eq!(decoder.decode(&mut input), Err(WireError::UnknownRegion(9)));
+    let mut input = &good[..];
+    assert_eq!(decoder.decode(&mut input), Err(WireError::UnknownRegion(9)));
+    assert_eq!(decoder.filled(0), Err(WireError::UnknownRegion(9)));
+    assert!(decoder.buffer().is_empty());
+}
+
+#[test]
+fn page_frame_shorter_than_its_header_never_reads_the_next_frame() {
+    let mut bytes = FrameHeader {
+        kind: FrameKind::Pages,
+        body_len: 4,
+    }
+    .encode()
+    .to_vec();
+    bytes.extend([0; 4]);
+    assert_eq!(
+        decode_stream(&bytes, Some(&setup())),
+        Err(WireError::Truncated("pages header"))
+    );
+}
+
+#[test]
+fn outcome_statistics_are_bounded() {
+    let mut outcome = Outcome {
+        verified: true,
+        digest: 0,
+        detail: String::new(),
+        stats: OutcomeStats {
+            receiver_cpu_nanos: vec![1; usize::from(MAX_CHANNELS)],
+            ..OutcomeStats::default()
+        },
+    };
+    round_trip(Message::Outcome(outcome.clone()));
+    let bytes = Message::Outcome(outcome.clone()).to_bytes();
+    assert!(bytes.len() - FRAME_HEADER_LEN <= FrameKind::Outcome.max_body());
+    // A count above the channel limit is refused before anything is read.
+    outcome.stats.receiver_cpu_nanos.clear();
+    let mut bytes = Message::Outcome(outcome).to_bytes();
+    let count_at = bytes.len() - 8;
+    bytes[count_at..count_at + 2].copy_from_slice(&(MAX_CHANNELS + 1).to_le_bytes());
+    assert!(matches!(
+        Message::decode(FrameKind::Outcome, &bytes[FRAME_HEADER_LEN..]),
+        Err(WireError::FieldTooLong { .. })
+    ));
+}
+
+#[test]
+fn decoder_refuses_kinds_outside_its_filter_at_the_header() {
+    let mut decoder = FrameDecoder::with_setup(setup())
+        .only(&[FrameKind::Pages, FrameKind::Sync], "pages or a sync");
+    let header = FrameHeader {
+        kind: FrameKind::StateSection,
+        body_len: 1000,
+    };
+    decoder.buffer().copy_from_slice(&header.encode());
+    assert_eq!(
+        decoder.filled(FRAME_HEADER_LEN),
+        Err(WireError::Unexpected {
+            got: FrameKind::StateSection,
+            expected: "pages or a sync"
+        })
+    );
 }

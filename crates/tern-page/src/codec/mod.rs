@@ -54,6 +54,8 @@ mod tests;
 use std::fmt;
 use std::str::FromStr;
 
+use tern_wire::codec_id;
+
 use crate::PAGE_SIZE;
 
 pub use auto::{AutoDecision, AutoSelector, CodecMeasurement, calibrate, choose_codec};
@@ -147,19 +149,20 @@ pub enum CodecError {
     AutoUnresolved,
 }
 
-/// The wire's codec byte (`SessionSetup.codec`). QPL is not here: it
-/// produces [`CodecId::Deflate`]'s format.
+/// A codec as the wire names it (a page packet's codec byte, a bit of the
+/// hello's codec mask); the ids are the protocol's, [`tern_wire::codec_id`].
+/// QPL is not here: it produces [`CodecId::Deflate`]'s format.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 #[repr(u8)]
 pub enum CodecId {
     /// No compression.
-    None = 0,
+    None = codec_id::NONE,
     /// zstd frames.
-    Zstd = 1,
+    Zstd = codec_id::ZSTD,
     /// Raw deflate, 4 KiB window (IAA-compatible).
-    Deflate = 2,
+    Deflate = codec_id::DEFLATE,
     /// lz4 block format.
-    Lz4 = 3,
+    Lz4 = codec_id::LZ4,
 }
 
 impl CodecId {
@@ -184,10 +187,10 @@ impl CodecId {
     /// Parses the wire byte.
     pub fn from_wire(b: u8) -> Result<Self, CodecError> {
         match b {
-            0 => Ok(CodecId::None),
-            1 => Ok(CodecId::Zstd),
-            2 => Ok(CodecId::Deflate),
-            3 => Ok(CodecId::Lz4),
+            codec_id::NONE => Ok(CodecId::None),
+            codec_id::ZSTD => Ok(CodecId::Zstd),
+            codec_id::DEFLATE => Ok(CodecId::Deflate),
+            codec_id::LZ4 => Ok(CodecId::Lz4),
             other => Err(CodecError::UnknownCodecId(other)),
         }
     }

@@ -1,0 +1,186 @@
+//! The live phase: one receiver thread per page channel writes pages while
+//! this thread reads the state sections and the completion on the main
+//! channel.
+
+use std::thread::{Scope, ScopedJoinHandle};
+use std::time::Duration;
+
+use tern_page::codec::CodecId;
+use tern_wire::{Complete, FrameDecoder, Message};
+
+use super::POLL_INTERVAL;
+use super::handshake::peer_aborted;
+use super::receiver::receive_pages;
+use super::shared::ReceiverShared;
+use super::stream::read_message;
+use crate::error::MigrationError;
+use crate::guest::StateSection;
+use crate::stats::thread_cpu_seconds;
+use crate::transport::Channel;
+
+/// What the source sent once every page channel ended.
+pub(super) struct Delivered {
+    pub(super) sections: Vec<StateSection>,
+    pub(super) complete: Complete,
+    /// The last iteration of each page channel.
+    pub(super) final_iterations: Vec<u32>,
+}
+
+/// Runs the receivers and reads the main channel until the source's
+/// `Complete`; any failure stops every thread and the first one is returned.
+pub(super) fn receive_all(
+    shared: &ReceiverShared<'_>,
+    main: &mut Channel,
+    decoder: &mut FrameDecoder,
+    channels: Vec<Channel>,
+    codecs: &[CodecId],
+) -> Result<Delivered, MigrationError> {
+    let shutdown_handles: Vec<Channel> = channels
+        .iter()
+        .enumerate()
+        .map(|(index, channel)| {
+            channel
+                .try_clone()
+                .map_err(MigrationError::channel(index + 1))
+        })
+        .collect::<Result<_, _>>()?;
+    std::thread::scope(|scope| {
+        let handles = spawn_receivers(scope, shared, channels, codecs)?;
+        let main_result = match read_main_channel(shared, main, decoder) {
+            Ok(done) => Some(done),
+            // A peer abort on the main channel explains whatever the
+            // receivers saw next.
+            Err(error @ MigrationError::PeerAborted { .. }) => {
+                shared.fail_first(error);
+                None
+            }
+            Err(error) => {
+                shared.fail(error);
+                None
+            }
+        };
+        if main_result.is_none() {
+            for channel in &shutdown_handles {
+                channel.shutdown();
+            }
+        }
+        let mut final_iterations = Vec::new();
+        let mut receivers_failed = false;
+        for handle in handles {
+            match handle.join() {
+                Ok(Ok(iteration)) => final_iterations.push(iteration),
+                Ok(Err(_)) => receivers_failed = true,
+                Err(_) => {
+                    receivers_failed = true;
+                    shared.fail(MigrationError::Protocol("a receiver panicked".into()));
+                }
+            }
+        }
+        match main_result {
+            Some((sections, complete)) if !receivers_failed => Ok(Delivered {
+                sections,
+                complete,
+                final_iterations,
+            }),
+            _ => Err(shared
+                .first_failure()
+                .unwrap_or_else(|| MigrationError::Protocol("the migration stopped".into()))),
+        }
+    })
+}
+
+type ReceiverHandle<'scope> = ScopedJoinHandle<'scope, Result<u32, ()>>;
+
+/// Starts one receiver thread per page channel; each records its failure
+/// in `shared` (stopping the others) and its CPU time in the statistics.
+fn spawn_receivers<'scope>(
+    scope: &'scope Scope<'scope, '_>,
+    shared: &'scope ReceiverShared<'_>,
+    channels: Vec<Channel>,
+    codecs: &'scope [CodecId],
+) -> Result<Vec<ReceiverHandle<'scope>>, MigrationError> {
+    let mut handles = Vec::with_capacity(channels.len());
+    for (index, channel) in channels.into_iter().enumerate() {
+        let handle = std::thread::Builder::new()
+            .name(format!("tern-receiver-{index}"))
+            .spawn_scoped(scope, move || {
+                let cpu_start = thread_cpu_seconds();
+                let result = receive_pages(shared, index, channel, codecs)
+                    .map_err(|error| shared.fail(error));
+                shared
+                    .stats
+                    .record_receiver_cpu(index, thread_cpu_seconds() - cpu_start);
+                result
+            })
+            .map_err(MigrationError::Thread)?;
+        handles.push(handle);
+    }
+    Ok(handles)
+}
+
+/// Reads state sections until `Complete` arrives on the main channel.
+fn read_main_channel(
+    shared: &ReceiverShared<'_>,
+    main: &mut Channel,
+    decoder: &mut FrameDecoder,
+) -> Result<(Vec<StateSection>, Complete), MigrationError> {
+    let mut sections: Vec<StateSection> = Vec::new();
+    loop {
+        wait_for_main(shared, main, decoder)?;
+        match read_message(main, decoder).map_err(MigrationError::channel(0))? {
+            Message::StateSection(section) => {
+                if sections.iter().any(|known| known.name == section.name) {
+                    return Err(MigrationError::Protocol(format!(
+                        "state section '{}' sent twice",
+                        section.name
+                    )));
+                }
+                sections.push(StateSection {
+                    name: section.name,
+                    version: section.version,
+                    data: section.data,
+                });
+            }
+            Message::Complete(complete) => return Ok((sections, complete)),
+            Message::Abort(abort) => return Err(peer_aborted(abort)),
+            other => {
+                return Err(MigrationError::Protocol(format!(
+                    "unexpected {:?} on the main channel",
+                    other.kind()
+                )));
+            }
+        }
+    }
+}
+
+/// Waits for the main channel, which is silent during the whole live
+/// phase, looking at the failure flag meanwhile.
+fn wait_for_main(
+    shared: &ReceiverShared<'_>,
+    main: &mut Channel,
+    decoder: &mut FrameDecoder,
+) -> Result<(), MigrationError> {
+    loop {
+        if shared.failed() {
+            if shared.cancel.is_cancelled() {
+                return Err(MigrationError::Cancelled);
+            }
+            // The source closes its page channels right after telling why
+            // on this one: prefer its reason to the closed channels.
+            if main
+                .wait_readable(Duration::from_millis(500))
+                .unwrap_or(false)
+                && let Ok(Message::Abort(abort)) = read_message(main, decoder)
+            {
+                return Err(peer_aborted(abort));
+            }
+            return Err(MigrationError::Protocol("a page channel failed".into()));
+        }
+        if main
+            .wait_readable(POLL_INTERVAL)
+            .map_err(MigrationError::channel(0))?
+        {
+            return Ok(());
+        }
+    }
+}

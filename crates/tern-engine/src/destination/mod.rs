@@ -1,0 +1,283 @@
+//! The destination side: accept the channels, write received pages straight
+//! into guest memory, verify, restore and resume.
+
+mod handshake;
+mod live;
+mod receiver;
+mod shared;
+mod stream;
+mod switch_over;
+
+use std::sync::atomic::{AtomicU8, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use tern_wire::{Abort, FrameDecoder, Message, OutcomeStats, SessionSetup};
+
+use crate::config::ReceiveConfig;
+use crate::error::MigrationError;
+use crate::guest::{DestinationGuest, GuestError, PAGE_SIZE};
+use crate::source::CancelToken;
+use crate::stats::{DestinationStats, thread_cpu_seconds};
+use crate::transport::{Channel, Listener};
+
+use handshake::Greeted;
+use shared::ReceiverShared;
+
+/// How often blocked threads look at the failure flag.
+const POLL_INTERVAL: Duration = Duration::from_millis(100);
+
+/// Where a destination is, for progress display.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[repr(u8)]
+pub enum ReceivePhase {
+    /// Waiting for the source to connect and announce the guest.
+    Waiting = 0,
+    /// The guest's layout is known (`total_bytes`); receiving pages.
+    Receiving = 1,
+    /// All pages and state are in; comparing digests, restoring, resuming.
+    Verifying = 2,
+    /// The guest runs here.
+    Resumed = 3,
+    /// The migration failed or was cancelled.
+    Failed = 4,
+}
+
+impl ReceivePhase {
+    fn from_u8(value: u8) -> Self {
+        match value {
+            0 => Self::Waiting,
+            1 => Self::Receiving,
+            2 => Self::Verifying,
+            3 => Self::Resumed,
+            _ => Self::Failed,
+        }
+    }
+
+    /// The name users see.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Waiting => "waiting",
+            Self::Receiving => "receiving",
+            Self::Verifying => "verifying",
+            Self::Resumed => "resumed",
+            Self::Failed => "failed",
+        }
+    }
+}
+
+/// Live counters of the destination, readable while [`Destination::receive`]
+/// runs (through the accessor methods) for progress display.
+#[derive(Debug, Default)]
+pub struct ReceiveStats {
+    phase: AtomicU8,
+    /// Bytes read from all channels.
+    pub received: AtomicU64,
+    /// Zero pages received.
+    pub zero_pages: AtomicU64,
+    /// Zero pages written over data received earlier.
+    pub zero_pages_cleared: AtomicU64,
+    /// Pages received with data.
+    pub normal_pages: AtomicU64,
+    /// Highest iteration all channels have finished.
+    pub iteration: AtomicU64,
+    /// Guest memory size, once known.
+    pub total: AtomicU64,
+    /// CPU nanoseconds of the main thread.
+    main_cpu: AtomicU64,
+    /// CPU nanoseconds of each receiver thread, by receiver.
+    receiver_cpu: Mutex<Vec<u64>>,
+}
+
+impl ReceiveStats {
+    /// Where the destination is.
+    pub fn phase(&self) -> ReceivePhase {
+        ReceivePhase::from_u8(self.phase.load(Ordering::Acquire))
+    }
+
+    fn set_phase(&self, phase: ReceivePhase) {
+        self.phase.store(phase as u8, Ordering::Release);
+    }
+
+    /// Bytes read from all page channels so far.
+    pub fn received_bytes(&self) -> u64 {
+        self.received.load(Ordering::Relaxed)
+    }
+
+    /// Pages received so far (with data, and zero pages), counting a page
+    /// again each time an iteration resends it.
+    pub fn pages(&self) -> u64 {
+        self.normal_pages.load(Ordering::Relaxed) + self.zero_pages.load(Ordering::Relaxed)
+    }
+
+    /// Dirty iterations every channel has finished (syncs passed); the
+    /// first (0) sends every page once, so while this is 0, [`Self::pages`]
+    /// of [`Self::total_pages`] is the progress of the first copy.
+    pub fn iterations_done(&self) -> u64 {
+        self.iteration.load(Ordering::Relaxed)
+    }
+
+    /// Guest memory size in bytes, 0 until the source's setup arrives.
+    pub fn total_bytes(&self) -> u64 {
+        self.total.load(Ordering::Relaxed)
+    }
+
+    /// Guest memory size in pages.
+    pub fn total_pages(&self) -> u64 {
+        self.total_bytes() / PAGE_SIZE as u64
+    }
+
+    fn record_main_cpu(&self, seconds: f64) {
+        self.main_cpu.fetch_add(nanos(seconds), Ordering::Relaxed);
+    }
+
+    fn record_receiver_cpu(&self, receiver: usize, seconds: f64) {
+        let mut cpu = self.receiver_cpu.lock().unwrap_or_else(|e| e.into_inner());
+        if cpu.len() <= receiver {
+            cpu.resize(receiver + 1, 0);
+        }
+        cpu[receiver] += nanos(seconds);
+    }
+
+    /// The statistics the outcome message carries.
+    fn snapshot(&self, digest_time: Duration) -> OutcomeStats {
+        OutcomeStats {
+            received_bytes: self.received.load(Ordering::Relaxed),
+            zero_pages: self.zero_pages.load(Ordering::Relaxed),
+            zero_pages_cleared: self.zero_pages_cleared.load(Ordering::Relaxed),
+            normal_pages: self.normal_pages.load(Ordering::Relaxed),
+            digest_micros: u64::try_from(digest_time.as_micros()).unwrap_or(u64::MAX),
+            main_cpu_nanos: self.main_cpu.load(Ordering::Relaxed),
+            receiver_cpu_nanos: self
+                .receiver_cpu
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .clone(),
+        }
+    }
+}
+
+fn nanos(seconds: f64) -> u64 {
+    // `as` saturates, and CPU time is never negative.
+    (seconds * 1e9) as u64
+}
+
+/// A completed incoming migration: the guest, restored and running.
+#[derive(Debug)]
+pub struct Received<G> {
+    /// The guest, resumed.
+    pub guest: G,
+    /// The destination's statistics.
+    pub stats: DestinationStats,
+    /// The session setup the source sent.
+    pub setup: SessionSetup,
+}
+
+/// Receives one migration.
+#[derive(Debug)]
+pub struct Destination {
+    config: ReceiveConfig,
+    stats: Arc<ReceiveStats>,
+    cancel: CancelToken,
+}
+
+impl Destination {
+    /// A destination with these settings.
+    pub fn new(config: ReceiveConfig) -> Self {
+        Self {
+            config,
+            stats: Arc::new(ReceiveStats::default()),
+            cancel: CancelToken::new(),
+        }
+    }
+
+    /// Live counters.
+    pub fn stats(&self) -> Arc<ReceiveStats> {
+        self.stats.clone()
+    }
+
+    /// A token that cancels the reception.
+    pub fn cancel_token(&self) -> CancelToken {
+        self.cancel.clone()
+    }
+
+    /// Accepts a migration on `listener`. `make_guest` builds the guest
+    /// (paused, memory zero) once the source's setup is known; its regions
+    /// must match the setup's.
+    pub fn receive<G, F>(
+        &self,
+        listener: &Listener,
+        make_guest: F,
+    ) -> Result<Received<G>, MigrationError>
+    where
+        G: DestinationGuest,
+        F: FnOnce(&SessionSetup) -> Result<G, GuestError>,
+    {
+        let cpu_start = thread_cpu_seconds();
+        let mut main = self
+            .accept_main(listener)
+            .and_then(|main| {
+                main.set_timeouts(self.config.io_timeout)
+                    .map_err(MigrationError::channel(0))?;
+                Ok(main)
+            })
+            .inspect_err(|_| self.stats.set_phase(ReceivePhase::Failed))?;
+        let result = self.run(listener, &mut main, make_guest, cpu_start);
+        if let Err(error) = &result {
+            self.stats.set_phase(ReceivePhase::Failed);
+            if !matches!(error, MigrationError::PeerAborted { .. }) {
+                let _ = main.send_message(&Message::Abort(Abort {
+                    reason: error.abort_reason(),
+                    message: error.chain(),
+                }));
+            }
+            // Returned to the caller, who reports it.
+            tracing::debug!(error = %error.chain(), "incoming migration failed");
+        }
+        result
+    }
+
+    fn run<G, F>(
+        &self,
+        listener: &Listener,
+        main: &mut Channel,
+        make_guest: F,
+        cpu_start: f64,
+    ) -> Result<Received<G>, MigrationError>
+    where
+        G: DestinationGuest,
+        F: FnOnce(&SessionSetup) -> Result<G, GuestError>,
+    {
+        let mut decoder = FrameDecoder::new();
+        let Greeted {
+            setup,
+            session_id,
+            codecs,
+            mut guest,
+            regions,
+        } = self.greet(main, &mut decoder, make_guest)?;
+        let channels = self.accept_page_channels(
+            listener,
+            main,
+            &mut decoder,
+            session_id,
+            setup.channel_count,
+        )?;
+        tracing::info!(channels = channels.len(), "all channels connected");
+        let shared = ReceiverShared::new(
+            &setup,
+            &regions,
+            channels.len(),
+            &self.stats,
+            self.config.io_timeout,
+            &self.cancel,
+        );
+        let delivered = live::receive_all(&shared, main, &mut decoder, channels, &codecs)?;
+        let stats = self.switch_over(&shared, main, &mut guest, delivered, cpu_start)?;
+        Ok(Received {
+            guest,
+            stats: DestinationStats::from_wire(&stats),
+            setup,
+        })
+    }
+}

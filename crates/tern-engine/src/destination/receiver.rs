@@ -1,0 +1,538 @@
+//! One page channel's receiver: read a packet (I/O and decoding), then
+//! apply its entries to guest memory (no I/O).
+//!
+//! The protocol decoder has validated a packet before any of its bytes
+//! reach memory: its region exists (and the destination's region of that
+//! index has the setup's size, see `check_layout`), every page index is
+//! inside the region, every length matches its kind, the codec was
+//! announced (so it has a decompressor), and the lengths add up to the
+//! payload. What remains to check here is what the decoder cannot know:
+//! the iteration, and whether a compressed page decodes.
+
+use std::sync::atomic::Ordering;
+
+use tern_page::codec::{CodecId, PageDecompressor};
+use tern_wire::{
+    Event, FrameDecoder, FrameKind, MAX_PAGES_PER_PACKET, Message, PageEntry, PageKind, PagePacket,
+    Sync,
+};
+
+use super::handshake::peer_aborted;
+use super::shared::ReceiverShared;
+use super::stream::{FrameSource, read_event};
+use crate::digest::{page_hash, zero_page_hash};
+use crate::error::{ChannelError, MigrationError};
+use crate::guest::{MemoryRegion, PAGE_SIZE};
+use crate::transport::Segment;
+
+/// What a page channel carries.
+const PAGE_CHANNEL_FRAMES: &[FrameKind] = &[FrameKind::Pages, FrameKind::Sync, FrameKind::Abort];
+
+/// Receives page channel `index + 1` until its last sync; returns the final
+/// iteration.
+pub(super) fn receive_pages(
+    shared: &ReceiverShared<'_>,
+    index: usize,
+    mut source: impl FrameSource,
+    codecs: &[CodecId],
+) -> Result<u32, MigrationError> {
+    let mut receiver = PageReceiver::new(shared, index, codecs)?;
+    loop {
+        shared.wait_for_data(&source, receiver.channel)?;
+        match receiver.read_packet(&mut source)? {
+            Packet::Pages(packet) => receiver.receive_packet(&mut source, &packet)?,
+            Packet::Sync(sync) => {
+                if let Some(last) = receiver.end_iteration(sync)? {
+                    return Ok(last);
+                }
+            }
+        }
+    }
+}
+
+/// What a page channel delivers, once decoded.
+enum Packet {
+    /// Pages of the current iteration; the payload is still to be read.
+    Pages(PagePacket),
+    /// The end of an iteration.
+    Sync(Sync),
+}
+
+/// Per-page counts of one packet, added to the live statistics.
+#[derive(Default)]
+struct PageCounts {
+    zero: u64,
+    cleared: u64,
+    normal: u64,
+}
+
+struct PageReceiver<'s, 'a> {
+    shared: &'s ReceiverShared<'a>,
+    /// Receiver number, from 0.
+    index: usize,
+    /// The channel's index in the protocol: `index + 1`.
+    channel: usize,
+    iteration: u32,
+    decoder: FrameDecoder,
+    /// One per codec id the session announced.
+    decompressors: [Option<PageDecompressor>; 8],
+    /// Where the packet's payload goes.
+    placement: Placement,
+}
+
+/// Where one packet's payload lands, in table order.
+struct Placement {
+    /// Each entry's page in guest memory.
+    pages: Vec<*mut u8>,
+    /// The `readv` segments: raw pages, then slices of `compressed`.
+    segments: Vec<Segment>,
+    /// Compressed payloads land here, then decode straight into their page.
+    compressed: Vec<u8>,
+}
+
+impl<'s, 'a> PageReceiver<'s, 'a> {
+    fn new(
+        shared: &'s ReceiverShared<'a>,
+        index: usize,
+        codecs: &[CodecId],
+    ) -> Result<Self, MigrationError> {
+        let mut decompressors: [Option<PageDecompressor>; 8] = Default::default();
+        for &codec in codecs {
+            decompressors[codec as usize] =
+                Some(PageDecompressor::new(codec).map_err(|error| {
+                    MigrationError::Incompatible(format!("cannot decode {}: {error}", codec.name()))
+                })?);
+        }
+        Ok(Self {
+            shared,
+            index,
+            channel: index + 1,
+            iteration: 0,
+            decoder: FrameDecoder::with_setup(shared.setup.clone())
+                .only(PAGE_CHANNEL_FRAMES, "pages or a sync on a page channel"),
+            decompressors,
+            placement: Placement {
+                pages: Vec::with_capacity(MAX_PAGES_PER_PACKET),
+                segments: Vec::with_capacity(MAX_PAGES_PER_PACKET),
+                compressed: vec![0; MAX_PAGES_PER_PACKET * PAGE_SIZE],
+            },
+        })
+    }
+
+    /// Reads and decodes the next frame, up to a packet's page table.
+    fn read_packet(&mut self, source: &mut impl FrameSource) -> Result<Packet, MigrationError> {
+        let channel = self.channel;
+        let event =
+            read_event(source, &mut self.decoder).map_err(MigrationError::channel(channel))?;
+        let packet = match event {
+            Event::Pages(packet) if packet.header.iteration != self.iteration => {
+                return Err(MigrationError::Protocol(format!(
+                    "channel {channel}: packet of iteration {} during iteration {}",
+                    packet.header.iteration, self.iteration
+                )));
+            }
+            Event::Pages(packet) => Packet::Pages(packet),
+            Event::Message(Message::Sync(sync)) => Packet::Sync(sync),
+            Event::Message(Message::Abort(abort)) => return Err(peer_aborted(abort)),
+            // The decoder refuses every other kind at its header.
+            Event::Message(other) => {
+                return Err(MigrationError::channel(channel)(ChannelError::Protocol(
+                    tern_wire::WireError::Unexpected {
+                        got: other.kind(),
+                        expected: "pages or a sync on a page channel",
+                    },
+                )));
+            }
+        };
+        self.shared
+            .stats
+            .received
+            .fetch_add(self.decoder.frame_len() as u64, Ordering::Relaxed);
+        Ok(packet)
+    }
+
+    /// Reads a packet's payload into place and applies its entries.
+    fn receive_packet(
+        &mut self,
+        source: &mut impl FrameSource,
+        packet: &PagePacket,
+    ) -> Result<(), MigrationError> {
+        let region = &self.shared.regions[packet.region_index];
+        let entries = self.decoder.entries();
+        self.placement.place(region, entries)?;
+        // SAFETY: `place` made every segment either a whole page inside the
+        // region (bounds-checked by `page_ptr`) — within one iteration each
+        // page arrives on exactly one channel, so no other thread touches it
+        // during the read — or a slice of this receiver's own buffer.
+        unsafe { source.read_scattered(&self.placement.segments) }
+            .map_err(MigrationError::channel(self.channel))?;
+        self.decoder.consume_payload(packet.payload_len);
+        let counts = self.apply_entries(packet)?;
+        let stats = self.shared.stats;
+        stats.zero_pages.fetch_add(counts.zero, Ordering::Relaxed);
+        stats
+            .zero_pages_cleared
+            .fetch_add(counts.cleared, Ordering::Relaxed);
+        stats
+            .normal_pages
+            .fetch_add(counts.normal, Ordering::Relaxed);
+        Ok(())
+    }
+
+    /// Writes what the payload alone does not: decompresses compressed
+    /// pages into their page, clears zero pages that hold data, and records
+    /// each page's hash and whether it holds data.
+    fn apply_entries(&mut self, packet: &PagePacket) -> Result<PageCounts, MigrationError> {
+        let populated = &self.shared.populated[packet.region_index];
+        let hashes = self
+            .shared
+            .page_hashes
+            .as_ref()
+            .map(|all| &all[packet.region_index]);
+        let mut decompressor = self.decompressors[usize::from(packet.header.codec)].as_mut();
+        let mut compressed = &self.placement.compressed[..];
+        let mut counts = PageCounts::default();
+        let entries = self.decoder.entries();
+        for (entry, &ptr) in entries.iter().zip(&self.placement.pages) {
+            let page = u64::from(entry.page_index);
+            if entry.kind == PageKind::Zero {
+                counts.zero += 1;
+                if let Some(hashes) = hashes {
+                    hashes[page as usize].store(zero_page_hash(), Ordering::Relaxed);
+                }
+                if populated.get(page) {
+                    // SAFETY: a whole page inside the region (from
+                    // `page_ptr`), owned by this receiver for this iteration.
+                    unsafe { std::ptr::write_bytes(ptr, 0, PAGE_SIZE) };
+                    populated.clear(page);
+                    counts.cleared += 1;
+                }
+                continue;
+            }
+            if entry.kind == PageKind::Compressed {
+                let (input, rest) = compressed.split_at(entry.encoded_len as usize);
+                compressed = rest;
+                let decompressor = decompressor
+                    .as_deref_mut()
+                    .ok_or_else(|| unannounced_codec(self.channel, packet))?;
+                // SAFETY: `ptr` is a whole page inside the region (from
+                // `page_ptr`), owned by this receiver for this iteration; the
+                // decoder writes exactly one page or fails.
+                unsafe { decompressor.decompress_page(input, ptr) }.map_err(|error| {
+                    MigrationError::Protocol(format!(
+                        "channel {}: page {page} of region {}: {error}",
+                        self.channel, packet.header.region_id
+                    ))
+                })?;
+            }
+            populated.set(page);
+            counts.normal += 1;
+            if let Some(hashes) = hashes {
+                // SAFETY: a whole page inside the region, written by this
+                // receiver just now and owned by it for this iteration.
+                let hash = unsafe { page_hash(ptr) };
+                hashes[page as usize].store(hash, Ordering::Relaxed);
+            }
+        }
+        Ok(counts)
+    }
+
+    /// Ends the current iteration: every receiver waits for the others, so
+    /// no page of the next iteration lands before all of this one. Returns
+    /// the iteration when it was the last.
+    fn end_iteration(&mut self, sync: Sync) -> Result<Option<u32>, MigrationError> {
+        if sync.iteration != self.iteration {
+            return Err(MigrationError::Protocol(format!(
+                "channel {}: sync for iteration {} during iteration {}",
+                self.channel, sync.iteration, self.iteration
+            )));
+        }
+        self.shared.barrier.wait()?;
+        if self.index == 0 {
+            self.shared
+                .stats
+                .iteration
+                .store(u64::from(self.iteration) + 1, Ordering::Relaxed);
+        }
+        if sync.last {
+            return Ok(Some(self.iteration));
+        }
+        self.iteration += 1;
+        Ok(None)
+    }
+}
+
+/// A compressed page in a packet whose codec has no decompressor: the
+/// decoder admits only announced codecs and every announced codec has one,
+/// so this means those two lists disagree.
+fn unannounced_codec(channel: usize, packet: &PagePacket) -> MigrationError {
+    MigrationError::Protocol(format!(
+        "channel {channel}: codec {} was not announced",
+        packet.header.codec
+    ))
+}
+
+impl Placement {
+    /// Finds each entry's page and the segment its payload goes to. The
+    /// region's `page_ptr` is the one bounds check between a page index and
+    /// guest memory.
+    fn place(
+        &mut self,
+        region: &MemoryRegion,
+        entries: &[PageEntry],
+    ) -> Result<(), MigrationError> {
+        self.pages.clear();
+        self.segments.clear();
+        let mut compressed = &mut self.compressed[..];
+        for entry in entries {
+            let ptr = region
+                .page_ptr(u64::from(entry.page_index))
+                .ok_or_else(|| MigrationError::Protocol("page outside its region".into()))?;
+            self.pages.push(ptr);
+            match entry.kind {
+                PageKind::Raw => self.segments.push(Segment {
+                    ptr,
+                    len: PAGE_SIZE,
+                }),
+                PageKind::Compressed => {
+                    // Each compressed page is shorter than a page and there
+                    // are at most MAX_PAGES_PER_PACKET, so they fit.
+                    let (slot, rest) =
+                        std::mem::take(&mut compressed).split_at_mut(entry.encoded_len as usize);
+                    compressed = rest;
+                    self.segments.push(Segment {
+                        ptr: slot.as_mut_ptr(),
+                        len: slot.len(),
+                    });
+                }
+                PageKind::Zero => {}
+            }
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    //! A receiver driven from a buffer instead of a socket: the whole page
+    //! channel path (decoding, placement, apply) without I/O.
+
+    use std::ptr::NonNull;
+    use std::time::Duration;
+
+    use tern_page::codec::PageCompressor;
+    use tern_wire::{DigestAlgorithm, RegionInfo, SessionSetup, Sync, encode_pages_prefix};
+
+    use super::*;
+    use crate::destination::ReceiveStats;
+    use crate::source::CancelToken;
+
+    /// A page channel's bytes held in memory.
+    struct Buffer {
+        bytes: Vec<u8>,
+        read: usize,
+    }
+
+    impl Buffer {
+        fn take(&mut self, len: usize) -> Result<&[u8], ChannelError> {
+            let bytes = self
+                .bytes
+                .get(self.read..self.read + len)
+                .ok_or(ChannelError::Closed)?;
+            self.read += len;
+            Ok(bytes)
+        }
+    }
+
+    impl FrameSource for Buffer {
+        fn wait_readable(&self, _: Duration) -> Result<bool, ChannelError> {
+            Ok(true)
+        }
+
+        fn read_exact(&mut self, buf: &mut [u8]) -> Result<(), ChannelError> {
+            buf.copy_from_slice(self.take(buf.len())?);
+            Ok(())
+        }
+
+        unsafe fn read_scattered(&mut self, segments: &[Segment]) -> Result<(), ChannelError> {
+            for segment in segments {
+                let bytes = self.take(segment.len)?;
+                // SAFETY: the caller's contract: `len` writable bytes that
+                // nothing else accesses; `bytes` is our own buffer.
+                unsafe {
+                    std::ptr::copy_nonoverlapping(
+                        bytes.as_ptr(),
+                        segment.ptr.cast_mut(),
+                        bytes.len(),
+                    )
+                };
+            }
+            Ok(())
+        }
+    }
+
+    const PAGES: usize = 8;
+
+    fn setup() -> SessionSetup {
+        SessionSetup {
+            page_size: tern_wire::PAGE_SIZE,
+            channel_count: 1,
+            codecs: 1 << tern_wire::codec_id::ZSTD,
+            digest: DigestAlgorithm::Xxh3Pages,
+            regions: vec![RegionInfo {
+                id: 5,
+                guest_addr: 0,
+                len: (PAGES * PAGE_SIZE) as u64,
+            }],
+            guest_kind: String::new(),
+        }
+    }
+
+    fn sync(iteration: u32, last: bool) -> Vec<u8> {
+        Message::Sync(Sync { iteration, last }).to_bytes()
+    }
+
+    /// Receives `stream` into a fresh guest of [`PAGES`] pages.
+    fn receive(stream: Vec<u8>) -> (Result<u32, MigrationError>, Vec<u8>, ReceiveStats) {
+        let setup = setup();
+        let mut memory = vec![0u8; PAGES * PAGE_SIZE];
+        // SAFETY: `memory` is a writable allocation of that length that
+        // outlives every use of the region below.
+        let region = unsafe {
+            MemoryRegion::new(
+                5,
+                0,
+                NonNull::new(memory.as_mut_ptr()).unwrap(),
+                memory.len() as u64,
+            )
+        };
+        let regions = [region];
+        let stats = ReceiveStats::default();
+        let cancel = CancelToken::new();
+        let result = {
+            let shared = ReceiverShared::new(
+                &setup,
+                &regions,
+                1,
+                &stats,
+                Duration::from_secs(30),
+                &cancel,
+            );
+            let source = Buffer {
+                bytes: stream,
+                read: 0,
+            };
+            receive_pages(&shared, 0, source, &[CodecId::Zstd])
+        };
+        (result, memory, stats)
+    }
+
+    fn page(memory: &[u8], index: usize) -> &[u8] {
+        &memory[index * PAGE_SIZE..(index + 1) * PAGE_SIZE]
+    }
+
+    #[test]
+    fn a_session_received_from_a_buffer() {
+        let text: Vec<u8> = b"tern ".iter().copied().cycle().take(PAGE_SIZE).collect();
+        let mut compressed = [0u8; tern_page::codec::MAX_COMPRESSED];
+        let len = PageCompressor::new(CodecId::Zstd, 1)
+            .unwrap()
+            .compress(text.as_slice().try_into().unwrap(), &mut compressed)
+            .expect("repeated text compresses");
+        let entries = [
+            PageEntry {
+                page_index: 1,
+                kind: PageKind::Raw,
+                encoded_len: PAGE_SIZE as u32,
+            },
+            PageEntry {
+                page_index: 2,
+                kind: PageKind::Zero,
+                encoded_len: 0,
+            },
+            PageEntry {
+                page_index: 3,
+                kind: PageKind::Compressed,
+                encoded_len: len as u32,
+            },
+        ];
+        let mut stream = Vec::new();
+        encode_pages_prefix(&mut stream, 5, 0, CodecId::Zstd.to_wire(), &entries);
+        stream.extend_from_slice(&[0xab; PAGE_SIZE]);
+        stream.extend_from_slice(&compressed[..len]);
+        stream.extend(sync(0, false));
+        // Iteration 1: page 1 became zero, so it is cleared.
+        let zero = [PageEntry {
+            page_index: 1,
+            kind: PageKind::Zero,
+            encoded_len: 0,
+        }];
+        encode_pages_prefix(&mut stream, 5, 1, 0, &zero);
+        stream.extend(sync(1, true));
+        let stream_len = stream.len() as u64;
+
+        let (result, memory, stats) = receive(stream);
+        assert_eq!(result.unwrap(), 1);
+        assert!(page(&memory, 1).iter().all(|&b| b == 0));
+        assert_eq!(page(&memory, 3), text.as_slice());
+        assert_eq!(stats.received_bytes(), stream_len);
+        assert_eq!(stats.zero_pages.load(Ordering::Relaxed), 2);
+        assert_eq!(stats.zero_pages_cleared.load(Ordering::Relaxed), 1);
+        assert_eq!(stats.normal_pages.load(Ordering::Relaxed), 2);
+        assert_eq!(stats.iterations_done(), 2);
+    }
+
+    #[test]
+    fn a_packet_of_another_iteration_is_refused() {
+        let mut stream = Vec::new();
+        let entry = [PageEntry {
+            page_index: 0,
+            kind: PageKind::Zero,
+            encoded_len: 0,
+        }];
+        encode_pages_prefix(&mut stream, 5, 4, 0, &entry);
+        let (result, _, _) = receive(stream);
+        let error = result.unwrap_err().to_string();
+        assert!(
+            error.contains("packet of iteration 4 during iteration 0"),
+            "{error}"
+        );
+    }
+
+    #[test]
+    fn a_stream_ending_inside_a_payload_is_a_closed_channel() {
+        let mut stream = Vec::new();
+        let entry = [PageEntry {
+            page_index: 0,
+            kind: PageKind::Raw,
+            encoded_len: PAGE_SIZE as u32,
+        }];
+        encode_pages_prefix(&mut stream, 5, 0, 0, &entry);
+        stream.extend_from_slice(&[1; 100]);
+        let (result, _, _) = receive(stream);
+        assert!(matches!(
+            result,
+            Err(MigrationError::Channel {
+                index: 1,
+                source: ChannelError::Closed
+            })
+        ));
+    }
+
+    #[test]
+    fn a_state_section_on_a_page_channel_is_refused_at_its_header() {
+        let stream = Message::StateSection(tern_wire::StateSectionMsg {
+            name: "cpu".into(),
+            version: 1,
+            data: vec![0; 1000],
+        })
+        .to_bytes();
+        let (result, _, _) = receive(stream[..tern_wire::FRAME_HEADER_LEN].to_vec());
+        let error = result.unwrap_err();
+        assert!(
+            error.chain().contains("pages or a sync on a page channel"),
+            "{}",
+            error.chain()
+        );
+    }
+}

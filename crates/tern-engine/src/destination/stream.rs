@@ -1,0 +1,79 @@
+//! Reading frames with the protocol's decoder, from a channel or, to drive
+//! the destination without sockets, from anything else that gives bytes.
+
+use std::time::Duration;
+
+use tern_wire::{Event, Expect, FrameDecoder, FrameKind, Message, WireError};
+
+use crate::error::ChannelError;
+use crate::transport::{Channel, Segment};
+
+/// The bytes a destination reads on one channel. [`Channel`] is the real
+/// one; a buffer stands in for it in tests.
+pub(crate) trait FrameSource {
+    /// Waits up to `timeout` for data (or the end of the stream).
+    fn wait_readable(&self, timeout: Duration) -> Result<bool, ChannelError>;
+
+    /// Reads exactly `buf.len()` bytes.
+    fn read_exact(&mut self, buf: &mut [u8]) -> Result<(), ChannelError>;
+
+    /// Reads exactly the segments' total length, scattering the bytes into
+    /// them in order.
+    ///
+    /// # Safety
+    /// As [`Channel::read_scattered`]: every segment points to `len`
+    /// writable bytes, bounds-checked by the caller, that nothing else
+    /// accesses during the call.
+    unsafe fn read_scattered(&mut self, segments: &[Segment]) -> Result<(), ChannelError>;
+}
+
+impl FrameSource for Channel {
+    fn wait_readable(&self, timeout: Duration) -> Result<bool, ChannelError> {
+        Channel::wait_readable(self, timeout)
+    }
+
+    fn read_exact(&mut self, buf: &mut [u8]) -> Result<(), ChannelError> {
+        Channel::read_exact(self, buf)
+    }
+
+    unsafe fn read_scattered(&mut self, segments: &[Segment]) -> Result<(), ChannelError> {
+        // SAFETY: the caller upholds the same contract.
+        unsafe { Channel::read_scattered(self, segments) }
+    }
+}
+
+/// Reads until `decoder` completes a structure: a control message, or a
+/// page packet's header and table (placing its payload is the caller's
+/// job). Each read is exactly the rest of the structure, so nothing of the
+/// next frame, and no payload, is read here.
+pub(crate) fn read_event(
+    source: &mut impl FrameSource,
+    decoder: &mut FrameDecoder,
+) -> Result<Event, ChannelError> {
+    loop {
+        if let Expect::Payload { .. } = decoder.expect() {
+            // Only a receiver that skipped a packet's payload gets here.
+            return Err(ChannelError::Protocol(WireError::Truncated("page payload")));
+        }
+        let buf = decoder.buffer();
+        let len = buf.len();
+        source.read_exact(buf)?;
+        if let Some(event) = decoder.filled(len)? {
+            return Ok(event);
+        }
+    }
+}
+
+/// Reads one control message.
+pub(crate) fn read_message(
+    source: &mut impl FrameSource,
+    decoder: &mut FrameDecoder,
+) -> Result<Message, ChannelError> {
+    match read_event(source, decoder)? {
+        Event::Message(message) => Ok(message),
+        Event::Pages(_) => Err(ChannelError::Protocol(WireError::Unexpected {
+            got: FrameKind::Pages,
+            expected: "a control message",
+        })),
+    }
+}

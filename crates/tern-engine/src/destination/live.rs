@@ -72,7 +72,7 @@ pub(super) fn receive_all(
                 Ok(Err(_)) => receivers_failed = true,
                 Err(_) => {
                     receivers_failed = true;
-                    shared.fail(MigrationError::Protocol("a receiver panicked".into()));
+                    shared.fail(MigrationError::Internal("a receiver panicked".into()));
                 }
             }
         }
@@ -84,7 +84,7 @@ pub(super) fn receive_all(
             }),
             _ => Err(shared
                 .first_failure()
-                .unwrap_or_else(|| MigrationError::Protocol("the migration stopped".into()))),
+                .unwrap_or_else(|| MigrationError::Internal("the migration stopped".into()))),
         }
     })
 }
@@ -174,7 +174,7 @@ fn wait_for_main(
             {
                 return Err(peer_aborted(abort));
             }
-            return Err(MigrationError::Protocol("a page channel failed".into()));
+            return Err(MigrationError::Internal("a page channel failed".into()));
         }
         if main
             .wait_readable(POLL_INTERVAL)

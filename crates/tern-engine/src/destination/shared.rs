@@ -119,7 +119,7 @@ impl<'a> ReceiverShared<'a> {
                 return Err(if self.cancel.is_cancelled() {
                     MigrationError::Cancelled
                 } else {
-                    MigrationError::Protocol("another channel failed".into())
+                    MigrationError::Internal("another channel failed".into())
                 });
             }
             if channel
@@ -206,7 +206,7 @@ impl SyncBarrier {
         }
         while state.1 == generation {
             if self.aborted.load(Ordering::Acquire) {
-                return Err(MigrationError::Protocol("another channel failed".into()));
+                return Err(MigrationError::Internal("another channel failed".into()));
             }
             state = self
                 .condvar

@@ -12,6 +12,7 @@
 #![warn(missing_docs)]
 
 pub mod codec;
+pub mod cpu_time;
 pub mod dsa;
 pub mod zero;
 

@@ -240,21 +240,6 @@ fn deflate_stream_is_raw_and_window_limited() {
 }
 
 #[test]
-fn qpl_missing_is_a_clear_error() {
-    let e = qpl::probe_library(&["/nonexistent/libqpl.so"]).unwrap_err();
-    assert!(matches!(e, CodecError::QplUnavailable(_)), "{e}");
-    assert!(e.to_string().contains("libqpl.so not found"), "{e}");
-    if let Err(e) = qpl_available() {
-        let r = PageCompressor::for_choice(CodecChoice::Qpl, 1, QplPath::Auto);
-        assert_eq!(r.unwrap_err().to_string(), e.to_string());
-    }
-    assert!(matches!(
-        PageCompressor::for_choice(CodecChoice::Auto, 1, QplPath::Auto),
-        Err(CodecError::AutoUnresolved)
-    ));
-}
-
-#[test]
 fn sampling_separates_random_from_text_binary_and_zero() {
     let mut counts: Vec<(&str, u32)> = Vec::new();
     for seed in 1..40 {

@@ -32,27 +32,41 @@
 //! UMONITOR/UMWAIT on the oldest outstanding record instead of spinning and
 //! yielding; not done because no machine here has WAITPKG to test it.
 
-use std::cell::UnsafeCell;
 use std::fmt;
 use std::path::PathBuf;
-use std::ptr::addr_of_mut;
-use std::sync::atomic::{AtomicBool, AtomicU8, AtomicU32, AtomicU64, AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex, OnceLock};
-use std::thread::{JoinHandle, Thread};
-use std::time::{Duration, Instant};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+#[cfg(feature = "dsa")]
+use std::{
+    cell::UnsafeCell,
+    ptr::addr_of_mut,
+    sync::atomic::{AtomicBool, AtomicU8, AtomicU32, AtomicUsize},
+    sync::{Mutex, OnceLock},
+    thread::{JoinHandle, Thread},
+    time::Instant,
+};
 
+#[cfg(feature = "dsa")]
 use crossbeam_queue::ArrayQueue;
 
 use super::OffloadError;
+#[cfg(feature = "dsa")]
 use super::desc::{CompletionRecord, Descriptor, DsaStatus};
+#[cfg(feature = "dsa")]
 use super::queue::{DsaQueue, HardwareQueue, SubmissionMethod, SubmitError};
+#[cfg(feature = "dsa")]
 use super::soft::{SoftwareDsa, SoftwareDsaConfig};
+#[cfg(feature = "dsa")]
 use super::sysfs::discover_work_queues;
+#[cfg(feature = "dsa")]
+use crate::codec::thread_cpu_ns;
 use crate::zero::{PAGE_SIZE, ZeroChecker};
 
 /// Most pages one [`ZeroPageOffload::submit`] takes: one engine batch.
 pub const MAX_BATCH_PAGES: usize = 128;
 /// Batch descriptors per slot: chunks have at least 2 pages when batching.
+#[cfg(feature = "dsa")]
 const MAX_CHUNKS: usize = MAX_BATCH_PAGES / 2;
 
 /// Zero-page checks for batches of pages, answered now or later.
@@ -107,6 +121,7 @@ enum TicketKind {
     /// Answered at submission (CPU): bit i set = page i is zero.
     Ready { zero: u128, len: u8 },
     /// In a DSA slot.
+    #[cfg(feature = "dsa")]
     Slot { index: u32, generation: u32 },
 }
 
@@ -342,6 +357,14 @@ impl Default for DsaConfig {
     }
 }
 
+/// Would open DSA, but this build has the `dsa` feature off: always
+/// [`OffloadError::NotBuilt`].
+#[cfg(not(feature = "dsa"))]
+pub fn open_dsa(config: &DsaConfig) -> Result<Arc<dyn ZeroPageOffload>, OffloadError> {
+    let _ = config;
+    Err(OffloadError::NotBuilt { feature: "dsa" })
+}
+
 /// Discovers and opens every usable DSA work queue and starts the engine.
 ///
 /// An explicitly requested DSA that is missing is an error here, at start-up,
@@ -352,6 +375,8 @@ impl Default for DsaConfig {
 ///
 /// [`OffloadError::NoWorkQueue`] if sysfs has no enabled user queue (after
 /// the `only` filter), [`OffloadError::NoneOpened`] if none could be opened.
+/// Without the `dsa` feature it always fails with [`OffloadError::NotBuilt`].
+#[cfg(feature = "dsa")]
 pub fn open_dsa(config: &DsaConfig) -> Result<Arc<dyn ZeroPageOffload>, OffloadError> {
     let mut wqs = discover_work_queues(&config.sysfs_root, &config.dev_root)?;
     if let Some(only) = &config.only {
@@ -390,6 +415,7 @@ pub fn open_dsa(config: &DsaConfig) -> Result<Arc<dyn ZeroPageOffload>, OffloadE
 }
 
 /// One software DSA device behind the engine, for tests and demos.
+#[cfg(feature = "dsa")]
 pub fn software_dsa(config: SoftwareDsaConfig) -> Arc<dyn ZeroPageOffload> {
     let queue: Arc<dyn DsaQueue> = Arc::new(SoftwareDsa::new(config));
     Arc::new(
@@ -428,6 +454,7 @@ impl ZeroAsNormal {
     }
 }
 
+#[cfg(feature = "dsa")]
 /// Memory of one submission. Everything the device reads or writes lives
 /// here, 64-byte aligned (descriptor lists must be; records need 32).
 #[repr(C, align(64))]
@@ -438,6 +465,7 @@ struct SlotMem {
     batch_recs: [CompletionRecord; MAX_CHUNKS],
 }
 
+#[cfg(feature = "dsa")]
 /// A record whose status says a chunk is finished.
 #[derive(Clone, Copy, Debug)]
 enum Watch {
@@ -447,6 +475,7 @@ enum Watch {
     Batch(u8),
 }
 
+#[cfg(feature = "dsa")]
 /// Book-keeping of one submission, written by the submitter before the slot
 /// is published and read-only afterwards.
 struct SlotMeta {
@@ -458,10 +487,14 @@ struct SlotMeta {
     submitted_at: Instant,
 }
 
+#[cfg(feature = "dsa")]
 const FREE: u8 = 0;
+#[cfg(feature = "dsa")]
 const IN_FLIGHT: u8 = 1;
+#[cfg(feature = "dsa")]
 const DONE: u8 = 2;
 
+#[cfg(feature = "dsa")]
 struct Slot {
     mem: *mut SlotMem,
     meta: UnsafeCell<SlotMeta>,
@@ -471,6 +504,7 @@ struct Slot {
     waiter: Mutex<Option<Thread>>,
 }
 
+#[cfg(feature = "dsa")]
 impl Slot {
     fn new() -> Self {
         let mem = Box::new(SlotMem {
@@ -523,6 +557,7 @@ impl Slot {
     }
 }
 
+#[cfg(feature = "dsa")]
 /// A queue with the engine's health book-keeping.
 #[derive(Debug)]
 struct QueueEntry {
@@ -535,6 +570,7 @@ struct QueueEntry {
     disabled: AtomicBool,
 }
 
+#[cfg(feature = "dsa")]
 struct Inner {
     owner: u64,
     queues: Vec<QueueEntry>,
@@ -548,6 +584,7 @@ struct Inner {
     poller: OnceLock<Thread>,
 }
 
+#[cfg(feature = "dsa")]
 // SAFETY: the raw pointers and UnsafeCells in the slots are handed between
 // threads by the slot protocol: a slot's memory and meta are written only by
 // the thread that popped it from `free` (exclusive), published with a
@@ -556,9 +593,11 @@ struct Inner {
 // The device touches only descriptors and records, which are accessed
 // through raw pointers and atomic status loads, never references.
 unsafe impl Send for Inner {}
+#[cfg(feature = "dsa")]
 // SAFETY: see Send.
 unsafe impl Sync for Inner {}
 
+#[cfg(feature = "dsa")]
 impl fmt::Debug for Inner {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("Inner")
@@ -568,6 +607,7 @@ impl fmt::Debug for Inner {
     }
 }
 
+#[cfg(feature = "dsa")]
 impl Drop for Inner {
     fn drop(&mut self) {
         for slot in self.slots.iter() {
@@ -585,6 +625,7 @@ impl Drop for Inner {
     }
 }
 
+#[cfg(feature = "dsa")]
 /// The DSA engine: queues, slots and the completion thread.
 #[derive(Debug)]
 pub struct DsaOffload {
@@ -592,6 +633,7 @@ pub struct DsaOffload {
     thread: Option<JoinHandle<()>>,
 }
 
+#[cfg(feature = "dsa")]
 impl DsaOffload {
     /// Starts the engine over `queues` (hardware or software), used
     /// round-robin.
@@ -664,6 +706,7 @@ impl DsaOffload {
     }
 }
 
+#[cfg(feature = "dsa")]
 impl Drop for DsaOffload {
     fn drop(&mut self) {
         self.inner.stop.store(true, Ordering::Release);
@@ -674,6 +717,7 @@ impl Drop for DsaOffload {
     }
 }
 
+#[cfg(feature = "dsa")]
 impl Inner {
     /// Picks the next enabled queue with room for `len` pages; returns its
     /// index, chunk count and chunk limit, with the chunks reserved.
@@ -1023,20 +1067,7 @@ impl Inner {
     }
 }
 
-/// CPU time of the calling thread.
-fn thread_cpu_time() -> Duration {
-    let mut ts = libc::timespec {
-        tv_sec: 0,
-        tv_nsec: 0,
-    };
-    // SAFETY: valid out-pointer; CLOCK_THREAD_CPUTIME_ID exists on Linux.
-    let rc = unsafe { libc::clock_gettime(libc::CLOCK_THREAD_CPUTIME_ID, &mut ts) };
-    if rc != 0 {
-        return Duration::ZERO;
-    }
-    Duration::new(ts.tv_sec as u64, ts.tv_nsec as u32)
-}
-
+#[cfg(feature = "dsa")]
 /// Polls outstanding slots until stopped (and drained, within a bound).
 fn completion_thread(inner: &Inner) {
     let mut active: Vec<u32> = Vec::with_capacity(inner.slots.len());
@@ -1046,7 +1077,7 @@ fn completion_thread(inner: &Inner) {
         inner
             .counters
             .completion_cpu_ns
-            .store(thread_cpu_time().as_nanos() as u64, Ordering::Relaxed);
+            .store(thread_cpu_ns(), Ordering::Relaxed);
     };
     loop {
         while let Some(i) = inner.pending.pop() {
@@ -1102,6 +1133,7 @@ fn completion_thread(inner: &Inner) {
     publish_cpu();
 }
 
+#[cfg(feature = "dsa")]
 impl ZeroPageOffload for DsaOffload {
     unsafe fn submit(&self, pages: &[*const u8]) -> Result<Ticket, OffloadError> {
         // SAFETY: forwarded from the caller.
@@ -1130,7 +1162,7 @@ impl ZeroPageOffload for DsaOffload {
     }
 }
 
-#[cfg(test)]
+#[cfg(all(test, feature = "dsa"))]
 mod tests {
     use super::*;
     use crate::dsa::desc::STATUS_TRANSLATION_FAIL;

@@ -12,6 +12,32 @@
 //! that, see `fuzz/`).
 //!
 //! See `docs/protocol.md` for the message sequence.
+//!
+//! # Example
+//!
+//! Encode a control message into a frame, then read it back the way a
+//! receiver does: the fixed-size header first, then exactly the body it
+//! announces.
+//!
+//! ```
+//! use tern_wire::{FRAME_HEADER_LEN, FrameHeader, FrameKind, Message, Sync};
+//!
+//! let sent = Message::Sync(Sync { iteration: 3, last: false });
+//! let bytes = sent.to_bytes();
+//!
+//! let (head, body) = bytes.split_first_chunk::<FRAME_HEADER_LEN>().unwrap();
+//! let header = FrameHeader::decode(head)?;
+//! assert_eq!(header.kind, FrameKind::Sync);
+//! assert_eq!(header.body_len as usize, body.len());
+//! assert_eq!(Message::decode(header.kind, body)?, sent);
+//!
+//! // Whole streams decode in one call, and malformed input is an error,
+//! // never a panic.
+//! let frames = tern_wire::decode_stream(&bytes, None)?;
+//! assert_eq!(frames, [tern_wire::Frame::Message(sent)]);
+//! assert!(tern_wire::decode_stream(&bytes[..bytes.len() - 1], None).is_err());
+//! # Ok::<(), tern_wire::WireError>(())
+//! ```
 #![forbid(unsafe_code)]
 #![warn(missing_docs)]
 

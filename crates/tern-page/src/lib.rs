@@ -37,6 +37,15 @@
 //! [`CodecError::NotBuilt`] or [`dsa::OffloadError::NotBuilt`] at run time.
 
 #![warn(missing_docs)]
+// Numeric casts that can truncate or change sign are spelled out (try_from,
+// or an `expect` attribute with the reason); see docs/publishing.md.
+#![warn(
+    clippy::cast_possible_truncation,
+    clippy::cast_sign_loss,
+    clippy::cast_possible_wrap,
+    clippy::cast_lossless,
+    clippy::ptr_as_ptr
+)]
 
 pub mod codec;
 pub mod cpu_time;

@@ -40,6 +40,15 @@
 //! ```
 #![forbid(unsafe_code)]
 #![warn(missing_docs)]
+// Numeric casts that can truncate or change sign are spelled out; see
+// docs/publishing.md.
+#![warn(
+    clippy::cast_possible_truncation,
+    clippy::cast_sign_loss,
+    clippy::cast_possible_wrap,
+    clippy::cast_lossless,
+    clippy::ptr_as_ptr
+)]
 
 mod codec;
 mod error;

@@ -52,6 +52,12 @@ use super::{
 };
 use crate::PAGE_SIZE;
 
+// The page and output sizes as QPL's `u32` job fields.
+#[expect(clippy::cast_possible_truncation, reason = "4096 fits in u32")]
+const PAGE_SIZE_U32: u32 = PAGE_SIZE as u32;
+#[expect(clippy::cast_possible_truncation, reason = "4095 fits in u32")]
+const MAX_COMPRESSED_U32: u32 = MAX_COMPRESSED as u32;
+
 /// Submissions tried against a busy queue before the CPU takes the page.
 pub const BUSY_RETRIES: u32 = 8;
 
@@ -279,14 +285,14 @@ impl Job {
                 .write_unaligned(input.as_ptr());
             j.add(abi::OFF_AVAILABLE_IN)
                 .cast::<u32>()
-                .write_unaligned(PAGE_SIZE as u32);
+                .write_unaligned(PAGE_SIZE_U32);
             j.add(abi::OFF_TOTAL_IN).cast::<u32>().write_unaligned(0);
             j.add(abi::OFF_NEXT_OUT)
                 .cast::<*mut u8>()
                 .write_unaligned(out.as_mut_ptr());
             j.add(abi::OFF_AVAILABLE_OUT)
                 .cast::<u32>()
-                .write_unaligned(MAX_COMPRESSED as u32);
+                .write_unaligned(MAX_COMPRESSED_U32);
             j.add(abi::OFF_TOTAL_OUT).cast::<u32>().write_unaligned(0);
             j.add(abi::OFF_OP)
                 .cast::<u32>()
@@ -405,6 +411,12 @@ impl QplCompressor {
         self.level
     }
 
+    /// The level as the job's `u32` field.
+    fn level_u32(&self) -> u32 {
+        // `new` sets 1 or 3.
+        self.level.unsigned_abs()
+    }
+
     /// The execution path.
     pub fn path(&self) -> QplPath {
         self.path
@@ -439,7 +451,7 @@ impl QplCompressor {
         page: &[u8; PAGE_SIZE],
         out: &mut [u8; MAX_COMPRESSED],
     ) -> (Option<usize>, bool) {
-        let level = self.level as u32;
+        let level = self.level_u32();
         let job = &mut self.jobs[0];
         // SAFETY: `page` and `out` outlive the wait below.
         unsafe { job.prepare(page, out, level) };
@@ -484,7 +496,7 @@ impl QplCompressor {
             }
             return counts;
         }
-        let level = self.level as u32;
+        let level = self.level_u32();
         let mut slots = Vec::with_capacity(pages.len());
         for (i, &p) in pages.iter().enumerate() {
             // SAFETY: caller contract; `inputs[i]` is private memory.

@@ -103,7 +103,7 @@ pub fn bench_zero(buffer_bytes: usize, rounds: usize) -> Vec<ZeroBenchRow> {
             });
         };
         row("read-bandwidth".to_owned(), &mut || {
-            read_bandwidth_probe(black_box(buf)) as usize
+            usize::try_from(read_bandwidth_probe(black_box(buf))).unwrap_or(usize::MAX)
         });
         for b in ZeroCheckBackend::all_available() {
             let c = ZeroChecker::with_backend(b).expect("listed as available");

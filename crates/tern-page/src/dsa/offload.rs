@@ -69,6 +69,12 @@ pub const MAX_BATCH_PAGES: usize = 128;
 #[cfg(feature = "dsa")]
 const MAX_CHUNKS: usize = MAX_BATCH_PAGES / 2;
 
+/// [`PAGE_SIZE`] as a descriptor's `u32` transfer size.
+#[cfg(feature = "dsa")]
+const PAGE_SIZE_U32: u32 = 4096;
+#[cfg(feature = "dsa")]
+const _: () = assert!(PAGE_SIZE_U32 as usize == PAGE_SIZE);
+
 /// Zero-page checks for batches of pages, answered now or later.
 pub trait ZeroPageOffload: Send + Sync + fmt::Debug {
     /// Starts checking `pages` (pointers to 4 KiB pages, at most
@@ -272,7 +278,7 @@ impl ZeroPageOffload for CpuOffload {
             owner: self.owner,
             kind: TicketKind::Ready {
                 zero,
-                len: pages.len() as u8,
+                len: u8::try_from(pages.len()).expect("at most MAX_BATCH_PAGES"),
             },
         })
     }
@@ -438,8 +444,14 @@ impl ZeroAsNormal {
     /// `ratio` in 0.0..=1.0 (clamped): the share of zero pages to send as
     /// normal pages.
     pub fn new(ratio: f64) -> Self {
+        #[expect(
+            clippy::cast_possible_truncation,
+            clippy::cast_sign_loss,
+            reason = "a whole number in 0..=1000"
+        )]
+        let per_mille = (ratio.clamp(0.0, 1.0) * 1000.0).round() as u64;
         ZeroAsNormal {
-            per_mille: (ratio.clamp(0.0, 1.0) * 1000.0).round() as u64,
+            per_mille,
             seen: AtomicU64::new(0),
         }
     }
@@ -651,7 +663,8 @@ impl DsaOffload {
         let slots = config.slots.clamp(1, u32::MAX as usize);
         let free = ArrayQueue::new(slots);
         for i in 0..slots {
-            free.push(i as u32).expect("capacity is slots");
+            let index = u32::try_from(i).expect("slots fit in u32");
+            free.push(index).expect("capacity is slots");
         }
         let queues = queues
             .into_iter()
@@ -733,9 +746,10 @@ impl Inner {
             let max = q.queue.max_batch_size().clamp(1, MAX_BATCH_PAGES);
             let chunks = if max == 1 { len } else { len.div_ceil(max) };
             if let Some(cap) = q.capacity {
-                let before = q.in_flight.fetch_add(chunks as u32, Ordering::AcqRel);
-                if before + chunks as u32 > cap {
-                    q.in_flight.fetch_sub(chunks as u32, Ordering::AcqRel);
+                let chunks = u32::try_from(chunks).expect("at most MAX_BATCH_PAGES");
+                let before = q.in_flight.fetch_add(chunks, Ordering::AcqRel);
+                if before + chunks > cap {
+                    q.in_flight.fetch_sub(chunks, Ordering::AcqRel);
                     continue;
                 }
             }
@@ -754,7 +768,7 @@ impl Inner {
             owner: self.owner,
             kind: TicketKind::Ready {
                 zero,
-                len: pages.len() as u8,
+                len: u8::try_from(pages.len()).expect("at most MAX_BATCH_PAGES"),
             },
         }
     }
@@ -806,7 +820,7 @@ impl Inner {
                 recs.add(i).write(CompletionRecord::default());
                 descs.add(i).write(Descriptor::compval(
                     page as u64,
-                    PAGE_SIZE as u32,
+                    PAGE_SIZE_U32,
                     0,
                     recs.add(i) as u64,
                 ));
@@ -814,7 +828,7 @@ impl Inner {
         }
         meta.len = len;
         meta.queue = qi;
-        meta.reserved = chunks as u32;
+        meta.reserved = u32::try_from(chunks).expect("at most MAX_BATCH_PAGES");
         meta.watch.clear();
         meta.submitted_at = Instant::now();
         slot.timed_out.store(false, Ordering::Relaxed);
@@ -827,7 +841,7 @@ impl Inner {
                 // SAFETY: start < len, initialised above.
                 (
                     unsafe { descs.add(start).read() },
-                    Watch::Single(start as u8),
+                    Watch::Single(u8::try_from(start).expect("below MAX_BATCH_PAGES")),
                 )
             } else {
                 // SAFETY: c < chunks <= MAX_CHUNKS (size >= 2 for every
@@ -837,11 +851,11 @@ impl Inner {
                     batch_recs.add(c).write(CompletionRecord::default());
                     let b = Descriptor::batch(
                         descs.add(start) as u64,
-                        size as u32,
+                        u32::try_from(size).expect("at most MAX_BATCH_PAGES"),
                         batch_recs.add(c) as u64,
                     );
                     batch_descs.add(c).write(b);
-                    (b, Watch::Batch(c as u8))
+                    (b, Watch::Batch(u8::try_from(c).expect("below MAX_CHUNKS")))
                 }
             };
             // SAFETY: the descriptor points at slot memory and at the
@@ -1038,7 +1052,7 @@ impl Inner {
         // SAFETY: `slot` is an element of `self.slots` (callers only pass
         // slots obtained from it), so both pointers are in one allocation.
         let off = unsafe { (slot as *const Slot).offset_from(self.slots.as_ptr()) };
-        off as u32
+        u32::try_from(off).expect("a slot index, below the u32 slot count")
     }
 
     /// Whether every watched record of the slot has been written.

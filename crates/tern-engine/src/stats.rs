@@ -533,9 +533,9 @@ pub struct DestinationStats {
     pub cpu_seconds: BTreeMap<String, f64>,
 }
 
-/// CPU time used so far by the calling thread, in seconds
-/// ([`tern_page::cpu_time::thread_cpu_ns`]).
+/// CPU time used so far by the calling thread.
 pub fn thread_cpu_seconds() -> f64 {
+    // The one CPU-clock helper of the workspace, in nanoseconds.
     tern_page::cpu_time::thread_cpu_ns() as f64 / 1e9
 }
 

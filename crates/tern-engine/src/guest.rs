@@ -153,7 +153,7 @@ pub trait GuestMemory: Send + Sync {
 /// Dirty-page tracking.
 pub trait DirtyLog: Send {
     /// Starts tracking writes. Pages written after this call are reported by
-    /// the next [`DirtyLog::sync`].
+    /// the next [`DirtyLog::sync_dirty_log`].
     fn start_dirty_log(&mut self) -> GuestResult<()>;
 
     /// Adds the pages written since the previous sync (or since

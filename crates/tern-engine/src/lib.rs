@@ -10,6 +10,47 @@
 //!     ↑______ completion ring ______|                     (sync barrier per iteration)
 //! main channel: hello, state sections, complete ═══> verify digest, restore, resume
 //! ```
+//!
+//! # Example
+//!
+//! Migrate a small guest from one thread to another over a Unix socket. The
+//! guest here is `tern-synthetic`'s (memory with a known content mix); a VMM
+//! implements [`SourceGuest`] and [`DestinationGuest`] for its own.
+//!
+//! ```
+//! use tern_engine::{
+//!     Address, Destination, GuestControl, Listener, MigrationConfig, MigrationStatus,
+//!     ReceiveConfig, Source,
+//! };
+//! use tern_synthetic::{SyntheticConfig, SyntheticGuest};
+//!
+//! let dir = tempfile::tempdir()?;
+//! let address = Address::Unix(dir.path().join("migration.sock"));
+//! let listener = Listener::bind(&address)?;
+//!
+//! // The destination builds an empty guest shaped like the source's regions,
+//! // receives into it and resumes it.
+//! let destination = std::thread::spawn(move || {
+//!     Destination::new(ReceiveConfig::default()).receive(&listener, |setup| {
+//!         let lens: Vec<u64> = setup.regions.iter().map(|region| region.len).collect();
+//!         Ok(SyntheticGuest::empty(&lens)?)
+//!     })
+//! });
+//!
+//! let mut guest = SyntheticGuest::new(&SyntheticConfig {
+//!     memory_bytes: 4 << 20,
+//!     dirty_rate_bytes_per_sec: 0,
+//!     ..SyntheticConfig::default()
+//! })?;
+//! let stats = Source::new(MigrationConfig::default())?.migrate(&mut guest, &address)?;
+//! assert_eq!(stats.status, MigrationStatus::Completed);
+//! assert!(stats.digest_verified);
+//!
+//! let mut received = destination.join().expect("destination thread")?;
+//! received.guest.pause()?;
+//! assert_eq!(received.guest.digest(), guest.digest());
+//! # Ok::<(), Box<dyn std::error::Error>>(())
+//! ```
 #![warn(missing_docs)]
 
 pub mod bitmap;

@@ -264,7 +264,11 @@ impl CompressionSetup {
         match self.choice.wire() {
             Some(CodecId::None) => Vec::new(),
             Some(codec) => vec![codec],
-            None => vec![CodecId::Zstd, CodecId::Deflate, CodecId::Lz4],
+            // auto: the codecs this build has (see tern-page's features).
+            None => [CodecId::Zstd, CodecId::Deflate, CodecId::Lz4]
+                .into_iter()
+                .filter(|codec| codec.is_built())
+                .collect(),
         }
     }
 

@@ -1000,16 +1000,6 @@ impl CpuMeasurement {
     }
 }
 
-fn cpu_seconds(clock: libc::clockid_t) -> f64 {
-    let mut time = libc::timespec {
-        tv_sec: 0,
-        tv_nsec: 0,
-    };
-    // SAFETY: `time` is valid for writes.
-    unsafe { libc::clock_gettime(clock, &mut time) };
-    time.tv_sec as f64 + time.tv_nsec as f64 * 1e-9
-}
-
 /// Sends `total_bytes` of page payload over a loopback TCP connection, in
 /// batches of 64 pages with a 64-byte copied header each (like the
 /// pipeline's page packets), while a reader thread drains the other end, and
@@ -1057,8 +1047,8 @@ pub fn measure_cpu_per_gib(
             crate::uring_zc::UringZeroCopySender::enable(channel.try_clone()?, 1, window_bytes)?,
         )),
     };
-    let process_start = cpu_seconds(libc::CLOCK_PROCESS_CPUTIME_ID);
-    let thread_start = cpu_seconds(libc::CLOCK_THREAD_CPUTIME_ID);
+    let process_start = tern_page::cpu_time::process_cpu_ns() as f64 / 1e9;
+    let thread_start = crate::stats::thread_cpu_seconds();
     let wall = Instant::now();
     for batch in 0..batches {
         let offset = (batch as usize * batch_bytes) % BUFFER;
@@ -1096,10 +1086,10 @@ pub fn measure_cpu_per_gib(
         }
         MeasuredSender::Plain => None,
     };
-    let sender_cpu_seconds = cpu_seconds(libc::CLOCK_THREAD_CPUTIME_ID) - thread_start;
+    let sender_cpu_seconds = crate::stats::thread_cpu_seconds() - thread_start;
     reader.join().map_err(|_| "reader thread panicked")??;
     let wall_seconds = wall.elapsed().as_secs_f64();
-    let process_cpu_seconds = cpu_seconds(libc::CLOCK_PROCESS_CPUTIME_ID) - process_start;
+    let process_cpu_seconds = tern_page::cpu_time::process_cpu_ns() as f64 / 1e9 - process_start;
     Ok(CpuMeasurement {
         mode,
         bytes,

@@ -8,10 +8,47 @@
 //! Non-zero pages then go through [`codec`]: each page compressed on its own
 //! (zstd, IAA-compatible deflate, lz4, or Intel QPL), or sent raw when it
 //! would not shrink.
+//!
+//! # Example
+//!
+//! Zero-page detection with the fastest backend this CPU has:
+//!
+//! ```
+//! use tern_page::{PAGE_SIZE, ZeroChecker};
+//!
+//! let checker = ZeroChecker::best();
+//! let mut page = vec![0u8; PAGE_SIZE];
+//! assert!(checker.is_zero(&page));
+//! page[PAGE_SIZE - 1] = 1;
+//! assert!(!checker.is_zero(&page));
+//! // Guest memory that the guest may be writing is checked through a
+//! // pointer instead (see `zero`'s module docs for why).
+//! // SAFETY: `page` is PAGE_SIZE readable bytes.
+//! assert!(!unsafe { checker.is_zero_page(page.as_ptr()) });
+//! ```
+//!
+//! [`codec`] shows a compression round trip.
+//!
+//! # Cargo features
+//!
+//! `zstd`, `deflate`, `lz4`, `qpl` (Intel QPL, loaded at run time; implies
+//! `deflate`) and `dsa` (Intel DSA offload and its software stand-in), all on
+//! by default. A part left out keeps its enum variants; choosing it is a
+//! [`CodecError::NotBuilt`] or [`dsa::OffloadError::NotBuilt`] at run time.
 
 #![warn(missing_docs)]
+// Numeric casts that can truncate or change sign are spelled out (try_from,
+// or an `expect` attribute with the reason); see docs/publishing.md.
+#![warn(
+    clippy::cast_possible_truncation,
+    clippy::cast_sign_loss,
+    clippy::cast_possible_wrap,
+    clippy::cast_lossless,
+    clippy::ptr_as_ptr
+)]
 
 pub mod codec;
+pub mod cpu_time;
 pub mod dsa;
 pub mod zero;
 

@@ -12,8 +12,43 @@
 //! that, see `fuzz/`).
 //!
 //! See `docs/protocol.md` for the message sequence.
+//!
+//! # Example
+//!
+//! Encode a control message into a frame, then read it back the way a
+//! receiver does: the fixed-size header first, then exactly the body it
+//! announces.
+//!
+//! ```
+//! use tern_wire::{FRAME_HEADER_LEN, FrameHeader, FrameKind, Message, Sync};
+//!
+//! let sent = Message::Sync(Sync { iteration: 3, last: false });
+//! let bytes = sent.to_bytes();
+//!
+//! let (head, body) = bytes.split_first_chunk::<FRAME_HEADER_LEN>().unwrap();
+//! let header = FrameHeader::decode(head)?;
+//! assert_eq!(header.kind, FrameKind::Sync);
+//! assert_eq!(header.body_len as usize, body.len());
+//! assert_eq!(Message::decode(header.kind, body)?, sent);
+//!
+//! // Whole streams decode in one call, and malformed input is an error,
+//! // never a panic.
+//! let frames = tern_wire::decode_stream(&bytes, None)?;
+//! assert_eq!(frames, [tern_wire::Frame::Message(sent)]);
+//! assert!(tern_wire::decode_stream(&bytes[..bytes.len() - 1], None).is_err());
+//! # Ok::<(), tern_wire::WireError>(())
+//! ```
 #![forbid(unsafe_code)]
 #![warn(missing_docs)]
+// Numeric casts that can truncate or change sign are spelled out; see
+// docs/publishing.md.
+#![warn(
+    clippy::cast_possible_truncation,
+    clippy::cast_sign_loss,
+    clippy::cast_possible_wrap,
+    clippy::cast_lossless,
+    clippy::ptr_as_ptr
+)]
 
 mod codec;
 mod decoder;

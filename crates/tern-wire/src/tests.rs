@@ -1,3 +1,6 @@
+// Test data is made by truncating counters and random numbers on purpose.
+#![allow(clippy::cast_possible_truncation)]
+
 use super::*;
 
 fn setup() -> SessionSetup {

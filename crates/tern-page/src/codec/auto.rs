@@ -161,7 +161,9 @@ impl AutoSelector {
 
 /// Measures codecs on a sample of the guest's pages (e.g. 64 pages picked
 /// across memory before the first iteration): one-thread CPU rate for
-/// compression (sampling on) and decompression, and the ratio.
+/// compression (sampling on) and decompression, and the ratio. Codecs this
+/// build lacks (see [`CodecId::is_built`]) are skipped, so `auto` never picks
+/// one.
 pub fn calibrate(
     sample: &[[u8; PAGE_SIZE]],
     candidates: &[(CodecId, i32)],
@@ -170,7 +172,7 @@ pub fn calibrate(
     let mut out = vec![[0u8; PAGE_SIZE - 1]; sample.len()];
     let mut lens = vec![None; sample.len()];
     for &(codec, level) in candidates {
-        if codec == CodecId::None || sample.is_empty() {
+        if codec == CodecId::None || !codec.is_built() || sample.is_empty() {
             continue;
         }
         let mut c = PageCompressor::new(codec, level)?;

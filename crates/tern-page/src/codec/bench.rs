@@ -50,15 +50,18 @@ impl CodecBenchRow {
     }
 }
 
-/// zstd 1 and 3, deflate 1 and 6, lz4.
+/// zstd 1 and 3, deflate 1 and 6, lz4: those of them this build has.
 pub fn default_bench_levels() -> Vec<(CodecId, i32)> {
-    vec![
+    [
         (CodecId::Zstd, 1),
         (CodecId::Zstd, 3),
         (CodecId::Deflate, 1),
         (CodecId::Deflate, 6),
         (CodecId::Lz4, 1),
     ]
+    .into_iter()
+    .filter(|(codec, _)| codec.is_built())
+    .collect()
 }
 
 struct Rng(u64);
@@ -72,6 +75,15 @@ impl Rng {
     }
     fn below(&mut self, n: u64) -> u64 {
         self.next() % n
+    }
+    /// An index into a slice of `len` elements.
+    fn index(&mut self, len: usize) -> usize {
+        // The remainder is below `len`, a usize.
+        usize::try_from(self.below(len as u64)).expect("below len")
+    }
+    /// The low byte of the next number.
+    fn byte(&mut self) -> u8 {
+        self.next().to_le_bytes()[0]
     }
 }
 
@@ -149,7 +161,7 @@ pub fn corpus_page(kind: &str, seed: u64) -> [u8; PAGE_SIZE] {
         "text" => {
             let mut i = 0;
             while i < PAGE_SIZE {
-                let w = WORDS[rng.below(WORDS.len() as u64) as usize].as_bytes();
+                let w = WORDS[rng.index(WORDS.len())].as_bytes();
                 let sep: &[u8] = if rng.below(12) == 0 { b".\n" } else { b" " };
                 for &b in w.iter().chain(sep) {
                     if i < PAGE_SIZE {
@@ -167,7 +179,9 @@ pub fn corpus_page(kind: &str, seed: u64) -> [u8; PAGE_SIZE] {
                 match rng.below(3) {
                     0 => {
                         for _ in 0..8 {
-                            let v = (rng.below(300) as u32).to_le_bytes();
+                            let v = u32::try_from(rng.below(300))
+                                .expect("below 300")
+                                .to_le_bytes();
                             for b in v {
                                 if i < PAGE_SIZE {
                                     p[i] = b;
@@ -189,7 +203,7 @@ pub fn corpus_page(kind: &str, seed: u64) -> [u8; PAGE_SIZE] {
                     }
                     _ => {
                         for _ in 0..8 {
-                            let ins = CODE[rng.below(CODE.len() as u64) as usize];
+                            let ins = CODE[rng.index(CODE.len())];
                             for &b in ins {
                                 if i < PAGE_SIZE {
                                     p[i] = b;
@@ -197,7 +211,7 @@ pub fn corpus_page(kind: &str, seed: u64) -> [u8; PAGE_SIZE] {
                                 }
                             }
                             if i < PAGE_SIZE && rng.below(3) == 0 {
-                                p[i] = rng.next() as u8;
+                                p[i] = rng.byte();
                                 i += 1;
                             }
                         }

@@ -42,13 +42,52 @@
 //!
 //! Levels are honoured and reported: [`PageCompressor::level`] is the level
 //! in force after clamping to [`CodecId::level_range`].
+//!
+//! # Cargo features
+//!
+//! Each codec has a feature of the same name (`zstd`, `deflate`, `lz4`,
+//! `qpl`; all on by default). A codec left out keeps its [`CodecId`] and
+//! [`CodecChoice`] variants and still parses, so code naming it compiles;
+//! building a compressor or decompressor for it fails with
+//! [`CodecError::NotBuilt`], and [`CodecId::is_built`] says so up front.
+//!
+//! # Example
+//!
+//! A page round trip through zstd:
+//!
+//! ```
+//! use tern_page::codec::{CodecId, MAX_COMPRESSED, PageCompressor, PageDecompressor};
+//! use tern_page::PAGE_SIZE;
+//!
+//! # if !CodecId::Zstd.is_built() { return Ok(()); }
+//! let mut page = [0u8; PAGE_SIZE];
+//! page[..12].copy_from_slice(b"hello, guest");
+//! let mut compressor = PageCompressor::new(CodecId::Zstd, 1)?;
+//! let mut wire = [0u8; MAX_COMPRESSED];
+//! // `None` would mean "send this page raw": it did not shrink.
+//! let len = compressor.compress(&page, &mut wire).expect("a mostly empty page shrinks");
+//!
+//! let mut decompressor = PageDecompressor::new(CodecId::Zstd)?;
+//! let mut decoded = [0xffu8; PAGE_SIZE];
+//! decompressor.decompress(&wire[..len], &mut decoded)?;
+//! assert_eq!(decoded, page);
+//! # Ok::<(), tern_page::CodecError>(())
+//! ```
+
+// A build without any codec leaves the codec-specific paths empty.
+#![cfg_attr(
+    not(any(feature = "zstd", feature = "deflate", feature = "lz4")),
+    allow(unused_variables, unreachable_code)
+)]
 
 mod auto;
 mod bench;
+#[cfg(feature = "qpl")]
 mod qpl;
+mod qpl_path;
 mod sample;
 mod stats;
-#[cfg(test)]
+#[cfg(all(test, feature = "zstd", feature = "deflate", feature = "lz4"))]
 mod tests;
 
 use std::fmt;
@@ -60,7 +99,11 @@ use crate::PAGE_SIZE;
 
 pub use auto::{AutoDecision, AutoSelector, CodecMeasurement, calibrate, choose_codec};
 pub use bench::{CodecBenchRow, bench_codecs, corpus_page, default_bench_levels};
-pub use qpl::{QplCompressor, QplPath, qpl_available};
+#[cfg(feature = "qpl")]
+pub use qpl::{QplCompressor, qpl_available};
+pub use qpl_path::QplPath;
+#[cfg(not(feature = "qpl"))]
+pub use qpl_path::qpl_available;
 pub use sample::{
     INCOMPRESSIBLE_DISTINCT, SAMPLE_WORDS, looks_incompressible, looks_incompressible_bytes,
     sample_distinct_bytes,
@@ -142,6 +185,12 @@ pub enum CodecError {
         /// Its `qpl_status`.
         status: u32,
     },
+    /// The codec's cargo feature was off when tern-page was built.
+    #[error("tern-page was built without the {feature} feature")]
+    NotBuilt {
+        /// The feature (and codec) name: `zstd`, `deflate`, `lz4` or `qpl`.
+        feature: &'static str,
+    },
     /// `auto` must be resolved to a concrete codec (see [`AutoSelector`]).
     #[error(
         "codec choice 'auto' must be resolved by the AutoSelector before building a compressor"
@@ -195,15 +244,35 @@ impl CodecId {
         }
     }
 
+    /// Whether this build of tern-page has the codec (its cargo feature was
+    /// on). [`CodecId::None`] always is.
+    pub fn is_built(self) -> bool {
+        match self {
+            CodecId::None => true,
+            CodecId::Zstd => cfg!(feature = "zstd"),
+            CodecId::Deflate => cfg!(feature = "deflate"),
+            CodecId::Lz4 => cfg!(feature = "lz4"),
+        }
+    }
+
+    /// [`is_built`](Self::is_built) as a result, with the error that names
+    /// the missing feature.
+    pub fn check_built(self) -> Result<(), CodecError> {
+        if self.is_built() {
+            Ok(())
+        } else {
+            Err(CodecError::NotBuilt {
+                feature: self.name(),
+            })
+        }
+    }
+
     /// Levels this build accepts for the codec; others are clamped.
     pub fn level_range(self) -> (i32, i32) {
         match self {
             CodecId::None => (0, 0),
             // Negative levels are zstd's "fast" levels.
-            CodecId::Zstd => {
-                let r = zstd::compression_level_range();
-                (*r.start(), *r.end())
-            }
+            CodecId::Zstd => zstd_level_range(),
             // libdeflate: 0 is store-only (never shrinks), so start at 1.
             CodecId::Deflate => (1, 12),
             CodecId::Lz4 => (1, 1),
@@ -222,12 +291,30 @@ impl CodecId {
     /// zstd's 0 means its default, 3.
     pub fn clamp_level(self, requested: i32) -> i32 {
         if self == CodecId::Zstd && requested == 0 {
-            return zstd::DEFAULT_COMPRESSION_LEVEL;
+            return ZSTD_DEFAULT_LEVEL;
         }
         let (lo, hi) = self.level_range();
         requested.clamp(lo, hi)
     }
 }
+
+#[cfg(feature = "zstd")]
+fn zstd_level_range() -> (i32, i32) {
+    let r = zstd::compression_level_range();
+    (*r.start(), *r.end())
+}
+
+/// Without libzstd to ask, the range of the zstd releases this crate has been
+/// used with; no compressor can be built anyway.
+#[cfg(not(feature = "zstd"))]
+fn zstd_level_range() -> (i32, i32) {
+    (-131072, 22)
+}
+
+#[cfg(feature = "zstd")]
+const ZSTD_DEFAULT_LEVEL: i32 = zstd::DEFAULT_COMPRESSION_LEVEL;
+#[cfg(not(feature = "zstd"))]
+const ZSTD_DEFAULT_LEVEL: i32 = 3;
 
 impl fmt::Display for CodecId {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
@@ -286,6 +373,16 @@ impl CodecChoice {
             CodecChoice::Lz4 => "lz4",
             CodecChoice::Qpl => "qpl",
             CodecChoice::Auto => "auto",
+        }
+    }
+
+    /// Whether this build of tern-page has what the choice needs (`auto`
+    /// always is: it only picks among the codecs built).
+    pub fn is_built(self) -> bool {
+        match self {
+            CodecChoice::Qpl => cfg!(feature = "qpl"),
+            CodecChoice::Auto => true,
+            other => other.wire().is_some_and(CodecId::is_built),
         }
     }
 
@@ -393,9 +490,13 @@ impl CompressedBatch {
 
 enum Engine {
     None,
+    #[cfg(feature = "zstd")]
     Zstd(Box<zstd::bulk::Compressor<'static>>),
+    #[cfg(feature = "deflate")]
     Deflate(Box<libdeflater::Compressor>),
+    #[cfg(feature = "lz4")]
     Lz4(Box<[u8]>),
+    #[cfg(feature = "qpl")]
     Qpl(Box<QplCompressor>),
 }
 
@@ -403,9 +504,13 @@ impl fmt::Debug for Engine {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str(match self {
             Engine::None => "None",
+            #[cfg(feature = "zstd")]
             Engine::Zstd(_) => "Zstd",
+            #[cfg(feature = "deflate")]
             Engine::Deflate(_) => "Deflate",
+            #[cfg(feature = "lz4")]
             Engine::Lz4(_) => "Lz4",
+            #[cfg(feature = "qpl")]
             Engine::Qpl(_) => "Qpl",
         })
     }
@@ -425,6 +530,7 @@ pub struct PageCompressor {
     last_raw_reason: RawReason,
 }
 
+#[cfg(feature = "zstd")]
 fn new_zstd(level: i32) -> Result<zstd::bulk::Compressor<'static>, CodecError> {
     let init = |e: std::io::Error| CodecError::Init {
         codec: "zstd",
@@ -437,6 +543,7 @@ fn new_zstd(level: i32) -> Result<zstd::bulk::Compressor<'static>, CodecError> {
     Ok(c)
 }
 
+#[cfg(feature = "deflate")]
 pub(crate) fn new_deflate(level: i32) -> libdeflater::Compressor {
     let lvl = libdeflater::CompressionLvl::new(level)
         .or_else(|_| libdeflater::CompressionLvl::new(1))
@@ -445,6 +552,7 @@ pub(crate) fn new_deflate(level: i32) -> libdeflater::Compressor {
 }
 
 /// Software deflate of one page into `out`; `None` when it does not fit.
+#[cfg(feature = "deflate")]
 pub(crate) fn deflate_page(
     c: &mut libdeflater::Compressor,
     page: &[u8; PAGE_SIZE],
@@ -459,19 +567,33 @@ pub(crate) fn deflate_page(
 impl PageCompressor {
     /// A software compressor for `codec` at `level` (clamped: see
     /// [`level`](Self::level)). Sampling of incompressible pages is on.
+    ///
+    /// # Errors
+    ///
+    /// [`CodecError::NotBuilt`] for a codec whose feature is off;
+    /// [`CodecError::Init`] if the codec library cannot start.
     pub fn new(codec: CodecId, level: i32) -> Result<Self, CodecError> {
         let level = codec.clamp_level(level);
         let (engine, which) = match codec {
             CodecId::None => (Engine::None, CodecImpl::None),
+            #[cfg(feature = "zstd")]
             CodecId::Zstd => (Engine::Zstd(Box::new(new_zstd(level)?)), CodecImpl::Zstd),
+            #[cfg(feature = "deflate")]
             CodecId::Deflate => (
                 Engine::Deflate(Box::new(new_deflate(level))),
                 CodecImpl::Deflate,
             ),
+            #[cfg(feature = "lz4")]
             CodecId::Lz4 => (
                 Engine::Lz4(vec![0u8; lz4_flex::block::get_maximum_output_size(PAGE_SIZE)].into()),
                 CodecImpl::Lz4,
             ),
+            #[allow(unreachable_patterns)] // reachable when a codec feature is off
+            not_built => {
+                return Err(CodecError::NotBuilt {
+                    feature: not_built.name(),
+                });
+            }
         };
         Ok(Self::with_engine(codec, which, level, engine))
     }
@@ -496,6 +618,16 @@ impl PageCompressor {
 
     /// A compressor that offloads to Intel QPL (IAA hardware, QPL's software
     /// path, or auto) and produces [`CodecId::Deflate`]'s wire format.
+    /// Without the `qpl` feature: [`CodecError::NotBuilt`].
+    #[cfg(not(feature = "qpl"))]
+    pub fn with_qpl(path: QplPath, level: i32) -> Result<Self, CodecError> {
+        let _ = (path, level);
+        Err(CodecError::NotBuilt { feature: "qpl" })
+    }
+
+    /// A compressor that offloads to Intel QPL (IAA hardware, QPL's software
+    /// path, or auto) and produces [`CodecId::Deflate`]'s wire format.
+    #[cfg(feature = "qpl")]
     pub fn with_qpl(path: QplPath, level: i32) -> Result<Self, CodecError> {
         let q = QplCompressor::new(path, level)?;
         let level = q.level();
@@ -598,6 +730,7 @@ impl PageCompressor {
     pub unsafe fn compress_batch(&mut self, pages: &[*const u8], batch: &mut CompressedBatch) {
         batch.clear();
         let t0 = thread_cpu_ns();
+        #[cfg(feature = "qpl")]
         if let Engine::Qpl(q) = &mut self.engine {
             let sampling = self.sampling;
             // SAFETY: forwarded caller contract.
@@ -611,17 +744,18 @@ impl PageCompressor {
             c.offload_fallbacks += counts.software;
             c.bytes_out += batch.data.len() as u64
                 + (counts.did_not_shrink + counts.sampled) * PAGE_SIZE as u64;
-        } else {
-            let mut out = std::mem::replace(&mut self.out, Box::new([0; MAX_COMPRESSED]));
-            for &p in pages {
-                // SAFETY: forwarded caller contract.
-                match unsafe { self.compress_page(p, &mut out) } {
-                    Some(n) => batch.push_compressed(&out[..n]),
-                    None => batch.outcomes.push(PageOutcome::Raw(self.last_raw_reason)),
-                }
-            }
-            self.out = out;
+            c.cpu_ns += thread_cpu_ns().saturating_sub(t0);
+            return;
         }
+        let mut out = std::mem::replace(&mut self.out, Box::new([0; MAX_COMPRESSED]));
+        for &p in pages {
+            // SAFETY: forwarded caller contract.
+            match unsafe { self.compress_page(p, &mut out) } {
+                Some(n) => batch.push_compressed(&out[..n]),
+                None => batch.outcomes.push(PageOutcome::Raw(self.last_raw_reason)),
+            }
+        }
+        self.out = out;
         self.stats.get_mut(self.which).cpu_ns += thread_cpu_ns().saturating_sub(t0);
     }
 
@@ -635,11 +769,14 @@ impl PageCompressor {
         let page: &[u8; PAGE_SIZE] = &self.page;
         let n = match &mut self.engine {
             Engine::None => None,
+            #[cfg(feature = "zstd")]
             Engine::Zstd(c) => match c.compress_to_buffer(&page[..], &mut out[..]) {
                 Ok(n) if n > 0 && n <= MAX_COMPRESSED => Some(n),
                 _ => None,
             },
+            #[cfg(feature = "deflate")]
             Engine::Deflate(c) => deflate_page(c, page, out),
+            #[cfg(feature = "lz4")]
             Engine::Lz4(scratch) => match lz4_flex::block::compress_into(page, scratch) {
                 Ok(n) if n > 0 && n <= MAX_COMPRESSED => {
                     out[..n].copy_from_slice(&scratch[..n]);
@@ -647,6 +784,7 @@ impl PageCompressor {
                 }
                 _ => None,
             },
+            #[cfg(feature = "qpl")]
             Engine::Qpl(q) => {
                 let (n, software) = q.compress_one(page, out);
                 if software {
@@ -682,8 +820,11 @@ impl PageCompressor {
 
 enum DecoderEngine {
     None,
+    #[cfg(feature = "zstd")]
     Zstd(Box<zstd::bulk::Decompressor<'static>>),
+    #[cfg(feature = "deflate")]
     Deflate(Box<libdeflater::Decompressor>),
+    #[cfg(feature = "lz4")]
     Lz4,
 }
 
@@ -691,8 +832,11 @@ impl fmt::Debug for DecoderEngine {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str(match self {
             DecoderEngine::None => "None",
+            #[cfg(feature = "zstd")]
             DecoderEngine::Zstd(_) => "Zstd",
+            #[cfg(feature = "deflate")]
             DecoderEngine::Deflate(_) => "Deflate",
+            #[cfg(feature = "lz4")]
             DecoderEngine::Lz4 => "Lz4",
         })
     }
@@ -709,9 +853,15 @@ pub struct PageDecompressor {
 impl PageDecompressor {
     /// A decoder for the session's wire codec. A session whose pages came
     /// from QPL uses [`CodecId::Deflate`].
+    ///
+    /// # Errors
+    ///
+    /// [`CodecError::NotBuilt`] for a codec whose feature is off;
+    /// [`CodecError::Init`] if the codec library cannot start.
     pub fn new(codec: CodecId) -> Result<Self, CodecError> {
         let engine = match codec {
             CodecId::None => DecoderEngine::None,
+            #[cfg(feature = "zstd")]
             CodecId::Zstd => {
                 DecoderEngine::Zstd(Box::new(zstd::bulk::Decompressor::new().map_err(|e| {
                     CodecError::Init {
@@ -720,8 +870,16 @@ impl PageDecompressor {
                     }
                 })?))
             }
+            #[cfg(feature = "deflate")]
             CodecId::Deflate => DecoderEngine::Deflate(Box::new(libdeflater::Decompressor::new())),
+            #[cfg(feature = "lz4")]
             CodecId::Lz4 => DecoderEngine::Lz4,
+            #[allow(unreachable_patterns)] // reachable when a codec feature is off
+            not_built => {
+                return Err(CodecError::NotBuilt {
+                    feature: not_built.name(),
+                });
+            }
         };
         Ok(Self { codec, engine })
     }
@@ -754,6 +912,7 @@ impl PageDecompressor {
         // each write against its length.
         let decoded = match &mut self.engine {
             DecoderEngine::None => unreachable!("checked above"),
+            #[cfg(feature = "zstd")]
             DecoderEngine::Zstd(d) => match d.decompress_to_buffer(input, &mut out[..]) {
                 Ok(n) => n,
                 Err(e) => {
@@ -765,6 +924,7 @@ impl PageDecompressor {
                     });
                 }
             },
+            #[cfg(feature = "deflate")]
             DecoderEngine::Deflate(d) => match d.deflate_decompress(input, out) {
                 Ok(n) => n,
                 Err(libdeflater::DecompressionError::InsufficientSpace) => {
@@ -777,6 +937,7 @@ impl PageDecompressor {
                     });
                 }
             },
+            #[cfg(feature = "lz4")]
             DecoderEngine::Lz4 => match lz4_flex::block::decompress_into(input, out) {
                 Ok(n) => n,
                 Err(lz4_flex::block::DecompressError::OutputTooSmall { .. }) => {
@@ -815,5 +976,40 @@ impl PageDecompressor {
         // length, so nothing past the page can be written.
         let out = unsafe { &mut *page_out.cast::<[u8; PAGE_SIZE]>() };
         self.decompress(input, out)
+    }
+}
+
+#[cfg(test)]
+mod feature_tests {
+    use super::*;
+
+    #[test]
+    fn a_codec_left_out_is_a_typed_error_naming_its_feature() {
+        for codec in CodecId::ALL {
+            let compressor = PageCompressor::new(codec, 1);
+            let decompressor = PageDecompressor::new(codec);
+            assert_eq!(compressor.is_ok(), codec.is_built(), "{codec}");
+            assert_eq!(decompressor.is_ok(), codec.is_built(), "{codec}");
+            if let Err(e) = compressor {
+                assert!(
+                    matches!(e, CodecError::NotBuilt { feature } if feature == codec.name()),
+                    "{e}"
+                );
+                assert_eq!(
+                    e.to_string(),
+                    format!("tern-page was built without the {codec} feature")
+                );
+            }
+        }
+        let qpl = PageCompressor::with_qpl(QplPath::Auto, 1);
+        if !cfg!(feature = "qpl") {
+            assert!(matches!(qpl, Err(CodecError::NotBuilt { feature: "qpl" })));
+            assert!(matches!(
+                qpl_available(),
+                Err(CodecError::NotBuilt { feature: "qpl" })
+            ));
+        }
+        assert_eq!(CodecChoice::Qpl.is_built(), cfg!(feature = "qpl"));
+        assert!(CodecChoice::Auto.is_built());
     }
 }

@@ -44,68 +44,22 @@
 
 use std::alloc::{Layout, alloc_zeroed, dealloc};
 use std::fmt;
-use std::str::FromStr;
 use std::sync::{Arc, OnceLock};
 
 use super::{
-    CodecError, CompressedBatch, MAX_COMPRESSED, PageOutcome, RawReason, deflate_page,
+    CodecError, CompressedBatch, MAX_COMPRESSED, PageOutcome, QplPath, RawReason, deflate_page,
     looks_incompressible_bytes, new_deflate,
 };
 use crate::PAGE_SIZE;
 
+// The page and output sizes as QPL's `u32` job fields.
+#[expect(clippy::cast_possible_truncation, reason = "4096 fits in u32")]
+const PAGE_SIZE_U32: u32 = PAGE_SIZE as u32;
+#[expect(clippy::cast_possible_truncation, reason = "4095 fits in u32")]
+const MAX_COMPRESSED_U32: u32 = MAX_COMPRESSED as u32;
+
 /// Submissions tried against a busy queue before the CPU takes the page.
 pub const BUSY_RETRIES: u32 = 8;
-
-/// `qpl_path_t`: which QPL implementation runs the jobs.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
-pub enum QplPath {
-    /// Hardware when present, else QPL's software path.
-    #[default]
-    Auto,
-    /// IAA only; initialisation fails without a usable device.
-    Hardware,
-    /// QPL's software implementation (for testing the path without IAA).
-    Software,
-}
-
-impl QplPath {
-    fn raw(self) -> u32 {
-        match self {
-            QplPath::Auto => 0,
-            QplPath::Hardware => 1,
-            QplPath::Software => 2,
-        }
-    }
-
-    /// Short lowercase name.
-    pub fn name(self) -> &'static str {
-        match self {
-            QplPath::Auto => "auto",
-            QplPath::Hardware => "hardware",
-            QplPath::Software => "software",
-        }
-    }
-}
-
-impl fmt::Display for QplPath {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(self.name())
-    }
-}
-
-impl FromStr for QplPath {
-    type Err = CodecError;
-    fn from_str(s: &str) -> Result<Self, Self::Err> {
-        match s {
-            "auto" => Ok(QplPath::Auto),
-            "hardware" | "hw" => Ok(QplPath::Hardware),
-            "software" | "sw" => Ok(QplPath::Software),
-            _ => Err(CodecError::QplUnsupported(format!(
-                "unknown QPL path {s:?} (auto, hardware or software)"
-            ))),
-        }
-    }
-}
 
 /// Offsets and constants of QPL 1.x's public C API (see module docs).
 mod abi {
@@ -148,14 +102,12 @@ struct QplLib {
     #[allow(dead_code)] // resolved so a library lacking it is refused early
     check_job: JobFn,
     fini_job: JobFn,
-    #[cfg(feature = "qpl")]
     _lib: libloading::Library,
 }
 
 #[derive(Clone, Debug)]
 enum LoadFailure {
     Missing(String),
-    #[cfg_attr(not(feature = "qpl"), allow(dead_code))]
     Unsupported(String),
 }
 
@@ -168,7 +120,6 @@ impl From<LoadFailure> for CodecError {
     }
 }
 
-#[cfg(feature = "qpl")]
 fn load_from(candidates: &[&str]) -> Result<QplLib, LoadFailure> {
     let mut last = String::new();
     let lib = candidates.iter().find_map(|name| {
@@ -236,15 +187,6 @@ fn load_from(candidates: &[&str]) -> Result<QplLib, LoadFailure> {
     })
 }
 
-#[cfg(not(feature = "qpl"))]
-fn load_from(_candidates: &[&str]) -> Result<QplLib, LoadFailure> {
-    Err(LoadFailure::Missing(
-        "libqpl.so not loaded: this build of tern-page has the `qpl` feature off; \
-         install Intel QPL and rebuild with it"
-            .into(),
-    ))
-}
-
 fn library() -> Result<Arc<QplLib>, CodecError> {
     static LIB: OnceLock<Result<Arc<QplLib>, LoadFailure>> = OnceLock::new();
     LIB.get_or_init(|| {
@@ -262,12 +204,6 @@ fn library() -> Result<Arc<QplLib>, CodecError> {
 /// Whether libqpl can be loaded; the error says why not.
 pub fn qpl_available() -> Result<(), CodecError> {
     library().map(|_| ())
-}
-
-/// Loads QPL from explicit candidate file names (tests).
-#[cfg(test)]
-pub(crate) fn probe_library(candidates: &[&str]) -> Result<(), CodecError> {
-    load_from(candidates).map(|_| ()).map_err(CodecError::from)
 }
 
 /// One `qpl_job`, caller-allocated and initialised.
@@ -349,14 +285,14 @@ impl Job {
                 .write_unaligned(input.as_ptr());
             j.add(abi::OFF_AVAILABLE_IN)
                 .cast::<u32>()
-                .write_unaligned(PAGE_SIZE as u32);
+                .write_unaligned(PAGE_SIZE_U32);
             j.add(abi::OFF_TOTAL_IN).cast::<u32>().write_unaligned(0);
             j.add(abi::OFF_NEXT_OUT)
                 .cast::<*mut u8>()
                 .write_unaligned(out.as_mut_ptr());
             j.add(abi::OFF_AVAILABLE_OUT)
                 .cast::<u32>()
-                .write_unaligned(MAX_COMPRESSED as u32);
+                .write_unaligned(MAX_COMPRESSED_U32);
             j.add(abi::OFF_TOTAL_OUT).cast::<u32>().write_unaligned(0);
             j.add(abi::OFF_OP)
                 .cast::<u32>()
@@ -475,6 +411,12 @@ impl QplCompressor {
         self.level
     }
 
+    /// The level as the job's `u32` field.
+    fn level_u32(&self) -> u32 {
+        // `new` sets 1 or 3.
+        self.level.unsigned_abs()
+    }
+
     /// The execution path.
     pub fn path(&self) -> QplPath {
         self.path
@@ -509,7 +451,7 @@ impl QplCompressor {
         page: &[u8; PAGE_SIZE],
         out: &mut [u8; MAX_COMPRESSED],
     ) -> (Option<usize>, bool) {
-        let level = self.level as u32;
+        let level = self.level_u32();
         let job = &mut self.jobs[0];
         // SAFETY: `page` and `out` outlive the wait below.
         unsafe { job.prepare(page, out, level) };
@@ -554,7 +496,7 @@ impl QplCompressor {
             }
             return counts;
         }
-        let level = self.level as u32;
+        let level = self.level_u32();
         let mut slots = Vec::with_capacity(pages.len());
         for (i, &p) in pages.iter().enumerate() {
             // SAFETY: caller contract; `inputs[i]` is private memory.
@@ -621,5 +563,31 @@ impl QplCompressor {
                     .push(PageOutcome::Raw(RawReason::DidNotShrink));
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::codec::{CodecChoice, PageCompressor};
+
+    /// Loads QPL from explicit candidate file names.
+    fn probe_library(candidates: &[&str]) -> Result<(), CodecError> {
+        load_from(candidates).map(|_| ()).map_err(CodecError::from)
+    }
+
+    #[test]
+    fn qpl_missing_is_a_clear_error() {
+        let e = probe_library(&["/nonexistent/libqpl.so"]).unwrap_err();
+        assert!(matches!(e, CodecError::QplUnavailable(_)), "{e}");
+        assert!(e.to_string().contains("libqpl.so not found"), "{e}");
+        if let Err(e) = qpl_available() {
+            let r = PageCompressor::for_choice(CodecChoice::Qpl, 1, QplPath::Auto);
+            assert_eq!(r.unwrap_err().to_string(), e.to_string());
+        }
+        assert!(matches!(
+            PageCompressor::for_choice(CodecChoice::Auto, 1, QplPath::Auto),
+            Err(CodecError::AutoUnresolved)
+        ));
     }
 }

@@ -4,6 +4,8 @@ use std::fmt;
 
 use super::CodecId;
 
+pub use crate::cpu_time::thread_cpu_ns;
+
 /// Which implementation did the work; statistics are kept per implementation
 /// so QPL offload and software deflate can be compared even though they share
 /// a wire format.
@@ -175,19 +177,4 @@ impl fmt::Display for CodecStats {
         }
         Ok(())
     }
-}
-
-/// CPU time consumed by the calling thread, in nanoseconds.
-pub fn thread_cpu_ns() -> u64 {
-    let mut ts = libc::timespec {
-        tv_sec: 0,
-        tv_nsec: 0,
-    };
-    // SAFETY: `ts` is a valid, writable timespec; CLOCK_THREAD_CPUTIME_ID is
-    // supported on every Linux this crate targets.
-    let rc = unsafe { libc::clock_gettime(libc::CLOCK_THREAD_CPUTIME_ID, &mut ts) };
-    if rc != 0 {
-        return 0;
-    }
-    (ts.tv_sec as u64) * 1_000_000_000 + ts.tv_nsec as u64
 }

@@ -333,7 +333,7 @@ mod tests {
         let d = Descriptor::compval(0x1234_5000, 4096, 0, 0xabc0);
         let b = d.as_bytes();
         // Dword 1: flags in bits 0..24, opcode in bits 24..32.
-        let dw1 = le(b, 4, 4) as u32;
+        let dw1 = u32::try_from(le(b, 4, 4)).unwrap();
         assert_eq!(dw1 >> 24, u32::from(OPCODE_COMPVAL));
         assert_eq!(dw1 & FLAGS_MASK, FLAG_CRAV | FLAG_RCR);
         assert_eq!(dw1 & FLAG_BOF, 0, "faults must not block");
@@ -355,7 +355,7 @@ mod tests {
         let d = Descriptor::batch(0x7000_0040, 128, 0x8000);
         let b = d.as_bytes();
         assert_eq!(b[7], OPCODE_BATCH);
-        assert_eq!(le(b, 4, 3) as u32, FLAG_CRAV | FLAG_RCR);
+        assert_eq!(le(b, 4, 3), u64::from(FLAG_CRAV | FLAG_RCR));
         assert_eq!(le(b, 8, 8), 0x8000);
         assert_eq!(le(b, 16, 8), 0x7000_0040, "desc_list_addr");
         assert_eq!(le(b, 32, 4), 128, "desc_count");

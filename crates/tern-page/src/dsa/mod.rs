@@ -16,24 +16,41 @@
 //! * [`mod@bench`]: throughput of every backend for `tern bench zero`.
 //!
 //! See `docs/zero-page-detection.md` for the design and the DSA set-up.
+//!
+//! # Cargo feature
+//!
+//! Everything DSA-specific (descriptors, queues, the software device, the
+//! engine) is behind the `dsa` feature, on by default. Without it the
+//! asynchronous API and its CPU implementation remain, and [`open_dsa`]
+//! fails with [`OffloadError::NotBuilt`].
 
 pub mod bench;
+#[cfg(feature = "dsa")]
 pub mod desc;
 pub mod offload;
+#[cfg(feature = "dsa")]
 pub mod queue;
+#[cfg(feature = "dsa")]
 pub mod soft;
+#[cfg(feature = "dsa")]
 pub mod sysfs;
 
 use std::path::PathBuf;
 
 pub use bench::{ZeroBenchRow, bench_zero};
+#[cfg(feature = "dsa")]
 pub use desc::{CompletionRecord, Descriptor, DsaStatus};
 pub use offload::{
-    CpuOffload, DsaConfig, DsaOffload, MAX_BATCH_PAGES, OffloadConfig, Ticket, ZeroAsNormal,
-    ZeroOffloadStats, ZeroPageOffload, cpu_offload, open_dsa, software_dsa,
+    CpuOffload, DsaConfig, MAX_BATCH_PAGES, OffloadConfig, Ticket, ZeroAsNormal, ZeroOffloadStats,
+    ZeroPageOffload, cpu_offload, open_dsa,
 };
+#[cfg(feature = "dsa")]
+pub use offload::{DsaOffload, software_dsa};
+#[cfg(feature = "dsa")]
 pub use queue::{CpuSubmitFeatures, DsaQueue, HardwareQueue, SubmissionMethod, SubmitError};
+#[cfg(feature = "dsa")]
 pub use soft::{SoftwareDsa, SoftwareDsaConfig};
+#[cfg(feature = "dsa")]
 pub use sysfs::{WorkQueueInfo, WqMode, discover_work_queues};
 
 /// Why the offload could not be set up or a call was refused.
@@ -62,6 +79,13 @@ pub enum OffloadError {
     /// More pages than one submission takes.
     #[error("{0} pages in one submission; at most {MAX_BATCH_PAGES}")]
     TooManyPages(usize),
+    /// DSA was asked for but the `dsa` feature was off when tern-page was
+    /// built.
+    #[error("tern-page was built without the {feature} feature")]
+    NotBuilt {
+        /// The feature: `dsa`.
+        feature: &'static str,
+    },
     /// A ticket from another offload, or one already waited on.
     #[error("ticket does not belong to this offload or was already waited on")]
     BadTicket,

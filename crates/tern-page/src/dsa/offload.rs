@@ -32,28 +32,48 @@
 //! UMONITOR/UMWAIT on the oldest outstanding record instead of spinning and
 //! yielding; not done because no machine here has WAITPKG to test it.
 
-use std::cell::UnsafeCell;
 use std::fmt;
 use std::path::PathBuf;
-use std::ptr::addr_of_mut;
-use std::sync::atomic::{AtomicBool, AtomicU8, AtomicU32, AtomicU64, AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex, OnceLock};
-use std::thread::{JoinHandle, Thread};
-use std::time::{Duration, Instant};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+#[cfg(feature = "dsa")]
+use std::{
+    cell::UnsafeCell,
+    ptr::addr_of_mut,
+    sync::atomic::{AtomicBool, AtomicU8, AtomicU32, AtomicUsize},
+    sync::{Mutex, OnceLock},
+    thread::{JoinHandle, Thread},
+    time::Instant,
+};
 
+#[cfg(feature = "dsa")]
 use crossbeam_queue::ArrayQueue;
 
 use super::OffloadError;
+#[cfg(feature = "dsa")]
 use super::desc::{CompletionRecord, Descriptor, DsaStatus};
+#[cfg(feature = "dsa")]
 use super::queue::{DsaQueue, HardwareQueue, SubmissionMethod, SubmitError};
+#[cfg(feature = "dsa")]
 use super::soft::{SoftwareDsa, SoftwareDsaConfig};
+#[cfg(feature = "dsa")]
 use super::sysfs::discover_work_queues;
+#[cfg(feature = "dsa")]
+use crate::codec::thread_cpu_ns;
 use crate::zero::{PAGE_SIZE, ZeroChecker};
 
 /// Most pages one [`ZeroPageOffload::submit`] takes: one engine batch.
 pub const MAX_BATCH_PAGES: usize = 128;
 /// Batch descriptors per slot: chunks have at least 2 pages when batching.
+#[cfg(feature = "dsa")]
 const MAX_CHUNKS: usize = MAX_BATCH_PAGES / 2;
+
+/// [`PAGE_SIZE`] as a descriptor's `u32` transfer size.
+#[cfg(feature = "dsa")]
+const PAGE_SIZE_U32: u32 = 4096;
+#[cfg(feature = "dsa")]
+const _: () = assert!(PAGE_SIZE_U32 as usize == PAGE_SIZE);
 
 /// Zero-page checks for batches of pages, answered now or later.
 pub trait ZeroPageOffload: Send + Sync + fmt::Debug {
@@ -107,6 +127,7 @@ enum TicketKind {
     /// Answered at submission (CPU): bit i set = page i is zero.
     Ready { zero: u128, len: u8 },
     /// In a DSA slot.
+    #[cfg(feature = "dsa")]
     Slot { index: u32, generation: u32 },
 }
 
@@ -257,7 +278,7 @@ impl ZeroPageOffload for CpuOffload {
             owner: self.owner,
             kind: TicketKind::Ready {
                 zero,
-                len: pages.len() as u8,
+                len: u8::try_from(pages.len()).expect("at most MAX_BATCH_PAGES"),
             },
         })
     }
@@ -342,6 +363,14 @@ impl Default for DsaConfig {
     }
 }
 
+/// Would open DSA, but this build has the `dsa` feature off: always
+/// [`OffloadError::NotBuilt`].
+#[cfg(not(feature = "dsa"))]
+pub fn open_dsa(config: &DsaConfig) -> Result<Arc<dyn ZeroPageOffload>, OffloadError> {
+    let _ = config;
+    Err(OffloadError::NotBuilt { feature: "dsa" })
+}
+
 /// Discovers and opens every usable DSA work queue and starts the engine.
 ///
 /// An explicitly requested DSA that is missing is an error here, at start-up,
@@ -352,6 +381,8 @@ impl Default for DsaConfig {
 ///
 /// [`OffloadError::NoWorkQueue`] if sysfs has no enabled user queue (after
 /// the `only` filter), [`OffloadError::NoneOpened`] if none could be opened.
+/// Without the `dsa` feature it always fails with [`OffloadError::NotBuilt`].
+#[cfg(feature = "dsa")]
 pub fn open_dsa(config: &DsaConfig) -> Result<Arc<dyn ZeroPageOffload>, OffloadError> {
     let mut wqs = discover_work_queues(&config.sysfs_root, &config.dev_root)?;
     if let Some(only) = &config.only {
@@ -390,6 +421,7 @@ pub fn open_dsa(config: &DsaConfig) -> Result<Arc<dyn ZeroPageOffload>, OffloadE
 }
 
 /// One software DSA device behind the engine, for tests and demos.
+#[cfg(feature = "dsa")]
 pub fn software_dsa(config: SoftwareDsaConfig) -> Arc<dyn ZeroPageOffload> {
     let queue: Arc<dyn DsaQueue> = Arc::new(SoftwareDsa::new(config));
     Arc::new(
@@ -412,8 +444,14 @@ impl ZeroAsNormal {
     /// `ratio` in 0.0..=1.0 (clamped): the share of zero pages to send as
     /// normal pages.
     pub fn new(ratio: f64) -> Self {
+        #[expect(
+            clippy::cast_possible_truncation,
+            clippy::cast_sign_loss,
+            reason = "a whole number in 0..=1000"
+        )]
+        let per_mille = (ratio.clamp(0.0, 1.0) * 1000.0).round() as u64;
         ZeroAsNormal {
-            per_mille: (ratio.clamp(0.0, 1.0) * 1000.0).round() as u64,
+            per_mille,
             seen: AtomicU64::new(0),
         }
     }
@@ -428,6 +466,7 @@ impl ZeroAsNormal {
     }
 }
 
+#[cfg(feature = "dsa")]
 /// Memory of one submission. Everything the device reads or writes lives
 /// here, 64-byte aligned (descriptor lists must be; records need 32).
 #[repr(C, align(64))]
@@ -438,6 +477,7 @@ struct SlotMem {
     batch_recs: [CompletionRecord; MAX_CHUNKS],
 }
 
+#[cfg(feature = "dsa")]
 /// A record whose status says a chunk is finished.
 #[derive(Clone, Copy, Debug)]
 enum Watch {
@@ -447,6 +487,7 @@ enum Watch {
     Batch(u8),
 }
 
+#[cfg(feature = "dsa")]
 /// Book-keeping of one submission, written by the submitter before the slot
 /// is published and read-only afterwards.
 struct SlotMeta {
@@ -458,10 +499,14 @@ struct SlotMeta {
     submitted_at: Instant,
 }
 
+#[cfg(feature = "dsa")]
 const FREE: u8 = 0;
+#[cfg(feature = "dsa")]
 const IN_FLIGHT: u8 = 1;
+#[cfg(feature = "dsa")]
 const DONE: u8 = 2;
 
+#[cfg(feature = "dsa")]
 struct Slot {
     mem: *mut SlotMem,
     meta: UnsafeCell<SlotMeta>,
@@ -471,6 +516,7 @@ struct Slot {
     waiter: Mutex<Option<Thread>>,
 }
 
+#[cfg(feature = "dsa")]
 impl Slot {
     fn new() -> Self {
         let mem = Box::new(SlotMem {
@@ -523,6 +569,7 @@ impl Slot {
     }
 }
 
+#[cfg(feature = "dsa")]
 /// A queue with the engine's health book-keeping.
 #[derive(Debug)]
 struct QueueEntry {
@@ -535,6 +582,7 @@ struct QueueEntry {
     disabled: AtomicBool,
 }
 
+#[cfg(feature = "dsa")]
 struct Inner {
     owner: u64,
     queues: Vec<QueueEntry>,
@@ -548,6 +596,7 @@ struct Inner {
     poller: OnceLock<Thread>,
 }
 
+#[cfg(feature = "dsa")]
 // SAFETY: the raw pointers and UnsafeCells in the slots are handed between
 // threads by the slot protocol: a slot's memory and meta are written only by
 // the thread that popped it from `free` (exclusive), published with a
@@ -556,9 +605,11 @@ struct Inner {
 // The device touches only descriptors and records, which are accessed
 // through raw pointers and atomic status loads, never references.
 unsafe impl Send for Inner {}
+#[cfg(feature = "dsa")]
 // SAFETY: see Send.
 unsafe impl Sync for Inner {}
 
+#[cfg(feature = "dsa")]
 impl fmt::Debug for Inner {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("Inner")
@@ -568,6 +619,7 @@ impl fmt::Debug for Inner {
     }
 }
 
+#[cfg(feature = "dsa")]
 impl Drop for Inner {
     fn drop(&mut self) {
         for slot in self.slots.iter() {
@@ -585,6 +637,7 @@ impl Drop for Inner {
     }
 }
 
+#[cfg(feature = "dsa")]
 /// The DSA engine: queues, slots and the completion thread.
 #[derive(Debug)]
 pub struct DsaOffload {
@@ -592,6 +645,7 @@ pub struct DsaOffload {
     thread: Option<JoinHandle<()>>,
 }
 
+#[cfg(feature = "dsa")]
 impl DsaOffload {
     /// Starts the engine over `queues` (hardware or software), used
     /// round-robin.
@@ -609,7 +663,8 @@ impl DsaOffload {
         let slots = config.slots.clamp(1, u32::MAX as usize);
         let free = ArrayQueue::new(slots);
         for i in 0..slots {
-            free.push(i as u32).expect("capacity is slots");
+            let index = u32::try_from(i).expect("slots fit in u32");
+            free.push(index).expect("capacity is slots");
         }
         let queues = queues
             .into_iter()
@@ -664,6 +719,7 @@ impl DsaOffload {
     }
 }
 
+#[cfg(feature = "dsa")]
 impl Drop for DsaOffload {
     fn drop(&mut self) {
         self.inner.stop.store(true, Ordering::Release);
@@ -674,6 +730,7 @@ impl Drop for DsaOffload {
     }
 }
 
+#[cfg(feature = "dsa")]
 impl Inner {
     /// Picks the next enabled queue with room for `len` pages; returns its
     /// index, chunk count and chunk limit, with the chunks reserved.
@@ -689,9 +746,10 @@ impl Inner {
             let max = q.queue.max_batch_size().clamp(1, MAX_BATCH_PAGES);
             let chunks = if max == 1 { len } else { len.div_ceil(max) };
             if let Some(cap) = q.capacity {
-                let before = q.in_flight.fetch_add(chunks as u32, Ordering::AcqRel);
-                if before + chunks as u32 > cap {
-                    q.in_flight.fetch_sub(chunks as u32, Ordering::AcqRel);
+                let chunks = u32::try_from(chunks).expect("at most MAX_BATCH_PAGES");
+                let before = q.in_flight.fetch_add(chunks, Ordering::AcqRel);
+                if before + chunks > cap {
+                    q.in_flight.fetch_sub(chunks, Ordering::AcqRel);
                     continue;
                 }
             }
@@ -710,7 +768,7 @@ impl Inner {
             owner: self.owner,
             kind: TicketKind::Ready {
                 zero,
-                len: pages.len() as u8,
+                len: u8::try_from(pages.len()).expect("at most MAX_BATCH_PAGES"),
             },
         }
     }
@@ -762,7 +820,7 @@ impl Inner {
                 recs.add(i).write(CompletionRecord::default());
                 descs.add(i).write(Descriptor::compval(
                     page as u64,
-                    PAGE_SIZE as u32,
+                    PAGE_SIZE_U32,
                     0,
                     recs.add(i) as u64,
                 ));
@@ -770,7 +828,7 @@ impl Inner {
         }
         meta.len = len;
         meta.queue = qi;
-        meta.reserved = chunks as u32;
+        meta.reserved = u32::try_from(chunks).expect("at most MAX_BATCH_PAGES");
         meta.watch.clear();
         meta.submitted_at = Instant::now();
         slot.timed_out.store(false, Ordering::Relaxed);
@@ -783,7 +841,7 @@ impl Inner {
                 // SAFETY: start < len, initialised above.
                 (
                     unsafe { descs.add(start).read() },
-                    Watch::Single(start as u8),
+                    Watch::Single(u8::try_from(start).expect("below MAX_BATCH_PAGES")),
                 )
             } else {
                 // SAFETY: c < chunks <= MAX_CHUNKS (size >= 2 for every
@@ -793,11 +851,11 @@ impl Inner {
                     batch_recs.add(c).write(CompletionRecord::default());
                     let b = Descriptor::batch(
                         descs.add(start) as u64,
-                        size as u32,
+                        u32::try_from(size).expect("at most MAX_BATCH_PAGES"),
                         batch_recs.add(c) as u64,
                     );
                     batch_descs.add(c).write(b);
-                    (b, Watch::Batch(c as u8))
+                    (b, Watch::Batch(u8::try_from(c).expect("below MAX_CHUNKS")))
                 }
             };
             // SAFETY: the descriptor points at slot memory and at the
@@ -994,7 +1052,7 @@ impl Inner {
         // SAFETY: `slot` is an element of `self.slots` (callers only pass
         // slots obtained from it), so both pointers are in one allocation.
         let off = unsafe { (slot as *const Slot).offset_from(self.slots.as_ptr()) };
-        off as u32
+        u32::try_from(off).expect("a slot index, below the u32 slot count")
     }
 
     /// Whether every watched record of the slot has been written.
@@ -1023,20 +1081,7 @@ impl Inner {
     }
 }
 
-/// CPU time of the calling thread.
-fn thread_cpu_time() -> Duration {
-    let mut ts = libc::timespec {
-        tv_sec: 0,
-        tv_nsec: 0,
-    };
-    // SAFETY: valid out-pointer; CLOCK_THREAD_CPUTIME_ID exists on Linux.
-    let rc = unsafe { libc::clock_gettime(libc::CLOCK_THREAD_CPUTIME_ID, &mut ts) };
-    if rc != 0 {
-        return Duration::ZERO;
-    }
-    Duration::new(ts.tv_sec as u64, ts.tv_nsec as u32)
-}
-
+#[cfg(feature = "dsa")]
 /// Polls outstanding slots until stopped (and drained, within a bound).
 fn completion_thread(inner: &Inner) {
     let mut active: Vec<u32> = Vec::with_capacity(inner.slots.len());
@@ -1046,7 +1091,7 @@ fn completion_thread(inner: &Inner) {
         inner
             .counters
             .completion_cpu_ns
-            .store(thread_cpu_time().as_nanos() as u64, Ordering::Relaxed);
+            .store(thread_cpu_ns(), Ordering::Relaxed);
     };
     loop {
         while let Some(i) = inner.pending.pop() {
@@ -1102,6 +1147,7 @@ fn completion_thread(inner: &Inner) {
     publish_cpu();
 }
 
+#[cfg(feature = "dsa")]
 impl ZeroPageOffload for DsaOffload {
     unsafe fn submit(&self, pages: &[*const u8]) -> Result<Ticket, OffloadError> {
         // SAFETY: forwarded from the caller.
@@ -1130,7 +1176,7 @@ impl ZeroPageOffload for DsaOffload {
     }
 }
 
-#[cfg(test)]
+#[cfg(all(test, feature = "dsa"))]
 mod tests {
     use super::*;
     use crate::dsa::desc::STATUS_TRANSLATION_FAIL;

@@ -131,11 +131,18 @@ impl CpuSubmitFeatures {
     pub fn detect() -> Self {
         #[cfg(target_arch = "x86_64")]
         {
-            let max_leaf = core::arch::x86_64::__cpuid(0).eax;
+            // The CPUID intrinsics became safe functions after the MSRV
+            // (1.89), where they still need `unsafe`.
+            #[allow(unused_unsafe)]
+            // SAFETY: CPUID exists on every x86_64 CPU and only reads
+            // identification registers.
+            let max_leaf = unsafe { core::arch::x86_64::__cpuid(0) }.eax;
             if max_leaf < 7 {
                 return Self::default();
             }
-            let ecx = core::arch::x86_64::__cpuid_count(7, 0).ecx;
+            #[allow(unused_unsafe)]
+            // SAFETY: as above; leaf 7 exists since max_leaf >= 7.
+            let ecx = unsafe { core::arch::x86_64::__cpuid_count(7, 0) }.ecx;
             Self {
                 movdir64b: ecx & (1 << 28) != 0,
                 enqcmd: ecx & (1 << 29) != 0,

@@ -362,7 +362,7 @@ impl Device {
                 STATUS_BATCH_FAIL
             },
             result: 0,
-            bytes_completed: count as u32,
+            bytes_completed: desc.desc_count(),
             fault_addr: 0,
         }
     }
@@ -384,14 +384,14 @@ unsafe fn first_mismatch(p: *const u8, len: u32, pattern: u64) -> Option<u32> {
         if w != pattern {
             let diff = (w ^ pattern).to_le_bytes();
             let first = diff.iter().position(|&b| b != 0).unwrap_or(0);
-            return Some((off + first) as u32);
+            return Some(u32::try_from(off + first).expect("below len, a u32"));
         }
         off += 8;
     }
     while off < len {
         // SAFETY: off < len.
         if unsafe { p.add(off).read() } != pat[off % 8] {
-            return Some(off as u32);
+            return Some(u32::try_from(off).expect("below len, a u32"));
         }
         off += 1;
     }
@@ -483,7 +483,7 @@ mod tests {
     fn compval_nonzero_pattern_and_odd_length() {
         let dev = SoftwareDsa::new(SoftwareDsaConfig::default());
         let pattern = 0x0807_0605_0403_0201u64;
-        let buf: Vec<u8> = (0..21).map(|i| (i % 8 + 1) as u8).collect();
+        let buf: Vec<u8> = (0..21u8).map(|i| i % 8 + 1).collect();
         let m = mem();
         let d = Descriptor::compval(buf.as_ptr() as u64, 21, pattern, addr(&m.recs[0]));
         // SAFETY: buffer and record outlive the wait.

@@ -1,6 +1,5 @@
 //! Migration settings.
 
-use std::str::FromStr;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -10,17 +9,46 @@ use tern_page::dsa::ZeroPageOffload;
 use crate::error::MigrationError;
 use crate::transport::Address;
 
+/// A name that is none of an enum's values (the `FromStr` error of the
+/// config enums).
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[error("'{0}' is not a known value")]
+pub struct UnknownName(pub String);
+
+impl UnknownName {
+    fn new(text: &str) -> Self {
+        Self(text.to_string())
+    }
+}
+
 /// Who looks for zero pages.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[derive(
+    Clone,
+    Copy,
+    Debug,
+    Default,
+    PartialEq,
+    Eq,
+    strum::EnumString,
+    strum::IntoStaticStr,
+    strum::EnumIter,
+)]
+#[strum(
+    serialize_all = "lowercase",
+    parse_err_ty = UnknownName,
+    parse_err_fn = UnknownName::new
+)]
 #[non_exhaustive]
 pub enum ZeroPageDetection {
     /// Nobody: every page is sent with its data.
     None,
     /// The producer thread, before pages reach the workers (QEMU's legacy
     /// mode; a bottleneck kept for comparison).
+    #[strum(to_string = "source", serialize = "legacy")]
     Source,
-    /// The channel workers, in parallel.
+    /// The channel workers, in parallel (QEMU's multifd mode).
     #[default]
+    #[strum(to_string = "workers", serialize = "multifd")]
     Workers,
     /// The workers hand batches to Intel DSA (or a software stand-in) and
     /// finish on the CPU what the device cannot.
@@ -30,37 +58,28 @@ pub enum ZeroPageDetection {
 impl ZeroPageDetection {
     /// The name used on the command line and in statistics.
     pub fn as_str(self) -> &'static str {
-        match self {
-            Self::None => "none",
-            Self::Source => "source",
-            Self::Workers => "workers",
-            Self::Dsa => "dsa",
-        }
-    }
-}
-
-impl FromStr for ZeroPageDetection {
-    type Err = String;
-
-    fn from_str(text: &str) -> Result<Self, String> {
-        match text {
-            "none" => Ok(Self::None),
-            // QEMU's `legacy` detects on the migration thread, its `multifd`
-            // in the multifd threads: tern's `source` and `workers`.
-            "source" | "legacy" => Ok(Self::Source),
-            "workers" | "multifd" => Ok(Self::Workers),
-            "dsa" => Ok(Self::Dsa),
-            other => Err(format!(
-                "unknown zero-page detection mode '{other}' (use none, source, workers or dsa; \
-                 QEMU's legacy and multifd mean source and workers)"
-            )),
-        }
+        self.into()
     }
 }
 
 /// What to do when the iteration or time limit is reached before the
 /// remaining dirty memory fits in the downtime limit.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[derive(
+    Clone,
+    Copy,
+    Debug,
+    Default,
+    PartialEq,
+    Eq,
+    strum::EnumString,
+    strum::IntoStaticStr,
+    strum::EnumIter,
+)]
+#[strum(
+    serialize_all = "kebab-case",
+    parse_err_ty = UnknownName,
+    parse_err_fn = UnknownName::new
+)]
 #[non_exhaustive]
 pub enum LimitPolicy {
     /// Give up; the source guest runs on.
@@ -70,23 +89,31 @@ pub enum LimitPolicy {
     SwitchOver,
 }
 
-impl FromStr for LimitPolicy {
-    type Err = String;
-
-    fn from_str(text: &str) -> Result<Self, String> {
-        match text {
-            "cancel" => Ok(Self::Cancel),
-            "switch-over" => Ok(Self::SwitchOver),
-            other => Err(format!(
-                "unknown limit policy '{other}' (use cancel or switch-over)"
-            )),
-        }
+impl LimitPolicy {
+    /// The name used on the command line.
+    pub fn as_str(self) -> &'static str {
+        self.into()
     }
 }
 
 /// Whether the destination's memory is compared with the source's before
 /// the guest resumes there.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[derive(
+    Clone,
+    Copy,
+    Debug,
+    Default,
+    PartialEq,
+    Eq,
+    strum::EnumString,
+    strum::IntoStaticStr,
+    strum::EnumIter,
+)]
+#[strum(
+    serialize_all = "lowercase",
+    parse_err_ty = UnknownName,
+    parse_err_fn = UnknownName::new
+)]
 #[non_exhaustive]
 pub enum Verify {
     /// The source hashes all its memory after pausing the guest (while the
@@ -98,20 +125,30 @@ pub enum Verify {
     None,
 }
 
-impl FromStr for Verify {
-    type Err = String;
-
-    fn from_str(text: &str) -> Result<Self, String> {
-        match text {
-            "full" => Ok(Self::Full),
-            "none" => Ok(Self::None),
-            other => Err(format!("unknown verify mode '{other}' (use full or none)")),
-        }
+impl Verify {
+    /// The name used on the command line.
+    pub fn as_str(self) -> &'static str {
+        self.into()
     }
 }
 
 /// How zero-copy sends are made.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[derive(
+    Clone,
+    Copy,
+    Debug,
+    Default,
+    PartialEq,
+    Eq,
+    strum::EnumString,
+    strum::IntoStaticStr,
+    strum::EnumIter,
+)]
+#[strum(
+    serialize_all = "lowercase",
+    parse_err_ty = UnknownName,
+    parse_err_fn = UnknownName::new
+)]
 #[non_exhaustive]
 pub enum ZeroCopyBackend {
     /// `sendmsg(MSG_ZEROCOPY)` with completions read from the error queue.
@@ -121,17 +158,10 @@ pub enum ZeroCopyBackend {
     Uring,
 }
 
-impl FromStr for ZeroCopyBackend {
-    type Err = String;
-
-    fn from_str(text: &str) -> Result<Self, String> {
-        match text {
-            "msg" => Ok(Self::Msg),
-            "uring" => Ok(Self::Uring),
-            other => Err(format!(
-                "unknown zero-copy backend '{other}' (use msg or uring)"
-            )),
-        }
+impl ZeroCopyBackend {
+    /// The name used on the command line.
+    pub fn as_str(self) -> &'static str {
+        self.into()
     }
 }
 

@@ -69,7 +69,8 @@ pub mod zerocopy;
 
 pub use bitmap::DirtyBitmap;
 pub use config::{
-    LimitPolicy, MigrationConfig, ReceiveConfig, Verify, ZeroCopyBackend, ZeroPageDetection,
+    LimitPolicy, MigrationConfig, ReceiveConfig, UnknownName, Verify, ZeroCopyBackend,
+    ZeroPageDetection,
 };
 pub use destination::{Destination, ReceivePhase, ReceiveStats, Received};
 pub use error::{ChannelError, MigrationError};

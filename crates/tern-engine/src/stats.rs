@@ -12,8 +12,9 @@ use tern_wire::OutcomeStats;
 use crate::zerocopy::ZeroCopyStats;
 
 /// Where a migration is.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, strum::IntoStaticStr)]
 #[serde(rename_all = "kebab-case")]
+#[strum(serialize_all = "kebab-case")]
 #[repr(u8)]
 pub enum MigrationStatus {
     /// Connecting and handshaking.
@@ -44,14 +45,7 @@ impl MigrationStatus {
 
     /// The name users see.
     pub fn as_str(self) -> &'static str {
-        match self {
-            Self::Setup => "setup",
-            Self::Active => "active",
-            Self::Device => "device",
-            Self::Completed => "completed",
-            Self::Failed => "failed",
-            Self::Cancelled => "cancelled",
-        }
+        self.into()
     }
 }
 

@@ -578,7 +578,12 @@ where
         arg: Option<&clap::Arg>,
         value: &OsStr,
     ) -> Result<T, clap::Error> {
-        let parse = |text: &str| text.parse::<T>().map_err(|error| error.to_string());
+        let names: Vec<&str> = self.values.iter().map(|(name, _)| *name).collect();
+        let names = names.join(", ");
+        let parse = move |text: &str| {
+            text.parse::<T>()
+                .map_err(|error| format!("{error} (possible values: {names})"))
+        };
         parse.parse_ref(command, arg, value)
     }
 

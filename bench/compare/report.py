@@ -53,7 +53,7 @@ def _row(case: str, who: str, s: Summary, q: Summary | None, qn: Summary | None)
             f"{fmt(s.src_cpu_s)} | {fmt(s.dst_cpu_s)} | {s.n} | " + " | ".join(cells) + " |")
 
 
-def markdown(results: Results) -> str:
+def markdown(results: Results, charts: bool = True) -> str:
     cfg = results.config
     summary = stats.summarize(results.runs)
     m = results.machine
@@ -65,7 +65,7 @@ def markdown(results: Results) -> str:
         f"* Machine: {m['cpu']}, {m['nproc']} CPUs, "
         f"{m['mem_total_bytes'] / 2**30:.1f} GiB RAM, Linux {m['kernel']}, "
         f"KVM modules: {', '.join(m['kvm_modules'])}",
-        f"* QEMU: {results.qemu_version}",
+        f"* QEMU: {results.qemu_version or 'not run'}",
         f"* tern: {results.tern_version}",
         f"* Guest: tern-vmm test guest (same code for both), "
         f"{cfg.memory >> 20} MiB RAM from the same image "
@@ -129,13 +129,16 @@ def markdown(results: Results) -> str:
         lines.append(f"* {r.case.key} {r.contender} rep {r.rep}: {(r.error or '')[:300]}")
     if results.elapsed_s is not None:
         lines += ["", f"Run time: {results.elapsed_s / 60:.1f} min."]
-    lines += ["", "Charts: `total_time.png`, `downtime.png`, `cpu.png`, `bytes.png`. "
-              "All runs: `results.json`.", ""]
+    if charts:
+        lines += ["", "Charts: `total_time.png`, `downtime.png`, `cpu.png`, `bytes.png`. "
+                  "All runs: `results.json`.", ""]
+    else:
+        lines += ["", "All runs: `results.json`.", ""]
     return "\n".join(lines)
 
 
 def write(results: Results, out: Path, charts: bool = True) -> None:
-    (out / "results.md").write_text(markdown(results))
+    (out / "results.md").write_text(markdown(results, charts))
     if charts:
         draw_charts(stats.summarize(results.runs), case_order(results.config), out)
 

@@ -25,6 +25,9 @@ def main(argv: list[str] | None = None) -> int:
     charts = not args.no_charts
     out = Path(args.out)
     if args.report_only:
+        missing = system.missing_for_charts(charts)
+        if missing:
+            sys.exit(system.missing_message(missing))
         results = Results.load(out)
         report.write(results, out, charts)
         return 0

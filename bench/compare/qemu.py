@@ -7,6 +7,7 @@ import shutil
 import socket
 import subprocess
 import time
+from contextlib import ExitStack, closing
 from pathlib import Path
 from typing import Any
 
@@ -94,7 +95,10 @@ class Qmp:
         return parse_xp_word(self.hmp(f"xp /1wx {COUNTER_ADDRESS:#x}"))
 
     def close(self) -> None:
-        self.sock.close()
+        try:
+            self.sock.close()
+        except OSError:
+            pass
 
 
 def command(cfg: Config, artifacts: Artifacts, work: Path, name: str,
@@ -150,17 +154,18 @@ def run(cfg: Config, artifacts: Artifacts, case: Case, who: QemuContender,
     for f in work.glob("q*"):
         f.unlink()
     port = next_port()
-    src = dst = None
-    qs = qd = None
-    try:
+    with ExitStack() as stack:
+        # Unwound in reverse: QMP closed, the QEMUs stopped, the files.
+        dst_err = stack.enter_context(open(work / "qdst.err", "w"))
+        src_err = stack.enter_context(open(work / "qsrc.err", "w"))
         dst = subprocess.Popen(netem.wrap(command(cfg, artifacts, work, "qdst", False), case.link),
-                               stdout=subprocess.DEVNULL, stderr=open(work / "qdst.err", "w"),
-                               preexec_fn=preexec)
+                               stdout=subprocess.DEVNULL, stderr=dst_err, preexec_fn=preexec)
+        stack.callback(kill, dst)
         src = subprocess.Popen(netem.wrap(command(cfg, artifacts, work, "qsrc", True), case.link),
-                               stdout=subprocess.DEVNULL, stderr=open(work / "qsrc.err", "w"),
-                               preexec_fn=preexec)
-        qd = Qmp(work / "qdst.qmp")
-        qs = Qmp(work / "qsrc.qmp")
+                               stdout=subprocess.DEVNULL, stderr=src_err, preexec_fn=preexec)
+        stack.callback(kill, src)
+        qd = stack.enter_context(closing(Qmp(work / "qdst.qmp")))
+        qs = stack.enter_context(closing(Qmp(work / "qsrc.qmp")))
         _configure(qd, case, cfg)
         qd.cmd("migrate-incoming", uri=f"tcp:127.0.0.1:{port}")
         _configure(qs, case, cfg)
@@ -207,15 +212,6 @@ def run(cfg: Config, artifacts: Artifacts, case: Case, who: QemuContender,
             ok = d2 > d1 >= c0
         return outcome(info, src_cpu1 - src_cpu0, dst_cpu1 - dst_cpu0, wall, ok,
                        src_threads, dst_threads)
-    finally:
-        for q in (qs, qd):
-            if q:
-                try:
-                    q.close()
-                except OSError:
-                    pass
-        kill(src)
-        kill(dst)
 
 
 def outcome(info: dict[str, Any], src_cpu: float, dst_cpu: float, wall: float,

@@ -44,10 +44,7 @@ def find_missing(cfg: Config, charts: bool) -> list[Missing]:
                 f"apt-get install -t {BACKPORTS} qemu-system-x86, or leave QEMU out with "
                 "--contenders tern,tern-best,tern-verify",
                 ("qemu-system-x86",), BACKPORTS))
-    if charts and importlib.util.find_spec("matplotlib") is None:
-        missing.append(Missing("matplotlib (for the charts)",
-                               f"{sys.executable} -m pip install matplotlib, or --no-charts",
-                               pip=("matplotlib",)))
+    missing += missing_for_charts(charts)
     if "1gbit" in cfg.links:
         for tool in ("ip", "tc"):
             if shutil.which(tool) is None:
@@ -56,6 +53,14 @@ def find_missing(cfg: Config, charts: bool) -> list[Missing]:
                                        ("iproute2",)))
                 break
     return missing
+
+
+def missing_for_charts(charts: bool) -> list[Missing]:
+    if charts and importlib.util.find_spec("matplotlib") is None:
+        return [Missing("matplotlib (for the charts)",
+                        f"{sys.executable} -m pip install matplotlib, or --no-charts",
+                        pip=("matplotlib",))]
+    return []
 
 
 def permission_problems(cfg: Config) -> list[str]:

@@ -10,6 +10,7 @@ import selectors
 import subprocess
 import threading
 import time
+from contextlib import ExitStack
 from pathlib import Path
 from typing import IO, Any
 
@@ -80,12 +81,14 @@ def _tail(path: Path) -> str:
 def run(cfg: Config, artifacts: Artifacts, case: Case, who: TernContender,
         work: Path) -> Outcome:
     """One migration between two tern processes on this machine."""
-    recv = mig = None
     recv_err_path, mig_err_path = work / "trecv.err", work / "tmig.err"
-    try:
+    with ExitStack() as stack:
+        # Unwound in reverse: the source stopped, the receiver, the files.
+        recv_err = stack.enter_context(open(recv_err_path, "w"))
+        mig_err = stack.enter_context(open(mig_err_path, "w"))
         recv = subprocess.Popen(netem.wrap(receiver_args(cfg, artifacts), case.link),
-                                stdout=subprocess.PIPE, stderr=open(recv_err_path, "w"),
-                                text=True)
+                                stdout=subprocess.PIPE, stderr=recv_err, text=True)
+        stack.callback(kill, recv)
         try:
             address = read_event(recv.stdout, "listening", 20)["address"]
         except EventError as error:
@@ -93,8 +96,8 @@ def run(cfg: Config, artifacts: Artifacts, case: Case, who: TernContender,
                                + _tail(recv_err_path)) from None
         mig = subprocess.Popen(netem.wrap(source_args(cfg, artifacts, case, who, address),
                                           case.link),
-                               stdout=subprocess.PIPE, stderr=open(mig_err_path, "w"),
-                               text=True)
+                               stdout=subprocess.PIPE, stderr=mig_err, text=True)
+        stack.callback(kill, mig)
         try:
             # The source prints it after its warm-up, as it starts migrating.
             read_event(mig.stdout, "migrating", 60 + cfg.warmup / 1000)
@@ -104,7 +107,7 @@ def run(cfg: Config, artifacts: Artifacts, case: Case, who: TernContender,
         src_cpu0, dst_cpu0 = procfs.cpu_seconds(mig.pid), procfs.cpu_seconds(recv.pid)
         dst_thr0 = procfs.thread_cpu(recv.pid)
         t0 = time.time()
-        reports = {name: _Reader(proc.stdout) for name, proc in (("src", mig), ("dst", recv))}
+        src_report, dst_report = _Reader(mig.stdout), _Reader(recv.stdout)
         # The source exits right after completion: its CPU comes from the
         # zombie, before it is reaped.
         if not wait_exit_unreaped(mig, cfg.timeout):
@@ -115,19 +118,16 @@ def run(cfg: Config, artifacts: Artifacts, case: Case, who: TernContender,
         dst_threads = procfs.thread_delta(dst_thr0, procfs.thread_cpu(recv.pid))
         wall = time.time() - t0
         mig.wait(30)
-        stats = _json_or_none(reports["src"].text(30))
+        stats = _json_or_none(src_report.text(30))
         if stats is None:
             raise RuntimeError("tern vm migrate: no JSON report: " + _tail(mig_err_path))
         recv.wait(30)
-        rstats = _json_or_none(reports["dst"].text(30)) or {}
+        rstats = _json_or_none(dst_report.text(30)) or {}
         if mig.returncode != 0 or stats.get("status") not in (None, "completed"):
             raise RuntimeError(f"tern migration failed: {stats.get('status')} "
                                f"{stats.get('error-desc') or _tail(mig_err_path)[-1000:]}")
         return outcome(case, stats, rstats, src_cpu1 - src_cpu0, dst_cpu1 - dst_cpu0, wall,
                        dst_threads)
-    finally:
-        kill(mig)
-        kill(recv)
 
 
 class _Reader:

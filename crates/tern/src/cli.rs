@@ -112,6 +112,10 @@ pub struct MigrateArgs {
     /// Print one JSON document instead of the summary table.
     #[arg(long)]
     pub json: bool,
+    /// Print a `migrating` event, one JSON line on stdout, as the migration
+    /// starts, before the report (docs/cli.md, "Events").
+    #[arg(long)]
+    pub events: bool,
 }
 
 /// Where and how a destination waits (`tern receive`, `tern vm receive`).

@@ -1,4 +1,4 @@
-//! Live progress, the ready event and the final summary.
+//! Live progress, the JSON events and the final summary.
 
 use std::io::{IsTerminal, Write};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -296,10 +296,12 @@ pub fn with_fill_progress<T>(total: u64, make: impl FnOnce(&AtomicU64) -> T) -> 
     made
 }
 
-/// The ready event of `tern receive` and `tern vm receive` (docs/cli.md,
-/// "Events").
+/// An event that names an address (docs/cli.md, "Events"): `listening`,
+/// the ready event of `tern receive` and `tern vm receive`, and
+/// `migrating`, printed by `tern migrate --events` and `tern vm migrate
+/// --events` as the migration starts.
 #[derive(Serialize)]
-struct ListeningEvent {
+struct AddressEvent {
     event: &'static str,
     /// What to give `tern migrate --to`.
     address: String,
@@ -308,18 +310,18 @@ struct ListeningEvent {
     port: Option<u16>,
 }
 
-fn listening_event(address: &Address) -> ListeningEvent {
+fn address_event(event: &'static str, address: &Address) -> AddressEvent {
     match address {
-        Address::Tcp(host_port) => ListeningEvent {
-            event: "listening",
+        Address::Tcp(host_port) => AddressEvent {
+            event,
             address: host_port.clone(),
             transport: "tcp",
             port: host_port
                 .rsplit_once(':')
                 .and_then(|(_, port)| port.parse().ok()),
         },
-        Address::Unix(_) => ListeningEvent {
-            event: "listening",
+        Address::Unix(_) => AddressEvent {
+            event,
             address: address.to_string(),
             transport: "unix",
             port: None,
@@ -327,14 +329,26 @@ fn listening_event(address: &Address) -> ListeningEvent {
     }
 }
 
-/// Prints the ready event as one JSON line on stdout and flushes it, so a
-/// script knows the destination accepts connections (and on which port).
-pub fn print_listening(address: &Address) -> anyhow::Result<()> {
-    let line = serde_json::to_string(&listening_event(address))?;
+/// Prints an event as one JSON line on stdout and flushes it, so a script
+/// that waits for the line sees it at once.
+fn print_address_event(event: &'static str, address: &Address) -> anyhow::Result<()> {
+    let line = serde_json::to_string(&address_event(event, address))?;
     let mut stdout = std::io::stdout().lock();
     writeln!(stdout, "{line}")?;
     stdout.flush()?;
     Ok(())
+}
+
+/// The ready event: the destination accepts connections (and on which
+/// port).
+pub fn print_listening(address: &Address) -> anyhow::Result<()> {
+    print_address_event("listening", address)
+}
+
+/// The source's start event: from this line on, the source connects to
+/// `address` and sends pages; the guest's warm-up and fill are over.
+pub fn print_migrating(address: &Address) -> anyhow::Result<()> {
+    print_address_event("migrating", address)
 }
 
 /// Prints a JSON document to stdout.
@@ -479,15 +493,24 @@ mod tests {
 
     #[test]
     fn listening_event_gives_an_address_to_migrate_to() {
-        let event = listening_event(&Address::Tcp("127.0.0.1:4444".into()));
+        let event = address_event("listening", &Address::Tcp("127.0.0.1:4444".into()));
         assert_eq!(
             serde_json::to_string(&event).unwrap(),
             r#"{"event":"listening","address":"127.0.0.1:4444","transport":"tcp","port":4444}"#
         );
-        let event = listening_event(&Address::Unix("/tmp/t.sock".into()));
+        let event = address_event("listening", &Address::Unix("/tmp/t.sock".into()));
         assert_eq!(event.address, "unix:/tmp/t.sock");
         assert!(event.address.parse::<Address>().is_ok());
         assert_eq!(event.port, None);
+    }
+
+    #[test]
+    fn migrating_event_has_the_listening_event_shape() {
+        let event = address_event("migrating", &Address::Tcp("10.0.0.2:4444".into()));
+        assert_eq!(
+            serde_json::to_string(&event).unwrap(),
+            r#"{"event":"migrating","address":"10.0.0.2:4444","transport":"tcp","port":4444}"#
+        );
     }
 
     #[test]

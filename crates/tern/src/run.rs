@@ -320,6 +320,11 @@ fn migrate(args: &MigrateArgs, verbose: bool) -> anyhow::Result<ExitCode> {
     let mut guest = fill_guest(&args.guest)?;
     let cancel = source.cancel_token();
     install_interrupt_handler(move || cancel.cancel());
+    // After the handler, as for the ready event: a script may signal from
+    // the moment it reads the line.
+    if args.events {
+        crate::report::print_migrating(&args.to)?;
+    }
     let progress = Progress::start(source.stats());
     let result = source.migrate(&mut guest, &args.to);
     progress.finish();

@@ -129,6 +129,10 @@ pub struct MigrateArgs {
     /// Print one JSON document instead of the summary table.
     #[arg(long)]
     pub json: bool,
+    /// Print a `migrating` event, one JSON line on stdout, as the migration
+    /// starts, before the report (docs/cli.md, "Events").
+    #[arg(long)]
+    pub events: bool,
 }
 
 #[derive(Debug, Args)]
@@ -479,14 +483,17 @@ fn migrate(args: &MigrateArgs, verbose: bool) -> anyhow::Result<ExitCode> {
     if args.paused {
         guest.pause().context("cannot pause the guest")?;
     }
-    // On stderr even with --json: benchmark harnesses take their "migration
-    // starts" samples on this line.
     eprintln!(
         "tern vm migrate: guest write rate (test guest's own counter) {:.0} pages/s; migrating to {}...",
         rate.page_writes_per_second, args.to
     );
     let cancel = source.cancel_token();
     crate::run::install_interrupt_handler(move || cancel.cancel());
+    // After the handler, as for the ready event: a script may signal from
+    // the moment it reads the line.
+    if args.events {
+        crate::report::print_migrating(&args.to)?;
+    }
     let progress = Progress::start(source.stats());
     let result = source.migrate(&mut guest, &args.to);
     progress.finish();

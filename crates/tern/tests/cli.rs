@@ -2,7 +2,7 @@
 
 mod process;
 
-use process::{Receiver, json, tern, wait_until_read};
+use process::{Receiver, event_and_rest, json, read_event, tern, wait_until_read};
 use std::process::Stdio;
 use std::time::{Duration, Instant};
 
@@ -394,6 +394,64 @@ fn receive_json_announces_its_address_on_the_first_line() {
         !stderr.contains("listening on"),
         "the event replaces the old text line: {stderr}"
     );
+}
+
+#[test]
+fn migrate_events_announce_the_start_before_the_report() {
+    let receiver = Receiver::spawn(&["receive"], &["--json", "--progress", "none"]);
+    let output = tern()
+        .args(["migrate", "--events", "--json", "--progress", "none"])
+        .args(["--to", &receiver.address, "--memory", "8MiB"])
+        .output()
+        .unwrap();
+    assert!(output.status.success(), "{output:?}");
+    let (event, rest) = event_and_rest(&output);
+    assert_eq!(event["event"], "migrating", "{event}");
+    assert_eq!(event["address"], receiver.address.as_str());
+    assert_eq!(event["transport"], "tcp");
+    assert_eq!(event["port"], receiver.port());
+    let report: serde_json::Value = serde_json::from_slice(rest).unwrap_or_else(|error| {
+        panic!(
+            "the report after the event is not JSON ({error}): {}",
+            String::from_utf8_lossy(rest)
+        )
+    });
+    assert_eq!(report["status"], "completed");
+    assert_eq!(receiver.report()["status"], "completed");
+}
+
+#[test]
+fn migrating_event_comes_while_the_migration_runs() {
+    // As a harness would: read the event, then act on the running source
+    // (here: cancel it). A slow link keeps it running until the signal.
+    let Receiver {
+        child: mut receiver,
+        address,
+        ..
+    } = Receiver::spawn(&["receive"], &["--progress", "none"]);
+    let mut migrate = tern()
+        .args([
+            "migrate",
+            "--events",
+            "--progress",
+            "none",
+            "--to",
+            &address,
+        ])
+        .args(["--memory", "64MiB", "--mix", "0:100:0"])
+        .args(["--max-bandwidth", "1MiB"])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut stdout = std::io::BufReader::new(migrate.stdout.take().unwrap());
+    let event = read_event(&mut stdout);
+    assert_eq!(event["event"], "migrating", "{event}");
+    assert_eq!(event["address"], address.as_str());
+    send_signal(&migrate, libc::SIGINT);
+    let status = migrate.wait().unwrap();
+    assert_eq!(status.code(), Some(130), "the handler is installed first");
+    assert_eq!(receiver.wait().unwrap().code(), Some(1));
 }
 
 #[test]

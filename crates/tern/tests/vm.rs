@@ -3,7 +3,7 @@
 
 mod process;
 
-use process::{Receiver, json, tern, wait_until_read};
+use process::{Receiver, event_and_rest, json, tern, wait_until_read};
 use std::process::Stdio;
 
 fn kvm_available() -> bool {
@@ -126,6 +126,28 @@ fn vm_migrate_to_vm_receive_between_processes() {
         destination_count >= source_count && source_count > 0,
         "the destination carries on from the source's count: source {source_count}, destination {destination_count}"
     );
+}
+
+#[test]
+fn vm_migrate_events_announce_the_start_before_the_report() {
+    if !kvm_available() {
+        return;
+    }
+    let destination = receiver(&["--json", "--run-after", "100"]);
+    let source = tern()
+        .args(["vm", "migrate", "--events", "--json", "--paused"])
+        .args(["--to", &destination.address])
+        .args(["--memory", "32MiB", "--warmup", "100"])
+        .output()
+        .unwrap();
+    assert!(source.status.success(), "{source:?}");
+    let (event, rest) = event_and_rest(&source);
+    assert_eq!(event["event"], "migrating", "{event}");
+    assert_eq!(event["address"], destination.address.as_str());
+    assert_eq!(event["transport"], "tcp");
+    let report: serde_json::Value = serde_json::from_slice(rest).unwrap();
+    assert_eq!(report["status"], "completed");
+    assert_eq!(destination.report()["status"], "completed");
 }
 
 #[test]

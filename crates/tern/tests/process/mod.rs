@@ -20,6 +20,32 @@ pub fn json(output: &Output) -> serde_json::Value {
     })
 }
 
+/// The stdout of a command run with `--events`: its first line, a JSON
+/// event (docs/cli.md, "Events"), and the bytes after it (the report).
+pub fn event_and_rest(output: &Output) -> (serde_json::Value, &[u8]) {
+    let stdout = &output.stdout;
+    let end = stdout
+        .iter()
+        .position(|&byte| byte == b'\n')
+        .unwrap_or_else(|| panic!("no event line on stdout: {output:?}"));
+    let event = serde_json::from_slice(&stdout[..end]).unwrap_or_else(|error| {
+        panic!(
+            "the first line is not an event ({error}): {:?}",
+            String::from_utf8_lossy(&stdout[..end])
+        )
+    });
+    (event, &stdout[end + 1..])
+}
+
+/// Reads one line from a child's stdout (blocking until it comes, or an
+/// empty string if the child exits first) and parses it as an event.
+pub fn read_event(stdout: &mut impl std::io::BufRead) -> serde_json::Value {
+    let mut line = String::new();
+    stdout.read_line(&mut line).unwrap();
+    serde_json::from_str(&line)
+        .unwrap_or_else(|error| panic!("the line is not an event ({error}): {line:?}"))
+}
+
 /// A TCP port of 127.0.0.1 that was free a moment ago.
 pub fn free_port() -> u16 {
     std::net::TcpListener::bind("127.0.0.1:0")

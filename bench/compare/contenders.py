@@ -1,0 +1,169 @@
+"""Cases, the contenders run in each, and the record of one run.
+
+A case is a mode (paused or running guest), a link, a channel count and a
+codec; per case the contenders run back to back. Records are stored in
+results.json in the form earlier versions wrote, so `--report-only` reads
+old results too.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any, Union
+
+MODES = ("paused", "running")
+LINKS = ("loopback", "1gbit")
+
+
+@dataclass(frozen=True)
+class Case:
+    mode: str
+    link: str
+    channels: int
+    compression: str
+    # The per mode x link case that holds tern's extra rows.
+    extra: bool = False
+
+    @property
+    def key(self) -> str:
+        if self.extra:
+            return f"{self.mode}/{self.link}/extra"
+        return f"{self.mode}/{self.link}/{self.channels}ch/{self.compression}"
+
+
+@dataclass(frozen=True)
+class QemuContender:
+    name: str
+    # False: QEMU runs with PR_SET_THP_DISABLE, so its destination faults
+    # 4 KiB pages as tern's VMM does.
+    thp: bool = True
+
+
+@dataclass(frozen=True)
+class TernContender:
+    name: str
+    verify: str = "none"
+    # None: the case's own.
+    channels: int | None = None
+    compression: str | None = None
+
+    def channels_for(self, case: Case) -> int:
+        return self.channels if self.channels is not None else case.channels
+
+    def compression_for(self, case: Case) -> str:
+        return self.compression if self.compression is not None else case.compression
+
+
+Contender = Union[QemuContender, TernContender]
+
+QEMU = QemuContender("qemu")
+QEMU_NOTHP = QemuContender("qemu-nothp", thp=False)
+TERN = TernContender("tern")
+
+
+def tern_best(channels: int) -> TernContender:
+    return TernContender("tern-best", verify="none", channels=channels, compression="auto")
+
+
+def tern_verify(channels: int) -> TernContender:
+    return TernContender("tern-verify", verify="full", channels=channels, compression="none")
+
+
+# Every contender, in the order of the report's rows.
+NAMES = ("qemu", "qemu-nothp", "tern", "tern-best", "tern-verify")
+EXTRA_NAMES = ("tern-best", "tern-verify")
+
+
+def plan(modes: list[str], links: list[str], channels: list[int], compressions: list[str],
+         contenders: list[str], extras: bool = True) -> list[tuple[Case, list[Contender]]]:
+    """Cases, and per case the contenders run back to back (the caller
+    alternates their order by repetition). `contenders` names those wanted;
+    a case with none of them is left out."""
+    wanted = set(contenders)
+    cases: list[tuple[Case, list[Contender]]] = []
+    for mode in modes:
+        for link in links:
+            for count in channels:
+                for compression in compressions:
+                    chosen = [c for c in (QEMU, QEMU_NOTHP, TERN) if c.name in wanted]
+                    if chosen:
+                        cases.append((Case(mode, link, count, compression), chosen))
+            if not extras:
+                continue
+            # Extra tern rows, once per mode x link, at the largest channel
+            # count; compared with QEMU's row of that count without codec.
+            most = max(channels)
+            chosen = [c for c in (tern_best(most), tern_verify(most)) if c.name in wanted]
+            if chosen:
+                cases.append((Case(mode, link, most, "none", extra=True), chosen))
+    return cases
+
+
+def parse_contenders(text: str) -> list[str]:
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    unknown = [n for n in names if n not in NAMES]
+    if unknown or not names:
+        raise ValueError(f"unknown contender {', '.join(unknown) or '(none)'}: "
+                         f"choose from {', '.join(NAMES)}")
+    return names
+
+
+@dataclass
+class Outcome:
+    """One completed migration, as measured."""
+    total_time_s: float
+    downtime_s: float
+    bytes: int | None
+    src_cpu_s: float
+    dst_cpu_s: float
+    wall_s: float
+    # Running cases: the guest runs on at the destination. None: not checked.
+    guest_ok: bool | None
+    # Each tool's raw statistics and per-thread CPU.
+    details: dict[str, Any] = field(default_factory=dict)
+
+    def line(self) -> str:
+        return (f"total {self.total_time_s:.2f} s down {self.downtime_s * 1000:.0f} ms "
+                f"{(self.bytes or 0) / 2**20:.0f} MiB cpu "
+                f"{self.src_cpu_s:.2f}+{self.dst_cpu_s:.2f} ok={self.guest_ok}")
+
+
+_OUTCOME_FIELDS = ("total_time_s", "downtime_s", "bytes", "src_cpu_s", "dst_cpu_s", "wall_s",
+                   "guest_ok")
+
+
+@dataclass
+class Run:
+    """One contender in one case in one repetition: an outcome or an error."""
+    case: Case
+    contender: str
+    rep: int
+    outcome: Outcome | None = None
+    error: str | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        record: dict[str, Any] = {
+            "case": self.case.key, "contender": self.contender, "rep": self.rep,
+            "mode": self.case.mode, "link": self.case.link, "channels": self.case.channels,
+            "compression": self.case.compression,
+        }
+        if self.outcome is not None:
+            values = asdict(self.outcome)
+            record |= {k: values[k] for k in _OUTCOME_FIELDS}
+            record["details"] = values["details"]
+        if self.error is not None:
+            record["error"] = self.error
+        return record
+
+    @classmethod
+    def from_json(cls, record: dict[str, Any]) -> Run:
+        case = Case(record["mode"], record["link"], int(record["channels"]),
+                    record["compression"], extra=record["case"].endswith("/extra"))
+        outcome = None
+        if "total_time_s" in record:
+            # Earlier versions kept the details under "extra".
+            details = record.get("details", record.get("extra"))
+            outcome = Outcome(**{k: record.get(k) for k in _OUTCOME_FIELDS},
+                              details=details if isinstance(details, dict) else {})
+        return cls(case, record["contender"], int(record["rep"]), outcome,
+                   record.get("error"))

@@ -31,9 +31,6 @@ pub enum ChannelError {
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum MigrationError {
-    /// A configuration value is unusable.
-    #[error("Invalid configuration: {0}")]
-    Config(String),
     /// A [`crate::MigrationConfig`] field has an unusable value. The field is
     /// named as in the config so that a front end can name its own option.
     #[error("Invalid configuration: {field}: {reason}")]
@@ -134,7 +131,6 @@ impl MigrationError {
             | Self::Protocol(_) => AbortReason::ProtocolError,
             Self::Incompatible(_)
             | Self::GuestKindMismatch { .. }
-            | Self::Config(_)
             | Self::InvalidConfig { .. }
             | Self::UnsupportedTransport { .. } => AbortReason::IncompatibleSetup,
             Self::Guest { .. } => AbortReason::GuestError,

@@ -1,0 +1,354 @@
+//! When to stop iterating: the convergence, limit and auto-converge rules as
+//! one pure decision, taken after each dirty-log sync.
+//!
+//! Nothing here does I/O or reads a clock: the source measures, this
+//! decides, so every rule is tested with tables below.
+
+use std::time::Duration;
+
+use crate::config::{LimitPolicy, MigrationConfig};
+use crate::guest::PAGE_SIZE;
+
+/// What the source measured at one dirty-log sync.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub(crate) struct SyncFacts {
+    /// Dirty iterations completed, counting the one just sent.
+    pub iteration: u32,
+    /// Pages the sync found dirty: what the next iteration would send.
+    pub dirty_pages: u64,
+    /// Pages the iteration just completed sent.
+    pub sent_pages: u64,
+    /// Guest bytes per second the link carried (0 when not yet measured).
+    pub bandwidth: f64,
+    /// Time since the live phase started.
+    pub live_elapsed: Duration,
+    /// Whether cancellation was asked for.
+    pub cancelled: bool,
+}
+
+impl SyncFacts {
+    /// Downtime the remaining dirty pages would cost at the measured
+    /// bandwidth.
+    pub fn expected_downtime(&self) -> Duration {
+        let remaining = self.dirty_pages as f64 * PAGE_SIZE as f64;
+        Duration::from_secs_f64(remaining / self.bandwidth.max(1.0))
+    }
+}
+
+/// What to do after a sync.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) enum Decision {
+    /// Send another dirty iteration, first setting the guest's throttle to
+    /// this percentage when it changes.
+    Iterate {
+        /// The new throttle, when auto-converge raised it.
+        throttle: Option<u8>,
+    },
+    /// Pause the guest and switch over.
+    SwitchOver {
+        /// Whether a limit forced it although the downtime limit is not met.
+        forced: bool,
+    },
+    /// Stop: cancellation was asked for.
+    Cancel,
+    /// Stop: a limit was reached under [`LimitPolicy::Cancel`]; the text says
+    /// which and what the downtime would have been.
+    GiveUp(String),
+}
+
+/// The rules, with the little state auto-converge keeps between syncs.
+#[derive(Clone, Debug)]
+pub(crate) struct Convergence {
+    downtime_limit: Duration,
+    max_iterations: Option<u32>,
+    max_time: Option<Duration>,
+    limit_policy: LimitPolicy,
+    auto_converge: bool,
+    throttle_initial: u8,
+    throttle_increment: u8,
+    /// Consecutive syncs where the guest dirtied more than half of what the
+    /// iteration sent.
+    dirty_outruns: u32,
+    throttle: u8,
+}
+
+impl Convergence {
+    pub fn new(config: &MigrationConfig) -> Self {
+        Self {
+            downtime_limit: config.downtime_limit,
+            max_iterations: config.max_iterations,
+            max_time: config.max_time,
+            limit_policy: config.limit_policy,
+            auto_converge: config.auto_converge,
+            throttle_initial: config.throttle_initial,
+            throttle_increment: config.throttle_increment,
+            dirty_outruns: 0,
+            throttle: 0,
+        }
+    }
+
+    /// The rules in order: a downtime that fits switches over (even when
+    /// cancelled, since the end is nearer than a rollback); then
+    /// cancellation; then the iteration and time limits with their policy;
+    /// then auto-converge.
+    pub fn decide(&mut self, facts: &SyncFacts) -> Decision {
+        let expected_downtime = facts.expected_downtime();
+        if expected_downtime <= self.downtime_limit {
+            return Decision::SwitchOver { forced: false };
+        }
+        if facts.cancelled {
+            return Decision::Cancel;
+        }
+        if let Some(what) = self.limit_reached(facts) {
+            return match self.limit_policy {
+                LimitPolicy::Cancel => Decision::GiveUp(format!(
+                    "after {what}, {} dirty bytes would need {} ms of downtime (limit {} ms)",
+                    facts.dirty_pages * PAGE_SIZE as u64,
+                    expected_downtime.as_millis(),
+                    self.downtime_limit.as_millis()
+                )),
+                LimitPolicy::SwitchOver => Decision::SwitchOver { forced: true },
+            };
+        }
+        Decision::Iterate {
+            throttle: self.auto_converge(facts),
+        }
+    }
+
+    fn limit_reached(&self, facts: &SyncFacts) -> Option<String> {
+        if self
+            .max_iterations
+            .is_some_and(|max| facts.iteration >= max)
+        {
+            return Some(format!("{} iterations", facts.iteration));
+        }
+        if self.max_time.is_some_and(|max| facts.live_elapsed >= max) {
+            return Some(format!("{:.1} s", facts.live_elapsed.as_secs_f64()));
+        }
+        None
+    }
+
+    /// QEMU's rule: the guest outruns the link when it dirties more than
+    /// half of what one iteration sent; two such syncs in a row raise the
+    /// throttle (initial step, then increments, at most 99%).
+    fn auto_converge(&mut self, facts: &SyncFacts) -> Option<u8> {
+        if !self.auto_converge {
+            return None;
+        }
+        if facts.dirty_pages * 2 > facts.sent_pages.max(1) {
+            self.dirty_outruns += 1;
+        } else {
+            self.dirty_outruns = 0;
+        }
+        if self.dirty_outruns < 2 || self.throttle >= 99 {
+            return None;
+        }
+        self.throttle = if self.throttle == 0 {
+            self.throttle_initial.max(1)
+        } else {
+            self.throttle
+                .saturating_add(self.throttle_increment)
+                .min(99)
+        };
+        self.dirty_outruns = 0;
+        Some(self.throttle)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const MIB: f64 = (1 << 20) as f64;
+
+    fn config() -> MigrationConfig {
+        MigrationConfig {
+            downtime_limit: Duration::from_millis(300),
+            ..MigrationConfig::default()
+        }
+    }
+
+    /// One sync: `dirty` pages left after sending `sent` at `mib_s` MiB/s.
+    fn facts(iteration: u32, dirty: u64, sent: u64, mib_s: f64) -> SyncFacts {
+        SyncFacts {
+            iteration,
+            dirty_pages: dirty,
+            sent_pages: sent,
+            bandwidth: mib_s * MIB,
+            live_elapsed: Duration::from_secs(u64::from(iteration)),
+            cancelled: false,
+        }
+    }
+
+    #[test]
+    fn single_decisions() {
+        // 100 MiB/s carries 30 MiB (7680 pages) in 300 ms.
+        let iterate = Decision::Iterate { throttle: None };
+        let switch = Decision::SwitchOver { forced: false };
+        let cases: Vec<(&str, MigrationConfig, SyncFacts, Decision)> = vec![
+            (
+                "fits",
+                config(),
+                facts(1, 7680, 10_000, 100.0),
+                switch.clone(),
+            ),
+            (
+                "just over",
+                config(),
+                facts(1, 7700, 10_000, 100.0),
+                iterate.clone(),
+            ),
+            (
+                "nothing dirty",
+                config(),
+                facts(1, 0, 10_000, 0.0),
+                switch.clone(),
+            ),
+            (
+                "unmeasured link",
+                config(),
+                facts(1, 10, 10, 0.0),
+                iterate.clone(),
+            ),
+            (
+                "cancelled but fits",
+                config(),
+                SyncFacts {
+                    cancelled: true,
+                    ..facts(1, 10, 10_000, 100.0)
+                },
+                switch.clone(),
+            ),
+            (
+                "cancelled",
+                config(),
+                SyncFacts {
+                    cancelled: true,
+                    ..facts(1, 100_000, 10_000, 100.0)
+                },
+                Decision::Cancel,
+            ),
+            (
+                "iteration limit, switch over",
+                MigrationConfig {
+                    max_iterations: Some(3),
+                    limit_policy: LimitPolicy::SwitchOver,
+                    ..config()
+                },
+                facts(3, 100_000, 10_000, 100.0),
+                Decision::SwitchOver { forced: true },
+            ),
+            (
+                "below the iteration limit",
+                MigrationConfig {
+                    max_iterations: Some(3),
+                    ..config()
+                },
+                facts(2, 100_000, 1_000_000, 100.0),
+                iterate.clone(),
+            ),
+            (
+                "time limit, switch over",
+                MigrationConfig {
+                    max_time: Some(Duration::from_secs(5)),
+                    limit_policy: LimitPolicy::SwitchOver,
+                    ..config()
+                },
+                facts(5, 100_000, 10_000, 100.0),
+                Decision::SwitchOver { forced: true },
+            ),
+            (
+                "a forced switch-over is not needed when it fits",
+                MigrationConfig {
+                    max_iterations: Some(1),
+                    limit_policy: LimitPolicy::SwitchOver,
+                    ..config()
+                },
+                facts(1, 10, 10_000, 100.0),
+                switch.clone(),
+            ),
+        ];
+        for (name, config, facts, expected) in cases {
+            let decision = Convergence::new(&config).decide(&facts);
+            assert_eq!(decision, expected, "{name}");
+        }
+    }
+
+    #[test]
+    fn limits_under_the_cancel_policy_explain_themselves() {
+        let by_iterations = MigrationConfig {
+            max_iterations: Some(2),
+            ..config()
+        };
+        let Decision::GiveUp(text) =
+            Convergence::new(&by_iterations).decide(&facts(2, 100_000, 10, 100.0))
+        else {
+            panic!("expected to give up");
+        };
+        assert!(text.starts_with("after 2 iterations"), "{text}");
+        assert!(text.contains("limit 300 ms"), "{text}");
+        let by_time = MigrationConfig {
+            max_time: Some(Duration::from_secs(3)),
+            ..config()
+        };
+        let Decision::GiveUp(text) =
+            Convergence::new(&by_time).decide(&facts(4, 100_000, 10, 100.0))
+        else {
+            panic!("expected to give up");
+        };
+        assert!(text.starts_with("after 4.0 s"), "{text}");
+    }
+
+    /// A guest that always outruns the link: the throttle steps every second
+    /// sync, 20 then +10 up to 99, and stays there.
+    #[test]
+    fn auto_converge_steps_the_throttle() {
+        let mut rules = Convergence::new(&config());
+        let mut throttles = Vec::new();
+        for iteration in 1..=24 {
+            match rules.decide(&facts(iteration, 100_000, 100_000, 100.0)) {
+                Decision::Iterate { throttle } => throttles.push(throttle),
+                other => panic!("iteration {iteration}: {other:?}"),
+            }
+        }
+        let raised: Vec<u8> = throttles.iter().flatten().copied().collect();
+        assert_eq!(raised, [20, 30, 40, 50, 60, 70, 80, 90, 99]);
+        assert_eq!(throttles[0], None, "one outrun is not enough");
+        assert_eq!(throttles[1], Some(20));
+        assert!(throttles[18..].iter().all(Option::is_none), "stays at 99");
+    }
+
+    #[test]
+    fn auto_converge_needs_two_outruns_in_a_row_and_can_be_off() {
+        let mut rules = Convergence::new(&config());
+        let outrun = facts(1, 100_000, 100_000, 100.0);
+        let keeps_up = facts(1, 40_000, 100_000, 100.0);
+        for step in [&outrun, &keeps_up, &outrun, &keeps_up] {
+            assert_eq!(rules.decide(step), Decision::Iterate { throttle: None });
+        }
+        assert_eq!(rules.decide(&outrun), Decision::Iterate { throttle: None });
+        assert_eq!(
+            rules.decide(&outrun),
+            Decision::Iterate { throttle: Some(20) }
+        );
+        let mut off = Convergence::new(&MigrationConfig {
+            auto_converge: false,
+            ..config()
+        });
+        for _ in 0..10 {
+            assert_eq!(off.decide(&outrun), Decision::Iterate { throttle: None });
+        }
+        let mut custom = Convergence::new(&MigrationConfig {
+            throttle_initial: 50,
+            throttle_increment: 30,
+            ..config()
+        });
+        let raised: Vec<u8> = (0..10)
+            .filter_map(|_| match custom.decide(&outrun) {
+                Decision::Iterate { throttle } => throttle,
+                _ => None,
+            })
+            .collect();
+        assert_eq!(raised, [50, 80, 99]);
+    }
+}

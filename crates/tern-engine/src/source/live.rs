@@ -1,0 +1,130 @@
+//! The live phase: dirty iterations while the guest runs, until the
+//! convergence rules say to switch over or stop.
+
+use std::sync::atomic::Ordering;
+use std::time::Instant;
+
+use super::convergence::{Convergence, Decision, SyncFacts};
+use super::peer::check_peer;
+use super::{GuestChanges, Source};
+use crate::bitmap::DirtyBitmap;
+use crate::error::MigrationError;
+use crate::guest::{MemoryRegion, PAGE_SIZE, SourceGuest};
+use crate::pipeline::Pipeline;
+use crate::stats::millis;
+use crate::transport::Channel;
+
+/// Where the live phase ended: the pages still dirty and the iteration
+/// that will carry them.
+pub(super) struct LiveEnd {
+    pub bitmaps: Vec<DirtyBitmap>,
+    pub iteration: u32,
+    pub forced: bool,
+}
+
+impl Source {
+    pub(super) fn live_phase<G: SourceGuest>(
+        &self,
+        guest: &mut G,
+        main: &mut Channel,
+        regions: &[MemoryRegion],
+        changes: &mut GuestChanges,
+        pipe: &mut Pipeline<'_>,
+        dirty_log_started: Instant,
+    ) -> Result<LiveEnd, MigrationError> {
+        let mut bitmaps: Vec<DirtyBitmap> = regions
+            .iter()
+            .map(|region| DirtyBitmap::new(region.pages()))
+            .collect();
+        bitmaps.iter_mut().for_each(DirtyBitmap::set_all);
+        self.stats.set_status(crate::stats::MigrationStatus::Active);
+        let live_start = Instant::now();
+        let mut rules = Convergence::new(&self.config);
+        let mut iteration: u32 = 0;
+        let mut bandwidth: f64 = 0.0; // guest bytes per second
+        let mut previous_sync = dirty_log_started;
+        loop {
+            let started = Instant::now();
+            let totals = pipe.send_iteration(&bitmaps, iteration, false)?;
+            let elapsed = started.elapsed().as_secs_f64().max(1e-6);
+            // Tiny iterations measure latency, not bandwidth.
+            if totals.pages >= 256 || bandwidth == 0.0 {
+                bandwidth = totals.pages as f64 * PAGE_SIZE as f64 / elapsed;
+            }
+            check_peer(main)?;
+            bitmaps.iter_mut().for_each(DirtyBitmap::clear);
+            guest
+                .sync_dirty_log(&mut bitmaps)
+                .map_err(MigrationError::guest("sync dirty log"))?;
+            let synced = Instant::now();
+            let since_previous_sync = synced.duration_since(previous_sync);
+            previous_sync = synced;
+            iteration += 1;
+            let facts = SyncFacts {
+                iteration,
+                dirty_pages: bitmaps.iter().map(DirtyBitmap::count).sum(),
+                sent_pages: totals.pages,
+                bandwidth,
+                live_elapsed: live_start.elapsed(),
+                cancelled: self.cancel.is_cancelled(),
+            };
+            self.record_sync(&facts, since_previous_sync.as_secs_f64().max(1e-6));
+            match rules.decide(&facts) {
+                Decision::SwitchOver { forced } => {
+                    if forced {
+                        tracing::warn!("limit reached: forcing the switch-over");
+                        self.stats.forced_switch_over.store(true, Ordering::Relaxed);
+                    }
+                    return Ok(LiveEnd {
+                        bitmaps,
+                        iteration,
+                        forced,
+                    });
+                }
+                Decision::Cancel => return Err(MigrationError::Cancelled),
+                Decision::GiveUp(why) => return Err(MigrationError::LimitReached(why)),
+                Decision::Iterate { throttle: None } => {}
+                Decision::Iterate {
+                    throttle: Some(percent),
+                } => {
+                    guest
+                        .set_throttle(percent)
+                        .map_err(MigrationError::guest("throttle"))?;
+                    changes.throttled = true;
+                    self.stats
+                        .cpu_throttle_percentage
+                        .store(u64::from(percent), Ordering::Relaxed);
+                    tracing::info!(throttle = percent, "auto-converge: throttling the guest");
+                }
+            }
+        }
+    }
+
+    /// Publishes what a sync measured, before the decision.
+    fn record_sync(&self, facts: &SyncFacts, seconds_since_previous_sync: f64) {
+        let stats = &self.stats;
+        let remaining = facts.dirty_pages * PAGE_SIZE as u64;
+        stats.dirty_sync_count.fetch_add(1, Ordering::Relaxed);
+        // The next iteration's size, before it starts.
+        stats.start_iteration(remaining);
+        let dirty_rate = facts.dirty_pages as f64 / seconds_since_previous_sync;
+        stats
+            .dirty_pages_rate
+            .store(dirty_rate as u64, Ordering::Relaxed);
+        stats
+            .bandwidth
+            .store(facts.bandwidth as u64, Ordering::Relaxed);
+        stats
+            .expected_downtime_ms
+            .store(millis(facts.expected_downtime()), Ordering::Relaxed);
+        stats
+            .iteration
+            .store(u64::from(facts.iteration), Ordering::Relaxed);
+        tracing::debug!(
+            iteration = facts.iteration,
+            dirty_pages = facts.dirty_pages,
+            bandwidth_mb_s = facts.bandwidth / 1e6,
+            "dirty iteration done"
+        );
+    }
+}

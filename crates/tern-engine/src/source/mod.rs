@@ -1,0 +1,296 @@
+//! The source side: handshake, dirty iterations, convergence, switch-over.
+
+mod connect;
+mod convergence;
+mod live;
+mod peer;
+mod switch_over;
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Instant;
+
+use crate::config::{MigrationConfig, ZeroPageDetection};
+use crate::error::MigrationError;
+use crate::guest::{MemoryRegion, SourceGuest};
+use crate::pipeline::{CompressionSetup, Pipeline, PipelineSetup};
+use crate::stats::thread_cpu_seconds;
+use crate::stats::{DestinationStats, LiveStats, MigrationStats, MigrationStatus};
+use crate::transport::{Address, Channel};
+use peer::{peer_reason, send_abort};
+
+/// Cancels a running migration from another thread (a signal handler's
+/// helper, a UI, a test).
+#[derive(Clone, Debug, Default)]
+pub struct CancelToken(Arc<AtomicBool>);
+
+impl CancelToken {
+    /// A token not yet cancelled.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Asks the migration to stop; it ends with status `cancelled` and the
+    /// source guest running.
+    pub fn cancel(&self) {
+        self.0.store(true, Ordering::Relaxed);
+    }
+
+    /// Whether cancellation was asked for.
+    pub fn is_cancelled(&self) -> bool {
+        self.0.load(Ordering::Relaxed)
+    }
+
+    fn flag(&self) -> Arc<AtomicBool> {
+        self.0.clone()
+    }
+}
+
+/// A migration that did not complete, with the statistics up to the
+/// failure. The source guest has been resumed.
+#[derive(Debug, thiserror::Error)]
+#[error("{error}")]
+pub struct MigrationFailure {
+    /// The cause.
+    #[source]
+    pub error: MigrationError,
+    /// Statistics up to the failure (status `failed` or `cancelled`).
+    pub stats: Box<MigrationStats>,
+}
+
+/// Migrates a guest's memory and state to a destination.
+#[derive(Debug)]
+pub struct Source {
+    config: MigrationConfig,
+    compression: CompressionSetup,
+    zero_offload: Option<Arc<dyn tern_page::dsa::ZeroPageOffload>>,
+    stats: Arc<LiveStats>,
+    cancel: CancelToken,
+}
+
+/// What the guest was left in, so a failure can undo it.
+#[derive(Default)]
+struct GuestChanges {
+    dirty_log: bool,
+    paused: bool,
+    throttled: bool,
+    /// The destination has been told why the migration stops.
+    abort_sent: bool,
+}
+
+impl Source {
+    /// Prepares a migration; rejects bad settings up front.
+    ///
+    /// This is also where accelerators and codecs are opened, so that an
+    /// explicitly requested DSA or QPL that is missing is a clear error
+    /// before anything connects.
+    pub fn new(config: MigrationConfig) -> Result<Self, MigrationError> {
+        config.validate()?;
+        let mut compression = CompressionSetup {
+            choice: config.compression,
+            level: config.compression_level,
+            qpl_path: config.qpl_path,
+        };
+        let mut levels = Vec::new();
+        for codec in compression.codecs() {
+            let compressor =
+                compression
+                    .compressor(codec)
+                    .map_err(|error| MigrationError::InvalidConfig {
+                        field: "compression",
+                        reason: format!("{}: {error}", config.compression),
+                    })?;
+            levels.push(compressor.level());
+        }
+        // A single codec reports the level in force, after its clamping;
+        // `auto` keeps the level asked for, which each codec clamps.
+        if let [level] = levels[..] {
+            compression.level = Some(level);
+        }
+        let zero_offload = match config.zero_page_detection {
+            ZeroPageDetection::Dsa => Some(match &config.zero_page_offload {
+                Some(offload) => offload.clone(),
+                None => tern_page::dsa::open_dsa(&tern_page::dsa::DsaConfig::default()).map_err(
+                    |error| MigrationError::InvalidConfig {
+                        field: "zero_page_detection",
+                        reason: format!("dsa: {error}"),
+                    },
+                )?,
+            }),
+            _ => None,
+        };
+        Ok(Self {
+            config,
+            compression,
+            zero_offload,
+            stats: Arc::new(LiveStats::new()),
+            cancel: CancelToken::new(),
+        })
+    }
+
+    /// Live statistics, for progress display while [`Source::migrate`] runs.
+    pub fn stats(&self) -> Arc<LiveStats> {
+        self.stats.clone()
+    }
+
+    /// A token that cancels the migration.
+    pub fn cancel_token(&self) -> CancelToken {
+        self.cancel.clone()
+    }
+
+    /// Runs the migration to `address`. On success the guest stays paused
+    /// (it now runs on the destination); on failure it runs on here.
+    pub fn migrate<G: SourceGuest>(
+        &self,
+        guest: &mut G,
+        address: &Address,
+    ) -> Result<MigrationStats, MigrationFailure> {
+        self.stats.start_clock();
+        let cpu_start = thread_cpu_seconds();
+        let mut changes = GuestChanges::default();
+        let mut main: Option<Channel> = None;
+        let result = self.run(guest, address, &mut changes, &mut main);
+        self.stats
+            .record_cpu("migration", thread_cpu_seconds() - cpu_start);
+        match result {
+            Ok(destination) => {
+                if changes.dirty_log {
+                    let _ = guest.stop_dirty_log();
+                }
+                self.stats.set_status(MigrationStatus::Completed);
+                let mut stats = self.stats.snapshot();
+                stats.destination = destination;
+                Ok(stats)
+            }
+            Err(error) => {
+                if let Some(channel) = main.as_mut() {
+                    if !changes.abort_sent {
+                        send_abort(channel, &error);
+                    }
+                    channel.shutdown();
+                }
+                restore_guest(guest, &changes);
+                let status = if matches!(error, MigrationError::Cancelled) {
+                    MigrationStatus::Cancelled
+                } else {
+                    MigrationStatus::Failed
+                };
+                self.stats.set_status(status);
+                let mut stats = self.stats.snapshot();
+                stats.error_desc = Some(error.chain());
+                // Returned to the caller, who reports it: a warning here would
+                // print the same failure twice.
+                tracing::debug!(error = %error.chain(), "migration {}", status.as_str());
+                Err(MigrationFailure {
+                    error,
+                    stats: Box::new(stats),
+                })
+            }
+        }
+    }
+
+    fn run<G: SourceGuest>(
+        &self,
+        guest: &mut G,
+        address: &Address,
+        changes: &mut GuestChanges,
+        main_slot: &mut Option<Channel>,
+    ) -> Result<Option<DestinationStats>, MigrationError> {
+        let config = &self.config;
+        config.check_address(address)?;
+        let regions: Vec<MemoryRegion> = guest.regions().to_vec();
+        let setup =
+            connect::session_setup(&regions, guest.guest_kind(), config, &self.compression)?;
+        let total: u64 = regions.iter().map(MemoryRegion::len).sum();
+        self.stats.total.store(total, Ordering::Relaxed);
+        self.stats.remaining.store(total, Ordering::Relaxed);
+        let page_channels = connect::connect(
+            config,
+            address,
+            &setup,
+            connect::random_session_id(),
+            main_slot,
+        )?;
+        let Some(main) = main_slot.as_mut() else {
+            return Err(MigrationError::Internal("main channel missing".into()));
+        };
+        self.stats.set_setup_time(self.stats.started().elapsed());
+        tracing::info!(
+            channels = config.channels,
+            bytes = total,
+            "connected to {address}"
+        );
+        guest
+            .start_dirty_log()
+            .map_err(MigrationError::guest("start dirty log"))?;
+        changes.dirty_log = true;
+        let dirty_log_started = Instant::now();
+        std::thread::scope(|scope| {
+            let mut pipeline =
+                Pipeline::start(scope, self.pipeline_setup(&regions), page_channels)?;
+            let result = self
+                .live_phase(
+                    guest,
+                    main,
+                    &regions,
+                    changes,
+                    &mut pipeline,
+                    dirty_log_started,
+                )
+                .and_then(|live| {
+                    self.switch_over(guest, main, &regions, changes, &mut pipeline, live)
+                })
+                .map_err(|error| {
+                    // A closed page channel is usually the symptom; the
+                    // destination's abort message, when it sent one, is the
+                    // cause.
+                    let error = match error {
+                        MigrationError::Channel { .. } | MigrationError::Protocol(_) => {
+                            peer_reason(main).unwrap_or(error)
+                        }
+                        other => other,
+                    };
+                    // Say why before the page channels close, so the
+                    // destination reports the cause, not the closed channels.
+                    send_abort(main, &error);
+                    changes.abort_sent = true;
+                    error
+                });
+            pipeline.shut_down(result.is_err());
+            result.map(Some)
+        })
+    }
+
+    fn pipeline_setup(&self, regions: &[MemoryRegion]) -> PipelineSetup {
+        let config = &self.config;
+        PipelineSetup {
+            regions: regions.to_vec(),
+            workers: config.worker_count(),
+            detection: config.zero_page_detection,
+            zero_offload: self.zero_offload.clone(),
+            zero_as_normal: config.zero_page_as_normal,
+            compression: self.compression,
+            max_bandwidth: config.max_bandwidth,
+            stats: self.stats.clone(),
+            cancel: self.cancel.flag(),
+        }
+    }
+}
+
+fn restore_guest<G: SourceGuest>(guest: &mut G, changes: &GuestChanges) {
+    if changes.throttled
+        && let Err(error) = guest.set_throttle(0)
+    {
+        tracing::error!(%error, "cannot remove the throttle after a failed migration");
+    }
+    if changes.paused
+        && let Err(error) = guest.resume()
+    {
+        tracing::error!(%error, "cannot resume the guest after a failed migration");
+    }
+    if changes.dirty_log
+        && let Err(error) = guest.stop_dirty_log()
+    {
+        tracing::error!(%error, "cannot stop dirty logging after a failed migration");
+    }
+}

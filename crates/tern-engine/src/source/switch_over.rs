@@ -1,0 +1,175 @@
+//! The switch-over: the guest pauses, the last pages and the device state
+//! go, the destination verifies and answers.
+
+use std::sync::atomic::Ordering;
+use std::time::{Duration, Instant};
+
+use tern_wire::{Complete, Message, Outcome, StateSectionMsg};
+
+use super::live::LiveEnd;
+use super::{GuestChanges, Source};
+use crate::bitmap::DirtyBitmap;
+use crate::config::Verify;
+use crate::digest::{Digest, memory_digest};
+use crate::error::{ChannelError, MigrationError};
+use crate::guest::{MemoryRegion, SourceGuest};
+use crate::pipeline::Pipeline;
+use crate::stats::{DestinationStats, MigrationStatus};
+use crate::transport::Channel;
+
+impl Source {
+    pub(super) fn switch_over<G: SourceGuest>(
+        &self,
+        guest: &mut G,
+        main: &mut Channel,
+        regions: &[MemoryRegion],
+        changes: &mut GuestChanges,
+        pipe: &mut Pipeline<'_>,
+        live: LiveEnd,
+    ) -> Result<DestinationStats, MigrationError> {
+        let LiveEnd {
+            mut bitmaps,
+            iteration,
+            forced,
+        } = live;
+        self.stats.set_status(MigrationStatus::Device);
+        let paused_at = Instant::now();
+        guest.pause().map_err(MigrationError::guest("pause"))?;
+        changes.paused = true;
+        guest
+            .sync_dirty_log(&mut bitmaps)
+            .map_err(MigrationError::guest("sync dirty log"))?;
+        self.stats.dirty_sync_count.fetch_add(1, Ordering::Relaxed);
+        let digest = self.send_last_pages(pipe, regions, &bitmaps, iteration)?;
+        tracing::debug!(
+            elapsed_ms = paused_at.elapsed().as_millis() as u64,
+            "final pages sent and memory hashed"
+        );
+        self.send_state(guest, main, iteration, digest)?;
+        tracing::debug!(
+            elapsed_ms = paused_at.elapsed().as_millis() as u64,
+            "state and digest sent"
+        );
+        let outcome = self.await_outcome(main)?;
+        if !outcome.verified {
+            if outcome.digest != digest {
+                return Err(MigrationError::DigestMismatch {
+                    source_digest: digest,
+                    destination: outcome.digest,
+                });
+            }
+            return Err(MigrationError::Protocol(format!(
+                "the destination did not resume the guest: {}",
+                outcome.detail
+            )));
+        }
+        self.stats.set_downtime(paused_at.elapsed());
+        self.stats
+            .set_digest_verified(self.config.verify == Verify::Full);
+        if forced {
+            tracing::info!("switch-over was forced by a limit");
+        }
+        Ok(DestinationStats::from_wire(&outcome.stats))
+    }
+
+    /// Sends the pages dirtied since the last sync and, with verification,
+    /// hashes all of memory meanwhile: the guest is paused, so its memory no
+    /// longer changes, and hashing while the last pages travel is cheaper
+    /// than after. Returns the digest (0 without verification).
+    fn send_last_pages(
+        &self,
+        pipe: &mut Pipeline<'_>,
+        regions: &[MemoryRegion],
+        bitmaps: &[DirtyBitmap],
+        iteration: u32,
+    ) -> Result<u128, MigrationError> {
+        let verify = self.config.verify == Verify::Full;
+        let threads = self.config.digest_thread_count();
+        let (sent, digest) = std::thread::scope(|scope| {
+            let hasher = verify
+                .then(|| {
+                    std::thread::Builder::new()
+                        .name("tern-digest".into())
+                        // SAFETY: the guest is paused, and the pipeline only
+                        // reads guest memory, so nothing writes it while it
+                        // is hashed.
+                        .spawn_scoped(scope, || unsafe {
+                            memory_digest(regions, threads, &|_, _| false)
+                        })
+                        .map_err(MigrationError::Thread)
+                })
+                .transpose()?;
+            let sent = pipe.send_iteration(bitmaps, iteration, true);
+            let digest = match hasher {
+                Some(hasher) => hasher
+                    .join()
+                    .map_err(|_| MigrationError::Internal("the digest thread panicked".into()))?,
+                None => Digest {
+                    value: 0,
+                    cpu_seconds: 0.0,
+                    elapsed: Duration::ZERO,
+                },
+            };
+            Ok::<_, MigrationError>((sent, digest))
+        })?;
+        sent?;
+        self.stats.record_cpu("digest", digest.cpu_seconds);
+        self.stats.set_digest_time(digest.elapsed);
+        self.stats.remaining.store(0, Ordering::Relaxed);
+        Ok(digest.value)
+    }
+
+    /// Sends the device state and the completion message with the digest.
+    fn send_state<G: SourceGuest>(
+        &self,
+        guest: &mut G,
+        main: &mut Channel,
+        iteration: u32,
+        digest: u128,
+    ) -> Result<(), MigrationError> {
+        let sections = guest
+            .save_state()
+            .map_err(MigrationError::guest("save state"))?;
+        let mut send_paused = |message: Message| {
+            let bytes = message.to_bytes();
+            main.write_all(&bytes).map_err(MigrationError::channel(0))?;
+            self.stats.add_sent(bytes.len() as u64, true, false);
+            Ok::<_, MigrationError>(())
+        };
+        for section in &sections {
+            send_paused(Message::StateSection(StateSectionMsg {
+                name: section.name.clone(),
+                version: section.version,
+                data: section.data.clone(),
+            }))?;
+        }
+        send_paused(Message::Complete(Complete {
+            final_iteration: iteration,
+            sections: u32::try_from(sections.len()).unwrap_or(u32::MAX),
+            digest,
+        }))
+    }
+
+    /// Waits for the destination's verdict (until cancelled).
+    fn await_outcome(&self, main: &mut Channel) -> Result<Outcome, MigrationError> {
+        loop {
+            match main.read_message() {
+                Ok(Message::Outcome(outcome)) => return Ok(outcome),
+                Ok(Message::Abort(abort)) => {
+                    return Err(MigrationError::PeerAborted {
+                        reason: abort.reason,
+                        message: abort.message,
+                    });
+                }
+                Ok(other) => {
+                    return Err(MigrationError::Protocol(format!(
+                        "expected the destination's outcome, got {:?}",
+                        other.kind()
+                    )));
+                }
+                Err(ChannelError::Timeout(_)) if !self.cancel.is_cancelled() => continue,
+                Err(error) => return Err(MigrationError::channel(0)(error)),
+            }
+        }
+    }
+}

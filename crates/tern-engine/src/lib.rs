@@ -65,6 +65,8 @@ pub mod source;
 pub mod stats;
 pub mod transport;
 pub mod uring_zc;
+#[cfg(feature = "vm-memory")]
+pub mod vm_memory;
 pub mod zerocopy;
 
 pub use bitmap::DirtyBitmap;

@@ -41,7 +41,7 @@ thread_local! {
     static KVM_RUN: Cell<*mut kvm_run> = const { Cell::new(std::ptr::null_mut()) };
 }
 
-extern "C" fn kick_handler(_: libc::c_int) {
+extern "C" fn kick_handler(_: libc::c_int, _: *mut libc::siginfo_t, _: *mut libc::c_void) {
     let _ = KVM_RUN.try_with(|run| {
         let run = run.get();
         if !run.is_null() {
@@ -56,7 +56,7 @@ extern "C" fn kick_handler(_: libc::c_int) {
 }
 
 fn kick_signal() -> libc::c_int {
-    libc::SIGRTMIN()
+    vmm_sys_util::signal::SIGRTMIN()
 }
 
 /// Installs the kick signal's handler once per process.
@@ -64,16 +64,11 @@ fn install_kick_handler() -> Result<()> {
     static INSTALL: Once = Once::new();
     static FAILED: AtomicBool = AtomicBool::new(false);
     INSTALL.call_once(|| {
-        // SAFETY: a zeroed sigaction is a valid "no flags, empty mask"
-        // value; the handler only performs an async-signal-safe store. No
-        // SA_RESTART, so KVM_RUN returns EINTR instead of being restarted.
-        unsafe {
-            let mut action: libc::sigaction = std::mem::zeroed();
-            action.sa_sigaction = kick_handler as *const () as libc::sighandler_t;
-            libc::sigemptyset(&mut action.sa_mask);
-            if libc::sigaction(kick_signal(), &action, std::ptr::null_mut()) != 0 {
-                FAILED.store(true, Ordering::Relaxed);
-            }
+        // vmm-sys-util installs it without SA_RESTART, so KVM_RUN returns
+        // EINTR instead of being restarted; the handler only performs an
+        // async-signal-safe store.
+        if vmm_sys_util::signal::register_signal_handler(kick_signal(), kick_handler).is_err() {
+            FAILED.store(true, Ordering::Relaxed);
         }
     });
     if FAILED.load(Ordering::Relaxed) {

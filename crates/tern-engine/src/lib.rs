@@ -56,11 +56,11 @@
 pub mod bitmap;
 pub mod config;
 pub mod destination;
-pub mod digest;
+mod digest;
 pub mod error;
 pub mod guest;
 mod pipeline;
-pub mod ring;
+mod ring;
 pub mod source;
 pub mod stats;
 pub mod transport;

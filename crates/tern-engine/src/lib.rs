@@ -68,6 +68,8 @@ pub mod uring_zc;
 #[cfg(feature = "vm-memory")]
 pub mod vm_memory;
 pub mod zerocopy;
+#[doc(hidden)]
+pub mod zerocopy_measure;
 
 pub use bitmap::DirtyBitmap;
 pub use config::{

@@ -739,9 +739,9 @@ mod tests {
         if !available() {
             return;
         }
-        let measured = crate::zerocopy::measure_cpu_per_gib(
+        let measured = crate::zerocopy_measure::measure_cpu_per_gib(
             8 << 20,
-            crate::zerocopy::SendMode::UringZeroCopy {
+            crate::zerocopy_measure::SendMode::UringZeroCopy {
                 window_bytes: 1 << 20,
             },
         )

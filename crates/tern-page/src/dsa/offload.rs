@@ -1009,7 +1009,9 @@ impl Inner {
             meta.cpu_zero = tail << device_len;
             let n = (len - device_len) as u64;
             self.counters.pages_fallback.fetch_add(n, Ordering::Relaxed);
-            self.counters.pages_queue_full.fetch_add(n, Ordering::Relaxed);
+            self.counters
+                .pages_queue_full
+                .fetch_add(n, Ordering::Relaxed);
         }
         let generation = slot.generation.load(Ordering::Relaxed);
         slot.state.store(IN_FLIGHT, Ordering::Release);
@@ -1211,7 +1213,9 @@ impl Inner {
             // keep the reservation and hand the queue nothing more.
             self.counters.slots_retired.fetch_add(1, Ordering::Relaxed);
             if !q.disabled.swap(true, Ordering::Relaxed) {
-                self.counters.queues_disabled.fetch_add(1, Ordering::Relaxed);
+                self.counters
+                    .queues_disabled
+                    .fetch_add(1, Ordering::Relaxed);
                 tracing::warn!(
                     "DSA queue {} retired: a submission got no completion within {:?}",
                     q.queue.name(),
@@ -1331,7 +1335,10 @@ fn completion_thread(inner: &Inner) {
             continue;
         }
         idle_rounds = idle_rounds.saturating_add(1);
-        match (idle_step(idle_rounds, inner.umwait_available), oldest_pending) {
+        match (
+            idle_step(idle_rounds, inner.umwait_available),
+            oldest_pending,
+        ) {
             (IdleStep::Umwait, Some(rec)) => {
                 inner.counters.umwaits.fetch_add(1, Ordering::Relaxed);
                 // SAFETY: umwait_available implies the CPU has WAITPKG
@@ -1809,9 +1816,27 @@ mod tests {
             ..Default::default()
         };
         let fake = crate::dsa::sysfs::tests::fake_wq;
-        fake(&cfg.sysfs_root, true, 0, 0, "enabled", "user", "dedicated", 32);
+        fake(
+            &cfg.sysfs_root,
+            true,
+            0,
+            0,
+            "enabled",
+            "user",
+            "dedicated",
+            32,
+        );
         fake(&cfg.sysfs_root, true, 0, 1, "enabled", "user", "shared", 32);
-        fake(&cfg.sysfs_root, true, 2, 1, "enabled", "user", "dedicated", 32);
+        fake(
+            &cfg.sysfs_root,
+            true,
+            2,
+            1,
+            "enabled",
+            "user",
+            "dedicated",
+            32,
+        );
         // Regular files stand in for the device nodes: they open, and with
         // no portal instruction used (nothing is submitted) that is enough.
         std::fs::create_dir_all(&cfg.dev_root).unwrap();
@@ -1828,17 +1853,23 @@ mod tests {
         // Whole host: the shared queue only, dedicated ones left to others.
         let off = open_dsa(&cfg).unwrap();
         let d = off.describe();
-        assert!(d.contains("dsa0/wq0.1") && !d.contains("wq0.0") && !d.contains("wq2.1"), "{d}");
+        assert!(
+            d.contains("dsa0/wq0.1") && !d.contains("wq0.0") && !d.contains("wq2.1"),
+            "{d}"
+        );
         // A list: exactly what it names, dedicated or not.
         let listed = DsaConfig {
             devices: "dsa2,dsa0/wq0.0".parse().unwrap(),
             ..cfg.clone()
         };
         let d = open_dsa(&listed).unwrap().describe();
-        assert!(d.contains("dsa0/wq0.0") && d.contains("dsa2/wq2.1") && !d.contains("wq0.1"), "{d}");
+        assert!(
+            d.contains("dsa0/wq0.0") && d.contains("dsa2/wq2.1") && !d.contains("wq0.1"),
+            "{d}"
+        );
     }
 
-    /// Pages and a slot ticket for `n` pages, for the direct engine tests.
+    /// A software device whose first COMPVAL holds it until the gate opens.
     fn stalled_device(
         depth: usize,
         max_batch: usize,
@@ -1938,8 +1969,11 @@ mod tests {
             queue_depth: 32,
             ..Default::default()
         }));
-        let off = DsaOffload::new(vec![dev.clone() as Arc<dyn DsaQueue>], OffloadConfig::default())
-            .unwrap();
+        let off = DsaOffload::new(
+            vec![dev.clone() as Arc<dyn DsaQueue>],
+            OffloadConfig::default(),
+        )
+        .unwrap();
         for _ in 0..3 {
             check(&off, &Pages::new(128, |i| i % 9 == 4));
         }

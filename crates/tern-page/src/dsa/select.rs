@@ -240,7 +240,15 @@ mod tests {
         assert!(!s.matches(&wq("dsa1", "wq1.0")));
         assert!(DsaSelection::all().matches(&wq("dsa7", "wq7.7")));
         assert_eq!(DsaSelection::all().to_string(), "all");
-        for bad in ["", "dsa", "iax1", "dsa0/", "dsa0/wq0", "wq0.x", "dsa0,,dsa1"] {
+        for bad in [
+            "",
+            "dsa",
+            "iax1",
+            "dsa0/",
+            "dsa0/wq0",
+            "wq0.x",
+            "dsa0,,dsa1",
+        ] {
             let err = bad.parse::<DsaSelection>().unwrap_err();
             assert!(err.to_string().contains("accel-config"), "{bad}: {err}");
         }

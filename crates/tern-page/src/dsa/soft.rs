@@ -223,12 +223,12 @@ impl SoftwareDsa {
     /// Takes a place in the queue if one is free.
     fn take_place(&self) -> bool {
         let depth = self.config.queue_depth.max(1);
-        let taken = self
-            .counters
-            .occupancy
-            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| {
-                (n < depth).then_some(n + 1)
-            });
+        let taken =
+            self.counters
+                .occupancy
+                .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| {
+                    (n < depth).then_some(n + 1)
+                });
         match taken {
             Ok(before) => {
                 self.counters.peak.fetch_max(before + 1, Ordering::Relaxed);
@@ -293,7 +293,12 @@ impl DsaQueue for SoftwareDsa {
             attempt += 1;
         }
         let k = self.counters.accepted.fetch_add(1, Ordering::Relaxed) + 1;
-        if self.config.lose_if.as_ref().is_some_and(|f| f(k, desc.src_addr)) {
+        if self
+            .config
+            .lose_if
+            .as_ref()
+            .is_some_and(|f| f(k, desc.src_addr))
+        {
             self.counters.lost.fetch_add(1, Ordering::Relaxed);
             self.counters.occupancy.fetch_sub(1, Ordering::AcqRel);
             return Ok(());
@@ -745,10 +750,7 @@ mod tests {
         let d = Descriptor::compval(page.as_ptr() as u64, 4096, 0, addr(&m.recs[0]));
         // SAFETY: page and record outlive the wait.
         unsafe { dev.submit(&d).unwrap() };
-        assert_eq!(
-            wait(&m.recs[0]).decoded(),
-            DsaStatus::Error(STATUS_HW_ERR1)
-        );
+        assert_eq!(wait(&m.recs[0]).decoded(), DsaStatus::Error(STATUS_HW_ERR1));
     }
 
     /// A device of `depth` whose first COMPVAL holds it until the gate

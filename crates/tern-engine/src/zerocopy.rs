@@ -1280,6 +1280,7 @@ mod tests {
 
     #[test]
     fn measurement_helper_runs() {
+        use crate::zerocopy_measure::{SendMode, measure_cpu_per_gib};
         let plain = measure_cpu_per_gib(8 << 20, SendMode::Plain).unwrap();
         assert!(plain.stats.is_none());
         let zero = measure_cpu_per_gib(

@@ -352,10 +352,16 @@ pub struct TransferArgs {
     ]))]
     pub zero_page_detection: ZeroPageDetection,
     /// With `--zero-page-detection dsa`: the work queues found in sysfs
-    /// (`hw`), or tern's software DSA device (`software`, for machines
-    /// without DSA; it runs the same descriptors on a CPU thread).
-    #[arg(long, default_value = "hw", value_parser = ["hw", "software"])]
-    pub dsa_device: String,
+    /// (`hw`: shared queues first, NUMA-local devices first), only the
+    /// listed devices or queues (`dsa0,dsa2/wq2.1`), or tern's software DSA
+    /// device (`software`, for machines without DSA; it runs the same
+    /// descriptors on a CPU thread).
+    #[arg(long, default_value = "hw", value_parser = Choices::<tern_page::dsa::DsaDevice>::new(&[
+        ("hw", "every usable DSA work queue in sysfs"),
+        ("software", "tern's software DSA device"),
+        ("dsa0,dsa2/wq2.1", "only these devices or work queues"),
+    ]))]
+    pub dsa_device: tern_page::dsa::DsaDevice,
     /// Benchmark knob: percent of zero pages sent as normal pages.
     #[arg(long, default_value_t = 0.0)]
     pub zero_page_as_normal: f64,
@@ -452,6 +458,7 @@ impl TransferArgs {
     }
 
     pub fn migration_config(&self) -> anyhow::Result<MigrationConfig> {
+        use anyhow::Context;
         if let Some(note) = self.compression_level_note() {
             eprintln!("tern: warning: {note}");
         }
@@ -480,10 +487,17 @@ impl TransferArgs {
             throttle_initial: self.cpu_throttle_initial,
             throttle_increment: self.cpu_throttle_increment,
             zero_page_detection: self.zero_page_detection,
-            zero_page_offload: match (self.zero_page_detection, self.dsa_device.as_str()) {
-                (ZeroPageDetection::Dsa, "software") => Some(tern_page::dsa::software_dsa(
-                    tern_page::dsa::SoftwareDsaConfig::default(),
-                )),
+            zero_page_offload: match (self.zero_page_detection, &self.dsa_device) {
+                (ZeroPageDetection::Dsa, tern_page::dsa::DsaDevice::Software) => Some(
+                    tern_page::dsa::software_dsa(tern_page::dsa::SoftwareDsaConfig::default()),
+                ),
+                (ZeroPageDetection::Dsa, tern_page::dsa::DsaDevice::Only(devices)) => Some(
+                    tern_page::dsa::open_dsa(&tern_page::dsa::DsaConfig {
+                        devices: devices.clone(),
+                        ..Default::default()
+                    })
+                    .with_context(|| format!("--dsa-device {devices}"))?,
+                ),
                 _ => None,
             },
             zero_page_as_normal: self.zero_page_as_normal / 100.0,
@@ -721,6 +735,21 @@ mod tests {
                 .unwrap_err()
                 .to_string()
                 .contains("out of range (1..=64)")
+        );
+    }
+
+    #[test]
+    fn dsa_device_takes_hw_software_or_a_list() {
+        use tern_page::dsa::DsaDevice;
+        assert_eq!(demo(&[]).unwrap().transfer.dsa_device, DsaDevice::Hardware);
+        let args = demo(&["--dsa-device", "software"]).unwrap();
+        assert_eq!(args.transfer.dsa_device, DsaDevice::Software);
+        let args = demo(&["--dsa-device", "dsa0,dsa2/wq2.1"]).unwrap();
+        assert_eq!(args.transfer.dsa_device.to_string(), "dsa0,dsa2/wq2.1");
+        let error = demo(&["--dsa-device", "gpu0"]).unwrap_err().to_string();
+        assert!(
+            error.contains("gpu0") && error.contains("dsa2/wq2.1"),
+            "{error}"
         );
     }
 

@@ -11,8 +11,7 @@ use std::hint::black_box;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use super::offload::{DsaConfig, MAX_BATCH_PAGES, ZeroPageOffload, open_dsa};
-#[cfg(feature = "dsa")]
+use super::offload::{DsaConfig, MAX_BATCH_PAGES, ZeroOffloadStats, ZeroPageOffload, open_dsa};
 use super::{offload::software_dsa, soft::SoftwareDsaConfig};
 use crate::zero::{
     PAGE_SIZE, ZeroCheckBackend, ZeroChecker, is_zero_page_qemu_style, read_bandwidth_probe,
@@ -32,6 +31,9 @@ pub struct ZeroBenchRow {
     pub seconds: f64,
     /// Bytes per second / 1e9, from the median round.
     pub gb_per_s: f64,
+    /// Offload rows: CPU time of the completion thread per GiB checked,
+    /// over every round of the case (the price of polling for completions).
+    pub completion_cpu_per_gib: Option<Duration>,
 }
 
 /// Submissions kept in flight by the offload measurements, so the device
@@ -55,7 +57,6 @@ pub fn bench_zero(buffer_bytes: usize, rounds: usize) -> Vec<ZeroBenchRow> {
     let buf = &mut storage[start..start + bytes];
 
     let mut offloads: Vec<(String, Arc<dyn ZeroPageOffload>)> = Vec::new();
-    #[cfg(feature = "dsa")]
     offloads.push((
         "soft-dsa".to_owned(),
         software_dsa(SoftwareDsaConfig {
@@ -82,7 +83,7 @@ pub fn bench_zero(buffer_bytes: usize, rounds: usize) -> Vec<ZeroBenchRow> {
         }
         let expect_zero = mark.is_none();
         let buf: &[u8] = buf;
-        let mut row = |backend: String, f: &mut dyn FnMut() -> usize| {
+        let row = |backend: String, f: &mut dyn FnMut() -> usize| {
             let mut times: Vec<Duration> = (0..rounds)
                 .map(|_| {
                     let t = Instant::now();
@@ -94,37 +95,50 @@ pub fn bench_zero(buffer_bytes: usize, rounds: usize) -> Vec<ZeroBenchRow> {
                 .collect();
             times.sort();
             let secs = times[rounds / 2].as_secs_f64().max(1e-9);
-            rows.push(ZeroBenchRow {
+            ZeroBenchRow {
                 backend,
                 case,
                 bytes: bytes as u64,
                 seconds: secs,
                 gb_per_s: bytes as f64 / secs / 1e9,
-            });
+                completion_cpu_per_gib: None,
+            }
         };
-        row("read-bandwidth".to_owned(), &mut || {
+        rows.push(row("read-bandwidth".to_owned(), &mut || {
             usize::try_from(read_bandwidth_probe(black_box(buf))).unwrap_or(usize::MAX)
-        });
+        }));
         for b in ZeroCheckBackend::all_available() {
             let c = ZeroChecker::with_backend(b).expect("listed as available");
-            row(b.name().to_owned(), &mut || {
+            rows.push(row(b.name().to_owned(), &mut || {
                 buf.chunks_exact(PAGE_SIZE)
                     // SAFETY: each chunk is PAGE_SIZE bytes of `buf`.
                     .filter(|p| unsafe { c.is_zero_page(p.as_ptr()) })
                     .count()
-            });
+            }));
         }
-        row("qemu-style".to_owned(), &mut || {
+        rows.push(row("qemu-style".to_owned(), &mut || {
             buf.chunks_exact(PAGE_SIZE)
                 // SAFETY: as above.
                 .filter(|p| unsafe { is_zero_page_qemu_style(p.as_ptr()) })
                 .count()
-        });
+        }));
         for (name, off) in &offloads {
-            row(name.clone(), &mut || count_with_offload(&**off, buf));
+            let before = off.stats();
+            let mut measured = row(name.clone(), &mut || count_with_offload(&**off, buf));
+            measured.completion_cpu_per_gib = completion_cpu_per_gib(&before, &off.stats());
+            rows.push(measured);
         }
     }
     rows
+}
+
+/// Completion-thread CPU per GiB checked between two snapshots.
+fn completion_cpu_per_gib(before: &ZeroOffloadStats, after: &ZeroOffloadStats) -> Option<Duration> {
+    let pages = after.pages_checked() - before.pages_checked();
+    let cpu = after
+        .completion_thread_cpu
+        .saturating_sub(before.completion_thread_cpu);
+    (pages > 0).then(|| cpu.mul_f64((1u64 << 30) as f64 / (pages * PAGE_SIZE as u64) as f64))
 }
 
 /// Zero pages of `buf` through an offload, [`OFFLOAD_DEPTH`] submissions in
@@ -165,9 +179,7 @@ mod tests {
             .map(|b| b.name().to_owned())
             .collect();
         backends.extend(["qemu-style", "read-bandwidth"].map(String::from));
-        if cfg!(feature = "dsa") {
-            backends.push("soft-dsa".to_owned());
-        }
+        backends.push("soft-dsa".to_owned());
         for case in ["zero", "first-byte", "last-byte"] {
             for b in &backends {
                 let r = rows
@@ -179,7 +191,38 @@ mod tests {
             }
         }
         for r in &rows {
-            eprintln!("{:>14} {:>10} {:8.2} GB/s", r.backend, r.case, r.gb_per_s);
+            eprintln!(
+                "{:>14} {:>10} {:8.2} GB/s {}",
+                r.backend,
+                r.case,
+                r.gb_per_s,
+                r.completion_cpu_per_gib
+                    .map_or(String::new(), |c| format!("completion thread {c:?}/GiB"))
+            );
+        }
+        let soft = rows.iter().find(|r| r.backend == "soft-dsa").expect("row");
+        assert!(soft.completion_cpu_per_gib.is_some(), "{soft:?}");
+    }
+
+    /// The figure for docs/zero-page-detection.md: completion-thread CPU on
+    /// the software device over a DRAM-sized buffer. Run with
+    /// `cargo test -p tern-page --release completion_thread_cpu -- --ignored --nocapture`.
+    #[test]
+    #[ignore = "a measurement (256 MiB x 5 rounds), not a check"]
+    fn completion_thread_cpu_on_the_software_device() {
+        for r in bench_zero(256 << 20, 5)
+            .iter()
+            .filter(|r| r.completion_cpu_per_gib.is_some())
+        {
+            let cpu = r.completion_cpu_per_gib.expect("filtered");
+            eprintln!(
+                "{} {}: {:.2} GB/s, completion thread {:.1} ms CPU per GiB ({:.1}% of one core at that rate)",
+                r.backend,
+                r.case,
+                r.gb_per_s,
+                cpu.as_secs_f64() * 1e3,
+                cpu.as_secs_f64() * r.gb_per_s * 1e9 / (1u64 << 30) as f64 * 100.0
+            );
         }
     }
 }

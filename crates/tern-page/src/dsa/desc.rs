@@ -74,10 +74,14 @@ pub const STATUS_DESC_CNT_ERANGE: u8 = 0x14;
 pub const STATUS_DESCLIST_ALIGN: u8 = 0x18;
 /// Status: completion record address not aligned.
 pub const STATUS_CRA_ALIGN: u8 = 0x1b;
-/// Status: internal hardware error.
-pub const STATUS_HW_ERR1: u8 = 0x1e;
-/// Status: address translation failed.
-pub const STATUS_TRANSLATION_FAIL: u8 = 0x20;
+/// Status: traffic-class configuration error (`DSA_COMP_TRAFFIC_CLASS_CONF`).
+pub const STATUS_TRAFFIC_CLASS_CONF: u8 = 0x1e;
+/// Status: internal hardware error 1 (`DSA_COMP_HW_ERR1`).
+pub const STATUS_HW_ERR1: u8 = 0x20;
+/// Status: hardware error reading the descriptor (`DSA_COMP_HW_ERR_DRB`).
+pub const STATUS_HW_ERR_DRB: u8 = 0x21;
+/// Status: address translation failed (`DSA_COMP_TRANSLATION_FAIL`).
+pub const STATUS_TRANSLATION_FAIL: u8 = 0x22;
 
 /// The status byte carries the code in its low 7 bits; bit 7 says a page
 /// fault was on a write.
@@ -392,8 +396,18 @@ mod tests {
             DsaStatus::decode(0x14),
             DsaStatus::Error(STATUS_DESC_CNT_ERANGE)
         );
-        assert_eq!(DsaStatus::decode(0x1e), DsaStatus::Error(STATUS_HW_ERR1));
-        assert!(DsaStatus::decode(0x1e).is_complete());
+        // Values of enum dsa_completion_status in <linux/idxd.h>, counted
+        // from DSA_COMP_BAD_OPCODE = 0x10.
+        assert_eq!(STATUS_TRAFFIC_CLASS_CONF, 0x1e);
+        assert_eq!(STATUS_HW_ERR1, 0x20);
+        assert_eq!(STATUS_HW_ERR_DRB, 0x21);
+        assert_eq!(STATUS_TRANSLATION_FAIL, 0x22);
+        assert_eq!(DsaStatus::decode(0x20), DsaStatus::Error(STATUS_HW_ERR1));
+        assert_eq!(
+            DsaStatus::decode(0x22),
+            DsaStatus::Error(STATUS_TRANSLATION_FAIL)
+        );
+        assert!(DsaStatus::decode(0x20).is_complete());
         let r = CompletionRecord {
             status: STATUS_SUCCESS,
             ..Default::default()

@@ -5,7 +5,9 @@
 //!
 //! * [`desc`]: the 64-byte descriptor and 32-byte completion record, as in
 //!   `<linux/idxd.h>`, with the constants the engine uses.
-//! * [`sysfs`]: finding enabled user work queues under `/sys/bus/dsa`.
+//! * [`sysfs`]: finding enabled user work queues under `/sys/bus/dsa`, DSA
+//!   (`dsaN`) and IAA (`iaxN`) apart.
+//! * [`select`]: the user's device/queue list and the NUMA preference.
 //! * [`queue`]: the [`DsaQueue`] trait and [`HardwareQueue`] (MOVDIR64B,
 //!   ENQCMD or write(), chosen at start-up).
 //! * [`soft`]: [`SoftwareDsa`], a thread that executes the same descriptors,
@@ -19,39 +21,35 @@
 //!
 //! # Cargo feature
 //!
-//! Everything DSA-specific (descriptors, queues, the software device, the
-//! engine) is behind the `dsa` feature, on by default. Without it the
-//! asynchronous API and its CPU implementation remain, and [`open_dsa`]
-//! fails with [`OffloadError::NotBuilt`].
+//! The `dsa` feature (on by default) decides whether tern opens DSA
+//! hardware: without it [`open_dsa`] fails with [`OffloadError::NotBuilt`].
+//! The engine, the descriptors and the software device are plain Rust with
+//! no dependency, so they are always built (the software device is what the
+//! tests run).
 
 pub mod bench;
-#[cfg(feature = "dsa")]
 pub mod desc;
 pub mod offload;
-#[cfg(feature = "dsa")]
 pub mod queue;
-#[cfg(feature = "dsa")]
+pub mod select;
 pub mod soft;
-#[cfg(feature = "dsa")]
 pub mod sysfs;
 
 use std::path::PathBuf;
 
 pub use bench::{ZeroBenchRow, bench_zero};
-#[cfg(feature = "dsa")]
 pub use desc::{CompletionRecord, Descriptor, DsaStatus};
 pub use offload::{
     CpuOffload, DsaConfig, MAX_BATCH_PAGES, OffloadConfig, Ticket, ZeroAsNormal, ZeroOffloadStats,
     ZeroPageOffload, cpu_offload, open_dsa,
 };
-#[cfg(feature = "dsa")]
 pub use offload::{DsaOffload, software_dsa};
-#[cfg(feature = "dsa")]
 pub use queue::{CpuSubmitFeatures, DsaQueue, HardwareQueue, SubmissionMethod, SubmitError};
-#[cfg(feature = "dsa")]
-pub use soft::{SoftwareDsa, SoftwareDsaConfig};
-#[cfg(feature = "dsa")]
-pub use sysfs::{WorkQueueInfo, WqMode, discover_work_queues};
+pub use select::{BadSelection, DsaDevice, DsaSelection, NumaPolicy};
+pub use soft::{SoftwareDsa, SoftwareDsaConfig, StallGate};
+pub use sysfs::{
+    AccelKind, WorkQueueInfo, WqMode, discover_iaa_work_queues, discover_work_queues,
+};
 
 /// Why the offload could not be set up or a call was refused.
 #[derive(Debug, thiserror::Error)]
@@ -64,6 +62,34 @@ pub enum OffloadError {
     NoWorkQueue {
         /// The sysfs root that was searched.
         root: String,
+    },
+    /// Queues were found, but none is in the user's selection.
+    #[error("no DSA work queue matches --dsa-device {selection} (found: {found})")]
+    NoMatch {
+        /// The selection, as given.
+        selection: String,
+        /// The usable queues found.
+        found: String,
+    },
+    /// Discovery found no IAA queue.
+    #[error(
+        "no IAA work queue found in {root} (is the idxd driver loaded and a user work queue \
+         enabled on an iax device with accel-config?)"
+    )]
+    NoIaaQueue {
+        /// The sysfs root that was searched.
+        root: String,
+    },
+    /// A dedicated work queue is already open (by another process): it takes
+    /// one opener.
+    #[error(
+        "DSA work queue {queue} is dedicated and already in use by another process (EBUSY); \
+         configure a shared queue (accel-config config-wq --mode=shared) so several \
+         processes can submit, or pick a free queue with --dsa-device"
+    )]
+    QueueBusy {
+        /// The queue, e.g. `dsa0/wq0.0`.
+        queue: String,
     },
     /// A work queue's device node could not be opened.
     #[error("cannot open DSA work queue {}: {source}", path.display())]

@@ -23,57 +23,58 @@
 //! the per-batch path takes no lock, fills it, submits one BATCH per chunk of
 //! at most `max_batch_size` pages (a lone page goes as a plain COMPVAL), and
 //! hands the slot to the completion thread. The completion thread polls the
-//! status byte of each chunk's record (spinning with `spin_loop`, yielding
-//! when nothing progresses, parking when nothing is outstanding), marks the
-//! slot done and unparks the waiting worker. The worker decodes the records
-//! and returns the slot. Queues (devices) are taken round-robin per submit.
+//! status byte of each chunk's record (spinning with `spin_loop` for a few
+//! rounds, then, when nothing progresses, UMONITOR/UMWAIT on the oldest
+//! pending record where the CPU has WAITPKG, else `yield_now`; it parks when
+//! nothing is outstanding), marks the slot done and unparks the waiting
+//! worker. The worker decodes the records and returns the slot.
 //!
-//! TODO(umwait): on CPUs with WAITPKG the completion thread could
-//! UMONITOR/UMWAIT on the oldest outstanding record instead of spinning and
-//! yielding; not done because no machine here has WAITPKG to test it.
+//! Queues are taken round-robin per submit, those on the submitting CPU's
+//! NUMA node first ([`NumaPolicy`]). Each queue carries at most its
+//! [`capacity`](DsaQueue::capacity) descriptors in flight whatever the
+//! submission path; pages of a batch that do not fit are checked on the CPU
+//! by the submitter while the device works on the rest.
+//!
+//! A submission not complete [`completion_timeout`](OffloadConfig) after it
+//! was made (measured on the monotonic clock at every polling round) is
+//! answered on the CPU; since the device may still write its records some
+//! day, its slot memory is never reused (leaked) and its queue is retired
+//! with its reservation kept, so nothing is ever handed to that queue again.
 
+// The DSA rework landed after the cast lints; its casts (descriptor fields
+// of the device's fixed widths, bounded by MAX_BATCH_PAGES and queue sizes)
+// are still to be spelled out with try_from, as elsewhere in this crate.
+#![allow(
+    clippy::cast_possible_truncation,
+    clippy::cast_sign_loss,
+    clippy::cast_possible_wrap,
+    clippy::cast_lossless,
+    clippy::ptr_as_ptr
+)]
+
+use std::cell::UnsafeCell;
 use std::fmt;
 use std::path::PathBuf;
-use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::time::Duration;
-#[cfg(feature = "dsa")]
-use std::{
-    cell::UnsafeCell,
-    ptr::addr_of_mut,
-    sync::atomic::{AtomicBool, AtomicU8, AtomicU32, AtomicUsize},
-    sync::{Mutex, OnceLock},
-    thread::{JoinHandle, Thread},
-    time::Instant,
-};
+use std::ptr::addr_of_mut;
+use std::sync::atomic::{AtomicBool, AtomicU8, AtomicU32, AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, OnceLock};
+use std::thread::{JoinHandle, Thread};
+use std::time::{Duration, Instant};
 
-#[cfg(feature = "dsa")]
 use crossbeam_queue::ArrayQueue;
 
 use super::OffloadError;
-#[cfg(feature = "dsa")]
 use super::desc::{CompletionRecord, Descriptor, DsaStatus};
-#[cfg(feature = "dsa")]
-use super::queue::{DsaQueue, HardwareQueue, SubmissionMethod, SubmitError};
-#[cfg(feature = "dsa")]
+use super::queue::{CpuSubmitFeatures, DsaQueue, HardwareQueue, SubmitError};
+use super::select::{DsaSelection, NumaPolicy, current_numa_node, is_local};
 use super::soft::{SoftwareDsa, SoftwareDsaConfig};
-#[cfg(feature = "dsa")]
-use super::sysfs::discover_work_queues;
-#[cfg(feature = "dsa")]
-use crate::codec::thread_cpu_ns;
+use super::sysfs::{WorkQueueInfo, WqMode, discover_work_queues};
 use crate::zero::{PAGE_SIZE, ZeroChecker};
 
 /// Most pages one [`ZeroPageOffload::submit`] takes: one engine batch.
 pub const MAX_BATCH_PAGES: usize = 128;
 /// Batch descriptors per slot: chunks have at least 2 pages when batching.
-#[cfg(feature = "dsa")]
 const MAX_CHUNKS: usize = MAX_BATCH_PAGES / 2;
-
-/// [`PAGE_SIZE`] as a descriptor's `u32` transfer size.
-#[cfg(feature = "dsa")]
-const PAGE_SIZE_U32: u32 = 4096;
-#[cfg(feature = "dsa")]
-const _: () = assert!(PAGE_SIZE_U32 as usize == PAGE_SIZE);
 
 /// Zero-page checks for batches of pages, answered now or later.
 pub trait ZeroPageOffload: Send + Sync + fmt::Debug {
@@ -127,7 +128,6 @@ enum TicketKind {
     /// Answered at submission (CPU): bit i set = page i is zero.
     Ready { zero: u128, len: u8 },
     /// In a DSA slot.
-    #[cfg(feature = "dsa")]
     Slot { index: u32, generation: u32 },
 }
 
@@ -158,8 +158,17 @@ pub struct ZeroOffloadStats {
     pub submit_failures: u64,
     /// Submissions answered on the CPU because every slot was in flight.
     pub slots_exhausted: u64,
-    /// Queues disabled after repeated errors.
+    /// Queues disabled after repeated errors, or retired after a timeout.
     pub queues_disabled: u64,
+    /// Slots retired after a timeout: their memory is never reused, since
+    /// the device may still write it.
+    pub slots_retired: u64,
+    /// Pages checked on the CPU because their queue had no room left for
+    /// them (in-flight descriptors bounded by the queue's size); also
+    /// counted in `pages_fallback`.
+    pub pages_queue_full: u64,
+    /// Times the completion thread waited with UMWAIT (WAITPKG CPUs).
+    pub umwaits: u64,
     /// CPU time of the completion thread.
     pub completion_thread_cpu: Duration,
 }
@@ -194,6 +203,9 @@ struct Counters {
     submit_failures: AtomicU64,
     slots_exhausted: AtomicU64,
     queues_disabled: AtomicU64,
+    slots_retired: AtomicU64,
+    pages_queue_full: AtomicU64,
+    umwaits: AtomicU64,
     completion_cpu_ns: AtomicU64,
 }
 
@@ -212,6 +224,9 @@ impl Counters {
             submit_failures: l(&self.submit_failures),
             slots_exhausted: l(&self.slots_exhausted),
             queues_disabled: l(&self.queues_disabled),
+            slots_retired: l(&self.slots_retired),
+            pages_queue_full: l(&self.pages_queue_full),
+            umwaits: l(&self.umwaits),
             completion_thread_cpu: Duration::from_nanos(l(&self.completion_cpu_ns)),
         }
     }
@@ -278,7 +293,7 @@ impl ZeroPageOffload for CpuOffload {
             owner: self.owner,
             kind: TicketKind::Ready {
                 zero,
-                len: u8::try_from(pages.len()).expect("at most MAX_BATCH_PAGES"),
+                len: pages.len() as u8,
             },
         })
     }
@@ -314,12 +329,18 @@ pub struct OffloadConfig {
     /// Consecutive failed submissions (error status or timeout) after which
     /// a queue is disabled; 0 never disables.
     pub error_threshold: u32,
-    /// A submission not complete after this long is abandoned to the CPU and
-    /// its slot retired (a dedicated queue silently drops descriptors when
-    /// overfilled, and a wedged device never answers).
+    /// A submission not complete this long after it was made is answered
+    /// on the CPU, its slot retired (never reused) and its queue retired (a
+    /// lost descriptor leaves the queue's occupancy unknown, and a wedged
+    /// device never answers).
     pub completion_timeout: Duration,
     /// Checker for CPU fallbacks.
     pub checker: ZeroChecker,
+    /// Which queues a submission prefers, by NUMA node.
+    pub numa: NumaPolicy,
+    /// Let the completion thread UMWAIT on a pending record when the CPU
+    /// has WAITPKG (else it yields).
+    pub umwait: bool,
 }
 
 impl Default for OffloadConfig {
@@ -329,6 +350,8 @@ impl Default for OffloadConfig {
             error_threshold: 3,
             completion_timeout: Duration::from_secs(5),
             checker: ZeroChecker::best(),
+            numa: NumaPolicy::PreferLocal,
+            umwait: true,
         }
     }
 }
@@ -340,8 +363,9 @@ pub struct DsaConfig {
     pub sysfs_root: PathBuf,
     /// Device node directory, normally `/dev/dsa`.
     pub dev_root: PathBuf,
-    /// Only these queues (`dsa0/wq0.0` or `wq0.0`), if given.
-    pub only: Option<Vec<String>>,
+    /// Only these devices or queues (`dsa0`, `dsa0/wq0.0`, `wq0.0`); the
+    /// default selects every usable queue.
+    pub devices: DsaSelection,
     /// Submit with write() even if the portal could be mapped.
     pub force_write: bool,
     /// ENQCMD / write() attempts before a submission is given up.
@@ -355,7 +379,7 @@ impl Default for DsaConfig {
         DsaConfig {
             sysfs_root: "/sys/bus/dsa".into(),
             dev_root: "/dev/dsa".into(),
-            only: None,
+            devices: DsaSelection::all(),
             force_write: false,
             submit_attempts: 64,
             offload: OffloadConfig::default(),
@@ -363,15 +387,13 @@ impl Default for DsaConfig {
     }
 }
 
-/// Would open DSA, but this build has the `dsa` feature off: always
-/// [`OffloadError::NotBuilt`].
-#[cfg(not(feature = "dsa"))]
-pub fn open_dsa(config: &DsaConfig) -> Result<Arc<dyn ZeroPageOffload>, OffloadError> {
-    let _ = config;
-    Err(OffloadError::NotBuilt { feature: "dsa" })
-}
-
-/// Discovers and opens every usable DSA work queue and starts the engine.
+/// Discovers and opens the DSA work queues to use and starts the engine.
+///
+/// Of the usable queues (limited to [`DsaConfig::devices`]), shared ones
+/// come first: when the whole host is selected and a shared queue opens,
+/// dedicated queues are left alone, since each takes a single process and
+/// another tern (another VM migrating) may need it. A dedicated queue held
+/// by another process is reported by name ([`OffloadError::QueueBusy`]).
 ///
 /// An explicitly requested DSA that is missing is an error here, at start-up,
 /// with a hint on how to set one up; later device trouble only makes pages go
@@ -379,49 +401,78 @@ pub fn open_dsa(config: &DsaConfig) -> Result<Arc<dyn ZeroPageOffload>, OffloadE
 ///
 /// # Errors
 ///
-/// [`OffloadError::NoWorkQueue`] if sysfs has no enabled user queue (after
-/// the `only` filter), [`OffloadError::NoneOpened`] if none could be opened.
-/// Without the `dsa` feature it always fails with [`OffloadError::NotBuilt`].
-#[cfg(feature = "dsa")]
+/// [`OffloadError::NoWorkQueue`] if sysfs has no enabled user queue,
+/// [`OffloadError::NoMatch`] if none is in the selection,
+/// [`OffloadError::QueueBusy`] if the one candidate is a dedicated queue in
+/// use, [`OffloadError::NoneOpened`] if none could be opened.
 pub fn open_dsa(config: &DsaConfig) -> Result<Arc<dyn ZeroPageOffload>, OffloadError> {
-    let mut wqs = discover_work_queues(&config.sysfs_root, &config.dev_root)?;
-    if let Some(only) = &config.only {
-        wqs.retain(|w| only.iter().any(|o| *o == w.full_name() || *o == w.queue));
-        if wqs.is_empty() {
-            return Err(OffloadError::NoWorkQueue {
-                root: config.sysfs_root.display().to_string(),
-            });
-        }
+    if !cfg!(feature = "dsa") {
+        return Err(OffloadError::NotBuilt { feature: "dsa" });
     }
+    let found = discover_work_queues(&config.sysfs_root, &config.dev_root)?;
+    let wqs = select_queues(&found, &config.devices).ok_or_else(|| OffloadError::NoMatch {
+        selection: config.devices.to_string(),
+        found: found
+            .iter()
+            .map(WorkQueueInfo::full_name)
+            .collect::<Vec<_>>()
+            .join(", "),
+    })?;
     let mut queues: Vec<Arc<dyn DsaQueue>> = Vec::new();
     let mut errors = Vec::new();
+    let mut shared_opened = false;
     for wq in &wqs {
+        if wq.mode == WqMode::Dedicated && shared_opened && config.devices.is_all() {
+            tracing::info!(
+                "DSA work queue {} (dedicated) left to other processes: a shared queue is in use",
+                wq.full_name()
+            );
+            continue;
+        }
         match HardwareQueue::open(wq, config.force_write, config.submit_attempts) {
             Ok(q) => {
                 tracing::info!(
-                    "DSA work queue {} ({}, size {}, max batch {}): submitting with {}",
+                    "DSA work queue {} ({}, size {}, max batch {}, NUMA node {}): submitting with {}",
                     wq.full_name(),
                     wq.mode.name(),
                     wq.size,
                     wq.max_batch_size,
+                    wq.numa_node
+                        .map_or_else(|| "unknown".to_owned(), |n| n.to_string()),
                     q.method()
                 );
+                shared_opened |= wq.mode == WqMode::Shared;
                 queues.push(Arc::new(q));
             }
             Err(e) => {
                 tracing::warn!("{e}");
-                errors.push(e.to_string());
+                errors.push(e);
             }
         }
     }
     if queues.is_empty() {
-        return Err(OffloadError::NoneOpened(errors.join("; ")));
+        if let [OffloadError::QueueBusy { .. }] = errors[..] {
+            return Err(errors.remove(0));
+        }
+        let text: Vec<String> = errors.iter().map(ToString::to_string).collect();
+        return Err(OffloadError::NoneOpened(text.join("; ")));
     }
     Ok(Arc::new(DsaOffload::new(queues, config.offload)?))
 }
 
+/// The queues of `found` that `selection` names, shared ones first (stable
+/// otherwise); `None` if it names none.
+fn select_queues(found: &[WorkQueueInfo], selection: &DsaSelection) -> Option<Vec<WorkQueueInfo>> {
+    let mut wqs: Vec<WorkQueueInfo> = found
+        .iter()
+        .filter(|w| selection.matches(w))
+        .cloned()
+        .collect();
+    wqs.sort_by_key(|w| w.mode != WqMode::Shared);
+    (!wqs.is_empty()).then_some(wqs)
+}
+
 /// One software DSA device behind the engine, for tests and demos.
-#[cfg(feature = "dsa")]
 pub fn software_dsa(config: SoftwareDsaConfig) -> Arc<dyn ZeroPageOffload> {
     let queue: Arc<dyn DsaQueue> = Arc::new(SoftwareDsa::new(config));
     Arc::new(
@@ -444,14 +495,8 @@ impl ZeroAsNormal {
     /// `ratio` in 0.0..=1.0 (clamped): the share of zero pages to send as
     /// normal pages.
     pub fn new(ratio: f64) -> Self {
-        #[expect(
-            clippy::cast_possible_truncation,
-            clippy::cast_sign_loss,
-            reason = "a whole number in 0..=1000"
-        )]
-        let per_mille = (ratio.clamp(0.0, 1.0) * 1000.0).round() as u64;
         ZeroAsNormal {
-            per_mille,
+            per_mille: (ratio.clamp(0.0, 1.0) * 1000.0).round() as u64,
             seen: AtomicU64::new(0),
         }
     }
@@ -466,7 +511,6 @@ impl ZeroAsNormal {
     }
 }
 
-#[cfg(feature = "dsa")]
 /// Memory of one submission. Everything the device reads or writes lives
 /// here, 64-byte aligned (descriptor lists must be; records need 32).
 #[repr(C, align(64))]
@@ -477,7 +521,6 @@ struct SlotMem {
     batch_recs: [CompletionRecord; MAX_CHUNKS],
 }
 
-#[cfg(feature = "dsa")]
 /// A record whose status says a chunk is finished.
 #[derive(Clone, Copy, Debug)]
 enum Watch {
@@ -487,26 +530,26 @@ enum Watch {
     Batch(u8),
 }
 
-#[cfg(feature = "dsa")]
 /// Book-keeping of one submission, written by the submitter before the slot
 /// is published and read-only afterwards.
 struct SlotMeta {
     pages: [usize; MAX_BATCH_PAGES],
     len: usize,
+    /// Pages `..device_len` went to the device; the rest did not fit in the
+    /// queue and were checked on the CPU at submission, into `cpu_zero`.
+    device_len: usize,
+    /// Bit i set = page i (>= `device_len`) is zero.
+    cpu_zero: u128,
     watch: Vec<Watch>,
     queue: usize,
     reserved: u32,
     submitted_at: Instant,
 }
 
-#[cfg(feature = "dsa")]
 const FREE: u8 = 0;
-#[cfg(feature = "dsa")]
 const IN_FLIGHT: u8 = 1;
-#[cfg(feature = "dsa")]
 const DONE: u8 = 2;
 
-#[cfg(feature = "dsa")]
 struct Slot {
     mem: *mut SlotMem,
     meta: UnsafeCell<SlotMeta>,
@@ -516,7 +559,6 @@ struct Slot {
     waiter: Mutex<Option<Thread>>,
 }
 
-#[cfg(feature = "dsa")]
 impl Slot {
     fn new() -> Self {
         let mem = Box::new(SlotMem {
@@ -530,6 +572,8 @@ impl Slot {
             meta: UnsafeCell::new(SlotMeta {
                 pages: [0; MAX_BATCH_PAGES],
                 len: 0,
+                device_len: 0,
+                cpu_zero: 0,
                 watch: Vec::with_capacity(MAX_BATCH_PAGES),
                 queue: 0,
                 reserved: 0,
@@ -569,23 +613,71 @@ impl Slot {
     }
 }
 
-#[cfg(feature = "dsa")]
 /// A queue with the engine's health book-keeping.
 #[derive(Debug)]
 struct QueueEntry {
     queue: Arc<dyn DsaQueue>,
-    /// Descriptors in flight, bounded by `capacity` for dedicated queues
-    /// (MOVDIR64B gets no "queue full" answer: overfilling drops work).
+    /// Descriptors in flight (submitted, completion not yet seen), at most
+    /// `capacity` on every submission path: a dedicated queue drops what
+    /// does not fit without a word, whether fed by MOVDIR64B or by the
+    /// kernel's write().
     in_flight: AtomicU32,
-    capacity: Option<u32>,
+    capacity: u32,
+    /// Whether `capacity` is enforced; only tests lift it, to show what the
+    /// bound prevents.
+    bounded: bool,
+    numa_node: Option<u32>,
     consecutive_errors: AtomicU32,
     disabled: AtomicBool,
 }
 
-#[cfg(feature = "dsa")]
+impl QueueEntry {
+    /// Reserves up to `wanted` descriptors of room; returns how many (0 when
+    /// the queue is full).
+    fn reserve(&self, wanted: usize) -> usize {
+        let wanted = u32::try_from(wanted).unwrap_or(u32::MAX);
+        if !self.bounded {
+            self.in_flight.fetch_add(wanted, Ordering::AcqRel);
+            return wanted as usize;
+        }
+        let take = |n: u32| self.capacity.saturating_sub(n).min(wanted);
+        match self
+            .in_flight
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| {
+                (take(n) > 0).then(|| n + take(n))
+            }) {
+            Ok(before) => take(before) as usize,
+            Err(_) => 0,
+        }
+    }
+}
+
+/// Room reserved on a queue for (the head of) a batch.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct Reservation {
+    queue: usize,
+    chunks: usize,
+    /// Pages the chunks carry: the whole batch, or the head that fits.
+    pages: usize,
+}
+
+/// Why no queue took a batch.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum NoRoom {
+    /// Every usable queue is full.
+    Full,
+    /// Every queue is disabled (or filtered out).
+    Disabled,
+}
+
 struct Inner {
     owner: u64,
     queues: Vec<QueueEntry>,
+    /// Whether the queues are on different known NUMA nodes, so the
+    /// submitter's node is worth asking.
+    numa_matters: bool,
+    /// UMWAIT allowed and supported.
+    umwait_available: bool,
     next_queue: AtomicUsize,
     slots: Box<[Slot]>,
     free: ArrayQueue<u32>,
@@ -596,7 +688,6 @@ struct Inner {
     poller: OnceLock<Thread>,
 }
 
-#[cfg(feature = "dsa")]
 // SAFETY: the raw pointers and UnsafeCells in the slots are handed between
 // threads by the slot protocol: a slot's memory and meta are written only by
 // the thread that popped it from `free` (exclusive), published with a
@@ -605,11 +696,9 @@ struct Inner {
 // The device touches only descriptors and records, which are accessed
 // through raw pointers and atomic status loads, never references.
 unsafe impl Send for Inner {}
-#[cfg(feature = "dsa")]
 // SAFETY: see Send.
 unsafe impl Sync for Inner {}
 
-#[cfg(feature = "dsa")]
 impl fmt::Debug for Inner {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("Inner")
@@ -619,7 +708,6 @@ impl fmt::Debug for Inner {
     }
 }
 
-#[cfg(feature = "dsa")]
 impl Drop for Inner {
     fn drop(&mut self) {
         for slot in self.slots.iter() {
@@ -637,7 +725,6 @@ impl Drop for Inner {
     }
 }
 
-#[cfg(feature = "dsa")]
 /// The DSA engine: queues, slots and the completion thread.
 #[derive(Debug)]
 pub struct DsaOffload {
@@ -645,7 +732,6 @@ pub struct DsaOffload {
     thread: Option<JoinHandle<()>>,
 }
 
-#[cfg(feature = "dsa")]
 impl DsaOffload {
     /// Starts the engine over `queues` (hardware or software), used
     /// round-robin.
@@ -657,37 +743,46 @@ impl DsaOffload {
         queues: Vec<Arc<dyn DsaQueue>>,
         config: OffloadConfig,
     ) -> Result<Self, OffloadError> {
+        Self::with_bound(queues, config, true)
+    }
+
+    /// [`new`](Self::new), with the per-queue in-flight bound lifted when
+    /// `bounded` is false (tests only: shows the overfill it prevents).
+    fn with_bound(
+        queues: Vec<Arc<dyn DsaQueue>>,
+        config: OffloadConfig,
+        bounded: bool,
+    ) -> Result<Self, OffloadError> {
         if queues.is_empty() {
             return Err(OffloadError::NoneOpened("no queue given".into()));
         }
         let slots = config.slots.clamp(1, u32::MAX as usize);
         let free = ArrayQueue::new(slots);
         for i in 0..slots {
-            let index = u32::try_from(i).expect("slots fit in u32");
-            free.push(index).expect("capacity is slots");
+            free.push(i as u32).expect("capacity is slots");
         }
-        let queues = queues
+        let queues: Vec<QueueEntry> = queues
             .into_iter()
-            .map(|queue| {
-                // Only MOVDIR64B lacks a "queue full" answer.
-                let capacity = match queue.method() {
-                    SubmissionMethod::Movdir64b => queue
-                        .capacity()
-                        .map(|c| u32::try_from(c).unwrap_or(u32::MAX)),
-                    _ => None,
-                };
-                QueueEntry {
-                    queue,
-                    in_flight: AtomicU32::new(0),
-                    capacity,
-                    consecutive_errors: AtomicU32::new(0),
-                    disabled: AtomicBool::new(false),
-                }
+            .map(|queue| QueueEntry {
+                capacity: u32::try_from(queue.capacity().max(1)).unwrap_or(u32::MAX),
+                bounded,
+                numa_node: queue.numa_node(),
+                queue,
+                in_flight: AtomicU32::new(0),
+                consecutive_errors: AtomicU32::new(0),
+                disabled: AtomicBool::new(false),
             })
             .collect();
+        let first_node = queues.first().and_then(|q| q.numa_node);
+        let numa_matters = config.numa == NumaPolicy::PreferLocal
+            && queues
+                .iter()
+                .any(|q| q.numa_node.is_some() && q.numa_node != first_node);
         let inner = Arc::new(Inner {
             owner: NEXT_OWNER.fetch_add(1, Ordering::Relaxed),
             queues,
+            numa_matters,
+            umwait_available: config.umwait && CpuSubmitFeatures::detect().waitpkg,
             next_queue: AtomicUsize::new(0),
             slots: (0..slots).map(|_| Slot::new()).collect(),
             free,
@@ -719,7 +814,6 @@ impl DsaOffload {
     }
 }
 
-#[cfg(feature = "dsa")]
 impl Drop for DsaOffload {
     fn drop(&mut self) {
         self.inner.stop.store(true, Ordering::Release);
@@ -730,32 +824,46 @@ impl Drop for DsaOffload {
     }
 }
 
-#[cfg(feature = "dsa")]
 impl Inner {
-    /// Picks the next enabled queue with room for `len` pages; returns its
-    /// index, chunk count and chunk limit, with the chunks reserved.
-    fn pick_queue(&self, len: usize) -> Option<(usize, usize)> {
+    /// Reserves room for up to `len` pages on the next enabled queue with
+    /// any room, round-robin; with [`NumaPolicy::PreferLocal`] the queues on
+    /// `cpu_node` (or of unknown node) are tried before the others. A queue
+    /// with room for only part of the batch takes its head.
+    fn pick_queue(&self, len: usize, cpu_node: Option<u32>) -> Result<Reservation, NoRoom> {
         let n = self.queues.len();
         let start = self.next_queue.fetch_add(1, Ordering::Relaxed);
-        for k in 0..n {
-            let qi = (start + k) % n;
-            let q = &self.queues[qi];
-            if q.disabled.load(Ordering::Relaxed) {
-                continue;
-            }
-            let max = q.queue.max_batch_size().clamp(1, MAX_BATCH_PAGES);
-            let chunks = if max == 1 { len } else { len.div_ceil(max) };
-            if let Some(cap) = q.capacity {
-                let chunks = u32::try_from(chunks).expect("at most MAX_BATCH_PAGES");
-                let before = q.in_flight.fetch_add(chunks, Ordering::AcqRel);
-                if before + chunks > cap {
-                    q.in_flight.fetch_sub(chunks, Ordering::AcqRel);
+        let tiered = self.config.numa == NumaPolicy::PreferLocal && cpu_node.is_some();
+        let mut saw_enabled = false;
+        for pass in 0..if tiered { 2 } else { 1 } {
+            for k in 0..n {
+                let qi = (start + k) % n;
+                let q = &self.queues[qi];
+                if tiered && is_local(q.numa_node, cpu_node) != (pass == 0) {
                     continue;
                 }
+                if q.disabled.load(Ordering::Relaxed) {
+                    continue;
+                }
+                saw_enabled = true;
+                let max = q.queue.max_batch_size().clamp(1, MAX_BATCH_PAGES);
+                let needed = if max == 1 { len } else { len.div_ceil(max) };
+                let chunks = q.reserve(needed);
+                if chunks == 0 {
+                    continue;
+                }
+                let pages = if chunks == needed { len } else { chunks * max };
+                return Ok(Reservation {
+                    queue: qi,
+                    chunks,
+                    pages,
+                });
             }
-            return Some((qi, chunks));
         }
-        None
+        Err(if saw_enabled {
+            NoRoom::Full
+        } else {
+            NoRoom::Disabled
+        })
     }
 
     fn cpu_ticket(&self, pages: &[*const u8]) -> Ticket {
@@ -768,7 +876,7 @@ impl Inner {
             owner: self.owner,
             kind: TicketKind::Ready {
                 zero,
-                len: u8::try_from(pages.len()).expect("at most MAX_BATCH_PAGES"),
+                len: pages.len() as u8,
             },
         }
     }
@@ -789,9 +897,26 @@ impl Inner {
                 .fetch_add(1, Ordering::Relaxed);
             return Ok(self.cpu_ticket(pages));
         };
-        let Some((qi, chunks)) = self.pick_queue(pages.len()) else {
-            let _ = self.free.push(index);
-            return Ok(self.cpu_ticket(pages));
+        let cpu_node = if self.numa_matters {
+            current_numa_node()
+        } else {
+            None
+        };
+        let Reservation {
+            queue: qi,
+            chunks,
+            pages: device_len,
+        } = match self.pick_queue(pages.len(), cpu_node) {
+            Ok(r) => r,
+            Err(why) => {
+                let _ = self.free.push(index);
+                if why == NoRoom::Full {
+                    self.counters
+                        .pages_queue_full
+                        .fetch_add(pages.len() as u64, Ordering::Relaxed);
+                }
+                return Ok(self.cpu_ticket(pages));
+            }
         };
         let slot = &self.slots[index as usize];
         // SAFETY: popping `index` from `free` made this thread the slot's
@@ -814,21 +939,26 @@ impl Inner {
         };
         for (i, &page) in pages.iter().enumerate() {
             meta.pages[i] = page as usize;
+            if i >= device_len {
+                continue;
+            }
             // SAFETY: i < MAX_BATCH_PAGES; records are zeroed before any
             // submission so "status 0" means "not written yet".
             unsafe {
                 recs.add(i).write(CompletionRecord::default());
                 descs.add(i).write(Descriptor::compval(
                     page as u64,
-                    PAGE_SIZE_U32,
+                    PAGE_SIZE as u32,
                     0,
                     recs.add(i) as u64,
                 ));
             }
         }
         meta.len = len;
+        meta.device_len = device_len;
+        meta.cpu_zero = 0;
         meta.queue = qi;
-        meta.reserved = u32::try_from(chunks).expect("at most MAX_BATCH_PAGES");
+        meta.reserved = chunks as u32;
         meta.watch.clear();
         meta.submitted_at = Instant::now();
         slot.timed_out.store(false, Ordering::Relaxed);
@@ -836,12 +966,12 @@ impl Inner {
         let mut start = 0;
         let mut submitted = 0u64;
         for c in 0..chunks {
-            let size = len / chunks + usize::from(c < len % chunks);
+            let size = device_len / chunks + usize::from(c < device_len % chunks);
             let (desc, watch) = if size == 1 {
                 // SAFETY: start < len, initialised above.
                 (
                     unsafe { descs.add(start).read() },
-                    Watch::Single(u8::try_from(start).expect("below MAX_BATCH_PAGES")),
+                    Watch::Single(start as u8),
                 )
             } else {
                 // SAFETY: c < chunks <= MAX_CHUNKS (size >= 2 for every
@@ -851,11 +981,11 @@ impl Inner {
                     batch_recs.add(c).write(CompletionRecord::default());
                     let b = Descriptor::batch(
                         descs.add(start) as u64,
-                        u32::try_from(size).expect("at most MAX_BATCH_PAGES"),
+                        size as u32,
                         batch_recs.add(c) as u64,
                     );
                     batch_descs.add(c).write(b);
-                    (b, Watch::Batch(u8::try_from(c).expect("below MAX_CHUNKS")))
+                    (b, Watch::Batch(c as u8))
                 }
             };
             // SAFETY: the descriptor points at slot memory and at the
@@ -884,6 +1014,18 @@ impl Inner {
             .fetch_add(submitted, Ordering::Relaxed);
         if submitted > 0 {
             self.counters.batches.fetch_add(1, Ordering::Relaxed);
+        }
+        if device_len < len {
+            // The queue had room for the head only: the tail is checked here,
+            // while the device works on the head.
+            // SAFETY: the caller of submit guaranteed the pages are readable.
+            let tail = unsafe { check_on_cpu(&self.config.checker, &pages[device_len..]) };
+            meta.cpu_zero = tail << device_len;
+            let n = (len - device_len) as u64;
+            self.counters.pages_fallback.fetch_add(n, Ordering::Relaxed);
+            self.counters
+                .pages_queue_full
+                .fetch_add(n, Ordering::Relaxed);
         }
         let generation = slot.generation.load(Ordering::Relaxed);
         slot.state.store(IN_FLIGHT, Ordering::Release);
@@ -962,6 +1104,11 @@ impl Inner {
         let (mut device, mut fallback, mut faults) = (0u64, 0u64, 0u64);
         let mut error: Option<u8> = None;
         for i in 0..meta.len {
+            if i >= meta.device_len {
+                // Checked on the CPU at submission (and counted there).
+                out.push(meta.cpu_zero & (1 << i) != 0);
+                continue;
+            }
             let page = meta.pages[i] as *const u8;
             let rec = if timed_out {
                 // The device may still write these records: do not read them.
@@ -1021,7 +1168,10 @@ impl Inner {
             let n = q.consecutive_errors.fetch_add(1, Ordering::Relaxed) + 1;
             let what = match error {
                 Some(code) => format!("status {code:#04x}"),
-                None => format!("no completion within {:?}", self.config.completion_timeout),
+                None => format!(
+                    "no completion within {:?} (queue and slot retired)",
+                    self.config.completion_timeout
+                ),
             };
             tracing::warn!(
                 "DSA queue {}: {what}; {fallback} of {} pages checked on the CPU",
@@ -1052,25 +1202,41 @@ impl Inner {
         // SAFETY: `slot` is an element of `self.slots` (callers only pass
         // slots obtained from it), so both pointers are in one allocation.
         let off = unsafe { (slot as *const Slot).offset_from(self.slots.as_ptr()) };
-        u32::try_from(off).expect("a slot index, below the u32 slot count")
+        off as u32
     }
 
-    /// Whether every watched record of the slot has been written.
-    fn slot_complete(&self, slot: &Slot) -> bool {
+    /// The first watched record of the slot not written yet, `None` when
+    /// the slot is complete.
+    fn first_pending(&self, slot: &Slot) -> Option<*const CompletionRecord> {
         // SAFETY: the slot is IN_FLIGHT and was received through `pending`
         // (which synchronises with the submitter's push): meta is read-only.
         let meta = unsafe { &*slot.meta.get() };
-        meta.watch.iter().all(|&w| {
+        meta.watch.iter().map(|&w| slot.watch_rec(w)).find(|&rec| {
             // SAFETY: a record of the slot's live memory.
-            unsafe { CompletionRecord::load_status(slot.watch_rec(w)) != 0 }
+            unsafe { CompletionRecord::load_status(rec) == 0 }
         })
     }
 
     fn mark_done(&self, slot: &Slot, timed_out: bool) {
-        // SAFETY: as in slot_complete.
+        // SAFETY: as in first_pending.
         let meta = unsafe { &*slot.meta.get() };
         let q = &self.queues[meta.queue];
-        if q.capacity.is_some() {
+        if timed_out {
+            // The device may still hold these descriptors (or have dropped
+            // them: nobody can tell), so the queue's occupancy is unknown:
+            // keep the reservation and hand the queue nothing more.
+            self.counters.slots_retired.fetch_add(1, Ordering::Relaxed);
+            if !q.disabled.swap(true, Ordering::Relaxed) {
+                self.counters
+                    .queues_disabled
+                    .fetch_add(1, Ordering::Relaxed);
+                tracing::warn!(
+                    "DSA queue {} retired: a submission got no completion within {:?}",
+                    q.queue.name(),
+                    self.config.completion_timeout
+                );
+            }
+        } else {
             q.in_flight.fetch_sub(meta.reserved, Ordering::AcqRel);
         }
         slot.timed_out.store(timed_out, Ordering::Release);
@@ -1081,26 +1247,71 @@ impl Inner {
     }
 }
 
-#[cfg(feature = "dsa")]
+/// CPU time of the calling thread.
+fn thread_cpu_time() -> Duration {
+    let mut ts = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: valid out-pointer; CLOCK_THREAD_CPUTIME_ID exists on Linux.
+    let rc = unsafe { libc::clock_gettime(libc::CLOCK_THREAD_CPUTIME_ID, &mut ts) };
+    if rc != 0 {
+        return Duration::ZERO;
+    }
+    Duration::new(ts.tv_sec as u64, ts.tv_nsec as u32)
+}
+
+/// Idle polling rounds spent spinning before the completion thread waits
+/// more politely (UMWAIT or yield).
+const SPIN_ROUNDS: u32 = 64;
+
+/// TSC cycles one UMWAIT may last (about 30-50 µs; the kernel's default
+/// limit, `umwait_control/max_time`, is 100 000 as well).
+const UMWAIT_CYCLES: u32 = 100_000;
+
+/// What the completion thread does after a round in which nothing completed.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum IdleStep {
+    /// `spin_loop` and poll again: completions are usually microseconds away.
+    Spin,
+    /// UMONITOR the oldest pending record, UMWAIT until it is written (or a
+    /// short deadline): the core idles in C0.2 instead of burning cycles.
+    Umwait,
+    /// No WAITPKG: give the core away (to the device's software thread, or
+    /// anyone) and poll again.
+    Yield,
+}
+
+/// The idle step after `idle_rounds` rounds without progress.
+fn idle_step(idle_rounds: u32, umwait_available: bool) -> IdleStep {
+    if idle_rounds < SPIN_ROUNDS {
+        IdleStep::Spin
+    } else if umwait_available {
+        IdleStep::Umwait
+    } else {
+        IdleStep::Yield
+    }
+}
+
 /// Polls outstanding slots until stopped (and drained, within a bound).
 fn completion_thread(inner: &Inner) {
     let mut active: Vec<u32> = Vec::with_capacity(inner.slots.len());
-    let mut idle_polls = 0u32;
+    let mut idle_rounds = 0u32;
     let mut stop_deadline: Option<Instant> = None;
     let publish_cpu = || {
         inner
             .counters
             .completion_cpu_ns
-            .store(thread_cpu_ns(), Ordering::Relaxed);
+            .store(thread_cpu_time().as_nanos() as u64, Ordering::Relaxed);
     };
+    let timeout = inner.config.completion_timeout;
     loop {
         while let Some(i) = inner.pending.pop() {
             active.push(i);
         }
         if inner.stop.load(Ordering::Acquire) {
-            let deadline = *stop_deadline.get_or_insert_with(|| {
-                Instant::now() + inner.config.completion_timeout.min(Duration::from_secs(2))
-            });
+            let deadline = *stop_deadline
+                .get_or_insert_with(|| Instant::now() + timeout.min(Duration::from_secs(2)));
             if active.is_empty() || Instant::now() > deadline {
                 break;
             }
@@ -1113,41 +1324,93 @@ fn completion_thread(inner: &Inner) {
             continue;
         }
         let before = active.len();
-        let check_timeouts = idle_polls % 1024 == 1023;
+        // One clock read per round: every outstanding submission is judged
+        // by its own age, however many others complete meanwhile.
+        let now = Instant::now();
+        let mut oldest_pending: Option<*const CompletionRecord> = None;
         active.retain(|&i| {
             let slot = &inner.slots[i as usize];
-            if inner.slot_complete(slot) {
+            let Some(rec) = inner.first_pending(slot) else {
                 inner.mark_done(slot, false);
                 return false;
+            };
+            // SAFETY: as in first_pending.
+            let meta = unsafe { &*slot.meta.get() };
+            if now.saturating_duration_since(meta.submitted_at) > timeout {
+                inner.mark_done(slot, true);
+                return false;
             }
-            if check_timeouts {
-                // SAFETY: as in slot_complete.
-                let meta = unsafe { &*slot.meta.get() };
-                if meta.submitted_at.elapsed() > inner.config.completion_timeout {
-                    inner.mark_done(slot, true);
-                    return false;
-                }
-            }
+            oldest_pending.get_or_insert(rec);
             true
         });
         if active.len() < before {
-            idle_polls = 0;
+            idle_rounds = 0;
             publish_cpu();
-        } else {
-            idle_polls = idle_polls.wrapping_add(1);
-            if idle_polls < 64 {
-                std::hint::spin_loop();
-            } else {
-                // Nothing moved for a while: let the device (or, with the
-                // software device, its thread) have the core.
-                std::thread::yield_now();
+            continue;
+        }
+        idle_rounds = idle_rounds.saturating_add(1);
+        match (
+            idle_step(idle_rounds, inner.umwait_available),
+            oldest_pending,
+        ) {
+            (IdleStep::Umwait, Some(rec)) => {
+                inner.counters.umwaits.fetch_add(1, Ordering::Relaxed);
+                // SAFETY: umwait_available implies the CPU has WAITPKG
+                // (CPUID); `rec` is a record of a live slot (slot memory is
+                // freed only when the engine is dropped, after this thread).
+                unsafe { waitpkg::wait_for_write(rec.cast(), UMWAIT_CYCLES) };
             }
+            (IdleStep::Spin, _) => std::hint::spin_loop(),
+            // Nothing moved for a while: let the device (or, with the
+            // software device, its thread) have the core.
+            _ => std::thread::yield_now(),
         }
     }
     publish_cpu();
 }
 
-#[cfg(feature = "dsa")]
+#[cfg(target_arch = "x86_64")]
+mod waitpkg {
+    /// Arms UMONITOR on `addr`'s cache line and, unless the byte at `addr`
+    /// is already non-zero, UMWAITs (C0.2) until the line is written, an
+    /// interrupt arrives, or `cycles` TSC cycles pass.
+    ///
+    /// # Safety
+    ///
+    /// The CPU must have WAITPKG and `addr` must be readable.
+    pub(super) unsafe fn wait_for_write(addr: *const u8, cycles: u32) {
+        // SAFETY: caller guarantees WAITPKG and a readable address. The
+        // status is re-read after arming the monitor so a write between the
+        // caller's poll and UMONITOR is not slept through. UMWAIT takes the
+        // TSC deadline in EDX:EAX and the C-state hint in its operand (0 =
+        // C0.2); it only sets flags.
+        unsafe {
+            core::arch::asm!(
+                "umonitor {addr}",
+                "cmp byte ptr [{addr}], 0",
+                "jne 2f",
+                "rdtsc",
+                "add eax, {cycles:e}",
+                "adc edx, 0",
+                "umwait {hint:e}",
+                "2:",
+                addr = in(reg) addr,
+                cycles = in(reg) cycles,
+                hint = in(reg) 0u32,
+                out("eax") _,
+                out("edx") _,
+                options(nostack),
+            );
+        }
+    }
+}
+
+#[cfg(not(target_arch = "x86_64"))]
+mod waitpkg {
+    /// Never called: WAITPKG is only detected on x86_64.
+    pub(super) unsafe fn wait_for_write(_: *const u8, _: u32) {}
+}
+
 impl ZeroPageOffload for DsaOffload {
     unsafe fn submit(&self, pages: &[*const u8]) -> Result<Ticket, OffloadError> {
         // SAFETY: forwarded from the caller.
@@ -1176,10 +1439,12 @@ impl ZeroPageOffload for DsaOffload {
     }
 }
 
-#[cfg(all(test, feature = "dsa"))]
+#[cfg(test)]
 mod tests {
     use super::*;
     use crate::dsa::desc::STATUS_TRANSLATION_FAIL;
+    use crate::dsa::queue::SubmissionMethod;
+    use crate::dsa::soft::StallGate;
 
     /// Page-aligned test pages; page i is non-zero when `nonzero(i)`, at a
     /// byte that varies with i so every position class is covered.
@@ -1544,13 +1809,352 @@ mod tests {
             "{err}"
         );
         let only = DsaConfig {
-            only: Some(vec!["dsa1/wq1.0".into()]),
+            devices: "dsa1/wq1.0".parse().unwrap(),
             ..cfg
         };
-        assert!(matches!(
-            open_dsa(&only),
-            Err(OffloadError::NoWorkQueue { .. })
-        ));
+        let err = open_dsa(&only).unwrap_err();
+        assert!(matches!(err, OffloadError::NoMatch { .. }), "{err:?}");
+        let msg = err.to_string();
+        assert!(
+            msg.contains("dsa1/wq1.0") && msg.contains("found: dsa0/wq0.0"),
+            "{msg}"
+        );
+    }
+
+    #[test]
+    fn shared_queues_are_preferred_and_the_selection_is_honoured() {
+        let t = tempfile::tempdir().unwrap();
+        let cfg = DsaConfig {
+            sysfs_root: t.path().join("sys/bus/dsa"),
+            dev_root: t.path().join("dev/dsa"),
+            ..Default::default()
+        };
+        let fake = crate::dsa::sysfs::tests::fake_wq;
+        fake(
+            &cfg.sysfs_root,
+            true,
+            0,
+            0,
+            "enabled",
+            "user",
+            "dedicated",
+            32,
+        );
+        fake(&cfg.sysfs_root, true, 0, 1, "enabled", "user", "shared", 32);
+        fake(
+            &cfg.sysfs_root,
+            true,
+            2,
+            1,
+            "enabled",
+            "user",
+            "dedicated",
+            32,
+        );
+        // Regular files stand in for the device nodes: they open, and with
+        // no portal instruction used (nothing is submitted) that is enough.
+        std::fs::create_dir_all(&cfg.dev_root).unwrap();
+        for q in ["wq0.0", "wq0.1", "wq2.1"] {
+            std::fs::write(cfg.dev_root.join(q), b"").unwrap();
+        }
+        let found = discover_work_queues(&cfg.sysfs_root, &cfg.dev_root).unwrap();
+        let order: Vec<String> = select_queues(&found, &DsaSelection::all())
+            .unwrap()
+            .iter()
+            .map(WorkQueueInfo::full_name)
+            .collect();
+        assert_eq!(order, ["dsa0/wq0.1", "dsa0/wq0.0", "dsa2/wq2.1"]);
+        // Whole host: the shared queue only, dedicated ones left to others.
+        let off = open_dsa(&cfg).unwrap();
+        let d = off.describe();
+        assert!(
+            d.contains("dsa0/wq0.1") && !d.contains("wq0.0") && !d.contains("wq2.1"),
+            "{d}"
+        );
+        // A list: exactly what it names, dedicated or not.
+        let listed = DsaConfig {
+            devices: "dsa2,dsa0/wq0.0".parse().unwrap(),
+            ..cfg.clone()
+        };
+        let d = open_dsa(&listed).unwrap().describe();
+        assert!(
+            d.contains("dsa0/wq0.0") && d.contains("dsa2/wq2.1") && !d.contains("wq0.1"),
+            "{d}"
+        );
+    }
+
+    /// A software device whose first COMPVAL holds it until the gate opens.
+    fn stalled_device(
+        depth: usize,
+        max_batch: usize,
+        mode: WqMode,
+    ) -> (Arc<SoftwareDsa>, Arc<StallGate>) {
+        let gate = Arc::new(StallGate::default());
+        let dev = Arc::new(SoftwareDsa::new(SoftwareDsaConfig {
+            mode,
+            method: if mode == WqMode::Dedicated {
+                SubmissionMethod::Movdir64b
+            } else {
+                SubmissionMethod::Enqcmd
+            },
+            queue_depth: depth,
+            max_batch_size: max_batch,
+            stall_if: Some(Arc::new(|n, _| n == 1)),
+            stall_gate: gate.clone(),
+            ..Default::default()
+        }));
+        (dev, gate)
+    }
+
+    #[test]
+    fn a_dedicated_queue_is_never_overfilled_and_would_drop_without_the_bound() {
+        for bounded in [true, false] {
+            // The device holds its first descriptor until the gate opens, so
+            // the queue stays as full as the submissions make it.
+            let (dev, gate) = stalled_device(4, 2, WqMode::Dedicated);
+            let off = DsaOffload::with_bound(
+                vec![dev.clone() as Arc<dyn DsaQueue>],
+                OffloadConfig {
+                    // Bounded: nothing may time out, even on a loaded
+                    // machine. Unbounded: the dropped descriptors must.
+                    completion_timeout: Duration::from_millis(if bounded { 60_000 } else { 200 }),
+                    ..Default::default()
+                },
+                bounded,
+            )
+            .unwrap();
+            let pages = Pages::new(16, |i| i % 3 == 0);
+            // 16 pages at max batch 2 = 8 BATCH descriptors: twice the queue.
+            // SAFETY: pages outlive the wait.
+            let t = unsafe { off.submit(&pages.ptrs()) }.unwrap();
+            if bounded {
+                assert_eq!(dev.dropped(), 0, "bounded: nothing dropped");
+            } else {
+                assert_eq!(dev.dropped(), 4, "unbounded: the overfill is dropped");
+            }
+            gate.open();
+            let mut out = Vec::new();
+            off.wait(t, &mut out).unwrap();
+            assert_eq!(out, pages.expected(), "bounded {bounded}");
+            let s = off.stats();
+            if bounded {
+                assert_eq!(s.pages_device, 8, "{s:?}");
+                assert_eq!(s.pages_queue_full, 8, "{s:?}");
+                assert_eq!(s.pages_fallback, 8, "{s:?}");
+                assert_eq!(s.device_errors, 0, "{s:?}");
+                assert!(dev.peak_occupancy() <= 4);
+            } else {
+                assert_eq!(s.device_errors, 1, "{s:?}");
+                assert_eq!(s.slots_retired, 1, "{s:?}");
+            }
+        }
+    }
+
+    #[test]
+    fn a_full_shared_queue_refuses_instead_of_dropping() {
+        let (dev, gate) = stalled_device(4, 2, WqMode::Shared);
+        let off = DsaOffload::with_bound(
+            vec![dev.clone() as Arc<dyn DsaQueue>],
+            OffloadConfig {
+                completion_timeout: Duration::from_secs(60),
+                ..Default::default()
+            },
+            false,
+        )
+        .unwrap();
+        let pages = Pages::new(16, |i| i % 4 == 1);
+        // SAFETY: pages outlive the wait.
+        let t = unsafe { off.submit(&pages.ptrs()) }.unwrap();
+        gate.open();
+        let mut out = Vec::new();
+        off.wait(t, &mut out).unwrap();
+        assert_eq!(out, pages.expected());
+        assert_eq!(dev.dropped(), 0);
+        let s = off.stats();
+        assert_eq!(s.submit_failures, 4, "{s:?}");
+        assert_eq!(s.device_errors, 0, "{s:?}");
+    }
+
+    #[test]
+    fn write_path_on_a_small_dedicated_queue_checks_the_rest_on_the_cpu() {
+        let dev = Arc::new(SoftwareDsa::new(SoftwareDsaConfig {
+            mode: WqMode::Dedicated,
+            method: SubmissionMethod::Write,
+            queue_depth: 32,
+            ..Default::default()
+        }));
+        let off = DsaOffload::new(
+            vec![dev.clone() as Arc<dyn DsaQueue>],
+            OffloadConfig::default(),
+        )
+        .unwrap();
+        for _ in 0..3 {
+            check(&off, &Pages::new(128, |i| i % 9 == 4));
+        }
+        let s = off.stats();
+        assert_eq!(dev.dropped(), 0);
+        assert_eq!(s.pages_device, 3 * 32, "{s:?}");
+        assert_eq!(s.pages_queue_full, 3 * 96, "{s:?}");
+        assert_eq!(s.descriptors_submitted, 3 * 32);
+    }
+
+    #[test]
+    fn a_lost_descriptor_times_out_on_the_clock_while_others_complete() {
+        let lossy = Arc::new(SoftwareDsa::new(SoftwareDsaConfig {
+            name: "lossy".into(),
+            lose_if: Some(Arc::new(|k, _| k == 1)),
+            ..Default::default()
+        }));
+        let healthy = soft(SoftwareDsaConfig {
+            name: "healthy".into(),
+            ..Default::default()
+        });
+        let off = DsaOffload::new(
+            vec![lossy.clone() as Arc<dyn DsaQueue>, healthy],
+            OffloadConfig {
+                completion_timeout: Duration::from_secs(1),
+                ..Default::default()
+            },
+        )
+        .unwrap();
+        let pages = Pages::new(8, |i| i == 5);
+        // Round-robin starts at the lossy queue.
+        // SAFETY: pages outlive the waits.
+        let lost = unsafe { off.submit(&pages.ptrs()) }.unwrap();
+        assert_eq!(lossy.lost(), 1);
+        // Completions keep flowing on both queues meanwhile: the lost one
+        // must still give up on its own clock, not when polling goes idle.
+        let deadline = Instant::now() + Duration::from_secs(60);
+        while !off.is_done(&lost) {
+            assert!(
+                Instant::now() < deadline,
+                "the lost submission never timed out"
+            );
+            check(&off, &pages);
+        }
+        let mut out = Vec::new();
+        off.wait(lost, &mut out).unwrap();
+        assert_eq!(out, pages.expected());
+        // At least the lost one; on a machine loaded enough to delay a
+        // healthy batch past the timeout too, that one is retired as well.
+        let s = off.stats();
+        assert!(s.device_errors >= 1, "{s:?}");
+        assert!(s.slots_retired >= 1, "{s:?}");
+        assert!(s.queues_disabled >= 1, "the lossy queue is retired: {s:?}");
+        let before = lossy.compval_executed();
+        check(&off, &pages);
+        check(&off, &pages);
+        assert_eq!(lossy.compval_executed(), before, "nothing more to it");
+    }
+
+    #[test]
+    fn a_stalled_submission_is_retired_and_its_late_completion_is_harmless() {
+        let (dev, gate) = stalled_device(128, 32, WqMode::Shared);
+        let off = DsaOffload::new(
+            vec![dev.clone() as Arc<dyn DsaQueue>],
+            OffloadConfig {
+                slots: 2,
+                completion_timeout: Duration::from_millis(100),
+                ..Default::default()
+            },
+        )
+        .unwrap();
+        let pages = Pages::new(64, |i| i % 2 == 0);
+        // SAFETY: pages outlive the wait.
+        let stalled = unsafe { off.submit(&pages.ptrs()) }.unwrap();
+        let mut out = Vec::new();
+        // Returns once the timeout has passed, answered on the CPU.
+        off.wait(stalled, &mut out).unwrap();
+        assert_eq!(out, pages.expected());
+        let s = off.stats();
+        assert_eq!((s.slots_retired, s.queues_disabled), (1, 1), "{s:?}");
+        assert_eq!(off.inner.free.len(), 1, "the retired slot is not free");
+        // The device wakes up and writes its records late, into the retired
+        // slot; a NOOP behind them (FIFO) says when it is done.
+        gate.open();
+        let rec = Box::new(CompletionRecord::default());
+        let noop = Descriptor::noop(&*rec as *const CompletionRecord as u64);
+        // SAFETY: the record outlives the poll below.
+        unsafe { dev.submit(&noop) }.unwrap();
+        let deadline = Instant::now() + Duration::from_secs(60);
+        // SAFETY: a live record.
+        while unsafe { CompletionRecord::load_status(&*rec) } == 0 {
+            assert!(Instant::now() < deadline, "the device never finished");
+            std::thread::yield_now();
+        }
+        assert_eq!(dev.compval_executed(), 64, "the stalled batch ran late");
+        for _ in 0..4 {
+            check(&off, &pages);
+        }
+        assert_eq!(off.inner.free.len(), 1, "still never reused");
+    }
+
+    #[test]
+    fn numa_local_queues_first_then_all() {
+        let on_node = |name: &str, node| {
+            soft(SoftwareDsaConfig {
+                name: name.into(),
+                numa_node: Some(node),
+                queue_depth: 4,
+                ..Default::default()
+            })
+        };
+        let off = DsaOffload::new(
+            vec![on_node("n0", 0), on_node("n1", 1)],
+            OffloadConfig::default(),
+        )
+        .unwrap();
+        let inner = &off.inner;
+        assert!(inner.numa_matters);
+        // 32 pages = one chunk; node 1's queue takes four, then is full.
+        for _ in 0..4 {
+            assert_eq!(inner.pick_queue(32, Some(1)).unwrap().queue, 1);
+        }
+        assert_eq!(inner.pick_queue(32, Some(1)).unwrap().queue, 0, "fall back");
+        assert_eq!(inner.pick_queue(32, Some(0)).unwrap().queue, 0);
+        // Partial room: two chunks left on node 0, a four-chunk batch gets
+        // its head there.
+        let r = inner.pick_queue(128, Some(0)).unwrap();
+        assert_eq!((r.queue, r.chunks, r.pages), (0, 2, 64));
+        assert_eq!(inner.pick_queue(1, Some(0)), Err(NoRoom::Full));
+        // Unknown node, or the Any policy: round-robin over both.
+        let any = DsaOffload::new(
+            vec![on_node("a0", 0), on_node("a1", 1)],
+            OffloadConfig {
+                numa: NumaPolicy::Any,
+                ..Default::default()
+            },
+        )
+        .unwrap();
+        assert!(!any.inner.numa_matters);
+        let picked: Vec<usize> = (0..4)
+            .map(|_| any.inner.pick_queue(32, Some(1)).unwrap().queue)
+            .collect();
+        assert_eq!(picked, [0, 1, 0, 1]);
+    }
+
+    #[test]
+    fn completion_thread_waits_with_umwait_only_where_waitpkg_exists() {
+        use IdleStep::*;
+        assert_eq!(idle_step(0, true), Spin);
+        assert_eq!(idle_step(SPIN_ROUNDS - 1, true), Spin);
+        assert_eq!(idle_step(SPIN_ROUNDS, true), Umwait);
+        assert_eq!(idle_step(SPIN_ROUNDS, false), Yield);
+        assert_eq!(idle_step(u32::MAX, false), Yield);
+        let waitpkg = CpuSubmitFeatures::detect().waitpkg;
+        let on = DsaOffload::new(vec![soft(Default::default())], OffloadConfig::default()).unwrap();
+        assert_eq!(on.inner.umwait_available, waitpkg);
+        let off = DsaOffload::new(
+            vec![soft(Default::default())],
+            OffloadConfig {
+                umwait: false,
+                ..Default::default()
+            },
+        )
+        .unwrap();
+        assert!(!off.inner.umwait_available);
+        check(&off, &Pages::new(64, |i| i == 3));
+        assert_eq!(off.stats().umwaits, 0);
     }
 
     #[test]

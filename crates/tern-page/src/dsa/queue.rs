@@ -6,7 +6,8 @@
 //! * **MOVDIR64B** to the mmap-ed portal of a *dedicated* queue: a posted
 //!   64-byte store; the queue's configured PASID is used. Software must not
 //!   have more descriptors outstanding than the queue holds, or they are
-//!   dropped silently; the offload engine's slot count bounds that.
+//!   dropped silently; the offload engine bounds its in-flight descriptors
+//!   per queue to [`DsaQueue::capacity`] on every path.
 //! * **ENQCMD** to the portal of a *shared* queue: a non-posted store that
 //!   reports (ZF) whether the queue accepted; on refusal we retry a bounded
 //!   number of times and then report [`SubmitError::QueueFull`].
@@ -15,6 +16,11 @@
 //!   fail with EPERM without CAP_SYS_RAWIO). The kernel validates and submits
 //!   each descriptor itself and refuses BATCH descriptors, so on this path
 //!   [`DsaQueue::max_batch_size`] is 1 and every page is its own descriptor.
+//!   On a dedicated queue the kernel submits with MOVDIR64B without checking
+//!   fullness, so the same bound applies.
+//!
+//! A dedicated queue takes one opener: a second process gets EBUSY, reported
+//! as [`OffloadError::QueueBusy`] naming the queue. Shared queues take many.
 
 use std::fmt;
 use std::fs::OpenOptions;
@@ -106,10 +112,16 @@ pub trait DsaQueue: Send + Sync + fmt::Debug {
     /// Submission attempts that were refused and retried so far.
     fn retries(&self) -> u64;
 
-    /// Descriptors the queue holds, when submitting more would lose work
-    /// silently (dedicated queues fed with MOVDIR64B); `None` when the queue
-    /// reports "full" itself.
-    fn capacity(&self) -> Option<usize> {
+    /// Descriptors the queue holds (its sysfs `size`). The engine never has
+    /// more than this in flight on the queue, whatever the submission path:
+    /// a dedicated queue silently drops a descriptor past its size (MOVDIR64B
+    /// is a posted write, and the kernel's write() on a dedicated queue uses
+    /// it too without checking), and on a shared queue the bound keeps one
+    /// process from filling what others share.
+    fn capacity(&self) -> usize;
+
+    /// NUMA node of the device, when known.
+    fn numa_node(&self) -> Option<u32> {
         None
     }
 }
@@ -194,6 +206,22 @@ impl Drop for Portal {
     }
 }
 
+/// The error for a failed open of `info`'s device node: EBUSY is a
+/// dedicated queue someone else holds (the driver allows one opener), named
+/// so the user knows which queue and what to do.
+fn open_error(info: &WorkQueueInfo, source: std::io::Error) -> OffloadError {
+    if source.raw_os_error() == Some(libc::EBUSY) {
+        OffloadError::QueueBusy {
+            queue: info.full_name(),
+        }
+    } else {
+        OffloadError::Open {
+            path: info.dev_path.clone(),
+            source,
+        }
+    }
+}
+
 /// A real work queue opened from `/dev/dsa`.
 #[derive(Debug)]
 pub struct HardwareQueue {
@@ -226,10 +254,7 @@ impl HardwareQueue {
             .read(true)
             .write(true)
             .open(&info.dev_path)
-            .map_err(|source| OffloadError::Open {
-                path: info.dev_path.clone(),
-                source,
-            })?;
+            .map_err(|source| open_error(info, source))?;
         let fd: OwnedFd = file.into();
         let portal = if force_write {
             None
@@ -352,8 +377,12 @@ impl DsaQueue for HardwareQueue {
         self.retries.load(Ordering::Relaxed)
     }
 
-    fn capacity(&self) -> Option<usize> {
-        (self.info.mode == WqMode::Dedicated).then_some(self.info.size as usize)
+    fn capacity(&self) -> usize {
+        self.info.size as usize
+    }
+
+    fn numa_node(&self) -> Option<u32> {
+        self.info.numa_node
     }
 }
 
@@ -453,6 +482,7 @@ mod tests {
     #[test]
     fn opening_a_missing_node_is_an_error() {
         let info = WorkQueueInfo {
+            kind: crate::dsa::sysfs::AccelKind::Dsa,
             device: "dsa9".into(),
             queue: "wq9.0".into(),
             label: String::new(),
@@ -464,5 +494,13 @@ mod tests {
         };
         let err = HardwareQueue::open(&info, false, 8).unwrap_err();
         assert!(err.to_string().contains("/nonexistent/dsa/wq9.0"), "{err}");
+        // A dedicated queue another process holds: EBUSY, named.
+        let busy = open_error(&info, std::io::Error::from_raw_os_error(libc::EBUSY));
+        assert!(matches!(busy, OffloadError::QueueBusy { .. }), "{busy:?}");
+        let msg = busy.to_string();
+        assert!(
+            msg.contains("dsa9/wq9.0") && msg.contains("shared"),
+            "{msg}"
+        );
     }
 }

@@ -4,20 +4,25 @@
 //! CPU fallback) runs in tests on machines without DSA.
 //!
 //! Behaviour follows the DSA specification for the operations the engine
-//! uses (NOOP, BATCH, COMPVAL), and it can misbehave on request: page faults,
-//! delays, error statuses and refused submissions are injectable through
-//! [`SoftwareDsaConfig`].
+//! uses (NOOP, BATCH, COMPVAL), and so does the queue: it holds
+//! [`queue_depth`](SoftwareDsaConfig::queue_depth) descriptors (from
+//! submission until executed); a *shared* queue refuses one more (ENQCMD's
+//! retry answer) and a *dedicated* one silently drops it, as MOVDIR64B to a
+//! full dedicated queue does. It can misbehave on request: page faults,
+//! delays, stalls until released, lost descriptors, error statuses and
+//! refused submissions are injectable through [`SoftwareDsaConfig`].
 
 use std::fmt;
 use std::ptr::{addr_of_mut, read_unaligned};
-use std::sync::atomic::{AtomicU8, AtomicU64, Ordering};
-use std::sync::mpsc::{Receiver, SyncSender, TrySendError, sync_channel};
-use std::sync::{Arc, Mutex};
+use std::sync::atomic::{AtomicU8, AtomicU64, AtomicUsize, Ordering};
+use std::sync::mpsc::{Receiver, Sender, channel};
+use std::sync::{Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
 use std::time::Duration;
 
 use super::desc::*;
 use super::queue::{DsaQueue, SubmissionMethod, SubmitError};
+use super::sysfs::WqMode;
 
 /// Chooses descriptors for an injected fault or error: called with the
 /// 1-based index of the COMPVAL descriptor among all the device executed,
@@ -32,8 +37,14 @@ pub struct SoftwareDsaConfig {
     /// Largest BATCH accepted (the sysfs `max_batch_size`); batches outside
     /// 2..=this complete with DESC_CNT_ERANGE.
     pub max_batch_size: usize,
-    /// Descriptors the queue holds before submissions are refused.
+    /// Descriptors the queue holds (the sysfs `size`): one is held from
+    /// submission until the device has executed it.
     pub queue_depth: usize,
+    /// Shared: a submission to a full queue is refused (retried up to
+    /// [`submit_attempts`](Self::submit_attempts), then
+    /// [`SubmitError::QueueFull`]). Dedicated: it is accepted and silently
+    /// dropped, never executed, no record written, as the hardware does.
+    pub mode: WqMode,
     /// Submission method to emulate: [`SubmissionMethod::Write`] refuses
     /// BATCH descriptors and reports a max batch size of 1, like the kernel's
     /// write() path. Any other value accepts batches.
@@ -56,6 +67,43 @@ pub struct SoftwareDsaConfig {
     /// Every n-th call to `submit` (1-based) is refused as if the queue had
     /// stayed full.
     pub refuse_every: Option<u64>,
+    /// Descriptors for which this returns true (called with the 1-based
+    /// number of the descriptor among those the queue accepted, a BATCH
+    /// counting as one, and its `src_addr`) are accepted and lost: never
+    /// executed, no record, as a wedged or reset device would.
+    pub lose_if: Option<InjectPredicate>,
+    /// COMPVAL descriptors for which this returns true hold the device
+    /// (every later descriptor waits too) until
+    /// [`stall_gate`](Self::stall_gate) is opened; they then complete
+    /// normally, late.
+    pub stall_if: Option<InjectPredicate>,
+    /// The gate stalled descriptors wait for; opened when the device is
+    /// dropped.
+    pub stall_gate: Arc<StallGate>,
+    /// NUMA node the device reports.
+    pub numa_node: Option<u32>,
+}
+
+/// A gate the software device's stalled descriptors wait on.
+#[derive(Debug, Default)]
+pub struct StallGate {
+    open: Mutex<bool>,
+    opened: Condvar,
+}
+
+impl StallGate {
+    /// Lets stalled descriptors (now and later) run.
+    pub fn open(&self) {
+        *self.open.lock().unwrap_or_else(|e| e.into_inner()) = true;
+        self.opened.notify_all();
+    }
+
+    fn wait_open(&self) {
+        let mut open = self.open.lock().unwrap_or_else(|e| e.into_inner());
+        while !*open {
+            open = self.opened.wait(open).unwrap_or_else(|e| e.into_inner());
+        }
+    }
 }
 
 impl Default for SoftwareDsaConfig {
@@ -64,6 +112,7 @@ impl Default for SoftwareDsaConfig {
             name: "soft-dsa".to_owned(),
             max_batch_size: 32,
             queue_depth: 128,
+            mode: WqMode::Shared,
             method: SubmissionMethod::Software,
             submit_attempts: 64,
             delay_per_descriptor: Duration::ZERO,
@@ -72,6 +121,10 @@ impl Default for SoftwareDsaConfig {
             error_if: None,
             error_status: STATUS_HW_ERR1,
             refuse_every: None,
+            lose_if: None,
+            stall_if: None,
+            stall_gate: Arc::default(),
+            numa_node: None,
         }
     }
 }
@@ -82,11 +135,15 @@ impl fmt::Debug for SoftwareDsaConfig {
             .field("name", &self.name)
             .field("max_batch_size", &self.max_batch_size)
             .field("queue_depth", &self.queue_depth)
+            .field("mode", &self.mode)
             .field("method", &self.method)
             .field("delay_per_descriptor", &self.delay_per_descriptor)
             .field("fault_if", &self.fault_if.is_some())
             .field("error_if", &self.error_if.is_some())
             .field("refuse_every", &self.refuse_every)
+            .field("lose_if", &self.lose_if.is_some())
+            .field("stall_if", &self.stall_if.is_some())
+            .field("numa_node", &self.numa_node)
             .finish_non_exhaustive()
     }
 }
@@ -96,13 +153,20 @@ impl fmt::Debug for SoftwareDsaConfig {
 struct DeviceCounters {
     compval: AtomicU64,
     submits: AtomicU64,
+    accepted: AtomicU64,
     retries: AtomicU64,
+    dropped: AtomicU64,
+    lost: AtomicU64,
+    /// Descriptors in the queue: accepted and not yet executed.
+    occupancy: AtomicUsize,
+    /// Highest occupancy seen.
+    peak: AtomicUsize,
 }
 
 /// The software device: a queue plus the thread that executes it.
 pub struct SoftwareDsa {
     config: SoftwareDsaConfig,
-    tx: Mutex<Option<SyncSender<Descriptor>>>,
+    tx: Mutex<Option<Sender<Descriptor>>>,
     thread: Mutex<Option<JoinHandle<()>>>,
     counters: Arc<DeviceCounters>,
 }
@@ -118,7 +182,7 @@ impl fmt::Debug for SoftwareDsa {
 impl SoftwareDsa {
     /// Starts the device thread.
     pub fn new(config: SoftwareDsaConfig) -> Self {
-        let (tx, rx) = sync_channel(config.queue_depth.max(1));
+        let (tx, rx) = channel();
         let counters = Arc::new(DeviceCounters::default());
         let device = Device {
             config: config.clone(),
@@ -140,12 +204,47 @@ impl SoftwareDsa {
     pub fn compval_executed(&self) -> u64 {
         self.counters.compval.load(Ordering::Relaxed)
     }
+
+    /// Descriptors a full dedicated queue dropped.
+    pub fn dropped(&self) -> u64 {
+        self.counters.dropped.load(Ordering::Relaxed)
+    }
+
+    /// Descriptors lost on purpose ([`SoftwareDsaConfig::lose_if`]).
+    pub fn lost(&self) -> u64 {
+        self.counters.lost.load(Ordering::Relaxed)
+    }
+
+    /// Most descriptors the queue held at once.
+    pub fn peak_occupancy(&self) -> usize {
+        self.counters.peak.load(Ordering::Relaxed)
+    }
+
+    /// Takes a place in the queue if one is free.
+    fn take_place(&self) -> bool {
+        let depth = self.config.queue_depth.max(1);
+        let taken =
+            self.counters
+                .occupancy
+                .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| {
+                    (n < depth).then_some(n + 1)
+                });
+        match taken {
+            Ok(before) => {
+                self.counters.peak.fetch_max(before + 1, Ordering::Relaxed);
+                true
+            }
+            Err(_) => false,
+        }
+    }
 }
 
 impl Drop for SoftwareDsa {
     fn drop(&mut self) {
         // Closing the channel ends the device thread after it drained the
-        // queue, so no completion record is written after we return.
+        // queue, so no completion record is written after we return; a
+        // stalled descriptor must be let go for that.
+        self.config.stall_gate.open();
         self.tx.lock().map(|mut t| t.take()).ok();
         if let Ok(mut t) = self.thread.lock()
             && let Some(h) = t.take()
@@ -174,22 +273,40 @@ impl DsaQueue for SoftwareDsa {
             .ok()
             .and_then(|t| t.clone())
             .ok_or(SubmitError::Stopped)?;
-        let mut d = *desc;
-        for attempt in 0..self.config.submit_attempts.max(1) {
-            match tx.try_send(d) {
-                Ok(()) => return Ok(()),
-                Err(TrySendError::Full(back)) => {
-                    d = back;
-                    if attempt + 1 < self.config.submit_attempts {
-                        self.counters.retries.fetch_add(1, Ordering::Relaxed);
-                    }
-                    // A full software queue drains only if its thread runs.
-                    std::thread::yield_now();
-                }
-                Err(TrySendError::Disconnected(_)) => return Err(SubmitError::Stopped),
-            }
+        let mut placed = self.take_place();
+        if !placed && self.config.mode == WqMode::Dedicated {
+            // A posted write to a full dedicated queue: the submitter is
+            // told nothing and the descriptor is gone.
+            self.counters.dropped.fetch_add(1, Ordering::Relaxed);
+            return Ok(());
         }
-        Err(SubmitError::QueueFull(self.config.submit_attempts))
+        let attempts = self.config.submit_attempts.max(1);
+        let mut attempt = 1;
+        while !placed {
+            if attempt >= attempts {
+                return Err(SubmitError::QueueFull(self.config.submit_attempts));
+            }
+            self.counters.retries.fetch_add(1, Ordering::Relaxed);
+            // A full software queue drains only if its thread runs.
+            std::thread::yield_now();
+            placed = self.take_place();
+            attempt += 1;
+        }
+        let k = self.counters.accepted.fetch_add(1, Ordering::Relaxed) + 1;
+        if self
+            .config
+            .lose_if
+            .as_ref()
+            .is_some_and(|f| f(k, desc.src_addr))
+        {
+            self.counters.lost.fetch_add(1, Ordering::Relaxed);
+            self.counters.occupancy.fetch_sub(1, Ordering::AcqRel);
+            return Ok(());
+        }
+        tx.send(*desc).map_err(|_| {
+            self.counters.occupancy.fetch_sub(1, Ordering::AcqRel);
+            SubmitError::Stopped
+        })
     }
 
     fn method(&self) -> SubmissionMethod {
@@ -210,6 +327,14 @@ impl DsaQueue for SoftwareDsa {
 
     fn retries(&self) -> u64 {
         self.counters.retries.load(Ordering::Relaxed)
+    }
+
+    fn capacity(&self) -> usize {
+        self.config.queue_depth.max(1)
+    }
+
+    fn numa_node(&self) -> Option<u32> {
+        self.config.numa_node
     }
 }
 
@@ -245,6 +370,7 @@ impl Device {
             // SAFETY: submitters promised (DsaQueue::submit) that every
             // address in the descriptor is valid until its record is written.
             unsafe { self.execute(&desc, false) };
+            self.counters.occupancy.fetch_sub(1, Ordering::AcqRel);
         }
     }
 
@@ -289,6 +415,14 @@ impl Device {
     /// `src_addr` must be readable for `xfer_size` bytes.
     unsafe fn compval(&self, desc: &Descriptor) -> Outcome {
         let n = self.counters.compval.fetch_add(1, Ordering::Relaxed) + 1;
+        if self
+            .config
+            .stall_if
+            .as_ref()
+            .is_some_and(|f| f(n, desc.src_addr))
+        {
+            self.config.stall_gate.wait_open();
+        }
         if !self.config.delay_per_descriptor.is_zero() {
             std::thread::sleep(self.config.delay_per_descriptor);
         }
@@ -601,6 +735,97 @@ mod tests {
             (r.status, r.result, r.bytes_completed),
             (STATUS_SUCCESS, 1, 100)
         );
+    }
+
+    #[test]
+    fn default_injected_error_is_hardware_error_1() {
+        let cfg = SoftwareDsaConfig::default();
+        assert_eq!(cfg.error_status, 0x20, "DSA_COMP_HW_ERR1 in <linux/idxd.h>");
+        let dev = SoftwareDsa::new(SoftwareDsaConfig {
+            error_if: Some(Arc::new(|_, _| true)),
+            ..cfg
+        });
+        let page = vec![0u8; 4096];
+        let m = mem();
+        let d = Descriptor::compval(page.as_ptr() as u64, 4096, 0, addr(&m.recs[0]));
+        // SAFETY: page and record outlive the wait.
+        unsafe { dev.submit(&d).unwrap() };
+        assert_eq!(wait(&m.recs[0]).decoded(), DsaStatus::Error(STATUS_HW_ERR1));
+    }
+
+    /// A device of `depth` whose first COMPVAL holds it until the gate
+    /// opens, in `mode`.
+    fn held_device(depth: usize, mode: WqMode) -> (SoftwareDsa, Arc<StallGate>) {
+        let gate = Arc::new(StallGate::default());
+        let dev = SoftwareDsa::new(SoftwareDsaConfig {
+            queue_depth: depth,
+            mode,
+            submit_attempts: 3,
+            stall_if: Some(Arc::new(|n, _| n == 1)),
+            stall_gate: gate.clone(),
+            ..Default::default()
+        });
+        (dev, gate)
+    }
+
+    #[test]
+    fn a_full_dedicated_queue_drops_silently_and_a_shared_one_refuses() {
+        let page = vec![0u8; 4096];
+        for mode in [WqMode::Dedicated, WqMode::Shared] {
+            let (dev, gate) = held_device(2, mode);
+            let m = mem();
+            let d = |i: usize| Descriptor::compval(page.as_ptr() as u64, 4096, 0, addr(&m.recs[i]));
+            // SAFETY: page and records outlive the waits (the device is
+            // dropped, and so drained, before them).
+            unsafe {
+                dev.submit(&d(0)).unwrap();
+                dev.submit(&d(1)).unwrap();
+            }
+            // The first is held, so both places stay taken.
+            // SAFETY: as above.
+            let third = unsafe { dev.submit(&d(2)) };
+            match mode {
+                WqMode::Dedicated => {
+                    assert!(third.is_ok(), "no feedback on a dedicated queue");
+                    assert_eq!(dev.dropped(), 1);
+                }
+                WqMode::Shared => {
+                    assert!(matches!(third, Err(SubmitError::QueueFull(3))), "{third:?}");
+                    assert_eq!(dev.dropped(), 0);
+                    assert_eq!(dev.retries(), 2);
+                }
+            }
+            gate.open();
+            assert_eq!(wait(&m.recs[0]).status, STATUS_SUCCESS);
+            assert_eq!(wait(&m.recs[1]).status, STATUS_SUCCESS);
+            // Room again once executed: a NOOP behind proves the third never ran.
+            let m2 = mem();
+            // SAFETY: record outlives the wait.
+            unsafe { dev.submit(&Descriptor::noop(addr(&m2.recs[0]))).unwrap() };
+            wait(&m2.recs[0]);
+            assert_eq!(m.recs[2].status, STATUS_NONE, "{mode:?}: never executed");
+            assert_eq!(dev.peak_occupancy(), 2);
+        }
+    }
+
+    #[test]
+    fn lost_descriptors_never_complete() {
+        let dev = SoftwareDsa::new(SoftwareDsaConfig {
+            lose_if: Some(Arc::new(|k, _| k == 1)),
+            numa_node: Some(3),
+            ..Default::default()
+        });
+        assert_eq!(dev.numa_node(), Some(3));
+        assert_eq!(dev.capacity(), 128);
+        let m = mem();
+        // SAFETY: records outlive the wait.
+        unsafe {
+            dev.submit(&Descriptor::noop(addr(&m.recs[0]))).unwrap();
+            dev.submit(&Descriptor::noop(addr(&m.recs[1]))).unwrap();
+        }
+        wait(&m.recs[1]);
+        assert_eq!(m.recs[0].status, STATUS_NONE);
+        assert_eq!(dev.lost(), 1);
     }
 
     #[test]

@@ -35,7 +35,9 @@ impl WqMode {
 /// A usable (enabled, user-type) work queue found in sysfs.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct WorkQueueInfo {
-    /// Device name, e.g. `dsa0`.
+    /// DSA or IAA.
+    pub kind: AccelKind,
+    /// Device name, e.g. `dsa0` or `iax1`.
     pub device: String,
     /// Queue name as in sysfs and /dev, e.g. `wq0.0`.
     pub queue: String,
@@ -74,8 +76,39 @@ fn parse_wq_name(name: &str) -> Option<(u32, u32)> {
     Some((d.parse().ok()?, q.parse().ok()?))
 }
 
-/// Lists the usable work queues under `sysfs_root` (normally
+/// Which accelerator a device under `/sys/bus/dsa` is: the idxd driver
+/// serves both DSA (`dsaN`) and IAA (`iaxN`, In-Memory Analytics
+/// Accelerator) and numbers them from one id space, so `wqN.M` belongs to
+/// whichever of `dsaN` / `iaxN` exists.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum AccelKind {
+    /// Data Streaming Accelerator: zero-page checks (COMPVAL).
+    Dsa,
+    /// In-Memory Analytics Accelerator: (de)compression, for the QPL path.
+    Iaa,
+}
+
+impl AccelKind {
+    /// The device-name prefix in sysfs: `dsa` or `iax`.
+    pub fn prefix(self) -> &'static str {
+        match self {
+            AccelKind::Dsa => "dsa",
+            AccelKind::Iaa => "iax",
+        }
+    }
+
+    /// The usual device-node directory: `/dev/dsa` or `/dev/iax`.
+    pub fn default_dev_root(self) -> &'static str {
+        match self {
+            AccelKind::Dsa => "/dev/dsa",
+            AccelKind::Iaa => "/dev/iax",
+        }
+    }
+}
+
+/// Lists the usable DSA work queues under `sysfs_root` (normally
 /// `/sys/bus/dsa`), with device nodes under `dev_root` (normally `/dev/dsa`).
+/// IAA queues on the same bus are skipped (see [`discover_iaa_work_queues`]).
 ///
 /// A queue is usable when it and its device are `enabled` and its `type` is
 /// `user` (kernel queues belong to the dmaengine driver). Disabled or kernel
@@ -91,32 +124,84 @@ pub fn discover_work_queues(
     sysfs_root: &Path,
     dev_root: &Path,
 ) -> Result<Vec<WorkQueueInfo>, OffloadError> {
-    let no_wq = || OffloadError::NoWorkQueue {
-        root: sysfs_root.display().to_string(),
-    };
+    let found = discover_queues(sysfs_root, AccelKind::Dsa, dev_root);
+    if found.is_empty() {
+        return Err(OffloadError::NoWorkQueue {
+            root: sysfs_root.display().to_string(),
+        });
+    }
+    Ok(found)
+}
+
+/// Lists the usable IAA work queues under `sysfs_root` (normally
+/// `/sys/bus/dsa`, where the idxd driver lists IAA devices as `iaxN`), with
+/// device nodes under `dev_root` (normally `/dev/iax`), for the QPL hardware
+/// path. Same rules as [`discover_work_queues`].
+///
+/// # Errors
+///
+/// [`OffloadError::NoIaaQueue`] if the tree is missing or holds no usable
+/// IAA queue.
+pub fn discover_iaa_work_queues(
+    sysfs_root: &Path,
+    dev_root: &Path,
+) -> Result<Vec<WorkQueueInfo>, OffloadError> {
+    let found = discover_queues(sysfs_root, AccelKind::Iaa, dev_root);
+    if found.is_empty() {
+        return Err(OffloadError::NoIaaQueue {
+            root: sysfs_root.display().to_string(),
+        });
+    }
+    Ok(found)
+}
+
+/// The kind of device `N` of `wqN.M`: `iaxN` if that device exists, else
+/// DSA (also when neither exists, as in trees that list queues only).
+fn kind_of_device(devices: &Path, index: u32) -> AccelKind {
+    if devices.join(format!("iax{index}")).exists() {
+        AccelKind::Iaa
+    } else {
+        AccelKind::Dsa
+    }
+}
+
+/// The usable queues of one kind, sorted by device then queue; empty when
+/// the tree is missing.
+pub fn discover_queues(sysfs_root: &Path, kind: AccelKind, dev_root: &Path) -> Vec<WorkQueueInfo> {
     let devices = sysfs_root.join("devices");
-    let entries = fs::read_dir(&devices).map_err(|_| no_wq())?;
-    let mut candidates: Vec<PathBuf> = Vec::new();
+    let Ok(entries) = fs::read_dir(&devices) else {
+        return Vec::new();
+    };
+    // (queue directory, kind of its device)
+    let mut candidates: Vec<(PathBuf, AccelKind)> = Vec::new();
     for entry in entries.flatten() {
         let name = entry.file_name().to_string_lossy().into_owned();
         let path = entry.path();
-        if parse_wq_name(&name).is_some() {
-            candidates.push(path);
-        } else if name.starts_with("dsa")
-            && let Ok(children) = fs::read_dir(&path)
-        {
-            {
-                candidates.extend(
-                    children
-                        .flatten()
-                        .filter(|c| parse_wq_name(&c.file_name().to_string_lossy()).is_some())
-                        .map(|c| c.path()),
-                );
-            }
+        if let Some((d, _)) = parse_wq_name(&name) {
+            candidates.push((path, kind_of_device(&devices, d)));
+            continue;
+        }
+        let parent_kind = if name.starts_with("dsa") {
+            AccelKind::Dsa
+        } else if name.starts_with("iax") {
+            AccelKind::Iaa
+        } else {
+            continue;
+        };
+        if let Ok(children) = fs::read_dir(&path) {
+            candidates.extend(
+                children
+                    .flatten()
+                    .filter(|c| parse_wq_name(&c.file_name().to_string_lossy()).is_some())
+                    .map(|c| (c.path(), parent_kind)),
+            );
         }
     }
     let mut found: Vec<(u32, u32, WorkQueueInfo)> = Vec::new();
-    for dir in candidates {
+    for (dir, queue_kind) in candidates {
+        if queue_kind != kind {
+            continue;
+        }
         let queue = dir
             .file_name()
             .map(|n| n.to_string_lossy().into_owned())
@@ -127,26 +212,24 @@ pub fn discover_work_queues(
         if found.iter().any(|(fd, fq, _)| (*fd, *fq) == (d, q)) {
             continue;
         }
-        if let Some(info) = read_queue(&devices, &dir, d, &queue, dev_root) {
+        if let Some(info) = read_queue(&devices, &dir, kind, d, &queue, dev_root) {
             found.push((d, q, info));
         }
     }
-    if found.is_empty() {
-        return Err(no_wq());
-    }
     found.sort_by_key(|(d, q, _)| (*d, *q));
-    Ok(found.into_iter().map(|(_, _, i)| i).collect())
+    found.into_iter().map(|(_, _, i)| i).collect()
 }
 
 /// Reads one queue directory; `None` if it is not usable by user space.
 fn read_queue(
     devices: &Path,
     dir: &Path,
+    kind: AccelKind,
     dev_index: u32,
     queue: &str,
     dev_root: &Path,
 ) -> Option<WorkQueueInfo> {
-    let device = format!("dsa{dev_index}");
+    let device = format!("{}{dev_index}", kind.prefix());
     let device_dir = devices.join(&device);
     if attr(dir, "state")? != "enabled" {
         return None;
@@ -175,6 +258,7 @@ fn read_queue(
         .unwrap_or(0);
     let numa_node = attr(&device_dir, "numa_node").and_then(|s| s.parse::<u32>().ok());
     Some(WorkQueueInfo {
+        kind,
         device,
         queue: queue.to_owned(),
         label: attr(dir, "name").unwrap_or_default(),
@@ -276,6 +360,44 @@ pub(crate) mod tests {
             discover_work_queues(t.path(), Path::new("/d")),
             Err(OffloadError::NoWorkQueue { .. })
         ));
+    }
+
+    /// Writes a fake IAA queue `iax{dev}/wq{dev}.{q}` (nested) or flat.
+    fn fake_iaa_wq(root: &Path, nested: bool, dev: u32, q: u32) {
+        fake_wq(root, nested, dev, q, "enabled", "user", "shared", 64);
+        let dsa = root.join("devices").join(format!("dsa{dev}"));
+        let iax = root.join("devices").join(format!("iax{dev}"));
+        fs::rename(&dsa, &iax).unwrap();
+    }
+
+    #[test]
+    fn iaa_queues_are_not_dsa_queues() {
+        let t = tempfile::tempdir().unwrap();
+        let root = t.path();
+        fake_wq(root, true, 0, 0, "enabled", "user", "dedicated", 32);
+        fake_iaa_wq(root, true, 1, 0);
+        // Flat listing of an IAA queue: wq3.0 next to devices/iax3.
+        fake_iaa_wq(root, false, 3, 0);
+        let dsa = discover_work_queues(root, Path::new("/dev/dsa")).unwrap();
+        assert_eq!(dsa.len(), 1, "{dsa:?}");
+        assert_eq!(dsa[0].full_name(), "dsa0/wq0.0");
+        assert_eq!(dsa[0].kind, AccelKind::Dsa);
+        let iaa = discover_iaa_work_queues(root, Path::new("/dev/iax")).unwrap();
+        let names: Vec<String> = iaa.iter().map(WorkQueueInfo::full_name).collect();
+        assert_eq!(names, ["iax1/wq1.0", "iax3/wq3.0"]);
+        assert!(iaa.iter().all(|w| w.kind == AccelKind::Iaa));
+        assert_eq!(iaa[0].dev_path, Path::new("/dev/iax/wq1.0"));
+        assert_eq!(iaa[0].max_batch_size, 64);
+        // Only IAA queues: no DSA queue, and the error says so.
+        let t = tempfile::tempdir().unwrap();
+        fake_iaa_wq(t.path(), true, 0, 0);
+        assert!(matches!(
+            discover_work_queues(t.path(), Path::new("/d")),
+            Err(OffloadError::NoWorkQueue { .. })
+        ));
+        let empty = tempfile::tempdir().unwrap();
+        let err = discover_iaa_work_queues(empty.path(), Path::new("/d")).unwrap_err();
+        assert!(err.to_string().contains("no IAA work queue"), "{err}");
     }
 
     #[test]

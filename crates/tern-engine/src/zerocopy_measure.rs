@@ -163,4 +163,3 @@ pub fn measure_cpu_per_gib(
         stats,
     })
 }
-

@@ -47,9 +47,7 @@ pub use offload::{DsaOffload, software_dsa};
 pub use queue::{CpuSubmitFeatures, DsaQueue, HardwareQueue, SubmissionMethod, SubmitError};
 pub use select::{BadSelection, DsaDevice, DsaSelection, NumaPolicy};
 pub use soft::{SoftwareDsa, SoftwareDsaConfig, StallGate};
-pub use sysfs::{
-    AccelKind, WorkQueueInfo, WqMode, discover_iaa_work_queues, discover_work_queues,
-};
+pub use sysfs::{AccelKind, WorkQueueInfo, WqMode, discover_iaa_work_queues, discover_work_queues};
 
 /// Why the offload could not be set up or a call was refused.
 #[derive(Debug, thiserror::Error)]

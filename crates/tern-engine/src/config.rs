@@ -21,6 +21,21 @@ impl UnknownName {
     }
 }
 
+/// `as_str`: the name on the command line and in statistics, from the
+/// enum's `strum` names.
+macro_rules! named {
+    ($($name:ident),*) => {$(
+        impl $name {
+            /// The name used on the command line and in statistics.
+            pub fn as_str(self) -> &'static str {
+                self.into()
+            }
+        }
+    )*};
+}
+
+named!(ZeroPageDetection, LimitPolicy, Verify, ZeroCopyBackend);
+
 /// Who looks for zero pages.
 #[derive(
     Clone,
@@ -55,13 +70,6 @@ pub enum ZeroPageDetection {
     Dsa,
 }
 
-impl ZeroPageDetection {
-    /// The name used on the command line and in statistics.
-    pub fn as_str(self) -> &'static str {
-        self.into()
-    }
-}
-
 /// What to do when the iteration or time limit is reached before the
 /// remaining dirty memory fits in the downtime limit.
 #[derive(
@@ -87,13 +95,6 @@ pub enum LimitPolicy {
     Cancel,
     /// Switch over anyway, accepting a longer downtime.
     SwitchOver,
-}
-
-impl LimitPolicy {
-    /// The name used on the command line.
-    pub fn as_str(self) -> &'static str {
-        self.into()
-    }
 }
 
 /// Whether the destination's memory is compared with the source's before
@@ -125,13 +126,6 @@ pub enum Verify {
     None,
 }
 
-impl Verify {
-    /// The name used on the command line.
-    pub fn as_str(self) -> &'static str {
-        self.into()
-    }
-}
-
 /// How zero-copy sends are made.
 #[derive(
     Clone,
@@ -156,13 +150,6 @@ pub enum ZeroCopyBackend {
     Msg,
     /// io_uring `SENDMSG_ZC` (Linux 6.2 or later).
     Uring,
-}
-
-impl ZeroCopyBackend {
-    /// The name used on the command line.
-    pub fn as_str(self) -> &'static str {
-        self.into()
-    }
 }
 
 /// Source-side settings.

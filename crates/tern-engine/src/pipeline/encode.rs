@@ -1,0 +1,105 @@
+//! A worker's job on a batch: classify, compress, then encode the packet's
+//! header and page table.
+
+use tern_page::PageCompressor;
+use tern_page::codec::{CodecId, CodecStats, PageOutcome};
+use tern_wire::{PageEntry, PageKind, encode_pages_prefix};
+
+use super::Shared;
+use super::batch::{Batch, page_ptr};
+use super::classify::classify;
+use crate::guest::PAGE_SIZE;
+
+/// A worker's reusable buffers and its compressors (one per codec, made
+/// when first needed).
+#[derive(Default)]
+pub(super) struct Scratch {
+    pub(super) pointers: Vec<*const u8>,
+    pub(super) zero_flags: Vec<bool>,
+    pub(super) compressors: [Option<PageCompressor>; 4],
+}
+
+pub(super) fn encode(shared: &Shared, batch: &mut Batch, scratch: &mut Scratch) {
+    if !batch.prechecked {
+        classify(shared, batch, scratch);
+    }
+    compress(shared, batch, scratch);
+    batch.entries.clear();
+    batch.zero_pages = 0;
+    batch.normal_pages = 0;
+    let mut outcomes = batch.compressed.outcomes.iter();
+    let mut payload = 0u64;
+    for (&page, &kind) in batch.pages.iter().zip(&batch.kinds) {
+        let (kind, encoded_len) = match kind {
+            PageKind::Zero => {
+                batch.zero_pages += 1;
+                (PageKind::Zero, 0)
+            }
+            PageKind::Raw | PageKind::Compressed => {
+                batch.normal_pages += 1;
+                // Data pages have one outcome each when the batch was
+                // compressed, in page order.
+                match outcomes.next() {
+                    Some(&PageOutcome::Compressed { len, .. }) => {
+                        (PageKind::Compressed, len as u32)
+                    }
+                    _ => (PageKind::Raw, PAGE_SIZE as u32),
+                }
+            }
+        };
+        payload += u64::from(encoded_len);
+        batch.entries.push(PageEntry {
+            page_index: page,
+            kind,
+            encoded_len,
+        });
+    }
+    batch.prefix.clear();
+    encode_pages_prefix(
+        &mut batch.prefix,
+        shared.region_ids[batch.region],
+        batch.iteration,
+        batch.codec.to_wire(),
+        &batch.entries,
+    );
+    batch.wire_bytes = batch.prefix.len() as u64 + payload;
+}
+
+/// Compresses the batch's data pages with the batch's codec, each page on
+/// its own; pages that would not shrink stay raw.
+fn compress(shared: &Shared, batch: &mut Batch, scratch: &mut Scratch) {
+    batch.compressed.clear();
+    batch.codec_stats = CodecStats::default();
+    if batch.codec == CodecId::None {
+        return;
+    }
+    let slot = &mut scratch.compressors[batch.codec as usize];
+    if slot.is_none() {
+        match shared.compression.compressor(batch.codec) {
+            Ok(compressor) => *slot = Some(compressor),
+            Err(error) => {
+                // Checked at start-up, so this is unexpected: send raw.
+                tracing::warn!(%error, "cannot create a compressor; sending pages raw");
+                return;
+            }
+        }
+    }
+    let Some(compressor) = slot.as_mut() else {
+        return;
+    };
+    let region = &shared.regions[batch.region];
+    scratch.pointers.clear();
+    scratch.pointers.extend(
+        batch
+            .pages
+            .iter()
+            .zip(&batch.kinds)
+            .filter(|(_, kind)| **kind != PageKind::Zero)
+            .map(|(&page, _)| page_ptr(region, page)),
+    );
+    // SAFETY: the pointers are whole pages inside the region's mapping,
+    // which outlives the migration; the compressor copies each page before
+    // compressing it, so concurrent guest writes only make it stale.
+    unsafe { compressor.compress_batch(&scratch.pointers, &mut batch.compressed) };
+    batch.codec_stats = compressor.take_stats();
+}

@@ -1,0 +1,56 @@
+//! The pipeline's compression and zero-page detection reports.
+
+use tern_page::codec::CodecChoice;
+
+use super::Pipeline;
+use crate::config::ZeroPageDetection;
+use crate::guest::PAGE_SIZE;
+use crate::stats::{CodecReport, CompressionReport, OffloadReport, ZeroDetectionReport};
+
+impl Pipeline<'_> {
+    /// Publishes the compression and zero-page detection counters to the
+    /// live statistics (once per iteration: not on the per-page path).
+    pub(super) fn publish_reports(&self) {
+        let shared = &self.shared;
+        if shared.compression.choice != CodecChoice::None {
+            shared.stats.set_compression(CompressionReport {
+                choice: shared.compression.choice.name().to_string(),
+                level: shared.compression.level,
+                codec_switches: self.auto.as_ref().map_or(0, |auto| auto.switches),
+                codecs: self
+                    .codec_stats
+                    .used()
+                    .map(|(which, counters)| {
+                        (which.name().to_string(), CodecReport::from(counters))
+                    })
+                    .collect(),
+            });
+        }
+        let offload = shared.zero_offload.as_ref().map(|offload| {
+            let stats = offload.stats();
+            let checked = stats.pages_device + stats.pages_cpu + stats.pages_fallback;
+            let gib = (checked * PAGE_SIZE as u64) as f64 / (1u64 << 30) as f64;
+            let cpu = stats.completion_thread_cpu.as_secs_f64();
+            OffloadReport {
+                pages_device: stats.pages_device,
+                pages_cpu: stats.pages_cpu,
+                cpu_fallbacks: stats.pages_fallback,
+                page_faults: stats.page_faults,
+                device_errors: stats.device_errors,
+                batches: stats.batches,
+                submit_retries: stats.submit_retries,
+                completion_thread_cpu_seconds: cpu,
+                cpu_seconds_per_gib: if gib > 0.0 { cpu / gib } else { 0.0 },
+            }
+        });
+        shared.stats.set_zero_detection(ZeroDetectionReport {
+            mode: shared.detection.as_str().to_string(),
+            backend: match (&shared.zero_offload, shared.detection) {
+                (Some(offload), _) => offload.describe(),
+                (None, ZeroPageDetection::None) => "none".to_string(),
+                (None, _) => shared.zero_checker.backend().name().to_string(),
+            },
+            offload,
+        });
+    }
+}

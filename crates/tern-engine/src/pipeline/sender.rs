@@ -1,0 +1,155 @@
+//! The sender loop: writes each batch's header, table and pages to its
+//! channel, plain or zero-copy, and returns the batch to the producer.
+
+use std::sync::atomic::Ordering;
+use std::time::Instant;
+
+use tern_wire::{MAX_PAGES_PER_PACKET, Message, PageKind};
+
+use super::batch::{Batch, page_ptr};
+use super::{Completion, SendItem, Shared};
+use crate::error::{ChannelError, MigrationError};
+use crate::guest::PAGE_SIZE;
+use crate::stats::thread_cpu_seconds;
+use crate::transport::{Channel, Segment};
+use crate::zerocopy::{ZeroCopyError, ZeroCopyStats, ZeroCopyTransport};
+
+/// How a sender writes its channel.
+pub(crate) enum PageSender {
+    /// `sendmsg` copying from guest memory.
+    Plain(Channel),
+    /// Zero-copy sends from guest memory (`MSG_ZEROCOPY` or io_uring).
+    ZeroCopy(Box<dyn ZeroCopyTransport>),
+}
+
+impl PageSender {
+    pub(super) fn channel(&self) -> &Channel {
+        match self {
+            Self::Plain(channel) => channel,
+            Self::ZeroCopy(sender) => sender.channel(),
+        }
+    }
+
+    /// Zero-copy accounting, for the zero-copy variants.
+    fn zero_copy_stats(&self) -> Option<ZeroCopyStats> {
+        match self {
+            Self::Plain(_) => None,
+            Self::ZeroCopy(sender) => Some(sender.stats()),
+        }
+    }
+
+    fn write_control(&mut self, bytes: &[u8]) -> Result<(), ChannelError> {
+        match self {
+            Self::Plain(channel) => channel.write_all(bytes),
+            Self::ZeroCopy(sender) => {
+                // Everything sent before a sync completes before it: at each
+                // iteration's end and before switch-over nothing is pending.
+                sender.flush().map_err(ZeroCopyError::into_channel_error)?;
+                sender.channel_mut().write_all(bytes)
+            }
+        }
+    }
+}
+
+pub(super) fn run_sender(shared: &Shared, index: usize, mut channel: PageSender) {
+    let cpu_start = thread_cpu_seconds();
+    let bell = shared.sender_bells[index].wait();
+    let ring = &shared.sender_rings[index];
+    let mut segments: Vec<Segment> = Vec::with_capacity(MAX_PAGES_PER_PACKET + 1);
+    loop {
+        let mut item = None;
+        bell.wait_until(|| {
+            item = ring.pop();
+            item.is_some() || shared.is_stopping()
+        });
+        let Some(item) = item else { break };
+        let result = match item {
+            SendItem::Batch(batch) => {
+                let started = Instant::now();
+                if let Some(limiter) = &shared.limiter {
+                    limiter.acquire(batch.wire_bytes);
+                }
+                let result = send_batch(shared, &mut channel, &batch, &mut segments);
+                shared.sender_busy_ns.fetch_add(
+                    u64::try_from(started.elapsed().as_nanos()).unwrap_or(u64::MAX),
+                    Ordering::Relaxed,
+                );
+                if result.is_ok() {
+                    shared.stats.add_sent(batch.wire_bytes, batch.paused, true);
+                    let _ = shared.completions.push(Completion::Batch(batch));
+                }
+                result
+            }
+            SendItem::Sync(sync) => {
+                let bytes = Message::Sync(sync).to_bytes();
+                let result = channel.write_control(&bytes);
+                if result.is_ok() {
+                    shared.stats.add_sent(bytes.len() as u64, sync.last, true);
+                    let _ = shared.completions.push(Completion::Synced);
+                }
+                result
+            }
+        };
+        if let Err(error) = result {
+            shared.fail(MigrationError::channel(index + 1)(error));
+            break;
+        }
+        shared.producer_bell.ring();
+    }
+    if let Some(zero_copy) = channel.zero_copy_stats() {
+        shared.stats.record_zero_copy(&zero_copy);
+    }
+    shared
+        .stats
+        .record_cpu(&format!("sender-{index}"), thread_cpu_seconds() - cpu_start);
+}
+
+fn send_batch(
+    shared: &Shared,
+    channel: &mut PageSender,
+    batch: &Batch,
+    segments: &mut Vec<Segment>,
+) -> Result<(), ChannelError> {
+    let region = &shared.regions[batch.region];
+    segments.clear();
+    segments.push(Segment {
+        ptr: batch.prefix.as_ptr(),
+        len: batch.prefix.len(),
+    });
+    let mut compressed_offset = 0;
+    for entry in &batch.entries {
+        let (ptr, len) = match entry.kind {
+            PageKind::Zero => continue,
+            PageKind::Raw => (page_ptr(region, entry.page_index), PAGE_SIZE),
+            PageKind::Compressed => {
+                let len = entry.encoded_len as usize;
+                let bytes = &batch.compressed.data[compressed_offset..compressed_offset + len];
+                compressed_offset += len;
+                (bytes.as_ptr(), len)
+            }
+        };
+        // Adjacent pieces (neighbouring guest pages, or compressed pages
+        // packed back to back) go out as one iovec.
+        let has_payload_segment = segments.len() > 1;
+        match segments.last_mut() {
+            Some(last) if has_payload_segment && last.ptr.wrapping_add(last.len) == ptr => {
+                last.len += len;
+            }
+            _ => segments.push(Segment { ptr, len }),
+        }
+    }
+    match channel {
+        // SAFETY: the prefix lives in the batch, which outlives the call;
+        // page pointers come from `page_ptr`, inside the region's mapping,
+        // which outlives the migration. Concurrent guest writes are
+        // acceptable (see `send_vectored`).
+        PageSender::Plain(channel) => unsafe { channel.send_vectored(segments) },
+        // SAFETY: as above; the data segments point into guest memory,
+        // which stays mapped until the sender flushes at the next sync.
+        PageSender::ZeroCopy(sender) => unsafe {
+            sender
+                .send(&batch.prefix, &segments[1..])
+                .map_err(ZeroCopyError::into_channel_error)
+        },
+    }
+}

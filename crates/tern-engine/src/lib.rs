@@ -64,8 +64,6 @@ pub mod ring;
 pub mod source;
 pub mod stats;
 pub mod transport;
-pub mod uring_zc;
-pub mod zerocopy;
 
 pub use bitmap::DirtyBitmap;
 pub use config::{
@@ -80,6 +78,10 @@ pub use guest::{
 };
 pub use source::{CancelToken, MigrationFailure, Source};
 pub use stats::{DestinationStats, LiveStats, MigrationStats, MigrationStatus, RamStats};
+/// The zero-copy senders, at their historical path.
+pub use transport::zerocopy;
+/// The io_uring zero-copy sender, at its historical path.
+pub use transport::zerocopy::uring as uring_zc;
 pub use transport::{Address, Channel, Listener};
 
 // Foreign types that appear in this crate's API, so that an embedder needs

@@ -5,7 +5,7 @@
 //! `SO_EE_CODE_ZEROCOPY_COPIED`), so this measures the cost of the
 //! zero-copy bookkeeping; the gain needs a real NIC.
 
-use tern_engine::zerocopy_measure::{SendMode, measure_cpu_per_gib};
+use tern_engine::zerocopy::{SendMode, measure_cpu_per_gib};
 
 fn main() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
     let mut args = std::env::args().skip(1);

@@ -64,12 +64,8 @@ mod ring;
 pub mod source;
 pub mod stats;
 pub mod transport;
-pub mod uring_zc;
 #[cfg(feature = "vm-memory")]
 pub mod vm_memory;
-pub mod zerocopy;
-#[doc(hidden)]
-pub mod zerocopy_measure;
 
 pub use bitmap::DirtyBitmap;
 pub use config::{
@@ -84,6 +80,10 @@ pub use guest::{
 };
 pub use source::{CancelToken, MigrationFailure, Source};
 pub use stats::{DestinationStats, LiveStats, MigrationStats, MigrationStatus, RamStats};
+/// The zero-copy senders, at their historical path.
+pub use transport::zerocopy;
+/// The io_uring zero-copy sender, at its historical path.
+pub use transport::zerocopy::uring as uring_zc;
 pub use transport::{Address, Channel, Listener};
 
 // Foreign types that appear in this crate's API, so that an embedder needs

@@ -362,7 +362,9 @@ fn destination_dying_mid_migration_leaves_source_running_and_intact() {
     assert!(
         matches!(
             failure.error,
-            MigrationError::Channel { .. } | MigrationError::Protocol(_)
+            MigrationError::Channel { .. }
+                | MigrationError::Protocol(_)
+                | MigrationError::Internal(_)
         ),
         "{}",
         failure.error.chain()
@@ -395,6 +397,7 @@ fn paused_source_memory_is_untouched_by_a_failed_migration() {
                 source: ChannelError::Io(_) | ChannelError::Closed,
                 ..
             } | MigrationError::Protocol(_)
+                | MigrationError::Internal(_)
         ),
         "{}",
         failure.error.chain()

@@ -1,14 +1,12 @@
-//! CPU cost of the zero-copy senders against plain `sendmsg`, over loopback
-//! TCP: a benchmark harness (`examples/zerocopy_cpu.rs`, the senders'
-//! tests), not part of the engine's API. It sits apart from both senders so
-//! that neither imports the other.
+//! Measures the sending thread's CPU time per GiB with each sender.
 
 use std::time::{Duration, Instant};
 
+use super::msg::ZeroCopySender;
+use super::uring::UringZeroCopySender;
+use super::{KERNEL_PAGE, ZeroCopyStats, ZeroCopyTransport};
 use crate::error::ChannelError;
-use crate::transport::{Channel, Segment};
-use crate::uring_zc::UringZeroCopySender;
-use crate::zerocopy::{KERNEL_PAGE, ZeroCopySender, ZeroCopyStats};
+use crate::transport::{Address, Channel, Listener, Segment};
 
 /// How [`measure_cpu_per_gib`] sends page payloads.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -26,12 +24,6 @@ pub enum SendMode {
         /// In-flight window in bytes.
         window_bytes: usize,
     },
-}
-
-enum MeasuredSender {
-    Plain,
-    MsgZerocopy(Box<ZeroCopySender>),
-    Uring(Box<UringZeroCopySender>),
 }
 
 /// What [`measure_cpu_per_gib`] measured.
@@ -72,9 +64,7 @@ impl CpuMeasurement {
 pub fn measure_cpu_per_gib(
     total_bytes: u64,
     mode: SendMode,
-) -> Result<CpuMeasurement, Box<dyn std::error::Error + Send + Sync>> {
-    use crate::transport::{Address, Listener};
-
+) -> Result<CpuMeasurement, MeasureError> {
     const PAGES_PER_BATCH: usize = 64;
     const HEADER: usize = 64;
     const BUFFER: usize = 64 << 20;
@@ -82,35 +72,24 @@ pub fn measure_cpu_per_gib(
     let batches = total_bytes.div_ceil(batch_bytes as u64);
     let bytes = batches * batch_bytes as u64;
 
-    let listener = Listener::bind(&Address::Tcp("127.0.0.1:0".into()))?;
-    let address = listener.local_address()?;
-    let mut channel = Channel::connect(&address, Duration::from_secs(5))?;
-    let mut peer = listener.accept_timeout(Duration::from_secs(5))?;
-    channel.set_timeouts(Duration::from_secs(60))?;
-    peer.set_timeouts(Duration::from_secs(60))?;
     let expected = batches * (batch_bytes + HEADER) as u64;
-    let reader = std::thread::spawn(move || -> Result<(), ChannelError> {
-        let mut buffer = vec![0u8; 1 << 20];
-        let mut left = expected;
-        while left > 0 {
-            let chunk = left.min(buffer.len() as u64) as usize;
-            peer.read_exact(&mut buffer[..chunk])?;
-            left -= chunk as u64;
-        }
-        Ok(())
-    });
+    let (mut channel, reader) = loopback_with_reader(expected)?;
 
     let memory: Vec<u8> = (0..BUFFER).map(|i| (i / KERNEL_PAGE) as u8).collect();
     let header = [0x5au8; HEADER];
-    let mut sender = match mode {
-        SendMode::Plain => MeasuredSender::Plain,
-        SendMode::ZeroCopy { window_bytes } => MeasuredSender::MsgZerocopy(Box::new(
-            ZeroCopySender::enable(channel.try_clone()?, 1, window_bytes)?,
-        )),
-        SendMode::UringZeroCopy { window_bytes } => MeasuredSender::Uring(Box::new(
-            UringZeroCopySender::enable(channel.try_clone()?, 1, window_bytes)?,
-        )),
-    };
+    // `None` sends with plain `sendmsg`.
+    let mut sender: Option<Box<dyn ZeroCopyTransport>> =
+        match mode {
+            SendMode::Plain => None,
+            SendMode::ZeroCopy { window_bytes } => Some(Box::new(ZeroCopySender::enable(
+                channel.try_clone()?,
+                1,
+                window_bytes,
+            )?)),
+            SendMode::UringZeroCopy { window_bytes } => Some(Box::new(
+                UringZeroCopySender::enable(channel.try_clone()?, 1, window_bytes)?,
+            )),
+        };
     let process_start = tern_page::cpu_time::process_cpu_ns() as f64 / 1e9;
     let thread_start = crate::stats::thread_cpu_seconds();
     let wall = Instant::now();
@@ -122,7 +101,7 @@ pub fn measure_cpu_per_gib(
             len: batch_bytes,
         };
         match &mut sender {
-            MeasuredSender::Plain => {
+            None => {
                 let segments = [
                     Segment {
                         ptr: header.as_ptr(),
@@ -134,21 +113,15 @@ pub fn measure_cpu_per_gib(
                 unsafe { channel.send_vectored(&segments) }?;
             }
             // SAFETY: `memory` outlives the sender, which is flushed below.
-            MeasuredSender::MsgZerocopy(sender) => unsafe { sender.send(&header, &[page]) }?,
-            // SAFETY: as above.
-            MeasuredSender::Uring(sender) => unsafe { sender.send(&header, &[page]) }?,
+            Some(sender) => unsafe { sender.send(&header, &[page]) }?,
         }
     }
     let stats = match &mut sender {
-        MeasuredSender::MsgZerocopy(sender) => {
+        Some(sender) => {
             sender.flush()?;
             Some(sender.stats())
         }
-        MeasuredSender::Uring(sender) => {
-            sender.flush()?;
-            Some(sender.stats())
-        }
-        MeasuredSender::Plain => None,
+        None => None,
     };
     let sender_cpu_seconds = crate::stats::thread_cpu_seconds() - thread_start;
     reader.join().map_err(|_| "reader thread panicked")??;
@@ -162,4 +135,52 @@ pub fn measure_cpu_per_gib(
         wall_seconds,
         stats,
     })
+}
+
+/// What can fail while measuring.
+type MeasureError = Box<dyn std::error::Error + Send + Sync>;
+
+/// A loopback TCP channel whose peer a thread drains of `expected` bytes.
+fn loopback_with_reader(
+    expected: u64,
+) -> Result<(Channel, std::thread::JoinHandle<Result<(), ChannelError>>), MeasureError> {
+    let listener = Listener::bind(&Address::Tcp("127.0.0.1:0".into()))?;
+    let address = listener.local_address()?;
+    let channel = Channel::connect(&address, Duration::from_secs(5))?;
+    let mut peer = listener.accept_timeout(Duration::from_secs(5))?;
+    channel.set_timeouts(Duration::from_secs(60))?;
+    peer.set_timeouts(Duration::from_secs(60))?;
+    let reader = std::thread::spawn(move || -> Result<(), ChannelError> {
+        let mut buffer = vec![0u8; 1 << 20];
+        let mut left = expected;
+        while left > 0 {
+            let chunk = left.min(buffer.len() as u64) as usize;
+            peer.read_exact(&mut buffer[..chunk])?;
+            left -= chunk as u64;
+        }
+        Ok(())
+    });
+    Ok((channel, reader))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn measurement_helper_runs() {
+        let plain = measure_cpu_per_gib(8 << 20, SendMode::Plain).unwrap();
+        assert!(plain.stats.is_none());
+        let zero = measure_cpu_per_gib(
+            8 << 20,
+            SendMode::ZeroCopy {
+                window_bytes: 1 << 20,
+            },
+        )
+        .unwrap();
+        let stats = zero.stats.unwrap();
+        assert_eq!(stats.zero_copy_bytes, 8 << 20);
+        assert_eq!(stats.sends_completed, stats.sends_queued);
+        assert!(zero.sender_cpu_per_gib() > 0.0);
+    }
 }

@@ -1,5 +1,14 @@
 //! Channels: TCP or Unix stream sockets, with vectored sends from raw guest
 //! pointers and reads straight into guest memory.
+//!
+//! This folder holds everything that moves bytes between source and
+//! destination: this file (addresses, listeners, [`Channel`], [`Segment`])
+//! and [`zerocopy`] (the zero-copy senders built on a [`Channel`]).
+//! Dependencies point inwards only: `zerocopy` uses this file, never the
+//! reverse. Other ways to connect and accept the channels (TLS, vsock, an
+//! inherited fd) belong here as siblings of [`zerocopy`].
+
+pub mod zerocopy;
 
 use std::fmt;
 use std::io::{self, Read, Write};

@@ -1,5 +1,5 @@
-//! Zero-copy sends on the page channels: `MSG_ZEROCOPY` with continuous
-//! reaping of completion notifications and honest accounting.
+//! `MSG_ZEROCOPY` sends with continuous reaping of completion
+//! notifications and honest accounting.
 //!
 //! # How it works
 //! A page batch goes out as a small header, copied with an ordinary
@@ -27,24 +27,18 @@
 //! * **Flush**: [`ZeroCopySender::flush`] waits for every outstanding send;
 //!   call it at each iteration sync and before switch-over.
 //!
-//! # Why later guest writes are harmless
-//! With `MSG_ZEROCOPY` the NIC reads the page some time after `sendmsg`
-//! returned, so a vCPU write in between may be transmitted. That is the same
-//! situation as a write just before a copying `sendmsg`: the page was dirtied
-//! after the dirty log was harvested, so it is in the next iteration's dirty
-//! set and is sent again, and the channel's sync barrier orders the two
-//! copies. In the final iteration the guest is paused, so nothing changes
-//! under the send, and [`ZeroCopySender::flush`] runs before switch-over.
-//! Memory safety does not depend on completion either: the kernel holds its
-//! own references on the pinned pages, so even an unmapped page stays valid
-//! for the kernel until it is sent.
+//! Why later guest writes are harmless is explained in
+//! [`crate::transport::zerocopy`].
 
 use std::collections::VecDeque;
 use std::io;
 use std::os::fd::RawFd;
 use std::time::{Duration, Instant};
 
-use crate::error::ChannelError;
+use super::{
+    DEFAULT_FLUSH_TIMEOUT, KERNEL_PAGE, MIN_WINDOW_BYTES, ZeroCopyError, ZeroCopyStats,
+    kernel_charge,
+};
 use crate::transport::{Channel, Segment};
 
 /// `SO_ZEROCOPY` socket option (asm-generic value, x86-64 and aarch64).
@@ -53,257 +47,12 @@ const SO_ZEROCOPY: libc::c_int = 60;
 pub const SO_EE_ORIGIN_ZEROCOPY: u8 = 5;
 /// `ee_code` bit: the kernel copied the data after all.
 pub const SO_EE_CODE_ZEROCOPY_COPIED: u8 = 1;
-
-/// Page size the kernel uses for locked-memory accounting.
-pub(crate) const KERNEL_PAGE: usize = 4096;
-/// `CAP_IPC_LOCK` bit in `CapEff`.
-const CAP_IPC_LOCK: u32 = 14;
-/// Smallest window accepted: a few pages per send must fit.
-pub const MIN_WINDOW_BYTES: usize = 256 * 1024;
 /// How many ENOBUFS in a row (with reaping in between) before giving up.
 const MAX_ENOBUFS_RETRIES: u32 = 200;
 /// How long one ENOBUFS retry waits for notifications.
 const ENOBUFS_WAIT: Duration = Duration::from_millis(10);
-/// Default time [`ZeroCopySender::flush`] (and a full window) may wait.
-pub const DEFAULT_FLUSH_TIMEOUT: Duration = Duration::from_secs(30);
 
-/// What can go wrong with zero-copy sends.
-#[derive(Debug, thiserror::Error)]
-pub enum ZeroCopyError {
-    /// `setsockopt(SO_ZEROCOPY)` failed.
-    #[error(
-        "the kernel refused SO_ZEROCOPY on channel {index}: {source}; zero-copy needs Linux ≥ 4.14 and a TCP socket"
-    )]
-    Refused {
-        /// Page channel number (1-based, as in the other channel errors).
-        index: usize,
-        /// The kernel's error.
-        source: io::Error,
-    },
-    /// The channel is a Unix socket.
-    #[error(
-        "--zero-copy needs TCP page channels, but channel {index} is a Unix socket (unix:): Unix sockets do not support MSG_ZEROCOPY; use a tcp: address or drop --zero-copy"
-    )]
-    UnixSocket {
-        /// Page channel number.
-        index: usize,
-    },
-    /// The window is too small to send anything.
-    #[error("the zero-copy window of {window} bytes is too small: use at least {minimum} bytes")]
-    WindowTooSmall {
-        /// Requested window.
-        window: usize,
-        /// Smallest accepted window.
-        minimum: usize,
-    },
-    /// Not enough lockable memory for the in-flight window.
-    #[error(
-        "RLIMIT_MEMLOCK is {current} but --zero-copy keeps up to {needed} bytes of guest memory pinned in flight; raise the limit (`ulimit -l {needed_kib}` in the shell, LimitMEMLOCK={needed} in a systemd unit), grant CAP_IPC_LOCK, or lower the zero-copy window"
-    )]
-    Memlock {
-        /// The soft limit, in bytes, as text.
-        current: String,
-        /// Bytes needed.
-        needed: u64,
-        /// The same in KiB, the unit of `ulimit -l`.
-        needed_kib: u64,
-    },
-    /// Sending failed.
-    #[error("zero-copy send on channel {index} failed")]
-    Send {
-        /// Page channel number.
-        index: usize,
-        /// The error.
-        source: io::Error,
-    },
-    /// The kernel kept answering ENOBUFS.
-    #[error(
-        "zero-copy send on channel {index} still failed with ENOBUFS after {retries} retries with {outstanding} sends in flight: the per-socket notification memory (net.core.optmem_max) or the locked-memory limit (RLIMIT_MEMLOCK) is exhausted; raise them or lower the zero-copy window"
-    )]
-    NoBuffers {
-        /// Page channel number.
-        index: usize,
-        /// Retries made.
-        retries: u32,
-        /// Sends still in flight at the end.
-        outstanding: usize,
-    },
-    /// Reading the error queue failed.
-    #[error("reading zero-copy notifications on channel {index} failed")]
-    ErrorQueue {
-        /// Page channel number.
-        index: usize,
-        /// The error.
-        source: io::Error,
-    },
-    /// A notification named ids that are not in flight.
-    #[error(
-        "channel {index}: zero-copy notification for ids {first}..={last}, but only {in_flight} sends from id {oldest} are in flight"
-    )]
-    UnknownIds {
-        /// Page channel number.
-        index: usize,
-        /// First id reported.
-        first: u32,
-        /// Last id reported.
-        last: u32,
-        /// Oldest id in flight.
-        oldest: u32,
-        /// Sends in flight.
-        in_flight: usize,
-    },
-    /// Completions did not arrive in time.
-    #[error(
-        "channel {index}: {outstanding} zero-copy sends ({bytes} bytes) were not completed within {seconds:.1} s; is the peer still reading?"
-    )]
-    CompletionTimeout {
-        /// Page channel number.
-        index: usize,
-        /// Sends still in flight.
-        outstanding: usize,
-        /// Their payload bytes.
-        bytes: u64,
-        /// How long we waited.
-        seconds: f64,
-    },
-    /// io_uring, or its `SENDMSG_ZC` opcode, cannot be used here.
-    #[error("io_uring SENDMSG_ZC is not available: {reason}")]
-    UringUnavailable {
-        /// Why, with what to do about it.
-        reason: String,
-    },
-    /// The io_uring instance of a channel failed.
-    #[error("io_uring on channel {index} failed")]
-    Ring {
-        /// Page channel number.
-        index: usize,
-        /// The error.
-        source: io::Error,
-    },
-}
-
-impl ZeroCopyError {
-    /// The error as a [`ChannelError`], for `MigrationError::Channel`.
-    pub fn into_channel_error(self) -> ChannelError {
-        match self {
-            Self::Send { source, .. }
-                if matches!(
-                    source.kind(),
-                    io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut
-                ) =>
-            {
-                ChannelError::Timeout("the peer (I/O timed out)")
-            }
-            Self::Send { source, .. } => ChannelError::Io(source),
-            other => ChannelError::Io(io::Error::other(other)),
-        }
-    }
-}
-
-/// Accounting of one channel's zero-copy sends.
-#[derive(Clone, Copy, Debug, Default, PartialEq, serde::Serialize, serde::Deserialize)]
-#[serde(rename_all = "kebab-case")]
-pub struct ZeroCopyStats {
-    /// `sendmsg(MSG_ZEROCOPY)` calls that sent something (one id each).
-    pub sends_queued: u64,
-    /// Of those, completed (notification received).
-    pub sends_completed: u64,
-    /// Of those, completed with `SO_EE_CODE_ZEROCOPY_COPIED`: the kernel
-    /// copied after all. When the kernel merges adjacent completions into
-    /// one range, the whole range carries the flag of its first completion.
-    pub sends_copied: u64,
-    /// Payload bytes sent with `MSG_ZEROCOPY` (copied or not).
-    pub zero_copy_bytes: u64,
-    /// Of those, bytes in sends reported as copied.
-    pub copied_bytes: u64,
-    /// Header bytes sent with ordinary, copying sends.
-    pub header_bytes: u64,
-    /// Notifications read from the error queue.
-    pub notifications: u64,
-    /// Seconds blocked waiting for completions (full window, ENOBUFS, flush).
-    pub wait_seconds: f64,
-    /// ENOBUFS answers that were handled by reaping and retrying.
-    pub enobufs_retries: u64,
-    /// Largest kernel-charged in-flight bytes seen (never above the window).
-    pub max_outstanding_bytes: u64,
-}
-
-impl ZeroCopyStats {
-    /// Adds another channel's counters (maximum for the high-water mark).
-    pub fn add(&mut self, other: &Self) {
-        self.sends_queued += other.sends_queued;
-        self.sends_completed += other.sends_completed;
-        self.sends_copied += other.sends_copied;
-        self.zero_copy_bytes += other.zero_copy_bytes;
-        self.copied_bytes += other.copied_bytes;
-        self.header_bytes += other.header_bytes;
-        self.notifications += other.notifications;
-        self.wait_seconds += other.wait_seconds;
-        self.enobufs_retries += other.enobufs_retries;
-        self.max_outstanding_bytes = self.max_outstanding_bytes.max(other.max_outstanding_bytes);
-    }
-}
-
-/// What the page channels need of a zero-copy sender; implemented by the
-/// `MSG_ZEROCOPY` sender and by the io_uring `SENDMSG_ZC` one, which the
-/// pipeline then treats alike.
-pub trait ZeroCopyTransport: Send {
-    /// Sends `header` (copied) then `pages` (zero-copy).
-    ///
-    /// # Safety
-    /// Every page segment must stay mapped and readable until
-    /// [`ZeroCopyTransport::flush`] returns.
-    unsafe fn send(&mut self, header: &[u8], pages: &[Segment]) -> Result<(), ZeroCopyError>;
-    /// Waits until every send is completed.
-    fn flush(&mut self) -> Result<(), ZeroCopyError>;
-    /// The accounting so far.
-    fn stats(&self) -> ZeroCopyStats;
-    /// The channel.
-    fn channel(&self) -> &Channel;
-    /// The channel, for control messages (sent with ordinary copies).
-    fn channel_mut(&mut self) -> &mut Channel;
-    /// Sends not completed yet.
-    fn outstanding_sends(&self) -> usize;
-    /// Kernel-charged bytes in flight.
-    fn outstanding_charge(&self) -> usize;
-}
-
-/// Implements [`ZeroCopyTransport`] by delegating to the inherent methods.
-macro_rules! impl_zero_copy_transport {
-    ($sender:ty) => {
-        impl $crate::zerocopy::ZeroCopyTransport for $sender {
-            unsafe fn send(
-                &mut self,
-                header: &[u8],
-                pages: &[$crate::transport::Segment],
-            ) -> Result<(), $crate::zerocopy::ZeroCopyError> {
-                // SAFETY: the caller upholds the same contract.
-                unsafe { <$sender>::send(self, header, pages) }
-            }
-            fn flush(&mut self) -> Result<(), $crate::zerocopy::ZeroCopyError> {
-                <$sender>::flush(self)
-            }
-            fn stats(&self) -> $crate::zerocopy::ZeroCopyStats {
-                <$sender>::stats(self)
-            }
-            fn channel(&self) -> &$crate::transport::Channel {
-                <$sender>::channel(self)
-            }
-            fn channel_mut(&mut self) -> &mut $crate::transport::Channel {
-                <$sender>::channel_mut(self)
-            }
-            fn outstanding_sends(&self) -> usize {
-                <$sender>::outstanding_sends(self)
-            }
-            fn outstanding_charge(&self) -> usize {
-                <$sender>::outstanding_charge(self)
-            }
-        }
-    };
-}
-pub(crate) use impl_zero_copy_transport;
-
-impl_zero_copy_transport!(ZeroCopySender);
+super::impl_zero_copy_transport!(ZeroCopySender);
 
 /// One completion notification: ids `first..=last` (modulo 2³²) are done.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -321,12 +70,6 @@ impl Notification {
     pub fn count(&self) -> u64 {
         u64::from(self.last.wrapping_sub(self.first)) + 1
     }
-}
-
-/// Bytes the kernel charges against `RLIMIT_MEMLOCK` for one zero-copy send
-/// of `len` bytes: whole pages plus two (the kernel's own rounding slack).
-pub fn kernel_charge(len: usize) -> usize {
-    (len / KERNEL_PAGE + 2) * KERNEL_PAGE
 }
 
 /// Parses a `recvmsg(MSG_ERRQUEUE)` control buffer into zero-copy
@@ -871,186 +614,11 @@ fn socket_error(fd: RawFd) -> Option<io::Error> {
     (value != 0).then(|| io::Error::from_raw_os_error(value))
 }
 
-/// Checks that `window_bytes` (the total over all zero-copy channels) can be
-/// pinned: the `RLIMIT_MEMLOCK` soft limit is at least that large, or the
-/// process has `CAP_IPC_LOCK` (the kernel then does not account).
-pub fn check_memlock(window_bytes: usize) -> Result<(), ZeroCopyError> {
-    // SAFETY: an all-zero rlimit is valid.
-    let mut limit: libc::rlimit = unsafe { std::mem::zeroed() };
-    // SAFETY: `limit` is valid for writes.
-    let result = unsafe { libc::getrlimit(libc::RLIMIT_MEMLOCK, &mut limit) };
-    let soft = if result != 0 || limit.rlim_cur == libc::RLIM_INFINITY {
-        None
-    } else {
-        Some(limit.rlim_cur)
-    };
-    memlock_verdict(window_bytes, soft, has_cap_ipc_lock())
-}
-
-/// The decision of [`check_memlock`]: `soft_limit` is `None` for unlimited.
-pub fn memlock_verdict(
-    window_bytes: usize,
-    soft_limit: Option<u64>,
-    cap_ipc_lock: bool,
-) -> Result<(), ZeroCopyError> {
-    let needed = window_bytes as u64;
-    match soft_limit {
-        _ if cap_ipc_lock => Ok(()),
-        None => Ok(()),
-        Some(limit) if limit >= needed => Ok(()),
-        Some(limit) => Err(ZeroCopyError::Memlock {
-            current: format!("{limit} bytes"),
-            needed,
-            needed_kib: needed.div_ceil(1024),
-        }),
-    }
-}
-
-/// Whether the calling thread's effective capability set holds
-/// `CAP_IPC_LOCK` (capabilities are per thread, and the kernel checks the
-/// sending thread's; `/proc/self` would show the main thread's).
-pub fn has_cap_ipc_lock() -> bool {
-    let Ok(status) = std::fs::read_to_string("/proc/thread-self/status")
-        .or_else(|_| std::fs::read_to_string("/proc/self/status"))
-    else {
-        return false;
-    };
-    status
-        .lines()
-        .find_map(|line| line.strip_prefix("CapEff:"))
-        .and_then(|hex| u64::from_str_radix(hex.trim(), 16).ok())
-        .is_some_and(|caps| caps & (1 << CAP_IPC_LOCK) != 0)
-}
-
-/// Rejects option combinations that cannot work with zero-copy, naming both
-/// options.
-pub fn check_combination(
-    zero_copy: bool,
-    compression: bool,
-    encryption: bool,
-) -> Result<(), String> {
-    if zero_copy && compression {
-        return Err(
-            "--zero-copy cannot be combined with --compression: compressed pages are \
-                    built in a private buffer, there is nothing to send from guest memory"
-                .to_string(),
-        );
-    }
-    if zero_copy && encryption {
-        return Err(
-            "--zero-copy cannot be combined with encryption (--tls): encrypted pages \
-                    are built in a private buffer, there is nothing to send from guest memory"
-                .to_string(),
-        );
-    }
-    Ok(())
-}
-
-/// Helpers for the tests of both zero-copy senders.
-#[cfg(test)]
-pub(crate) mod test_support {
-    use std::time::Duration;
-
-    use super::{KERNEL_PAGE, ZeroCopyStats, ZeroCopyTransport};
-    use crate::error::ChannelError;
-    use crate::transport::{Address, Channel, Listener, Segment};
-
-    /// A connected loopback TCP pair.
-    pub fn tcp_pair() -> (Channel, Channel) {
-        let listener = Listener::bind(&Address::Tcp("127.0.0.1:0".into())).unwrap();
-        let address = listener.local_address().unwrap();
-        let client = Channel::connect(&address, Duration::from_secs(5)).unwrap();
-        let server = listener.accept_timeout(Duration::from_secs(5)).unwrap();
-        client.set_timeouts(Duration::from_secs(20)).unwrap();
-        server.set_timeouts(Duration::from_secs(20)).unwrap();
-        (client, server)
-    }
-
-    fn page_byte(page: usize, offset: usize) -> u8 {
-        (page.wrapping_mul(131) ^ offset.wrapping_mul(7)) as u8
-    }
-
-    /// Sends `pages` scattered pages in batches of 48 with an 8-byte header
-    /// (the batch number, rewritten in one reused buffer, so a sender that
-    /// kept pointing at it would send the wrong number) through the sender
-    /// `enable` makes with `window` bytes; a reader checks every byte.
-    pub fn round_trip<S: ZeroCopyTransport>(
-        enable: impl FnOnce(Channel) -> S,
-        window: usize,
-        pages: usize,
-        slow_reader: bool,
-    ) -> ZeroCopyStats {
-        let (client, mut server) = tcp_pair();
-        let memory: Vec<u8> = (0..pages * KERNEL_PAGE)
-            .map(|i| page_byte(i / KERNEL_PAGE, i % KERNEL_PAGE))
-            .collect();
-        // Batch b holds pages b, b + stride, ... : scattered segments.
-        let stride = 16;
-        let order: Vec<usize> = (0..stride)
-            .flat_map(|start| (start..pages).step_by(stride))
-            .collect();
-        let batches: Vec<Vec<usize>> = order.chunks(48).map(<[usize]>::to_vec).collect();
-        let expected = batches.clone();
-        let reader = std::thread::spawn(move || {
-            let mut page = vec![0u8; KERNEL_PAGE];
-            for (number, batch) in expected.iter().enumerate() {
-                let mut header = [0u8; 8];
-                server.read_exact(&mut header).unwrap();
-                assert_eq!(u64::from_le_bytes(header), number as u64);
-                for &index in batch {
-                    server.read_exact(&mut page).unwrap();
-                    assert!(
-                        page.iter()
-                            .enumerate()
-                            .all(|(offset, &byte)| byte == page_byte(index, offset)),
-                        "page {index} corrupted"
-                    );
-                }
-                if slow_reader && number % 8 == 0 {
-                    std::thread::sleep(Duration::from_millis(2));
-                }
-            }
-            let mut end = [0u8; 1];
-            assert!(matches!(
-                server.read_exact(&mut end),
-                Err(ChannelError::Closed)
-            ));
-        });
-        let mut sender = enable(client);
-        let mut header = [0u8; 8];
-        let mut max_seen = 0;
-        for (number, batch) in batches.iter().enumerate() {
-            let segments: Vec<Segment> = batch
-                .iter()
-                .map(|&index| Segment {
-                    ptr: memory[index * KERNEL_PAGE..].as_ptr(),
-                    len: KERNEL_PAGE,
-                })
-                .collect();
-            header.copy_from_slice(&(number as u64).to_le_bytes());
-            // SAFETY: `memory` outlives the sender (flushed below) and is
-            // never written.
-            unsafe { sender.send(&header, &segments) }.unwrap();
-            max_seen = max_seen.max(sender.outstanding_charge());
-            assert!(sender.outstanding_charge() <= window);
-        }
-        sender.flush().unwrap();
-        assert_eq!(sender.outstanding_sends(), 0);
-        let stats = sender.stats();
-        sender.channel().shutdown();
-        reader.join().unwrap();
-        assert!(stats.max_outstanding_bytes as usize >= max_seen);
-        assert!(stats.max_outstanding_bytes as usize <= window, "{stats:?}");
-        assert!(stats.max_outstanding_bytes > 0);
-        assert_eq!(stats.zero_copy_bytes, (pages * KERNEL_PAGE) as u64);
-        assert_eq!(stats.header_bytes, 8 * batches.len() as u64);
-        stats
-    }
-}
-
 #[cfg(test)]
 mod tests {
-    use super::test_support::{round_trip as round_trip_with, tcp_pair};
+    use std::time::Duration;
+
+    use super::super::test_support::{round_trip as round_trip_with, tcp_pair};
     use super::*;
     use crate::transport::{Address, Listener};
 
@@ -1096,7 +664,7 @@ mod tests {
         let error = ZeroCopySender::enable(client, 3, 1 << 20).unwrap_err();
         assert!(matches!(error, ZeroCopyError::UnixSocket { index: 3 }));
         let message = error.to_string();
-        assert!(message.contains("--zero-copy") && message.contains("unix:"));
+        assert!(message.contains("zero_copy") && message.contains("unix:"));
         assert!(message.contains("channel 3"));
     }
 
@@ -1107,43 +675,6 @@ mod tests {
         assert!(matches!(error, ZeroCopyError::WindowTooSmall { .. }));
     }
 
-    #[test]
-    fn memlock_check_names_the_limit() {
-        let error = memlock_verdict(64 << 20, Some(8 << 20), false).unwrap_err();
-        let message = error.to_string();
-        assert!(message.contains("RLIMIT_MEMLOCK"), "{message}");
-        assert!(message.contains("8388608 bytes"), "{message}");
-        assert!(message.contains("ulimit -l 65536"), "{message}");
-        assert!(message.contains("LimitMEMLOCK=67108864"), "{message}");
-        assert!(message.contains("CAP_IPC_LOCK"), "{message}");
-        assert!(memlock_verdict(8 << 20, Some(8 << 20), false).is_ok());
-        assert!(memlock_verdict(64 << 20, Some(8 << 20), true).is_ok());
-        assert!(memlock_verdict(64 << 20, None, false).is_ok());
-        // The real check agrees with the capability and the real limit.
-        let huge = usize::MAX / 2;
-        assert_eq!(
-            check_memlock(huge).is_ok(),
-            has_cap_ipc_lock() || {
-                // SAFETY: an all-zero rlimit is valid and getrlimit writes it.
-                let mut limit: libc::rlimit = unsafe { std::mem::zeroed() };
-                // SAFETY: `limit` is valid for writes.
-                unsafe { libc::getrlimit(libc::RLIMIT_MEMLOCK, &mut limit) };
-                limit.rlim_cur == libc::RLIM_INFINITY
-            }
-        );
-    }
-
-    #[test]
-    fn combinations_name_both_options() {
-        assert!(check_combination(true, false, false).is_ok());
-        assert!(check_combination(false, true, true).is_ok());
-        let message = check_combination(true, true, false).unwrap_err();
-        assert!(message.contains("--zero-copy") && message.contains("--compression"));
-        let message = check_combination(true, false, true).unwrap_err();
-        assert!(message.contains("--zero-copy") && message.contains("encryption"));
-    }
-
-    /// A control buffer with one cmsg per `(level, type, origin, code,
     /// first, last)`.
     fn control(entries: &[(i32, i32, u8, u8, u32, u32)]) -> Vec<u8> {
         let align = std::mem::size_of::<usize>();
@@ -1277,30 +808,13 @@ mod tests {
         assert_eq!(sender.outstanding_sends(), 0);
         assert_eq!(sender.outstanding_charge(), 0);
     }
-
-    #[test]
-    fn measurement_helper_runs() {
-        use crate::zerocopy_measure::{SendMode, measure_cpu_per_gib};
-        let plain = measure_cpu_per_gib(8 << 20, SendMode::Plain).unwrap();
-        assert!(plain.stats.is_none());
-        let zero = measure_cpu_per_gib(
-            8 << 20,
-            SendMode::ZeroCopy {
-                window_bytes: 1 << 20,
-            },
-        )
-        .unwrap();
-        let stats = zero.stats.unwrap();
-        assert_eq!(stats.zero_copy_bytes, 8 << 20);
-        assert_eq!(stats.sends_completed, stats.sends_queued);
-        assert!(zero.sender_cpu_per_gib() > 0.0);
-    }
 }
 
 /// ENOBUFS from the locked-memory limit, provoked for real in a child
 /// process (the limit is process-wide, the capability per thread).
 #[cfg(test)]
 mod enobufs_tests {
+    use super::super::{CAP_IPC_LOCK, check_memlock};
     use super::*;
     use crate::transport::{Address, Listener};
 
@@ -1397,7 +911,7 @@ mod enobufs_tests {
         let output = std::process::Command::new(std::env::current_exe().unwrap())
             .args([
                 "--exact",
-                "zerocopy::enobufs_tests::enobufs_child",
+                "transport::zerocopy::msg::enobufs_tests::enobufs_child",
                 "--ignored",
                 "--nocapture",
                 "--test-threads=1",

@@ -1,6 +1,6 @@
 //! Zero-copy sends through io_uring: `IORING_OP_SENDMSG_ZC` with
 //! `IORING_SEND_ZC_REPORT_USAGE`, the same shape and accounting as the
-//! `MSG_ZEROCOPY` sender in [`crate::zerocopy`].
+//! `MSG_ZEROCOPY` sender in [`super::msg`].
 //!
 //! # How it works
 //! A page batch goes out as **one** `SENDMSG_ZC` request per piece of at most
@@ -31,7 +31,7 @@
 //! io_uring ignores `SO_SNDTIMEO`, so waiting for a result is bounded by the
 //! flush timeout instead.
 //!
-//! Why later guest writes are harmless is explained in [`crate::zerocopy`];
+//! Why later guest writes are harmless is explained in [`crate::transport::zerocopy`];
 //! the same argument holds here.
 
 use std::collections::VecDeque;
@@ -42,10 +42,10 @@ use std::time::{Duration, Instant};
 use io_uring::types::{CancelBuilder, SubmitArgs, Timespec};
 use io_uring::{IoUring, Probe, cqueue, opcode, types};
 
-use crate::transport::{Channel, Segment};
-use crate::zerocopy::{
+use crate::transport::zerocopy::{
     DEFAULT_FLUSH_TIMEOUT, MIN_WINDOW_BYTES, ZeroCopyError, ZeroCopyStats, kernel_charge,
 };
+use crate::transport::{Channel, Segment};
 
 /// `IORING_SEND_ZC_REPORT_USAGE` (Linux 6.2): the notification tells whether
 /// the kernel copied.
@@ -75,19 +75,19 @@ pub fn availability(
         Ok(true) => return Ok(()),
         Ok(false) => "the kernel's io_uring does not support IORING_OP_SENDMSG_ZC (needs \
              Linux ≥ 6.1, and ≥ 6.2 for IORING_SEND_ZC_REPORT_USAGE); use \
-             --zero-copy-backend msg"
+             zero_copy_backend = msg"
             .to_string(),
         Err(error) if disabled != "0" => format!(
             "io_uring is disabled on this host (kernel.io_uring_disabled = {disabled}: {error}); \
              set the sysctl to 0 (or to 1 and add this user to kernel.io_uring_group), or use \
-             --zero-copy-backend msg"
+             zero_copy_backend = msg"
         ),
         Err(error) if error.raw_os_error() == Some(libc::ENOSYS) => {
-            format!("the kernel has no io_uring ({error}); use --zero-copy-backend msg")
+            format!("the kernel has no io_uring ({error}); use zero_copy_backend = msg")
         }
         Err(error) if error.raw_os_error() == Some(libc::EPERM) => format!(
             "creating an io_uring instance was refused ({error}): a seccomp filter or \
-             container policy may block io_uring; use --zero-copy-backend msg"
+             container policy may block io_uring; use zero_copy_backend = msg"
         ),
         Err(error) => format!("creating an io_uring instance failed ({error})"),
     };
@@ -132,7 +132,7 @@ impl Request {
 
 /// A page channel that sends payloads with io_uring `SENDMSG_ZC`.
 ///
-/// Use like [`crate::zerocopy::ZeroCopySender`]: [`send`](Self::send) per
+/// Use like [`crate::transport::zerocopy::ZeroCopySender`]: [`send`](Self::send) per
 /// batch, [`flush`](Self::flush) at each iteration sync and before
 /// switch-over, [`channel_mut`](Self::channel_mut) for (copied) control
 /// messages after a flush.
@@ -187,7 +187,7 @@ impl UringZeroCopySender {
     /// Fails with "io_uring SENDMSG_ZC is not available: …" when io_uring is
     /// disabled or the kernel lacks the opcode. Call when the channel
     /// connects; check `RLIMIT_MEMLOCK` with
-    /// [`check_memlock`](crate::zerocopy::check_memlock) first, as for the
+    /// [`check_memlock`](crate::transport::zerocopy::check_memlock) first, as for the
     /// `MSG_ZEROCOPY` sender.
     pub fn enable(
         channel: Channel,
@@ -322,7 +322,7 @@ impl UringZeroCopySender {
     /// [`flush`](Self::flush)).
     ///
     /// # Safety
-    /// As for [`crate::zerocopy::ZeroCopySender::send`]: every segment must
+    /// As for [`crate::transport::zerocopy::ZeroCopySender::send`]: every segment must
     /// point to `len` readable bytes of mapped memory for the duration of
     /// the call, and the caller must be prepared to resend pages written
     /// after it.
@@ -435,7 +435,7 @@ impl UringZeroCopySender {
                     error.kind(),
                     format!(
                         "{error} (IORING_SEND_ZC_REPORT_USAGE needs Linux ≥ 6.2; use \
-                         --zero-copy-backend msg)"
+                         zero_copy_backend = msg)"
                     ),
                 )
             } else {
@@ -639,13 +639,13 @@ impl Drop for UringZeroCopySender {
     }
 }
 
-crate::zerocopy::impl_zero_copy_transport!(UringZeroCopySender);
+super::impl_zero_copy_transport!(UringZeroCopySender);
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::transport::zerocopy::test_support::{round_trip as round_trip_with, tcp_pair};
     use crate::transport::{Address, Listener};
-    use crate::zerocopy::test_support::{round_trip as round_trip_with, tcp_pair};
 
     fn round_trip(window: usize, pages: usize, slow_reader: bool) -> ZeroCopyStats {
         round_trip_with(
@@ -715,7 +715,7 @@ mod tests {
             message.starts_with("io_uring SENDMSG_ZC is not available: "),
             "{message}"
         );
-        assert!(message.contains("6.1") && message.contains("--zero-copy-backend msg"));
+        assert!(message.contains("6.1") && message.contains("zero_copy_backend = msg"));
         let eperm = || io::Error::from_raw_os_error(libc::EPERM);
         let message = availability(Err(eperm()), Some("2\n"))
             .unwrap_err()
@@ -739,9 +739,9 @@ mod tests {
         if !available() {
             return;
         }
-        let measured = crate::zerocopy_measure::measure_cpu_per_gib(
+        let measured = crate::transport::zerocopy::measure_cpu_per_gib(
             8 << 20,
-            crate::zerocopy_measure::SendMode::UringZeroCopy {
+            crate::transport::zerocopy::SendMode::UringZeroCopy {
                 window_bytes: 1 << 20,
             },
         )

@@ -184,7 +184,9 @@ impl DeviceState for ArrivingVm {
     }
 }
 
-fn main() -> Result<(), Box<dyn std::error::Error>> {
+/// Migrates the guest and checks the destination; `tests/vm_memory.rs`
+/// runs it too, so the suite covers what CI runs.
+pub fn main() -> Result<(), Box<dyn std::error::Error>> {
     let memory: GuestMemoryMmap<AtomicBitmap> = GuestMemoryMmap::from_ranges(&[
         (GuestAddress(0), 32 * MIB),
         (GuestAddress(1 << 32), 16 * MIB),

@@ -74,8 +74,16 @@ fn describe<B: Bitmap>(index: usize, region: &GuestRegionMmap<B>) -> GuestResult
             GuestError::with_source(format!("region {id} has no host mapping"), error)
         })?;
     let host = NonNull::new(host).ok_or_else(|| GuestError::new("null host mapping"))?;
+    // The destination writes received pages into the mapping: a read-only
+    // one (`MmapRegionBuilder::with_mmap_prot`) would fault instead of failing.
+    let read_write = libc::PROT_READ | libc::PROT_WRITE;
+    if region.prot() & read_write != read_write {
+        return Err(GuestError::new(format!(
+            "region {id} at {guest_addr:#x} is not mapped readable and writable"
+        )));
+    }
     // SAFETY: `host..host + len` is the region's mapping, readable and
-    // writable as every `GuestRegionMmap` is; `VmMemory` keeps a clone of
+    // writable (checked above); `VmMemory` keeps a clone of
     // the memory (sharing the mapping), so it stays mapped while the regions
     // are used; `len` is a non-zero multiple of the page size (checked).
     Ok(unsafe { MemoryRegion::new(id, guest_addr, host, len) })
@@ -208,6 +216,23 @@ mod tests {
             "a sync clears the marks"
         );
         assert!(log.sync_dirty_log(&mut again[..1]).is_err());
+    }
+
+    #[test]
+    fn read_only_mappings_are_refused() {
+        let mapping = vm_memory::mmap::MmapRegionBuilder::<()>::new(1 << 20)
+            .with_mmap_prot(libc::PROT_READ)
+            .build()
+            .unwrap();
+        let region = GuestRegionMmap::new(mapping, GuestAddress(0)).unwrap();
+        let memory = GuestMemoryMmap::from_regions(vec![region]).unwrap();
+        let error = VmMemory::new(&memory).unwrap_err();
+        assert!(
+            error
+                .to_string()
+                .contains("not mapped readable and writable"),
+            "{error}"
+        );
     }
 
     #[test]

@@ -163,12 +163,7 @@ impl MemorySlot {
     /// ORs the pages written since the previous sync (or `start`) into
     /// `bitmap` and re-arms them: the guest's from KVM, the VMM's from
     /// `region`'s bitmap. Returns how many pages the guest wrote.
-    pub fn sync(
-        &mut self,
-        vm: &VmFd,
-        region: &RamRegion,
-        bitmap: &mut DirtyBitmap,
-    ) -> Result<u64> {
+    pub fn sync(&mut self, vm: &VmFd, region: &RamRegion, bitmap: &mut DirtyBitmap) -> Result<u64> {
         if !self.logging {
             return Err(VmmError::Config("the dirty log is not started".into()));
         }

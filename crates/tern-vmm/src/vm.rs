@@ -403,7 +403,10 @@ impl KvmGuest {
                 .map_err(|error| VmmError::Config(format!("loading the test guest: {error}")))
         };
         load(GDT_ADDR, &gdt_bytes)?;
-        load(CODE_ADDR, &crate::guest_code::code(config.working_set_pages))?;
+        load(
+            CODE_ADDR,
+            &crate::guest_code::code(config.working_set_pages),
+        )?;
         load(PASS_COUNTER_ADDR, &[0; 4])?;
         enter_protected_mode(&machine.vcpu)?;
         let vcpu = Vcpu::spawn(machine.vcpu, Serial::new(), machine.msrs)?;

@@ -14,8 +14,10 @@
 //! re-protects in one call. Either way a page reported by a sync was
 //! re-armed before the engine reads it, so a later write is reported by a
 //! later sync.
-
-use std::os::fd::AsRawFd;
+//!
+//! KVM does not see what the VMM itself writes into guest RAM; vm-memory's
+//! bitmap of the region does (see [`crate::memory`]), and each sync ORs it
+//! in too.
 
 use kvm_bindings::{
     KVM_CAP_MANUAL_DIRTY_LOG_PROTECT2, KVM_DIRTY_LOG_MANUAL_PROTECT_ENABLE,
@@ -23,15 +25,16 @@ use kvm_bindings::{
 };
 use kvm_ioctls::VmFd;
 use tern_engine::{DirtyBitmap, PAGE_SIZE};
+use vm_memory::GuestMemoryRegion;
 
-use crate::memory::GuestRam;
+use crate::memory::{self, RamRegion};
 use crate::{Result, VmmError};
 
-/// `KVM_CLEAR_DIRTY_LOG`: `_IOWR(KVMIO, 0xc0, struct kvm_clear_dirty_log)`.
-const KVM_CLEAR_DIRTY_LOG: libc::c_ulong = (3 << 30)
-    | ((std::mem::size_of::<kvm_clear_dirty_log>() as libc::c_ulong) << 16)
-    | (0xae << 8)
-    | 0xc0;
+/// The one KVM ioctl kvm-ioctls 0.24 does not wrap.
+mod ioctls {
+    use kvm_bindings::{KVMIO, kvm_clear_dirty_log};
+    vmm_sys_util::ioctl_iowr_nr!(KVM_CLEAR_DIRTY_LOG, KVMIO, 0xc0, kvm_clear_dirty_log);
+}
 
 /// How dirty pages are re-armed after a sync.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -84,23 +87,22 @@ pub struct MemorySlot {
 }
 
 impl MemorySlot {
-    /// Registers `ram` at guest address `guest_addr` as slot `slot`.
+    /// Registers `region` at its guest address as slot `slot`.
     ///
     /// # Safety
-    /// `ram` must stay mapped for as long as the VM `vm` may access the
+    /// `region` must stay mapped for as long as the VM `vm` may access the
     /// slot, that is until the VM is closed.
     pub unsafe fn register(
         vm: &VmFd,
         slot: u32,
-        guest_addr: u64,
-        ram: &GuestRam,
+        region: &RamRegion,
         mode: ProtectMode,
     ) -> Result<Self> {
         let slot = Self {
             slot,
-            guest_addr,
-            len: ram.len(),
-            host_addr: ram.host_ptr().as_ptr() as u64,
+            guest_addr: region.start_addr().0,
+            len: region.len(),
+            host_addr: region.as_ptr() as u64,
             mode,
             logging: false,
         };
@@ -139,11 +141,13 @@ impl MemorySlot {
     }
 
     /// Starts logging: every page is write-protected, the next sync reports
-    /// the pages written from now on.
-    pub fn start(&mut self, vm: &VmFd) -> Result<()> {
+    /// the pages written from now on, by the guest or by the VMM into
+    /// `region` (the one registered).
+    pub fn start(&mut self, vm: &VmFd, region: &RamRegion) -> Result<()> {
         // SAFETY: `self` was created by `register`, whose caller keeps the
         // mapping valid.
         unsafe { self.set(vm, KVM_MEM_LOG_DIRTY_PAGES) }?;
+        memory::forget_vmm_writes(region);
         self.logging = true;
         Ok(())
     }
@@ -157,8 +161,9 @@ impl MemorySlot {
     }
 
     /// ORs the pages written since the previous sync (or `start`) into
-    /// `bitmap` and re-arms them. Returns how many pages were dirty.
-    pub fn sync(&mut self, vm: &VmFd, bitmap: &mut DirtyBitmap) -> Result<u64> {
+    /// `bitmap` and re-arms them: the guest's from KVM, the VMM's from
+    /// `region`'s bitmap. Returns how many pages the guest wrote.
+    pub fn sync(&mut self, vm: &VmFd, region: &RamRegion, bitmap: &mut DirtyBitmap) -> Result<u64> {
         if !self.logging {
             return Err(VmmError::Config("the dirty log is not started".into()));
         }
@@ -180,6 +185,7 @@ impl MemorySlot {
         for (mine, theirs) in bitmap.words_mut().iter_mut().zip(&words) {
             *mine |= theirs;
         }
+        memory::take_vmm_writes(region, bitmap);
         Ok(dirty)
     }
 
@@ -195,7 +201,9 @@ impl MemorySlot {
         // SAFETY: `clear` describes the whole slot and points at a bitmap of
         // `pages` bits (`words` came from KVM_GET_DIRTY_LOG for this slot);
         // the kernel only reads it during the call.
-        let ret = unsafe { libc::ioctl(vm.as_raw_fd(), KVM_CLEAR_DIRTY_LOG, &clear) };
+        let ret = unsafe {
+            vmm_sys_util::ioctl::ioctl_with_ref(vm, ioctls::KVM_CLEAR_DIRTY_LOG(), &clear)
+        };
         if ret != 0 {
             return Err(VmmError::Kvm {
                 operation: "clear dirty log",

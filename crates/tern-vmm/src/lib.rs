@@ -12,7 +12,8 @@
 //! destination.
 //!
 //! The modules follow Firecracker's split of runtime structures from their
-//! saved state: [`memory`] maps guest RAM, [`vcpu`] runs the vCPU thread,
+//! saved state: [`memory`] holds guest RAM (rust-vmm's `GuestMemoryMmap`),
+//! [`vcpu`] runs the vCPU thread,
 //! [`dirty`] drives the dirty log, [`serial`] is the UART, [`state`] holds
 //! the saved forms of all of them and their encoding.
 #![warn(missing_docs)]
@@ -67,9 +68,9 @@ pub enum VmmError {
     Mmap {
         /// Size requested.
         bytes: u64,
-        /// The OS error.
+        /// vm-memory's error.
         #[source]
-        source: std::io::Error,
+        source: Box<dyn std::error::Error + Send + Sync>,
     },
     /// The memory image could not be opened or read.
     #[error("cannot use memory image {path}: {source}")]

@@ -1,171 +1,108 @@
-//! Guest RAM: an anonymous mapping, optionally starting from the contents of
-//! a memory-image file mapped privately (copy-on-write: the guest's writes
-//! never reach the file).
+//! Guest RAM as rust-vmm's [`GuestMemoryMmap`], the way an embedding VMM
+//! holds it, and the engine's view of it.
+//!
+//! The RAM is one anonymous mapping at guest address 0, optionally starting
+//! from the contents of a memory-image file mapped privately (copy-on-write:
+//! the guest's writes never reach the file). Each region carries an
+//! [`AtomicBitmap`] with one bit per tern page: vm-memory marks it on every
+//! write the VMM makes through its accessors (loading the test program,
+//! [`crate::KvmGuest::write_memory`]), which KVM's dirty log cannot see, and
+//! the dirty log ORs it in next to KVM's (see [`crate::dirty`]). The guest's
+//! own writes are only in KVM's log.
 
 use std::fs::File;
+use std::num::NonZeroUsize;
 use std::os::fd::AsRawFd;
 use std::path::Path;
 use std::ptr::NonNull;
 
-use tern_engine::PAGE_SIZE;
+use tern_engine::{DirtyBitmap, MemoryRegion, PAGE_SIZE};
+use vm_memory::bitmap::AtomicBitmap;
+use vm_memory::mmap::MmapRegionBuilder;
+use vm_memory::{
+    GuestAddress, GuestMemoryBackend, GuestMemoryMmap, GuestMemoryRegion, GuestRegionMmap,
+    MmapRegion,
+};
 
 use crate::{Result, VmmError};
 
-/// One mapping of guest RAM, unmapped on drop.
-#[derive(Debug)]
-pub struct GuestRam {
-    ptr: NonNull<u8>,
-    len: u64,
+/// Guest RAM: vm-memory regions whose bitmaps record the VMM's own writes.
+pub type GuestRam = GuestMemoryMmap<AtomicBitmap>;
+
+/// One region of [`GuestRam`].
+pub type RamRegion = GuestRegionMmap<AtomicBitmap>;
+
+/// Maps `len` bytes of zeroed anonymous memory at guest address 0.
+pub fn anonymous(len: u64) -> Result<GuestRam> {
+    into_ram(anonymous_mapping(len)?, len)
 }
 
-// SAFETY: the mapping is plain memory owned by this value; every access goes
-// through raw pointers (the vCPU writes it concurrently anyway), so moving or
-// sharing the owner between threads is sound.
-unsafe impl Send for GuestRam {}
-// SAFETY: see `Send`; `GuestRam` has no interior state besides the mapping.
-unsafe impl Sync for GuestRam {}
-
-impl GuestRam {
-    /// Maps `len` bytes of zeroed anonymous memory.
-    pub fn anonymous(len: u64) -> Result<Self> {
-        let size = checked_size(len)?;
-        // SAFETY: a fresh anonymous mapping at an address of the kernel's
-        // choosing; no existing memory is affected.
+/// Maps `len` bytes at guest address 0 whose start holds the contents of
+/// `image`, mapped with `MAP_PRIVATE`: pages are read from the file on first
+/// touch and copied on write, so the file is never modified. Past the end of
+/// the file (when it is shorter than `len`) memory is zero; a longer file is
+/// used up to `len`.
+pub fn from_image(len: u64, image: &Path) -> Result<GuestRam> {
+    let image_error = |source| VmmError::Image {
+        path: image.display().to_string(),
+        source,
+    };
+    let file = File::open(image).map_err(image_error)?;
+    let file_len = file.metadata().map_err(image_error)?.len();
+    let mapping = anonymous_mapping(len)?;
+    // A file mapping of the whole RAM would fault (SIGBUS) past the end of a
+    // shorter file, so the file covers only the start of the anonymous
+    // mapping; vm-memory builds no such layered mapping itself.
+    let mapped = file_len
+        .min(len)
+        .next_multiple_of(PAGE_SIZE as u64)
+        .min(len);
+    if mapped > 0 {
+        // SAFETY: MAP_FIXED replaces the first `mapped` bytes of the
+        // anonymous mapping built just above (`mapped <= len`), which
+        // nothing refers to yet; `MmapRegion` unmaps the whole range on drop,
+        // file pages included. Bytes of the last page past the end of the
+        // file read as zero, and no page lies wholly past it.
         let ptr = unsafe {
             libc::mmap(
-                std::ptr::null_mut(),
-                size,
+                mapping.as_ptr().cast(),
+                mapped as usize,
                 libc::PROT_READ | libc::PROT_WRITE,
-                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE,
-                -1,
+                libc::MAP_PRIVATE | libc::MAP_FIXED,
+                file.as_raw_fd(),
                 0,
             )
         };
         if ptr == libc::MAP_FAILED {
-            return Err(VmmError::Mmap {
-                bytes: len,
-                source: std::io::Error::last_os_error(),
-            });
-        }
-        let ptr = NonNull::new(ptr.cast::<u8>()).ok_or_else(|| VmmError::Mmap {
-            bytes: len,
-            source: std::io::Error::other("mmap returned null"),
-        })?;
-        Ok(Self { ptr, len })
-    }
-
-    /// Maps `len` bytes whose start holds the contents of `image`, mapped
-    /// with `MAP_PRIVATE`: pages are read from the file on first touch and
-    /// copied on write, so the file is never modified. Past the end of the
-    /// file (when it is shorter than `len`) memory is zero; a longer file is
-    /// used up to `len`.
-    pub fn from_image(len: u64, image: &Path) -> Result<Self> {
-        let image_error = |source| VmmError::Image {
-            path: image.display().to_string(),
-            source,
-        };
-        let file = File::open(image).map_err(image_error)?;
-        let file_len = file.metadata().map_err(image_error)?.len();
-        let ram = Self::anonymous(len)?;
-        let mapped = file_len
-            .min(len)
-            .next_multiple_of(PAGE_SIZE as u64)
-            .min(len);
-        if mapped > 0 {
-            // SAFETY: MAP_FIXED replaces the first `mapped` bytes of the
-            // anonymous mapping this function owns (`mapped <= len`); nothing
-            // refers to that memory yet. Bytes of the last page past the end
-            // of the file read as zero, and no page lies wholly past it.
-            let ptr = unsafe {
-                libc::mmap(
-                    ram.ptr.as_ptr().cast(),
-                    checked_size(mapped)?,
-                    libc::PROT_READ | libc::PROT_WRITE,
-                    libc::MAP_PRIVATE | libc::MAP_FIXED,
-                    file.as_raw_fd(),
-                    0,
-                )
-            };
-            if ptr == libc::MAP_FAILED {
-                return Err(image_error(std::io::Error::last_os_error()));
-            }
-        }
-        Ok(ram)
-    }
-
-    /// Host address of the first byte.
-    pub fn host_ptr(&self) -> NonNull<u8> {
-        self.ptr
-    }
-
-    /// Length in bytes.
-    pub fn len(&self) -> u64 {
-        self.len
-    }
-
-    /// Never true; for clippy's `len_without_is_empty`.
-    pub fn is_empty(&self) -> bool {
-        self.len == 0
-    }
-
-    /// Copies `bytes` into guest memory at guest offset `offset`.
-    ///
-    /// # Panics
-    /// When the range lies outside the mapping.
-    pub fn write(&self, offset: u64, bytes: &[u8]) {
-        let end = offset + bytes.len() as u64;
-        assert!(end <= self.len, "write of {offset:#x}..{end:#x} past RAM");
-        // SAFETY: the range is inside the mapping (checked above); the guest
-        // may run concurrently, so no reference is formed, only a raw copy.
-        unsafe {
-            std::ptr::copy_nonoverlapping(
-                bytes.as_ptr(),
-                self.ptr.as_ptr().add(offset as usize),
-                bytes.len(),
-            );
+            return Err(image_error(std::io::Error::last_os_error()));
         }
     }
-
-    /// Reads one byte at guest offset `offset` (volatile: the guest may be
-    /// writing it).
-    ///
-    /// # Panics
-    /// When the offset lies outside the mapping.
-    pub fn read_u8(&self, offset: u64) -> u8 {
-        assert!(offset < self.len, "read at {offset:#x} past RAM");
-        // SAFETY: inside the mapping (checked above); a volatile read of one
-        // byte tolerates concurrent writes by the vCPU.
-        unsafe { self.ptr.as_ptr().add(offset as usize).read_volatile() }
-    }
-
-    /// Reads a little-endian `u32` at guest offset `offset`, which must be
-    /// 4-byte aligned (the read is then a single, untorn load).
-    ///
-    /// # Panics
-    /// When the offset is unaligned or outside the mapping.
-    pub fn read_u32(&self, offset: u64) -> u32 {
-        assert!(offset.is_multiple_of(4) && offset + 4 <= self.len);
-        // SAFETY: inside the mapping and aligned (checked above; the mapping
-        // is page aligned); volatile because the vCPU writes it.
-        unsafe {
-            self.ptr
-                .as_ptr()
-                .add(offset as usize)
-                .cast::<u32>()
-                .read_volatile()
-        }
-    }
+    into_ram(mapping, len)
 }
 
-impl Drop for GuestRam {
-    fn drop(&mut self) {
-        // SAFETY: the mapping was created by this value with this length and
-        // nothing uses it any more (the VM and the regions handed out are
-        // dropped before the memory, see `KvmGuest`).
-        unsafe {
-            libc::munmap(self.ptr.as_ptr().cast(), self.len as usize);
-        }
-    }
+fn anonymous_mapping(len: u64) -> Result<MmapRegion<AtomicBitmap>> {
+    let size = checked_size(len)?;
+    // The bitmap's page is tern's page, so its words are laid out as a
+    // `DirtyBitmap`'s whatever the host's page size.
+    let page = NonZeroUsize::new(PAGE_SIZE).expect("PAGE_SIZE is not zero");
+    MmapRegionBuilder::new_with_bitmap(size, AtomicBitmap::new(size, page))
+        .with_mmap_prot(libc::PROT_READ | libc::PROT_WRITE)
+        .with_mmap_flags(libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE)
+        .build()
+        .map_err(|error| VmmError::Mmap {
+            bytes: len,
+            source: Box::new(error),
+        })
+}
+
+fn into_ram(mapping: MmapRegion<AtomicBitmap>, len: u64) -> Result<GuestRam> {
+    let mmap_error = |error: Box<dyn std::error::Error + Send + Sync>| VmmError::Mmap {
+        bytes: len,
+        source: error,
+    };
+    let region = GuestRegionMmap::new(mapping, GuestAddress(0))
+        .ok_or_else(|| mmap_error("the region overflows the guest address space".into()))?;
+    GuestMemoryMmap::from_regions(vec![region]).map_err(|error| mmap_error(Box::new(error)))
 }
 
 fn checked_size(len: u64) -> Result<usize> {
@@ -178,22 +115,66 @@ fn checked_size(len: u64) -> Result<usize> {
         .map_err(|_| VmmError::Config(format!("memory size {len} is too large for this host")))
 }
 
+/// The engine's regions over `ram`: one per vm-memory region, numbered in
+/// guest-address order.
+///
+/// # Safety
+/// The regions must not be used after `ram` (its last clone) is dropped.
+pub(crate) unsafe fn engine_regions(ram: &GuestRam) -> Vec<MemoryRegion> {
+    ram.iter()
+        .zip(0..)
+        .map(|(region, id)| {
+            let host = NonNull::new(region.as_ptr()).expect("a mapping never starts at address 0");
+            // SAFETY: a vm-memory mapping is readable and writable (built
+            // above), a non-zero multiple of the page size long
+            // (`checked_size`), and stays mapped as long as `ram`, which the
+            // caller promised outlives the regions.
+            unsafe { MemoryRegion::new(id, region.start_addr().0, host, region.len()) }
+        })
+        .collect()
+}
+
+/// ORs the pages the VMM wrote through vm-memory since the last call into
+/// `bitmap`, and forgets them.
+pub(crate) fn take_vmm_writes(region: &RamRegion, bitmap: &mut DirtyBitmap) {
+    let written: &MmapRegion<AtomicBitmap> = region;
+    for (mine, theirs) in bitmap
+        .words_mut()
+        .iter_mut()
+        .zip(written.bitmap().get_and_reset())
+    {
+        *mine |= theirs;
+    }
+}
+
+/// Forgets the pages the VMM wrote so far (the first pass sends them all).
+pub(crate) fn forget_vmm_writes(region: &RamRegion) {
+    let written: &MmapRegion<AtomicBitmap> = region;
+    written.bitmap().reset();
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
     use std::io::Write;
+    use std::sync::atomic::Ordering;
+    use vm_memory::Bytes;
+
+    fn byte(ram: &GuestRam, addr: u64) -> u8 {
+        ram.load(GuestAddress(addr), Ordering::Relaxed).unwrap()
+    }
 
     #[test]
     fn image_is_mapped_privately() {
         let mut file = tempfile::NamedTempFile::new().unwrap();
         let content: Vec<u8> = (0..6000u32).map(|i| (i % 251) as u8).collect();
         file.write_all(&content).unwrap();
-        let ram = GuestRam::from_image(4 * PAGE_SIZE as u64, file.path()).unwrap();
-        assert_eq!(ram.read_u8(5000), content[5000]);
-        assert_eq!(ram.read_u8(7000), 0, "past the end of the file is zero");
-        assert_eq!(ram.read_u8(3 * PAGE_SIZE as u64), 0);
-        ram.write(0, &[0xAA; 16]);
-        assert_eq!(ram.read_u8(0), 0xAA);
+        let ram = from_image(4 * PAGE_SIZE as u64, file.path()).unwrap();
+        assert_eq!(byte(&ram, 5000), content[5000]);
+        assert_eq!(byte(&ram, 7000), 0, "past the end of the file is zero");
+        assert_eq!(byte(&ram, 3 * PAGE_SIZE as u64), 0);
+        ram.write_slice(&[0xAA; 16], GuestAddress(0)).unwrap();
+        assert_eq!(byte(&ram, 0), 0xAA);
         drop(ram);
         assert_eq!(
             std::fs::read(file.path()).unwrap(),
@@ -204,7 +185,27 @@ mod tests {
 
     #[test]
     fn rejects_unaligned_sizes() {
-        assert!(GuestRam::anonymous(1000).is_err());
-        assert!(GuestRam::anonymous(0).is_err());
+        assert!(anonymous(1000).is_err());
+        assert!(anonymous(0).is_err());
+    }
+
+    #[test]
+    fn vmm_writes_reach_the_dirty_bitmap_once() {
+        let pages = 200;
+        let ram = anonymous(pages * PAGE_SIZE as u64).unwrap();
+        let region = ram.iter().next().unwrap();
+        ram.write_slice(&[1; 8], GuestAddress(0)).unwrap();
+        forget_vmm_writes(region);
+        // Across a page boundary, and a page in the second word.
+        ram.write_slice(&[2; 8], GuestAddress(5 * PAGE_SIZE as u64 - 4))
+            .unwrap();
+        ram.write_slice(&[3], GuestAddress(130 * PAGE_SIZE as u64))
+            .unwrap();
+        let mut bitmap = DirtyBitmap::new(pages);
+        take_vmm_writes(region, &mut bitmap);
+        assert_eq!(bitmap.iter_dirty().collect::<Vec<_>>(), [4, 5, 130]);
+        let mut again = DirtyBitmap::new(pages);
+        take_vmm_writes(region, &mut again);
+        assert_eq!(again.count(), 0, "taken writes are forgotten");
     }
 }

@@ -2,8 +2,9 @@
 //! and can be paused, resumed and throttled from other threads.
 //!
 //! Pausing: the controlling thread records the request, then kicks the vCPU
-//! thread with a real-time signal whose handler (installed without
-//! `SA_RESTART`) sets `kvm_run.immediate_exit`. Whether the signal lands
+//! thread with a real-time signal whose handler (installed with
+//! vmm-sys-util, which never sets `SA_RESTART`) sets
+//! `kvm_run.immediate_exit`. Whether the signal lands
 //! before `KVM_RUN` is entered (the flag makes the ioctl return at once) or
 //! during it (the ioctl returns `EINTR`), the vCPU thread leaves the guest.
 //! The thread only acknowledges the pause after a `KVM_RUN` returned
@@ -20,12 +21,13 @@
 use std::cell::Cell;
 use std::os::unix::thread::JoinHandleExt;
 use std::sync::atomic::{AtomicBool, AtomicU8, AtomicU64, Ordering};
-use std::sync::{Arc, Condvar, Mutex, MutexGuard, Once};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard, OnceLock};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use kvm_bindings::{Msrs, kvm_msr_entry, kvm_run};
 use kvm_ioctls::{VcpuExit, VcpuFd};
+use vmm_sys_util::signal::{Killable, SIGRTMIN, register_signal_handler};
 
 use crate::serial::Serial;
 use crate::state::VcpuState;
@@ -56,27 +58,35 @@ extern "C" fn kick_handler(_: libc::c_int, _: *mut libc::siginfo_t, _: *mut libc
 }
 
 fn kick_signal() -> libc::c_int {
-    vmm_sys_util::signal::SIGRTMIN()
+    SIGRTMIN()
 }
 
 /// Installs the kick signal's handler once per process.
 fn install_kick_handler() -> Result<()> {
-    static INSTALL: Once = Once::new();
-    static FAILED: AtomicBool = AtomicBool::new(false);
-    INSTALL.call_once(|| {
-        // vmm-sys-util installs it without SA_RESTART, so KVM_RUN returns
-        // EINTR instead of being restarted; the handler only performs an
-        // async-signal-safe store.
-        if vmm_sys_util::signal::register_signal_handler(kick_signal(), kick_handler).is_err() {
-            FAILED.store(true, Ordering::Relaxed);
-        }
-    });
-    if FAILED.load(Ordering::Relaxed) {
-        return Err(VmmError::Thread(
-            "cannot install the vCPU kick signal handler".into(),
-        ));
+    static INSTALLED: OnceLock<std::result::Result<(), String>> = OnceLock::new();
+    INSTALLED
+        .get_or_init(|| {
+            register_signal_handler(kick_signal(), kick_handler).map_err(|error| error.to_string())
+        })
+        .clone()
+        .map_err(|error| {
+            VmmError::Thread(format!(
+                "cannot install the vCPU kick signal handler: {error}"
+            ))
+        })
+}
+
+/// The vCPU thread as a target of the kick signal, for the throttle's
+/// ticker, which does not own the thread's `JoinHandle`.
+struct VcpuThread(libc::pthread_t);
+
+// SAFETY: the handle is the vCPU thread's, and the thread outlives every
+// `VcpuThread`: the only one lives in the ticker, which `Drop for Vcpu` joins
+// before it lets the vCPU thread end.
+unsafe impl Killable for VcpuThread {
+    fn pthread_handle(&self) -> libc::pthread_t {
+        self.0
     }
-    Ok(())
 }
 
 /// What the controller wants the vCPU thread to do.
@@ -172,12 +182,12 @@ impl Vcpu {
                 .spawn(move || run_loop(&fd, &shared))
                 .map_err(|error| VmmError::Thread(format!("cannot start the vCPU: {error}")))?
         };
-        let tid = thread.as_pthread_t();
+        let vcpu_thread = VcpuThread(thread.as_pthread_t());
         let ticker = {
             let shared = shared.clone();
             std::thread::Builder::new()
                 .name("tern-throttle".into())
-                .spawn(move || ticker_loop(&shared, tid))
+                .spawn(move || ticker_loop(&shared, &vcpu_thread))
                 .map_err(|error| VmmError::Thread(format!("cannot start the throttle: {error}")))?
         };
         let vcpu = Self {
@@ -191,17 +201,11 @@ impl Vcpu {
         Ok(vcpu)
     }
 
-    fn tid(&self) -> Option<libc::pthread_t> {
-        self.thread.as_ref().map(JoinHandleExt::as_pthread_t)
-    }
-
     fn kick(&self) {
-        if let Some(tid) = self.tid() {
-            // SAFETY: the thread is alive: it only ends when `Drop` asks it
-            // to, after which no kick is sent.
-            unsafe {
-                libc::pthread_kill(tid, kick_signal());
-            }
+        // The thread is alive while its handle is here: it only ends when
+        // `Drop` asks it to, after which no kick is sent.
+        if let Some(thread) = &self.thread {
+            let _ = thread.kill(kick_signal());
         }
     }
 
@@ -530,7 +534,7 @@ fn run_loop(fd: &Mutex<VcpuFd>, shared: &Shared) {
     set_status(shared, &mut control, VcpuStatus::Exited);
 }
 
-fn ticker_loop(shared: &Shared, tid: libc::pthread_t) {
+fn ticker_loop(shared: &Shared, vcpu_thread: &VcpuThread) {
     while !shared.ticker_exit.load(Ordering::SeqCst) {
         let percent = u32::from(shared.throttle.load(Ordering::Relaxed));
         if percent == 0 {
@@ -543,11 +547,7 @@ fn ticker_loop(shared: &Shared, tid: libc::pthread_t) {
         std::thread::sleep(THROTTLE_SLICE * (100 - percent) / 100);
         if shared.want_run.load(Ordering::SeqCst) && !shared.ticker_exit.load(Ordering::SeqCst) {
             shared.throttle_due.store(true, Ordering::Relaxed);
-            // SAFETY: the vCPU thread outlives this ticker: `Drop` joins the
-            // ticker before it lets the vCPU thread end.
-            unsafe {
-                libc::pthread_kill(tid, kick_signal());
-            }
+            let _ = vcpu_thread.kill(kick_signal());
         }
         std::thread::sleep(THROTTLE_SLICE * percent / 100);
     }

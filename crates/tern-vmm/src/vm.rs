@@ -2,6 +2,7 @@
 //! engine's guest traits over it.
 
 use std::path::PathBuf;
+use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
 use kvm_bindings::{
@@ -13,13 +14,14 @@ use tern_engine::{
     DeviceState, DirtyBitmap, DirtyLog, GuestControl, GuestMemory, GuestResult, MemoryRegion,
     PAGE_SIZE, StateSection,
 };
+use vm_memory::{Bytes, GuestAddress, GuestMemoryBackend};
 
 use crate::dirty::{MemorySlot, ProtectMode};
 use crate::guest_code::{
     CODE_ADDR, CODE_SELECTOR, DATA_SELECTOR, GDT_ADDR, PASS_COUNTER_ADDR, STACK_TOP,
     WORKING_SET_BASE, gdt,
 };
-use crate::memory::GuestRam;
+use crate::memory::{self, GuestRam, RamRegion};
 use crate::serial::Serial;
 use crate::state::{
     self, GUEST_SECTION, GuestLayout, SERIAL_SECTION, SerialState, VCPU_SECTION, VM_SECTION,
@@ -131,7 +133,7 @@ pub struct KvmGuest {
 impl std::fmt::Debug for KvmGuest {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("KvmGuest")
-            .field("memory", &self.ram.len())
+            .field("memory", &self.memory_bytes())
             .field("layout", &self.layout)
             .field("vcpu", &self.vcpu)
             .field("dirty_log", &self.slot)
@@ -211,7 +213,7 @@ fn machine() -> Result<Machine> {
 unsafe fn register_ram(vm: &VmFd, ram: &GuestRam, mode: ProtectMode) -> Result<MemorySlot> {
     let mut phases = SetupPhases::start();
     // SAFETY: the caller promised that `ram` outlives the VM.
-    let slot = unsafe { MemorySlot::register(vm, 0, 0, ram, mode) }?;
+    let slot = unsafe { MemorySlot::register(vm, 0, ram_region(ram), mode) }?;
     phases.end("memory-slot");
     Ok(slot)
 }
@@ -302,11 +304,9 @@ fn enter_protected_mode(vcpu: &VcpuFd) -> Result<()> {
     vcpu.set_regs(&regs).map_err(VmmError::kvm("set registers"))
 }
 
-fn region_of(ram: &GuestRam) -> MemoryRegion {
-    // SAFETY: the RAM mapping is readable and writable, a non-zero multiple
-    // of the page size long, and owned by the `KvmGuest` that hands the
-    // region out, so it stays mapped while the engine uses the guest.
-    unsafe { MemoryRegion::new(0, 0, ram.host_ptr(), ram.len()) }
+/// The one region of this VMM's RAM (see `memory::anonymous`).
+fn ram_region(ram: &GuestRam) -> &RamRegion {
+    ram.iter().next().expect("guest RAM has one region")
 }
 
 /// The one region length of a destination for a source with `region_lens`.
@@ -365,7 +365,7 @@ impl DestinationVm {
     /// `region_lens` (this VMM has exactly one).
     pub fn with_memory(self, region_lens: &[u64]) -> Result<KvmGuest> {
         let len = destination_len(region_lens)?;
-        let ram = GuestRam::anonymous(len)?;
+        let ram = memory::anonymous(len)?;
         // SAFETY: `ram` outlives the VM: `KvmGuest` owns both and drops the
         // VM (field `vm`) before the memory (field `ram`).
         let slot = unsafe { register_ram(&self.vm, &ram, self.mode) }?;
@@ -374,7 +374,8 @@ impl DestinationVm {
             slot,
             vm: self.vm,
             _kvm: self.kvm,
-            regions: vec![region_of(&ram)],
+            // SAFETY: `KvmGuest` owns `ram` and drops it after the regions.
+            regions: unsafe { memory::engine_regions(&ram) },
             layout: GuestLayout::default(),
             ram,
         })
@@ -389,20 +390,24 @@ impl KvmGuest {
             return Err(VmmError::KvmUnavailable);
         }
         let ram = match &config.image {
-            Some(path) => GuestRam::from_image(config.memory_bytes, path)?,
-            None => GuestRam::anonymous(config.memory_bytes)?,
+            Some(path) => memory::from_image(config.memory_bytes, path)?,
+            None => memory::anonymous(config.memory_bytes)?,
         };
         let machine = machine()?;
         // SAFETY: `ram` outlives the VM: `KvmGuest` owns both and drops the
         // VM (field `vm`) before the memory (field `ram`).
         let slot = unsafe { register_ram(&machine.vm, &ram, machine.mode) }?;
         let gdt_bytes: Vec<u8> = gdt().iter().flat_map(|entry| entry.to_le_bytes()).collect();
-        ram.write(GDT_ADDR, &gdt_bytes);
-        ram.write(
+        let load = |addr, bytes: &[u8]| {
+            ram.write_slice(bytes, GuestAddress(addr))
+                .map_err(|error| VmmError::Config(format!("loading the test guest: {error}")))
+        };
+        load(GDT_ADDR, &gdt_bytes)?;
+        load(
             CODE_ADDR,
             &crate::guest_code::code(config.working_set_pages),
-        );
-        ram.write(PASS_COUNTER_ADDR, &[0; 4]);
+        )?;
+        load(PASS_COUNTER_ADDR, &[0; 4])?;
         enter_protected_mode(&machine.vcpu)?;
         let vcpu = Vcpu::spawn(machine.vcpu, Serial::new(), machine.msrs)?;
         let guest = Self {
@@ -410,7 +415,8 @@ impl KvmGuest {
             slot,
             vm: machine.vm,
             _kvm: machine.kvm,
-            regions: vec![region_of(&ram)],
+            // SAFETY: `KvmGuest` owns `ram` and drops it after the regions.
+            regions: unsafe { memory::engine_regions(&ram) },
             layout: GuestLayout {
                 working_set_pages: config.working_set_pages,
             },
@@ -432,7 +438,14 @@ impl KvmGuest {
     /// The guest's pass counter: full passes over the working set since it
     /// booted (32 bits wide in the guest).
     pub fn pass_count(&self) -> u64 {
-        u64::from(self.ram.read_u32(PASS_COUNTER_ADDR))
+        u64::from(self.load::<u32>(PASS_COUNTER_ADDR))
+    }
+
+    /// One untorn (atomic) load: the guest may be writing the value.
+    fn load<T: vm_memory::AtomicAccess>(&self, addr: u64) -> T {
+        self.ram
+            .load(GuestAddress(addr), Ordering::Relaxed)
+            .unwrap_or_else(|error| panic!("load at {addr:#x}: {error}"))
     }
 
     /// Waits until the pass counter exceeds `than`; false on timeout or when
@@ -488,7 +501,13 @@ impl KvmGuest {
 
     /// Guest RAM in bytes.
     pub fn memory_bytes(&self) -> u64 {
-        self.ram.len()
+        self.ram.iter().map(vm_memory::GuestMemoryRegion::len).sum()
+    }
+
+    /// Guest RAM, as an embedding VMM's devices would see it. Writes through
+    /// it are marked in its bitmap and so reach the dirty log.
+    pub fn guest_memory(&self) -> &GuestRam {
+        &self.ram
     }
 
     /// Copies guest RAM at `offset` into `buf`.
@@ -496,17 +515,20 @@ impl KvmGuest {
     /// # Panics
     /// When the range lies outside RAM.
     pub fn read_memory(&self, offset: u64, buf: &mut [u8]) {
-        for (index, byte) in buf.iter_mut().enumerate() {
-            *byte = self.ram.read_u8(offset + index as u64);
-        }
+        self.ram
+            .read_slice(buf, GuestAddress(offset))
+            .unwrap_or_else(|error| panic!("read at {offset:#x}: {error}"));
     }
 
-    /// Copies `bytes` into guest RAM at `offset`.
+    /// Copies `bytes` into guest RAM at `offset`; a migration running from
+    /// this guest sends them again.
     ///
     /// # Panics
     /// When the range lies outside RAM.
     pub fn write_memory(&self, offset: u64, bytes: &[u8]) {
-        self.ram.write(offset, bytes);
+        self.ram
+            .write_slice(bytes, GuestAddress(offset))
+            .unwrap_or_else(|error| panic!("write at {offset:#x}: {error}"));
     }
 
     /// The QEMU-style check of the working set, best called while paused:
@@ -521,7 +543,7 @@ impl KvmGuest {
             return Err("the test guest's layout is unknown (no state restored)".into());
         }
         let bytes: Vec<u8> = (0..pages)
-            .map(|page| self.ram.read_u8(WORKING_SET_BASE + u64::from(page) * PAGE))
+            .map(|page| self.load::<u8>(WORKING_SET_BASE + u64::from(page) * PAGE))
             .collect();
         Ok(check_working_set(&bytes, self.pass_count()))
     }
@@ -579,7 +601,7 @@ impl KvmGuest {
         let vm = VmState::from_section(state::find(sections, VM_SECTION)?)?;
         let vcpu = VcpuState::from_section(state::find(sections, VCPU_SECTION)?)?;
         let serial = SerialState::from_section(state::find(sections, SERIAL_SECTION)?)?;
-        if u64::from(layout.working_set_pages) * PAGE + WORKING_SET_BASE > self.ram.len() {
+        if u64::from(layout.working_set_pages) * PAGE + WORKING_SET_BASE > self.memory_bytes() {
             return Err(VmmError::BadState {
                 section: GUEST_SECTION.into(),
                 reason: "the working set does not fit this VM's memory".into(),
@@ -645,7 +667,7 @@ impl GuestMemory for KvmGuest {
 
 impl DirtyLog for KvmGuest {
     fn start_dirty_log(&mut self) -> GuestResult<()> {
-        Ok(self.slot.start(&self.vm)?)
+        Ok(self.slot.start(&self.vm, ram_region(&self.ram))?)
     }
 
     fn sync_dirty_log(&mut self, bitmaps: &mut [DirtyBitmap]) -> GuestResult<()> {
@@ -656,7 +678,7 @@ impl DirtyLog for KvmGuest {
             ))
             .into());
         };
-        self.slot.sync(&self.vm, bitmap)?;
+        self.slot.sync(&self.vm, ram_region(&self.ram), bitmap)?;
         Ok(())
     }
 

@@ -95,6 +95,25 @@ fn dirty_log_reports_the_working_set_and_not_the_rest() {
         .sync_dirty_log(std::slice::from_mut(&mut after))
         .unwrap();
     assert_eq!(after.count(), 0, "a paused guest dirties nothing");
+    // KVM does not see the VMM's own writes; vm-memory's bitmap does.
+    let vmm_page = 40 * MIB / 4096;
+    guest.write_memory(vmm_page * 4096 + 100, &[7, 8]);
+    let mut buf = [0; 2];
+    guest.read_memory(vmm_page * 4096 + 100, &mut buf);
+    assert_eq!(buf, [7, 8]);
+    guest
+        .sync_dirty_log(std::slice::from_mut(&mut after))
+        .unwrap();
+    assert_eq!(
+        after.iter_dirty().collect::<Vec<_>>(),
+        [vmm_page],
+        "the VMM's write is reported, once"
+    );
+    after.clear();
+    guest
+        .sync_dirty_log(std::slice::from_mut(&mut after))
+        .unwrap();
+    assert_eq!(after.count(), 0, "and forgotten after the sync");
     guest.resume().unwrap();
     let passes = guest.pass_count();
     assert!(guest.wait_for_pass_count_above(passes + 1, Duration::from_secs(20)));

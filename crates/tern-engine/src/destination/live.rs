@@ -215,10 +215,12 @@ fn wait_for_main(
                 return Err(MigrationError::Cancelled);
             }
             // The source closes its page channels right after telling why
-            // on this one: prefer its reason to the closed channels.
-            if main
-                .wait_readable(Duration::from_millis(500))
-                .unwrap_or(false)
+            // on this one: prefer its reason to the closed channels. A
+            // protocol violation a receiver found needs no explanation.
+            if !shared.failed_on_protocol()
+                && main
+                    .wait_readable(Duration::from_millis(500))
+                    .unwrap_or(false)
                 && let Ok(Message::Abort(abort)) = read_message(main, decoder)
             {
                 return Err(peer_aborted(abort));

@@ -156,6 +156,20 @@ impl<'a> ReceiverShared<'a> {
             .take()
     }
 
+    /// Whether the first failure is the peer breaking the protocol, which
+    /// this side found itself (so no abort from the peer will explain it).
+    pub(super) fn failed_on_protocol(&self) -> bool {
+        let failure = self.first_failure.lock().unwrap_or_else(|e| e.into_inner());
+        matches!(
+            *failure,
+            Some(MigrationError::Protocol(_))
+                | Some(MigrationError::Channel {
+                    source: ChannelError::Protocol(_),
+                    ..
+                })
+        )
+    }
+
     pub(super) fn failed(&self) -> bool {
         self.failed.load(Ordering::Acquire) || self.cancel.is_cancelled()
     }

@@ -19,7 +19,10 @@ fn main() -> std::io::Result<()> {
     // The same session with its page channels swapped, and with one channel.
     let swapped = [pages[1].clone(), pages[0].clone()];
     fs::write(session.join("swapped"), join_session_input(&main, &swapped))?;
-    fs::write(session.join("one_channel"), join_session_input(&main, &pages[..1]))?;
+    fs::write(
+        session.join("one_channel"),
+        join_session_input(&main, &pages[..1]),
+    )?;
     for (codec, name) in [
         (CodecId::Zstd, "decompress_zstd"),
         (CodecId::Deflate, "decompress_deflate"),

@@ -41,9 +41,13 @@ fn start_destination() -> RunningDestination {
     let address = listener.local_address().expect("address");
     let (sender, result) = mpsc::channel();
     std::thread::spawn(move || {
-        let mut config = ReceiveConfig::default();
-        config.accept_timeout = Duration::from_secs(30);
-        config.io_timeout = Duration::from_secs(30);
+        // The rest stays default, whatever limits ReceiveConfig grows.
+        #[allow(clippy::needless_update)]
+        let config = ReceiveConfig {
+            accept_timeout: Duration::from_secs(30),
+            io_timeout: Duration::from_secs(30),
+            ..ReceiveConfig::default()
+        };
         let received = Destination::new(config).receive(&listener, |setup: &SessionSetup| {
             let lens: Vec<u64> = setup.regions.iter().map(|region| region.len).collect();
             SyntheticGuest::empty(&lens).map_err(|e| GuestError::with_source("destination", e))

@@ -20,16 +20,8 @@ fuzz_target!(|data: &[u8]| {
         codecs: 1 << codec_id::ZSTD | 1 << codec_id::DEFLATE | 1 << codec_id::LZ4,
         digest: DigestAlgorithm::Xxh3Pages,
         regions: vec![
-            RegionInfo {
-                id: 0,
-                guest_addr: 0,
-                len: 64 << 12,
-            },
-            RegionInfo {
-                id: 1,
-                guest_addr: 1 << 30,
-                len: 8 << 12,
-            },
+            RegionInfo { id: 0, guest_addr: 0, len: 64 << 12 },
+            RegionInfo { id: 1, guest_addr: 1 << 30, len: 8 << 12 },
         ],
         guest_kind: "synthetic".into(),
     };

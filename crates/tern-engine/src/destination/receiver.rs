@@ -13,6 +13,7 @@
 //! whether a compressed page decodes.
 
 use std::sync::atomic::Ordering;
+use std::time::Duration;
 
 use tern_page::codec::{CodecId, PageDecompressor};
 use tern_wire::{
@@ -48,9 +49,30 @@ pub(super) fn receive_pages(
             Packet::Sync(sync) => receiver.end_iteration(sync)?,
         }
         if let PageChannelState::Ended(last) = receiver.state {
+            refuse_trailing_bytes(&mut source, receiver.channel)?;
             return Ok(last);
         }
     }
+}
+
+/// Nothing may follow a page channel's last sync. What has arrived by then
+/// is checked (a correct source sends nothing more, so this never refuses
+/// one); what comes later is never read.
+fn refuse_trailing_bytes(
+    source: &mut impl FrameSource,
+    channel: usize,
+) -> Result<(), MigrationError> {
+    if source.wait_readable(Duration::ZERO).unwrap_or(false) {
+        let mut byte = [0u8; 1];
+        // The end of the stream, or an error, is what a closing source
+        // gives; a byte is a message after the last sync.
+        if source.read_exact(&mut byte).is_ok() {
+            return Err(MigrationError::Protocol(format!(
+                "channel {channel}: data after the last sync"
+            )));
+        }
+    }
+    Ok(())
 }
 
 /// What a page channel delivers, once decoded.
@@ -524,6 +546,15 @@ mod tests {
         assert_eq!(stats.zero_pages_cleared.load(Ordering::Relaxed), 1);
         assert_eq!(stats.normal_pages.load(Ordering::Relaxed), 2);
         assert_eq!(stats.iterations_done(), 2);
+    }
+
+    #[test]
+    fn data_after_the_last_sync_is_refused() {
+        let mut stream = sync(0, true);
+        stream.extend(sync(1, true));
+        let (result, _, _) = receive(stream);
+        let error = result.unwrap_err().to_string();
+        assert!(error.contains("channel 1: data after the last sync"), "{error}");
     }
 
     #[test]

@@ -166,6 +166,11 @@ fn read_main_channel(
     }
 }
 
+/// How long the main thread waits on the main channel between looks at the
+/// receivers once the source's completion is in: the guest is paused then,
+/// and a receiver's end must not wait for a longer poll to be noticed.
+const AFTER_COMPLETION_POLL: Duration = Duration::from_millis(1);
+
 /// After the source's completion, and until every receiver has ended, the
 /// main channel may carry only an abort: the source waits for the verdict.
 fn watch_after_completion<T>(
@@ -180,7 +185,7 @@ fn watch_after_completion<T>(
             return Ok(());
         }
         if !main
-            .wait_readable(POLL_INTERVAL)
+            .wait_readable(AFTER_COMPLETION_POLL)
             .map_err(MigrationError::channel(0))?
         {
             continue;

@@ -554,7 +554,10 @@ mod tests {
         stream.extend(sync(1, true));
         let (result, _, _) = receive(stream);
         let error = result.unwrap_err().to_string();
-        assert!(error.contains("channel 1: data after the last sync"), "{error}");
+        assert!(
+            error.contains("channel 1: data after the last sync"),
+            "{error}"
+        );
     }
 
     #[test]

@@ -58,6 +58,8 @@ pub mod config;
 pub mod destination;
 mod digest;
 pub mod error;
+#[doc(hidden)]
+pub mod fuzzing;
 pub mod guest;
 mod pipeline;
 mod ring;

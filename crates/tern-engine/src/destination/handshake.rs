@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 use tern_page::codec::CodecId;
 use tern_wire::{Abort, AbortReason, ChannelHello, FrameDecoder, Message, SessionSetup, Welcome};
 
-use super::stream::read_message;
+use super::stream::{FrameSink, FrameSource, read_message};
 use super::{Destination, POLL_INTERVAL, ReceivePhase};
 use crate::error::{ChannelError, MigrationError};
 use crate::guest::{DestinationGuest, GuestError, MemoryRegion};
@@ -52,7 +52,7 @@ impl Destination {
     /// sides agree, and welcomes the source.
     pub(super) fn greet<G, F>(
         &self,
-        main: &mut Channel,
+        main: &mut (impl FrameSource + FrameSink),
         decoder: &mut FrameDecoder,
         make_guest: F,
     ) -> Result<Greeted<G>, MigrationError>
@@ -172,7 +172,7 @@ impl Destination {
 
 /// Accepts a page channel's hello when it belongs to this session and names
 /// a channel not connected yet; returns the channel index.
-fn check_channel_hello(
+pub(super) fn check_channel_hello(
     hello: &ChannelHello,
     session_id: u64,
     count: u16,

@@ -10,13 +10,13 @@ use tern_wire::{Complete, FrameDecoder, Message};
 
 use super::POLL_INTERVAL;
 use super::handshake::peer_aborted;
+use super::order::MainChannelState;
 use super::receiver::receive_pages;
 use super::shared::ReceiverShared;
-use super::stream::read_message;
-use crate::error::MigrationError;
+use super::stream::{FrameSource, PageStream, read_message};
+use crate::error::{ChannelError, MigrationError};
 use crate::guest::StateSection;
 use crate::stats::thread_cpu_seconds;
-use crate::transport::Channel;
 
 /// What the source sent once every page channel ended.
 pub(super) struct Delivered {
@@ -28,25 +28,28 @@ pub(super) struct Delivered {
 
 /// Runs the receivers and reads the main channel until the source's
 /// `Complete`; any failure stops every thread and the first one is returned.
-pub(super) fn receive_all(
+pub(super) fn receive_all<P: PageStream>(
     shared: &ReceiverShared<'_>,
-    main: &mut Channel,
+    main: &mut impl FrameSource,
     decoder: &mut FrameDecoder,
-    channels: Vec<Channel>,
+    channels: Vec<P>,
     codecs: &[CodecId],
 ) -> Result<Delivered, MigrationError> {
-    let shutdown_handles: Vec<Channel> = channels
+    let shutdown_handles: Vec<P::Interrupt> = channels
         .iter()
         .enumerate()
         .map(|(index, channel)| {
             channel
-                .try_clone()
+                .interrupt_handle()
                 .map_err(MigrationError::channel(index + 1))
         })
         .collect::<Result<_, _>>()?;
     std::thread::scope(|scope| {
         let handles = spawn_receivers(scope, shared, channels, codecs)?;
-        let main_result = match read_main_channel(shared, main, decoder) {
+        let main_result = read_main_channel(shared, main, decoder).and_then(|done| {
+            watch_after_completion(shared, main, decoder, &handles).map(|()| done)
+        });
+        let main_result = match main_result {
             Ok(done) => Some(done),
             // A peer abort on the main channel explains whatever the
             // receivers saw next.
@@ -61,7 +64,7 @@ pub(super) fn receive_all(
         };
         if main_result.is_none() {
             for channel in &shutdown_handles {
-                channel.shutdown();
+                P::interrupt(channel);
             }
         }
         let mut final_iterations = Vec::new();
@@ -93,10 +96,10 @@ type ReceiverHandle<'scope> = ScopedJoinHandle<'scope, Result<u32, ()>>;
 
 /// Starts one receiver thread per page channel; each records its failure
 /// in `shared` (stopping the others) and its CPU time in the statistics.
-fn spawn_receivers<'scope>(
+fn spawn_receivers<'scope, P: PageStream + 'scope>(
     scope: &'scope Scope<'scope, '_>,
     shared: &'scope ReceiverShared<'_>,
-    channels: Vec<Channel>,
+    channels: Vec<P>,
     codecs: &'scope [CodecId],
 ) -> Result<Vec<ReceiverHandle<'scope>>, MigrationError> {
     let mut handles = Vec::with_capacity(channels.len());
@@ -118,16 +121,22 @@ fn spawn_receivers<'scope>(
     Ok(handles)
 }
 
-/// Reads state sections until `Complete` arrives on the main channel.
+/// Reads state sections until `Complete` arrives on the main channel,
+/// refusing anything out of order.
 fn read_main_channel(
     shared: &ReceiverShared<'_>,
-    main: &mut Channel,
+    main: &mut impl FrameSource,
     decoder: &mut FrameDecoder,
 ) -> Result<(Vec<StateSection>, Complete), MigrationError> {
     let mut sections: Vec<StateSection> = Vec::new();
+    let mut state = MainChannelState::Live;
     loop {
         wait_for_main(shared, main, decoder)?;
-        match read_message(main, decoder).map_err(MigrationError::channel(0))? {
+        let message = read_message(main, decoder).map_err(MigrationError::channel(0))?;
+        state = state
+            .next(message.kind())
+            .map_err(MigrationError::Protocol)?;
+        match message {
             Message::StateSection(section) => {
                 if sections.iter().any(|known| known.name == section.name) {
                     return Err(MigrationError::Protocol(format!(
@@ -141,9 +150,13 @@ fn read_main_channel(
                     data: section.data,
                 });
             }
-            Message::Complete(complete) => return Ok((sections, complete)),
+            Message::Complete(complete) => {
+                shared.set_final_iteration(complete.final_iteration);
+                return Ok((sections, complete));
+            }
             Message::Abort(abort) => return Err(peer_aborted(abort)),
             other => {
+                // The state machine lets nothing else through.
                 return Err(MigrationError::Protocol(format!(
                     "unexpected {:?} on the main channel",
                     other.kind()
@@ -153,11 +166,52 @@ fn read_main_channel(
     }
 }
 
+/// How long the main thread waits on the main channel between looks at the
+/// receivers once the source's completion is in: the guest is paused then,
+/// and a receiver's end must not wait for a longer poll to be noticed.
+const AFTER_COMPLETION_POLL: Duration = Duration::from_millis(1);
+
+/// After the source's completion, and until every receiver has ended, the
+/// main channel may carry only an abort: the source waits for the verdict.
+fn watch_after_completion<T>(
+    shared: &ReceiverShared<'_>,
+    main: &mut impl FrameSource,
+    decoder: &mut FrameDecoder,
+    receivers: &[ScopedJoinHandle<'_, T>],
+) -> Result<(), MigrationError> {
+    while !receivers.iter().all(ScopedJoinHandle::is_finished) {
+        if shared.failed() {
+            // The receivers have stopped or are stopping; they say why.
+            return Ok(());
+        }
+        if !main
+            .wait_readable(AFTER_COMPLETION_POLL)
+            .map_err(MigrationError::channel(0))?
+        {
+            continue;
+        }
+        let message = match read_message(main, decoder) {
+            Ok(message) => message,
+            // A source that closes its side after its completion breaks no
+            // order; sending the verdict will tell whether it is gone.
+            Err(ChannelError::Closed) => return Ok(()),
+            Err(error) => return Err(MigrationError::channel(0)(error)),
+        };
+        MainChannelState::Completed
+            .next(message.kind())
+            .map_err(MigrationError::Protocol)?;
+        if let Message::Abort(abort) = message {
+            return Err(peer_aborted(abort));
+        }
+    }
+    Ok(())
+}
+
 /// Waits for the main channel, which is silent during the whole live
 /// phase, looking at the failure flag meanwhile.
 fn wait_for_main(
     shared: &ReceiverShared<'_>,
-    main: &mut Channel,
+    main: &mut impl FrameSource,
     decoder: &mut FrameDecoder,
 ) -> Result<(), MigrationError> {
     loop {
@@ -166,10 +220,12 @@ fn wait_for_main(
                 return Err(MigrationError::Cancelled);
             }
             // The source closes its page channels right after telling why
-            // on this one: prefer its reason to the closed channels.
-            if main
-                .wait_readable(Duration::from_millis(500))
-                .unwrap_or(false)
+            // on this one: prefer its reason to the closed channels. A
+            // protocol violation a receiver found needs no explanation.
+            if !shared.failed_on_protocol()
+                && main
+                    .wait_readable(Duration::from_millis(500))
+                    .unwrap_or(false)
                 && let Ok(Message::Abort(abort)) = read_message(main, decoder)
             {
                 return Err(peer_aborted(abort));

@@ -2,7 +2,9 @@
 //! into guest memory, verify, restore and resume.
 
 mod handshake;
+mod in_memory;
 mod live;
+mod order;
 mod receiver;
 mod shared;
 mod stream;

@@ -7,9 +7,13 @@
 //! inside the region, every length matches its kind, the codec was
 //! announced (so it has a decompressor), and the lengths add up to the
 //! payload. What remains to check here is what the decoder cannot know:
-//! the iteration, and whether a compressed page decodes.
+//! the order of packets and syncs (the page channel's state machine, see
+//! `order.rs`), that no page of the packet was written in this iteration
+//! already, on this channel or another (the shared page claims), and
+//! whether a compressed page decodes.
 
 use std::sync::atomic::Ordering;
+use std::time::Duration;
 
 use tern_page::codec::{CodecId, PageDecompressor};
 use tern_wire::{
@@ -18,6 +22,7 @@ use tern_wire::{
 };
 
 use super::handshake::peer_aborted;
+use super::order::{PageChannelEvent, PageChannelState};
 use super::shared::ReceiverShared;
 use super::stream::{FrameSource, read_event};
 use crate::digest::{page_hash, zero_page_hash};
@@ -41,13 +46,33 @@ pub(super) fn receive_pages(
         shared.wait_for_data(&source, receiver.channel)?;
         match receiver.read_packet(&mut source)? {
             Packet::Pages(packet) => receiver.receive_packet(&mut source, &packet)?,
-            Packet::Sync(sync) => {
-                if let Some(last) = receiver.end_iteration(sync)? {
-                    return Ok(last);
-                }
-            }
+            Packet::Sync(sync) => receiver.end_iteration(sync)?,
+        }
+        if let PageChannelState::Ended(last) = receiver.state {
+            refuse_trailing_bytes(&mut source, receiver.channel)?;
+            return Ok(last);
         }
     }
+}
+
+/// Nothing may follow a page channel's last sync. What has arrived by then
+/// is checked (a correct source sends nothing more, so this never refuses
+/// one); what comes later is never read.
+fn refuse_trailing_bytes(
+    source: &mut impl FrameSource,
+    channel: usize,
+) -> Result<(), MigrationError> {
+    if source.wait_readable(Duration::ZERO).unwrap_or(false) {
+        let mut byte = [0u8; 1];
+        // The end of the stream, or an error, is what a closing source
+        // gives; a byte is a message after the last sync.
+        if source.read_exact(&mut byte).is_ok() {
+            return Err(MigrationError::Protocol(format!(
+                "channel {channel}: data after the last sync"
+            )));
+        }
+    }
+    Ok(())
 }
 
 /// What a page channel delivers, once decoded.
@@ -72,7 +97,7 @@ struct PageReceiver<'s, 'a> {
     index: usize,
     /// The channel's index in the protocol: `index + 1`.
     channel: usize,
-    iteration: u32,
+    state: PageChannelState,
     decoder: FrameDecoder,
     /// One per codec id the session announced.
     decompressors: [Option<PageDecompressor>; 8],
@@ -107,7 +132,7 @@ impl<'s, 'a> PageReceiver<'s, 'a> {
             shared,
             index,
             channel: index + 1,
-            iteration: 0,
+            state: PageChannelState::Iteration(0),
             decoder: FrameDecoder::with_setup(shared.setup.clone())
                 .only(PAGE_CHANNEL_FRAMES, "pages or a sync on a page channel"),
             decompressors,
@@ -125,13 +150,12 @@ impl<'s, 'a> PageReceiver<'s, 'a> {
         let event =
             read_event(source, &mut self.decoder).map_err(MigrationError::channel(channel))?;
         let packet = match event {
-            Event::Pages(packet) if packet.header.iteration != self.iteration => {
-                return Err(MigrationError::Protocol(format!(
-                    "channel {channel}: packet of iteration {} during iteration {}",
-                    packet.header.iteration, self.iteration
-                )));
+            Event::Pages(packet) => {
+                self.advance(PageChannelEvent::Pages {
+                    iteration: packet.header.iteration,
+                })?;
+                Packet::Pages(packet)
             }
-            Event::Pages(packet) => Packet::Pages(packet),
             Event::Message(Message::Sync(sync)) => Packet::Sync(sync),
             Event::Message(Message::Abort(abort)) => return Err(peer_aborted(abort)),
             // The decoder refuses every other kind at its header.
@@ -151,6 +175,26 @@ impl<'s, 'a> PageReceiver<'s, 'a> {
         Ok(packet)
     }
 
+    /// Moves the channel's state machine on, or refuses `event`.
+    fn advance(&mut self, event: PageChannelEvent) -> Result<(), MigrationError> {
+        self.state = self
+            .state
+            .next(event, self.shared.final_iteration())
+            .map_err(|refusal| {
+                MigrationError::Protocol(format!("channel {}: {refusal}", self.channel))
+            })?;
+        Ok(())
+    }
+
+    /// The iteration the channel is in.
+    fn iteration(&self) -> u32 {
+        match self.state {
+            PageChannelState::Iteration(iteration) | PageChannelState::Ended(iteration) => {
+                iteration
+            }
+        }
+    }
+
     /// Reads a packet's payload into place and applies its entries.
     fn receive_packet(
         &mut self,
@@ -160,10 +204,14 @@ impl<'s, 'a> PageReceiver<'s, 'a> {
         let region = &self.shared.regions[packet.region_index];
         let entries = self.decoder.entries();
         self.placement.place(region, entries)?;
+        claim_pages(self.shared, self.channel, packet, entries, self.iteration())?;
         // SAFETY: `place` made every segment either a whole page inside the
-        // region (bounds-checked by `page_ptr`) — within one iteration each
-        // page arrives on exactly one channel, so no other thread touches it
-        // during the read — or a slice of this receiver's own buffer.
+        // region (bounds-checked by `page_ptr`) or a slice of this
+        // receiver's own buffer. Each of those pages was claimed by this
+        // receiver just above, and claims are released only at the
+        // iteration's barrier, which this receiver has not reached: so no
+        // other thread writes the page during the read. (The guest is not
+        // running on the destination, so it does not touch it either.)
         unsafe { source.read_scattered(&self.placement.segments) }
             .map_err(MigrationError::channel(self.channel))?;
         self.decoder.consume_payload(packet.payload_len);
@@ -202,7 +250,8 @@ impl<'s, 'a> PageReceiver<'s, 'a> {
                 }
                 if populated.get(page) {
                     // SAFETY: a whole page inside the region (from
-                    // `page_ptr`), owned by this receiver for this iteration.
+                    // `page_ptr`), claimed by this receiver for this
+                    // iteration.
                     unsafe { std::ptr::write_bytes(ptr, 0, PAGE_SIZE) };
                     populated.clear(page);
                     counts.cleared += 1;
@@ -216,8 +265,8 @@ impl<'s, 'a> PageReceiver<'s, 'a> {
                     .as_deref_mut()
                     .ok_or_else(|| unannounced_codec(self.channel, packet))?;
                 // SAFETY: `ptr` is a whole page inside the region (from
-                // `page_ptr`), owned by this receiver for this iteration; the
-                // decoder writes exactly one page or fails.
+                // `page_ptr`), claimed by this receiver for this iteration;
+                // the decoder writes exactly one page or fails.
                 unsafe { decompressor.decompress_page(input, ptr) }.map_err(|error| {
                     MigrationError::Protocol(format!(
                         "channel {}: page {page} of region {}: {error}",
@@ -229,7 +278,7 @@ impl<'s, 'a> PageReceiver<'s, 'a> {
             counts.normal += 1;
             if let Some(hashes) = hashes {
                 // SAFETY: a whole page inside the region, written by this
-                // receiver just now and owned by it for this iteration.
+                // receiver just now and claimed by it for this iteration.
                 let hash = unsafe { page_hash(ptr) };
                 hashes[page as usize].store(hash, Ordering::Relaxed);
             }
@@ -238,28 +287,45 @@ impl<'s, 'a> PageReceiver<'s, 'a> {
     }
 
     /// Ends the current iteration: every receiver waits for the others, so
-    /// no page of the next iteration lands before all of this one. Returns
-    /// the iteration when it was the last.
-    fn end_iteration(&mut self, sync: Sync) -> Result<Option<u32>, MigrationError> {
-        if sync.iteration != self.iteration {
-            return Err(MigrationError::Protocol(format!(
-                "channel {}: sync for iteration {} during iteration {}",
-                self.channel, sync.iteration, self.iteration
-            )));
-        }
-        self.shared.barrier.wait()?;
+    /// no page of the next iteration lands before all of this one, and all
+    /// must agree on whether it was the last.
+    fn end_iteration(&mut self, sync: Sync) -> Result<(), MigrationError> {
+        let iteration = self.iteration();
+        self.advance(PageChannelEvent::Sync {
+            iteration: sync.iteration,
+            last: sync.last,
+        })?;
+        self.shared.end_iteration(iteration, sync.last)?;
         if self.index == 0 {
             self.shared
                 .stats
                 .iteration
-                .store(u64::from(self.iteration) + 1, Ordering::Relaxed);
+                .store(u64::from(iteration) + 1, Ordering::Relaxed);
         }
-        if sync.last {
-            return Ok(Some(self.iteration));
-        }
-        self.iteration += 1;
-        Ok(None)
+        Ok(())
     }
+}
+
+/// Claims every page of `packet` for this receiver in the current
+/// iteration, before any of its bytes is read: a page some packet of this
+/// iteration carried already, on any channel (this one included), is the
+/// peer's protocol error, and then nothing of the packet is written.
+fn claim_pages(
+    shared: &ReceiverShared<'_>,
+    channel: usize,
+    packet: &PagePacket,
+    entries: &[PageEntry],
+    iteration: u32,
+) -> Result<(), MigrationError> {
+    for entry in entries {
+        if !shared.claim(packet.region_index, u64::from(entry.page_index)) {
+            return Err(MigrationError::Protocol(format!(
+                "channel {channel}: page {} of region {} arrived twice in iteration {iteration}",
+                entry.page_index, packet.header.region_id
+            )));
+        }
+    }
+    Ok(())
 }
 
 /// A compressed page in a packet whose codec has no decompressor: the
@@ -480,6 +546,18 @@ mod tests {
         assert_eq!(stats.zero_pages_cleared.load(Ordering::Relaxed), 1);
         assert_eq!(stats.normal_pages.load(Ordering::Relaxed), 2);
         assert_eq!(stats.iterations_done(), 2);
+    }
+
+    #[test]
+    fn data_after_the_last_sync_is_refused() {
+        let mut stream = sync(0, true);
+        stream.extend(sync(1, true));
+        let (result, _, _) = receive(stream);
+        let error = result.unwrap_err().to_string();
+        assert!(
+            error.contains("channel 1: data after the last sync"),
+            "{error}"
+        );
     }
 
     #[test]

@@ -27,7 +27,18 @@ pub(super) struct ReceiverShared<'a> {
     /// after each write, so that the digest at the end costs no second pass
     /// over memory. `None` when the session does not verify.
     pub(super) page_hashes: Option<Vec<Vec<AtomicU64>>>,
-    pub(super) barrier: SyncBarrier,
+    /// The pages written in the current iteration, on any channel. A
+    /// receiver claims every page of a packet here before any byte of the
+    /// packet reaches guest memory, and the claims are released only at the
+    /// iteration's barrier, when no receiver writes. So each page has at
+    /// most one writer per iteration, which the `readv` into guest memory
+    /// and the decompression into a page rely on; a page claimed twice is
+    /// the peer's protocol error.
+    claims: Vec<AtomicBitmap>,
+    barrier: SyncBarrier,
+    /// The iteration the source's `Complete` names as final, once the main
+    /// channel has it; [`NO_FINAL_ITERATION`] before.
+    final_iteration: AtomicU64,
     failed: AtomicBool,
     /// The first failure; later ones are its consequences. Taken once per
     /// failure, never on the per-page path.
@@ -65,13 +76,55 @@ impl<'a> ReceiverShared<'a> {
                     })
                     .collect()
             }),
+            claims: regions
+                .iter()
+                .map(|region| AtomicBitmap::new(region.pages()))
+                .collect(),
             barrier: SyncBarrier::new(receivers),
+            final_iteration: AtomicU64::new(NO_FINAL_ITERATION),
             failed: AtomicBool::new(false),
             first_failure: Mutex::new(None),
             stats,
             io_timeout,
             cancel,
         }
+    }
+
+    /// Claims `page` of region `region` (an index into the setup's regions)
+    /// for the caller's writes in the current iteration; false when another
+    /// packet of this iteration, on any channel, has it already.
+    pub(super) fn claim(&self, region: usize, page: u64) -> bool {
+        self.claims[region].claim(page)
+    }
+
+    /// Ends iteration `iteration` for the caller: waits until every receiver
+    /// has ended it, then releases the iteration's page claims. Every
+    /// receiver must agree on whether it was the last.
+    pub(super) fn end_iteration(&self, iteration: u32, last: bool) -> Result<(), MigrationError> {
+        self.barrier
+            .wait(last, || {
+                for claims in &self.claims {
+                    claims.clear_all();
+                }
+            })
+            .map_err(|error| match error {
+                BarrierError::Aborted => MigrationError::Internal("another channel failed".into()),
+                BarrierError::Disagreement => MigrationError::Protocol(format!(
+                    "the page channels disagree on whether iteration {iteration} is the last"
+                )),
+            })
+    }
+
+    /// Records the final iteration the source's `Complete` names, so that
+    /// the receivers refuse anything beyond it.
+    pub(super) fn set_final_iteration(&self, iteration: u32) {
+        self.final_iteration
+            .store(u64::from(iteration), Ordering::Release);
+    }
+
+    /// The final iteration the source named, if its `Complete` came.
+    pub(super) fn final_iteration(&self) -> Option<u32> {
+        u32::try_from(self.final_iteration.load(Ordering::Acquire)).ok()
     }
 
     /// Records `error` if it is the first failure, and stops everyone.
@@ -101,6 +154,20 @@ impl<'a> ReceiverShared<'a> {
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .take()
+    }
+
+    /// Whether the first failure is the peer breaking the protocol, which
+    /// this side found itself (so no abort from the peer will explain it).
+    pub(super) fn failed_on_protocol(&self) -> bool {
+        let failure = self.first_failure.lock().unwrap_or_else(|e| e.into_inner());
+        matches!(
+            *failure,
+            Some(MigrationError::Protocol(_))
+                | Some(MigrationError::Channel {
+                    source: ChannelError::Protocol(_),
+                    ..
+                })
+        )
     }
 
     pub(super) fn failed(&self) -> bool {
@@ -138,6 +205,9 @@ impl<'a> ReceiverShared<'a> {
     }
 }
 
+/// [`ReceiverShared::final_iteration`] before the source names it.
+const NO_FINAL_ITERATION: u64 = u64::MAX;
+
 /// A bitmap threads update concurrently without locks.
 pub(super) struct AtomicBitmap {
     words: Vec<AtomicU64>,
@@ -162,6 +232,25 @@ impl AtomicBitmap {
         }
     }
 
+    /// Sets `page`'s bit; true if it was clear, that is if this call
+    /// claimed the page. One atomic read-modify-write, so of two threads
+    /// claiming the same page exactly one wins.
+    fn claim(&self, page: u64) -> bool {
+        let bit = 1 << (page % 64);
+        self.words
+            .get((page / 64) as usize)
+            .is_some_and(|word| word.fetch_or(bit, Ordering::Relaxed) & bit == 0)
+    }
+
+    /// Clears every bit. Called only while no thread claims (inside the
+    /// barrier, by its last arrival), so plain stores suffice; the barrier's
+    /// mutex orders them before the next iteration's claims.
+    fn clear_all(&self) {
+        for word in &self.words {
+            word.store(0, Ordering::Relaxed);
+        }
+    }
+
     pub(super) fn get(&self, page: u64) -> bool {
         self.words
             .get((page / 64) as usize)
@@ -174,39 +263,67 @@ impl AtomicBitmap {
 /// once per iteration, not per page, so a mutex is fine here.
 pub(super) struct SyncBarrier {
     parties: usize,
-    state: Mutex<(usize, u64)>,
+    state: Mutex<BarrierState>,
     condvar: Condvar,
     aborted: AtomicBool,
 }
 
+#[derive(Default)]
+struct BarrierState {
+    /// Parties waiting in the current generation.
+    arrived: usize,
+    /// How many of them said their sync was the last.
+    last: usize,
+    /// Generations completed.
+    generation: u64,
+    /// Whether the parties of the generation completed last agreed on
+    /// "last"; stays valid until all of them have left, since the next
+    /// generation cannot complete without each of them.
+    agreed: bool,
+}
+
+/// Why [`SyncBarrier::wait`] did not pass.
+#[derive(Debug, PartialEq, Eq)]
+pub(super) enum BarrierError {
+    /// Another thread failed.
+    Aborted,
+    /// Some parties said "last" and others did not.
+    Disagreement,
+}
+
 impl SyncBarrier {
-    fn new(parties: usize) -> Self {
+    pub(super) fn new(parties: usize) -> Self {
         Self {
             parties,
-            state: Mutex::new((0, 0)),
+            state: Mutex::new(BarrierState::default()),
             condvar: Condvar::new(),
             aborted: AtomicBool::new(false),
         }
     }
 
-    fn abort(&self) {
+    pub(super) fn abort(&self) {
         self.aborted.store(true, Ordering::Release);
         self.condvar.notify_all();
     }
 
-    pub(super) fn wait(&self) -> Result<(), MigrationError> {
+    /// Waits for every party. The last to arrive runs `release` before
+    /// letting the others go, while all of them are inside the barrier.
+    pub(super) fn wait(&self, last: bool, release: impl FnOnce()) -> Result<(), BarrierError> {
         let mut state = self.state.lock().unwrap_or_else(|e| e.into_inner());
-        let generation = state.1;
-        state.0 += 1;
-        if state.0 == self.parties {
-            state.0 = 0;
-            state.1 += 1;
+        let generation = state.generation;
+        state.arrived += 1;
+        state.last += usize::from(last);
+        if state.arrived == self.parties {
+            release();
+            state.agreed = state.last == 0 || state.last == self.parties;
+            state.arrived = 0;
+            state.last = 0;
+            state.generation += 1;
             self.condvar.notify_all();
-            return Ok(());
         }
-        while state.1 == generation {
+        while state.generation == generation {
             if self.aborted.load(Ordering::Acquire) {
-                return Err(MigrationError::Internal("another channel failed".into()));
+                return Err(BarrierError::Aborted);
             }
             state = self
                 .condvar
@@ -214,6 +331,83 @@ impl SyncBarrier {
                 .unwrap_or_else(|e| e.into_inner())
                 .0;
         }
-        Ok(())
+        if state.agreed {
+            Ok(())
+        } else {
+            Err(BarrierError::Disagreement)
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_claimed_page_cannot_be_claimed_again_until_cleared() {
+        let claims = AtomicBitmap::new(130);
+        assert!(claims.claim(129));
+        assert!(!claims.claim(129));
+        assert!(claims.claim(0));
+        claims.clear_all();
+        assert!(claims.claim(129));
+    }
+
+    #[test]
+    fn of_two_threads_claiming_the_same_pages_each_page_goes_to_one() {
+        let claims = AtomicBitmap::new(4096);
+        let won: Vec<u64> = std::thread::scope(|scope| {
+            let handles: Vec<_> = (0..2)
+                .map(|_| {
+                    scope.spawn(|| (0..4096).filter(|&page| claims.claim(page)).count() as u64)
+                })
+                .collect();
+            handles.into_iter().map(|h| h.join().unwrap()).collect()
+        });
+        assert_eq!(won.iter().sum::<u64>(), 4096);
+    }
+
+    /// Runs `parties` threads through one barrier generation, each saying
+    /// whether its sync was the last; returns each one's result and how
+    /// often the release ran.
+    fn cross(lasts: &[bool]) -> (Vec<Result<(), BarrierError>>, usize) {
+        let barrier = SyncBarrier::new(lasts.len());
+        let released = AtomicU64::new(0);
+        let results = std::thread::scope(|scope| {
+            let handles: Vec<_> = lasts
+                .iter()
+                .map(|&last| {
+                    let barrier = &barrier;
+                    let released = &released;
+                    scope.spawn(move || {
+                        barrier.wait(last, || {
+                            released.fetch_add(1, Ordering::Relaxed);
+                        })
+                    })
+                })
+                .collect();
+            handles.into_iter().map(|h| h.join().unwrap()).collect()
+        });
+        (results, released.load(Ordering::Relaxed) as usize)
+    }
+
+    #[test]
+    fn the_barrier_passes_when_all_agree_and_releases_once() {
+        for lasts in [[false, false, false], [true, true, true]] {
+            let (results, released) = cross(&lasts);
+            assert!(results.iter().all(Result::is_ok), "{lasts:?}: {results:?}");
+            assert_eq!(released, 1);
+        }
+    }
+
+    #[test]
+    fn the_barrier_refuses_parties_that_disagree_on_the_last() {
+        let (results, _) = cross(&[true, false, false]);
+        assert!(
+            results
+                .iter()
+                .all(|result| *result == Err(BarrierError::Disagreement)),
+            "{results:?}"
+        );
     }
 }

@@ -42,6 +42,45 @@ impl FrameSource for Channel {
     }
 }
 
+/// Where a destination sends its messages: the main channel, or a buffer
+/// that collects them when the session runs from memory.
+pub(crate) trait FrameSink {
+    /// Sends one message.
+    fn send_message(&mut self, message: &Message) -> Result<(), ChannelError>;
+}
+
+impl FrameSink for Channel {
+    fn send_message(&mut self, message: &Message) -> Result<(), ChannelError> {
+        Channel::send_message(self, message)
+    }
+}
+
+/// A page channel as the live phase holds it: read by its receiver thread,
+/// and interrupted from the main thread when the migration fails, so a
+/// receiver blocked in a read returns at once.
+pub(crate) trait PageStream: FrameSource + Send {
+    /// What interrupts the stream from another thread.
+    type Interrupt;
+
+    /// A handle that interrupts this stream.
+    fn interrupt_handle(&self) -> Result<Self::Interrupt, ChannelError>;
+
+    /// Makes every pending and later read of the stream fail.
+    fn interrupt(handle: &Self::Interrupt);
+}
+
+impl PageStream for Channel {
+    type Interrupt = Channel;
+
+    fn interrupt_handle(&self) -> Result<Channel, ChannelError> {
+        self.try_clone()
+    }
+
+    fn interrupt(handle: &Channel) {
+        handle.shutdown();
+    }
+}
+
 /// Reads until `decoder` completes a structure: a control message, or a
 /// page packet's header and table (placing its payload is the caller's
 /// job). Each read is exactly the rest of the structure, so nothing of the

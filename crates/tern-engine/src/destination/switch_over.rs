@@ -10,12 +10,12 @@ use tern_wire::{DigestAlgorithm, Message, Outcome, OutcomeStats};
 
 use super::live::Delivered;
 use super::shared::ReceiverShared;
+use super::stream::FrameSink;
 use super::{Destination, ReceivePhase};
 use crate::digest::add_region;
 use crate::error::MigrationError;
 use crate::guest::{DestinationGuest, StateSection};
 use crate::stats::thread_cpu_seconds;
-use crate::transport::Channel;
 
 impl Destination {
     /// Verifies what was delivered, then restores and resumes `guest`.
@@ -23,7 +23,7 @@ impl Destination {
     pub(super) fn switch_over<G: DestinationGuest>(
         &self,
         shared: &ReceiverShared<'_>,
-        main: &mut Channel,
+        main: &mut impl FrameSink,
         guest: &mut G,
         delivered: Delivered,
         cpu_start: f64,
@@ -124,7 +124,7 @@ fn restore_and_resume<G: DestinationGuest>(
 
 /// Tells the source the guest will not run here. Best effort: the error
 /// that caused it is what the caller reports.
-fn refuse(main: &mut Channel, digest: u128, detail: String) {
+fn refuse(main: &mut impl FrameSink, digest: u128, detail: String) {
     let _ = main.send_message(&Message::Outcome(Outcome {
         verified: false,
         digest,

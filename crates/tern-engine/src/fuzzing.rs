@@ -1,0 +1,361 @@
+//! What the fuzz targets in `fuzz/` and the tests that replay their corpus
+//! share: a whole destination session run from one byte string, a small
+//! guest in plain memory to receive it, and a valid session to start from.
+//! Not a stable API.
+
+use std::ptr::NonNull;
+
+use tern_page::codec::{CodecId, PageCompressor};
+use tern_wire::{
+    ChannelHello, Complete, DigestAlgorithm, Handshake, Hello, Message, PageEntry, PageKind,
+    RegionInfo, SessionSetup, StateSectionMsg, Sync, codec_id, encode_pages_prefix,
+};
+use xxhash_rust::xxh3::Xxh3;
+
+use crate::config::ReceiveConfig;
+use crate::destination::Destination;
+use crate::digest::{add_region, page_hash};
+use crate::error::MigrationError;
+use crate::guest::{
+    DeviceState, GuestControl, GuestError, GuestMemory, GuestResult, MemoryRegion, PAGE_SIZE,
+    StateSection,
+};
+
+/// The largest guest a fuzzed session may declare: anything larger is
+/// refused by the guest factory, so an input cannot make a run slow by
+/// asking for much memory.
+pub const MAX_GUEST_BYTES: u64 = 1 << 20;
+
+/// The most page channels an input can have.
+const MAX_CHANNELS: usize = 4;
+
+/// Splits a fuzz input into the streams the source sent: the first byte
+/// gives the number of page channels (1 to 4); then come chunks of
+/// `stream u8, length u16 (little-endian), bytes`, each appended to stream
+/// `stream % (channels + 1)`, 0 being the main channel. A chunk cut short
+/// takes what is left.
+pub fn split_session_input(data: &[u8]) -> (Vec<u8>, Vec<Vec<u8>>) {
+    let Some((&first, mut rest)) = data.split_first() else {
+        return (Vec::new(), vec![Vec::new()]);
+    };
+    let channels = usize::from(first) % MAX_CHANNELS + 1;
+    let mut streams = vec![Vec::new(); channels + 1];
+    while let [stream, low, high, tail @ ..] = rest {
+        let len = usize::from(u16::from_le_bytes([*low, *high])).min(tail.len());
+        streams[usize::from(*stream) % (channels + 1)].extend_from_slice(&tail[..len]);
+        rest = &tail[len..];
+    }
+    let main = streams.remove(0);
+    (main, streams)
+}
+
+/// The inverse of [`split_session_input`], for writing seeds.
+pub fn join_session_input(main: &[u8], page_channels: &[Vec<u8>]) -> Vec<u8> {
+    assert!((1..=MAX_CHANNELS).contains(&page_channels.len()));
+    let mut data = vec![(page_channels.len() - 1) as u8];
+    let streams = std::iter::once(main).chain(page_channels.iter().map(Vec::as_slice));
+    for (index, stream) in streams.enumerate() {
+        for chunk in stream.chunks(usize::from(u16::MAX)) {
+            data.push(index as u8);
+            data.extend_from_slice(&(chunk.len() as u16).to_le_bytes());
+            data.extend_from_slice(chunk);
+        }
+    }
+    data
+}
+
+/// Runs a whole destination session from a fuzz input (see
+/// [`split_session_input`]) into a [`MemoryGuest`]. Whatever the input, it
+/// must end in `Ok` or a clear error, never a panic or a hang, and what the
+/// destination sent back must be valid protocol.
+pub fn destination_session(data: &[u8]) -> Result<(), MigrationError> {
+    let (main, pages) = split_session_input(data);
+    let pages: Vec<&[u8]> = pages.iter().map(Vec::as_slice).collect();
+    let destination = Destination::new(ReceiveConfig::default());
+    let (result, sent) = destination.receive_from_memory(&main, &pages, MemoryGuest::for_setup);
+    let replies = tern_wire::decode_stream(&sent, None)
+        .unwrap_or_else(|error| panic!("the destination sent invalid bytes: {error}"));
+    let verdict = replies.last().map(|frame| match frame {
+        tern_wire::Frame::Message(message) => message.kind(),
+        tern_wire::Frame::Pages(..) => tern_wire::FrameKind::Pages,
+    });
+    match &result {
+        Ok(received) => {
+            assert!(
+                received.guest.resumed,
+                "a completed session resumes the guest"
+            );
+            assert_eq!(verdict, Some(tern_wire::FrameKind::Outcome));
+        }
+        Err(_) => assert!(
+            matches!(
+                verdict,
+                None | Some(tern_wire::FrameKind::Abort | tern_wire::FrameKind::Outcome)
+            ),
+            "a failed session ends with an abort or a refusal, not {verdict:?}"
+        ),
+    }
+    result.map(|_| ())
+}
+
+/// A destination guest in plain heap memory, as small as the fuzz target
+/// allows.
+#[derive(Debug)]
+pub struct MemoryGuest {
+    /// Keeps the regions' memory alive.
+    memory: Vec<Vec<u8>>,
+    regions: Vec<MemoryRegion>,
+    /// The sections restored.
+    pub sections: Vec<StateSection>,
+    /// Whether the session resumed the guest.
+    pub resumed: bool,
+}
+
+impl MemoryGuest {
+    /// A zeroed guest with the setup's regions, or an error when they add
+    /// up to more than [`MAX_GUEST_BYTES`].
+    pub fn for_setup(setup: &SessionSetup) -> Result<Self, GuestError> {
+        let total = setup
+            .regions
+            .iter()
+            .try_fold(0u64, |sum, region| sum.checked_add(region.len));
+        if total.is_none_or(|total| total > MAX_GUEST_BYTES) {
+            return Err(GuestError::new("the fuzzing guest is at most 1 MiB"));
+        }
+        let mut memory: Vec<Vec<u8>> = setup
+            .regions
+            .iter()
+            .map(|region| vec![0; region.len as usize])
+            .collect();
+        let regions = setup
+            .regions
+            .iter()
+            .zip(&mut memory)
+            .map(|(info, bytes)| {
+                let host = NonNull::new(bytes.as_mut_ptr())
+                    .ok_or_else(|| GuestError::new("empty region"))?;
+                // SAFETY: `bytes` is a writable allocation of `info.len`
+                // bytes (a multiple of the page size, as the decoder checked)
+                // that this guest owns; moving the `Vec` does not move its
+                // heap buffer, which lives as long as the guest.
+                Ok(unsafe { MemoryRegion::new(info.id, info.guest_addr, host, info.len) })
+            })
+            .collect::<Result<_, GuestError>>()?;
+        Ok(Self {
+            memory,
+            regions,
+            sections: Vec::new(),
+            resumed: false,
+        })
+    }
+
+    /// The bytes of region `index`.
+    pub fn region_bytes(&self, index: usize) -> &[u8] {
+        &self.memory[index]
+    }
+}
+
+impl GuestMemory for MemoryGuest {
+    fn regions(&self) -> &[MemoryRegion] {
+        &self.regions
+    }
+}
+
+impl GuestControl for MemoryGuest {
+    fn pause(&mut self) -> GuestResult<()> {
+        self.resumed = false;
+        Ok(())
+    }
+
+    fn resume(&mut self) -> GuestResult<()> {
+        self.resumed = true;
+        Ok(())
+    }
+
+    fn set_throttle(&mut self, _percent: u8) -> GuestResult<()> {
+        Ok(())
+    }
+}
+
+impl DeviceState for MemoryGuest {
+    fn save_state(&mut self) -> GuestResult<Vec<StateSection>> {
+        Ok(self.sections.clone())
+    }
+
+    fn restore_state(&mut self, sections: &[StateSection]) -> GuestResult<()> {
+        self.sections = sections.to_vec();
+        Ok(())
+    }
+}
+
+/// The session of [`sample_session`].
+pub const SAMPLE_SESSION: u64 = 0x7e57_5e55;
+
+/// A valid session of two page channels into one region of 16 pages, which
+/// uses every page kind and every codec, two iterations (a page sent again,
+/// one turned to zero) and one state section; its streams as
+/// (main, page channels). The fuzz targets start from it.
+pub fn sample_session() -> (Vec<u8>, Vec<Vec<u8>>) {
+    const PAGES: usize = 16;
+    let setup = SessionSetup {
+        page_size: tern_wire::PAGE_SIZE,
+        channel_count: 2,
+        codecs: 1 << codec_id::ZSTD | 1 << codec_id::DEFLATE | 1 << codec_id::LZ4,
+        digest: DigestAlgorithm::Xxh3Pages,
+        regions: vec![RegionInfo {
+            id: 3,
+            guest_addr: 1 << 20,
+            len: (PAGES * PAGE_SIZE) as u64,
+        }],
+        guest_kind: String::new(),
+    };
+    let mut memory = vec![0u8; PAGES * PAGE_SIZE];
+    let text = |seed: u8| -> Vec<u8> {
+        format!("page {seed} of the sample session; ")
+            .into_bytes()
+            .into_iter()
+            .cycle()
+            .take(PAGE_SIZE)
+            .collect()
+    };
+    let noise = |seed: u8| -> Vec<u8> {
+        let mut state = u64::from(seed).wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
+        (0..PAGE_SIZE)
+            .map(|_| {
+                state ^= state << 13;
+                state ^= state >> 7;
+                state ^= state << 17;
+                state as u8
+            })
+            .collect()
+    };
+    let mut channels = vec![Vec::new(), Vec::new()];
+    for (index, channel) in channels.iter_mut().enumerate() {
+        channel.extend(
+            Message::ChannelHello(ChannelHello {
+                handshake: Handshake {
+                    session_id: SAMPLE_SESSION,
+                    channel_index: index as u16 + 1,
+                },
+            })
+            .to_bytes(),
+        );
+    }
+    // (iteration, channel, codec, pages as (index, content or None for a
+    // zero page)); compressed when the codec is one and the page shrinks.
+    type Send = (u32, usize, CodecId, Vec<(u32, Option<Vec<u8>>)>);
+    let plan: Vec<Send> = vec![
+        (
+            0,
+            0,
+            CodecId::None,
+            vec![(0, Some(noise(0))), (1, None), (2, Some(text(2)))],
+        ),
+        (
+            0,
+            1,
+            CodecId::Zstd,
+            vec![(3, Some(text(3))), (4, Some(noise(4))), (5, None)],
+        ),
+        (0, 0, CodecId::Deflate, vec![(6, Some(text(6)))]),
+        (
+            0,
+            1,
+            CodecId::Lz4,
+            vec![(7, Some(text(7))), (8, Some(text(8)))],
+        ),
+        (1, 1, CodecId::None, vec![(0, Some(text(10)))]),
+        (1, 0, CodecId::Zstd, vec![(3, None), (9, Some(text(9)))]),
+    ];
+    for iteration in 0..2u32 {
+        for (_, channel, codec, pages) in plan.iter().filter(|send| send.0 == iteration) {
+            let mut entries = Vec::new();
+            let mut payload = Vec::new();
+            for (page, content) in pages {
+                let start = *page as usize * PAGE_SIZE;
+                let Some(content) = content else {
+                    memory[start..start + PAGE_SIZE].fill(0);
+                    entries.push(PageEntry {
+                        page_index: *page,
+                        kind: PageKind::Zero,
+                        encoded_len: 0,
+                    });
+                    continue;
+                };
+                memory[start..start + PAGE_SIZE].copy_from_slice(content);
+                let mut compressed = [0u8; tern_page::codec::MAX_COMPRESSED];
+                let shrunk = (*codec != CodecId::None)
+                    .then(|| {
+                        PageCompressor::new(*codec, codec.default_level())
+                            .ok()?
+                            .compress(content.as_slice().try_into().ok()?, &mut compressed)
+                    })
+                    .flatten();
+                match shrunk {
+                    Some(len) => {
+                        entries.push(PageEntry {
+                            page_index: *page,
+                            kind: PageKind::Compressed,
+                            encoded_len: len as u32,
+                        });
+                        payload.extend_from_slice(&compressed[..len]);
+                    }
+                    None => {
+                        entries.push(PageEntry {
+                            page_index: *page,
+                            kind: PageKind::Raw,
+                            encoded_len: PAGE_SIZE as u32,
+                        });
+                        payload.extend_from_slice(content);
+                    }
+                }
+            }
+            let stream = &mut channels[*channel];
+            encode_pages_prefix(stream, 3, iteration, codec.to_wire(), &entries);
+            stream.extend_from_slice(&payload);
+        }
+        for channel in &mut channels {
+            channel.extend(
+                Message::Sync(Sync {
+                    iteration,
+                    last: iteration == 1,
+                })
+                .to_bytes(),
+            );
+        }
+    }
+    let mut hasher = Xxh3::new();
+    add_region(
+        &mut hasher,
+        3,
+        memory.chunks_exact(PAGE_SIZE).map(|page| {
+            // SAFETY: a whole page of `memory`, which nothing else uses.
+            unsafe { page_hash(page.as_ptr()) }
+        }),
+    );
+    let mut main = Message::Hello(Hello {
+        handshake: Handshake {
+            session_id: SAMPLE_SESSION,
+            channel_index: 0,
+        },
+        setup,
+    })
+    .to_bytes();
+    main.extend(
+        Message::StateSection(StateSectionMsg {
+            name: "sample".into(),
+            version: 1,
+            data: b"state of the sample guest".to_vec(),
+        })
+        .to_bytes(),
+    );
+    main.extend(
+        Message::Complete(Complete {
+            final_iteration: 1,
+            sections: 1,
+            digest: hasher.digest128(),
+        })
+        .to_bytes(),
+    );
+    (main, channels)
+}

@@ -1,0 +1,43 @@
+//! Replays the `destination_session` fuzz target's kept inputs
+//! (`fuzz/seeds/destination_session/`: its seeds and every input that once
+//! found a bug) through the entry point the target calls, on stable, so the
+//! suite keeps them fixed without a fuzzer.
+
+use std::path::PathBuf;
+
+use tern_engine::fuzzing::destination_session;
+
+fn seeds() -> Vec<(String, Vec<u8>)> {
+    let dir =
+        PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../fuzz/seeds/destination_session");
+    let mut inputs: Vec<(String, Vec<u8>)> = std::fs::read_dir(&dir)
+        .unwrap_or_else(|error| panic!("{}: {error}", dir.display()))
+        .map(|entry| {
+            let path = entry.expect("a directory entry").path();
+            let bytes = std::fs::read(&path).expect("a seed");
+            (path.display().to_string(), bytes)
+        })
+        .collect();
+    inputs.sort();
+    assert!(!inputs.is_empty(), "no seeds in {}", dir.display());
+    inputs
+}
+
+#[test]
+fn every_kept_input_ends_in_a_result_not_a_panic() {
+    for (name, bytes) in seeds() {
+        // A panic here names the input through the test's output.
+        eprintln!("replaying {name}");
+        let _ = destination_session(&bytes);
+    }
+}
+
+#[test]
+fn the_sample_seeds_are_valid_sessions() {
+    for (name, bytes) in seeds() {
+        let file = name.rsplit('/').next().unwrap_or_default();
+        if ["sample", "swapped"].contains(&file) {
+            destination_session(&bytes).unwrap_or_else(|error| panic!("{name}: {}", error.chain()));
+        }
+    }
+}

@@ -1,0 +1,51 @@
+//! Writes the seed inputs of the fuzz targets into `fuzz/seeds/<target>/`:
+//! a valid session for `destination_session` (and a few damaged copies),
+//! real compressed pages for each decompressor. `cargo run --example
+//! write_seeds` in `fuzz/` (stable is enough).
+
+use std::fs;
+use std::path::Path;
+
+use tern_engine::fuzzing::{join_session_input, sample_session};
+use tern_page::PAGE_SIZE;
+use tern_page::codec::{CodecId, MAX_COMPRESSED, PageCompressor, corpus_page};
+
+fn main() -> std::io::Result<()> {
+    let seeds = Path::new(env!("CARGO_MANIFEST_DIR")).join("seeds");
+    let (main, pages) = sample_session();
+    let session = seeds.join("destination_session");
+    fs::create_dir_all(&session)?;
+    fs::write(session.join("sample"), join_session_input(&main, &pages))?;
+    // The same session with its page channels swapped, and with one channel.
+    let swapped = [pages[1].clone(), pages[0].clone()];
+    fs::write(session.join("swapped"), join_session_input(&main, &swapped))?;
+    fs::write(
+        session.join("one_channel"),
+        join_session_input(&main, &pages[..1]),
+    )?;
+    for (codec, name) in [
+        (CodecId::Zstd, "decompress_zstd"),
+        (CodecId::Deflate, "decompress_deflate"),
+        (CodecId::Lz4, "decompress_lz4"),
+    ] {
+        let dir = seeds.join(name);
+        fs::create_dir_all(&dir)?;
+        let mut compressor = PageCompressor::new(codec, codec.default_level()).expect(name);
+        let mut sparse = [0u8; PAGE_SIZE];
+        sparse[100] = 1;
+        sparse[PAGE_SIZE - 1] = 0xff;
+        let pages = [
+            ("text", corpus_page("text", 7)),
+            ("binary", corpus_page("binary", 7)),
+            ("sparse", sparse),
+            ("ones", [1u8; PAGE_SIZE]),
+        ];
+        for (kind, page) in pages {
+            let mut out = [0u8; MAX_COMPRESSED];
+            if let Some(len) = compressor.compress(&page, &mut out) {
+                fs::write(dir.join(kind), &out[..len])?;
+            }
+        }
+    }
+    Ok(())
+}

@@ -105,7 +105,9 @@ impl<'a> Handshakes<'a> {
             self.pending.swap_remove(position);
             match outcome {
                 Ok(arrived) => return Some(arrived),
-                Err(error) => tracing::warn!("closed a connection that failed its handshake: {error}"),
+                Err(error) => {
+                    tracing::warn!("closed a connection that failed its handshake: {error}")
+                }
             }
         }
         None

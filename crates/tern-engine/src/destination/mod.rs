@@ -270,13 +270,8 @@ impl Destination {
             mut guest,
             regions,
         } = self.greet(main, hello, make_guest)?;
-        let channels = self.accept_page_channels(
-            listener,
-            main,
-            decoder,
-            session_id,
-            setup.channel_count,
-        )?;
+        let channels =
+            self.accept_page_channels(listener, main, decoder, session_id, setup.channel_count)?;
         tracing::info!(channels = channels.len(), "all channels connected");
         let shared = ReceiverShared::new(
             &setup,

@@ -74,7 +74,7 @@ fn read_until_closed(stream: &mut TcpStream) -> Vec<u8> {
 fn hello(regions: Vec<RegionInfo>) -> Vec<u8> {
     Message::Hello(Hello {
         handshake: Handshake {
-            session_id: 0xa77a_c4,
+            session_id: 0x00a7_7ac4,
             channel_index: 0,
         },
         setup: SessionSetup {

@@ -156,11 +156,23 @@ impl<'a> Handshakes<'a> {
             .name("tern-handshake".into())
             .spawn(move || {
                 let mut decoder = FrameDecoder::new();
-                let outcome = read_message(&mut channel, &mut decoder).map(|message| Arrived {
-                    channel,
-                    decoder,
-                    message,
-                });
+                let outcome = match read_message(&mut channel, &mut decoder) {
+                    Ok(message) => Ok(Arrived {
+                        channel,
+                        decoder,
+                        message,
+                    }),
+                    Err(error) => {
+                        if let ChannelError::Protocol(_) = &error {
+                            // The peer hears why before the connection closes.
+                            let _ = channel.send_message(&Message::Abort(Abort {
+                                reason: AbortReason::ProtocolError,
+                                message: error.to_string(),
+                            }));
+                        }
+                        Err(error)
+                    }
+                };
                 // The accept loop may be gone; the connection closes then.
                 let _ = sender.send((id, outcome));
             });

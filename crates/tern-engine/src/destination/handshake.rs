@@ -163,11 +163,11 @@ impl<'a> Handshakes<'a> {
                         message,
                     }),
                     Err(error) => {
-                        if let ChannelError::Protocol(_) = &error {
+                        if let ChannelError::Protocol(wire) = &error {
                             // The peer hears why before the connection closes.
                             let _ = channel.send_message(&Message::Abort(Abort {
                                 reason: AbortReason::ProtocolError,
-                                message: error.to_string(),
+                                message: format!("{error}: {wire}"),
                             }));
                         }
                         Err(error)

@@ -353,6 +353,17 @@ pub struct ReceiveConfig {
     /// Timeout of any single blocking receive once data flows, and the
     /// longest silence tolerated on a page channel.
     pub io_timeout: Duration,
+    /// How long a new connection has to deliver its first message (a hello
+    /// or a channel hello) in full. Each connection has its own deadline, so
+    /// a slow or silent one delays nobody else.
+    pub handshake_timeout: Duration,
+    /// At most this many connections in handshake at once; beyond, new ones
+    /// are closed at once.
+    pub max_pending_handshakes: usize,
+    /// The largest guest accepted, in bytes: a bigger one is refused at the
+    /// handshake, before anything is allocated. `None`: what the machine
+    /// can hold now (`MemAvailable` + `SwapFree`).
+    pub max_memory: Option<u64>,
 }
 
 impl Default for ReceiveConfig {
@@ -360,8 +371,35 @@ impl Default for ReceiveConfig {
         Self {
             accept_timeout: Duration::from_secs(60),
             io_timeout: Duration::from_secs(30),
+            handshake_timeout: Duration::from_secs(5),
+            max_pending_handshakes: 64,
+            max_memory: None,
         }
     }
+}
+
+impl ReceiveConfig {
+    /// The largest guest this destination accepts now, if there is a limit.
+    pub fn memory_limit(&self) -> Option<u64> {
+        self.max_memory.or_else(available_memory)
+    }
+}
+
+/// Memory the machine can give a new guest now: `MemAvailable` plus
+/// `SwapFree` from `/proc/meminfo`. `None` where that file is missing.
+pub fn available_memory() -> Option<u64> {
+    let meminfo = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let field = |name: &str| -> Option<u64> {
+        let line = meminfo.lines().find(|line| line.starts_with(name))?;
+        let kib: u64 = line[name.len()..]
+            .trim()
+            .trim_end_matches("kB")
+            .trim()
+            .parse()
+            .ok()?;
+        Some(kib * 1024)
+    };
+    Some(field("MemAvailable:")? + field("SwapFree:").unwrap_or(0))
 }
 
 #[cfg(test)]

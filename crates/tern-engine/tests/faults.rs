@@ -96,7 +96,23 @@ fn corrupted_hello_is_refused(offset: usize, patch: &[u8], needle: &str) {
     let mut main = connect(&address);
     main.write_all(&bytes).unwrap();
     expect_abort(&mut main, needle);
-    expect_destination_error(destination, needle);
+    expect_still_listening(destination, &address);
+}
+
+/// A connection that fails its handshake costs nothing else: the
+/// destination goes on waiting, and serves the next source.
+fn expect_still_listening(
+    destination: std::thread::JoinHandle<DestinationResult>,
+    address: &tern_engine::Address,
+) {
+    let mut fake = handshake(address, 1);
+    fake.main
+        .send_message(&Message::Abort(tern_wire::Abort {
+            reason: tern_wire::AbortReason::Cancelled,
+            message: "the next source gave up".into(),
+        }))
+        .unwrap();
+    expect_destination_error(destination, "the next source gave up");
 }
 
 /// A hand-driven source that speaks the protocol, or breaks it on purpose.
@@ -170,7 +186,8 @@ fn garbage_on_the_main_channel() {
     let mut main = connect(&address);
     main.write_all(b"GET / HTTP/1.1\r\nHost: tern\r\n\r\n")
         .unwrap();
-    expect_destination_error(destination, "unknown frame kind");
+    expect_abort(&mut main, "unknown frame kind");
+    expect_still_listening(destination, &address);
 }
 
 #[test]

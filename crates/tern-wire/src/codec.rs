@@ -73,6 +73,13 @@ impl<'a> Reader<'a> {
         String::from_utf8(bytes.to_vec()).map_err(|_| WireError::InvalidUtf8(field))
     }
 
+    /// Reads a length-prefixed UTF-8 string meant to be shown to an
+    /// operator (an abort message, an outcome detail), made harmless with
+    /// [`sanitise_peer_text`].
+    pub fn peer_text(&mut self, max: usize, field: &'static str) -> Result<String, WireError> {
+        Ok(sanitise_peer_text(&self.string(max, field)?))
+    }
+
     /// Requires reserved bytes to be zero.
     pub fn reserved(&mut self, len: usize) -> Result<(), WireError> {
         if self.take(len)?.iter().any(|&b| b != 0) {
@@ -157,4 +164,26 @@ impl<'a> Writer<'a> {
         self.out.resize(self.out.len() + len, 0);
         self
     }
+}
+
+/// The most characters of peer-supplied text kept for display.
+pub const MAX_PEER_TEXT_CHARS: usize = 1024;
+
+/// Makes text that came from the peer safe to put in a log line, an error
+/// or a terminal: control characters (escape codes, newlines, carriage
+/// returns) and Unicode direction overrides become U+FFFD, and the text is
+/// cut to [`MAX_PEER_TEXT_CHARS`] characters. A peer could otherwise
+/// rewrite the operator's screen or forge log lines.
+pub fn sanitise_peer_text(text: &str) -> String {
+    let mut out = String::with_capacity(text.len().min(MAX_PEER_TEXT_CHARS * 4));
+    for (count, ch) in text.chars().enumerate() {
+        if count == MAX_PEER_TEXT_CHARS {
+            out.push('…');
+            break;
+        }
+        let harmful = ch.is_control()
+            || matches!(ch, '\u{200e}' | '\u{200f}' | '\u{202a}'..='\u{202e}' | '\u{2066}'..='\u{2069}');
+        out.push(if harmful { '\u{fffd}' } else { ch });
+    }
+    out
 }

@@ -56,7 +56,7 @@ mod error;
 mod message;
 mod pages;
 
-pub use codec::{Reader, Writer};
+pub use codec::{MAX_PEER_TEXT_CHARS, Reader, Writer, sanitise_peer_text};
 pub use decoder::{Decoded, Event, Expect, FrameDecoder, PagePacket};
 pub use error::{AbortReason, WireError};
 pub use message::{

@@ -590,7 +590,7 @@ impl Message {
                 };
                 r.reserved(7)?;
                 let digest = r.u128()?;
-                let detail = r.string(MAX_TEXT_LEN, "outcome detail")?;
+                let detail = r.peer_text(MAX_TEXT_LEN, "outcome detail")?;
                 let stats = OutcomeStats::decode(&mut r)?;
                 Self::Outcome(Outcome {
                     verified,
@@ -602,7 +602,7 @@ impl Message {
             FrameKind::Abort => {
                 let reason = AbortReason::from_u16(r.u16()?);
                 r.reserved(2)?;
-                let message = r.string(MAX_TEXT_LEN, "abort message")?;
+                let message = r.peer_text(MAX_TEXT_LEN, "abort message")?;
                 Self::Abort(Abort { reason, message })
             }
             FrameKind::Pages => {

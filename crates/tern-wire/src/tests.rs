@@ -739,3 +739,27 @@ fn decoder_refuses_kinds_outside_its_filter_at_the_header() {
         })
     );
 }
+
+#[test]
+fn peer_text_is_sanitised_when_decoded() {
+    let message = Message::Abort(Abort {
+        reason: AbortReason::Other,
+        message: format!("\x1b[31mred\x07\r\nforged\u{202e}{}", "x".repeat(2000)),
+    });
+    let bytes = message.to_bytes();
+    let header = FrameHeader::decode(bytes[..8].try_into().unwrap()).unwrap();
+    let Message::Abort(decoded) = Message::decode(header.kind, &bytes[8..]).unwrap() else {
+        panic!("not an abort");
+    };
+    assert!(
+        decoded
+            .message
+            .starts_with("\u{fffd}[31mred\u{fffd}\u{fffd}\u{fffd}forged\u{fffd}x")
+    );
+    assert_eq!(
+        decoded.message.chars().count(),
+        crate::MAX_PEER_TEXT_CHARS + 1,
+        "cut, with an ellipsis"
+    );
+    assert!(decoded.message.ends_with('…'));
+}

@@ -132,6 +132,20 @@ pub struct ListenArgs {
     /// seconds.
     #[arg(long, default_value_t = 30)]
     pub io_timeout: u64,
+    /// How long each new connection has to send its whole first message, in
+    /// seconds; a connection that does not is closed, and the wait goes on.
+    #[arg(long, default_value_t = 5)]
+    pub handshake_timeout: u64,
+    /// The largest guest accepted (e.g. 16G); a bigger one is refused at the
+    /// handshake, before anything is allocated. Default: the memory this
+    /// machine has available now (MemAvailable + SwapFree).
+    #[arg(long, value_parser = crate::units::parse_size)]
+    pub max_memory: Option<u64>,
+    /// Serve migrations one after another instead of exiting after the
+    /// first; a failed one is reported and the next awaited. Stop with
+    /// SIGINT or SIGTERM.
+    #[arg(long)]
+    pub keep_listening: bool,
 }
 
 impl ListenArgs {
@@ -143,6 +157,9 @@ impl ListenArgs {
         let config = tern_engine::ReceiveConfig {
             accept_timeout: Duration::from_secs(self.accept_timeout),
             io_timeout: Duration::from_secs(self.io_timeout),
+            handshake_timeout: Duration::from_secs(self.handshake_timeout),
+            max_memory: self.max_memory,
+            ..tern_engine::ReceiveConfig::default()
         };
         Ok((listener, config))
     }

@@ -6,7 +6,8 @@ use std::time::Duration;
 use anyhow::Context;
 use serde::Serialize;
 use tern_engine::{
-    Address, Destination, GuestError, Listener, MigrationStats, ReceiveConfig, Received, Source,
+    Address, CancelToken, Destination, GuestError, Listener, MigrationStats, ReceiveConfig,
+    Received, Source,
 };
 use tern_synthetic::SyntheticGuest;
 
@@ -356,15 +357,57 @@ fn fill_guest(args: &crate::cli::GuestArgs) -> anyhow::Result<SyntheticGuest> {
     .context("cannot create the synthetic guest")
 }
 
-fn receive(args: &ReceiveArgs) -> anyhow::Result<ExitCode> {
-    let (listener, config) = args.listen.bind()?;
+/// Serves incoming migrations on the listener `listen` binds: one, or with
+/// `--keep-listening` one after another until SIGINT or SIGTERM, reporting
+/// each failed one on stderr and waiting for the next. `session` receives one
+/// migration with the destination it is given.
+pub fn serve_sessions(
+    listen: &crate::cli::ListenArgs,
+    mut session: impl FnMut(&Destination, &Listener) -> anyhow::Result<ExitCode>,
+) -> anyhow::Result<ExitCode> {
+    let (listener, config) = listen.bind()?;
+    let current = std::sync::Arc::new(std::sync::Mutex::new(None::<CancelToken>));
+    let on_interrupt = current.clone();
     // The handler before the ready event: a script may signal it from then on.
-    let destination = Destination::new(config);
-    let cancel = destination.cancel_token();
-    install_interrupt_handler(move || cancel.cancel());
+    install_interrupt_handler(move || {
+        if let Some(cancel) = on_interrupt
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .as_ref()
+        {
+            cancel.cancel();
+        }
+    });
     crate::report::print_listening(&listener.local_address()?)?;
+    loop {
+        let destination = Destination::new(config.clone());
+        *current.lock().unwrap_or_else(|e| e.into_inner()) = Some(destination.cancel_token());
+        if interrupted_by().is_some() {
+            destination.cancel_token().cancel();
+        }
+        let result = session(&destination, &listener);
+        if !listen.keep_listening || interrupted_by().is_some() {
+            return result;
+        }
+        if let Err(error) = result {
+            eprintln!("tern: {error:#}; waiting for the next migration");
+        }
+    }
+}
+
+fn receive(args: &ReceiveArgs) -> anyhow::Result<ExitCode> {
+    serve_sessions(&args.listen, |destination, listener| {
+        receive_one(args, destination, listener)
+    })
+}
+
+fn receive_one(
+    args: &ReceiveArgs,
+    destination: &Destination,
+    listener: &tern_engine::Listener,
+) -> anyhow::Result<ExitCode> {
     let progress = Progress::receiving(destination.stats());
-    let received = destination.receive(&listener, destination_guest);
+    let received = destination.receive(listener, destination_guest);
     progress.finish();
     let received = received
         .map_err(|error| Incomplete::error(error, "the incoming migration did not complete"))?;

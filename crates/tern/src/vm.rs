@@ -534,15 +534,19 @@ fn migrate(args: &MigrateArgs, verbose: bool) -> anyhow::Result<ExitCode> {
 }
 
 fn receive(args: &ReceiveArgs) -> anyhow::Result<ExitCode> {
-    let (listener, config) = args.listen.bind()?;
+    crate::run::serve_sessions(&args.listen, |destination, listener| {
+        receive_one(args, destination, listener)
+    })
+}
+
+fn receive_one(
+    args: &ReceiveArgs,
+    destination: &Destination,
+    listener: &tern_engine::Listener,
+) -> anyhow::Result<ExitCode> {
     let make_destination = prepare_destination()?;
-    // The handler before the ready event: a script may signal it from then on.
-    let destination = Destination::new(config);
-    let cancel = destination.cancel_token();
-    crate::run::install_interrupt_handler(move || cancel.cancel());
-    crate::report::print_listening(&listener.local_address()?)?;
     let progress = Progress::receiving(destination.stats());
-    let received = destination.receive(&listener, make_destination);
+    let received = destination.receive(listener, make_destination);
     progress.finish();
     let Received {
         mut guest,

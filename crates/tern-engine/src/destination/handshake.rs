@@ -2,13 +2,15 @@
 //! channels.
 
 use std::collections::HashSet;
+use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
 use tern_page::codec::CodecId;
 use tern_wire::{Abort, AbortReason, ChannelHello, FrameDecoder, Message, SessionSetup, Welcome};
 
-use super::stream::{FrameSink, FrameSource, read_message};
+use super::stream::{FrameSink, read_message};
 use super::{Destination, POLL_INTERVAL, ReceivePhase};
+use crate::config::ReceiveConfig;
 use crate::error::{ChannelError, MigrationError};
 use crate::guest::{DestinationGuest, GuestError, MemoryRegion};
 use crate::transport::{Channel, Listener};
@@ -24,11 +26,187 @@ pub(super) struct Greeted<G> {
     pub(super) regions: Vec<MemoryRegion>,
 }
 
+/// A connection whose first message arrived within its deadline.
+pub(super) struct Arrived {
+    pub(super) channel: Channel,
+    pub(super) decoder: FrameDecoder,
+    pub(super) message: Message,
+}
+
+/// A connection still in handshake: a handle to close it at its deadline.
+struct Pending {
+    id: u64,
+    closer: Channel,
+    deadline: Instant,
+}
+
+type Outcome = (u64, Result<Arrived, ChannelError>);
+
+/// Accepts connections and reads each one's first message on a thread of
+/// its own, with a deadline per connection, so that a silent, slow or broken
+/// connection costs one thread for at most the handshake timeout and delays
+/// no other. At most `limit` connections are in handshake at once.
+pub(super) struct Handshakes<'a> {
+    listener: &'a Listener,
+    timeout: Duration,
+    limit: usize,
+    pending: Vec<Pending>,
+    sender: mpsc::Sender<Outcome>,
+    outcomes: mpsc::Receiver<Outcome>,
+    next_id: u64,
+}
+
+/// How long one accept poll waits before looking at finished handshakes.
+const ACCEPT_POLL: Duration = Duration::from_millis(10);
+
+impl<'a> Handshakes<'a> {
+    pub(super) fn new(listener: &'a Listener, config: &ReceiveConfig) -> Self {
+        let (sender, outcomes) = mpsc::channel();
+        Self {
+            listener,
+            timeout: config.handshake_timeout,
+            limit: config.max_pending_handshakes.max(1),
+            pending: Vec::new(),
+            sender,
+            outcomes,
+            next_id: 0,
+        }
+    }
+
+    /// The next connection that sent a whole first message, or `None` when
+    /// none did within `wait`. Connections that fail their handshake are
+    /// logged and closed here.
+    pub(super) fn next(&mut self, wait: Duration) -> Result<Option<Arrived>, ChannelError> {
+        let until = Instant::now() + wait;
+        loop {
+            if let Some(arrived) = self.collect() {
+                return Ok(Some(arrived));
+            }
+            self.close_overdue();
+            let remaining = until.saturating_duration_since(Instant::now());
+            match self.listener.accept_timeout(remaining.min(ACCEPT_POLL)) {
+                Ok(channel) => self.start(channel),
+                Err(ChannelError::Timeout(_)) => {}
+                Err(error) => return Err(error),
+            }
+            if remaining.is_zero() {
+                return Ok(self.collect());
+            }
+        }
+    }
+
+    /// Takes the first finished handshake that succeeded; logs the failed.
+    fn collect(&mut self) -> Option<Arrived> {
+        while let Ok((id, outcome)) = self.outcomes.try_recv() {
+            let Some(position) = self.pending.iter().position(|p| p.id == id) else {
+                // Already closed at its deadline, and logged then.
+                continue;
+            };
+            self.pending.swap_remove(position);
+            match outcome {
+                Ok(arrived) => return Some(arrived),
+                Err(error) => {
+                    tracing::warn!("closed a connection that failed its handshake: {error}")
+                }
+            }
+        }
+        None
+    }
+
+    fn close_overdue(&mut self) {
+        let now = Instant::now();
+        self.pending.retain(|pending| {
+            if pending.deadline > now {
+                return true;
+            }
+            tracing::warn!(
+                "closed a connection that did not finish its handshake within {:?}",
+                self.timeout
+            );
+            pending.closer.shutdown();
+            false
+        });
+    }
+
+    fn start(&mut self, mut channel: Channel) {
+        if self.pending.len() >= self.limit {
+            tracing::warn!(
+                "closed a new connection: {} connections are already in handshake",
+                self.pending.len()
+            );
+            return;
+        }
+        // The closer ends a read blocked past the deadline; the per-read
+        // timeout only bounds each read, and a slow peer could otherwise keep
+        // the handshake alive with one byte per timeout.
+        let Ok(closer) = channel.try_clone() else {
+            tracing::warn!("closed a new connection: cannot duplicate its socket");
+            return;
+        };
+        let _ = channel.set_timeouts(self.timeout);
+        let id = self.next_id;
+        self.next_id += 1;
+        self.pending.push(Pending {
+            id,
+            closer,
+            deadline: Instant::now() + self.timeout,
+        });
+        let sender = self.sender.clone();
+        let spawned = std::thread::Builder::new()
+            .name("tern-handshake".into())
+            .spawn(move || {
+                let mut decoder = FrameDecoder::new();
+                let outcome = match read_message(&mut channel, &mut decoder) {
+                    Ok(message) => Ok(Arrived {
+                        channel,
+                        decoder,
+                        message,
+                    }),
+                    Err(error) => {
+                        if let ChannelError::Protocol(wire) = &error {
+                            // The peer hears why before the connection closes.
+                            let _ = channel.send_message(&Message::Abort(Abort {
+                                reason: AbortReason::ProtocolError,
+                                message: format!("{error}: {wire}"),
+                            }));
+                        }
+                        Err(error)
+                    }
+                };
+                // The accept loop may be gone; the connection closes then.
+                let _ = sender.send((id, outcome));
+            });
+        if let Err(error) = spawned {
+            tracing::warn!("closed a new connection: cannot start its handshake: {error}");
+            self.pending.pop();
+        }
+    }
+}
+
+impl Drop for Handshakes<'_> {
+    fn drop(&mut self) {
+        for pending in &self.pending {
+            pending.closer.shutdown();
+        }
+    }
+}
+
+/// Refuses a whole session with this reason, on the connection that
+/// proposed it, and logs it.
+fn refuse(arrived: &mut Arrived, reason: AbortReason, message: String) {
+    tracing::warn!("refused a connection: {message}");
+    let _ = arrived
+        .channel
+        .send_message(&Message::Abort(Abort { reason, message }));
+}
+
 impl Destination {
-    /// Waits for the source's main channel, looking at the cancel token
-    /// meanwhile.
-    pub(super) fn accept_main(&self, listener: &Listener) -> Result<Channel, MigrationError> {
+    /// Waits for the source's main channel: the first connection whose
+    /// hello this destination can serve. Other connections are closed and
+    /// logged, and the wait goes on.
+    pub(super) fn accept_main(&self, listener: &Listener) -> Result<Arrived, MigrationError> {
         let deadline = Instant::now() + self.config.accept_timeout;
+        let mut handshakes = Handshakes::new(listener, &self.config);
         loop {
             if self.cancel.is_cancelled() {
                 return Err(MigrationError::Cancelled);
@@ -40,35 +218,66 @@ impl Destination {
                     source: ChannelError::Timeout("the source to connect"),
                 });
             }
-            match listener.accept_timeout(remaining.min(POLL_INTERVAL)) {
-                Ok(channel) => return Ok(channel),
-                Err(ChannelError::Timeout(_)) => continue,
-                Err(error) => return Err(MigrationError::channel(0)(error)),
+            let Some(mut arrived) = handshakes
+                .next(remaining.min(POLL_INTERVAL))
+                .map_err(MigrationError::channel(0))?
+            else {
+                continue;
+            };
+            match &arrived.message {
+                Message::Hello(hello) => match self.check_resources(&hello.setup) {
+                    Ok(()) => return Ok(arrived),
+                    Err(reason) => refuse(&mut arrived, AbortReason::IncompatibleSetup, reason),
+                },
+                Message::Abort(abort) => {
+                    tracing::warn!(
+                        "a connection aborted before its hello ({:?}): {}",
+                        abort.reason,
+                        abort.message
+                    );
+                }
+                other => {
+                    let reason = format!(
+                        "expected a hello on a new connection, got {:?}",
+                        other.kind()
+                    );
+                    refuse(&mut arrived, AbortReason::ProtocolError, reason);
+                }
             }
         }
     }
 
-    /// Reads the source's hello, builds the guest for it, checks that both
-    /// sides agree, and welcomes the source.
+    /// Refuses, before anything is allocated for it, a session larger than
+    /// this destination accepts.
+    pub(super) fn check_resources(&self, setup: &SessionSetup) -> Result<(), String> {
+        let total = setup.total_bytes();
+        if let Some(limit) = self.config.memory_limit()
+            && total > limit
+        {
+            return Err(format!(
+                "the guest has {total} bytes of memory, more than this destination accepts \
+                 ({limit} bytes; see --max-memory)"
+            ));
+        }
+        Ok(())
+    }
+
+    /// Builds the guest for the source's hello, checks that both sides
+    /// agree, and welcomes the source.
     pub(super) fn greet<G, F>(
         &self,
-        main: &mut (impl FrameSource + FrameSink),
-        decoder: &mut FrameDecoder,
+        main: &mut impl FrameSink,
+        hello: Message,
         make_guest: F,
     ) -> Result<Greeted<G>, MigrationError>
     where
         G: DestinationGuest,
         F: FnOnce(&SessionSetup) -> Result<G, GuestError>,
     {
-        let hello = match read_message(main, decoder).map_err(MigrationError::channel(0))? {
-            Message::Hello(hello) => hello,
-            Message::Abort(abort) => return Err(peer_aborted(abort)),
-            other => {
-                return Err(MigrationError::Protocol(format!(
-                    "expected a hello on the main channel, got {:?}",
-                    other.kind()
-                )));
-            }
+        let Message::Hello(hello) = hello else {
+            return Err(MigrationError::Internal(
+                "the main channel's first message is not a hello".into(),
+            ));
         };
         let setup = hello.setup;
         let session_id = hello.handshake.session_id;
@@ -95,9 +304,12 @@ impl Destination {
         })
     }
 
-    /// Accepts the page channels. The source may give up meanwhile (a page
-    /// channel it cannot set up, a cancel): it says so on the main channel,
-    /// which is therefore watched too, so the reason ends the wait at once.
+    /// Accepts the page channels, matched by the session id of their
+    /// channel hello; their handshakes run concurrently, so a stray
+    /// connection delays none of them. The source may give up meanwhile (a
+    /// page channel it cannot set up, a cancel): it says so on the main
+    /// channel, which is therefore watched too, so the reason ends the wait
+    /// at once.
     pub(super) fn accept_page_channels(
         &self,
         listener: &Listener,
@@ -109,6 +321,7 @@ impl Destination {
         let mut slots: Vec<Option<Channel>> = (0..count).map(|_| None).collect();
         let mut seen = HashSet::new();
         let deadline = Instant::now() + self.config.accept_timeout;
+        let mut handshakes = Handshakes::new(listener, &self.config);
         while seen.len() < usize::from(count) {
             if self.cancel.is_cancelled() {
                 return Err(MigrationError::Cancelled);
@@ -133,21 +346,24 @@ impl Destination {
                     source: ChannelError::Timeout("the source's page channels"),
                 });
             }
-            let mut channel = match listener.accept_timeout(remaining.min(POLL_INTERVAL)) {
-                Ok(channel) => channel,
-                Err(ChannelError::Timeout(_)) => continue,
-                Err(error) => return Err(MigrationError::channel(0)(error)),
+            let Some(mut arrived) = handshakes
+                .next(remaining.min(POLL_INTERVAL))
+                .map_err(MigrationError::channel(0))?
+            else {
+                continue;
             };
-            let _ = channel.set_timeouts(self.config.io_timeout);
-            let verdict = match read_message(&mut channel, &mut FrameDecoder::new()) {
-                Ok(Message::ChannelHello(hello)) => {
-                    check_channel_hello(&hello, session_id, count, &mut seen)
+            let verdict = match &arrived.message {
+                Message::ChannelHello(hello) => {
+                    check_channel_hello(hello, session_id, count, &mut seen)
                 }
-                Ok(other) => Err(format!("expected a channel hello, got {:?}", other.kind())),
-                Err(error) => Err(error.to_string()),
+                other => Err(format!("expected a channel hello, got {:?}", other.kind())),
             };
             match verdict {
                 Ok(index) => {
+                    let mut channel = arrived.channel;
+                    channel
+                        .set_timeouts(self.config.io_timeout)
+                        .map_err(MigrationError::channel(usize::from(index)))?;
                     channel
                         .send_message(&Message::Welcome(Welcome {
                             session_id,
@@ -156,14 +372,8 @@ impl Destination {
                         .map_err(MigrationError::channel(usize::from(index)))?;
                     slots[usize::from(index) - 1] = Some(channel);
                 }
-                Err(reason) => {
-                    // A stray or broken connection must not end the migration.
-                    tracing::warn!("rejected a connection: {reason}");
-                    let _ = channel.send_message(&Message::Abort(Abort {
-                        reason: AbortReason::ProtocolError,
-                        message: reason,
-                    }));
-                }
+                // A stray or broken connection must not end the migration.
+                Err(reason) => refuse(&mut arrived, AbortReason::ProtocolError, reason),
             }
         }
         Ok(slots.into_iter().flatten().collect())

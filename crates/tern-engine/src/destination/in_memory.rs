@@ -138,13 +138,18 @@ impl Destination {
         F: FnOnce(&SessionSetup) -> Result<G, GuestError>,
     {
         let mut decoder = FrameDecoder::new();
+        let hello = read_message(main, &mut decoder).map_err(MigrationError::channel(0))?;
+        if let Message::Hello(hello) = &hello {
+            self.check_resources(&hello.setup)
+                .map_err(MigrationError::Incompatible)?;
+        }
         let Greeted {
             setup,
             session_id,
             codecs,
             mut guest,
             regions,
-        } = self.greet(main, &mut decoder, make_guest)?;
+        } = self.greet(main, hello, make_guest)?;
         let count = setup.channel_count;
         let mut slots: Vec<Option<MemoryStream>> = (0..count).map(|_| None).collect();
         let mut seen = HashSet::new();

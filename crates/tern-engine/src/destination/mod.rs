@@ -216,15 +216,28 @@ impl Destination {
         F: FnOnce(&SessionSetup) -> Result<G, GuestError>,
     {
         let cpu_start = thread_cpu_seconds();
-        let mut main = self
+        let handshake::Arrived {
+            channel: mut main,
+            mut decoder,
+            message: hello,
+        } = self
             .accept_main(listener)
-            .and_then(|main| {
-                main.set_timeouts(self.config.io_timeout)
+            .and_then(|arrived| {
+                arrived
+                    .channel
+                    .set_timeouts(self.config.io_timeout)
                     .map_err(MigrationError::channel(0))?;
-                Ok(main)
+                Ok(arrived)
             })
             .inspect_err(|_| self.stats.set_phase(ReceivePhase::Failed))?;
-        let result = self.run(listener, &mut main, make_guest, cpu_start);
+        let result = self.run(
+            listener,
+            &mut main,
+            &mut decoder,
+            hello,
+            make_guest,
+            cpu_start,
+        );
         if let Err(error) = &result {
             self.stats.set_phase(ReceivePhase::Failed);
             if !matches!(error, MigrationError::PeerAborted { .. }) {
@@ -243,6 +256,8 @@ impl Destination {
         &self,
         listener: &Listener,
         main: &mut Channel,
+        decoder: &mut FrameDecoder,
+        hello: Message,
         make_guest: F,
         cpu_start: f64,
     ) -> Result<Received<G>, MigrationError>
@@ -250,21 +265,15 @@ impl Destination {
         G: DestinationGuest,
         F: FnOnce(&SessionSetup) -> Result<G, GuestError>,
     {
-        let mut decoder = FrameDecoder::new();
         let Greeted {
             setup,
             session_id,
             codecs,
             mut guest,
             regions,
-        } = self.greet(main, &mut decoder, make_guest)?;
-        let channels = self.accept_page_channels(
-            listener,
-            main,
-            &mut decoder,
-            session_id,
-            setup.channel_count,
-        )?;
+        } = self.greet(main, hello, make_guest)?;
+        let channels =
+            self.accept_page_channels(listener, main, decoder, session_id, setup.channel_count)?;
         tracing::info!(channels = channels.len(), "all channels connected");
         let shared = ReceiverShared::new(
             &setup,
@@ -274,7 +283,7 @@ impl Destination {
             self.config.io_timeout,
             &self.cancel,
         );
-        let delivered = live::receive_all(&shared, main, &mut decoder, channels, &codecs)?;
+        let delivered = live::receive_all(&shared, main, decoder, channels, &codecs)?;
         let stats = self.switch_over(&shared, main, &mut guest, delivered, cpu_start)?;
         Ok(Received {
             guest,

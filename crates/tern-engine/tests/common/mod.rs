@@ -49,6 +49,7 @@ pub fn receive_config() -> ReceiveConfig {
     ReceiveConfig {
         accept_timeout: Duration::from_secs(20),
         io_timeout: Duration::from_secs(10),
+        ..ReceiveConfig::default()
     }
 }
 

@@ -2,7 +2,7 @@
 //! `MSG_ZEROCOPY` ([`msg`]) and io_uring `SENDMSG_ZC` ([`uring`], cargo
 //! feature `io-uring`). This file holds what they share (errors, counters,
 //! the [`ZeroCopyTransport`] trait the pipeline uses, the window's kernel
-//! charge, the `RLIMIT_MEMLOCK` check); [`measure`] compares them.
+//! charge, the `RLIMIT_MEMLOCK` check); `measure` compares them.
 //!
 //! Dependencies point one way: `measure` → `msg`, `uring` → this file →
 //! [`crate::transport`].

@@ -157,7 +157,7 @@ impl ZeroCopySender {
     /// [`kernel_charge`]) pinned in flight.
     ///
     /// Call when the channel connects, so a refusal fails the migration
-    /// before anything is sent. Pass the window to [`check_memlock`]
+    /// before anything is sent. Pass the window to [`check_memlock`](super::check_memlock)
     /// (multiplied by the number of channels) first.
     pub fn enable(
         channel: Channel,

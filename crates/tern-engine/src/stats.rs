@@ -99,6 +99,7 @@ pub struct LiveStats {
     setup_time_ms: AtomicU64,
     downtime_ms: AtomicU64,
     digest_time_ms: AtomicU64,
+    digest_rehashed_pages: AtomicU64,
     total_time_ms: AtomicU64,
     digest_verified: AtomicBool,
     cpu_seconds: Mutex<BTreeMap<String, f64>>,
@@ -140,6 +141,7 @@ impl LiveStats {
             setup_time_ms: AtomicU64::new(0),
             downtime_ms: AtomicU64::new(0),
             digest_time_ms: AtomicU64::new(0),
+            digest_rehashed_pages: AtomicU64::new(0),
             total_time_ms: AtomicU64::new(0),
             digest_verified: AtomicBool::new(false),
             cpu_seconds: Mutex::new(BTreeMap::new()),
@@ -186,6 +188,10 @@ impl LiveStats {
 
     pub(crate) fn set_digest_time(&self, time: Duration) {
         self.digest_time_ms.store(millis(time), Ordering::Relaxed);
+    }
+
+    pub(crate) fn record_digest_rehash(&self, pages: u64) {
+        self.digest_rehashed_pages.store(pages, Ordering::Relaxed);
     }
 
     pub(crate) fn set_digest_verified(&self, verified: bool) {
@@ -303,6 +309,7 @@ impl LiveStats {
             downtime: self.downtime_ms.load(Ordering::Relaxed),
             expected_downtime: self.expected_downtime_ms.load(Ordering::Relaxed),
             digest_time: self.digest_time_ms.load(Ordering::Relaxed),
+            digest_rehashed_pages: self.digest_rehashed_pages.load(Ordering::Relaxed),
             ram: RamStats {
                 transferred,
                 precopy_bytes: self.precopy_bytes.load(Ordering::Relaxed),
@@ -401,10 +408,14 @@ pub struct MigrationStats {
     /// Downtime the last iteration predicted (the data still to send; the
     /// verification comes on top).
     pub expected_downtime: u64,
-    /// Time the source spent hashing its memory after pausing the guest
-    /// (`--verify full`), overlapped with sending the last pages; part of
-    /// the downtime.
+    /// Time the source spent finishing its incremental digest after the
+    /// last pages were sent (`--verify full`): hashing the pages marked
+    /// stale again and combining the page hashes; part of the downtime.
     pub digest_time: u64,
+    /// Pages the source hashed again while paused to finish the digest
+    /// (pages the dirty-log audit found changed, and any never hashed).
+    #[serde(default)]
+    pub digest_rehashed_pages: u64,
     /// Memory counters.
     pub ram: RamStats,
     /// Auto-converge throttle at the end, in percent.

@@ -46,6 +46,7 @@ pub(super) fn receive_all<P: PageStream>(
         .collect::<Result<_, _>>()?;
     std::thread::scope(|scope| {
         let handles = spawn_receivers(scope, shared, channels, codecs)?;
+        spawn_auditor(scope, shared);
         let main_result = read_main_channel(shared, main, decoder).and_then(|done| {
             watch_after_completion(shared, main, decoder, &handles).map(|()| done)
         });
@@ -69,6 +70,9 @@ pub(super) fn receive_all<P: PageStream>(
         }
         let mut final_iterations = Vec::new();
         let mut receivers_failed = false;
+        if let Some(hashes) = &shared.page_hashes {
+            hashes.stop_audit();
+        }
         for handle in handles {
             match handle.join() {
                 Ok(Ok(iteration)) => final_iterations.push(iteration),
@@ -90,6 +94,39 @@ pub(super) fn receive_all<P: PageStream>(
                 .unwrap_or_else(|| MigrationError::Internal("the migration stopped".into()))),
         }
     })
+}
+
+/// How fast the destination's audit reads the memory received so far;
+/// as the source's (see there).
+const DESTINATION_AUDIT_BYTES_PER_SECOND: u64 = 1 << 30;
+
+/// Starts the thread that audits received memory while pages arrive: a
+/// page changed since its hash was recorded (by something other than a
+/// receiver, which records again) is hashed again at switch-over, so the
+/// digest describes memory as it is, not as it was received.
+fn spawn_auditor<'scope>(scope: &'scope Scope<'scope, '_>, shared: &'scope ReceiverShared<'_>) {
+    let Some(hashes) = &shared.page_hashes else {
+        return;
+    };
+    let spawned = std::thread::Builder::new()
+        .name("tern-audit".into())
+        .spawn_scoped(scope, move || {
+            let populated = &shared.populated;
+            // SAFETY: guest memory stays mapped for the whole migration,
+            // beyond this scope, which ends after `stop_audit`.
+            unsafe {
+                hashes.audit(
+                    DESTINATION_AUDIT_BYTES_PER_SECOND,
+                    &|region, page| !populated[region].get(page),
+                    &|| shared.stats.record_audit_pass(),
+                )
+            };
+        });
+    if let Err(error) = spawned {
+        // The audit adds to the digest's reach; the migration is sound
+        // without it.
+        tracing::warn!(%error, "cannot start the audit of received memory");
+    }
 }
 
 type ReceiverHandle<'scope> = ScopedJoinHandle<'scope, Result<u32, ()>>;

@@ -1,10 +1,7 @@
 //! Switch-over: everything has arrived; check it, compare digests, restore
 //! the guest's state, resume it and tell the source.
 
-use std::sync::atomic::Ordering;
 use std::time::Instant;
-
-use xxhash_rust::xxh3::Xxh3;
 
 use tern_wire::{DigestAlgorithm, Message, Outcome, OutcomeStats};
 
@@ -12,7 +9,6 @@ use super::live::Delivered;
 use super::shared::ReceiverShared;
 use super::stream::FrameSink;
 use super::{Destination, ReceivePhase};
-use crate::digest::add_region;
 use crate::error::MigrationError;
 use crate::guest::{DestinationGuest, StateSection};
 use crate::stats::thread_cpu_seconds;
@@ -90,21 +86,17 @@ fn check_complete(
     Ok(())
 }
 
-/// The digest of the memory as written, from the page hashes the receivers
-/// recorded; 0 when the session does not verify.
+/// The digest of the memory as it is now: the page hashes the receivers
+/// recorded, with the pages the audit found changed since hashed again;
+/// 0 when the session does not verify.
 fn memory_digest(shared: &ReceiverShared<'_>) -> u128 {
-    let Some(page_hashes) = &shared.page_hashes else {
+    let Some(hashes) = &shared.page_hashes else {
         return 0;
     };
-    let mut hasher = Xxh3::new();
-    for (region, hashes) in shared.regions.iter().zip(page_hashes) {
-        add_region(
-            &mut hasher,
-            region.id(),
-            hashes.iter().map(|hash| hash.load(Ordering::Relaxed)),
-        );
-    }
-    hasher.digest128()
+    // SAFETY: every receiver has ended, so nothing writes guest memory or
+    // records hashes any more.
+    let finished = unsafe { hashes.finish(crate::digest::digest_threads()) };
+    finished.digest.value
 }
 
 fn restore_and_resume<G: DestinationGuest>(

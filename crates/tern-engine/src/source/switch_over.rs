@@ -2,7 +2,7 @@
 //! go, the destination verifies and answers.
 
 use std::sync::atomic::Ordering;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use tern_wire::{Complete, Message, Outcome, StateSectionMsg};
 
@@ -10,9 +10,8 @@ use super::live::LiveEnd;
 use super::{GuestChanges, Source};
 use crate::bitmap::DirtyBitmap;
 use crate::config::Verify;
-use crate::digest::{Digest, memory_digest};
 use crate::error::{ChannelError, MigrationError};
-use crate::guest::{MemoryRegion, SourceGuest};
+use crate::guest::SourceGuest;
 use crate::pipeline::Pipeline;
 use crate::stats::{DestinationStats, MigrationStatus};
 use crate::transport::Channel;
@@ -22,7 +21,6 @@ impl Source {
         &self,
         guest: &mut G,
         main: &mut Channel,
-        regions: &[MemoryRegion],
         changes: &mut GuestChanges,
         pipe: &mut Pipeline<'_>,
         live: LiveEnd,
@@ -40,7 +38,7 @@ impl Source {
             .sync_dirty_log(&mut bitmaps)
             .map_err(MigrationError::guest("sync dirty log"))?;
         self.stats.dirty_sync_count.fetch_add(1, Ordering::Relaxed);
-        let digest = self.send_last_pages(pipe, regions, &bitmaps, iteration)?;
+        let digest = self.send_last_pages(pipe, &bitmaps, iteration)?;
         tracing::debug!(
             elapsed_ms = paused_at.elapsed().as_millis() as u64,
             "final pages sent and memory hashed"
@@ -72,51 +70,31 @@ impl Source {
         Ok(DestinationStats::from_wire(&outcome.stats))
     }
 
-    /// Sends the pages dirtied since the last sync and, with verification,
-    /// hashes all of memory meanwhile: the guest is paused, so its memory no
-    /// longer changes, and hashing while the last pages travel is cheaper
-    /// than after. Returns the digest (0 without verification).
+    /// Sends the pages dirtied since the last sync (the workers hash them as
+    /// they go) and, with verification, finishes the incremental digest:
+    /// the guest is paused, so stale pages are hashed from final memory.
+    /// Returns the digest (0 without verification).
     fn send_last_pages(
         &self,
         pipe: &mut Pipeline<'_>,
-        regions: &[MemoryRegion],
         bitmaps: &[DirtyBitmap],
         iteration: u32,
     ) -> Result<u128, MigrationError> {
-        let verify = self.config.verify == Verify::Full;
-        let threads = self.config.digest_thread_count();
-        let (sent, digest) = std::thread::scope(|scope| {
-            let hasher = verify
-                .then(|| {
-                    std::thread::Builder::new()
-                        .name("tern-digest".into())
-                        // SAFETY: the guest is paused, and the pipeline only
-                        // reads guest memory, so nothing writes it while it
-                        // is hashed.
-                        .spawn_scoped(scope, || unsafe {
-                            memory_digest(regions, threads, &|_, _| false)
-                        })
-                        .map_err(MigrationError::Thread)
-                })
-                .transpose()?;
-            let sent = pipe.send_iteration(bitmaps, iteration, true);
-            let digest = match hasher {
-                Some(hasher) => hasher
-                    .join()
-                    .map_err(|_| MigrationError::Internal("the digest thread panicked".into()))?,
-                None => Digest {
-                    value: 0,
-                    cpu_seconds: 0.0,
-                    elapsed: Duration::ZERO,
-                },
-            };
-            Ok::<_, MigrationError>((sent, digest))
-        })?;
-        sent?;
-        self.stats.record_cpu("digest", digest.cpu_seconds);
-        self.stats.set_digest_time(digest.elapsed);
+        if let Some(hashes) = pipe.page_hashes() {
+            hashes.stop_audit();
+        }
+        pipe.send_iteration(bitmaps, iteration, true)?;
         self.stats.remaining.store(0, Ordering::Relaxed);
-        Ok(digest.value)
+        let Some(hashes) = pipe.page_hashes() else {
+            return Ok(0);
+        };
+        // SAFETY: the guest is paused and the pipeline has sent (and
+        // hashed) everything, so nothing writes memory or records hashes.
+        let finished = unsafe { hashes.finish(self.config.digest_thread_count()) };
+        self.stats.record_cpu("digest", finished.digest.cpu_seconds);
+        self.stats.set_digest_time(finished.digest.elapsed);
+        self.stats.record_digest_rehash(finished.rehashed_pages);
+        Ok(finished.digest.value)
     }
 
     /// Sends the device state and the completion message with the digest.

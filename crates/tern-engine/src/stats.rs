@@ -100,6 +100,7 @@ pub struct LiveStats {
     downtime_ms: AtomicU64,
     digest_time_ms: AtomicU64,
     digest_rehashed_pages: AtomicU64,
+    digest_audit_passes: AtomicU64,
     total_time_ms: AtomicU64,
     digest_verified: AtomicBool,
     cpu_seconds: Mutex<BTreeMap<String, f64>>,
@@ -142,6 +143,7 @@ impl LiveStats {
             downtime_ms: AtomicU64::new(0),
             digest_time_ms: AtomicU64::new(0),
             digest_rehashed_pages: AtomicU64::new(0),
+            digest_audit_passes: AtomicU64::new(0),
             total_time_ms: AtomicU64::new(0),
             digest_verified: AtomicBool::new(false),
             cpu_seconds: Mutex::new(BTreeMap::new()),
@@ -257,6 +259,16 @@ impl LiveStats {
             .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |remaining| {
                 Some(remaining.saturating_sub(bytes))
             });
+    }
+
+    /// Complete passes the dirty-log audit made over memory (a write the
+    /// dirty log forgot is found by the first pass that starts after it).
+    pub fn audit_passes(&self) -> u64 {
+        self.digest_audit_passes.load(Ordering::Relaxed)
+    }
+
+    pub(crate) fn record_audit_pass(&self) {
+        self.digest_audit_passes.fetch_add(1, Ordering::Relaxed);
     }
 
     /// The current dirty iteration, counting from 0.

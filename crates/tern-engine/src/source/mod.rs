@@ -290,8 +290,11 @@ impl Source {
             .spawn_scoped(scope, move || {
                 // SAFETY: the regions stay mapped for the whole migration,
                 // and the thread ends (`stop_audit`) before `run` returns.
-                let cpu =
-                    unsafe { hashes.audit(SOURCE_AUDIT_BYTES_PER_SECOND, &|_, _| false, &|| {}) };
+                let cpu = unsafe {
+                    hashes.audit(SOURCE_AUDIT_BYTES_PER_SECOND, &|_, _| false, &|| {
+                        stats.record_audit_pass();
+                    })
+                };
                 stats.record_cpu("digest-audit", cpu);
             });
         if let Err(error) = spawned {

@@ -236,9 +236,10 @@ pub struct BenchMigrateArgs {
     /// Skip the running-guest case.
     #[arg(long)]
     pub paused_only: bool,
-    /// Memory verification at switch-over.
-    #[arg(long, default_value = "full", value_parser = verify_values())]
-    pub verify: Verify,
+    /// Memory verification settings to compare, comma-separated (e.g.
+    /// `full,none`; the cases are interleaved run by run).
+    #[arg(long, default_value = "full", value_delimiter = ',', value_parser = verify_values())]
+    pub verify: Vec<Verify>,
     /// Compression settings to compare, comma-separated.
     #[arg(long, default_value = "none", value_delimiter = ',', value_parser = compression_values())]
     pub compression: Vec<CodecChoice>,

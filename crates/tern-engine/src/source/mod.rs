@@ -152,6 +152,7 @@ impl Source {
         address: &Address,
     ) -> Result<MigrationStats, MigrationFailure> {
         self.stats.start_clock();
+        self.stats.set_downtime_limit(self.config.downtime_limit);
         let cpu_start = thread_cpu_seconds();
         let mut changes = GuestChanges::default();
         let mut main: Option<Channel> = None;

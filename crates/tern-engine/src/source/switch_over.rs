@@ -83,7 +83,9 @@ impl Source {
         if let Some(hashes) = pipe.page_hashes() {
             hashes.stop_audit();
         }
+        let sending = Instant::now();
         pipe.send_iteration(bitmaps, iteration, true)?;
+        self.stats.set_final_pages_time(sending.elapsed());
         self.stats.remaining.store(0, Ordering::Relaxed);
         let Some(hashes) = pipe.page_hashes() else {
             return Ok(0);
@@ -105,6 +107,7 @@ impl Source {
         iteration: u32,
         digest: u128,
     ) -> Result<(), MigrationError> {
+        let started = Instant::now();
         let sections = guest
             .save_state()
             .map_err(MigrationError::guest("save state"))?;
@@ -121,11 +124,13 @@ impl Source {
                 data: section.data.clone(),
             }))?;
         }
-        send_paused(Message::Complete(Complete {
+        let sent = send_paused(Message::Complete(Complete {
             final_iteration: iteration,
             sections: u32::try_from(sections.len()).unwrap_or(u32::MAX),
             digest,
-        }))
+        }));
+        self.stats.set_state_time(started.elapsed());
+        sent
     }
 
     /// Waits for the destination's verdict (until cancelled).

@@ -450,3 +450,100 @@ fn a_write_the_dirty_log_forgot_is_found_by_the_audit() {
     expect_mismatch(destination);
     guest.guest.pause().unwrap();
 }
+
+/// A guest whose device takes long to save its state.
+struct SlowState(tern_synthetic::SyntheticGuest);
+
+const SLOW_STATE: Duration = Duration::from_millis(200);
+
+impl GuestMemory for SlowState {
+    fn regions(&self) -> &[MemoryRegion] {
+        self.0.regions()
+    }
+}
+
+impl tern_engine::DirtyLog for SlowState {
+    fn start_dirty_log(&mut self) -> GuestResult<()> {
+        self.0.start_dirty_log()
+    }
+
+    fn sync_dirty_log(&mut self, bitmaps: &mut [DirtyBitmap]) -> GuestResult<()> {
+        self.0.sync_dirty_log(bitmaps)
+    }
+
+    fn stop_dirty_log(&mut self) -> GuestResult<()> {
+        self.0.stop_dirty_log()
+    }
+}
+
+impl GuestControl for SlowState {
+    fn pause(&mut self) -> GuestResult<()> {
+        self.0.pause()
+    }
+
+    fn resume(&mut self) -> GuestResult<()> {
+        self.0.resume()
+    }
+
+    fn set_throttle(&mut self, percent: u8) -> GuestResult<()> {
+        self.0.set_throttle(percent)
+    }
+}
+
+impl DeviceState for SlowState {
+    fn save_state(&mut self) -> GuestResult<Vec<tern_engine::StateSection>> {
+        // A slow device, not a wait for something: the downtime must hold
+        // this much, whatever else happens.
+        std::thread::sleep(SLOW_STATE);
+        self.0.save_state()
+    }
+
+    fn restore_state(&mut self, sections: &[tern_engine::StateSection]) -> GuestResult<()> {
+        self.0.restore_state(sections)
+    }
+}
+
+#[test]
+fn a_broken_downtime_limit_is_reported_with_its_cause() {
+    let (listener, address) = tcp_listener();
+    let destination = spawn_destination(listener);
+    let mut guest = SlowState(guest(8 * MIB, 0));
+    let mut config = migration_config(1);
+    config.downtime_limit = Duration::from_millis(100);
+    let stats = Source::new(config)
+        .unwrap()
+        .migrate(&mut guest, &address)
+        .expect("the migration completes, late");
+    destination.join().unwrap().expect("destination verifies");
+    assert_eq!(stats.downtime_limit, 100);
+    assert!(stats.downtime >= SLOW_STATE.as_millis() as u64);
+    assert!(stats.downtime_exceeded);
+    let parts = stats.downtime_parts.expect("the downtime's parts");
+    assert!(parts.state >= SLOW_STATE.as_millis() as u64, "{parts:?}");
+    assert_eq!(stats.downtime_exceeded_cause, Some(parts.largest()));
+    let json = serde_json::to_value(&stats).unwrap();
+    assert_eq!(json["downtime-exceeded"], true);
+    assert_eq!(json["downtime-limit"], 100);
+    assert!(json["downtime-exceeded-cause"].is_string());
+    assert!(json["downtime-parts"]["final-rehash"].is_u64());
+}
+
+#[test]
+fn a_kept_downtime_limit_is_not_reported_as_broken() {
+    let (listener, address) = tcp_listener();
+    let destination = spawn_destination(listener);
+    let mut guest = guest(8 * MIB, 0);
+    let mut config = migration_config(1);
+    // Far beyond any stall of a loaded machine.
+    config.downtime_limit = Duration::from_secs(60);
+    let stats = Source::new(config)
+        .unwrap()
+        .migrate(&mut guest, &address)
+        .expect("the migration completes");
+    destination.join().unwrap().expect("destination verifies");
+    assert!(!stats.downtime_exceeded);
+    assert_eq!(stats.downtime_exceeded_cause, None);
+    let json = serde_json::to_value(&stats).unwrap();
+    assert_eq!(json["downtime-exceeded"], false);
+    assert!(json.get("downtime-exceeded-cause").is_none());
+}

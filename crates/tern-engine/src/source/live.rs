@@ -2,7 +2,7 @@
 //! convergence rules say to switch over or stop.
 
 use std::sync::atomic::Ordering;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use super::convergence::{Convergence, Decision, SyncFacts};
 use super::peer::check_peer;
@@ -67,6 +67,10 @@ impl Source {
                 bandwidth,
                 live_elapsed: live_start.elapsed(),
                 cancelled: self.cancel.is_cancelled(),
+                final_rehash: pipe.page_hashes().map_or(Duration::ZERO, |hashes| {
+                    hashes.finish_estimate(self.config.digest_thread_count())
+                }),
+                state_bytes: guest.state_size_hint(),
             };
             self.record_sync(&facts, since_previous_sync.as_secs_f64().max(1e-6));
             match rules.decide(&facts) {

@@ -20,10 +20,11 @@ use crate::stats::{DestinationStats, LiveStats, MigrationStats, MigrationStatus}
 use crate::transport::{Address, Channel};
 use peer::{peer_reason, send_abort};
 
-/// How fast the source's dirty-log audit reads memory during the live
-/// phase: about a tenth of one core's hashing speed on the reference
-/// machine, so that it costs little CPU and memory bandwidth.
-const SOURCE_AUDIT_BYTES_PER_SECOND: u64 = 1 << 30;
+/// How fast at most the source's dirty-log audit reads memory during the
+/// live phase: a few percent of one core's hashing speed on the reference
+/// machine (and the thread runs at the lowest priority), so that it costs
+/// the migration little CPU and memory bandwidth.
+const SOURCE_AUDIT_BYTES_PER_SECOND: u64 = 512 << 20;
 
 /// Cancels a running migration from another thread (a signal handler's
 /// helper, a UI, a test).
@@ -167,6 +168,15 @@ impl Source {
                 self.stats.set_status(MigrationStatus::Completed);
                 let mut stats = self.stats.snapshot();
                 stats.destination = destination;
+                if let Some(cause) = stats.downtime_exceeded_cause {
+                    tracing::warn!(
+                        downtime_ms = stats.downtime,
+                        limit_ms = stats.downtime_limit,
+                        expected_ms = stats.expected_downtime,
+                        cause = cause.as_str(),
+                        "the downtime broke its limit"
+                    );
+                }
                 Ok(stats)
             }
             Err(error) => {

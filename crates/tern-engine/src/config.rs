@@ -117,9 +117,12 @@ pub enum LimitPolicy {
 )]
 #[non_exhaustive]
 pub enum Verify {
-    /// The source hashes all its memory after pausing the guest (while the
-    /// last pages travel); the destination hashes each page as it writes it.
-    /// A mismatch fails the migration and the source guest runs on.
+    /// Both sides keep a hash of every page up to date while the guest
+    /// runs (the source as it sends a page, the destination as it writes
+    /// one, and an audit on each side for changes nobody reported), and
+    /// compare the digest of all memory before the destination resumes (see
+    /// docs/verification.md). A mismatch fails the migration and the source
+    /// guest runs on.
     #[default]
     Full,
     /// No digest: the shortest downtime, trusting the dirty log.
@@ -195,9 +198,9 @@ pub struct MigrationConfig {
     pub qpl_path: QplPath,
     /// Memory verification at switch-over.
     pub verify: Verify,
-    /// Threads hashing guest memory for the verification; 0 uses every
-    /// core. An embedder sharing the host with other guests may want fewer,
-    /// at the cost of a longer switch-over.
+    /// Threads hashing again, while the guest is paused, the pages whose
+    /// hash went stale (see docs/verification.md); 0 uses every core.
+    /// Usually there are few such pages and one thread is as fast.
     pub digest_threads: usize,
     /// Send page data with zero-copy sends straight from guest memory.
     pub zero_copy: bool,

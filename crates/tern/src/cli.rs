@@ -396,7 +396,7 @@ pub struct TransferArgs {
     /// Compare memory digests before resuming on the destination.
     #[arg(long, default_value = "full", value_parser = verify_values())]
     pub verify: Verify,
-    /// Threads hashing memory for --verify full (0: every core).
+    /// Threads hashing stale pages again at switch-over, --verify full (0: every core).
     #[arg(long, default_value_t = 0)]
     pub digest_threads: usize,
     /// Send page data with MSG_ZEROCOPY straight from guest memory (TCP only;

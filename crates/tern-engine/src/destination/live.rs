@@ -121,6 +121,14 @@ fn spawn_receivers<'scope, P: PageStream + 'scope>(
     Ok(handles)
 }
 
+/// At most this many state sections per session: a VMM has one per device
+/// and vCPU, a few dozen; the bound keeps a source from growing the
+/// receiver without limit after the handshake.
+pub(super) const MAX_STATE_SECTIONS: usize = 1024;
+/// At most this many bytes of state sections in all (each is also bounded
+/// by `tern_wire::MAX_SECTION_BYTES`).
+pub(super) const MAX_STATE_BYTES: usize = 64 << 20;
+
 /// Reads state sections until `Complete` arrives on the main channel,
 /// refusing anything out of order.
 fn read_main_channel(
@@ -129,6 +137,7 @@ fn read_main_channel(
     decoder: &mut FrameDecoder,
 ) -> Result<(Vec<StateSection>, Complete), MigrationError> {
     let mut sections: Vec<StateSection> = Vec::new();
+    let mut section_bytes = 0usize;
     let mut state = MainChannelState::Live;
     loop {
         wait_for_main(shared, main, decoder)?;
@@ -142,6 +151,14 @@ fn read_main_channel(
                     return Err(MigrationError::Protocol(format!(
                         "state section '{}' sent twice",
                         section.name
+                    )));
+                }
+                section_bytes = section_bytes.saturating_add(section.data.len());
+                if sections.len() >= MAX_STATE_SECTIONS || section_bytes > MAX_STATE_BYTES {
+                    return Err(MigrationError::Protocol(format!(
+                        "more state than a destination accepts ({MAX_STATE_SECTIONS} sections, \
+                         {} MiB in all)",
+                        MAX_STATE_BYTES >> 20
                     )));
                 }
                 sections.push(StateSection {

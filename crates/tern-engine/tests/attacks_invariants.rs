@@ -89,7 +89,7 @@ struct Attacker {
 }
 
 fn connect(address: &Address) -> Channel {
-    let channel = Channel::connect(address, Duration::from_secs(10)).expect("connect");
+    let mut channel = Channel::connect(address, Duration::from_secs(10)).expect("connect");
     // Generous: a read that outlives it fails the test instead of hanging.
     channel.set_timeouts(DEADLINE).expect("timeouts");
     channel
@@ -314,4 +314,34 @@ fn a_state_section_after_the_completion_is_refused() {
     let rejected = attacker.expect_abort(needle);
     destination.expect_error(needle);
     report("state section after the completion", started, rejected);
+}
+
+#[test]
+fn a_flood_of_state_sections_is_refused() {
+    let destination = start_destination();
+    let mut attacker = handshake(&destination.address, 1);
+    let started = Instant::now();
+    // Distinct names, so only the bound stops them: 1 MiB each passes the
+    // 64 MiB total with the 65th section, long before the count bound. No
+    // more than that is sent, so nothing is left unread when the
+    // destination closes (which would reset the connection before the
+    // abort is read).
+    for index in 0..65 {
+        attacker
+            .main
+            .send_message(&Message::StateSection(StateSectionMsg {
+                name: format!("flood-{index}"),
+                version: 1,
+                data: vec![7; 1 << 20],
+            }))
+            .expect("the destination reads every section up to the bound");
+    }
+    let needle = "more state than a destination accepts";
+    let rejected = attacker.expect_abort(needle);
+    destination.expect_error(needle);
+    report(
+        "a flood of distinct 1 MiB state sections",
+        started,
+        rejected,
+    );
 }

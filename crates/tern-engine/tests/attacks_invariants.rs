@@ -173,7 +173,14 @@ impl Attacker {
     /// The abort the destination sends on the main channel, which must
     /// mention one of `needles`; returns when it came.
     fn expect_abort_of(&mut self, needles: &[&str]) -> Instant {
-        match self.main.read_message() {
+        // The destination's heartbeats may come first, on a slow machine.
+        let answer = loop {
+            match self.main.read_message() {
+                Ok(Message::Heartbeat) => {}
+                other => break other,
+            }
+        };
+        match answer {
             Ok(Message::Abort(abort)) => {
                 assert!(
                     needles.iter().any(|needle| abort.message.contains(needle)),
@@ -321,20 +328,21 @@ fn a_flood_of_state_sections_is_refused() {
     let destination = start_destination();
     let mut attacker = handshake(&destination.address, 1);
     let started = Instant::now();
-    // Distinct names, so only the bound stops them: 1 MiB each passes the
-    // 64 MiB total with the 65th section, long before the count bound. No
-    // more than that is sent, so nothing is left unread when the
-    // destination closes (which would reset the connection before the
-    // abort is read).
+    // Distinct names, so only the bound stops them: the 64th 1 MiB section
+    // crosses the 64 MiB total and is refused at its header, before its
+    // body is read. The attacker's writes after that may fail: the
+    // destination has closed the channel.
     for index in 0..65 {
-        attacker
+        let sent = attacker
             .main
             .send_message(&Message::StateSection(StateSectionMsg {
                 name: format!("flood-{index}"),
                 version: 1,
                 data: vec![7; 1 << 20],
-            }))
-            .expect("the destination reads every section up to the bound");
+            }));
+        if sent.is_err() {
+            break;
+        }
     }
     let needle = "more state than a destination accepts";
     let rejected = attacker.expect_abort(needle);

@@ -6,14 +6,14 @@ use std::thread::{Scope, ScopedJoinHandle};
 use std::time::{Duration, Instant};
 
 use tern_page::codec::CodecId;
-use tern_wire::{Complete, FrameDecoder, HEARTBEAT_INTERVAL, Message};
+use tern_wire::{Complete, FrameDecoder, HEARTBEAT_INTERVAL, Message, WireError};
 
 use super::POLL_INTERVAL;
 use super::handshake::peer_aborted;
 use super::order::MainChannelState;
 use super::receiver::receive_pages;
 use super::shared::ReceiverShared;
-use super::stream::{FrameSink, FrameSource, PageStream, read_message};
+use super::stream::{FrameSink, FrameSource, PageStream, read_message, read_message_within};
 use crate::error::{ChannelError, MigrationError};
 use crate::guest::StateSection;
 use crate::stats::thread_cpu_seconds;
@@ -125,9 +125,21 @@ fn spawn_receivers<'scope, P: PageStream + 'scope>(
 /// and vCPU, a few dozen; the bound keeps a source from growing the
 /// receiver without limit after the handshake.
 pub(super) const MAX_STATE_SECTIONS: usize = 1024;
-/// At most this many bytes of state sections in all (each is also bounded
-/// by `tern_wire::MAX_SECTION_BYTES`).
+/// At most this many bytes of state-section frames in all (each is also
+/// bounded by `tern_wire::MAX_SECTION_BYTES`), the one being read included,
+/// so the receiver holds no more than this of state at any time.
 pub(super) const MAX_STATE_BYTES: usize = 64 << 20;
+
+/// A frame any main-channel message but a state section fits in (an abort
+/// with its longest text, a completion).
+const SMALL_FRAME: usize = 8 << 10;
+
+fn too_much_state() -> MigrationError {
+    MigrationError::Protocol(format!(
+        "more state than a destination accepts ({MAX_STATE_SECTIONS} sections, {} MiB in all)",
+        MAX_STATE_BYTES >> 20
+    ))
+}
 
 /// Reads state sections until `Complete` arrives on the main channel,
 /// refusing anything out of order.
@@ -137,12 +149,20 @@ fn read_main_channel(
     decoder: &mut FrameDecoder,
 ) -> Result<(Vec<StateSection>, Complete), MigrationError> {
     let mut sections: Vec<StateSection> = Vec::new();
-    let mut section_bytes = 0usize;
+    let mut state_bytes = 0usize;
     let mut state = MainChannelState::Live;
     let mut heartbeat = Heartbeat::new();
     loop {
         wait_for_main(shared, main, decoder, &mut heartbeat)?;
-        let message = read_message(main, decoder).map_err(MigrationError::channel(0))?;
+        // Only state sections are large: the rest of the budget bounds the
+        // next frame, so a section past the total is refused at its header.
+        let budget = MAX_STATE_BYTES.saturating_sub(state_bytes).max(SMALL_FRAME);
+        let message = read_message_within(main, decoder, budget).map_err(|error| match error {
+            ChannelError::Protocol(WireError::FieldTooLong { field: "frame", .. }) => {
+                too_much_state()
+            }
+            other => MigrationError::channel(0)(other),
+        })?;
         state = state
             .next(message.kind())
             .map_err(MigrationError::Protocol)?;
@@ -154,13 +174,9 @@ fn read_main_channel(
                         section.name
                     )));
                 }
-                section_bytes = section_bytes.saturating_add(section.data.len());
-                if sections.len() >= MAX_STATE_SECTIONS || section_bytes > MAX_STATE_BYTES {
-                    return Err(MigrationError::Protocol(format!(
-                        "more state than a destination accepts ({MAX_STATE_SECTIONS} sections, \
-                         {} MiB in all)",
-                        MAX_STATE_BYTES >> 20
-                    )));
+                state_bytes = state_bytes.saturating_add(decoder.frame_len());
+                if sections.len() >= MAX_STATE_SECTIONS || state_bytes > MAX_STATE_BYTES {
+                    return Err(too_much_state());
                 }
                 sections.push(StateSection {
                     name: section.name,

@@ -214,7 +214,18 @@ pub struct MigrationConfig {
     pub io_timeout: Duration,
     /// How long to keep trying to reach the destination.
     pub connect_timeout: Duration,
+    /// How long the paused source waits for each of the destination's
+    /// switch-over answers: "ready" after the last bytes were sent (without
+    /// it, the source resumes its guest), then the acknowledgement of its
+    /// commit (without it, the outcome is reported unknown and the guest
+    /// stays paused).
+    pub switch_over_timeout: Duration,
 }
+
+/// Default of both sides' `switch_over_timeout`: the destination checks and
+/// restores in milliseconds, and a guest paused this long is already an
+/// outage worth reporting.
+pub const DEFAULT_SWITCH_OVER_TIMEOUT: Duration = Duration::from_secs(10);
 
 impl Default for MigrationConfig {
     fn default() -> Self {
@@ -242,6 +253,7 @@ impl Default for MigrationConfig {
             zero_copy_window: 0,
             io_timeout: Duration::from_secs(30),
             connect_timeout: Duration::from_secs(10),
+            switch_over_timeout: DEFAULT_SWITCH_OVER_TIMEOUT,
         }
     }
 }
@@ -303,6 +315,9 @@ impl MigrationConfig {
         }
         if self.io_timeout.is_zero() {
             return bad("io_timeout", "must be positive".into());
+        }
+        if self.switch_over_timeout.is_zero() {
+            return bad("switch_over_timeout", "must be positive".into());
         }
         if !(0.0..=1.0).contains(&self.zero_page_as_normal) {
             return bad(
@@ -367,6 +382,9 @@ pub struct ReceiveConfig {
     /// handshake, before anything is allocated. `None`: what the machine
     /// can hold now (`MemAvailable` + `SwapFree`).
     pub max_memory: Option<u64>,
+    /// How long, once it has said "ready", the destination waits for the
+    /// source's commit; without one in time the guest is not resumed here.
+    pub switch_over_timeout: Duration,
 }
 
 impl Default for ReceiveConfig {
@@ -377,6 +395,7 @@ impl Default for ReceiveConfig {
             handshake_timeout: Duration::from_secs(5),
             max_pending_handshakes: 64,
             max_memory: None,
+            switch_over_timeout: DEFAULT_SWITCH_OVER_TIMEOUT,
         }
     }
 }

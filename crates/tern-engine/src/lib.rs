@@ -71,8 +71,8 @@ pub mod vm_memory;
 
 pub use bitmap::DirtyBitmap;
 pub use config::{
-    LimitPolicy, MigrationConfig, ReceiveConfig, UnknownName, Verify, ZeroCopyBackend,
-    ZeroPageDetection,
+    DEFAULT_SWITCH_OVER_TIMEOUT, LimitPolicy, MigrationConfig, ReceiveConfig, UnknownName, Verify,
+    ZeroCopyBackend, ZeroPageDetection,
 };
 pub use destination::{Destination, ReceivePhase, ReceiveStats, Received};
 pub use error::{ChannelError, MigrationError};

@@ -29,6 +29,10 @@ pub enum MigrationStatus {
     Failed = 4,
     /// Cancelled; the source guest runs on.
     Cancelled = 5,
+    /// The source committed the switch-over, and the destination did not
+    /// confirm it resumed the guest; the source guest stays paused (see
+    /// [`crate::MigrationError::OutcomeUnknown`]).
+    OutcomeUnknown = 6,
 }
 
 impl MigrationStatus {
@@ -39,7 +43,8 @@ impl MigrationStatus {
             2 => Self::Device,
             3 => Self::Completed,
             4 => Self::Failed,
-            _ => Self::Cancelled,
+            5 => Self::Cancelled,
+            _ => Self::OutcomeUnknown,
         }
     }
 

@@ -141,10 +141,15 @@ impl FakeSource {
                 digest,
             }))
             .unwrap();
-        match self.main.read_message() {
-            Ok(Message::Outcome(outcome)) if outcome.verified => Ok(()),
-            Ok(Message::Outcome(outcome)) => Err(outcome.detail),
-            other => panic!("expected the destination's outcome, got {other:?}"),
+        loop {
+            match self.main.read_message() {
+                Ok(Message::Heartbeat) => {}
+                // The digests matched: commit, as a source does.
+                Ok(Message::Ready(_)) => self.main.send_message(&Message::Commit).unwrap(),
+                Ok(Message::Outcome(outcome)) if outcome.verified => return Ok(()),
+                Ok(Message::Outcome(outcome)) => return Err(outcome.detail),
+                other => panic!("expected the destination's verdict, got {other:?}"),
+            }
         }
     }
 }

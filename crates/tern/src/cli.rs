@@ -146,6 +146,10 @@ pub struct ListenArgs {
     /// SIGINT or SIGTERM.
     #[arg(long)]
     pub keep_listening: bool,
+    /// How long, after saying it is ready, to wait for the source's commit,
+    /// in seconds; without it the guest is not resumed here.
+    #[arg(long, default_value_t = 10, value_parser = clap::value_parser!(u64).range(1..))]
+    pub switch_over_timeout: u64,
 }
 
 impl ListenArgs {
@@ -159,6 +163,7 @@ impl ListenArgs {
             io_timeout: Duration::from_secs(self.io_timeout),
             handshake_timeout: Duration::from_secs(self.handshake_timeout),
             max_memory: self.max_memory,
+            switch_over_timeout: Duration::from_secs(self.switch_over_timeout),
             ..tern_engine::ReceiveConfig::default()
         };
         Ok((listener, config))
@@ -433,6 +438,12 @@ pub struct TransferArgs {
     /// How long to keep trying to reach the destination, in seconds.
     #[arg(long, default_value_t = 10)]
     pub connect_timeout: u64,
+    /// How long the paused source waits for each switch-over answer of the
+    /// destination, in seconds: without its "ready" the source guest
+    /// resumes; without the acknowledgement of the commit the outcome is
+    /// unknown and the guest stays paused (exit status 3).
+    #[arg(long, default_value_t = 10, value_parser = clap::value_parser!(u64).range(1..))]
+    pub switch_over_timeout: u64,
 }
 
 impl TransferArgs {
@@ -527,6 +538,7 @@ impl TransferArgs {
             zero_copy_backend: self.zero_copy_backend,
             io_timeout: Duration::from_secs(self.io_timeout),
             connect_timeout: Duration::from_secs(self.connect_timeout),
+            switch_over_timeout: Duration::from_secs(self.switch_over_timeout),
             ..MigrationConfig::default()
         })
     }

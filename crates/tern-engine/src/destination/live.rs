@@ -3,17 +3,17 @@
 //! channel.
 
 use std::thread::{Scope, ScopedJoinHandle};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use tern_page::codec::CodecId;
-use tern_wire::{Complete, FrameDecoder, Message};
+use tern_wire::{Complete, FrameDecoder, HEARTBEAT_INTERVAL, Message, WireError};
 
 use super::POLL_INTERVAL;
 use super::handshake::peer_aborted;
 use super::order::MainChannelState;
 use super::receiver::receive_pages;
 use super::shared::ReceiverShared;
-use super::stream::{FrameSource, PageStream, read_message};
+use super::stream::{FrameSink, FrameSource, PageStream, read_message, read_message_within};
 use crate::error::{ChannelError, MigrationError};
 use crate::guest::StateSection;
 use crate::stats::thread_cpu_seconds;
@@ -30,7 +30,7 @@ pub(super) struct Delivered {
 /// `Complete`; any failure stops every thread and the first one is returned.
 pub(super) fn receive_all<P: PageStream>(
     shared: &ReceiverShared<'_>,
-    main: &mut impl FrameSource,
+    main: &mut (impl FrameSource + FrameSink),
     decoder: &mut FrameDecoder,
     channels: Vec<P>,
     codecs: &[CodecId],
@@ -158,18 +158,48 @@ fn spawn_receivers<'scope, P: PageStream + 'scope>(
     Ok(handles)
 }
 
+/// At most this many state sections per session: a VMM has one per device
+/// and vCPU, a few dozen; the bound keeps a source from growing the
+/// receiver without limit after the handshake.
+pub(super) const MAX_STATE_SECTIONS: usize = 1024;
+/// At most this many bytes of state-section frames in all (each is also
+/// bounded by `tern_wire::MAX_SECTION_BYTES`), the one being read included,
+/// so the receiver holds no more than this of state at any time.
+pub(super) const MAX_STATE_BYTES: usize = 64 << 20;
+
+/// A frame any main-channel message but a state section fits in (an abort
+/// with its longest text, a completion).
+const SMALL_FRAME: usize = 8 << 10;
+
+fn too_much_state() -> MigrationError {
+    MigrationError::Protocol(format!(
+        "more state than a destination accepts ({MAX_STATE_SECTIONS} sections, {} MiB in all)",
+        MAX_STATE_BYTES >> 20
+    ))
+}
+
 /// Reads state sections until `Complete` arrives on the main channel,
 /// refusing anything out of order.
 fn read_main_channel(
     shared: &ReceiverShared<'_>,
-    main: &mut impl FrameSource,
+    main: &mut (impl FrameSource + FrameSink),
     decoder: &mut FrameDecoder,
 ) -> Result<(Vec<StateSection>, Complete), MigrationError> {
     let mut sections: Vec<StateSection> = Vec::new();
+    let mut state_bytes = 0usize;
     let mut state = MainChannelState::Live;
+    let mut heartbeat = Heartbeat::new();
     loop {
-        wait_for_main(shared, main, decoder)?;
-        let message = read_message(main, decoder).map_err(MigrationError::channel(0))?;
+        wait_for_main(shared, main, decoder, &mut heartbeat)?;
+        // Only state sections are large: the rest of the budget bounds the
+        // next frame, so a section past the total is refused at its header.
+        let budget = MAX_STATE_BYTES.saturating_sub(state_bytes).max(SMALL_FRAME);
+        let message = read_message_within(main, decoder, budget).map_err(|error| match error {
+            ChannelError::Protocol(WireError::FieldTooLong { field: "frame", .. }) => {
+                too_much_state()
+            }
+            other => MigrationError::channel(0)(other),
+        })?;
         state = state
             .next(message.kind())
             .map_err(MigrationError::Protocol)?;
@@ -180,6 +210,10 @@ fn read_main_channel(
                         "state section '{}' sent twice",
                         section.name
                     )));
+                }
+                state_bytes = state_bytes.saturating_add(decoder.frame_len());
+                if sections.len() >= MAX_STATE_SECTIONS || state_bytes > MAX_STATE_BYTES {
+                    return Err(too_much_state());
                 }
                 sections.push(StateSection {
                     name: section.name,
@@ -244,14 +278,54 @@ fn watch_after_completion<T>(
     Ok(())
 }
 
-/// Waits for the main channel, which is silent during the whole live
-/// phase, looking at the failure flag meanwhile.
+/// When the next heartbeat is due. Heartbeats are due on a fixed schedule
+/// (one per [`HEARTBEAT_INTERVAL`] since the live phase began), not an
+/// interval after the previous one, so a late one is followed by the ones
+/// missed and the source can count them against its own clock.
+struct Heartbeat {
+    next: Instant,
+}
+
+impl Heartbeat {
+    fn new() -> Self {
+        Self {
+            next: Instant::now() + HEARTBEAT_INTERVAL,
+        }
+    }
+
+    /// Sends the heartbeats that are due.
+    fn beat(&mut self, main: &mut impl FrameSink) -> Result<(), MigrationError> {
+        while Instant::now() >= self.next {
+            main.send_message(&Message::Heartbeat)
+                .map_err(MigrationError::channel(0))?;
+            self.next += HEARTBEAT_INTERVAL;
+        }
+        Ok(())
+    }
+}
+
+/// Waits for the main channel, which carries nothing from the source during
+/// the live phase, looking at the failure flag and sending heartbeats
+/// meanwhile.
 fn wait_for_main(
     shared: &ReceiverShared<'_>,
-    main: &mut impl FrameSource,
+    main: &mut (impl FrameSource + FrameSink),
     decoder: &mut FrameDecoder,
+    heartbeat: &mut Heartbeat,
 ) -> Result<(), MigrationError> {
+    // Until the page channels end, their receivers time out on a silent
+    // source; after, only this wait can.
+    let mut pages_ended_at: Option<Instant> = None;
     loop {
+        heartbeat.beat(main)?;
+        if shared.pages_ended()
+            && pages_ended_at.get_or_insert_with(Instant::now).elapsed() > shared.io_timeout()
+        {
+            return Err(MigrationError::Channel {
+                index: 0,
+                source: ChannelError::Timeout("the source's state after its last pages"),
+            });
+        }
         if shared.failed() {
             if shared.cancel.is_cancelled() {
                 return Err(MigrationError::Cancelled);

@@ -235,7 +235,7 @@ impl Destination {
             message: hello,
         } = self
             .accept_main(listener)
-            .and_then(|arrived| {
+            .and_then(|mut arrived| {
                 arrived
                     .channel
                     .set_timeouts(self.config.io_timeout)
@@ -297,7 +297,7 @@ impl Destination {
             &self.cancel,
         );
         let delivered = live::receive_all(&shared, main, decoder, channels, &codecs)?;
-        let stats = self.switch_over(&shared, main, &mut guest, delivered, cpu_start)?;
+        let stats = self.switch_over(&shared, main, decoder, &mut guest, delivered, cpu_start)?;
         Ok(Received {
             guest,
             stats: DestinationStats::from_wire(&stats),

@@ -40,6 +40,9 @@ pub(super) struct ReceiverShared<'a> {
     /// The iteration the source's `Complete` names as final, once the main
     /// channel has it; [`NO_FINAL_ITERATION`] before.
     final_iteration: AtomicU64,
+    /// Every page channel has passed its last sync: only the main channel
+    /// has more to say.
+    pages_ended: AtomicBool,
     failed: AtomicBool,
     /// The first failure; later ones are its consequences. Taken once per
     /// failure, never on the per-page path.
@@ -75,6 +78,7 @@ impl<'a> ReceiverShared<'a> {
                 .collect(),
             barrier: SyncBarrier::new(receivers),
             final_iteration: AtomicU64::new(NO_FINAL_ITERATION),
+            pages_ended: AtomicBool::new(false),
             failed: AtomicBool::new(false),
             first_failure: Mutex::new(None),
             stats,
@@ -105,7 +109,21 @@ impl<'a> ReceiverShared<'a> {
                 BarrierError::Disagreement => MigrationError::Protocol(format!(
                     "the page channels disagree on whether iteration {iteration} is the last"
                 )),
-            })
+            })?;
+        if last {
+            self.pages_ended.store(true, Ordering::Release);
+        }
+        Ok(())
+    }
+
+    /// Whether every page channel has passed its last sync.
+    pub(super) fn pages_ended(&self) -> bool {
+        self.pages_ended.load(Ordering::Acquire)
+    }
+
+    /// The longest silence tolerated from the source on any channel.
+    pub(super) fn io_timeout(&self) -> Duration {
+        self.io_timeout
     }
 
     /// Records the final iteration the source's `Complete` names, so that

@@ -54,14 +54,17 @@ impl CancelToken {
 }
 
 /// A migration that did not complete, with the statistics up to the
-/// failure. The source guest has been resumed.
+/// failure. The source guest has been resumed, except after
+/// [`MigrationError::OutcomeUnknown`] (status `outcome-unknown`), when it
+/// stays paused.
 #[derive(Debug, thiserror::Error)]
 #[error("{error}")]
 pub struct MigrationFailure {
     /// The cause.
     #[source]
     pub error: MigrationError,
-    /// Statistics up to the failure (status `failed` or `cancelled`).
+    /// Statistics up to the failure (status `failed`, `cancelled` or
+    /// `outcome-unknown`).
     pub stats: Box<MigrationStats>,
 }
 
@@ -83,6 +86,9 @@ struct GuestChanges {
     throttled: bool,
     /// The destination has been told why the migration stops.
     abort_sent: bool,
+    /// The source committed the switch-over: the guest may run on the
+    /// destination, so it is never resumed here.
+    committed: bool,
 }
 
 impl Source {
@@ -181,16 +187,24 @@ impl Source {
             }
             Err(error) => {
                 if let Some(channel) = main.as_mut() {
-                    if !changes.abort_sent {
+                    if !changes.abort_sent && !changes.committed {
                         send_abort(channel, &error);
                     }
                     channel.shutdown();
                 }
-                restore_guest(guest, &changes);
-                let status = if matches!(error, MigrationError::Cancelled) {
-                    MigrationStatus::Cancelled
+                let status = if changes.committed {
+                    tracing::error!(
+                        error = %error.chain(),
+                        "the switch-over's outcome is unknown: the guest stays paused"
+                    );
+                    MigrationStatus::OutcomeUnknown
                 } else {
-                    MigrationStatus::Failed
+                    restore_guest(guest, &changes);
+                    if matches!(error, MigrationError::Cancelled) {
+                        MigrationStatus::Cancelled
+                    } else {
+                        MigrationStatus::Failed
+                    }
                 };
                 self.stats.set_status(status);
                 let mut stats = self.stats.snapshot();
@@ -275,8 +289,10 @@ impl Source {
                     };
                     // Say why before the page channels close, so the
                     // destination reports the cause, not the closed channels.
-                    send_abort(main, &error);
-                    changes.abort_sent = true;
+                    if !changes.committed {
+                        send_abort(main, &error);
+                        changes.abort_sent = true;
+                    }
                     error
                 });
             if let Some(hashes) = &page_hashes {

@@ -2,9 +2,9 @@
 //! go, the destination verifies and answers.
 
 use std::sync::atomic::Ordering;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
-use tern_wire::{Complete, Message, Outcome, StateSectionMsg};
+use tern_wire::{Complete, Message, Outcome, Ready, StateSectionMsg};
 
 use super::live::LiveEnd;
 use super::{GuestChanges, Source};
@@ -48,19 +48,35 @@ impl Source {
             elapsed_ms = paused_at.elapsed().as_millis() as u64,
             "state and digest sent"
         );
-        let outcome = self.await_outcome(main)?;
-        if !outcome.verified {
-            if outcome.digest != digest {
-                return Err(MigrationError::DigestMismatch {
-                    source_digest: digest,
-                    destination: outcome.digest,
-                });
+        self.await_ready(main, digest)?;
+        // From here on the destination may run the guest: never resume it
+        // here, whatever happens next.
+        changes.committed = true;
+        let answer = main
+            .send_message(&Message::Commit)
+            .map_err(MigrationError::channel(0))
+            .and_then(|()| self.await_answer(main));
+        let outcome = match answer {
+            Ok(Ok(outcome)) if outcome.verified => outcome,
+            // A definite "not resumed": the guest runs nowhere, so it
+            // resumes here.
+            Ok(Ok(outcome)) => {
+                changes.committed = false;
+                return Err(MigrationError::Protocol(format!(
+                    "the destination could not resume the guest: {}",
+                    outcome.detail
+                )));
             }
-            return Err(MigrationError::Protocol(format!(
-                "the destination did not resume the guest: {}",
-                outcome.detail
-            )));
-        }
+            Ok(Err(ready)) => {
+                return Err(MigrationError::OutcomeUnknown(Box::new(
+                    MigrationError::Protocol(format!(
+                        "a second ready ({:032x}) instead of the acknowledgement",
+                        ready.digest
+                    )),
+                )));
+            }
+            Err(error) => return Err(MigrationError::OutcomeUnknown(Box::new(error))),
+        };
         self.stats.set_downtime(paused_at.elapsed());
         self.stats
             .set_digest_verified(self.config.verify == Verify::Full);
@@ -133,26 +149,72 @@ impl Source {
         sent
     }
 
-    /// Waits for the destination's verdict (until cancelled).
-    fn await_outcome(&self, main: &mut Channel) -> Result<Outcome, MigrationError> {
+    /// Waits for the destination's "ready": it checked everything and
+    /// restored the state, and resumes the guest on our commit. A refusal,
+    /// an abort, silence past the switch-over timeout: the migration fails
+    /// and the guest resumes here, which is safe, since the destination
+    /// never resumes without a commit.
+    fn await_ready(&self, main: &mut Channel, digest: u128) -> Result<(), MigrationError> {
+        let verify = self.config.verify == Verify::Full;
+        match self.await_answer(main)? {
+            Err(ready) if verify && ready.digest != digest => Err(MigrationError::DigestMismatch {
+                source_digest: digest,
+                destination: ready.digest,
+            }),
+            Err(_ready) => Ok(()),
+            Ok(outcome) if verify && outcome.digest != digest => {
+                Err(MigrationError::DigestMismatch {
+                    source_digest: digest,
+                    destination: outcome.digest,
+                })
+            }
+            Ok(outcome) => Err(MigrationError::Protocol(format!(
+                "the destination refused the guest: {}",
+                outcome.detail
+            ))),
+        }
+    }
+
+    /// The destination's next answer on the main channel within the
+    /// switch-over timeout: its outcome, or (as `Err`) its ready. Heartbeats
+    /// it sent before it knew the live phase had ended are skipped.
+    fn await_answer(&self, main: &mut Channel) -> Result<Result<Outcome, Ready>, MigrationError> {
+        let deadline = Instant::now() + self.config.switch_over_timeout;
         loop {
-            match main.read_message() {
-                Ok(Message::Outcome(outcome)) => return Ok(outcome),
-                Ok(Message::Abort(abort)) => {
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                return Err(MigrationError::Channel {
+                    index: 0,
+                    source: ChannelError::Timeout("the destination's switch-over answer"),
+                });
+            }
+            if !main
+                .wait_readable(left.min(ANSWER_POLL))
+                .map_err(MigrationError::channel(0))?
+            {
+                continue;
+            }
+            match main.read_message().map_err(MigrationError::channel(0))? {
+                Message::Outcome(outcome) => return Ok(Ok(outcome)),
+                Message::Ready(ready) => return Ok(Err(ready)),
+                Message::Heartbeat => {}
+                Message::Abort(abort) => {
                     return Err(MigrationError::PeerAborted {
                         reason: abort.reason,
                         message: abort.message,
                     });
                 }
-                Ok(other) => {
+                other => {
                     return Err(MigrationError::Protocol(format!(
-                        "expected the destination's outcome, got {:?}",
+                        "expected the destination's answer, got {:?}",
                         other.kind()
                     )));
                 }
-                Err(ChannelError::Timeout(_)) if !self.cancel.is_cancelled() => continue,
-                Err(error) => return Err(MigrationError::channel(0)(error)),
             }
         }
     }
 }
+
+/// How long one wait for the destination's answer lasts before the
+/// deadline is looked at again.
+const ANSWER_POLL: Duration = Duration::from_millis(100);

@@ -165,6 +165,8 @@ impl Shared {
 #[derive(Clone, Copy, Debug, Default)]
 pub(crate) struct IterationTotals {
     pub pages: u64,
+    /// Pages sent with data (not as zero pages).
+    pub data_pages: u64,
     pub wire_bytes: u64,
 }
 
@@ -402,6 +404,7 @@ impl<'scope> Pipeline<'scope> {
                     self.in_flight -= 1;
                     self.codec_stats.merge(&batch.codec_stats);
                     self.totals.pages += batch.pages.len() as u64;
+                    self.totals.data_pages += batch.normal_pages;
                     self.totals.wire_bytes += batch.wire_bytes;
                     let stats = &self.shared.stats;
                     stats

@@ -10,7 +10,7 @@ use super::{GuestChanges, Source};
 use crate::bitmap::DirtyBitmap;
 use crate::error::MigrationError;
 use crate::guest::{MemoryRegion, PAGE_SIZE, SourceGuest};
-use crate::pipeline::Pipeline;
+use crate::pipeline::{IterationTotals, Pipeline};
 use crate::stats::millis;
 use crate::transport::Channel;
 
@@ -41,16 +41,15 @@ impl Source {
         let live_start = Instant::now();
         let mut rules = Convergence::new(&self.config);
         let mut iteration: u32 = 0;
-        let mut bandwidth: f64 = 0.0; // guest bytes per second
+        let mut bandwidth: f64 = 0.0; // guest bytes of data pages per second
         let mut previous_sync = dirty_log_started;
         let mut peer = PeerWatch::new(self.config.io_timeout);
         loop {
             let started = Instant::now();
             let totals = pipe.send_iteration(&bitmaps, iteration, false)?;
             let elapsed = started.elapsed().as_secs_f64().max(1e-6);
-            // Tiny iterations measure latency, not bandwidth.
-            if totals.pages >= 256 || bandwidth == 0.0 {
-                bandwidth = totals.pages as f64 * PAGE_SIZE as f64 / elapsed;
+            if let Some(measured) = measured_bandwidth(&totals, elapsed, bandwidth == 0.0) {
+                bandwidth = measured;
             }
             peer.check(main)?;
             bitmaps.iter_mut().for_each(DirtyBitmap::clear);
@@ -130,6 +129,54 @@ impl Source {
             dirty_pages = facts.dirty_pages,
             bandwidth_mb_s = facts.bandwidth / 1e6,
             "dirty iteration done"
+        );
+    }
+}
+
+/// Guest bytes of data pages an iteration moved per second, or `None` when
+/// it was too small to tell (tiny iterations measure latency, not
+/// bandwidth) and a `first` estimate is not needed. Zero pages are left
+/// out: they cost the link almost nothing, while the pages a guest dirties,
+/// which the switch-over sends, hold data; counting a mostly-zero first
+/// iteration would promise a downtime the link cannot keep. An iteration
+/// without enough data pages counts all its pages.
+fn measured_bandwidth(totals: &IterationTotals, elapsed: f64, first: bool) -> Option<f64> {
+    const ENOUGH_PAGES: u64 = 256;
+    let pages = if totals.data_pages >= ENOUGH_PAGES {
+        totals.data_pages
+    } else if totals.pages >= ENOUGH_PAGES || first {
+        totals.pages
+    } else {
+        return None;
+    };
+    Some(pages as f64 * PAGE_SIZE as f64 / elapsed)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn totals(pages: u64, data_pages: u64) -> IterationTotals {
+        IterationTotals {
+            pages,
+            data_pages,
+            wire_bytes: 0,
+        }
+    }
+
+    #[test]
+    fn zero_pages_do_not_count_as_bandwidth() {
+        // A first iteration of 1000 pages, 300 of them data, in one second.
+        let measured = measured_bandwidth(&totals(1000, 300), 1.0, true);
+        assert_eq!(measured, Some(300.0 * PAGE_SIZE as f64));
+        // Too few data pages: all pages count.
+        let measured = measured_bandwidth(&totals(1000, 10), 1.0, false);
+        assert_eq!(measured, Some(1000.0 * PAGE_SIZE as f64));
+        // A tiny iteration measures nothing, unless nothing is known yet.
+        assert_eq!(measured_bandwidth(&totals(10, 10), 1.0, false), None);
+        assert_eq!(
+            measured_bandwidth(&totals(10, 10), 1.0, true),
+            Some(10.0 * PAGE_SIZE as f64)
         );
     }
 }

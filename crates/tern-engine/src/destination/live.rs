@@ -98,7 +98,7 @@ pub(super) fn receive_all<P: PageStream>(
 
 /// How fast the destination's audit reads the memory received so far;
 /// as the source's (see there).
-const DESTINATION_AUDIT_BYTES_PER_SECOND: u64 = 512 << 20;
+const DESTINATION_AUDIT_BYTES_PER_SECOND: u64 = 128 << 20;
 
 /// Starts the thread that audits received memory while pages arrive: a
 /// page changed since its hash was recorded (by something other than a

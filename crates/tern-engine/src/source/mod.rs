@@ -24,7 +24,7 @@ use peer::{peer_reason, send_abort};
 /// live phase: a few percent of one core's hashing speed on the reference
 /// machine (and the thread runs at the lowest priority), so that it costs
 /// the migration little CPU and memory bandwidth.
-const SOURCE_AUDIT_BYTES_PER_SECOND: u64 = 512 << 20;
+const SOURCE_AUDIT_BYTES_PER_SECOND: u64 = 128 << 20;
 
 /// Cancels a running migration from another thread (a signal handler's
 /// helper, a UI, a test).

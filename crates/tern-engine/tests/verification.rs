@@ -21,7 +21,7 @@ use tern_wire::{
 };
 use xxhash_rust::xxh3::{Xxh3, xxh3_64};
 
-const SESSION: u64 = 0xd16e_57;
+const SESSION: u64 = 0x00d1_6e57;
 const PAGE: usize = 4096;
 const REGION_PAGES: usize = 256;
 /// Pages the fake source fills with data; the rest stay zero.

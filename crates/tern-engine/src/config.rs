@@ -125,8 +125,21 @@ pub enum Verify {
     /// guest runs on.
     #[default]
     Full,
+    /// As [`Verify::Full`], and the source hashes all of its memory again
+    /// while paused, so a write its dirty log forgot is always found, not
+    /// only when an audit reads the page in time; costs the time to hash
+    /// all memory (spread over the digest threads) in the downtime, which
+    /// the convergence estimate counts.
+    Strict,
     /// No digest: the shortest downtime, trusting the dirty log.
     None,
+}
+
+impl Verify {
+    /// Whether the destination's memory is compared with the source's.
+    pub fn compares(self) -> bool {
+        self != Self::None
+    }
 }
 
 /// How zero-copy sends are made.

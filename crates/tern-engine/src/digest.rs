@@ -218,6 +218,14 @@ impl PageHashes {
         self.record(region, page, hash);
     }
 
+    /// Marks every page stale: [`PageHashes::finish`] hashes all of memory
+    /// again, except pages recorded after this call.
+    pub(crate) fn mark_all_stale(&self) {
+        for word in self.stale.iter().flatten() {
+            word.store(u64::MAX, Ordering::Relaxed);
+        }
+    }
+
     /// Marks a page stale: [`PageHashes::finish`] hashes it again.
     pub(crate) fn mark_stale(&self, region: usize, page: u64) {
         if let Some(word) = self
@@ -313,6 +321,17 @@ impl PageHashes {
             .flatten()
             .map(|word| u64::from(word.load(Ordering::Relaxed).count_ones()))
             .sum();
+        self.estimate_for(stale, threads)
+    }
+
+    /// As [`PageHashes::finish_estimate`] with every page stale: what
+    /// `--verify strict` costs.
+    pub(crate) fn full_finish_estimate(&self, threads: usize) -> Duration {
+        let pages: u64 = self.regions.iter().map(MemoryRegion::pages).sum();
+        self.estimate_for(pages, threads)
+    }
+
+    fn estimate_for(&self, stale: u64, threads: usize) -> Duration {
         let pages: u64 = self.regions.iter().map(MemoryRegion::pages).sum();
         let rehash_ns = stale as f64 * page_hash_ns() / threads.max(1) as f64;
         let combine_ns = pages as f64 * page_hash_ns() * 8.0 / PAGE_SIZE as f64;

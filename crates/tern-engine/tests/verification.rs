@@ -358,6 +358,9 @@ struct ForgetsOneWrite {
     guest: tern_synthetic::SyntheticGuest,
     source_stats: Option<Arc<tern_engine::LiveStats>>,
     syncs: u32,
+    /// Let the source's audit pass twice over the write (`--verify full`);
+    /// `strict` runs no audit and needs none.
+    wait_for_audit: bool,
 }
 
 impl ForgetsOneWrite {
@@ -376,6 +379,9 @@ impl ForgetsOneWrite {
         let passes_before = stats.audit_passes();
         // SAFETY: as above.
         unsafe { *region.page_ptr(page).unwrap().add(1234) ^= 0x81 };
+        if !self.wait_for_audit {
+            return;
+        }
         wait_until("the source's audit passed twice more", || {
             stats.audit_passes() >= passes_before + 2
         });
@@ -439,6 +445,7 @@ fn a_write_the_dirty_log_forgot_is_found_by_the_audit() {
         guest: guest(16 * MIB, 0),
         source_stats: None,
         syncs: 0,
+        wait_for_audit: true,
     };
     let source = Source::new(migration_config(2)).unwrap();
     guest.source_stats = Some(source.stats());
@@ -446,6 +453,40 @@ fn a_write_the_dirty_log_forgot_is_found_by_the_audit() {
         .migrate(&mut guest, &address)
         .expect_err("the forgotten write must be detected");
     assert!(guest.syncs >= 2, "the migration never synced twice");
+    assert!(
+        matches!(failure.error, MigrationError::DigestMismatch { .. }),
+        "{}",
+        failure.error.chain()
+    );
+    assert!(guest.guest.is_running(), "the source guest must run on");
+    expect_mismatch(destination);
+    guest.guest.pause().unwrap();
+}
+
+#[test]
+fn with_strict_a_forgotten_write_is_found_without_an_audit() {
+    let (listener, address) = tcp_listener();
+    let destination = spawn_destination(listener);
+    let mut guest = ForgetsOneWrite {
+        guest: guest(16 * MIB, 0),
+        source_stats: None,
+        syncs: 0,
+        wait_for_audit: false,
+    };
+    let source = Source::new(tern_engine::MigrationConfig {
+        verify: tern_engine::Verify::Strict,
+        ..migration_config(2)
+    })
+    .unwrap();
+    guest.source_stats = Some(source.stats());
+    let failure = source
+        .migrate(&mut guest, &address)
+        .expect_err("the forgotten write must be detected");
+    assert_eq!(
+        guest.source_stats.as_ref().unwrap().audit_passes(),
+        0,
+        "strict runs no audit"
+    );
     assert!(
         matches!(failure.error, MigrationError::DigestMismatch { .. }),
         "{}",

@@ -591,6 +591,10 @@ fn compression_values() -> Choices<CodecChoice> {
 fn verify_values() -> Choices<Verify> {
     Choices::new(&[
         ("full", "compare digests of all memory before resuming"),
+        (
+            "strict",
+            "full, and the source hashes all memory again while paused: a write its dirty log forgot is always found, at a longer downtime",
+        ),
         ("none", "shortest downtime; trusts the dirty log"),
     ])
 }

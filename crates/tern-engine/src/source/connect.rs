@@ -126,7 +126,7 @@ pub(super) fn session_setup(
             .iter()
             .fold(0, |bits, codec| bits | 1 << codec.to_wire()),
         digest: match config.verify {
-            Verify::Full => DigestAlgorithm::Xxh3Pages,
+            Verify::Full | Verify::Strict => DigestAlgorithm::Xxh3Pages,
             Verify::None => DigestAlgorithm::None,
         },
         regions: regions

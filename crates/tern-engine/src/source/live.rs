@@ -8,6 +8,7 @@ use super::convergence::{Convergence, Decision, SyncFacts};
 use super::peer::PeerWatch;
 use super::{GuestChanges, Source};
 use crate::bitmap::DirtyBitmap;
+use crate::config::Verify;
 use crate::error::MigrationError;
 use crate::guest::{MemoryRegion, PAGE_SIZE, SourceGuest};
 use crate::pipeline::{IterationTotals, Pipeline};
@@ -68,7 +69,12 @@ impl Source {
                 live_elapsed: live_start.elapsed(),
                 cancelled: self.cancel.is_cancelled(),
                 final_rehash: pipe.page_hashes().map_or(Duration::ZERO, |hashes| {
-                    hashes.finish_estimate(self.config.digest_thread_count())
+                    let threads = self.config.digest_thread_count();
+                    if self.config.verify == Verify::Strict {
+                        hashes.full_finish_estimate(threads)
+                    } else {
+                        hashes.finish_estimate(threads)
+                    }
                 }),
                 state_bytes: guest.state_size_hint(),
             };

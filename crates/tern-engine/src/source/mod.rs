@@ -256,15 +256,21 @@ impl Source {
             .map_err(MigrationError::guest("start dirty log"))?;
         changes.dirty_log = true;
         let dirty_log_started = Instant::now();
-        let page_hashes =
-            (config.verify == Verify::Full).then(|| Arc::new(PageHashes::new(&regions, true)));
+        let page_hashes = config
+            .verify
+            .compares()
+            .then(|| Arc::new(PageHashes::new(&regions, true)));
         std::thread::scope(|scope| {
             let mut pipeline = Pipeline::start(
                 scope,
                 self.pipeline_setup(&regions, page_hashes.clone()),
                 page_channels,
             )?;
-            if let Some(hashes) = &page_hashes {
+            // Strict rehashes everything while paused: an audit would find
+            // nothing that rehash does not.
+            if let Some(hashes) = &page_hashes
+                && config.verify != Verify::Strict
+            {
                 self.spawn_auditor(scope, hashes.clone());
             }
             let result = self

@@ -79,7 +79,7 @@ impl Source {
         };
         self.stats.set_downtime(paused_at.elapsed());
         self.stats
-            .set_digest_verified(self.config.verify == Verify::Full);
+            .set_digest_verified(self.config.verify.compares());
         if forced {
             tracing::info!("switch-over was forced by a limit");
         }
@@ -98,6 +98,12 @@ impl Source {
     ) -> Result<u128, MigrationError> {
         if let Some(hashes) = pipe.page_hashes() {
             hashes.stop_audit();
+            if self.config.verify == Verify::Strict {
+                // Paused: the last pages are recorded as they go, from
+                // final memory; every other page is hashed again by
+                // `finish`, whatever the dirty log said.
+                hashes.mark_all_stale();
+            }
         }
         let sending = Instant::now();
         pipe.send_iteration(bitmaps, iteration, true)?;
@@ -155,7 +161,7 @@ impl Source {
     /// and the guest resumes here, which is safe, since the destination
     /// never resumes without a commit.
     fn await_ready(&self, main: &mut Channel, digest: u128) -> Result<(), MigrationError> {
-        let verify = self.config.verify == Verify::Full;
+        let verify = self.config.verify.compares();
         match self.await_answer(main)? {
             Err(ready) if verify && ready.digest != digest => Err(MigrationError::DigestMismatch {
                 source_digest: digest,

@@ -364,6 +364,11 @@ pub struct ReceiveConfig {
     /// handshake, before anything is allocated. `None`: what the machine
     /// can hold now (`MemAvailable` + `SwapFree`).
     pub max_memory: Option<u64>,
+    /// How deflate pages are inflated: `Auto` uses IAA through QPL when
+    /// libqpl loads and its hardware path opens, libdeflate otherwise;
+    /// `Hardware` requires IAA; `Software` always uses libdeflate. The wire
+    /// format is the same either way.
+    pub qpl_path: QplPath,
 }
 
 impl Default for ReceiveConfig {
@@ -374,6 +379,7 @@ impl Default for ReceiveConfig {
             handshake_timeout: Duration::from_secs(5),
             max_pending_handshakes: 64,
             max_memory: None,
+            qpl_path: QplPath::Auto,
         }
     }
 }

@@ -123,10 +123,11 @@ impl<'s, 'a> PageReceiver<'s, 'a> {
     ) -> Result<Self, MigrationError> {
         let mut decompressors: [Option<PageDecompressor>; 8] = Default::default();
         for &codec in codecs {
-            decompressors[codec as usize] =
-                Some(PageDecompressor::new(codec).map_err(|error| {
+            decompressors[codec as usize] = Some(
+                PageDecompressor::for_destination(codec, shared.qpl_path).map_err(|error| {
                     MigrationError::Incompatible(format!("cannot decode {}: {error}", codec.name()))
-                })?);
+                })?,
+            );
         }
         Ok(Self {
             shared,

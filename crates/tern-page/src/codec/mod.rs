@@ -97,7 +97,10 @@ use tern_wire::codec_id;
 
 use crate::PAGE_SIZE;
 
-pub use auto::{AutoDecision, AutoSelector, CodecMeasurement, calibrate, choose_codec};
+pub use auto::{
+    AutoDecision, AutoSelector, CodecMeasurement, OFFLOAD_RATIO_TOLERANCE, calibrate,
+    calibrate_qpl, choose_codec, prefer_offload,
+};
 pub use bench::{CodecBenchRow, bench_codecs, corpus_page, default_bench_levels};
 #[cfg(feature = "qpl")]
 pub use qpl::{QplCompressor, QplDecompressor, qpl_available};

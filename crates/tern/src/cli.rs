@@ -408,8 +408,7 @@ pub struct TransferArgs {
     #[arg(long, allow_negative_numbers = true)]
     pub compression_level: Option<i32>,
     /// Where QPL runs deflate, for --compression qpl and for auto's QPL
-    /// candidate. QEMU: none (its qpl method always asks for hardware and
-    /// falls back to software).
+    /// candidate. QEMU: no parameter.
     #[arg(long, default_value = "auto", value_parser = qpl_path_values())]
     pub qpl_path: QplPath,
     /// Compare memory digests before resuming on the destination.

@@ -50,6 +50,7 @@ pub(super) fn receive_pages(
         }
         if let PageChannelState::Ended(last) = receiver.state {
             refuse_trailing_bytes(&mut source, receiver.channel)?;
+            receiver.log_offload();
             return Ok(last);
         }
     }
@@ -113,6 +114,22 @@ struct Placement {
     segments: Vec<Segment>,
     /// Compressed payloads land here, then decode straight into their page.
     compressed: Vec<u8>,
+}
+
+impl PageReceiver<'_, '_> {
+    /// Says which inflate ran and how often the offload left a page to
+    /// libdeflate (not in the statistics, whose wire message lacks a field).
+    fn log_offload(&self) {
+        for decompressor in self.decompressors.iter().flatten() {
+            if decompressor.implementation() == tern_page::codec::CodecImpl::Qpl {
+                tracing::info!(
+                    channel = self.channel,
+                    fallbacks = decompressor.offload_fallbacks(),
+                    "deflate pages inflated on IAA through QPL"
+                );
+            }
+        }
+    }
 }
 
 impl<'s, 'a> PageReceiver<'s, 'a> {

@@ -1121,7 +1121,7 @@ mod feature_tests {
         }
         let mut page = [0u8; PAGE_SIZE];
         for (i, byte) in page.iter_mut().enumerate() {
-            *byte = (i / 64) as u8;
+            *byte = u8::try_from(i / 64).unwrap_or(u8::MAX);
         }
         let mut compressed = [0u8; MAX_COMPRESSED];
         let len = PageCompressor::new(CodecId::Deflate, 1)

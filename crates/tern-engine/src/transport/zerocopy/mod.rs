@@ -317,6 +317,7 @@ pub(crate) fn hung_up_with_unacknowledged(fd: RawFd, revents: libc::c_short) -> 
 
 /// `poll` events of `fd` now (hang-up and error bits included), without
 /// waiting.
+#[cfg(feature = "io-uring")]
 pub(crate) fn socket_events(fd: RawFd) -> libc::c_short {
     let mut poll_fd = libc::pollfd {
         fd,

@@ -117,9 +117,12 @@ pub enum LimitPolicy {
 )]
 #[non_exhaustive]
 pub enum Verify {
-    /// The source hashes all its memory after pausing the guest (while the
-    /// last pages travel); the destination hashes each page as it writes it.
-    /// A mismatch fails the migration and the source guest runs on.
+    /// Both sides keep a hash of every page up to date while the guest
+    /// runs (the source as it sends a page, the destination as it writes
+    /// one, and an audit on each side for changes nobody reported), and
+    /// compare the digest of all memory before the destination resumes (see
+    /// docs/verification.md). A mismatch fails the migration and the source
+    /// guest runs on.
     #[default]
     Full,
     /// No digest: the shortest downtime, trusting the dirty log.
@@ -195,9 +198,9 @@ pub struct MigrationConfig {
     pub qpl_path: QplPath,
     /// Memory verification at switch-over.
     pub verify: Verify,
-    /// Threads hashing guest memory for the verification; 0 uses every
-    /// core. An embedder sharing the host with other guests may want fewer,
-    /// at the cost of a longer switch-over.
+    /// Threads hashing again, while the guest is paused, the pages whose
+    /// hash went stale (see docs/verification.md); 0 uses every core.
+    /// Usually there are few such pages and one thread is as fast.
     pub digest_threads: usize,
     /// Send page data with zero-copy sends straight from guest memory.
     pub zero_copy: bool,
@@ -211,7 +214,18 @@ pub struct MigrationConfig {
     pub io_timeout: Duration,
     /// How long to keep trying to reach the destination.
     pub connect_timeout: Duration,
+    /// How long the paused source waits for each of the destination's
+    /// switch-over answers: "ready" after the last bytes were sent (without
+    /// it, the source resumes its guest), then the acknowledgement of its
+    /// commit (without it, the outcome is reported unknown and the guest
+    /// stays paused).
+    pub switch_over_timeout: Duration,
 }
+
+/// Default of both sides' `switch_over_timeout`: the destination checks and
+/// restores in milliseconds, and a guest paused this long is already an
+/// outage worth reporting.
+pub const DEFAULT_SWITCH_OVER_TIMEOUT: Duration = Duration::from_secs(10);
 
 impl Default for MigrationConfig {
     fn default() -> Self {
@@ -239,6 +253,7 @@ impl Default for MigrationConfig {
             zero_copy_window: 0,
             io_timeout: Duration::from_secs(30),
             connect_timeout: Duration::from_secs(10),
+            switch_over_timeout: DEFAULT_SWITCH_OVER_TIMEOUT,
         }
     }
 }
@@ -300,6 +315,9 @@ impl MigrationConfig {
         }
         if self.io_timeout.is_zero() {
             return bad("io_timeout", "must be positive".into());
+        }
+        if self.switch_over_timeout.is_zero() {
+            return bad("switch_over_timeout", "must be positive".into());
         }
         if !(0.0..=1.0).contains(&self.zero_page_as_normal) {
             return bad(
@@ -369,6 +387,9 @@ pub struct ReceiveConfig {
     /// `Hardware` requires IAA; `Software` always uses libdeflate. The wire
     /// format is the same either way.
     pub qpl_path: QplPath,
+    /// How long, once it has said "ready", the destination waits for the
+    /// source's commit; without one in time the guest is not resumed here.
+    pub switch_over_timeout: Duration,
 }
 
 impl Default for ReceiveConfig {
@@ -380,6 +401,7 @@ impl Default for ReceiveConfig {
             max_pending_handshakes: 64,
             max_memory: None,
             qpl_path: QplPath::Auto,
+            switch_over_timeout: DEFAULT_SWITCH_OVER_TIMEOUT,
         }
     }
 }

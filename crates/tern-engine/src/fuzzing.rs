@@ -71,7 +71,13 @@ pub fn join_session_input(main: &[u8], page_channels: &[Vec<u8>]) -> Vec<u8> {
 pub fn destination_session(data: &[u8]) -> Result<(), MigrationError> {
     let (main, pages) = split_session_input(data);
     let pages: Vec<&[u8]> = pages.iter().map(Vec::as_slice).collect();
-    let destination = Destination::new(ReceiveConfig::default());
+    // In memory, a source that falls silent (its stream ends, or holds back
+    // a commit the destination has not asked for yet) costs a timeout: a
+    // short one keeps such inputs fast.
+    let destination = Destination::new(ReceiveConfig {
+        io_timeout: std::time::Duration::from_millis(100),
+        ..ReceiveConfig::default()
+    });
     let (result, sent) = destination.receive_from_memory(&main, &pages, MemoryGuest::for_setup);
     let replies = tern_wire::decode_stream(&sent, None)
         .unwrap_or_else(|error| panic!("the destination sent invalid bytes: {error}"));
@@ -357,5 +363,7 @@ pub fn sample_session() -> (Vec<u8>, Vec<Vec<u8>>) {
         })
         .to_bytes(),
     );
+    // The answer to the destination's ready.
+    main.extend(Message::Commit.to_bytes());
     (main, channels)
 }

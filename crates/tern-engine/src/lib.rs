@@ -71,8 +71,8 @@ pub mod vm_memory;
 
 pub use bitmap::DirtyBitmap;
 pub use config::{
-    LimitPolicy, MigrationConfig, ReceiveConfig, UnknownName, Verify, ZeroCopyBackend,
-    ZeroPageDetection,
+    DEFAULT_SWITCH_OVER_TIMEOUT, LimitPolicy, MigrationConfig, ReceiveConfig, UnknownName, Verify,
+    ZeroCopyBackend, ZeroPageDetection,
 };
 pub use destination::{Destination, ReceivePhase, ReceiveStats, Received};
 pub use error::{ChannelError, MigrationError};
@@ -81,7 +81,10 @@ pub use guest::{
     MemoryRegion, PAGE_SIZE, SourceGuest, StateSection,
 };
 pub use source::{CancelToken, MigrationFailure, Source};
-pub use stats::{DestinationStats, LiveStats, MigrationStats, MigrationStatus, RamStats};
+pub use stats::{
+    DestinationStats, DowntimeCause, DowntimeParts, LiveStats, MigrationStats, MigrationStatus,
+    RamStats,
+};
 /// The zero-copy senders, at their historical path.
 pub use transport::zerocopy;
 /// The io_uring zero-copy sender, at its historical path.

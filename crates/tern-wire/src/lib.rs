@@ -61,14 +61,14 @@ pub use decoder::{Decoded, Event, Expect, FrameDecoder, PagePacket};
 pub use error::{AbortReason, WireError};
 pub use message::{
     Abort, ChannelHello, Complete, DigestAlgorithm, Handshake, Hello, Message, Outcome,
-    OutcomeStats, RegionInfo, SessionSetup, StateSectionMsg, Sync, Welcome,
+    OutcomeStats, Ready, RegionInfo, SessionSetup, StateSectionMsg, Sync, Welcome,
 };
 pub use pages::{PageEntry, PageKind, PagesHeader, decode_page_table, encode_pages_prefix};
 
 /// First bytes of every handshake.
 pub const MAGIC: [u8; 8] = *b"TERNMIG\0";
 /// Protocol version spoken by this build.
-pub const PROTOCOL_VERSION: u16 = 3;
+pub const PROTOCOL_VERSION: u16 = 4;
 /// The only page size this version supports: the one definition of tern's
 /// page size (`tern_page::PAGE_SIZE` and `tern_engine::PAGE_SIZE` are this
 /// value as a `usize`).
@@ -106,6 +106,10 @@ pub const MAX_TEXT_LEN: usize = 4096;
 /// Largest frame body of any kind.
 pub const MAX_FRAME_BODY: usize = MAX_SECTION_BYTES + MAX_NAME_LEN + 16;
 
+/// How often the destination sends a heartbeat during the live phase. A
+/// protocol constant: the source counts heartbeats against its own clock.
+pub const HEARTBEAT_INTERVAL: std::time::Duration = std::time::Duration::from_secs(1);
+
 /// Length of a [`FrameHeader`] on the wire.
 pub const FRAME_HEADER_LEN: usize = 8;
 
@@ -131,6 +135,14 @@ pub enum FrameKind {
     Outcome = 8,
     /// The sender gives up, with a reason (either direction).
     Abort = 9,
+    /// The destination verified and restored the guest and waits for the
+    /// source's [`FrameKind::Commit`] to resume it (main channel).
+    Ready = 10,
+    /// The source will never resume its guest: the destination may
+    /// (main channel).
+    Commit = 11,
+    /// Liveness during the live phase (main channel, destination to source).
+    Heartbeat = 12,
 }
 
 impl FrameKind {
@@ -145,6 +157,9 @@ impl FrameKind {
             7 => Self::Complete,
             8 => Self::Outcome,
             9 => Self::Abort,
+            10 => Self::Ready,
+            11 => Self::Commit,
+            12 => Self::Heartbeat,
             other => return Err(WireError::UnknownFrameKind(other)),
         })
     }
@@ -164,6 +179,8 @@ impl FrameKind {
             Self::Complete => 32,
             Self::Outcome => 32 + MAX_TEXT_LEN + OutcomeStats::MAX_ENCODED_LEN,
             Self::Abort => 8 + MAX_TEXT_LEN,
+            Self::Ready => 16,
+            Self::Commit | Self::Heartbeat => 8,
         }
     }
 }

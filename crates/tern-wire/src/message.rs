@@ -342,6 +342,15 @@ impl OutcomeStats {
     }
 }
 
+/// The destination's answer to [`Complete`] when everything checked out:
+/// memory verified, state restored, guest not yet resumed. It resumes the
+/// guest only on [`Message::Commit`], so the guest never runs on both hosts.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Ready {
+    /// The destination's digest (0 when the session does not verify).
+    pub digest: u128,
+}
+
 /// The sender gives up.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Abort {
@@ -370,6 +379,16 @@ pub enum Message {
     Outcome(Outcome),
     /// See [`Abort`].
     Abort(Abort),
+    /// See [`Ready`].
+    Ready(Ready),
+    /// The source's answer to [`Ready`]: from now on it never resumes its
+    /// guest by itself, and the destination resumes it; the destination
+    /// acknowledges with its [`Outcome`].
+    Commit,
+    /// Sent by the destination about once a second while the live phase
+    /// runs, so the source notices a destination that stopped or is cut off
+    /// even when no connection reset ever arrives.
+    Heartbeat,
 }
 
 impl Message {
@@ -384,6 +403,9 @@ impl Message {
             Self::Complete(_) => FrameKind::Complete,
             Self::Outcome(_) => FrameKind::Outcome,
             Self::Abort(_) => FrameKind::Abort,
+            Self::Ready(_) => FrameKind::Ready,
+            Self::Commit => FrameKind::Commit,
+            Self::Heartbeat => FrameKind::Heartbeat,
         }
     }
 
@@ -440,6 +462,12 @@ impl Message {
                 w.u16(abort.reason as u16)
                     .zeros(2)
                     .bytes_u32(abort.message.as_bytes());
+            }
+            Self::Ready(ready) => {
+                w.u128(ready.digest);
+            }
+            Self::Commit | Self::Heartbeat => {
+                w.zeros(8);
             }
         }
         let body_len = u32::try_from(out.len() - start - FRAME_HEADER_LEN).unwrap_or(u32::MAX);
@@ -605,6 +633,15 @@ impl Message {
                 let message = r.peer_text(MAX_TEXT_LEN, "abort message")?;
                 Self::Abort(Abort { reason, message })
             }
+            FrameKind::Ready => Self::Ready(Ready { digest: r.u128()? }),
+            FrameKind::Commit => {
+                r.reserved(8)?;
+                Self::Commit
+            }
+            FrameKind::Heartbeat => {
+                r.reserved(8)?;
+                Self::Heartbeat
+            }
             FrameKind::Pages => {
                 return Err(WireError::Unexpected {
                     got: FrameKind::Pages,
@@ -628,5 +665,8 @@ fn kind_name(kind: FrameKind) -> &'static str {
         FrameKind::Complete => "complete",
         FrameKind::Outcome => "outcome",
         FrameKind::Abort => "abort",
+        FrameKind::Ready => "ready",
+        FrameKind::Commit => "commit",
+        FrameKind::Heartbeat => "heartbeat",
     }
 }

@@ -395,6 +395,11 @@ pub struct ReceiveConfig {
     /// handshake, before anything is allocated. `None`: what the machine
     /// can hold now (`MemAvailable` + `SwapFree`).
     pub max_memory: Option<u64>,
+    /// How deflate pages are inflated: `Auto` uses IAA through QPL when
+    /// libqpl loads and its hardware path opens, libdeflate otherwise;
+    /// `Hardware` requires IAA; `Software` always uses libdeflate. The wire
+    /// format is the same either way.
+    pub qpl_path: QplPath,
     /// How long, once it has said "ready", the destination waits for the
     /// source's commit; without one in time the guest is not resumed here.
     pub switch_over_timeout: Duration,
@@ -408,6 +413,7 @@ impl Default for ReceiveConfig {
             handshake_timeout: Duration::from_secs(5),
             max_pending_handshakes: 64,
             max_memory: None,
+            qpl_path: QplPath::Auto,
             switch_over_timeout: DEFAULT_SWITCH_OVER_TIMEOUT,
         }
     }

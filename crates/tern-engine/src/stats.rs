@@ -115,6 +115,9 @@ pub struct LiveStats {
     digest_verified: AtomicBool,
     cpu_seconds: Mutex<BTreeMap<String, f64>>,
     zero_copy: Mutex<Option<ZeroCopyStats>>,
+    /// Each zero-copy channel's latest counters (published at every sync
+    /// and at the end), by page channel index.
+    zero_copy_channels: Mutex<BTreeMap<usize, ZeroCopyStats>>,
     compression: Mutex<Option<CompressionReport>>,
     zero_detection: Mutex<Option<ZeroDetectionReport>>,
 }
@@ -161,6 +164,7 @@ impl LiveStats {
             digest_verified: AtomicBool::new(false),
             cpu_seconds: Mutex::new(BTreeMap::new()),
             zero_copy: Mutex::new(None),
+            zero_copy_channels: Mutex::new(BTreeMap::new()),
             compression: Mutex::new(None),
             zero_detection: Mutex::new(None),
         }
@@ -253,6 +257,30 @@ impl LiveStats {
         total
             .get_or_insert_with(ZeroCopyStats::default)
             .add(channel);
+    }
+
+    /// Replaces page channel `channel`'s zero-copy counters with newer ones
+    /// (its sender publishes them at every sync and when it ends), so the
+    /// live statistics show them while the migration runs.
+    pub fn publish_zero_copy(&self, channel: usize, counters: &ZeroCopyStats) {
+        self.zero_copy_channels
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .insert(channel, *counters);
+    }
+
+    /// Everything recorded and published, summed over channels.
+    fn zero_copy_total(&self) -> Option<ZeroCopyStats> {
+        let recorded = *self.zero_copy.lock().unwrap_or_else(|e| e.into_inner());
+        let channels = self
+            .zero_copy_channels
+            .lock()
+            .unwrap_or_else(|e| e.into_inner());
+        channels.values().fold(recorded, |total, channel| {
+            let mut total = total.unwrap_or_default();
+            total.add(channel);
+            Some(total)
+        })
     }
 
     /// Replaces the compression report (the producer publishes it after each
@@ -391,7 +419,7 @@ impl LiveStats {
             forced_switch_over: self.forced_switch_over.load(Ordering::Relaxed),
             digest_verified: self.digest_verified.load(Ordering::Relaxed),
             cpu_seconds,
-            zero_copy: *self.zero_copy.lock().unwrap_or_else(|e| e.into_inner()),
+            zero_copy: self.zero_copy_total(),
             compression: self
                 .compression
                 .lock()
@@ -715,6 +743,44 @@ pub fn thread_cpu_seconds() -> f64 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn zero_copy_counters_published_at_syncs_are_live_and_summed() {
+        let stats = LiveStats::new();
+        assert!(stats.snapshot().zero_copy.is_none());
+        let first_sync = ZeroCopyStats {
+            sends_queued: 10,
+            sends_completed: 10,
+            sends_copied: 4,
+            zero_copy_bytes: 1000,
+            copied_bytes: 400,
+            ..ZeroCopyStats::default()
+        }
+        .at_sync(&ZeroCopyStats::default());
+        stats.publish_zero_copy(0, &first_sync);
+        let live = stats.snapshot().zero_copy.expect("published");
+        assert_eq!((live.syncs, live.last_sync_sends_copied), (1, 4));
+        let second_sync = ZeroCopyStats {
+            sends_queued: 16,
+            sends_completed: 16,
+            sends_copied: 5,
+            zero_copy_bytes: 1600,
+            copied_bytes: 500,
+            ..ZeroCopyStats::default()
+        }
+        .at_sync(&first_sync);
+        stats.publish_zero_copy(0, &second_sync);
+        stats.publish_zero_copy(1, &first_sync);
+        let live = stats.snapshot().zero_copy.expect("published");
+        assert_eq!(live.syncs, 2);
+        assert_eq!(live.sends_completed, 26);
+        assert_eq!(live.last_sync_sends_completed, 6 + 10);
+        assert_eq!(live.last_sync_sends_copied, 1 + 4);
+        assert_eq!(live.last_sync_copied_bytes, 100 + 400);
+        let json = serde_json::to_value(stats.snapshot()).unwrap();
+        assert_eq!(json["zero-copy"]["last-sync-sends-copied"], 5);
+        assert_eq!(json["zero-copy"]["syncs"], 2);
+    }
 
     #[test]
     fn json_uses_qemu_names() {

@@ -589,3 +589,60 @@ fn zero_copy_to_a_unix_socket_is_refused_before_connecting() {
         "the source connected before refusing"
     );
 }
+
+/// A destination with its own QPL path for inflating deflate pages.
+fn spawn_destination_inflating_with(
+    listener: Listener,
+    qpl_path: tern_engine::QplPath,
+) -> std::thread::JoinHandle<DestinationResult> {
+    std::thread::spawn(move || {
+        Destination::new(tern_engine::ReceiveConfig {
+            qpl_path,
+            ..receive_config()
+        })
+        .receive(&listener, make_destination_guest)
+    })
+}
+
+#[test]
+fn deflate_pages_verify_whichever_inflate_the_destination_picks() {
+    use tern_engine::QplPath;
+    // Without IAA (every machine here) `auto` and `software` inflate with
+    // libdeflate; with IAA `auto` would use it, and the digest must agree.
+    for qpl_path in [QplPath::Auto, QplPath::Software] {
+        let mut guest = guest(16 * MIB, 4 * MIB);
+        let (listener, address) = tcp_listener();
+        let destination = spawn_destination_inflating_with(listener, qpl_path);
+        let mut config = migration_config(2);
+        config.compression = tern_page::codec::CodecChoice::Deflate;
+        let stats = Source::new(config)
+            .unwrap()
+            .migrate(&mut guest, &address)
+            .expect("migration");
+        destination.join().unwrap().expect("destination");
+        assert!(stats.digest_verified, "{qpl_path}");
+        assert!(stats.compression.expect("compression").codecs["deflate"].compressed > 0);
+    }
+}
+
+#[test]
+fn a_destination_that_requires_iaa_without_it_fails_naming_libqpl() {
+    use tern_engine::QplPath;
+    if tern_page::codec::qpl_available().is_ok() {
+        eprintln!("skipped: libqpl loads here; this checks a destination without it");
+        return;
+    }
+    let mut guest = guest(8 * MIB, 0);
+    let (listener, address) = tcp_listener();
+    let destination = spawn_destination_inflating_with(listener, QplPath::Hardware);
+    let mut config = migration_config(1);
+    config.compression = tern_page::codec::CodecChoice::Deflate;
+    let failure = Source::new(config)
+        .unwrap()
+        .migrate(&mut guest, &address)
+        .expect_err("the destination cannot inflate as required");
+    let error = destination.join().unwrap().expect_err("no IAA, no libqpl");
+    let message = format!("{error:#}") + &format!(" {:?}", error);
+    assert!(message.contains("libqpl"), "{message}");
+    assert_ne!(failure.stats.status, MigrationStatus::Completed);
+}

@@ -113,3 +113,49 @@ fn byte_counters_add_up() {
     assert_eq!(ram.multifd_bytes, received.stats.received);
     assert!(stats.ram.dirty_sync_count >= 2);
 }
+
+#[test]
+fn zero_copy_counters_are_live_at_each_sync() {
+    // A guest that keeps dirtying and a switch-over forced after a few
+    // iterations: several syncs happen while the guest still runs.
+    let mut guest = guest(16 * MIB, 64 * MIB);
+    let (listener, address) = tcp_listener();
+    let destination = spawn_destination(listener);
+    let mut config = migration_config(2);
+    config.zero_copy = true;
+    config.zero_copy_window = 1 << 20;
+    config.downtime_limit = Duration::from_micros(1);
+    config.max_iterations = Some(4);
+    // Slow enough for the poller below to see the iterations.
+    config.max_bandwidth = Some(32 * MIB);
+    config.limit_policy = tern_engine::LimitPolicy::SwitchOver;
+    let source = Source::new(config).unwrap();
+    let stats = source.stats();
+    let migration = std::thread::spawn(move || source.migrate(&mut guest, &address));
+
+    let mut live = None;
+    let deadline = Instant::now() + DEADLINE;
+    while !migration.is_finished() {
+        assert!(Instant::now() < deadline, "the migration did not end");
+        if stats.status() == MigrationStatus::Active
+            && let Some(zero_copy) = stats.snapshot().zero_copy
+        {
+            live = Some(zero_copy);
+        }
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    let final_stats = migration.join().unwrap().expect("migration");
+    destination.join().unwrap().expect("destination");
+    assert!(final_stats.digest_verified);
+
+    let live = live.expect("zero-copy counters were published while the guest ran");
+    assert!(live.syncs >= 1, "{live:?}");
+    assert!(live.last_sync_sends_completed > 0, "{live:?}");
+    // Loopback copies every send, and says so per notification range.
+    assert_eq!(live.last_sync_sends_copied, live.last_sync_sends_completed);
+    assert_eq!(live.last_sync_copied_bytes, live.last_sync_zero_copy_bytes);
+    let at_end = final_stats.zero_copy.expect("zero-copy statistics");
+    assert!(at_end.syncs > live.syncs, "{live:?} then {at_end:?}");
+    assert_eq!(at_end.sends_copied, at_end.sends_queued);
+    assert_eq!(at_end.sends_completed, at_end.sends_queued);
+}

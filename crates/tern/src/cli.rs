@@ -9,7 +9,7 @@ use clap::{Args, ColorChoice, Parser, Subcommand};
 use tern_engine::{
     Address, LimitPolicy, MigrationConfig, Verify, ZeroCopyBackend, ZeroPageDetection,
 };
-use tern_page::codec::CodecChoice;
+use tern_page::codec::{CodecChoice, QplPath};
 use tern_synthetic::{ContentMix, SyntheticConfig};
 
 use crate::units::{parse_rate, parse_size};
@@ -146,6 +146,11 @@ pub struct ListenArgs {
     /// SIGINT or SIGTERM.
     #[arg(long)]
     pub keep_listening: bool,
+    /// Where deflate pages are inflated: IAA through QPL when present
+    /// (auto), IAA or fail (hardware), or libdeflate (software). The wire
+    /// format is the same either way.
+    #[arg(long, default_value = "auto", value_parser = qpl_path_values())]
+    pub qpl_path: QplPath,
     /// How long, after saying it is ready, to wait for the source's commit,
     /// in seconds; without it the guest is not resumed here.
     #[arg(long, default_value_t = 10, value_parser = clap::value_parser!(u64).range(1..))]
@@ -163,9 +168,19 @@ impl ListenArgs {
             io_timeout: Duration::from_secs(self.io_timeout),
             handshake_timeout: Duration::from_secs(self.handshake_timeout),
             max_memory: self.max_memory,
+            qpl_path: self.qpl_path,
             switch_over_timeout: Duration::from_secs(self.switch_over_timeout),
             ..tern_engine::ReceiveConfig::default()
         };
+        if self.qpl_path == QplPath::Hardware {
+            // Asked for IAA: say now, not when a source connects, if it
+            // cannot be had.
+            tern_page::codec::PageDecompressor::for_destination(
+                tern_page::codec::CodecId::Deflate,
+                QplPath::Hardware,
+            )
+            .context("--qpl-path hardware")?;
+        }
         Ok((listener, config))
     }
 }
@@ -398,6 +413,10 @@ pub struct TransferArgs {
     /// QEMU: multifd-zstd-level, multifd-zlib-level.
     #[arg(long, allow_negative_numbers = true)]
     pub compression_level: Option<i32>,
+    /// Where QPL runs deflate, for --compression qpl and for auto's QPL
+    /// candidate. QEMU: no parameter.
+    #[arg(long, default_value = "auto", value_parser = qpl_path_values())]
+    pub qpl_path: QplPath,
     /// Compare memory digests before resuming on the destination.
     #[arg(long, default_value = "full", value_parser = verify_values())]
     pub verify: Verify,
@@ -532,6 +551,7 @@ impl TransferArgs {
             zero_page_as_normal: self.zero_page_as_normal / 100.0,
             compression: self.compression,
             compression_level: self.compression_level,
+            qpl_path: self.qpl_path,
             verify: self.verify,
             digest_threads: self.digest_threads,
             zero_copy: self.zero_copy,
@@ -542,6 +562,18 @@ impl TransferArgs {
             ..MigrationConfig::default()
         })
     }
+}
+
+/// The `--qpl-path` values.
+fn qpl_path_values() -> Choices<QplPath> {
+    Choices::new(&[
+        ("auto", "IAA when present, else QPL's software path"),
+        ("hardware", "IAA only; fail without a usable IAA work queue"),
+        (
+            "software",
+            "QPL's software path (libdeflate on a destination)",
+        ),
+    ])
 }
 
 pub fn parse_address(text: &str) -> Result<Address, String> {

@@ -243,6 +243,9 @@ fn source_view(stats: &LiveStats) -> View {
     if snapshot.cpu_throttle_percentage > 0 {
         detail += &format!(" | throttle {}%", snapshot.cpu_throttle_percentage);
     }
+    if let Some(zero_copy) = snapshot.zero_copy.filter(|zero_copy| zero_copy.syncs > 0) {
+        detail += &format!(" | zero-copy: {}", zero_copy_at_last_sync(&zero_copy));
+    }
     View {
         phase,
         position: sent,
@@ -250,6 +253,15 @@ fn source_view(stats: &LiveStats) -> View {
         what: "of this iteration's dirty memory sent",
         detail,
     }
+}
+
+/// What the kernel did with the zero-copy sends of the iteration that the
+/// last sync ended: on loopback, or a NIC without scatter-gather, all copied.
+fn zero_copy_at_last_sync(zero_copy: &tern_engine::zerocopy::ZeroCopyStats) -> String {
+    format!(
+        "{} of {} sends copied by the kernel at sync {}",
+        zero_copy.last_sync_sends_copied, zero_copy.last_sync_sends_completed, zero_copy.syncs
+    )
 }
 
 /// The destination: while the first copy arrives (every page once), the bar
@@ -431,8 +443,11 @@ pub fn print_summary(stats: &MigrationStats, extra: &[(&str, String)]) {
             (
                 "zero-copy",
                 format!(
-                    "{} sends, {} copied by the kernel, {:.3} s waiting",
-                    zc.sends_queued, zc.sends_copied, zc.wait_seconds
+                    "{} sends, {} copied by the kernel, {:.3} s waiting; last iteration: {}",
+                    zc.sends_queued,
+                    zc.sends_copied,
+                    zc.wait_seconds,
+                    zero_copy_at_last_sync(zc)
                 ),
             )
         })
@@ -598,5 +613,19 @@ mod tests {
             "{line}"
         );
         assert!(line.ends_with("; iteration 0"), "{line}");
+    }
+
+    #[test]
+    fn zero_copy_is_reported_per_sync() {
+        let counters = tern_engine::zerocopy::ZeroCopyStats {
+            sends_completed: 30,
+            sends_copied: 30,
+            ..Default::default()
+        }
+        .at_sync(&Default::default());
+        assert_eq!(
+            zero_copy_at_last_sync(&counters),
+            "30 of 30 sends copied by the kernel at sync 1"
+        );
     }
 }

@@ -588,3 +588,42 @@ fn bench_codec_reports_no_decompression_rate_for_raw_pages() {
     assert!(text.contains("| - (all raw) |"), "{text}");
     assert!(!text.contains("| 0 |"), "{text}");
 }
+
+#[test]
+fn qpl_path_hardware_without_iaa_is_refused_before_anything_moves() {
+    if tern_page::codec::qpl_available().is_ok() {
+        eprintln!("skipped: libqpl loads here; this checks a machine without it");
+        return;
+    }
+    for args in [
+        &[
+            "receive",
+            "--listen",
+            "tcp:127.0.0.1:0",
+            "--qpl-path",
+            "hardware",
+        ][..],
+        &[
+            "demo",
+            "--memory",
+            "16MiB",
+            "--compression",
+            "qpl",
+            "--qpl-path",
+            "hardware",
+        ],
+    ] {
+        let output = tern().args(args).output().unwrap();
+        assert!(!output.status.success(), "{args:?}: {output:?}");
+        let lines = stderr_lines(&output);
+        assert_eq!(lines.len(), 1, "{args:?}: {lines:?}");
+        assert!(lines[0].contains("libqpl"), "{args:?}: {lines:?}");
+    }
+    let output = tern()
+        .args(["demo", "--memory", "16MiB", "--qpl-path", "gpu"])
+        .output()
+        .unwrap();
+    assert_eq!(output.status.code(), Some(2), "{output:?}");
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(stderr.contains("hardware"), "{stderr}");
+}

@@ -199,7 +199,8 @@ impl Destination {
             &self.stats,
             self.config.io_timeout,
             &self.cancel,
-        );
+        )
+        .with_qpl_path(self.config.qpl_path);
         let delivered = live::receive_all(&shared, main, &mut decoder, channels, &codecs)?;
         let stats = self.switch_over(
             &shared,

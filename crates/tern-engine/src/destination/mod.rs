@@ -295,7 +295,8 @@ impl Destination {
             &self.stats,
             self.config.io_timeout,
             &self.cancel,
-        );
+        )
+        .with_qpl_path(self.config.qpl_path);
         let delivered = live::receive_all(&shared, main, decoder, channels, &codecs)?;
         let stats = self.switch_over(&shared, main, decoder, &mut guest, delivered, cpu_start)?;
         Ok(Received {

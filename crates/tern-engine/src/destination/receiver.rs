@@ -50,6 +50,7 @@ pub(super) fn receive_pages(
         }
         if let PageChannelState::Ended(last) = receiver.state {
             refuse_trailing_bytes(&mut source, receiver.channel)?;
+            receiver.log_offload();
             return Ok(last);
         }
     }
@@ -115,6 +116,22 @@ struct Placement {
     compressed: Vec<u8>,
 }
 
+impl PageReceiver<'_, '_> {
+    /// Says which inflate ran and how often the offload left a page to
+    /// libdeflate (not in the statistics, whose wire message lacks a field).
+    fn log_offload(&self) {
+        for decompressor in self.decompressors.iter().flatten() {
+            if decompressor.implementation() == tern_page::codec::CodecImpl::Qpl {
+                tracing::info!(
+                    channel = self.channel,
+                    fallbacks = decompressor.offload_fallbacks(),
+                    "deflate pages inflated on IAA through QPL"
+                );
+            }
+        }
+    }
+}
+
 impl<'s, 'a> PageReceiver<'s, 'a> {
     fn new(
         shared: &'s ReceiverShared<'a>,
@@ -123,10 +140,11 @@ impl<'s, 'a> PageReceiver<'s, 'a> {
     ) -> Result<Self, MigrationError> {
         let mut decompressors: [Option<PageDecompressor>; 8] = Default::default();
         for &codec in codecs {
-            decompressors[codec as usize] =
-                Some(PageDecompressor::new(codec).map_err(|error| {
+            decompressors[codec as usize] = Some(
+                PageDecompressor::for_destination(codec, shared.qpl_path).map_err(|error| {
                     MigrationError::Incompatible(format!("cannot decode {}: {error}", codec.name()))
-                })?);
+                })?,
+            );
         }
         Ok(Self {
             shared,

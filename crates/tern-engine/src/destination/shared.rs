@@ -6,6 +6,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Condvar, Mutex};
 use std::time::{Duration, Instant};
 
+use tern_page::codec::QplPath;
 use tern_wire::{DigestAlgorithm, SessionSetup};
 
 use super::stream::FrameSource;
@@ -48,6 +49,9 @@ pub(super) struct ReceiverShared<'a> {
     /// failure, never on the per-page path.
     first_failure: Mutex<Option<MigrationError>>,
     pub(super) stats: &'a ReceiveStats,
+    /// Where deflate pages are inflated: IAA through QPL or libdeflate
+    /// (`ReceiveConfig::qpl_path`).
+    pub(super) qpl_path: QplPath,
     io_timeout: Duration,
     pub(super) cancel: &'a CancelToken,
 }
@@ -82,9 +86,16 @@ impl<'a> ReceiverShared<'a> {
             failed: AtomicBool::new(false),
             first_failure: Mutex::new(None),
             stats,
+            qpl_path: QplPath::Auto,
             io_timeout,
             cancel,
         }
+    }
+
+    /// Inflates deflate pages as `path` says (IAA when allowed and present).
+    pub(super) fn with_qpl_path(mut self, path: QplPath) -> Self {
+        self.qpl_path = path;
+        self
     }
 
     /// Claims `page` of region `region` (an index into the setup's regions)

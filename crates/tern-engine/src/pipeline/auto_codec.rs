@@ -9,6 +9,9 @@ pub(crate) struct CompressionSetup {
     pub choice: CodecChoice,
     pub level: Option<i32>,
     pub qpl_path: QplPath,
+    /// With `auto`: deflate goes through QPL (calibration found it faster
+    /// than libdeflate at a similar ratio, see [`tern_page::codec::prefer_offload`]).
+    pub deflate_through_qpl: bool,
 }
 
 impl CompressionSetup {
@@ -26,10 +29,11 @@ impl CompressionSetup {
     }
 
     /// A compressor for `codec`, as the user's choice asks (QPL for deflate
-    /// when `qpl` was chosen).
+    /// when `qpl` was chosen, or when `auto` measured QPL the better deflate).
     pub fn compressor(&self, codec: CodecId) -> Result<PageCompressor, tern_page::CodecError> {
         let level = self.level.unwrap_or_else(|| codec.default_level());
-        if self.choice == CodecChoice::Qpl && codec == CodecId::Deflate {
+        let through_qpl = self.choice == CodecChoice::Qpl || self.deflate_through_qpl;
+        if through_qpl && codec == CodecId::Deflate {
             PageCompressor::with_qpl(self.qpl_path, level)
         } else {
             PageCompressor::new(codec, level)
@@ -55,11 +59,65 @@ pub(super) struct AutoCodec {
 pub(super) const AUTO_DECISION_BATCHES: u64 = 16;
 pub(super) const AUTO_DECISION_INTERVAL: Duration = Duration::from_millis(50);
 
+/// What calibration found: the candidates' measurements, and whether
+/// deflate is to go through QPL.
+pub(super) struct Calibration {
+    pub measurements: Vec<tern_page::codec::CodecMeasurement>,
+    pub deflate_through_qpl: bool,
+}
+
 /// Measures the candidate codecs on pages sampled across guest memory, so
 /// adaptive compression starts from numbers of this guest and this machine.
-pub(super) fn calibrate_codecs(
-    regions: &[MemoryRegion],
-) -> Vec<tern_page::codec::CodecMeasurement> {
+/// When libqpl loads, deflate is measured through QPL (on `qpl_path`) too,
+/// and the better of the two deflates is the candidate.
+pub(super) fn calibrate_codecs(regions: &[MemoryRegion], qpl_path: QplPath) -> Calibration {
+    let sample = sample_pages(regions);
+    let candidates = [
+        (CodecId::Zstd, CodecId::Zstd.default_level()),
+        (CodecId::Deflate, CodecId::Deflate.default_level()),
+        (CodecId::Lz4, CodecId::Lz4.default_level()),
+    ];
+    let measurements = tern_page::codec::calibrate(&sample, &candidates).unwrap_or_default();
+    let qpl = tern_page::codec::qpl_available()
+        .and_then(|()| {
+            tern_page::codec::calibrate_qpl(&sample, qpl_path, CodecId::Deflate.default_level())
+        })
+        .inspect_err(|error| tracing::debug!(%error, "auto compression leaves QPL out"))
+        .ok();
+    with_qpl_candidate(measurements, qpl)
+}
+
+/// Replaces libdeflate's measurement with QPL's when QPL is the better
+/// deflate ([`tern_page::codec::prefer_offload`]). Pure.
+pub(super) fn with_qpl_candidate(
+    mut measurements: Vec<tern_page::codec::CodecMeasurement>,
+    qpl: Option<tern_page::codec::CodecMeasurement>,
+) -> Calibration {
+    let Some(qpl) = qpl else {
+        return Calibration {
+            measurements,
+            deflate_through_qpl: false,
+        };
+    };
+    let software = measurements
+        .iter()
+        .position(|measured| measured.codec == CodecId::Deflate);
+    let through_qpl = match software {
+        Some(index) => tern_page::codec::prefer_offload(&measurements[index], &qpl),
+        None => true,
+    };
+    if through_qpl {
+        measurements.retain(|measured| measured.codec != CodecId::Deflate);
+        measurements.push(qpl);
+    }
+    Calibration {
+        measurements,
+        deflate_through_qpl: through_qpl,
+    }
+}
+
+/// 64 pages spread evenly over guest memory.
+fn sample_pages(regions: &[MemoryRegion]) -> Vec<[u8; PAGE_SIZE]> {
     const SAMPLES: u64 = 64;
     let total: u64 = regions.iter().map(MemoryRegion::pages).sum();
     let mut sample = Vec::with_capacity(SAMPLES as usize);
@@ -80,12 +138,7 @@ pub(super) fn calibrate_codecs(
             global -= region.pages();
         }
     }
-    let candidates = [
-        (CodecId::Zstd, CodecId::Zstd.default_level()),
-        (CodecId::Deflate, CodecId::Deflate.default_level()),
-        (CodecId::Lz4, CodecId::Lz4.default_level()),
-    ];
-    tern_page::codec::calibrate(&sample, &candidates).unwrap_or_default()
+    sample
 }
 
 impl Pipeline<'_> {
@@ -145,5 +198,79 @@ impl Pipeline<'_> {
         auto.window_started = Instant::now();
         auto.wire_at_start = wire;
         auto.busy_at_start = busy;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tern_page::codec::CodecMeasurement;
+
+    fn measured(codec: CodecId, rate: f64, ratio: f64) -> CodecMeasurement {
+        CodecMeasurement {
+            codec,
+            level: 1,
+            compress_bytes_per_sec: rate,
+            decompress_bytes_per_sec: None,
+            ratio,
+        }
+    }
+
+    fn software() -> Vec<CodecMeasurement> {
+        vec![
+            measured(CodecId::Zstd, 170e6, 2.1),
+            measured(CodecId::Deflate, 150e6, 2.0),
+            measured(CodecId::Lz4, 320e6, 1.4),
+        ]
+    }
+
+    #[test]
+    fn without_qpl_the_software_candidates_stand() {
+        let calibration = with_qpl_candidate(software(), None);
+        assert!(!calibration.deflate_through_qpl);
+        assert_eq!(calibration.measurements, software());
+    }
+
+    #[test]
+    fn a_faster_qpl_takes_deflate_s_place_and_the_workers_follow() {
+        // A stand-in for IAA's numbers: ten times libdeflate's rate.
+        let iaa = measured(CodecId::Deflate, 1.5e9, 1.95);
+        let calibration = with_qpl_candidate(software(), Some(iaa));
+        assert!(calibration.deflate_through_qpl);
+        let deflates: Vec<_> = calibration
+            .measurements
+            .iter()
+            .filter(|m| m.codec == CodecId::Deflate)
+            .collect();
+        assert_eq!(deflates, [&iaa]);
+        // At 200 MB/s with two workers libdeflate (2 × 150 MB/s) loses to
+        // zstd, while QPL's deflate is link-bound at 390 MB/s and wins.
+        let decide = |measurements: &[CodecMeasurement]| {
+            tern_page::AutoSelector::new(2)
+                .next(200e6, measurements)
+                .codec
+        };
+        assert_eq!(decide(&software()), CodecId::Zstd);
+        assert_eq!(decide(&calibration.measurements), CodecId::Deflate);
+        let setup = CompressionSetup {
+            choice: CodecChoice::Auto,
+            level: None,
+            qpl_path: QplPath::Software,
+            deflate_through_qpl: calibration.deflate_through_qpl,
+        };
+        // Without libqpl here the QPL compressor cannot be made: the error
+        // shows the setup asked for it.
+        if tern_page::codec::qpl_available().is_err() {
+            assert!(setup.compressor(CodecId::Deflate).is_err());
+            assert!(setup.compressor(CodecId::Zstd).is_ok());
+        }
+    }
+
+    #[test]
+    fn a_slower_qpl_is_left_out() {
+        let qpl_software_path = measured(CodecId::Deflate, 90e6, 2.0);
+        let calibration = with_qpl_candidate(software(), Some(qpl_software_path));
+        assert!(!calibration.deflate_through_qpl);
+        assert_eq!(calibration.measurements, software());
     }
 }

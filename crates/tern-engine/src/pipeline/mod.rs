@@ -208,10 +208,17 @@ impl<'scope> Pipeline<'scope> {
     /// Starts workers and one sender per page channel inside `scope`.
     pub fn start<'env>(
         scope: &'scope Scope<'scope, 'env>,
-        setup: PipelineSetup,
+        mut setup: PipelineSetup,
         channels: Vec<PageSender>,
     ) -> Result<Self, MigrationError> {
         let channel_count = channels.len();
+        // Before the workers exist: they build their compressors from the
+        // setup, which calibration may switch to QPL's deflate.
+        let calibration = (setup.compression.choice == CodecChoice::Auto)
+            .then(|| calibrate_codecs(&setup.regions, setup.compression.qpl_path));
+        if let Some(calibration) = &calibration {
+            setup.compression.deflate_through_qpl = calibration.deflate_through_qpl;
+        }
         let pool_size = setup.workers * (WORKER_RING_CAPACITY + BATCHES_PER_WORKER);
         let workers = setup.workers;
         let choice = setup.compression.choice;
@@ -230,7 +237,7 @@ impl<'scope> Pipeline<'scope> {
             codec: choice.wire().unwrap_or(CodecId::None),
             auto: (choice == CodecChoice::Auto).then(|| AutoCodec {
                 selector: tern_page::AutoSelector::new(workers),
-                measurements: calibrate_codecs(&shared.regions),
+                measurements: calibration.map(|c| c.measurements).unwrap_or_default(),
                 batches_since: 0,
                 window_started: Instant::now(),
                 wire_at_start: 0,

@@ -45,6 +45,8 @@ pub(super) fn run_sender(shared: &Shared, index: usize, mut channel: PageSender)
     let bell = shared.sender_bells[index].wait();
     let ring = &shared.sender_rings[index];
     let mut segments: Vec<Segment> = Vec::with_capacity(MAX_PAGES_PER_PACKET + 1);
+    // Zero-copy counters as published at the last sync.
+    let mut at_last_sync = ZeroCopyStats::default();
     loop {
         let mut item = None;
         bell.wait_until(|| {
@@ -74,6 +76,7 @@ pub(super) fn run_sender(shared: &Shared, index: usize, mut channel: PageSender)
                 let result = channel.write_control(&bytes);
                 if result.is_ok() {
                     shared.stats.add_sent(bytes.len() as u64, sync.last, true);
+                    publish_zero_copy_at_sync(shared, index, &channel, &mut at_last_sync);
                     let _ = shared.completions.push(Completion::Synced);
                 }
                 result
@@ -86,11 +89,27 @@ pub(super) fn run_sender(shared: &Shared, index: usize, mut channel: PageSender)
         shared.producer_bell.ring();
     }
     if let Some(zero_copy) = channel.zero_copy_stats() {
-        shared.stats.record_zero_copy(&zero_copy);
+        let at_end = zero_copy.with_sync_fields_of(&at_last_sync);
+        shared.stats.publish_zero_copy(index, &at_end);
     }
     shared
         .stats
         .record_cpu(&format!("sender-{index}"), thread_cpu_seconds() - cpu_start);
+}
+
+/// After a sync on a zero-copy channel (every send before it completed:
+/// the sync's write flushed them), publishes the channel's counters with
+/// what the iteration just ended added up to, copied sends included.
+fn publish_zero_copy_at_sync(
+    shared: &Shared,
+    index: usize,
+    channel: &PageSender,
+    at_last_sync: &mut ZeroCopyStats,
+) {
+    if let Some(now) = channel.zero_copy_stats() {
+        *at_last_sync = now.at_sync(at_last_sync);
+        shared.stats.publish_zero_copy(index, at_last_sync);
+    }
 }
 
 pub(super) fn send_batch(

@@ -103,6 +103,7 @@ impl Source {
             choice: config.compression,
             level: config.compression_level,
             qpl_path: config.qpl_path,
+            deflate_through_qpl: false,
         };
         let mut levels = Vec::new();
         for codec in compression.codecs() {

@@ -205,3 +205,71 @@ pub fn calibrate(
     }
     Ok(result)
 }
+
+/// The most compression ratio an offloaded deflate may give up against
+/// libdeflate and still be preferred for being faster (see
+/// [`prefer_offload`]).
+pub const OFFLOAD_RATIO_TOLERANCE: f64 = 0.05;
+
+/// Whether `auto` should produce deflate through QPL (`offload`) rather
+/// than libdeflate (`software`), both measured on the same sample: QPL when
+/// it compresses faster and its ratio is at most
+/// [`OFFLOAD_RATIO_TOLERANCE`] below libdeflate's. IAA's level 1 trades a
+/// little ratio for speed; a QPL that is slower (its software path on a
+/// machine without IAA, say) is not worth a second deflate. Pure.
+pub fn prefer_offload(software: &CodecMeasurement, offload: &CodecMeasurement) -> bool {
+    offload.compress_bytes_per_sec > software.compress_bytes_per_sec
+        && offload.ratio >= software.ratio * (1.0 - OFFLOAD_RATIO_TOLERANCE)
+}
+
+/// Measures deflate through QPL on `path` over `sample`, as the workers
+/// run it (one batch of up to 64 pages submitted before any is waited
+/// for). The compression rate is per **wall-clock** second of the calling
+/// thread, not per CPU second: an offload's rate is the device's, and the
+/// thread may sleep while IAA works. Decompression is timed with libdeflate
+/// (what a destination without IAA uses).
+///
+/// # Errors
+///
+/// Why QPL cannot run here ([`CodecError::QplUnavailable`] without libqpl,
+/// [`CodecError::NotBuilt`] without the `qpl` feature), or a decoding error
+/// if QPL produced a stream libdeflate rejects.
+pub fn calibrate_qpl(
+    sample: &[[u8; PAGE_SIZE]],
+    path: super::QplPath,
+    level: i32,
+) -> Result<CodecMeasurement, CodecError> {
+    let mut compressor = PageCompressor::with_qpl(path, level)?;
+    let mut batch = super::CompressedBatch::new();
+    let mut compressed: Vec<Option<Vec<u8>>> = Vec::with_capacity(sample.len());
+    let started = std::time::Instant::now();
+    for chunk in sample.chunks(64) {
+        let pages: Vec<*const u8> = chunk.iter().map(|page| page.as_ptr()).collect();
+        // SAFETY: every pointer is a whole page of `sample`, alive and not
+        // written during the call.
+        unsafe { compressor.compress_batch(&pages, &mut batch) };
+        compressed.extend((0..chunk.len()).map(|i| batch.compressed(i).map(<[u8]>::to_vec)));
+    }
+    let seconds = started.elapsed().as_secs_f64().max(1e-9);
+    let wire: usize = compressed
+        .iter()
+        .map(|page| page.as_ref().map_or(PAGE_SIZE, Vec::len))
+        .sum();
+    let mut decoder = PageDecompressor::new(CodecId::Deflate)?;
+    let mut page = [0u8; PAGE_SIZE];
+    let t1 = thread_cpu_ns();
+    let mut decoded = 0usize;
+    for bytes in compressed.iter().flatten() {
+        decoder.decompress(bytes, &mut page)?;
+        decoded += PAGE_SIZE;
+    }
+    let dt = thread_cpu_ns().saturating_sub(t1).max(1);
+    let bytes = (sample.len() * PAGE_SIZE) as f64;
+    Ok(CodecMeasurement {
+        codec: CodecId::Deflate,
+        level: compressor.level(),
+        compress_bytes_per_sec: bytes / seconds,
+        decompress_bytes_per_sec: (decoded > 0).then(|| decoded as f64 / (dt as f64 / 1e9)),
+        ratio: bytes / wire.max(1) as f64,
+    })
+}

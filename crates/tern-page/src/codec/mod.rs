@@ -97,10 +97,13 @@ use tern_wire::codec_id;
 
 use crate::PAGE_SIZE;
 
-pub use auto::{AutoDecision, AutoSelector, CodecMeasurement, calibrate, choose_codec};
+pub use auto::{
+    AutoDecision, AutoSelector, CodecMeasurement, OFFLOAD_RATIO_TOLERANCE, calibrate,
+    calibrate_qpl, choose_codec, prefer_offload,
+};
 pub use bench::{CodecBenchRow, bench_codecs, corpus_page, default_bench_levels};
 #[cfg(feature = "qpl")]
-pub use qpl::{QplCompressor, qpl_available};
+pub use qpl::{QplCompressor, QplDecompressor, qpl_available};
 pub use qpl_path::QplPath;
 #[cfg(not(feature = "qpl"))]
 pub use qpl_path::qpl_available;
@@ -826,6 +829,9 @@ enum DecoderEngine {
     Deflate(Box<libdeflater::Decompressor>),
     #[cfg(feature = "lz4")]
     Lz4,
+    /// QPL's inflate (IAA), with libdeflate for what it does not decode.
+    #[cfg(feature = "qpl")]
+    Qpl(Box<QplDecompressor>, Box<libdeflater::Decompressor>),
 }
 
 impl fmt::Debug for DecoderEngine {
@@ -838,6 +844,8 @@ impl fmt::Debug for DecoderEngine {
             DecoderEngine::Deflate(_) => "Deflate",
             #[cfg(feature = "lz4")]
             DecoderEngine::Lz4 => "Lz4",
+            #[cfg(feature = "qpl")]
+            DecoderEngine::Qpl(..) => "Qpl",
         })
     }
 }
@@ -848,6 +856,28 @@ impl fmt::Debug for DecoderEngine {
 pub struct PageDecompressor {
     codec: CodecId,
     engine: DecoderEngine,
+    offload_fallbacks: u64,
+}
+
+/// Which inflate the destination uses for deflate pages, from its QPL path
+/// (`--qpl-path`) and an attempt to open QPL's hardware path
+/// (`open_hardware`, called only when the path allows IAA). Pure apart from
+/// that call:
+///
+/// * `software`: libdeflate (QPL's software inflate gains nothing over it);
+/// * `auto`: IAA when it opens, libdeflate otherwise;
+/// * `hardware`: IAA, or the error that says why it cannot be had.
+///
+/// `Some` is the opened hardware engine, `None` libdeflate.
+pub fn choose_inflate<T>(
+    path: QplPath,
+    open_hardware: impl FnOnce() -> Result<T, CodecError>,
+) -> Result<Option<T>, CodecError> {
+    match path {
+        QplPath::Software => Ok(None),
+        QplPath::Auto => Ok(open_hardware().ok()),
+        QplPath::Hardware => open_hardware().map(Some),
+    }
 }
 
 impl PageDecompressor {
@@ -881,12 +911,68 @@ impl PageDecompressor {
                 });
             }
         };
-        Ok(Self { codec, engine })
+        Ok(Self {
+            codec,
+            engine,
+            offload_fallbacks: 0,
+        })
+    }
+
+    /// A destination's decoder for `codec`: for deflate, IAA through QPL
+    /// when `qpl_path` allows it and the hardware opens (see
+    /// [`choose_inflate`]), libdeflate otherwise; other codecs as
+    /// [`new`](Self::new).
+    ///
+    /// # Errors
+    ///
+    /// As [`new`](Self::new); with [`QplPath::Hardware`], why IAA cannot be
+    /// used ([`CodecError::QplUnavailable`], a QPL status, or
+    /// [`CodecError::NotBuilt`] without the `qpl` feature).
+    pub fn for_destination(codec: CodecId, qpl_path: QplPath) -> Result<Self, CodecError> {
+        if codec != CodecId::Deflate {
+            return Self::new(codec);
+        }
+        #[cfg(feature = "qpl")]
+        let hardware = choose_inflate(qpl_path, || QplDecompressor::new(QplPath::Hardware))?;
+        #[cfg(not(feature = "qpl"))]
+        let hardware: Option<std::convert::Infallible> =
+            choose_inflate(qpl_path, || Err(CodecError::NotBuilt { feature: "qpl" }))?;
+        match hardware {
+            #[cfg(feature = "qpl")]
+            Some(qpl) => Ok(Self {
+                codec,
+                engine: DecoderEngine::Qpl(
+                    Box::new(qpl),
+                    Box::new(libdeflater::Decompressor::new()),
+                ),
+                offload_fallbacks: 0,
+            }),
+            #[cfg(not(feature = "qpl"))]
+            Some(never) => match never {},
+            None => Self::new(codec),
+        }
     }
 
     /// The wire codec this decoder reads.
     pub fn codec(&self) -> CodecId {
         self.codec
+    }
+
+    /// What decodes: [`CodecImpl::Qpl`] when deflate pages go to IAA.
+    pub fn implementation(&self) -> CodecImpl {
+        match self.engine {
+            #[cfg(feature = "qpl")]
+            DecoderEngine::Qpl(..) => CodecImpl::Qpl,
+            _ => CodecImpl::ALL
+                .into_iter()
+                .find(|which| which.wire() == self.codec && *which != CodecImpl::Qpl)
+                .unwrap_or(CodecImpl::None),
+        }
+    }
+
+    /// Pages the offload engine did not decode, so libdeflate did.
+    pub fn offload_fallbacks(&self) -> u64 {
+        self.offload_fallbacks
     }
 
     /// Decodes one compressed page into `out`. Errors unless `input` is a
@@ -925,16 +1011,13 @@ impl PageDecompressor {
                 }
             },
             #[cfg(feature = "deflate")]
-            DecoderEngine::Deflate(d) => match d.deflate_decompress(input, out) {
-                Ok(n) => n,
-                Err(libdeflater::DecompressionError::InsufficientSpace) => {
-                    return Err(CodecError::OversizedPage { codec });
-                }
-                Err(e) => {
-                    return Err(CodecError::Malformed {
-                        codec,
-                        detail: e.to_string(),
-                    });
+            DecoderEngine::Deflate(d) => inflate(d, input, out, codec)?,
+            #[cfg(feature = "qpl")]
+            DecoderEngine::Qpl(qpl, d) => match qpl.decompress(input, out) {
+                Some(PAGE_SIZE) => PAGE_SIZE,
+                _ => {
+                    self.offload_fallbacks += 1;
+                    inflate(d, input, out, codec)?
                 }
             },
             #[cfg(feature = "lz4")]
@@ -979,9 +1062,93 @@ impl PageDecompressor {
     }
 }
 
+/// libdeflate's inflate of one page, its errors as [`CodecError`]s.
+#[cfg(feature = "deflate")]
+fn inflate(
+    d: &mut libdeflater::Decompressor,
+    input: &[u8],
+    out: &mut [u8; PAGE_SIZE],
+    codec: &'static str,
+) -> Result<usize, CodecError> {
+    match d.deflate_decompress(input, out) {
+        Ok(n) => Ok(n),
+        Err(libdeflater::DecompressionError::InsufficientSpace) => {
+            Err(CodecError::OversizedPage { codec })
+        }
+        Err(e) => Err(CodecError::Malformed {
+            codec,
+            detail: e.to_string(),
+        }),
+    }
+}
+
 #[cfg(test)]
 mod feature_tests {
     use super::*;
+
+    /// Stands in for QPL's hardware path in [`choose_inflate`].
+    #[derive(Debug, PartialEq)]
+    struct StandInIaa;
+
+    fn no_iaa() -> Result<StandInIaa, CodecError> {
+        Err(CodecError::QplUnavailable("no IAA work queue".into()))
+    }
+
+    #[test]
+    fn the_destination_inflates_on_iaa_only_when_its_path_allows_and_iaa_opens() {
+        let never = || -> Result<StandInIaa, CodecError> {
+            panic!("the software path must not open the hardware")
+        };
+        assert_eq!(choose_inflate(QplPath::Software, never).unwrap(), None);
+        assert_eq!(choose_inflate(QplPath::Auto, no_iaa).unwrap(), None);
+        assert_eq!(
+            choose_inflate(QplPath::Auto, || Ok(StandInIaa)).unwrap(),
+            Some(StandInIaa)
+        );
+        assert_eq!(
+            choose_inflate(QplPath::Hardware, || Ok(StandInIaa)).unwrap(),
+            Some(StandInIaa)
+        );
+        let error = choose_inflate(QplPath::Hardware, no_iaa).unwrap_err();
+        assert!(error.to_string().contains("no IAA work queue"), "{error}");
+    }
+
+    #[test]
+    fn without_iaa_the_destination_inflates_with_libdeflate() {
+        if qpl_available().is_ok() {
+            eprintln!("skipped: libqpl loads here; this checks the machine without it");
+            return;
+        }
+        let mut page = [0u8; PAGE_SIZE];
+        for (i, byte) in page.iter_mut().enumerate() {
+            *byte = u8::try_from(i / 64).unwrap_or(u8::MAX);
+        }
+        let mut compressed = [0u8; MAX_COMPRESSED];
+        let len = PageCompressor::new(CodecId::Deflate, 1)
+            .unwrap()
+            .compress(&page, &mut compressed)
+            .expect("compressible");
+        for path in [QplPath::Auto, QplPath::Software] {
+            let mut decoder = PageDecompressor::for_destination(CodecId::Deflate, path).unwrap();
+            assert_eq!(decoder.implementation(), CodecImpl::Deflate);
+            let mut out = [0u8; PAGE_SIZE];
+            decoder.decompress(&compressed[..len], &mut out).unwrap();
+            assert_eq!(out, page);
+            assert_eq!(decoder.offload_fallbacks(), 0);
+        }
+        let error = PageDecompressor::for_destination(CodecId::Deflate, QplPath::Hardware)
+            .expect_err("asked for IAA without libqpl");
+        assert!(
+            matches!(
+                error,
+                CodecError::QplUnavailable(_) | CodecError::NotBuilt { .. }
+            ),
+            "{error}"
+        );
+        // Other codecs are not affected by the QPL path.
+        let zstd = PageDecompressor::for_destination(CodecId::Zstd, QplPath::Hardware);
+        assert_eq!(zstd.is_ok(), CodecId::Zstd.is_built());
+    }
 
     #[test]
     fn a_codec_left_out_is_a_typed_error_naming_its_feature() {

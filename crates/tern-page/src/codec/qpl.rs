@@ -75,6 +75,7 @@ mod abi {
     /// Bytes of the prefix this build writes or reads.
     pub const KNOWN_PREFIX: usize = 56;
 
+    pub const OP_DECOMPRESS: u32 = 0x00;
     pub const OP_COMPRESS: u32 = 0x01;
     pub const FLAG_FIRST: u32 = 0x0001;
     pub const FLAG_LAST: u32 = 0x0002;
@@ -299,6 +300,44 @@ impl Job {
                 .write_unaligned(abi::OP_COMPRESS);
             j.add(abi::OFF_FLAGS).cast::<u32>().write_unaligned(flags);
             j.add(abi::OFF_LEVEL).cast::<u32>().write_unaligned(level);
+        }
+    }
+
+    /// Sets up a one-shot inflate of the raw deflate stream `input` into
+    /// `out`, whose length bounds every write.
+    ///
+    /// # Safety
+    ///
+    /// `input` and `out` must stay valid and unmoved until the job is waited
+    /// for.
+    unsafe fn prepare_decompress(&mut self, input: &[u8], out: &mut [u8; PAGE_SIZE]) {
+        // The caller checked 1..=MAX_COMPRESSED bytes.
+        let input_len = u32::try_from(input.len()).unwrap_or(0);
+        // SAFETY: as in `prepare`; `op` and `flags` are rewritten, and the
+        // level field is ignored by inflate.
+        unsafe {
+            let j = self.ptr;
+            // QPL's field is `uint8_t *`; inflate only reads through it.
+            j.add(abi::OFF_NEXT_IN)
+                .cast::<*const u8>()
+                .write_unaligned(input.as_ptr());
+            j.add(abi::OFF_AVAILABLE_IN)
+                .cast::<u32>()
+                .write_unaligned(input_len);
+            j.add(abi::OFF_TOTAL_IN).cast::<u32>().write_unaligned(0);
+            j.add(abi::OFF_NEXT_OUT)
+                .cast::<*mut u8>()
+                .write_unaligned(out.as_mut_ptr());
+            j.add(abi::OFF_AVAILABLE_OUT)
+                .cast::<u32>()
+                .write_unaligned(PAGE_SIZE_U32);
+            j.add(abi::OFF_TOTAL_OUT).cast::<u32>().write_unaligned(0);
+            j.add(abi::OFF_OP)
+                .cast::<u32>()
+                .write_unaligned(abi::OP_DECOMPRESS);
+            j.add(abi::OFF_FLAGS)
+                .cast::<u32>()
+                .write_unaligned(abi::FLAG_FIRST | abi::FLAG_LAST);
         }
     }
 
@@ -563,6 +602,52 @@ impl QplCompressor {
                     .push(PageOutcome::Raw(RawReason::DidNotShrink));
             }
         }
+    }
+}
+
+/// Inflate through QPL (on the destination, IAA's decompressor), one page
+/// per job, synchronously.
+pub struct QplDecompressor {
+    path: QplPath,
+    job: Job,
+}
+
+impl fmt::Debug for QplDecompressor {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("QplDecompressor")
+            .field("path", &self.path)
+            .finish()
+    }
+}
+
+impl QplDecompressor {
+    /// Loads libqpl (once per process) and initialises a job on `path`;
+    /// on the hardware path QPL's `qpl_init_job` fails when no IAA work
+    /// queue can be opened, which is how IAA's absence shows here.
+    pub fn new(path: QplPath) -> Result<Self, CodecError> {
+        let lib = library()?;
+        Ok(Self {
+            path,
+            job: Job::new(&lib, path)?,
+        })
+    }
+
+    /// The execution path.
+    pub fn path(&self) -> QplPath {
+        self.path
+    }
+
+    /// Inflates `input` into `out`: the bytes written, or `None` when QPL
+    /// could not (busy queues, a device error, or a stream it rejects); the
+    /// caller then decodes with libdeflate, which has the last word on
+    /// whether the stream is valid.
+    pub(crate) fn decompress(&mut self, input: &[u8], out: &mut [u8; PAGE_SIZE]) -> Option<usize> {
+        // SAFETY: `input` and `out` outlive the wait below.
+        unsafe { self.job.prepare_decompress(input, out) };
+        if self.job.submit() != abi::STS_OK {
+            return None;
+        }
+        (self.job.wait() == abi::STS_OK).then(|| self.job.total_out())
     }
 }
 

@@ -405,3 +405,50 @@ fn bench_codecs_small_corpus() {
     assert_eq!(random.raw_pages, random.pages);
     assert!(rows[0].to_json().starts_with("{\"corpus\":\"mixed\""));
 }
+
+fn deflate_measurement(rate: f64, ratio: f64) -> CodecMeasurement {
+    CodecMeasurement {
+        codec: CodecId::Deflate,
+        level: 1,
+        compress_bytes_per_sec: rate,
+        decompress_bytes_per_sec: None,
+        ratio,
+    }
+}
+
+#[test]
+fn auto_offloads_deflate_only_when_qpl_is_faster_at_a_similar_ratio() {
+    let libdeflate = deflate_measurement(150e6, 2.0);
+    // IAA-like: several times faster, a little less ratio.
+    assert!(prefer_offload(
+        &libdeflate,
+        &deflate_measurement(1.5e9, 1.92)
+    ));
+    // Faster but much worse ratio: not worth it.
+    assert!(!prefer_offload(
+        &libdeflate,
+        &deflate_measurement(1.5e9, 1.5)
+    ));
+    // QPL's software path on a machine without IAA: slower, so no.
+    assert!(!prefer_offload(
+        &libdeflate,
+        &deflate_measurement(90e6, 2.0)
+    ));
+}
+
+#[test]
+fn calibrating_qpl_without_libqpl_says_why() {
+    if qpl_available().is_ok() {
+        eprintln!("skipped: libqpl loads here; this checks the machine without it");
+        return;
+    }
+    let sample = [corpus_page("text", 1)];
+    let error = calibrate_qpl(&sample, QplPath::Software, 1).unwrap_err();
+    assert!(
+        matches!(
+            error,
+            CodecError::QplUnavailable(_) | CodecError::NotBuilt { .. }
+        ),
+        "{error}"
+    );
+}

@@ -36,6 +36,7 @@ pub use msg::{Notification, ZeroCopySender, parse_notifications};
 pub use msg::{SO_EE_CODE_ZEROCOPY_COPIED, SO_EE_ORIGIN_ZEROCOPY};
 
 use std::io;
+use std::os::fd::RawFd;
 use std::time::Duration;
 
 use crate::error::ChannelError;
@@ -149,6 +150,19 @@ pub enum ZeroCopyError {
         /// How long we waited.
         seconds: f64,
     },
+    /// The peer hung up (or this side shut the socket down) while sends it
+    /// never acknowledged were in flight: they can no longer complete.
+    #[error(
+        "channel {index}: the peer hung up with {outstanding} zero-copy sends in flight ({unacknowledged} bytes never acknowledged)"
+    )]
+    PeerHungUp {
+        /// Page channel number.
+        index: usize,
+        /// Sends still in flight.
+        outstanding: usize,
+        /// Bytes in the socket's send queue the peer never acknowledged.
+        unacknowledged: u64,
+    },
     /// io_uring, or its `SENDMSG_ZC` opcode, cannot be used here.
     #[error("io_uring SENDMSG_ZC is not available: {reason}")]
     UringUnavailable {
@@ -209,6 +223,23 @@ pub struct ZeroCopyStats {
     pub enobufs_retries: u64,
     /// Largest kernel-charged in-flight bytes seen (never above the window).
     pub max_outstanding_bytes: u64,
+    /// Iteration syncs these counters were taken at (every send before a
+    /// sync has completed when it is counted). The largest over channels.
+    #[serde(default)]
+    pub syncs: u64,
+    /// Sends completed between the sync before the last one and the last
+    /// one: the last iteration's share of `sends_completed`.
+    #[serde(default)]
+    pub last_sync_sends_completed: u64,
+    /// Of those, completed with `SO_EE_CODE_ZEROCOPY_COPIED`.
+    #[serde(default)]
+    pub last_sync_sends_copied: u64,
+    /// Payload bytes of the last iteration's sends.
+    #[serde(default)]
+    pub last_sync_zero_copy_bytes: u64,
+    /// Of those, bytes in sends reported as copied.
+    #[serde(default)]
+    pub last_sync_copied_bytes: u64,
 }
 
 impl ZeroCopyStats {
@@ -224,7 +255,78 @@ impl ZeroCopyStats {
         self.wait_seconds += other.wait_seconds;
         self.enobufs_retries += other.enobufs_retries;
         self.max_outstanding_bytes = self.max_outstanding_bytes.max(other.max_outstanding_bytes);
+        self.syncs = self.syncs.max(other.syncs);
+        self.last_sync_sends_completed += other.last_sync_sends_completed;
+        self.last_sync_sends_copied += other.last_sync_sends_copied;
+        self.last_sync_zero_copy_bytes += other.last_sync_zero_copy_bytes;
+        self.last_sync_copied_bytes += other.last_sync_copied_bytes;
     }
+
+    /// These counters taken at a sync, `previous` being the ones taken at
+    /// the sync before (or the default at the first): counts the sync and
+    /// fills the `last_sync_*` fields with what happened in between.
+    pub fn at_sync(mut self, previous: &Self) -> Self {
+        self.syncs = previous.syncs + 1;
+        self.last_sync_sends_completed = self
+            .sends_completed
+            .saturating_sub(previous.sends_completed);
+        self.last_sync_sends_copied = self.sends_copied.saturating_sub(previous.sends_copied);
+        self.last_sync_zero_copy_bytes = self
+            .zero_copy_bytes
+            .saturating_sub(previous.zero_copy_bytes);
+        self.last_sync_copied_bytes = self.copied_bytes.saturating_sub(previous.copied_bytes);
+        self
+    }
+
+    /// These counters with the sync fields of `at_last_sync` (for the
+    /// totals at the end, which come after the last sync).
+    pub fn with_sync_fields_of(mut self, at_last_sync: &Self) -> Self {
+        self.syncs = at_last_sync.syncs;
+        self.last_sync_sends_completed = at_last_sync.last_sync_sends_completed;
+        self.last_sync_sends_copied = at_last_sync.last_sync_sends_copied;
+        self.last_sync_zero_copy_bytes = at_last_sync.last_sync_zero_copy_bytes;
+        self.last_sync_copied_bytes = at_last_sync.last_sync_copied_bytes;
+        self
+    }
+}
+
+/// How often a wait that cannot be woken by a hang-up (io_uring's) stops to
+/// look for one.
+pub const HANG_UP_CHECK_INTERVAL: Duration = Duration::from_millis(100);
+
+/// Whether the socket is hung up (the peer closed or shut down its side,
+/// or this side was shut down) with bytes in its send queue the peer never
+/// acknowledged, which can then never complete: returns those bytes.
+///
+/// A hang-up with an empty send queue is not reported: everything sent was
+/// acknowledged, and its notifications are on their way.
+pub(crate) fn hung_up_with_unacknowledged(fd: RawFd, revents: libc::c_short) -> Option<u64> {
+    if revents & (libc::POLLHUP | libc::POLLRDHUP) == 0 {
+        return None;
+    }
+    let mut queued: libc::c_int = 0;
+    // SAFETY: SIOCOUTQ (TIOCOUTQ) writes one c_int, the bytes in the send
+    // queue not yet acknowledged, through a valid pointer.
+    let result = unsafe { libc::ioctl(fd, libc::TIOCOUTQ, &mut queued as *mut libc::c_int) };
+    if result != 0 {
+        // Cannot tell: let the caller's deadline decide.
+        return None;
+    }
+    u64::try_from(queued).ok().filter(|&bytes| bytes > 0)
+}
+
+/// `poll` events of `fd` now (hang-up and error bits included), without
+/// waiting.
+#[cfg(feature = "io-uring")]
+pub(crate) fn socket_events(fd: RawFd) -> libc::c_short {
+    let mut poll_fd = libc::pollfd {
+        fd,
+        events: libc::POLLRDHUP,
+        revents: 0,
+    };
+    // SAFETY: `poll_fd` is a valid pollfd for the duration of the call.
+    let ready = unsafe { libc::poll(&mut poll_fd, 1, 0) };
+    if ready > 0 { poll_fd.revents } else { 0 }
 }
 
 /// What the page channels need of a zero-copy sender; implemented by the

@@ -26,6 +26,10 @@
 //!   always the case on loopback), bytes, time blocked waiting.
 //! * **Flush**: [`ZeroCopySender::flush`] waits for every outstanding send;
 //!   call it at each iteration sync and before switch-over.
+//! * **Hang-up**: the waits poll for `POLLRDHUP` and `POLLHUP` too. A
+//!   hang-up while the send queue still holds bytes the peer never
+//!   acknowledged fails at once ([`ZeroCopyError::PeerHungUp`]) instead of
+//!   waiting out the flush timeout: those sends can never complete.
 //!
 //! Why later guest writes are harmless is explained in
 //! [`crate::transport::zerocopy`].
@@ -37,7 +41,7 @@ use std::time::{Duration, Instant};
 
 use super::{
     DEFAULT_FLUSH_TIMEOUT, KERNEL_PAGE, MIN_WINDOW_BYTES, ZeroCopyError, ZeroCopyStats,
-    kernel_charge,
+    hung_up_with_unacknowledged, kernel_charge,
 };
 use crate::transport::{Channel, Segment};
 
@@ -531,11 +535,12 @@ impl ZeroCopySender {
     }
 
     fn wait_inner(&mut self, timeout: Duration) -> Result<usize, ZeroCopyError> {
-        // POLLERR is always reported; asking for no other event makes poll
-        // wake only for the error queue (or a hang-up).
+        // POLLERR and POLLHUP are always reported; POLLRDHUP adds the
+        // peer's half-close. Nothing else is asked for, so poll wakes only
+        // for the error queue or a hang-up.
         let mut poll_fd = libc::pollfd {
             fd: self.fd,
-            events: 0,
+            events: libc::POLLRDHUP,
             revents: 0,
         };
         let millis = libc::c_int::try_from(timeout.as_millis().max(1)).unwrap_or(libc::c_int::MAX);
@@ -561,6 +566,15 @@ impl ZeroCopySender {
                     source: error,
                 });
             }
+            if let Some(unacknowledged) = hung_up_with_unacknowledged(self.fd, poll_fd.revents) {
+                return Err(ZeroCopyError::PeerHungUp {
+                    index: self.index,
+                    outstanding: self.outstanding_sends,
+                    unacknowledged,
+                });
+            }
+            // Hung up with everything acknowledged: the notifications are
+            // on their way, and poll would return at once again.
             std::thread::sleep(Duration::from_millis(1));
         }
         Ok(read)
@@ -618,7 +632,9 @@ fn socket_error(fd: RawFd) -> Option<io::Error> {
 mod tests {
     use std::time::Duration;
 
-    use super::super::test_support::{round_trip as round_trip_with, tcp_pair};
+    use super::super::test_support::{
+        HangUp, flush_after_hang_up, round_trip as round_trip_with, tcp_pair,
+    };
     use super::*;
     use crate::transport::{Address, Listener};
 
@@ -642,6 +658,41 @@ mod tests {
         assert_eq!(stats.copied_bytes, stats.zero_copy_bytes);
         assert!(stats.notifications >= 1);
         assert!(stats.notifications <= stats.sends_queued);
+    }
+
+    fn hung_up(how: HangUp) -> ZeroCopyError {
+        let outcome = flush_after_hang_up(
+            |client| {
+                let mut sender = ZeroCopySender::enable(client, 1, 4 << 20).unwrap();
+                sender.set_flush_timeout(Duration::from_secs(120));
+                sender
+            },
+            how,
+        );
+        outcome.expect_err("sends the peer never acknowledged cannot complete")
+    }
+
+    #[test]
+    fn a_peer_shutting_down_fails_the_flush_long_before_its_timeout() {
+        let error = hung_up(HangUp::PeerShutsDown);
+        assert!(
+            matches!(error, ZeroCopyError::PeerHungUp { outstanding, unacknowledged, .. }
+                if outstanding > 0 && unacknowledged > 0),
+            "{error:?}"
+        );
+        assert!(error.to_string().contains("hung up"), "{error}");
+    }
+
+    #[test]
+    fn shutting_this_side_down_fails_the_flush_long_before_its_timeout() {
+        let error = hung_up(HangUp::LocalShutdown);
+        assert!(
+            matches!(
+                error,
+                ZeroCopyError::PeerHungUp { .. } | ZeroCopyError::Send { .. }
+            ),
+            "{error:?}"
+        );
     }
 
     #[test]

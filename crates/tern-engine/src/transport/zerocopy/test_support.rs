@@ -2,7 +2,7 @@
 
 use std::time::Duration;
 
-use super::{KERNEL_PAGE, ZeroCopyStats, ZeroCopyTransport};
+use super::{KERNEL_PAGE, ZeroCopyError, ZeroCopyStats, ZeroCopyTransport};
 use crate::error::ChannelError;
 use crate::transport::{Address, Channel, Listener, Segment};
 
@@ -96,4 +96,80 @@ pub fn round_trip<S: ZeroCopyTransport>(
     assert_eq!(stats.zero_copy_bytes, (pages * KERNEL_PAGE) as u64);
     assert_eq!(stats.header_bytes, 8 * batches.len() as u64);
     stats
+}
+
+/// How the connection goes away in [`flush_after_hang_up`].
+#[derive(Clone, Copy, Debug)]
+pub enum HangUp {
+    /// The peer shuts its socket down (a FIN, no reset, no socket error)
+    /// and keeps it open without reading.
+    PeerShutsDown,
+    /// This side's socket is shut down (as the pipeline does to interrupt
+    /// its senders).
+    LocalShutdown,
+}
+
+/// Fills a peer that never reads until sends stay in flight, then hangs up
+/// while `flush` waits (or just before it starts) and returns what `flush`
+/// said. The sender is given a 120 s flush timeout; this panics unless
+/// `flush` returns within 60 s, so a hang-up that is only noticed by the
+/// timeout fails the test without any timing assertion on small numbers.
+pub fn flush_after_hang_up<S: ZeroCopyTransport + 'static>(
+    enable: impl FnOnce(Channel) -> S,
+    hang_up: HangUp,
+) -> Result<(), ZeroCopyError> {
+    const PIECE: usize = 64 * 1024;
+    const PIECES: usize = 6;
+    let (client, server) = tcp_pair();
+    // A send buffer that holds every piece (nothing blocks), a receive
+    // buffer that holds few: most bytes stay unacknowledged.
+    set_buffer(client.raw_fd(), libc::SO_SNDBUF, 4 << 20);
+    set_buffer(server.raw_fd(), libc::SO_RCVBUF, 4096);
+    let local = client.try_clone().unwrap();
+    let memory: Vec<u8> = (0..PIECE * PIECES).map(|i| (i % 253) as u8).collect();
+    let mut sender = enable(client);
+    for piece in memory.chunks(PIECE) {
+        let segment = Segment {
+            ptr: piece.as_ptr(),
+            len: piece.len(),
+        };
+        // SAFETY: `memory` outlives the sender (both move into the flushing
+        // thread, the sender is dropped first) and is never written.
+        unsafe { sender.send(&[], &[segment]) }.unwrap();
+    }
+    assert!(
+        sender.outstanding_sends() > 0,
+        "the peer acknowledged everything: nothing to hang up on"
+    );
+    let (done, result) = std::sync::mpsc::channel();
+    let flushing = std::thread::spawn(move || {
+        let outcome = sender.flush();
+        drop(sender);
+        drop(memory);
+        let _ = done.send(outcome);
+    });
+    match hang_up {
+        HangUp::PeerShutsDown => server.shutdown(),
+        HangUp::LocalShutdown => local.shutdown(),
+    }
+    let outcome = result
+        .recv_timeout(Duration::from_secs(60))
+        .expect("flush did not notice the hang-up before its timeout");
+    flushing.join().unwrap();
+    drop(server);
+    outcome
+}
+
+fn set_buffer(fd: std::os::fd::RawFd, option: libc::c_int, bytes: libc::c_int) {
+    // SAFETY: `bytes` is a valid c_int for the option's value.
+    let result = unsafe {
+        libc::setsockopt(
+            fd,
+            libc::SOL_SOCKET,
+            option,
+            (&bytes as *const libc::c_int).cast(),
+            std::mem::size_of::<libc::c_int>() as libc::socklen_t,
+        )
+    };
+    assert_eq!(result, 0, "setsockopt: {}", std::io::Error::last_os_error());
 }

@@ -29,7 +29,10 @@
 //! copied into a sender-owned buffer and sent in the same request.
 //!
 //! io_uring ignores `SO_SNDTIMEO`, so waiting for a result is bounded by the
-//! flush timeout instead.
+//! flush timeout instead. A ring wait is not woken by the socket hanging up,
+//! so every wait is cut into slices of [`HANG_UP_CHECK_INTERVAL`] and the
+//! socket is polled between them: a hang-up with unacknowledged bytes fails
+//! within one slice ([`ZeroCopyError::PeerHungUp`]).
 //!
 //! Why later guest writes are harmless is explained in [`crate::transport::zerocopy`];
 //! the same argument holds here.
@@ -43,7 +46,8 @@ use io_uring::types::{CancelBuilder, SubmitArgs, Timespec};
 use io_uring::{IoUring, Probe, cqueue, opcode, types};
 
 use crate::transport::zerocopy::{
-    DEFAULT_FLUSH_TIMEOUT, MIN_WINDOW_BYTES, ZeroCopyError, ZeroCopyStats, kernel_charge,
+    DEFAULT_FLUSH_TIMEOUT, HANG_UP_CHECK_INTERVAL, MIN_WINDOW_BYTES, ZeroCopyError, ZeroCopyStats,
+    hung_up_with_unacknowledged, kernel_charge, socket_events,
 };
 use crate::transport::{Channel, Segment};
 
@@ -494,11 +498,25 @@ impl UringZeroCopySender {
         deadline: Instant,
         waiting: bool,
     ) -> Result<(), ZeroCopyError> {
+        self.enter_watching(want, deadline, waiting, true)
+    }
+
+    /// [`enter`](Self::enter); `watch_hang_up` false waits out the deadline
+    /// even on a hung-up socket (for cancellations, which must be seen).
+    fn enter_watching(
+        &mut self,
+        want: usize,
+        deadline: Instant,
+        waiting: bool,
+        watch_hang_up: bool,
+    ) -> Result<(), ZeroCopyError> {
         let started = Instant::now();
         if started >= deadline {
             return Err(self.timeout_error());
         }
-        let timespec = Timespec::from(deadline - started);
+        // A ring wait is not woken by a hang-up: wait in slices and look
+        // for one between them.
+        let timespec = Timespec::from((deadline - started).min(HANG_UP_CHECK_INTERVAL));
         let args = SubmitArgs::new().timespec(&timespec);
         let result = self.ring.submitter().submit_with_args(want, &args);
         if waiting {
@@ -511,6 +529,8 @@ impl UringZeroCopySender {
                 Some(libc::ETIME) => {
                     if Instant::now() >= deadline {
                         Err(self.timeout_error())
+                    } else if watch_hang_up {
+                        self.check_hang_up()
                     } else {
                         Ok(())
                     }
@@ -607,6 +627,19 @@ impl UringZeroCopySender {
         Ok(found)
     }
 
+    /// Fails when the socket is hung up with bytes the peer never
+    /// acknowledged (see [`hung_up_with_unacknowledged`]).
+    fn check_hang_up(&self) -> Result<(), ZeroCopyError> {
+        match hung_up_with_unacknowledged(self.fd, socket_events(self.fd)) {
+            Some(unacknowledged) => Err(ZeroCopyError::PeerHungUp {
+                index: self.index,
+                outstanding: self.in_flight.len(),
+                unacknowledged,
+            }),
+            None => Ok(()),
+        }
+    }
+
     fn timeout_error(&self) -> ZeroCopyError {
         ZeroCopyError::CompletionTimeout {
             index: self.index,
@@ -633,7 +666,7 @@ impl Drop for UringZeroCopySender {
         }
         let deadline = Instant::now() + Duration::from_secs(1);
         while self.in_flight.iter().any(|request| request.result_pending)
-            && self.enter(1, deadline, false).is_ok()
+            && self.enter_watching(1, deadline, false, false).is_ok()
             && self.drain(None).is_ok()
         {}
     }
@@ -644,7 +677,9 @@ super::impl_zero_copy_transport!(UringZeroCopySender);
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::transport::zerocopy::test_support::{round_trip as round_trip_with, tcp_pair};
+    use crate::transport::zerocopy::test_support::{
+        HangUp, flush_after_hang_up, round_trip as round_trip_with, tcp_pair,
+    };
     use crate::transport::{Address, Listener};
 
     fn round_trip(window: usize, pages: usize, slow_reader: bool) -> ZeroCopyStats {
@@ -678,6 +713,31 @@ mod tests {
         // Loopback always copies: IORING_NOTIF_USAGE_ZC_COPIED on every one.
         assert_eq!(stats.sends_copied, stats.sends_queued, "{stats:?}");
         assert_eq!(stats.copied_bytes, stats.zero_copy_bytes);
+    }
+
+    #[test]
+    fn a_hang_up_fails_the_flush_long_before_its_timeout() {
+        if !available() {
+            return;
+        }
+        for how in [HangUp::PeerShutsDown, HangUp::LocalShutdown] {
+            let outcome = flush_after_hang_up(
+                |client| {
+                    let mut sender = UringZeroCopySender::enable(client, 1, 4 << 20).unwrap();
+                    sender.set_flush_timeout(Duration::from_secs(120));
+                    sender
+                },
+                how,
+            );
+            let error = outcome.expect_err("unacknowledged sends cannot complete");
+            assert!(
+                matches!(
+                    error,
+                    ZeroCopyError::PeerHungUp { .. } | ZeroCopyError::Send { .. }
+                ),
+                "{how:?}: {error:?}"
+            );
+        }
     }
 
     #[test]

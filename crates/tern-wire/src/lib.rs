@@ -60,7 +60,7 @@ pub use codec::{MAX_PEER_TEXT_CHARS, Reader, Writer, sanitise_peer_text};
 pub use decoder::{Decoded, Event, Expect, FrameDecoder, PagePacket};
 pub use error::{AbortReason, WireError};
 pub use message::{
-    Abort, ChannelHello, Complete, DigestAlgorithm, Handshake, Hello, Message, Outcome,
+    Abort, AuthChallenge, AuthHello, AuthProof, ChannelHello, Complete, DigestAlgorithm, Handshake, Hello, Message, Outcome,
     OutcomeStats, RegionInfo, SessionSetup, StateSectionMsg, Sync, Welcome,
 };
 pub use pages::{PageEntry, PageKind, PagesHeader, decode_page_table, encode_pages_prefix};
@@ -106,6 +106,11 @@ pub const MAX_TEXT_LEN: usize = 4096;
 /// Largest frame body of any kind.
 pub const MAX_FRAME_BODY: usize = MAX_SECTION_BYTES + MAX_NAME_LEN + 16;
 
+/// Length of an authentication nonce ([`AuthHello`], [`AuthChallenge`]).
+pub const AUTH_NONCE_LEN: usize = 32;
+/// Length of an authentication proof: an HMAC-SHA256 tag.
+pub const AUTH_PROOF_LEN: usize = 32;
+
 /// Length of a [`FrameHeader`] on the wire.
 pub const FRAME_HEADER_LEN: usize = 8;
 
@@ -131,6 +136,15 @@ pub enum FrameKind {
     Outcome = 8,
     /// The sender gives up, with a reason (either direction).
     Abort = 9,
+    /// Authentication, first on a channel when the sides share a key:
+    /// the source's nonce, bound to a session and channel (source to
+    /// destination). Numbered apart from the session's own kinds.
+    AuthHello = 32,
+    /// The destination's nonce and its proof of the key (destination to
+    /// source).
+    AuthChallenge = 33,
+    /// The source's proof of the key (source to destination).
+    AuthProof = 34,
 }
 
 impl FrameKind {
@@ -145,6 +159,9 @@ impl FrameKind {
             7 => Self::Complete,
             8 => Self::Outcome,
             9 => Self::Abort,
+            32 => Self::AuthHello,
+            33 => Self::AuthChallenge,
+            34 => Self::AuthProof,
             other => return Err(WireError::UnknownFrameKind(other)),
         })
     }
@@ -164,6 +181,9 @@ impl FrameKind {
             Self::Complete => 32,
             Self::Outcome => 32 + MAX_TEXT_LEN + OutcomeStats::MAX_ENCODED_LEN,
             Self::Abort => 8 + MAX_TEXT_LEN,
+            Self::AuthHello => Handshake::ENCODED_LEN + AUTH_NONCE_LEN,
+            Self::AuthChallenge => AUTH_NONCE_LEN + AUTH_PROOF_LEN,
+            Self::AuthProof => AUTH_PROOF_LEN,
         }
     }
 }

@@ -8,6 +8,7 @@ use tern_page::dsa::ZeroPageOffload;
 
 use crate::error::MigrationError;
 use crate::transport::Address;
+use crate::transport::security::Security;
 
 /// A name that is none of an enum's values (the `FromStr` error of the
 /// config enums).
@@ -211,6 +212,8 @@ pub struct MigrationConfig {
     pub io_timeout: Duration,
     /// How long to keep trying to reach the destination.
     pub connect_timeout: Duration,
+    /// TLS and the shared-key handshake on every channel.
+    pub security: Security,
 }
 
 impl Default for MigrationConfig {
@@ -239,6 +242,7 @@ impl Default for MigrationConfig {
             zero_copy_window: 0,
             io_timeout: Duration::from_secs(30),
             connect_timeout: Duration::from_secs(10),
+            security: Security::default(),
         }
     }
 }
@@ -333,7 +337,16 @@ impl MigrationConfig {
     /// anything connects: [`crate::Source::migrate`] calls it first, and a
     /// front end may call it earlier still (before building its guest).
     pub fn check_address(&self, address: &Address) -> Result<(), MigrationError> {
-        if self.zero_copy && matches!(address, Address::Unix(_)) {
+        if self.zero_copy && self.security.tls.is_some() {
+            return Err(MigrationError::UnsupportedTransport {
+                field: "zero_copy",
+                address: address.to_string(),
+                reason: "TLS encrypts the pages into its own records before they leave, so the \
+                         kernel cannot send them from guest memory; kernel TLS does not take \
+                         MSG_ZEROCOPY either (see docs/security.md)",
+            });
+        }
+        if self.zero_copy && matches!(address, Address::Unix(_) | Address::Vsock { .. }) {
             return Err(MigrationError::UnsupportedTransport {
                 field: "zero_copy",
                 address: address.to_string(),
@@ -364,6 +377,27 @@ pub struct ReceiveConfig {
     /// handshake, before anything is allocated. `None`: what the machine
     /// can hold now (`MemAvailable` + `SwapFree`).
     pub max_memory: Option<u64>,
+    /// TLS and the shared-key handshake required of every channel.
+    pub security: Security,
+    /// Whether sessions nobody authenticated (no key, no TLS) are accepted.
+    pub unauthenticated: UnauthenticatedPolicy,
+    /// Whether a source may skip the memory digest (`Verify::None`); the
+    /// destination decides, since it is the one that runs the guest.
+    pub allow_unverified: bool,
+}
+
+/// Whether a destination without an auth key or TLS accepts sessions.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum UnauthenticatedPolicy {
+    /// Only on a listener no other machine reaches (loopback TCP, a Unix
+    /// socket); anywhere else receiving fails before anything is accepted.
+    #[default]
+    LocalOnly,
+    /// Everywhere (`tern receive --insecure`; or an embedder's channels
+    /// that it authenticated itself).
+    Allow,
+    /// Nowhere.
+    Refuse,
 }
 
 impl Default for ReceiveConfig {
@@ -374,6 +408,9 @@ impl Default for ReceiveConfig {
             handshake_timeout: Duration::from_secs(5),
             max_pending_handshakes: 64,
             max_memory: None,
+            security: Security::default(),
+            unauthenticated: UnauthenticatedPolicy::default(),
+            allow_unverified: false,
         }
     }
 }

@@ -3,9 +3,9 @@
 use crate::codec::{Reader, Writer};
 use crate::error::{AbortReason, WireError};
 use crate::{
-    AUTH_NONCE_LEN, AUTH_PROOF_LEN, FRAME_HEADER_LEN, FrameHeader, FrameKind, MAGIC, MAX_CHANNELS, MAX_GUEST_KIND_LEN,
-    MAX_NAME_LEN, MAX_REGION_BYTES, MAX_REGIONS, MAX_SECTION_BYTES, MAX_TEXT_LEN, PAGE_SIZE,
-    PROTOCOL_VERSION,
+    AUTH_NONCE_LEN, AUTH_PROOF_LEN, FRAME_HEADER_LEN, FrameHeader, FrameKind, MAGIC, MAX_CHANNELS,
+    MAX_GUEST_KIND_LEN, MAX_NAME_LEN, MAX_REGION_BYTES, MAX_REGIONS, MAX_SECTION_BYTES,
+    MAX_TEXT_LEN, PAGE_SIZE, PROTOCOL_VERSION,
 };
 
 /// The part of the handshake every channel sends first.

@@ -216,6 +216,8 @@ impl Destination {
         F: FnOnce(&SessionSetup) -> Result<G, GuestError>,
     {
         let cpu_start = thread_cpu_seconds();
+        self.check_policy(listener)
+            .inspect_err(|_| self.stats.set_phase(ReceivePhase::Failed))?;
         let handshake::Arrived {
             channel: mut main,
             mut decoder,

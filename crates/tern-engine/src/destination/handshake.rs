@@ -301,9 +301,11 @@ impl Destination {
     /// Waits for the source's main channel: the first connection whose
     /// hello this destination can serve. Other connections are closed and
     /// logged, and the wait goes on.
-    pub(super) fn accept_main(&self, listener: &Listener) -> Result<Arrived, MigrationError> {
+    pub(super) fn accept_main(
+        &self,
+        handshakes: &mut Handshakes<'_>,
+    ) -> Result<Arrived, MigrationError> {
         let deadline = Instant::now() + self.config.accept_timeout;
-        let mut handshakes = Handshakes::new(listener, &self.config);
         loop {
             if self.cancel.is_cancelled() {
                 return Err(MigrationError::Cancelled);
@@ -416,7 +418,7 @@ impl Destination {
     /// at once.
     pub(super) fn accept_page_channels(
         &self,
-        listener: &Listener,
+        handshakes: &mut Handshakes<'_>,
         main: &mut Channel,
         decoder: &mut FrameDecoder,
         session_id: u64,
@@ -425,7 +427,6 @@ impl Destination {
         let mut slots: Vec<Option<Channel>> = (0..count).map(|_| None).collect();
         let mut seen = HashSet::new();
         let deadline = Instant::now() + self.config.accept_timeout;
-        let mut handshakes = Handshakes::new(listener, &self.config);
         while seen.len() < usize::from(count) {
             if self.cancel.is_cancelled() {
                 return Err(MigrationError::Cancelled);

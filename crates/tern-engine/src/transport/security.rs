@@ -115,10 +115,15 @@ fn client_auth(
         source_nonce,
         destination_nonce: challenge.nonce,
     };
-    key.verify_destination(&bound, &challenge.proof)
-        .map_err(|_| {
-            ChannelError::Auth("the destination's proof does not match this side's auth key".into())
-        })?;
+    if key.verify_destination(&bound, &challenge.proof).is_err() {
+        let reason = "the destination's proof does not match this side's auth key";
+        // The destination hears it too: it cannot tell on its own.
+        let _ = channel.send_message(&Message::Abort(tern_wire::Abort {
+            reason: tern_wire::AbortReason::ProtocolError,
+            message: format!("authentication failed at the source: {reason}"),
+        }));
+        return Err(ChannelError::Auth(reason.into()));
+    }
     channel.send_message(&Message::AuthProof(AuthProof {
         proof: key.source_proof(&bound),
     }))

@@ -32,10 +32,10 @@ pub(super) struct Greeted<G> {
 }
 
 /// A connection whose first message arrived within its deadline.
-pub(super) struct Arrived {
+pub(crate) struct Arrived {
     pub(super) channel: Channel,
     pub(super) decoder: FrameDecoder,
-    pub(super) message: Message,
+    pub(crate) message: Message,
 }
 
 /// A connection still in handshake: a handle to close it at its deadline.
@@ -184,7 +184,7 @@ impl Drop for Handshakes<'_> {
 
 /// Runs a new connection's protections (TLS, the shared-key handshake) and
 /// reads its first message after them.
-fn open(channel: Channel, security: &Security) -> Result<Arrived, ChannelError> {
+pub(crate) fn open(channel: Channel, security: &Security) -> Result<Arrived, ChannelError> {
     let mut channel = match &security.tls {
         Some(config) => tls::accept(channel, config)?,
         None => channel,

@@ -1,7 +1,7 @@
 //! The destination side: accept the channels, write received pages straight
 //! into guest memory, verify, restore and resume.
 
-mod handshake;
+pub(crate) mod handshake;
 mod in_memory;
 mod live;
 mod order;

@@ -81,7 +81,9 @@ pub use guest::{
     MemoryRegion, PAGE_SIZE, SourceGuest, StateSection,
 };
 pub use source::{CancelToken, MigrationFailure, Source};
-pub use stats::{DestinationStats, LiveStats, MigrationStats, MigrationStatus, RamStats};
+pub use stats::{
+    DestinationStats, LiveStats, MigrationStats, MigrationStatus, RamStats, SessionSecurity,
+};
 pub use transport::auth::AuthKey;
 pub use transport::security::{ChannelSecurity, Security, TlsInfo};
 pub use transport::tls::{KernelTls, TlsConfig};

@@ -69,7 +69,7 @@ fn migrate_and_verify(
     address: &Address,
     receive: ReceiveConfig,
     migrate: MigrationConfig,
-) {
+) -> tern_engine::MigrationStats {
     let mut guest = guest(32 * MIB, 8 * MIB);
     let receiving = receive_with(listener, receive);
     let stats = Source::new(migrate)
@@ -82,6 +82,7 @@ fn migrate_and_verify(
     let mut destination = received.guest;
     destination.pause().unwrap();
     assert_eq!(destination.digest(), guest.digest());
+    stats
 }
 
 /// Runs a migration that must fail at the source; the destination, which
@@ -118,12 +119,16 @@ fn auth_key_migration_verifies() {
         auth_key: key("a shared secret of the test"),
         ..Security::default()
     };
-    migrate_and_verify(
+    let stats = migrate_and_verify(
         listener,
         &address,
         secured_receive(security.clone()),
         secured_migration(2, security),
     );
+    let security = stats.security.expect("the session's security");
+    assert_eq!(security.transport, "tcp");
+    assert!(security.authenticated);
+    assert_eq!(security.tls, None);
 }
 
 #[test]
@@ -189,12 +194,23 @@ fn tls_migration_verifies_with_a_key_too() {
     receive.auth_key = key("and a shared key on top");
     let mut migrate = tls(pki.config(&source));
     migrate.auth_key = key("and a shared key on top");
-    migrate_and_verify(
+    let stats = migrate_and_verify(
         listener,
         &address,
         secured_receive(receive),
         secured_migration(3, migrate),
     );
+    let security = stats.security.expect("the session's security");
+    assert!(security.authenticated);
+    let tls = security.tls.expect("TLS");
+    assert_eq!(tls.version, "TLSv1_3");
+    // This machine has no kernel TLS; where one has, either is right.
+    if !std::fs::read_to_string("/proc/sys/net/ipv4/tcp_available_ulp")
+        .unwrap_or_default()
+        .contains("tls")
+    {
+        assert!(!tls.kernel_offload, "fell back to user space");
+    }
 }
 
 #[test]

@@ -15,7 +15,7 @@ use crate::error::MigrationError;
 use crate::guest::{MemoryRegion, SourceGuest};
 use crate::pipeline::{CompressionSetup, Pipeline, PipelineSetup};
 use crate::stats::thread_cpu_seconds;
-use crate::stats::{DestinationStats, LiveStats, MigrationStats, MigrationStatus};
+use crate::stats::{DestinationStats, LiveStats, MigrationStats, MigrationStatus, SessionSecurity};
 use crate::transport::{Address, Channel, Connect, Connector};
 use peer::{peer_reason, send_abort};
 
@@ -229,6 +229,11 @@ impl Source {
         let Some(main) = main_slot.as_mut() else {
             return Err(MigrationError::Internal("main channel missing".into()));
         };
+        self.stats.record_security(SessionSecurity {
+            transport: address.transport().to_string(),
+            authenticated: main.security().authenticated(),
+            tls: main.security().tls.clone(),
+        });
         self.stats.set_setup_time(self.stats.started().elapsed());
         tracing::info!(
             channels = config.channels,

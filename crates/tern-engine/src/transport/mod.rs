@@ -108,6 +108,16 @@ impl fmt::Display for Address {
 }
 
 impl Address {
+    /// The transport's name in reports: `tcp`, `unix`, `vsock` or `fd`.
+    pub fn transport(&self) -> &'static str {
+        match self {
+            Self::Tcp(_) => "tcp",
+            Self::Unix(_) => "unix",
+            Self::Vsock { .. } => "vsock",
+            Self::Fd(_) => "fd",
+        }
+    }
+
     /// The host name a TLS client checks the destination's certificate
     /// against when none is given: the host of a TCP address.
     pub fn host(&self) -> Option<&str> {

@@ -28,7 +28,8 @@ impl Security {
 }
 
 /// TLS parameters of a channel, for reports.
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "kebab-case")]
 pub struct TlsInfo {
     /// Protocol version, such as `TLSv1_3`.
     pub version: String,

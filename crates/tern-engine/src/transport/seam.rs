@@ -1,6 +1,6 @@
 //! The transport seam: how the engine gets its channels. A source opens
 //! one main channel and N page channels through a [`Connect`]; a
-//! destination takes them from a [`Listener`], which may wrap an
+//! destination takes them from a [`Listener`](super::Listener), which may wrap an
 //! [`Accept`]. Both are small so that an embedder can supply its own (a
 //! VMM's already-connected sockets, a tunnel); TLS and the shared-key
 //! handshake are layered on top by the engine, whatever the transport.

@@ -13,7 +13,7 @@
 //! with one `sendmsg` from guest memory and land with `readv` into it. That
 //! needs the kernel's `tls` module; where it is missing (setting the ULP
 //! fails), where the cipher is not AES-GCM, or where rustls already holds
-//! received bytes, the channel stays in user space ([`offload_decision`]).
+//! received bytes, the channel stays in user space.
 
 use std::fmt;
 use std::io::{self, Read, Write};

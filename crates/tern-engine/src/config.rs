@@ -118,9 +118,12 @@ pub enum LimitPolicy {
 )]
 #[non_exhaustive]
 pub enum Verify {
-    /// The source hashes all its memory after pausing the guest (while the
-    /// last pages travel); the destination hashes each page as it writes it.
-    /// A mismatch fails the migration and the source guest runs on.
+    /// Both sides keep a hash of every page up to date while the guest
+    /// runs (the source as it sends a page, the destination as it writes
+    /// one, and an audit on each side for changes nobody reported), and
+    /// compare the digest of all memory before the destination resumes (see
+    /// docs/verification.md). A mismatch fails the migration and the source
+    /// guest runs on.
     #[default]
     Full,
     /// No digest: the shortest downtime, trusting the dirty log.
@@ -196,9 +199,9 @@ pub struct MigrationConfig {
     pub qpl_path: QplPath,
     /// Memory verification at switch-over.
     pub verify: Verify,
-    /// Threads hashing guest memory for the verification; 0 uses every
-    /// core. An embedder sharing the host with other guests may want fewer,
-    /// at the cost of a longer switch-over.
+    /// Threads hashing again, while the guest is paused, the pages whose
+    /// hash went stale (see docs/verification.md); 0 uses every core.
+    /// Usually there are few such pages and one thread is as fast.
     pub digest_threads: usize,
     /// Send page data with zero-copy sends straight from guest memory.
     pub zero_copy: bool,
@@ -212,9 +215,20 @@ pub struct MigrationConfig {
     pub io_timeout: Duration,
     /// How long to keep trying to reach the destination.
     pub connect_timeout: Duration,
+    /// How long the paused source waits for each of the destination's
+    /// switch-over answers: "ready" after the last bytes were sent (without
+    /// it, the source resumes its guest), then the acknowledgement of its
+    /// commit (without it, the outcome is reported unknown and the guest
+    /// stays paused).
+    pub switch_over_timeout: Duration,
     /// TLS and the shared-key handshake on every channel.
     pub security: Security,
 }
+
+/// Default of both sides' `switch_over_timeout`: the destination checks and
+/// restores in milliseconds, and a guest paused this long is already an
+/// outage worth reporting.
+pub const DEFAULT_SWITCH_OVER_TIMEOUT: Duration = Duration::from_secs(10);
 
 impl Default for MigrationConfig {
     fn default() -> Self {
@@ -243,6 +257,7 @@ impl Default for MigrationConfig {
             io_timeout: Duration::from_secs(30),
             connect_timeout: Duration::from_secs(10),
             security: Security::default(),
+            switch_over_timeout: DEFAULT_SWITCH_OVER_TIMEOUT,
         }
     }
 }
@@ -304,6 +319,9 @@ impl MigrationConfig {
         }
         if self.io_timeout.is_zero() {
             return bad("io_timeout", "must be positive".into());
+        }
+        if self.switch_over_timeout.is_zero() {
+            return bad("switch_over_timeout", "must be positive".into());
         }
         if !(0.0..=1.0).contains(&self.zero_page_as_normal) {
             return bad(
@@ -377,6 +395,9 @@ pub struct ReceiveConfig {
     /// handshake, before anything is allocated. `None`: what the machine
     /// can hold now (`MemAvailable` + `SwapFree`).
     pub max_memory: Option<u64>,
+    /// How long, once it has said "ready", the destination waits for the
+    /// source's commit; without one in time the guest is not resumed here.
+    pub switch_over_timeout: Duration,
     /// TLS and the shared-key handshake required of every channel.
     pub security: Security,
     /// Whether sessions nobody authenticated (no key, no TLS) are accepted.
@@ -411,6 +432,7 @@ impl Default for ReceiveConfig {
             security: Security::default(),
             unauthenticated: UnauthenticatedPolicy::default(),
             allow_unverified: false,
+            switch_over_timeout: DEFAULT_SWITCH_OVER_TIMEOUT,
         }
     }
 }

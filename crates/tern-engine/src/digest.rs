@@ -7,6 +7,8 @@
 //! fault per page for nothing.
 
 use std::sync::OnceLock;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::time::{Duration, Instant};
 
 use xxhash_rust::xxh3::{Xxh3, xxh3_64};
 
@@ -30,13 +32,15 @@ pub struct Digest {
     pub elapsed: std::time::Duration,
 }
 
-/// Computes the digest of `regions` with up to `threads` threads.
+/// Computes the digest of `regions` with up to `threads` threads, reading
+/// all of memory: the reference the incremental digest must agree with.
 /// `is_page_untouched(region_index, page)` may return true for a page known
 /// to be all zero, which is then not read.
 ///
 /// # Safety
 /// Nothing may write to the regions during the call (the guest is paused and
 /// no receiver runs).
+#[cfg(test)]
 pub unsafe fn memory_digest(
     regions: &[MemoryRegion],
     threads: usize,
@@ -110,6 +114,351 @@ pub fn digest_threads() -> usize {
     std::thread::available_parallelism().map_or(1, |n| n.get())
 }
 
+/// Pages per audit slice: the auditor checks its stop flag and its pace
+/// between slices.
+const AUDIT_SLICE_PAGES: u64 = 64;
+
+/// Pages per word of the stale bitmaps.
+const BITS: u64 = 64;
+
+/// The incremental digest: one hash per page, kept up to date while the
+/// migration runs, so that taking the digest at switch-over costs little
+/// more than combining the hashes. The digest is the same function of
+/// memory as [`memory_digest`]'s (the same bytes go into the same hasher).
+///
+/// A page's hash is recorded by whoever read the page last after its last
+/// legitimate change: on the source, the pipeline worker that encodes the
+/// page for an iteration; on the destination, the receiver that wrote it.
+/// Pages whose hash may no longer describe memory are *stale*: every page
+/// of the source until first hashed, and every page an [`audit`] found
+/// changed. Stale pages are hashed again from memory by [`finish`], when
+/// nothing writes. Nothing ever marks a page fresh except a hash read from
+/// memory; docs/verification.md explains why this cannot miss a change.
+///
+/// [`audit`]: PageHashes::audit
+/// [`finish`]: PageHashes::finish
+pub(crate) struct PageHashes {
+    regions: Vec<MemoryRegion>,
+    hashes: Vec<Vec<AtomicU64>>,
+    stale: Vec<Vec<AtomicU64>>,
+    /// Pages the auditors read, and audits that found a page changed.
+    audited: AtomicU64,
+    found_changed: AtomicU64,
+    /// Complete audit passes over memory.
+    audit_passes: AtomicU64,
+    /// Tells the auditors to stop.
+    audit_stop: AtomicBool,
+}
+
+/// What [`PageHashes::finish`] did.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub(crate) struct Finished {
+    pub digest: Digest,
+    /// Pages hashed again from memory (stale ones).
+    pub rehashed_pages: u64,
+}
+
+impl PageHashes {
+    /// Hashes for `regions`. With `all_stale`, every page starts stale (the
+    /// source, whose memory holds anything); otherwise every page starts as
+    /// a zero page (the destination's fresh memory).
+    pub(crate) fn new(regions: &[MemoryRegion], all_stale: bool) -> Self {
+        let zero = zero_page_hash();
+        let fill = if all_stale { u64::MAX } else { 0 };
+        Self {
+            regions: regions.to_vec(),
+            hashes: regions
+                .iter()
+                .map(|region| (0..region.pages()).map(|_| AtomicU64::new(zero)).collect())
+                .collect(),
+            stale: regions
+                .iter()
+                .map(|region| {
+                    (0..region.pages().div_ceil(BITS))
+                        .map(|_| AtomicU64::new(fill))
+                        .collect()
+                })
+                .collect(),
+            audited: AtomicU64::new(0),
+            found_changed: AtomicU64::new(0),
+            audit_passes: AtomicU64::new(0),
+            audit_stop: AtomicBool::new(false),
+        }
+    }
+
+    /// Records `hash` as page `page` of region `region` (an index into the
+    /// regions), read from memory by the caller after the page's last
+    /// change it knows of. Out-of-range pages are ignored.
+    pub(crate) fn record(&self, region: usize, page: u64, hash: u64) {
+        let Some(slot) = self.hashes.get(region).and_then(|h| h.get(page as usize)) else {
+            return;
+        };
+        // Unmark first, then publish the hash with Release: an auditor that
+        // reads this hash (Acquire) and then finds memory different marks
+        // the page after this unmarking, so its finding survives.
+        if let Some(word) = self.stale[region].get((page / BITS) as usize) {
+            word.fetch_and(!(1 << (page % BITS)), Ordering::Relaxed);
+        }
+        slot.store(hash, Ordering::Release);
+    }
+
+    /// Hashes page `page` of region `region` from memory and records it.
+    ///
+    /// # Safety
+    /// The region's mapping is live. Concurrent writes to the page make the
+    /// hash stale, never unsound to compute (the bytes are only hashed);
+    /// whoever writes must make sure the page is recorded again or marked
+    /// stale afterwards.
+    pub(crate) unsafe fn hash_and_record(&self, region: usize, page: u64) {
+        let Some(ptr) = self.regions.get(region).and_then(|r| r.page_ptr(page)) else {
+            return;
+        };
+        // SAFETY: `page_ptr` bounds-checked the page; the caller's contract.
+        let hash = unsafe { page_hash(ptr) };
+        self.record(region, page, hash);
+    }
+
+    /// Marks a page stale: [`PageHashes::finish`] hashes it again.
+    pub(crate) fn mark_stale(&self, region: usize, page: u64) {
+        if let Some(word) = self
+            .stale
+            .get(region)
+            .and_then(|words| words.get((page / BITS) as usize))
+        {
+            word.fetch_or(1 << (page % BITS), Ordering::Relaxed);
+        }
+    }
+
+    fn is_stale(&self, region: usize, page: u64) -> bool {
+        self.stale[region][(page / BITS) as usize].load(Ordering::Relaxed) & (1 << (page % BITS))
+            != 0
+    }
+
+    /// Ends every [`PageHashes::audit`] soon (within one slice).
+    pub(crate) fn stop_audit(&self) {
+        self.audit_stop.store(true, Ordering::Relaxed);
+    }
+
+    /// Reads memory page by page, round and round, at most
+    /// `bytes_per_second`, until [`PageHashes::stop_audit`]; a page whose memory no longer
+    /// matches its recorded hash is marked stale. `skip(region, page)`
+    /// leaves out pages not worth reading (never written on the
+    /// destination). Only ever marks pages stale, so it cannot hide a
+    /// change; it finds changes nobody reported. Returns its CPU seconds.
+    ///
+    /// # Safety
+    /// The regions' mappings stay live until this returns.
+    pub(crate) unsafe fn audit(
+        &self,
+        bytes_per_second: u64,
+        skip: &(dyn Fn(usize, u64) -> bool + Sync),
+        on_pass: &(dyn Fn() + Sync),
+    ) -> f64 {
+        lower_this_threads_priority();
+        let cpu_start = thread_cpu_seconds();
+        let stop = &self.audit_stop;
+        let started = Instant::now();
+        let mut budget_used = 0u64;
+        'passes: while !stop.load(Ordering::Relaxed) {
+            for (region_index, region) in self.regions.iter().enumerate() {
+                let mut first = 0;
+                while first < region.pages() {
+                    if stop.load(Ordering::Relaxed) {
+                        break 'passes;
+                    }
+                    let end = (first + AUDIT_SLICE_PAGES).min(region.pages());
+                    for page in first..end {
+                        if skip(region_index, page) || self.is_stale(region_index, page) {
+                            continue;
+                        }
+                        // SAFETY: the caller keeps the mapping live.
+                        unsafe { self.audit_page(region_index, region, page) };
+                        budget_used += PAGE_SIZE as u64;
+                    }
+                    first = end;
+                    pace(started, budget_used, bytes_per_second, stop);
+                }
+            }
+            self.audit_passes.fetch_add(1, Ordering::Relaxed);
+            on_pass();
+        }
+        thread_cpu_seconds() - cpu_start
+    }
+
+    /// # Safety
+    /// `region` is region `region_index`, whose mapping is live.
+    unsafe fn audit_page(&self, region_index: usize, region: &MemoryRegion, page: u64) {
+        let recorded = self.hashes[region_index][page as usize].load(Ordering::Acquire);
+        let Some(ptr) = region.page_ptr(page) else {
+            return;
+        };
+        // SAFETY: bounds-checked by `page_ptr`; the caller keeps it mapped.
+        let actual = unsafe { page_hash(ptr) };
+        self.audited.fetch_add(1, Ordering::Relaxed);
+        if actual != recorded {
+            self.found_changed.fetch_add(1, Ordering::Relaxed);
+            self.mark_stale(region_index, page);
+        }
+    }
+
+    /// About how long [`PageHashes::finish`] would take now with `threads`
+    /// threads: the stale pages at the measured hashing speed, spread over
+    /// the threads, and combining every page's hash (8 bytes a page, at the
+    /// same speed per byte). Pages the last iteration sends are hashed by
+    /// the pipeline as it sends them, inside its measured bandwidth.
+    pub(crate) fn finish_estimate(&self, threads: usize) -> Duration {
+        let stale: u64 = self
+            .stale
+            .iter()
+            .flatten()
+            .map(|word| u64::from(word.load(Ordering::Relaxed).count_ones()))
+            .sum();
+        let pages: u64 = self.regions.iter().map(MemoryRegion::pages).sum();
+        let rehash_ns = stale as f64 * page_hash_ns() / threads.max(1) as f64;
+        let combine_ns = pages as f64 * page_hash_ns() * 8.0 / PAGE_SIZE as f64;
+        Duration::from_secs_f64((rehash_ns + combine_ns) / 1e9)
+    }
+
+    /// Hashes every stale page again from memory, with up to `threads`
+    /// threads, and returns the digest of all recorded hashes.
+    ///
+    /// # Safety
+    /// Nothing writes guest memory or records hashes during the call (the
+    /// guest is paused, the pipeline or the receivers are done).
+    pub(crate) unsafe fn finish(&self, threads: usize) -> Finished {
+        self.stop_audit();
+        let started = Instant::now();
+        let stale: Vec<(usize, u64)> = self.stale_pages();
+        let threads = threads.clamp(1, stale.len().div_ceil(256).max(1));
+        let per_thread = stale.len().div_ceil(threads).max(1);
+        let mut cpu_seconds = 0.0;
+        std::thread::scope(|scope| {
+            let workers: Vec<_> = stale
+                .chunks(per_thread)
+                .map(|part| {
+                    scope.spawn(move || {
+                        let cpu_start = thread_cpu_seconds();
+                        for &(region, page) in part {
+                            // SAFETY: the caller guarantees nothing writes.
+                            unsafe { self.hash_and_record(region, page) };
+                        }
+                        thread_cpu_seconds() - cpu_start
+                    })
+                })
+                .collect();
+            for worker in workers {
+                cpu_seconds += worker.join().unwrap_or(0.0);
+            }
+        });
+        tracing::debug!(
+            audited_pages = self.audited.load(Ordering::Relaxed),
+            audit_passes = self.audit_passes.load(Ordering::Relaxed),
+            found_changed = self.found_changed.load(Ordering::Relaxed),
+            rehashed_pages = stale.len(),
+            "digest finished"
+        );
+        let combine_cpu = thread_cpu_seconds();
+        let value = self.combine();
+        cpu_seconds += thread_cpu_seconds() - combine_cpu;
+        Finished {
+            digest: Digest {
+                value,
+                cpu_seconds,
+                elapsed: started.elapsed(),
+            },
+            rehashed_pages: stale.len() as u64,
+        }
+    }
+
+    fn stale_pages(&self) -> Vec<(usize, u64)> {
+        let mut pages = Vec::new();
+        for (region, (words, info)) in self.stale.iter().zip(&self.regions).enumerate() {
+            for (index, word) in words.iter().enumerate() {
+                let mut bits = word.load(Ordering::Relaxed);
+                while bits != 0 {
+                    let page = index as u64 * BITS + u64::from(bits.trailing_zeros());
+                    bits &= bits - 1;
+                    if page < info.pages() {
+                        pages.push((region, page));
+                    }
+                }
+            }
+        }
+        pages
+    }
+
+    /// The digest of the recorded hashes, in [`memory_digest`]'s format.
+    /// The hashes go through a small buffer, so that combining a million of
+    /// them costs about a millisecond.
+    fn combine(&self) -> u128 {
+        const BATCH: usize = 8192;
+        let mut hasher = Xxh3::new();
+        let mut buffer = [0u8; BATCH * 8];
+        for (region, hashes) in self.regions.iter().zip(&self.hashes) {
+            hasher.update(&region.id().to_le_bytes());
+            for batch in hashes.chunks(BATCH) {
+                for (slot, hash) in buffer.chunks_exact_mut(8).zip(batch) {
+                    slot.copy_from_slice(&hash.load(Ordering::Acquire).to_le_bytes());
+                }
+                hasher.update(&buffer[..batch.len() * 8]);
+            }
+        }
+        hasher.digest128()
+    }
+}
+
+/// Nanoseconds to hash one page that is not in the caches, measured once
+/// on 8 MiB (larger than most L2 caches; a little cache-friendlier than
+/// guest memory, so the estimate errs low by a little; the digest's share
+/// of the downtime is reported as measured).
+fn page_hash_ns() -> f64 {
+    static NANOS: OnceLock<f64> = OnceLock::new();
+    *NANOS.get_or_init(measure_page_hash_ns)
+}
+
+fn measure_page_hash_ns() -> f64 {
+    const PAGES: usize = 2048;
+    let buffer: Vec<u8> = (0..PAGES * PAGE_SIZE).map(|i| (i % 251) as u8).collect();
+    let started = Instant::now();
+    let mut sink = 0u64;
+    for page in buffer.chunks_exact(PAGE_SIZE) {
+        sink ^= xxh3_64(page);
+    }
+    std::hint::black_box(sink);
+    started.elapsed().as_nanos() as f64 / PAGES as f64
+}
+
+/// Gives the calling thread the lowest scheduling priority (nice 19), so
+/// that an audit takes the CPU the migration leaves and slows down rather
+/// than the migration when the cores are busy. Best effort.
+fn lower_this_threads_priority() {
+    // SAFETY: `gettid` has no preconditions; `setpriority` on a thread id
+    // changes only that thread's nice value (Linux), and a failure is
+    // harmless, only leaving the priority as it was.
+    let failed = unsafe {
+        let thread = libc::gettid();
+        libc::setpriority(libc::PRIO_PROCESS, thread as libc::id_t, 19) != 0
+    };
+    if failed {
+        tracing::debug!("cannot lower the audit thread's priority");
+    }
+}
+
+/// Sleeps (in short steps, so `stop` is heard) until `used` bytes are
+/// within `bytes_per_second` of the time since `started`.
+fn pace(started: Instant, used: u64, bytes_per_second: u64, stop: &AtomicBool) {
+    if bytes_per_second == 0 {
+        return;
+    }
+    let due = Duration::from_secs_f64(used as f64 / bytes_per_second as f64);
+    while !stop.load(Ordering::Relaxed) {
+        let Some(ahead) = due.checked_sub(started.elapsed()) else {
+            return;
+        };
+        std::thread::sleep(ahead.min(Duration::from_millis(5)));
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -131,5 +480,84 @@ mod tests {
         // SAFETY: as above.
         let changed = unsafe { memory_digest(&[region], 3, &|_, _| false) }.value;
         assert_ne!(changed, read_all);
+    }
+
+    fn region_over(memory: &mut [u8]) -> MemoryRegion {
+        // SAFETY: the caller's vector outlives the region and only the test
+        // accesses it.
+        unsafe {
+            MemoryRegion::new(
+                3,
+                0,
+                NonNull::new(memory.as_mut_ptr()).unwrap(),
+                memory.len() as u64,
+            )
+        }
+    }
+
+    #[test]
+    fn finishing_all_stale_pages_is_the_full_digest() {
+        let mut memory: Vec<u8> = (0..64 * PAGE_SIZE).map(|i| (i * 7 % 251) as u8).collect();
+        let region = region_over(&mut memory);
+        let hashes = PageHashes::new(&[region], true);
+        // SAFETY: nothing writes during the calls.
+        let finished = unsafe { hashes.finish(2) };
+        assert_eq!(finished.rehashed_pages, 64);
+        // SAFETY: as above.
+        let full = unsafe { memory_digest(&[region], 1, &|_, _| false) };
+        assert_eq!(finished.digest.value, full.value);
+        // Everything is fresh now: finishing again reads nothing.
+        // SAFETY: as above.
+        let again = unsafe { hashes.finish(2) };
+        assert_eq!(again.rehashed_pages, 0);
+        assert_eq!(again.digest.value, full.value);
+    }
+
+    #[test]
+    fn a_change_after_hashing_is_found_by_the_audit() {
+        let mut memory = vec![0u8; 32 * PAGE_SIZE];
+        let region = region_over(&mut memory);
+        let hashes = PageHashes::new(&[region], false);
+        for page in 0..32 {
+            // SAFETY: nothing writes during the call.
+            unsafe { hashes.hash_and_record(0, page) };
+        }
+        memory[9 * PAGE_SIZE + 100] = 0xAB;
+        let passes = AtomicU64::new(0);
+        // The audit runs until told to stop; stop it after its first pass.
+        // SAFETY: the memory outlives the call and nothing writes meanwhile.
+        unsafe {
+            hashes.audit(0, &|_, _| false, &|| {
+                passes.fetch_add(1, Ordering::Relaxed);
+                hashes.stop_audit();
+            })
+        };
+        assert_eq!(passes.load(Ordering::Relaxed), 1);
+        assert!(hashes.is_stale(0, 9));
+        assert!(!hashes.is_stale(0, 8));
+        // SAFETY: nothing writes.
+        let finished = unsafe { hashes.finish(1) };
+        assert_eq!(finished.rehashed_pages, 1);
+        // SAFETY: as above.
+        let full = unsafe { memory_digest(&[region], 1, &|_, _| false) };
+        assert_eq!(finished.digest.value, full.value);
+    }
+
+    #[test]
+    fn a_change_without_audit_or_record_is_not_seen() {
+        // The documented limit: the digest trusts recorded hashes unless an
+        // audit or a record says otherwise.
+        let mut memory = vec![0u8; 8 * PAGE_SIZE];
+        let region = region_over(&mut memory);
+        let hashes = PageHashes::new(&[region], false);
+        memory[PAGE_SIZE] = 1;
+        // SAFETY: nothing writes.
+        let finished = unsafe { hashes.finish(1) };
+        // SAFETY: as above.
+        let full = unsafe { memory_digest(&[region], 1, &|_, _| false) };
+        assert_ne!(finished.digest.value, full.value);
+        hashes.mark_stale(0, 1);
+        // SAFETY: as above.
+        assert_eq!(unsafe { hashes.finish(1) }.digest.value, full.value);
     }
 }

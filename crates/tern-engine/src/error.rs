@@ -116,6 +116,15 @@ pub enum MigrationError {
     /// The migration was cancelled.
     #[error("Migration cancelled")]
     Cancelled,
+    /// The source committed the switch-over and the destination did not
+    /// confirm that it resumed the guest: it may run there, or nowhere. The
+    /// source keeps its guest paused, so it never runs twice; an operator
+    /// (or the embedding VMM) decides, as with QEMU's `postmigrate` state.
+    #[error(
+        "Switch-over outcome unknown: the source committed and keeps its guest paused; \
+         check the destination before resuming either"
+    )]
+    OutcomeUnknown(#[source] Box<MigrationError>),
     /// The iteration or time limit was reached under the cancel policy.
     #[error("Migration did not converge: {0}")]
     LimitReached(String),
@@ -145,7 +154,10 @@ impl MigrationError {
             Self::Channel { .. } | Self::ZeroCopy(_) => AbortReason::ChannelFailed,
             Self::DigestMismatch { .. } => AbortReason::DigestMismatch,
             Self::LimitReached(_) => AbortReason::LimitReached,
-            Self::PeerAborted { .. } | Self::Thread(_) | Self::Internal(_) => AbortReason::Other,
+            Self::PeerAborted { .. }
+            | Self::Thread(_)
+            | Self::Internal(_)
+            | Self::OutcomeUnknown(_) => AbortReason::Other,
         }
     }
 

@@ -89,7 +89,7 @@ pub fn destination_auth(data: &[u8]) -> Result<tern_wire::Message, crate::error:
     theirs
         .shutdown(std::net::Shutdown::Write)
         .map_err(crate::error::ChannelError::Io)?;
-    let channel = crate::transport::Channel::from_socket(ours.into())?;
+    let mut channel = crate::transport::Channel::from_socket(ours.into())?;
     channel.set_timeouts(std::time::Duration::from_secs(5))?;
     let key = crate::transport::auth::AuthKey::from_bytes(FUZZ_AUTH_KEY)
         .map_err(|error| crate::error::ChannelError::Auth(error.to_string()))?;
@@ -129,9 +129,13 @@ pub fn sample_auth_input() -> Vec<u8> {
 pub fn destination_session(data: &[u8]) -> Result<(), MigrationError> {
     let (main, pages) = split_session_input(data);
     let pages: Vec<&[u8]> = pages.iter().map(Vec::as_slice).collect();
-    // Streams that skip the digest reach the receiver too.
+    // Streams that skip the digest reach the receiver too. In memory, a
+    // source that falls silent (its stream ends, or holds back a commit the
+    // destination has not asked for yet) costs a timeout: a short one keeps
+    // such inputs fast.
     let destination = Destination::new(ReceiveConfig {
         allow_unverified: true,
+        io_timeout: std::time::Duration::from_millis(100),
         ..ReceiveConfig::default()
     });
     let (result, sent) = destination.receive_from_memory(&main, &pages, MemoryGuest::for_setup);
@@ -419,5 +423,7 @@ pub fn sample_session() -> (Vec<u8>, Vec<Vec<u8>>) {
         })
         .to_bytes(),
     );
+    // The answer to the destination's ready.
+    main.extend(Message::Commit.to_bytes());
     (main, channels)
 }

@@ -202,6 +202,15 @@ pub trait DeviceState: Send {
     /// resumes the guest.
     fn restore_state(&mut self, sections: &[StateSection]) -> GuestResult<()>;
 
+    /// About how many bytes [`DeviceState::save_state`] will return, asked
+    /// while the guest runs: the source counts sending them in the downtime
+    /// it expects, so a large device state delays the switch-over instead
+    /// of breaking the downtime limit. The default, 0, means small or
+    /// unknown.
+    fn state_size_hint(&self) -> u64 {
+        0
+    }
+
     /// What kind of guest this is, in words that read well in an error
     /// ("the destination expects a synthetic guest"): guests of one kind can
     /// restore each other's state sections. The source announces it in its

@@ -71,7 +71,8 @@ pub mod vm_memory;
 
 pub use bitmap::DirtyBitmap;
 pub use config::{
-    LimitPolicy, MigrationConfig, ReceiveConfig, UnauthenticatedPolicy, UnknownName, Verify,
+    DEFAULT_SWITCH_OVER_TIMEOUT, LimitPolicy, MigrationConfig, ReceiveConfig,
+    UnauthenticatedPolicy, UnknownName, Verify,
     ZeroCopyBackend, ZeroPageDetection,
 };
 pub use destination::{Destination, ReceivePhase, ReceiveStats, Received};
@@ -82,7 +83,8 @@ pub use guest::{
 };
 pub use source::{CancelToken, MigrationFailure, Source};
 pub use stats::{
-    DestinationStats, LiveStats, MigrationStats, MigrationStatus, RamStats, SessionSecurity,
+    DestinationStats, DowntimeCause, DowntimeParts, LiveStats, MigrationStats, MigrationStatus,
+    RamStats, SessionSecurity,
 };
 pub use transport::auth::AuthKey;
 pub use transport::security::{ChannelSecurity, Security, TlsInfo};

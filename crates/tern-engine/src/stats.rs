@@ -29,6 +29,10 @@ pub enum MigrationStatus {
     Failed = 4,
     /// Cancelled; the source guest runs on.
     Cancelled = 5,
+    /// The source committed the switch-over, and the destination did not
+    /// confirm it resumed the guest; the source guest stays paused (see
+    /// [`crate::MigrationError::OutcomeUnknown`]).
+    OutcomeUnknown = 6,
 }
 
 impl MigrationStatus {
@@ -39,7 +43,8 @@ impl MigrationStatus {
             2 => Self::Device,
             3 => Self::Completed,
             4 => Self::Failed,
-            _ => Self::Cancelled,
+            5 => Self::Cancelled,
+            _ => Self::OutcomeUnknown,
         }
     }
 
@@ -98,7 +103,14 @@ pub struct LiveStats {
     pub(crate) forced_switch_over: AtomicBool,
     setup_time_ms: AtomicU64,
     downtime_ms: AtomicU64,
+    downtime_limit_ms: AtomicU64,
+    /// Milliseconds of the downtime spent sending the last pages and
+    /// sending the device state.
+    final_pages_ms: AtomicU64,
+    state_ms: AtomicU64,
     digest_time_ms: AtomicU64,
+    digest_rehashed_pages: AtomicU64,
+    digest_audit_passes: AtomicU64,
     total_time_ms: AtomicU64,
     digest_verified: AtomicBool,
     cpu_seconds: Mutex<BTreeMap<String, f64>>,
@@ -154,7 +166,12 @@ impl LiveStats {
             forced_switch_over: AtomicBool::new(false),
             setup_time_ms: AtomicU64::new(0),
             downtime_ms: AtomicU64::new(0),
+            downtime_limit_ms: AtomicU64::new(0),
+            final_pages_ms: AtomicU64::new(0),
+            state_ms: AtomicU64::new(0),
             digest_time_ms: AtomicU64::new(0),
+            digest_rehashed_pages: AtomicU64::new(0),
+            digest_audit_passes: AtomicU64::new(0),
             total_time_ms: AtomicU64::new(0),
             digest_verified: AtomicBool::new(false),
             cpu_seconds: Mutex::new(BTreeMap::new()),
@@ -200,8 +217,39 @@ impl LiveStats {
         self.downtime_ms.store(millis(time), Ordering::Relaxed);
     }
 
+    pub(crate) fn set_downtime_limit(&self, limit: Duration) {
+        self.downtime_limit_ms
+            .store(millis(limit), Ordering::Relaxed);
+    }
+
+    pub(crate) fn set_final_pages_time(&self, time: Duration) {
+        self.final_pages_ms.store(millis(time), Ordering::Relaxed);
+    }
+
+    pub(crate) fn set_state_time(&self, time: Duration) {
+        self.state_ms.store(millis(time), Ordering::Relaxed);
+    }
+
+    /// Where the downtime went; the destination's part is what the others
+    /// leave.
+    fn downtime_parts(&self, downtime: u64) -> DowntimeParts {
+        let final_pages = self.final_pages_ms.load(Ordering::Relaxed);
+        let final_rehash = self.digest_time_ms.load(Ordering::Relaxed);
+        let state = self.state_ms.load(Ordering::Relaxed);
+        DowntimeParts {
+            final_pages,
+            final_rehash,
+            state,
+            destination: downtime.saturating_sub(final_pages + final_rehash + state),
+        }
+    }
+
     pub(crate) fn set_digest_time(&self, time: Duration) {
         self.digest_time_ms.store(millis(time), Ordering::Relaxed);
+    }
+
+    pub(crate) fn record_digest_rehash(&self, pages: u64) {
+        self.digest_rehashed_pages.store(pages, Ordering::Relaxed);
     }
 
     pub(crate) fn set_digest_verified(&self, verified: bool) {
@@ -277,6 +325,16 @@ impl LiveStats {
             });
     }
 
+    /// Complete passes the dirty-log audit made over memory (a write the
+    /// dirty log forgot is found by the first pass that starts after it).
+    pub fn audit_passes(&self) -> u64 {
+        self.digest_audit_passes.load(Ordering::Relaxed)
+    }
+
+    pub(crate) fn record_audit_pass(&self) {
+        self.digest_audit_passes.fetch_add(1, Ordering::Relaxed);
+    }
+
     /// The current dirty iteration, counting from 0.
     pub fn iteration(&self) -> u64 {
         self.iteration.load(Ordering::Relaxed)
@@ -320,13 +378,22 @@ impl LiveStats {
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .clone();
+        let downtime = self.downtime_ms.load(Ordering::Relaxed);
+        let downtime_limit = self.downtime_limit_ms.load(Ordering::Relaxed);
+        let parts = self.downtime_parts(downtime);
+        let exceeded = downtime_limit > 0 && downtime > downtime_limit;
         MigrationStats {
             status,
             total_time: total_time_ms,
             setup_time: self.setup_time_ms.load(Ordering::Relaxed),
-            downtime: self.downtime_ms.load(Ordering::Relaxed),
+            downtime,
+            downtime_limit,
+            downtime_exceeded: exceeded,
+            downtime_exceeded_cause: exceeded.then(|| parts.largest()),
+            downtime_parts: (downtime > 0).then_some(parts),
             expected_downtime: self.expected_downtime_ms.load(Ordering::Relaxed),
             digest_time: self.digest_time_ms.load(Ordering::Relaxed),
+            digest_rehashed_pages: self.digest_rehashed_pages.load(Ordering::Relaxed),
             ram: RamStats {
                 transferred,
                 precopy_bytes: self.precopy_bytes.load(Ordering::Relaxed),
@@ -373,6 +440,63 @@ impl LiveStats {
 /// Milliseconds, saturating.
 pub(crate) fn millis(time: Duration) -> u64 {
     u64::try_from(time.as_millis()).unwrap_or(u64::MAX)
+}
+
+/// Where the downtime went, in milliseconds.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub struct DowntimeParts {
+    /// Sending the pages dirtied since the last sync (the link).
+    pub final_pages: u64,
+    /// Finishing the digest: hashing stale pages again and combining.
+    pub final_rehash: u64,
+    /// Saving and sending the device state.
+    pub state: u64,
+    /// Waiting for the destination: its last pages, its verification,
+    /// restoring and resuming the guest, and the answer's way back.
+    pub destination: u64,
+}
+
+impl DowntimeParts {
+    /// The part that took the longest.
+    pub fn largest(&self) -> DowntimeCause {
+        [
+            (self.final_pages, DowntimeCause::Link),
+            (self.final_rehash, DowntimeCause::FinalRehash),
+            (self.state, DowntimeCause::State),
+            (self.destination, DowntimeCause::Peer),
+        ]
+        .into_iter()
+        .max_by_key(|&(ms, _)| ms)
+        .map_or(DowntimeCause::Link, |(_, cause)| cause)
+    }
+}
+
+/// Why the downtime broke its limit: the part of the switch-over that took
+/// the longest.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum DowntimeCause {
+    /// Sending the last dirty pages: more than the link carried in time.
+    Link,
+    /// Finishing the digest.
+    FinalRehash,
+    /// Saving and sending the device state.
+    State,
+    /// The destination: slow to verify, restore or resume, or stalled.
+    Peer,
+}
+
+impl DowntimeCause {
+    /// The name in JSON and in the summary.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Link => "link",
+            Self::FinalRehash => "final-rehash",
+            Self::State => "state",
+            Self::Peer => "peer",
+        }
+    }
 }
 
 /// Memory counters, named as in QEMU's `query-migrate` `ram` object.
@@ -427,13 +551,31 @@ pub struct MigrationStats {
     /// Guest paused on the source until it runs on the destination
     /// (including the digest comparison).
     pub downtime: u64,
-    /// Downtime the last iteration predicted (the data still to send; the
-    /// verification comes on top).
+    /// The downtime the migration was asked to keep (`--downtime-limit`).
+    #[serde(default)]
+    pub downtime_limit: u64,
+    /// Whether the measured downtime broke the limit.
+    #[serde(default)]
+    pub downtime_exceeded: bool,
+    /// When the limit was broken, the part of the downtime that took the
+    /// longest (see [`DowntimeCause`]).
+    #[serde(skip_serializing_if = "Option::is_none", default)]
+    pub downtime_exceeded_cause: Option<DowntimeCause>,
+    /// Where the downtime went, once the guest resumed on the destination.
+    #[serde(skip_serializing_if = "Option::is_none", default)]
+    pub downtime_parts: Option<DowntimeParts>,
+    /// Downtime the last dirty-log sync predicted: the dirty pages still to
+    /// send at the measured bandwidth, plus finishing the digest and the
+    /// device state (see `docs/verification.md`).
     pub expected_downtime: u64,
-    /// Time the source spent hashing its memory after pausing the guest
-    /// (`--verify full`), overlapped with sending the last pages; part of
-    /// the downtime.
+    /// Time the source spent finishing its incremental digest after the
+    /// last pages were sent (`--verify full`): hashing the pages marked
+    /// stale again and combining the page hashes; part of the downtime.
     pub digest_time: u64,
+    /// Pages the source hashed again while paused to finish the digest
+    /// (pages the dirty-log audit found changed, and any never hashed).
+    #[serde(default)]
+    pub digest_rehashed_pages: u64,
     /// Memory counters.
     pub ram: RamStats,
     /// Auto-converge throttle at the end, in percent.

@@ -284,7 +284,7 @@ fn a_page_channel_with_another_identity_is_refused() {
     let first = pki.config(&pki.identity(&["source.test"]));
     let second = pki.config(&pki.identity(&["intruder.test"]));
     let open = |config: &tern_engine::TlsConfig| -> Channel {
-        let channel = Channel::connect(&address, Duration::from_secs(5)).unwrap();
+        let mut channel = Channel::connect(&address, Duration::from_secs(5)).unwrap();
         channel.set_timeouts(Duration::from_secs(10)).unwrap();
         tern_engine::transport::tls::connect(channel, config, "127.0.0.1").unwrap()
     };

@@ -534,6 +534,10 @@ impl DeviceState for SyntheticGuest {
         Ok(vec![self.saved_state().encode()])
     }
 
+    fn state_size_hint(&self) -> u64 {
+        self.saved_state().encode().data.len() as u64
+    }
+
     /// Takes over the source's dirtier (including its throttle, until
     /// `set_throttle` changes it); it starts on the next `resume`.
     fn restore_state(&mut self, sections: &[StateSection]) -> GuestResult<()> {

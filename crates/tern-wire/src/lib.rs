@@ -61,7 +61,7 @@ pub use decoder::{Decoded, Event, Expect, FrameDecoder, PagePacket};
 pub use error::{AbortReason, WireError};
 pub use message::{
     Abort, AuthChallenge, AuthHello, AuthProof, ChannelHello, Complete, DigestAlgorithm, Handshake,
-    Hello, Message, Outcome, OutcomeStats, RegionInfo, SessionSetup, StateSectionMsg, Sync,
+    Hello, Message, Outcome, OutcomeStats, Ready, RegionInfo, SessionSetup, StateSectionMsg, Sync,
     Welcome,
 };
 pub use pages::{PageEntry, PageKind, PagesHeader, decode_page_table, encode_pages_prefix};
@@ -69,7 +69,7 @@ pub use pages::{PageEntry, PageKind, PagesHeader, decode_page_table, encode_page
 /// First bytes of every handshake.
 pub const MAGIC: [u8; 8] = *b"TERNMIG\0";
 /// Protocol version spoken by this build.
-pub const PROTOCOL_VERSION: u16 = 3;
+pub const PROTOCOL_VERSION: u16 = 4;
 /// The only page size this version supports: the one definition of tern's
 /// page size (`tern_page::PAGE_SIZE` and `tern_engine::PAGE_SIZE` are this
 /// value as a `usize`).
@@ -111,6 +111,9 @@ pub const MAX_FRAME_BODY: usize = MAX_SECTION_BYTES + MAX_NAME_LEN + 16;
 pub const AUTH_NONCE_LEN: usize = 32;
 /// Length of an authentication proof: an HMAC-SHA256 tag.
 pub const AUTH_PROOF_LEN: usize = 32;
+/// How often the destination sends a heartbeat during the live phase. A
+/// protocol constant: the source counts heartbeats against its own clock.
+pub const HEARTBEAT_INTERVAL: std::time::Duration = std::time::Duration::from_secs(1);
 
 /// Length of a [`FrameHeader`] on the wire.
 pub const FRAME_HEADER_LEN: usize = 8;
@@ -137,6 +140,14 @@ pub enum FrameKind {
     Outcome = 8,
     /// The sender gives up, with a reason (either direction).
     Abort = 9,
+    /// The destination verified and restored the guest and waits for the
+    /// source's [`FrameKind::Commit`] to resume it (main channel).
+    Ready = 10,
+    /// The source will never resume its guest: the destination may
+    /// (main channel).
+    Commit = 11,
+    /// Liveness during the live phase (main channel, destination to source).
+    Heartbeat = 12,
     /// Authentication, first on a channel when the sides share a key:
     /// the source's nonce, bound to a session and channel (source to
     /// destination). Numbered apart from the session's own kinds.
@@ -160,6 +171,9 @@ impl FrameKind {
             7 => Self::Complete,
             8 => Self::Outcome,
             9 => Self::Abort,
+            10 => Self::Ready,
+            11 => Self::Commit,
+            12 => Self::Heartbeat,
             32 => Self::AuthHello,
             33 => Self::AuthChallenge,
             34 => Self::AuthProof,
@@ -182,6 +196,8 @@ impl FrameKind {
             Self::Complete => 32,
             Self::Outcome => 32 + MAX_TEXT_LEN + OutcomeStats::MAX_ENCODED_LEN,
             Self::Abort => 8 + MAX_TEXT_LEN,
+            Self::Ready => 16,
+            Self::Commit | Self::Heartbeat => 8,
             Self::AuthHello => Handshake::ENCODED_LEN + AUTH_NONCE_LEN,
             Self::AuthChallenge => AUTH_NONCE_LEN + AUTH_PROOF_LEN,
             Self::AuthProof => AUTH_PROOF_LEN,

@@ -342,6 +342,15 @@ impl OutcomeStats {
     }
 }
 
+/// The destination's answer to [`Complete`] when everything checked out:
+/// memory verified, state restored, guest not yet resumed. It resumes the
+/// guest only on [`Message::Commit`], so the guest never runs on both hosts.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Ready {
+    /// The destination's digest (0 when the session does not verify).
+    pub digest: u128,
+}
+
 /// The sender gives up.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Abort {
@@ -398,6 +407,16 @@ pub enum Message {
     Outcome(Outcome),
     /// See [`Abort`].
     Abort(Abort),
+    /// See [`Ready`].
+    Ready(Ready),
+    /// The source's answer to [`Ready`]: from now on it never resumes its
+    /// guest by itself, and the destination resumes it; the destination
+    /// acknowledges with its [`Outcome`].
+    Commit,
+    /// Sent by the destination about once a second while the live phase
+    /// runs, so the source notices a destination that stopped or is cut off
+    /// even when no connection reset ever arrives.
+    Heartbeat,
     /// See [`AuthHello`].
     AuthHello(AuthHello),
     /// See [`AuthChallenge`].
@@ -418,6 +437,9 @@ impl Message {
             Self::Complete(_) => FrameKind::Complete,
             Self::Outcome(_) => FrameKind::Outcome,
             Self::Abort(_) => FrameKind::Abort,
+            Self::Ready(_) => FrameKind::Ready,
+            Self::Commit => FrameKind::Commit,
+            Self::Heartbeat => FrameKind::Heartbeat,
             Self::AuthHello(_) => FrameKind::AuthHello,
             Self::AuthChallenge(_) => FrameKind::AuthChallenge,
             Self::AuthProof(_) => FrameKind::AuthProof,
@@ -477,6 +499,12 @@ impl Message {
                 w.u16(abort.reason as u16)
                     .zeros(2)
                     .bytes_u32(abort.message.as_bytes());
+            }
+            Self::Ready(ready) => {
+                w.u128(ready.digest);
+            }
+            Self::Commit | Self::Heartbeat => {
+                w.zeros(8);
             }
             Self::AuthHello(hello) => {
                 hello.handshake.encode(&mut w);
@@ -652,6 +680,15 @@ impl Message {
                 let message = r.peer_text(MAX_TEXT_LEN, "abort message")?;
                 Self::Abort(Abort { reason, message })
             }
+            FrameKind::Ready => Self::Ready(Ready { digest: r.u128()? }),
+            FrameKind::Commit => {
+                r.reserved(8)?;
+                Self::Commit
+            }
+            FrameKind::Heartbeat => {
+                r.reserved(8)?;
+                Self::Heartbeat
+            }
             FrameKind::AuthHello => {
                 let handshake = Handshake::decode(&mut r)?;
                 if handshake.channel_index > MAX_CHANNELS {
@@ -695,6 +732,9 @@ fn kind_name(kind: FrameKind) -> &'static str {
         FrameKind::Complete => "complete",
         FrameKind::Outcome => "outcome",
         FrameKind::Abort => "abort",
+        FrameKind::Ready => "ready",
+        FrameKind::Commit => "commit",
+        FrameKind::Heartbeat => "heartbeat",
         FrameKind::AuthHello => "auth hello",
         FrameKind::AuthChallenge => "auth challenge",
         FrameKind::AuthProof => "auth proof",

@@ -6,7 +6,9 @@ use std::time::Duration;
 
 use anyhow::{Context, bail};
 use serde::Serialize;
-use tern_engine::{Address, GuestControl, Listener, MigrationConfig, ReceiveConfig, Source};
+use tern_engine::{
+    Address, GuestControl, Listener, MigrationConfig, ReceiveConfig, Source, Verify,
+};
 use tern_page::codec::CodecChoice;
 use tern_synthetic::{SyntheticConfig, SyntheticGuest};
 
@@ -242,6 +244,7 @@ struct RunFigures {
     destination_cpu_s_per_gib: f64,
     destination_digest_ms: f64,
     source_digest_ms: f64,
+    expected_downtime_ms: f64,
 }
 
 #[derive(Debug, Serialize)]
@@ -251,6 +254,7 @@ struct CaseResult {
     channels: u16,
     compression: &'static str,
     zero_copy: bool,
+    verify: &'static str,
     runs: usize,
     median: RunFigures,
     all: Vec<RunFigures>,
@@ -261,7 +265,6 @@ struct CaseResult {
 struct BenchReport {
     machine: String,
     max_bandwidth_bytes_per_sec: Option<u64>,
-    verify: String,
     memory_bytes: u64,
     mix: String,
     dirty_rate_bytes_per_sec: u64,
@@ -303,12 +306,15 @@ fn bench_migrate(args: &BenchMigrateArgs) -> anyhow::Result<ExitCode> {
         for &channels in &args.channels {
             for &compression in &args.compression {
                 for &zero_copy in zero_copy_settings {
-                    if !(zero_copy && compression != CodecChoice::None) {
-                        settings.push(Case {
-                            channels,
-                            compression,
-                            zero_copy,
-                        });
+                    for &verify in &args.verify {
+                        if !(zero_copy && compression != CodecChoice::None) {
+                            settings.push(Case {
+                                channels,
+                                compression,
+                                zero_copy,
+                                verify,
+                            });
+                        }
                     }
                 }
             }
@@ -325,12 +331,14 @@ fn bench_migrate(args: &BenchMigrateArgs) -> anyhow::Result<ExitCode> {
                     )
                 })?;
                 eprintln!(
-                    "bench: {mode:>8} {} ch {:>7}{} run {run}: total {:.0} ms, downtime {:.0} ms, {:.2} GiB/s",
+                    "bench: {mode:>8} {} ch {:>7}{} verify {} run {run}: total {:.0} ms, downtime {:.0} ms (expected {:.0}), {:.2} GiB/s",
                     case.channels,
                     case.compression.name(),
                     if case.zero_copy { " zero-copy" } else { "" },
+                    case.verify.as_str(),
                     figures.total_ms,
                     figures.downtime_ms,
+                    figures.expected_downtime_ms,
                     figures.throughput_gib_s
                 );
                 runs[index].push(figures);
@@ -345,6 +353,7 @@ fn bench_migrate(args: &BenchMigrateArgs) -> anyhow::Result<ExitCode> {
                 channels: case.channels,
                 compression: case.compression.name(),
                 zero_copy: case.zero_copy,
+                verify: case.verify.as_str(),
                 runs: all.len(),
                 median: median_figures(&all),
                 all,
@@ -354,7 +363,6 @@ fn bench_migrate(args: &BenchMigrateArgs) -> anyhow::Result<ExitCode> {
     let report = BenchReport {
         machine: machine_name(),
         max_bandwidth_bytes_per_sec: args.max_bandwidth,
-        verify: format!("{:?}", args.verify).to_lowercase(),
         memory_bytes: args.memory,
         mix: format!("{}:{}:{}", args.mix.zero, args.mix.random, args.mix.text),
         dirty_rate_bytes_per_sec: args.dirty_rate,
@@ -374,6 +382,7 @@ struct Case {
     channels: u16,
     compression: CodecChoice,
     zero_copy: bool,
+    verify: Verify,
 }
 
 fn one_run(
@@ -397,7 +406,7 @@ fn one_run(
         compression: case.compression,
         zero_copy: case.zero_copy,
         max_bandwidth: args.max_bandwidth,
-        verify: args.verify,
+        verify: case.verify,
         ..MigrationConfig::default()
     })?;
     let result = source.migrate(guest, &address);
@@ -417,6 +426,7 @@ fn one_run(
         destination_cpu_s_per_gib: received.stats.cpu_seconds.values().sum::<f64>() / gib,
         destination_digest_ms: received.stats.digest_time as f64,
         source_digest_ms: stats.digest_time as f64,
+        expected_downtime_ms: stats.expected_downtime as f64,
     };
     // Free the destination's memory before the next run.
     drop(received);
@@ -453,6 +463,7 @@ fn median_figures(all: &[RunFigures]) -> RunFigures {
         destination_cpu_s_per_gib: pick(|f| f.destination_cpu_s_per_gib),
         destination_digest_ms: pick(|f| f.destination_digest_ms),
         source_digest_ms: pick(|f| f.source_digest_ms),
+        expected_downtime_ms: pick(|f| f.expected_downtime_ms),
     }
 }
 
@@ -482,32 +493,33 @@ pub fn machine_name() -> String {
 
 fn print_markdown(report: &BenchReport) {
     println!(
-        "Machine: {}. Guest: {} ({} zero:random:text), dirtying case {} /s over {}. Verify: {}.\n",
+        "Machine: {}. Guest: {} ({} zero:random:text), dirtying case {} /s over {}.\n",
         report.machine,
         crate::units::human_bytes(report.memory_bytes),
         report.mix,
         crate::units::human_bytes(report.dirty_rate_bytes_per_sec),
         crate::units::human_bytes(report.working_set_bytes),
-        report.verify
     );
     if let Some(cap) = report.max_bandwidth_bytes_per_sec {
         println!("Bandwidth cap: {:.0} Mbit/s.\n", cap as f64 * 8.0 / 1e6);
     }
     println!(
-        "| guest | channels | compression | zero-copy | runs | total (ms) | downtime (ms) | of which source digest (ms) | iterations | GiB/s | wire Mbit/s | transferred (GiB) | source CPU s/GiB | destination CPU s/GiB |"
+        "| guest | channels | compression | zero-copy | verify | runs | total (ms) | downtime (ms) | expected downtime (ms) | of which source digest (ms) | iterations | GiB/s | wire Mbit/s | transferred (GiB) | source CPU s/GiB | destination CPU s/GiB |"
     );
-    println!("|---|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
+    println!("|---|---:|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
     for case in &report.cases {
         let m = &case.median;
         println!(
-            "| {} | {} | {} | {} | {} | {:.0} | {:.0} | {:.0} | {:.0} | {:.2} | {:.0} | {:.2} | {:.3} | {:.3} |",
+            "| {} | {} | {} | {} | {} | {} | {:.0} | {:.0} | {:.0} | {:.0} | {:.0} | {:.2} | {:.0} | {:.2} | {:.3} | {:.3} |",
             case.guest,
             case.channels,
             case.compression,
             if case.zero_copy { "yes" } else { "no" },
+            case.verify,
             case.runs,
             m.total_ms,
             m.downtime_ms,
+            m.expected_downtime_ms,
             m.source_digest_ms,
             m.iterations,
             m.throughput_gib_s,

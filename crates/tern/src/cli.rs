@@ -156,6 +156,10 @@ pub struct ListenArgs {
     /// SIGINT or SIGTERM.
     #[arg(long)]
     pub keep_listening: bool,
+    /// How long, after saying it is ready, to wait for the source's commit,
+    /// in seconds; without it the guest is not resumed here.
+    #[arg(long, default_value_t = 10, value_parser = clap::value_parser!(u64).range(1..))]
+    pub switch_over_timeout: u64,
 }
 
 impl ListenArgs {
@@ -169,6 +173,7 @@ impl ListenArgs {
             io_timeout: Duration::from_secs(self.io_timeout),
             handshake_timeout: Duration::from_secs(self.handshake_timeout),
             max_memory: self.max_memory,
+            switch_over_timeout: Duration::from_secs(self.switch_over_timeout),
             ..tern_engine::ReceiveConfig::default()
         };
         self.security.apply(&listener, &mut config)?;
@@ -247,9 +252,10 @@ pub struct BenchMigrateArgs {
     /// Skip the running-guest case.
     #[arg(long)]
     pub paused_only: bool,
-    /// Memory verification at switch-over.
-    #[arg(long, default_value = "full", value_parser = verify_values())]
-    pub verify: Verify,
+    /// Memory verification settings to compare, comma-separated (e.g.
+    /// `full,none`; the cases are interleaved run by run).
+    #[arg(long, default_value = "full", value_delimiter = ',', value_parser = verify_values())]
+    pub verify: Vec<Verify>,
     /// Compression settings to compare, comma-separated.
     #[arg(long, default_value = "none", value_delimiter = ',', value_parser = compression_values())]
     pub compression: Vec<CodecChoice>,
@@ -406,7 +412,7 @@ pub struct TransferArgs {
     /// Compare memory digests before resuming on the destination.
     #[arg(long, default_value = "full", value_parser = verify_values())]
     pub verify: Verify,
-    /// Threads hashing memory for --verify full (0: every core).
+    /// Threads hashing stale pages again at switch-over, --verify full (0: every core).
     #[arg(long, default_value_t = 0)]
     pub digest_threads: usize,
     /// Send page data with MSG_ZEROCOPY straight from guest memory (TCP only;
@@ -443,6 +449,12 @@ pub struct TransferArgs {
     /// How long to keep trying to reach the destination, in seconds.
     #[arg(long, default_value_t = 10)]
     pub connect_timeout: u64,
+    /// How long the paused source waits for each switch-over answer of the
+    /// destination, in seconds: without its "ready" the source guest
+    /// resumes; without the acknowledgement of the commit the outcome is
+    /// unknown and the guest stays paused (exit status 3).
+    #[arg(long, default_value_t = 10, value_parser = clap::value_parser!(u64).range(1..))]
+    pub switch_over_timeout: u64,
 }
 
 impl TransferArgs {
@@ -537,6 +549,7 @@ impl TransferArgs {
             zero_copy_backend: self.zero_copy_backend,
             io_timeout: Duration::from_secs(self.io_timeout),
             connect_timeout: Duration::from_secs(self.connect_timeout),
+            switch_over_timeout: Duration::from_secs(self.switch_over_timeout),
             ..MigrationConfig::default()
         })
     }

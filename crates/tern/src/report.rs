@@ -376,12 +376,18 @@ pub fn print_summary(stats: &MigrationStats, extra: &[(&str, String)]) {
         ("status", stats.status.as_str().to_string()),
         ("total time", format!("{} ms", stats.total_time)),
         ("setup time", format!("{} ms", stats.setup_time)),
-        ("downtime", format!("{} ms", stats.downtime)),
+        ("downtime", downtime_row(stats)),
         (
             "expected downtime",
             format!("{} ms", stats.expected_downtime),
         ),
-        ("source digest", format!("{} ms", stats.digest_time)),
+        (
+            "source digest",
+            format!(
+                "{} ms ({} pages hashed again while paused)",
+                stats.digest_time, stats.digest_rehashed_pages
+            ),
+        ),
         ("memory", human_bytes(ram.total)),
         ("transferred", human_bytes(ram.transferred)),
         ("throughput", format!("{:.0} Mbit/s", ram.mbps)),
@@ -497,6 +503,43 @@ pub fn print_summary(stats: &MigrationStats, extra: &[(&str, String)]) {
     if let Some(error) = &stats.error_desc {
         println!("{:>width$}  {error}", "error");
     }
+    if let Some(warning) = downtime_warning(stats) {
+        println!("{:>width$}  {warning}", "WARNING");
+    }
+}
+
+/// The downtime, its limit, and where it went.
+fn downtime_row(stats: &MigrationStats) -> String {
+    let mut row = format!("{} ms", stats.downtime);
+    if stats.downtime_limit > 0 {
+        row += &format!(" (limit {} ms)", stats.downtime_limit);
+    }
+    if let Some(parts) = &stats.downtime_parts {
+        row += &format!(
+            ": last pages {} ms, final rehash {} ms, state {} ms, destination {} ms",
+            parts.final_pages, parts.final_rehash, parts.state, parts.destination
+        );
+    }
+    row
+}
+
+/// The warning line of a downtime that broke its limit.
+fn downtime_warning(stats: &MigrationStats) -> Option<String> {
+    let cause = stats
+        .downtime_exceeded_cause
+        .filter(|_| stats.downtime_exceeded)?;
+    Some(format!(
+        "the downtime of {} ms broke the {} ms limit (expected {} ms); most of it: {}{}",
+        stats.downtime,
+        stats.downtime_limit,
+        stats.expected_downtime,
+        cause.as_str(),
+        if stats.forced_switch_over {
+            " (the switch-over was forced by a limit)"
+        } else {
+            ""
+        }
+    ))
 }
 
 #[cfg(test)]
@@ -523,6 +566,34 @@ mod tests {
             serde_json::to_string(&event).unwrap(),
             r#"{"event":"migrating","address":"10.0.0.2:4444","transport":"tcp","port":4444}"#
         );
+    }
+
+    #[test]
+    fn a_broken_downtime_limit_prints_a_warning_with_its_cause() {
+        let stats_json = serde_json::json!({
+            "status": "completed", "total-time": 900, "setup-time": 3,
+            "downtime": 420, "downtime-limit": 300, "downtime-exceeded": true,
+            "downtime-exceeded-cause": "final-rehash",
+            "downtime-parts": {"final-pages": 20, "final-rehash": 380, "state": 1, "destination": 19},
+            "expected-downtime": 40, "digest-time": 380,
+            "ram": {"transferred": 0, "precopy-bytes": 0, "downtime-bytes": 0,
+                    "multifd-bytes": 0, "page-size": 4096, "remaining": 0, "total": 0,
+                    "duplicate": 0, "normal": 0, "normal-bytes": 0, "mbps": 0.0,
+                    "pages-per-second": 0, "dirty-sync-count": 1, "dirty-pages-rate": 0,
+                    "iterations": 1},
+            "cpu-throttle-percentage": 0, "forced-switch-over": false,
+            "digest-verified": true, "cpu-seconds": {}
+        });
+        let mut stats: MigrationStats = serde_json::from_value(stats_json).unwrap();
+        let warning = downtime_warning(&stats).expect("a warning");
+        assert!(
+            warning.contains("420 ms broke the 300 ms limit"),
+            "{warning}"
+        );
+        assert!(warning.ends_with("final-rehash"), "{warning}");
+        assert!(downtime_row(&stats).contains("final rehash 380 ms"));
+        stats.downtime_exceeded = false;
+        assert_eq!(downtime_warning(&stats), None);
     }
 
     #[test]

@@ -6,8 +6,8 @@ use std::time::Duration;
 use anyhow::Context;
 use serde::Serialize;
 use tern_engine::{
-    Address, CancelToken, Destination, GuestError, Listener, MigrationStats, ReceiveConfig,
-    Received, Source,
+    Address, CancelToken, Destination, GuestError, Listener, MigrationError, MigrationStats,
+    ReceiveConfig, Received, Source,
 };
 use tern_synthetic::SyntheticGuest;
 
@@ -39,8 +39,9 @@ pub fn dispatch(command: Command, verbose: bool) -> anyhow::Result<ExitCode> {
 }
 
 /// A migration that started and did not complete, with what became of the
-/// guest. `tern` exits with 1 for it, or with 128 + the signal that
-/// cancelled it; any other error is a usage or setup error (2).
+/// guest. `tern` exits with 1 for it, 3 when the switch-over's outcome is
+/// unknown, or 128 + the signal that cancelled it; any other error is a
+/// usage or setup error (2).
 #[derive(Debug)]
 pub struct Incomplete(pub String);
 
@@ -59,12 +60,29 @@ impl Incomplete {
 
 /// The exit status for an error: see [`Incomplete`] and docs/cli.md.
 pub fn exit_code(error: &anyhow::Error) -> u8 {
+    let outcome_unknown = error.chain().any(|cause| {
+        matches!(
+            cause.downcast_ref::<MigrationError>(),
+            Some(MigrationError::OutcomeUnknown(_))
+        )
+    });
     if error.downcast_ref::<Incomplete>().is_none() {
         2
+    } else if outcome_unknown {
+        3
     } else if let Some(signal) = interrupted_by() {
         128 + signal as u8
     } else {
         1
+    }
+}
+
+/// What became of the source guest after `error`, for the one error line.
+pub fn source_guest_after(error: &MigrationError) -> &'static str {
+    if matches!(error, MigrationError::OutcomeUnknown(_)) {
+        "the switch-over's outcome is unknown; the source guest stays paused"
+    } else {
+        "the migration did not complete; the source guest runs on"
     }
 }
 
@@ -261,10 +279,8 @@ fn demo(args: &DemoArgs, verbose: bool) -> anyhow::Result<ExitCode> {
                 tracing::debug!("destination: {error:#}");
             }
             report_failure(&failure.stats, args.json, verbose)?;
-            Err(Incomplete::error(
-                failure.error,
-                "the migration did not complete; the source guest runs on",
-            ))
+            let what = source_guest_after(&failure.error);
+            Err(Incomplete::error(failure.error, what))
         }
         (Ok(_), Err(error)) => Err(Incomplete::error(
             error,
@@ -350,10 +366,8 @@ fn migrate(args: &MigrateArgs, verbose: bool) -> anyhow::Result<ExitCode> {
         }
         Err(failure) => {
             report_failure(&failure.stats, args.json, verbose)?;
-            Err(Incomplete::error(
-                failure.error,
-                "the migration did not complete; the source guest runs on",
-            ))
+            let what = source_guest_after(&failure.error);
+            Err(Incomplete::error(failure.error, what))
         }
     }
 }

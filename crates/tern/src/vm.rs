@@ -529,10 +529,15 @@ fn migrate(args: &MigrateArgs, verbose: bool) -> anyhow::Result<ExitCode> {
     }
     match error {
         None => Ok(ExitCode::SUCCESS),
-        Some(error) => Err(crate::run::Incomplete::error(
-            error,
-            source_guest_after_failure(runs == Some(true), args.paused),
-        )),
+        Some(error) => {
+            let what = match error {
+                tern_engine::MigrationError::OutcomeUnknown(_) => {
+                    crate::run::source_guest_after(&error)
+                }
+                _ => source_guest_after_failure(runs == Some(true), args.paused),
+            };
+            Err(crate::run::Incomplete::error(error, what))
+        }
     }
 }
 

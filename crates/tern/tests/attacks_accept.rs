@@ -99,6 +99,24 @@ fn regions(count: u32, len: u64) -> Vec<RegionInfo> {
         .collect()
 }
 
+/// Reads one message from `stream`.
+fn read_message(stream: &mut TcpStream) -> Message {
+    stream
+        .set_read_timeout(Some(Duration::from_secs(60)))
+        .unwrap();
+    let mut decoder = FrameDecoder::new();
+    loop {
+        let buf = decoder.buffer();
+        let len = buf.len();
+        stream.read_exact(buf).unwrap();
+        match decoder.filled(len).unwrap() {
+            Some(tern_wire::Event::Message(message)) => return message,
+            Some(other) => panic!("expected a message, got {other:?}"),
+            None => {}
+        }
+    }
+}
+
 /// The abort a receiver answered with.
 fn abort_in(reply: &[u8]) -> tern_wire::Abort {
     let mut decoder = FrameDecoder::new();
@@ -258,4 +276,60 @@ fn abort_text_from_a_stranger_is_sanitised() {
         "raw escape codes reached the log: {stderr:?}"
     );
     assert!(!stderr.contains("\nforged"), "{stderr:?}");
+}
+
+#[test]
+fn a_flood_of_state_sections_stays_within_the_bound() {
+    let receiver = Receiver::spawn(&["receive"], &["--keep-listening"]);
+    let mut main = connect(&receiver);
+    main.write_all(&hello(regions(1, GUEST_BYTES))).unwrap();
+    let answer = read_message(&mut main);
+    assert!(matches!(answer, Message::Welcome(_)), "{answer:?}");
+    let mut page = connect(&receiver);
+    page.write_all(
+        &Message::ChannelHello(tern_wire::ChannelHello {
+            handshake: Handshake {
+                session_id: 0x00a7_7ac4,
+                channel_index: 1,
+            },
+        })
+        .to_bytes(),
+    )
+    .unwrap();
+    // The live phase starts once the page channel is welcomed too.
+    let answer = read_message(&mut page);
+    assert!(matches!(answer, Message::Welcome(_)), "{answer:?}");
+    let started = Instant::now();
+    for index in 0..80 {
+        let section = Message::StateSection(tern_wire::StateSectionMsg {
+            name: format!("flood-{index}"),
+            version: 1,
+            data: vec![7; 1 << 20],
+        });
+        // The receiver closes the channel once the bound is crossed.
+        if main.write_all(&section.to_bytes()).is_err() {
+            break;
+        }
+    }
+    let reply = read_until_closed(&mut main);
+    eprintln!("state-section flood: refused in {:?}", started.elapsed());
+    let frames = tern_wire::decode_stream(&reply, None).expect("valid replies");
+    let abort = frames.iter().find_map(|frame| match frame {
+        tern_wire::Frame::Message(Message::Abort(abort)) => Some(abort),
+        _ => None,
+    });
+    let abort = abort.unwrap_or_else(|| panic!("no abort in {frames:?}"));
+    assert!(
+        abort
+            .message
+            .contains("more state than a destination accepts"),
+        "{}",
+        abort.message
+    );
+    assert_rss_bounded(&receiver, "a flood of 1 MiB state sections");
+    drop(page);
+    real_migration(&receiver.address);
+    let mut receiver = receiver;
+    receiver.child.kill().unwrap();
+    receiver.child.wait().unwrap();
 }

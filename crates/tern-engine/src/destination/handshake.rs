@@ -135,7 +135,7 @@ impl<'a> Handshakes<'a> {
         });
     }
 
-    fn start(&mut self, channel: Channel) {
+    fn start(&mut self, mut channel: Channel) {
         if self.pending.len() >= self.limit {
             tracing::warn!(
                 "closed a new connection: {} connections are already in handshake",

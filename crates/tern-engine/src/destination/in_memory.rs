@@ -6,7 +6,9 @@
 use std::collections::HashSet;
 use std::time::Duration;
 
-use tern_wire::{Abort, FrameDecoder, Message, SessionSetup};
+use tern_wire::{
+    Abort, FRAME_HEADER_LEN, FrameDecoder, FrameHeader, FrameKind, Message, SessionSetup,
+};
 
 use super::handshake::{Greeted, check_channel_hello, peer_aborted};
 use super::live;
@@ -24,6 +26,8 @@ pub(super) struct MemoryStream {
     input: Vec<u8>,
     read: usize,
     sent: Vec<u8>,
+    /// The destination has said it is ready (see `wait_readable`).
+    ready_sent: bool,
 }
 
 impl MemoryStream {
@@ -32,7 +36,17 @@ impl MemoryStream {
             input: input.to_vec(),
             read: 0,
             sent: Vec::new(),
+            ready_sent: false,
         }
+    }
+
+    /// Whether the next frame is a commit.
+    fn commit_is_next(&self) -> bool {
+        self.input
+            .get(self.read..)
+            .and_then(|rest| rest.get(..FRAME_HEADER_LEN))
+            .and_then(|head| FrameHeader::decode(head.try_into().ok()?).ok())
+            .is_some_and(|header| header.kind == FrameKind::Commit)
     }
 
     fn take(&mut self, len: usize) -> Result<&[u8], ChannelError> {
@@ -45,8 +59,10 @@ impl MemoryStream {
 
 impl FrameSource for MemoryStream {
     fn wait_readable(&self, _: Duration) -> Result<bool, ChannelError> {
-        // The rest of the stream, or its end, is there at once.
-        Ok(true)
+        // The rest of the stream, or its end, is there at once; except a
+        // commit, which a source sends only in answer to the destination's
+        // ready, so it is not there before that.
+        Ok(self.ready_sent || !self.commit_is_next())
     }
 
     fn read_exact(&mut self, buf: &mut [u8]) -> Result<(), ChannelError> {
@@ -76,6 +92,7 @@ impl FrameSource for MemoryStream {
 
 impl FrameSink for MemoryStream {
     fn send_message(&mut self, message: &Message) -> Result<(), ChannelError> {
+        self.ready_sent |= matches!(message, Message::Ready(_));
         self.sent.extend_from_slice(&message.to_bytes());
         Ok(())
     }
@@ -184,7 +201,14 @@ impl Destination {
             &self.cancel,
         );
         let delivered = live::receive_all(&shared, main, &mut decoder, channels, &codecs)?;
-        let stats = self.switch_over(&shared, main, &mut guest, delivered, cpu_start)?;
+        let stats = self.switch_over(
+            &shared,
+            main,
+            &mut decoder,
+            &mut guest,
+            delivered,
+            cpu_start,
+        )?;
         Ok(Received {
             guest,
             stats: DestinationStats::from_wire(&stats),
@@ -268,6 +292,7 @@ mod tests {
             })
             .to_bytes(),
         );
+        main.extend(Message::Commit.to_bytes());
     }
 
     fn run(

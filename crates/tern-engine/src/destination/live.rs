@@ -3,17 +3,17 @@
 //! channel.
 
 use std::thread::{Scope, ScopedJoinHandle};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use tern_page::codec::CodecId;
-use tern_wire::{Complete, FrameDecoder, Message};
+use tern_wire::{Complete, FrameDecoder, HEARTBEAT_INTERVAL, Message, WireError};
 
 use super::POLL_INTERVAL;
 use super::handshake::peer_aborted;
 use super::order::MainChannelState;
 use super::receiver::receive_pages;
 use super::shared::ReceiverShared;
-use super::stream::{FrameSource, PageStream, read_message};
+use super::stream::{FrameSink, FrameSource, PageStream, read_message, read_message_within};
 use crate::error::{ChannelError, MigrationError};
 use crate::guest::StateSection;
 use crate::stats::thread_cpu_seconds;
@@ -30,7 +30,7 @@ pub(super) struct Delivered {
 /// `Complete`; any failure stops every thread and the first one is returned.
 pub(super) fn receive_all<P: PageStream>(
     shared: &ReceiverShared<'_>,
-    main: &mut impl FrameSource,
+    main: &mut (impl FrameSource + FrameSink),
     decoder: &mut FrameDecoder,
     channels: Vec<P>,
     codecs: &[CodecId],
@@ -46,6 +46,7 @@ pub(super) fn receive_all<P: PageStream>(
         .collect::<Result<_, _>>()?;
     std::thread::scope(|scope| {
         let handles = spawn_receivers(scope, shared, channels, codecs)?;
+        spawn_auditor(scope, shared);
         let main_result = read_main_channel(shared, main, decoder).and_then(|done| {
             watch_after_completion(shared, main, decoder, &handles).map(|()| done)
         });
@@ -69,6 +70,9 @@ pub(super) fn receive_all<P: PageStream>(
         }
         let mut final_iterations = Vec::new();
         let mut receivers_failed = false;
+        if let Some(hashes) = &shared.page_hashes {
+            hashes.stop_audit();
+        }
         for handle in handles {
             match handle.join() {
                 Ok(Ok(iteration)) => final_iterations.push(iteration),
@@ -90,6 +94,39 @@ pub(super) fn receive_all<P: PageStream>(
                 .unwrap_or_else(|| MigrationError::Internal("the migration stopped".into()))),
         }
     })
+}
+
+/// How fast the destination's audit reads the memory received so far;
+/// as the source's (see there).
+const DESTINATION_AUDIT_BYTES_PER_SECOND: u64 = 512 << 20;
+
+/// Starts the thread that audits received memory while pages arrive: a
+/// page changed since its hash was recorded (by something other than a
+/// receiver, which records again) is hashed again at switch-over, so the
+/// digest describes memory as it is, not as it was received.
+fn spawn_auditor<'scope>(scope: &'scope Scope<'scope, '_>, shared: &'scope ReceiverShared<'_>) {
+    let Some(hashes) = &shared.page_hashes else {
+        return;
+    };
+    let spawned = std::thread::Builder::new()
+        .name("tern-audit".into())
+        .spawn_scoped(scope, move || {
+            let populated = &shared.populated;
+            // SAFETY: guest memory stays mapped for the whole migration,
+            // beyond this scope, which ends after `stop_audit`.
+            unsafe {
+                hashes.audit(
+                    DESTINATION_AUDIT_BYTES_PER_SECOND,
+                    &|region, page| !populated[region].get(page),
+                    &|| shared.stats.record_audit_pass(),
+                )
+            };
+        });
+    if let Err(error) = spawned {
+        // The audit adds to the digest's reach; the migration is sound
+        // without it.
+        tracing::warn!(%error, "cannot start the audit of received memory");
+    }
 }
 
 type ReceiverHandle<'scope> = ScopedJoinHandle<'scope, Result<u32, ()>>;
@@ -121,18 +158,48 @@ fn spawn_receivers<'scope, P: PageStream + 'scope>(
     Ok(handles)
 }
 
+/// At most this many state sections per session: a VMM has one per device
+/// and vCPU, a few dozen; the bound keeps a source from growing the
+/// receiver without limit after the handshake.
+pub(super) const MAX_STATE_SECTIONS: usize = 1024;
+/// At most this many bytes of state-section frames in all (each is also
+/// bounded by `tern_wire::MAX_SECTION_BYTES`), the one being read included,
+/// so the receiver holds no more than this of state at any time.
+pub(super) const MAX_STATE_BYTES: usize = 64 << 20;
+
+/// A frame any main-channel message but a state section fits in (an abort
+/// with its longest text, a completion).
+const SMALL_FRAME: usize = 8 << 10;
+
+fn too_much_state() -> MigrationError {
+    MigrationError::Protocol(format!(
+        "more state than a destination accepts ({MAX_STATE_SECTIONS} sections, {} MiB in all)",
+        MAX_STATE_BYTES >> 20
+    ))
+}
+
 /// Reads state sections until `Complete` arrives on the main channel,
 /// refusing anything out of order.
 fn read_main_channel(
     shared: &ReceiverShared<'_>,
-    main: &mut impl FrameSource,
+    main: &mut (impl FrameSource + FrameSink),
     decoder: &mut FrameDecoder,
 ) -> Result<(Vec<StateSection>, Complete), MigrationError> {
     let mut sections: Vec<StateSection> = Vec::new();
+    let mut state_bytes = 0usize;
     let mut state = MainChannelState::Live;
+    let mut heartbeat = Heartbeat::new();
     loop {
-        wait_for_main(shared, main, decoder)?;
-        let message = read_message(main, decoder).map_err(MigrationError::channel(0))?;
+        wait_for_main(shared, main, decoder, &mut heartbeat)?;
+        // Only state sections are large: the rest of the budget bounds the
+        // next frame, so a section past the total is refused at its header.
+        let budget = MAX_STATE_BYTES.saturating_sub(state_bytes).max(SMALL_FRAME);
+        let message = read_message_within(main, decoder, budget).map_err(|error| match error {
+            ChannelError::Protocol(WireError::FieldTooLong { field: "frame", .. }) => {
+                too_much_state()
+            }
+            other => MigrationError::channel(0)(other),
+        })?;
         state = state
             .next(message.kind())
             .map_err(MigrationError::Protocol)?;
@@ -143,6 +210,10 @@ fn read_main_channel(
                         "state section '{}' sent twice",
                         section.name
                     )));
+                }
+                state_bytes = state_bytes.saturating_add(decoder.frame_len());
+                if sections.len() >= MAX_STATE_SECTIONS || state_bytes > MAX_STATE_BYTES {
+                    return Err(too_much_state());
                 }
                 sections.push(StateSection {
                     name: section.name,
@@ -207,14 +278,54 @@ fn watch_after_completion<T>(
     Ok(())
 }
 
-/// Waits for the main channel, which is silent during the whole live
-/// phase, looking at the failure flag meanwhile.
+/// When the next heartbeat is due. Heartbeats are due on a fixed schedule
+/// (one per [`HEARTBEAT_INTERVAL`] since the live phase began), not an
+/// interval after the previous one, so a late one is followed by the ones
+/// missed and the source can count them against its own clock.
+struct Heartbeat {
+    next: Instant,
+}
+
+impl Heartbeat {
+    fn new() -> Self {
+        Self {
+            next: Instant::now() + HEARTBEAT_INTERVAL,
+        }
+    }
+
+    /// Sends the heartbeats that are due.
+    fn beat(&mut self, main: &mut impl FrameSink) -> Result<(), MigrationError> {
+        while Instant::now() >= self.next {
+            main.send_message(&Message::Heartbeat)
+                .map_err(MigrationError::channel(0))?;
+            self.next += HEARTBEAT_INTERVAL;
+        }
+        Ok(())
+    }
+}
+
+/// Waits for the main channel, which carries nothing from the source during
+/// the live phase, looking at the failure flag and sending heartbeats
+/// meanwhile.
 fn wait_for_main(
     shared: &ReceiverShared<'_>,
-    main: &mut impl FrameSource,
+    main: &mut (impl FrameSource + FrameSink),
     decoder: &mut FrameDecoder,
+    heartbeat: &mut Heartbeat,
 ) -> Result<(), MigrationError> {
+    // Until the page channels end, their receivers time out on a silent
+    // source; after, only this wait can.
+    let mut pages_ended_at: Option<Instant> = None;
     loop {
+        heartbeat.beat(main)?;
+        if shared.pages_ended()
+            && pages_ended_at.get_or_insert_with(Instant::now).elapsed() > shared.io_timeout()
+        {
+            return Err(MigrationError::Channel {
+                index: 0,
+                source: ChannelError::Timeout("the source's state after its last pages"),
+            });
+        }
         if shared.failed() {
             if shared.cancel.is_cancelled() {
                 return Err(MigrationError::Cancelled);

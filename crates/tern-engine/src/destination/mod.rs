@@ -85,6 +85,8 @@ pub struct ReceiveStats {
     pub iteration: AtomicU64,
     /// Guest memory size, once known.
     pub total: AtomicU64,
+    /// Complete passes the audit of received memory made.
+    audit_passes: AtomicU64,
     /// CPU nanoseconds of the main thread.
     main_cpu: AtomicU64,
     /// CPU nanoseconds of each receiver thread, by receiver.
@@ -127,6 +129,17 @@ impl ReceiveStats {
     /// Guest memory size in pages.
     pub fn total_pages(&self) -> u64 {
         self.total_bytes() / PAGE_SIZE as u64
+    }
+
+    /// Complete passes the audit made over the memory received so far (a
+    /// page changed after it landed is found by the first pass that starts
+    /// after the change).
+    pub fn audit_passes(&self) -> u64 {
+        self.audit_passes.load(Ordering::Relaxed)
+    }
+
+    fn record_audit_pass(&self) {
+        self.audit_passes.fetch_add(1, Ordering::Relaxed);
     }
 
     fn record_main_cpu(&self, seconds: f64) {
@@ -228,7 +241,7 @@ impl Destination {
             message: hello,
         } = self
             .accept_main(&mut handshakes)
-            .and_then(|arrived| {
+            .and_then(|mut arrived| {
                 arrived
                     .channel
                     .set_timeouts(self.config.io_timeout)
@@ -290,7 +303,7 @@ impl Destination {
             &self.cancel,
         );
         let delivered = live::receive_all(&shared, main, decoder, channels, &codecs)?;
-        let stats = self.switch_over(&shared, main, &mut guest, delivered, cpu_start)?;
+        let stats = self.switch_over(&shared, main, decoder, &mut guest, delivered, cpu_start)?;
         Ok(Received {
             guest,
             stats: DestinationStats::from_wire(&stats),

@@ -25,6 +25,10 @@ pub(super) enum MainChannelState {
     Sections,
     /// The source said everything was sent; it waits for the verdict.
     Completed,
+    /// The destination said it is ready; it waits for the source's commit.
+    Ready,
+    /// The source committed: the guest is the destination's to resume.
+    Committed,
     /// The source gave up; nothing more is read.
     Aborted,
 }
@@ -43,6 +47,9 @@ impl MainChannelState {
             (S::Completed, _) => Err(format!(
                 "{kind:?} on the main channel after the source's completion"
             )),
+            (S::Ready, K::Commit) => Ok(S::Committed),
+            (S::Ready, _) => Err(format!("{kind:?} on the main channel instead of a commit")),
+            (S::Committed, _) => Err(format!("{kind:?} on the main channel after the commit")),
         }
     }
 }
@@ -120,7 +127,7 @@ impl PageChannelState {
 mod tests {
     use super::*;
 
-    const ALL_KINDS: [FrameKind; 9] = [
+    const ALL_KINDS: [FrameKind; 12] = [
         FrameKind::Hello,
         FrameKind::ChannelHello,
         FrameKind::Welcome,
@@ -130,6 +137,9 @@ mod tests {
         FrameKind::Complete,
         FrameKind::Outcome,
         FrameKind::Abort,
+        FrameKind::Ready,
+        FrameKind::Commit,
+        FrameKind::Heartbeat,
     ];
 
     #[test]
@@ -145,8 +155,18 @@ mod tests {
             (S::Sections, K::Complete, S::Completed),
             (S::Sections, K::Abort, S::Aborted),
             (S::Completed, K::Abort, S::Aborted),
+            (S::Ready, K::Commit, S::Committed),
+            (S::Ready, K::Abort, S::Aborted),
+            (S::Committed, K::Abort, S::Aborted),
         ];
-        let states = [S::Live, S::Sections, S::Completed, S::Aborted];
+        let states = [
+            S::Live,
+            S::Sections,
+            S::Completed,
+            S::Ready,
+            S::Committed,
+            S::Aborted,
+        ];
         for state in states {
             for kind in ALL_KINDS {
                 let expected = allowed

@@ -232,11 +232,7 @@ impl<'s, 'a> PageReceiver<'s, 'a> {
     /// each page's hash and whether it holds data.
     fn apply_entries(&mut self, packet: &PagePacket) -> Result<PageCounts, MigrationError> {
         let populated = &self.shared.populated[packet.region_index];
-        let hashes = self
-            .shared
-            .page_hashes
-            .as_ref()
-            .map(|all| &all[packet.region_index]);
+        let hashes = self.shared.page_hashes.as_ref();
         let mut decompressor = self.decompressors[usize::from(packet.header.codec)].as_mut();
         let mut compressed = &self.placement.compressed[..];
         let mut counts = PageCounts::default();
@@ -246,7 +242,7 @@ impl<'s, 'a> PageReceiver<'s, 'a> {
             if entry.kind == PageKind::Zero {
                 counts.zero += 1;
                 if let Some(hashes) = hashes {
-                    hashes[page as usize].store(zero_page_hash(), Ordering::Relaxed);
+                    hashes.record(packet.region_index, page, zero_page_hash());
                 }
                 if populated.get(page) {
                     // SAFETY: a whole page inside the region (from
@@ -280,7 +276,7 @@ impl<'s, 'a> PageReceiver<'s, 'a> {
                 // SAFETY: a whole page inside the region, written by this
                 // receiver just now and claimed by it for this iteration.
                 let hash = unsafe { page_hash(ptr) };
-                hashes[page as usize].store(hash, Ordering::Relaxed);
+                hashes.record(packet.region_index, page, hash);
             }
         }
         Ok(counts)

@@ -10,7 +10,7 @@ use tern_wire::{DigestAlgorithm, SessionSetup};
 
 use super::stream::FrameSource;
 use super::{POLL_INTERVAL, ReceiveStats};
-use crate::digest::zero_page_hash;
+use crate::digest::PageHashes;
 use crate::error::{ChannelError, MigrationError};
 use crate::guest::MemoryRegion;
 use crate::source::CancelToken;
@@ -23,10 +23,11 @@ pub(super) struct ReceiverShared<'a> {
     /// these (other pages are still fresh zero memory, and touching them
     /// would cost a page fault for nothing).
     pub(super) populated: Vec<AtomicBitmap>,
-    /// The hash of each page as written, read back from guest memory right
-    /// after each write, so that the digest at the end costs no second pass
-    /// over memory. `None` when the session does not verify.
-    pub(super) page_hashes: Option<Vec<Vec<AtomicU64>>>,
+    /// The incremental digest: the hash of each page read back from guest
+    /// memory right after each write, and audited against memory while
+    /// pages arrive, so that the digest at the end costs no second pass over
+    /// memory. `None` when the session does not verify.
+    pub(super) page_hashes: Option<PageHashes>,
     /// The pages written in the current iteration, on any channel. A
     /// receiver claims every page of a packet here before any byte of the
     /// packet reaches guest memory, and the claims are released only at the
@@ -39,6 +40,9 @@ pub(super) struct ReceiverShared<'a> {
     /// The iteration the source's `Complete` names as final, once the main
     /// channel has it; [`NO_FINAL_ITERATION`] before.
     final_iteration: AtomicU64,
+    /// Every page channel has passed its last sync: only the main channel
+    /// has more to say.
+    pages_ended: AtomicBool,
     failed: AtomicBool,
     /// The first failure; later ones are its consequences. Taken once per
     /// failure, never on the per-page path.
@@ -66,22 +70,15 @@ impl<'a> ReceiverShared<'a> {
                 .iter()
                 .map(|region| AtomicBitmap::new(region.pages()))
                 .collect(),
-            page_hashes: (setup.digest != DigestAlgorithm::None).then(|| {
-                regions
-                    .iter()
-                    .map(|region| {
-                        (0..region.pages())
-                            .map(|_| AtomicU64::new(zero_page_hash()))
-                            .collect()
-                    })
-                    .collect()
-            }),
+            page_hashes: (setup.digest != DigestAlgorithm::None)
+                .then(|| PageHashes::new(regions, false)),
             claims: regions
                 .iter()
                 .map(|region| AtomicBitmap::new(region.pages()))
                 .collect(),
             barrier: SyncBarrier::new(receivers),
             final_iteration: AtomicU64::new(NO_FINAL_ITERATION),
+            pages_ended: AtomicBool::new(false),
             failed: AtomicBool::new(false),
             first_failure: Mutex::new(None),
             stats,
@@ -112,7 +109,21 @@ impl<'a> ReceiverShared<'a> {
                 BarrierError::Disagreement => MigrationError::Protocol(format!(
                     "the page channels disagree on whether iteration {iteration} is the last"
                 )),
-            })
+            })?;
+        if last {
+            self.pages_ended.store(true, Ordering::Release);
+        }
+        Ok(())
+    }
+
+    /// Whether every page channel has passed its last sync.
+    pub(super) fn pages_ended(&self) -> bool {
+        self.pages_ended.load(Ordering::Acquire)
+    }
+
+    /// The longest silence tolerated from the source on any channel.
+    pub(super) fn io_timeout(&self) -> Duration {
+        self.io_timeout
     }
 
     /// Records the final iteration the source's `Complete` names, so that

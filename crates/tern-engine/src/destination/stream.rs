@@ -103,6 +103,40 @@ pub(crate) fn read_event(
     }
 }
 
+/// Reads one control message whose frame, header included, is at most
+/// `max_frame` bytes: a longer one is refused at its header, before its body
+/// is read or buffered.
+pub(crate) fn read_message_within(
+    source: &mut impl FrameSource,
+    decoder: &mut FrameDecoder,
+    max_frame: usize,
+) -> Result<Message, ChannelError> {
+    loop {
+        let buf = decoder.buffer();
+        let len = buf.len();
+        source.read_exact(buf)?;
+        match decoder.filled(len)? {
+            Some(Event::Message(message)) => return Ok(message),
+            Some(Event::Pages(_)) => {
+                return Err(ChannelError::Protocol(WireError::Unexpected {
+                    got: FrameKind::Pages,
+                    expected: "a control message",
+                }));
+            }
+            // The header is read whole, so the frame's length is known
+            // from the first call on.
+            None if decoder.frame_len() > max_frame => {
+                return Err(ChannelError::Protocol(WireError::FieldTooLong {
+                    field: "frame",
+                    len: decoder.frame_len(),
+                    max: max_frame,
+                }));
+            }
+            None => {}
+        }
+    }
+}
+
 /// Reads one control message.
 pub(crate) fn read_message(
     source: &mut impl FrameSource,

@@ -1,29 +1,30 @@
 //! Switch-over: everything has arrived; check it, compare digests, restore
-//! the guest's state, resume it and tell the source.
+//! the guest's state, say "ready", and resume the guest only once the
+//! source has committed (docs/protocol.md, "Switch-over").
 
-use std::sync::atomic::Ordering;
 use std::time::Instant;
 
-use xxhash_rust::xxh3::Xxh3;
+use tern_wire::{DigestAlgorithm, FrameDecoder, Message, Outcome, OutcomeStats, Ready};
 
-use tern_wire::{DigestAlgorithm, Message, Outcome, OutcomeStats};
-
+use super::handshake::peer_aborted;
 use super::live::Delivered;
+use super::order::MainChannelState;
 use super::shared::ReceiverShared;
-use super::stream::FrameSink;
-use super::{Destination, ReceivePhase};
-use crate::digest::add_region;
-use crate::error::MigrationError;
+use super::stream::{FrameSink, FrameSource, read_message};
+use super::{Destination, POLL_INTERVAL, ReceivePhase};
+use crate::error::{ChannelError, MigrationError};
 use crate::guest::{DestinationGuest, StateSection};
 use crate::stats::thread_cpu_seconds;
 
 impl Destination {
-    /// Verifies what was delivered, then restores and resumes `guest`.
-    /// Returns the statistics sent to the source with the verdict.
+    /// Verifies what was delivered, restores `guest`'s state, and resumes it
+    /// once the source commits. Returns the statistics sent to the source
+    /// with the verdict.
     pub(super) fn switch_over<G: DestinationGuest>(
         &self,
         shared: &ReceiverShared<'_>,
-        main: &mut impl FrameSink,
+        main: &mut (impl FrameSink + FrameSource),
+        decoder: &mut FrameDecoder,
         guest: &mut G,
         delivered: Delivered,
         cpu_start: f64,
@@ -47,7 +48,14 @@ impl Destination {
             refuse(main, digest, error.to_string());
             return Err(error);
         }
-        if let Err(error) = restore_and_resume(guest, &sections) {
+        if let Err(error) = restore(guest, &sections) {
+            refuse(main, digest, error.chain());
+            return Err(error);
+        }
+        main.send_message(&Message::Ready(Ready { digest }))
+            .map_err(MigrationError::channel(0))?;
+        self.await_commit(main, decoder)?;
+        if let Err(error) = guest.resume().map_err(MigrationError::guest("resume")) {
             refuse(main, digest, error.chain());
             return Err(error);
         }
@@ -59,9 +67,51 @@ impl Destination {
             detail: String::new(),
             stats: stats.clone(),
         }))
-        .map_err(MigrationError::channel(0))?;
+        .inspect_err(|error| {
+            // The guest runs here now whatever happens to this message; the
+            // source, committed, keeps its copy paused and reports the
+            // outcome as unknown.
+            tracing::warn!(%error, "the guest was resumed, but the source could not be told");
+        })
+        .ok();
         self.stats.set_phase(ReceivePhase::Resumed);
         Ok(stats)
+    }
+
+    /// Waits, at most the switch-over timeout, for the source's commit. Any
+    /// other answer, or none, means the guest must not run here.
+    fn await_commit(
+        &self,
+        main: &mut impl FrameSource,
+        decoder: &mut FrameDecoder,
+    ) -> Result<(), MigrationError> {
+        let deadline = Instant::now() + self.config.switch_over_timeout;
+        loop {
+            if self.cancel.is_cancelled() {
+                return Err(MigrationError::Cancelled);
+            }
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                return Err(MigrationError::Channel {
+                    index: 0,
+                    source: ChannelError::Timeout("the source's commit"),
+                });
+            }
+            if main
+                .wait_readable(left.min(POLL_INTERVAL))
+                .map_err(MigrationError::channel(0))?
+            {
+                break;
+            }
+        }
+        let message = read_message(main, decoder).map_err(MigrationError::channel(0))?;
+        MainChannelState::Ready
+            .next(message.kind())
+            .map_err(MigrationError::Protocol)?;
+        match message {
+            Message::Abort(abort) => Err(peer_aborted(abort)),
+            _ => Ok(()),
+        }
     }
 }
 
@@ -90,24 +140,21 @@ fn check_complete(
     Ok(())
 }
 
-/// The digest of the memory as written, from the page hashes the receivers
-/// recorded; 0 when the session does not verify.
+/// The digest of the memory as it is now: the page hashes the receivers
+/// recorded, with the pages the audit found changed since hashed again;
+/// 0 when the session does not verify.
 fn memory_digest(shared: &ReceiverShared<'_>) -> u128 {
-    let Some(page_hashes) = &shared.page_hashes else {
+    let Some(hashes) = &shared.page_hashes else {
         return 0;
     };
-    let mut hasher = Xxh3::new();
-    for (region, hashes) in shared.regions.iter().zip(page_hashes) {
-        add_region(
-            &mut hasher,
-            region.id(),
-            hashes.iter().map(|hash| hash.load(Ordering::Relaxed)),
-        );
-    }
-    hasher.digest128()
+    // SAFETY: every receiver has ended, so nothing writes guest memory or
+    // records hashes any more.
+    let finished = unsafe { hashes.finish(crate::digest::digest_threads()) };
+    finished.digest.value
 }
 
-fn restore_and_resume<G: DestinationGuest>(
+/// Everything short of running the guest.
+fn restore<G: DestinationGuest>(
     guest: &mut G,
     sections: &[StateSection],
 ) -> Result<(), MigrationError> {
@@ -118,8 +165,7 @@ fn restore_and_resume<G: DestinationGuest>(
     // life on the destination.
     guest
         .set_throttle(0)
-        .map_err(MigrationError::guest("throttle"))?;
-    guest.resume().map_err(MigrationError::guest("resume"))
+        .map_err(MigrationError::guest("throttle"))
 }
 
 /// Tells the source the guest will not run here. Best effort: the error

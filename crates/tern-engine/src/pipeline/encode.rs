@@ -16,6 +16,7 @@ pub(super) fn encode(shared: &Shared, batch: &mut Batch, scratch: &mut Scratch) 
     if !batch.prechecked {
         classify(shared, batch, scratch);
     }
+    hash_pages(shared, batch);
     compress(shared, batch, scratch);
     batch.entries.clear();
     batch.zero_pages = 0;
@@ -56,6 +57,26 @@ pub(super) fn encode(shared: &Shared, batch: &mut Batch, scratch: &mut Scratch) 
         &batch.entries,
     );
     batch.wire_bytes = batch.prefix.len() as u64 + payload;
+}
+
+/// Records the hash of each of the batch's pages in the incremental
+/// digest, as classified: read after the dirty-log sync that put the page
+/// in this batch, so any later write shows up in a later sync and the page
+/// is hashed again then (docs/verification.md).
+fn hash_pages(shared: &Shared, batch: &Batch) {
+    let Some(hashes) = &shared.page_hashes else {
+        return;
+    };
+    for (&page, &kind) in batch.pages.iter().zip(&batch.kinds) {
+        if kind == PageKind::Zero {
+            hashes.record(batch.region, u64::from(page), zero_page_hash());
+        } else {
+            // SAFETY: the region's mapping outlives the migration; a guest
+            // write during the read only makes the hash stale, and such a
+            // write is in the next sync's bitmap, which hashes it again.
+            unsafe { hashes.hash_and_record(batch.region, u64::from(page)) };
+        }
+    }
 }
 
 /// Compresses the batch's data pages with the batch's codec, each page on

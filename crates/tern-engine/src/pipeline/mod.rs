@@ -26,6 +26,7 @@ use tern_wire::{MAX_PAGES_PER_PACKET, Message, PageEntry, PageKind, Sync, encode
 
 use crate::bitmap::DirtyBitmap;
 use crate::config::ZeroPageDetection;
+use crate::digest::{PageHashes, zero_page_hash};
 use crate::error::ChannelError;
 use crate::error::MigrationError;
 use crate::guest::{MemoryRegion, PAGE_SIZE};
@@ -86,6 +87,8 @@ struct Shared {
     /// The first error of any pipeline thread; not on the per-page path.
     failure: Mutex<Option<MigrationError>>,
     limiter: Option<RateLimiter>,
+    /// The incremental digest the workers keep, with verification.
+    page_hashes: Option<Arc<PageHashes>>,
 }
 
 impl Shared {
@@ -119,6 +122,7 @@ impl Shared {
                 origin: Instant::now(),
                 next_free_ns: AtomicU64::new(0),
             }),
+            page_hashes: setup.page_hashes,
         }
     }
 
@@ -195,6 +199,7 @@ pub(crate) struct PipelineSetup {
     pub max_bandwidth: Option<u64>,
     pub stats: Arc<LiveStats>,
     pub cancel: Arc<AtomicBool>,
+    pub page_hashes: Option<Arc<PageHashes>>,
 }
 
 impl<'scope> Pipeline<'scope> {
@@ -279,6 +284,11 @@ impl<'scope> Pipeline<'scope> {
             self.handles.push(handle);
         }
         Ok(())
+    }
+
+    /// The incremental digest the workers keep (with verification).
+    pub fn page_hashes(&self) -> Option<&PageHashes> {
+        self.shared.page_hashes.as_deref()
     }
 
     /// Sends every page set in `bitmaps` (one per region) as part of

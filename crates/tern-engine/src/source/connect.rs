@@ -66,7 +66,7 @@ fn open_channel(
     index: u16,
 ) -> Result<Channel, MigrationError> {
     let failed = || MigrationError::channel(usize::from(index));
-    let channel = connector
+    let mut channel = connector
         .connect(index, config.connect_timeout)
         .map_err(failed())?;
     channel.set_timeouts(config.io_timeout).map_err(failed())?;

@@ -24,14 +24,20 @@ pub(crate) struct SyncFacts {
     pub live_elapsed: Duration,
     /// Whether cancellation was asked for.
     pub cancelled: bool,
+    /// Time finishing the digest would take once paused (hashing the
+    /// pages marked stale again and combining all page hashes).
+    pub final_rehash: Duration,
+    /// Bytes of device state the guest expects to send once paused.
+    pub state_bytes: u64,
 }
 
 impl SyncFacts {
-    /// Downtime the remaining dirty pages would cost at the measured
-    /// bandwidth.
+    /// Downtime a switch-over now would cost: the remaining dirty pages and
+    /// the device state at the measured bandwidth, and finishing the
+    /// digest.
     pub fn expected_downtime(&self) -> Duration {
-        let remaining = self.dirty_pages as f64 * PAGE_SIZE as f64;
-        Duration::from_secs_f64(remaining / self.bandwidth.max(1.0))
+        let remaining = self.dirty_pages as f64 * PAGE_SIZE as f64 + self.state_bytes as f64;
+        Duration::from_secs_f64(remaining / self.bandwidth.max(1.0)) + self.final_rehash
     }
 }
 
@@ -177,7 +183,31 @@ mod tests {
             bandwidth: mib_s * MIB,
             live_elapsed: Duration::from_secs(u64::from(iteration)),
             cancelled: false,
+            final_rehash: Duration::ZERO,
+            state_bytes: 0,
         }
+    }
+
+    #[test]
+    fn the_final_rehash_and_the_state_count_against_the_limit() {
+        // 7680 pages fit in 300 ms at 100 MiB/s on their own...
+        let fits = facts(1, 7680, 100_000, 100.0);
+        let mut rules = Convergence::new(&config());
+        assert_eq!(rules.decide(&fits), Decision::SwitchOver { forced: false });
+        // ...not with 10 ms of hashing to finish the digest,
+        let rehash = SyncFacts {
+            final_rehash: Duration::from_millis(10),
+            ..fits
+        };
+        assert_eq!(rehash.expected_downtime(), Duration::from_millis(310));
+        assert_eq!(rules.decide(&rehash), Decision::Iterate { throttle: None });
+        // ...nor with 1 MiB of device state (10 ms at 100 MiB/s).
+        let state = SyncFacts {
+            state_bytes: 1 << 20,
+            ..fits
+        };
+        assert_eq!(state.expected_downtime(), Duration::from_millis(310));
+        assert_eq!(rules.decide(&state), Decision::Iterate { throttle: None });
     }
 
     #[test]

@@ -2,10 +2,10 @@
 //! convergence rules say to switch over or stop.
 
 use std::sync::atomic::Ordering;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use super::convergence::{Convergence, Decision, SyncFacts};
-use super::peer::check_peer;
+use super::peer::PeerWatch;
 use super::{GuestChanges, Source};
 use crate::bitmap::DirtyBitmap;
 use crate::error::MigrationError;
@@ -43,6 +43,7 @@ impl Source {
         let mut iteration: u32 = 0;
         let mut bandwidth: f64 = 0.0; // guest bytes per second
         let mut previous_sync = dirty_log_started;
+        let mut peer = PeerWatch::new(self.config.io_timeout);
         loop {
             let started = Instant::now();
             let totals = pipe.send_iteration(&bitmaps, iteration, false)?;
@@ -51,7 +52,7 @@ impl Source {
             if totals.pages >= 256 || bandwidth == 0.0 {
                 bandwidth = totals.pages as f64 * PAGE_SIZE as f64 / elapsed;
             }
-            check_peer(main)?;
+            peer.check(main)?;
             bitmaps.iter_mut().for_each(DirtyBitmap::clear);
             guest
                 .sync_dirty_log(&mut bitmaps)
@@ -67,6 +68,10 @@ impl Source {
                 bandwidth,
                 live_elapsed: live_start.elapsed(),
                 cancelled: self.cancel.is_cancelled(),
+                final_rehash: pipe.page_hashes().map_or(Duration::ZERO, |hashes| {
+                    hashes.finish_estimate(self.config.digest_thread_count())
+                }),
+                state_bytes: guest.state_size_hint(),
             };
             self.record_sync(&facts, since_previous_sync.as_secs_f64().max(1e-6));
             match rules.decide(&facts) {

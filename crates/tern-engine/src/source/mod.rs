@@ -10,7 +10,8 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Instant;
 
-use crate::config::{MigrationConfig, ZeroPageDetection};
+use crate::config::{MigrationConfig, Verify, ZeroPageDetection};
+use crate::digest::PageHashes;
 use crate::error::MigrationError;
 use crate::guest::{MemoryRegion, SourceGuest};
 use crate::pipeline::{CompressionSetup, Pipeline, PipelineSetup};
@@ -18,6 +19,12 @@ use crate::stats::thread_cpu_seconds;
 use crate::stats::{DestinationStats, LiveStats, MigrationStats, MigrationStatus, SessionSecurity};
 use crate::transport::{Address, Channel, Connect, Connector};
 use peer::{peer_reason, send_abort};
+
+/// How fast at most the source's dirty-log audit reads memory during the
+/// live phase: a few percent of one core's hashing speed on the reference
+/// machine (and the thread runs at the lowest priority), so that it costs
+/// the migration little CPU and memory bandwidth.
+const SOURCE_AUDIT_BYTES_PER_SECOND: u64 = 512 << 20;
 
 /// Cancels a running migration from another thread (a signal handler's
 /// helper, a UI, a test).
@@ -47,14 +54,17 @@ impl CancelToken {
 }
 
 /// A migration that did not complete, with the statistics up to the
-/// failure. The source guest has been resumed.
+/// failure. The source guest has been resumed, except after
+/// [`MigrationError::OutcomeUnknown`] (status `outcome-unknown`), when it
+/// stays paused.
 #[derive(Debug, thiserror::Error)]
 #[error("{error}")]
 pub struct MigrationFailure {
     /// The cause.
     #[source]
     pub error: MigrationError,
-    /// Statistics up to the failure (status `failed` or `cancelled`).
+    /// Statistics up to the failure (status `failed`, `cancelled` or
+    /// `outcome-unknown`).
     pub stats: Box<MigrationStats>,
 }
 
@@ -76,6 +86,9 @@ struct GuestChanges {
     throttled: bool,
     /// The destination has been told why the migration stops.
     abort_sent: bool,
+    /// The source committed the switch-over: the guest may run on the
+    /// destination, so it is never resumed here.
+    committed: bool,
 }
 
 impl Source {
@@ -160,6 +173,7 @@ impl Source {
         connector: &dyn Connect,
     ) -> Result<MigrationStats, MigrationFailure> {
         self.stats.start_clock();
+        self.stats.set_downtime_limit(self.config.downtime_limit);
         let cpu_start = thread_cpu_seconds();
         let mut changes = GuestChanges::default();
         let mut main: Option<Channel> = None;
@@ -174,20 +188,37 @@ impl Source {
                 self.stats.set_status(MigrationStatus::Completed);
                 let mut stats = self.stats.snapshot();
                 stats.destination = destination;
+                if let Some(cause) = stats.downtime_exceeded_cause {
+                    tracing::warn!(
+                        downtime_ms = stats.downtime,
+                        limit_ms = stats.downtime_limit,
+                        expected_ms = stats.expected_downtime,
+                        cause = cause.as_str(),
+                        "the downtime broke its limit"
+                    );
+                }
                 Ok(stats)
             }
             Err(error) => {
                 if let Some(channel) = main.as_mut() {
-                    if !changes.abort_sent {
+                    if !changes.abort_sent && !changes.committed {
                         send_abort(channel, &error);
                     }
                     channel.shutdown();
                 }
-                restore_guest(guest, &changes);
-                let status = if matches!(error, MigrationError::Cancelled) {
-                    MigrationStatus::Cancelled
+                let status = if changes.committed {
+                    tracing::error!(
+                        error = %error.chain(),
+                        "the switch-over's outcome is unknown: the guest stays paused"
+                    );
+                    MigrationStatus::OutcomeUnknown
                 } else {
-                    MigrationStatus::Failed
+                    restore_guest(guest, &changes);
+                    if matches!(error, MigrationError::Cancelled) {
+                        MigrationStatus::Cancelled
+                    } else {
+                        MigrationStatus::Failed
+                    }
                 };
                 self.stats.set_status(status);
                 let mut stats = self.stats.snapshot();
@@ -245,9 +276,17 @@ impl Source {
             .map_err(MigrationError::guest("start dirty log"))?;
         changes.dirty_log = true;
         let dirty_log_started = Instant::now();
+        let page_hashes =
+            (config.verify == Verify::Full).then(|| Arc::new(PageHashes::new(&regions, true)));
         std::thread::scope(|scope| {
-            let mut pipeline =
-                Pipeline::start(scope, self.pipeline_setup(&regions), page_channels)?;
+            let mut pipeline = Pipeline::start(
+                scope,
+                self.pipeline_setup(&regions, page_hashes.clone()),
+                page_channels,
+            )?;
+            if let Some(hashes) = &page_hashes {
+                self.spawn_auditor(scope, hashes.clone());
+            }
             let result = self
                 .live_phase(
                     guest,
@@ -257,9 +296,7 @@ impl Source {
                     &mut pipeline,
                     dirty_log_started,
                 )
-                .and_then(|live| {
-                    self.switch_over(guest, main, &regions, changes, &mut pipeline, live)
-                })
+                .and_then(|live| self.switch_over(guest, main, changes, &mut pipeline, live))
                 .map_err(|error| {
                     // A closed page channel is usually the symptom; the
                     // destination's abort message, when it sent one, is the
@@ -272,16 +309,53 @@ impl Source {
                     };
                     // Say why before the page channels close, so the
                     // destination reports the cause, not the closed channels.
-                    send_abort(main, &error);
-                    changes.abort_sent = true;
+                    if !changes.committed {
+                        send_abort(main, &error);
+                        changes.abort_sent = true;
+                    }
                     error
                 });
+            if let Some(hashes) = &page_hashes {
+                hashes.stop_audit();
+            }
             pipeline.shut_down(result.is_err());
             result.map(Some)
         })
     }
 
-    fn pipeline_setup(&self, regions: &[MemoryRegion]) -> PipelineSetup {
+    /// Starts the thread that audits the dirty log during the live phase:
+    /// it reads memory at a bounded pace and marks pages whose memory no
+    /// longer matches their hash, which the switch-over hashes again.
+    fn spawn_auditor<'scope>(
+        &'scope self,
+        scope: &'scope std::thread::Scope<'scope, '_>,
+        hashes: Arc<PageHashes>,
+    ) {
+        let stats = self.stats.clone();
+        let spawned = std::thread::Builder::new()
+            .name("tern-audit".into())
+            .spawn_scoped(scope, move || {
+                // SAFETY: the regions stay mapped for the whole migration,
+                // and the thread ends (`stop_audit`) before `run` returns.
+                let cpu = unsafe {
+                    hashes.audit(SOURCE_AUDIT_BYTES_PER_SECOND, &|_, _| false, &|| {
+                        stats.record_audit_pass();
+                    })
+                };
+                stats.record_cpu("digest-audit", cpu);
+            });
+        if let Err(error) = spawned {
+            // The audit adds to the digest's reach; the migration is sound
+            // without it.
+            tracing::warn!(%error, "cannot start the dirty-log audit");
+        }
+    }
+
+    fn pipeline_setup(
+        &self,
+        regions: &[MemoryRegion],
+        page_hashes: Option<Arc<PageHashes>>,
+    ) -> PipelineSetup {
         let config = &self.config;
         PipelineSetup {
             regions: regions.to_vec(),
@@ -293,6 +367,7 @@ impl Source {
             max_bandwidth: config.max_bandwidth,
             stats: self.stats.clone(),
             cancel: self.cancel.flag(),
+            page_hashes,
         }
     }
 }

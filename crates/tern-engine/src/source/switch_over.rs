@@ -4,15 +4,14 @@
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
-use tern_wire::{Complete, Message, Outcome, StateSectionMsg};
+use tern_wire::{Complete, Message, Outcome, Ready, StateSectionMsg};
 
 use super::live::LiveEnd;
 use super::{GuestChanges, Source};
 use crate::bitmap::DirtyBitmap;
 use crate::config::Verify;
-use crate::digest::{Digest, memory_digest};
 use crate::error::{ChannelError, MigrationError};
-use crate::guest::{MemoryRegion, SourceGuest};
+use crate::guest::SourceGuest;
 use crate::pipeline::Pipeline;
 use crate::stats::{DestinationStats, MigrationStatus};
 use crate::transport::Channel;
@@ -22,7 +21,6 @@ impl Source {
         &self,
         guest: &mut G,
         main: &mut Channel,
-        regions: &[MemoryRegion],
         changes: &mut GuestChanges,
         pipe: &mut Pipeline<'_>,
         live: LiveEnd,
@@ -40,7 +38,7 @@ impl Source {
             .sync_dirty_log(&mut bitmaps)
             .map_err(MigrationError::guest("sync dirty log"))?;
         self.stats.dirty_sync_count.fetch_add(1, Ordering::Relaxed);
-        let digest = self.send_last_pages(pipe, regions, &bitmaps, iteration)?;
+        let digest = self.send_last_pages(pipe, &bitmaps, iteration)?;
         tracing::debug!(
             elapsed_ms = paused_at.elapsed().as_millis() as u64,
             "final pages sent and memory hashed"
@@ -50,19 +48,35 @@ impl Source {
             elapsed_ms = paused_at.elapsed().as_millis() as u64,
             "state and digest sent"
         );
-        let outcome = self.await_outcome(main)?;
-        if !outcome.verified {
-            if outcome.digest != digest {
-                return Err(MigrationError::DigestMismatch {
-                    source_digest: digest,
-                    destination: outcome.digest,
-                });
+        self.await_ready(main, digest)?;
+        // From here on the destination may run the guest: never resume it
+        // here, whatever happens next.
+        changes.committed = true;
+        let answer = main
+            .send_message(&Message::Commit)
+            .map_err(MigrationError::channel(0))
+            .and_then(|()| self.await_answer(main));
+        let outcome = match answer {
+            Ok(Ok(outcome)) if outcome.verified => outcome,
+            // A definite "not resumed": the guest runs nowhere, so it
+            // resumes here.
+            Ok(Ok(outcome)) => {
+                changes.committed = false;
+                return Err(MigrationError::Protocol(format!(
+                    "the destination could not resume the guest: {}",
+                    outcome.detail
+                )));
             }
-            return Err(MigrationError::Protocol(format!(
-                "the destination did not resume the guest: {}",
-                outcome.detail
-            )));
-        }
+            Ok(Err(ready)) => {
+                return Err(MigrationError::OutcomeUnknown(Box::new(
+                    MigrationError::Protocol(format!(
+                        "a second ready ({:032x}) instead of the acknowledgement",
+                        ready.digest
+                    )),
+                )));
+            }
+            Err(error) => return Err(MigrationError::OutcomeUnknown(Box::new(error))),
+        };
         self.stats.set_downtime(paused_at.elapsed());
         self.stats
             .set_digest_verified(self.config.verify == Verify::Full);
@@ -72,51 +86,33 @@ impl Source {
         Ok(DestinationStats::from_wire(&outcome.stats))
     }
 
-    /// Sends the pages dirtied since the last sync and, with verification,
-    /// hashes all of memory meanwhile: the guest is paused, so its memory no
-    /// longer changes, and hashing while the last pages travel is cheaper
-    /// than after. Returns the digest (0 without verification).
+    /// Sends the pages dirtied since the last sync (the workers hash them as
+    /// they go) and, with verification, finishes the incremental digest:
+    /// the guest is paused, so stale pages are hashed from final memory.
+    /// Returns the digest (0 without verification).
     fn send_last_pages(
         &self,
         pipe: &mut Pipeline<'_>,
-        regions: &[MemoryRegion],
         bitmaps: &[DirtyBitmap],
         iteration: u32,
     ) -> Result<u128, MigrationError> {
-        let verify = self.config.verify == Verify::Full;
-        let threads = self.config.digest_thread_count();
-        let (sent, digest) = std::thread::scope(|scope| {
-            let hasher = verify
-                .then(|| {
-                    std::thread::Builder::new()
-                        .name("tern-digest".into())
-                        // SAFETY: the guest is paused, and the pipeline only
-                        // reads guest memory, so nothing writes it while it
-                        // is hashed.
-                        .spawn_scoped(scope, || unsafe {
-                            memory_digest(regions, threads, &|_, _| false)
-                        })
-                        .map_err(MigrationError::Thread)
-                })
-                .transpose()?;
-            let sent = pipe.send_iteration(bitmaps, iteration, true);
-            let digest = match hasher {
-                Some(hasher) => hasher
-                    .join()
-                    .map_err(|_| MigrationError::Internal("the digest thread panicked".into()))?,
-                None => Digest {
-                    value: 0,
-                    cpu_seconds: 0.0,
-                    elapsed: Duration::ZERO,
-                },
-            };
-            Ok::<_, MigrationError>((sent, digest))
-        })?;
-        sent?;
-        self.stats.record_cpu("digest", digest.cpu_seconds);
-        self.stats.set_digest_time(digest.elapsed);
+        if let Some(hashes) = pipe.page_hashes() {
+            hashes.stop_audit();
+        }
+        let sending = Instant::now();
+        pipe.send_iteration(bitmaps, iteration, true)?;
+        self.stats.set_final_pages_time(sending.elapsed());
         self.stats.remaining.store(0, Ordering::Relaxed);
-        Ok(digest.value)
+        let Some(hashes) = pipe.page_hashes() else {
+            return Ok(0);
+        };
+        // SAFETY: the guest is paused and the pipeline has sent (and
+        // hashed) everything, so nothing writes memory or records hashes.
+        let finished = unsafe { hashes.finish(self.config.digest_thread_count()) };
+        self.stats.record_cpu("digest", finished.digest.cpu_seconds);
+        self.stats.set_digest_time(finished.digest.elapsed);
+        self.stats.record_digest_rehash(finished.rehashed_pages);
+        Ok(finished.digest.value)
     }
 
     /// Sends the device state and the completion message with the digest.
@@ -127,6 +123,7 @@ impl Source {
         iteration: u32,
         digest: u128,
     ) -> Result<(), MigrationError> {
+        let started = Instant::now();
         let sections = guest
             .save_state()
             .map_err(MigrationError::guest("save state"))?;
@@ -143,33 +140,81 @@ impl Source {
                 data: section.data.clone(),
             }))?;
         }
-        send_paused(Message::Complete(Complete {
+        let sent = send_paused(Message::Complete(Complete {
             final_iteration: iteration,
             sections: u32::try_from(sections.len()).unwrap_or(u32::MAX),
             digest,
-        }))
+        }));
+        self.stats.set_state_time(started.elapsed());
+        sent
     }
 
-    /// Waits for the destination's verdict (until cancelled).
-    fn await_outcome(&self, main: &mut Channel) -> Result<Outcome, MigrationError> {
+    /// Waits for the destination's "ready": it checked everything and
+    /// restored the state, and resumes the guest on our commit. A refusal,
+    /// an abort, silence past the switch-over timeout: the migration fails
+    /// and the guest resumes here, which is safe, since the destination
+    /// never resumes without a commit.
+    fn await_ready(&self, main: &mut Channel, digest: u128) -> Result<(), MigrationError> {
+        let verify = self.config.verify == Verify::Full;
+        match self.await_answer(main)? {
+            Err(ready) if verify && ready.digest != digest => Err(MigrationError::DigestMismatch {
+                source_digest: digest,
+                destination: ready.digest,
+            }),
+            Err(_ready) => Ok(()),
+            Ok(outcome) if verify && outcome.digest != digest => {
+                Err(MigrationError::DigestMismatch {
+                    source_digest: digest,
+                    destination: outcome.digest,
+                })
+            }
+            Ok(outcome) => Err(MigrationError::Protocol(format!(
+                "the destination refused the guest: {}",
+                outcome.detail
+            ))),
+        }
+    }
+
+    /// The destination's next answer on the main channel within the
+    /// switch-over timeout: its outcome, or (as `Err`) its ready. Heartbeats
+    /// it sent before it knew the live phase had ended are skipped.
+    fn await_answer(&self, main: &mut Channel) -> Result<Result<Outcome, Ready>, MigrationError> {
+        let deadline = Instant::now() + self.config.switch_over_timeout;
         loop {
-            match main.read_message() {
-                Ok(Message::Outcome(outcome)) => return Ok(outcome),
-                Ok(Message::Abort(abort)) => {
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                return Err(MigrationError::Channel {
+                    index: 0,
+                    source: ChannelError::Timeout("the destination's switch-over answer"),
+                });
+            }
+            if !main
+                .wait_readable(left.min(ANSWER_POLL))
+                .map_err(MigrationError::channel(0))?
+            {
+                continue;
+            }
+            match main.read_message().map_err(MigrationError::channel(0))? {
+                Message::Outcome(outcome) => return Ok(Ok(outcome)),
+                Message::Ready(ready) => return Ok(Err(ready)),
+                Message::Heartbeat => {}
+                Message::Abort(abort) => {
                     return Err(MigrationError::PeerAborted {
                         reason: abort.reason,
                         message: abort.message,
                     });
                 }
-                Ok(other) => {
+                other => {
                     return Err(MigrationError::Protocol(format!(
-                        "expected the destination's outcome, got {:?}",
+                        "expected the destination's answer, got {:?}",
                         other.kind()
                     )));
                 }
-                Err(ChannelError::Timeout(_)) if !self.cancel.is_cancelled() => continue,
-                Err(error) => return Err(MigrationError::channel(0)(error)),
             }
         }
     }
 }
+
+/// How long one wait for the destination's answer lasts before the
+/// deadline is looked at again.
+const ANSWER_POLL: Duration = Duration::from_millis(100);

@@ -22,7 +22,7 @@ pub mod zerocopy;
 pub use seam::{Accept, Connect, Connector};
 
 use std::fmt;
-use std::io::{self, Read, Write};
+use std::io;
 use std::net::{TcpListener, TcpStream, ToSocketAddrs};
 use std::os::fd::{AsRawFd, RawFd};
 use std::os::unix::net::{UnixListener, UnixStream};
@@ -245,6 +245,9 @@ enum Stream {
 pub struct Channel {
     stream: Stream,
     fd: RawFd,
+    /// How long one whole transfer (a message, a packet) may take, from its
+    /// first system call to its last; `None` until [`Channel::set_timeouts`].
+    message_timeout: Option<Duration>,
     /// What the channel's handshake established, for the peer's checks and
     /// the statistics.
     security: security::ChannelSecurity,
@@ -304,6 +307,7 @@ impl Channel {
         Ok(Self {
             stream,
             fd,
+            message_timeout: None,
             security: security::ChannelSecurity::default(),
         })
     }
@@ -396,21 +400,16 @@ impl Channel {
         self.fd
     }
 
-    /// Sets the send and receive timeouts of blocking operations.
-    pub fn set_timeouts(&self, timeout: Duration) -> Result<(), ChannelError> {
-        let result = match &self.stream {
-            Stream::Tcp(tcp) => tcp
-                .set_read_timeout(Some(timeout))
-                .and_then(|()| tcp.set_write_timeout(Some(timeout))),
-            Stream::Unix(unix) => unix
-                .set_read_timeout(Some(timeout))
-                .and_then(|()| unix.set_write_timeout(Some(timeout))),
-            Stream::Socket(socket) => socket
-                .set_read_timeout(Some(timeout))
-                .and_then(|()| socket.set_write_timeout(Some(timeout))),
-            Stream::Tls(tls) => tls.set_timeouts(timeout),
-        };
-        result.map_err(ChannelError::Io)
+    /// Sets the deadline of every transfer: one whole message or packet,
+    /// sent or received, must complete within `timeout` of its first system
+    /// call, however its bytes trickle in or out (a peer sending one byte
+    /// per second does not restart the clock).
+    pub fn set_timeouts(&mut self, timeout: Duration) -> Result<(), ChannelError> {
+        set_socket_timeout(self.fd, libc::SO_RCVTIMEO, timeout)
+            .and_then(|()| set_socket_timeout(self.fd, libc::SO_SNDTIMEO, timeout))
+            .map_err(ChannelError::Io)?;
+        self.message_timeout = Some(timeout);
+        Ok(())
     }
 
     /// Shuts both directions down, waking any thread blocked on this channel.
@@ -446,18 +445,18 @@ impl Channel {
             stream,
             fd,
             security: self.security.clone(),
+            message_timeout: self.message_timeout,
         })
     }
 
-    /// Writes all of `bytes`.
+    /// Writes all of `bytes`, within the transfer deadline.
     pub fn write_all(&mut self, bytes: &[u8]) -> Result<(), ChannelError> {
-        let result = match &mut self.stream {
-            Stream::Tcp(tcp) => tcp.write_all(bytes),
-            Stream::Unix(unix) => unix.write_all(bytes),
-            Stream::Socket(socket) => socket.write_all(bytes),
-            Stream::Tls(tls) => tls.write_all(bytes),
+        let segment = Segment {
+            ptr: bytes.as_ptr(),
+            len: bytes.len(),
         };
-        result.map_err(map_io)
+        // SAFETY: the segment is `bytes`, borrowed for the whole call.
+        unsafe { self.send_vectored(&[segment]) }
     }
 
     /// Encodes and sends one control message.
@@ -468,13 +467,12 @@ impl Channel {
     /// Reads exactly `buf.len()` bytes; a clean end of stream is reported as
     /// [`ChannelError::Closed`].
     pub fn read_exact(&mut self, buf: &mut [u8]) -> Result<(), ChannelError> {
-        let result = match &mut self.stream {
-            Stream::Tcp(tcp) => tcp.read_exact(buf),
-            Stream::Unix(unix) => unix.read_exact(buf),
-            Stream::Socket(socket) => socket.read_exact(buf),
-            Stream::Tls(tls) => tls.read_exact(buf),
+        let segment = Segment {
+            ptr: buf.as_mut_ptr(),
+            len: buf.len(),
         };
-        result.map_err(map_io)
+        // SAFETY: the segment is `buf`, borrowed exclusively for the call.
+        unsafe { self.read_scattered(&[segment]) }
     }
 
     /// Reads and validates a frame header.
@@ -516,7 +514,9 @@ impl Channel {
         }
         let mut iovecs = to_iovecs(segments);
         let mut first = 0;
+        let mut clock = TransferClock::new(self.fd, libc::SO_SNDTIMEO, self.message_timeout);
         while first < iovecs.len() {
+            clock.before_call()?;
             let batch = &mut iovecs[first..];
             let count = batch.len().min(libc::UIO_MAXIOV as usize);
             // SAFETY: an all-zero msghdr is a valid empty message.
@@ -533,7 +533,7 @@ impl Channel {
                 if error.kind() == io::ErrorKind::Interrupted {
                     continue;
                 }
-                return Err(map_io(error));
+                return Err(clock.failed(error));
             }
             first = advance(&mut iovecs, first, sent as usize);
         }
@@ -554,7 +554,9 @@ impl Channel {
         }
         let mut iovecs = to_iovecs(segments);
         let mut first = 0;
+        let mut clock = TransferClock::new(self.fd, libc::SO_RCVTIMEO, self.message_timeout);
         while first < iovecs.len() {
+            clock.before_call()?;
             let batch = &mut iovecs[first..];
             let count = batch.len().min(libc::UIO_MAXIOV as usize);
             // SAFETY: the iovecs describe writable memory (caller's contract)
@@ -565,7 +567,7 @@ impl Channel {
                 if error.kind() == io::ErrorKind::Interrupted {
                     continue;
                 }
-                return Err(map_io(error));
+                return Err(clock.failed(error));
             }
             if read == 0 {
                 return Err(ChannelError::Closed);
@@ -573,6 +575,97 @@ impl Channel {
             first = advance(&mut iovecs, first, read as usize);
         }
         Ok(())
+    }
+}
+
+/// The deadline of one transfer that may take several system calls. The
+/// socket's own timeout bounds each call; after the first, the clock
+/// narrows it to what is left of the transfer's deadline, so partial
+/// progress never restarts the wait, and puts it back when the transfer
+/// ends.
+struct TransferClock {
+    fd: RawFd,
+    option: libc::c_int,
+    timeout: Option<Duration>,
+    started: Option<Instant>,
+    narrowed: bool,
+}
+
+impl TransferClock {
+    const OUTLASTED: ChannelError =
+        ChannelError::Timeout("the peer (a transfer outlasted the I/O timeout)");
+
+    /// The error for a failed call: a timeout after partial progress is the
+    /// transfer's deadline, not a silent peer.
+    fn failed(&self, error: io::Error) -> ChannelError {
+        match map_io(error) {
+            ChannelError::Timeout(_) if self.narrowed => Self::OUTLASTED,
+            other => other,
+        }
+    }
+
+    fn new(fd: RawFd, option: libc::c_int, timeout: Option<Duration>) -> Self {
+        Self {
+            fd,
+            option,
+            timeout,
+            started: None,
+            narrowed: false,
+        }
+    }
+
+    /// Called before every system call of the transfer.
+    fn before_call(&mut self) -> Result<(), ChannelError> {
+        let Some(timeout) = self.timeout else {
+            return Ok(());
+        };
+        let Some(started) = self.started else {
+            self.started = Some(Instant::now());
+            return Ok(());
+        };
+        let left = timeout.saturating_sub(started.elapsed());
+        if left.is_zero() {
+            return Err(Self::OUTLASTED);
+        }
+        // A zero socket timeout would mean "wait forever".
+        set_socket_timeout(self.fd, self.option, left.max(Duration::from_millis(1)))
+            .map_err(ChannelError::Io)?;
+        self.narrowed = true;
+        Ok(())
+    }
+}
+
+impl Drop for TransferClock {
+    fn drop(&mut self) {
+        if let (true, Some(timeout)) = (self.narrowed, self.timeout) {
+            // Best effort: a socket whose option cannot be set is broken,
+            // and its next transfer says so.
+            let _ = set_socket_timeout(self.fd, self.option, timeout);
+        }
+    }
+}
+
+/// Sets `SO_RCVTIMEO` or `SO_SNDTIMEO`.
+fn set_socket_timeout(fd: RawFd, option: libc::c_int, timeout: Duration) -> io::Result<()> {
+    let value = libc::timeval {
+        tv_sec: libc::time_t::try_from(timeout.as_secs()).unwrap_or(libc::time_t::MAX),
+        tv_usec: libc::suseconds_t::from(timeout.subsec_micros()),
+    };
+    // SAFETY: `value` is a valid timeval that outlives the call, and its
+    // size is passed with it.
+    let result = unsafe {
+        libc::setsockopt(
+            fd,
+            libc::SOL_SOCKET,
+            option,
+            (&raw const value).cast(),
+            std::mem::size_of::<libc::timeval>() as libc::socklen_t,
+        )
+    };
+    if result == 0 {
+        Ok(())
+    } else {
+        Err(io::Error::last_os_error())
     }
 }
 

@@ -20,7 +20,6 @@ use std::io::{self, Read, Write};
 use std::os::fd::{AsRawFd, RawFd};
 use std::path::Path;
 use std::sync::Arc;
-use std::time::Duration;
 
 use rustls::pki_types::pem::PemObject;
 use rustls::pki_types::{CertificateDer, PrivateKeyDer, ServerName};
@@ -444,11 +443,6 @@ impl fmt::Debug for TlsStream {
 impl TlsStream {
     pub(super) fn raw_fd(&self) -> RawFd {
         self.socket.as_raw_fd()
-    }
-
-    pub(super) fn set_timeouts(&self, timeout: Duration) -> io::Result<()> {
-        self.socket.set_read_timeout(Some(timeout))?;
-        self.socket.set_write_timeout(Some(timeout))
     }
 
     pub(super) fn has_buffered_plaintext(&self) -> bool {

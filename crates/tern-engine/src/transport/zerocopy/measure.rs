@@ -146,7 +146,7 @@ fn loopback_with_reader(
 ) -> Result<(Channel, std::thread::JoinHandle<Result<(), ChannelError>>), MeasureError> {
     let listener = Listener::bind(&Address::Tcp("127.0.0.1:0".into()))?;
     let address = listener.local_address()?;
-    let channel = Channel::connect(&address, Duration::from_secs(5))?;
+    let mut channel = Channel::connect(&address, Duration::from_secs(5))?;
     let mut peer = listener.accept_timeout(Duration::from_secs(5))?;
     channel.set_timeouts(Duration::from_secs(60))?;
     peer.set_timeouts(Duration::from_secs(60))?;

@@ -10,8 +10,8 @@ use crate::transport::{Address, Channel, Listener, Segment};
 pub fn tcp_pair() -> (Channel, Channel) {
     let listener = Listener::bind(&Address::Tcp("127.0.0.1:0".into())).unwrap();
     let address = listener.local_address().unwrap();
-    let client = Channel::connect(&address, Duration::from_secs(5)).unwrap();
-    let server = listener.accept_timeout(Duration::from_secs(5)).unwrap();
+    let mut client = Channel::connect(&address, Duration::from_secs(5)).unwrap();
+    let mut server = listener.accept_timeout(Duration::from_secs(5)).unwrap();
     client.set_timeouts(Duration::from_secs(20)).unwrap();
     server.set_timeouts(Duration::from_secs(20)).unwrap();
     (client, server)

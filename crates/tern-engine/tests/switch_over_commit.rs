@@ -1,0 +1,490 @@
+//! The switch-over commit (docs/protocol.md, "Switch-over") with a fault at
+//! every step, and the deadlines of the live phase: the guest never runs on
+//! both hosts, is never left paused without a bounded wait, and a silent or
+//! trickling peer is detected.
+
+mod common;
+
+use std::thread::JoinHandle;
+use std::time::Duration;
+
+use common::*;
+use tern_engine::{
+    Channel, Destination, Listener, MigrationError, MigrationStatus, ReceiveConfig, Source,
+};
+use tern_wire::{
+    ChannelHello, Complete, DigestAlgorithm, Handshake, Hello, Message, Outcome, OutcomeStats,
+    Ready, RegionInfo, SessionSetup, Sync, Welcome,
+};
+
+/// What a fake destination does once the source's completion is in.
+#[derive(Clone, Copy, Debug)]
+enum AtSwitchOver {
+    /// Says nothing more (a destination stopped or cut off).
+    Silent,
+    /// Says ready, reads the commit, then says nothing more.
+    ReadyThenSilent,
+    /// Says ready, reads the commit, then says it could not resume.
+    ReadyThenRefuse,
+    /// Says ready, reads the commit and acknowledges: a good destination.
+    ReadyThenAcknowledge,
+}
+
+/// What the fake destination saw on the main channel after the completion.
+type Seen = Vec<Message>;
+
+/// A destination that speaks the handshake, drains the page channels,
+/// reads the main channel up to the completion and then behaves as told.
+/// It sends heartbeats only when `heartbeats` is set.
+fn fake_destination(
+    listener: Listener,
+    channels: u16,
+    heartbeats: bool,
+    at_switch_over: AtSwitchOver,
+) -> JoinHandle<Seen> {
+    std::thread::spawn(move || {
+        let accept = || listener.accept_timeout(DEADLINE).expect("accept");
+        let mut main = accept();
+        main.set_timeouts(DEADLINE).unwrap();
+        let Message::Hello(hello) = main.read_message().unwrap() else {
+            panic!("no hello")
+        };
+        let session_id = hello.handshake.session_id;
+        main.send_message(&Message::Welcome(Welcome {
+            session_id,
+            channel_index: 0,
+        }))
+        .unwrap();
+        let drains: Vec<_> = (0..channels)
+            .map(|_| {
+                let mut channel = accept();
+                let Message::ChannelHello(hello) = channel.read_message().unwrap() else {
+                    panic!("no channel hello")
+                };
+                channel
+                    .send_message(&Message::Welcome(Welcome {
+                        session_id,
+                        channel_index: hello.handshake.channel_index,
+                    }))
+                    .unwrap();
+                // Drains until the source closes the channel (the last
+                // partial block is of no interest).
+                std::thread::spawn(move || {
+                    let mut sink = vec![0u8; 1 << 16];
+                    while channel.read_exact(&mut sink).is_ok() {}
+                })
+            })
+            .collect();
+        let seen = match read_until_complete(&mut main, heartbeats) {
+            Ok(complete) => switch_over(&mut main, complete, at_switch_over),
+            Err(before) => before,
+        };
+        drop(main);
+        for drain in drains {
+            let _ = drain.join();
+        }
+        seen
+    })
+}
+
+/// Reads the main channel until the source's completion, sending a
+/// heartbeat about twice a second when asked to. A source that gives up
+/// first: what it said instead (its abort), as `Err`.
+fn read_until_complete(main: &mut Channel, heartbeats: bool) -> Result<Complete, Seen> {
+    loop {
+        if heartbeats && !main.wait_readable(Duration::from_millis(500)).unwrap() {
+            main.send_message(&Message::Heartbeat).unwrap();
+            continue;
+        }
+        match main.read_message() {
+            Ok(Message::Complete(complete)) => return Ok(complete),
+            Ok(Message::StateSection(_)) => {}
+            Ok(other) => return Err(vec![other]),
+            Err(_) => return Err(Vec::new()),
+        }
+    }
+}
+
+fn switch_over(main: &mut Channel, complete: Complete, at: AtSwitchOver) -> Seen {
+    let mut seen = Vec::new();
+    if matches!(at, AtSwitchOver::Silent) {
+        // Whatever the source says next (its abort), until it closes.
+        while let Ok(message) = main.read_message() {
+            seen.push(message);
+        }
+        return seen;
+    }
+    main.send_message(&Message::Ready(Ready {
+        digest: complete.digest,
+    }))
+    .unwrap();
+    let commit = main.read_message().expect("an answer to ready");
+    seen.push(commit);
+    match at {
+        AtSwitchOver::ReadyThenSilent => {
+            while let Ok(message) = main.read_message() {
+                seen.push(message);
+            }
+        }
+        AtSwitchOver::ReadyThenRefuse | AtSwitchOver::ReadyThenAcknowledge => {
+            let verified = matches!(at, AtSwitchOver::ReadyThenAcknowledge);
+            main.send_message(&Message::Outcome(Outcome {
+                verified,
+                digest: complete.digest,
+                detail: if verified {
+                    String::new()
+                } else {
+                    "cannot start the vCPUs".into()
+                },
+                stats: OutcomeStats::default(),
+            }))
+            .unwrap();
+        }
+        AtSwitchOver::Silent => unreachable!(),
+    }
+    seen
+}
+
+/// A paused 8 MiB guest migrated to a fake destination with a short
+/// switch-over timeout.
+fn migrate_to_fake(at: AtSwitchOver) -> (tern_synthetic::SyntheticGuest, MigrationResult, Seen) {
+    let (listener, address) = tcp_listener();
+    let fake = fake_destination(listener, 1, true, at);
+    let mut guest = guest(8 * MIB, 0);
+    let mut config = migration_config(1);
+    config.switch_over_timeout = Duration::from_secs(1);
+    let result = Source::new(config).unwrap().migrate(&mut guest, &address);
+    let seen = fake.join().expect("the fake destination must not panic");
+    (guest, result, seen)
+}
+
+type MigrationResult = Result<tern_engine::MigrationStats, tern_engine::MigrationFailure>;
+
+#[test]
+fn no_ready_in_time_resumes_the_source_and_tells_the_destination() {
+    let (guest, result, seen) = migrate_to_fake(AtSwitchOver::Silent);
+    let failure = result.expect_err("no ready came");
+    assert_eq!(failure.stats.status, MigrationStatus::Failed);
+    assert!(
+        failure.error.chain().contains("switch-over answer"),
+        "{}",
+        failure.error.chain()
+    );
+    assert!(guest.is_running(), "without a commit the source resumes");
+    assert!(
+        matches!(seen.first(), Some(Message::Abort(_))),
+        "the destination is told, so it never resumes: {seen:?}"
+    );
+}
+
+#[test]
+fn a_commit_without_acknowledgement_is_an_unknown_outcome_and_the_guest_stays_paused() {
+    let (guest, result, seen) = migrate_to_fake(AtSwitchOver::ReadyThenSilent);
+    assert!(matches!(seen.first(), Some(Message::Commit)), "{seen:?}");
+    assert_eq!(
+        seen.len(),
+        1,
+        "nothing, no abort, follows the commit: {seen:?}"
+    );
+    let failure = result.expect_err("no acknowledgement came");
+    assert_eq!(failure.stats.status, MigrationStatus::OutcomeUnknown);
+    assert!(
+        matches!(failure.error, MigrationError::OutcomeUnknown(_)),
+        "{}",
+        failure.error.chain()
+    );
+    assert!(
+        !guest.is_running(),
+        "after a commit the source never resumes by itself"
+    );
+}
+
+#[test]
+fn a_destination_that_could_not_resume_after_the_commit_gives_the_guest_back() {
+    let (guest, result, _) = migrate_to_fake(AtSwitchOver::ReadyThenRefuse);
+    let failure = result.expect_err("the destination could not resume");
+    assert_eq!(failure.stats.status, MigrationStatus::Failed);
+    assert!(
+        failure.error.chain().contains("cannot start the vCPUs"),
+        "{}",
+        failure.error.chain()
+    );
+    assert!(guest.is_running(), "the guest runs nowhere else");
+}
+
+#[test]
+fn ready_commit_acknowledge_completes() {
+    let (guest, result, seen) = migrate_to_fake(AtSwitchOver::ReadyThenAcknowledge);
+    let stats = result.unwrap_or_else(|failure| panic!("{}", failure.error.chain()));
+    assert_eq!(stats.status, MigrationStatus::Completed);
+    assert!(matches!(seen.first(), Some(Message::Commit)), "{seen:?}");
+    assert!(!guest.is_running(), "the guest now runs on the destination");
+}
+
+#[test]
+fn a_destination_without_heartbeats_is_detected_during_the_live_phase() {
+    let (listener, address) = tcp_listener();
+    // It never answers the switch-over either; the source must not get
+    // that far.
+    let fake = fake_destination(listener, 1, false, AtSwitchOver::Silent);
+    let mut guest = guest(8 * MIB, 0);
+    tern_engine::GuestControl::resume(&mut guest).unwrap();
+    let mut config = migration_config(1);
+    config.io_timeout = Duration::from_secs(1);
+    // The first iteration alone then outlasts the I/O timeout, so the
+    // first look at the heartbeats finds too few, whatever the machine's
+    // load; the fake drains the pages, so no send is ever blocked.
+    config.max_bandwidth = Some(MIB);
+    let failure = Source::new(config)
+        .unwrap()
+        .migrate(&mut guest, &address)
+        .expect_err("the destination is silent");
+    assert!(
+        failure.error.chain().contains("heartbeat"),
+        "{}",
+        failure.error.chain()
+    );
+    assert!(guest.is_running());
+    fake.join().expect("the fake destination must not panic");
+}
+
+// The destination's side: a hand-driven source.
+
+const SESSION: u64 = 0xc0_ffee;
+
+fn setup() -> SessionSetup {
+    SessionSetup {
+        page_size: 4096,
+        channel_count: 1,
+        codecs: 0,
+        // No digest: the fake source does not hash; the commit is what
+        // these tests are about.
+        digest: DigestAlgorithm::None,
+        regions: vec![RegionInfo {
+            id: 0,
+            guest_addr: 0,
+            len: 4 * MIB,
+        }],
+        guest_kind: "synthetic".into(),
+    }
+}
+
+/// A real destination with a short switch-over timeout, a fake source that
+/// has sent everything (one empty iteration, the completion), and the
+/// destination's first answer.
+fn destination_ready() -> (JoinHandle<DestinationResult>, Channel, Channel, Message) {
+    use tern_engine::{DeviceState, GuestControl};
+    // The device state a synthetic destination guest needs to restore.
+    let mut source_guest = guest(4 * MIB, 0);
+    source_guest.pause().unwrap();
+    let sections = source_guest.save_state().unwrap();
+    let (listener, address) = tcp_listener();
+    let destination = std::thread::spawn(move || {
+        let config = ReceiveConfig {
+            switch_over_timeout: Duration::from_secs(1),
+            ..receive_config()
+        };
+        Destination::new(config).receive(&listener, make_destination_guest)
+    });
+    let connect = || {
+        let mut channel = Channel::connect(&address, DEADLINE).expect("connect");
+        channel.set_timeouts(DEADLINE).unwrap();
+        channel
+    };
+    let mut main = connect();
+    main.send_message(&Message::Hello(Hello {
+        handshake: Handshake {
+            session_id: SESSION,
+            channel_index: 0,
+        },
+        setup: setup(),
+    }))
+    .unwrap();
+    assert!(matches!(main.read_message().unwrap(), Message::Welcome(_)));
+    let mut page = connect();
+    page.send_message(&Message::ChannelHello(ChannelHello {
+        handshake: Handshake {
+            session_id: SESSION,
+            channel_index: 1,
+        },
+    }))
+    .unwrap();
+    assert!(matches!(page.read_message().unwrap(), Message::Welcome(_)));
+    page.send_message(&Message::Sync(Sync {
+        iteration: 0,
+        last: true,
+    }))
+    .unwrap();
+    for section in &sections {
+        main.send_message(&Message::StateSection(tern_wire::StateSectionMsg {
+            name: section.name.clone(),
+            version: section.version,
+            data: section.data.clone(),
+        }))
+        .unwrap();
+    }
+    main.send_message(&Message::Complete(Complete {
+        final_iteration: 0,
+        sections: sections.len() as u32,
+        digest: 0,
+    }))
+    .unwrap();
+    let answer = loop {
+        match main.read_message().expect("the destination's answer") {
+            Message::Heartbeat => {}
+            other => break other,
+        }
+    };
+    (destination, main, page, answer)
+}
+
+#[test]
+fn the_destination_says_ready_and_resumes_only_on_commit() {
+    let (destination, mut main, _page, answer) = destination_ready();
+    assert!(matches!(answer, Message::Ready(_)), "{answer:?}");
+    main.send_message(&Message::Commit).unwrap();
+    match main.read_message().expect("the acknowledgement") {
+        Message::Outcome(outcome) => assert!(outcome.verified, "{outcome:?}"),
+        other => panic!("expected the outcome, got {other:?}"),
+    }
+    let received = destination
+        .join()
+        .expect("no panic")
+        .unwrap_or_else(|error| panic!("{}", error.chain()));
+    assert!(received.guest.is_running());
+}
+
+#[test]
+fn no_commit_in_time_and_the_destination_does_not_resume() {
+    let (destination, _main, _page, answer) = destination_ready();
+    assert!(matches!(answer, Message::Ready(_)), "{answer:?}");
+    let error = destination
+        .join()
+        .expect("no panic")
+        .expect_err("no commit came");
+    assert!(
+        error.chain().contains("the source's commit"),
+        "{}",
+        error.chain()
+    );
+}
+
+#[test]
+fn an_abort_instead_of_a_commit_and_the_destination_does_not_resume() {
+    let (destination, mut main, _page, answer) = destination_ready();
+    assert!(matches!(answer, Message::Ready(_)), "{answer:?}");
+    main.send_message(&Message::Abort(tern_wire::Abort {
+        reason: tern_wire::AbortReason::Other,
+        message: "the source gave up waiting".into(),
+    }))
+    .unwrap();
+    let error = destination
+        .join()
+        .expect("no panic")
+        .expect_err("an abort came");
+    assert!(
+        matches!(error, MigrationError::PeerAborted { .. }),
+        "{}",
+        error.chain()
+    );
+}
+
+#[test]
+fn a_closed_main_channel_instead_of_a_commit_and_the_destination_does_not_resume() {
+    let (destination, main, page, answer) = destination_ready();
+    assert!(matches!(answer, Message::Ready(_)), "{answer:?}");
+    drop(main);
+    drop(page);
+    destination
+        .join()
+        .expect("no panic")
+        .expect_err("the source is gone");
+}
+
+#[test]
+fn the_destination_sends_heartbeats_while_pages_flow() {
+    let (listener, address) = tcp_listener();
+    let _destination = spawn_destination(listener);
+    let mut main = Channel::connect(&address, DEADLINE).expect("connect");
+    main.set_timeouts(DEADLINE).unwrap();
+    let mut hello_setup = setup();
+    hello_setup.digest = DigestAlgorithm::Xxh3Pages;
+    main.send_message(&Message::Hello(Hello {
+        handshake: Handshake {
+            session_id: SESSION,
+            channel_index: 0,
+        },
+        setup: hello_setup,
+    }))
+    .unwrap();
+    assert!(matches!(main.read_message().unwrap(), Message::Welcome(_)));
+    let mut page = Channel::connect(&address, DEADLINE).expect("connect");
+    page.send_message(&Message::ChannelHello(ChannelHello {
+        handshake: Handshake {
+            session_id: SESSION,
+            channel_index: 1,
+        },
+    }))
+    .unwrap();
+    assert!(matches!(page.read_message().unwrap(), Message::Welcome(_)));
+    assert!(matches!(main.read_message().unwrap(), Message::Heartbeat));
+    assert!(matches!(main.read_message().unwrap(), Message::Heartbeat));
+}
+
+#[test]
+fn a_source_trickling_a_packet_is_cut_off_at_the_transfer_deadline() {
+    let (listener, address) = tcp_listener();
+    let destination = std::thread::spawn(move || {
+        let config = ReceiveConfig {
+            io_timeout: Duration::from_secs(1),
+            ..receive_config()
+        };
+        Destination::new(config).receive(&listener, make_destination_guest)
+    });
+    let mut main = Channel::connect(&address, DEADLINE).expect("connect");
+    main.send_message(&Message::Hello(Hello {
+        handshake: Handshake {
+            session_id: SESSION,
+            channel_index: 0,
+        },
+        setup: setup(),
+    }))
+    .unwrap();
+    assert!(matches!(main.read_message().unwrap(), Message::Welcome(_)));
+    let mut page = Channel::connect(&address, DEADLINE).expect("connect");
+    page.send_message(&Message::ChannelHello(ChannelHello {
+        handshake: Handshake {
+            session_id: SESSION,
+            channel_index: 1,
+        },
+    }))
+    .unwrap();
+    assert!(matches!(page.read_message().unwrap(), Message::Welcome(_)));
+    // A sync frame, one byte at a time, each byte well inside the I/O
+    // timeout: only a deadline on the whole frame stops it. The trickle
+    // ends when the destination closes the channel (or after 60 bytes).
+    let frame = Message::Sync(Sync {
+        iteration: 0,
+        last: false,
+    })
+    .to_bytes();
+    let trickle = std::thread::spawn(move || {
+        for byte in frame.iter().cycle().take(60) {
+            if page.write_all(std::slice::from_ref(byte)).is_err() {
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(300));
+        }
+    });
+    let error = destination
+        .join()
+        .expect("no panic")
+        .expect_err("the trickle is cut off");
+    assert!(
+        error.chain().contains("outlasted the I/O timeout"),
+        "{}",
+        error.chain()
+    );
+    drop(main);
+    trickle.join().unwrap();
+}

@@ -633,7 +633,15 @@ fn migrate_and_receive_with_an_auth_key() {
 #[test]
 fn demo_over_tls_reports_it() {
     let output = tern()
-        .args(["demo", "--tls", "--json", "--memory", "16MiB", "--dirty-rate", "0"])
+        .args([
+            "demo",
+            "--tls",
+            "--json",
+            "--memory",
+            "16MiB",
+            "--dirty-rate",
+            "0",
+        ])
         .output()
         .unwrap();
     assert!(output.status.success(), "{output:?}");

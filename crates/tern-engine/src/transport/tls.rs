@@ -449,15 +449,6 @@ impl TlsStream {
         self.buffered > 0
     }
 
-    pub(super) fn write_all(&mut self, mut bytes: &[u8]) -> io::Result<()> {
-        while !bytes.is_empty() {
-            let taken = self.connection.writer().write(bytes)?;
-            bytes = &bytes[taken..];
-            self.flush()?;
-        }
-        Ok(())
-    }
-
     fn flush(&mut self) -> io::Result<()> {
         while self.connection.wants_write() {
             self.connection.write_tls(&mut self.socket)?;

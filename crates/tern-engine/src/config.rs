@@ -8,6 +8,7 @@ use tern_page::dsa::ZeroPageOffload;
 
 use crate::error::MigrationError;
 use crate::transport::Address;
+use crate::transport::security::Security;
 
 /// A name that is none of an enum's values (the `FromStr` error of the
 /// config enums).
@@ -233,6 +234,8 @@ pub struct MigrationConfig {
     /// commit (without it, the outcome is reported unknown and the guest
     /// stays paused).
     pub switch_over_timeout: Duration,
+    /// TLS and the shared-key handshake on every channel.
+    pub security: Security,
 }
 
 /// Default of both sides' `switch_over_timeout`: the destination checks and
@@ -266,6 +269,7 @@ impl Default for MigrationConfig {
             zero_copy_window: 0,
             io_timeout: Duration::from_secs(30),
             connect_timeout: Duration::from_secs(10),
+            security: Security::default(),
             switch_over_timeout: DEFAULT_SWITCH_OVER_TIMEOUT,
         }
     }
@@ -364,7 +368,16 @@ impl MigrationConfig {
     /// anything connects: [`crate::Source::migrate`] calls it first, and a
     /// front end may call it earlier still (before building its guest).
     pub fn check_address(&self, address: &Address) -> Result<(), MigrationError> {
-        if self.zero_copy && matches!(address, Address::Unix(_)) {
+        if self.zero_copy && self.security.tls.is_some() {
+            return Err(MigrationError::UnsupportedTransport {
+                field: "zero_copy",
+                address: address.to_string(),
+                reason: "TLS encrypts the pages into its own records before they leave, so the \
+                         kernel cannot send them from guest memory; kernel TLS does not take \
+                         MSG_ZEROCOPY either (see docs/security.md)",
+            });
+        }
+        if self.zero_copy && matches!(address, Address::Unix(_) | Address::Vsock { .. }) {
             return Err(MigrationError::UnsupportedTransport {
                 field: "zero_copy",
                 address: address.to_string(),
@@ -403,6 +416,27 @@ pub struct ReceiveConfig {
     /// How long, once it has said "ready", the destination waits for the
     /// source's commit; without one in time the guest is not resumed here.
     pub switch_over_timeout: Duration,
+    /// TLS and the shared-key handshake required of every channel.
+    pub security: Security,
+    /// Whether sessions nobody authenticated (no key, no TLS) are accepted.
+    pub unauthenticated: UnauthenticatedPolicy,
+    /// Whether a source may skip the memory digest (`Verify::None`); the
+    /// destination decides, since it is the one that runs the guest.
+    pub allow_unverified: bool,
+}
+
+/// Whether a destination without an auth key or TLS accepts sessions.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum UnauthenticatedPolicy {
+    /// Only on a listener no other machine reaches (loopback TCP, a Unix
+    /// socket); anywhere else receiving fails before anything is accepted.
+    #[default]
+    LocalOnly,
+    /// Everywhere (`tern receive --insecure`; or an embedder's channels
+    /// that it authenticated itself).
+    Allow,
+    /// Nowhere.
+    Refuse,
 }
 
 impl Default for ReceiveConfig {
@@ -414,6 +448,9 @@ impl Default for ReceiveConfig {
             max_pending_handshakes: 64,
             max_memory: None,
             qpl_path: QplPath::Auto,
+            security: Security::default(),
+            unauthenticated: UnauthenticatedPolicy::default(),
+            allow_unverified: false,
             switch_over_timeout: DEFAULT_SWITCH_OVER_TIMEOUT,
         }
     }

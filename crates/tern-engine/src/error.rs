@@ -25,6 +25,14 @@ pub enum ChannelError {
     /// Any other I/O error.
     #[error("I/O error")]
     Io(#[source] io::Error),
+    /// The TLS handshake or a TLS record failed (wrong CA, host name,
+    /// missing or different certificate, a peer that does not speak TLS).
+    #[error("TLS")]
+    Tls(#[source] io::Error),
+    /// The peer did not authenticate as this side requires, or refused this
+    /// side's authentication.
+    #[error("Authentication failed: {0}")]
+    Auth(String),
 }
 
 /// Why a migration (either side) did not complete.

@@ -71,8 +71,8 @@ pub mod vm_memory;
 
 pub use bitmap::DirtyBitmap;
 pub use config::{
-    DEFAULT_SWITCH_OVER_TIMEOUT, LimitPolicy, MigrationConfig, ReceiveConfig, UnknownName, Verify,
-    ZeroCopyBackend, ZeroPageDetection,
+    DEFAULT_SWITCH_OVER_TIMEOUT, LimitPolicy, MigrationConfig, ReceiveConfig,
+    UnauthenticatedPolicy, UnknownName, Verify, ZeroCopyBackend, ZeroPageDetection,
 };
 pub use destination::{Destination, ReceivePhase, ReceiveStats, Received};
 pub use error::{ChannelError, MigrationError};
@@ -83,13 +83,16 @@ pub use guest::{
 pub use source::{CancelToken, MigrationFailure, Source};
 pub use stats::{
     DestinationStats, DowntimeCause, DowntimeParts, LiveStats, MigrationStats, MigrationStatus,
-    RamStats,
+    RamStats, SessionSecurity,
 };
+pub use transport::auth::AuthKey;
+pub use transport::security::{ChannelSecurity, Security, TlsInfo};
+pub use transport::tls::{KernelTls, TlsConfig};
 /// The zero-copy senders, at their historical path.
 pub use transport::zerocopy;
 /// The io_uring zero-copy sender, at its historical path.
 pub use transport::zerocopy::uring as uring_zc;
-pub use transport::{Address, Channel, Listener};
+pub use transport::{Accept, Address, Channel, Connect, Connector, Listener};
 
 // Foreign types that appear in this crate's API, so that an embedder needs
 // no direct dependency on tern-page or tern-wire.

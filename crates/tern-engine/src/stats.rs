@@ -120,6 +120,21 @@ pub struct LiveStats {
     zero_copy_channels: Mutex<BTreeMap<usize, ZeroCopyStats>>,
     compression: Mutex<Option<CompressionReport>>,
     zero_detection: Mutex<Option<ZeroDetectionReport>>,
+    session_security: Mutex<Option<SessionSecurity>>,
+}
+
+/// How the session's channels were carried and protected, as the main
+/// channel's handshake established it.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub struct SessionSecurity {
+    /// `tcp`, `unix`, `vsock` or `fd`.
+    pub transport: String,
+    /// Whether the destination proved who it is (key or certificate).
+    pub authenticated: bool,
+    /// TLS, when the channels run it.
+    #[serde(skip_serializing_if = "Option::is_none", default)]
+    pub tls: Option<crate::transport::security::TlsInfo>,
 }
 
 impl Default for LiveStats {
@@ -167,6 +182,7 @@ impl LiveStats {
             zero_copy_channels: Mutex::new(BTreeMap::new()),
             compression: Mutex::new(None),
             zero_detection: Mutex::new(None),
+            session_security: Mutex::new(None),
         }
     }
 
@@ -248,6 +264,14 @@ impl LiveStats {
     pub fn record_cpu(&self, thread: &str, seconds: f64) {
         let mut map = self.cpu_seconds.lock().unwrap_or_else(|e| e.into_inner());
         *map.entry(thread.to_string()).or_insert(0.0) += seconds;
+    }
+
+    /// Records how the session's channels are carried and protected.
+    pub(crate) fn record_security(&self, security: SessionSecurity) {
+        *self
+            .session_security
+            .lock()
+            .unwrap_or_else(|e| e.into_inner()) = Some(security);
     }
 
     /// Adds a zero-copy channel's accounting; called by each sender as it
@@ -420,6 +444,11 @@ impl LiveStats {
             digest_verified: self.digest_verified.load(Ordering::Relaxed),
             cpu_seconds,
             zero_copy: self.zero_copy_total(),
+            security: self
+                .session_security
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .clone(),
             compression: self
                 .compression
                 .lock()
@@ -597,6 +626,10 @@ pub struct MigrationStats {
     /// The destination's own statistics, when it sent them.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub destination: Option<DestinationStats>,
+    /// The transport and security of the session (`transport`,
+    /// `authenticated`, `tls`), once the main channel is connected.
+    #[serde(flatten, default)]
+    pub security: Option<SessionSecurity>,
     /// What went wrong, when something did.
     #[serde(skip_serializing_if = "Option::is_none", default)]
     pub error_desc: Option<String>,

@@ -41,3 +41,29 @@ fn the_sample_seeds_are_valid_sessions() {
         }
     }
 }
+
+#[test]
+fn the_auth_handshake_refuses_every_kept_input() {
+    let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../fuzz/seeds/auth_handshake");
+    let mut count = 0;
+    for entry in
+        std::fs::read_dir(&dir).unwrap_or_else(|error| panic!("{}: {error}", dir.display()))
+    {
+        let path = entry.expect("a directory entry").path();
+        let bytes = std::fs::read(&path).expect("a seed");
+        eprintln!("replaying {}", path.display());
+        match tern_engine::fuzzing::destination_auth(&bytes) {
+            Err(_) | Ok(tern_wire::Message::Abort(_)) => {}
+            Ok(other) => panic!("{}: got past the auth handshake: {other:?}", path.display()),
+        }
+        count += 1;
+    }
+    assert!(count > 0, "no seeds in {}", dir.display());
+    // The valid start fails at the proof, with the reason the peer hears.
+    let error = tern_engine::fuzzing::destination_auth(&tern_engine::fuzzing::sample_auth_input())
+        .expect_err("a proof without the key");
+    assert!(
+        error.to_string().contains("proof does not match"),
+        "{error}"
+    );
+}

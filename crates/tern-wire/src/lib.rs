@@ -60,8 +60,9 @@ pub use codec::{MAX_PEER_TEXT_CHARS, Reader, Writer, sanitise_peer_text};
 pub use decoder::{Decoded, Event, Expect, FrameDecoder, PagePacket};
 pub use error::{AbortReason, WireError};
 pub use message::{
-    Abort, ChannelHello, Complete, DigestAlgorithm, Handshake, Hello, Message, Outcome,
-    OutcomeStats, Ready, RegionInfo, SessionSetup, StateSectionMsg, Sync, Welcome,
+    Abort, AuthChallenge, AuthHello, AuthProof, ChannelHello, Complete, DigestAlgorithm, Handshake,
+    Hello, Message, Outcome, OutcomeStats, Ready, RegionInfo, SessionSetup, StateSectionMsg, Sync,
+    Welcome,
 };
 pub use pages::{PageEntry, PageKind, PagesHeader, decode_page_table, encode_pages_prefix};
 
@@ -106,6 +107,10 @@ pub const MAX_TEXT_LEN: usize = 4096;
 /// Largest frame body of any kind.
 pub const MAX_FRAME_BODY: usize = MAX_SECTION_BYTES + MAX_NAME_LEN + 16;
 
+/// Length of an authentication nonce ([`AuthHello`], [`AuthChallenge`]).
+pub const AUTH_NONCE_LEN: usize = 32;
+/// Length of an authentication proof: an HMAC-SHA256 tag.
+pub const AUTH_PROOF_LEN: usize = 32;
 /// How often the destination sends a heartbeat during the live phase. A
 /// protocol constant: the source counts heartbeats against its own clock.
 pub const HEARTBEAT_INTERVAL: std::time::Duration = std::time::Duration::from_secs(1);
@@ -143,6 +148,15 @@ pub enum FrameKind {
     Commit = 11,
     /// Liveness during the live phase (main channel, destination to source).
     Heartbeat = 12,
+    /// Authentication, first on a channel when the sides share a key:
+    /// the source's nonce, bound to a session and channel (source to
+    /// destination). Numbered apart from the session's own kinds.
+    AuthHello = 32,
+    /// The destination's nonce and its proof of the key (destination to
+    /// source).
+    AuthChallenge = 33,
+    /// The source's proof of the key (source to destination).
+    AuthProof = 34,
 }
 
 impl FrameKind {
@@ -160,6 +174,9 @@ impl FrameKind {
             10 => Self::Ready,
             11 => Self::Commit,
             12 => Self::Heartbeat,
+            32 => Self::AuthHello,
+            33 => Self::AuthChallenge,
+            34 => Self::AuthProof,
             other => return Err(WireError::UnknownFrameKind(other)),
         })
     }
@@ -181,6 +198,9 @@ impl FrameKind {
             Self::Abort => 8 + MAX_TEXT_LEN,
             Self::Ready => 16,
             Self::Commit | Self::Heartbeat => 8,
+            Self::AuthHello => Handshake::ENCODED_LEN + AUTH_NONCE_LEN,
+            Self::AuthChallenge => AUTH_NONCE_LEN + AUTH_PROOF_LEN,
+            Self::AuthProof => AUTH_PROOF_LEN,
         }
     }
 }

@@ -3,9 +3,9 @@
 use crate::codec::{Reader, Writer};
 use crate::error::{AbortReason, WireError};
 use crate::{
-    FRAME_HEADER_LEN, FrameHeader, FrameKind, MAGIC, MAX_CHANNELS, MAX_GUEST_KIND_LEN,
-    MAX_NAME_LEN, MAX_REGION_BYTES, MAX_REGIONS, MAX_SECTION_BYTES, MAX_TEXT_LEN, PAGE_SIZE,
-    PROTOCOL_VERSION,
+    AUTH_NONCE_LEN, AUTH_PROOF_LEN, FRAME_HEADER_LEN, FrameHeader, FrameKind, MAGIC, MAX_CHANNELS,
+    MAX_GUEST_KIND_LEN, MAX_NAME_LEN, MAX_REGION_BYTES, MAX_REGIONS, MAX_SECTION_BYTES,
+    MAX_TEXT_LEN, PAGE_SIZE, PROTOCOL_VERSION,
 };
 
 /// The part of the handshake every channel sends first.
@@ -360,6 +360,34 @@ pub struct Abort {
     pub message: String,
 }
 
+/// The first message on a channel when the sides share a key: the
+/// session and channel it is for, and the source's fresh nonce. Both sides'
+/// proofs cover these, so a proof made for one channel or session is
+/// worthless on another.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct AuthHello {
+    /// Session and channel index (0 for the main channel).
+    pub handshake: Handshake,
+    /// The source's random nonce.
+    pub nonce: [u8; AUTH_NONCE_LEN],
+}
+
+/// The destination's answer to an [`AuthHello`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct AuthChallenge {
+    /// The destination's random nonce.
+    pub nonce: [u8; AUTH_NONCE_LEN],
+    /// The destination's proof that it holds the key.
+    pub proof: [u8; AUTH_PROOF_LEN],
+}
+
+/// The source's proof that it holds the key.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct AuthProof {
+    /// HMAC-SHA256 tag over both nonces, the session and the channel.
+    pub proof: [u8; AUTH_PROOF_LEN],
+}
+
 /// A control message (everything except page packets).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Message {
@@ -389,6 +417,12 @@ pub enum Message {
     /// runs, so the source notices a destination that stopped or is cut off
     /// even when no connection reset ever arrives.
     Heartbeat,
+    /// See [`AuthHello`].
+    AuthHello(AuthHello),
+    /// See [`AuthChallenge`].
+    AuthChallenge(AuthChallenge),
+    /// See [`AuthProof`].
+    AuthProof(AuthProof),
 }
 
 impl Message {
@@ -406,6 +440,9 @@ impl Message {
             Self::Ready(_) => FrameKind::Ready,
             Self::Commit => FrameKind::Commit,
             Self::Heartbeat => FrameKind::Heartbeat,
+            Self::AuthHello(_) => FrameKind::AuthHello,
+            Self::AuthChallenge(_) => FrameKind::AuthChallenge,
+            Self::AuthProof(_) => FrameKind::AuthProof,
         }
     }
 
@@ -468,6 +505,16 @@ impl Message {
             }
             Self::Commit | Self::Heartbeat => {
                 w.zeros(8);
+            }
+            Self::AuthHello(hello) => {
+                hello.handshake.encode(&mut w);
+                w.bytes(&hello.nonce);
+            }
+            Self::AuthChallenge(challenge) => {
+                w.bytes(&challenge.nonce).bytes(&challenge.proof);
+            }
+            Self::AuthProof(proof) => {
+                w.bytes(&proof.proof);
             }
         }
         let body_len = u32::try_from(out.len() - start - FRAME_HEADER_LEN).unwrap_or(u32::MAX);
@@ -642,6 +689,26 @@ impl Message {
                 r.reserved(8)?;
                 Self::Heartbeat
             }
+            FrameKind::AuthHello => {
+                let handshake = Handshake::decode(&mut r)?;
+                if handshake.channel_index > MAX_CHANNELS {
+                    return Err(WireError::InvalidField {
+                        field: "channel index",
+                        detail: format!(
+                            "channel index {} (must be 0..={MAX_CHANNELS})",
+                            handshake.channel_index
+                        ),
+                    });
+                }
+                let nonce = r.array()?;
+                Self::AuthHello(AuthHello { handshake, nonce })
+            }
+            FrameKind::AuthChallenge => {
+                let nonce = r.array()?;
+                let proof = r.array()?;
+                Self::AuthChallenge(AuthChallenge { nonce, proof })
+            }
+            FrameKind::AuthProof => Self::AuthProof(AuthProof { proof: r.array()? }),
             FrameKind::Pages => {
                 return Err(WireError::Unexpected {
                     got: FrameKind::Pages,
@@ -668,5 +735,8 @@ fn kind_name(kind: FrameKind) -> &'static str {
         FrameKind::Ready => "ready",
         FrameKind::Commit => "commit",
         FrameKind::Heartbeat => "heartbeat",
+        FrameKind::AuthHello => "auth hello",
+        FrameKind::AuthChallenge => "auth challenge",
+        FrameKind::AuthProof => "auth proof",
     }
 }

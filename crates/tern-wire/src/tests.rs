@@ -90,6 +90,38 @@ fn control_messages_round_trip() {
 }
 
 #[test]
+fn auth_messages_round_trip_and_are_bounded() {
+    let hello = Message::AuthHello(AuthHello {
+        handshake: Handshake {
+            session_id: 7,
+            channel_index: 0,
+        },
+        nonce: [3; AUTH_NONCE_LEN],
+    });
+    let challenge = Message::AuthChallenge(AuthChallenge {
+        nonce: [4; AUTH_NONCE_LEN],
+        proof: [5; AUTH_PROOF_LEN],
+    });
+    let proof = Message::AuthProof(AuthProof {
+        proof: [6; AUTH_PROOF_LEN],
+    });
+    for message in [hello.clone(), challenge, proof] {
+        let bytes = message.to_bytes();
+        assert_eq!(bytes.len() - FRAME_HEADER_LEN, message.kind().max_body());
+        round_trip(message.clone());
+        for cut in 0..bytes.len() - FRAME_HEADER_LEN {
+            assert!(Message::decode(message.kind(), &bytes[8..8 + cut]).is_err());
+        }
+    }
+    let mut bytes = hello.to_bytes();
+    bytes[8 + 10..8 + 12].copy_from_slice(&(MAX_CHANNELS + 1).to_le_bytes());
+    assert!(matches!(
+        Message::decode(FrameKind::AuthHello, &bytes[8..]),
+        Err(WireError::InvalidField { .. })
+    ));
+}
+
+#[test]
 fn handshake_rejects_wrong_magic_and_version() {
     let mut bytes = hello().to_bytes();
     bytes[8] = b'X';

@@ -393,7 +393,14 @@ fn one_run(
     let memory = args.memory;
     let listener = Listener::bind(&Address::Tcp("127.0.0.1:0".into()))?;
     let address = listener.local_address()?;
-    let destination = spawn_local_destination(listener, ReceiveConfig::default());
+    let destination = spawn_local_destination(
+        listener,
+        ReceiveConfig {
+            // The benchmark's own source: its --verify choice stands.
+            allow_unverified: true,
+            ..ReceiveConfig::default()
+        },
+    );
     let source = Source::new(MigrationConfig {
         channels: case.channels,
         compression: case.compression,

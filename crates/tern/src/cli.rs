@@ -94,6 +94,10 @@ pub struct DemoArgs {
     /// Use a Unix socket instead of TCP on 127.0.0.1.
     #[arg(long)]
     pub unix: bool,
+    /// Run TLS 1.3 on every channel, with certificates from a CA made for
+    /// this run only.
+    #[arg(long)]
+    pub tls: bool,
     /// Print one JSON document instead of the summary table.
     #[arg(long)]
     pub json: bool,
@@ -101,10 +105,13 @@ pub struct DemoArgs {
 
 #[derive(Debug, Args)]
 pub struct MigrateArgs {
-    /// Destination: HOST:PORT, tcp:HOST:PORT, tcp::PORT (this machine) or
-    /// unix:PATH.
+    /// Destination: HOST:PORT, tcp:HOST:PORT, tcp::PORT (this machine),
+    /// unix:PATH, vsock:CID:PORT or fd:N,M,... (inherited connected
+    /// sockets, one per channel, main first).
     #[arg(long, value_parser = parse_address)]
     pub to: Address,
+    #[command(flatten)]
+    pub security: crate::secure::SourceSecurityArgs,
     #[command(flatten)]
     pub guest: GuestArgs,
     #[command(flatten)]
@@ -122,9 +129,12 @@ pub struct MigrateArgs {
 #[derive(Debug, Args)]
 pub struct ListenArgs {
     /// Where to listen: HOST:PORT, tcp:HOST:PORT, tcp::PORT (every
-    /// interface) or unix:PATH.
+    /// interface), unix:PATH, vsock:CID:PORT or fd:N (an inherited
+    /// listening socket, or connected ones).
     #[arg(long, value_parser = parse_address)]
     pub listen: Address,
+    #[command(flatten)]
+    pub security: crate::secure::DestinationSecurityArgs,
     /// How long to wait for the source, in seconds.
     #[arg(long, default_value_t = 300)]
     pub accept_timeout: u64,
@@ -163,7 +173,7 @@ impl ListenArgs {
         use anyhow::Context;
         let listener = tern_engine::Listener::bind(&self.listen)
             .with_context(|| format!("cannot listen on {}", self.listen))?;
-        let config = tern_engine::ReceiveConfig {
+        let mut config = tern_engine::ReceiveConfig {
             accept_timeout: Duration::from_secs(self.accept_timeout),
             io_timeout: Duration::from_secs(self.io_timeout),
             handshake_timeout: Duration::from_secs(self.handshake_timeout),
@@ -181,6 +191,7 @@ impl ListenArgs {
             )
             .context("--qpl-path hardware")?;
         }
+        self.security.apply(&listener, &mut config)?;
         Ok((listener, config))
     }
 }

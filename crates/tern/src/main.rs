@@ -7,6 +7,7 @@ mod doctor;
 mod reference;
 mod report;
 mod run;
+mod secure;
 mod units;
 mod vm;
 

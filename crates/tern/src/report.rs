@@ -319,7 +319,7 @@ struct AddressEvent {
     address: String,
     transport: &'static str,
     #[serde(skip_serializing_if = "Option::is_none")]
-    port: Option<u16>,
+    port: Option<u32>,
 }
 
 fn address_event(event: &'static str, address: &Address) -> AddressEvent {
@@ -336,6 +336,18 @@ fn address_event(event: &'static str, address: &Address) -> AddressEvent {
             event,
             address: address.to_string(),
             transport: "unix",
+            port: None,
+        },
+        Address::Vsock { port, .. } => AddressEvent {
+            event,
+            address: address.to_string(),
+            transport: "vsock",
+            port: Some(*port),
+        },
+        Address::Fd(_) => AddressEvent {
+            event,
+            address: address.to_string(),
+            transport: "fd",
             port: None,
         },
     }

@@ -184,7 +184,13 @@ pub fn guest_keeps_running(guest: &SyntheticGuest, within: Duration) -> bool {
 }
 
 fn demo(args: &DemoArgs, verbose: bool) -> anyhow::Result<ExitCode> {
-    let config = args.transfer.migration_config()?;
+    let mut config = args.transfer.migration_config()?;
+    let (source_security, destination_security) = if args.tls {
+        crate::secure::throwaway_tls()?
+    } else {
+        Default::default()
+    };
+    config.security = source_security;
     args.guest.check()?;
     check_memory_fits(
         2 * args.guest.resident_estimate(),
@@ -218,6 +224,9 @@ fn demo(args: &DemoArgs, verbose: bool) -> anyhow::Result<ExitCode> {
         listener,
         ReceiveConfig {
             io_timeout: config.io_timeout,
+            security: destination_security,
+            // The demo's own source: its --verify choice stands.
+            allow_unverified: true,
             ..ReceiveConfig::default()
         },
     );
@@ -326,7 +335,8 @@ fn option_for(field: &str) -> String {
 }
 
 fn migrate(args: &MigrateArgs, verbose: bool) -> anyhow::Result<ExitCode> {
-    let config = args.transfer.migration_config()?;
+    let mut config = args.transfer.migration_config()?;
+    config.security = args.security.security()?;
     check_config(&config, &args.to)?;
     args.guest.check()?;
     check_memory_fits(

@@ -115,6 +115,8 @@ pub struct MigrateArgs {
     #[arg(long, value_parser = crate::cli::parse_address)]
     pub to: Address,
     #[command(flatten)]
+    pub security: crate::secure::SourceSecurityArgs,
+    #[command(flatten)]
     pub vm: VmArgs,
     /// How long the guest runs before the migration starts, in
     /// milliseconds.
@@ -475,7 +477,8 @@ fn source_guest_after_failure(runs: bool, paused: bool) -> &'static str {
 }
 
 fn migrate(args: &MigrateArgs, verbose: bool) -> anyhow::Result<ExitCode> {
-    let config = args.transfer.migration_config()?;
+    let mut config = args.transfer.migration_config()?;
+    config.security = args.security.security()?;
     crate::run::check_config(&config, &args.to)?;
     let source = Source::new(config)?;
     let mut guest = args.vm.start(1)?;
@@ -637,6 +640,8 @@ fn demo(args: &DemoArgs, verbose: bool) -> anyhow::Result<ExitCode> {
     let destination = std::thread::spawn(move || {
         Destination::new(ReceiveConfig {
             io_timeout,
+            // The demo's own source: its --verify choice stands.
+            allow_unverified: true,
             ..ReceiveConfig::default()
         })
         .receive(&listener, make_destination)

@@ -257,7 +257,12 @@ fn colour_only_when_asked_off_a_terminal() {
 
 #[test]
 fn qemu_spellings_migrate() {
-    let receiver = Receiver::spawn_at(&["receive"], "tcp::0", &["--json", "--progress", "none"]);
+    // Every interface, unauthenticated: allowed only with --insecure.
+    let receiver = Receiver::spawn_at(
+        &["receive"],
+        "tcp::0",
+        &["--json", "--progress", "none", "--insecure"],
+    );
     let port = receiver.port();
     let output = tern()
         .args(["migrate", "--json", "--to", &format!("tcp::{port}")])
@@ -358,7 +363,7 @@ fn completions_are_printed_for_each_shell() {
 
 #[test]
 fn receive_reports_an_unverified_migration_as_such() {
-    let receiver = Receiver::spawn(&["receive"], &["--json"]);
+    let receiver = Receiver::spawn(&["receive"], &["--json", "--allow-unverified"]);
     let output = tern()
         .args(["migrate", "--json", "--to", &receiver.address])
         .args(["--memory", "16MiB"])
@@ -626,4 +631,61 @@ fn qpl_path_hardware_without_iaa_is_refused_before_anything_moves() {
     assert_eq!(output.status.code(), Some(2), "{output:?}");
     let stderr = String::from_utf8_lossy(&output.stderr);
     assert!(stderr.contains("hardware"), "{stderr}");
+}
+
+#[test]
+fn receive_refuses_to_listen_unauthenticated_where_others_reach_it() {
+    let output = tern()
+        .args(["receive", "--listen", "tcp::0", "--accept-timeout", "1"])
+        .output()
+        .unwrap();
+    assert_eq!(output.status.code(), Some(2), "{output:?}");
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(
+        stderr.contains("refusing to receive unauthenticated migrations")
+            && stderr.contains("--insecure"),
+        "{stderr}"
+    );
+    assert!(output.stdout.is_empty(), "no listening event: {output:?}");
+}
+
+#[test]
+fn migrate_and_receive_with_an_auth_key() {
+    let dir = tempfile::tempdir().unwrap();
+    let key = dir.path().join("key");
+    std::fs::write(&key, "a key shared by both processes\n").unwrap();
+    let key = key.to_str().unwrap();
+    let receiver = Receiver::spawn(&["receive"], &["--json", "--auth-key", key]);
+    let output = tern()
+        .args(["migrate", "--json", "--to", &receiver.address])
+        .args(["--memory", "16MiB", "--dirty-rate", "0", "--auth-key", key])
+        .output()
+        .unwrap();
+    assert!(output.status.success(), "{output:?}");
+    let report = json(&output);
+    assert_eq!(report["authenticated"], true);
+    assert_eq!(report["transport"], "tcp");
+    assert_eq!(report["digest-verified"], true);
+    assert_eq!(receiver.report()["digest-verified"], true);
+}
+
+#[test]
+fn demo_over_tls_reports_it() {
+    let output = tern()
+        .args([
+            "demo",
+            "--tls",
+            "--json",
+            "--memory",
+            "16MiB",
+            "--dirty-rate",
+            "0",
+        ])
+        .output()
+        .unwrap();
+    assert!(output.status.success(), "{output:?}");
+    let report = json(&output);
+    assert_eq!(report["tls"]["version"], "TLSv1_3");
+    assert_eq!(report["authenticated"], true);
+    assert_eq!(report["digest-verified"], true);
 }

@@ -6,14 +6,19 @@ use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
 use tern_page::codec::CodecId;
-use tern_wire::{Abort, AbortReason, ChannelHello, FrameDecoder, Message, SessionSetup, Welcome};
+use tern_wire::{
+    Abort, AbortReason, AuthChallenge, AuthHello, ChannelHello, DigestAlgorithm, FrameDecoder,
+    Message, SessionSetup, Welcome,
+};
 
 use super::stream::{FrameSink, read_message};
 use super::{Destination, POLL_INTERVAL, ReceivePhase};
-use crate::config::ReceiveConfig;
+use crate::config::{ReceiveConfig, UnauthenticatedPolicy};
 use crate::error::{ChannelError, MigrationError};
 use crate::guest::{DestinationGuest, GuestError, MemoryRegion};
-use crate::transport::{Channel, Listener};
+use crate::transport::auth::{self, AuthKey, Bound};
+use crate::transport::security::Security;
+use crate::transport::{Channel, Listener, ShutdownHandle, tls};
 
 /// What the main channel's handshake settled.
 pub(super) struct Greeted<G> {
@@ -27,16 +32,16 @@ pub(super) struct Greeted<G> {
 }
 
 /// A connection whose first message arrived within its deadline.
-pub(super) struct Arrived {
+pub(crate) struct Arrived {
     pub(super) channel: Channel,
     pub(super) decoder: FrameDecoder,
-    pub(super) message: Message,
+    pub(crate) message: Message,
 }
 
 /// A connection still in handshake: a handle to close it at its deadline.
 struct Pending {
     id: u64,
-    closer: Channel,
+    closer: ShutdownHandle,
     deadline: Instant,
 }
 
@@ -48,6 +53,7 @@ type Outcome = (u64, Result<Arrived, ChannelError>);
 /// no other. At most `limit` connections are in handshake at once.
 pub(super) struct Handshakes<'a> {
     listener: &'a Listener,
+    security: Security,
     timeout: Duration,
     limit: usize,
     pending: Vec<Pending>,
@@ -64,6 +70,7 @@ impl<'a> Handshakes<'a> {
         let (sender, outcomes) = mpsc::channel();
         Self {
             listener,
+            security: config.security.clone(),
             timeout: config.handshake_timeout,
             limit: config.max_pending_handshakes.max(1),
             pending: Vec::new(),
@@ -139,7 +146,7 @@ impl<'a> Handshakes<'a> {
         // The closer ends a read blocked past the deadline; the per-read
         // timeout only bounds each read, and a slow peer could otherwise keep
         // the handshake alive with one byte per timeout.
-        let Ok(closer) = channel.try_clone() else {
+        let Ok(closer) = channel.shutdown_handle() else {
             tracing::warn!("closed a new connection: cannot duplicate its socket");
             return;
         };
@@ -152,27 +159,11 @@ impl<'a> Handshakes<'a> {
             deadline: Instant::now() + self.timeout,
         });
         let sender = self.sender.clone();
+        let security = self.security.clone();
         let spawned = std::thread::Builder::new()
             .name("tern-handshake".into())
             .spawn(move || {
-                let mut decoder = FrameDecoder::new();
-                let outcome = match read_message(&mut channel, &mut decoder) {
-                    Ok(message) => Ok(Arrived {
-                        channel,
-                        decoder,
-                        message,
-                    }),
-                    Err(error) => {
-                        if let ChannelError::Protocol(wire) = &error {
-                            // The peer hears why before the connection closes.
-                            let _ = channel.send_message(&Message::Abort(Abort {
-                                reason: AbortReason::ProtocolError,
-                                message: format!("{error}: {wire}"),
-                            }));
-                        }
-                        Err(error)
-                    }
-                };
+                let outcome = open(channel, &security);
                 // The accept loop may be gone; the connection closes then.
                 let _ = sender.send((id, outcome));
             });
@@ -191,6 +182,112 @@ impl Drop for Handshakes<'_> {
     }
 }
 
+/// Runs a new connection's protections (TLS, the shared-key handshake) and
+/// reads its first message after them.
+pub(crate) fn open(channel: Channel, security: &Security) -> Result<Arrived, ChannelError> {
+    let mut channel = match &security.tls {
+        Some(config) => tls::accept(channel, config)?,
+        None => channel,
+    };
+    let mut decoder = FrameDecoder::new();
+    let result = first_message(&mut channel, &mut decoder, security.auth_key.as_deref());
+    match result {
+        Ok(message) => Ok(Arrived {
+            channel,
+            decoder,
+            message,
+        }),
+        Err(error) => {
+            let message = match &error {
+                ChannelError::Protocol(wire) => Some(format!("{error}: {wire}")),
+                ChannelError::Auth(_) => Some(error.to_string()),
+                _ => None,
+            };
+            if let Some(message) = message {
+                // The peer hears why before the connection closes.
+                let _ = channel.send_message(&Message::Abort(Abort {
+                    reason: AbortReason::ProtocolError,
+                    message,
+                }));
+            }
+            Err(error)
+        }
+    }
+}
+
+/// The first message of a connection, after the shared-key handshake when
+/// this destination has a key: then the hello must name the session and
+/// channel the proofs covered.
+fn first_message(
+    channel: &mut Channel,
+    decoder: &mut FrameDecoder,
+    key: Option<&AuthKey>,
+) -> Result<Message, ChannelError> {
+    let first = read_message(channel, decoder)?;
+    match (key, first) {
+        (Some(key), Message::AuthHello(hello)) => {
+            server_auth(channel, decoder, key, hello)?;
+            let message = read_message(channel, decoder)?;
+            let named = match &message {
+                Message::Hello(hello) => Some(hello.handshake),
+                Message::ChannelHello(hello) => Some(hello.handshake),
+                _ => None,
+            };
+            if named.is_some_and(|named| named != hello.handshake) {
+                return Err(ChannelError::Auth(
+                    "the hello names another session or channel than the authentication".into(),
+                ));
+            }
+            channel.mark_key_authenticated();
+            Ok(message)
+        }
+        (_, Message::Abort(abort)) => Ok(Message::Abort(abort)),
+        (Some(_), _) => Err(ChannelError::Auth(
+            "this destination requires an auth key: start the source with --auth-key".into(),
+        )),
+        (None, Message::AuthHello(_)) => Err(ChannelError::Auth(
+            "the source authenticates with a key but this destination has none: start it with \
+             --auth-key"
+                .into(),
+        )),
+        (None, message) => Ok(message),
+    }
+}
+
+/// The destination's half of the shared-key handshake.
+fn server_auth(
+    channel: &mut Channel,
+    decoder: &mut FrameDecoder,
+    key: &AuthKey,
+    hello: AuthHello,
+) -> Result<(), ChannelError> {
+    let destination_nonce = auth::nonce().map_err(|error| ChannelError::Auth(error.to_string()))?;
+    let bound = Bound {
+        handshake: hello.handshake,
+        source_nonce: hello.nonce,
+        destination_nonce,
+    };
+    channel.send_message(&Message::AuthChallenge(AuthChallenge {
+        nonce: destination_nonce,
+        proof: key.destination_proof(&bound),
+    }))?;
+    match read_message(channel, decoder)? {
+        Message::AuthProof(proof) => key.verify_source(&bound, &proof.proof).map_err(|_| {
+            ChannelError::Auth(
+                "the source's proof does not match this destination's auth key".into(),
+            )
+        }),
+        Message::Abort(abort) => Err(ChannelError::Auth(format!(
+            "the source gave up authenticating: {}",
+            abort.message
+        ))),
+        other => Err(ChannelError::Auth(format!(
+            "expected an auth proof, got {:?}",
+            other.kind()
+        ))),
+    }
+}
+
 /// Refuses a whole session with this reason, on the connection that
 /// proposed it, and logs it.
 fn refuse(arrived: &mut Arrived, reason: AbortReason, message: String) {
@@ -204,9 +301,11 @@ impl Destination {
     /// Waits for the source's main channel: the first connection whose
     /// hello this destination can serve. Other connections are closed and
     /// logged, and the wait goes on.
-    pub(super) fn accept_main(&self, listener: &Listener) -> Result<Arrived, MigrationError> {
+    pub(super) fn accept_main(
+        &self,
+        handshakes: &mut Handshakes<'_>,
+    ) -> Result<Arrived, MigrationError> {
         let deadline = Instant::now() + self.config.accept_timeout;
-        let mut handshakes = Handshakes::new(listener, &self.config);
         loop {
             if self.cancel.is_cancelled() {
                 return Err(MigrationError::Cancelled);
@@ -250,6 +349,13 @@ impl Destination {
     /// Refuses, before anything is allocated for it, a session larger than
     /// this destination accepts.
     pub(super) fn check_resources(&self, setup: &SessionSetup) -> Result<(), String> {
+        if setup.digest == DigestAlgorithm::None && !self.config.allow_unverified {
+            return Err(
+                "the source skips the memory digest (--verify none), which this \
+                        destination does not allow (see --allow-unverified)"
+                    .into(),
+            );
+        }
         let total = setup.total_bytes();
         if let Some(limit) = self.config.memory_limit()
             && total > limit
@@ -312,7 +418,7 @@ impl Destination {
     /// at once.
     pub(super) fn accept_page_channels(
         &self,
-        listener: &Listener,
+        handshakes: &mut Handshakes<'_>,
         main: &mut Channel,
         decoder: &mut FrameDecoder,
         session_id: u64,
@@ -321,7 +427,6 @@ impl Destination {
         let mut slots: Vec<Option<Channel>> = (0..count).map(|_| None).collect();
         let mut seen = HashSet::new();
         let deadline = Instant::now() + self.config.accept_timeout;
-        let mut handshakes = Handshakes::new(listener, &self.config);
         while seen.len() < usize::from(count) {
             if self.cancel.is_cancelled() {
                 return Err(MigrationError::Cancelled);
@@ -353,6 +458,9 @@ impl Destination {
                 continue;
             };
             let verdict = match &arrived.message {
+                _ if arrived.channel.security().peer_identity != main.security().peer_identity => {
+                    Err("the channel presented another certificate than the main channel".into())
+                }
                 Message::ChannelHello(hello) => {
                     check_channel_hello(hello, session_id, count, &mut seen)
                 }
@@ -400,6 +508,36 @@ pub(super) fn check_channel_hello(
         Err(format!("channel {index} connected twice"))
     } else {
         Ok(index)
+    }
+}
+
+impl Destination {
+    /// Refuses to receive where the policy says nobody unauthenticated may
+    /// connect and this destination authenticates nobody.
+    pub(super) fn check_policy(&self, listener: &Listener) -> Result<(), MigrationError> {
+        if self.config.security.authenticates() {
+            return Ok(());
+        }
+        let refused = match self.config.unauthenticated {
+            UnauthenticatedPolicy::Allow => false,
+            UnauthenticatedPolicy::Refuse => true,
+            UnauthenticatedPolicy::LocalOnly => !listener.is_local_only(),
+        };
+        if !refused {
+            return Ok(());
+        }
+        let address = listener.local_address().map_or_else(
+            |_| "this listener".to_string(),
+            |address| address.to_string(),
+        );
+        Err(MigrationError::InvalidConfig {
+            field: "unauthenticated",
+            reason: format!(
+                "{address} can be reached from other machines and this destination \
+                 authenticates nobody: give it an auth key or TLS certificates (--auth-key, \
+                 --tls-dir), or accept unauthenticated sessions (--insecure)"
+            ),
+        })
     }
 }
 

@@ -301,11 +301,11 @@ mod tests {
         pages: &[Vec<u8>],
     ) -> (Result<Received<MemoryGuest>, MigrationError>, Vec<u8>) {
         let pages: Vec<&[u8]> = pages.iter().map(Vec::as_slice).collect();
-        Destination::new(ReceiveConfig::default()).receive_from_memory(
-            main,
-            &pages,
-            MemoryGuest::for_setup,
-        )
+        Destination::new(ReceiveConfig {
+            allow_unverified: true,
+            ..ReceiveConfig::default()
+        })
+        .receive_from_memory(main, &pages, MemoryGuest::for_setup)
     }
 
     /// The session fails with `needle` in its error, and tells the source.

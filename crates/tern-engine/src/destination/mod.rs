@@ -1,7 +1,7 @@
 //! The destination side: accept the channels, write received pages straight
 //! into guest memory, verify, restore and resume.
 
-mod handshake;
+pub(crate) mod handshake;
 mod in_memory;
 mod live;
 mod order;
@@ -229,12 +229,18 @@ impl Destination {
         F: FnOnce(&SessionSetup) -> Result<G, GuestError>,
     {
         let cpu_start = thread_cpu_seconds();
+        self.check_policy(listener)
+            .inspect_err(|_| self.stats.set_phase(ReceivePhase::Failed))?;
+        // One accept loop for the whole session: connections accepted while
+        // the main channel is greeted (an embedder's sockets, handed over
+        // all at once) keep their handshakes for the page channels.
+        let mut handshakes = handshake::Handshakes::new(listener, &self.config);
         let handshake::Arrived {
             channel: mut main,
             mut decoder,
             message: hello,
         } = self
-            .accept_main(listener)
+            .accept_main(&mut handshakes)
             .and_then(|mut arrived| {
                 arrived
                     .channel
@@ -244,7 +250,7 @@ impl Destination {
             })
             .inspect_err(|_| self.stats.set_phase(ReceivePhase::Failed))?;
         let result = self.run(
-            listener,
+            &mut handshakes,
             &mut main,
             &mut decoder,
             hello,
@@ -267,7 +273,7 @@ impl Destination {
 
     fn run<G, F>(
         &self,
-        listener: &Listener,
+        handshakes: &mut handshake::Handshakes<'_>,
         main: &mut Channel,
         decoder: &mut FrameDecoder,
         hello: Message,
@@ -286,7 +292,7 @@ impl Destination {
             regions,
         } = self.greet(main, hello, make_guest)?;
         let channels =
-            self.accept_page_channels(listener, main, decoder, session_id, setup.channel_count)?;
+            self.accept_page_channels(handshakes, main, decoder, session_id, setup.channel_count)?;
         tracing::info!(channels = channels.len(), "all channels connected");
         let shared = ReceiverShared::new(
             &setup,

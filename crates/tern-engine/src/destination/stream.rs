@@ -6,7 +6,7 @@ use std::time::Duration;
 use tern_wire::{Event, Expect, FrameDecoder, FrameKind, Message, WireError};
 
 use crate::error::ChannelError;
-use crate::transport::{Channel, Segment};
+use crate::transport::{Channel, Segment, ShutdownHandle};
 
 /// The bytes a destination reads on one channel. [`Channel`] is the real
 /// one; a buffer stands in for it in tests.
@@ -70,13 +70,13 @@ pub(crate) trait PageStream: FrameSource + Send {
 }
 
 impl PageStream for Channel {
-    type Interrupt = Channel;
+    type Interrupt = ShutdownHandle;
 
-    fn interrupt_handle(&self) -> Result<Channel, ChannelError> {
-        self.try_clone()
+    fn interrupt_handle(&self) -> Result<ShutdownHandle, ChannelError> {
+        self.shutdown_handle()
     }
 
-    fn interrupt(handle: &Channel) {
+    fn interrupt(handle: &ShutdownHandle) {
         handle.shutdown();
     }
 }

@@ -35,7 +35,7 @@ use crate::stats::{
     CodecReport, CompressionReport, LiveStats, OffloadReport, ZeroDetectionReport,
     thread_cpu_seconds,
 };
-use crate::transport::{Channel, Segment};
+use crate::transport::{Channel, Segment, ShutdownHandle};
 use crate::zerocopy::{ZeroCopyError, ZeroCopyStats, ZeroCopyTransport};
 
 mod auto_codec;
@@ -180,7 +180,7 @@ pub(crate) struct Pipeline<'scope> {
     next_worker: usize,
     channel_count: usize,
     handles: Vec<ScopedJoinHandle<'scope, ()>>,
-    shutdown_handles: Vec<Channel>,
+    shutdown_handles: Vec<ShutdownHandle>,
     cancel: Arc<AtomicBool>,
     totals: IterationTotals,
     codec: CodecId,
@@ -279,7 +279,7 @@ impl<'scope> Pipeline<'scope> {
             self.shutdown_handles.push(
                 channel
                     .channel()
-                    .try_clone()
+                    .shutdown_handle()
                     .map_err(MigrationError::channel(index + 1))?,
             );
             let shared_for_thread = shared.clone();

@@ -6,10 +6,12 @@ use tern_wire::{
 };
 
 use crate::config::{MigrationConfig, Verify, ZeroCopyBackend};
+use crate::error::ChannelError;
 use crate::error::MigrationError;
 use crate::guest::{MemoryRegion, PAGE_SIZE};
 use crate::pipeline::{CompressionSetup, PageSender};
-use crate::transport::{Address, Channel};
+use crate::transport::security::secure_client;
+use crate::transport::{Channel, Connect};
 use crate::uring_zc::UringZeroCopySender;
 use crate::zerocopy::{self, ZeroCopySender};
 
@@ -17,7 +19,7 @@ use crate::zerocopy::{self, ZeroCopySender};
 /// still tell the destination why) and returns the page channels.
 pub(super) fn connect(
     config: &MigrationConfig,
-    address: &Address,
+    connector: &dyn Connect,
     setup: &SessionSetup,
     session_id: u64,
     main_slot: &mut Option<Channel>,
@@ -27,11 +29,7 @@ pub(super) fn connect(
     } else {
         None
     };
-    let main = main_slot.insert(
-        Channel::connect(address, config.connect_timeout).map_err(MigrationError::channel(0))?,
-    );
-    main.set_timeouts(config.io_timeout)
-        .map_err(MigrationError::channel(0))?;
+    let main = main_slot.insert(open_channel(config, connector, session_id, 0)?);
     main.send_message(&Message::Hello(Hello {
         handshake: Handshake {
             session_id,
@@ -41,23 +39,52 @@ pub(super) fn connect(
     }))
     .map_err(MigrationError::channel(0))?;
     expect_welcome(main, session_id, 0)?;
+    let identity = main.security().peer_identity.clone();
     (1..=config.channels)
-        .map(|index| connect_page_channel(config, address, session_id, index, zero_copy_window))
+        .map(|index| {
+            let channel = open_channel(config, connector, session_id, index)?;
+            if channel.security().peer_identity != identity {
+                return Err(MigrationError::Channel {
+                    index: usize::from(index),
+                    source: ChannelError::Auth(
+                        "the destination presented another certificate than on the main channel"
+                            .into(),
+                    ),
+                });
+            }
+            connect_page_channel(config, channel, session_id, index, zero_copy_window)
+        })
         .collect()
+}
+
+/// Connects channel `index` and runs its protections (TLS, the shared-key
+/// handshake); its hello comes next.
+fn open_channel(
+    config: &MigrationConfig,
+    connector: &dyn Connect,
+    session_id: u64,
+    index: u16,
+) -> Result<Channel, MigrationError> {
+    let failed = || MigrationError::channel(usize::from(index));
+    let mut channel = connector
+        .connect(index, config.connect_timeout)
+        .map_err(failed())?;
+    channel.set_timeouts(config.io_timeout).map_err(failed())?;
+    let address = connector.address();
+    let handshake = Handshake {
+        session_id,
+        channel_index: index,
+    };
+    secure_client(channel, &config.security, address.host(), handshake).map_err(failed())
 }
 
 fn connect_page_channel(
     config: &MigrationConfig,
-    address: &Address,
+    mut channel: Channel,
     session_id: u64,
     index: u16,
     zero_copy_window: Option<usize>,
 ) -> Result<PageSender, MigrationError> {
-    let failed = MigrationError::channel(usize::from(index));
-    let mut channel = Channel::connect(address, config.connect_timeout).map_err(failed)?;
-    channel
-        .set_timeouts(config.io_timeout)
-        .map_err(MigrationError::channel(usize::from(index)))?;
     channel
         .send_message(&Message::ChannelHello(ChannelHello {
             handshake: Handshake {

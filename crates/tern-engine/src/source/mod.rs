@@ -16,8 +16,8 @@ use crate::error::MigrationError;
 use crate::guest::{MemoryRegion, SourceGuest};
 use crate::pipeline::{CompressionSetup, Pipeline, PipelineSetup};
 use crate::stats::thread_cpu_seconds;
-use crate::stats::{DestinationStats, LiveStats, MigrationStats, MigrationStatus};
-use crate::transport::{Address, Channel};
+use crate::stats::{DestinationStats, LiveStats, MigrationStats, MigrationStatus, SessionSecurity};
+use crate::transport::{Address, Channel, Connect, Connector};
 use peer::{peer_reason, send_abort};
 
 /// How fast at most the source's dirty-log audit reads memory during the
@@ -159,12 +159,26 @@ impl Source {
         guest: &mut G,
         address: &Address,
     ) -> Result<MigrationStats, MigrationFailure> {
+        match Connector::for_address(address) {
+            Ok(connector) => self.migrate_via(guest, &connector),
+            Err(error) => self.migrate_via(guest, &Unreachable(address.clone(), error.to_string())),
+        }
+    }
+
+    /// Runs the migration over channels that `connector` opens: an
+    /// embedder's own sockets or transport. TLS and the shared-key
+    /// handshake of [`MigrationConfig::security`] run on top of them.
+    pub fn migrate_via<G: SourceGuest>(
+        &self,
+        guest: &mut G,
+        connector: &dyn Connect,
+    ) -> Result<MigrationStats, MigrationFailure> {
         self.stats.start_clock();
         self.stats.set_downtime_limit(self.config.downtime_limit);
         let cpu_start = thread_cpu_seconds();
         let mut changes = GuestChanges::default();
         let mut main: Option<Channel> = None;
-        let result = self.run(guest, address, &mut changes, &mut main);
+        let result = self.run(guest, connector, &mut changes, &mut main);
         self.stats
             .record_cpu("migration", thread_cpu_seconds() - cpu_start);
         match result {
@@ -224,12 +238,13 @@ impl Source {
     fn run<G: SourceGuest>(
         &self,
         guest: &mut G,
-        address: &Address,
+        connector: &dyn Connect,
         changes: &mut GuestChanges,
         main_slot: &mut Option<Channel>,
     ) -> Result<Option<DestinationStats>, MigrationError> {
         let config = &self.config;
-        config.check_address(address)?;
+        let address = connector.address();
+        config.check_address(&address)?;
         let regions: Vec<MemoryRegion> = guest.regions().to_vec();
         let setup =
             connect::session_setup(&regions, guest.guest_kind(), config, &self.compression)?;
@@ -238,7 +253,7 @@ impl Source {
         self.stats.remaining.store(total, Ordering::Relaxed);
         let page_channels = connect::connect(
             config,
-            address,
+            connector,
             &setup,
             connect::random_session_id(),
             main_slot,
@@ -246,6 +261,11 @@ impl Source {
         let Some(main) = main_slot.as_mut() else {
             return Err(MigrationError::Internal("main channel missing".into()));
         };
+        self.stats.record_security(SessionSecurity {
+            transport: address.transport().to_string(),
+            authenticated: main.security().authenticated(),
+            tls: main.security().tls.clone(),
+        });
         self.stats.set_setup_time(self.stats.started().elapsed());
         tracing::info!(
             channels = config.channels,
@@ -356,6 +376,28 @@ impl Source {
             cancel: self.cancel.flag(),
             page_hashes,
         }
+    }
+}
+
+/// A destination whose sockets could not be taken (a bad `fd:` list): each
+/// connection attempt reports why, so the failure takes the usual path.
+#[derive(Debug)]
+struct Unreachable(Address, String);
+
+impl Connect for Unreachable {
+    fn connect(
+        &self,
+        _index: u16,
+        _timeout: std::time::Duration,
+    ) -> Result<Channel, crate::error::ChannelError> {
+        Err(crate::error::ChannelError::Connect(
+            self.0.to_string(),
+            std::io::Error::other(self.1.clone()),
+        ))
+    }
+
+    fn address(&self) -> Address {
+        self.0.clone()
     }
 }
 

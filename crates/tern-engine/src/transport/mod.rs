@@ -1,14 +1,25 @@
-//! Channels: TCP or Unix stream sockets, with vectored sends from raw guest
-//! pointers and reads straight into guest memory.
+//! Channels: TCP, Unix, vsock or inherited stream sockets, with vectored
+//! sends from raw guest pointers and reads straight into guest memory, and
+//! TLS over any of them.
 //!
 //! This folder holds everything that moves bytes between source and
-//! destination: this file (addresses, listeners, [`Channel`], [`Segment`])
-//! and [`zerocopy`] (the zero-copy senders built on a [`Channel`]).
-//! Dependencies point inwards only: `zerocopy` uses this file, never the
-//! reverse. Other ways to connect and accept the channels (TLS, vsock, an
-//! inherited fd) belong here as siblings of [`zerocopy`].
+//! destination: this file (addresses, listeners, [`Channel`], [`Segment`]),
+//! [`seam`] (how the engine gets its channels: [`Connect`] and [`Accept`],
+//! which an embedder may implement), [`socket`] (vsock and inherited
+//! descriptors), [`auth`] (the shared-key handshake), [`tls`] (rustls and
+//! kernel TLS), [`security`] (what each side requires of a channel) and
+//! [`zerocopy`] (the zero-copy senders built on a [`Channel`]).
+//! Dependencies point inwards only: the others use this file, never the
+//! reverse.
 
+pub mod auth;
+pub mod seam;
+pub mod security;
+pub mod socket;
+pub mod tls;
 pub mod zerocopy;
+
+pub use seam::{Accept, Connect, Connector};
 
 use std::fmt;
 use std::io;
@@ -32,12 +43,32 @@ pub enum Address {
     Tcp(String),
     /// `unix:PATH`.
     Unix(PathBuf),
+    /// `vsock:CID:PORT`: AF_VSOCK, between a host and its guests (or, with
+    /// CID 1, on this machine where `vsock_loopback` is loaded).
+    Vsock {
+        /// Context id: 2 is the host, guests have their own; the listener's
+        /// is ignored (it takes any).
+        cid: u32,
+        /// Port.
+        port: u32,
+    },
+    /// `fd:N` or `fd:N,M,...`: stream sockets this process inherited. One
+    /// listening socket (either side accepts on it), or connected sockets:
+    /// the source needs one per channel (main first), the destination takes
+    /// them as if accepted.
+    Fd(Vec<RawFd>),
 }
 
 impl FromStr for Address {
     type Err = String;
 
     fn from_str(text: &str) -> Result<Self, String> {
+        if let Some(rest) = text.strip_prefix("vsock:") {
+            return socket::parse_vsock(rest).map(|(cid, port)| Self::Vsock { cid, port });
+        }
+        if let Some(rest) = text.strip_prefix("fd:") {
+            return socket::parse_fds(rest).map(Self::Fd);
+        }
         if let Some(path) = text.strip_prefix("unix:") {
             if path.is_empty() {
                 return Err("unix: address needs a path".to_string());
@@ -55,7 +86,8 @@ impl FromStr for Address {
                 Ok(Self::Tcp(host_port.to_string()))
             }
             _ => Err(format!(
-                "'{text}' is not an address: use HOST:PORT, tcp:HOST:PORT, tcp::PORT or unix:PATH"
+                "'{text}' is not an address: use HOST:PORT, tcp:HOST:PORT, tcp::PORT, unix:PATH, \
+                 vsock:CID:PORT or fd:N"
             )),
         }
     }
@@ -66,7 +98,35 @@ impl fmt::Display for Address {
         match self {
             Self::Tcp(host_port) => write!(f, "tcp:{host_port}"),
             Self::Unix(path) => write!(f, "unix:{}", path.display()),
+            Self::Vsock { cid, port } => write!(f, "vsock:{cid}:{port}"),
+            Self::Fd(fds) => {
+                let list: Vec<String> = fds.iter().map(ToString::to_string).collect();
+                write!(f, "fd:{}", list.join(","))
+            }
         }
+    }
+}
+
+impl Address {
+    /// The transport's name in reports: `tcp`, `unix`, `vsock` or `fd`.
+    pub fn transport(&self) -> &'static str {
+        match self {
+            Self::Tcp(_) => "tcp",
+            Self::Unix(_) => "unix",
+            Self::Vsock { .. } => "vsock",
+            Self::Fd(_) => "fd",
+        }
+    }
+
+    /// The host name a TLS client checks the destination's certificate
+    /// against when none is given: the host of a TCP address.
+    pub fn host(&self) -> Option<&str> {
+        let Self::Tcp(host_port) = self else {
+            return None;
+        };
+        let (host, _) = host_port.rsplit_once(':')?;
+        let host = host.trim_start_matches('[').trim_end_matches(']');
+        (!host.is_empty()).then_some(host)
     }
 }
 
@@ -77,6 +137,11 @@ pub enum Listener {
     Tcp(TcpListener),
     /// Unix stream socket; the path is removed on drop.
     Unix(UnixListener, PathBuf),
+    /// A listening vsock or inherited socket.
+    Socket(socket2::Socket),
+    /// Anything else that hands out channels: connected sockets passed in,
+    /// or an embedder's own [`Accept`].
+    Custom(Box<dyn Accept>),
 }
 
 impl Listener {
@@ -97,6 +162,21 @@ impl Listener {
                 }
                 Ok(Self::Unix(UnixListener::bind(path)?, path.clone()))
             }
+            Address::Vsock { port, .. } => socket::listen_vsock(*port).map(Self::Socket),
+            Address::Fd(fds) => socket::listener_from_fds(fds),
+        }
+    }
+
+    /// Whether only this machine can connect: a loopback TCP address or a
+    /// Unix socket (guarded by file permissions). The destination's policy
+    /// on unauthenticated sessions starts from this.
+    pub fn is_local_only(&self) -> bool {
+        match self {
+            Self::Tcp(listener) => listener
+                .local_addr()
+                .is_ok_and(|address| address.ip().is_loopback()),
+            Self::Unix(..) => true,
+            Self::Socket(_) | Self::Custom(_) => false,
         }
     }
 
@@ -106,6 +186,8 @@ impl Listener {
         match self {
             Self::Tcp(listener) => Ok(Address::Tcp(listener.local_addr()?.to_string())),
             Self::Unix(_, path) => Ok(Address::Unix(path.clone())),
+            Self::Socket(socket) => socket::local_address(socket),
+            Self::Custom(accept) => Ok(accept.address()),
         }
     }
 
@@ -114,6 +196,8 @@ impl Listener {
         let fd = match self {
             Self::Tcp(listener) => listener.as_raw_fd(),
             Self::Unix(listener, _) => listener.as_raw_fd(),
+            Self::Socket(socket) => socket.as_raw_fd(),
+            Self::Custom(accept) => return accept.accept_timeout(timeout),
         };
         if !poll_readable(fd, timeout).map_err(ChannelError::Io)? {
             return Err(ChannelError::Timeout("a connection"));
@@ -127,6 +211,11 @@ impl Listener {
                 let (stream, _) = listener.accept().map_err(ChannelError::Io)?;
                 Stream::Unix(stream)
             }
+            Self::Socket(socket) => {
+                let (stream, _) = socket.accept().map_err(ChannelError::Io)?;
+                Stream::Socket(stream)
+            }
+            Self::Custom(_) => unreachable!("returned above"),
         };
         Channel::new(stream)
     }
@@ -144,6 +233,11 @@ impl Drop for Listener {
 enum Stream {
     Tcp(TcpStream),
     Unix(UnixStream),
+    /// vsock, an inherited socket, or a socket whose TLS records the kernel
+    /// handles (kTLS): plain reads and writes either way.
+    Socket(socket2::Socket),
+    /// TLS in user space: every byte goes through rustls.
+    Tls(Box<tls::TlsStream>),
 }
 
 /// One connected channel.
@@ -154,6 +248,25 @@ pub struct Channel {
     /// How long one whole transfer (a message, a packet) may take, from its
     /// first system call to its last; `None` until [`Channel::set_timeouts`].
     message_timeout: Option<Duration>,
+    /// What the channel's handshake established, for the peer's checks and
+    /// the statistics.
+    security: security::ChannelSecurity,
+}
+
+/// A handle that shuts a channel down from another thread, waking any read
+/// or write blocked on it. It can do nothing else, so it is safe to hold on
+/// a TLS channel whose record state the owning thread keeps.
+#[derive(Debug)]
+pub struct ShutdownHandle(std::os::fd::OwnedFd);
+
+impl ShutdownHandle {
+    /// Shuts both directions down.
+    pub fn shutdown(&self) {
+        // SAFETY: shutting down an open socket has no memory effects.
+        unsafe {
+            libc::shutdown(self.0.as_raw_fd(), libc::SHUT_RDWR);
+        }
+    }
 }
 
 /// A piece of a vectored send: a pointer and a length. The pointer may be
@@ -184,12 +297,69 @@ impl Channel {
                 tcp.as_raw_fd()
             }
             Stream::Unix(unix) => unix.as_raw_fd(),
+            Stream::Socket(socket) => {
+                // Not TCP (vsock, Unix) refuses the option; that is fine.
+                let _ = socket.set_tcp_nodelay(true);
+                socket.as_raw_fd()
+            }
+            Stream::Tls(tls) => tls.raw_fd(),
         };
         Ok(Self {
             stream,
             fd,
             message_timeout: None,
+            security: security::ChannelSecurity::default(),
         })
+    }
+
+    /// A channel over a connected stream socket this process owns (one an
+    /// embedder connected or accepted itself, or inherited). Fails when `fd`
+    /// is not a stream socket.
+    pub fn from_socket(fd: std::os::fd::OwnedFd) -> Result<Self, ChannelError> {
+        Self::new(Stream::Socket(socket::stream_socket(fd)?))
+    }
+
+    /// The transport and security the channel's handshake established.
+    pub fn security(&self) -> &security::ChannelSecurity {
+        &self.security
+    }
+
+    /// Records that the peer proved it holds the shared key.
+    pub(crate) fn mark_key_authenticated(&mut self) {
+        self.security.key_authenticated = true;
+    }
+
+    /// Whether the channel's bytes are the socket's bytes (no user-space
+    /// TLS in between), so that the kernel may read the sent pages straight
+    /// from guest memory.
+    pub fn is_raw(&self) -> bool {
+        !matches!(self.stream, Stream::Tls(_))
+    }
+
+    /// A handle that shuts this channel down from another thread.
+    pub fn shutdown_handle(&self) -> Result<ShutdownHandle, ChannelError> {
+        // SAFETY: `self.fd` is open for as long as `self` lives, which
+        // covers this call.
+        let borrowed = unsafe { std::os::fd::BorrowedFd::borrow_raw(self.fd) };
+        borrowed
+            .try_clone_to_owned()
+            .map(ShutdownHandle)
+            .map_err(ChannelError::Io)
+    }
+
+    /// The underlying socket, for the TLS handshake that wraps it.
+    fn into_socket(self) -> Result<socket2::Socket, ChannelError> {
+        let fd: std::os::fd::OwnedFd = match self.stream {
+            Stream::Tcp(tcp) => tcp.into(),
+            Stream::Unix(unix) => unix.into(),
+            Stream::Socket(socket) => socket.into(),
+            Stream::Tls(_) => {
+                return Err(ChannelError::Io(io::Error::other(
+                    "the channel already runs TLS",
+                )));
+            }
+        };
+        Ok(socket2::Socket::from(fd))
     }
 
     /// Connects to `address`, retrying for up to `timeout` while the
@@ -200,6 +370,15 @@ impl Channel {
             let attempt = match address {
                 Address::Tcp(host_port) => connect_tcp(host_port, timeout).map(Stream::Tcp),
                 Address::Unix(path) => UnixStream::connect(path).map(Stream::Unix),
+                Address::Vsock { cid, port } => {
+                    socket::connect_vsock(*cid, *port, timeout).map(Stream::Socket)
+                }
+                Address::Fd(_) => {
+                    return Err(ChannelError::Connect(
+                        address.to_string(),
+                        io::Error::other("inherited sockets are taken by a Connector, not dialled"),
+                    ));
+                }
             };
             match attempt {
                 Ok(stream) => return Self::new(stream),
@@ -242,19 +421,30 @@ impl Channel {
     }
 
     /// A second handle on the same socket, for a thread that only reads
-    /// (or only writes) while another thread uses this one.
+    /// (or only writes) while another thread uses this one. A user-space
+    /// TLS channel has one record state and cannot be shared this way (use
+    /// [`Channel::shutdown_handle`] to stop it from elsewhere).
     pub fn try_clone(&self) -> Result<Self, ChannelError> {
         let stream = match &self.stream {
             Stream::Tcp(tcp) => Stream::Tcp(tcp.try_clone().map_err(ChannelError::Io)?),
             Stream::Unix(unix) => Stream::Unix(unix.try_clone().map_err(ChannelError::Io)?),
+            Stream::Socket(socket) => Stream::Socket(socket.try_clone().map_err(ChannelError::Io)?),
+            Stream::Tls(_) => {
+                return Err(ChannelError::Io(io::Error::other(
+                    "a TLS channel cannot be duplicated",
+                )));
+            }
         };
         let fd = match &stream {
             Stream::Tcp(tcp) => tcp.as_raw_fd(),
             Stream::Unix(unix) => unix.as_raw_fd(),
+            Stream::Socket(socket) => socket.as_raw_fd(),
+            Stream::Tls(_) => unreachable!("refused above"),
         };
         Ok(Self {
             stream,
             fd,
+            security: self.security.clone(),
             message_timeout: self.message_timeout,
         })
     }
@@ -302,6 +492,11 @@ impl Channel {
 
     /// Waits up to `timeout` for the channel to have data (or to be closed).
     pub fn wait_readable(&self, timeout: Duration) -> Result<bool, ChannelError> {
+        if let Stream::Tls(tls) = &self.stream
+            && tls.has_buffered_plaintext()
+        {
+            return Ok(true);
+        }
         poll_readable(self.fd, timeout).map_err(ChannelError::Io)
     }
 
@@ -313,6 +508,10 @@ impl Channel {
     /// memory); the kernel then sends some mix of old and new bytes, which
     /// the dirty log makes harmless.
     pub unsafe fn send_vectored(&mut self, segments: &[Segment]) -> Result<(), ChannelError> {
+        if let Stream::Tls(tls) = &mut self.stream {
+            // SAFETY: the caller's contract, passed on.
+            return unsafe { tls.send_segments(segments) }.map_err(map_io);
+        }
         let mut iovecs = to_iovecs(segments);
         let mut first = 0;
         let mut clock = TransferClock::new(self.fd, libc::SO_SNDTIMEO, self.message_timeout);
@@ -349,6 +548,10 @@ impl Channel {
     /// accesses during the call, and that lie inside memory the caller has
     /// bounds-checked (guest pages or a scratch buffer).
     pub unsafe fn read_scattered(&mut self, segments: &[Segment]) -> Result<(), ChannelError> {
+        if let Stream::Tls(tls) = &mut self.stream {
+            // SAFETY: the caller's contract, passed on.
+            return unsafe { tls.read_segments(segments) }.map_err(map_io);
+        }
         let mut iovecs = to_iovecs(segments);
         let mut first = 0;
         let mut clock = TransferClock::new(self.fd, libc::SO_RCVTIMEO, self.message_timeout);
@@ -505,7 +708,7 @@ fn connect_tcp(host_port: &str, timeout: Duration) -> io::Result<TcpStream> {
     Err(last_error)
 }
 
-fn poll_readable(fd: RawFd, timeout: Duration) -> io::Result<bool> {
+pub(crate) fn poll_readable(fd: RawFd, timeout: Duration) -> io::Result<bool> {
     let mut poll_fd = libc::pollfd {
         fd,
         events: libc::POLLIN,
@@ -525,7 +728,7 @@ fn poll_readable(fd: RawFd, timeout: Duration) -> io::Result<bool> {
     }
 }
 
-fn map_io(error: io::Error) -> ChannelError {
+pub(crate) fn map_io(error: io::Error) -> ChannelError {
     match error.kind() {
         io::ErrorKind::UnexpectedEof => ChannelError::Closed,
         io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut => {

@@ -89,3 +89,53 @@ pub fn wait_until(what: &str, mut condition: impl FnMut() -> bool) {
         std::thread::sleep(Duration::from_millis(5));
     }
 }
+
+/// PEM files of a throwaway CA and hosts it signed, made for one test.
+pub struct TestPki {
+    pub ca: String,
+    ca_issuer: rcgen::CertifiedIssuer<'static, rcgen::KeyPair>,
+}
+
+/// One host's certificate chain and key, in PEM.
+pub struct TestIdentity {
+    pub chain: String,
+    pub key: String,
+}
+
+impl TestPki {
+    pub fn new(name: &str) -> Self {
+        let mut params = rcgen::CertificateParams::new(Vec::<String>::new()).unwrap();
+        params.is_ca = rcgen::IsCa::Ca(rcgen::BasicConstraints::Unconstrained);
+        params
+            .distinguished_name
+            .push(rcgen::DnType::CommonName, name);
+        let key = rcgen::KeyPair::generate().unwrap();
+        let ca_issuer = rcgen::CertifiedIssuer::self_signed(params, key).unwrap();
+        Self {
+            ca: ca_issuer.pem(),
+            ca_issuer,
+        }
+    }
+
+    /// A host certificate valid for `names` (DNS names or IP addresses).
+    pub fn identity(&self, names: &[&str]) -> TestIdentity {
+        let names: Vec<String> = names.iter().map(ToString::to_string).collect();
+        let params = rcgen::CertificateParams::new(names).unwrap();
+        let key = rcgen::KeyPair::generate().unwrap();
+        let certificate = params.signed_by(&key, &self.ca_issuer).unwrap();
+        TestIdentity {
+            chain: certificate.pem(),
+            key: key.serialize_pem(),
+        }
+    }
+
+    /// A TLS configuration trusting this CA and presenting `identity`.
+    pub fn config(&self, identity: &TestIdentity) -> tern_engine::TlsConfig {
+        tern_engine::TlsConfig::from_pem(
+            self.ca.as_bytes(),
+            identity.chain.as_bytes(),
+            identity.key.as_bytes(),
+        )
+        .expect("TLS configuration")
+    }
+}

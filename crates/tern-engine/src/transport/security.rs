@@ -1,0 +1,135 @@
+//! What a side requires of every channel (TLS, a shared key), and what a
+//! channel's handshake established.
+
+use std::sync::Arc;
+
+use tern_wire::{AuthHello, AuthProof, Handshake, Message};
+
+use super::Channel;
+use super::auth::{self, AuthKey, Bound};
+use super::tls::{self, TlsConfig};
+use crate::error::ChannelError;
+
+/// The protections one side applies to each of its channels.
+#[derive(Clone, Debug, Default)]
+pub struct Security {
+    /// TLS on every channel.
+    pub tls: Option<Arc<TlsConfig>>,
+    /// The shared-key handshake on every channel (inside TLS when both are
+    /// set).
+    pub auth_key: Option<Arc<AuthKey>>,
+}
+
+impl Security {
+    /// Whether the peer has to prove who it is (a key or a certificate).
+    pub fn authenticates(&self) -> bool {
+        self.tls.is_some() || self.auth_key.is_some()
+    }
+}
+
+/// TLS parameters of a channel, for reports.
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub struct TlsInfo {
+    /// Protocol version, such as `TLSv1_3`.
+    pub version: String,
+    /// Cipher suite, such as `TLS13_AES_256_GCM_SHA384`.
+    pub cipher: String,
+    /// Whether the kernel handles the records (kTLS).
+    pub kernel_offload: bool,
+}
+
+/// What a channel's handshake established.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct ChannelSecurity {
+    /// The peer proved it holds the shared key.
+    pub key_authenticated: bool,
+    /// TLS, when the channel runs it.
+    pub tls: Option<TlsInfo>,
+    /// The peer's certificate (DER), when it presented one: every channel
+    /// of a session must present the same.
+    pub peer_identity: Option<Vec<u8>>,
+}
+
+impl ChannelSecurity {
+    /// Whether the peer proved who it is, by key or certificate.
+    pub fn authenticated(&self) -> bool {
+        self.key_authenticated || self.peer_identity.is_some()
+    }
+}
+
+/// The source's side of a channel's protections: TLS (checking `hostname`
+/// in the destination's certificate), then the shared-key handshake for
+/// `handshake`'s session and channel. The hello follows.
+pub fn secure_client(
+    channel: Channel,
+    security: &Security,
+    hostname: Option<&str>,
+    handshake: Handshake,
+) -> Result<Channel, ChannelError> {
+    let mut channel = match &security.tls {
+        Some(config) => {
+            let hostname = config.hostname.as_deref().or(hostname).ok_or_else(|| {
+                ChannelError::Tls(std::io::Error::other(
+                    "no host name to check the destination's certificate against \
+                     (give one with --tls-hostname)",
+                ))
+            })?;
+            tls::connect(channel, config, hostname)?
+        }
+        None => channel,
+    };
+    if let Some(key) = &security.auth_key {
+        client_auth(&mut channel, key, handshake)?;
+        channel.mark_key_authenticated();
+    }
+    Ok(channel)
+}
+
+fn client_auth(
+    channel: &mut Channel,
+    key: &AuthKey,
+    handshake: Handshake,
+) -> Result<(), ChannelError> {
+    let source_nonce = auth::nonce().map_err(auth_failed)?;
+    channel.send_message(&Message::AuthHello(AuthHello {
+        handshake,
+        nonce: source_nonce,
+    }))?;
+    let challenge = match channel.read_message()? {
+        Message::AuthChallenge(challenge) => challenge,
+        Message::Abort(abort) => {
+            return Err(ChannelError::Auth(format!(
+                "the destination refused the channel: {}",
+                abort.message
+            )));
+        }
+        other => {
+            return Err(ChannelError::Auth(format!(
+                "expected an auth challenge, got {:?}",
+                other.kind()
+            )));
+        }
+    };
+    let bound = Bound {
+        handshake,
+        source_nonce,
+        destination_nonce: challenge.nonce,
+    };
+    if key.verify_destination(&bound, &challenge.proof).is_err() {
+        let reason = "the destination's proof does not match this side's auth key";
+        // The destination hears it too: it cannot tell on its own.
+        let _ = channel.send_message(&Message::Abort(tern_wire::Abort {
+            reason: tern_wire::AbortReason::ProtocolError,
+            message: format!("authentication failed at the source: {reason}"),
+        }));
+        return Err(ChannelError::Auth(reason.into()));
+    }
+    channel.send_message(&Message::AuthProof(AuthProof {
+        proof: key.source_proof(&bound),
+    }))
+}
+
+fn auth_failed(error: auth::AuthError) -> ChannelError {
+    ChannelError::Auth(error.to_string())
+}

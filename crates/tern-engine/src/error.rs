@@ -177,6 +177,14 @@ impl MigrationError {
         move |source| Self::Guest { operation, source }
     }
 
+    /// What the peer's abort message says, as this side's error.
+    pub(crate) fn from_peer_abort(abort: tern_wire::Abort) -> Self {
+        Self::PeerAborted {
+            reason: abort.reason,
+            message: abort.message,
+        }
+    }
+
     pub(crate) fn channel(index: usize) -> impl FnOnce(ChannelError) -> Self {
         move |source| Self::Channel { index, source }
     }

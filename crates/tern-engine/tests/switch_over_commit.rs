@@ -160,16 +160,26 @@ fn migrate_to_fake(at: AtSwitchOver) -> (tern_synthetic::SyntheticGuest, Migrati
 
 type MigrationResult = Result<tern_engine::MigrationStats, tern_engine::MigrationFailure>;
 
+/// The failure `result` must be, with `status` and `needle` in its cause.
+fn expect_failure(
+    result: MigrationResult,
+    status: MigrationStatus,
+    needle: &str,
+) -> tern_engine::MigrationFailure {
+    let failure = result.expect_err("the migration must fail");
+    assert_eq!(failure.stats.status, status);
+    assert!(
+        failure.error.chain().contains(needle),
+        "'{needle}' not in: {}",
+        failure.error.chain()
+    );
+    failure
+}
+
 #[test]
 fn no_ready_in_time_resumes_the_source_and_tells_the_destination() {
     let (guest, result, seen) = migrate_to_fake(AtSwitchOver::Silent);
-    let failure = result.expect_err("no ready came");
-    assert_eq!(failure.stats.status, MigrationStatus::Failed);
-    assert!(
-        failure.error.chain().contains("switch-over answer"),
-        "{}",
-        failure.error.chain()
-    );
+    expect_failure(result, MigrationStatus::Failed, "switch-over answer");
     assert!(guest.is_running(), "without a commit the source resumes");
     assert!(
         matches!(seen.first(), Some(Message::Abort(_))),
@@ -186,8 +196,7 @@ fn a_commit_without_acknowledgement_is_an_unknown_outcome_and_the_guest_stays_pa
         1,
         "nothing, no abort, follows the commit: {seen:?}"
     );
-    let failure = result.expect_err("no acknowledgement came");
-    assert_eq!(failure.stats.status, MigrationStatus::OutcomeUnknown);
+    let failure = expect_failure(result, MigrationStatus::OutcomeUnknown, "outcome unknown");
     assert!(
         matches!(failure.error, MigrationError::OutcomeUnknown(_)),
         "{}",
@@ -202,13 +211,7 @@ fn a_commit_without_acknowledgement_is_an_unknown_outcome_and_the_guest_stays_pa
 #[test]
 fn a_destination_that_could_not_resume_after_the_commit_gives_the_guest_back() {
     let (guest, result, _) = migrate_to_fake(AtSwitchOver::ReadyThenRefuse);
-    let failure = result.expect_err("the destination could not resume");
-    assert_eq!(failure.stats.status, MigrationStatus::Failed);
-    assert!(
-        failure.error.chain().contains("cannot start the vCPUs"),
-        "{}",
-        failure.error.chain()
-    );
+    expect_failure(result, MigrationStatus::Failed, "cannot start the vCPUs");
     assert!(guest.is_running(), "the guest runs nowhere else");
 }
 

@@ -542,10 +542,7 @@ impl Destination {
 }
 
 pub(super) fn peer_aborted(abort: Abort) -> MigrationError {
-    MigrationError::PeerAborted {
-        reason: abort.reason,
-        message: abort.message,
-    }
+    MigrationError::from_peer_abort(abort)
 }
 
 /// A destination refuses a guest of another kind than its own, unless one

@@ -185,10 +185,7 @@ fn expect_welcome(
             session_id: id,
             channel_index,
         }) if id == session_id && channel_index == index => Ok(()),
-        Message::Abort(abort) => Err(MigrationError::PeerAborted {
-            reason: abort.reason,
-            message: abort.message,
-        }),
+        Message::Abort(abort) => Err(MigrationError::from_peer_abort(abort)),
         other => Err(MigrationError::Protocol(format!(
             "expected a welcome on channel {index}, got {other:?}"
         ))),

@@ -45,10 +45,7 @@ impl PeerWatch {
             match main.read_message().map_err(MigrationError::channel(0))? {
                 Message::Heartbeat => self.heard = self.heard.saturating_add(1),
                 Message::Abort(abort) => {
-                    return Err(MigrationError::PeerAborted {
-                        reason: abort.reason,
-                        message: abort.message,
-                    });
+                    return Err(MigrationError::from_peer_abort(abort));
                 }
                 other => {
                     return Err(MigrationError::Protocol(format!(
@@ -94,10 +91,7 @@ pub(super) fn peer_reason(main: &mut Channel) -> Option<MigrationError> {
         match main.read_message() {
             Ok(Message::Heartbeat) if !left.is_zero() => {}
             Ok(Message::Abort(abort)) => {
-                return Some(MigrationError::PeerAborted {
-                    reason: abort.reason,
-                    message: abort.message,
-                });
+                return Some(MigrationError::from_peer_abort(abort));
             }
             _ => return None,
         }

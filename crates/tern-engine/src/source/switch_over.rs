@@ -205,10 +205,7 @@ impl Source {
                 Message::Ready(ready) => return Ok(Err(ready)),
                 Message::Heartbeat => {}
                 Message::Abort(abort) => {
-                    return Err(MigrationError::PeerAborted {
-                        reason: abort.reason,
-                        message: abort.message,
-                    });
+                    return Err(MigrationError::from_peer_abort(abort));
                 }
                 other => {
                     return Err(MigrationError::Protocol(format!(

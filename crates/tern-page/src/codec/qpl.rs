@@ -102,6 +102,10 @@ mod abi {
     pub const STS_QUEUES_ARE_BUSY: u32 = 5;
     pub const STS_DST_IS_SHORT: u32 = 225;
     pub const STS_INTL_OUTPUT_OVERFLOW: u32 = 311;
+    pub const STS_INIT_HW_NOT_SUPPORTED: u32 = 500;
+    pub const STS_INIT_LIBACCEL_NOT_FOUND: u32 = 501;
+    pub const STS_INIT_LIBACCEL_ERROR: u32 = 502;
+    pub const STS_INIT_WORK_QUEUES_NOT_AVAILABLE: u32 = 503;
 }
 
 type GetJobSizeFn = unsafe extern "C" fn(u32, *mut u32) -> u32;
@@ -222,6 +226,28 @@ pub fn qpl_available() -> Result<(), CodecError> {
     library().map(|_| ())
 }
 
+/// Why `qpl_init_job` failed. QPL's init statuses (`QPL_INIT_ERROR`, 500
+/// and up) are how the hardware path says there is no usable IAA: seen
+/// with libqpl 1.9.0 on a machine without IAA, status 501.
+fn init_failure(path: QplPath, status: u32) -> CodecError {
+    let why = match status {
+        abi::STS_INIT_HW_NOT_SUPPORTED => "hardware path not supported on this CPU",
+        abi::STS_INIT_LIBACCEL_NOT_FOUND => "libaccel-config not found",
+        abi::STS_INIT_LIBACCEL_ERROR => "libaccel-config error",
+        abi::STS_INIT_WORK_QUEUES_NOT_AVAILABLE => "no enabled IAA work queue (or no access)",
+        _ => {
+            return CodecError::Qpl {
+                call: "qpl_init_job",
+                status,
+            };
+        }
+    };
+    CodecError::QplUnavailable(format!(
+        "no IAA work queue usable by libqpl on the {path} path: {why} \
+         (qpl_init_job status {status}); --qpl-path software runs QPL on the CPU"
+    ))
+}
+
 /// One `qpl_job`, caller-allocated and initialised.
 struct Job {
     ptr: *mut u8,
@@ -267,10 +293,7 @@ impl Job {
         if st != abi::STS_OK {
             // SAFETY: allocated above with this layout, not initialised.
             unsafe { dealloc(ptr, layout) };
-            return Err(CodecError::Qpl {
-                call: "qpl_init_job",
-                status: st,
-            });
+            return Err(init_failure(path, st));
         }
         Ok(Self {
             ptr,
@@ -739,9 +762,13 @@ mod tests {
                 abi::STS_MORE_OUTPUT_NEEDED,
                 abi::STS_QUEUES_ARE_BUSY,
                 abi::STS_DST_IS_SHORT,
-                abi::STS_INTL_OUTPUT_OVERFLOW
+                abi::STS_INTL_OUTPUT_OVERFLOW,
+                abi::STS_INIT_HW_NOT_SUPPORTED,
+                abi::STS_INIT_LIBACCEL_NOT_FOUND,
+                abi::STS_INIT_LIBACCEL_ERROR,
+                abi::STS_INIT_WORK_QUEUES_NOT_AVAILABLE,
             ],
-            [0, 2, 5, 225, 311]
+            [0, 2, 5, 225, 311, 500, 501, 502, 503]
         );
         assert_eq!(
             [
@@ -822,6 +849,22 @@ mod tests {
                 assert_eq!(inflate(&batch.data[offset..offset + len]), *page);
             }
         }
+    }
+
+    #[test]
+    fn with_libqpl_the_hardware_path_without_iaa_says_so() {
+        if !libqpl_or_skip() {
+            return;
+        }
+        if std::path::Path::new("/dev/iax").exists() {
+            eprintln!("skipped: this machine has IAA devices");
+            return;
+        }
+        let error = QplDecompressor::new(QplPath::Hardware).unwrap_err();
+        assert!(matches!(error, CodecError::QplUnavailable(_)), "{error}");
+        assert!(error.to_string().contains("no IAA work queue"), "{error}");
+        let error = QplCompressor::new(QplPath::Hardware, 1).unwrap_err();
+        assert!(error.to_string().contains("--qpl-path software"), "{error}");
     }
 
     #[test]

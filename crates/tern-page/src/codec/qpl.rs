@@ -156,7 +156,7 @@ fn load_from(candidates: &[&str]) -> Result<QplLib, LoadFailure> {
     });
     let Some(lib) = lib else {
         return Err(LoadFailure::Missing(format!(
-            "libqpl.so not found: install Intel QPL (libqpl.so.1) \
+            "libqpl.so not found: install Intel QPL (libqpl.so.1; tern's bench/install-qpl.sh) \
              or set TERN_QPL_LIB to its path ({last})"
         )));
     };

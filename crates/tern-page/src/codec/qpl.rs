@@ -22,7 +22,9 @@
 //! queues full (`QPL_STS_QUEUES_ARE_BUSY_ERR`) is retried
 //! [`BUSY_RETRIES`] times with a yield in between; after that, or on any
 //! other error, that page is compressed by libdeflate on the CPU (counted as
-//! an offload fallback).
+//! an offload fallback). On `QplPath::Software` the batch goes page by page
+//! through one job instead: that path runs each job inside `qpl_submit_job`,
+//! so more jobs would only cost memory.
 //!
 //! # Job layout
 //!
@@ -577,6 +579,10 @@ impl QplCompressor {
         batch: &mut CompressedBatch,
         sampling: bool,
     ) -> BatchCounts {
+        if self.path == QplPath::Software {
+            // SAFETY: the caller's contract, passed on.
+            return unsafe { self.compress_page_by_page(pages, batch, sampling) };
+        }
         let mut counts = BatchCounts::default();
         if self.ensure(pages.len()).is_err() {
             // Could not get enough jobs: compress the whole batch on the CPU.
@@ -642,6 +648,37 @@ impl QplCompressor {
                 Slot::Done(n) => Self::push(batch, &mut counts, n, &self.outs[i]),
                 Slot::Submitted => unreachable!("every submitted job was waited for"),
             }
+        }
+        counts
+    }
+
+    /// QPL's software path runs each job inside `qpl_submit_job`, so a job
+    /// per page buys no concurrency there, and each costs 740,864 bytes
+    /// (libqpl 1.9.0): the software path uses its one job, page by page.
+    ///
+    /// # Safety
+    ///
+    /// As [`compress_batch`](Self::compress_batch).
+    unsafe fn compress_page_by_page(
+        &mut self,
+        pages: &[*const u8],
+        batch: &mut CompressedBatch,
+        sampling: bool,
+    ) -> BatchCounts {
+        let mut counts = BatchCounts::default();
+        let mut input = [0u8; PAGE_SIZE];
+        let mut out = [0u8; MAX_COMPRESSED];
+        for &p in pages {
+            // SAFETY: caller contract; `input` is private memory.
+            unsafe { core::ptr::copy_nonoverlapping(p, input.as_mut_ptr(), PAGE_SIZE) };
+            if sampling && looks_incompressible_bytes(&input) {
+                counts.sampled += 1;
+                batch.outcomes.push(PageOutcome::Raw(RawReason::Sampled));
+                continue;
+            }
+            let (n, software) = self.compress_one(&input, &mut out);
+            counts.software += u64::from(software);
+            Self::push(batch, &mut counts, n, &out);
         }
         counts
     }
@@ -834,20 +871,29 @@ mod tests {
             .map(|i| crate::codec::corpus_page(["text", "binary", "random"][i % 3], i as u64))
             .collect();
         let pointers: Vec<*const u8> = pages.iter().map(|p| p.as_ptr()).collect();
-        let mut qpl = QplCompressor::new(QplPath::Software, 1).unwrap();
-        let mut batch = CompressedBatch::default();
-        // SAFETY: every pointer is a live PAGE_SIZE array in `pages`.
-        let counts = unsafe { qpl.compress_batch(&pointers, &mut batch, false) };
-        assert_eq!(counts.software, 0);
-        assert_eq!(
-            counts.compressed, 4,
-            "text and binary shrink, random does not"
-        );
-        assert_eq!(counts.did_not_shrink, 2);
-        for (page, outcome) in pages.iter().zip(&batch.outcomes) {
-            if let PageOutcome::Compressed { offset, len } = *outcome {
-                assert_eq!(inflate(&batch.data[offset..offset + len]), *page);
+        // Software: one job, page by page; auto: a job per page, all
+        // submitted before the first wait (QPL picks its software path here
+        // when there is no IAA).
+        for (path, jobs) in [(QplPath::Software, 1), (QplPath::Auto, pages.len())] {
+            let mut qpl = QplCompressor::new(path, 1).unwrap();
+            for sampling in [false, true] {
+                let mut batch = CompressedBatch::default();
+                // SAFETY: every pointer is a live PAGE_SIZE array in `pages`.
+                let counts = unsafe { qpl.compress_batch(&pointers, &mut batch, sampling) };
+                assert_eq!(counts.software, 0, "{path}");
+                assert_eq!(counts.compressed, 4, "{path}: text and binary shrink");
+                if sampling {
+                    assert_eq!(counts.sampled, 2, "{path}: random pages are sampled out");
+                } else {
+                    assert_eq!(counts.did_not_shrink, 2, "{path}: random pages do not fit");
+                }
+                for (page, outcome) in pages.iter().zip(&batch.outcomes) {
+                    if let PageOutcome::Compressed { offset, len } = *outcome {
+                        assert_eq!(inflate(&batch.data[offset..offset + len]), *page);
+                    }
+                }
             }
+            assert_eq!(qpl.jobs.len(), jobs, "{path}");
         }
     }
 

@@ -309,7 +309,7 @@ pub fn qpl_finding(available: Result<(), String>) -> Finding {
     match available {
         Ok(()) => Finding::new("qpl", Status::Ok, "libqpl loads"),
         Err(error) => Finding::new("qpl", Status::Missing, error).fix(
-            "install Intel QPL (libqpl.so.1, built from github.com/intel/qpl); the other codecs need nothing",
+            "install Intel QPL (libqpl.so.1: tern's bench/install-qpl.sh puts 1.9.0 in /opt/qpl, then TERN_QPL_LIB=/opt/qpl/lib/libqpl.so.1); the other codecs need nothing",
         ),
     }
 }

@@ -22,25 +22,36 @@
 //! queues full (`QPL_STS_QUEUES_ARE_BUSY_ERR`) is retried
 //! [`BUSY_RETRIES`] times with a yield in between; after that, or on any
 //! other error, that page is compressed by libdeflate on the CPU (counted as
-//! an offload fallback).
+//! an offload fallback). On `QplPath::Software` the batch goes page by page
+//! through one job instead: that path runs each job inside `qpl_submit_job`,
+//! so more jobs would only cost memory.
 //!
-//! # Job layout: status
+//! # Job layout
 //!
 //! `qpl_job` is allocated by the caller (`qpl_get_job_size` bytes, 64-byte
-//! aligned) and its public fields are set directly. The offsets below come
-//! from QPL's public header `include/qpl/c_api/job.h` (QPL 1.x): the struct
-//! starts `next_in_ptr` (pointer), `available_in`, `total_in` (u32),
-//! `next_out_ptr`, `available_out`, `total_out`, `op`, `flags`, `crc`,
-//! `xor_checksum`, `last_bit_offset`, `level` (enums are C `int`). Enum and
-//! flag values come from `defs.h` and `status.h` of the same release.
+//! aligned) and its public fields are set directly. The offsets, enum,
+//! flag and status values in `abi` are those of QPL 1.9.0's public headers
+//! (`include/qpl/c_api/job.h`, `defs.h`, `status.h`), read with `offsetof`
+//! and `sizeof` from the headers Debian ships in `libqpl-dev` 1.9.0-1
+//! (`bench/qpl/job_layout.c` prints them): the struct starts `next_in_ptr`
+//! (pointer), `available_in`, `total_in` (u32), `next_out_ptr`,
+//! `available_out`, `total_out`, `op`, `flags`, `crc`, `xor_checksum`,
+//! `last_bit_offset`, `level` (enums are C `int`), and the whole public
+//! `qpl_job` is 240 bytes.
 //!
-//! **Not yet run against a real libqpl nor on IAA hardware**: no QPL build
-//! and no IAA device exist on the development machines. If the library
-//! exports `qpl_get_library_version` and reports a major version other than
-//! 1, loading fails with [`CodecError::QplUnsupported`] ("this build knows
-//! the qpl_job layout of QPL 1.x only") rather than writing fields at
-//! guessed offsets. A job size smaller than the known prefix is refused the
-//! same way.
+//! Run against libqpl 1.9.0 on its software path (2026-11-23, a 2-core VM
+//! without IAA; `bench/install-qpl.sh` installs it): compression and
+//! decompression jobs round-trip through libdeflate, and the tests that
+//! need libqpl check that the fields QPL writes back (`total_in`,
+//! `total_out`) are where this layout says. **IAA hardware: not yet run.**
+//! The software path's job is 740,864 bytes (the hardware path's 188,736),
+//! and a batch holds one job per page.
+//!
+//! If the library reports a major version other than 1
+//! (`qpl_get_library_version`), loading fails with
+//! [`CodecError::QplUnsupported`] ("this build knows the qpl_job layout of
+//! QPL 1.x only") rather than writing fields at guessed offsets; a job size
+//! smaller than the public struct is refused the same way.
 
 use std::alloc::{Layout, alloc_zeroed, dealloc};
 use std::fmt;
@@ -61,7 +72,8 @@ const MAX_COMPRESSED_U32: u32 = MAX_COMPRESSED as u32;
 /// Submissions tried against a busy queue before the CPU takes the page.
 pub const BUSY_RETRIES: u32 = 8;
 
-/// Offsets and constants of QPL 1.x's public C API (see module docs).
+/// Offsets and constants of QPL 1.x's public C API, as QPL 1.9.0's headers
+/// give them (see module docs).
 mod abi {
     pub const OFF_NEXT_IN: usize = 0;
     pub const OFF_AVAILABLE_IN: usize = 8;
@@ -74,6 +86,11 @@ mod abi {
     pub const OFF_LEVEL: usize = 52;
     /// Bytes of the prefix this build writes or reads.
     pub const KNOWN_PREFIX: usize = 56;
+    /// `sizeof(qpl_job)` in QPL 1.9.0's job.h; `qpl_get_job_size` adds the
+    /// library's private state after it, so a smaller size is not QPL 1.x.
+    pub const PUBLIC_JOB_SIZE: usize = 240;
+    // The job-size check in `Job::new` covers every field written.
+    const _: () = assert!(KNOWN_PREFIX <= PUBLIC_JOB_SIZE);
 
     pub const OP_DECOMPRESS: u32 = 0x00;
     pub const OP_COMPRESS: u32 = 0x01;
@@ -87,6 +104,10 @@ mod abi {
     pub const STS_QUEUES_ARE_BUSY: u32 = 5;
     pub const STS_DST_IS_SHORT: u32 = 225;
     pub const STS_INTL_OUTPUT_OVERFLOW: u32 = 311;
+    pub const STS_INIT_HW_NOT_SUPPORTED: u32 = 500;
+    pub const STS_INIT_LIBACCEL_NOT_FOUND: u32 = 501;
+    pub const STS_INIT_LIBACCEL_ERROR: u32 = 502;
+    pub const STS_INIT_WORK_QUEUES_NOT_AVAILABLE: u32 = 503;
 }
 
 type GetJobSizeFn = unsafe extern "C" fn(u32, *mut u32) -> u32;
@@ -137,7 +158,7 @@ fn load_from(candidates: &[&str]) -> Result<QplLib, LoadFailure> {
     });
     let Some(lib) = lib else {
         return Err(LoadFailure::Missing(format!(
-            "libqpl.so not found: install Intel QPL (libqpl.so.1) \
+            "libqpl.so not found: install Intel QPL (libqpl.so.1; tern's bench/install-qpl.sh) \
              or set TERN_QPL_LIB to its path ({last})"
         )));
     };
@@ -207,6 +228,28 @@ pub fn qpl_available() -> Result<(), CodecError> {
     library().map(|_| ())
 }
 
+/// Why `qpl_init_job` failed. QPL's init statuses (`QPL_INIT_ERROR`, 500
+/// and up) are how the hardware path says there is no usable IAA: seen
+/// with libqpl 1.9.0 on a machine without IAA, status 501.
+fn init_failure(path: QplPath, status: u32) -> CodecError {
+    let why = match status {
+        abi::STS_INIT_HW_NOT_SUPPORTED => "hardware path not supported on this CPU",
+        abi::STS_INIT_LIBACCEL_NOT_FOUND => "libaccel-config not found",
+        abi::STS_INIT_LIBACCEL_ERROR => "libaccel-config error",
+        abi::STS_INIT_WORK_QUEUES_NOT_AVAILABLE => "no enabled IAA work queue (or no access)",
+        _ => {
+            return CodecError::Qpl {
+                call: "qpl_init_job",
+                status,
+            };
+        }
+    };
+    CodecError::QplUnavailable(format!(
+        "no IAA work queue usable by libqpl on the {path} path: {why} \
+         (qpl_init_job status {status}); --qpl-path software runs QPL on the CPU"
+    ))
+}
+
 /// One `qpl_job`, caller-allocated and initialised.
 struct Job {
     ptr: *mut u8,
@@ -230,17 +273,18 @@ impl Job {
             });
         }
         let size = size as usize;
-        if size < abi::KNOWN_PREFIX {
+        if size < abi::PUBLIC_JOB_SIZE {
             return Err(CodecError::QplUnsupported(format!(
-                "libqpl found but its job is {size} bytes, smaller than the QPL 1.x \
-                 qpl_job this build knows: cannot use its layout"
+                "libqpl found but its job is {size} bytes, smaller than the {} bytes of \
+                 QPL 1.x's public qpl_job: cannot use its layout",
+                abi::PUBLIC_JOB_SIZE
             )));
         }
         let layout = Layout::from_size_align(size, 64).map_err(|e| CodecError::Init {
             codec: "qpl",
             detail: e.to_string(),
         })?;
-        // SAFETY: layout has non-zero size (>= KNOWN_PREFIX).
+        // SAFETY: layout has non-zero size (>= PUBLIC_JOB_SIZE).
         let ptr = unsafe { alloc_zeroed(layout) };
         if ptr.is_null() {
             std::alloc::handle_alloc_error(layout);
@@ -251,10 +295,7 @@ impl Job {
         if st != abi::STS_OK {
             // SAFETY: allocated above with this layout, not initialised.
             unsafe { dealloc(ptr, layout) };
-            return Err(CodecError::Qpl {
-                call: "qpl_init_job",
-                status: st,
-            });
+            return Err(init_failure(path, st));
         }
         Ok(Self {
             ptr,
@@ -277,8 +318,9 @@ impl Job {
     ) {
         let flags =
             abi::FLAG_FIRST | abi::FLAG_LAST | abi::FLAG_DYNAMIC_HUFFMAN | abi::FLAG_OMIT_VERIFY;
-        // SAFETY: every offset + field size is within KNOWN_PREFIX <= the job
-        // size (checked in `new`); fields are written unaligned-safe.
+        // SAFETY: every offset + field size is within KNOWN_PREFIX <
+        // PUBLIC_JOB_SIZE <= the job size (checked in `new`); fields are
+        // written unaligned-safe.
         unsafe {
             let j = self.ptr;
             j.add(abi::OFF_NEXT_IN)
@@ -351,7 +393,21 @@ impl Job {
         }
     }
 
-    /// Submits, retrying a busy queue; returns the final submit status.
+    /// The input bytes QPL reports it consumed (tests check the layout with
+    /// it).
+    #[cfg(test)]
+    fn total_in(&self) -> usize {
+        // SAFETY: within the checked prefix.
+        unsafe {
+            self.ptr
+                .add(abi::OFF_TOTAL_IN)
+                .cast::<u32>()
+                .read_unaligned() as usize
+        }
+    }
+
+    /// Submits, retrying a busy queue; returns the final submit status (on
+    /// QPL's software path, the job's own status: it runs synchronously).
     fn submit(&mut self) -> u32 {
         let mut st = abi::STS_QUEUES_ARE_BUSY;
         for _ in 0..=BUSY_RETRIES {
@@ -472,6 +528,11 @@ impl QplCompressor {
         Ok(())
     }
 
+    /// A job's final status: `Ok(Some(len))` compressed, `Ok(None)` did not
+    /// fit in `MAX_COMPRESSED`, `Err` failed (the CPU takes the page). QPL's
+    /// software path runs the job inside `qpl_submit_job`, so a page that
+    /// does not fit shows as submit's status (`MORE_OUTPUT_NEEDED`, seen
+    /// with libqpl 1.9.0), not as a failure to submit.
     fn finish(status: u32, total_out: usize) -> Result<Option<usize>, ()> {
         match status {
             abi::STS_OK if (1..=MAX_COMPRESSED).contains(&total_out) => Ok(Some(total_out)),
@@ -494,12 +555,9 @@ impl QplCompressor {
         let job = &mut self.jobs[0];
         // SAFETY: `page` and `out` outlive the wait below.
         unsafe { job.prepare(page, out, level) };
-        let st = job.submit();
-        let result = if st == abi::STS_OK {
-            let st = job.wait();
-            Self::finish(st, job.total_out())
-        } else {
-            Err(())
+        let result = match job.submit() {
+            abi::STS_OK => Self::finish(job.wait(), job.total_out()),
+            refused => Self::finish(refused, 0),
         };
         match result {
             Ok(n) => (n, false),
@@ -521,6 +579,10 @@ impl QplCompressor {
         batch: &mut CompressedBatch,
         sampling: bool,
     ) -> BatchCounts {
+        if self.path == QplPath::Software {
+            // SAFETY: the caller's contract, passed on.
+            return unsafe { self.compress_page_by_page(pages, batch, sampling) };
+        }
         let mut counts = BatchCounts::default();
         if self.ensure(pages.len()).is_err() {
             // Could not get enough jobs: compress the whole batch on the CPU.
@@ -547,13 +609,19 @@ impl QplCompressor {
             // SAFETY: inputs[i] and outs[i] are boxed (stable addresses) and
             // not touched until this job is waited for below.
             unsafe { self.jobs[i].prepare(&self.inputs[i], &mut self.outs[i], level) };
-            if self.jobs[i].submit() == abi::STS_OK {
-                slots.push(Slot::Submitted);
-            } else {
-                counts.software += 1;
-                let n = deflate_page(&mut self.software, &self.inputs[i], &mut self.outs[i]);
-                slots.push(Slot::Done(n));
-            }
+            let slot = match self.jobs[i].submit() {
+                abi::STS_OK => Slot::Submitted,
+                refused => match Self::finish(refused, 0) {
+                    Ok(n) => Slot::Done(n),
+                    Err(()) => {
+                        counts.software += 1;
+                        let n =
+                            deflate_page(&mut self.software, &self.inputs[i], &mut self.outs[i]);
+                        Slot::Done(n)
+                    }
+                },
+            };
+            slots.push(slot);
         }
         for (i, slot) in slots.iter_mut().enumerate() {
             if let Slot::Submitted = slot {
@@ -580,6 +648,37 @@ impl QplCompressor {
                 Slot::Done(n) => Self::push(batch, &mut counts, n, &self.outs[i]),
                 Slot::Submitted => unreachable!("every submitted job was waited for"),
             }
+        }
+        counts
+    }
+
+    /// QPL's software path runs each job inside `qpl_submit_job`, so a job
+    /// per page buys no concurrency there, and each costs 740,864 bytes
+    /// (libqpl 1.9.0): the software path uses its one job, page by page.
+    ///
+    /// # Safety
+    ///
+    /// As [`compress_batch`](Self::compress_batch).
+    unsafe fn compress_page_by_page(
+        &mut self,
+        pages: &[*const u8],
+        batch: &mut CompressedBatch,
+        sampling: bool,
+    ) -> BatchCounts {
+        let mut counts = BatchCounts::default();
+        let mut input = [0u8; PAGE_SIZE];
+        let mut out = [0u8; MAX_COMPRESSED];
+        for &p in pages {
+            // SAFETY: caller contract; `input` is private memory.
+            unsafe { core::ptr::copy_nonoverlapping(p, input.as_mut_ptr(), PAGE_SIZE) };
+            if sampling && looks_incompressible_bytes(&input) {
+                counts.sampled += 1;
+                batch.outcomes.push(PageOutcome::Raw(RawReason::Sampled));
+                continue;
+            }
+            let (n, software) = self.compress_one(&input, &mut out);
+            counts.software += u64::from(software);
+            Self::push(batch, &mut counts, n, &out);
         }
         counts
     }
@@ -659,6 +758,185 @@ mod tests {
     /// Loads QPL from explicit candidate file names.
     fn probe_library(candidates: &[&str]) -> Result<(), CodecError> {
         load_from(candidates).map(|_| ()).map_err(CodecError::from)
+    }
+
+    /// QPL 1.9.0's header values, from `offsetof`/`sizeof` on Debian's
+    /// libqpl-dev 1.9.0-1 headers (`bench/qpl/job_layout.c` prints them):
+    /// an edit of `abi` that drifts from the header fails here, and the
+    /// tests below check against the real library where it is installed.
+    #[test]
+    fn abi_matches_the_qpl_1_9_headers() {
+        let fields = [
+            ("next_in_ptr", abi::OFF_NEXT_IN, 0, 8),
+            ("available_in", abi::OFF_AVAILABLE_IN, 8, 4),
+            ("total_in", abi::OFF_TOTAL_IN, 12, 4),
+            ("next_out_ptr", abi::OFF_NEXT_OUT, 16, 8),
+            ("available_out", abi::OFF_AVAILABLE_OUT, 24, 4),
+            ("total_out", abi::OFF_TOTAL_OUT, 28, 4),
+            ("op", abi::OFF_OP, 32, 4),
+            ("flags", abi::OFF_FLAGS, 36, 4),
+            ("level", abi::OFF_LEVEL, 52, 4),
+        ];
+        for (name, ours, header, size) in fields {
+            assert_eq!(ours, header, "{name}");
+            assert!(ours + size <= abi::KNOWN_PREFIX, "{name}");
+        }
+        assert_eq!(abi::PUBLIC_JOB_SIZE, 240);
+        // defs.h: qpl_operation, QPL_FLAG_*; status.h: qpl_status.
+        assert_eq!((abi::OP_DECOMPRESS, abi::OP_COMPRESS), (0x00, 0x01));
+        assert_eq!(
+            [
+                abi::FLAG_FIRST,
+                abi::FLAG_LAST,
+                abi::FLAG_DYNAMIC_HUFFMAN,
+                abi::FLAG_OMIT_VERIFY
+            ],
+            [0x0001, 0x0002, 0x2000, 0x4000]
+        );
+        assert_eq!(
+            [
+                abi::STS_OK,
+                abi::STS_MORE_OUTPUT_NEEDED,
+                abi::STS_QUEUES_ARE_BUSY,
+                abi::STS_DST_IS_SHORT,
+                abi::STS_INTL_OUTPUT_OVERFLOW,
+                abi::STS_INIT_HW_NOT_SUPPORTED,
+                abi::STS_INIT_LIBACCEL_NOT_FOUND,
+                abi::STS_INIT_LIBACCEL_ERROR,
+                abi::STS_INIT_WORK_QUEUES_NOT_AVAILABLE,
+            ],
+            [0, 2, 5, 225, 311, 500, 501, 502, 503]
+        );
+        assert_eq!(
+            [
+                QplPath::Auto.raw(),
+                QplPath::Hardware.raw(),
+                QplPath::Software.raw()
+            ],
+            [0, 1, 2]
+        );
+    }
+
+    fn libqpl_or_skip() -> bool {
+        match qpl_available() {
+            Ok(()) => true,
+            Err(e) => {
+                eprintln!("skipped: needs libqpl (bench/install-qpl.sh, then TERN_QPL_LIB): {e}");
+                false
+            }
+        }
+    }
+
+    fn inflate(compressed: &[u8]) -> [u8; PAGE_SIZE] {
+        let mut page = [0u8; PAGE_SIZE];
+        let n = libdeflater::Decompressor::new()
+            .deflate_decompress(compressed, &mut page)
+            .expect("QPL wrote a raw deflate stream libdeflate decodes");
+        assert_eq!(n, PAGE_SIZE);
+        page
+    }
+
+    #[test]
+    fn with_libqpl_software_jobs_compress_where_the_layout_says() {
+        if !libqpl_or_skip() {
+            return;
+        }
+        for level in [1, 3] {
+            let mut qpl = QplCompressor::new(QplPath::Software, level).unwrap();
+            assert_eq!(qpl.level(), level);
+            for kind in ["text", "binary", "random"] {
+                let page = crate::codec::corpus_page(kind, 7);
+                let mut out = [0u8; MAX_COMPRESSED];
+                let (n, software) = qpl.compress_one(&page, &mut out);
+                assert!(!software, "{kind}: QPL itself must take the page");
+                match n {
+                    Some(n) => {
+                        assert_eq!(qpl.jobs[0].total_in(), PAGE_SIZE, "{kind}: total_in");
+                        assert_eq!(inflate(&out[..n]), page, "{kind}");
+                    }
+                    // A page that does not fit is "did not shrink", not a
+                    // failure handed to the CPU (`software` is false).
+                    None => assert_eq!(kind, "random", "only random pages do not shrink"),
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn with_libqpl_a_software_batch_matches_its_pages() {
+        if !libqpl_or_skip() {
+            return;
+        }
+        let pages: Vec<[u8; PAGE_SIZE]> = (0..6)
+            .map(|i| crate::codec::corpus_page(["text", "binary", "random"][i % 3], i as u64))
+            .collect();
+        let pointers: Vec<*const u8> = pages.iter().map(|p| p.as_ptr()).collect();
+        // Software: one job, page by page; auto: a job per page, all
+        // submitted before the first wait (QPL picks its software path here
+        // when there is no IAA).
+        for (path, jobs) in [(QplPath::Software, 1), (QplPath::Auto, pages.len())] {
+            let mut qpl = QplCompressor::new(path, 1).unwrap();
+            for sampling in [false, true] {
+                let mut batch = CompressedBatch::default();
+                // SAFETY: every pointer is a live PAGE_SIZE array in `pages`.
+                let counts = unsafe { qpl.compress_batch(&pointers, &mut batch, sampling) };
+                assert_eq!(counts.software, 0, "{path}");
+                assert_eq!(counts.compressed, 4, "{path}: text and binary shrink");
+                if sampling {
+                    assert_eq!(counts.sampled, 2, "{path}: random pages are sampled out");
+                } else {
+                    assert_eq!(counts.did_not_shrink, 2, "{path}: random pages do not fit");
+                }
+                for (page, outcome) in pages.iter().zip(&batch.outcomes) {
+                    if let PageOutcome::Compressed { offset, len } = *outcome {
+                        assert_eq!(inflate(&batch.data[offset..offset + len]), *page);
+                    }
+                }
+            }
+            assert_eq!(qpl.jobs.len(), jobs, "{path}");
+        }
+    }
+
+    #[test]
+    fn with_libqpl_the_hardware_path_without_iaa_says_so() {
+        if !libqpl_or_skip() {
+            return;
+        }
+        if std::path::Path::new("/dev/iax").exists() {
+            eprintln!("skipped: this machine has IAA devices");
+            return;
+        }
+        let error = QplDecompressor::new(QplPath::Hardware).unwrap_err();
+        assert!(matches!(error, CodecError::QplUnavailable(_)), "{error}");
+        assert!(error.to_string().contains("no IAA work queue"), "{error}");
+        let error = QplCompressor::new(QplPath::Hardware, 1).unwrap_err();
+        assert!(error.to_string().contains("--qpl-path software"), "{error}");
+    }
+
+    #[test]
+    fn with_libqpl_software_inflate_reads_libdeflate_streams() {
+        if !libqpl_or_skip() {
+            return;
+        }
+        let mut deflate = new_deflate(1);
+        let mut inflater = QplDecompressor::new(QplPath::Software).unwrap();
+        for kind in ["text", "binary"] {
+            let page = crate::codec::corpus_page(kind, 3);
+            let mut compressed = [0u8; MAX_COMPRESSED];
+            let n = deflate_page(&mut deflate, &page, &mut compressed).expect("shrinks");
+            let mut out = [0u8; PAGE_SIZE];
+            assert_eq!(
+                inflater.decompress(&compressed[..n], &mut out),
+                Some(PAGE_SIZE)
+            );
+            assert_eq!(inflater.job.total_in(), n, "{kind}: total_in");
+            assert_eq!(out, page, "{kind}");
+            // A stream cut short is refused, not half-written as a page.
+            assert_ne!(
+                inflater.decompress(&compressed[..n / 2], &mut out),
+                Some(PAGE_SIZE)
+            );
+        }
     }
 
     #[test]

@@ -272,6 +272,39 @@ fn setup() -> SessionSetup {
     }
 }
 
+/// A hand-driven source's handshake: its main channel and its one page
+/// channel, both welcomed, with generous timeouts.
+fn fake_source_handshake(
+    address: &tern_engine::Address,
+    setup: SessionSetup,
+) -> (Channel, Channel) {
+    let connect = || {
+        let mut channel = Channel::connect(address, DEADLINE).expect("connect");
+        channel.set_timeouts(DEADLINE).unwrap();
+        channel
+    };
+    let mut main = connect();
+    main.send_message(&Message::Hello(Hello {
+        handshake: Handshake {
+            session_id: SESSION,
+            channel_index: 0,
+        },
+        setup,
+    }))
+    .unwrap();
+    assert!(matches!(main.read_message().unwrap(), Message::Welcome(_)));
+    let mut page = connect();
+    page.send_message(&Message::ChannelHello(ChannelHello {
+        handshake: Handshake {
+            session_id: SESSION,
+            channel_index: 1,
+        },
+    }))
+    .unwrap();
+    assert!(matches!(page.read_message().unwrap(), Message::Welcome(_)));
+    (main, page)
+}
+
 /// A real destination with a short switch-over timeout, a fake source that
 /// has sent everything (one empty iteration, the completion), and the
 /// destination's first answer.
@@ -292,30 +325,7 @@ fn destination_ready() -> (JoinHandle<DestinationResult>, Channel, Channel, Mess
         };
         Destination::new(config).receive(&listener, make_destination_guest)
     });
-    let connect = || {
-        let mut channel = Channel::connect(&address, DEADLINE).expect("connect");
-        channel.set_timeouts(DEADLINE).unwrap();
-        channel
-    };
-    let mut main = connect();
-    main.send_message(&Message::Hello(Hello {
-        handshake: Handshake {
-            session_id: SESSION,
-            channel_index: 0,
-        },
-        setup: setup(),
-    }))
-    .unwrap();
-    assert!(matches!(main.read_message().unwrap(), Message::Welcome(_)));
-    let mut page = connect();
-    page.send_message(&Message::ChannelHello(ChannelHello {
-        handshake: Handshake {
-            session_id: SESSION,
-            channel_index: 1,
-        },
-    }))
-    .unwrap();
-    assert!(matches!(page.read_message().unwrap(), Message::Welcome(_)));
+    let (mut main, mut page) = fake_source_handshake(&address, setup());
     page.send_message(&Message::Sync(Sync {
         iteration: 0,
         last: true,
@@ -411,28 +421,9 @@ fn a_closed_main_channel_instead_of_a_commit_and_the_destination_does_not_resume
 fn the_destination_sends_heartbeats_while_pages_flow() {
     let (listener, address) = tcp_listener();
     let _destination = spawn_destination(listener);
-    let mut main = Channel::connect(&address, DEADLINE).expect("connect");
-    main.set_timeouts(DEADLINE).unwrap();
     let mut hello_setup = setup();
     hello_setup.digest = DigestAlgorithm::Xxh3Pages;
-    main.send_message(&Message::Hello(Hello {
-        handshake: Handshake {
-            session_id: SESSION,
-            channel_index: 0,
-        },
-        setup: hello_setup,
-    }))
-    .unwrap();
-    assert!(matches!(main.read_message().unwrap(), Message::Welcome(_)));
-    let mut page = Channel::connect(&address, DEADLINE).expect("connect");
-    page.send_message(&Message::ChannelHello(ChannelHello {
-        handshake: Handshake {
-            session_id: SESSION,
-            channel_index: 1,
-        },
-    }))
-    .unwrap();
-    assert!(matches!(page.read_message().unwrap(), Message::Welcome(_)));
+    let (mut main, _page) = fake_source_handshake(&address, hello_setup);
     assert!(matches!(main.read_message().unwrap(), Message::Heartbeat));
     assert!(matches!(main.read_message().unwrap(), Message::Heartbeat));
 }
@@ -448,25 +439,7 @@ fn a_source_trickling_a_packet_is_cut_off_at_the_transfer_deadline() {
         };
         Destination::new(config).receive(&listener, make_destination_guest)
     });
-    let mut main = Channel::connect(&address, DEADLINE).expect("connect");
-    main.send_message(&Message::Hello(Hello {
-        handshake: Handshake {
-            session_id: SESSION,
-            channel_index: 0,
-        },
-        setup: setup(),
-    }))
-    .unwrap();
-    assert!(matches!(main.read_message().unwrap(), Message::Welcome(_)));
-    let mut page = Channel::connect(&address, DEADLINE).expect("connect");
-    page.send_message(&Message::ChannelHello(ChannelHello {
-        handshake: Handshake {
-            session_id: SESSION,
-            channel_index: 1,
-        },
-    }))
-    .unwrap();
-    assert!(matches!(page.read_message().unwrap(), Message::Welcome(_)));
+    let (main, mut page) = fake_source_handshake(&address, setup());
     // A sync frame, one byte at a time, each byte well inside the I/O
     // timeout: only a deadline on the whole frame stops it. The trickle
     // ends when the destination closes the channel (or after 60 bytes).

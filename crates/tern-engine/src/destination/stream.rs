@@ -89,6 +89,16 @@ pub(crate) fn read_event(
     source: &mut impl FrameSource,
     decoder: &mut FrameDecoder,
 ) -> Result<Event, ChannelError> {
+    read_event_within(source, decoder, usize::MAX)
+}
+
+/// As [`read_event`], refusing a frame longer than `max_frame` bytes
+/// (header included) at its header, before its body is read or buffered.
+fn read_event_within(
+    source: &mut impl FrameSource,
+    decoder: &mut FrameDecoder,
+    max_frame: usize,
+) -> Result<Event, ChannelError> {
     loop {
         if let Expect::Payload { .. } = decoder.expect() {
             // Only a receiver that skipped a packet's payload gets here.
@@ -100,41 +110,26 @@ pub(crate) fn read_event(
         if let Some(event) = decoder.filled(len)? {
             return Ok(event);
         }
+        // The header is read whole, so the frame's length is known from the
+        // first call on.
+        if decoder.frame_len() > max_frame {
+            return Err(ChannelError::Protocol(WireError::FieldTooLong {
+                field: "frame",
+                len: decoder.frame_len(),
+                max: max_frame,
+            }));
+        }
     }
 }
 
 /// Reads one control message whose frame, header included, is at most
-/// `max_frame` bytes: a longer one is refused at its header, before its body
-/// is read or buffered.
+/// `max_frame` bytes: a longer one is refused at its header.
 pub(crate) fn read_message_within(
     source: &mut impl FrameSource,
     decoder: &mut FrameDecoder,
     max_frame: usize,
 ) -> Result<Message, ChannelError> {
-    loop {
-        let buf = decoder.buffer();
-        let len = buf.len();
-        source.read_exact(buf)?;
-        match decoder.filled(len)? {
-            Some(Event::Message(message)) => return Ok(message),
-            Some(Event::Pages(_)) => {
-                return Err(ChannelError::Protocol(WireError::Unexpected {
-                    got: FrameKind::Pages,
-                    expected: "a control message",
-                }));
-            }
-            // The header is read whole, so the frame's length is known
-            // from the first call on.
-            None if decoder.frame_len() > max_frame => {
-                return Err(ChannelError::Protocol(WireError::FieldTooLong {
-                    field: "frame",
-                    len: decoder.frame_len(),
-                    max: max_frame,
-                }));
-            }
-            None => {}
-        }
-    }
+    control_message(read_event_within(source, decoder, max_frame)?)
 }
 
 /// Reads one control message.
@@ -142,7 +137,11 @@ pub(crate) fn read_message(
     source: &mut impl FrameSource,
     decoder: &mut FrameDecoder,
 ) -> Result<Message, ChannelError> {
-    match read_event(source, decoder)? {
+    control_message(read_event(source, decoder)?)
+}
+
+fn control_message(event: Event) -> Result<Message, ChannelError> {
+    match event {
         Event::Message(message) => Ok(message),
         Event::Pages(_) => Err(ChannelError::Protocol(WireError::Unexpected {
             got: FrameKind::Pages,

@@ -8,16 +8,19 @@
 //! Each test prints its time to reject (`--nocapture` shows it), the figure
 //! docs/security.md reports.
 
+mod common;
+
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
+use common::raw_pages_prefix;
 use tern_engine::{
     Address, Channel, Destination, GuestError, Listener, MigrationError, ReceiveConfig, Received,
 };
 use tern_synthetic::SyntheticGuest;
 use tern_wire::{
-    ChannelHello, Complete, DigestAlgorithm, Handshake, Hello, Message, PageEntry, PageKind,
-    RegionInfo, SessionSetup, StateSectionMsg, Sync, encode_pages_prefix,
+    ChannelHello, Complete, DigestAlgorithm, Handshake, Hello, Message, RegionInfo, SessionSetup,
+    StateSectionMsg, Sync,
 };
 
 const SESSION: u64 = 0xa77a_c4ed;
@@ -137,16 +140,7 @@ fn handshake(address: &Address, channels: u16) -> Attacker {
 
 /// One packet of raw pages of iteration `iteration`.
 fn raw_pages(iteration: u32, pages: &[u32]) -> Vec<u8> {
-    let entries: Vec<PageEntry> = pages
-        .iter()
-        .map(|&page_index| PageEntry {
-            page_index,
-            kind: PageKind::Raw,
-            encoded_len: PAGE as u32,
-        })
-        .collect();
-    let mut bytes = Vec::new();
-    encode_pages_prefix(&mut bytes, 0, iteration, 0, &entries);
+    let mut bytes = raw_pages_prefix(iteration, pages);
     for &page in pages {
         bytes.extend(std::iter::repeat_n(page as u8 ^ 0x5a, PAGE));
     }

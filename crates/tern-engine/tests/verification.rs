@@ -16,8 +16,8 @@ use tern_engine::{
     MemoryRegion, MigrationError, Source,
 };
 use tern_wire::{
-    ChannelHello, Complete, DigestAlgorithm, Handshake, Hello, Message, PageEntry, PageKind,
-    RegionInfo, SessionSetup, StateSectionMsg, Sync, encode_pages_prefix,
+    ChannelHello, Complete, DigestAlgorithm, Handshake, Hello, Message, RegionInfo, SessionSetup,
+    StateSectionMsg, Sync,
 };
 use xxhash_rust::xxh3::{Xxh3, xxh3_64};
 
@@ -95,16 +95,8 @@ impl FakeSource {
 
     /// Sends `pages` of `memory` raw in one packet of `iteration`.
     fn send_pages(&mut self, iteration: u32, memory: &[u8], pages: &[usize]) {
-        let entries: Vec<PageEntry> = pages
-            .iter()
-            .map(|&page| PageEntry {
-                page_index: page as u32,
-                kind: PageKind::Raw,
-                encoded_len: PAGE as u32,
-            })
-            .collect();
-        let mut bytes = Vec::new();
-        encode_pages_prefix(&mut bytes, 0, iteration, 0, &entries);
+        let indices: Vec<u32> = pages.iter().map(|&page| page as u32).collect();
+        let mut bytes = raw_pages_prefix(iteration, &indices);
         for &page in pages {
             bytes.extend_from_slice(&memory[page * PAGE..(page + 1) * PAGE]);
         }

@@ -139,3 +139,19 @@ impl TestPki {
         .expect("TLS configuration")
     }
 }
+
+/// The header and table of one packet of raw pages of region 0 in
+/// `iteration`; the caller appends the pages' 4 KiB each, in order.
+pub fn raw_pages_prefix(iteration: u32, pages: &[u32]) -> Vec<u8> {
+    let entries: Vec<tern_wire::PageEntry> = pages
+        .iter()
+        .map(|&page_index| tern_wire::PageEntry {
+            page_index,
+            kind: tern_wire::PageKind::Raw,
+            encoded_len: tern_wire::PAGE_SIZE,
+        })
+        .collect();
+    let mut bytes = Vec::new();
+    tern_wire::encode_pages_prefix(&mut bytes, 0, iteration, 0, &entries);
+    bytes
+}

@@ -157,6 +157,11 @@ impl std::fmt::Debug for Vcpu {
 }
 
 impl Vcpu {
+    /// How many MSRs [`Vcpu::save`] reads.
+    pub fn msr_count(&self) -> usize {
+        self.msr_indices.len()
+    }
+
     /// Starts the thread for an already configured vCPU, paused.
     /// `msr_indices` are the MSRs saved with its state.
     pub fn spawn(fd: VcpuFd, serial: Serial, msr_indices: Vec<u32>) -> Result<Self> {

@@ -593,6 +593,25 @@ impl KvmGuest {
         ])
     }
 
+    /// The bytes [`KvmGuest::save_sections`] returns, known without
+    /// pausing: every section has a fixed layout (KVM's structures, one
+    /// entry per saved MSR), so encoding default values gives the size.
+    pub fn state_size(&self) -> u64 {
+        let vcpu = VcpuState {
+            msrs: vec![(0, 0); self.vcpu.msr_count()],
+            ..VcpuState::default()
+        };
+        [
+            self.layout.to_section(),
+            VmState::default().to_section(),
+            vcpu.to_section(),
+            SerialState::default().to_section(),
+        ]
+        .iter()
+        .map(|section| (section.name.len() + section.data.len()) as u64)
+        .sum()
+    }
+
     /// Restores sections saved by [`KvmGuest::save_sections`] into a
     /// paused destination VM. Everything is decoded before anything is
     /// applied.
@@ -709,6 +728,10 @@ impl DeviceState for KvmGuest {
 
     fn restore_state(&mut self, sections: &[StateSection]) -> GuestResult<()> {
         Ok(self.restore_sections(sections)?)
+    }
+
+    fn state_size_hint(&self) -> u64 {
+        self.state_size()
     }
 
     fn guest_kind(&self) -> &str {

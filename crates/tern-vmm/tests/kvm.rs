@@ -132,11 +132,17 @@ fn state_round_trip_in_process_continues_the_count() {
     require_kvm!();
     use tern_engine::DeviceState;
     let mut from = source(128);
+    let hint_while_running = from.state_size_hint();
     from.pause().unwrap();
     let passes = from.pass_count();
     let sections = from.save_state().unwrap();
     let names: Vec<&str> = sections.iter().map(|s| s.name.as_str()).collect();
     assert_eq!(names, ["test-guest", "vm", "vcpu0", "serial"]);
+    let saved: usize = sections.iter().map(|s| s.name.len() + s.data.len()).sum();
+    assert_eq!(
+        hint_while_running, saved as u64,
+        "the size hint given while running is what the paused save returns"
+    );
 
     let mut to = KvmGuest::for_destination(&[from.memory_bytes()]).unwrap();
     assert!(!to.is_running());

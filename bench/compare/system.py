@@ -109,14 +109,20 @@ def install(missing: list[Missing], log) -> None:
 
 
 def debian_mirror(sources: str) -> str | None:
-    """The first non-security mirror of apt sources text (one-line `deb`
-    entries or deb822 `URIs:` fields)."""
+    """The mirror of the first Debian `bookworm` suite in apt sources text
+    (one-line `deb` entries or deb822 stanzas). Other repositories a machine
+    lists (a vendor's, security) carry no backports and are skipped."""
     for line in sources.splitlines():
-        line = line.strip()
-        if (line.startswith("URIs:") or line.startswith("deb ")) and "security" not in line:
-            parts = line.split()
-            if len(parts) > 1:
-                return parts[1]
+        parts = line.split()
+        if len(parts) > 2 and parts[0] == "deb" and parts[2] in ("bookworm", "bookworm-updates"):
+            return parts[1]
+    for stanza in sources.split("\n\n"):
+        fields = {}
+        for line in stanza.splitlines():
+            key, _, value = line.partition(":")
+            fields[key.strip()] = value.split()
+        if "bookworm" in fields.get("Suites", []) and fields.get("URIs"):
+            return fields["URIs"][0]
     return None
 
 

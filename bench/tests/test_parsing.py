@@ -161,6 +161,13 @@ class SystemTest(unittest.TestCase):
         self.assertEqual(system.debian_mirror(one_line), "http://mirror.example/debian")
         self.assertIsNone(system.debian_mirror("# nothing\n"))
 
+    def test_mirror_skips_repositories_without_the_debian_suite(self):
+        # Seen on a machine: a vendor repository listed before Debian's.
+        sources = ("Types: deb\nURIs: https://deb.nodesource.com/node_20.x\nSuites: nodistro\n\n"
+                   "deb https://packages.cloud.google.com/apt cloud-sdk-bookworm main\n\n"
+                   "Types: deb\nURIs: http://deb.debian.org/debian\nSuites: bookworm bookworm-updates\n")
+        self.assertEqual(system.debian_mirror(sources), "http://deb.debian.org/debian")
+
     def test_message_names_each_missing_piece_and_the_flag(self):
         text = system.missing_message([system.Missing("qemu-system-x86_64 10.x", "apt-get ..."),
                                        system.Missing("matplotlib", "pip ...")])

@@ -47,11 +47,16 @@ def read_event(stream: IO[str], expected: str, timeout: float) -> dict[str, Any]
     return parse_event(stream.readline(), expected)
 
 
-def receiver_args(cfg: Config, artifacts: Artifacts) -> list[str]:
+def receiver_args(cfg: Config, artifacts: Artifacts, who: TernContender) -> list[str]:
     # Port 0: the ready event says which port the system picked.
-    return [str(artifacts.tern), "vm", "receive", "--listen", "127.0.0.1:0", "--json",
+    args = [str(artifacts.tern), "vm", "receive", "--listen", "127.0.0.1:0", "--json",
             "--progress", "none", "--run-after", "1000",
             "--accept-timeout", str(int(cfg.timeout))]
+    if who.verify == "none":
+        # The destination decides whether a source may skip the digest;
+        # without this it refuses the session and keeps listening.
+        args.append("--allow-unverified")
+    return args
 
 
 def source_args(cfg: Config, artifacts: Artifacts, case: Case, who: TernContender,
@@ -86,7 +91,7 @@ def run(cfg: Config, artifacts: Artifacts, case: Case, who: TernContender,
         # Unwound in reverse: the source stopped, the receiver, the files.
         recv_err = stack.enter_context(open(recv_err_path, "w"))
         mig_err = stack.enter_context(open(mig_err_path, "w"))
-        recv = subprocess.Popen(netem.wrap(receiver_args(cfg, artifacts), case.link),
+        recv = subprocess.Popen(netem.wrap(receiver_args(cfg, artifacts, who), case.link),
                                 stdout=subprocess.PIPE, stderr=recv_err, text=True)
         stack.callback(kill, recv)
         try:
@@ -121,11 +126,13 @@ def run(cfg: Config, artifacts: Artifacts, case: Case, who: TernContender,
         stats = _json_or_none(src_report.text(30))
         if stats is None:
             raise RuntimeError("tern vm migrate: no JSON report: " + _tail(mig_err_path))
-        recv.wait(30)
-        rstats = _json_or_none(dst_report.text(30)) or {}
+        # A failed source says why at once; a destination that refused the
+        # session would still be listening.
         if mig.returncode != 0 or stats.get("status") not in (None, "completed"):
             raise RuntimeError(f"tern migration failed: {stats.get('status')} "
                                f"{stats.get('error-desc') or _tail(mig_err_path)[-1000:]}")
+        recv.wait(30)
+        rstats = _json_or_none(dst_report.text(30)) or {}
         return outcome(case, stats, rstats, src_cpu1 - src_cpu0, dst_cpu1 - dst_cpu0, wall,
                        dst_threads)
 

@@ -11,7 +11,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from bench.compare import image, procfs, qemu, system, tern  # noqa: E402
 from bench.compare.config import Artifacts, Config  # noqa: E402
-from bench.compare.contenders import TERN, Case, tern_best  # noqa: E402
+from bench.compare.contenders import TERN, Case, tern_best, tern_verify  # noqa: E402
 
 ARTIFACTS = Artifacts(Path("/t/tern"), Path("/w/image.bin"), Path("/w/guest.mb"))
 
@@ -76,8 +76,14 @@ class TernCommandTest(unittest.TestCase):
         self.assertNotIn("--compression-level", args)
 
     def test_receiver_listens_on_a_port_the_system_picks(self):
-        args = tern.receiver_args(Config(timeout=60), ARTIFACTS)
+        args = tern.receiver_args(Config(timeout=60), ARTIFACTS, TERN)
         self.assertEqual(dict(zip(args, args[1:]))["--listen"], "127.0.0.1:0")
+
+    def test_receiver_allows_an_unverified_source_only_when_the_contender_skips_the_digest(self):
+        self.assertEqual(TERN.verify, "none")
+        self.assertIn("--allow-unverified", tern.receiver_args(Config(), ARTIFACTS, TERN))
+        verified = tern_verify(2)
+        self.assertNotIn("--allow-unverified", tern.receiver_args(Config(), ARTIFACTS, verified))
 
     def test_outcome_of_the_reports(self):
         source = {"status": "completed", "total-time": 1500, "downtime": 20,

@@ -2,6 +2,7 @@
 //! this thread reads the state sections and the completion on the main
 //! channel.
 
+use std::sync::atomic::Ordering;
 use std::thread::{Scope, ScopedJoinHandle};
 use std::time::{Duration, Instant};
 
@@ -14,8 +15,9 @@ use super::order::MainChannelState;
 use super::receiver::receive_pages;
 use super::shared::ReceiverShared;
 use super::stream::{FrameSink, FrameSource, PageStream, read_message, read_message_within};
+use crate::digest::AuditPace;
 use crate::error::{ChannelError, MigrationError};
-use crate::guest::StateSection;
+use crate::guest::{PAGE_SIZE, StateSection};
 use crate::stats::thread_cpu_seconds;
 
 /// What the source sent once every page channel ended.
@@ -96,10 +98,6 @@ pub(super) fn receive_all<P: PageStream>(
     })
 }
 
-/// How fast the destination's audit reads the memory received so far;
-/// as the source's (see there).
-const DESTINATION_AUDIT_BYTES_PER_SECOND: u64 = 128 << 20;
-
 /// Starts the thread that audits received memory while pages arrive: a
 /// page changed since its hash was recorded (by something other than a
 /// receiver, which records again) is hashed again at switch-over, so the
@@ -112,11 +110,13 @@ fn spawn_auditor<'scope>(scope: &'scope Scope<'scope, '_>, shared: &'scope Recei
         .name("tern-audit".into())
         .spawn_scoped(scope, move || {
             let populated = &shared.populated;
+            let received_data =
+                || shared.stats.normal_pages.load(Ordering::Relaxed) * PAGE_SIZE as u64;
             // SAFETY: guest memory stays mapped for the whole migration,
             // beyond this scope, which ends after `stop_audit`.
             unsafe {
                 hashes.audit(
-                    DESTINATION_AUDIT_BYTES_PER_SECOND,
+                    &AuditPace::proportional(&received_data),
                     &|region, page| !populated[region].get(page),
                     &|| shared.stats.record_audit_pass(),
                 )

@@ -11,7 +11,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Instant;
 
 use crate::config::{MigrationConfig, Verify, ZeroPageDetection};
-use crate::digest::PageHashes;
+use crate::digest::{AuditPace, PageHashes};
 use crate::error::MigrationError;
 use crate::guest::{MemoryRegion, SourceGuest};
 use crate::pipeline::{CompressionSetup, Pipeline, PipelineSetup};
@@ -19,12 +19,6 @@ use crate::stats::thread_cpu_seconds;
 use crate::stats::{DestinationStats, LiveStats, MigrationStats, MigrationStatus, SessionSecurity};
 use crate::transport::{Address, Channel, Connect, Connector};
 use peer::{peer_reason, send_abort};
-
-/// How fast at most the source's dirty-log audit reads memory during the
-/// live phase: a few percent of one core's hashing speed on the reference
-/// machine (and the thread runs at the lowest priority), so that it costs
-/// the migration little CPU and memory bandwidth.
-const SOURCE_AUDIT_BYTES_PER_SECOND: u64 = 128 << 20;
 
 /// Cancels a running migration from another thread (a signal handler's
 /// helper, a UI, a test).
@@ -344,8 +338,9 @@ impl Source {
             .spawn_scoped(scope, move || {
                 // SAFETY: the regions stay mapped for the whole migration,
                 // and the thread ends (`stop_audit`) before `run` returns.
+                let sent_data = || stats.normal_bytes.load(Ordering::Relaxed);
                 let cpu = unsafe {
-                    hashes.audit(SOURCE_AUDIT_BYTES_PER_SECOND, &|_, _| false, &|| {
+                    hashes.audit(&AuditPace::proportional(&sent_data), &|_, _| false, &|| {
                         stats.record_audit_pass();
                     })
                 };

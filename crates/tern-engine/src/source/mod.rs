@@ -336,9 +336,9 @@ impl Source {
         let spawned = std::thread::Builder::new()
             .name("tern-audit".into())
             .spawn_scoped(scope, move || {
+                let sent_data = || stats.normal_bytes.load(Ordering::Relaxed);
                 // SAFETY: the regions stay mapped for the whole migration,
                 // and the thread ends (`stop_audit`) before `run` returns.
-                let sent_data = || stats.normal_bytes.load(Ordering::Relaxed);
                 let cpu = unsafe {
                     hashes.audit(&AuditPace::proportional(&sent_data), &|_, _| false, &|| {
                         stats.record_audit_pass();

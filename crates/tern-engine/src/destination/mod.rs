@@ -20,7 +20,7 @@ use crate::config::ReceiveConfig;
 use crate::error::MigrationError;
 use crate::guest::{DestinationGuest, GuestError, PAGE_SIZE};
 use crate::source::CancelToken;
-use crate::stats::{DestinationStats, thread_cpu_seconds};
+use crate::stats::{DestinationStats, SessionSecurity, thread_cpu_seconds};
 use crate::transport::{Channel, Listener};
 
 use handshake::Greeted;
@@ -213,6 +213,10 @@ pub struct Received<G> {
     pub stats: DestinationStats,
     /// The session setup the source sent.
     pub setup: SessionSetup,
+    /// How the session's channels were carried and protected, as the main
+    /// channel's handshake established it (the same fields as the
+    /// source's report).
+    pub security: SessionSecurity,
 }
 
 /// Receives one migration.
@@ -276,14 +280,27 @@ impl Destination {
                 Ok(arrived)
             })
             .inspect_err(|_| self.stats.set_phase(ReceivePhase::Failed))?;
-        let result = self.run(
-            &mut handshakes,
-            &mut main,
-            &mut decoder,
-            hello,
-            make_guest,
-            cpu_start,
-        );
+        let security = SessionSecurity {
+            transport: listener
+                .local_address()
+                .map_or("unknown", |address| address.transport())
+                .to_string(),
+            authenticated: main.security().authenticated(),
+            tls: main.security().tls.clone(),
+        };
+        let result = self
+            .run(
+                &mut handshakes,
+                &mut main,
+                &mut decoder,
+                hello,
+                make_guest,
+                cpu_start,
+            )
+            .map(|received| Received {
+                security,
+                ..received
+            });
         if let Err(error) = &result {
             self.stats.set_phase(ReceivePhase::Failed);
             if !matches!(error, MigrationError::PeerAborted { .. }) {
@@ -336,6 +353,7 @@ impl Destination {
             guest,
             stats: DestinationStats::from_wire(&stats),
             setup,
+            security: SessionSecurity::default(),
         })
     }
 }

@@ -403,6 +403,42 @@ fn a_client_without_a_certificate_is_refused() {
     assert!(!receiving.guest_made.load(Ordering::SeqCst));
 }
 
+/// A TLS peer that sends one record of one byte every 300 ms: each record
+/// arrives well inside the 1 s I/O timeout, so only the deadline on the
+/// whole transfer (here a frame header) stops it, as on a plain socket.
+#[test]
+fn a_peer_trickling_tls_records_is_cut_off_at_the_transfer_deadline() {
+    let pki = TestPki::new("tern test CA");
+    let server_config = pki.config(&pki.identity(&["127.0.0.1"]));
+    let client_config = pki.config(&pki.identity(&["source.test"]));
+    let (listener, address) = tcp_listener();
+    let server = std::thread::spawn(move || {
+        let channel = listener.accept_timeout(DEADLINE).unwrap();
+        let mut channel = tern_engine::transport::tls::accept(channel, &server_config).unwrap();
+        channel.set_timeouts(Duration::from_secs(1)).unwrap();
+        channel.read_message()
+    });
+    let channel = Channel::connect(&address, DEADLINE).unwrap();
+    let mut client =
+        tern_engine::transport::tls::connect(channel, &client_config, "127.0.0.1").unwrap();
+    let frame = Message::Heartbeat.to_bytes();
+    let trickle = std::thread::spawn(move || {
+        for byte in frame.iter().cycle().take(60) {
+            if client.write_all(std::slice::from_ref(byte)).is_err() {
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(300));
+        }
+    });
+    let error = server.join().unwrap().expect_err("the trickle is cut off");
+    assert!(
+        error.chain().contains("outlasted the I/O timeout"),
+        "{}",
+        error.chain()
+    );
+    trickle.join().unwrap();
+}
+
 /// A hand-made source: the main channel with one certificate, a page
 /// channel with another from the same CA. The page channel is refused.
 #[test]

@@ -20,6 +20,7 @@ use std::io::{self, Read, Write};
 use std::os::fd::{AsRawFd, RawFd};
 use std::path::Path;
 use std::sync::Arc;
+use std::time::Duration;
 
 use rustls::pki_types::pem::PemObject;
 use rustls::pki_types::{CertificateDer, PrivateKeyDer, ServerName};
@@ -29,7 +30,7 @@ use rustls::{
 };
 
 use super::security::{ChannelSecurity, TlsInfo};
-use super::{Channel, Segment, Stream};
+use super::{Channel, Segment, Stream, TransferClock};
 use crate::error::ChannelError;
 use tern_wire::Message;
 
@@ -574,18 +575,32 @@ impl TlsStream {
         }
     }
 
-    fn flush(&mut self) -> io::Result<()> {
+    /// Sends every queued record; each system call is one of `clock`'s
+    /// transfer.
+    fn flush(&mut self, clock: &mut TransferClock) -> Result<(), ChannelError> {
         while self.connection.wants_write() {
-            self.connection.write_tls(&mut self.socket)?;
+            clock.before_call()?;
+            match self.connection.write_tls(&mut self.socket) {
+                Ok(_) => {}
+                Err(error) if error.kind() == io::ErrorKind::Interrupted => {}
+                Err(error) => return Err(clock.failed(error)),
+            }
         }
         Ok(())
     }
 
-    /// Encrypts and sends the segments (one copy, into rustls's records).
+    /// Encrypts and sends the segments (one copy, into rustls's records),
+    /// all of it within one transfer deadline of `timeout`, as on a plain
+    /// socket.
     ///
     /// # Safety
     /// As [`Channel::send_vectored`].
-    pub(super) unsafe fn send_segments(&mut self, segments: &[Segment]) -> io::Result<()> {
+    pub(super) unsafe fn send_segments(
+        &mut self,
+        segments: &[Segment],
+        timeout: Option<Duration>,
+    ) -> Result<(), ChannelError> {
+        let mut clock = TransferClock::new(self.raw_fd(), libc::SO_SNDTIMEO, timeout);
         for segment in segments.iter().filter(|segment| segment.len > 0) {
             // SAFETY: the segment points to `len` readable bytes (caller's
             // contract); concurrent guest writes make the copy a mix of old
@@ -593,60 +608,81 @@ impl TlsStream {
             let bytes = unsafe { std::slice::from_raw_parts(segment.ptr, segment.len) };
             let mut rest = bytes;
             while !rest.is_empty() {
-                let taken = self.connection.writer().write(rest)?;
+                let taken = self
+                    .connection
+                    .writer()
+                    .write(rest)
+                    .map_err(|error| self.channel_error(error))?;
                 rest = &rest[taken..];
                 if taken == 0 || self.connection.wants_write() {
-                    self.flush()?;
+                    self.flush(&mut clock)?;
                 }
             }
         }
-        self.flush()
+        self.flush(&mut clock)
     }
 
-    pub(super) fn read_exact(&mut self, buf: &mut [u8]) -> io::Result<()> {
+    fn read_exact(
+        &mut self,
+        buf: &mut [u8],
+        clock: &mut TransferClock,
+    ) -> Result<(), ChannelError> {
         let mut filled = 0;
         while filled < buf.len() {
             match self.connection.reader().read(&mut buf[filled..]) {
-                Ok(0) => return Err(io::ErrorKind::UnexpectedEof.into()),
+                Ok(0) => return Err(ChannelError::Closed),
                 Ok(read) => {
                     filled += read;
                     self.buffered = self.buffered.saturating_sub(read);
                 }
-                Err(error) if error.kind() == io::ErrorKind::WouldBlock => self.fill()?,
-                Err(error) => return Err(error),
+                Err(error) if error.kind() == io::ErrorKind::WouldBlock => self.fill(clock)?,
+                Err(error) => return Err(self.channel_error(error)),
             }
         }
         Ok(())
     }
 
-    /// Decrypts into the segments (one copy, out of rustls's buffer).
+    /// Decrypts into the segments (one copy, out of rustls's buffer), all
+    /// of it within one transfer deadline of `timeout`, as on a plain
+    /// socket: records trickling in do not restart the clock.
     ///
     /// # Safety
     /// As [`Channel::read_scattered`].
-    pub(super) unsafe fn read_segments(&mut self, segments: &[Segment]) -> io::Result<()> {
+    pub(super) unsafe fn read_segments(
+        &mut self,
+        segments: &[Segment],
+        timeout: Option<Duration>,
+    ) -> Result<(), ChannelError> {
+        let mut clock = TransferClock::new(self.raw_fd(), libc::SO_RCVTIMEO, timeout);
         for segment in segments.iter().filter(|segment| segment.len > 0) {
             // SAFETY: the segment points to `len` writable, bounds-checked
             // bytes that nothing else accesses during the call (caller's
             // contract).
             let buf =
                 unsafe { std::slice::from_raw_parts_mut(segment.ptr.cast_mut(), segment.len) };
-            self.read_exact(buf)?;
+            self.read_exact(buf, &mut clock)?;
         }
         Ok(())
     }
 
-    /// Reads records from the socket and decrypts them.
-    fn fill(&mut self) -> io::Result<()> {
-        if self.connection.read_tls(&mut self.socket)? == 0 {
-            return Err(io::ErrorKind::UnexpectedEof.into());
+    /// Reads records from the socket (one system call of `clock`'s
+    /// transfer) and decrypts them.
+    fn fill(&mut self, clock: &mut TransferClock) -> Result<(), ChannelError> {
+        clock.before_call()?;
+        match self.connection.read_tls(&mut self.socket) {
+            Ok(0) => return Err(ChannelError::Closed),
+            Ok(_) => {}
+            Err(error) if error.kind() == io::ErrorKind::Interrupted => return Ok(()),
+            Err(error) => return Err(clock.failed(error)),
         }
-        let state = self
-            .connection
-            .process_new_packets()
-            .map_err(|error| io::Error::new(io::ErrorKind::InvalidData, error))?;
+        let state = self.connection.process_new_packets().map_err(|error| {
+            self.channel_error(io::Error::new(io::ErrorKind::InvalidData, error))
+        })?;
         self.buffered = state.plaintext_bytes_to_read();
         if state.tls_bytes_to_write() > 0 {
-            self.flush()?;
+            // An alert or a key update answer: a transfer of its own.
+            let mut send = TransferClock::new(self.raw_fd(), libc::SO_SNDTIMEO, clock.timeout);
+            self.flush(&mut send)?;
         }
         Ok(())
     }

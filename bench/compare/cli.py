@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 
 from . import config as config_mod
-from . import image, netem, procfs, qemu, report, system, tern
+from . import image, netem, pki, procfs, qemu, report, system, tern
 from .config import ROOT, Artifacts, Config
 from .contenders import QemuContender, Run, plan
 from .results import Results
@@ -60,7 +60,8 @@ def prepare(cfg: Config, argv: list[str]) -> tuple[Results, Artifacts]:
     work = Path(cfg.work)
     work.mkdir(parents=True, exist_ok=True)
     artifacts = Artifacts(tern=binary, image=work / f"image-{cfg.memory_mib}M.bin",
-                          guest=work / f"guest-{cfg.working_set_mib}M.mb")
+                          guest=work / f"guest-{cfg.working_set_mib}M.mb",
+                          tls=pki.make(work / "tls") if cfg.wants_tls() else None)
     image.make(artifacts.image, cfg.memory)
     subprocess.run([str(binary), "vm", "export-guest", "--working-set", str(cfg.working_set),
                     "--multiboot", str(artifacts.guest)], check=True)

@@ -8,7 +8,7 @@ from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
 
-from .contenders import LINKS, MODES, NAMES, parse_contenders
+from .contenders import DEFAULT_NAMES, LINKS, MODES, NAMES, TLS_NAMES, parse_contenders
 
 ROOT = Path(__file__).resolve().parent.parent.parent
 BENCH = ROOT / "bench"
@@ -40,7 +40,7 @@ class Config:
         self.links = self.links or list(LINKS)
         self.channels = self.channels or [2, 4]
         self.compressions = self.compressions or ["none", "zstd"]
-        self.contenders = self.contenders or list(NAMES)
+        self.contenders = self.contenders or list(DEFAULT_NAMES)
 
     @property
     def memory(self) -> int:
@@ -52,6 +52,9 @@ class Config:
 
     def wants_qemu(self) -> bool:
         return any(name.startswith("qemu") for name in self.contenders)
+
+    def wants_tls(self) -> bool:
+        return any(name in TLS_NAMES for name in self.contenders)
 
     def to_json(self) -> dict[str, Any]:
         # memory and working_set in bytes too, as earlier versions stored them.
@@ -75,6 +78,8 @@ class Artifacts:
     tern: Path
     image: Path
     guest: Path
+    # Certificates for the TLS rows (pki.make), when they run.
+    tls: Path | None = None
 
 
 def parser() -> argparse.ArgumentParser:
@@ -100,9 +105,10 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--links", default=",".join(LINKS))
     ap.add_argument("--channels", default="2,4")
     ap.add_argument("--compressions", default="none,zstd")
-    ap.add_argument("--contenders", default=",".join(NAMES),
+    ap.add_argument("--contenders", default=",".join(DEFAULT_NAMES),
                     help=f"who runs, comma-separated, from {','.join(NAMES)} "
-                         "(e.g. tern alone where QEMU is not installed)")
+                         "(e.g. tern alone where QEMU is not installed; the TLS rows "
+                         "qemu-tls and tern-tls only when named)")
     ap.add_argument("--no-extra", action="store_true",
                     help="skip the tern-best and tern-verify rows")
     ap.add_argument("--no-charts", action="store_true",

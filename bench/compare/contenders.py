@@ -37,6 +37,8 @@ class QemuContender:
     # False: QEMU runs with PR_SET_THP_DISABLE, so its destination faults
     # 4 KiB pages as tern's VMM does.
     thp: bool = True
+    # TLS on every channel (tls-creds-x509, mutual).
+    tls: bool = False
 
 
 @dataclass(frozen=True)
@@ -46,6 +48,8 @@ class TernContender:
     # None: the case's own.
     channels: int | None = None
     compression: str | None = None
+    # Mutual TLS on every channel (--tls-dir).
+    tls: bool = False
 
     def channels_for(self, case: Case) -> int:
         return self.channels if self.channels is not None else case.channels
@@ -59,6 +63,10 @@ Contender = Union[QemuContender, TernContender]
 QEMU = QemuContender("qemu")
 QEMU_NOTHP = QemuContender("qemu-nothp", thp=False)
 TERN = TernContender("tern")
+# TLS rows: QEMU with tls-creds-x509 on its multifd channels, tern with
+# --tls-dir; both mutual, certificates from one CA (bench/compare/pki.py).
+QEMU_TLS = QemuContender("qemu-tls", tls=True)
+TERN_TLS = TernContender("tern-tls", tls=True)
 
 
 def tern_best(channels: int) -> TernContender:
@@ -69,8 +77,11 @@ def tern_verify(channels: int) -> TernContender:
     return TernContender("tern-verify", verify="full", channels=channels, compression="none")
 
 
-# Every contender, in the order of the report's rows.
-NAMES = ("qemu", "qemu-nothp", "tern", "tern-best", "tern-verify")
+# Every contender, in the order of the report's rows; the TLS pair runs
+# only when asked for (--contenders).
+NAMES = ("qemu", "qemu-nothp", "tern", "tern-best", "tern-verify", "qemu-tls", "tern-tls")
+DEFAULT_NAMES = ("qemu", "qemu-nothp", "tern", "tern-best", "tern-verify")
+TLS_NAMES = ("qemu-tls", "tern-tls")
 EXTRA_NAMES = ("tern-best", "tern-verify")
 
 
@@ -85,7 +96,8 @@ def plan(modes: list[str], links: list[str], channels: list[int], compressions: 
         for link in links:
             for count in channels:
                 for compression in compressions:
-                    chosen = [c for c in (QEMU, QEMU_NOTHP, TERN) if c.name in wanted]
+                    chosen = [c for c in (QEMU, QEMU_NOTHP, TERN, QEMU_TLS, TERN_TLS)
+                              if c.name in wanted]
                     if chosen:
                         cases.append((Case(mode, link, count, compression), chosen))
             if not extras:

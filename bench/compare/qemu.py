@@ -102,7 +102,7 @@ class Qmp:
 
 
 def command(cfg: Config, artifacts: Artifacts, work: Path, name: str,
-            source: bool) -> list[str]:
+            source: bool, tls: bool = False) -> list[str]:
     mem = cfg.memory
     if source:
         backend = f"memory-backend-file,id=ram,size={mem},mem-path={artifacts.image},share=off"
@@ -116,12 +116,22 @@ def command(cfg: Config, artifacts: Artifacts, work: Path, name: str,
         "-serial", f"file:{work / (name + '.serial')}",
         "-qmp", f"unix:{work / (name + '.qmp')},server=on,wait=off",
     ]
+    if tls:
+        # Mutual: the destination (server) requires the source's certificate.
+        role = "client" if source else "server"
+        assert artifacts.tls is not None, "certificates are made when a TLS row runs"
+        cmd += ["-object", f"tls-creds-x509,id={TLS_ID},dir={artifacts.tls / ('qemu-' + role)},"
+                           f"endpoint={role},verify-peer=on"]
     if not source:
         cmd += ["-incoming", "defer"]
     return cmd
 
 
-def migration_parameters(case: Case, downtime_limit: int) -> dict[str, Any]:
+# The id of the tls-creds-x509 object, named by the tls-creds parameter.
+TLS_ID = "tls0"
+
+
+def migration_parameters(case: Case, downtime_limit: int, tls: bool = False) -> dict[str, Any]:
     params: dict[str, Any] = {
         "multifd-channels": case.channels,
         "multifd-compression": case.compression,
@@ -131,12 +141,16 @@ def migration_parameters(case: Case, downtime_limit: int) -> dict[str, Any]:
     }
     if case.compression == "zstd":
         params["multifd-zstd-level"] = 1
+    if tls:
+        # Every channel, main and multifd, runs TLS with these credentials.
+        params["tls-creds"] = TLS_ID
+        params["tls-hostname"] = "127.0.0.1"
     return params
 
 
-def _configure(qmp: Qmp, case: Case, cfg: Config) -> None:
+def _configure(qmp: Qmp, case: Case, cfg: Config, tls: bool) -> None:
     qmp.cmd("migrate-set-capabilities", capabilities=[{"capability": "multifd", "state": True}])
-    qmp.cmd("migrate-set-parameters", **migration_parameters(case, cfg.downtime_limit))
+    qmp.cmd("migrate-set-parameters", **migration_parameters(case, cfg.downtime_limit, tls))
 
 
 def _no_thp() -> None:
@@ -158,17 +172,17 @@ def run(cfg: Config, artifacts: Artifacts, case: Case, who: QemuContender,
         # Unwound in reverse: QMP closed, the QEMUs stopped, the files.
         dst_err = stack.enter_context(open(work / "qdst.err", "w"))
         src_err = stack.enter_context(open(work / "qsrc.err", "w"))
-        dst = subprocess.Popen(netem.wrap(command(cfg, artifacts, work, "qdst", False), case.link),
+        dst = subprocess.Popen(netem.wrap(command(cfg, artifacts, work, "qdst", False, who.tls), case.link),
                                stdout=subprocess.DEVNULL, stderr=dst_err, preexec_fn=preexec)
         stack.callback(kill, dst)
-        src = subprocess.Popen(netem.wrap(command(cfg, artifacts, work, "qsrc", True), case.link),
+        src = subprocess.Popen(netem.wrap(command(cfg, artifacts, work, "qsrc", True, who.tls), case.link),
                                stdout=subprocess.DEVNULL, stderr=src_err, preexec_fn=preexec)
         stack.callback(kill, src)
         qd = stack.enter_context(closing(Qmp(work / "qdst.qmp")))
         qs = stack.enter_context(closing(Qmp(work / "qsrc.qmp")))
-        _configure(qd, case, cfg)
+        _configure(qd, case, cfg, who.tls)
         qd.cmd("migrate-incoming", uri=f"tcp:127.0.0.1:{port}")
-        _configure(qs, case, cfg)
+        _configure(qs, case, cfg, who.tls)
         # Warm-up: let the guest boot and run (fault in its working set).
         serial = work / "qsrc.serial"
         deadline = time.time() + 30

@@ -12,7 +12,8 @@ from .stats import Summaries, Summary
 
 CHARTS = ("total_time.png", "downtime.png", "cpu.png", "bytes.png")
 COLORS = {"qemu": "#d95f02", "qemu-nothp": "#e6ab02", "tern": "#1b9e77",
-          "tern-best": "#7570b3", "tern-verify": "#66a61e"}
+          "tern-best": "#7570b3", "tern-verify": "#66a61e", "qemu-tls": "#a6761d",
+          "tern-tls": "#1f78b4"}
 
 
 def fmt(value: float | None, unit: str = "") -> str:
@@ -105,7 +106,9 @@ def markdown(results: Results, charts: bool = True) -> str:
         q, qn = baseline.get("qemu"), baseline.get("qemu-nothp")
         for who in NAMES:
             if who in rows:
-                lines.append(_row(case, who, rows[who], q, qn))
+                # The TLS row is compared with QEMU over TLS.
+                base = baseline.get("qemu-tls") if who == "tern-tls" else q
+                lines.append(_row(case, who, rows[who], base, qn))
     lines += ["", "`*/extra` cases hold tern's extra rows (max channels): "
               "`tern-best` = `--compression auto --verify none`, "
               "`tern-verify` = `--compression none --verify full` (the digest check "

@@ -47,6 +47,14 @@ def read_event(stream: IO[str], expected: str, timeout: float) -> dict[str, Any]
     return parse_event(stream.readline(), expected)
 
 
+def tls_args(artifacts: Artifacts, who: TernContender, role: str) -> list[str]:
+    """--tls-dir for a TLS row: `role` is server (receiver) or client."""
+    if not who.tls:
+        return []
+    assert artifacts.tls is not None, "certificates are made when a TLS row runs"
+    return ["--tls-dir", str(artifacts.tls / f"tern-{role}")]
+
+
 def receiver_args(cfg: Config, artifacts: Artifacts, who: TernContender) -> list[str]:
     # Port 0: the ready event says which port the system picked.
     args = [str(artifacts.tern), "vm", "receive", "--listen", "127.0.0.1:0", "--json",
@@ -56,7 +64,7 @@ def receiver_args(cfg: Config, artifacts: Artifacts, who: TernContender) -> list
         # The destination decides whether a source may skip the digest;
         # without this it refuses the session and keeps listening.
         args.append("--allow-unverified")
-    return args
+    return args + tls_args(artifacts, who, "server")
 
 
 def source_args(cfg: Config, artifacts: Artifacts, case: Case, who: TernContender,
@@ -73,7 +81,7 @@ def source_args(cfg: Config, artifacts: Artifacts, case: Case, who: TernContende
         args += ["--compression-level", "1"]  # QEMU's default level
     if case.mode == "paused":
         args.append("--paused")
-    return args
+    return args + tls_args(artifacts, who, "client")
 
 
 def _tail(path: Path) -> str:

@@ -8,13 +8,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from bench.compare import config  # noqa: E402
 from bench.compare.contenders import (  # noqa: E402
-    NAMES, Case, Outcome, QemuContender, Run, TernContender, parse_contenders, plan)
+    DEFAULT_NAMES, NAMES, Case, Outcome, QemuContender, Run, TernContender, parse_contenders,
+    plan)
 
 
 class PlanTest(unittest.TestCase):
     def test_every_contender_in_every_case_and_extras_per_mode_and_link(self):
         cases = plan(["paused", "running"], ["loopback", "1gbit"], [2, 4], ["none", "zstd"],
-                     list(NAMES))
+                     list(DEFAULT_NAMES))
         # 2 modes x 2 links x (2 channels x 2 codecs + 1 extra case)
         self.assertEqual(len(cases), 20)
         first, contenders = cases[0]
@@ -35,6 +36,14 @@ class PlanTest(unittest.TestCase):
                          [("paused/loopback/2ch/none", ["tern"])])
         self.assertEqual(plan(["paused"], ["loopback"], [2], ["none"], ["qemu"],
                               extras=False)[0][1][0].name, "qemu")
+
+    def test_tls_rows_run_beside_the_plain_ones_when_named(self):
+        cases = plan(["paused"], ["1gbit"], [2], ["none"], list(NAMES), extras=False)
+        names = [w.name for w in cases[0][1]]
+        self.assertEqual(names, ["qemu", "qemu-nothp", "tern", "qemu-tls", "tern-tls"])
+        self.assertTrue(cases[0][1][3].tls and cases[0][1][4].tls)
+        self.assertFalse(config.Config().wants_tls())
+        self.assertTrue(config.Config(contenders=["tern-tls"]).wants_tls())
 
     def test_tern_takes_the_case_settings_unless_it_has_its_own(self):
         case = Case("running", "1gbit", 2, "zstd")
@@ -96,7 +105,7 @@ class ConfigTest(unittest.TestCase):
         cfg = config.Config.from_json(stored)
         self.assertFalse(cfg.extras)
         self.assertEqual(cfg.memory, 1 << 30)
-        self.assertEqual(cfg.contenders, list(NAMES))
+        self.assertEqual(cfg.contenders, list(DEFAULT_NAMES))
         self.assertEqual(config.Config.from_json(cfg.to_json()), cfg)
 
 

@@ -35,6 +35,21 @@ pub enum ChannelError {
     Auth(String),
 }
 
+impl ChannelError {
+    /// The full cause chain as one line, for logs (a TLS failure's reason
+    /// is in its cause).
+    pub fn chain(&self) -> String {
+        let mut text = self.to_string();
+        let mut source = std::error::Error::source(self);
+        while let Some(cause) = source {
+            text.push_str(": ");
+            text.push_str(&cause.to_string());
+            source = cause.source();
+        }
+        text
+    }
+}
+
 /// Why a migration (either side) did not complete.
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]

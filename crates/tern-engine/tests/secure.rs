@@ -1,8 +1,10 @@
 //! Authenticated and encrypted channels, and the destination's policy:
 //! real migrations over real sockets, checked by digest, and the failures
-//! (wrong key, wrong CA or host name, another identity on a page channel,
-//! plaintext against TLS, an unauthenticated or unverified session the
-//! destination does not accept), each refused with a clear error, with
+//! (wrong key, wrong CA or host name, an expired certificate, a client
+//! without one, another identity on a page channel, plaintext against TLS,
+//! an unauthenticated or unverified session the destination does not
+//! accept), each refused with a clear one-line error on both sides (the
+//! destination's is the reason it logs and keeps in its statistics), with
 //! nothing written to the destination's guest and the source guest running.
 
 mod common;
@@ -28,12 +30,44 @@ fn key(text: &str) -> Option<Arc<AuthKey>> {
 struct Receiving {
     thread: JoinHandle<DestinationResult>,
     cancel: tern_engine::CancelToken,
+    stats: Arc<tern_engine::ReceiveStats>,
     guest_made: Arc<AtomicBool>,
+}
+
+impl Receiving {
+    /// The destination's one-line reason for the first connection it
+    /// refused, once it refused one.
+    fn refusal(&self) -> String {
+        wait_until("the destination refuses a connection", || {
+            self.stats.refused_connections() > 0
+        });
+        self.stats.last_refusal().expect("a refusal's reason")
+    }
+}
+
+/// Both sides' errors for a refused migration.
+struct Refused {
+    source: String,
+    destination: String,
+}
+
+impl Refused {
+    /// Each side's error is one line and names `what`.
+    fn both_say(&self, what: &str) {
+        for (side, text) in [("source", &self.source), ("destination", &self.destination)] {
+            assert!(!text.contains('\n'), "{side}: one line: {text}");
+            assert!(
+                text.to_lowercase().contains(&what.to_lowercase()),
+                "{side} must say '{what}': {text}"
+            );
+        }
+    }
 }
 
 fn receive_with(listener: Listener, config: ReceiveConfig) -> Receiving {
     let destination = Destination::new(config);
     let cancel = destination.cancel_token();
+    let stats = destination.stats();
     let guest_made = Arc::new(AtomicBool::new(false));
     let made = guest_made.clone();
     let thread = std::thread::spawn(move || {
@@ -45,6 +79,7 @@ fn receive_with(listener: Listener, config: ReceiveConfig) -> Receiving {
     Receiving {
         thread,
         cancel,
+        stats,
         guest_made,
     }
 }
@@ -88,14 +123,14 @@ fn migrate_and_verify(
 }
 
 /// Runs a migration that must fail at the source; the destination, which
-/// keeps waiting for a source it accepts, is cancelled and must not have
-/// built a guest. Returns the source's error.
+/// logs the refused connection and keeps waiting for a source it accepts,
+/// is cancelled and must not have built a guest. Returns both sides' errors.
 fn migrate_refused(
     listener: Listener,
     address: &Address,
     receive: ReceiveConfig,
     migrate: MigrationConfig,
-) -> String {
+) -> Refused {
     let mut guest = guest(8 * MIB, MIB);
     guest.resume().unwrap();
     let receiving = receive_with(listener, receive);
@@ -104,6 +139,7 @@ fn migrate_refused(
         .migrate(&mut guest, address)
         .expect_err("the migration must fail");
     assert!(guest.is_running(), "the source guest runs on");
+    let destination = receiving.refusal();
     receiving.cancel.cancel();
     let result = receiving.thread.join().unwrap();
     assert!(result.is_err(), "the destination must not complete");
@@ -111,7 +147,10 @@ fn migrate_refused(
         !receiving.guest_made.load(Ordering::SeqCst),
         "nothing may be written to a guest for a refused session"
     );
-    failure.error.chain()
+    Refused {
+        source: failure.error.chain(),
+        destination,
+    }
 }
 
 #[test]
@@ -147,10 +186,14 @@ fn a_wrong_auth_key_is_refused() {
             ..Security::default()
         },
     );
-    let error = migrate_refused(listener, &address, receive, migrate);
+    let refused = migrate_refused(listener, &address, receive, migrate);
+    refused.both_say("auth key");
     assert!(
-        error.contains("does not match this side's auth key"),
-        "{error}"
+        refused
+            .source
+            .contains("does not match this side's auth key"),
+        "{}",
+        refused.source
     );
 }
 
@@ -161,8 +204,8 @@ fn a_source_without_the_key_is_refused() {
         auth_key: key("the destination's secret"),
         ..Security::default()
     });
-    let error = migrate_refused(listener, &address, receive, migration_config(1));
-    assert!(error.contains("requires an auth key"), "{error}");
+    let refused = migrate_refused(listener, &address, receive, migration_config(1));
+    refused.both_say("requires an auth key");
 }
 
 #[test]
@@ -175,8 +218,8 @@ fn a_destination_without_a_key_is_refused_by_a_source_with_one() {
             ..Security::default()
         },
     );
-    let error = migrate_refused(listener, &address, receive_config(), migrate);
-    assert!(error.contains("this destination has none"), "{error}");
+    let refused = migrate_refused(listener, &address, receive_config(), migrate);
+    refused.both_say("this destination has none");
 }
 
 fn tls(config: tern_engine::TlsConfig) -> Security {
@@ -240,9 +283,9 @@ fn a_destination_from_another_ca_is_refused() {
     let (listener, address) = tcp_listener();
     let receive = secured_receive(tls(stranger.config(&stranger.identity(&["127.0.0.1"]))));
     let migrate = secured_migration(1, tls(pki.config(&pki.identity(&["source.test"]))));
-    let error = migrate_refused(listener, &address, receive, migrate);
-    assert!(error.contains("TLS"), "{error}");
-    assert!(error.to_lowercase().contains("unknown"), "{error}");
+    let refused = migrate_refused(listener, &address, receive, migrate);
+    refused.both_say("TLS");
+    refused.both_say("CA");
 }
 
 #[test]
@@ -251,9 +294,9 @@ fn a_destination_certificate_for_another_host_is_refused() {
     let (listener, address) = tcp_listener();
     let receive = secured_receive(tls(pki.config(&pki.identity(&["elsewhere.test"]))));
     let migrate = secured_migration(1, tls(pki.config(&pki.identity(&["source.test"]))));
-    let error = migrate_refused(listener, &address, receive, migrate);
-    assert!(error.contains("TLS"), "{error}");
-    assert!(error.to_lowercase().contains("name"), "{error}");
+    let refused = migrate_refused(listener, &address, receive, migrate);
+    refused.both_say("certificate");
+    assert!(refused.source.contains("name"), "{}", refused.source);
 }
 
 #[test]
@@ -261,7 +304,8 @@ fn a_plaintext_source_against_a_tls_destination_is_refused() {
     let pki = TestPki::new("tern test CA");
     let (listener, address) = tcp_listener();
     let receive = secured_receive(tls(pki.config(&pki.identity(&["127.0.0.1"]))));
-    migrate_refused(listener, &address, receive, migration_config(1));
+    let refused = migrate_refused(listener, &address, receive, migration_config(1));
+    refused.both_say("--tls-dir");
 }
 
 #[test]
@@ -269,8 +313,130 @@ fn a_tls_source_against_a_plaintext_destination_is_refused() {
     let pki = TestPki::new("tern test CA");
     let (listener, address) = tcp_listener();
     let migrate = secured_migration(1, tls(pki.config(&pki.identity(&["source.test"]))));
-    let error = migrate_refused(listener, &address, receive_config(), migrate);
-    assert!(error.contains("TLS"), "{error}");
+    let refused = migrate_refused(listener, &address, receive_config(), migrate);
+    refused.both_say("--tls-dir");
+}
+
+#[test]
+fn an_expired_source_certificate_is_refused() {
+    let pki = TestPki::new("tern test CA");
+    let (listener, address) = tcp_listener();
+    let receive = secured_receive(tls(pki.config(&pki.identity(&["127.0.0.1"]))));
+    let migrate = secured_migration(1, tls(pki.config(&pki.expired_identity(&["source.test"]))));
+    let refused = migrate_refused(listener, &address, receive, migrate);
+    refused.both_say("expired");
+}
+
+#[test]
+fn an_expired_destination_certificate_is_refused() {
+    let pki = TestPki::new("tern test CA");
+    let (listener, address) = tcp_listener();
+    let receive = secured_receive(tls(pki.config(&pki.expired_identity(&["127.0.0.1"]))));
+    let migrate = secured_migration(1, tls(pki.config(&pki.identity(&["source.test"]))));
+    let refused = migrate_refused(listener, &address, receive, migrate);
+    refused.both_say("expired");
+}
+
+/// A client that trusts the destination's CA but presents no certificate
+/// of its own (rustls directly: a tern source always presents one).
+#[test]
+fn a_client_without_a_certificate_is_refused() {
+    use rustls::pki_types::pem::PemObject;
+    use std::io::{Read, Write};
+    let pki = TestPki::new("tern test CA");
+    let (listener, address) = tcp_listener();
+    let receiving = receive_with(
+        listener,
+        secured_receive(tls(pki.config(&pki.identity(&["127.0.0.1"])))),
+    );
+    let mut roots = rustls::RootCertStore::empty();
+    for certificate in rustls::pki_types::CertificateDer::pem_slice_iter(pki.ca.as_bytes()) {
+        roots.add(certificate.unwrap()).unwrap();
+    }
+    let config = rustls::ClientConfig::builder_with_provider(Arc::new(
+        rustls::crypto::ring::default_provider(),
+    ))
+    .with_protocol_versions(&[&rustls::version::TLS13])
+    .unwrap()
+    .with_root_certificates(roots)
+    .with_no_client_auth();
+    let Address::Tcp(host_port) = &address else {
+        unreachable!()
+    };
+    let mut socket = std::net::TcpStream::connect(host_port.as_str()).unwrap();
+    socket.set_read_timeout(Some(DEADLINE)).unwrap();
+    let mut connection =
+        rustls::ClientConnection::new(Arc::new(config), "127.0.0.1".try_into().unwrap()).unwrap();
+    let mut stream = rustls::Stream::new(&mut connection, &mut socket);
+    let hello = Message::Hello(Hello {
+        handshake: Handshake {
+            session_id: 1,
+            channel_index: 0,
+        },
+        setup: tern_wire::SessionSetup {
+            page_size: 4096,
+            channel_count: 1,
+            codecs: 0,
+            digest: tern_wire::DigestAlgorithm::Xxh3Pages,
+            regions: vec![tern_wire::RegionInfo {
+                id: 0,
+                guest_addr: 0,
+                len: MIB,
+            }],
+            guest_kind: String::new(),
+        },
+    });
+    // TLS 1.3 finishes the client's side of the handshake before the
+    // server judges its (missing) certificate: the refusal comes as an
+    // alert on the first read.
+    let client = stream
+        .write_all(&hello.to_bytes())
+        .and_then(|()| stream.read(&mut [0u8; 64]).map(|_| ()))
+        .expect_err("the destination must refuse");
+    let refused = Refused {
+        source: client.to_string(),
+        destination: receiving.refusal(),
+    };
+    refused.both_say("certificate");
+    receiving.cancel.cancel();
+    assert!(receiving.thread.join().unwrap().is_err());
+    assert!(!receiving.guest_made.load(Ordering::SeqCst));
+}
+
+/// A TLS peer that sends one record of one byte every 300 ms: each record
+/// arrives well inside the 1 s I/O timeout, so only the deadline on the
+/// whole transfer (here a frame header) stops it, as on a plain socket.
+#[test]
+fn a_peer_trickling_tls_records_is_cut_off_at_the_transfer_deadline() {
+    let pki = TestPki::new("tern test CA");
+    let server_config = pki.config(&pki.identity(&["127.0.0.1"]));
+    let client_config = pki.config(&pki.identity(&["source.test"]));
+    let (listener, address) = tcp_listener();
+    let server = std::thread::spawn(move || {
+        let channel = listener.accept_timeout(DEADLINE).unwrap();
+        let mut channel = tern_engine::transport::tls::accept(channel, &server_config).unwrap();
+        channel.set_timeouts(Duration::from_secs(1)).unwrap();
+        channel.read_message()
+    });
+    let channel = Channel::connect(&address, DEADLINE).unwrap();
+    let mut client =
+        tern_engine::transport::tls::connect(channel, &client_config, "127.0.0.1").unwrap();
+    let frame = Message::Heartbeat.to_bytes();
+    let trickle = std::thread::spawn(move || {
+        for byte in frame.iter().cycle().take(60) {
+            if client.write_all(std::slice::from_ref(byte)).is_err() {
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(300));
+        }
+    });
+    let error = server.join().unwrap().expect_err("the trickle is cut off");
+    assert!(
+        error.chain().contains("outlasted the I/O timeout"),
+        "{}",
+        error.chain()
+    );
+    trickle.join().unwrap();
 }
 
 /// A hand-made source: the main channel with one certificate, a page
@@ -333,6 +499,8 @@ fn a_page_channel_with_another_identity_is_refused() {
         ),
         other => panic!("expected an abort, got {other:?}"),
     }
+    let refusal = receiving.refusal();
+    assert!(refusal.contains("another certificate"), "{refusal}");
     receiving.cancel.cancel();
     assert!(receiving.thread.join().unwrap().is_err());
 }
@@ -372,8 +540,8 @@ fn skipping_the_digest_is_the_destination_s_choice() {
     let (listener, address) = tcp_listener();
     let mut migrate = migration_config(1);
     migrate.verify = tern_engine::Verify::None;
-    let error = migrate_refused(listener, &address, receive_config(), migrate.clone());
-    assert!(error.contains("--allow-unverified"), "{error}");
+    let refused = migrate_refused(listener, &address, receive_config(), migrate.clone());
+    refused.both_say("--allow-unverified");
     let (listener, address) = tcp_listener();
     let mut guest = guest(8 * MIB, 0);
     let receiving = receive_with(

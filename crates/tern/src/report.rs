@@ -10,6 +10,7 @@ use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 use serde::Serialize;
 use tern_engine::{
     Address, LiveStats, MigrationStats, MigrationStatus, PAGE_SIZE, ReceivePhase, ReceiveStats,
+    SessionSecurity,
 };
 
 use crate::units::human_bytes;
@@ -428,6 +429,13 @@ pub fn print_summary(stats: &MigrationStats, extra: &[(&str, String)]) {
         ("forced switch-over", stats.forced_switch_over.to_string()),
         ("digest verified", stats.digest_verified.to_string()),
         (
+            "channels",
+            stats
+                .security
+                .as_ref()
+                .map_or_else(|| "not connected".into(), security_line),
+        ),
+        (
             "source CPU",
             format!("{:.2} s", stats.cpu_seconds.values().sum::<f64>()),
         ),
@@ -521,6 +529,29 @@ pub fn print_summary(stats: &MigrationStats, extra: &[(&str, String)]) {
     if let Some(warning) = downtime_warning(stats) {
         println!("{:>width$}  {warning}", "WARNING");
     }
+}
+
+/// How the session's channels were carried and protected, in one line:
+/// `tcp, TLSv1_3 TLS13_AES_256_GCM_SHA384 in user space, authenticated`.
+pub fn security_line(security: &SessionSecurity) -> String {
+    let mut line = security.transport.clone();
+    match &security.tls {
+        Some(tls) => {
+            let records = if tls.kernel_offload {
+                "by the kernel"
+            } else {
+                "in user space"
+            };
+            line += &format!(", {} {} {records}", tls.version, tls.cipher);
+        }
+        None => line += ", no TLS",
+    }
+    line += if security.authenticated {
+        ", authenticated"
+    } else {
+        ", not authenticated"
+    };
+    line
 }
 
 /// The downtime, its limit, and where it went.

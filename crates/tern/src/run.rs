@@ -12,7 +12,7 @@ use tern_engine::{
 use tern_synthetic::SyntheticGuest;
 
 use crate::cli::{Command, DemoArgs, MigrateArgs, ReceiveArgs};
-use crate::report::{Progress, print_json, print_summary};
+use crate::report::{Progress, print_json, print_summary, security_line};
 
 pub fn dispatch(command: Command, verbose: bool) -> anyhow::Result<ExitCode> {
     match command {
@@ -445,6 +445,8 @@ fn receive_one(
         resumed_guest_dirtying: bool,
         #[serde(flatten)]
         stats: &'a tern_engine::DestinationStats,
+        #[serde(flatten)]
+        security: &'a tern_engine::SessionSecurity,
     }
     let report = ReceiveReport {
         status: "completed",
@@ -453,6 +455,7 @@ fn receive_one(
         memory: received.setup.total_bytes(),
         resumed_guest_dirtying: running,
         stats: &received.stats,
+        security: &received.security,
     };
     if args.json {
         print_json(&report)?;
@@ -469,6 +472,7 @@ fn receive_one(
             },
             if running { " and dirtying memory" } else { "" }
         );
+        println!("channels: {}", security_line(&received.security));
     }
     Ok(ExitCode::SUCCESS)
 }

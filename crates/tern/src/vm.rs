@@ -560,6 +560,7 @@ fn receive_one(
         mut guest,
         stats,
         setup,
+        security,
         ..
     } = received.map_err(|error| {
         crate::run::Incomplete::error(error, "the incoming migration did not complete")
@@ -575,6 +576,8 @@ fn receive_one(
         proof: &'a DestinationProof,
         #[serde(flatten)]
         stats: &'a tern_engine::DestinationStats,
+        #[serde(flatten)]
+        security: &'a tern_engine::SessionSecurity,
     }
     let report = ReceiveReport {
         status: "completed",
@@ -583,6 +586,7 @@ fn receive_one(
         memory: setup.total_bytes(),
         proof: &proof,
         stats: &stats,
+        security: &security,
     };
     if args.json {
         print_json(&report)?;
@@ -592,6 +596,11 @@ fn receive_one(
             human_bytes(report.memory),
             stats.normal_pages,
             stats.zero_pages
+        );
+        println!(
+            "{:>26}  {}",
+            "channels",
+            crate::report::security_line(&security)
         );
         for (name, value) in proof.rows() {
             println!("{name:>26}  {value}");

@@ -2,7 +2,9 @@
 
 mod process;
 
-use process::{Receiver, event_and_rest, json, read_event, tern, wait_until_read};
+use process::{
+    Receiver, TlsDirs, assert_reports_tls, event_and_rest, json, read_event, tern, wait_until_read,
+};
 use std::process::Stdio;
 use std::time::{Duration, Instant};
 
@@ -666,7 +668,64 @@ fn migrate_and_receive_with_an_auth_key() {
     assert_eq!(report["authenticated"], true);
     assert_eq!(report["transport"], "tcp");
     assert_eq!(report["digest-verified"], true);
-    assert_eq!(receiver.report()["digest-verified"], true);
+    assert!(report.get("tls").is_none(), "no TLS: {report}");
+    let received = receiver.report();
+    assert_eq!(received["digest-verified"], true);
+    assert_eq!(received["authenticated"], true);
+    assert_eq!(received["transport"], "tcp");
+    assert!(received.get("tls").is_none(), "no TLS: {received}");
+}
+
+#[test]
+fn migrate_and_receive_over_tls_report_it_on_both_sides() {
+    let pki = TlsDirs::new();
+    let destination = pki.host("destination", &["127.0.0.1"]);
+    let source = pki.host("source", &["source.test"]);
+    let receiver = Receiver::spawn(&["receive"], &["--json", "--tls-dir", &destination]);
+    let output = tern()
+        .args(["migrate", "--json", "--to", &receiver.address])
+        .args([
+            "--memory",
+            "16MiB",
+            "--dirty-rate",
+            "0",
+            "--tls-dir",
+            &source,
+        ])
+        .output()
+        .unwrap();
+    assert!(output.status.success(), "{output:?}");
+    let report = json(&output);
+    assert_eq!(report["digest-verified"], true);
+    assert_reports_tls(&report);
+    let received = receiver.report();
+    assert_eq!(received["digest-verified"], true);
+    assert_reports_tls(&received);
+    assert_eq!(received["tls"], report["tls"], "both sides agree");
+}
+
+/// A failed TLS handshake is one line on each side: the source's error
+/// (exit 1), the receiver's log line; the receiver keeps waiting.
+#[test]
+fn an_expired_certificate_is_one_line_on_both_sides() {
+    let pki = TlsDirs::new();
+    let destination = pki.host("destination", &["127.0.0.1"]);
+    let source = pki.expired_host("source", &["source.test"]);
+    let mut receiver = Receiver::spawn(&["receive"], &["--tls-dir", &destination]);
+    let output = tern()
+        .args(["migrate", "--to", &receiver.address, "--tls-dir", &source])
+        .args(["--memory", "16MiB", "--dirty-rate", "0"])
+        .output()
+        .unwrap();
+    assert_eq!(output.status.code(), Some(1), "{output:?}");
+    let lines = stderr_lines(&output);
+    assert_eq!(lines.len(), 1, "{lines:?}");
+    assert!(lines[0].contains("certificate has expired"), "{lines:?}");
+    let logged = receiver.stderr_line_with("failed its handshake");
+    assert!(logged.contains("certificate expired"), "{logged}");
+    assert_eq!(receiver.child.try_wait().unwrap(), None, "still waiting");
+    send_signal(&receiver.child, libc::SIGTERM);
+    receiver.child.wait().unwrap();
 }
 
 #[test]

@@ -3,7 +3,7 @@
 
 mod process;
 
-use process::{Receiver, event_and_rest, json, tern, wait_until_read};
+use process::{Receiver, TlsDirs, assert_reports_tls, event_and_rest, json, tern, wait_until_read};
 use std::process::Stdio;
 
 fn kvm_available() -> bool {
@@ -126,6 +126,61 @@ fn vm_migrate_to_vm_receive_between_processes() {
         destination_count >= source_count && source_count > 0,
         "the destination carries on from the source's count: source {source_count}, destination {destination_count}"
     );
+}
+
+/// `tern vm migrate` to `tern vm receive` with the given security options
+/// on each side: both must complete, the guest run on, and both reports
+/// are returned.
+fn secured_vm_migration(
+    receive: &[&str],
+    migrate: &[&str],
+) -> (serde_json::Value, serde_json::Value) {
+    let destination = receiver(&[&["--json", "--run-after", "200"], receive].concat());
+    let source = tern()
+        .args(["vm", "migrate", "--json", "--to", &destination.address])
+        .args(["--memory", "32MiB", "--warmup", "100"])
+        .args(migrate)
+        .output()
+        .unwrap();
+    assert!(source.status.success(), "{source:?}");
+    let received = destination.report();
+    let source = json(&source);
+    assert_eq!(source["status"], "completed");
+    assert_eq!(source["digest-verified"], true);
+    assert_eq!(received["consistency-check"]["passed"], true);
+    assert_eq!(received["guest-runs-on-destination"], true);
+    (source, received)
+}
+
+#[test]
+fn vm_migrate_and_receive_over_tls() {
+    if !kvm_available() {
+        return;
+    }
+    let pki = TlsDirs::new();
+    let destination = pki.host("destination", &["127.0.0.1"]);
+    let source = pki.host("source", &["source.test"]);
+    let (source, received) =
+        secured_vm_migration(&["--tls-dir", &destination], &["--tls-dir", &source]);
+    assert_reports_tls(&source);
+    assert_reports_tls(&received);
+}
+
+#[test]
+fn vm_migrate_and_receive_with_an_auth_key() {
+    if !kvm_available() {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let key = dir.path().join("key");
+    std::fs::write(&key, "a key shared by both VMMs\n").unwrap();
+    let key = key.to_str().unwrap();
+    let (source, received) = secured_vm_migration(&["--auth-key", key], &["--auth-key", key]);
+    for report in [&source, &received] {
+        assert_eq!(report["authenticated"], true, "{report}");
+        assert_eq!(report["transport"], "tcp", "{report}");
+        assert!(report.get("tls").is_none(), "{report}");
+    }
 }
 
 #[test]

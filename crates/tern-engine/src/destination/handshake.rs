@@ -2,17 +2,17 @@
 //! channels.
 
 use std::collections::HashSet;
-use std::sync::mpsc;
+use std::sync::{Arc, mpsc};
 use std::time::{Duration, Instant};
 
 use tern_page::codec::CodecId;
 use tern_wire::{
     Abort, AbortReason, AuthChallenge, AuthHello, ChannelHello, DigestAlgorithm, FrameDecoder,
-    Message, SessionSetup, Welcome,
+    Message, SessionSetup, Welcome, WireError,
 };
 
 use super::stream::{FrameSink, read_message};
-use super::{Destination, POLL_INTERVAL, ReceivePhase};
+use super::{Destination, POLL_INTERVAL, ReceivePhase, ReceiveStats};
 use crate::config::{ReceiveConfig, UnauthenticatedPolicy};
 use crate::error::{ChannelError, MigrationError};
 use crate::guest::{DestinationGuest, GuestError, MemoryRegion};
@@ -60,13 +60,19 @@ pub(super) struct Handshakes<'a> {
     sender: mpsc::Sender<Outcome>,
     outcomes: mpsc::Receiver<Outcome>,
     next_id: u64,
+    /// Where refused connections are counted.
+    stats: Arc<ReceiveStats>,
 }
 
 /// How long one accept poll waits before looking at finished handshakes.
 const ACCEPT_POLL: Duration = Duration::from_millis(10);
 
 impl<'a> Handshakes<'a> {
-    pub(super) fn new(listener: &'a Listener, config: &ReceiveConfig) -> Self {
+    pub(super) fn new(
+        listener: &'a Listener,
+        config: &ReceiveConfig,
+        stats: &Arc<ReceiveStats>,
+    ) -> Self {
         let (sender, outcomes) = mpsc::channel();
         Self {
             listener,
@@ -77,6 +83,7 @@ impl<'a> Handshakes<'a> {
             sender,
             outcomes,
             next_id: 0,
+            stats: stats.clone(),
         }
     }
 
@@ -112,9 +119,10 @@ impl<'a> Handshakes<'a> {
             self.pending.swap_remove(position);
             match outcome {
                 Ok(arrived) => return Some(arrived),
-                Err(error) => {
-                    tracing::warn!("closed a connection that failed its handshake: {error}")
-                }
+                Err(error) => self.stats.record_refusal(format!(
+                    "closed a connection that failed its handshake: {}",
+                    error.chain()
+                )),
             }
         }
         None
@@ -126,10 +134,10 @@ impl<'a> Handshakes<'a> {
             if pending.deadline > now {
                 return true;
             }
-            tracing::warn!(
+            self.stats.record_refusal(format!(
                 "closed a connection that did not finish its handshake within {:?}",
                 self.timeout
-            );
+            ));
             pending.closer.shutdown();
             false
         });
@@ -137,10 +145,10 @@ impl<'a> Handshakes<'a> {
 
     fn start(&mut self, mut channel: Channel) {
         if self.pending.len() >= self.limit {
-            tracing::warn!(
+            self.stats.record_refusal(format!(
                 "closed a new connection: {} connections are already in handshake",
                 self.pending.len()
-            );
+            ));
             return;
         }
         // The closer ends a read blocked past the deadline; the per-read
@@ -182,6 +190,10 @@ impl Drop for Handshakes<'_> {
     }
 }
 
+/// The first byte of a TLS ClientHello record, which no tern frame kind
+/// uses.
+const TLS_HANDSHAKE_RECORD: u8 = 0x16;
+
 /// Runs a new connection's protections (TLS, the shared-key handshake) and
 /// reads its first message after them.
 pub(crate) fn open(channel: Channel, security: &Security) -> Result<Arrived, ChannelError> {
@@ -190,7 +202,19 @@ pub(crate) fn open(channel: Channel, security: &Security) -> Result<Arrived, Cha
         None => channel,
     };
     let mut decoder = FrameDecoder::new();
-    let result = first_message(&mut channel, &mut decoder, security.auth_key.as_deref());
+    let result = first_message(&mut channel, &mut decoder, security.auth_key.as_deref()).map_err(
+        |error| match error {
+            ChannelError::Protocol(WireError::UnknownFrameKind(TLS_HANDSHAKE_RECORD))
+                if security.tls.is_none() =>
+            {
+                ChannelError::Tls(std::io::Error::new(
+                    std::io::ErrorKind::InvalidData,
+                    "the source speaks TLS and this destination does not: start it with --tls-dir",
+                ))
+            }
+            other => other,
+        },
+    );
     match result {
         Ok(message) => Ok(Arrived {
             channel,
@@ -201,6 +225,9 @@ pub(crate) fn open(channel: Channel, security: &Security) -> Result<Arrived, Cha
             let message = match &error {
                 ChannelError::Protocol(wire) => Some(format!("{error}: {wire}")),
                 ChannelError::Auth(_) => Some(error.to_string()),
+                // A TLS source reads no frame, but the bytes tell it that
+                // this side does not speak TLS.
+                ChannelError::Tls(_) if security.tls.is_none() => Some(error.chain()),
                 _ => None,
             };
             if let Some(message) = message {
@@ -290,8 +317,8 @@ fn server_auth(
 
 /// Refuses a whole session with this reason, on the connection that
 /// proposed it, and logs it.
-fn refuse(arrived: &mut Arrived, reason: AbortReason, message: String) {
-    tracing::warn!("refused a connection: {message}");
+fn refuse(stats: &ReceiveStats, arrived: &mut Arrived, reason: AbortReason, message: String) {
+    stats.record_refusal(format!("refused a connection: {message}"));
     let _ = arrived
         .channel
         .send_message(&Message::Abort(Abort { reason, message }));
@@ -326,21 +353,28 @@ impl Destination {
             match &arrived.message {
                 Message::Hello(hello) => match self.check_resources(&hello.setup) {
                     Ok(()) => return Ok(arrived),
-                    Err(reason) => refuse(&mut arrived, AbortReason::IncompatibleSetup, reason),
+                    Err(reason) => refuse(
+                        &self.stats,
+                        &mut arrived,
+                        AbortReason::IncompatibleSetup,
+                        reason,
+                    ),
                 },
-                Message::Abort(abort) => {
-                    tracing::warn!(
-                        "a connection aborted before its hello ({:?}): {}",
-                        abort.reason,
-                        abort.message
-                    );
-                }
+                Message::Abort(abort) => self.stats.record_refusal(format!(
+                    "a connection aborted before its hello ({:?}): {}",
+                    abort.reason, abort.message
+                )),
                 other => {
                     let reason = format!(
                         "expected a hello on a new connection, got {:?}",
                         other.kind()
                     );
-                    refuse(&mut arrived, AbortReason::ProtocolError, reason);
+                    refuse(
+                        &self.stats,
+                        &mut arrived,
+                        AbortReason::ProtocolError,
+                        reason,
+                    );
                 }
             }
         }
@@ -481,7 +515,12 @@ impl Destination {
                     slots[usize::from(index) - 1] = Some(channel);
                 }
                 // A stray or broken connection must not end the migration.
-                Err(reason) => refuse(&mut arrived, AbortReason::ProtocolError, reason),
+                Err(reason) => refuse(
+                    &self.stats,
+                    &mut arrived,
+                    AbortReason::ProtocolError,
+                    reason,
+                ),
             }
         }
         Ok(slots.into_iter().flatten().collect())

@@ -17,7 +17,7 @@ use super::stream::{FrameSink, FrameSource, PageStream, read_message};
 use super::{Destination, ReceivePhase, Received};
 use crate::error::{ChannelError, MigrationError};
 use crate::guest::{DestinationGuest, GuestError};
-use crate::stats::{DestinationStats, thread_cpu_seconds};
+use crate::stats::{DestinationStats, SessionSecurity, thread_cpu_seconds};
 use crate::transport::Segment;
 
 /// One channel's bytes from the source, and what the destination sends
@@ -214,6 +214,10 @@ impl Destination {
             guest,
             stats: DestinationStats::from_wire(&stats),
             setup,
+            security: SessionSecurity {
+                transport: "memory".into(),
+                ..SessionSecurity::default()
+            },
         })
     }
 }

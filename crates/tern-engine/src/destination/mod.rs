@@ -20,7 +20,7 @@ use crate::config::ReceiveConfig;
 use crate::error::MigrationError;
 use crate::guest::{DestinationGuest, GuestError, PAGE_SIZE};
 use crate::source::CancelToken;
-use crate::stats::{DestinationStats, thread_cpu_seconds};
+use crate::stats::{DestinationStats, SessionSecurity, thread_cpu_seconds};
 use crate::transport::{Channel, Listener};
 
 use handshake::Greeted;
@@ -91,6 +91,10 @@ pub struct ReceiveStats {
     main_cpu: AtomicU64,
     /// CPU nanoseconds of each receiver thread, by receiver.
     receiver_cpu: Mutex<Vec<u64>>,
+    /// Connections closed before or instead of joining the session.
+    refused_connections: AtomicU64,
+    /// Why the latest of them was closed.
+    last_refusal: Mutex<Option<String>>,
 }
 
 impl ReceiveStats {
@@ -136,6 +140,29 @@ impl ReceiveStats {
     /// after the change).
     pub fn audit_passes(&self) -> u64 {
         self.audit_passes.load(Ordering::Relaxed)
+    }
+
+    /// Connections refused so far: failed handshakes (TLS, key, first
+    /// message), handshakes past their deadline, and sessions or channels
+    /// this destination does not accept. Each was also logged.
+    pub fn refused_connections(&self) -> u64 {
+        self.refused_connections.load(Ordering::Relaxed)
+    }
+
+    /// The one-line reason the latest refused connection was closed, as
+    /// logged; an embedder without a log shows it from here.
+    pub fn last_refusal(&self) -> Option<String> {
+        self.last_refusal
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
+    }
+
+    /// Logs a refused connection and keeps its reason.
+    pub(crate) fn record_refusal(&self, reason: String) {
+        tracing::warn!("{reason}");
+        self.refused_connections.fetch_add(1, Ordering::Relaxed);
+        *self.last_refusal.lock().unwrap_or_else(|e| e.into_inner()) = Some(reason);
     }
 
     fn record_audit_pass(&self) {
@@ -186,6 +213,10 @@ pub struct Received<G> {
     pub stats: DestinationStats,
     /// The session setup the source sent.
     pub setup: SessionSetup,
+    /// How the session's channels were carried and protected, as the main
+    /// channel's handshake established it (the same fields as the
+    /// source's report).
+    pub security: SessionSecurity,
 }
 
 /// Receives one migration.
@@ -234,7 +265,7 @@ impl Destination {
         // One accept loop for the whole session: connections accepted while
         // the main channel is greeted (an embedder's sockets, handed over
         // all at once) keep their handshakes for the page channels.
-        let mut handshakes = handshake::Handshakes::new(listener, &self.config);
+        let mut handshakes = handshake::Handshakes::new(listener, &self.config, &self.stats);
         let handshake::Arrived {
             channel: mut main,
             mut decoder,
@@ -249,14 +280,27 @@ impl Destination {
                 Ok(arrived)
             })
             .inspect_err(|_| self.stats.set_phase(ReceivePhase::Failed))?;
-        let result = self.run(
-            &mut handshakes,
-            &mut main,
-            &mut decoder,
-            hello,
-            make_guest,
-            cpu_start,
-        );
+        let security = SessionSecurity {
+            transport: listener
+                .local_address()
+                .map_or("unknown", |address| address.transport())
+                .to_string(),
+            authenticated: main.security().authenticated(),
+            tls: main.security().tls.clone(),
+        };
+        let result = self
+            .run(
+                &mut handshakes,
+                &mut main,
+                &mut decoder,
+                hello,
+                make_guest,
+                cpu_start,
+            )
+            .map(|received| Received {
+                security,
+                ..received
+            });
         if let Err(error) = &result {
             self.stats.set_phase(ReceivePhase::Failed);
             if !matches!(error, MigrationError::PeerAborted { .. }) {
@@ -309,6 +353,7 @@ impl Destination {
             guest,
             stats: DestinationStats::from_wire(&stats),
             setup,
+            security: SessionSecurity::default(),
         })
     }
 }

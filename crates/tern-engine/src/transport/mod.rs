@@ -510,7 +510,7 @@ impl Channel {
     pub unsafe fn send_vectored(&mut self, segments: &[Segment]) -> Result<(), ChannelError> {
         if let Stream::Tls(tls) = &mut self.stream {
             // SAFETY: the caller's contract, passed on.
-            return unsafe { tls.send_segments(segments) }.map_err(map_io);
+            return unsafe { tls.send_segments(segments, self.message_timeout) };
         }
         let mut iovecs = to_iovecs(segments);
         let mut first = 0;
@@ -550,7 +550,7 @@ impl Channel {
     pub unsafe fn read_scattered(&mut self, segments: &[Segment]) -> Result<(), ChannelError> {
         if let Stream::Tls(tls) = &mut self.stream {
             // SAFETY: the caller's contract, passed on.
-            return unsafe { tls.read_segments(segments) }.map_err(map_io);
+            return unsafe { tls.read_segments(segments, self.message_timeout) };
         }
         let mut iovecs = to_iovecs(segments);
         let mut first = 0;

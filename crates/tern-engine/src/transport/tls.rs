@@ -20,6 +20,7 @@ use std::io::{self, Read, Write};
 use std::os::fd::{AsRawFd, RawFd};
 use std::path::Path;
 use std::sync::Arc;
+use std::time::Duration;
 
 use rustls::pki_types::pem::PemObject;
 use rustls::pki_types::{CertificateDer, PrivateKeyDer, ServerName};
@@ -29,8 +30,9 @@ use rustls::{
 };
 
 use super::security::{ChannelSecurity, TlsInfo};
-use super::{Channel, Segment, Stream};
+use super::{Channel, Segment, Stream, TransferClock};
 use crate::error::ChannelError;
+use tern_wire::Message;
 
 /// Why a TLS configuration cannot be built.
 #[derive(Debug, thiserror::Error)]
@@ -186,29 +188,97 @@ pub fn connect(
     })?;
     let connection = ClientConnection::new(config.client.clone(), name)
         .map_err(|error| ChannelError::Tls(io::Error::other(error)))?;
-    handshake(channel, Connection::Client(connection), config.kernel)
+    handshake(
+        channel,
+        Connection::Client(connection),
+        config.kernel,
+        Peer::Destination,
+    )
 }
 
 /// Runs the server handshake on an accepted `channel`.
 pub fn accept(channel: Channel, config: &TlsConfig) -> Result<Channel, ChannelError> {
     let connection = ServerConnection::new(config.server.clone())
         .map_err(|error| ChannelError::Tls(io::Error::other(error)))?;
-    handshake(channel, Connection::Server(connection), config.kernel)
+    let socket = channel.into_socket()?;
+    refuse_plaintext(&socket)?;
+    handshake(
+        Channel::new(Stream::Socket(socket))?,
+        Connection::Server(connection),
+        config.kernel,
+        Peer::Source,
+    )
+}
+
+/// The other end of a channel, as errors name it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Peer {
+    Source,
+    Destination,
+}
+
+impl Peer {
+    fn name(self) -> &'static str {
+        match self {
+            Self::Source => "source",
+            Self::Destination => "destination",
+        }
+    }
+}
+
+/// Looks at the first byte a new connection sent, without taking it: a
+/// tern source without TLS starts with a frame header, never with a TLS
+/// record, and hears why it is refused in a frame it can read.
+fn refuse_plaintext(socket: &socket2::Socket) -> Result<(), ChannelError> {
+    let mut first = [std::mem::MaybeUninit::<u8>::uninit()];
+    let peeked = socket.peek(&mut first).map_err(tls_error)?;
+    if peeked == 0 {
+        return Err(tls_error(io::ErrorKind::UnexpectedEof.into()));
+    }
+    // SAFETY: `peek` initialised the one byte it reported.
+    let first = unsafe { first[0].assume_init() };
+    use tern_wire::FrameKind;
+    let opens_a_session = [
+        FrameKind::Hello,
+        FrameKind::ChannelHello,
+        FrameKind::AuthHello,
+    ]
+    .iter()
+    .any(|&kind| kind as u8 == first);
+    if !opens_a_session {
+        // A TLS record (0x16 for a ClientHello), or bytes that are neither:
+        // rustls says what is wrong.
+        return Ok(());
+    }
+    let abort = Message::Abort(tern_wire::Abort {
+        reason: tern_wire::AbortReason::ProtocolError,
+        message: "this destination requires TLS: start the source with --tls-dir".into(),
+    });
+    let _ = (&*socket).write_all(&abort.to_bytes());
+    Err(ChannelError::Tls(io::Error::new(
+        io::ErrorKind::InvalidData,
+        "the source does not speak TLS (it sent a plaintext tern frame): start it with --tls-dir",
+    )))
 }
 
 fn handshake(
     channel: Channel,
     mut connection: Connection,
     kernel: KernelTls,
+    peer: Peer,
 ) -> Result<Channel, ChannelError> {
     let security = channel.security.clone();
     let mut socket = channel.into_socket()?;
+    let failed = |error: io::Error| match explain(&error, peer) {
+        Some(text) => ChannelError::Tls(io::Error::new(error.kind(), text)),
+        None => tls_error(error),
+    };
     while connection.is_handshaking() {
-        connection.complete_io(&mut socket).map_err(tls_error)?;
+        connection.complete_io(&mut socket).map_err(failed)?;
     }
     // The last flight (the client's Finished) may still be queued.
     while connection.wants_write() {
-        connection.write_tls(&mut socket).map_err(tls_error)?;
+        connection.write_tls(&mut socket).map_err(failed)?;
     }
     let info = TlsInfo {
         version: format!(
@@ -254,12 +324,57 @@ fn handshake(
                 connection,
                 socket,
                 buffered,
+                peer,
             }))
         }
     };
     let mut channel = Channel::new(stream)?;
     channel.security = security;
     Ok(channel)
+}
+
+/// A one-line reason for a TLS failure rustls reported inside `error`,
+/// naming which side refused what; `None` when it is not rustls's.
+pub(crate) fn explain(error: &io::Error, peer: Peer) -> Option<String> {
+    let rustls_error = error.get_ref()?.downcast_ref::<rustls::Error>()?;
+    let peer = peer.name();
+    use rustls::{AlertDescription as Alert, CertificateError as Certificate};
+    Some(match rustls_error {
+        rustls::Error::AlertReceived(alert) => {
+            let why = match alert {
+                Alert::CertificateExpired => "this side's certificate has expired",
+                Alert::CertificateRequired => {
+                    "this side presented no certificate and the peer requires one"
+                }
+                Alert::UnknownCA => {
+                    "the peer does not trust the CA that signed this side's certificate"
+                }
+                Alert::BadCertificate => "the peer refused this side's certificate",
+                Alert::CertificateRevoked => "this side's certificate is revoked",
+                _ => "",
+            };
+            let why = if why.is_empty() {
+                String::new()
+            } else {
+                format!(": {why}")
+            };
+            format!("the {peer} refused the TLS session (alert {alert:?}){why}")
+        }
+        rustls::Error::NoCertificatesPresented => {
+            format!("the {peer} presented no certificate (mutual TLS requires one)")
+        }
+        rustls::Error::InvalidCertificate(Certificate::UnknownIssuer) => format!(
+            "the {peer}'s certificate is not signed by a CA in this side's ca.pem (UnknownIssuer)"
+        ),
+        rustls::Error::InvalidCertificate(_) => {
+            format!("the {peer}'s certificate is refused: {rustls_error}")
+        }
+        rustls::Error::InvalidMessage(rustls::InvalidMessage::InvalidContentType) => format!(
+            "the {peer} does not speak TLS (its bytes are not TLS records): is it started \
+             without --tls-dir?"
+        ),
+        other => format!("the session with the {peer}: {other}"),
+    })
 }
 
 fn tls_error(error: io::Error) -> ChannelError {
@@ -429,6 +544,8 @@ pub(crate) struct TlsStream {
     socket: socket2::Socket,
     /// Decrypted bytes rustls holds that no read has taken yet.
     buffered: usize,
+    /// Who is at the other end, for errors.
+    peer: Peer,
 }
 
 impl fmt::Debug for TlsStream {
@@ -449,18 +566,41 @@ impl TlsStream {
         self.buffered > 0
     }
 
-    fn flush(&mut self) -> io::Result<()> {
+    /// The channel error for a failed read or write: rustls's own failures
+    /// (an alert, a bad record) are TLS errors that say who refused what.
+    pub(super) fn channel_error(&self, error: io::Error) -> ChannelError {
+        match explain(&error, self.peer) {
+            Some(text) => ChannelError::Tls(io::Error::new(error.kind(), text)),
+            None => super::map_io(error),
+        }
+    }
+
+    /// Sends every queued record; each system call is one of `clock`'s
+    /// transfer.
+    fn flush(&mut self, clock: &mut TransferClock) -> Result<(), ChannelError> {
         while self.connection.wants_write() {
-            self.connection.write_tls(&mut self.socket)?;
+            clock.before_call()?;
+            match self.connection.write_tls(&mut self.socket) {
+                Ok(_) => {}
+                Err(error) if error.kind() == io::ErrorKind::Interrupted => {}
+                Err(error) => return Err(clock.failed(error)),
+            }
         }
         Ok(())
     }
 
-    /// Encrypts and sends the segments (one copy, into rustls's records).
+    /// Encrypts and sends the segments (one copy, into rustls's records),
+    /// all of it within one transfer deadline of `timeout`, as on a plain
+    /// socket.
     ///
     /// # Safety
     /// As [`Channel::send_vectored`].
-    pub(super) unsafe fn send_segments(&mut self, segments: &[Segment]) -> io::Result<()> {
+    pub(super) unsafe fn send_segments(
+        &mut self,
+        segments: &[Segment],
+        timeout: Option<Duration>,
+    ) -> Result<(), ChannelError> {
+        let mut clock = TransferClock::new(self.raw_fd(), libc::SO_SNDTIMEO, timeout);
         for segment in segments.iter().filter(|segment| segment.len > 0) {
             // SAFETY: the segment points to `len` readable bytes (caller's
             // contract); concurrent guest writes make the copy a mix of old
@@ -468,60 +608,81 @@ impl TlsStream {
             let bytes = unsafe { std::slice::from_raw_parts(segment.ptr, segment.len) };
             let mut rest = bytes;
             while !rest.is_empty() {
-                let taken = self.connection.writer().write(rest)?;
+                let taken = self
+                    .connection
+                    .writer()
+                    .write(rest)
+                    .map_err(|error| self.channel_error(error))?;
                 rest = &rest[taken..];
                 if taken == 0 || self.connection.wants_write() {
-                    self.flush()?;
+                    self.flush(&mut clock)?;
                 }
             }
         }
-        self.flush()
+        self.flush(&mut clock)
     }
 
-    pub(super) fn read_exact(&mut self, buf: &mut [u8]) -> io::Result<()> {
+    fn read_exact(
+        &mut self,
+        buf: &mut [u8],
+        clock: &mut TransferClock,
+    ) -> Result<(), ChannelError> {
         let mut filled = 0;
         while filled < buf.len() {
             match self.connection.reader().read(&mut buf[filled..]) {
-                Ok(0) => return Err(io::ErrorKind::UnexpectedEof.into()),
+                Ok(0) => return Err(ChannelError::Closed),
                 Ok(read) => {
                     filled += read;
                     self.buffered = self.buffered.saturating_sub(read);
                 }
-                Err(error) if error.kind() == io::ErrorKind::WouldBlock => self.fill()?,
-                Err(error) => return Err(error),
+                Err(error) if error.kind() == io::ErrorKind::WouldBlock => self.fill(clock)?,
+                Err(error) => return Err(self.channel_error(error)),
             }
         }
         Ok(())
     }
 
-    /// Decrypts into the segments (one copy, out of rustls's buffer).
+    /// Decrypts into the segments (one copy, out of rustls's buffer), all
+    /// of it within one transfer deadline of `timeout`, as on a plain
+    /// socket: records trickling in do not restart the clock.
     ///
     /// # Safety
     /// As [`Channel::read_scattered`].
-    pub(super) unsafe fn read_segments(&mut self, segments: &[Segment]) -> io::Result<()> {
+    pub(super) unsafe fn read_segments(
+        &mut self,
+        segments: &[Segment],
+        timeout: Option<Duration>,
+    ) -> Result<(), ChannelError> {
+        let mut clock = TransferClock::new(self.raw_fd(), libc::SO_RCVTIMEO, timeout);
         for segment in segments.iter().filter(|segment| segment.len > 0) {
             // SAFETY: the segment points to `len` writable, bounds-checked
             // bytes that nothing else accesses during the call (caller's
             // contract).
             let buf =
                 unsafe { std::slice::from_raw_parts_mut(segment.ptr.cast_mut(), segment.len) };
-            self.read_exact(buf)?;
+            self.read_exact(buf, &mut clock)?;
         }
         Ok(())
     }
 
-    /// Reads records from the socket and decrypts them.
-    fn fill(&mut self) -> io::Result<()> {
-        if self.connection.read_tls(&mut self.socket)? == 0 {
-            return Err(io::ErrorKind::UnexpectedEof.into());
+    /// Reads records from the socket (one system call of `clock`'s
+    /// transfer) and decrypts them.
+    fn fill(&mut self, clock: &mut TransferClock) -> Result<(), ChannelError> {
+        clock.before_call()?;
+        match self.connection.read_tls(&mut self.socket) {
+            Ok(0) => return Err(ChannelError::Closed),
+            Ok(_) => {}
+            Err(error) if error.kind() == io::ErrorKind::Interrupted => return Ok(()),
+            Err(error) => return Err(clock.failed(error)),
         }
-        let state = self
-            .connection
-            .process_new_packets()
-            .map_err(|error| io::Error::new(io::ErrorKind::InvalidData, error))?;
+        let state = self.connection.process_new_packets().map_err(|error| {
+            self.channel_error(io::Error::new(io::ErrorKind::InvalidData, error))
+        })?;
         self.buffered = state.plaintext_bytes_to_read();
         if state.tls_bytes_to_write() > 0 {
-            self.flush()?;
+            // An alert or a key update answer: a transfer of its own.
+            let mut send = TransferClock::new(self.raw_fd(), libc::SO_SNDTIMEO, clock.timeout);
+            self.flush(&mut send)?;
         }
         Ok(())
     }

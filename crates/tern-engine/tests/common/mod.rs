@@ -129,6 +129,20 @@ impl TestPki {
         }
     }
 
+    /// A host certificate for `names` whose validity ended in 2021.
+    pub fn expired_identity(&self, names: &[&str]) -> TestIdentity {
+        let names: Vec<String> = names.iter().map(ToString::to_string).collect();
+        let mut params = rcgen::CertificateParams::new(names).unwrap();
+        params.not_before = rcgen::date_time_ymd(2020, 1, 1);
+        params.not_after = rcgen::date_time_ymd(2021, 1, 1);
+        let key = rcgen::KeyPair::generate().unwrap();
+        let certificate = params.signed_by(&key, &self.ca_issuer).unwrap();
+        TestIdentity {
+            chain: certificate.pem(),
+            key: key.serialize_pem(),
+        }
+    }
+
     /// A TLS configuration trusting this CA and presenting `identity`.
     pub fn config(&self, identity: &TestIdentity) -> tern_engine::TlsConfig {
         tern_engine::TlsConfig::from_pem(

@@ -98,6 +98,32 @@ impl Receiver {
         }
     }
 
+    /// Waits (up to a minute) for a line on the receiver's stderr that
+    /// contains `needle`, and returns it. Takes the stderr pipe over.
+    pub fn stderr_line_with(&mut self, needle: &str) -> String {
+        use std::io::BufRead;
+        let pipe = self.child.stderr.take().expect("stderr not taken yet");
+        let (sender, lines) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            for line in std::io::BufReader::new(pipe).lines() {
+                let Ok(line) = line else { return };
+                if sender.send(line).is_err() {
+                    return;
+                }
+            }
+        });
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+        let mut seen = Vec::new();
+        loop {
+            let left = deadline.saturating_duration_since(std::time::Instant::now());
+            match lines.recv_timeout(left) {
+                Ok(line) if line.contains(needle) => return line,
+                Ok(line) => seen.push(line),
+                Err(_) => panic!("no stderr line with '{needle}'; saw {seen:?}"),
+            }
+        }
+    }
+
     /// The bound TCP port, from the event's address.
     pub fn port(&self) -> u16 {
         let (_, port) = self.address.rsplit_once(':').expect("a TCP address");
@@ -154,5 +180,83 @@ pub fn wait_until_read(child: &std::process::Child, bytes: u64) {
             read()
         );
         std::thread::sleep(std::time::Duration::from_millis(5));
+    }
+}
+
+/// `--tls-dir` directories made for one test (rcgen): a CA, and one
+/// directory per host with `ca.pem`, `cert.pem` and `key.pem`.
+pub struct TlsDirs {
+    root: tempfile::TempDir,
+    ca: rcgen::CertifiedIssuer<'static, rcgen::KeyPair>,
+}
+
+impl TlsDirs {
+    pub fn new() -> Self {
+        let mut params = rcgen::CertificateParams::new(Vec::<String>::new()).unwrap();
+        params.is_ca = rcgen::IsCa::Ca(rcgen::BasicConstraints::Unconstrained);
+        params
+            .distinguished_name
+            .push(rcgen::DnType::CommonName, "tern test CA");
+        let ca = rcgen::CertifiedIssuer::self_signed(params, rcgen::KeyPair::generate().unwrap())
+            .unwrap();
+        Self {
+            root: tempfile::tempdir().unwrap(),
+            ca,
+        }
+    }
+
+    /// A host directory `name` with a certificate for `names`.
+    pub fn host(&self, name: &str, names: &[&str]) -> String {
+        self.write(
+            name,
+            rcgen::CertificateParams::new(to_strings(names)).unwrap(),
+        )
+    }
+
+    /// A host directory `name` whose certificate expired in 2021.
+    pub fn expired_host(&self, name: &str, names: &[&str]) -> String {
+        let mut params = rcgen::CertificateParams::new(to_strings(names)).unwrap();
+        params.not_before = rcgen::date_time_ymd(2020, 1, 1);
+        params.not_after = rcgen::date_time_ymd(2021, 1, 1);
+        self.write(name, params)
+    }
+
+    fn write(&self, name: &str, params: rcgen::CertificateParams) -> String {
+        let dir = self.root.path().join(name);
+        std::fs::create_dir(&dir).unwrap();
+        let key = rcgen::KeyPair::generate().unwrap();
+        let certificate = params.signed_by(&key, &self.ca).unwrap();
+        std::fs::write(dir.join("ca.pem"), self.ca.pem()).unwrap();
+        std::fs::write(dir.join("cert.pem"), certificate.pem()).unwrap();
+        std::fs::write(dir.join("key.pem"), key.serialize_pem()).unwrap();
+        dir.to_str().unwrap().to_string()
+    }
+}
+
+fn to_strings(names: &[&str]) -> Vec<String> {
+    names.iter().map(ToString::to_string).collect()
+}
+
+/// Whether this kernel offers kernel TLS (the `tls` upper-layer protocol).
+pub fn kernel_has_tls() -> bool {
+    std::fs::read_to_string("/proc/sys/net/ipv4/tcp_available_ulp")
+        .unwrap_or_default()
+        .split_whitespace()
+        .any(|ulp| ulp == "tls")
+}
+
+/// Checks a JSON report's `transport`, `tls` and `authenticated` for a
+/// TCP session over mutual TLS (docs/cli.md).
+pub fn assert_reports_tls(report: &serde_json::Value) {
+    assert_eq!(report["transport"], "tcp", "{report}");
+    assert_eq!(report["authenticated"], true, "{report}");
+    let tls = &report["tls"];
+    assert_eq!(tls["version"], "TLSv1_3", "{report}");
+    assert!(
+        tls["cipher"].as_str().unwrap().starts_with("TLS13_"),
+        "{report}"
+    );
+    if !kernel_has_tls() {
+        assert_eq!(tls["kernel-offload"], false, "user-space TLS: {report}");
     }
 }

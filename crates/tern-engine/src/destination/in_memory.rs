@@ -200,7 +200,8 @@ impl Destination {
             self.config.io_timeout,
             &self.cancel,
         )
-        .with_qpl_path(self.config.qpl_path);
+        .with_qpl_path(self.config.qpl_path)
+        .with_decode_threads(self.config.decode_threads());
         let delivered = live::receive_all(&shared, main, &mut decoder, channels, &codecs)?;
         let stats = self.switch_over(
             &shared,

@@ -1,10 +1,12 @@
 //! The destination side: accept the channels, write received pages straight
 //! into guest memory, verify, restore and resume.
 
+mod decode;
 pub(crate) mod handshake;
 mod in_memory;
 mod live;
 mod order;
+mod populate;
 mod receiver;
 mod shared;
 mod stream;
@@ -91,6 +93,8 @@ pub struct ReceiveStats {
     main_cpu: AtomicU64,
     /// CPU nanoseconds of each receiver thread, by receiver.
     receiver_cpu: Mutex<Vec<u64>>,
+    /// CPU nanoseconds of the decoder threads, together.
+    decoder_cpu: AtomicU64,
 }
 
 impl ReceiveStats {
@@ -144,6 +148,19 @@ impl ReceiveStats {
 
     fn record_main_cpu(&self, seconds: f64) {
         self.main_cpu.fetch_add(nanos(seconds), Ordering::Relaxed);
+    }
+
+    /// CPU seconds the decoder pool's threads used (decompression of
+    /// packets the receivers handed off), known once the pages have all
+    /// landed. Not in the outcome message, whose wire format has no field
+    /// for it yet.
+    pub fn decoder_cpu_seconds(&self) -> f64 {
+        self.decoder_cpu.load(Ordering::Relaxed) as f64 / 1e9
+    }
+
+    fn record_decoder_cpu(&self, seconds: f64) {
+        self.decoder_cpu
+            .fetch_add(nanos(seconds), Ordering::Relaxed);
     }
 
     fn record_receiver_cpu(&self, receiver: usize, seconds: f64) {
@@ -302,7 +319,8 @@ impl Destination {
             self.config.io_timeout,
             &self.cancel,
         )
-        .with_qpl_path(self.config.qpl_path);
+        .with_qpl_path(self.config.qpl_path)
+        .with_decode_threads(self.config.decode_threads());
         let delivered = live::receive_all(&shared, main, decoder, channels, &codecs)?;
         let stats = self.switch_over(&shared, main, decoder, &mut guest, delivered, cpu_start)?;
         Ok(Received {

@@ -319,8 +319,18 @@ mod tests {
         Message::Sync(Sync { iteration, last }).to_bytes()
     }
 
-    /// Receives `stream` into a fresh guest of [`PAGES`] pages.
+    /// Receives `stream` into a fresh guest of [`PAGES`] pages, each
+    /// receiver decoding its own packets.
     fn receive(stream: Vec<u8>) -> (Result<u32, MigrationError>, Vec<u8>, ReceiveStats) {
+        receive_with_decoders(stream, 0)
+    }
+
+    /// Receives `stream` with `decoders` decoder threads running beside
+    /// the receiver, as `live.rs` starts them.
+    fn receive_with_decoders(
+        stream: Vec<u8>,
+        decoders: usize,
+    ) -> (Result<u32, MigrationError>, Vec<u8>, ReceiveStats) {
         let setup = setup();
         let mut memory = vec![0u8; PAGES * PAGE_SIZE];
         // SAFETY: `memory` is a writable allocation of that length that
@@ -344,14 +354,53 @@ mod tests {
                 &stats,
                 Duration::from_secs(30),
                 &cancel,
-            );
+            )
+            .with_decode_threads(decoders);
             let source = Buffer {
                 bytes: stream,
                 read: 0,
             };
-            receive_pages(&shared, 0, source, &[CodecId::Zstd])
+            let codecs = [CodecId::Zstd];
+            std::thread::scope(|scope| {
+                for index in 0..decoders {
+                    let (shared, codecs) = (&shared, &codecs);
+                    scope.spawn(move || shared.pool.run_decoder(index, shared, codecs));
+                }
+                let result = receive_pages(&shared, 0, source, &codecs);
+                shared.pool.close();
+                // A decoder records its failure, which the receiver then
+                // sees as "another channel failed".
+                result.map_err(|error| shared.first_failure().unwrap_or(error))
+            })
         };
         (result, memory, stats)
+    }
+
+    /// `text` repeated to fill a page, and its zstd encoding.
+    fn compressed_page(text: &str) -> (Vec<u8>, Vec<u8>) {
+        let page: Vec<u8> = text.bytes().cycle().take(PAGE_SIZE).collect();
+        let mut compressed = [0u8; tern_page::codec::MAX_COMPRESSED];
+        let len = PageCompressor::new(CodecId::Zstd, 1)
+            .unwrap()
+            .compress(page.as_slice().try_into().unwrap(), &mut compressed)
+            .expect("repeated text compresses");
+        (page, compressed[..len].to_vec())
+    }
+
+    /// A packet of iteration `iteration` carrying `pages`, each compressed.
+    fn compressed_packet(stream: &mut Vec<u8>, iteration: u32, pages: &[(u32, &[u8])]) {
+        let entries: Vec<PageEntry> = pages
+            .iter()
+            .map(|&(page_index, bytes)| PageEntry {
+                page_index,
+                kind: PageKind::Compressed,
+                encoded_len: bytes.len() as u32,
+            })
+            .collect();
+        encode_pages_prefix(stream, 5, iteration, CodecId::Zstd.to_wire(), &entries);
+        for (_, bytes) in pages {
+            stream.extend_from_slice(bytes);
+        }
     }
 
     fn page(memory: &[u8], index: usize) -> &[u8] {
@@ -360,6 +409,12 @@ mod tests {
 
     #[test]
     fn a_session_received_from_a_buffer() {
+        for decoders in [0, 1, 2] {
+            received_from_a_buffer_with(decoders);
+        }
+    }
+
+    fn received_from_a_buffer_with(decoders: usize) {
         let text: Vec<u8> = b"tern ".iter().copied().cycle().take(PAGE_SIZE).collect();
         let mut compressed = [0u8; tern_page::codec::MAX_COMPRESSED];
         let len = PageCompressor::new(CodecId::Zstd, 1)
@@ -398,7 +453,7 @@ mod tests {
         stream.extend(sync(1, true));
         let stream_len = stream.len() as u64;
 
-        let (result, memory, stats) = receive(stream);
+        let (result, memory, stats) = receive_with_decoders(stream, decoders);
         assert_eq!(result.unwrap(), 1);
         assert!(page(&memory, 1).iter().all(|&b| b == 0));
         assert_eq!(page(&memory, 3), text.as_slice());
@@ -407,6 +462,66 @@ mod tests {
         assert_eq!(stats.zero_pages_cleared.load(Ordering::Relaxed), 1);
         assert_eq!(stats.normal_pages.load(Ordering::Relaxed), 2);
         assert_eq!(stats.iterations_done(), 2);
+    }
+
+    #[test]
+    fn the_decoder_pool_lands_every_iteration_before_its_sync() {
+        // Every iteration rewrites every page with new content, one packet
+        // per page, so two decoders hold pages of one iteration at once;
+        // had a page of iteration i landed after the sync of i, it would
+        // overwrite the newer copy of i + 1 (the claims are released at
+        // the sync), and the last iteration's content would not all be
+        // there at the end.
+        const ITERATIONS: u32 = 40;
+        let mut stream = Vec::new();
+        let mut expected = Vec::new();
+        for iteration in 0..ITERATIONS {
+            expected.clear();
+            for page in 0..PAGES as u32 {
+                let (plain, compressed) =
+                    compressed_page(&format!("iteration {iteration} page {page} "));
+                compressed_packet(&mut stream, iteration, &[(page, &compressed)]);
+                expected.push(plain);
+            }
+            stream.extend(sync(iteration, iteration == ITERATIONS - 1));
+        }
+        let (result, memory, stats) = receive_with_decoders(stream, 2);
+        assert_eq!(result.unwrap(), ITERATIONS - 1);
+        for (index, plain) in expected.iter().enumerate() {
+            assert_eq!(page(&memory, index), plain.as_slice(), "page {index}");
+        }
+        assert_eq!(
+            stats.normal_pages.load(Ordering::Relaxed),
+            u64::from(ITERATIONS) * PAGES as u64
+        );
+        assert_eq!(stats.iterations_done(), u64::from(ITERATIONS));
+    }
+
+    #[test]
+    fn bad_compressed_input_on_a_decoder_is_a_clear_error_confined_to_its_page() {
+        for decoders in [0, 2] {
+            let (_, good) = compressed_page("tern ");
+            let mut bad = good.clone();
+            // Keep zstd's frame header, break the block that follows.
+            for byte in &mut bad[6..] {
+                *byte = 0xff;
+            }
+            let mut stream = Vec::new();
+            compressed_packet(&mut stream, 0, &[(2, &good), (3, &bad), (4, &good)]);
+            stream.extend(sync(0, true));
+            let (result, memory, _) = receive_with_decoders(stream, decoders);
+            let error = result.unwrap_err();
+            assert!(matches!(error, MigrationError::Protocol(_)), "{error:?}");
+            assert!(
+                error.to_string().contains("channel 1: page 3 of region 5"),
+                "{decoders} decoders: {error}"
+            );
+            // Nothing outside the pages of the packet was written, and
+            // page 4, after the bad one, was not.
+            for index in [0, 1, 4, 5, 6, 7] {
+                assert!(page(&memory, index).iter().all(|&b| b == 0), "page {index}");
+            }
+        }
     }
 
     #[test]

@@ -213,7 +213,7 @@ impl Destination {
         )?;
         Ok(Received {
             guest,
-            stats: DestinationStats::from_wire(&stats),
+            stats: self.local_stats(&stats),
             setup,
         })
     }

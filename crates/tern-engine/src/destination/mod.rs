@@ -214,6 +214,17 @@ pub struct Destination {
 }
 
 impl Destination {
+    /// The statistics of a received migration as this side knows them:
+    /// the outcome message's, plus the decoder threads' CPU time under
+    /// `decoders` (the message has no field for it).
+    fn local_stats(&self, outcome: &OutcomeStats) -> DestinationStats {
+        let mut stats = DestinationStats::from_wire(outcome);
+        stats
+            .cpu_seconds
+            .insert("decoders".into(), self.stats.decoder_cpu_seconds());
+        stats
+    }
+
     /// A destination with these settings.
     pub fn new(config: ReceiveConfig) -> Self {
         Self {
@@ -325,7 +336,7 @@ impl Destination {
         let stats = self.switch_over(&shared, main, decoder, &mut guest, delivered, cpu_start)?;
         Ok(Received {
             guest,
-            stats: DestinationStats::from_wire(&stats),
+            stats: self.local_stats(&stats),
             setup,
         })
     }

@@ -79,3 +79,98 @@ fn populate(shared: &ReceiverShared<'_>, start: *mut u8, pages: usize) {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use std::ptr::NonNull;
+    use std::time::Duration;
+
+    use tern_wire::{DigestAlgorithm, RegionInfo, SessionSetup};
+
+    use super::*;
+    use crate::destination::ReceiveStats;
+    use crate::guest::MemoryRegion;
+    use crate::source::CancelToken;
+
+    const PAGES: usize = 32;
+
+    /// Which pages of the `PAGES` pages at `base` are resident.
+    fn resident(base: *mut u8) -> Vec<bool> {
+        let mut vector = vec![0u8; PAGES];
+        // SAFETY: `base` is a mapping of PAGES pages; `vector` has one
+        // byte per page.
+        let result = unsafe { libc::mincore(base.cast(), PAGES * PAGE_SIZE, vector.as_mut_ptr()) };
+        assert_eq!(result, 0, "mincore: {}", std::io::Error::last_os_error());
+        vector.iter().map(|&byte| byte & 1 == 1).collect()
+    }
+
+    fn entries(kind: PageKind, pages: std::ops::Range<u32>) -> Vec<PageEntry> {
+        pages
+            .map(|page_index| PageEntry {
+                page_index,
+                kind,
+                encoded_len: 0,
+            })
+            .collect()
+    }
+
+    #[test]
+    fn only_long_runs_of_fresh_pages_of_the_kind_are_populated() {
+        let len = PAGES * PAGE_SIZE;
+        // SAFETY: a new private anonymous mapping, unmapped below.
+        let base = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                len,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+                -1,
+                0,
+            )
+        };
+        assert_ne!(base, libc::MAP_FAILED);
+        // SAFETY: the mapping just made; 4 KiB pages so residency is per page.
+        unsafe { libc::madvise(base, len, libc::MADV_NOHUGEPAGE) };
+        let base = base.cast::<u8>();
+        // SAFETY: the mapping outlives the region, used only in this test.
+        let region = unsafe { MemoryRegion::new(5, 0, NonNull::new(base).unwrap(), len as u64) };
+        let regions = [region];
+        let setup = SessionSetup {
+            page_size: tern_wire::PAGE_SIZE,
+            channel_count: 1,
+            codecs: 0,
+            digest: DigestAlgorithm::None,
+            regions: vec![RegionInfo {
+                id: 5,
+                guest_addr: 0,
+                len: len as u64,
+            }],
+            guest_kind: String::new(),
+        };
+        let stats = ReceiveStats::default();
+        let cancel = CancelToken::new();
+        let shared =
+            ReceiverShared::new(&setup, &regions, 1, &stats, Duration::from_secs(1), &cancel);
+        // Pages 0-9: a run of ten; 12-14: three (too short); 16-25: ten of
+        // another kind; 26-31: six around page 28, which holds data already.
+        let mut table = entries(PageKind::Raw, 0..10);
+        table.extend(entries(PageKind::Raw, 12..15));
+        table.extend(entries(PageKind::Compressed, 16..26));
+        table.extend(entries(PageKind::Raw, 26..32));
+        shared.populated[0].set(28);
+        let pages: Vec<*mut u8> = table
+            .iter()
+            .map(|entry| regions[0].page_ptr(u64::from(entry.page_index)).unwrap())
+            .collect();
+        populate_runs(&shared, 0, &table, &pages, PageKind::Raw);
+        assert!(
+            shared.populate.load(Ordering::Relaxed),
+            "MADV_POPULATE_WRITE refused"
+        );
+        let resident = resident(base);
+        let expected: Vec<bool> = (0..PAGES).map(|page| page < 10).collect();
+        assert_eq!(resident, expected);
+        // SAFETY: the mapping made above, no longer used.
+        unsafe { libc::munmap(base.cast(), len) };
+    }
+}

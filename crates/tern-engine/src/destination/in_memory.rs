@@ -17,7 +17,7 @@ use super::stream::{FrameSink, FrameSource, PageStream, read_message};
 use super::{Destination, ReceivePhase, Received};
 use crate::error::{ChannelError, MigrationError};
 use crate::guest::{DestinationGuest, GuestError};
-use crate::stats::{DestinationStats, thread_cpu_seconds};
+use crate::stats::thread_cpu_seconds;
 use crate::transport::Segment;
 
 /// One channel's bytes from the source, and what the destination sends

@@ -107,8 +107,10 @@ impl<'a> ReceiverShared<'a> {
     }
 
     /// Decodes with `threads` decoder threads (0, the default: each
-    /// receiver decodes its own packets).
+    /// receiver decodes its own packets). A session that announced no
+    /// codec has nothing to decompress, and gets none.
     pub(super) fn with_decode_threads(mut self, threads: usize) -> Self {
+        let threads = if self.setup.codecs == 0 { 0 } else { threads };
         self.pool = DecodePool::new(self.barrier.parties, threads);
         self
     }

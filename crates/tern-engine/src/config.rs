@@ -423,6 +423,10 @@ pub struct ReceiveConfig {
     /// Whether a source may skip the memory digest (`Verify::None`); the
     /// destination decides, since it is the one that runs the guest.
     pub allow_unverified: bool,
+    /// Threads that decompress pages for every channel's receiver; `None`:
+    /// one per core the process may use. `Some(0)`: each receiver
+    /// decompresses its own packets, one core per channel at most.
+    pub decode_threads: Option<usize>,
 }
 
 /// Whether a destination without an auth key or TLS accepts sessions.
@@ -452,11 +456,19 @@ impl Default for ReceiveConfig {
             unauthenticated: UnauthenticatedPolicy::default(),
             allow_unverified: false,
             switch_over_timeout: DEFAULT_SWITCH_OVER_TIMEOUT,
+            decode_threads: None,
         }
     }
 }
 
 impl ReceiveConfig {
+    /// The decoder threads to start: [`Self::decode_threads`], or one per
+    /// core the process may use.
+    pub fn decode_threads(&self) -> usize {
+        self.decode_threads
+            .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, usize::from))
+    }
+
     /// The largest guest this destination accepts now, if there is a limit.
     pub fn memory_limit(&self) -> Option<u64> {
         self.max_memory.or_else(available_memory)

@@ -742,7 +742,9 @@ pub struct DestinationStats {
     pub normal_pages: u64,
     /// Milliseconds spent computing the memory digest.
     pub digest_time: u64,
-    /// CPU seconds per thread.
+    /// CPU seconds per thread; on the destination's own copy
+    /// (`Received::stats`) also `decoders`, the decoder pool's threads
+    /// together, which the outcome message does not carry to the source.
     pub cpu_seconds: BTreeMap<String, f64>,
 }
 

@@ -255,6 +255,8 @@ struct CaseResult {
     compression: &'static str,
     zero_copy: bool,
     verify: &'static str,
+    /// Destination decoder threads: a count, or `auto` (one per core).
+    decode_threads: String,
     runs: usize,
     median: RunFigures,
     all: Vec<RunFigures>,
@@ -302,18 +304,26 @@ fn bench_migrate(args: &BenchMigrateArgs) -> anyhow::Result<ExitCode> {
         } else {
             &[false]
         };
+        let decode_settings: Vec<Option<usize>> = if args.decode_threads.is_empty() {
+            vec![None]
+        } else {
+            args.decode_threads.iter().copied().map(Some).collect()
+        };
         let mut settings = Vec::new();
         for &channels in &args.channels {
             for &compression in &args.compression {
                 for &zero_copy in zero_copy_settings {
                     for &verify in &args.verify {
-                        if !(zero_copy && compression != CodecChoice::None) {
-                            settings.push(Case {
-                                channels,
-                                compression,
-                                zero_copy,
-                                verify,
-                            });
+                        for &decode_threads in &decode_settings {
+                            if !(zero_copy && compression != CodecChoice::None) {
+                                settings.push(Case {
+                                    channels,
+                                    compression,
+                                    zero_copy,
+                                    verify,
+                                    decode_threads,
+                                });
+                            }
                         }
                     }
                 }
@@ -331,11 +341,12 @@ fn bench_migrate(args: &BenchMigrateArgs) -> anyhow::Result<ExitCode> {
                     )
                 })?;
                 eprintln!(
-                    "bench: {mode:>8} {} ch {:>7}{} verify {} run {run}: total {:.0} ms, downtime {:.0} ms (expected {:.0}), {:.2} GiB/s",
+                    "bench: {mode:>8} {} ch {:>7}{} verify {} decoders {} run {run}: total {:.0} ms, downtime {:.0} ms (expected {:.0}), {:.2} GiB/s",
                     case.channels,
                     case.compression.name(),
                     if case.zero_copy { " zero-copy" } else { "" },
                     case.verify.as_str(),
+                    case.decoders(),
                     figures.total_ms,
                     figures.downtime_ms,
                     figures.expected_downtime_ms,
@@ -354,6 +365,7 @@ fn bench_migrate(args: &BenchMigrateArgs) -> anyhow::Result<ExitCode> {
                 compression: case.compression.name(),
                 zero_copy: case.zero_copy,
                 verify: case.verify.as_str(),
+                decode_threads: case.decoders(),
                 runs: all.len(),
                 median: median_figures(&all),
                 all,
@@ -383,6 +395,16 @@ struct Case {
     compression: CodecChoice,
     zero_copy: bool,
     verify: Verify,
+    /// `ReceiveConfig::decode_threads`.
+    decode_threads: Option<usize>,
+}
+
+impl Case {
+    /// The decoder thread count as the report shows it.
+    fn decoders(&self) -> String {
+        self.decode_threads
+            .map_or_else(|| "auto".to_string(), |threads| threads.to_string())
+    }
 }
 
 fn one_run(
@@ -398,6 +420,7 @@ fn one_run(
         ReceiveConfig {
             // The benchmark's own source: its --verify choice stands.
             allow_unverified: true,
+            decode_threads: case.decode_threads,
             ..ReceiveConfig::default()
         },
     );
@@ -504,18 +527,19 @@ fn print_markdown(report: &BenchReport) {
         println!("Bandwidth cap: {:.0} Mbit/s.\n", cap as f64 * 8.0 / 1e6);
     }
     println!(
-        "| guest | channels | compression | zero-copy | verify | runs | total (ms) | downtime (ms) | expected downtime (ms) | of which source digest (ms) | iterations | GiB/s | wire Mbit/s | transferred (GiB) | source CPU s/GiB | destination CPU s/GiB |"
+        "| guest | channels | compression | zero-copy | verify | decoders | runs | total (ms) | downtime (ms) | expected downtime (ms) | of which source digest (ms) | iterations | GiB/s | wire Mbit/s | transferred (GiB) | source CPU s/GiB | destination CPU s/GiB |"
     );
-    println!("|---|---:|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
+    println!("|---|---:|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
     for case in &report.cases {
         let m = &case.median;
         println!(
-            "| {} | {} | {} | {} | {} | {} | {:.0} | {:.0} | {:.0} | {:.0} | {:.0} | {:.2} | {:.0} | {:.2} | {:.3} | {:.3} |",
+            "| {} | {} | {} | {} | {} | {} | {} | {:.0} | {:.0} | {:.0} | {:.0} | {:.0} | {:.2} | {:.0} | {:.2} | {:.3} | {:.3} |",
             case.guest,
             case.channels,
             case.compression,
             if case.zero_copy { "yes" } else { "no" },
             case.verify,
+            case.decode_threads,
             case.runs,
             m.total_ms,
             m.downtime_ms,

@@ -280,6 +280,11 @@ pub struct BenchMigrateArgs {
     /// Also run each case with --zero-copy.
     #[arg(long)]
     pub zero_copy: bool,
+    /// Destination decoder thread counts to compare, comma-separated (0:
+    /// each receiver decompresses its own channel's pages) [default: one
+    /// per core].
+    #[arg(long, value_delimiter = ',')]
+    pub decode_threads: Vec<usize>,
     /// Print JSON instead of a Markdown table.
     #[arg(long)]
     pub json: bool,

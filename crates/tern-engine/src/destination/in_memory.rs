@@ -17,7 +17,7 @@ use super::stream::{FrameSink, FrameSource, PageStream, read_message};
 use super::{Destination, ReceivePhase, Received};
 use crate::error::{ChannelError, MigrationError};
 use crate::guest::{DestinationGuest, GuestError};
-use crate::stats::{DestinationStats, SessionSecurity, thread_cpu_seconds};
+use crate::stats::{SessionSecurity, thread_cpu_seconds};
 use crate::transport::Segment;
 
 /// One channel's bytes from the source, and what the destination sends
@@ -200,7 +200,8 @@ impl Destination {
             self.config.io_timeout,
             &self.cancel,
         )
-        .with_qpl_path(self.config.qpl_path);
+        .with_qpl_path(self.config.qpl_path)
+        .with_decode_threads(self.config.decode_threads());
         let delivered = live::receive_all(&shared, main, &mut decoder, channels, &codecs)?;
         let stats = self.switch_over(
             &shared,
@@ -212,7 +213,7 @@ impl Destination {
         )?;
         Ok(Received {
             guest,
-            stats: DestinationStats::from_wire(&stats),
+            stats: self.local_stats(&stats),
             setup,
             security: SessionSecurity {
                 transport: "memory".into(),

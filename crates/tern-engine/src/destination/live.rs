@@ -48,6 +48,7 @@ pub(super) fn receive_all<P: PageStream>(
         .collect::<Result<_, _>>()?;
     std::thread::scope(|scope| {
         let handles = spawn_receivers(scope, shared, channels, codecs)?;
+        let decoders = spawn_decoders(scope, shared, codecs);
         spawn_auditor(scope, shared);
         let main_result = read_main_channel(shared, main, decoder).and_then(|done| {
             watch_after_completion(shared, main, decoder, &handles).map(|()| done)
@@ -85,6 +86,7 @@ pub(super) fn receive_all<P: PageStream>(
                 }
             }
         }
+        receivers_failed |= join_decoders(shared, decoders);
         match main_result {
             Some((sections, complete)) if !receivers_failed => Ok(Delivered {
                 sections,
@@ -127,6 +129,43 @@ fn spawn_auditor<'scope>(scope: &'scope Scope<'scope, '_>, shared: &'scope Recei
         // without it.
         tracing::warn!(%error, "cannot start the audit of received memory");
     }
+}
+
+/// Starts the decoder pool's threads (`decode.rs`). A thread that cannot
+/// start is only a lost core: the receivers decode what no decoder takes.
+fn spawn_decoders<'scope>(
+    scope: &'scope Scope<'scope, '_>,
+    shared: &'scope ReceiverShared<'_>,
+    codecs: &'scope [CodecId],
+) -> Vec<ScopedJoinHandle<'scope, ()>> {
+    let mut handles = Vec::new();
+    for index in 0..shared.pool.threads() {
+        let spawned = std::thread::Builder::new()
+            .name(format!("tern-decoder-{index}"))
+            .spawn_scoped(scope, move || {
+                shared.pool.run_decoder(index, shared, codecs)
+            });
+        match spawned {
+            Ok(handle) => handles.push(handle),
+            Err(error) => tracing::warn!(%error, "cannot start a decoder thread"),
+        }
+    }
+    handles
+}
+
+/// Stops the decoder pool once the receivers have ended (each waited for
+/// its packets to land) and joins its threads; true if one panicked.
+fn join_decoders(shared: &ReceiverShared<'_>, decoders: Vec<ScopedJoinHandle<'_, ()>>) -> bool {
+    shared.pool.close();
+    let mut panicked = false;
+    for handle in decoders {
+        if handle.join().is_err() {
+            panicked = true;
+            shared.fail(MigrationError::Internal("a decoder panicked".into()));
+        }
+    }
+    shared.stats.record_decoder_cpu(shared.pool.cpu_seconds());
+    panicked
 }
 
 type ReceiverHandle<'scope> = ScopedJoinHandle<'scope, Result<u32, ()>>;

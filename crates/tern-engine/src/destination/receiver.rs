@@ -15,20 +15,15 @@
 use std::sync::atomic::Ordering;
 use std::time::Duration;
 
-use tern_page::codec::{CodecId, PageDecompressor};
-use tern_wire::{
-    Event, FrameDecoder, FrameKind, MAX_PAGES_PER_PACKET, Message, PageEntry, PageKind, PagePacket,
-    Sync,
-};
+use tern_page::codec::CodecId;
+use tern_wire::{Event, FrameDecoder, FrameKind, Message, PageEntry, PagePacket, Sync};
 
+use super::decode::{Decompressors, ReceiverLanding};
 use super::handshake::peer_aborted;
 use super::order::{PageChannelEvent, PageChannelState};
 use super::shared::ReceiverShared;
 use super::stream::{FrameSource, read_event};
-use crate::digest::{page_hash, zero_page_hash};
 use crate::error::{ChannelError, MigrationError};
-use crate::guest::{MemoryRegion, PAGE_SIZE};
-use crate::transport::Segment;
 
 /// What a page channel carries.
 const PAGE_CHANNEL_FRAMES: &[FrameKind] = &[FrameKind::Pages, FrameKind::Sync, FrameKind::Abort];
@@ -84,14 +79,6 @@ enum Packet {
     Sync(Sync),
 }
 
-/// Per-page counts of one packet, added to the live statistics.
-#[derive(Default)]
-struct PageCounts {
-    zero: u64,
-    cleared: u64,
-    normal: u64,
-}
-
 struct PageReceiver<'s, 'a> {
     shared: &'s ReceiverShared<'a>,
     /// Receiver number, from 0.
@@ -100,35 +87,13 @@ struct PageReceiver<'s, 'a> {
     channel: usize,
     state: PageChannelState,
     decoder: FrameDecoder,
-    /// One per codec id the session announced.
-    decompressors: [Option<PageDecompressor>; 8],
-    /// Where the packet's payload goes.
-    placement: Placement,
-}
-
-/// Where one packet's payload lands, in table order.
-struct Placement {
-    /// Each entry's page in guest memory.
-    pages: Vec<*mut u8>,
-    /// The `readv` segments: raw pages, then slices of `compressed`.
-    segments: Vec<Segment>,
-    /// Compressed payloads land here, then decode straight into their page.
-    compressed: Vec<u8>,
+    /// This receiver's packet buffers and its side of the decoder pool.
+    landing: ReceiverLanding,
 }
 
 impl PageReceiver<'_, '_> {
-    /// Says which inflate ran and how often the offload left a page to
-    /// libdeflate (not in the statistics, whose wire message lacks a field).
     fn log_offload(&self) {
-        for decompressor in self.decompressors.iter().flatten() {
-            if decompressor.implementation() == tern_page::codec::CodecImpl::Qpl {
-                tracing::info!(
-                    channel = self.channel,
-                    fallbacks = decompressor.offload_fallbacks(),
-                    "deflate pages inflated on IAA through QPL"
-                );
-            }
-        }
+        self.landing.log_offload();
     }
 }
 
@@ -138,14 +103,7 @@ impl<'s, 'a> PageReceiver<'s, 'a> {
         index: usize,
         codecs: &[CodecId],
     ) -> Result<Self, MigrationError> {
-        let mut decompressors: [Option<PageDecompressor>; 8] = Default::default();
-        for &codec in codecs {
-            decompressors[codec as usize] = Some(
-                PageDecompressor::for_destination(codec, shared.qpl_path).map_err(|error| {
-                    MigrationError::Incompatible(format!("cannot decode {}: {error}", codec.name()))
-                })?,
-            );
-        }
+        let decompressors = Decompressors::new(codecs, shared.qpl_path)?;
         Ok(Self {
             shared,
             index,
@@ -153,12 +111,7 @@ impl<'s, 'a> PageReceiver<'s, 'a> {
             state: PageChannelState::Iteration(0),
             decoder: FrameDecoder::with_setup(shared.setup.clone())
                 .only(PAGE_CHANNEL_FRAMES, "pages or a sync on a page channel"),
-            decompressors,
-            placement: Placement {
-                pages: Vec::with_capacity(MAX_PAGES_PER_PACKET),
-                segments: Vec::with_capacity(MAX_PAGES_PER_PACKET),
-                compressed: vec![0; MAX_PAGES_PER_PACKET * PAGE_SIZE],
-            },
+            landing: ReceiverLanding::new(shared, index, decompressors),
         })
     }
 
@@ -213,91 +166,30 @@ impl<'s, 'a> PageReceiver<'s, 'a> {
         }
     }
 
-    /// Reads a packet's payload into place and applies its entries.
+    /// Reads a packet's payload into place and hands it to the decode
+    /// step (here or on the decoder pool).
     fn receive_packet(
         &mut self,
         source: &mut impl FrameSource,
         packet: &PagePacket,
     ) -> Result<(), MigrationError> {
         let region = &self.shared.regions[packet.region_index];
+        let mut landing = self.landing.take(self.shared)?;
         let entries = self.decoder.entries();
-        self.placement.place(region, entries)?;
+        landing.place(region, packet, entries)?;
         claim_pages(self.shared, self.channel, packet, entries, self.iteration())?;
+        landing.populate_raw_pages(self.shared);
         // SAFETY: `place` made every segment either a whole page inside the
-        // region (bounds-checked by `page_ptr`) or a slice of this
-        // receiver's own buffer. Each of those pages was claimed by this
-        // receiver just above, and claims are released only at the
-        // iteration's barrier, which this receiver has not reached: so no
-        // other thread writes the page during the read. (The guest is not
-        // running on the destination, so it does not touch it either.)
-        unsafe { source.read_scattered(&self.placement.segments) }
+        // region (bounds-checked by `page_ptr`) or a slice of the landing's
+        // own buffer, which this receiver holds. Each of those pages was
+        // claimed by this receiver just above, and claims are released only
+        // at the iteration's barrier, which this receiver has not reached:
+        // so no other thread writes the page during the read. (The guest is
+        // not running on the destination, so it does not touch it either.)
+        unsafe { source.read_scattered(landing.segments()) }
             .map_err(MigrationError::channel(self.channel))?;
         self.decoder.consume_payload(packet.payload_len);
-        let counts = self.apply_entries(packet)?;
-        let stats = self.shared.stats;
-        stats.zero_pages.fetch_add(counts.zero, Ordering::Relaxed);
-        stats
-            .zero_pages_cleared
-            .fetch_add(counts.cleared, Ordering::Relaxed);
-        stats
-            .normal_pages
-            .fetch_add(counts.normal, Ordering::Relaxed);
-        Ok(())
-    }
-
-    /// Writes what the payload alone does not: decompresses compressed
-    /// pages into their page, clears zero pages that hold data, and records
-    /// each page's hash and whether it holds data.
-    fn apply_entries(&mut self, packet: &PagePacket) -> Result<PageCounts, MigrationError> {
-        let populated = &self.shared.populated[packet.region_index];
-        let hashes = self.shared.page_hashes.as_ref();
-        let mut decompressor = self.decompressors[usize::from(packet.header.codec)].as_mut();
-        let mut compressed = &self.placement.compressed[..];
-        let mut counts = PageCounts::default();
-        let entries = self.decoder.entries();
-        for (entry, &ptr) in entries.iter().zip(&self.placement.pages) {
-            let page = u64::from(entry.page_index);
-            if entry.kind == PageKind::Zero {
-                counts.zero += 1;
-                if let Some(hashes) = hashes {
-                    hashes.record(packet.region_index, page, zero_page_hash());
-                }
-                if populated.get(page) {
-                    // SAFETY: a whole page inside the region (from
-                    // `page_ptr`), claimed by this receiver for this
-                    // iteration.
-                    unsafe { std::ptr::write_bytes(ptr, 0, PAGE_SIZE) };
-                    populated.clear(page);
-                    counts.cleared += 1;
-                }
-                continue;
-            }
-            if entry.kind == PageKind::Compressed {
-                let (input, rest) = compressed.split_at(entry.encoded_len as usize);
-                compressed = rest;
-                let decompressor = decompressor
-                    .as_deref_mut()
-                    .ok_or_else(|| unannounced_codec(self.channel, packet))?;
-                // SAFETY: `ptr` is a whole page inside the region (from
-                // `page_ptr`), claimed by this receiver for this iteration;
-                // the decoder writes exactly one page or fails.
-                unsafe { decompressor.decompress_page(input, ptr) }.map_err(|error| {
-                    MigrationError::Protocol(format!(
-                        "channel {}: page {page} of region {}: {error}",
-                        self.channel, packet.header.region_id
-                    ))
-                })?;
-            }
-            populated.set(page);
-            counts.normal += 1;
-            if let Some(hashes) = hashes {
-                // SAFETY: a whole page inside the region, written by this
-                // receiver just now and claimed by it for this iteration.
-                let hash = unsafe { page_hash(ptr) };
-                hashes.record(packet.region_index, page, hash);
-            }
-        }
-        Ok(counts)
+        self.landing.hand_off(self.shared, landing)
     }
 
     /// Ends the current iteration: every receiver waits for the others, so
@@ -305,6 +197,8 @@ impl<'s, 'a> PageReceiver<'s, 'a> {
     /// must agree on whether it was the last.
     fn end_iteration(&mut self, sync: Sync) -> Result<(), MigrationError> {
         let iteration = self.iteration();
+        // What a sync promises: every page before it is in memory.
+        self.landing.wait_landed(self.shared)?;
         self.advance(PageChannelEvent::Sync {
             iteration: sync.iteration,
             last: sync.last,
@@ -342,56 +236,6 @@ fn claim_pages(
     Ok(())
 }
 
-/// A compressed page in a packet whose codec has no decompressor: the
-/// decoder admits only announced codecs and every announced codec has one,
-/// so this means those two lists disagree.
-fn unannounced_codec(channel: usize, packet: &PagePacket) -> MigrationError {
-    MigrationError::Protocol(format!(
-        "channel {channel}: codec {} was not announced",
-        packet.header.codec
-    ))
-}
-
-impl Placement {
-    /// Finds each entry's page and the segment its payload goes to. The
-    /// region's `page_ptr` is the one bounds check between a page index and
-    /// guest memory.
-    fn place(
-        &mut self,
-        region: &MemoryRegion,
-        entries: &[PageEntry],
-    ) -> Result<(), MigrationError> {
-        self.pages.clear();
-        self.segments.clear();
-        let mut compressed = &mut self.compressed[..];
-        for entry in entries {
-            let ptr = region
-                .page_ptr(u64::from(entry.page_index))
-                .ok_or_else(|| MigrationError::Protocol("page outside its region".into()))?;
-            self.pages.push(ptr);
-            match entry.kind {
-                PageKind::Raw => self.segments.push(Segment {
-                    ptr,
-                    len: PAGE_SIZE,
-                }),
-                PageKind::Compressed => {
-                    // Each compressed page is shorter than a page and there
-                    // are at most MAX_PAGES_PER_PACKET, so they fit.
-                    let (slot, rest) =
-                        std::mem::take(&mut compressed).split_at_mut(entry.encoded_len as usize);
-                    compressed = rest;
-                    self.segments.push(Segment {
-                        ptr: slot.as_mut_ptr(),
-                        len: slot.len(),
-                    });
-                }
-                PageKind::Zero => {}
-            }
-        }
-        Ok(())
-    }
-}
-
 #[cfg(test)]
 mod tests {
     //! A receiver driven from a buffer instead of a socket: the whole page
@@ -405,7 +249,10 @@ mod tests {
 
     use super::*;
     use crate::destination::ReceiveStats;
+    use crate::guest::{MemoryRegion, PAGE_SIZE};
     use crate::source::CancelToken;
+    use crate::transport::Segment;
+    use tern_wire::{PageEntry, PageKind};
 
     /// A page channel's bytes held in memory.
     struct Buffer {
@@ -472,8 +319,18 @@ mod tests {
         Message::Sync(Sync { iteration, last }).to_bytes()
     }
 
-    /// Receives `stream` into a fresh guest of [`PAGES`] pages.
+    /// Receives `stream` into a fresh guest of [`PAGES`] pages, each
+    /// receiver decoding its own packets.
     fn receive(stream: Vec<u8>) -> (Result<u32, MigrationError>, Vec<u8>, ReceiveStats) {
+        receive_with_decoders(stream, 0)
+    }
+
+    /// Receives `stream` with `decoders` decoder threads running beside
+    /// the receiver, as `live.rs` starts them.
+    fn receive_with_decoders(
+        stream: Vec<u8>,
+        decoders: usize,
+    ) -> (Result<u32, MigrationError>, Vec<u8>, ReceiveStats) {
         let setup = setup();
         let mut memory = vec![0u8; PAGES * PAGE_SIZE];
         // SAFETY: `memory` is a writable allocation of that length that
@@ -497,14 +354,53 @@ mod tests {
                 &stats,
                 Duration::from_secs(30),
                 &cancel,
-            );
+            )
+            .with_decode_threads(decoders);
             let source = Buffer {
                 bytes: stream,
                 read: 0,
             };
-            receive_pages(&shared, 0, source, &[CodecId::Zstd])
+            let codecs = [CodecId::Zstd];
+            std::thread::scope(|scope| {
+                for index in 0..decoders {
+                    let (shared, codecs) = (&shared, &codecs);
+                    scope.spawn(move || shared.pool.run_decoder(index, shared, codecs));
+                }
+                let result = receive_pages(&shared, 0, source, &codecs);
+                shared.pool.close();
+                // A decoder records its failure, which the receiver then
+                // sees as "another channel failed".
+                result.map_err(|error| shared.first_failure().unwrap_or(error))
+            })
         };
         (result, memory, stats)
+    }
+
+    /// `text` repeated to fill a page, and its zstd encoding.
+    fn compressed_page(text: &str) -> (Vec<u8>, Vec<u8>) {
+        let page: Vec<u8> = text.bytes().cycle().take(PAGE_SIZE).collect();
+        let mut compressed = [0u8; tern_page::codec::MAX_COMPRESSED];
+        let len = PageCompressor::new(CodecId::Zstd, 1)
+            .unwrap()
+            .compress(page.as_slice().try_into().unwrap(), &mut compressed)
+            .expect("repeated text compresses");
+        (page, compressed[..len].to_vec())
+    }
+
+    /// A packet of iteration `iteration` carrying `pages`, each compressed.
+    fn compressed_packet(stream: &mut Vec<u8>, iteration: u32, pages: &[(u32, &[u8])]) {
+        let entries: Vec<PageEntry> = pages
+            .iter()
+            .map(|&(page_index, bytes)| PageEntry {
+                page_index,
+                kind: PageKind::Compressed,
+                encoded_len: bytes.len() as u32,
+            })
+            .collect();
+        encode_pages_prefix(stream, 5, iteration, CodecId::Zstd.to_wire(), &entries);
+        for (_, bytes) in pages {
+            stream.extend_from_slice(bytes);
+        }
     }
 
     fn page(memory: &[u8], index: usize) -> &[u8] {
@@ -513,6 +409,12 @@ mod tests {
 
     #[test]
     fn a_session_received_from_a_buffer() {
+        for decoders in [0, 1, 2] {
+            received_from_a_buffer_with(decoders);
+        }
+    }
+
+    fn received_from_a_buffer_with(decoders: usize) {
         let text: Vec<u8> = b"tern ".iter().copied().cycle().take(PAGE_SIZE).collect();
         let mut compressed = [0u8; tern_page::codec::MAX_COMPRESSED];
         let len = PageCompressor::new(CodecId::Zstd, 1)
@@ -551,7 +453,7 @@ mod tests {
         stream.extend(sync(1, true));
         let stream_len = stream.len() as u64;
 
-        let (result, memory, stats) = receive(stream);
+        let (result, memory, stats) = receive_with_decoders(stream, decoders);
         assert_eq!(result.unwrap(), 1);
         assert!(page(&memory, 1).iter().all(|&b| b == 0));
         assert_eq!(page(&memory, 3), text.as_slice());
@@ -560,6 +462,66 @@ mod tests {
         assert_eq!(stats.zero_pages_cleared.load(Ordering::Relaxed), 1);
         assert_eq!(stats.normal_pages.load(Ordering::Relaxed), 2);
         assert_eq!(stats.iterations_done(), 2);
+    }
+
+    #[test]
+    fn the_decoder_pool_lands_every_iteration_before_its_sync() {
+        // Every iteration rewrites every page with new content, one packet
+        // per page, so two decoders hold pages of one iteration at once;
+        // had a page of iteration i landed after the sync of i, it would
+        // overwrite the newer copy of i + 1 (the claims are released at
+        // the sync), and the last iteration's content would not all be
+        // there at the end.
+        const ITERATIONS: u32 = 40;
+        let mut stream = Vec::new();
+        let mut expected = Vec::new();
+        for iteration in 0..ITERATIONS {
+            expected.clear();
+            for page in 0..PAGES as u32 {
+                let (plain, compressed) =
+                    compressed_page(&format!("iteration {iteration} page {page} "));
+                compressed_packet(&mut stream, iteration, &[(page, &compressed)]);
+                expected.push(plain);
+            }
+            stream.extend(sync(iteration, iteration == ITERATIONS - 1));
+        }
+        let (result, memory, stats) = receive_with_decoders(stream, 2);
+        assert_eq!(result.unwrap(), ITERATIONS - 1);
+        for (index, plain) in expected.iter().enumerate() {
+            assert_eq!(page(&memory, index), plain.as_slice(), "page {index}");
+        }
+        assert_eq!(
+            stats.normal_pages.load(Ordering::Relaxed),
+            u64::from(ITERATIONS) * PAGES as u64
+        );
+        assert_eq!(stats.iterations_done(), u64::from(ITERATIONS));
+    }
+
+    #[test]
+    fn bad_compressed_input_on_a_decoder_is_a_clear_error_confined_to_its_page() {
+        for decoders in [0, 2] {
+            let (_, good) = compressed_page("tern ");
+            let mut bad = good.clone();
+            // Keep zstd's frame header, break the block that follows.
+            for byte in &mut bad[6..] {
+                *byte = 0xff;
+            }
+            let mut stream = Vec::new();
+            compressed_packet(&mut stream, 0, &[(2, &good), (3, &bad), (4, &good)]);
+            stream.extend(sync(0, true));
+            let (result, memory, _) = receive_with_decoders(stream, decoders);
+            let error = result.unwrap_err();
+            assert!(matches!(error, MigrationError::Protocol(_)), "{error:?}");
+            assert!(
+                error.to_string().contains("channel 1: page 3 of region 5"),
+                "{decoders} decoders: {error}"
+            );
+            // Nothing outside the pages of the packet was written, and
+            // page 4, after the bad one, was not.
+            for index in [0, 1, 4, 5, 6, 7] {
+                assert!(page(&memory, index).iter().all(|&b| b == 0), "page {index}");
+            }
+        }
     }
 
     #[test]

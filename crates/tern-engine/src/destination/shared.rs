@@ -9,6 +9,7 @@ use std::time::{Duration, Instant};
 use tern_page::codec::QplPath;
 use tern_wire::{DigestAlgorithm, SessionSetup};
 
+use super::decode::DecodePool;
 use super::stream::FrameSource;
 use super::{POLL_INTERVAL, ReceiveStats};
 use crate::digest::PageHashes;
@@ -37,6 +38,11 @@ pub(super) struct ReceiverShared<'a> {
     /// and the decompression into a page rely on; a page claimed twice is
     /// the peer's protocol error.
     claims: Vec<AtomicBitmap>,
+    /// The decoder threads' rings and each receiver's packet buffers.
+    pub(super) pool: DecodePool,
+    /// Whether runs of fresh pages are populated before they are written
+    /// (`populate.rs`); turned off for the session when the kernel refuses.
+    pub(super) populate: AtomicBool,
     barrier: SyncBarrier,
     /// The iteration the source's `Complete` names as final, once the main
     /// channel has it; [`NO_FINAL_ITERATION`] before.
@@ -80,6 +86,8 @@ impl<'a> ReceiverShared<'a> {
                 .iter()
                 .map(|region| AtomicBitmap::new(region.pages()))
                 .collect(),
+            pool: DecodePool::new(receivers, 0),
+            populate: AtomicBool::new(true),
             barrier: SyncBarrier::new(receivers),
             final_iteration: AtomicU64::new(NO_FINAL_ITERATION),
             pages_ended: AtomicBool::new(false),
@@ -95,6 +103,15 @@ impl<'a> ReceiverShared<'a> {
     /// Inflates deflate pages as `path` says (IAA when allowed and present).
     pub(super) fn with_qpl_path(mut self, path: QplPath) -> Self {
         self.qpl_path = path;
+        self
+    }
+
+    /// Decodes with `threads` decoder threads (0, the default: each
+    /// receiver decodes its own packets). A session that announced no
+    /// codec has nothing to decompress, and gets none.
+    pub(super) fn with_decode_threads(mut self, threads: usize) -> Self {
+        let threads = if self.setup.codecs == 0 { 0 } else { threads };
+        self.pool = DecodePool::new(self.barrier.parties, threads);
         self
     }
 
@@ -196,6 +213,17 @@ impl<'a> ReceiverShared<'a> {
         self.failed.load(Ordering::Acquire) || self.cancel.is_cancelled()
     }
 
+    /// An error when the migration has failed or was cancelled.
+    pub(super) fn check_failed(&self) -> Result<(), MigrationError> {
+        if !self.failed() {
+            Ok(())
+        } else if self.cancel.is_cancelled() {
+            Err(MigrationError::Cancelled)
+        } else {
+            Err(MigrationError::Internal("another channel failed".into()))
+        }
+    }
+
     /// Waits for data, looking at the failure flag meanwhile.
     pub(super) fn wait_for_data(
         &self,
@@ -204,13 +232,7 @@ impl<'a> ReceiverShared<'a> {
     ) -> Result<(), MigrationError> {
         let started = Instant::now();
         loop {
-            if self.failed() {
-                return Err(if self.cancel.is_cancelled() {
-                    MigrationError::Cancelled
-                } else {
-                    MigrationError::Internal("another channel failed".into())
-                });
-            }
+            self.check_failed()?;
             if channel
                 .wait_readable(POLL_INTERVAL)
                 .map_err(MigrationError::channel(index))?

@@ -1,0 +1,533 @@
+//! The decode step (a packet whose payload has been read lands in guest
+//! memory: pages decompressed, zero pages cleared, page hashes recorded)
+//! and the pool of threads that runs it, so that decompression is not
+//! bound to one receiver thread per channel.
+//!
+//! A receiver reads a packet's payload into a [`Landing`] (raw pages
+//! straight into guest memory, compressed ones into the landing's buffer),
+//! then either lands it itself (nothing to decode) or queues it on the
+//! pool's shared ring. Any decoder thread, or a receiver that waits for a
+//! free landing, takes it from there: work goes to whichever core is free,
+//! whatever channel it came on. Each receiver owns a few landings, so the
+//! data it has in flight is bounded; a landing goes back to its owner once
+//! landed.
+//!
+//! The iteration barrier keeps its meaning: a receiver reaching a sync
+//! first waits until every landing it queued has landed (helping decode
+//! meanwhile), so when the barrier releases, everything sent before the
+//! sync is in memory. The per-page path takes no lock: landings move
+//! through lock-free rings, threads sleep on doorbells.
+//!
+//! New page kinds plug into [`land`]: one arm per kind, and
+//! [`Landing::needs_decoding`] says which kinds are worth a hand-off.
+
+use std::sync::OnceLock;
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::time::Instant;
+
+use tern_page::codec::{CodecId, PageDecompressor, QplPath};
+use tern_wire::{MAX_PAGES_PER_PACKET, PageEntry, PageKind, PagePacket};
+
+use super::populate::populate_runs;
+use super::shared::ReceiverShared;
+use crate::digest::{page_hash, zero_page_hash};
+use crate::error::MigrationError;
+use crate::guest::{MemoryRegion, PAGE_SIZE};
+use crate::ring::{Doorbell, Ring};
+use crate::stats::thread_cpu_seconds;
+use crate::transport::Segment;
+
+/// Landings each receiver owns when a pool decodes: enough to keep every
+/// decoder busy while the receiver reads the next packet, few enough that
+/// a channel holds at most this many packets' compressed bytes (512 KiB
+/// each) in memory.
+const LANDINGS_PER_RECEIVER: usize = 4;
+
+/// One packet on its way into guest memory: where each page goes and the
+/// compressed bytes still to decode.
+pub(super) struct Landing {
+    /// The receiver that owns this landing (its buffers and its place in
+    /// the iteration barrier).
+    owner: usize,
+    /// The channel the packet came on, for error messages.
+    channel: usize,
+    region_index: usize,
+    region_id: u32,
+    codec: u8,
+    /// The packet's table.
+    entries: Vec<PageEntry>,
+    /// Each entry's page in guest memory.
+    pages: Vec<*mut u8>,
+    /// The `readv` segments: raw pages, then slices of `compressed`.
+    segments: Vec<Segment>,
+    /// Compressed payloads land here, then decode straight into their page.
+    compressed: Vec<u8>,
+}
+
+// SAFETY: the pointers are whole guest pages this landing's packet claimed
+// for the current iteration and slices of its own buffer. A landing is
+// used by one thread at a time: it moves between threads through the
+// pool's rings, whose push and pop order every access before the hand-off
+// before every access after it.
+unsafe impl Send for Landing {}
+
+impl Landing {
+    fn new(owner: usize) -> Self {
+        Self {
+            owner,
+            channel: owner + 1,
+            region_index: 0,
+            region_id: 0,
+            codec: 0,
+            entries: Vec::with_capacity(MAX_PAGES_PER_PACKET),
+            pages: Vec::with_capacity(MAX_PAGES_PER_PACKET),
+            segments: Vec::with_capacity(MAX_PAGES_PER_PACKET),
+            compressed: vec![0; MAX_PAGES_PER_PACKET * PAGE_SIZE],
+        }
+    }
+
+    /// Finds each entry's page and the segment its payload goes to. The
+    /// region's `page_ptr` is the one bounds check between a page index and
+    /// guest memory.
+    pub(super) fn place(
+        &mut self,
+        region: &MemoryRegion,
+        packet: &PagePacket,
+        entries: &[PageEntry],
+    ) -> Result<(), MigrationError> {
+        self.region_index = packet.region_index;
+        self.region_id = packet.header.region_id;
+        self.codec = packet.header.codec;
+        self.entries.clear();
+        self.entries.extend_from_slice(entries);
+        self.pages.clear();
+        self.segments.clear();
+        let mut compressed = &mut self.compressed[..];
+        for entry in entries {
+            let ptr = region
+                .page_ptr(u64::from(entry.page_index))
+                .ok_or_else(|| MigrationError::Protocol("page outside its region".into()))?;
+            self.pages.push(ptr);
+            match entry.kind {
+                PageKind::Raw => self.segments.push(Segment {
+                    ptr,
+                    len: PAGE_SIZE,
+                }),
+                PageKind::Compressed => {
+                    // Each compressed page is shorter than a page and there
+                    // are at most MAX_PAGES_PER_PACKET, so they fit.
+                    let (slot, rest) =
+                        std::mem::take(&mut compressed).split_at_mut(entry.encoded_len as usize);
+                    compressed = rest;
+                    self.segments.push(Segment {
+                        ptr: slot.as_mut_ptr(),
+                        len: slot.len(),
+                    });
+                }
+                PageKind::Zero => {}
+            }
+        }
+        Ok(())
+    }
+
+    /// Where the payload goes, in the order of the stream.
+    pub(super) fn segments(&self) -> &[Segment] {
+        &self.segments
+    }
+
+    /// Whether landing this packet costs more than hashing its raw pages:
+    /// then it is worth handing to the pool.
+    fn needs_decoding(&self) -> bool {
+        self.entries
+            .iter()
+            .any(|entry| entry.kind == PageKind::Compressed)
+    }
+
+    /// Populates the runs of pages the `readv` is about to write (see
+    /// `populate.rs`).
+    pub(super) fn populate_raw_pages(&self, shared: &ReceiverShared<'_>) {
+        populate_runs(
+            shared,
+            self.region_index,
+            &self.entries,
+            &self.pages,
+            PageKind::Raw,
+        );
+    }
+}
+
+/// Per-page counts of one packet, added to the live statistics.
+#[derive(Default)]
+struct PageCounts {
+    zero: u64,
+    cleared: u64,
+    normal: u64,
+}
+
+/// One decompressor per codec id the session announced.
+pub(super) struct Decompressors([Option<PageDecompressor>; 8]);
+
+impl Decompressors {
+    pub(super) fn new(codecs: &[CodecId], qpl_path: QplPath) -> Result<Self, MigrationError> {
+        let mut decompressors: [Option<PageDecompressor>; 8] = Default::default();
+        for &codec in codecs {
+            decompressors[codec as usize] = Some(
+                PageDecompressor::for_destination(codec, qpl_path).map_err(|error| {
+                    MigrationError::Incompatible(format!("cannot decode {}: {error}", codec.name()))
+                })?,
+            );
+        }
+        Ok(Self(decompressors))
+    }
+
+    /// Says which inflate ran and how often the offload left a page to
+    /// libdeflate (not in the statistics, whose wire message lacks a field).
+    pub(super) fn log_offload(&self, thread: &str) {
+        for decompressor in self.0.iter().flatten() {
+            if decompressor.implementation() == tern_page::codec::CodecImpl::Qpl {
+                tracing::info!(
+                    thread,
+                    fallbacks = decompressor.offload_fallbacks(),
+                    "deflate pages inflated on IAA through QPL"
+                );
+            }
+        }
+    }
+}
+
+/// The decode step: writes what the payload alone does not (decompresses
+/// compressed pages into their page, clears zero pages that hold data),
+/// records each page's hash and whether it holds data, and adds the
+/// packet's counts to the statistics.
+fn land(
+    landing: &Landing,
+    decompressors: &mut Decompressors,
+    shared: &ReceiverShared<'_>,
+) -> Result<(), MigrationError> {
+    let region = landing.region_index;
+    populate_runs(
+        shared,
+        region,
+        &landing.entries,
+        &landing.pages,
+        PageKind::Compressed,
+    );
+    let populated = &shared.populated[region];
+    let hashes = shared.page_hashes.as_ref();
+    let mut compressed = &landing.compressed[..];
+    let mut counts = PageCounts::default();
+    for (entry, &ptr) in landing.entries.iter().zip(&landing.pages) {
+        let page = u64::from(entry.page_index);
+        match entry.kind {
+            PageKind::Zero => {
+                counts.zero += 1;
+                if let Some(hashes) = hashes {
+                    hashes.record(region, page, zero_page_hash());
+                }
+                if populated.get(page) {
+                    // SAFETY: a whole page inside the region (from
+                    // `page_ptr`), claimed by this packet for this iteration.
+                    unsafe { std::ptr::write_bytes(ptr, 0, PAGE_SIZE) };
+                    populated.clear(page);
+                    counts.cleared += 1;
+                }
+                continue;
+            }
+            PageKind::Compressed => {
+                let (input, rest) = compressed.split_at(entry.encoded_len as usize);
+                compressed = rest;
+                decompress(landing, decompressors, input, ptr, page)?;
+            }
+            PageKind::Raw => {}
+        }
+        populated.set(page);
+        counts.normal += 1;
+        if let Some(hashes) = hashes {
+            // SAFETY: a whole page inside the region, written just now and
+            // claimed by this packet for this iteration.
+            let hash = unsafe { page_hash(ptr) };
+            hashes.record(region, page, hash);
+        }
+    }
+    let stats = shared.stats;
+    stats.zero_pages.fetch_add(counts.zero, Ordering::Relaxed);
+    stats
+        .zero_pages_cleared
+        .fetch_add(counts.cleared, Ordering::Relaxed);
+    stats
+        .normal_pages
+        .fetch_add(counts.normal, Ordering::Relaxed);
+    Ok(())
+}
+
+/// Decompresses `input` into the page at `ptr`, page `page` of the
+/// landing's region.
+fn decompress(
+    landing: &Landing,
+    decompressors: &mut Decompressors,
+    input: &[u8],
+    ptr: *mut u8,
+    page: u64,
+) -> Result<(), MigrationError> {
+    // The decoder admits only announced codecs and every announced codec
+    // has a decompressor: a miss means those two lists disagree.
+    let decompressor = decompressors.0[usize::from(landing.codec)]
+        .as_mut()
+        .ok_or_else(|| {
+            MigrationError::Protocol(format!(
+                "channel {}: codec {} was not announced",
+                landing.channel, landing.codec
+            ))
+        })?;
+    // SAFETY: `ptr` is a whole page inside the region (from `page_ptr`),
+    // claimed by this packet for this iteration; the decoder writes exactly
+    // one page or fails.
+    unsafe { decompressor.decompress_page(input, ptr) }.map_err(|error| {
+        MigrationError::Protocol(format!(
+            "channel {}: page {page} of region {}: {error}",
+            landing.channel, landing.region_id
+        ))
+    })
+}
+
+/// The decoder threads' shared state: the ring of packets waiting to be
+/// decoded and each receiver's landings.
+pub(super) struct DecodePool {
+    /// Decoder threads; 0: every receiver lands its own packets.
+    threads: usize,
+    /// Read packets waiting for their decode step, from every receiver.
+    queued: Ring<Box<Landing>>,
+    /// Each receiver's landings not in use.
+    free: Vec<Ring<Box<Landing>>>,
+    /// Each receiver's landings queued or being decoded.
+    in_flight: Vec<AtomicUsize>,
+    decoder_bells: Vec<OnceLock<Doorbell>>,
+    receiver_bells: Vec<OnceLock<Doorbell>>,
+    /// Set once every receiver has ended: the decoders finish.
+    closed: AtomicBool,
+    /// CPU nanoseconds of the decoder threads, added as each ends.
+    cpu_nanos: AtomicU64,
+}
+
+impl DecodePool {
+    /// A pool of `threads` decoders for `receivers` receivers.
+    pub(super) fn new(receivers: usize, threads: usize) -> Self {
+        let landings = if threads == 0 {
+            1
+        } else {
+            LANDINGS_PER_RECEIVER
+        };
+        let free = (0..receivers)
+            .map(|owner| {
+                let ring = Ring::new(landings);
+                for _ in 0..landings {
+                    // A fresh ring of this capacity has room for each.
+                    let _ = ring.push(Box::new(Landing::new(owner)));
+                }
+                ring
+            })
+            .collect();
+        Self {
+            threads,
+            queued: Ring::new(receivers * landings),
+            free,
+            in_flight: (0..receivers).map(|_| AtomicUsize::new(0)).collect(),
+            decoder_bells: (0..threads).map(|_| OnceLock::new()).collect(),
+            receiver_bells: (0..receivers).map(|_| OnceLock::new()).collect(),
+            closed: AtomicBool::new(false),
+            cpu_nanos: AtomicU64::new(0),
+        }
+    }
+
+    /// The number of decoder threads to start.
+    pub(super) fn threads(&self) -> usize {
+        self.threads
+    }
+
+    /// CPU seconds the decoder threads used.
+    pub(super) fn cpu_seconds(&self) -> f64 {
+        self.cpu_nanos.load(Ordering::Relaxed) as f64 / 1e9
+    }
+
+    /// Tells the decoders that no more packets come, and wakes them.
+    pub(super) fn close(&self) {
+        self.closed.store(true, Ordering::Release);
+        for bell in self.decoder_bells.iter().filter_map(OnceLock::get) {
+            bell.ring();
+        }
+    }
+
+    /// Lands `landing` and gives it back to its owner.
+    fn finish(
+        &self,
+        landing: Box<Landing>,
+        decompressors: &mut Decompressors,
+        shared: &ReceiverShared<'_>,
+    ) -> Result<(), MigrationError> {
+        let landed = land(&landing, decompressors, shared);
+        let owner = landing.owner;
+        // The owner's ring holds all its landings, so it has room.
+        let _ = self.free[owner].push(landing);
+        // Release: the page writes and hashes above happen before the
+        // owner sees its count drop (and then enters the barrier).
+        self.in_flight[owner].fetch_sub(1, Ordering::Release);
+        if let Some(bell) = self.receiver_bells[owner].get() {
+            bell.ring();
+        }
+        landed
+    }
+
+    /// Decodes one queued packet, if any; whether there was one. A
+    /// failure is recorded in `shared`, which stops every thread.
+    fn decode_one(&self, decompressors: &mut Decompressors, shared: &ReceiverShared<'_>) -> bool {
+        let Some(landing) = self.queued.pop() else {
+            return false;
+        };
+        if let Err(error) = self.finish(landing, decompressors, shared) {
+            shared.fail(error);
+        }
+        true
+    }
+
+    /// Runs decoder thread `index` until the pool closes or the migration
+    /// fails.
+    pub(super) fn run_decoder(
+        &self,
+        index: usize,
+        shared: &ReceiverShared<'_>,
+        codecs: &[CodecId],
+    ) {
+        let cpu_start = thread_cpu_seconds();
+        let bell = self.decoder_bells[index].get_or_init(Doorbell::for_current_thread);
+        match Decompressors::new(codecs, shared.qpl_path) {
+            Ok(mut decompressors) => {
+                loop {
+                    if self.decode_one(&mut decompressors, shared) {
+                        continue;
+                    }
+                    if self.closed.load(Ordering::Acquire) || shared.failed() {
+                        break;
+                    }
+                    bell.wait_until(|| {
+                        !self.queued.is_empty()
+                            || self.closed.load(Ordering::Acquire)
+                            || shared.failed()
+                    });
+                }
+                decompressors.log_offload(&format!("decoder-{index}"));
+            }
+            Err(error) => shared.fail(error),
+        }
+        let seconds = thread_cpu_seconds() - cpu_start;
+        self.cpu_nanos
+            .fetch_add((seconds * 1e9) as u64, Ordering::Relaxed);
+    }
+}
+
+/// A receiver's side of the pool: takes landings, hands them off, and
+/// waits for its own to land before a sync.
+pub(super) struct ReceiverLanding {
+    owner: usize,
+    decompressors: Decompressors,
+}
+
+impl ReceiverLanding {
+    /// Receiver `owner`'s side; call on the receiver's thread.
+    pub(super) fn new(
+        shared: &ReceiverShared<'_>,
+        owner: usize,
+        decompressors: Decompressors,
+    ) -> Self {
+        shared.pool.receiver_bells[owner].get_or_init(Doorbell::for_current_thread);
+        Self {
+            owner,
+            decompressors,
+        }
+    }
+
+    /// A free landing; while there is none, decodes queued packets (of any
+    /// receiver) or sleeps until a decoder gives one back.
+    pub(super) fn take(
+        &mut self,
+        shared: &ReceiverShared<'_>,
+    ) -> Result<Box<Landing>, MigrationError> {
+        let pool = &shared.pool;
+        let free = &pool.free[self.owner];
+        self.wait_while_helping(shared, || !free.is_empty())?;
+        free.pop()
+            .ok_or_else(|| MigrationError::Internal("a free landing vanished".into()))
+    }
+
+    /// Lands `landing` here when it has nothing to decode or there is no
+    /// pool, or queues it for the pool.
+    pub(super) fn hand_off(
+        &mut self,
+        shared: &ReceiverShared<'_>,
+        landing: Box<Landing>,
+    ) -> Result<(), MigrationError> {
+        let pool = &shared.pool;
+        pool.in_flight[self.owner].fetch_add(1, Ordering::Relaxed);
+        if pool.threads == 0 || !landing.needs_decoding() {
+            return pool.finish(landing, &mut self.decompressors, shared);
+        }
+        if let Err(landing) = pool.queued.push(landing) {
+            // The ring holds every landing of every receiver: never full.
+            return pool.finish(landing, &mut self.decompressors, shared);
+        }
+        for bell in pool.decoder_bells.iter().filter_map(OnceLock::get) {
+            bell.ring();
+        }
+        Ok(())
+    }
+
+    /// Returns once every packet this receiver handed off has landed: what
+    /// a sync promises.
+    pub(super) fn wait_landed(
+        &mut self,
+        shared: &ReceiverShared<'_>,
+    ) -> Result<(), MigrationError> {
+        let in_flight = &shared.pool.in_flight[self.owner];
+        // Acquire: pairs with `finish`'s release, so the pages written by
+        // decoders are visible before this receiver enters the barrier.
+        self.wait_while_helping(shared, || in_flight.load(Ordering::Acquire) == 0)?;
+        shared.check_failed()
+    }
+
+    /// Waits until `ready()`, decoding queued packets meanwhile; fails
+    /// when the migration does, or after the I/O timeout (decoding a
+    /// queue of packets takes milliseconds, so that means a stuck decoder).
+    fn wait_while_helping(
+        &mut self,
+        shared: &ReceiverShared<'_>,
+        mut ready: impl FnMut() -> bool,
+    ) -> Result<(), MigrationError> {
+        let pool = &shared.pool;
+        let bell = pool.receiver_bells[self.owner].get_or_init(Doorbell::for_current_thread);
+        let started = Instant::now();
+        loop {
+            if ready() {
+                return Ok(());
+            }
+            shared.check_failed()?;
+            if pool.decode_one(&mut self.decompressors, shared) {
+                continue;
+            }
+            if started.elapsed() > shared.io_timeout() {
+                return Err(MigrationError::Internal(
+                    "the decoders did not land this channel's packets in time".into(),
+                ));
+            }
+            bell.wait_until(|| {
+                ready()
+                    || !pool.queued.is_empty()
+                    || shared.failed()
+                    || started.elapsed() > shared.io_timeout()
+            });
+        }
+    }
+
+    pub(super) fn log_offload(&self) {
+        self.decompressors
+            .log_offload(&format!("receiver-{}", self.owner));
+    }
+}

@@ -32,7 +32,7 @@ use rustls::{
 use super::security::{ChannelSecurity, TlsInfo};
 use super::{Channel, Segment, Stream, TransferClock};
 use crate::error::ChannelError;
-use tern_wire::Message;
+use tern_wire::{FrameKind, Message};
 
 /// Why a TLS configuration cannot be built.
 #[derive(Debug, thiserror::Error)]
@@ -212,7 +212,7 @@ pub fn accept(channel: Channel, config: &TlsConfig) -> Result<Channel, ChannelEr
 
 /// The other end of a channel, as errors name it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) enum Peer {
+enum Peer {
     Source,
     Destination,
 }
@@ -237,7 +237,6 @@ fn refuse_plaintext(socket: &socket2::Socket) -> Result<(), ChannelError> {
     }
     // SAFETY: `peek` initialised the one byte it reported.
     let first = unsafe { first[0].assume_init() };
-    use tern_wire::FrameKind;
     let opens_a_session = [
         FrameKind::Hello,
         FrameKind::ChannelHello,
@@ -335,21 +334,19 @@ fn handshake(
 
 /// A one-line reason for a TLS failure rustls reported inside `error`,
 /// naming which side refused what; `None` when it is not rustls's.
-pub(crate) fn explain(error: &io::Error, peer: Peer) -> Option<String> {
+fn explain(error: &io::Error, peer: Peer) -> Option<String> {
+    use rustls::{AlertDescription as Alert, CertificateError as Certificate};
     let rustls_error = error.get_ref()?.downcast_ref::<rustls::Error>()?;
     let peer = peer.name();
-    use rustls::{AlertDescription as Alert, CertificateError as Certificate};
     Some(match rustls_error {
         rustls::Error::AlertReceived(alert) => {
             let why = match alert {
                 Alert::CertificateExpired => "this side's certificate has expired",
                 Alert::CertificateRequired => {
-                    "this side presented no certificate and the peer requires one"
+                    "this side presented no certificate and it requires one"
                 }
-                Alert::UnknownCA => {
-                    "the peer does not trust the CA that signed this side's certificate"
-                }
-                Alert::BadCertificate => "the peer refused this side's certificate",
+                Alert::UnknownCA => "it does not trust the CA that signed this side's certificate",
+                Alert::BadCertificate => "it refused this side's certificate",
                 Alert::CertificateRevoked => "this side's certificate is revoked",
                 _ => "",
             };

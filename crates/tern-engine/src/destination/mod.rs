@@ -6,6 +6,7 @@ mod in_memory;
 mod live;
 mod order;
 mod receiver;
+mod reuse;
 mod shared;
 mod stream;
 mod switch_over;

@@ -23,6 +23,7 @@ use tern_wire::{
 
 use super::handshake::peer_aborted;
 use super::order::{PageChannelEvent, PageChannelState};
+use super::reuse::{WrittenHere, apply_delta, apply_duplicate};
 use super::shared::ReceiverShared;
 use super::stream::{FrameSource, read_event};
 use crate::digest::{page_hash, zero_page_hash};
@@ -104,6 +105,9 @@ struct PageReceiver<'s, 'a> {
     decompressors: [Option<PageDecompressor>; 8],
     /// Where the packet's payload goes.
     placement: Placement,
+    /// The pages this receiver wrote in the current iteration, which its
+    /// later duplicates may copy.
+    written: WrittenHere,
 }
 
 /// Where one packet's payload lands, in table order.
@@ -159,6 +163,7 @@ impl<'s, 'a> PageReceiver<'s, 'a> {
                 segments: Vec::with_capacity(MAX_PAGES_PER_PACKET),
                 compressed: vec![0; MAX_PAGES_PER_PACKET * PAGE_SIZE],
             },
+            written: WrittenHere::new(shared),
         })
     }
 
@@ -272,23 +277,22 @@ impl<'s, 'a> PageReceiver<'s, 'a> {
                 }
                 continue;
             }
-            if entry.kind == PageKind::Compressed {
+            if entry.kind != PageKind::Raw {
                 let (input, rest) = compressed.split_at(entry.encoded_len as usize);
                 compressed = rest;
-                let decompressor = decompressor
-                    .as_deref_mut()
-                    .ok_or_else(|| unannounced_codec(self.channel, packet))?;
-                // SAFETY: `ptr` is a whole page inside the region (from
-                // `page_ptr`), claimed by this receiver for this iteration;
-                // the decoder writes exactly one page or fails.
-                unsafe { decompressor.decompress_page(input, ptr) }.map_err(|error| {
-                    MigrationError::Protocol(format!(
-                        "channel {}: page {page} of region {}: {error}",
-                        self.channel, packet.header.region_id
-                    ))
-                })?;
+                rebuild_page(
+                    self.shared,
+                    &self.written,
+                    self.channel,
+                    packet,
+                    entry,
+                    ptr,
+                    input,
+                    decompressor.as_deref_mut(),
+                )?;
             }
             populated.set(page);
+            self.written.set(packet.region_index, page);
             counts.normal += 1;
             if let Some(hashes) = hashes {
                 // SAFETY: a whole page inside the region, written by this
@@ -310,6 +314,7 @@ impl<'s, 'a> PageReceiver<'s, 'a> {
             last: sync.last,
         })?;
         self.shared.end_iteration(iteration, sync.last)?;
+        self.written.clear();
         if self.index == 0 {
             self.shared
                 .stats
@@ -318,6 +323,44 @@ impl<'s, 'a> PageReceiver<'s, 'a> {
         }
         Ok(())
     }
+}
+
+/// Writes a page that is not in the payload as it is: decompresses it,
+/// copies the page a duplicate names, or applies a delta.
+#[allow(clippy::too_many_arguments)]
+fn rebuild_page(
+    shared: &ReceiverShared<'_>,
+    written: &WrittenHere,
+    channel: usize,
+    packet: &PagePacket,
+    entry: &PageEntry,
+    ptr: *mut u8,
+    input: &[u8],
+    decompressor: Option<&mut PageDecompressor>,
+) -> Result<(), MigrationError> {
+    let page = u64::from(entry.page_index);
+    let at = (packet.region_index, page);
+    // SAFETY (all three): `ptr` is a whole page inside the region (from
+    // `page_ptr`), claimed by this receiver for this iteration; each
+    // writes exactly one page or fails.
+    let result = match entry.kind {
+        PageKind::Compressed => {
+            let decompressor =
+                decompressor.ok_or_else(|| unannounced_codec(channel, packet))?;
+            unsafe { decompressor.decompress_page(input, ptr) }.map_err(|e| e.to_string())
+        }
+        PageKind::Duplicate => unsafe {
+            apply_duplicate(shared, written, at, ptr, input)
+        },
+        PageKind::Delta => unsafe { apply_delta(shared, at, ptr, input) },
+        PageKind::Zero | PageKind::Raw => Ok(()),
+    };
+    result.map_err(|error| {
+        MigrationError::Protocol(format!(
+            "channel {channel}: page {page} of region {}: {error}",
+            packet.header.region_id
+        ))
+    })
 }
 
 /// Claims every page of `packet` for this receiver in the current
@@ -334,7 +377,8 @@ fn claim_pages(
     for entry in entries {
         if !shared.claim(packet.region_index, u64::from(entry.page_index)) {
             return Err(MigrationError::Protocol(format!(
-                "channel {channel}: page {} of region {} arrived twice in iteration {iteration}",
+                "channel {channel}: page {} of region {} arrived twice in iteration \
+                 {iteration}, or after a duplicate read it",
                 entry.page_index, packet.header.region_id
             )));
         }
@@ -374,8 +418,8 @@ impl Placement {
                     ptr,
                     len: PAGE_SIZE,
                 }),
-                PageKind::Compressed => {
-                    // Each compressed page is shorter than a page and there
+                PageKind::Compressed | PageKind::Duplicate | PageKind::Delta => {
+                    // Each such payload is shorter than a page and there
                     // are at most MAX_PAGES_PER_PACKET, so they fit.
                     let (slot, rest) =
                         std::mem::take(&mut compressed).split_at_mut(entry.encoded_len as usize);

@@ -375,6 +375,8 @@ impl Source {
             stats: self.stats.clone(),
             cancel: self.cancel.flag(),
             page_hashes,
+            dedup: config.dedup_active(),
+            delta_cache_size: config.delta_cache_size,
         }
     }
 }

@@ -55,11 +55,7 @@ pub enum DeltaError {
 /// returns its length; `None` when it would be longer than `out` (an
 /// overflow: send the page whole). A page that did not change gets one entry
 /// rewriting its first word, since a record is never empty.
-pub fn create_delta(
-    old: &[u8; PAGE_SIZE],
-    new: &[u8; PAGE_SIZE],
-    out: &mut [u8],
-) -> Option<usize> {
+pub fn create_delta(old: &[u8; PAGE_SIZE], new: &[u8; PAGE_SIZE], out: &mut [u8]) -> Option<usize> {
     let limit = out.len().min(MAX_DELTA_LEN);
     let mut len = 0;
     let (old_words, _) = old.as_chunks::<DELTA_WORD_LEN>();
@@ -248,7 +244,10 @@ mod tests {
             (vec![0; MAX_DELTA_LEN + 10], DeltaError::Length(4100)),
             (
                 [entry(1), entry(512)].concat(),
-                DeltaError::WordOutOfPage { entry: 1, word: 512 },
+                DeltaError::WordOutOfPage {
+                    entry: 1,
+                    word: 512,
+                },
             ),
             (
                 entry(u16::MAX),

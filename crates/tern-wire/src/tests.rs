@@ -804,7 +804,9 @@ fn duplicate_and_delta_entries_have_fixed_rules_for_their_lengths() {
         let bytes = packet(0, entries, payload as usize);
         let mut decoder = FrameDecoder::with_setup(setup.clone());
         let mut input = &bytes[..];
-        decoder.decode(&mut input).map(|_| decoder.entries().to_vec())
+        decoder
+            .decode(&mut input)
+            .map(|_| decoder.entries().to_vec())
     };
     let good = [
         entry(0, PageKind::Raw, PAGE_SIZE),

@@ -428,6 +428,19 @@ pub struct TransferArgs {
     /// candidate. QEMU: no parameter.
     #[arg(long, default_value = "auto", value_parser = qpl_path_values())]
     pub qpl_path: QplPath,
+    /// Send a page whose bytes the destination already holds in another
+    /// page as an 8-byte reference to it (off with --zero-copy). QEMU: no
+    /// parameter.
+    #[arg(long, default_value = "on", value_parser = Choices::<OnOff>::new(&[
+        ("on", "look for duplicate pages"),
+        ("off", "send every page's bytes"),
+    ]))]
+    pub dedup: OnOff,
+    /// Cache of pages as last sent, against which re-sent pages go as
+    /// deltas (DSA delta records), with multifd; 0 turns deltas off. QEMU:
+    /// xbzrle-cache-size (with the xbzrle capability, without multifd).
+    #[arg(long, default_value = "0", value_parser = parse_size)]
+    pub delta_cache_size: u64,
     /// Compare memory digests before resuming on the destination.
     #[arg(long, default_value = "full", value_parser = verify_values())]
     pub verify: Verify,
@@ -563,6 +576,8 @@ impl TransferArgs {
             compression: self.compression,
             compression_level: self.compression_level,
             qpl_path: self.qpl_path,
+            dedup: self.dedup == OnOff::On,
+            delta_cache_size: self.delta_cache_size,
             verify: self.verify,
             digest_threads: self.digest_threads,
             zero_copy: self.zero_copy,

@@ -345,13 +345,10 @@ fn rebuild_page(
     // writes exactly one page or fails.
     let result = match entry.kind {
         PageKind::Compressed => {
-            let decompressor =
-                decompressor.ok_or_else(|| unannounced_codec(channel, packet))?;
+            let decompressor = decompressor.ok_or_else(|| unannounced_codec(channel, packet))?;
             unsafe { decompressor.decompress_page(input, ptr) }.map_err(|e| e.to_string())
         }
-        PageKind::Duplicate => unsafe {
-            apply_duplicate(shared, written, at, ptr, input)
-        },
+        PageKind::Duplicate => unsafe { apply_duplicate(shared, written, at, ptr, input) },
         PageKind::Delta => unsafe { apply_delta(shared, at, ptr, input) },
         PageKind::Zero | PageKind::Raw => Ok(()),
     };

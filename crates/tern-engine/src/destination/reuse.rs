@@ -41,7 +41,11 @@ impl WrittenHere {
 
     pub(super) fn set(&mut self, region: usize, page: u64) {
         let word_index = (page / 64) as usize;
-        if let Some(word) = self.regions.get_mut(region).and_then(|r| r.get_mut(word_index)) {
+        if let Some(word) = self
+            .regions
+            .get_mut(region)
+            .and_then(|r| r.get_mut(word_index))
+        {
             if *word == 0 {
                 self.touched.push((region, word_index));
             }
@@ -102,10 +106,12 @@ pub(super) unsafe fn apply_duplicate(
         return Err(format!("a duplicate of itself ({})", described()));
     }
     if !shared.populated[source_region].get(source_page) {
-        return Err(format!("a duplicate of {}, which holds no data", described()));
+        return Err(format!(
+            "a duplicate of {}, which holds no data",
+            described()
+        ));
     }
-    if !written.get(source_region, source_page) && !shared.reference(source_region, source_page)
-    {
+    if !written.get(source_region, source_page) && !shared.reference(source_region, source_page) {
         return Err(format!(
             "a duplicate of {}, which another channel writes in this iteration",
             described()

@@ -52,11 +52,11 @@ mod worker;
 
 pub(crate) use auto_codec::CompressionSetup;
 use auto_codec::{AutoCodec, calibrate_codecs};
-use batch::{Batch, Completion, SendItem, page_ptr};
 pub(crate) use batch::ReuseCounts;
+use batch::{Batch, Completion, SendItem, page_ptr};
+use classify::classify;
 use dedup::{DedupIndex, Reference, resend_referencing_pages};
 use delta_cache::DeltaCache;
-use classify::classify;
 use encode::{Scratch, encode};
 use rate::RateLimiter;
 pub(crate) use sender::PageSender;
@@ -131,9 +131,9 @@ impl Shared {
                 origin: Instant::now(),
                 next_free_ns: AtomicU64::new(0),
             }),
-            dedup: setup.dedup.then(|| {
-                DedupIndex::new(setup.regions.iter().map(MemoryRegion::pages).sum())
-            }),
+            dedup: setup
+                .dedup
+                .then(|| DedupIndex::new(setup.regions.iter().map(MemoryRegion::pages).sum())),
             delta_cache: (setup.delta_cache_size > 0)
                 .then(|| DeltaCache::new(setup.delta_cache_size)),
             page_hashes: setup.page_hashes,

@@ -25,7 +25,9 @@ pub(super) fn copy_data_pages(shared: &Shared, batch: &mut Batch) {
         // SAFETY: `page_ptr` is a whole page inside the region's mapping,
         // which outlives the migration; a racing guest write only makes the
         // copy stale, and that write is in the next dirty bitmap.
-        unsafe { std::ptr::copy_nonoverlapping(page_ptr(region, page), into.as_mut_ptr(), PAGE_SIZE) };
+        unsafe {
+            std::ptr::copy_nonoverlapping(page_ptr(region, page), into.as_mut_ptr(), PAGE_SIZE)
+        };
     }
 }
 
@@ -85,11 +87,23 @@ fn indexed_source(
         return None;
     }
     let same_iteration = found.in_iteration(batch.iteration);
-    if same_iteration && batch.reuse.route.is_some_and(|route| route != found.channel) {
+    if same_iteration
+        && batch
+            .reuse
+            .route
+            .is_some_and(|route| route != found.channel)
+    {
         return None;
     }
-    let source = shared.regions.get(found.region)?.page_ptr(u64::from(found.page))?;
-    if !same_bytes(source.cast_const(), data_ptr(shared, batch, position), compare) {
+    let source = shared
+        .regions
+        .get(found.region)?
+        .page_ptr(u64::from(found.page))?;
+    if !same_bytes(
+        source.cast_const(),
+        data_ptr(shared, batch, position),
+        compare,
+    ) {
         return None;
     }
     if same_iteration {
@@ -105,7 +119,10 @@ fn mark_duplicate(shared: &Shared, batch: &mut Batch, position: usize, region: u
         page_index: page,
     };
     // Found in table order, so their payloads are in table order too.
-    batch.reuse.duplicates.extend_from_slice(&reference.encode());
+    batch
+        .reuse
+        .duplicates
+        .extend_from_slice(&reference.encode());
     batch.reuse.references.push(Reference {
         source_region: region,
         source_page: page,

@@ -59,11 +59,17 @@ def prepare(cfg: Config, argv: list[str]) -> tuple[Results, Artifacts]:
                             capture_output=True, text=True).stdout.strip()
     work = Path(cfg.work)
     work.mkdir(parents=True, exist_ok=True)
+    rewrite = "running-rewrite" in cfg.modes
     artifacts = Artifacts(tern=binary, image=work / f"image-{cfg.memory_mib}M.bin",
-                          guest=work / f"guest-{cfg.working_set_mib}M.mb")
+                          guest=work / f"guest-{cfg.working_set_mib}M.mb",
+                          guest_rewrite=(work / f"guest-rewrite-{cfg.working_set_mib}M.mb"
+                                         if rewrite else None))
     image.make(artifacts.image, cfg.memory)
-    subprocess.run([str(binary), "vm", "export-guest", "--working-set", str(cfg.working_set),
-                    "--multiboot", str(artifacts.guest)], check=True)
+    for workload, path in (("increment", artifacts.guest), ("rewrite", artifacts.guest_rewrite)):
+        if path is not None:
+            subprocess.run([str(binary), "vm", "export-guest", "--working-set",
+                            str(cfg.working_set), "--workload", workload,
+                            "--multiboot", str(path)], check=True)
     return Results(
         argv=argv,
         date=dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),

@@ -11,8 +11,20 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any, Union
 
-MODES = ("paused", "running")
+MODES = ("paused", "running", "running-rewrite")
 LINKS = ("loopback", "1gbit")
+
+
+def is_running(mode: str) -> bool:
+    """Whether the guest runs during the migration."""
+    return mode.startswith("running")
+
+
+def workload(mode: str) -> str:
+    """The test guest's `--workload`: `running-rewrite` rewrites whole pages
+    with new random words every pass (deltas cannot help); the others add
+    one to each page's first byte."""
+    return "rewrite" if mode == "running-rewrite" else "increment"
 
 
 @dataclass(frozen=True)
@@ -37,6 +49,9 @@ class QemuContender:
     # False: QEMU runs with PR_SET_THP_DISABLE, so its destination faults
     # 4 KiB pages as tern's VMM does.
     thp: bool = True
+    # True: the xbzrle capability with multifd off (xbzrle does not work
+    # with multifd), the cache as large as tern's delta cache.
+    xbzrle: bool = False
 
 
 @dataclass(frozen=True)
@@ -46,6 +61,8 @@ class TernContender:
     # None: the case's own.
     channels: int | None = None
     compression: str | None = None
+    # With `--delta-cache-size` (the config's delta cache).
+    delta: bool = False
 
     def channels_for(self, case: Case) -> int:
         return self.channels if self.channels is not None else case.channels
@@ -58,6 +75,7 @@ Contender = Union[QemuContender, TernContender]
 
 QEMU = QemuContender("qemu")
 QEMU_NOTHP = QemuContender("qemu-nothp", thp=False)
+QEMU_XBZRLE = QemuContender("qemu-xbzrle", xbzrle=True)
 TERN = TernContender("tern")
 
 
@@ -69,9 +87,16 @@ def tern_verify(channels: int) -> TernContender:
     return TernContender("tern-verify", verify="full", channels=channels, compression="none")
 
 
+def tern_delta(channels: int) -> TernContender:
+    return TernContender("tern-delta", verify="none", channels=channels, compression="auto",
+                         delta=True)
+
+
 # Every contender, in the order of the report's rows.
-NAMES = ("qemu", "qemu-nothp", "tern", "tern-best", "tern-verify")
-EXTRA_NAMES = ("tern-best", "tern-verify")
+NAMES = ("qemu", "qemu-nothp", "tern", "tern-best", "tern-verify", "qemu-xbzrle", "tern-delta")
+EXTRA_NAMES = ("tern-best", "tern-verify", "qemu-xbzrle", "tern-delta")
+# Contenders only running cases have: deltas need pages sent twice.
+RUNNING_ONLY = ("qemu-xbzrle", "tern-delta")
 
 
 def plan(modes: list[str], links: list[str], channels: list[int], compressions: list[str],
@@ -93,7 +118,10 @@ def plan(modes: list[str], links: list[str], channels: list[int], compressions: 
             # Extra tern rows, once per mode x link, at the largest channel
             # count; compared with QEMU's row of that count without codec.
             most = max(channels)
-            chosen = [c for c in (tern_best(most), tern_verify(most)) if c.name in wanted]
+            extra = [tern_best(most), tern_verify(most)]
+            if is_running(mode):
+                extra += [QEMU_XBZRLE, tern_delta(most)]
+            chosen = [c for c in extra if c.name in wanted]
             if chosen:
                 cases.append((Case(mode, link, most, "none", extra=True), chosen))
     return cases

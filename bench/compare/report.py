@@ -12,7 +12,8 @@ from .stats import Summaries, Summary
 
 CHARTS = ("total_time.png", "downtime.png", "cpu.png", "bytes.png")
 COLORS = {"qemu": "#d95f02", "qemu-nothp": "#e6ab02", "tern": "#1b9e77",
-          "tern-best": "#7570b3", "tern-verify": "#66a61e"}
+          "tern-best": "#7570b3", "tern-verify": "#66a61e", "qemu-xbzrle": "#a6761d",
+          "tern-delta": "#e7298a"}
 
 
 def fmt(value: float | None, unit: str = "") -> str:

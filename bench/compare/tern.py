@@ -16,7 +16,7 @@ from typing import IO, Any
 
 from . import netem, procfs
 from .config import Artifacts, Config
-from .contenders import Case, Outcome, TernContender
+from .contenders import Case, Outcome, TernContender, is_running, workload
 from .processes import kill, wait_exit_unreaped
 
 
@@ -68,6 +68,10 @@ def source_args(cfg: Config, artifacts: Artifacts, case: Case, who: TernContende
         args += ["--compression-level", "1"]  # QEMU's default level
     if case.mode == "paused":
         args.append("--paused")
+    else:
+        args += ["--workload", workload(case.mode)]
+    if who.delta:
+        args += ["--delta-cache-size", str(cfg.delta_cache)]
     return args
 
 
@@ -157,12 +161,15 @@ def outcome(case: Case, stats: dict[str, Any], rstats: dict[str, Any], src_cpu: 
     """The source's and destination's `--json` reports and the CPU samples
     as an outcome."""
     ram = stats.get("ram", {})
-    ok = rstats.get("guest-runs-on-destination") if case.mode == "running" else None
+    ok = rstats.get("guest-runs-on-destination") if is_running(case.mode) else None
     if ok is not None:
         ok = bool(ok and rstats.get("consistency-check", {}).get("passed", False))
     details = {k: stats[k] for k in ("setup-time", "ram", "compression", "digest-verified",
                                      "cpu-seconds") if k in stats}
-    details |= {"dirty-sync-count": ram.get("dirty-sync-count"), "dst-threads": dst_threads}
+    details |= {k: stats[k] for k in ("xbzrle-cache", "dedup") if k in stats}
+    details |= {"dirty-sync-count": ram.get("dirty-sync-count"), "dst-threads": dst_threads,
+                # Auto-converge only raises the throttle: the last is the peak.
+                "peak-throttle": stats.get("cpu-throttle-percentage", 0)}
     return Outcome(
         total_time_s=stats["total-time"] / 1000,
         downtime_s=stats.get("downtime", 0) / 1000,

@@ -139,17 +139,67 @@ impl Asm {
     fn jmp(&mut self, target: usize) {
         self.jump_back(0xeb, target);
     }
+
+    /// `add r32, imm32` (81 /0 id, mod=11).
+    fn add_imm32(&mut self, reg: u8, value: u32) {
+        self.emit(&[0x81, 0xc0 | reg]);
+        self.emit(&value.to_le_bytes());
+    }
+
+    /// `imul r32, r32, imm32` with the same register (69 /r id, mod=11).
+    fn imul_self_imm32(&mut self, reg: u8, value: u32) {
+        self.emit(&[0x69, 0xc0 | (reg << 3) | reg]);
+        self.emit(&value.to_le_bytes());
+    }
+
+    /// `mov [dst], src` (89 /r, mod=00; `dst` not esp or ebp).
+    fn mov_to_mem(&mut self, dst: u8, src: u8) {
+        self.emit(&[0x89, (src << 3) | dst]);
+    }
+}
+
+/// What the guest does to each working-set page on every pass.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Workload {
+    /// Adds one to the page's first byte: a one-byte change, the best case
+    /// for delta encoding.
+    #[default]
+    Increment,
+    /// Adds one to the first byte and rewrites the other 4092 bytes with
+    /// new pseudo-random words (a linear congruential generator): a whole
+    /// new page every pass, where deltas cannot help.
+    Rewrite,
+}
+
+impl std::str::FromStr for Workload {
+    type Err = String;
+
+    fn from_str(text: &str) -> Result<Self, String> {
+        match text {
+            "increment" => Ok(Self::Increment),
+            "rewrite" => Ok(Self::Rewrite),
+            other => Err(format!("'{other}' is neither increment nor rewrite")),
+        }
+    }
 }
 
 const EAX: u8 = 0;
 const ECX: u8 = 1;
 const EDX: u8 = 2;
+const EBX: u8 = 3;
+const EBP: u8 = 5;
 const ESI: u8 = 6;
+const EDI: u8 = 7;
 const PAGE: u32 = 4096;
 
 /// The guest's machine code for a working set of `pages` pages at
 /// [`WORKING_SET_BASE`]. Load it at [`CODE_ADDR`].
 pub fn code(pages: u32) -> Vec<u8> {
+    code_for(pages, Workload::Increment)
+}
+
+/// The guest's machine code running `workload` over `pages` pages.
+pub fn code_for(pages: u32, workload: Workload) -> Vec<u8> {
     let base = u32::try_from(WORKING_SET_BASE).expect("below 4 GiB");
     let counter = u32::try_from(PASS_COUNTER_ADDR).expect("below 4 GiB");
     let mut asm = Asm::default();
@@ -167,6 +217,9 @@ pub fn code(pages: u32) -> Vec<u8> {
     asm.mov_reg(EDX, ECX);
     let page = asm.label();
     asm.inc_byte_at_eax(); // byte [page] += 1
+    if workload == Workload::Rewrite {
+        rewrite_page_tail(&mut asm);
+    }
     asm.add_eax(PAGE);
     asm.dec(EDX);
     asm.jnz(page);
@@ -178,6 +231,22 @@ pub fn code(pages: u32) -> Vec<u8> {
     asm.code
 }
 
+/// Dwords 1..1024 of the page at `eax` get the next values of the
+/// generator in `ebx` (Numerical Recipes' LCG constants); `eax`, `ecx`,
+/// `edx` and `esi` are kept.
+fn rewrite_page_tail(asm: &mut Asm) {
+    asm.mov_reg(EDI, EAX);
+    asm.add_imm32(EDI, 4);
+    asm.mov_imm32(EBP, PAGE / 4 - 1);
+    let word = asm.label();
+    asm.imul_self_imm32(EBX, 1_664_525);
+    asm.add_imm32(EBX, 1_013_904_223);
+    asm.mov_to_mem(EDI, EBX);
+    asm.add_imm32(EDI, 4);
+    asm.dec(EBP);
+    asm.jnz(word);
+}
+
 /// The multiboot (version 1) header's magic number.
 pub const MULTIBOOT_MAGIC: u32 = 0x1bad_b002;
 /// Multiboot flag 16: the header carries the load addresses (the "a.out
@@ -185,7 +254,7 @@ pub const MULTIBOOT_MAGIC: u32 = 0x1bad_b002;
 pub const MULTIBOOT_AOUT_KLUDGE: u32 = 1 << 16;
 /// Where the multiboot header sits in the image (after the code, 4-byte
 /// aligned, within the first 8 KiB as the specification requires).
-const MULTIBOOT_HEADER_OFFSET: usize = 0x40;
+const MULTIBOOT_HEADER_OFFSET: usize = 0x80;
 
 /// The test guest as a flat multiboot image, for running the very same code
 /// under another VMM (QEMU's `-kernel`).
@@ -200,7 +269,12 @@ const MULTIBOOT_HEADER_OFFSET: usize = 0x40;
 /// [`GDT_ADDR`] is not part of the image: the code never reloads a segment
 /// register, so the loader's own flat descriptors serve.
 pub fn multiboot_image(pages: u32) -> Vec<u8> {
-    let code = code(pages);
+    multiboot_image_for(pages, Workload::Increment)
+}
+
+/// [`multiboot_image`] running `workload`.
+pub fn multiboot_image_for(pages: u32, workload: Workload) -> Vec<u8> {
+    let code = code_for(pages, workload);
     assert!(
         code.len() <= MULTIBOOT_HEADER_OFFSET,
         "code overlaps the header"

@@ -47,6 +47,8 @@ pub struct VmConfig {
     pub memory_bytes: u64,
     /// Pages the test guest dirties, from 1 MiB up.
     pub working_set_pages: u32,
+    /// What the test guest does to them.
+    pub workload: crate::guest_code::Workload,
     /// A file whose contents the RAM starts from (mapped privately: the
     /// guest's writes never reach it). The test guest's code, GDT and
     /// counter overwrite its first pages.
@@ -58,6 +60,7 @@ impl Default for VmConfig {
         Self {
             memory_bytes: 128 << 20,
             working_set_pages: 1024,
+            workload: crate::guest_code::Workload::Increment,
             image: None,
         }
     }
@@ -405,7 +408,7 @@ impl KvmGuest {
         load(GDT_ADDR, &gdt_bytes)?;
         load(
             CODE_ADDR,
-            &crate::guest_code::code(config.working_set_pages),
+            &crate::guest_code::code_for(config.working_set_pages, config.workload),
         )?;
         load(PASS_COUNTER_ADDR, &[0; 4])?;
         enter_protected_mode(&machine.vcpu)?;
@@ -725,6 +728,7 @@ mod tests {
         let small = VmConfig {
             memory_bytes: 2 << 20,
             working_set_pages: 1024,
+            workload: crate::guest_code::Workload::Increment,
             image: None,
         };
         assert!(matches!(small.validate(), Err(VmmError::Config(_))));

@@ -635,6 +635,14 @@ impl FromStr for OnOff {
     }
 }
 
+/// The `--workload` values of the test guest.
+pub(crate) fn workload_values() -> Choices<tern_vmm::guest_code::Workload> {
+    Choices::new(&[
+        ("increment", "add one to each page's first byte (a one-byte change)"),
+        ("rewrite", "also rewrite the rest of each page with new random words"),
+    ])
+}
+
 fn compression_values() -> Choices<CodecChoice> {
     Choices::new(&[
         ("none", "pages go as they are"),

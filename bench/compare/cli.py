@@ -12,7 +12,7 @@ from pathlib import Path
 from . import config as config_mod
 from . import image, netem, procfs, qemu, report, system, tern
 from .config import ROOT, Artifacts, Config
-from .contenders import QemuContender, Run, plan
+from .contenders import QemuContender, Run, plan, workload
 from .results import Results
 
 
@@ -62,13 +62,13 @@ def prepare(cfg: Config, argv: list[str]) -> tuple[Results, Artifacts]:
     rewrite = "running-rewrite" in cfg.modes
     artifacts = Artifacts(tern=binary, image=work / f"image-{cfg.memory_mib}M.bin",
                           guest=work / f"guest-{cfg.working_set_mib}M.mb",
-                          guest_rewrite=(work / f"guest-rewrite-{cfg.working_set_mib}M.mb"
+                          guest_rewrite=(work / f"guest-rewrite-{cfg.rewrite_working_set_mib}M.mb"
                                          if rewrite else None))
     image.make(artifacts.image, cfg.memory)
-    for workload, path in (("increment", artifacts.guest), ("rewrite", artifacts.guest_rewrite)):
+    for mode, path in (("running", artifacts.guest), ("running-rewrite", artifacts.guest_rewrite)):
         if path is not None:
             subprocess.run([str(binary), "vm", "export-guest", "--working-set",
-                            str(cfg.working_set), "--workload", workload,
+                            str(cfg.working_set_for(mode)), "--workload", workload(mode),
                             "--multiboot", str(path)], check=True)
     return Results(
         argv=argv,

@@ -84,11 +84,16 @@ impl VmConfig {
         if self.working_set_pages == 0 {
             return config("the working set needs at least one page".into());
         }
-        let end = WORKING_SET_BASE + u64::from(self.working_set_pages) * PAGE;
+        let mut end = WORKING_SET_BASE + u64::from(self.working_set_pages) * PAGE;
+        if self.workload == crate::guest_code::Workload::Rewrite {
+            // Its random buffer follows the working set.
+            end += crate::guest_code::REWRITE_BUFFER_BYTES;
+        }
         if end > self.memory_bytes {
             return config(format!(
-                "a working set of {} pages from 1 MiB ends at {end:#x}, past the {} bytes of RAM",
-                self.working_set_pages, self.memory_bytes
+                "a working set of {} pages from 1 MiB ({:?} workload) ends at {end:#x}, past the \
+                 {} bytes of RAM",
+                self.working_set_pages, self.workload, self.memory_bytes
             ));
         }
         Ok(())

@@ -23,7 +23,7 @@ class Config:
     # page with one `rep movsd`, which KVM on PVM emulates word by word (about
     # 500 pages/s here), so a pass over the usual working set would take
     # minutes.
-    rewrite_working_set_mib: int = 4
+    rewrite_working_set_mib: int = 1
     # Delta cache of tern-delta and xbzrle cache of qemu-xbzrle; 0: the
     # working set's size.
     delta_cache_mib: int = 0
@@ -117,7 +117,7 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--memory-mib", type=int, default=1024)
     ap.add_argument("--working-set-mib", type=int, default=16)
-    ap.add_argument("--rewrite-working-set-mib", type=int, default=4)
+    ap.add_argument("--rewrite-working-set-mib", type=int, default=1)
     ap.add_argument("--delta-cache-mib", type=int, default=0,
                     help="tern-delta's delta cache and qemu-xbzrle's xbzrle cache "
                          "(default: the working set's size)")

@@ -3,9 +3,11 @@ network namespace, both ends of both programs run inside it."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 
-NETNS = "ternbench"
+# Another name lets runs of several worktrees shape their own links at once.
+NETNS = os.environ.get("TERNBENCH_NETNS", "ternbench")
 SHAPED = "1gbit"
 
 

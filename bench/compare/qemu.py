@@ -227,10 +227,13 @@ def run(cfg: Config, artifacts: Artifacts, case: Case, who: QemuContender,
             deadline = time.time() + 5
             while time.time() < deadline and qd.cmd("query-status")["status"] != "running":
                 time.sleep(0.02)
-            d1 = qd.counter()
-            # The rewriting guest's passes take about half a second here.
-            time.sleep(1.5 if case.mode == "running-rewrite" else 0.3)
-            d2 = qd.counter()
+            d1 = d2 = qd.counter()
+            # A pass over a large working set, or of the rewriting guest,
+            # can take longer than a fixed wait: poll for the next one.
+            deadline = time.time() + 10
+            while d2 <= d1 and time.time() < deadline:
+                time.sleep(0.05)
+                d2 = qd.counter()
             ok = d2 > d1 >= c0
         result = outcome(info, src_cpu1 - src_cpu0, dst_cpu1 - dst_cpu0, wall, ok,
                          src_threads, dst_threads)

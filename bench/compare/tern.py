@@ -47,12 +47,14 @@ def read_event(stream: IO[str], expected: str, timeout: float) -> dict[str, Any]
     return parse_event(stream.readline(), expected)
 
 
-def receiver_args(cfg: Config, artifacts: Artifacts) -> list[str]:
+def receiver_args(cfg: Config, artifacts: Artifacts, mode: str = "paused") -> list[str]:
     # Port 0: the ready event says which port the system picked.
     # --allow-unverified: the matched rows run --verify none, as QEMU
     # verifies nothing.
     return [str(artifacts.tern), "vm", "receive", "--listen", "127.0.0.1:0", "--json",
-            "--progress", "none", "--run-after", "1000", "--allow-unverified",
+            "--progress", "none", "--allow-unverified",
+            # The rewriting guest's passes take about half a second here.
+            "--run-after", "3000" if mode == "running-rewrite" else "1000",
             "--accept-timeout", str(int(cfg.timeout))]
 
 
@@ -92,7 +94,7 @@ def run(cfg: Config, artifacts: Artifacts, case: Case, who: TernContender,
         # Unwound in reverse: the source stopped, the receiver, the files.
         recv_err = stack.enter_context(open(recv_err_path, "w"))
         mig_err = stack.enter_context(open(mig_err_path, "w"))
-        recv = subprocess.Popen(netem.wrap(receiver_args(cfg, artifacts), case.link),
+        recv = subprocess.Popen(netem.wrap(receiver_args(cfg, artifacts, case.mode), case.link),
                                 stdout=subprocess.PIPE, stderr=recv_err, text=True)
         stack.callback(kill, recv)
         try:

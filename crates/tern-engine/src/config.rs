@@ -218,6 +218,10 @@ pub struct MigrationConfig {
     /// pages go as deltas (QEMU's xbzrle-cache-size); 0 turns deltas off.
     /// Not with zero-copy.
     pub delta_cache_size: u64,
+    /// Where delta records are created: a DSA queue or the software DSA
+    /// device (create-delta-record descriptors, the CPU as fallback);
+    /// `None` is the CPU.
+    pub delta_offload: Option<Arc<tern_page::dsa::DeltaOffload>>,
     /// Memory verification at switch-over.
     pub verify: Verify,
     /// Threads hashing again, while the guest is paused, the pages whose
@@ -272,6 +276,7 @@ impl Default for MigrationConfig {
             qpl_path: QplPath::Auto,
             dedup: true,
             delta_cache_size: 0,
+            delta_offload: None,
             verify: Verify::Full,
             digest_threads: 0,
             zero_copy: false,

@@ -138,6 +138,33 @@ fn a_delta_cache_with_zero_copy_is_refused_up_front() {
         delta_cache_size: MIB,
         ..migration_config(1)
     };
-    let error = Source::new(config).err().expect("refused").to_string();
+    let Err(error) = Source::new(config) else {
+        panic!("a delta cache with zero-copy was accepted");
+    };
+    let error = error.to_string();
     assert!(error.contains("delta cache"), "{error}");
+}
+
+#[test]
+fn deltas_created_on_the_software_dsa_device_with_faults_verify() {
+    let offload = tern_page::dsa::software_delta_offload(tern_page::dsa::SoftwareDsaConfig {
+        // Every third descriptor faults part-way, every fifth fails: the
+        // CPU redoes those, with the same bytes.
+        fault_if: Some(std::sync::Arc::new(|n, _| n % 3 == 0)),
+        fault_after_bytes: 2048,
+        error_if: Some(std::sync::Arc::new(|n, _| n % 5 == 0)),
+        ..Default::default()
+    });
+    let (mut guest, _) = guest_with_duplicates(32 * MIB, 24 * MIB);
+    let stats = migrate(
+        &mut guest,
+        MigrationConfig {
+            delta_offload: Some(offload.clone()),
+            ..running_config(16 * MIB)
+        },
+    );
+    assert!(stats.xbzrle_cache.is_some_and(|cache| cache.pages > 0));
+    let device = offload.stats();
+    assert!(device.on_device > 0, "{device:?}");
+    assert!(device.fallbacks > 0, "{device:?}");
 }

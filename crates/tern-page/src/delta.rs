@@ -99,7 +99,10 @@ fn entries(record: &[u8]) -> impl Iterator<Item = (u16, &[u8; DELTA_WORD_LEN])> 
 /// [`MAX_DELTA_LEN`] bytes, word indices inside the page and strictly
 /// rising.
 pub fn validate_delta(record: &[u8]) -> Result<(), DeltaError> {
-    if record.is_empty() || record.len() > MAX_DELTA_LEN || record.len() % DELTA_ENTRY_LEN != 0 {
+    if record.is_empty()
+        || record.len() > MAX_DELTA_LEN
+        || !record.len().is_multiple_of(DELTA_ENTRY_LEN)
+    {
         return Err(DeltaError::Length(record.len()));
     }
     let mut next_allowed = 0usize;

@@ -188,7 +188,7 @@ pub enum Workload {
     Increment,
     /// Adds one to the first byte, writes a new pseudo-random word (a
     /// linear congruential generator) at bytes 4..8 and copies 4088 bytes
-    /// from a random offset of a 1 MiB buffer of pseudo-random words (filled
+    /// from a random offset of a 256 KiB buffer of pseudo-random words (filled
     /// once, after the working set) over the rest: a whole new,
     /// incompressible page every pass, unlike any other, where deltas cannot
     /// help. Needs [`REWRITE_BUFFER_BYTES`] of RAM after the working set.
@@ -209,7 +209,7 @@ impl std::str::FromStr for Workload {
 
 /// RAM the rewrite workload uses after its working set: the random buffer
 /// and the longest copy from its end.
-pub const REWRITE_BUFFER_BYTES: u64 = (1 << 20) + 4096;
+pub const REWRITE_BUFFER_BYTES: u64 = (256 << 10) + 4096;
 
 const EAX: u8 = 0;
 const ECX: u8 = 1;
@@ -293,7 +293,7 @@ fn rewrite_page_tail(asm: &mut Asm, buffer: u32) {
     asm.mov_to_mem(EDI, EBX);
     asm.add_imm32(EDI, 4);
     asm.mov_reg(ESI, EBX);
-    asm.and_imm32(ESI, 0x000f_fffc);
+    asm.and_imm32(ESI, 0x0003_fffc);
     asm.add_imm32(ESI, buffer);
     asm.mov_imm32(ECX, PAGE / 4 - 2);
     asm.rep_movsd();
@@ -364,10 +364,17 @@ mod tests {
     #[test]
     fn the_rewrite_workload_fills_its_buffer_then_copies_into_each_page() {
         let code = code_for(0x100, Workload::Rewrite);
-        assert!(code.len() <= MULTIBOOT_HEADER_OFFSET, "{} bytes", code.len());
+        assert!(
+            code.len() <= MULTIBOOT_HEADER_OFFSET,
+            "{} bytes",
+            code.len()
+        );
         // The buffer after the working set: 1 MiB + 256 pages * 4 KiB.
         let buffer = (0x10_0000u32 + 0x100 * 4096).to_le_bytes();
-        assert_eq!(&code[..5], &[0xbf, buffer[0], buffer[1], buffer[2], buffer[3]]);
+        assert_eq!(
+            &code[..5],
+            &[0xbf, buffer[0], buffer[1], buffer[2], buffer[3]]
+        );
         assert_eq!(code.windows(2).filter(|w| w == &[0xf3, 0xa5]).count(), 1);
         let image = multiboot_image_for(0x100, Workload::Rewrite);
         assert_eq!(&image[..code.len()], &code[..]);

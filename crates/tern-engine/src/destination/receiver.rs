@@ -340,15 +340,18 @@ fn rebuild_page(
 ) -> Result<(), MigrationError> {
     let page = u64::from(entry.page_index);
     let at = (packet.region_index, page);
-    // SAFETY (all three): `ptr` is a whole page inside the region (from
-    // `page_ptr`), claimed by this receiver for this iteration; each
-    // writes exactly one page or fails.
+    // In all three arms `ptr` is a whole page inside the region (from
+    // `page_ptr`), claimed by this receiver for this iteration; each writes
+    // exactly one page or fails.
     let result = match entry.kind {
         PageKind::Compressed => {
             let decompressor = decompressor.ok_or_else(|| unannounced_codec(channel, packet))?;
+            // SAFETY: as above.
             unsafe { decompressor.decompress_page(input, ptr) }.map_err(|e| e.to_string())
         }
+        // SAFETY: as above.
         PageKind::Duplicate => unsafe { apply_duplicate(shared, written, at, ptr, input) },
+        // SAFETY: as above.
         PageKind::Delta => unsafe { apply_delta(shared, at, ptr, input) },
         PageKind::Zero | PageKind::Raw => Ok(()),
     };

@@ -54,7 +54,7 @@ impl IndexedPage {
     }
 
     fn unpack(word: u64) -> Option<Self> {
-        (word & VALID != 0).then(|| Self {
+        (word & VALID != 0).then_some(Self {
             iteration: ((word >> 48) as u32) & ITERATION_MASK,
             channel: ((word >> 42) & 0x3f) as usize,
             region: ((word >> 32) & 0x3ff) as usize,

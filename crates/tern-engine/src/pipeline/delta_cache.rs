@@ -25,10 +25,12 @@
 //!   own page.
 
 use std::cell::UnsafeCell;
+use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use tern_page::PAGE_SIZE;
 use tern_page::delta::create_delta;
+use tern_page::dsa::DeltaOffload;
 
 const BUSY: u64 = 1 << 63;
 const VALID: u64 = 1 << 62;
@@ -44,15 +46,20 @@ pub(super) enum DeltaOutcome {
     Miss,
 }
 
-/// One cached page.
-struct Slot {
-    state: AtomicU64,
-    bytes: UnsafeCell<[u8; PAGE_SIZE]>,
-}
+/// One cached page's bytes.
+type SlotBytes = UnsafeCell<[u8; PAGE_SIZE]>;
 
-/// The cache: `slots` pages of memory, allocated once.
+/// The cache: `states.len()` pages of memory, allocated once.
 pub(super) struct DeltaCache {
-    slots: Box<[Slot]>,
+    /// Each slot's state word.
+    states: Box<[AtomicU64]>,
+    /// Each slot's bytes: zeroed memory from the system, so a slot costs a
+    /// page fault only when first written, and with transparent huge pages
+    /// one fault per 2 MiB.
+    bytes: Box<[SlotBytes]>,
+    /// Creates the delta records on DSA (or the software device) instead
+    /// of the CPU; the same bytes either way.
+    offload: Option<Arc<DeltaOffload>>,
 }
 
 // SAFETY: a slot's bytes are accessed only by the worker that set its busy
@@ -67,29 +74,27 @@ fn tag(region: usize, page: u32) -> u64 {
 
 impl DeltaCache {
     /// A cache of `bytes` (whole pages; at least one).
-    pub fn new(bytes: u64) -> Self {
+    pub fn new(bytes: u64, offload: Option<Arc<DeltaOffload>>) -> Self {
         let slots = usize::try_from(bytes / PAGE_SIZE as u64)
             .unwrap_or(usize::MAX)
             .max(1);
         Self {
-            slots: (0..slots)
-                .map(|_| Slot {
-                    state: AtomicU64::new(0),
-                    bytes: UnsafeCell::new([0; PAGE_SIZE]),
-                })
-                .collect(),
+            states: (0..slots).map(|_| AtomicU64::new(0)).collect(),
+            bytes: zeroed_slots(slots),
+            offload,
         }
     }
 
     /// Size in bytes.
     pub fn bytes(&self) -> u64 {
-        (self.slots.len() * PAGE_SIZE) as u64
+        (self.states.len() * PAGE_SIZE) as u64
     }
 
-    fn slot(&self, region: usize, page: u32) -> &Slot {
+    fn slot(&self, region: usize, page: u32) -> (&AtomicU64, &SlotBytes) {
         // Regions apart by a large odd stride, pages of a region adjacent.
         let key = (region as u64).wrapping_mul(0x9e37_79b9) + u64::from(page);
-        &self.slots[(key % self.slots.len() as u64) as usize]
+        let index = (key % self.states.len() as u64) as usize;
+        (&self.states[index], &self.bytes[index])
     }
 
     /// Encodes `copy`, the bytes of page `page` of `region` about to be
@@ -103,16 +108,16 @@ impl DeltaCache {
         copy: &[u8; PAGE_SIZE],
         delta: &mut [u8],
     ) -> DeltaOutcome {
-        let slot = self.slot(region, page);
+        let (slot_state, slot_bytes) = self.slot(region, page);
         let wanted = tag(region, page);
-        let mut state = slot.state.load(Ordering::Relaxed);
+        let mut state = slot_state.load(Ordering::Relaxed);
         loop {
             if state & BUSY != 0 {
                 // Held for another page, whose holder will name it: this
                 // page's old version cannot stay cached.
                 return DeltaOutcome::Miss;
             }
-            match slot.state.compare_exchange_weak(
+            match slot_state.compare_exchange_weak(
                 state,
                 state | BUSY,
                 Ordering::Acquire,
@@ -124,9 +129,13 @@ impl DeltaCache {
         }
         // SAFETY: this thread set the busy bit, so it alone accesses the
         // bytes until the Release store below.
-        let cached = unsafe { &mut *slot.bytes.get() };
+        let cached = unsafe { &mut *slot_bytes.get() };
         let outcome = if state == wanted {
-            match create_delta(cached, copy, delta) {
+            let created = match &self.offload {
+                Some(offload) => offload.create(cached, copy, delta),
+                None => create_delta(cached, copy, delta),
+            };
+            match created {
                 Some(len) => DeltaOutcome::Delta(len),
                 None => DeltaOutcome::Overflow,
             }
@@ -134,7 +143,7 @@ impl DeltaCache {
             DeltaOutcome::Miss
         };
         cached.copy_from_slice(copy);
-        slot.state.store(wanted, Ordering::Release);
+        slot_state.store(wanted, Ordering::Release);
         outcome
     }
 
@@ -142,12 +151,33 @@ impl DeltaCache {
     /// through the cache (a zero page, a duplicate): its slot must not name
     /// it any more.
     pub fn forget(&self, region: usize, page: u32) {
-        let slot = self.slot(region, page);
+        let (slot_state, _) = self.slot(region, page);
         let wanted = tag(region, page);
         // Busy means held for another page, which will be named instead.
-        let _ = slot
-            .state
-            .compare_exchange(wanted, 0, Ordering::Relaxed, Ordering::Relaxed);
+        let _ = slot_state.compare_exchange(wanted, 0, Ordering::Relaxed, Ordering::Relaxed);
+    }
+}
+
+/// `slots` zeroed pages, untouched until written, transparent huge pages
+/// asked for.
+fn zeroed_slots(slots: usize) -> Box<[SlotBytes]> {
+    let layout = std::alloc::Layout::array::<SlotBytes>(slots).expect("the cache fits memory");
+    // SAFETY: a non-zero-sized layout (at least one slot of PAGE_SIZE).
+    let memory = unsafe { std::alloc::alloc_zeroed(layout) };
+    if memory.is_null() {
+        std::alloc::handle_alloc_error(layout);
+    }
+    // SAFETY: `memory` is the start of `layout.size()` bytes we own; the
+    // advice only changes how the kernel backs them. A refusal is harmless.
+    unsafe { libc::madvise(memory.cast(), layout.size(), libc::MADV_HUGEPAGE) };
+    // SAFETY: the allocation is `slots` elements of `SlotBytes` with its
+    // layout, zeroed, and zero bytes are a valid `UnsafeCell<[u8; N]>`; the
+    // box frees it with the same layout.
+    unsafe {
+        Box::from_raw(std::ptr::slice_from_raw_parts_mut(
+            memory.cast::<SlotBytes>(),
+            slots,
+        ))
     }
 }
 
@@ -163,7 +193,7 @@ mod tests {
 
     #[test]
     fn a_page_sent_twice_goes_as_a_delta_the_second_time() {
-        let cache = DeltaCache::new(4 * PAGE_SIZE as u64);
+        let cache = DeltaCache::new(4 * PAGE_SIZE as u64, None);
         let mut delta = [0u8; MAX_DELTA_LEN];
         let first = page(1);
         assert_eq!(cache.encode(0, 2, &first, &mut delta), DeltaOutcome::Miss);
@@ -190,7 +220,7 @@ mod tests {
 
     #[test]
     fn a_forgotten_or_evicted_page_misses() {
-        let cache = DeltaCache::new(2 * PAGE_SIZE as u64);
+        let cache = DeltaCache::new(2 * PAGE_SIZE as u64, None);
         let mut delta = [0u8; MAX_DELTA_LEN];
         cache.encode(0, 0, &page(1), &mut delta);
         cache.forget(0, 0);
@@ -208,14 +238,14 @@ mod tests {
 
     #[test]
     fn a_busy_slot_is_a_miss_and_its_holder_names_its_own_page() {
-        let cache = DeltaCache::new(PAGE_SIZE as u64);
+        let cache = DeltaCache::new(PAGE_SIZE as u64, None);
         let mut delta = [0u8; MAX_DELTA_LEN];
         cache.encode(0, 0, &page(1), &mut delta);
-        let slot = cache.slot(0, 0);
-        let held = slot.state.fetch_or(BUSY, Ordering::Acquire);
+        let (state, _) = cache.slot(0, 0);
+        let held = state.fetch_or(BUSY, Ordering::Acquire);
         assert_eq!(cache.encode(0, 0, &page(2), &mut delta), DeltaOutcome::Miss);
         // The holder (page 1 here) releases naming its page.
-        slot.state.store(tag(0, 1), Ordering::Release);
+        state.store(tag(0, 1), Ordering::Release);
         assert_eq!(held, tag(0, 0));
         assert_eq!(cache.encode(0, 0, &page(2), &mut delta), DeltaOutcome::Miss);
     }

@@ -135,7 +135,7 @@ impl Shared {
                 .dedup
                 .then(|| DedupIndex::new(setup.regions.iter().map(MemoryRegion::pages).sum())),
             delta_cache: (setup.delta_cache_size > 0)
-                .then(|| DeltaCache::new(setup.delta_cache_size)),
+                .then(|| DeltaCache::new(setup.delta_cache_size, setup.delta_offload)),
             page_hashes: setup.page_hashes,
             regions: setup.regions,
         }
@@ -222,6 +222,7 @@ pub(crate) struct PipelineSetup {
     pub page_hashes: Option<Arc<PageHashes>>,
     pub dedup: bool,
     pub delta_cache_size: u64,
+    pub delta_offload: Option<Arc<tern_page::dsa::DeltaOffload>>,
 }
 
 impl<'scope> Pipeline<'scope> {

@@ -377,6 +377,7 @@ impl Source {
             page_hashes,
             dedup: config.dedup_active(),
             delta_cache_size: config.delta_cache_size,
+            delta_offload: config.delta_offload.clone(),
         }
     }
 }

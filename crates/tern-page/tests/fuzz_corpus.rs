@@ -72,7 +72,10 @@ fn apply_delta_seeds() {
         let original = [0x5au8; PAGE_SIZE];
         let mut page = original;
         let result = tern_page::delta::apply_delta(&data, &mut page);
-        let name = path.file_name().and_then(|n| n.to_str()).unwrap_or_default();
+        let name = path
+            .file_name()
+            .and_then(|n| n.to_str())
+            .unwrap_or_default();
         if name.starts_with("bad_") {
             assert!(result.is_err(), "{name} was applied");
             assert_eq!(page, original, "{name} wrote before being refused");

@@ -12,7 +12,7 @@ from pathlib import Path
 from . import config as config_mod
 from . import image, netem, pki, procfs, qemu, report, system, tern
 from .config import ROOT, Artifacts, Config
-from .contenders import QemuContender, Run, plan
+from .contenders import QemuContender, Run, plan, workload
 from .results import Results
 
 
@@ -59,12 +59,19 @@ def prepare(cfg: Config, argv: list[str]) -> tuple[Results, Artifacts]:
                             capture_output=True, text=True).stdout.strip()
     work = Path(cfg.work)
     work.mkdir(parents=True, exist_ok=True)
+    rewrite = "running-rewrite" in cfg.modes
     artifacts = Artifacts(tern=binary, image=work / f"image-{cfg.memory_mib}M.bin",
                           guest=work / f"guest-{cfg.working_set_mib}M.mb",
-                          tls=pki.make(work / "tls") if cfg.wants_tls() else None)
+                          tls=pki.make(work / "tls") if cfg.wants_tls() else None,
+
+                          guest_rewrite=(work / f"guest-rewrite-{cfg.rewrite_working_set_mib}M.mb"
+                                         if rewrite else None))
     image.make(artifacts.image, cfg.memory)
-    subprocess.run([str(binary), "vm", "export-guest", "--working-set", str(cfg.working_set),
-                    "--multiboot", str(artifacts.guest)], check=True)
+    for mode, path in (("running", artifacts.guest), ("running-rewrite", artifacts.guest_rewrite)):
+        if path is not None:
+            subprocess.run([str(binary), "vm", "export-guest", "--working-set",
+                            str(cfg.working_set_for(mode)), "--workload", workload(mode),
+                            "--multiboot", str(path)], check=True)
     return Results(
         argv=argv,
         date=dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),

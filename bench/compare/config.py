@@ -19,6 +19,14 @@ class Config:
     reps: int = 3
     memory_mib: int = 1024
     working_set_mib: int = 16
+    # The running-rewrite mode's working set: the rewriting guest copies a
+    # page with one `rep movsd`, which KVM on PVM emulates word by word (about
+    # 500 pages/s here), so a pass over the usual working set would take
+    # minutes.
+    rewrite_working_set_mib: int = 1
+    # Delta cache of tern-delta and xbzrle cache of qemu-xbzrle; 0: the
+    # working set's size.
+    delta_cache_mib: int = 0
     warmup: int = 1000  # ms
     downtime_limit: int = 300  # ms
     modes: list[str] | None = None
@@ -50,6 +58,14 @@ class Config:
     def working_set(self) -> int:
         return self.working_set_mib << 20
 
+    def working_set_for(self, mode: str) -> int:
+        mib = self.rewrite_working_set_mib if mode == "running-rewrite" else self.working_set_mib
+        return mib << 20
+
+    @property
+    def delta_cache(self) -> int:
+        return (self.delta_cache_mib or self.working_set_mib) << 20
+
     def wants_qemu(self) -> bool:
         return any(name.startswith("qemu") for name in self.contenders)
 
@@ -80,6 +96,13 @@ class Artifacts:
     guest: Path
     # Certificates for the TLS rows (pki.make), when they run.
     tls: Path | None = None
+    # The guest rewriting whole pages (mode running-rewrite), when needed.
+    guest_rewrite: Path | None = None
+
+    def guest_for(self, mode: str) -> Path:
+        if mode == "running-rewrite" and self.guest_rewrite is not None:
+            return self.guest_rewrite
+        return self.guest
 
 
 def parser() -> argparse.ArgumentParser:
@@ -99,6 +122,10 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--memory-mib", type=int, default=1024)
     ap.add_argument("--working-set-mib", type=int, default=16)
+    ap.add_argument("--rewrite-working-set-mib", type=int, default=1)
+    ap.add_argument("--delta-cache-mib", type=int, default=0,
+                    help="tern-delta's delta cache and qemu-xbzrle's xbzrle cache "
+                         "(default: the working set's size)")
     ap.add_argument("--warmup", type=int, default=1000, help="ms")
     ap.add_argument("--downtime-limit", type=int, default=300, help="ms")
     ap.add_argument("--modes", default=",".join(MODES))
@@ -139,6 +166,8 @@ def from_args(args: argparse.Namespace) -> Config:
     """The config the command line asks for (ValueError on a bad list)."""
     cfg = Config(
         reps=args.reps, memory_mib=args.memory_mib, working_set_mib=args.working_set_mib,
+        delta_cache_mib=args.delta_cache_mib,
+        rewrite_working_set_mib=args.rewrite_working_set_mib,
         warmup=args.warmup, downtime_limit=args.downtime_limit,
         modes=split(args.modes, MODES, "mode"), links=split(args.links, LINKS, "link"),
         channels=[int(c) for c in args.channels.split(",")],

@@ -11,8 +11,20 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any, Union
 
-MODES = ("paused", "running")
+MODES = ("paused", "running", "running-rewrite")
 LINKS = ("loopback", "1gbit")
+
+
+def is_running(mode: str) -> bool:
+    """Whether the guest runs during the migration."""
+    return mode.startswith("running")
+
+
+def workload(mode: str) -> str:
+    """The test guest's `--workload`: `running-rewrite` rewrites whole pages
+    with new random words every pass (deltas cannot help); the others add
+    one to each page's first byte."""
+    return "rewrite" if mode == "running-rewrite" else "increment"
 
 
 @dataclass(frozen=True)
@@ -39,6 +51,9 @@ class QemuContender:
     thp: bool = True
     # TLS on every channel (tls-creds-x509, mutual).
     tls: bool = False
+    # True: the xbzrle capability with multifd off (xbzrle does not work
+    # with multifd), the cache as large as tern's delta cache.
+    xbzrle: bool = False
 
 
 @dataclass(frozen=True)
@@ -50,6 +65,8 @@ class TernContender:
     compression: str | None = None
     # Mutual TLS on every channel (--tls-dir).
     tls: bool = False
+    # With `--delta-cache-size` (the config's delta cache).
+    delta: bool = False
 
     def channels_for(self, case: Case) -> int:
         return self.channels if self.channels is not None else case.channels
@@ -62,6 +79,7 @@ Contender = Union[QemuContender, TernContender]
 
 QEMU = QemuContender("qemu")
 QEMU_NOTHP = QemuContender("qemu-nothp", thp=False)
+QEMU_XBZRLE = QemuContender("qemu-xbzrle", xbzrle=True)
 TERN = TernContender("tern")
 # TLS rows: QEMU with tls-creds-x509 on its multifd channels, tern with
 # --tls-dir; both mutual, certificates from one CA (bench/compare/pki.py).
@@ -77,12 +95,21 @@ def tern_verify(channels: int) -> TernContender:
     return TernContender("tern-verify", verify="full", channels=channels, compression="none")
 
 
+def tern_delta(channels: int) -> TernContender:
+    return TernContender("tern-delta", verify="none", channels=channels, compression="auto",
+                         delta=True)
+
+
 # Every contender, in the order of the report's rows; the TLS pair runs
 # only when asked for (--contenders).
-NAMES = ("qemu", "qemu-nothp", "tern", "tern-best", "tern-verify", "qemu-tls", "tern-tls")
-DEFAULT_NAMES = ("qemu", "qemu-nothp", "tern", "tern-best", "tern-verify")
+NAMES = ("qemu", "qemu-nothp", "tern", "tern-best", "tern-verify", "qemu-xbzrle", "tern-delta",
+         "qemu-tls", "tern-tls")
+DEFAULT_NAMES = ("qemu", "qemu-nothp", "tern", "tern-best", "tern-verify", "qemu-xbzrle",
+                 "tern-delta")
 TLS_NAMES = ("qemu-tls", "tern-tls")
-EXTRA_NAMES = ("tern-best", "tern-verify")
+EXTRA_NAMES = ("tern-best", "tern-verify", "qemu-xbzrle", "tern-delta")
+# Contenders only running cases have: deltas need pages sent twice.
+RUNNING_ONLY = ("qemu-xbzrle", "tern-delta")
 
 
 def plan(modes: list[str], links: list[str], channels: list[int], compressions: list[str],
@@ -105,7 +132,10 @@ def plan(modes: list[str], links: list[str], channels: list[int], compressions: 
             # Extra tern rows, once per mode x link, at the largest channel
             # count; compared with QEMU's row of that count without codec.
             most = max(channels)
-            chosen = [c for c in (tern_best(most), tern_verify(most)) if c.name in wanted]
+            extra = [tern_best(most), tern_verify(most)]
+            if is_running(mode):
+                extra += [QEMU_XBZRLE, tern_delta(most)]
+            chosen = [c for c in extra if c.name in wanted]
             if chosen:
                 cases.append((Case(mode, link, most, "none", extra=True), chosen))
     return cases

@@ -13,7 +13,7 @@ from typing import Any
 
 from . import netem, procfs
 from .config import Artifacts, Config
-from .contenders import Case, Outcome, QemuContender
+from .contenders import Case, Outcome, QemuContender, is_running
 from .processes import kill, next_port
 
 # The pass counter the test guest keeps (tern-vmm's guest code).
@@ -102,7 +102,7 @@ class Qmp:
 
 
 def command(cfg: Config, artifacts: Artifacts, work: Path, name: str,
-            source: bool, tls: bool = False) -> list[str]:
+            source: bool, mode: str = "paused", tls: bool = False) -> list[str]:
     mem = cfg.memory
     if source:
         backend = f"memory-backend-file,id=ram,size={mem},mem-path={artifacts.image},share=off"
@@ -112,7 +112,7 @@ def command(cfg: Config, artifacts: Artifacts, work: Path, name: str,
         "qemu-system-x86_64", "-accel", "kvm", "-machine", "pc,memory-backend=ram",
         "-m", f"{mem >> 20}M", "-object", backend, "-smp", "1",
         "-nodefaults", "-no-user-config", "-display", "none",
-        "-kernel", str(artifacts.guest),
+        "-kernel", str(artifacts.guest_for(mode)),
         "-serial", f"file:{work / (name + '.serial')}",
         "-qmp", f"unix:{work / (name + '.qmp')},server=on,wait=off",
     ]
@@ -131,13 +131,22 @@ def command(cfg: Config, artifacts: Artifacts, work: Path, name: str,
 TLS_ID = "tls0"
 
 
-def migration_parameters(case: Case, downtime_limit: int, tls: bool = False) -> dict[str, Any]:
+def migration_parameters(case: Case, downtime_limit: int, xbzrle_cache: int | None = None,
+                         tls: bool = False) -> dict[str, Any]:
+    """`migrate-set-parameters` for a case; with `xbzrle_cache`, QEMU's
+    xbzrle without multifd (the two do not combine); with `tls`, TLS on
+    every channel."""
     params: dict[str, Any] = {
+        "downtime-limit": downtime_limit,
+        "max-bandwidth": 64 << 30,  # uncapped (QEMU's default cap is 128 MiB/s)
+    }
+    if xbzrle_cache is not None:
+        params["xbzrle-cache-size"] = xbzrle_cache
+        return params
+    params |= {
         "multifd-channels": case.channels,
         "multifd-compression": case.compression,
         "zero-page-detection": "multifd",
-        "downtime-limit": downtime_limit,
-        "max-bandwidth": 64 << 30,  # uncapped (QEMU's default cap is 128 MiB/s)
     }
     if case.compression == "zstd":
         params["multifd-zstd-level"] = 1
@@ -148,9 +157,19 @@ def migration_parameters(case: Case, downtime_limit: int, tls: bool = False) -> 
     return params
 
 
-def _configure(qmp: Qmp, case: Case, cfg: Config, tls: bool) -> None:
-    qmp.cmd("migrate-set-capabilities", capabilities=[{"capability": "multifd", "state": True}])
-    qmp.cmd("migrate-set-parameters", **migration_parameters(case, cfg.downtime_limit, tls))
+def capabilities(case: Case, xbzrle: bool) -> list[dict[str, Any]]:
+    """multifd, or xbzrle; auto-converge in running cases, as tern's default
+    (both throttle 20 % first, then 10 % more)."""
+    caps = [{"capability": "xbzrle" if xbzrle else "multifd", "state": True}]
+    if is_running(case.mode):
+        caps.append({"capability": "auto-converge", "state": True})
+    return caps
+
+
+def _configure(qmp: Qmp, case: Case, cfg: Config, who: QemuContender) -> None:
+    qmp.cmd("migrate-set-capabilities", capabilities=capabilities(case, who.xbzrle))
+    qmp.cmd("migrate-set-parameters", **migration_parameters(
+        case, cfg.downtime_limit, cfg.delta_cache if who.xbzrle else None, who.tls))
 
 
 def _no_thp() -> None:
@@ -172,17 +191,17 @@ def run(cfg: Config, artifacts: Artifacts, case: Case, who: QemuContender,
         # Unwound in reverse: QMP closed, the QEMUs stopped, the files.
         dst_err = stack.enter_context(open(work / "qdst.err", "w"))
         src_err = stack.enter_context(open(work / "qsrc.err", "w"))
-        dst = subprocess.Popen(netem.wrap(command(cfg, artifacts, work, "qdst", False, who.tls), case.link),
+        dst = subprocess.Popen(netem.wrap(command(cfg, artifacts, work, "qdst", False, case.mode, who.tls), case.link),
                                stdout=subprocess.DEVNULL, stderr=dst_err, preexec_fn=preexec)
         stack.callback(kill, dst)
-        src = subprocess.Popen(netem.wrap(command(cfg, artifacts, work, "qsrc", True, who.tls), case.link),
+        src = subprocess.Popen(netem.wrap(command(cfg, artifacts, work, "qsrc", True, case.mode, who.tls), case.link),
                                stdout=subprocess.DEVNULL, stderr=src_err, preexec_fn=preexec)
         stack.callback(kill, src)
         qd = stack.enter_context(closing(Qmp(work / "qdst.qmp")))
         qs = stack.enter_context(closing(Qmp(work / "qsrc.qmp")))
-        _configure(qd, case, cfg, who.tls)
+        _configure(qd, case, cfg, who)
         qd.cmd("migrate-incoming", uri=f"tcp:127.0.0.1:{port}")
-        _configure(qs, case, cfg, who.tls)
+        _configure(qs, case, cfg, who)
         # Warm-up: let the guest boot and run (fault in its working set).
         serial = work / "qsrc.serial"
         deadline = time.time() + 30
@@ -201,8 +220,11 @@ def run(cfg: Config, artifacts: Artifacts, case: Case, who: QemuContender,
         t0 = time.time()
         qs.cmd("migrate", uri=f"tcp:127.0.0.1:{port}")
         info: dict[str, Any] = {}
+        peak_throttle = 0
         while time.time() - t0 < cfg.timeout:
             info = qs.cmd("query-migrate")
+            # Reported only while throttling: sampled as it goes.
+            peak_throttle = max(peak_throttle, info.get("cpu-throttle-percentage", 0))
             if info.get("status") in ("completed", "failed", "cancelled"):
                 break
             time.sleep(0.01)
@@ -215,17 +237,23 @@ def run(cfg: Config, artifacts: Artifacts, case: Case, who: QemuContender,
                 qs.cmd("migrate_cancel")
             raise RuntimeError(f"QEMU migration {info.get('status')}: {info.get('error-desc')}")
         ok = None
-        if case.mode == "running":
+        if is_running(case.mode):
             # The guest runs on the destination: its counter advances.
             deadline = time.time() + 5
             while time.time() < deadline and qd.cmd("query-status")["status"] != "running":
                 time.sleep(0.02)
-            d1 = qd.counter()
-            time.sleep(0.3)
-            d2 = qd.counter()
+            d1 = d2 = qd.counter()
+            # A pass over a large working set, or of the rewriting guest,
+            # can take longer than a fixed wait: poll for the next one.
+            deadline = time.time() + 10
+            while d2 <= d1 and time.time() < deadline:
+                time.sleep(0.05)
+                d2 = qd.counter()
             ok = d2 > d1 >= c0
-        return outcome(info, src_cpu1 - src_cpu0, dst_cpu1 - dst_cpu0, wall, ok,
-                       src_threads, dst_threads)
+        result = outcome(info, src_cpu1 - src_cpu0, dst_cpu1 - dst_cpu0, wall, ok,
+                         src_threads, dst_threads)
+        result.details["peak-throttle"] = peak_throttle
+        return result
 
 
 def outcome(info: dict[str, Any], src_cpu: float, dst_cpu: float, wall: float,
@@ -242,5 +270,6 @@ def outcome(info: dict[str, Any], src_cpu: float, dst_cpu: float, wall: float,
                  "src-threads": src_threads, "dst-threads": dst_threads,
                  "expected-downtime": info.get("expected-downtime"),
                  "dirty-sync-count": ram.get("dirty-sync-count"),
-                 "normal": ram.get("normal"), "duplicate": ram.get("duplicate")},
+                 "normal": ram.get("normal"), "duplicate": ram.get("duplicate"),
+                 "xbzrle-cache": info.get("xbzrle-cache")},
     )

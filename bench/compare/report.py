@@ -12,8 +12,8 @@ from .stats import Summaries, Summary
 
 CHARTS = ("total_time.png", "downtime.png", "cpu.png", "bytes.png")
 COLORS = {"qemu": "#d95f02", "qemu-nothp": "#e6ab02", "tern": "#1b9e77",
-          "tern-best": "#7570b3", "tern-verify": "#66a61e", "qemu-tls": "#a6761d",
-          "tern-tls": "#1f78b4"}
+          "tern-best": "#7570b3", "tern-verify": "#66a61e", "qemu-xbzrle": "#a6761d",
+          "tern-delta": "#e7298a", "qemu-tls": "#666666", "tern-tls": "#1f78b4"}
 
 
 def fmt(value: float | None, unit: str = "") -> str:

@@ -16,7 +16,7 @@ from typing import IO, Any
 
 from . import netem, procfs
 from .config import Artifacts, Config
-from .contenders import Case, Outcome, TernContender
+from .contenders import Case, Outcome, TernContender, is_running, workload
 from .processes import kill, wait_exit_unreaped
 
 
@@ -55,10 +55,13 @@ def tls_args(artifacts: Artifacts, who: TernContender, role: str) -> list[str]:
     return ["--tls-dir", str(artifacts.tls / f"tern-{role}")]
 
 
-def receiver_args(cfg: Config, artifacts: Artifacts, who: TernContender) -> list[str]:
+def receiver_args(cfg: Config, artifacts: Artifacts, who: TernContender,
+                  mode: str = "paused") -> list[str]:
     # Port 0: the ready event says which port the system picked.
     args = [str(artifacts.tern), "vm", "receive", "--listen", "127.0.0.1:0", "--json",
-            "--progress", "none", "--run-after", "1000",
+            "--progress", "none",
+            # The rewriting guest's passes take about half a second here.
+            "--run-after", "3000" if mode == "running-rewrite" else "1000",
             "--accept-timeout", str(int(cfg.timeout))]
     if who.verify == "none":
         # The destination decides whether a source may skip the digest;
@@ -72,7 +75,7 @@ def source_args(cfg: Config, artifacts: Artifacts, case: Case, who: TernContende
     compression = who.compression_for(case)
     args = [str(artifacts.tern), "vm", "migrate", "--to", address, "--json", "--events",
             "--progress", "none",
-            "--memory", str(cfg.memory), "--working-set", str(cfg.working_set),
+            "--memory", str(cfg.memory), "--working-set", str(cfg.working_set_for(case.mode)),
             "--image", str(artifacts.image), "--warmup", str(cfg.warmup),
             "--downtime-limit", str(cfg.downtime_limit),
             "--channels", str(who.channels_for(case)),
@@ -81,6 +84,10 @@ def source_args(cfg: Config, artifacts: Artifacts, case: Case, who: TernContende
         args += ["--compression-level", "1"]  # QEMU's default level
     if case.mode == "paused":
         args.append("--paused")
+    else:
+        args += ["--workload", workload(case.mode)]
+    if who.delta:
+        args += ["--delta-cache-size", str(cfg.delta_cache)]
     return args + tls_args(artifacts, who, "client")
 
 
@@ -99,7 +106,7 @@ def run(cfg: Config, artifacts: Artifacts, case: Case, who: TernContender,
         # Unwound in reverse: the source stopped, the receiver, the files.
         recv_err = stack.enter_context(open(recv_err_path, "w"))
         mig_err = stack.enter_context(open(mig_err_path, "w"))
-        recv = subprocess.Popen(netem.wrap(receiver_args(cfg, artifacts, who), case.link),
+        recv = subprocess.Popen(netem.wrap(receiver_args(cfg, artifacts, who, case.mode), case.link),
                                 stdout=subprocess.PIPE, stderr=recv_err, text=True)
         stack.callback(kill, recv)
         try:
@@ -172,12 +179,15 @@ def outcome(case: Case, stats: dict[str, Any], rstats: dict[str, Any], src_cpu: 
     """The source's and destination's `--json` reports and the CPU samples
     as an outcome."""
     ram = stats.get("ram", {})
-    ok = rstats.get("guest-runs-on-destination") if case.mode == "running" else None
+    ok = rstats.get("guest-runs-on-destination") if is_running(case.mode) else None
     if ok is not None:
         ok = bool(ok and rstats.get("consistency-check", {}).get("passed", False))
     details = {k: stats[k] for k in ("setup-time", "ram", "compression", "digest-verified",
                                      "cpu-seconds") if k in stats}
-    details |= {"dirty-sync-count": ram.get("dirty-sync-count"), "dst-threads": dst_threads}
+    details |= {k: stats[k] for k in ("xbzrle-cache", "dedup") if k in stats}
+    details |= {"dirty-sync-count": ram.get("dirty-sync-count"), "dst-threads": dst_threads,
+                # Auto-converge only raises the throttle: the last is the peak.
+                "peak-throttle": stats.get("cpu-throttle-percentage", 0)}
     return Outcome(
         total_time_s=stats["total-time"] / 1000,
         downtime_s=stats.get("downtime", 0) / 1000,

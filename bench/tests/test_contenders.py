@@ -30,6 +30,14 @@ class PlanTest(unittest.TestCase):
         self.assertEqual(extras[0].compression_for(extra), "auto")
         self.assertEqual(extras[1].verify, "full")
 
+    def test_running_modes_add_xbzrle_and_tern_delta_to_their_extra_rows(self):
+        cases = dict((c.key, [w.name for w in ws]) for c, ws in plan(
+            ["paused", "running", "running-rewrite"], ["1gbit"], [4], ["zstd"], list(NAMES)))
+        self.assertEqual(cases["paused/1gbit/extra"], ["tern-best", "tern-verify"])
+        for mode in ("running", "running-rewrite"):
+            self.assertEqual(cases[f"{mode}/1gbit/extra"],
+                             ["tern-best", "tern-verify", "qemu-xbzrle", "tern-delta"])
+
     def test_chosen_contenders_only(self):
         cases = plan(["paused"], ["loopback"], [2], ["none"], ["tern"], extras=True)
         self.assertEqual([(c.key, [w.name for w in ws]) for c, ws in cases],

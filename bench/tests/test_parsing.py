@@ -11,7 +11,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from bench.compare import image, procfs, qemu, system, tern  # noqa: E402
 from bench.compare.config import Artifacts, Config  # noqa: E402
-from bench.compare.contenders import TERN, Case, tern_best, tern_verify  # noqa: E402
+from bench.compare.contenders import TERN, Case, tern_best, tern_delta, tern_verify  # noqa: E402
 
 ARTIFACTS = Artifacts(Path("/t/tern"), Path("/w/image.bin"), Path("/w/guest.mb"))
 
@@ -75,6 +75,18 @@ class TernCommandTest(unittest.TestCase):
         self.assertNotIn("--paused", args)
         self.assertNotIn("--compression-level", args)
 
+    def test_tern_delta_and_the_rewrite_workload(self):
+        cfg = Config(working_set_mib=512)
+        args = tern.source_args(cfg, ARTIFACTS, Case("running-rewrite", "1gbit", 4, "none", True),
+                                tern_delta(4), "h:1")
+        pairs = dict(zip(args, args[1:]))
+        self.assertEqual(pairs["--delta-cache-size"], str(512 << 20))
+        self.assertEqual(pairs["--workload"], "rewrite")
+        self.assertEqual(pairs["--compression"], "auto")
+        plain = dict(zip(*[tern.source_args(cfg, ARTIFACTS, Case("running", "1gbit", 4, "none"),
+                                            TERN, "h:1")] * 2))
+        self.assertNotIn("--delta-cache-size", plain)
+
     def test_receiver_listens_on_a_port_the_system_picks(self):
         args = tern.receiver_args(Config(timeout=60), ARTIFACTS, TERN)
         self.assertEqual(dict(zip(args, args[1:]))["--listen"], "127.0.0.1:0")
@@ -119,6 +131,17 @@ class QemuTest(unittest.TestCase):
         self.assertEqual(params["downtime-limit"], 300)
         self.assertNotIn("multifd-zstd-level",
                          qemu.migration_parameters(Case("paused", "loopback", 4, "none"), 300))
+
+    def test_xbzrle_runs_without_multifd_and_running_cases_auto_converge(self):
+        case = Case("running", "1gbit", 4, "none", True)
+        params = qemu.migration_parameters(case, 300, 64 << 20)
+        self.assertEqual(params["xbzrle-cache-size"], 64 << 20)
+        self.assertNotIn("multifd-channels", params)
+        self.assertEqual([c["capability"] for c in qemu.capabilities(case, True)],
+                         ["xbzrle", "auto-converge"])
+        paused = Case("paused", "1gbit", 4, "none")
+        self.assertEqual([c["capability"] for c in qemu.capabilities(paused, False)],
+                         ["multifd"])
 
     def test_outcome_of_query_migrate(self):
         info = {"status": "completed", "total-time": 2000, "downtime": 150,

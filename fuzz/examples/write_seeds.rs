@@ -47,5 +47,26 @@ fn main() -> std::io::Result<()> {
             }
         }
     }
-    Ok(())
+    write_delta_seeds(&seeds.join("apply_delta"))
+}
+
+/// Real delta records: a small change, the longest record, an unchanged
+/// page; and two the decoder must refuse.
+fn write_delta_seeds(dir: &Path) -> std::io::Result<()> {
+    use tern_page::delta::{MAX_DELTA_LEN, create_delta};
+    fs::create_dir_all(dir)?;
+    let old = corpus_page("text", 3);
+    let mut small = old;
+    small[1000..1064].fill(7);
+    let mut longest = old;
+    for word in 0..MAX_DELTA_LEN / 10 {
+        longest[word * 8] ^= 0xff;
+    }
+    for (name, new) in [("small", small), ("longest", longest), ("unchanged", old)] {
+        let mut record = [0u8; MAX_DELTA_LEN];
+        let len = create_delta(&old, &new, &mut record).expect("fits");
+        fs::write(dir.join(name), &record[..len])?;
+    }
+    fs::write(dir.join("bad_word"), [0x00, 0x02, 1, 2, 3, 4, 5, 6, 7, 8])?;
+    fs::write(dir.join("bad_order"), [[2, 0, 1, 1, 1, 1, 1, 1, 1, 1], [1, 0, 1, 1, 1, 1, 1, 1, 1, 1]].concat())
 }

@@ -16,3 +16,21 @@ pub fn decompress(codec: CodecId, data: &[u8]) {
         Err(_) => {}
     }
 }
+
+/// Applies `data` as a delta record to a page: a record is applied whole
+/// or refused whole, and then the page is untouched; whatever is refused
+/// fails validation too.
+pub fn apply_delta(data: &[u8]) {
+    let original = [0x5au8; PAGE_SIZE];
+    let mut page = original;
+    match tern_page::delta::apply_delta(data, &mut page) {
+        Ok(()) => {
+            assert!(tern_page::delta::validate_delta(data).is_ok());
+            assert!(!data.is_empty() && data.len() < PAGE_SIZE);
+        }
+        Err(_) => {
+            assert_eq!(page, original, "a refused record wrote");
+            assert!(tern_page::delta::validate_delta(data).is_err());
+        }
+    }
+}

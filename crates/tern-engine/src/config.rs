@@ -210,6 +210,18 @@ pub struct MigrationConfig {
     pub compression_level: Option<i32>,
     /// QPL path for `CodecChoice::Qpl`.
     pub qpl_path: QplPath,
+    /// Send a page whose bytes the destination already holds (in another
+    /// page) as a reference to that page (see docs/protocol.md). Not with
+    /// zero-copy, whose sends must come from guest memory.
+    pub dedup: bool,
+    /// Bytes of the cache of pages as last sent, against which re-sent
+    /// pages go as deltas (QEMU's xbzrle-cache-size); 0 turns deltas off.
+    /// Not with zero-copy.
+    pub delta_cache_size: u64,
+    /// Where delta records are created: a DSA queue or the software DSA
+    /// device (create-delta-record descriptors, the CPU as fallback);
+    /// `None` is the CPU.
+    pub delta_offload: Option<Arc<tern_page::dsa::DeltaOffload>>,
     /// Memory verification at switch-over.
     pub verify: Verify,
     /// Threads hashing again, while the guest is paused, the pages whose
@@ -262,6 +274,9 @@ impl Default for MigrationConfig {
             compression: CodecChoice::None,
             compression_level: None,
             qpl_path: QplPath::Auto,
+            dedup: true,
+            delta_cache_size: 0,
+            delta_offload: None,
             verify: Verify::Full,
             digest_threads: 0,
             zero_copy: false,
@@ -361,7 +376,21 @@ impl MigrationConfig {
                 ),
             );
         }
+        if self.zero_copy && self.delta_cache_size > 0 {
+            return bad(
+                "zero_copy",
+                "cannot be combined with a delta cache: delta pages and the pages it \
+                 caches are sent from private copies, not from guest memory"
+                    .into(),
+            );
+        }
         Ok(())
+    }
+
+    /// Whether duplicate pages are looked for: zero-copy sends only from
+    /// guest memory, and a reference lives in a private buffer.
+    pub fn dedup_active(&self) -> bool {
+        self.dedup && !self.zero_copy
     }
 
     /// Rejects settings the transport to `address` cannot carry, before

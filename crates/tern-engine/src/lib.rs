@@ -82,8 +82,8 @@ pub use guest::{
 };
 pub use source::{CancelToken, MigrationFailure, Source};
 pub use stats::{
-    DestinationStats, DowntimeCause, DowntimeParts, LiveStats, MigrationStats, MigrationStatus,
-    RamStats, SessionSecurity,
+    DedupStats, DestinationStats, DowntimeCause, DowntimeParts, LiveStats, MigrationStats,
+    MigrationStatus, RamStats, SessionSecurity, XbzrleCacheStats,
 };
 pub use transport::auth::AuthKey;
 pub use transport::security::{ChannelSecurity, Security, TlsInfo};

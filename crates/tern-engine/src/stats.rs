@@ -121,6 +121,14 @@ pub struct LiveStats {
     compression: Mutex<Option<CompressionReport>>,
     zero_detection: Mutex<Option<ZeroDetectionReport>>,
     session_security: Mutex<Option<SessionSecurity>>,
+    /// Duplicate pages sent as references (`--dedup`).
+    dedup_pages: AtomicU64,
+    /// The delta cache's size, 0 without one, and its counters.
+    xbzrle_cache_size: AtomicU64,
+    xbzrle_pages: AtomicU64,
+    xbzrle_bytes: AtomicU64,
+    xbzrle_cache_miss: AtomicU64,
+    xbzrle_overflow: AtomicU64,
 }
 
 /// How the session's channels were carried and protected, as the main
@@ -183,7 +191,69 @@ impl LiveStats {
             compression: Mutex::new(None),
             zero_detection: Mutex::new(None),
             session_security: Mutex::new(None),
+            dedup_pages: AtomicU64::new(0),
+            xbzrle_cache_size: AtomicU64::new(0),
+            xbzrle_pages: AtomicU64::new(0),
+            xbzrle_bytes: AtomicU64::new(0),
+            xbzrle_cache_miss: AtomicU64::new(0),
+            xbzrle_overflow: AtomicU64::new(0),
         }
+    }
+
+    /// Adds one batch's duplicate and delta counts.
+    pub(crate) fn add_reuse(&self, counts: &crate::pipeline::ReuseCounts) {
+        self.dedup_pages
+            .fetch_add(counts.duplicate_pages, Ordering::Relaxed);
+        self.xbzrle_pages
+            .fetch_add(counts.delta_pages, Ordering::Relaxed);
+        self.xbzrle_bytes
+            .fetch_add(counts.delta_bytes, Ordering::Relaxed);
+        self.xbzrle_cache_miss
+            .fetch_add(counts.cache_misses, Ordering::Relaxed);
+        self.xbzrle_overflow
+            .fetch_add(counts.overflows, Ordering::Relaxed);
+    }
+
+    /// The delta cache's size (it is reported only when it exists).
+    pub(crate) fn set_delta_cache_size(&self, bytes: u64) {
+        self.xbzrle_cache_size.store(bytes, Ordering::Relaxed);
+    }
+
+    fn dedup_stats(&self) -> Option<DedupStats> {
+        let pages = self.dedup_pages.load(Ordering::Relaxed);
+        (pages > 0).then(|| DedupStats {
+            pages,
+            bytes_saved: pages * (crate::guest::PAGE_SIZE - tern_wire::PageRef::ENCODED_LEN) as u64,
+        })
+    }
+
+    fn xbzrle_stats(&self) -> Option<XbzrleCacheStats> {
+        let cache_size = self.xbzrle_cache_size.load(Ordering::Relaxed);
+        if cache_size == 0 {
+            return None;
+        }
+        let pages = self.xbzrle_pages.load(Ordering::Relaxed);
+        let bytes = self.xbzrle_bytes.load(Ordering::Relaxed);
+        let cache_miss = self.xbzrle_cache_miss.load(Ordering::Relaxed);
+        let overflow = self.xbzrle_overflow.load(Ordering::Relaxed);
+        let looked_up = pages + cache_miss + overflow;
+        Some(XbzrleCacheStats {
+            cache_size,
+            bytes,
+            pages,
+            cache_miss,
+            cache_miss_rate: if looked_up == 0 {
+                0.0
+            } else {
+                cache_miss as f64 / looked_up as f64
+            },
+            encoding_rate: if bytes == 0 {
+                0.0
+            } else {
+                (pages * crate::guest::PAGE_SIZE as u64) as f64 / bytes as f64
+            },
+            overflow,
+        })
     }
 
     /// When the migration started.
@@ -459,10 +529,42 @@ impl LiveStats {
                 .lock()
                 .unwrap_or_else(|e| e.into_inner())
                 .clone(),
+            dedup: self.dedup_stats(),
+            xbzrle_cache: self.xbzrle_stats(),
             destination: None,
             error_desc: None,
         }
     }
+}
+
+/// Pages sent as references to a page with the same bytes (`--dedup`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub struct DedupStats {
+    /// Pages sent as duplicates.
+    pub pages: u64,
+    /// Guest bytes they did not send (a page less its 8-byte reference).
+    pub bytes_saved: u64,
+}
+
+/// The delta cache's counters under QEMU's `xbzrle-cache` names.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub struct XbzrleCacheStats {
+    /// Cache size in bytes (`--delta-cache-size`).
+    pub cache_size: u64,
+    /// Bytes of the delta records sent.
+    pub bytes: u64,
+    /// Pages sent as deltas.
+    pub pages: u64,
+    /// Data pages not in the cache (sent whole, then cached).
+    pub cache_miss: u64,
+    /// Share of looked-up pages that missed.
+    pub cache_miss_rate: f64,
+    /// Guest bytes per delta byte of the delta pages.
+    pub encoding_rate: f64,
+    /// Cached pages that changed too much for a delta (sent whole).
+    pub overflow: u64,
 }
 
 /// Milliseconds, saturating.
@@ -623,6 +725,12 @@ pub struct MigrationStats {
     /// Zero-copy accounting over all channels, when `--zero-copy` was on.
     #[serde(skip_serializing_if = "Option::is_none", default)]
     pub zero_copy: Option<ZeroCopyStats>,
+    /// Duplicate pages sent as references, when there were any.
+    #[serde(skip_serializing_if = "Option::is_none", default)]
+    pub dedup: Option<DedupStats>,
+    /// The delta cache, when it was on (QEMU's `xbzrle-cache`).
+    #[serde(skip_serializing_if = "Option::is_none", default)]
+    pub xbzrle_cache: Option<XbzrleCacheStats>,
     /// The destination's own statistics, when it sent them.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub destination: Option<DestinationStats>,

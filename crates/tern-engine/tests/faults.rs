@@ -68,7 +68,7 @@ fn packet_with_codec(
     let encoded_len = match kind {
         PageKind::Zero => 0,
         PageKind::Raw => 4096,
-        PageKind::Compressed => payload.len() as u32,
+        PageKind::Compressed | PageKind::Duplicate | PageKind::Delta => payload.len() as u32,
     };
     let mut bytes = Vec::new();
     encode_pages_prefix(
@@ -597,5 +597,101 @@ fn a_source_failing_after_connecting_tells_the_destination_why() {
             abort.message
         ),
         other => panic!("the source closed without saying why: {other:?}"),
+    }
+}
+
+/// A duplicate naming `source` of region `region_id` for page 1.
+fn duplicate_of(region_id: u32, source: u32) -> Vec<u8> {
+    let reference = tern_wire::PageRef {
+        region_id,
+        page_index: source,
+    };
+    packet(0, 1, PageKind::Duplicate, &reference.encode())
+}
+
+#[test]
+fn duplicates_of_pages_the_destination_does_not_hold_are_refused() {
+    let outside = (REGION_BYTES / 4096) as u32;
+    for (reference, needle) in [
+        (duplicate_of(0, 5), "holds no data"),
+        (duplicate_of(0, outside), "outside region"),
+        (duplicate_of(9, 0), "unknown region 9"),
+        (duplicate_of(0, 1), "a duplicate of itself"),
+    ] {
+        let (listener, address) = tcp_listener();
+        let destination = spawn_destination(listener);
+        let mut fake = handshake(&address, 1);
+        fake.pages[0].write_all(&reference).unwrap();
+        expect_destination_error(destination, needle);
+        expect_abort(&mut fake.main, needle);
+    }
+}
+
+/// One page packet of `iteration`.
+fn page_packet(iteration: u32, page_index: u32, kind: PageKind, payload: &[u8]) -> Vec<u8> {
+    let mut bytes = Vec::new();
+    let entry = PageEntry {
+        page_index,
+        kind,
+        encoded_len: payload.len() as u32,
+    };
+    encode_pages_prefix(&mut bytes, 0, iteration, 0, &[entry]);
+    bytes.extend_from_slice(payload);
+    bytes
+}
+
+fn sync(iteration: u32) -> Vec<u8> {
+    Message::Sync(Sync {
+        iteration,
+        last: false,
+    })
+    .to_bytes()
+}
+
+#[test]
+fn a_duplicate_of_a_page_another_channel_writes_in_the_iteration_is_refused() {
+    let (listener, address) = tcp_listener();
+    let destination = spawn_destination(listener);
+    let mut fake = handshake(&address, 2);
+    // Iteration 0 gives page 5 data on channel 1. In iteration 1 channel 2
+    // writes page 5 again while channel 1 copies it into page 1: whichever
+    // arrives second is refused, both naming the duplicate.
+    let reference = tern_wire::PageRef {
+        region_id: 0,
+        page_index: 5,
+    };
+    let mut first = page_packet(0, 5, PageKind::Raw, &[3; 4096]);
+    first.extend(sync(0));
+    first.extend(page_packet(1, 1, PageKind::Duplicate, &reference.encode()));
+    let mut second = sync(0);
+    second.extend(page_packet(1, 5, PageKind::Raw, &[4; 4096]));
+    fake.pages[0].write_all(&first).unwrap();
+    fake.pages[1].write_all(&second).unwrap();
+    expect_destination_error(destination, "duplicate");
+}
+
+#[test]
+fn bad_deltas_are_refused() {
+    let mut out_of_page = 512u16.to_le_bytes().to_vec();
+    out_of_page.extend_from_slice(&[1; 8]);
+    for (record, needle) in [
+        // No page data yet: nothing to apply a delta to.
+        (vec![0u8; 10], "holds no data"),
+        (out_of_page, "outside the page"),
+    ] {
+        let (listener, address) = tcp_listener();
+        let destination = spawn_destination(listener);
+        let mut fake = handshake(&address, 1);
+        let mut bytes = Vec::new();
+        if needle != "holds no data" {
+            bytes.extend(page_packet(0, 1, PageKind::Raw, &[9; 4096]));
+            bytes.extend(sync(0));
+            bytes.extend(page_packet(1, 1, PageKind::Delta, &record));
+        } else {
+            bytes.extend(page_packet(0, 1, PageKind::Delta, &record));
+        }
+        fake.pages[0].write_all(&bytes).unwrap();
+        expect_destination_error(destination, needle);
+        expect_abort(&mut fake.main, needle);
     }
 }

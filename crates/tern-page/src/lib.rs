@@ -7,7 +7,8 @@
 //! DSA accelerator (or its software stand-in) in batches, asynchronously.
 //! Non-zero pages then go through [`codec`]: each page compressed on its own
 //! (zstd, IAA-compatible deflate, lz4, or Intel QPL), or sent raw when it
-//! would not shrink.
+//! would not shrink. A page sent before may go as a [`delta`] against its
+//! previous version instead.
 //!
 //! # Example
 //!
@@ -49,6 +50,7 @@
 
 pub mod codec;
 pub mod cpu_time;
+pub mod delta;
 pub mod dsa;
 pub mod zero;
 

@@ -59,3 +59,30 @@ fn deflate_seeds() {
 fn lz4_seeds() {
     replay(CodecId::Lz4);
 }
+
+/// The `apply_delta` target's kept inputs: real records apply, the named
+/// bad ones are refused without touching the page.
+#[test]
+fn apply_delta_seeds() {
+    let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../fuzz/seeds/apply_delta");
+    let mut count = 0;
+    for entry in std::fs::read_dir(&dir).unwrap_or_else(|e| panic!("{}: {e}", dir.display())) {
+        let path = entry.expect("a directory entry").path();
+        let data = std::fs::read(&path).expect("a seed");
+        let original = [0x5au8; PAGE_SIZE];
+        let mut page = original;
+        let result = tern_page::delta::apply_delta(&data, &mut page);
+        let name = path
+            .file_name()
+            .and_then(|n| n.to_str())
+            .unwrap_or_default();
+        if name.starts_with("bad_") {
+            assert!(result.is_err(), "{name} was applied");
+            assert_eq!(page, original, "{name} wrote before being refused");
+        } else {
+            result.unwrap_or_else(|error| panic!("{}: {error}", path.display()));
+        }
+        count += 1;
+    }
+    assert!(count >= 5, "seeds missing in {}", dir.display());
+}

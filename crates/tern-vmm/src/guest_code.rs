@@ -139,20 +139,102 @@ impl Asm {
     fn jmp(&mut self, target: usize) {
         self.jump_back(0xeb, target);
     }
+
+    /// `add r32, imm32` (81 /0 id, mod=11).
+    fn add_imm32(&mut self, reg: u8, value: u32) {
+        self.emit(&[0x81, 0xc0 | reg]);
+        self.emit(&value.to_le_bytes());
+    }
+
+    /// `imul r32, r32, imm32` with the same register (69 /r id, mod=11).
+    fn imul_self_imm32(&mut self, reg: u8, value: u32) {
+        self.emit(&[0x69, 0xc0 | (reg << 3) | reg]);
+        self.emit(&value.to_le_bytes());
+    }
+
+    /// `mov [dst], src` (89 /r, mod=00; `dst` not esp or ebp).
+    fn mov_to_mem(&mut self, dst: u8, src: u8) {
+        self.emit(&[0x89, (src << 3) | dst]);
+    }
+
+    /// `and r32, imm32` (81 /4 id, mod=11).
+    fn and_imm32(&mut self, reg: u8, value: u32) {
+        self.emit(&[0x81, 0xe0 | reg]);
+        self.emit(&value.to_le_bytes());
+    }
+
+    /// `push r32` (50+r).
+    fn push(&mut self, reg: u8) {
+        self.emit(&[0x50 + reg]);
+    }
+
+    /// `pop r32` (58+r).
+    fn pop(&mut self, reg: u8) {
+        self.emit(&[0x58 + reg]);
+    }
+
+    /// `rep movsd` (F3 A5): ecx dwords from [esi] to [edi].
+    fn rep_movsd(&mut self) {
+        self.emit(&[0xf3, 0xa5]);
+    }
 }
+
+/// What the guest does to each working-set page on every pass.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Workload {
+    /// Adds one to the page's first byte: a one-byte change, the best case
+    /// for delta encoding.
+    #[default]
+    Increment,
+    /// Adds one to the first byte, writes a new pseudo-random word (a
+    /// linear congruential generator) at bytes 4..8 and copies 4088 bytes
+    /// from a random offset of a 256 KiB buffer of pseudo-random words (filled
+    /// once, after the working set) over the rest: a whole new,
+    /// incompressible page every pass, unlike any other, where deltas cannot
+    /// help. Needs [`REWRITE_BUFFER_BYTES`] of RAM after the working set.
+    Rewrite,
+}
+
+impl std::str::FromStr for Workload {
+    type Err = String;
+
+    fn from_str(text: &str) -> Result<Self, String> {
+        match text {
+            "increment" => Ok(Self::Increment),
+            "rewrite" => Ok(Self::Rewrite),
+            other => Err(format!("'{other}' is neither increment nor rewrite")),
+        }
+    }
+}
+
+/// RAM the rewrite workload uses after its working set: the random buffer
+/// and the longest copy from its end.
+pub const REWRITE_BUFFER_BYTES: u64 = (256 << 10) + 4096;
 
 const EAX: u8 = 0;
 const ECX: u8 = 1;
 const EDX: u8 = 2;
+const EBX: u8 = 3;
+const EBP: u8 = 5;
 const ESI: u8 = 6;
+const EDI: u8 = 7;
 const PAGE: u32 = 4096;
 
 /// The guest's machine code for a working set of `pages` pages at
 /// [`WORKING_SET_BASE`]. Load it at [`CODE_ADDR`].
 pub fn code(pages: u32) -> Vec<u8> {
+    code_for(pages, Workload::Increment)
+}
+
+/// The guest's machine code running `workload` over `pages` pages.
+pub fn code_for(pages: u32, workload: Workload) -> Vec<u8> {
     let base = u32::try_from(WORKING_SET_BASE).expect("below 4 GiB");
     let counter = u32::try_from(PASS_COUNTER_ADDR).expect("below 4 GiB");
+    let buffer = base + pages * PAGE;
     let mut asm = Asm::default();
+    if workload == Workload::Rewrite {
+        fill_random_buffer(&mut asm, buffer);
+    }
     asm.mov_imm32(ESI, base); // esi = first page
     asm.mov_imm32(ECX, pages); // ecx = pages
     asm.mov_reg(EAX, ESI); // eax = page pointer
@@ -167,6 +249,9 @@ pub fn code(pages: u32) -> Vec<u8> {
     asm.mov_reg(EDX, ECX);
     let page = asm.label();
     asm.inc_byte_at_eax(); // byte [page] += 1
+    if workload == Workload::Rewrite {
+        rewrite_page_tail(&mut asm, buffer);
+    }
     asm.add_eax(PAGE);
     asm.dec(EDX);
     asm.jnz(page);
@@ -178,6 +263,44 @@ pub fn code(pages: u32) -> Vec<u8> {
     asm.code
 }
 
+/// Fills [`REWRITE_BUFFER_BYTES`] at `buffer` with the generator in `ebx`
+/// (Numerical Recipes' LCG constants).
+fn fill_random_buffer(asm: &mut Asm, buffer: u32) {
+    asm.mov_imm32(EDI, buffer);
+    asm.mov_imm32(EBP, (REWRITE_BUFFER_BYTES / 4) as u32);
+    let word = asm.label();
+    next_random(asm);
+    asm.mov_to_mem(EDI, EBX);
+    asm.add_imm32(EDI, 4);
+    asm.dec(EBP);
+    asm.jnz(word);
+}
+
+fn next_random(asm: &mut Asm) {
+    asm.imul_self_imm32(EBX, 1_664_525);
+    asm.add_imm32(EBX, 1_013_904_223);
+}
+
+/// Bytes 4.. of the page at `eax`: a new random word, then 1022 words from
+/// a random offset of the buffer (one `rep movsd`); `eax`, `ecx`, `edx` and
+/// `esi` are kept.
+fn rewrite_page_tail(asm: &mut Asm, buffer: u32) {
+    asm.push(ESI);
+    asm.push(ECX);
+    next_random(asm);
+    asm.mov_reg(EDI, EAX);
+    asm.add_imm32(EDI, 4);
+    asm.mov_to_mem(EDI, EBX);
+    asm.add_imm32(EDI, 4);
+    asm.mov_reg(ESI, EBX);
+    asm.and_imm32(ESI, 0x0003_fffc);
+    asm.add_imm32(ESI, buffer);
+    asm.mov_imm32(ECX, PAGE / 4 - 2);
+    asm.rep_movsd();
+    asm.pop(ECX);
+    asm.pop(ESI);
+}
+
 /// The multiboot (version 1) header's magic number.
 pub const MULTIBOOT_MAGIC: u32 = 0x1bad_b002;
 /// Multiboot flag 16: the header carries the load addresses (the "a.out
@@ -185,7 +308,7 @@ pub const MULTIBOOT_MAGIC: u32 = 0x1bad_b002;
 pub const MULTIBOOT_AOUT_KLUDGE: u32 = 1 << 16;
 /// Where the multiboot header sits in the image (after the code, 4-byte
 /// aligned, within the first 8 KiB as the specification requires).
-const MULTIBOOT_HEADER_OFFSET: usize = 0x40;
+const MULTIBOOT_HEADER_OFFSET: usize = 0x100;
 
 /// The test guest as a flat multiboot image, for running the very same code
 /// under another VMM (QEMU's `-kernel`).
@@ -200,7 +323,12 @@ const MULTIBOOT_HEADER_OFFSET: usize = 0x40;
 /// [`GDT_ADDR`] is not part of the image: the code never reloads a segment
 /// register, so the loader's own flat descriptors serve.
 pub fn multiboot_image(pages: u32) -> Vec<u8> {
-    let code = code(pages);
+    multiboot_image_for(pages, Workload::Increment)
+}
+
+/// [`multiboot_image`] running `workload`.
+pub fn multiboot_image_for(pages: u32, workload: Workload) -> Vec<u8> {
+    let code = code_for(pages, workload);
     assert!(
         code.len() <= MULTIBOOT_HEADER_OFFSET,
         "code overlaps the header"
@@ -232,6 +360,25 @@ pub fn multiboot_image(pages: u32) -> Vec<u8> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_rewrite_workload_fills_its_buffer_then_copies_into_each_page() {
+        let code = code_for(0x100, Workload::Rewrite);
+        assert!(
+            code.len() <= MULTIBOOT_HEADER_OFFSET,
+            "{} bytes",
+            code.len()
+        );
+        // The buffer after the working set: 1 MiB + 256 pages * 4 KiB.
+        let buffer = (0x10_0000u32 + 0x100 * 4096).to_le_bytes();
+        assert_eq!(
+            &code[..5],
+            &[0xbf, buffer[0], buffer[1], buffer[2], buffer[3]]
+        );
+        assert_eq!(code.windows(2).filter(|w| w == &[0xf3, 0xa5]).count(), 1);
+        let image = multiboot_image_for(0x100, Workload::Rewrite);
+        assert_eq!(&image[..code.len()], &code[..]);
+    }
 
     #[test]
     fn code_matches_hand_assembly() {

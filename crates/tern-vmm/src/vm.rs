@@ -47,6 +47,8 @@ pub struct VmConfig {
     pub memory_bytes: u64,
     /// Pages the test guest dirties, from 1 MiB up.
     pub working_set_pages: u32,
+    /// What the test guest does to them.
+    pub workload: crate::guest_code::Workload,
     /// A file whose contents the RAM starts from (mapped privately: the
     /// guest's writes never reach it). The test guest's code, GDT and
     /// counter overwrite its first pages.
@@ -58,6 +60,7 @@ impl Default for VmConfig {
         Self {
             memory_bytes: 128 << 20,
             working_set_pages: 1024,
+            workload: crate::guest_code::Workload::Increment,
             image: None,
         }
     }
@@ -81,11 +84,16 @@ impl VmConfig {
         if self.working_set_pages == 0 {
             return config("the working set needs at least one page".into());
         }
-        let end = WORKING_SET_BASE + u64::from(self.working_set_pages) * PAGE;
+        let mut end = WORKING_SET_BASE + u64::from(self.working_set_pages) * PAGE;
+        if self.workload == crate::guest_code::Workload::Rewrite {
+            // Its random buffer follows the working set.
+            end += crate::guest_code::REWRITE_BUFFER_BYTES;
+        }
         if end > self.memory_bytes {
             return config(format!(
-                "a working set of {} pages from 1 MiB ends at {end:#x}, past the {} bytes of RAM",
-                self.working_set_pages, self.memory_bytes
+                "a working set of {} pages from 1 MiB ({:?} workload) ends at {end:#x}, past the \
+                 {} bytes of RAM",
+                self.working_set_pages, self.workload, self.memory_bytes
             ));
         }
         Ok(())
@@ -405,7 +413,7 @@ impl KvmGuest {
         load(GDT_ADDR, &gdt_bytes)?;
         load(
             CODE_ADDR,
-            &crate::guest_code::code(config.working_set_pages),
+            &crate::guest_code::code_for(config.working_set_pages, config.workload),
         )?;
         load(PASS_COUNTER_ADDR, &[0; 4])?;
         enter_protected_mode(&machine.vcpu)?;
@@ -748,6 +756,7 @@ mod tests {
         let small = VmConfig {
             memory_bytes: 2 << 20,
             working_set_pages: 1024,
+            workload: crate::guest_code::Workload::Increment,
             image: None,
         };
         assert!(matches!(small.validate(), Err(VmmError::Config(_))));

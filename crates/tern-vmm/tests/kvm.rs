@@ -25,6 +25,7 @@ fn config(pages: u32) -> VmConfig {
     VmConfig {
         memory_bytes: 64 * MIB,
         working_set_pages: pages,
+        workload: Default::default(),
         image: None,
     }
 }
@@ -332,6 +333,7 @@ fn memory_image_is_the_starting_content_and_stays_untouched() {
     let mut guest = KvmGuest::new(&VmConfig {
         memory_bytes: 32 * MIB,
         working_set_pages: 128,
+        workload: Default::default(),
         image: Some(image.path().to_owned()),
     })
     .unwrap();

@@ -64,12 +64,15 @@ pub use message::{
     Hello, Message, Outcome, OutcomeStats, Ready, RegionInfo, SessionSetup, StateSectionMsg, Sync,
     Welcome,
 };
-pub use pages::{PageEntry, PageKind, PagesHeader, decode_page_table, encode_pages_prefix};
+pub use pages::{
+    DELTA_ENTRY_LEN, PageEntry, PageKind, PageRef, PagesHeader, decode_page_table,
+    encode_pages_prefix,
+};
 
 /// First bytes of every handshake.
 pub const MAGIC: [u8; 8] = *b"TERNMIG\0";
 /// Protocol version spoken by this build.
-pub const PROTOCOL_VERSION: u16 = 4;
+pub const PROTOCOL_VERSION: u16 = 5;
 /// The only page size this version supports: the one definition of tern's
 /// page size (`tern_page::PAGE_SIZE` and `tern_engine::PAGE_SIZE` are this
 /// value as a `usize`).

@@ -1,8 +1,9 @@
 //! Page packets: a fixed header, a page table, then the payload.
 //!
 //! The payload is the concatenation of each page's encoded bytes in table
-//! order: nothing for a zero page, `PAGE_SIZE` bytes for a raw page, and
-//! `encoded_len` bytes for a compressed one.
+//! order: nothing for a zero page, `PAGE_SIZE` bytes for a raw page,
+//! `encoded_len` bytes for a compressed one, a [`PageRef`] for a duplicate
+//! and a DSA delta record for a delta page.
 
 use crate::codec::{Reader, Writer};
 use crate::error::WireError;
@@ -19,6 +20,52 @@ pub enum PageKind {
     Raw = 1,
     /// Compressed with the packet's codec; fewer than `PAGE_SIZE` bytes.
     Compressed = 2,
+    /// The same bytes as another page the destination holds; the payload is
+    /// a [`PageRef`] naming it.
+    Duplicate = 3,
+    /// A delta against the page's previous version, which the destination
+    /// holds: a DSA delta record ([`DELTA_ENTRY_LEN`]-byte entries), shorter
+    /// than a page.
+    Delta = 4,
+}
+
+/// Bytes of one delta record entry: the 8-byte word's index in the page
+/// (`u16`) and its new value (8 bytes), as Intel DSA's create-delta-record
+/// operation writes them.
+pub const DELTA_ENTRY_LEN: u32 = 10;
+
+/// The page a duplicate entry copies: its region and page index. The
+/// destination checks both before reading a byte of it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct PageRef {
+    /// Region id, as in the session setup.
+    pub region_id: u32,
+    /// Page index within that region.
+    pub page_index: u32,
+}
+
+impl PageRef {
+    /// Encoded size: region id, page index.
+    pub const ENCODED_LEN: usize = 8;
+
+    /// The payload bytes of a duplicate entry.
+    pub fn encode(&self) -> [u8; Self::ENCODED_LEN] {
+        let mut out = [0u8; Self::ENCODED_LEN];
+        out[..4].copy_from_slice(&self.region_id.to_le_bytes());
+        out[4..].copy_from_slice(&self.page_index.to_le_bytes());
+        out
+    }
+
+    /// Reads a duplicate entry's payload; the region and page still need to
+    /// be checked against the session (the receiver does, with what it
+    /// holds).
+    pub fn decode(bytes: &[u8; Self::ENCODED_LEN]) -> Self {
+        let [a, b, c, d, e, f, g, h] = *bytes;
+        Self {
+            region_id: u32::from_le_bytes([a, b, c, d]),
+            page_index: u32::from_le_bytes([e, f, g, h]),
+        }
+    }
 }
 
 /// One page-table entry.
@@ -146,6 +193,13 @@ pub fn decode_page_table(
             1 if encoded_len == page_size => PageKind::Raw,
             2 if header.codec != 0 && encoded_len > 0 && encoded_len < page_size => {
                 PageKind::Compressed
+            }
+            3 if encoded_len as usize == PageRef::ENCODED_LEN => PageKind::Duplicate,
+            4 if encoded_len > 0
+                && encoded_len < page_size
+                && encoded_len % DELTA_ENTRY_LEN == 0 =>
+            {
+                PageKind::Delta
             }
             _ => {
                 return Err(WireError::InvalidField {

@@ -795,3 +795,46 @@ fn peer_text_is_sanitised_when_decoded() {
     );
     assert!(decoded.message.ends_with('…'));
 }
+
+#[test]
+fn duplicate_and_delta_entries_have_fixed_rules_for_their_lengths() {
+    let setup = setup();
+    let decode = |entries: &[PageEntry]| {
+        let payload: u32 = entries.iter().map(|e| e.encoded_len).sum();
+        let bytes = packet(0, entries, payload as usize);
+        let mut decoder = FrameDecoder::with_setup(setup.clone());
+        let mut input = &bytes[..];
+        decoder
+            .decode(&mut input)
+            .map(|_| decoder.entries().to_vec())
+    };
+    let good = [
+        entry(0, PageKind::Raw, PAGE_SIZE),
+        entry(1, PageKind::Duplicate, PageRef::ENCODED_LEN as u32),
+        entry(2, PageKind::Delta, DELTA_ENTRY_LEN * 3),
+        entry(3, PageKind::Delta, PAGE_SIZE - PAGE_SIZE % DELTA_ENTRY_LEN),
+    ];
+    assert_eq!(decode(&good).unwrap(), good);
+    for bad in [
+        entry(1, PageKind::Duplicate, 4),
+        entry(1, PageKind::Duplicate, 0),
+        entry(2, PageKind::Delta, 0),
+        entry(2, PageKind::Delta, 11),
+        entry(2, PageKind::Delta, PAGE_SIZE),
+        entry(2, PageKind::Delta, PAGE_SIZE + 4),
+    ] {
+        assert!(
+            matches!(decode(&[bad]), Err(WireError::InvalidField { .. })),
+            "{bad:?} was accepted"
+        );
+    }
+}
+
+#[test]
+fn page_ref_round_trips() {
+    let reference = PageRef {
+        region_id: 0x0102_0304,
+        page_index: u32::MAX,
+    };
+    assert_eq!(PageRef::decode(&reference.encode()), reference);
+}

@@ -433,6 +433,28 @@ pub struct TransferArgs {
     /// candidate. QEMU: no parameter.
     #[arg(long, default_value = "auto", value_parser = qpl_path_values())]
     pub qpl_path: QplPath,
+    /// Send a page whose bytes the destination already holds in another
+    /// page as an 8-byte reference to it (off with --zero-copy). QEMU: no
+    /// parameter.
+    #[arg(long, default_value = "on", value_parser = Choices::<OnOff>::new(&[
+        ("on", "look for duplicate pages"),
+        ("off", "send every page's bytes"),
+    ]))]
+    pub dedup: OnOff,
+    /// Cache of pages as last sent, against which re-sent pages go as
+    /// deltas (DSA delta records), with multifd; 0 turns deltas off. QEMU:
+    /// xbzrle-cache-size (with the xbzrle capability, without multifd).
+    #[arg(long, default_value = "0", value_parser = parse_size)]
+    pub delta_cache_size: u64,
+    /// Where delta records are created: the CPU, tern's software DSA
+    /// device, or the first DSA work queue (create-delta-record
+    /// descriptors; the CPU redoes any that fail). QEMU: no parameter.
+    #[arg(long, default_value = "cpu", value_parser = Choices::<DeltaOffloadChoice>::new(&[
+        ("cpu", "the CPU"),
+        ("software", "tern's software DSA device"),
+        ("hw", "the first usable DSA work queue"),
+    ]))]
+    pub delta_offload: DeltaOffloadChoice,
     /// Compare memory digests before resuming on the destination.
     #[arg(long, default_value = "full", value_parser = verify_values())]
     pub verify: Verify,
@@ -568,6 +590,18 @@ impl TransferArgs {
             compression: self.compression,
             compression_level: self.compression_level,
             qpl_path: self.qpl_path,
+            dedup: self.dedup == OnOff::On,
+            delta_cache_size: self.delta_cache_size,
+            delta_offload: match self.delta_offload {
+                DeltaOffloadChoice::Cpu => None,
+                DeltaOffloadChoice::Software => Some(tern_page::dsa::software_delta_offload(
+                    tern_page::dsa::SoftwareDsaConfig::default(),
+                )),
+                DeltaOffloadChoice::Hardware => Some(
+                    tern_page::dsa::open_delta_offload(&tern_page::dsa::DsaConfig::default())
+                        .context("--delta-offload hw")?,
+                ),
+            },
             verify: self.verify,
             digest_threads: self.digest_threads,
             zero_copy: self.zero_copy,
@@ -606,6 +640,27 @@ fn parse_channels(text: &str) -> Result<u16, String> {
     }
 }
 
+/// Where `--delta-offload` creates delta records.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum DeltaOffloadChoice {
+    Cpu,
+    Software,
+    Hardware,
+}
+
+impl FromStr for DeltaOffloadChoice {
+    type Err = String;
+
+    fn from_str(text: &str) -> Result<Self, String> {
+        match text {
+            "cpu" => Ok(Self::Cpu),
+            "software" => Ok(Self::Software),
+            "hw" => Ok(Self::Hardware),
+            other => Err(format!("'{other}' is none of cpu, software, hw")),
+        }
+    }
+}
+
 /// `on` or `off`, as QEMU writes capabilities.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum OnOff {
@@ -623,6 +678,20 @@ impl FromStr for OnOff {
             other => Err(format!("'{other}' is neither on nor off")),
         }
     }
+}
+
+/// The `--workload` values of the test guest.
+pub(crate) fn workload_values() -> Choices<tern_vmm::guest_code::Workload> {
+    Choices::new(&[
+        (
+            "increment",
+            "add one to each page's first byte (a one-byte change)",
+        ),
+        (
+            "rewrite",
+            "also rewrite the rest of each page with new random words",
+        ),
+    ])
 }
 
 fn compression_values() -> Choices<CodecChoice> {

@@ -15,7 +15,9 @@ use tern_engine::{
 };
 use tern_vmm::{ConsistencyReport, DestinationVm, KvmGuest, VmConfig};
 
-use crate::cli::TransferArgs;
+use tern_vmm::guest_code::Workload;
+
+use crate::cli::{TransferArgs, workload_values};
 use crate::report::{Progress, print_json, print_summary};
 use crate::units::{human_bytes, parse_size};
 
@@ -41,6 +43,9 @@ pub struct ExportGuestArgs {
     /// code).
     #[arg(long, default_value = "4MiB", value_parser = parse_size)]
     pub working_set: u64,
+    /// What the guest does to each working-set page every pass.
+    #[arg(long, default_value = "increment", value_parser = workload_values())]
+    pub workload: Workload,
     /// Where to write the flat multiboot image.
     #[arg(long)]
     pub multiboot: PathBuf,
@@ -55,6 +60,9 @@ pub struct VmArgs {
     /// Memory the guest dirties each pass, from 1 MiB up.
     #[arg(long, default_value = "4MiB", value_parser = parse_size)]
     pub working_set: u64,
+    /// What the guest does to each working-set page every pass.
+    #[arg(long, default_value = "increment", value_parser = workload_values())]
+    pub workload: Workload,
     /// Start RAM from this file's contents (mapped privately, never
     /// written).
     #[arg(long)]
@@ -75,6 +83,7 @@ impl VmArgs {
         Ok(VmConfig {
             memory_bytes: self.memory,
             working_set_pages: pages,
+            workload: self.workload,
             image: self.image.clone(),
         })
     }
@@ -183,7 +192,7 @@ fn export_guest(args: &ExportGuestArgs) -> anyhow::Result<ExitCode> {
     let pages = u32::try_from(args.working_set / tern_engine::PAGE_SIZE as u64)
         .context("--working-set is too large")?;
     anyhow::ensure!(pages > 0, "--working-set must be at least one page");
-    let image = tern_vmm::guest_code::multiboot_image(pages);
+    let image = tern_vmm::guest_code::multiboot_image_for(pages, args.workload);
     std::fs::write(&args.multiboot, &image)
         .with_context(|| format!("cannot write {}", args.multiboot.display()))?;
     eprintln!(

@@ -29,6 +29,7 @@ use tern_page::codec::{CodecId, PageDecompressor, QplPath};
 use tern_wire::{MAX_PAGES_PER_PACKET, PageEntry, PageKind, PagePacket};
 
 use super::populate::populate_runs;
+use super::reuse::{WrittenHere, apply_delta, apply_duplicate};
 use super::shared::ReceiverShared;
 use crate::digest::{page_hash, zero_page_hash};
 use crate::error::MigrationError;
@@ -113,8 +114,8 @@ impl Landing {
                     ptr,
                     len: PAGE_SIZE,
                 }),
-                PageKind::Compressed => {
-                    // Each compressed page is shorter than a page and there
+                PageKind::Compressed | PageKind::Duplicate | PageKind::Delta => {
+                    // Each such payload is shorter than a page and there
                     // are at most MAX_PAGES_PER_PACKET, so they fit.
                     let (slot, rest) =
                         std::mem::take(&mut compressed).split_at_mut(entry.encoded_len as usize);
@@ -141,6 +142,15 @@ impl Landing {
         self.entries
             .iter()
             .any(|entry| entry.kind == PageKind::Compressed)
+    }
+
+    /// Whether a page of this packet copies another page (a duplicate):
+    /// the page it copies may be in an earlier packet of this receiver, so
+    /// this one lands only after all of those have.
+    fn copies_pages(&self) -> bool {
+        self.entries
+            .iter()
+            .any(|entry| entry.kind == PageKind::Duplicate)
     }
 
     /// Populates the runs of pages the `readv` is about to write (see
@@ -203,6 +213,7 @@ fn land(
     landing: &Landing,
     decompressors: &mut Decompressors,
     shared: &ReceiverShared<'_>,
+    written: Option<&WrittenHere>,
 ) -> Result<(), MigrationError> {
     let region = landing.region_index;
     populate_runs(
@@ -233,10 +244,10 @@ fn land(
                 }
                 continue;
             }
-            PageKind::Compressed => {
+            PageKind::Compressed | PageKind::Duplicate | PageKind::Delta => {
                 let (input, rest) = compressed.split_at(entry.encoded_len as usize);
                 compressed = rest;
-                decompress(landing, decompressors, input, ptr, page)?;
+                rebuild(landing, decompressors, shared, written, entry, input, ptr)?;
             }
             PageKind::Raw => {}
         }
@@ -260,15 +271,54 @@ fn land(
     Ok(())
 }
 
-/// Decompresses `input` into the page at `ptr`, page `page` of the
-/// landing's region.
+/// Writes a page whose payload is not the page itself: decompresses it,
+/// copies the page a duplicate names (`written`: the owner's pages, given
+/// when the owner lands the packet itself), or applies a delta.
+fn rebuild(
+    landing: &Landing,
+    decompressors: &mut Decompressors,
+    shared: &ReceiverShared<'_>,
+    written: Option<&WrittenHere>,
+    entry: &PageEntry,
+    input: &[u8],
+    ptr: *mut u8,
+) -> Result<(), MigrationError> {
+    let page = u64::from(entry.page_index);
+    let at = (landing.region_index, page);
+    // In every arm `ptr` is a whole page inside the region (from
+    // `page_ptr`), claimed by this packet for this iteration; each writes
+    // exactly one page or fails.
+    let result = match (entry.kind, written) {
+        (PageKind::Compressed, _) => decompress(landing, decompressors, input, ptr)?,
+        // SAFETY: as above.
+        (PageKind::Duplicate, Some(written)) => unsafe {
+            apply_duplicate(shared, written, at, ptr, input)
+        },
+        (PageKind::Duplicate, None) => {
+            return Err(MigrationError::Internal(
+                "a packet with duplicates was handed to the decoder pool".into(),
+            ));
+        }
+        // SAFETY: as above.
+        (PageKind::Delta, _) => unsafe { apply_delta(shared, at, ptr, input) },
+        (PageKind::Zero | PageKind::Raw, _) => Ok(()),
+    };
+    result.map_err(|error| {
+        MigrationError::Protocol(format!(
+            "channel {}: page {page} of region {}: {error}",
+            landing.channel, landing.region_id
+        ))
+    })
+}
+
+/// Decompresses `input` into the page at `ptr`; the codec's complaint, if
+/// any, for the caller to place.
 fn decompress(
     landing: &Landing,
     decompressors: &mut Decompressors,
     input: &[u8],
     ptr: *mut u8,
-    page: u64,
-) -> Result<(), MigrationError> {
+) -> Result<Result<(), String>, MigrationError> {
     // The decoder admits only announced codecs and every announced codec
     // has a decompressor: a miss means those two lists disagree.
     let decompressor = decompressors.0[usize::from(landing.codec)]
@@ -282,12 +332,7 @@ fn decompress(
     // SAFETY: `ptr` is a whole page inside the region (from `page_ptr`),
     // claimed by this packet for this iteration; the decoder writes exactly
     // one page or fails.
-    unsafe { decompressor.decompress_page(input, ptr) }.map_err(|error| {
-        MigrationError::Protocol(format!(
-            "channel {}: page {page} of region {}: {error}",
-            landing.channel, landing.region_id
-        ))
-    })
+    Ok(unsafe { decompressor.decompress_page(input, ptr) }.map_err(|error| error.to_string()))
 }
 
 /// The decoder threads' shared state: the ring of packets waiting to be
@@ -363,8 +408,9 @@ impl DecodePool {
         landing: Box<Landing>,
         decompressors: &mut Decompressors,
         shared: &ReceiverShared<'_>,
+        written: Option<&WrittenHere>,
     ) -> Result<(), MigrationError> {
-        let landed = land(&landing, decompressors, shared);
+        let landed = land(&landing, decompressors, shared, written);
         let owner = landing.owner;
         // The owner's ring holds all its landings, so it has room.
         let _ = self.free[owner].push(landing);
@@ -383,7 +429,7 @@ impl DecodePool {
         let Some(landing) = self.queued.pop() else {
             return false;
         };
-        if let Err(error) = self.finish(landing, decompressors, shared) {
+        if let Err(error) = self.finish(landing, decompressors, shared, None) {
             shared.fail(error);
         }
         true
@@ -460,19 +506,28 @@ impl ReceiverLanding {
 
     /// Lands `landing` here when it has nothing to decode or there is no
     /// pool, or queues it for the pool.
+    ///
+    /// A packet with duplicates lands here, after every packet this
+    /// receiver handed off before it: a duplicate may copy a page one of
+    /// them writes (`written` says which pages this receiver wrote).
     pub(super) fn hand_off(
         &mut self,
         shared: &ReceiverShared<'_>,
         landing: Box<Landing>,
+        written: &WrittenHere,
     ) -> Result<(), MigrationError> {
         let pool = &shared.pool;
+        let copies_pages = landing.copies_pages();
+        if copies_pages {
+            self.wait_landed(shared)?;
+        }
         pool.in_flight[self.owner].fetch_add(1, Ordering::Relaxed);
-        if pool.threads == 0 || !landing.needs_decoding() {
-            return pool.finish(landing, &mut self.decompressors, shared);
+        if pool.threads == 0 || copies_pages || !landing.needs_decoding() {
+            return pool.finish(landing, &mut self.decompressors, shared, Some(written));
         }
         if let Err(landing) = pool.queued.push(landing) {
             // The ring holds every landing of every receiver: never full.
-            return pool.finish(landing, &mut self.decompressors, shared);
+            return pool.finish(landing, &mut self.decompressors, shared, Some(written));
         }
         for bell in pool.decoder_bells.iter().filter_map(OnceLock::get) {
             bell.ring();

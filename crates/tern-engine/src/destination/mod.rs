@@ -8,6 +8,7 @@ mod live;
 mod order;
 mod populate;
 mod receiver;
+mod reuse;
 mod shared;
 mod stream;
 mod switch_over;

@@ -16,11 +16,12 @@ use std::sync::atomic::Ordering;
 use std::time::Duration;
 
 use tern_page::codec::CodecId;
-use tern_wire::{Event, FrameDecoder, FrameKind, Message, PageEntry, PagePacket, Sync};
+use tern_wire::{Event, FrameDecoder, FrameKind, Message, PageEntry, PageKind, PagePacket, Sync};
 
 use super::decode::{Decompressors, ReceiverLanding};
 use super::handshake::peer_aborted;
 use super::order::{PageChannelEvent, PageChannelState};
+use super::reuse::WrittenHere;
 use super::shared::ReceiverShared;
 use super::stream::{FrameSource, read_event};
 use crate::error::{ChannelError, MigrationError};
@@ -89,6 +90,9 @@ struct PageReceiver<'s, 'a> {
     decoder: FrameDecoder,
     /// This receiver's packet buffers and its side of the decoder pool.
     landing: ReceiverLanding,
+    /// The pages this receiver's packets wrote in the current iteration,
+    /// which its later duplicates may copy.
+    written: WrittenHere,
 }
 
 impl PageReceiver<'_, '_> {
@@ -112,6 +116,7 @@ impl<'s, 'a> PageReceiver<'s, 'a> {
             decoder: FrameDecoder::with_setup(shared.setup.clone())
                 .only(PAGE_CHANNEL_FRAMES, "pages or a sync on a page channel"),
             landing: ReceiverLanding::new(shared, index, decompressors),
+            written: WrittenHere::new(shared),
         })
     }
 
@@ -188,8 +193,14 @@ impl<'s, 'a> PageReceiver<'s, 'a> {
         // not running on the destination, so it does not touch it either.)
         unsafe { source.read_scattered(landing.segments()) }
             .map_err(MigrationError::channel(self.channel))?;
+        // Marked now, read only by a later packet's duplicates, which land
+        // after every packet before them (`hand_off`).
+        for entry in entries.iter().filter(|entry| entry.kind != PageKind::Zero) {
+            self.written
+                .set(packet.region_index, u64::from(entry.page_index));
+        }
         self.decoder.consume_payload(packet.payload_len);
-        self.landing.hand_off(self.shared, landing)
+        self.landing.hand_off(self.shared, landing, &self.written)
     }
 
     /// Ends the current iteration: every receiver waits for the others, so
@@ -204,6 +215,7 @@ impl<'s, 'a> PageReceiver<'s, 'a> {
             last: sync.last,
         })?;
         self.shared.end_iteration(iteration, sync.last)?;
+        self.written.clear();
         if self.index == 0 {
             self.shared
                 .stats
@@ -228,7 +240,8 @@ fn claim_pages(
     for entry in entries {
         if !shared.claim(packet.region_index, u64::from(entry.page_index)) {
             return Err(MigrationError::Protocol(format!(
-                "channel {channel}: page {} of region {} arrived twice in iteration {iteration}",
+                "channel {channel}: page {} of region {} arrived twice in iteration \
+                 {iteration}, or after a duplicate read it",
                 entry.page_index, packet.header.region_id
             )));
         }

@@ -43,6 +43,10 @@ pub(super) struct ReceiverShared<'a> {
     /// Whether runs of fresh pages are populated before they are written
     /// (`populate.rs`); turned off for the session when the kernel refuses.
     pub(super) populate: AtomicBool,
+    /// The pages a duplicate read in the current iteration without having
+    /// written them: no packet may write them until the barrier (see
+    /// `reference`). Cleared with the claims.
+    referenced: Vec<AtomicBitmap>,
     barrier: SyncBarrier,
     /// The iteration the source's `Complete` names as final, once the main
     /// channel has it; [`NO_FINAL_ITERATION`] before.
@@ -88,6 +92,10 @@ impl<'a> ReceiverShared<'a> {
                 .collect(),
             pool: DecodePool::new(receivers, 0),
             populate: AtomicBool::new(true),
+            referenced: regions
+                .iter()
+                .map(|region| AtomicBitmap::new(region.pages()))
+                .collect(),
             barrier: SyncBarrier::new(receivers),
             final_iteration: AtomicU64::new(NO_FINAL_ITERATION),
             pages_ended: AtomicBool::new(false),
@@ -118,8 +126,21 @@ impl<'a> ReceiverShared<'a> {
     /// Claims `page` of region `region` (an index into the setup's regions)
     /// for the caller's writes in the current iteration; false when another
     /// packet of this iteration, on any channel, has it already.
+    ///
+    /// A page a duplicate read in this iteration cannot be claimed: the
+    /// claim is set before the reference bit is read, and `reference` sets
+    /// its bit before reading the claim, both sequentially consistent, so of
+    /// a racing write and read at least one sees the other.
     pub(super) fn claim(&self, region: usize, page: u64) -> bool {
-        self.claims[region].claim(page)
+        self.claims[region].claim(page) && !self.referenced[region].get_seq(page)
+    }
+
+    /// Marks `page` of region `region` as read by a duplicate in the
+    /// current iteration; false when a packet of this iteration claimed it
+    /// (the caller must then have written it itself, earlier).
+    pub(super) fn reference(&self, region: usize, page: u64) -> bool {
+        self.referenced[region].set_seq(page);
+        !self.claims[region].get_seq(page)
     }
 
     /// Ends iteration `iteration` for the caller: waits until every receiver
@@ -128,7 +149,7 @@ impl<'a> ReceiverShared<'a> {
     pub(super) fn end_iteration(&self, iteration: u32, last: bool) -> Result<(), MigrationError> {
         self.barrier
             .wait(last, || {
-                for claims in &self.claims {
+                for claims in self.claims.iter().chain(&self.referenced) {
                     claims.clear_all();
                 }
             })
@@ -278,12 +299,25 @@ impl AtomicBitmap {
 
     /// Sets `page`'s bit; true if it was clear, that is if this call
     /// claimed the page. One atomic read-modify-write, so of two threads
-    /// claiming the same page exactly one wins.
+    /// claiming the same page exactly one wins; sequentially consistent, for
+    /// the claim/reference handshake of `ReceiverShared::claim`.
     fn claim(&self, page: u64) -> bool {
         let bit = 1 << (page % 64);
         self.words
             .get((page / 64) as usize)
-            .is_some_and(|word| word.fetch_or(bit, Ordering::Relaxed) & bit == 0)
+            .is_some_and(|word| word.fetch_or(bit, Ordering::SeqCst) & bit == 0)
+    }
+
+    fn set_seq(&self, page: u64) {
+        if let Some(word) = self.words.get((page / 64) as usize) {
+            word.fetch_or(1 << (page % 64), Ordering::SeqCst);
+        }
+    }
+
+    fn get_seq(&self, page: u64) -> bool {
+        self.words
+            .get((page / 64) as usize)
+            .is_some_and(|word| word.load(Ordering::SeqCst) & (1 << (page % 64)) != 0)
     }
 
     /// Clears every bit. Called only while no thread claims (inside the

@@ -1,6 +1,7 @@
 //! The batch: pages of one region travelling producer → worker → sender
 //! and back, allocated once and recycled.
 
+use super::dedup::Reference;
 use super::*;
 
 /// A batch of pages of one region, travelling through the pipeline.
@@ -24,6 +25,61 @@ pub(crate) struct Batch {
     pub(super) wire_bytes: u64,
     pub(super) zero_pages: u64,
     pub(super) normal_pages: u64,
+    /// Duplicate and delta pages: what they cost on the wire and why.
+    pub(super) reuse: ReuseBatch,
+}
+
+/// A batch's duplicate and delta pages (see `reuse.rs`).
+#[derive(Debug, Default)]
+pub(crate) struct ReuseBatch {
+    /// With the delta cache: each page's bytes as read once, in batch
+    /// order; the cache, the compressor and the sender all use this copy,
+    /// so what is cached is exactly what is sent. Empty without the cache.
+    pub(super) copies: Vec<u8>,
+    /// Each page's content hash (with duplicate detection), in batch order.
+    pub(super) hashes: Vec<u64>,
+    /// The payloads of the duplicate pages (a `PageRef` each), in table
+    /// order.
+    pub(super) duplicates: Vec<u8>,
+    /// The delta records of the delta pages, in table order.
+    pub(super) deltas: Vec<u8>,
+    /// Each page's delta record length (0 for other kinds), in batch order.
+    pub(super) delta_lens: Vec<u32>,
+    /// The references made, for `resend_referencing_pages`.
+    pub(super) references: Vec<Reference>,
+    /// The page channel this batch must go on: it references a page sent
+    /// there earlier in this iteration.
+    pub(super) route: Option<usize>,
+    pub(super) counts: ReuseCounts,
+}
+
+/// Per-batch counters of duplicate and delta pages.
+#[derive(Clone, Copy, Debug, Default)]
+pub(crate) struct ReuseCounts {
+    pub(crate) duplicate_pages: u64,
+    pub(crate) delta_pages: u64,
+    pub(crate) delta_bytes: u64,
+    pub(crate) cache_misses: u64,
+    pub(crate) overflows: u64,
+}
+
+impl ReuseBatch {
+    pub(super) fn reset(&mut self) {
+        self.hashes.clear();
+        self.duplicates.clear();
+        self.deltas.clear();
+        self.delta_lens.clear();
+        self.references.clear();
+        self.route = None;
+        self.counts = ReuseCounts::default();
+    }
+
+    /// The copy of the batch's page at `position`, when there are copies.
+    pub(super) fn copy(&self, position: usize) -> Option<&[u8; PAGE_SIZE]> {
+        self.copies
+            .get(position * PAGE_SIZE..(position + 1) * PAGE_SIZE)
+            .map(|bytes| bytes.try_into().expect("a page"))
+    }
 }
 
 impl Batch {
@@ -43,6 +99,7 @@ impl Batch {
             wire_bytes: 0,
             zero_pages: 0,
             normal_pages: 0,
+            reuse: ReuseBatch::default(),
         }
     }
 
@@ -54,6 +111,7 @@ impl Batch {
         self.pages.clear();
         self.kinds.clear();
         self.prechecked = false;
+        self.reuse.reset();
     }
 }
 

@@ -1,6 +1,9 @@
 //! Building a batch's packet: compression of its data pages and the
 //! header and page table.
 
+use tern_wire::PageRef;
+
+use super::reuse::{copy_data_pages, data_ptr, encode_deltas, find_duplicates};
 use super::*;
 
 /// A worker's reusable buffers and its compressors (one per codec, made
@@ -10,24 +13,45 @@ pub(super) struct Scratch {
     pub(super) pointers: Vec<*const u8>,
     pub(super) zero_flags: Vec<bool>,
     pub(super) compressors: [Option<PageCompressor>; 4],
+    /// Pages of the current batch a later one may duplicate: hash, position.
+    pub(super) batch_pages: Vec<(u64, usize)>,
+    /// Two pages' worth of room to compare pages in.
+    pub(super) compare: [Vec<u8>; 2],
 }
 
 pub(super) fn encode(shared: &Shared, batch: &mut Batch, scratch: &mut Scratch) {
     if !batch.prechecked {
         classify(shared, batch, scratch);
     }
+    copy_data_pages(shared, batch);
     hash_pages(shared, batch);
+    find_duplicates(shared, batch, scratch);
+    encode_deltas(shared, batch);
     compress(shared, batch, scratch);
+    build_table(shared, batch);
+}
+
+/// Fills the batch's page table and packet prefix from the pages' kinds
+/// and the compressor's outcomes.
+fn build_table(shared: &Shared, batch: &mut Batch) {
     batch.entries.clear();
     batch.zero_pages = 0;
     batch.normal_pages = 0;
     let mut outcomes = batch.compressed.outcomes.iter();
     let mut payload = 0u64;
-    for (&page, &kind) in batch.pages.iter().zip(&batch.kinds) {
+    for (position, (&page, &kind)) in batch.pages.iter().zip(&batch.kinds).enumerate() {
         let (kind, encoded_len) = match kind {
             PageKind::Zero => {
                 batch.zero_pages += 1;
                 (PageKind::Zero, 0)
+            }
+            PageKind::Duplicate => {
+                batch.normal_pages += 1;
+                (PageKind::Duplicate, PageRef::ENCODED_LEN as u32)
+            }
+            PageKind::Delta => {
+                batch.normal_pages += 1;
+                (PageKind::Delta, batch.reuse.delta_lens[position])
             }
             PageKind::Raw | PageKind::Compressed => {
                 batch.normal_pages += 1;
@@ -63,18 +87,28 @@ pub(super) fn encode(shared: &Shared, batch: &mut Batch, scratch: &mut Scratch) 
 /// digest, as classified: read after the dirty-log sync that put the page
 /// in this batch, so any later write shows up in a later sync and the page
 /// is hashed again then (docs/verification.md).
-fn hash_pages(shared: &Shared, batch: &Batch) {
-    let Some(hashes) = &shared.page_hashes else {
+/// With duplicate detection, the same hash is the page's content hash.
+fn hash_pages(shared: &Shared, batch: &mut Batch) {
+    let dedup = shared.dedup.is_some();
+    batch.reuse.delta_lens.resize(batch.pages.len(), 0);
+    if shared.page_hashes.is_none() && !dedup {
         return;
-    };
-    for (&page, &kind) in batch.pages.iter().zip(&batch.kinds) {
-        if kind == PageKind::Zero {
-            hashes.record(batch.region, u64::from(page), zero_page_hash());
+    }
+    for position in 0..batch.pages.len() {
+        let hash = if batch.kinds[position] == PageKind::Zero {
+            zero_page_hash()
         } else {
-            // SAFETY: the region's mapping outlives the migration; a guest
+            // SAFETY: a whole page inside the region's mapping, which
+            // outlives the migration, or the batch's copy of it; a guest
             // write during the read only makes the hash stale, and such a
             // write is in the next sync's bitmap, which hashes it again.
-            unsafe { hashes.hash_and_record(batch.region, u64::from(page)) };
+            unsafe { page_hash(data_ptr(shared, batch, position)) }
+        };
+        if let Some(hashes) = &shared.page_hashes {
+            hashes.record(batch.region, u64::from(batch.pages[position]), hash);
+        }
+        if dedup {
+            batch.reuse.hashes.push(hash);
         }
     }
 }
@@ -101,19 +135,16 @@ pub(super) fn compress(shared: &Shared, batch: &mut Batch, scratch: &mut Scratch
     let Some(compressor) = slot.as_mut() else {
         return;
     };
-    let region = &shared.regions[batch.region];
     scratch.pointers.clear();
     scratch.pointers.extend(
-        batch
-            .pages
-            .iter()
-            .zip(&batch.kinds)
-            .filter(|(_, kind)| **kind != PageKind::Zero)
-            .map(|(&page, _)| page_ptr(region, page)),
+        (0..batch.pages.len())
+            .filter(|&position| batch.kinds[position] == PageKind::Raw)
+            .map(|position| data_ptr(shared, batch, position)),
     );
     // SAFETY: the pointers are whole pages inside the region's mapping,
-    // which outlives the migration; the compressor copies each page before
-    // compressing it, so concurrent guest writes only make it stale.
+    // which outlives the migration, or the batch's copies; the compressor
+    // copies each page before compressing it, so concurrent guest writes
+    // only make it stale.
     unsafe { compressor.compress_batch(&scratch.pointers, &mut batch.compressed) };
     batch.codec_stats = compressor.take_stats();
 }

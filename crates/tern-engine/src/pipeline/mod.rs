@@ -26,7 +26,7 @@ use tern_wire::{MAX_PAGES_PER_PACKET, Message, PageEntry, PageKind, Sync, encode
 
 use crate::bitmap::DirtyBitmap;
 use crate::config::ZeroPageDetection;
-use crate::digest::{PageHashes, zero_page_hash};
+use crate::digest::{PageHashes, page_hash, zero_page_hash};
 use crate::error::ChannelError;
 use crate::error::MigrationError;
 use crate::guest::{MemoryRegion, PAGE_SIZE};
@@ -41,16 +41,22 @@ use crate::zerocopy::{ZeroCopyError, ZeroCopyStats, ZeroCopyTransport};
 mod auto_codec;
 mod batch;
 mod classify;
+mod dedup;
+mod delta_cache;
 mod encode;
 mod rate;
 mod report;
+mod reuse;
 mod sender;
 mod worker;
 
 pub(crate) use auto_codec::CompressionSetup;
 use auto_codec::{AutoCodec, calibrate_codecs};
+pub(crate) use batch::ReuseCounts;
 use batch::{Batch, Completion, SendItem, page_ptr};
 use classify::classify;
+use dedup::{DedupIndex, Reference, resend_referencing_pages};
+use delta_cache::DeltaCache;
 use encode::{Scratch, encode};
 use rate::RateLimiter;
 pub(crate) use sender::PageSender;
@@ -89,13 +95,16 @@ struct Shared {
     limiter: Option<RateLimiter>,
     /// The incremental digest the workers keep, with verification.
     page_hashes: Option<Arc<PageHashes>>,
+    /// Pages the destination holds, by content hash (`--dedup`).
+    dedup: Option<DedupIndex>,
+    /// Pages as last sent, for deltas (`--delta-cache-size`).
+    delta_cache: Option<DeltaCache>,
 }
 
 impl Shared {
     fn new(setup: PipelineSetup, channel_count: usize, pool_size: usize) -> Self {
         Self {
             region_ids: setup.regions.iter().map(MemoryRegion::id).collect(),
-            regions: setup.regions,
             stats: setup.stats,
             zero_checker: ZeroChecker::best(),
             detection: setup.detection,
@@ -122,7 +131,13 @@ impl Shared {
                 origin: Instant::now(),
                 next_free_ns: AtomicU64::new(0),
             }),
+            dedup: setup
+                .dedup
+                .then(|| DedupIndex::new(setup.regions.iter().map(MemoryRegion::pages).sum())),
+            delta_cache: (setup.delta_cache_size > 0)
+                .then(|| DeltaCache::new(setup.delta_cache_size, setup.delta_offload)),
             page_hashes: setup.page_hashes,
+            regions: setup.regions,
         }
     }
 
@@ -188,6 +203,9 @@ pub(crate) struct Pipeline<'scope> {
     codec_stats: CodecStats,
     /// For zero-page detection in `source` mode.
     scratch: Scratch,
+    /// The duplicate references of the iteration being sent, checked
+    /// against the next dirty bitmap.
+    references: Vec<Reference>,
 }
 
 /// Settings of the pipeline.
@@ -202,6 +220,9 @@ pub(crate) struct PipelineSetup {
     pub stats: Arc<LiveStats>,
     pub cancel: Arc<AtomicBool>,
     pub page_hashes: Option<Arc<PageHashes>>,
+    pub dedup: bool,
+    pub delta_cache_size: u64,
+    pub delta_offload: Option<Arc<tern_page::dsa::DeltaOffload>>,
 }
 
 impl<'scope> Pipeline<'scope> {
@@ -224,6 +245,9 @@ impl<'scope> Pipeline<'scope> {
         let choice = setup.compression.choice;
         let cancel = setup.cancel.clone();
         let shared = Arc::new(Shared::new(setup, channel_count, pool_size));
+        if let Some(cache) = &shared.delta_cache {
+            shared.stats.set_delta_cache_size(cache.bytes());
+        }
         let mut pipeline = Self {
             shared: shared.clone(),
             pool: (0..pool_size).map(|_| Box::new(Batch::new())).collect(),
@@ -246,6 +270,7 @@ impl<'scope> Pipeline<'scope> {
             }),
             codec_stats: CodecStats::default(),
             scratch: Scratch::default(),
+            references: Vec::new(),
         };
         pipeline.spawn_workers(scope)?;
         pipeline.spawn_senders(scope, channels)?;
@@ -305,11 +330,13 @@ impl<'scope> Pipeline<'scope> {
     /// `last` is the switch-over pass, sent with the guest paused.
     pub fn send_iteration(
         &mut self,
-        bitmaps: &[DirtyBitmap],
+        bitmaps: &mut [DirtyBitmap],
         iteration: u32,
         last: bool,
     ) -> Result<IterationTotals, MigrationError> {
         self.totals = IterationTotals::default();
+        self.prepare_reuse(bitmaps, iteration);
+        let bitmaps = &*bitmaps;
         let dirty_pages: u64 = bitmaps.iter().map(DirtyBitmap::count).sum();
         self.shared
             .stats
@@ -341,6 +368,21 @@ impl<'scope> Pipeline<'scope> {
         self.sync_channels(iteration, last)?;
         self.publish_reports();
         Ok(self.totals)
+    }
+
+    /// Before an iteration, while no worker runs: sends again the pages
+    /// whose duplicate source was written since (it is in `bitmaps`), then
+    /// forgets indexed pages that are in `bitmaps` (see `dedup.rs`).
+    fn prepare_reuse(&mut self, bitmaps: &mut [DirtyBitmap], iteration: u32) {
+        let Some(index) = &self.shared.dedup else {
+            return;
+        };
+        let added = resend_referencing_pages(&self.references, bitmaps);
+        if added > 0 {
+            tracing::debug!(added, iteration, "duplicates of written pages sent again");
+        }
+        self.references.clear();
+        index.sweep(bitmaps, iteration);
     }
 
     fn check(&self) -> Result<(), MigrationError> {
@@ -424,6 +466,8 @@ impl<'scope> Pipeline<'scope> {
                         .normal_bytes
                         .fetch_add(batch.normal_pages * PAGE_SIZE as u64, Ordering::Relaxed);
                     stats.sent_dirty(batch.pages.len() as u64 * PAGE_SIZE as u64);
+                    stats.add_reuse(&batch.reuse.counts);
+                    self.references.extend_from_slice(&batch.reuse.references);
                     self.pool.push(batch);
                 }
                 Completion::Synced => synced += 1,

@@ -125,16 +125,30 @@ pub(super) fn send_batch(
         len: batch.prefix.len(),
     });
     let mut compressed_offset = 0;
-    for entry in &batch.entries {
+    let mut duplicates_offset = 0;
+    let mut deltas_offset = 0;
+    let from_buffer = |buffer: &[u8], offset: &mut usize, len: usize| {
+        let bytes = &buffer[*offset..*offset + len];
+        *offset += len;
+        (bytes.as_ptr(), len)
+    };
+    for (position, entry) in batch.entries.iter().enumerate() {
+        let len = entry.encoded_len as usize;
         let (ptr, len) = match entry.kind {
             PageKind::Zero => continue,
-            PageKind::Raw => (page_ptr(region, entry.page_index), PAGE_SIZE),
+            // With the delta cache the copy is what was cached, so it is
+            // what must go.
+            PageKind::Raw => match batch.reuse.copy(position) {
+                Some(copy) => (copy.as_ptr(), PAGE_SIZE),
+                None => (page_ptr(region, entry.page_index), PAGE_SIZE),
+            },
             PageKind::Compressed => {
-                let len = entry.encoded_len as usize;
-                let bytes = &batch.compressed.data[compressed_offset..compressed_offset + len];
-                compressed_offset += len;
-                (bytes.as_ptr(), len)
+                from_buffer(&batch.compressed.data, &mut compressed_offset, len)
             }
+            PageKind::Duplicate => {
+                from_buffer(&batch.reuse.duplicates, &mut duplicates_offset, len)
+            }
+            PageKind::Delta => from_buffer(&batch.reuse.deltas, &mut deltas_offset, len),
         };
         // Adjacent pieces (neighbouring guest pages, or compressed pages
         // packed back to back) go out as one iovec.
@@ -147,10 +161,10 @@ pub(super) fn send_batch(
         }
     }
     match channel {
-        // SAFETY: the prefix lives in the batch, which outlives the call;
-        // page pointers come from `page_ptr`, inside the region's mapping,
-        // which outlives the migration. Concurrent guest writes are
-        // acceptable (see `send_vectored`).
+        // SAFETY: the prefix and the other buffers live in the batch, which
+        // outlives the call; page pointers come from `page_ptr`, inside the
+        // region's mapping, which outlives the migration. Concurrent guest
+        // writes are acceptable (see `send_vectored`).
         PageSender::Plain(channel) => unsafe { channel.send_vectored(segments) },
         // SAFETY: as above; the data segments point into guest memory,
         // which stays mapped until the sender flushes at the next sync.

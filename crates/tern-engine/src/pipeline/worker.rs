@@ -1,11 +1,14 @@
 //! The worker threads: classify and encode a batch, hand it to the
 //! least-loaded sender.
 
+use super::dedup::IndexedPage;
+use super::reuse::publish;
 use super::*;
 
 pub(super) fn run_worker(shared: &Shared, index: usize) {
     let cpu_start = thread_cpu_seconds();
     let mut scratch = Scratch::default();
+    let mut published = Vec::with_capacity(MAX_PAGES_PER_PACKET);
     let bell = shared.worker_bells[index].wait();
     let ring = &shared.worker_rings[index];
     loop {
@@ -17,7 +20,11 @@ pub(super) fn run_worker(shared: &Shared, index: usize) {
         let Some(mut batch) = item else { break };
         shared.producer_bell.ring();
         encode(shared, &mut batch, &mut scratch);
-        let target = least_loaded_sender(shared, index);
+        let target = batch
+            .reuse
+            .route
+            .unwrap_or_else(|| least_loaded_sender(shared, index));
+        indexable_pages(shared, &batch, target, &mut published);
         let mut item = SendItem::Batch(batch);
         loop {
             match shared.sender_rings[target].push(item) {
@@ -33,6 +40,9 @@ pub(super) fn run_worker(shared: &Shared, index: usize) {
                 }
             }
         }
+        // Only now that the batch is queued on its channel may a later
+        // batch reference its pages (routed to the same channel).
+        publish(shared, &published);
         if let Some(bell) = shared.sender_bells[target].get() {
             bell.ring();
         }
@@ -55,4 +65,32 @@ pub(super) fn least_loaded_sender(shared: &Shared, worker: usize) -> usize {
         }
     }
     best
+}
+
+/// The batch's pages a later batch may reference, with their hashes: those
+/// the destination gets the bytes of (not zero pages, not duplicates).
+fn indexable_pages(
+    shared: &Shared,
+    batch: &Batch,
+    channel: usize,
+    pages: &mut Vec<(u64, IndexedPage)>,
+) {
+    pages.clear();
+    if shared.dedup.is_none() {
+        return;
+    }
+    for (position, entry) in batch.entries.iter().enumerate() {
+        if matches!(entry.kind, PageKind::Zero | PageKind::Duplicate) {
+            continue;
+        }
+        pages.push((
+            batch.reuse.hashes[position],
+            IndexedPage {
+                region: batch.region,
+                page: entry.page_index,
+                channel,
+                iteration: batch.iteration,
+            },
+        ));
+    }
 }

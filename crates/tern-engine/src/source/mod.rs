@@ -370,6 +370,9 @@ impl Source {
             stats: self.stats.clone(),
             cancel: self.cancel.flag(),
             page_hashes,
+            dedup: config.dedup_active(),
+            delta_cache_size: config.delta_cache_size,
+            delta_offload: config.delta_offload.clone(),
         }
     }
 }

@@ -38,7 +38,7 @@ impl Source {
             .sync_dirty_log(&mut bitmaps)
             .map_err(MigrationError::guest("sync dirty log"))?;
         self.stats.dirty_sync_count.fetch_add(1, Ordering::Relaxed);
-        let digest = self.send_last_pages(pipe, &bitmaps, iteration)?;
+        let digest = self.send_last_pages(pipe, &mut bitmaps, iteration)?;
         tracing::debug!(
             elapsed_ms = paused_at.elapsed().as_millis() as u64,
             "final pages sent and memory hashed"
@@ -93,7 +93,7 @@ impl Source {
     fn send_last_pages(
         &self,
         pipe: &mut Pipeline<'_>,
-        bitmaps: &[DirtyBitmap],
+        bitmaps: &mut [DirtyBitmap],
         iteration: u32,
     ) -> Result<u128, MigrationError> {
         if let Some(hashes) = pipe.page_hashes() {

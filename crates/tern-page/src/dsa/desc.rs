@@ -24,6 +24,20 @@ pub const OPCODE_COMPARE: u8 = 0x05;
 /// Opcode: compare a buffer against an 8-byte pattern ("compare value");
 /// with pattern 0 this is a zero-page check.
 pub const OPCODE_COMPVAL: u8 = 0x06;
+/// Opcode: create delta record (`DSA_OPCODE_CR_DELTA`): compare two buffers
+/// 8 bytes at a time and write, for each word that differs, its index
+/// (`u16`) and the second buffer's value (8 bytes).
+pub const OPCODE_CR_DELTA: u8 = 0x07;
+/// Opcode: apply delta record (`DSA_OPCODE_AP_DELTA`): write each entry's
+/// value at its word of the destination.
+pub const OPCODE_AP_DELTA: u8 = 0x08;
+
+/// Create-delta result: the buffers are equal (no record written).
+pub const DELTA_RESULT_EQUAL: u8 = 0;
+/// Create-delta result: they differ; the record holds `delta_rec_size` bytes.
+pub const DELTA_RESULT_DIFFERENT: u8 = 1;
+/// Create-delta result: the record would exceed `max_delta_size`.
+pub const DELTA_RESULT_OVERFLOW: u8 = 2;
 
 /// Flag: fence (wait for earlier descriptors of the batch).
 pub const FLAG_FENCE: u32 = 0x0001;
@@ -210,6 +224,69 @@ impl Descriptor {
         d
     }
 
+    /// A create-delta-record descriptor: compare `len` bytes at `original`
+    /// and `new`, write the record (at most `max_delta_size` bytes) to
+    /// `delta`, report into the record at `completion` (its
+    /// `delta_rec_size`). Flags as for [`Descriptor::compval`].
+    pub fn create_delta(
+        original: u64,
+        new: u64,
+        len: u32,
+        delta: u64,
+        max_delta_size: u32,
+        completion: u64,
+    ) -> Self {
+        let mut d = Descriptor {
+            opcode: OPCODE_CR_DELTA,
+            completion_addr: completion,
+            src_addr: original,
+            dst_addr: new,
+            xfer_size: len,
+            ..Descriptor::default()
+        };
+        d.op_specific[..8].copy_from_slice(&delta.to_le_bytes());
+        d.op_specific[8..12].copy_from_slice(&max_delta_size.to_le_bytes());
+        d.set_flags(FLAG_CRAV | FLAG_RCR);
+        d
+    }
+
+    /// An apply-delta-record descriptor: apply the `delta_rec_size` bytes of
+    /// record at `delta` to the `len` bytes at `destination`.
+    pub fn apply_delta(
+        delta: u64,
+        delta_rec_size: u32,
+        destination: u64,
+        len: u32,
+        completion: u64,
+    ) -> Self {
+        let mut d = Descriptor {
+            opcode: OPCODE_AP_DELTA,
+            completion_addr: completion,
+            src_addr: delta,
+            dst_addr: destination,
+            xfer_size: len,
+            ..Descriptor::default()
+        };
+        d.op_specific[..4].copy_from_slice(&delta_rec_size.to_le_bytes());
+        d.set_flags(FLAG_CRAV | FLAG_RCR);
+        d
+    }
+
+    /// Create-delta view of `op_specific`: where the record goes.
+    pub fn delta_addr(&self) -> u64 {
+        u64::from_le_bytes(self.op_specific[..8].try_into().expect("8 bytes"))
+    }
+
+    /// Create-delta view of `op_specific`: the record's largest size.
+    pub fn max_delta_size(&self) -> u32 {
+        u32::from_le_bytes(self.op_specific[8..12].try_into().expect("4 bytes"))
+    }
+
+    /// Apply-delta view of `op_specific`: the record's size.
+    pub fn delta_rec_size(&self) -> u32 {
+        u32::from_le_bytes(self.op_specific[..4].try_into().expect("4 bytes"))
+    }
+
     /// A NOOP descriptor reporting into `completion`.
     pub fn noop(completion: u64) -> Self {
         let mut d = Descriptor {
@@ -290,6 +367,11 @@ impl CompletionRecord {
     pub fn decoded(&self) -> DsaStatus {
         DsaStatus::decode(self.status)
     }
+
+    /// Create-delta view of `op_specific`: bytes of the record written.
+    pub fn delta_rec_size(&self) -> u32 {
+        u32::from_le_bytes(self.op_specific[..4].try_into().expect("4 bytes"))
+    }
 }
 
 #[cfg(test)]
@@ -368,6 +450,29 @@ mod tests {
         let n = Descriptor::noop(0x40);
         assert_eq!(n.opcode, OPCODE_NOOP);
         assert_eq!(n.completion_addr, 0x40);
+    }
+
+    #[test]
+    fn delta_encodings_match_idxd_h() {
+        // The create-delta union of `struct dsa_hw_desc`: delta_addr at 40,
+        // max_delta_size at 48; src2_addr is dst_addr.
+        let d = Descriptor::create_delta(0x1000, 0x2000, 4096, 0x3000, 4090, 0x4000);
+        let b = d.as_bytes();
+        assert_eq!(b[7], OPCODE_CR_DELTA);
+        assert_eq!(le(b, 16, 8), 0x1000, "src_addr");
+        assert_eq!(le(b, 24, 8), 0x2000, "src2_addr");
+        assert_eq!(le(b, 32, 4), 4096, "xfer_size");
+        assert_eq!(le(b, 40, 8), 0x3000, "delta_addr");
+        assert_eq!(le(b, 48, 4), 4090, "max_delta_size");
+        assert_eq!((d.delta_addr(), d.max_delta_size()), (0x3000, 4090));
+        // Apply: delta_rec_size at 40.
+        let a = Descriptor::apply_delta(0x3000, 90, 0x1000, 4096, 0x4000);
+        let b = a.as_bytes();
+        assert_eq!(b[7], OPCODE_AP_DELTA);
+        assert_eq!(le(b, 16, 8), 0x3000);
+        assert_eq!(le(b, 24, 8), 0x1000);
+        assert_eq!(le(b, 40, 4), 90, "delta_rec_size");
+        assert_eq!(a.delta_rec_size(), 90);
     }
 
     #[test]

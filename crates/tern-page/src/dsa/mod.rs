@@ -15,6 +15,8 @@
 //! * [`offload`]: the asynchronous batch API workers use
 //!   ([`ZeroPageOffload`]), its DSA implementation with a completion thread
 //!   and CPU fallback, and a CPU-only implementation with the same shape.
+//! * [`delta`]: create- and apply-delta-record descriptors for delta pages
+//!   ([`DeltaOffload`]), on a queue or the software device, CPU fallback.
 //! * [`mod@bench`]: throughput of every backend for `tern bench zero`.
 //!
 //! See `docs/zero-page-detection.md` for the design and the DSA set-up.
@@ -28,6 +30,7 @@
 //! tests run).
 
 pub mod bench;
+pub mod delta;
 pub mod desc;
 pub mod offload;
 pub mod queue;
@@ -38,6 +41,9 @@ pub mod sysfs;
 use std::path::PathBuf;
 
 pub use bench::{ZeroBenchRow, bench_zero};
+pub use delta::{
+    DELTA_DEADLINE, DeltaOffload, DeltaOffloadStats, open_delta_offload, software_delta_offload,
+};
 pub use desc::{CompletionRecord, Descriptor, DsaStatus};
 pub use offload::{
     CpuOffload, DsaConfig, MAX_BATCH_PAGES, OffloadConfig, Ticket, ZeroAsNormal, ZeroOffloadStats,

@@ -152,6 +152,8 @@ impl fmt::Debug for SoftwareDsaConfig {
 #[derive(Debug, Default)]
 struct DeviceCounters {
     compval: AtomicU64,
+    /// Create- and apply-delta descriptors.
+    delta: AtomicU64,
     submits: AtomicU64,
     accepted: AtomicU64,
     retries: AtomicU64,
@@ -351,6 +353,8 @@ struct Outcome {
     result: u8,
     bytes_completed: u32,
     fault_addr: u64,
+    /// Create delta record: bytes of the record written.
+    delta_rec_size: u32,
 }
 
 impl Outcome {
@@ -360,6 +364,7 @@ impl Outcome {
             result: 0,
             bytes_completed: 0,
             fault_addr: 0,
+            delta_rec_size: 0,
         }
     }
 }
@@ -386,6 +391,10 @@ impl Device {
             OPCODE_NOOP => Outcome::status(STATUS_SUCCESS),
             // SAFETY: forwarded from the caller.
             OPCODE_COMPVAL => unsafe { self.compval(desc) },
+            // SAFETY: forwarded from the caller.
+            OPCODE_CR_DELTA => unsafe { self.create_delta(desc) },
+            // SAFETY: forwarded from the caller.
+            OPCODE_AP_DELTA => unsafe { self.apply_delta(desc) },
             // A batch inside a batch is not allowed.
             OPCODE_BATCH if in_batch => Outcome::status(STATUS_BAD_OPCODE),
             // SAFETY: forwarded from the caller.
@@ -441,25 +450,151 @@ impl Device {
         let mismatch = unsafe { first_mismatch(src as *const u8, scan, desc.comp_pattern()) };
         match (mismatch, limit) {
             (Some(off), _) => Outcome {
-                status: STATUS_SUCCESS,
                 result: 1,
                 bytes_completed: off,
-                fault_addr: 0,
+                ..Outcome::status(STATUS_SUCCESS)
             },
             // Everything before the fault matched: report how far we got and
             // where we stopped, the rest is the submitter's job.
             (None, Some(done)) => Outcome {
-                status: STATUS_PAGE_FAULT_NOBOF,
-                result: 0,
                 bytes_completed: done,
                 fault_addr: src + u64::from(done),
+                ..Outcome::status(STATUS_PAGE_FAULT_NOBOF)
             },
             (None, None) => Outcome {
-                status: STATUS_SUCCESS,
-                result: 0,
                 bytes_completed: len,
-                fault_addr: 0,
+                ..Outcome::status(STATUS_SUCCESS)
             },
+        }
+    }
+
+    /// Whether the injection predicates fault or fail delta descriptor
+    /// number `n` (counted apart from COMPVAL's) on `addr`: the outcome to
+    /// report instead of running it, faults stopping at byte
+    /// `fault_after_bytes`.
+    fn injected(&self, n: u64, addr: u64, len: u32) -> Option<Outcome> {
+        if !self.config.delay_per_descriptor.is_zero() {
+            std::thread::sleep(self.config.delay_per_descriptor);
+        }
+        if self.config.error_if.as_ref().is_some_and(|f| f(n, addr)) {
+            return Some(Outcome::status(self.config.error_status));
+        }
+        if self.config.fault_if.as_ref().is_some_and(|f| f(n, addr)) {
+            let done = self.config.fault_after_bytes.min(len);
+            return Some(Outcome {
+                bytes_completed: done,
+                fault_addr: addr + u64::from(done),
+                ..Outcome::status(STATUS_PAGE_FAULT_NOBOF)
+            });
+        }
+        None
+    }
+
+    /// CR_DELTA: compares `xfer_size` bytes (whole 8-byte words, at most
+    /// 65536 of them) of `src_addr` and `dst_addr` and writes, for each
+    /// differing word, its index and `dst_addr`'s value to `delta_addr`.
+    /// Result 0 equal, 1 different (`delta_rec_size` bytes written), 2 the
+    /// record would pass `max_delta_size`.
+    ///
+    /// # Safety
+    ///
+    /// Both sources readable for `xfer_size` bytes, the record writable for
+    /// `max_delta_size` bytes.
+    unsafe fn create_delta(&self, desc: &Descriptor) -> Outcome {
+        let n = self.counters.delta.fetch_add(1, Ordering::Relaxed) + 1;
+        let len = desc.xfer_size;
+        if let Some(injected) = self.injected(n, desc.src_addr, len) {
+            return injected;
+        }
+        if !len.is_multiple_of(8) || len / 8 > 65536 {
+            return Outcome::status(STATUS_XFER_ERANGE);
+        }
+        let (old, new) = (desc.src_addr as *const u8, desc.dst_addr as *const u8);
+        let (record, max) = (desc.delta_addr() as *mut u8, desc.max_delta_size() as usize);
+        let mut written = 0usize;
+        for word in 0..(len / 8) as usize {
+            // SAFETY: word * 8 + 8 <= len, readable (caller).
+            let (a, b) = unsafe {
+                (
+                    read_unaligned(old.add(word * 8).cast::<u64>()),
+                    read_unaligned(new.add(word * 8).cast::<u64>()),
+                )
+            };
+            if a == b {
+                continue;
+            }
+            if written + 10 > max {
+                return Outcome {
+                    result: DELTA_RESULT_OVERFLOW,
+                    ..Outcome::status(STATUS_SUCCESS)
+                };
+            }
+            let index = u16::try_from(word).expect("at most 65536 words");
+            // SAFETY: written + 10 <= max_delta_size, writable (caller).
+            unsafe {
+                record
+                    .add(written)
+                    .cast::<[u8; 2]>()
+                    .write_unaligned(index.to_le_bytes());
+                record.add(written + 2).cast::<u64>().write_unaligned(b);
+            }
+            written += 10;
+        }
+        Outcome {
+            result: if written == 0 {
+                DELTA_RESULT_EQUAL
+            } else {
+                DELTA_RESULT_DIFFERENT
+            },
+            bytes_completed: len,
+            delta_rec_size: u32::try_from(written).expect("at most max_delta_size"),
+            ..Outcome::status(STATUS_SUCCESS)
+        }
+    }
+
+    /// AP_DELTA: writes each entry of the `delta_rec_size`-byte record at
+    /// `src_addr` into the `xfer_size` bytes at `dst_addr`. A record that is
+    /// not whole entries, or names a word outside the destination, is
+    /// refused before any write (`XFER_ERANGE`, tern's choice of code).
+    ///
+    /// # Safety
+    ///
+    /// The record readable, the destination writable, for their sizes.
+    unsafe fn apply_delta(&self, desc: &Descriptor) -> Outcome {
+        let n = self.counters.delta.fetch_add(1, Ordering::Relaxed) + 1;
+        let size = desc.delta_rec_size() as usize;
+        if let Some(injected) = self.injected(n, desc.dst_addr, desc.xfer_size) {
+            return injected;
+        }
+        let record = desc.src_addr as *const u8;
+        let words = (desc.xfer_size / 8) as usize;
+        // SAFETY: the record is readable for `size` bytes (caller).
+        let entry = |at: usize| unsafe {
+            (
+                u16::from_le_bytes(record.add(at).cast::<[u8; 2]>().read_unaligned()),
+                read_unaligned(record.add(at + 2).cast::<u64>()),
+            )
+        };
+        if !size.is_multiple_of(10)
+            || (0..size)
+                .step_by(10)
+                .any(|at| usize::from(entry(at).0) >= words)
+        {
+            return Outcome::status(STATUS_XFER_ERANGE);
+        }
+        for at in (0..size).step_by(10) {
+            let (word, value) = entry(at);
+            // SAFETY: word < xfer_size / 8, writable (caller).
+            unsafe {
+                (desc.dst_addr as *mut u8)
+                    .add(usize::from(word) * 8)
+                    .cast::<u64>()
+                    .write_unaligned(value);
+            }
+        }
+        Outcome {
+            bytes_completed: desc.xfer_size,
+            ..Outcome::status(STATUS_SUCCESS)
         }
     }
 
@@ -490,14 +625,12 @@ impl Device {
             all_ok &= st == STATUS_SUCCESS;
         }
         Outcome {
-            status: if all_ok {
+            bytes_completed: desc.desc_count(),
+            ..Outcome::status(if all_ok {
                 STATUS_SUCCESS
             } else {
                 STATUS_BATCH_FAIL
-            },
-            result: 0,
-            bytes_completed: desc.desc_count(),
-            fault_addr: 0,
+            })
         }
     }
 }
@@ -546,6 +679,9 @@ unsafe fn write_record(rec: *mut CompletionRecord, o: Outcome) {
         addr_of_mut!((*rec).result).write(o.result);
         addr_of_mut!((*rec).bytes_completed).write(o.bytes_completed);
         addr_of_mut!((*rec).fault_addr).write(o.fault_addr);
+        addr_of_mut!((*rec).op_specific)
+            .cast::<[u8; 4]>()
+            .write(o.delta_rec_size.to_le_bytes());
     }
     // SAFETY: the status byte of a valid record; pollers access it only
     // atomically (CompletionRecord::load_status).

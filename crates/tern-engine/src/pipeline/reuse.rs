@@ -1,0 +1,198 @@
+//! The worker's steps for pages the destination can rebuild from what it
+//! holds: duplicates (`dedup.rs`) and deltas (`delta_cache.rs`).
+
+use tern_page::delta::MAX_DELTA_LEN;
+use tern_wire::PageRef;
+
+use super::dedup::{IndexedPage, Reference};
+use super::delta_cache::DeltaOutcome;
+use super::*;
+
+/// With the delta cache: copies each data page of the batch once, so that
+/// everything after (hash, cache, compression, send) sees the same bytes.
+pub(super) fn copy_data_pages(shared: &Shared, batch: &mut Batch) {
+    if shared.delta_cache.is_none() {
+        return;
+    }
+    let region = &shared.regions[batch.region];
+    let copies = &mut batch.reuse.copies;
+    copies.resize(MAX_PAGES_PER_PACKET * PAGE_SIZE, 0);
+    for (position, (&page, &kind)) in batch.pages.iter().zip(&batch.kinds).enumerate() {
+        if kind == PageKind::Zero {
+            continue;
+        }
+        let into = &mut copies[position * PAGE_SIZE..(position + 1) * PAGE_SIZE];
+        // SAFETY: `page_ptr` is a whole page inside the region's mapping,
+        // which outlives the migration; a racing guest write only makes the
+        // copy stale, and that write is in the next dirty bitmap.
+        unsafe {
+            std::ptr::copy_nonoverlapping(page_ptr(region, page), into.as_mut_ptr(), PAGE_SIZE)
+        };
+    }
+}
+
+/// Where the batch's page at `position` is read from: its copy, or guest
+/// memory.
+pub(super) fn data_ptr(shared: &Shared, batch: &Batch, position: usize) -> *const u8 {
+    match batch.reuse.copy(position) {
+        Some(copy) => copy.as_ptr(),
+        None => page_ptr(&shared.regions[batch.region], batch.pages[position]),
+    }
+}
+
+/// Marks as duplicates the data pages whose bytes the destination already
+/// holds, by the rules in `dedup.rs`; the others stay raw.
+pub(super) fn find_duplicates(shared: &Shared, batch: &mut Batch, scratch: &mut Scratch) {
+    let Some(index) = &shared.dedup else {
+        return;
+    };
+    let Scratch {
+        batch_pages,
+        compare,
+        ..
+    } = scratch;
+    // Pages of this batch that may be referenced: (hash, position).
+    batch_pages.clear();
+    for position in 0..batch.pages.len() {
+        if batch.kinds[position] != PageKind::Raw {
+            continue;
+        }
+        let hash = batch.reuse.hashes[position];
+        let this_page = data_ptr(shared, batch, position);
+        let earlier = batch_pages
+            .iter()
+            .find(|&&(other, at)| {
+                other == hash && same_bytes(data_ptr(shared, batch, at), this_page, compare)
+            })
+            .map(|&(_, at)| (batch.region, batch.pages[at]));
+        let source = earlier.or_else(|| indexed_source(shared, index, batch, position, compare));
+        match source {
+            Some((region, page)) => mark_duplicate(shared, batch, position, region, page),
+            None => batch_pages.push((hash, position)),
+        }
+    }
+}
+
+/// A page of the index with the bytes of the batch's page at `position`
+/// that this batch may reference (routing it to its channel if needed).
+fn indexed_source(
+    shared: &Shared,
+    index: &DedupIndex,
+    batch: &mut Batch,
+    position: usize,
+    compare: &mut [Vec<u8>; 2],
+) -> Option<(usize, u32)> {
+    let found = index.candidate(batch.reuse.hashes[position])?;
+    if found.region == batch.region && found.page == batch.pages[position] {
+        return None;
+    }
+    let same_iteration = found.in_iteration(batch.iteration);
+    if same_iteration
+        && batch
+            .reuse
+            .route
+            .is_some_and(|route| route != found.channel)
+    {
+        return None;
+    }
+    let source = shared
+        .regions
+        .get(found.region)?
+        .page_ptr(u64::from(found.page))?;
+    if !same_bytes(
+        source.cast_const(),
+        data_ptr(shared, batch, position),
+        compare,
+    ) {
+        return None;
+    }
+    if same_iteration {
+        batch.reuse.route = Some(found.channel);
+    }
+    Some((found.region, found.page))
+}
+
+fn mark_duplicate(shared: &Shared, batch: &mut Batch, position: usize, region: usize, page: u32) {
+    batch.kinds[position] = PageKind::Duplicate;
+    let reference = PageRef {
+        region_id: shared.region_ids[region],
+        page_index: page,
+    };
+    // Found in table order, so their payloads are in table order too.
+    batch
+        .reuse
+        .duplicates
+        .extend_from_slice(&reference.encode());
+    batch.reuse.references.push(Reference {
+        source_region: region,
+        source_page: page,
+        region: batch.region,
+        page: batch.pages[position],
+    });
+    batch.reuse.counts.duplicate_pages += 1;
+}
+
+/// Compares two pages through copies: guest memory is never borrowed as a
+/// slice while the guest may write it.
+fn same_bytes(a: *const u8, b: *const u8, compare: &mut [Vec<u8>; 2]) -> bool {
+    let [first, second] = compare;
+    first.resize(PAGE_SIZE, 0);
+    second.resize(PAGE_SIZE, 0);
+    // SAFETY: both are whole readable pages (guest pages inside their
+    // region's mapping, or a batch's copy); the copies are ours.
+    unsafe {
+        std::ptr::copy_nonoverlapping(a, first.as_mut_ptr(), PAGE_SIZE);
+        std::ptr::copy_nonoverlapping(b, second.as_mut_ptr(), PAGE_SIZE);
+    }
+    first == second
+}
+
+/// With the delta cache: encodes each raw page against its cached version,
+/// keeping the delta when it is shorter than the page, and makes sure no
+/// page sent another way stays cached.
+pub(super) fn encode_deltas(shared: &Shared, batch: &mut Batch) {
+    let Some(cache) = &shared.delta_cache else {
+        return;
+    };
+    for position in 0..batch.pages.len() {
+        let page = batch.pages[position];
+        if batch.kinds[position] != PageKind::Raw {
+            cache.forget(batch.region, page);
+            continue;
+        }
+        let reuse = &mut batch.reuse;
+        let start = reuse.deltas.len();
+        reuse.deltas.resize(start + MAX_DELTA_LEN, 0);
+        let copy: &[u8; PAGE_SIZE] = reuse.copies[position * PAGE_SIZE..(position + 1) * PAGE_SIZE]
+            .try_into()
+            .expect("a page");
+        let outcome = cache.encode(batch.region, page, copy, &mut reuse.deltas[start..]);
+        match outcome {
+            DeltaOutcome::Delta(len) => {
+                reuse.deltas.truncate(start + len);
+                reuse.delta_lens[position] = len as u32;
+                reuse.counts.delta_pages += 1;
+                reuse.counts.delta_bytes += len as u64;
+                batch.kinds[position] = PageKind::Delta;
+            }
+            DeltaOutcome::Overflow => {
+                reuse.deltas.truncate(start);
+                reuse.counts.overflows += 1;
+            }
+            DeltaOutcome::Miss => {
+                reuse.deltas.truncate(start);
+                reuse.counts.cache_misses += 1;
+            }
+        }
+    }
+}
+
+/// Publishes the batch's data pages in the duplicate index once the batch
+/// is queued on `channel`.
+pub(super) fn publish(shared: &Shared, pages: &[(u64, IndexedPage)]) {
+    if let Some(index) = &shared.dedup {
+        for &(hash, page) in pages {
+            index.publish(hash, page);
+        }
+    }
+}

@@ -1,0 +1,170 @@
+//! Duplicate and delta pages: real migrations over sockets, checked by
+//! digest, with guests that hold duplicate pages and keep writing them.
+
+mod common;
+
+use std::time::Duration;
+
+use common::*;
+use tern_engine::{
+    GuestControl, GuestMemory, LimitPolicy, MigrationConfig, MigrationStatus, Source,
+};
+use tern_synthetic::{ContentMix, SyntheticConfig, SyntheticGuest};
+
+/// Page `page` of every region from `SOURCE_PAGES` on becomes a copy of
+/// page `page % SOURCE_PAGES` of region 0 when `page % 3 == 0`: duplicates
+/// inside a packet, across packets, channels and regions; the working set
+/// (the first quarter of memory) holds some, so the guest writes both
+/// referenced and referencing pages while they move.
+const SOURCE_PAGES: u64 = 300;
+
+fn guest_with_duplicates(memory: u64, dirty_rate: u64) -> (SyntheticGuest, u64) {
+    let guest = guest_with(SyntheticConfig {
+        memory_bytes: memory,
+        regions: 2,
+        mix: ContentMix::default(),
+        seed: 5,
+        dirty_rate_bytes_per_sec: dirty_rate,
+        working_set_bytes: memory / 4,
+        dirtier_threads: 1,
+    });
+    let regions = guest.regions();
+    let mut copies = 0;
+    for region in regions {
+        for page in (SOURCE_PAGES..region.pages()).filter(|page| page % 3 == 0) {
+            let from = regions[0].page_ptr(page % SOURCE_PAGES).unwrap();
+            let to = region.page_ptr(page).unwrap();
+            // SAFETY: two distinct whole pages of the guest's live mapping;
+            // the dirtier writes through raw pointers too and no reference
+            // to guest memory exists.
+            unsafe { std::ptr::copy_nonoverlapping(from.cast_const(), to, tern_engine::PAGE_SIZE) };
+            copies += 1;
+        }
+    }
+    (guest, copies)
+}
+
+fn migrate(guest: &mut SyntheticGuest, config: MigrationConfig) -> tern_engine::MigrationStats {
+    let (listener, address) = tcp_listener();
+    let destination = spawn_destination(listener);
+    let stats = Source::new(config)
+        .unwrap()
+        .migrate(guest, &address)
+        .expect("migration");
+    let mut received = destination.join().unwrap().expect("destination").guest;
+    assert_eq!(stats.status, MigrationStatus::Completed);
+    assert!(stats.digest_verified);
+    received.pause().unwrap();
+    // A dirtying guest goes on writing on the destination once resumed;
+    // the migration's own digest check (above) compared the switch-over.
+    if received.dirtied_pages() == 0 {
+        assert_eq!(received.digest(), guest.digest());
+    }
+    stats
+}
+
+#[test]
+fn duplicate_pages_of_a_paused_guest_go_as_references_and_verify() {
+    let (mut guest, copies) = guest_with_duplicates(32 * MIB, 0);
+    let stats = migrate(&mut guest, migration_config(3));
+    let dedup = stats.dedup.expect("duplicates were found");
+    // Copies of zero pages are zero pages; about half the sources hold data.
+    assert!(dedup.pages > copies / 3, "{dedup:?} of {copies} copies");
+    assert_eq!(dedup.bytes_saved, dedup.pages * (4096 - 8));
+    assert!(stats.xbzrle_cache.is_none());
+    let plain = migrate(
+        &mut guest_with_duplicates(32 * MIB, 0).0,
+        MigrationConfig {
+            dedup: false,
+            ..migration_config(3)
+        },
+    );
+    assert!(plain.dedup.is_none());
+    assert!(
+        stats.ram.transferred + dedup.pages * 4000 <= plain.ram.transferred + (1 << 20),
+        "references saved nothing: {} against {}",
+        stats.ram.transferred,
+        plain.ram.transferred
+    );
+}
+
+/// A slow link and a busy dirtier: many iterations, pages re-sent as deltas
+/// against the cache, duplicates of pages the guest keeps writing.
+fn running_config(delta_cache_size: u64) -> MigrationConfig {
+    MigrationConfig {
+        max_bandwidth: Some(48 * MIB),
+        delta_cache_size,
+        // The whole working set is dirty at every sync: a short limit keeps
+        // the migration iterating until the iteration limit forces it over.
+        downtime_limit: Duration::from_millis(20),
+        max_iterations: Some(6),
+        limit_policy: LimitPolicy::SwitchOver,
+        max_time: Some(Duration::from_secs(90)),
+        ..migration_config(3)
+    }
+}
+
+#[test]
+fn a_dirtying_guest_with_duplicates_and_deltas_verifies() {
+    let (mut guest, _) = guest_with_duplicates(32 * MIB, 24 * MIB);
+    let stats = migrate(&mut guest, running_config(16 * MIB));
+    assert!(stats.ram.dirty_sync_count >= 3, "{:?}", stats.ram);
+    let xbzrle = stats.xbzrle_cache.expect("the cache reports");
+    assert_eq!(xbzrle.cache_size, 16 * MIB);
+    assert!(xbzrle.pages > 0, "{xbzrle:?}");
+    assert!(xbzrle.encoding_rate > 10.0, "{xbzrle:?}");
+    assert!(stats.dedup.is_some_and(|dedup| dedup.pages > 0));
+}
+
+#[test]
+fn a_delta_cache_smaller_than_the_working_set_misses_and_verifies() {
+    let (mut guest, _) = guest_with_duplicates(32 * MIB, 24 * MIB);
+    let stats = migrate(
+        &mut guest,
+        MigrationConfig {
+            dedup: false,
+            ..running_config(256 << 10)
+        },
+    );
+    let xbzrle = stats.xbzrle_cache.expect("the cache reports");
+    assert!(xbzrle.cache_miss > 0, "{xbzrle:?}");
+    assert!(stats.dedup.is_none());
+}
+
+#[test]
+fn a_delta_cache_with_zero_copy_is_refused_up_front() {
+    let config = MigrationConfig {
+        zero_copy: true,
+        delta_cache_size: MIB,
+        ..migration_config(1)
+    };
+    let Err(error) = Source::new(config) else {
+        panic!("a delta cache with zero-copy was accepted");
+    };
+    let error = error.to_string();
+    assert!(error.contains("delta cache"), "{error}");
+}
+
+#[test]
+fn deltas_created_on_the_software_dsa_device_with_faults_verify() {
+    let offload = tern_page::dsa::software_delta_offload(tern_page::dsa::SoftwareDsaConfig {
+        // Every third descriptor faults part-way, every fifth fails: the
+        // CPU redoes those, with the same bytes.
+        fault_if: Some(std::sync::Arc::new(|n, _| n % 3 == 0)),
+        fault_after_bytes: 2048,
+        error_if: Some(std::sync::Arc::new(|n, _| n % 5 == 0)),
+        ..Default::default()
+    });
+    let (mut guest, _) = guest_with_duplicates(32 * MIB, 24 * MIB);
+    let stats = migrate(
+        &mut guest,
+        MigrationConfig {
+            delta_offload: Some(offload.clone()),
+            ..running_config(16 * MIB)
+        },
+    );
+    assert!(stats.xbzrle_cache.is_some_and(|cache| cache.pages > 0));
+    let device = offload.stats();
+    assert!(device.on_device > 0, "{device:?}");
+    assert!(device.fallbacks > 0, "{device:?}");
+}

@@ -1,0 +1,330 @@
+//! Delta records on DSA: create-delta-record and apply-delta-record, on a
+//! DSA work queue or the software device (which runs the same
+//! descriptors), with the CPU codec of [`crate::delta`] as fallback.
+//!
+//! Both produce the same bytes: the wire format *is* DSA's record format.
+//! Each call is synchronous: one descriptor, polled until its completion
+//! record is written or a deadline passes. The device works on a job of its
+//! own (copies of the inputs, the record, the completion record), never on
+//! the caller's memory, so a descriptor that never completes (a lost one, a
+//! stalled device) cannot write into anything the caller reuses: its job
+//! is leaked (counted in [`DeltaOffloadStats::abandoned`]) and the CPU
+//! answers. Anything but a clean completion (a page fault, an error, a
+//! refused submission, a record that fails validation) also falls back to
+//! the CPU, so the result never depends on the device behaving.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use super::OffloadError;
+use super::desc::*;
+use super::offload::DsaConfig;
+use super::queue::{DsaQueue, HardwareQueue};
+use super::soft::{SoftwareDsa, SoftwareDsaConfig};
+use super::sysfs::discover_work_queues;
+use crate::PAGE_SIZE;
+use crate::delta::{DeltaError, MAX_DELTA_LEN, apply_delta, create_delta, validate_delta};
+
+/// What one device job works on: copies of the inputs and room for the
+/// output, 32-byte aligned for the completion record.
+#[repr(C, align(64))]
+struct Job {
+    record: CompletionRecord,
+    old: [u8; PAGE_SIZE],
+    new: [u8; PAGE_SIZE],
+    delta: [u8; MAX_DELTA_LEN],
+}
+
+impl Job {
+    fn new() -> Box<Self> {
+        Box::new(Self {
+            record: CompletionRecord::default(),
+            old: [0; PAGE_SIZE],
+            new: [0; PAGE_SIZE],
+            delta: [0; MAX_DELTA_LEN],
+        })
+    }
+}
+
+/// Counters of a [`DeltaOffload`].
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct DeltaOffloadStats {
+    /// Operations the device completed.
+    pub on_device: u64,
+    /// Operations the CPU did instead.
+    pub fallbacks: u64,
+    /// Jobs left to a device that did not answer in time (their memory is
+    /// never reused).
+    pub abandoned: u64,
+}
+
+/// Delta records through a DSA queue, the CPU as fallback.
+#[derive(Debug)]
+pub struct DeltaOffload {
+    queue: Arc<dyn DsaQueue>,
+    deadline: Duration,
+    on_device: AtomicU64,
+    fallbacks: AtomicU64,
+    abandoned: AtomicU64,
+}
+
+/// How long a delta operation waits for the device before the CPU does
+/// it: far beyond a 4 KiB operation's microseconds, so only a stalled or
+/// lost descriptor reaches it.
+pub const DELTA_DEADLINE: Duration = Duration::from_millis(100);
+
+/// Delta records on tern's software DSA device.
+pub fn software_delta_offload(config: SoftwareDsaConfig) -> Arc<DeltaOffload> {
+    Arc::new(DeltaOffload::new(
+        Arc::new(SoftwareDsa::new(config)),
+        DELTA_DEADLINE,
+    ))
+}
+
+/// Delta records on the first DSA work queue `config` selects.
+pub fn open_delta_offload(config: &DsaConfig) -> Result<Arc<DeltaOffload>, OffloadError> {
+    if !cfg!(feature = "dsa") {
+        return Err(OffloadError::NotBuilt { feature: "dsa" });
+    }
+    let found = discover_work_queues(&config.sysfs_root, &config.dev_root)?;
+    let info = found
+        .iter()
+        .find(|info| config.devices.matches(info))
+        .ok_or_else(|| OffloadError::NoMatch {
+            selection: config.devices.to_string(),
+            found: found
+                .iter()
+                .map(super::sysfs::WorkQueueInfo::full_name)
+                .collect::<Vec<_>>()
+                .join(", "),
+        })?;
+    let queue = HardwareQueue::open(info, config.force_write, config.submit_attempts)?;
+    Ok(Arc::new(DeltaOffload::new(Arc::new(queue), DELTA_DEADLINE)))
+}
+
+impl DeltaOffload {
+    /// Uses `queue`, waiting at most `deadline` for each completion.
+    pub fn new(queue: Arc<dyn DsaQueue>, deadline: Duration) -> Self {
+        Self {
+            queue,
+            deadline,
+            on_device: AtomicU64::new(0),
+            fallbacks: AtomicU64::new(0),
+            abandoned: AtomicU64::new(0),
+        }
+    }
+
+    /// The counters so far.
+    pub fn stats(&self) -> DeltaOffloadStats {
+        DeltaOffloadStats {
+            on_device: self.on_device.load(Ordering::Relaxed),
+            fallbacks: self.fallbacks.load(Ordering::Relaxed),
+            abandoned: self.abandoned.load(Ordering::Relaxed),
+        }
+    }
+
+    /// [`create_delta`] on the device: the same contract and the same
+    /// bytes.
+    pub fn create(
+        &self,
+        old: &[u8; PAGE_SIZE],
+        new: &[u8; PAGE_SIZE],
+        out: &mut [u8],
+    ) -> Option<usize> {
+        let limit = out.len().min(MAX_DELTA_LEN);
+        let mut job = Job::new();
+        job.old.copy_from_slice(old);
+        job.new.copy_from_slice(new);
+        let desc = Descriptor::create_delta(
+            job.old.as_ptr() as u64,
+            job.new.as_ptr() as u64,
+            tern_wire::PAGE_SIZE,
+            job.delta.as_mut_ptr() as u64,
+            u32::try_from(limit).expect("at most MAX_DELTA_LEN"),
+            std::ptr::addr_of!(job.record) as u64,
+        );
+        let Some(job) = self.run(job, &desc) else {
+            return self.cpu_create(old, new, out);
+        };
+        let size = job.record.delta_rec_size() as usize;
+        match (job.record.result, size) {
+            (DELTA_RESULT_OVERFLOW, _) => {
+                self.on_device.fetch_add(1, Ordering::Relaxed);
+                None
+            }
+            // Equal pages still get one entry (a record is never empty):
+            // the CPU codec writes it, identically.
+            (DELTA_RESULT_EQUAL, 0) => {
+                self.on_device.fetch_add(1, Ordering::Relaxed);
+                create_delta(old, new, out)
+            }
+            (DELTA_RESULT_DIFFERENT, size)
+                if size <= limit && validate_delta(&job.delta[..size]).is_ok() =>
+            {
+                self.on_device.fetch_add(1, Ordering::Relaxed);
+                out[..size].copy_from_slice(&job.delta[..size]);
+                Some(size)
+            }
+            _ => self.cpu_create(old, new, out),
+        }
+    }
+
+    /// [`apply_delta`] on the device; the record is validated on the CPU
+    /// first, so a bad record is refused the same way whatever runs it.
+    pub fn apply(&self, record: &[u8], page: &mut [u8; PAGE_SIZE]) -> Result<(), DeltaError> {
+        validate_delta(record)?;
+        let mut job = Job::new();
+        job.delta[..record.len()].copy_from_slice(record);
+        job.new.copy_from_slice(page);
+        let desc = Descriptor::apply_delta(
+            job.delta.as_ptr() as u64,
+            u32::try_from(record.len()).expect("validated: at most MAX_DELTA_LEN"),
+            job.new.as_mut_ptr() as u64,
+            tern_wire::PAGE_SIZE,
+            std::ptr::addr_of!(job.record) as u64,
+        );
+        match self.run(job, &desc) {
+            Some(job) => {
+                self.on_device.fetch_add(1, Ordering::Relaxed);
+                page.copy_from_slice(&job.new);
+                Ok(())
+            }
+            None => {
+                self.fallbacks.fetch_add(1, Ordering::Relaxed);
+                apply_delta(record, page)
+            }
+        }
+    }
+
+    fn cpu_create(
+        &self,
+        old: &[u8; PAGE_SIZE],
+        new: &[u8; PAGE_SIZE],
+        out: &mut [u8],
+    ) -> Option<usize> {
+        self.fallbacks.fetch_add(1, Ordering::Relaxed);
+        create_delta(old, new, out)
+    }
+
+    /// Submits `desc` (whose addresses all point into `job`) and waits for
+    /// a successful completion; `None` for anything else. A job the device
+    /// has not answered by the deadline is leaked, so it may still write it.
+    fn run(&self, job: Box<Job>, desc: &Descriptor) -> Option<Box<Job>> {
+        // SAFETY: every address in `desc` points into `job`, which stays
+        // allocated until its record is written: it is returned (and freed)
+        // only after the status is non-zero, and leaked otherwise.
+        if unsafe { self.queue.submit(desc) }.is_err() {
+            return None;
+        }
+        let started = Instant::now();
+        loop {
+            // SAFETY: the job's record is live; the device writes it.
+            let status = unsafe { CompletionRecord::load_status(&job.record) };
+            if status != STATUS_NONE {
+                return (DsaStatus::decode(status) == DsaStatus::Success).then_some(job);
+            }
+            if started.elapsed() > self.deadline {
+                self.abandoned.fetch_add(1, Ordering::Relaxed);
+                Box::leak(job);
+                return None;
+            }
+            std::hint::spin_loop();
+            std::thread::yield_now();
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::dsa::{SoftwareDsa, SoftwareDsaConfig};
+
+    fn page(seed: u8) -> Box<[u8; PAGE_SIZE]> {
+        let mut page = Box::new([0u8; PAGE_SIZE]);
+        for (index, byte) in page.iter_mut().enumerate() {
+            *byte = index.to_le_bytes()[0].wrapping_mul(31).wrapping_add(seed);
+        }
+        page
+    }
+
+    fn offload(config: SoftwareDsaConfig) -> DeltaOffload {
+        DeltaOffload::new(Arc::new(SoftwareDsa::new(config)), Duration::from_secs(30))
+    }
+
+    #[test]
+    fn the_software_device_writes_the_cpu_codecs_bytes() {
+        let offload = offload(SoftwareDsaConfig::default());
+        let old = page(1);
+        let mut new = old.clone();
+        new[17] ^= 0xff;
+        new[4000..4040].fill(3);
+        let (mut cpu, mut device) = ([0u8; MAX_DELTA_LEN], [0u8; MAX_DELTA_LEN]);
+        let cpu_len = create_delta(&old, &new, &mut cpu).unwrap();
+        let device_len = offload.create(&old, &new, &mut device).unwrap();
+        assert_eq!(&device[..device_len], &cpu[..cpu_len]);
+        let mut rebuilt = old.clone();
+        offload.apply(&device[..device_len], &mut rebuilt).unwrap();
+        assert_eq!(rebuilt, new);
+        // Equal pages and overflows agree too.
+        assert_eq!(
+            offload.create(&old, &old, &mut device),
+            create_delta(&old, &old, &mut cpu)
+        );
+        assert_eq!(offload.create(&old, &page(2), &mut device), None);
+        assert_eq!(offload.stats().on_device, 4);
+        assert_eq!(offload.stats().fallbacks, 0);
+    }
+
+    #[test]
+    fn faults_and_errors_fall_back_to_the_cpu_with_the_same_result() {
+        let faulting = offload(SoftwareDsaConfig {
+            fault_if: Some(Arc::new(|n, _| n % 2 == 1)),
+            fault_after_bytes: 1000,
+            error_if: Some(Arc::new(|n, _| n % 4 == 2)),
+            ..SoftwareDsaConfig::default()
+        });
+        let old = page(3);
+        let mut new = old.clone();
+        new[2048] = 0;
+        let mut cpu = [0u8; MAX_DELTA_LEN];
+        let expected = create_delta(&old, &new, &mut cpu).unwrap();
+        for _ in 0..4 {
+            let mut out = [0u8; MAX_DELTA_LEN];
+            assert_eq!(faulting.create(&old, &new, &mut out), Some(expected));
+            assert_eq!(&out[..expected], &cpu[..expected]);
+            let mut target = old.clone();
+            faulting.apply(&cpu[..expected], &mut target).unwrap();
+            assert_eq!(target, new);
+        }
+        let stats = faulting.stats();
+        assert!(stats.fallbacks >= 4, "{stats:?}");
+        assert!(stats.on_device >= 1, "{stats:?}");
+    }
+
+    #[test]
+    fn a_lost_descriptor_is_abandoned_and_the_cpu_answers() {
+        let losing = DeltaOffload::new(
+            Arc::new(SoftwareDsa::new(SoftwareDsaConfig {
+                lose_if: Some(Arc::new(|_, _| true)),
+                ..SoftwareDsaConfig::default()
+            })),
+            Duration::from_millis(50),
+        );
+        let old = page(4);
+        let mut out = [0u8; MAX_DELTA_LEN];
+        assert_eq!(losing.create(&old, &old, &mut out), Some(10));
+        assert_eq!(losing.stats().abandoned, 1);
+    }
+
+    #[test]
+    fn a_malicious_record_is_refused_before_the_device_sees_it() {
+        let offload = offload(SoftwareDsaConfig::default());
+        let mut target = page(5);
+        let mut bad = 600u16.to_le_bytes().to_vec();
+        bad.extend_from_slice(&[0; 8]);
+        assert!(offload.apply(&bad, &mut target).is_err());
+        assert_eq!(target, page(5));
+        assert_eq!(offload.stats(), DeltaOffloadStats::default());
+    }
+}

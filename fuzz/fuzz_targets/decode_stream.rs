@@ -24,6 +24,7 @@ fuzz_target!(|data: &[u8]| {
             RegionInfo { id: 1, guest_addr: 1 << 30, len: 8 << 12 },
         ],
         guest_kind: "synthetic".into(),
+        dictionaries: 0,
     };
     let _ = decode_stream(data, Some(&setup));
     drive_like_a_receiver(data, setup);

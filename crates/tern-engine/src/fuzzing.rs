@@ -274,6 +274,7 @@ pub fn sample_session() -> (Vec<u8>, Vec<Vec<u8>>) {
             len: (PAGES * PAGE_SIZE) as u64,
         }],
         guest_kind: String::new(),
+        dictionaries: 0,
     };
     let mut memory = vec![0u8; PAGES * PAGE_SIZE];
     let text = |seed: u8| -> Vec<u8> {

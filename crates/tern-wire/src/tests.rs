@@ -22,6 +22,7 @@ fn setup() -> SessionSetup {
             },
         ],
         guest_kind: "synthetic".into(),
+        dictionaries: 0,
     }
 }
 

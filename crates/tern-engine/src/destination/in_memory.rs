@@ -167,6 +167,7 @@ impl Destination {
             mut guest,
             regions,
         } = self.greet(main, hello, make_guest)?;
+        let dictionaries = super::dictionary::receive_dictionaries(main, &mut decoder, &setup)?;
         let count = setup.channel_count;
         let mut slots: Vec<Option<MemoryStream>> = (0..count).map(|_| None).collect();
         let mut seen = HashSet::new();
@@ -200,7 +201,8 @@ impl Destination {
             self.config.io_timeout,
             &self.cancel,
         )
-        .with_qpl_path(self.config.qpl_path);
+        .with_qpl_path(self.config.qpl_path)
+        .with_dictionaries(dictionaries);
         let delivered = live::receive_all(&shared, main, &mut decoder, channels, &codecs)?;
         let stats = self.switch_over(
             &shared,
@@ -250,6 +252,7 @@ mod tests {
                     len: 16 * PAGE_SIZE as u64,
                 }],
                 guest_kind: String::new(),
+                dictionaries: 0,
             },
         })
         .to_bytes()

@@ -2,6 +2,7 @@
 //! into guest memory, verify, restore and resume.
 
 pub(crate) mod handshake;
+mod dictionary;
 mod in_memory;
 mod live;
 mod order;
@@ -291,6 +292,7 @@ impl Destination {
             mut guest,
             regions,
         } = self.greet(main, hello, make_guest)?;
+        let dictionaries = dictionary::receive_dictionaries(main, decoder, &setup)?;
         let channels =
             self.accept_page_channels(handshakes, main, decoder, session_id, setup.channel_count)?;
         tracing::info!(channels = channels.len(), "all channels connected");
@@ -302,7 +304,8 @@ impl Destination {
             self.config.io_timeout,
             &self.cancel,
         )
-        .with_qpl_path(self.config.qpl_path);
+        .with_qpl_path(self.config.qpl_path)
+        .with_dictionaries(dictionaries);
         let delivered = live::receive_all(&shared, main, decoder, channels, &codecs)?;
         let stats = self.switch_over(&shared, main, decoder, &mut guest, delivered, cpu_start)?;
         Ok(Received {

@@ -15,10 +15,10 @@
 use std::sync::atomic::Ordering;
 use std::time::Duration;
 
-use tern_page::codec::{CodecId, PageDecompressor};
+use tern_page::codec::{CodecError, CodecId, PageDecompressor};
 use tern_wire::{
     Event, FrameDecoder, FrameKind, MAX_PAGES_PER_PACKET, Message, PageEntry, PageKind, PagePacket,
-    Sync,
+    Sync, codec_id,
 };
 
 use super::handshake::peer_aborted;
@@ -141,9 +141,14 @@ impl<'s, 'a> PageReceiver<'s, 'a> {
         let mut decompressors: [Option<PageDecompressor>; 8] = Default::default();
         for &codec in codecs {
             decompressors[codec as usize] = Some(
-                PageDecompressor::for_destination(codec, shared.qpl_path).map_err(|error| {
-                    MigrationError::Incompatible(format!("cannot decode {}: {error}", codec.name()))
-                })?,
+                PageDecompressor::for_destination(codec, shared.qpl_path)
+                    .and_then(|decoder| decoder.with_dictionaries(&shared.dictionaries))
+                    .map_err(|error| {
+                        MigrationError::Incompatible(format!(
+                            "cannot decode {}: {error}",
+                            codec.name()
+                        ))
+                    })?,
             );
         }
         Ok(Self {
@@ -251,10 +256,15 @@ impl<'s, 'a> PageReceiver<'s, 'a> {
     fn apply_entries(&mut self, packet: &PagePacket) -> Result<PageCounts, MigrationError> {
         let populated = &self.shared.populated[packet.region_index];
         let hashes = self.shared.page_hashes.as_ref();
-        let mut decompressor = self.decompressors[usize::from(packet.header.codec)].as_mut();
-        let mut compressed = &self.placement.compressed[..];
-        let mut counts = PageCounts::default();
         let entries = self.decoder.entries();
+        let mut compressed = CompressedInput::new(
+            self.decompressors[usize::from(packet.header.codec)].as_mut(),
+            packet,
+            entries,
+            &self.placement.compressed,
+        )
+        .map_err(|error| packet_error(self.channel, packet, error))?;
+        let mut counts = PageCounts::default();
         for (entry, &ptr) in entries.iter().zip(&self.placement.pages) {
             let page = u64::from(entry.page_index);
             if entry.kind == PageKind::Zero {
@@ -273,15 +283,9 @@ impl<'s, 'a> PageReceiver<'s, 'a> {
                 continue;
             }
             if entry.kind == PageKind::Compressed {
-                let (input, rest) = compressed.split_at(entry.encoded_len as usize);
-                compressed = rest;
-                let decompressor = decompressor
-                    .as_deref_mut()
-                    .ok_or_else(|| unannounced_codec(self.channel, packet))?;
                 // SAFETY: `ptr` is a whole page inside the region (from
-                // `page_ptr`), claimed by this receiver for this iteration;
-                // the decoder writes exactly one page or fails.
-                unsafe { decompressor.decompress_page(input, ptr) }.map_err(|error| {
+                // `page_ptr`), claimed by this receiver for this iteration.
+                unsafe { compressed.decode_next(entry, ptr) }.map_err(|error| {
                     MigrationError::Protocol(format!(
                         "channel {}: page {page} of region {}: {error}",
                         self.channel, packet.header.region_id
@@ -342,14 +346,90 @@ fn claim_pages(
     Ok(())
 }
 
-/// A compressed page in a packet whose codec has no decompressor: the
-/// decoder admits only announced codecs and every announced codec has one,
-/// so this means those two lists disagree.
-fn unannounced_codec(channel: usize, packet: &PagePacket) -> MigrationError {
+fn packet_error(channel: usize, packet: &PagePacket, error: CodecError) -> MigrationError {
     MigrationError::Protocol(format!(
-        "channel {channel}: codec {} was not announced",
-        packet.header.codec
+        "channel {channel}: packet of region {}: {error}",
+        packet.header.region_id
     ))
+}
+
+/// Where a packet's compressed pages come from: each page's own bytes
+/// decoded alone (against the packet's dictionary, if it names one), or
+/// the pages of the packet's one frame, decoded up front.
+enum CompressedInput<'d> {
+    PerPage {
+        decompressor: Option<&'d mut PageDecompressor>,
+        payload: &'d [u8],
+        dictionary: u8,
+    },
+    Frame(&'d [u8]),
+}
+
+impl<'d> CompressedInput<'d> {
+    /// For a packet frame, decodes the frame (exactly the packet's
+    /// compressed pages × `PAGE_SIZE` bytes, or an error).
+    fn new(
+        decompressor: Option<&'d mut PageDecompressor>,
+        packet: &PagePacket,
+        entries: &[PageEntry],
+        payload: &'d [u8],
+    ) -> Result<Self, CodecError> {
+        let dictionary = packet.header.dictionary;
+        if packet.header.codec != codec_id::ZSTD_PACKET {
+            return Ok(Self::PerPage {
+                decompressor,
+                payload,
+                dictionary,
+            });
+        }
+        let compressed = entries
+            .iter()
+            .filter(|entry| entry.kind == PageKind::Compressed);
+        let pages = compressed.clone().count();
+        let frame_len: usize = compressed.map(|entry| entry.encoded_len as usize).sum();
+        if pages == 0 {
+            return Ok(Self::Frame(&[]));
+        }
+        // The decoder admits only announced codecs, and each has one.
+        let decompressor = decompressor.ok_or(CodecError::NoCodec)?;
+        let frame = payload.get(..frame_len).ok_or(CodecError::BadInputLength {
+            codec: "zstd packet",
+            len: frame_len,
+        })?;
+        Ok(Self::Frame(decompressor.decompress_packet(frame, dictionary, pages)?))
+    }
+
+    /// Writes the next compressed page into `page_out`.
+    ///
+    /// # Safety
+    /// `page_out` points to `PAGE_SIZE` writable bytes nothing else
+    /// accesses during the call.
+    unsafe fn decode_next(&mut self, entry: &PageEntry, page_out: *mut u8) -> Result<(), CodecError> {
+        match self {
+            Self::PerPage {
+                decompressor,
+                payload,
+                dictionary,
+            } => {
+                let (input, rest) = payload.split_at(entry.encoded_len as usize);
+                *payload = rest;
+                let decompressor = decompressor.as_deref_mut().ok_or(CodecError::NoCodec)?;
+                // SAFETY: forwarded caller contract; the decoder writes
+                // exactly one page or fails.
+                unsafe { decompressor.decompress_page_with(input, *dictionary, page_out) }
+            }
+            Self::Frame(pages) => {
+                let (page, rest) = pages
+                    .split_first_chunk::<PAGE_SIZE>()
+                    .ok_or(CodecError::NoCodec)?;
+                *pages = rest;
+                // SAFETY: forwarded caller contract; `page` is this
+                // receiver's own buffer, which cannot overlap guest memory.
+                unsafe { std::ptr::copy_nonoverlapping(page.as_ptr(), page_out, PAGE_SIZE) };
+                Ok(())
+            }
+        }
+    }
 }
 
 impl Placement {
@@ -374,6 +454,7 @@ impl Placement {
                     ptr,
                     len: PAGE_SIZE,
                 }),
+                PageKind::Compressed if entry.encoded_len == 0 => {}
                 PageKind::Compressed => {
                     // Each compressed page is shorter than a page and there
                     // are at most MAX_PAGES_PER_PACKET, so they fit.
@@ -465,6 +546,7 @@ mod tests {
                 len: (PAGES * PAGE_SIZE) as u64,
             }],
             guest_kind: String::new(),
+            dictionaries: 0,
         }
     }
 

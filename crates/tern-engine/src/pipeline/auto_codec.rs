@@ -4,7 +4,7 @@
 use super::*;
 
 /// What the workers compress with.
-#[derive(Clone, Copy, Debug)]
+#[derive(Clone, Debug)]
 pub(crate) struct CompressionSetup {
     pub choice: CodecChoice,
     pub level: Option<i32>,
@@ -12,6 +12,12 @@ pub(crate) struct CompressionSetup {
     /// With `auto`: deflate goes through QPL (calibration found it faster
     /// than libdeflate at a similar ratio, see [`tern_page::codec::prefer_offload`]).
     pub deflate_through_qpl: bool,
+    /// zstd in packet frames ([`CodecId::ZstdPacket`]) rather than per page.
+    pub packet_frames: bool,
+    /// The session's zstd dictionary, once trained (see `dictionary.rs`).
+    pub dictionary: Option<tern_page::codec::CodecDictionary>,
+    /// How the dictionary was trained, for the statistics.
+    pub dictionary_report: Option<crate::stats::DictionaryReport>,
 }
 
 impl CompressionSetup {
@@ -19,9 +25,15 @@ impl CompressionSetup {
     pub fn codecs(&self) -> Vec<CodecId> {
         match self.choice.wire() {
             Some(CodecId::None) => Vec::new(),
+            Some(CodecId::Zstd) if self.packet_frames => vec![CodecId::ZstdPacket],
             Some(codec) => vec![codec],
             // auto: the codecs this build has (see tern-page's features).
-            None => [CodecId::Zstd, CodecId::Deflate, CodecId::Lz4]
+            None => [
+                CodecId::Zstd,
+                CodecId::Deflate,
+                CodecId::Lz4,
+                CodecId::ZstdPacket,
+            ]
                 .into_iter()
                 .filter(|codec| codec.is_built())
                 .collect(),
@@ -35,6 +47,8 @@ impl CompressionSetup {
         let through_qpl = self.choice == CodecChoice::Qpl || self.deflate_through_qpl;
         if through_qpl && codec == CodecId::Deflate {
             PageCompressor::with_qpl(self.qpl_path, level)
+        } else if codec.is_zstd() {
+            PageCompressor::with_dictionary(codec, level, self.dictionary.as_ref())
         } else {
             PageCompressor::new(codec, level)
         }
@@ -59,6 +73,9 @@ pub(super) struct AutoCodec {
 pub(super) const AUTO_DECISION_BATCHES: u64 = 16;
 pub(super) const AUTO_DECISION_INTERVAL: Duration = Duration::from_millis(50);
 
+/// Pages calibration measures the codecs on.
+const CALIBRATION_PAGES: usize = 64;
+
 /// What calibration found: the candidates' measurements, and whether
 /// deflate is to go through QPL.
 pub(super) struct Calibration {
@@ -70,14 +87,21 @@ pub(super) struct Calibration {
 /// adaptive compression starts from numbers of this guest and this machine.
 /// When libqpl loads, deflate is measured through QPL (on `qpl_path`) too,
 /// and the better of the two deflates is the candidate.
-pub(super) fn calibrate_codecs(regions: &[MemoryRegion], qpl_path: QplPath) -> Calibration {
-    let sample = sample_pages(regions);
+pub(super) fn calibrate_codecs(
+    regions: &[MemoryRegion],
+    qpl_path: QplPath,
+    dictionary: Option<&tern_page::codec::CodecDictionary>,
+) -> Calibration {
+    let sample = sample_pages(regions, CALIBRATION_PAGES);
     let candidates = [
         (CodecId::Zstd, CodecId::Zstd.default_level()),
         (CodecId::Deflate, CodecId::Deflate.default_level()),
         (CodecId::Lz4, CodecId::Lz4.default_level()),
+        (CodecId::ZstdPacket, CodecId::ZstdPacket.default_level()),
     ];
-    let measurements = tern_page::codec::calibrate(&sample, &candidates).unwrap_or_default();
+    let measurements =
+        tern_page::codec::calibrate_with_dictionary(&sample, &candidates, dictionary)
+            .unwrap_or_default();
     let qpl = tern_page::codec::qpl_available()
         .and_then(|()| {
             tern_page::codec::calibrate_qpl(&sample, qpl_path, CodecId::Deflate.default_level())
@@ -116,13 +140,13 @@ pub(super) fn with_qpl_candidate(
     }
 }
 
-/// 64 pages spread evenly over guest memory.
-fn sample_pages(regions: &[MemoryRegion]) -> Vec<[u8; PAGE_SIZE]> {
-    const SAMPLES: u64 = 64;
+/// `count` pages spread evenly over guest memory.
+pub(crate) fn sample_pages(regions: &[MemoryRegion], count: usize) -> Vec<[u8; PAGE_SIZE]> {
+    let samples = count as u64;
     let total: u64 = regions.iter().map(MemoryRegion::pages).sum();
-    let mut sample = Vec::with_capacity(SAMPLES as usize);
-    for index in 0..SAMPLES {
-        let mut global = index * total.max(1) / SAMPLES;
+    let mut sample = Vec::with_capacity(count);
+    for index in 0..samples {
+        let mut global = index * total.max(1) / samples;
         for region in regions {
             if global < region.pages() {
                 if let Some(ptr) = region.page_ptr(global) {
@@ -257,6 +281,9 @@ mod tests {
             level: None,
             qpl_path: QplPath::Software,
             deflate_through_qpl: calibration.deflate_through_qpl,
+            packet_frames: false,
+            dictionary: None,
+            dictionary_report: None,
         };
         // Without libqpl here the QPL compressor cannot be made: the error
         // shows the setup asked for it.

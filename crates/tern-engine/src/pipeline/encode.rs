@@ -9,7 +9,8 @@ use super::*;
 pub(super) struct Scratch {
     pub(super) pointers: Vec<*const u8>,
     pub(super) zero_flags: Vec<bool>,
-    pub(super) compressors: [Option<PageCompressor>; 4],
+    /// Indexed by wire codec id.
+    pub(super) compressors: [Option<PageCompressor>; 8],
 }
 
 pub(super) fn encode(shared: &Shared, batch: &mut Batch, scratch: &mut Scratch) {
@@ -49,13 +50,14 @@ pub(super) fn encode(shared: &Shared, batch: &mut Batch, scratch: &mut Scratch) 
         });
     }
     batch.prefix.clear();
-    encode_pages_prefix(
-        &mut batch.prefix,
-        shared.region_ids[batch.region],
-        batch.iteration,
-        batch.codec.to_wire(),
-        &batch.entries,
-    );
+    let header = PagesHeader {
+        region_id: shared.region_ids[batch.region],
+        iteration: batch.iteration,
+        page_count: 0, // taken from the entries
+        codec: batch.codec.to_wire(),
+        dictionary: batch.dictionary,
+    };
+    encode_packet_prefix(&mut batch.prefix, &header, &batch.entries);
     batch.wire_bytes = batch.prefix.len() as u64 + payload;
 }
 
@@ -84,6 +86,7 @@ fn hash_pages(shared: &Shared, batch: &Batch) {
 pub(super) fn compress(shared: &Shared, batch: &mut Batch, scratch: &mut Scratch) {
     batch.compressed.clear();
     batch.codec_stats = CodecStats::default();
+    batch.dictionary = 0;
     if batch.codec == CodecId::None {
         return;
     }
@@ -116,4 +119,5 @@ pub(super) fn compress(shared: &Shared, batch: &mut Batch, scratch: &mut Scratch
     // compressing it, so concurrent guest writes only make it stale.
     unsafe { compressor.compress_batch(&scratch.pointers, &mut batch.compressed) };
     batch.codec_stats = compressor.take_stats();
+    batch.dictionary = compressor.dictionary_id();
 }

@@ -22,7 +22,9 @@ use std::time::{Duration, Instant};
 use tern_page::codec::{CodecChoice, CodecId, CodecStats, CompressedBatch, PageOutcome, QplPath};
 use tern_page::dsa::{ZeroAsNormal, ZeroPageOffload};
 use tern_page::{PageCompressor, ZeroChecker};
-use tern_wire::{MAX_PAGES_PER_PACKET, Message, PageEntry, PageKind, Sync, encode_pages_prefix};
+use tern_wire::{
+    MAX_PAGES_PER_PACKET, Message, PageEntry, PageKind, PagesHeader, Sync, encode_packet_prefix,
+};
 
 use crate::bitmap::DirtyBitmap;
 use crate::config::ZeroPageDetection;
@@ -47,7 +49,7 @@ mod report;
 mod sender;
 mod worker;
 
-pub(crate) use auto_codec::CompressionSetup;
+pub(crate) use auto_codec::{CompressionSetup, sample_pages};
 use auto_codec::{AutoCodec, calibrate_codecs};
 use batch::{Batch, Completion, SendItem, page_ptr};
 use classify::classify;
@@ -215,13 +217,30 @@ impl<'scope> Pipeline<'scope> {
         // Before the workers exist: they build their compressors from the
         // setup, which calibration may switch to QPL's deflate.
         let calibration = (setup.compression.choice == CodecChoice::Auto)
-            .then(|| calibrate_codecs(&setup.regions, setup.compression.qpl_path));
+            .then(|| {
+                calibrate_codecs(
+                    &setup.regions,
+                    setup.compression.qpl_path,
+                    setup.compression.dictionary.as_ref(),
+                )
+            });
         if let Some(calibration) = &calibration {
             setup.compression.deflate_through_qpl = calibration.deflate_through_qpl;
         }
         let pool_size = setup.workers * (WORKER_RING_CAPACITY + BATCHES_PER_WORKER);
         let workers = setup.workers;
         let choice = setup.compression.choice;
+        // A fixed choice names one codec (zstd in packet frames included);
+        // auto starts raw and decides.
+        let initial_codec = match choice {
+            CodecChoice::Auto => CodecId::None,
+            _ => setup
+                .compression
+                .codecs()
+                .first()
+                .copied()
+                .unwrap_or(CodecId::None),
+        };
         let cancel = setup.cancel.clone();
         let shared = Arc::new(Shared::new(setup, channel_count, pool_size));
         let mut pipeline = Self {
@@ -234,7 +253,7 @@ impl<'scope> Pipeline<'scope> {
             shutdown_handles: Vec::new(),
             cancel,
             totals: IterationTotals::default(),
-            codec: choice.wire().unwrap_or(CodecId::None),
+            codec: initial_codec,
             auto: (choice == CodecChoice::Auto).then(|| AutoCodec {
                 selector: tern_page::AutoSelector::new(workers),
                 measurements: calibration.map(|c| c.measurements).unwrap_or_default(),

@@ -8,7 +8,10 @@
 //! keeps the current one unless another beats it by a margin, so the choice
 //! does not flap between iterations on measurement noise.
 
-use super::{CodecCounters, CodecError, CodecId, PageCompressor, PageDecompressor, thread_cpu_ns};
+use super::{
+    CodecCounters, CodecDictionary, CodecError, CodecId, CompressedBatch, PageCompressor,
+    PageDecompressor, thread_cpu_ns,
+};
 use crate::PAGE_SIZE;
 
 /// What a codec achieves on this machine and this guest's pages.
@@ -168,31 +171,52 @@ pub fn calibrate(
     sample: &[[u8; PAGE_SIZE]],
     candidates: &[(CodecId, i32)],
 ) -> Result<Vec<CodecMeasurement>, CodecError> {
+    calibrate_with_dictionary(sample, candidates, None)
+}
+
+/// [`calibrate`], with zstd (per page and in packet frames) compressing
+/// against `dictionary`. The sample goes through in packets, as the
+/// workers compress it.
+pub fn calibrate_with_dictionary(
+    sample: &[[u8; PAGE_SIZE]],
+    candidates: &[(CodecId, i32)],
+    dictionary: Option<&CodecDictionary>,
+) -> Result<Vec<CodecMeasurement>, CodecError> {
     let mut result = Vec::new();
-    let mut out = vec![[0u8; PAGE_SIZE - 1]; sample.len()];
-    let mut lens = vec![None; sample.len()];
+    let pointers: Vec<*const u8> = sample.iter().map(|page| page.as_ptr()).collect();
+    let mut batches: Vec<CompressedBatch> = pointers
+        .chunks(tern_wire::MAX_PAGES_PER_PACKET)
+        .map(|_| CompressedBatch::new())
+        .collect();
     for &(codec, level) in candidates {
         if codec == CodecId::None || !codec.is_built() || sample.is_empty() {
             continue;
         }
-        let mut c = PageCompressor::new(codec, level)?;
+        let dictionary = dictionary.filter(|_| codec.is_zstd());
+        let mut c = PageCompressor::with_dictionary(codec, level, dictionary)?;
         let t0 = thread_cpu_ns();
-        let mut wire = 0usize;
-        for (i, p) in sample.iter().enumerate() {
-            lens[i] = c.compress(p, &mut out[i]);
-            wire += lens[i].unwrap_or(PAGE_SIZE);
+        for (chunk, batch) in pointers
+            .chunks(tern_wire::MAX_PAGES_PER_PACKET)
+            .zip(&mut batches)
+        {
+            // SAFETY: every pointer is a whole page of `sample`, alive and
+            // not written during the call.
+            unsafe { c.compress_batch(chunk, batch) };
         }
         let ct = thread_cpu_ns().saturating_sub(t0).max(1);
-        let mut d = PageDecompressor::new(codec)?;
-        let mut page = [0u8; PAGE_SIZE];
+        let wire: usize = batches
+            .iter()
+            .flat_map(|batch| &batch.outcomes)
+            .map(|outcome| match outcome {
+                super::PageOutcome::Compressed { len, .. } => *len,
+                super::PageOutcome::Raw(_) => PAGE_SIZE,
+            })
+            .sum();
+        let mut d = PageDecompressor::new(codec)?
+            .with_dictionaries(dictionary.map(std::slice::from_ref).unwrap_or_default())?;
+        let id = dictionary.map_or(0, CodecDictionary::id);
         let t1 = thread_cpu_ns();
-        let mut decoded = 0usize;
-        for (i, len) in lens.iter().enumerate() {
-            if let Some(n) = *len {
-                d.decompress(&out[i][..n], &mut page)?;
-                decoded += PAGE_SIZE;
-            }
-        }
+        let decoded = super::bench_dictionary::decode_all(&mut d, &batches, id)?;
         let dt = thread_cpu_ns().saturating_sub(t1).max(1);
         let bytes = (sample.len() * PAGE_SIZE) as f64;
         result.push(CodecMeasurement {
@@ -200,7 +224,7 @@ pub fn calibrate(
             level: c.level(),
             compress_bytes_per_sec: bytes / (ct as f64 / 1e9),
             decompress_bytes_per_sec: (decoded > 0).then(|| decoded as f64 / (dt as f64 / 1e9)),
-            ratio: bytes / wire as f64,
+            ratio: bytes / wire.max(1) as f64,
         });
     }
     Ok(result)

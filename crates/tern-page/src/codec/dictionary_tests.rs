@@ -133,7 +133,7 @@ fn a_packet_frame_round_trips_with_and_without_a_dictionary() {
             .flat_map(|(_, page)| page.iter().copied())
             .collect();
         assert_eq!(decoded, &expected[..]);
-        let stats = c.stats().get(CodecImpl::Zstd);
+        let stats = c.stats().get(CodecImpl::ZstdPacket);
         assert_eq!(stats.pages, 83);
         assert_eq!(stats.compressed, 80);
         assert_eq!(stats.skipped_by_sampling, 3);

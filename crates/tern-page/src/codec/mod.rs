@@ -82,6 +82,7 @@
 
 mod auto;
 mod bench;
+mod bench_dictionary;
 mod dictionary;
 mod packet;
 #[cfg(feature = "qpl")]
@@ -101,9 +102,10 @@ use crate::PAGE_SIZE;
 
 pub use auto::{
     AutoDecision, AutoSelector, CodecMeasurement, OFFLOAD_RATIO_TOLERANCE, calibrate,
-    calibrate_qpl, choose_codec, prefer_offload,
+    calibrate_qpl, calibrate_with_dictionary, choose_codec, prefer_offload,
 };
 pub use bench::{CodecBenchRow, bench_codecs, corpus_page, default_bench_levels};
+pub use bench_dictionary::{PacketCorpus, ZstdVariantRow, bench_zstd_variants};
 pub use dictionary::{
     CodecDictionary, DEFAULT_DICTIONARY_LEN, DICTIONARY_SAMPLE_PAGES, train_dictionary,
 };
@@ -655,9 +657,14 @@ impl PageCompressor {
         let (engine, which) = match codec {
             CodecId::None => (Engine::None, CodecImpl::None),
             #[cfg(feature = "zstd")]
-            CodecId::Zstd | CodecId::ZstdPacket => (
+            CodecId::Zstd => (
                 Engine::Zstd(Box::new(new_zstd(level, dictionary)?)),
                 CodecImpl::Zstd,
+            ),
+            #[cfg(feature = "zstd")]
+            CodecId::ZstdPacket => (
+                Engine::Zstd(Box::new(new_zstd(level, dictionary)?)),
+                CodecImpl::ZstdPacket,
             ),
             #[cfg(feature = "deflate")]
             CodecId::Deflate => (
@@ -827,7 +834,7 @@ impl PageCompressor {
         if let (Some(packet), Engine::Zstd(c)) = (self.packet.as_mut(), &mut self.engine) {
             // SAFETY: forwarded caller contract.
             let counters = unsafe { packet.compress(c, pages, batch, self.sampling) };
-            let c = self.stats.get_mut(CodecImpl::Zstd);
+            let c = self.stats.get_mut(CodecImpl::ZstdPacket);
             c.add(&counters);
             c.cpu_ns += thread_cpu_ns().saturating_sub(t0);
             return;

@@ -12,7 +12,9 @@ fn main() {
             let bytes = std::fs::read(path).expect("read the image");
             tern_page::codec::PacketCorpus::from_image(path, &bytes, pages, 1024)
         }
-        None => tern_page::codec::PacketCorpus::synthetic("mixed", &["random", "text", "binary"], pages),
+        None => {
+            tern_page::codec::PacketCorpus::synthetic("mixed", &["random", "text", "binary"], pages)
+        }
     };
     for row in tern_page::codec::bench_zstd_variants(&corpus, 1, dict, 3).expect("bench") {
         println!("{row:?}");

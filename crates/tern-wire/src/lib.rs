@@ -60,10 +60,9 @@ pub use codec::{MAX_PEER_TEXT_CHARS, Reader, Writer, sanitise_peer_text};
 pub use decoder::{Decoded, Event, Expect, FrameDecoder, PagePacket};
 pub use error::{AbortReason, WireError};
 pub use message::{
-    Abort, AuthChallenge, AuthHello, AuthProof, ChannelHello, Complete, Dictionary, DigestAlgorithm,
-    Handshake,
-    Hello, Message, Outcome, OutcomeStats, Ready, RegionInfo, SessionSetup, StateSectionMsg, Sync,
-    Welcome,
+    Abort, AuthChallenge, AuthHello, AuthProof, ChannelHello, Complete, Dictionary,
+    DigestAlgorithm, Handshake, Hello, Message, Outcome, OutcomeStats, Ready, RegionInfo,
+    SessionSetup, StateSectionMsg, Sync, Welcome,
 };
 pub use pages::{
     PageEntry, PageKind, PagesHeader, decode_page_table, encode_packet_prefix, encode_pages_prefix,

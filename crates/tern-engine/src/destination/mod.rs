@@ -1,8 +1,8 @@
 //! The destination side: accept the channels, write received pages straight
 //! into guest memory, verify, restore and resume.
 
-pub(crate) mod handshake;
 mod dictionary;
+pub(crate) mod handshake;
 mod in_memory;
 mod live;
 mod order;

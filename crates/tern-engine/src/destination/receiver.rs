@@ -396,7 +396,9 @@ impl<'d> CompressedInput<'d> {
             codec: "zstd packet",
             len: frame_len,
         })?;
-        Ok(Self::Frame(decompressor.decompress_packet(frame, dictionary, pages)?))
+        Ok(Self::Frame(
+            decompressor.decompress_packet(frame, dictionary, pages)?,
+        ))
     }
 
     /// Writes the next compressed page into `page_out`.
@@ -404,7 +406,11 @@ impl<'d> CompressedInput<'d> {
     /// # Safety
     /// `page_out` points to `PAGE_SIZE` writable bytes nothing else
     /// accesses during the call.
-    unsafe fn decode_next(&mut self, entry: &PageEntry, page_out: *mut u8) -> Result<(), CodecError> {
+    unsafe fn decode_next(
+        &mut self,
+        entry: &PageEntry,
+        page_out: *mut u8,
+    ) -> Result<(), CodecError> {
         match self {
             Self::PerPage {
                 decompressor,

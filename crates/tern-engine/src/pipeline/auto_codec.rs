@@ -34,9 +34,9 @@ impl CompressionSetup {
                 CodecId::Lz4,
                 CodecId::ZstdPacket,
             ]
-                .into_iter()
-                .filter(|codec| codec.is_built())
-                .collect(),
+            .into_iter()
+            .filter(|codec| codec.is_built())
+            .collect(),
         }
     }
 

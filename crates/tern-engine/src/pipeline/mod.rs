@@ -49,8 +49,8 @@ mod report;
 mod sender;
 mod worker;
 
-pub(crate) use auto_codec::{CompressionSetup, sample_pages};
 use auto_codec::{AutoCodec, calibrate_codecs};
+pub(crate) use auto_codec::{CompressionSetup, sample_pages};
 use batch::{Batch, Completion, SendItem, page_ptr};
 use classify::classify;
 use encode::{Scratch, encode};
@@ -216,14 +216,13 @@ impl<'scope> Pipeline<'scope> {
         let channel_count = channels.len();
         // Before the workers exist: they build their compressors from the
         // setup, which calibration may switch to QPL's deflate.
-        let calibration = (setup.compression.choice == CodecChoice::Auto)
-            .then(|| {
-                calibrate_codecs(
-                    &setup.regions,
-                    setup.compression.qpl_path,
-                    setup.compression.dictionary.as_ref(),
-                )
-            });
+        let calibration = (setup.compression.choice == CodecChoice::Auto).then(|| {
+            calibrate_codecs(
+                &setup.regions,
+                setup.compression.qpl_path,
+                setup.compression.dictionary.as_ref(),
+            )
+        });
         if let Some(calibration) = &calibration {
             setup.compression.deflate_through_qpl = calibration.deflate_through_qpl;
         }

@@ -3,7 +3,8 @@
 
 use tern_page::codec::{CodecDictionary, CodecId};
 use tern_wire::{
-    ChannelHello, Dictionary, DigestAlgorithm, Handshake, Hello, Message, RegionInfo, SessionSetup, Welcome,
+    ChannelHello, Dictionary, DigestAlgorithm, Handshake, Hello, Message, RegionInfo, SessionSetup,
+    Welcome,
 };
 
 use crate::config::{MigrationConfig, Verify, ZeroCopyBackend};

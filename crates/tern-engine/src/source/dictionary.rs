@@ -3,9 +3,7 @@
 
 use std::time::Instant;
 
-use tern_page::codec::{
-    CodecDictionary, CodecId, DICTIONARY_SAMPLE_PAGES, train_dictionary,
-};
+use tern_page::codec::{CodecDictionary, CodecId, DICTIONARY_SAMPLE_PAGES, train_dictionary};
 
 use crate::guest::MemoryRegion;
 use crate::pipeline::{CompressionSetup, sample_pages};

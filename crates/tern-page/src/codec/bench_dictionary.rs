@@ -84,7 +84,9 @@ impl PacketCorpus {
         }
         let per_window = (training_pages / (windows / stride).max(1)).max(1);
         for window in (stride / 2..windows).step_by(stride) {
-            corpus.training.extend(data_pages(window).into_iter().take(per_window));
+            corpus
+                .training
+                .extend(data_pages(window).into_iter().take(per_window));
             if corpus.training.len() >= training_pages {
                 break;
             }
@@ -99,7 +101,10 @@ impl PacketCorpus {
         let all: Vec<_> = (0..pages).map(page).collect();
         Self {
             name: name.to_string(),
-            packets: all.chunks(MAX_PAGES_PER_PACKET).map(<[_]>::to_vec).collect(),
+            packets: all
+                .chunks(MAX_PAGES_PER_PACKET)
+                .map(<[_]>::to_vec)
+                .collect(),
             training: (pages..2 * pages).map(page).collect(),
         }
     }
@@ -157,11 +162,15 @@ fn measure(
     rounds: usize,
 ) -> Result<(f64, Option<f64>, usize), CodecError> {
     let mut compressor = PageCompressor::with_dictionary(codec, level, dictionary)?;
-    let mut decoder =
-        PageDecompressor::new(codec)?.with_dictionaries(dictionary.map(std::slice::from_ref).unwrap_or_default())?;
+    let mut decoder = PageDecompressor::new(codec)?
+        .with_dictionaries(dictionary.map(std::slice::from_ref).unwrap_or_default())?;
     let id = dictionary.map_or(0, CodecDictionary::id);
     let bytes = (corpus.pages() * PAGE_SIZE) as f64;
-    let mut batches: Vec<CompressedBatch> = corpus.packets.iter().map(|_| CompressedBatch::new()).collect();
+    let mut batches: Vec<CompressedBatch> = corpus
+        .packets
+        .iter()
+        .map(|_| CompressedBatch::new())
+        .collect();
     let (mut compress, mut decompress) = (Vec::new(), Vec::new());
     for _ in 0..rounds {
         let t = Instant::now();
@@ -194,7 +203,11 @@ fn measure(
 }
 
 /// Decodes every compressed page of `batches`; returns the bytes decoded.
-pub(super) fn decode_all(decoder: &mut PageDecompressor, batches: &[CompressedBatch], id: u8) -> Result<usize, CodecError> {
+pub(super) fn decode_all(
+    decoder: &mut PageDecompressor,
+    batches: &[CompressedBatch],
+    id: u8,
+) -> Result<usize, CodecError> {
     let mut decoded = 0;
     let mut page = [0u8; PAGE_SIZE];
     for batch in batches {

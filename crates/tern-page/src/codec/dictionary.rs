@@ -45,7 +45,9 @@ impl CodecDictionary {
             )));
         }
         if !codec.is_zstd() {
-            return Err(CodecError::Dictionary(format!("{codec} takes no dictionary")));
+            return Err(CodecError::Dictionary(format!(
+                "{codec} takes no dictionary"
+            )));
         }
         if bytes.is_empty() || bytes.len() > MAX_DICTIONARY_LEN {
             return Err(CodecError::Dictionary(format!(

@@ -158,11 +158,19 @@ fn a_packet_frame_of_the_wrong_size_or_truncated_is_refused() {
         Err(CodecError::PacketSize { decoded, .. }) if decoded == 8 * PAGE_SIZE
     ));
     // Cut short.
-    assert!(decoder.decompress_packet(&frame[..frame.len() - 3], 0, 8).is_err());
+    assert!(
+        decoder
+            .decompress_packet(&frame[..frame.len() - 3], 0, 8)
+            .is_err()
+    );
     // Garbage, empty, too long, too many pages, unknown dictionary.
     assert!(decoder.decompress_packet(&[0xff; 100], 0, 8).is_err());
     assert!(decoder.decompress_packet(&[], 0, 8).is_err());
-    assert!(decoder.decompress_packet(&vec![0; 8 * PAGE_SIZE], 0, 8).is_err());
+    assert!(
+        decoder
+            .decompress_packet(&vec![0; 8 * PAGE_SIZE], 0, 8)
+            .is_err()
+    );
     assert!(decoder.decompress_packet(frame, 0, 129).is_err());
     assert!(matches!(
         decoder.decompress_packet(frame, 3, 8),
@@ -172,7 +180,10 @@ fn a_packet_frame_of_the_wrong_size_or_truncated_is_refused() {
     let mut per_page = PageDecompressor::new(CodecId::Zstd).unwrap();
     assert!(per_page.decompress_packet(frame, 0, 8).is_err());
     // And it still decodes well after all that.
-    assert_eq!(decoder.decompress_packet(frame, 0, 8).unwrap().len(), 8 * PAGE_SIZE);
+    assert_eq!(
+        decoder.decompress_packet(frame, 0, 8).unwrap().len(),
+        8 * PAGE_SIZE
+    );
 }
 
 #[test]

@@ -651,7 +651,9 @@ impl PageCompressor {
         dictionary: Option<&CodecDictionary>,
     ) -> Result<Self, CodecError> {
         if dictionary.is_some() && !codec.is_zstd() {
-            return Err(CodecError::Dictionary(format!("{codec} takes no dictionary")));
+            return Err(CodecError::Dictionary(format!(
+                "{codec} takes no dictionary"
+            )));
         }
         let level = codec.clamp_level(level);
         let (engine, which) = match codec {
@@ -1060,7 +1062,10 @@ impl PageDecompressor {
     /// # Errors
     ///
     /// [`CodecError::Dictionary`] when libzstd rejects one.
-    pub fn with_dictionaries(mut self, dictionaries: &[CodecDictionary]) -> Result<Self, CodecError> {
+    pub fn with_dictionaries(
+        mut self,
+        dictionaries: &[CodecDictionary],
+    ) -> Result<Self, CodecError> {
         #[cfg(feature = "zstd")]
         if let DecoderEngine::Zstd(decoders) = &mut self.engine {
             for dictionary in dictionaries {

@@ -9,11 +9,11 @@
 
 use tern_wire::MAX_PAGES_PER_PACKET;
 
-#[cfg(feature = "zstd")]
-use super::{CodecCounters, CodecDictionary, CompressedBatch, PageOutcome, RawReason};
 use super::CodecError;
 #[cfg(feature = "zstd")]
 use super::looks_incompressible_bytes;
+#[cfg(feature = "zstd")]
+use super::{CodecCounters, CodecDictionary, CompressedBatch, PageOutcome, RawReason};
 use crate::PAGE_SIZE;
 
 /// A worker's buffers for packet frames: the packet's pages as one input,
@@ -153,7 +153,10 @@ impl ZstdDecoders {
         })
     }
 
-    pub(super) fn add_dictionary(&mut self, dictionary: &CodecDictionary) -> Result<(), CodecError> {
+    pub(super) fn add_dictionary(
+        &mut self,
+        dictionary: &CodecDictionary,
+    ) -> Result<(), CodecError> {
         let decoder = zstd::bulk::Decompressor::with_dictionary(dictionary.bytes())
             .map_err(|error| CodecError::Dictionary(format!("libzstd refuses it: {error}")))?;
         self.with_dictionary
@@ -162,7 +165,10 @@ impl ZstdDecoders {
         Ok(())
     }
 
-    fn decoder(&mut self, dictionary: u8) -> Result<&mut zstd::bulk::Decompressor<'static>, CodecError> {
+    fn decoder(
+        &mut self,
+        dictionary: u8,
+    ) -> Result<&mut zstd::bulk::Decompressor<'static>, CodecError> {
         if dictionary == 0 {
             return Ok(&mut self.plain);
         }

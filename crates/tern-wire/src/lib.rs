@@ -302,4 +302,6 @@ pub fn decode_stream(
 }
 
 #[cfg(test)]
+mod dictionary_tests;
+#[cfg(test)]
 mod tests;

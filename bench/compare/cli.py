@@ -59,9 +59,10 @@ def prepare(cfg: Config, argv: list[str]) -> tuple[Results, Artifacts]:
                             capture_output=True, text=True).stdout.strip()
     work = Path(cfg.work)
     work.mkdir(parents=True, exist_ok=True)
-    artifacts = Artifacts(tern=binary, image=work / f"image-{cfg.memory_mib}M.bin",
+    suffix = "" if cfg.image == "mixed" else f"-{cfg.image}"
+    artifacts = Artifacts(tern=binary, image=work / f"image-{cfg.memory_mib}M{suffix}.bin",
                           guest=work / f"guest-{cfg.working_set_mib}M.mb")
-    image.make(artifacts.image, cfg.memory)
+    image.make(artifacts.image, cfg.memory, kind=cfg.image)
     subprocess.run([str(binary), "vm", "export-guest", "--working-set", str(cfg.working_set),
                     "--multiboot", str(artifacts.guest)], check=True)
     return Results(
@@ -70,7 +71,7 @@ def prepare(cfg: Config, argv: list[str]) -> tuple[Results, Artifacts]:
         machine=procfs.machine_info(),
         qemu_version=qemu.version() if cfg.wants_qemu() else None,
         tern_version=f"{tver} (git {commit})",
-        image={"bytes": cfg.memory, "description": image.DESCRIPTION},
+        image={"bytes": cfg.memory, "description": image.DESCRIPTIONS[cfg.image]},
         config=cfg,
     ), artifacts
 

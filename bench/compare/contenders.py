@@ -46,6 +46,8 @@ class TernContender:
     # None: the case's own.
     channels: int | None = None
     compression: str | None = None
+    # More `tern vm migrate` options (a zstd dictionary, packet frames).
+    options: tuple[str, ...] = ()
 
     def channels_for(self, case: Case) -> int:
         return self.channels if self.channels is not None else case.channels
@@ -59,10 +61,17 @@ Contender = Union[QemuContender, TernContender]
 QEMU = QemuContender("qemu")
 QEMU_NOTHP = QemuContender("qemu-nothp", thp=False)
 TERN = TernContender("tern")
+# Rows of the zstd cases: zstd against a dictionary trained on the guest's
+# pages, and zstd in packet frames with that dictionary.
+DICTIONARY = ("--compression-dictionary", "64KiB")
+TERN_DICT = TernContender("tern-dict", options=DICTIONARY)
+TERN_PACKET = TernContender("tern-packet", options=("--packet-frames", *DICTIONARY))
+ZSTD_ROWS = (TERN_DICT, TERN_PACKET)
 
 
 def tern_best(channels: int) -> TernContender:
-    return TernContender("tern-best", verify="none", channels=channels, compression="auto")
+    return TernContender("tern-best", verify="none", channels=channels, compression="auto",
+                         options=DICTIONARY)
 
 
 def tern_verify(channels: int) -> TernContender:
@@ -70,7 +79,7 @@ def tern_verify(channels: int) -> TernContender:
 
 
 # Every contender, in the order of the report's rows.
-NAMES = ("qemu", "qemu-nothp", "tern", "tern-best", "tern-verify")
+NAMES = ("qemu", "qemu-nothp", "tern", "tern-dict", "tern-packet", "tern-best", "tern-verify")
 EXTRA_NAMES = ("tern-best", "tern-verify")
 
 
@@ -85,7 +94,8 @@ def plan(modes: list[str], links: list[str], channels: list[int], compressions: 
         for link in links:
             for count in channels:
                 for compression in compressions:
-                    chosen = [c for c in (QEMU, QEMU_NOTHP, TERN) if c.name in wanted]
+                    rows = (QEMU, QEMU_NOTHP, TERN) + (ZSTD_ROWS if compression == "zstd" else ())
+                    chosen = [c for c in rows if c.name in wanted]
                     if chosen:
                         cases.append((Case(mode, link, count, compression), chosen))
             if not extras:

@@ -3,9 +3,11 @@ network namespace, both ends of both programs run inside it."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 
-NETNS = "ternbench"
+# Another name lets two harnesses shape their own links side by side.
+NETNS = os.environ.get("TERNBENCH_NETNS", "ternbench")
 SHAPED = "1gbit"
 
 

@@ -12,7 +12,8 @@ from .stats import Summaries, Summary
 
 CHARTS = ("total_time.png", "downtime.png", "cpu.png", "bytes.png")
 COLORS = {"qemu": "#d95f02", "qemu-nothp": "#e6ab02", "tern": "#1b9e77",
-          "tern-best": "#7570b3", "tern-verify": "#66a61e"}
+          "tern-best": "#7570b3", "tern-verify": "#66a61e", "tern-dict": "#e7298a",
+          "tern-packet": "#a6761d"}
 
 
 def fmt(value: float | None, unit: str = "") -> str:
@@ -107,7 +108,9 @@ def markdown(results: Results, charts: bool = True) -> str:
             if who in rows:
                 lines.append(_row(case, who, rows[who], q, qn))
     lines += ["", "`*/extra` cases hold tern's extra rows (max channels): "
-              "`tern-best` = `--compression auto --verify none`, "
+              "`tern-best` = `--compression auto --compression-dictionary 64KiB "
+              "--verify none`; in zstd cases `tern-dict` adds `--compression-dictionary "
+              "64KiB` and `tern-packet` `--packet-frames --compression-dictionary 64KiB`, "
               "`tern-verify` = `--compression none --verify full` (the digest check "
               "at switch-over is inside tern's downtime). `qemu-nothp` = QEMU with "
               "transparent huge pages disabled for its processes (PR_SET_THP_DISABLE), "

@@ -51,7 +51,10 @@ def receiver_args(cfg: Config, artifacts: Artifacts) -> list[str]:
     # Port 0: the ready event says which port the system picked.
     return [str(artifacts.tern), "vm", "receive", "--listen", "127.0.0.1:0", "--json",
             "--progress", "none", "--run-after", "1000",
-            "--accept-timeout", str(int(cfg.timeout))]
+            "--accept-timeout", str(int(cfg.timeout)),
+            # The tern rows compare with QEMU, which verifies nothing: they
+            # run --verify none, which a receiver refuses unless allowed.
+            "--allow-unverified"]
 
 
 def source_args(cfg: Config, artifacts: Artifacts, case: Case, who: TernContender,
@@ -66,6 +69,7 @@ def source_args(cfg: Config, artifacts: Artifacts, case: Case, who: TernContende
             "--compression", compression, "--verify", who.verify]
     if compression == "zstd":
         args += ["--compression-level", "1"]  # QEMU's default level
+    args += list(who.options)
     if case.mode == "paused":
         args.append("--paused")
     return args

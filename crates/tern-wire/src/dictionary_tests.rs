@@ -173,6 +173,9 @@ fn a_packet_frame_belongs_to_its_first_compressed_entry_and_must_shrink() {
             "{entries:?} must be refused"
         );
     }
+    // A packet whose pages all went raw has no frame, and is fine.
+    let bytes = packet(header(codec_id::ZSTD_PACKET, 0), &[raw], 4096);
+    assert!(decode_stream(&bytes, Some(&setup)).is_ok());
     // Per-page zstd keeps its rule: every compressed page has bytes.
     let setup = zstd_setup(1 << codec_id::ZSTD, 0);
     let bytes = packet(header(codec_id::ZSTD, 0), &[compressed(0, 0)], 0);

@@ -208,13 +208,15 @@ pub fn decode_page_table(
 }
 
 /// A packet frame must shrink: fewer bytes than the pages it decodes to.
+/// A packet of the codec may have no compressed page at all (every page
+/// raw or zero), and then no frame.
 fn check_packet_frame(entries: &[PageEntry], page_size: u32) -> Result<(), WireError> {
     let compressed = entries
         .iter()
         .filter(|entry| entry.kind == PageKind::Compressed);
     let pages = compressed.clone().count() as u64;
     let frame: u64 = compressed.map(|entry| u64::from(entry.encoded_len)).sum();
-    if frame >= pages * u64::from(page_size) {
+    if pages > 0 && frame >= pages * u64::from(page_size) {
         return Err(WireError::InvalidField {
             field: "packet frame",
             detail: format!("{frame} bytes for {pages} pages does not shrink"),

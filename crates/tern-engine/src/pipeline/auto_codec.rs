@@ -43,7 +43,20 @@ impl CompressionSetup {
     /// A compressor for `codec`, as the user's choice asks (QPL for deflate
     /// when `qpl` was chosen, or when `auto` measured QPL the better deflate).
     pub fn compressor(&self, codec: CodecId) -> Result<PageCompressor, tern_page::CodecError> {
-        let level = self.level.unwrap_or_else(|| codec.default_level());
+        self.compressor_at(codec, self.level_for(codec))
+    }
+
+    /// The level asked for `codec`: the configured one, or its default.
+    pub fn level_for(&self, codec: CodecId) -> i32 {
+        self.level.unwrap_or_else(|| codec.default_level())
+    }
+
+    /// [`compressor`](Self::compressor) at `level` (auto tunes it).
+    pub fn compressor_at(
+        &self,
+        codec: CodecId,
+        level: i32,
+    ) -> Result<PageCompressor, tern_page::CodecError> {
         let through_qpl = self.choice == CodecChoice::Qpl || self.deflate_through_qpl;
         if through_qpl && codec == CodecId::Deflate {
             PageCompressor::with_qpl(self.qpl_path, level)
@@ -66,6 +79,12 @@ pub(super) struct AutoCodec {
     pub(super) wire_at_start: u64,
     pub(super) busy_at_start: u64,
     pub(super) switches: u64,
+    /// The level in force for the current codec, tuned while it is kept.
+    pub(super) level: i32,
+    /// The current codec's counters when the window started: the window's
+    /// measurement is the difference, at the window's level.
+    pub(super) counters_at_start: CodecCounters,
+    pub(super) level_changes: u64,
 }
 
 /// Adaptive compression decides again after at least this many batches and
@@ -189,24 +208,10 @@ impl Pipeline<'_> {
             ((busy - auto.busy_at_start) as f64 / 1e9 / (elapsed * self.channel_count as f64))
                 .clamp(0.05, 1.0);
         let link = wire_rate / busy_share;
-        if self.codec != CodecId::None {
-            let level = self
-                .shared
-                .compression
-                .level
-                .unwrap_or_else(|| self.codec.default_level());
-            let counters = self
-                .codec_stats
-                .used()
-                .find(|(which, _)| which.wire() == self.codec)
-                .map(|(_, counters)| *counters);
-            if let Some(measured) = counters.and_then(|counters| {
-                tern_page::codec::CodecMeasurement::from_counters(self.codec, level, &counters)
-            }) {
-                auto.measurements.retain(|known| known.codec != self.codec);
-                auto.measurements.push(measured);
-            }
-        }
+        let measured = self.measure_window();
+        let Some(auto) = self.auto.as_mut() else {
+            return;
+        };
         let decision = auto.selector.next(link, &auto.measurements);
         if decision.codec != self.codec {
             auto.switches += 1;
@@ -217,11 +222,82 @@ impl Pipeline<'_> {
                 "adaptive compression switches codec"
             );
             self.codec = decision.codec;
+            auto.level = self.shared.compression.level_for(decision.codec);
+        } else if let Some(measured) = measured {
+            let workers = self.shared.worker_rings.len();
+            let level = tern_page::codec::tune_level(&measured, link, workers);
+            if level != auto.level {
+                auto.level_changes += 1;
+                tracing::info!(
+                    codec = self.codec.name(),
+                    from = auto.level,
+                    to = level,
+                    link_mb_s = link / 1e6,
+                    "adaptive compression changes level"
+                );
+                auto.level = level;
+            }
         }
+        auto.counters_at_start = current_counters(&self.codec_stats, self.codec);
         auto.batches_since = 0;
         auto.window_started = Instant::now();
         auto.wire_at_start = wire;
         auto.busy_at_start = busy;
+    }
+}
+
+impl Pipeline<'_> {
+    /// The current codec as measured over the decision window (its
+    /// counters since the window started, at the window's level), recorded
+    /// among auto's measurements.
+    fn measure_window(&mut self) -> Option<tern_page::codec::CodecMeasurement> {
+        let auto = self.auto.as_mut()?;
+        if self.codec == CodecId::None {
+            return None;
+        }
+        let now = current_counters(&self.codec_stats, self.codec);
+        let window = counters_since(&now, &auto.counters_at_start);
+        let measured =
+            tern_page::codec::CodecMeasurement::from_counters(self.codec, auto.level, &window)?;
+        auto.measurements.retain(|known| known.codec != self.codec);
+        auto.measurements.push(measured);
+        Some(measured)
+    }
+
+    /// The level the next batch is compressed at.
+    pub(super) fn batch_level(&self) -> i32 {
+        match &self.auto {
+            Some(auto) => auto.level,
+            None => self.shared.compression.level_for(self.codec),
+        }
+    }
+}
+
+/// The counters of the implementation that produces `codec`.
+fn current_counters(stats: &CodecStats, codec: CodecId) -> CodecCounters {
+    stats
+        .used()
+        .find(|(which, _)| which.wire() == codec)
+        .map(|(_, counters)| *counters)
+        .unwrap_or_default()
+}
+
+/// What was counted between `start` and `now` (the CPU rate and ratio of
+/// a window, not of the whole migration).
+fn counters_since(now: &CodecCounters, start: &CodecCounters) -> CodecCounters {
+    CodecCounters {
+        pages: now.pages.saturating_sub(start.pages),
+        compressed: now.compressed.saturating_sub(start.compressed),
+        raw_fallbacks: now.raw_fallbacks.saturating_sub(start.raw_fallbacks),
+        skipped_by_sampling: now
+            .skipped_by_sampling
+            .saturating_sub(start.skipped_by_sampling),
+        offload_fallbacks: now
+            .offload_fallbacks
+            .saturating_sub(start.offload_fallbacks),
+        bytes_in: now.bytes_in.saturating_sub(start.bytes_in),
+        bytes_out: now.bytes_out.saturating_sub(start.bytes_out),
+        cpu_ns: now.cpu_ns.saturating_sub(start.cpu_ns),
     }
 }
 

@@ -18,6 +18,8 @@ pub(crate) struct Batch {
     pub(super) codec: CodecId,
     /// The dictionary the compressor used (0: none), named in the header.
     pub(super) dictionary: u8,
+    /// The level to compress at (auto tunes it).
+    pub(super) level: i32,
     pub(super) compressed: CompressedBatch,
     /// What the worker's compressor did for this batch.
     pub(super) codec_stats: CodecStats,
@@ -39,6 +41,7 @@ impl Batch {
             prechecked: false,
             codec: CodecId::None,
             dictionary: 0,
+            level: 1,
             compressed: CompressedBatch::new(),
             codec_stats: CodecStats::default(),
             entries: Vec::with_capacity(MAX_PAGES_PER_PACKET),

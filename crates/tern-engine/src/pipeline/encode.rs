@@ -11,6 +11,8 @@ pub(super) struct Scratch {
     pub(super) zero_flags: Vec<bool>,
     /// Indexed by wire codec id.
     pub(super) compressors: [Option<PageCompressor>; 8],
+    /// The level each compressor was asked for.
+    pub(super) levels: [i32; 8],
 }
 
 pub(super) fn encode(shared: &Shared, batch: &mut Batch, scratch: &mut Scratch) {
@@ -91,8 +93,15 @@ pub(super) fn compress(shared: &Shared, batch: &mut Batch, scratch: &mut Scratch
         return;
     }
     let slot = &mut scratch.compressors[batch.codec as usize];
+    let asked = &mut scratch.levels[batch.codec as usize];
+    // Auto tunes the level: a compressor asked for another one is made
+    // anew (compared with what was asked: QPL, say, rounds levels).
+    if *asked != batch.level {
+        *slot = None;
+        *asked = batch.level;
+    }
     if slot.is_none() {
-        match shared.compression.compressor(batch.codec) {
+        match shared.compression.compressor_at(batch.codec, batch.level) {
             Ok(compressor) => *slot = Some(compressor),
             Err(error) => {
                 // Checked at start-up, so this is unexpected: send raw.

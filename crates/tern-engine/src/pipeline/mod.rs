@@ -19,7 +19,9 @@ use std::sync::{Arc, Mutex, OnceLock};
 use std::thread::{self, Scope, ScopedJoinHandle};
 use std::time::{Duration, Instant};
 
-use tern_page::codec::{CodecChoice, CodecId, CodecStats, CompressedBatch, PageOutcome, QplPath};
+use tern_page::codec::{
+    CodecChoice, CodecCounters, CodecId, CodecStats, CompressedBatch, PageOutcome, QplPath,
+};
 use tern_page::dsa::{ZeroAsNormal, ZeroPageOffload};
 use tern_page::{PageCompressor, ZeroChecker};
 use tern_wire::{
@@ -240,6 +242,7 @@ impl<'scope> Pipeline<'scope> {
                 .copied()
                 .unwrap_or(CodecId::None),
         };
+        let initial_level = setup.compression.level_for(CodecId::Zstd);
         let cancel = setup.cancel.clone();
         let shared = Arc::new(Shared::new(setup, channel_count, pool_size));
         let mut pipeline = Self {
@@ -261,6 +264,9 @@ impl<'scope> Pipeline<'scope> {
                 wire_at_start: 0,
                 busy_at_start: 0,
                 switches: 0,
+                level: initial_level,
+                counters_at_start: CodecCounters::default(),
+                level_changes: 0,
             }),
             codec_stats: CodecStats::default(),
             scratch: Scratch::default(),
@@ -340,6 +346,7 @@ impl<'scope> Pipeline<'scope> {
                     None => {
                         let mut fresh = self.take_batch()?;
                         fresh.reset(region, iteration, last, self.codec);
+                        fresh.level = self.batch_level();
                         batch.insert(fresh)
                     }
                 };

@@ -101,8 +101,8 @@ use tern_wire::codec_id;
 use crate::PAGE_SIZE;
 
 pub use auto::{
-    AutoDecision, AutoSelector, CodecMeasurement, OFFLOAD_RATIO_TOLERANCE, calibrate,
-    calibrate_qpl, calibrate_with_dictionary, choose_codec, prefer_offload,
+    AUTO_MAX_LEVEL, AutoDecision, AutoSelector, CodecMeasurement, OFFLOAD_RATIO_TOLERANCE,
+    calibrate, calibrate_qpl, calibrate_with_dictionary, choose_codec, prefer_offload, tune_level,
 };
 pub use bench::{CodecBenchRow, bench_codecs, corpus_page, default_bench_levels};
 pub use bench_dictionary::{PacketCorpus, ZstdVariantRow, bench_zstd_variants};

@@ -95,7 +95,8 @@ impl PacketCorpus {
     }
 
     /// A synthetic corpus of `pages` pages of `kinds` in turn, in packets
-    /// of [`MAX_PAGES_PER_PACKET`], with as many other pages to train on.
+    /// of [`MAX_PAGES_PER_PACKET`], with as many other pages to train on as
+    /// a migration samples ([`super::DICTIONARY_SAMPLE_PAGES`]).
     pub fn synthetic(name: &str, kinds: &[&str], pages: usize) -> Self {
         let page = |i: usize| super::corpus_page(kinds[i % kinds.len()], i as u64 + 1);
         let all: Vec<_> = (0..pages).map(page).collect();
@@ -105,7 +106,9 @@ impl PacketCorpus {
                 .chunks(MAX_PAGES_PER_PACKET)
                 .map(<[_]>::to_vec)
                 .collect(),
-            training: (pages..2 * pages).map(page).collect(),
+            training: (pages..pages + super::DICTIONARY_SAMPLE_PAGES)
+                .map(page)
+                .collect(),
         }
     }
 

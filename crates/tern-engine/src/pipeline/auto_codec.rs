@@ -256,7 +256,7 @@ impl Pipeline<'_> {
             return None;
         }
         let now = current_counters(&self.codec_stats, self.codec);
-        let window = counters_since(&now, &auto.counters_at_start);
+        let window = data_the_codec_ran_on(&counters_since(&now, &auto.counters_at_start))?;
         let measured =
             tern_page::codec::CodecMeasurement::from_counters(self.codec, auto.level, &window)?;
         auto.measurements.retain(|known| known.codec != self.codec);
@@ -280,6 +280,23 @@ fn current_counters(stats: &CodecStats, codec: CodecId) -> CodecCounters {
         .find(|(which, _)| which.wire() == codec)
         .map(|(_, counters)| *counters)
         .unwrap_or_default()
+}
+
+/// The counters without the pages sampling sent raw: those cost every codec
+/// the same (nothing), so a window of random pages says nothing about the
+/// codec and must not replace what is known of it (a run of random pages
+/// would otherwise make the codec look useless for the rest of the
+/// migration). `None` when the codec ran on no page.
+fn data_the_codec_ran_on(window: &CodecCounters) -> Option<CodecCounters> {
+    let skipped_bytes = window.skipped_by_sampling * PAGE_SIZE as u64;
+    let pages = window.pages.checked_sub(window.skipped_by_sampling)?;
+    (pages > 0).then(|| CodecCounters {
+        pages,
+        skipped_by_sampling: 0,
+        bytes_in: window.bytes_in.saturating_sub(skipped_bytes),
+        bytes_out: window.bytes_out.saturating_sub(skipped_bytes),
+        ..*window
+    })
 }
 
 /// What was counted between `start` and `now` (the CPU rate and ratio of
@@ -367,6 +384,34 @@ mod tests {
             assert!(setup.compressor(CodecId::Deflate).is_err());
             assert!(setup.compressor(CodecId::Zstd).is_ok());
         }
+    }
+
+    #[test]
+    fn a_window_of_pages_sampling_sent_raw_measures_nothing() {
+        let random = CodecCounters {
+            pages: 128,
+            skipped_by_sampling: 128,
+            bytes_in: 128 * 4096,
+            bytes_out: 128 * 4096,
+            cpu_ns: 1000,
+            ..CodecCounters::default()
+        };
+        assert_eq!(data_the_codec_ran_on(&random), None);
+        let mixed = CodecCounters {
+            pages: 4,
+            compressed: 2,
+            skipped_by_sampling: 2,
+            bytes_in: 4 * 4096,
+            bytes_out: 2 * 4096 + 1000,
+            cpu_ns: 1000,
+            ..CodecCounters::default()
+        };
+        let ran = data_the_codec_ran_on(&mixed).unwrap();
+        assert_eq!(
+            (ran.pages, ran.bytes_in, ran.bytes_out),
+            (2, 2 * 4096, 1000)
+        );
+        assert!((ran.ratio() - 8.192).abs() < 1e-9);
     }
 
     #[test]

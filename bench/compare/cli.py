@@ -60,13 +60,13 @@ def prepare(cfg: Config, argv: list[str]) -> tuple[Results, Artifacts]:
     work = Path(cfg.work)
     work.mkdir(parents=True, exist_ok=True)
     rewrite = "running-rewrite" in cfg.modes
-    artifacts = Artifacts(tern=binary, image=work / f"image-{cfg.memory_mib}M.bin",
+    suffix = "" if cfg.image == "mixed" else f"-{cfg.image}"
+    artifacts = Artifacts(tern=binary, image=work / f"image-{cfg.memory_mib}M{suffix}.bin",
                           guest=work / f"guest-{cfg.working_set_mib}M.mb",
                           tls=pki.make(work / "tls") if cfg.wants_tls() else None,
-
                           guest_rewrite=(work / f"guest-rewrite-{cfg.rewrite_working_set_mib}M.mb"
                                          if rewrite else None))
-    image.make(artifacts.image, cfg.memory)
+    image.make(artifacts.image, cfg.memory, kind=cfg.image)
     for mode, path in (("running", artifacts.guest), ("running-rewrite", artifacts.guest_rewrite)):
         if path is not None:
             subprocess.run([str(binary), "vm", "export-guest", "--working-set",
@@ -78,7 +78,7 @@ def prepare(cfg: Config, argv: list[str]) -> tuple[Results, Artifacts]:
         machine=procfs.machine_info(),
         qemu_version=qemu.version() if cfg.wants_qemu() else None,
         tern_version=f"{tver} (git {commit})",
-        image={"bytes": cfg.memory, "description": image.DESCRIPTION},
+        image={"bytes": cfg.memory, "description": image.DESCRIPTIONS[cfg.image]},
         config=cfg,
     ), artifacts
 

@@ -35,6 +35,8 @@ class Config:
     compressions: list[str] | None = None
     contenders: list[str] | None = None
     extras: bool = True
+    # The memory image: "mixed" (kinds drawn per page) or "runs" (per 2 MiB).
+    image: str = "mixed"
     timeout: float = 120  # per migration, s
     tbf_rate: str = "1gbit"
     tbf_burst: str = "256kb"
@@ -136,6 +138,9 @@ def parser() -> argparse.ArgumentParser:
                     help=f"who runs, comma-separated, from {','.join(NAMES)} "
                          "(e.g. tern alone where QEMU is not installed; the TLS rows "
                          "qemu-tls and tern-tls only when named)")
+    ap.add_argument("--image", default="mixed", choices=("mixed", "runs"),
+                    help="the memory image: page kinds drawn per page (mixed) or per "
+                         "2 MiB run (runs)")
     ap.add_argument("--no-extra", action="store_true",
                     help="skip the tern-best and tern-verify rows")
     ap.add_argument("--no-charts", action="store_true",
@@ -173,6 +178,7 @@ def from_args(args: argparse.Namespace) -> Config:
         channels=[int(c) for c in args.channels.split(",")],
         compressions=[c.strip() for c in args.compressions.split(",") if c.strip()],
         contenders=parse_contenders(args.contenders), extras=not args.no_extra,
+        image=args.image,
         timeout=args.timeout, tbf_rate=args.tbf_rate, tbf_burst=args.tbf_burst,
         tbf_latency=args.tbf_latency, target_dir=args.target_dir, work=args.work,
         out=args.out,

@@ -67,6 +67,8 @@ class TernContender:
     tls: bool = False
     # With `--delta-cache-size` (the config's delta cache).
     delta: bool = False
+    # More `tern vm migrate` options (a zstd dictionary, packet frames).
+    options: tuple[str, ...] = ()
 
     def channels_for(self, case: Case) -> int:
         return self.channels if self.channels is not None else case.channels
@@ -85,10 +87,17 @@ TERN = TernContender("tern")
 # --tls-dir; both mutual, certificates from one CA (bench/compare/pki.py).
 QEMU_TLS = QemuContender("qemu-tls", tls=True)
 TERN_TLS = TernContender("tern-tls", tls=True)
+# Rows of the zstd cases: zstd against a dictionary trained on the guest's
+# pages, and zstd in packet frames with that dictionary.
+DICTIONARY = ("--compression-dictionary", "64KiB")
+TERN_DICT = TernContender("tern-dict", options=DICTIONARY)
+TERN_PACKET = TernContender("tern-packet", options=("--packet-frames", *DICTIONARY))
+ZSTD_ROWS = (TERN_DICT, TERN_PACKET)
 
 
 def tern_best(channels: int) -> TernContender:
-    return TernContender("tern-best", verify="none", channels=channels, compression="auto")
+    return TernContender("tern-best", verify="none", channels=channels, compression="auto",
+                         options=DICTIONARY)
 
 
 def tern_verify(channels: int) -> TernContender:
@@ -102,10 +111,10 @@ def tern_delta(channels: int) -> TernContender:
 
 # Every contender, in the order of the report's rows; the TLS pair runs
 # only when asked for (--contenders).
-NAMES = ("qemu", "qemu-nothp", "tern", "tern-best", "tern-verify", "qemu-xbzrle", "tern-delta",
-         "qemu-tls", "tern-tls")
-DEFAULT_NAMES = ("qemu", "qemu-nothp", "tern", "tern-best", "tern-verify", "qemu-xbzrle",
-                 "tern-delta")
+NAMES = ("qemu", "qemu-nothp", "tern", "tern-dict", "tern-packet", "tern-best", "tern-verify",
+         "qemu-xbzrle", "tern-delta", "qemu-tls", "tern-tls")
+DEFAULT_NAMES = ("qemu", "qemu-nothp", "tern", "tern-dict", "tern-packet", "tern-best",
+                 "tern-verify", "qemu-xbzrle", "tern-delta")
 TLS_NAMES = ("qemu-tls", "tern-tls")
 EXTRA_NAMES = ("tern-best", "tern-verify", "qemu-xbzrle", "tern-delta")
 # Contenders only running cases have: deltas need pages sent twice.
@@ -125,6 +134,9 @@ def plan(modes: list[str], links: list[str], channels: list[int], compressions: 
                 for compression in compressions:
                     chosen = [c for c in (QEMU, QEMU_NOTHP, TERN, QEMU_TLS, TERN_TLS)
                               if c.name in wanted]
+                    rows = ((QEMU, QEMU_NOTHP, TERN, QEMU_TLS, TERN_TLS)
+                            + (ZSTD_ROWS if compression == "zstd" else ()))
+                    chosen = [c for c in rows if c.name in wanted]
                     if chosen:
                         cases.append((Case(mode, link, count, compression), chosen))
             if not extras:

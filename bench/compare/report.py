@@ -13,7 +13,8 @@ from .stats import Summaries, Summary
 CHARTS = ("total_time.png", "downtime.png", "cpu.png", "bytes.png")
 COLORS = {"qemu": "#d95f02", "qemu-nothp": "#e6ab02", "tern": "#1b9e77",
           "tern-best": "#7570b3", "tern-verify": "#66a61e", "qemu-xbzrle": "#a6761d",
-          "tern-delta": "#e7298a", "qemu-tls": "#666666", "tern-tls": "#1f78b4"}
+          "tern-delta": "#e7298a", "qemu-tls": "#666666", "tern-tls": "#1f78b4",
+          "tern-dict": "#e6ab02", "tern-packet": "#a6cee3"}
 
 
 def fmt(value: float | None, unit: str = "") -> str:
@@ -110,7 +111,9 @@ def markdown(results: Results, charts: bool = True) -> str:
                 base = baseline.get("qemu-tls") if who == "tern-tls" else q
                 lines.append(_row(case, who, rows[who], base, qn))
     lines += ["", "`*/extra` cases hold tern's extra rows (max channels): "
-              "`tern-best` = `--compression auto --verify none`, "
+              "`tern-best` = `--compression auto --compression-dictionary 64KiB "
+              "--verify none`; in zstd cases `tern-dict` adds `--compression-dictionary "
+              "64KiB` and `tern-packet` `--packet-frames --compression-dictionary 64KiB`, "
               "`tern-verify` = `--compression none --verify full` (the digest check "
               "at switch-over is inside tern's downtime). `qemu-nothp` = QEMU with "
               "transparent huge pages disabled for its processes (PR_SET_THP_DISABLE), "

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from .contenders import Run
 
 QEMU_NAMES = ("qemu", "qemu-nothp")
-TERN_NAMES = ("tern", "tern-best", "tern-verify")
+TERN_NAMES = ("tern", "tern-dict", "tern-packet", "tern-best", "tern-verify")
 
 
 @dataclass

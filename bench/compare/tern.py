@@ -82,6 +82,7 @@ def source_args(cfg: Config, artifacts: Artifacts, case: Case, who: TernContende
             "--compression", compression, "--verify", who.verify]
     if compression == "zstd":
         args += ["--compression-level", "1"]  # QEMU's default level
+    args += list(who.options)
     if case.mode == "paused":
         args.append("--paused")
     else:

@@ -87,9 +87,26 @@ class TernCommandTest(unittest.TestCase):
                                             TERN, "h:1")] * 2))
         self.assertNotIn("--delta-cache-size", plain)
 
+    def test_zstd_cases_add_the_dictionary_and_packet_frame_rows(self):
+        from bench.compare.contenders import TERN_DICT, TERN_PACKET, plan
+        cases = plan(["paused"], ["1gbit"], [2], ["none", "zstd"],
+                     ["qemu", "tern", "tern-dict", "tern-packet"], extras=False)
+        names = {case.compression: [c.name for c in who] for case, who in cases}
+        self.assertEqual(names["none"], ["qemu", "tern"])
+        self.assertEqual(names["zstd"], ["qemu", "tern", "tern-dict", "tern-packet"])
+        case = Case("paused", "1gbit", 2, "zstd")
+        dictionary = tern.source_args(Config(), ARTIFACTS, case, TERN_DICT, "h:1")
+        self.assertEqual(dict(zip(dictionary, dictionary[1:]))["--compression-dictionary"],
+                         "64KiB")
+        self.assertNotIn("--packet-frames", dictionary)
+        self.assertIn("--packet-frames", tern.source_args(Config(), ARTIFACTS, case,
+                                                          TERN_PACKET, "h:1"))
+
     def test_receiver_listens_on_a_port_the_system_picks(self):
         args = tern.receiver_args(Config(timeout=60), ARTIFACTS, TERN)
         self.assertEqual(dict(zip(args, args[1:]))["--listen"], "127.0.0.1:0")
+        # The tern rows run --verify none, which a receiver must allow.
+        self.assertIn("--allow-unverified", args)
 
     def test_receiver_allows_an_unverified_source_only_when_the_contender_skips_the_digest(self):
         self.assertEqual(TERN.verify, "none")

@@ -47,7 +47,40 @@ fn main() -> std::io::Result<()> {
             }
         }
     }
+    write_packet_seeds(&seeds.join("decompress_zstd_packet"))?;
     write_delta_seeds(&seeds.join("apply_delta"))
+}
+
+/// Packet frames of text and binary pages, with and without the target's
+/// dictionary, each behind the byte that gives its page count.
+fn write_packet_seeds(dir: &Path) -> std::io::Result<()> {
+    use tern_page::codec::{CompressedBatch, PageOutcome};
+    fs::create_dir_all(dir)?;
+    let dictionary = tern_fuzz::packet_dictionary();
+    for (name, with_dictionary, pages) in [("text", false, 5u8), ("mixed_dict", true, 9)] {
+        let content: Vec<[u8; PAGE_SIZE]> = (0..u64::from(pages))
+            .map(|i| corpus_page(if i % 2 == 0 { "text" } else { "binary" }, i + 1))
+            .collect();
+        let pointers: Vec<*const u8> = content.iter().map(|page| page.as_ptr()).collect();
+        let mut compressor = PageCompressor::with_dictionary(
+            CodecId::ZstdPacket,
+            1,
+            with_dictionary.then_some(&dictionary),
+        )
+        .expect("zstd");
+        let mut batch = CompressedBatch::new();
+        // SAFETY: whole pages of `content`, alive during the call.
+        unsafe { compressor.compress_batch(&pointers, &mut batch) };
+        let compressed = batch
+            .outcomes
+            .iter()
+            .filter(|outcome| matches!(outcome, PageOutcome::Compressed { .. }))
+            .count() as u8;
+        let mut seed = vec![(compressed - 1) | if with_dictionary { 0x80 } else { 0 }];
+        seed.extend_from_slice(&batch.data);
+        fs::write(dir.join(name), seed)?;
+    }
+    Ok(())
 }
 
 /// Real delta records: a small change, the longest record, an unchanged

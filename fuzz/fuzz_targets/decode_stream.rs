@@ -17,13 +17,17 @@ fuzz_target!(|data: &[u8]| {
     let setup = SessionSetup {
         page_size: tern_wire::PAGE_SIZE,
         channel_count: 4,
-        codecs: 1 << codec_id::ZSTD | 1 << codec_id::DEFLATE | 1 << codec_id::LZ4,
+        codecs: 1 << codec_id::ZSTD
+            | 1 << codec_id::DEFLATE
+            | 1 << codec_id::LZ4
+            | 1 << codec_id::ZSTD_PACKET,
         digest: DigestAlgorithm::Xxh3Pages,
         regions: vec![
             RegionInfo { id: 0, guest_addr: 0, len: 64 << 12 },
             RegionInfo { id: 1, guest_addr: 1 << 30, len: 8 << 12 },
         ],
         guest_kind: "synthetic".into(),
+        dictionaries: 2,
     };
     let _ = decode_stream(data, Some(&setup));
     drive_like_a_receiver(data, setup);

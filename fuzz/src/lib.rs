@@ -1,7 +1,7 @@
 //! What the decompressor targets share.
 
 use tern_page::PAGE_SIZE;
-use tern_page::codec::{CodecError, CodecId, PageDecompressor};
+use tern_page::codec::{CodecDictionary, CodecError, CodecId, PageDecompressor};
 
 /// Decodes `data` as one compressed page of `codec`. A page decodes
 /// whole or not at all: success means exactly `PAGE_SIZE` bytes came out.
@@ -14,6 +14,32 @@ pub fn decompress(codec: CodecId, data: &[u8]) {
             assert!(len == 0 || len >= PAGE_SIZE)
         }
         Err(_) => {}
+    }
+}
+
+/// The dictionary the zstd packet target decodes against (dictionary id 1):
+/// raw content, as zstd takes any bytes without its magic.
+pub fn packet_dictionary() -> CodecDictionary {
+    CodecDictionary::new(1, CodecId::Zstd, b"tern packet frame dictionary ".repeat(32))
+        .expect("within the limits")
+}
+
+/// Decodes `data` as a zstd packet frame: the first byte gives the
+/// packet's compressed pages (1 to 128) and, in its top bit, whether the
+/// frame names the dictionary; the rest is the frame. Success means exactly
+/// that many pages came out; nothing larger is ever written.
+pub fn decompress_packet(data: &[u8]) {
+    let Some((&first, frame)) = data.split_first() else {
+        return;
+    };
+    let pages = usize::from(first & 0x7f) + 1;
+    let dictionary = if first & 0x80 != 0 { 1 } else { 0 };
+    let mut decompressor = PageDecompressor::new(CodecId::ZstdPacket)
+        .and_then(|decoder| decoder.with_dictionaries(&[packet_dictionary()]))
+        .expect("zstd is built");
+    if let Ok(decoded) = decompressor.decompress_packet(frame, dictionary, pages) {
+        assert_eq!(decoded.len(), pages * PAGE_SIZE);
+        assert!(!frame.is_empty() && frame.len() < pages * PAGE_SIZE);
     }
 }
 

@@ -222,6 +222,13 @@ pub struct MigrationConfig {
     /// device (create-delta-record descriptors, the CPU as fallback);
     /// `None` is the CPU.
     pub delta_offload: Option<Arc<tern_page::dsa::DeltaOffload>>,
+    /// Train a zstd dictionary of at most this many bytes on sampled guest
+    /// pages at setup and compress every zstd page against it (pages stay
+    /// independent); `None`: no dictionary. Only with zstd or `auto`.
+    pub compression_dictionary: Option<usize>,
+    /// zstd with all compressible pages of a packet in one frame (ratio over
+    /// independence). Only with zstd; `auto` weighs both framings itself.
+    pub packet_frames: bool,
     /// Memory verification at switch-over.
     pub verify: Verify,
     /// Threads hashing again, while the guest is paused, the pages whose
@@ -277,6 +284,8 @@ impl Default for MigrationConfig {
             dedup: true,
             delta_cache_size: 0,
             delta_offload: None,
+            compression_dictionary: None,
+            packet_frames: false,
             verify: Verify::Full,
             digest_threads: 0,
             zero_copy: false,
@@ -366,6 +375,7 @@ impl MigrationConfig {
                 ),
             );
         }
+        self.validate_zstd_options()?;
         if self.zero_copy && self.compression != CodecChoice::None {
             return bad(
                 "zero_copy",
@@ -391,6 +401,42 @@ impl MigrationConfig {
     /// guest memory, and a reference lives in a private buffer.
     pub fn dedup_active(&self) -> bool {
         self.dedup && !self.zero_copy
+    }
+
+    /// The dictionary and packet frames are zstd's; `auto` picks the framing.
+    fn validate_zstd_options(&self) -> Result<(), MigrationError> {
+        let bad = |field, reason: String| Err(MigrationError::InvalidConfig { field, reason });
+        if self.packet_frames && self.compression != CodecChoice::Zstd {
+            return bad(
+                "packet_frames",
+                format!(
+                    "packet frames are a zstd framing; compression is {} (auto chooses the \
+                     framing itself)",
+                    self.compression
+                ),
+            );
+        }
+        if let Some(len) = self.compression_dictionary {
+            if !matches!(self.compression, CodecChoice::Zstd | CodecChoice::Auto) {
+                return bad(
+                    "compression_dictionary",
+                    format!(
+                        "dictionaries are zstd's; compression is {}",
+                        self.compression
+                    ),
+                );
+            }
+            if !(256..=tern_wire::MAX_DICTIONARY_LEN).contains(&len) {
+                return bad(
+                    "compression_dictionary",
+                    format!(
+                        "{len} bytes (must be 256 to {} bytes)",
+                        tern_wire::MAX_DICTIONARY_LEN
+                    ),
+                );
+            }
+        }
+        Ok(())
     }
 
     /// Rejects settings the transport to `address` cannot carry, before

@@ -5,10 +5,10 @@
 
 use std::ptr::NonNull;
 
-use tern_page::codec::{CodecId, PageCompressor};
+use tern_page::codec::{CodecDictionary, CodecId, CompressedBatch, PageCompressor, PageOutcome};
 use tern_wire::{
     ChannelHello, Complete, DigestAlgorithm, Handshake, Hello, Message, PageEntry, PageKind,
-    RegionInfo, SessionSetup, StateSectionMsg, Sync, codec_id, encode_pages_prefix,
+    PagesHeader, RegionInfo, SessionSetup, StateSectionMsg, Sync, codec_id, encode_packet_prefix,
 };
 use xxhash_rust::xxh3::Xxh3;
 
@@ -254,6 +254,73 @@ impl DeviceState for MemoryGuest {
     }
 }
 
+/// The dictionary of [`sample_session`]: raw content (zstd takes any
+/// bytes without its dictionary magic as a prefix to match against).
+fn sample_dictionary() -> CodecDictionary {
+    let text = b"page of the sample session; dictionary ".repeat(64);
+    CodecDictionary::new(1, CodecId::Zstd, text).expect("within the limits")
+}
+
+/// Appends one packet of `pages` (index, content or `None` for a zero
+/// page) to `stream`: compressed with `codec` (against `dictionary`)
+/// where a page shrinks, in one frame for a packet codec.
+fn encode_sample_packet(
+    stream: &mut Vec<u8>,
+    iteration: u32,
+    codec: CodecId,
+    dictionary: Option<&CodecDictionary>,
+    pages: &[(u32, Option<Vec<u8>>)],
+) {
+    let data: Vec<&[u8]> = pages
+        .iter()
+        .filter_map(|(_, content)| content.as_deref())
+        .collect();
+    let pointers: Vec<*const u8> = data.iter().map(|page| page.as_ptr()).collect();
+    let mut batch = CompressedBatch::new();
+    if let Ok(mut compressor) =
+        PageCompressor::with_dictionary(codec, codec.default_level(), dictionary)
+    {
+        // SAFETY: every pointer is a whole page of `pages`, alive and
+        // unchanged during the call.
+        unsafe { compressor.compress_batch(&pointers, &mut batch) };
+    }
+    let mut entries = Vec::new();
+    let mut payload = Vec::new();
+    let mut outcome = 0;
+    for (page, content) in pages {
+        let Some(content) = content else {
+            entries.push(PageEntry {
+                page_index: *page,
+                kind: PageKind::Zero,
+                encoded_len: 0,
+            });
+            continue;
+        };
+        let (kind, bytes) = match batch.outcomes.get(outcome) {
+            Some(PageOutcome::Compressed { offset, len }) => {
+                (PageKind::Compressed, &batch.data[*offset..*offset + *len])
+            }
+            _ => (PageKind::Raw, &content[..]),
+        };
+        outcome += 1;
+        entries.push(PageEntry {
+            page_index: *page,
+            kind,
+            encoded_len: bytes.len() as u32,
+        });
+        payload.extend_from_slice(bytes);
+    }
+    let header = PagesHeader {
+        region_id: 3,
+        iteration,
+        page_count: 0,
+        codec: codec.to_wire(),
+        dictionary: dictionary.map_or(0, CodecDictionary::id),
+    };
+    encode_packet_prefix(stream, &header, &entries);
+    stream.extend_from_slice(&payload);
+}
+
 /// The session of [`sample_session`].
 pub const SAMPLE_SESSION: u64 = 0x7e57_5e55;
 
@@ -266,7 +333,10 @@ pub fn sample_session() -> (Vec<u8>, Vec<Vec<u8>>) {
     let setup = SessionSetup {
         page_size: tern_wire::PAGE_SIZE,
         channel_count: 2,
-        codecs: 1 << codec_id::ZSTD | 1 << codec_id::DEFLATE | 1 << codec_id::LZ4,
+        codecs: 1 << codec_id::ZSTD
+            | 1 << codec_id::DEFLATE
+            | 1 << codec_id::LZ4
+            | 1 << codec_id::ZSTD_PACKET,
         digest: DigestAlgorithm::Xxh3Pages,
         regions: vec![RegionInfo {
             id: 3,
@@ -274,6 +344,7 @@ pub fn sample_session() -> (Vec<u8>, Vec<Vec<u8>>) {
             len: (PAGES * PAGE_SIZE) as u64,
         }],
         guest_kind: String::new(),
+        dictionaries: 1,
     };
     let mut memory = vec![0u8; PAGES * PAGE_SIZE];
     let text = |seed: u8| -> Vec<u8> {
@@ -332,53 +403,43 @@ pub fn sample_session() -> (Vec<u8>, Vec<Vec<u8>>) {
         ),
         (1, 1, CodecId::None, vec![(0, Some(text(10)))]),
         (1, 0, CodecId::Zstd, vec![(3, None), (9, Some(text(9)))]),
+        (
+            1,
+            1,
+            CodecId::ZstdPacket,
+            vec![
+                (11, Some(text(11))),
+                (12, Some(noise(12))),
+                (13, Some(text(13))),
+            ],
+        ),
+        (
+            0,
+            0,
+            CodecId::ZstdPacket,
+            vec![(14, Some(text(14))), (15, None)],
+        ),
     ];
+    let dictionary = sample_dictionary();
     for iteration in 0..2u32 {
         for (_, channel, codec, pages) in plan.iter().filter(|send| send.0 == iteration) {
-            let mut entries = Vec::new();
-            let mut payload = Vec::new();
             for (page, content) in pages {
                 let start = *page as usize * PAGE_SIZE;
-                let Some(content) = content else {
-                    memory[start..start + PAGE_SIZE].fill(0);
-                    entries.push(PageEntry {
-                        page_index: *page,
-                        kind: PageKind::Zero,
-                        encoded_len: 0,
-                    });
-                    continue;
-                };
-                memory[start..start + PAGE_SIZE].copy_from_slice(content);
-                let mut compressed = [0u8; tern_page::codec::MAX_COMPRESSED];
-                let shrunk = (*codec != CodecId::None)
-                    .then(|| {
-                        PageCompressor::new(*codec, codec.default_level())
-                            .ok()?
-                            .compress(content.as_slice().try_into().ok()?, &mut compressed)
-                    })
-                    .flatten();
-                match shrunk {
-                    Some(len) => {
-                        entries.push(PageEntry {
-                            page_index: *page,
-                            kind: PageKind::Compressed,
-                            encoded_len: len as u32,
-                        });
-                        payload.extend_from_slice(&compressed[..len]);
-                    }
-                    None => {
-                        entries.push(PageEntry {
-                            page_index: *page,
-                            kind: PageKind::Raw,
-                            encoded_len: PAGE_SIZE as u32,
-                        });
-                        payload.extend_from_slice(content);
-                    }
+                match content {
+                    Some(content) => memory[start..start + PAGE_SIZE].copy_from_slice(content),
+                    None => memory[start..start + PAGE_SIZE].fill(0),
                 }
             }
-            let stream = &mut channels[*channel];
-            encode_pages_prefix(stream, 3, iteration, codec.to_wire(), &entries);
-            stream.extend_from_slice(&payload);
+            // zstd packets use the session's dictionary, in turn per
+            // iteration, so both ways are in the sample.
+            let dictionary = (codec.is_zstd() && iteration == 0).then_some(&dictionary);
+            encode_sample_packet(
+                &mut channels[*channel],
+                iteration,
+                *codec,
+                dictionary,
+                pages,
+            );
         }
         for channel in &mut channels {
             channel.extend(
@@ -407,6 +468,14 @@ pub fn sample_session() -> (Vec<u8>, Vec<Vec<u8>>) {
         setup,
     })
     .to_bytes();
+    main.extend(
+        Message::Dictionary(tern_wire::Dictionary {
+            id: dictionary.id(),
+            codec: codec_id::ZSTD,
+            data: dictionary.bytes().to_vec(),
+        })
+        .to_bytes(),
+    );
     main.extend(
         Message::StateSection(StateSectionMsg {
             name: "sample".into(),

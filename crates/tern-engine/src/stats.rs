@@ -795,8 +795,25 @@ pub struct CompressionReport {
     pub level: Option<i32>,
     /// Times adaptive compression changed codec.
     pub codec_switches: u64,
-    /// Per codec implementation.
+    /// Per codec implementation (zstd's packet frames count as zstd).
     pub codecs: BTreeMap<String, CodecReport>,
+    /// The zstd dictionary trained at setup, if any.
+    #[serde(skip_serializing_if = "Option::is_none", default)]
+    pub dictionary: Option<DictionaryReport>,
+}
+
+/// The zstd dictionary a migration trained and sent.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub struct DictionaryReport {
+    /// Its size on the wire, in bytes.
+    pub bytes: u64,
+    /// Guest pages sampled to train it (zero and random-looking pages are
+    /// then left out).
+    pub sample_pages: u64,
+    /// Wall-clock time of sampling and training, in milliseconds (part of
+    /// the setup time).
+    pub training_ms: f64,
 }
 
 /// How zero pages were found.

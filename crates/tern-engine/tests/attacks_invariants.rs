@@ -116,6 +116,7 @@ fn handshake(address: &Address, channels: u16) -> Attacker {
                 len: REGION_BYTES,
             }],
             guest_kind: "synthetic".into(),
+            dictionaries: 0,
         },
     }))
     .expect("hello");

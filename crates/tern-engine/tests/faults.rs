@@ -27,6 +27,7 @@ fn setup_with_codecs(channels: u16, codecs: u8) -> SessionSetup {
             len: REGION_BYTES,
         }],
         guest_kind: "synthetic".into(),
+        dictionaries: 0,
     }
 }
 

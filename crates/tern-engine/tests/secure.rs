@@ -479,6 +479,7 @@ fn a_page_channel_with_another_identity_is_refused() {
                 })
                 .collect(),
             guest_kind: String::new(),
+            dictionaries: 0,
         },
     }))
     .unwrap();

@@ -269,6 +269,7 @@ fn setup() -> SessionSetup {
             len: 4 * MIB,
         }],
         guest_kind: "synthetic".into(),
+        dictionaries: 0,
     }
 }
 

@@ -71,6 +71,7 @@ impl FakeSource {
                 len: (REGION_PAGES * PAGE) as u64,
             }],
             guest_kind: "synthetic".into(),
+            dictionaries: 0,
         };
         let handshake = |channel_index| Handshake {
             session_id: SESSION,

@@ -60,6 +60,45 @@ fn lz4_seeds() {
     replay(CodecId::Lz4);
 }
 
+/// The `decompress_zstd_packet` target's seeds, through what it calls
+/// (`fuzz/src/lib.rs`): a page count byte, then a packet frame.
+#[test]
+fn zstd_packet_seeds() {
+    use tern_page::codec::CodecDictionary;
+    if !CodecId::ZstdPacket.is_built() {
+        return;
+    }
+    let dictionary = CodecDictionary::new(
+        1,
+        CodecId::Zstd,
+        b"tern packet frame dictionary ".repeat(32),
+    )
+    .expect("the target's dictionary");
+    let dir =
+        PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../fuzz/seeds/decompress_zstd_packet");
+    let mut count = 0;
+    for entry in std::fs::read_dir(&dir).unwrap_or_else(|e| panic!("{}: {e}", dir.display())) {
+        let path = entry.expect("a directory entry").path();
+        let data = std::fs::read(&path).expect("a seed");
+        let (&first, frame) = data.split_first().expect("a page count");
+        let pages = usize::from(first & 0x7f) + 1;
+        let mut decoder = PageDecompressor::new(CodecId::ZstdPacket)
+            .and_then(|decoder| decoder.with_dictionaries(std::slice::from_ref(&dictionary)))
+            .expect("zstd");
+        let result = decoder.decompress_packet(frame, u8::from(first & 0x80 != 0), pages);
+        let name = path
+            .file_name()
+            .and_then(|n| n.to_str())
+            .unwrap_or_default();
+        if ["text", "mixed_dict"].contains(&name) {
+            let decoded = result.unwrap_or_else(|error| panic!("{}: {error}", path.display()));
+            assert_eq!(decoded.len(), pages * PAGE_SIZE);
+        }
+        count += 1;
+    }
+    assert!(count > 0, "no seeds in {}", dir.display());
+}
+
 /// The `apply_delta` target's kept inputs: real records apply, the named
 /// bad ones are refused without touching the page.
 #[test]

@@ -60,13 +60,13 @@ pub use codec::{MAX_PEER_TEXT_CHARS, Reader, Writer, sanitise_peer_text};
 pub use decoder::{Decoded, Event, Expect, FrameDecoder, PagePacket};
 pub use error::{AbortReason, WireError};
 pub use message::{
-    Abort, AuthChallenge, AuthHello, AuthProof, ChannelHello, Complete, DigestAlgorithm, Handshake,
-    Hello, Message, Outcome, OutcomeStats, Ready, RegionInfo, SessionSetup, StateSectionMsg, Sync,
-    Welcome,
+    Abort, AuthChallenge, AuthHello, AuthProof, ChannelHello, Complete, Dictionary,
+    DigestAlgorithm, Handshake, Hello, Message, Outcome, OutcomeStats, Ready, RegionInfo,
+    SessionSetup, StateSectionMsg, Sync, Welcome,
 };
 pub use pages::{
     DELTA_ENTRY_LEN, PageEntry, PageKind, PageRef, PagesHeader, decode_page_table,
-    encode_pages_prefix,
+    encode_packet_prefix, encode_pages_prefix,
 };
 
 /// First bytes of every handshake.
@@ -90,7 +90,20 @@ pub mod codec_id {
     pub const DEFLATE: u8 = 2;
     /// lz4 block format.
     pub const LZ4: u8 = 3;
+    /// zstd, one frame for all compressed pages of a packet: the first
+    /// compressed entry carries the frame, the others carry no bytes, and
+    /// the frame decodes to exactly 4096 bytes per compressed entry.
+    pub const ZSTD_PACKET: u8 = 4;
+    /// Whether a codec may name a [`crate::Dictionary`] in a packet.
+    pub fn takes_dictionary(codec: u8) -> bool {
+        codec == ZSTD || codec == ZSTD_PACKET
+    }
 }
+/// Largest compression dictionary ([`Dictionary`]); the destination refuses
+/// a longer one at its frame header, before reading the body.
+pub const MAX_DICTIONARY_LEN: usize = 128 << 10;
+/// Most dictionaries a session may announce ([`SessionSetup::dictionaries`]).
+pub const MAX_DICTIONARIES: u8 = 8;
 /// Most pages one packet may carry.
 pub const MAX_PAGES_PER_PACKET: usize = 128;
 /// Most page channels a session may use.
@@ -151,6 +164,9 @@ pub enum FrameKind {
     Commit = 11,
     /// Liveness during the live phase (main channel, destination to source).
     Heartbeat = 12,
+    /// A compression dictionary, after the welcome and before any page
+    /// channel connects (main channel, source to destination).
+    Dictionary = 13,
     /// Authentication, first on a channel when the sides share a key:
     /// the source's nonce, bound to a session and channel (source to
     /// destination). Numbered apart from the session's own kinds.
@@ -177,6 +193,7 @@ impl FrameKind {
             10 => Self::Ready,
             11 => Self::Commit,
             12 => Self::Heartbeat,
+            13 => Self::Dictionary,
             32 => Self::AuthHello,
             33 => Self::AuthChallenge,
             34 => Self::AuthProof,
@@ -187,7 +204,9 @@ impl FrameKind {
     /// Largest body a frame of this kind may have.
     pub fn max_body(self) -> usize {
         match self {
-            Self::Hello => 32 + 2 + MAX_REGIONS * RegionInfo::ENCODED_LEN + 4 + MAX_GUEST_KIND_LEN,
+            Self::Hello => {
+                32 + 2 + MAX_REGIONS * RegionInfo::ENCODED_LEN + 4 + MAX_GUEST_KIND_LEN + 1
+            }
             Self::ChannelHello => Handshake::ENCODED_LEN,
             Self::Welcome => 16,
             Self::Pages => {
@@ -201,6 +220,7 @@ impl FrameKind {
             Self::Abort => 8 + MAX_TEXT_LEN,
             Self::Ready => 16,
             Self::Commit | Self::Heartbeat => 8,
+            Self::Dictionary => Dictionary::HEADER_LEN + MAX_DICTIONARY_LEN,
             Self::AuthHello => Handshake::ENCODED_LEN + AUTH_NONCE_LEN,
             Self::AuthChallenge => AUTH_NONCE_LEN + AUTH_PROOF_LEN,
             Self::AuthProof => AUTH_PROOF_LEN,
@@ -282,5 +302,7 @@ pub fn decode_stream(
     Ok(frames)
 }
 
+#[cfg(test)]
+mod dictionary_tests;
 #[cfg(test)]
 mod tests;

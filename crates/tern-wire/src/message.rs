@@ -4,8 +4,8 @@ use crate::codec::{Reader, Writer};
 use crate::error::{AbortReason, WireError};
 use crate::{
     AUTH_NONCE_LEN, AUTH_PROOF_LEN, FRAME_HEADER_LEN, FrameHeader, FrameKind, MAGIC, MAX_CHANNELS,
-    MAX_GUEST_KIND_LEN, MAX_NAME_LEN, MAX_REGION_BYTES, MAX_REGIONS, MAX_SECTION_BYTES,
-    MAX_TEXT_LEN, PAGE_SIZE, PROTOCOL_VERSION,
+    MAX_DICTIONARIES, MAX_DICTIONARY_LEN, MAX_GUEST_KIND_LEN, MAX_NAME_LEN, MAX_REGION_BYTES,
+    MAX_REGIONS, MAX_SECTION_BYTES, MAX_TEXT_LEN, PAGE_SIZE, PROTOCOL_VERSION,
 };
 
 /// The part of the handshake every channel sends first.
@@ -115,6 +115,11 @@ pub struct SessionSetup {
     /// restore before any page moves. Printable ASCII, at most
     /// [`MAX_GUEST_KIND_LEN`] bytes; empty when the VMM does not say.
     pub guest_kind: String,
+    /// How many [`Dictionary`] frames (ids 1..=this) the source sends on
+    /// the main channel right after the welcome, at most
+    /// [`MAX_DICTIONARIES`]; the destination expects exactly these and
+    /// refuses any other. Non-zero only with a zstd codec announced.
+    pub dictionaries: u8,
 }
 
 impl SessionSetup {
@@ -200,6 +205,24 @@ impl SessionSetup {
         {
             return invalid("guest kind", "must be printable ASCII".to_string());
         }
+        self.validate_dictionaries()
+    }
+
+    fn validate_dictionaries(&self) -> Result<(), WireError> {
+        if self.dictionaries > MAX_DICTIONARIES {
+            return Err(WireError::InvalidField {
+                field: "dictionaries",
+                detail: format!("{} (at most {MAX_DICTIONARIES})", self.dictionaries),
+            });
+        }
+        let zstd_announced = (0..8u8)
+            .any(|id| self.codecs & (1 << id) != 0 && crate::codec_id::takes_dictionary(id));
+        if self.dictionaries > 0 && !zstd_announced {
+            return Err(WireError::InvalidField {
+                field: "dictionaries",
+                detail: "dictionaries announced without a codec that uses them".into(),
+            });
+        }
         Ok(())
     }
 }
@@ -227,6 +250,25 @@ pub struct Welcome {
     pub session_id: u64,
     /// Echo of the channel index.
     pub channel_index: u16,
+}
+
+/// A compression dictionary for the session's pages: packets name it by
+/// `id` in their header. Sent on the main channel after the welcome, before
+/// the page channels connect, as many as the setup announced.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Dictionary {
+    /// 1..=[`SessionSetup::dictionaries`] (0 means "no dictionary" in a
+    /// packet header).
+    pub id: u8,
+    /// The codec it is for (zstd: [`crate::codec_id::ZSTD`]).
+    pub codec: u8,
+    /// The dictionary, 1..=[`MAX_DICTIONARY_LEN`] bytes.
+    pub data: Vec<u8>,
+}
+
+impl Dictionary {
+    /// Bytes before the data: id, codec, two reserved, data length.
+    pub const HEADER_LEN: usize = 8;
 }
 
 /// End of a dirty iteration on one page channel.
@@ -423,6 +465,8 @@ pub enum Message {
     AuthChallenge(AuthChallenge),
     /// See [`AuthProof`].
     AuthProof(AuthProof),
+    /// See [`Dictionary`].
+    Dictionary(Dictionary),
 }
 
 impl Message {
@@ -443,6 +487,7 @@ impl Message {
             Self::AuthHello(_) => FrameKind::AuthHello,
             Self::AuthChallenge(_) => FrameKind::AuthChallenge,
             Self::AuthProof(_) => FrameKind::AuthProof,
+            Self::Dictionary(_) => FrameKind::Dictionary,
         }
     }
 
@@ -467,6 +512,13 @@ impl Message {
                         .u64(region.len);
                 }
                 w.bytes_u32(setup.guest_kind.as_bytes());
+                w.u8(setup.dictionaries);
+            }
+            Self::Dictionary(dictionary) => {
+                w.u8(dictionary.id)
+                    .u8(dictionary.codec)
+                    .zeros(2)
+                    .bytes_u32(&dictionary.data);
             }
             Self::ChannelHello(hello) => hello.handshake.encode(&mut w),
             Self::Welcome(welcome) => {
@@ -578,6 +630,7 @@ impl Message {
                     });
                 }
                 let guest_kind = r.string(MAX_GUEST_KIND_LEN, "guest kind")?;
+                let dictionaries = r.u8()?;
                 let setup = SessionSetup {
                     page_size,
                     channel_count,
@@ -585,6 +638,7 @@ impl Message {
                     digest,
                     regions,
                     guest_kind,
+                    dictionaries,
                 };
                 setup.validate()?;
                 Self::Hello(Hello { handshake, setup })
@@ -709,6 +763,7 @@ impl Message {
                 Self::AuthChallenge(AuthChallenge { nonce, proof })
             }
             FrameKind::AuthProof => Self::AuthProof(AuthProof { proof: r.array()? }),
+            FrameKind::Dictionary => Self::Dictionary(decode_dictionary(&mut r)?),
             FrameKind::Pages => {
                 return Err(WireError::Unexpected {
                     got: FrameKind::Pages,
@@ -738,5 +793,32 @@ fn kind_name(kind: FrameKind) -> &'static str {
         FrameKind::AuthHello => "auth hello",
         FrameKind::AuthChallenge => "auth challenge",
         FrameKind::AuthProof => "auth proof",
+        FrameKind::Dictionary => "dictionary",
     }
+}
+
+fn decode_dictionary(r: &mut Reader<'_>) -> Result<Dictionary, WireError> {
+    let id = r.u8()?;
+    let codec = r.u8()?;
+    r.reserved(2)?;
+    let data = r.bytes_u32(MAX_DICTIONARY_LEN, "dictionary")?.to_vec();
+    if id == 0 || id > MAX_DICTIONARIES {
+        return Err(WireError::InvalidField {
+            field: "dictionary id",
+            detail: format!("{id} (must be 1..={MAX_DICTIONARIES})"),
+        });
+    }
+    if codec != crate::codec_id::ZSTD {
+        return Err(WireError::InvalidField {
+            field: "dictionary codec",
+            detail: format!("codec {codec} takes no dictionary"),
+        });
+    }
+    if data.is_empty() {
+        return Err(WireError::InvalidField {
+            field: "dictionary",
+            detail: "empty".into(),
+        });
+    }
+    Ok(Dictionary { id, codec, data })
 }

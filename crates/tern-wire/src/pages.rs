@@ -3,12 +3,15 @@
 //! The payload is the concatenation of each page's encoded bytes in table
 //! order: nothing for a zero page, `PAGE_SIZE` bytes for a raw page,
 //! `encoded_len` bytes for a compressed one, a [`PageRef`] for a duplicate
-//! and a DSA delta record for a delta page.
+//! and a DSA delta record for a delta page. A packet of codec
+//! [`codec_id::ZSTD_PACKET`] carries all its compressed pages in one zstd
+//! frame: the first compressed entry's length is the frame's, the other
+//! compressed entries have none.
 
 use crate::codec::{Reader, Writer};
 use crate::error::WireError;
 use crate::message::SessionSetup;
-use crate::{FRAME_HEADER_LEN, FrameHeader, FrameKind, MAX_PAGES_PER_PACKET};
+use crate::{FRAME_HEADER_LEN, FrameHeader, FrameKind, MAX_PAGES_PER_PACKET, codec_id};
 
 /// How one page is encoded in the payload.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -103,10 +106,14 @@ pub struct PagesHeader {
     /// Codec of the packet's compressed pages (0 when it has none); one the
     /// session announced.
     pub codec: u8,
+    /// The dictionary the packet's compressed pages were made with: 0 for
+    /// none, else one of the session's [`crate::Dictionary`] ids (only
+    /// with a codec that takes one, [`codec_id::takes_dictionary`]).
+    pub dictionary: u8,
 }
 
 impl PagesHeader {
-    /// Encoded size: region, iteration, count, codec, reserved.
+    /// Encoded size: region, iteration, count, codec, dictionary.
     pub const ENCODED_LEN: usize = 12;
 
     /// Bytes of the page table that follows this header.
@@ -128,11 +135,23 @@ impl PagesHeader {
         let iteration = r.u32()?;
         let page_count = r.u16()?;
         let codec = r.u8()?;
-        r.reserved(1)?;
+        let dictionary = r.u8()?;
         if codec != 0 && (codec > 7 || setup.codecs & (1 << codec) == 0) {
             return Err(WireError::InvalidField {
                 field: "packet codec",
                 detail: format!("codec {codec} was not announced in the session setup"),
+            });
+        }
+        if dictionary != 0
+            && (!codec_id::takes_dictionary(codec) || dictionary > setup.dictionaries)
+        {
+            return Err(WireError::InvalidField {
+                field: "packet dictionary",
+                detail: format!(
+                    "dictionary {dictionary} with codec {codec}: the session has {} \
+                     dictionaries, for zstd only",
+                    setup.dictionaries
+                ),
             });
         }
         if page_count == 0 || usize::from(page_count) > MAX_PAGES_PER_PACKET {
@@ -149,6 +168,7 @@ impl PagesHeader {
             iteration,
             page_count,
             codec,
+            dictionary,
         };
         let prefix = Self::ENCODED_LEN + header.table_len();
         let Some(payload_len) = body_len.checked_sub(prefix) else {
@@ -176,6 +196,8 @@ pub fn decode_page_table(
     let page_size = setup.page_size;
     let mut r = Reader::new(table, "page table");
     let mut expected = 0usize;
+    let packet_frame = header.codec == codec_id::ZSTD_PACKET;
+    let mut frame_seen = false;
     for _ in 0..header.page_count {
         let page_index = r.u32()?;
         let encoded_len = r.u32()?;
@@ -191,7 +213,16 @@ pub fn decode_page_table(
         let kind = match kind {
             0 if encoded_len == 0 => PageKind::Zero,
             1 if encoded_len == page_size => PageKind::Raw,
-            2 if header.codec != 0 && encoded_len > 0 && encoded_len < page_size => {
+            // In a packet frame only the first compressed entry has bytes.
+            2 if packet_frame && (encoded_len > 0) != frame_seen => {
+                frame_seen = true;
+                PageKind::Compressed
+            }
+            2 if !packet_frame
+                && header.codec != 0
+                && encoded_len > 0
+                && encoded_len < page_size =>
+            {
                 PageKind::Compressed
             }
             3 if encoded_len as usize == PageRef::ENCODED_LEN => PageKind::Duplicate,
@@ -218,10 +249,31 @@ pub fn decode_page_table(
         });
     }
     r.finish()?;
+    if packet_frame {
+        check_packet_frame(entries, page_size)?;
+    }
     if expected != payload_len {
         return Err(WireError::PayloadMismatch {
             expected,
             actual: payload_len,
+        });
+    }
+    Ok(())
+}
+
+/// A packet frame must shrink: fewer bytes than the pages it decodes to.
+/// A packet of the codec may have no compressed page at all (every page
+/// raw or zero), and then no frame.
+fn check_packet_frame(entries: &[PageEntry], page_size: u32) -> Result<(), WireError> {
+    let compressed = entries
+        .iter()
+        .filter(|entry| entry.kind == PageKind::Compressed);
+    let pages = compressed.clone().count() as u64;
+    let frame: u64 = compressed.map(|entry| u64::from(entry.encoded_len)).sum();
+    if pages > 0 && frame >= pages * u64::from(page_size) {
+        return Err(WireError::InvalidField {
+            field: "packet frame",
+            detail: format!("{frame} bytes for {pages} pages does not shrink"),
         });
     }
     Ok(())
@@ -237,6 +289,19 @@ pub fn encode_pages_prefix(
     codec: u8,
     entries: &[PageEntry],
 ) {
+    let header = PagesHeader {
+        region_id,
+        iteration,
+        page_count: u16::try_from(entries.len()).unwrap_or(u16::MAX),
+        codec,
+        dictionary: 0,
+    };
+    encode_packet_prefix(out, &header, entries);
+}
+
+/// As [`encode_pages_prefix`], with every field of the pages header given
+/// (its page count is taken from `entries`).
+pub fn encode_packet_prefix(out: &mut Vec<u8>, header: &PagesHeader, entries: &[PageEntry]) {
     let payload: usize = entries.iter().map(|entry| entry.encoded_len as usize).sum();
     let body_len = PagesHeader::ENCODED_LEN + entries.len() * PageEntry::ENCODED_LEN + payload;
     let frame = FrameHeader {
@@ -246,11 +311,11 @@ pub fn encode_pages_prefix(
     out.reserve(FRAME_HEADER_LEN + PagesHeader::ENCODED_LEN + entries.len() * 12);
     out.extend_from_slice(&frame.encode());
     let mut w = Writer::new(out);
-    w.u32(region_id)
-        .u32(iteration)
+    w.u32(header.region_id)
+        .u32(header.iteration)
         .u16(u16::try_from(entries.len()).unwrap_or(u16::MAX))
-        .u8(codec)
-        .zeros(1);
+        .u8(header.codec)
+        .u8(header.dictionary);
     for entry in entries {
         entry.encode(&mut w);
     }

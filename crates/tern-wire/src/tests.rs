@@ -22,6 +22,7 @@ fn setup() -> SessionSetup {
             },
         ],
         guest_kind: "synthetic".into(),
+        dictionaries: 0,
     }
 }
 
@@ -188,7 +189,8 @@ fn hello_carries_the_guest_kind_within_bounds() {
     // A peer announcing a longer kind is refused from its length prefix,
     // before the bytes are read or copied.
     let mut bytes = Message::Hello(longest).to_bytes();
-    let kind_len_at = bytes.len() - MAX_GUEST_KIND_LEN - 4;
+    // The kind is followed by the dictionary count (one byte).
+    let kind_len_at = bytes.len() - 1 - MAX_GUEST_KIND_LEN - 4;
     bytes[kind_len_at..kind_len_at + 4].copy_from_slice(&u32::MAX.to_le_bytes());
     assert_eq!(
         Message::decode(FrameKind::Hello, &bytes[8..]),
@@ -293,6 +295,7 @@ fn pages_round_trip_and_validation() {
                 iteration: 1,
                 page_count: 2,
                 codec: 0,
+                dictionary: 0,
             },
             entries.to_vec()
         )]

@@ -239,6 +239,14 @@ pub struct BenchCodecArgs {
     /// Pages per corpus.
     #[arg(long, default_value_t = 1024)]
     pub pages: usize,
+    /// Also measure zstd's variants (dictionary, packet frames) on this
+    /// guest memory image (a raw file, as `vm migrate --image` maps),
+    /// about --pages data pages of it in packets as the pipeline cuts it.
+    #[arg(long)]
+    pub image: Option<std::path::PathBuf>,
+    /// Dictionary size for the zstd variant rows.
+    #[arg(long, default_value = "64KiB", value_parser = parse_dictionary_size)]
+    pub dictionary: DictionarySize,
     /// Print JSON instead of a Markdown table.
     #[arg(long)]
     pub json: bool,
@@ -455,6 +463,17 @@ pub struct TransferArgs {
         ("hw", "the first usable DSA work queue"),
     ]))]
     pub delta_offload: DeltaOffloadChoice,
+    /// Train a zstd dictionary of at most this size (256B to 128KiB) on
+    /// sampled guest pages at setup and compress every zstd page against it;
+    /// pages stay independent. With zstd or auto. QEMU: no parameter.
+    #[arg(long, default_value = "off", value_parser = parse_dictionary_size)]
+    pub compression_dictionary: DictionarySize,
+    /// zstd with all compressible pages of a packet in one frame: better
+    /// ratio, a packet decodes on one thread. With --compression zstd (auto
+    /// weighs both framings itself). QEMU: multifd zstd is one stream per
+    /// channel.
+    #[arg(long)]
+    pub packet_frames: bool,
     /// Compare memory digests before resuming on the destination.
     #[arg(long, default_value = "full", value_parser = verify_values())]
     pub verify: Verify,
@@ -602,6 +621,8 @@ impl TransferArgs {
                         .context("--delta-offload hw")?,
                 ),
             },
+            compression_dictionary: self.compression_dictionary.0,
+            packet_frames: self.packet_frames,
             verify: self.verify,
             digest_threads: self.digest_threads,
             zero_copy: self.zero_copy,
@@ -612,6 +633,25 @@ impl TransferArgs {
             ..MigrationConfig::default()
         })
     }
+}
+
+/// `--compression-dictionary`: a size, or `off` (`None`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct DictionarySize(pub Option<usize>);
+
+fn parse_dictionary_size(text: &str) -> Result<DictionarySize, String> {
+    if text.trim() == "off" {
+        return Ok(DictionarySize(None));
+    }
+    let bytes = parse_size(text)?;
+    let max = tern_wire::MAX_DICTIONARY_LEN as u64;
+    if !(256..=max).contains(&bytes) {
+        return Err(format!(
+            "--compression-dictionary {text} is out of range (256B to {}KiB, or off)",
+            max >> 10
+        ));
+    }
+    Ok(DictionarySize(usize::try_from(bytes).ok()))
 }
 
 /// The `--qpl-path` values.

@@ -84,6 +84,7 @@ fn hello(regions: Vec<RegionInfo>) -> Vec<u8> {
             digest: DigestAlgorithm::Xxh3Pages,
             regions,
             guest_kind: "synthetic".into(),
+            dictionaries: 0,
         },
     })
     .to_bytes()

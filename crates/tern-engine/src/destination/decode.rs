@@ -25,8 +25,8 @@ use std::sync::OnceLock;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::time::Instant;
 
-use tern_page::codec::{CodecId, PageDecompressor, QplPath};
-use tern_wire::{MAX_PAGES_PER_PACKET, PageEntry, PageKind, PagePacket};
+use tern_page::codec::{CodecId, PageDecompressor};
+use tern_wire::{MAX_PAGES_PER_PACKET, PageEntry, PageKind, PagePacket, codec_id};
 
 use super::populate::populate_runs;
 use super::reuse::{WrittenHere, apply_delta, apply_duplicate};
@@ -55,6 +55,8 @@ pub(super) struct Landing {
     region_index: usize,
     region_id: u32,
     codec: u8,
+    /// The dictionary the packet names (0: none).
+    dictionary: u8,
     /// The packet's table.
     entries: Vec<PageEntry>,
     /// Each entry's page in guest memory.
@@ -80,6 +82,7 @@ impl Landing {
             region_index: 0,
             region_id: 0,
             codec: 0,
+            dictionary: 0,
             entries: Vec::with_capacity(MAX_PAGES_PER_PACKET),
             pages: Vec::with_capacity(MAX_PAGES_PER_PACKET),
             segments: Vec::with_capacity(MAX_PAGES_PER_PACKET),
@@ -99,6 +102,7 @@ impl Landing {
         self.region_index = packet.region_index;
         self.region_id = packet.header.region_id;
         self.codec = packet.header.codec;
+        self.dictionary = packet.header.dictionary;
         self.entries.clear();
         self.entries.extend_from_slice(entries);
         self.pages.clear();
@@ -114,6 +118,8 @@ impl Landing {
                     ptr,
                     len: PAGE_SIZE,
                 }),
+                // A packet frame's later pages: their bytes are in its frame.
+                PageKind::Compressed if entry.encoded_len == 0 => {}
                 PageKind::Compressed | PageKind::Duplicate | PageKind::Delta => {
                     // Each such payload is shorter than a page and there
                     // are at most MAX_PAGES_PER_PACKET, so they fit.
@@ -178,13 +184,22 @@ struct PageCounts {
 pub(super) struct Decompressors([Option<PageDecompressor>; 8]);
 
 impl Decompressors {
-    pub(super) fn new(codecs: &[CodecId], qpl_path: QplPath) -> Result<Self, MigrationError> {
+    /// Decompressors for `codecs`, knowing the session's dictionaries.
+    pub(super) fn new(
+        codecs: &[CodecId],
+        shared: &ReceiverShared<'_>,
+    ) -> Result<Self, MigrationError> {
         let mut decompressors: [Option<PageDecompressor>; 8] = Default::default();
         for &codec in codecs {
             decompressors[codec as usize] = Some(
-                PageDecompressor::for_destination(codec, qpl_path).map_err(|error| {
-                    MigrationError::Incompatible(format!("cannot decode {}: {error}", codec.name()))
-                })?,
+                PageDecompressor::for_destination(codec, shared.qpl_path)
+                    .and_then(|decoder| decoder.with_dictionaries(&shared.dictionaries))
+                    .map_err(|error| {
+                        MigrationError::Incompatible(format!(
+                            "cannot decode {}: {error}",
+                            codec.name()
+                        ))
+                    })?,
             );
         }
         Ok(Self(decompressors))
@@ -225,31 +240,43 @@ fn land(
     );
     let populated = &shared.populated[region];
     let hashes = shared.page_hashes.as_ref();
-    let mut compressed = &landing.compressed[..];
+    let mut payloads = &landing.compressed[..];
+    let mut compressed = CompressedInput::new(landing, decompressors);
     let mut counts = PageCounts::default();
     for (entry, &ptr) in landing.entries.iter().zip(&landing.pages) {
         let page = u64::from(entry.page_index);
-        match entry.kind {
-            PageKind::Zero => {
-                counts.zero += 1;
-                if let Some(hashes) = hashes {
-                    hashes.record(region, page, zero_page_hash());
-                }
-                if populated.get(page) {
-                    // SAFETY: a whole page inside the region (from
-                    // `page_ptr`), claimed by this packet for this iteration.
-                    unsafe { std::ptr::write_bytes(ptr, 0, PAGE_SIZE) };
-                    populated.clear(page);
-                    counts.cleared += 1;
-                }
-                continue;
+        if entry.kind == PageKind::Zero {
+            counts.zero += 1;
+            if let Some(hashes) = hashes {
+                hashes.record(region, page, zero_page_hash());
             }
-            PageKind::Compressed | PageKind::Duplicate | PageKind::Delta => {
-                let (input, rest) = compressed.split_at(entry.encoded_len as usize);
-                compressed = rest;
-                rebuild(landing, decompressors, shared, written, entry, input, ptr)?;
+            if populated.get(page) {
+                // SAFETY: a whole page inside the region (from `page_ptr`),
+                // claimed by this packet for this iteration.
+                unsafe { std::ptr::write_bytes(ptr, 0, PAGE_SIZE) };
+                populated.clear(page);
+                counts.cleared += 1;
             }
-            PageKind::Raw => {}
+            continue;
+        }
+        if entry.kind != PageKind::Raw {
+            let (input, rest) = payloads.split_at(entry.encoded_len as usize);
+            payloads = rest;
+            // In every arm `ptr` is a whole page inside the region (from
+            // `page_ptr`), claimed by this packet for this iteration; each
+            // writes exactly one page or fails.
+            let written_page = match entry.kind {
+                // SAFETY: as above.
+                PageKind::Compressed => unsafe { compressed.decode_next(input, ptr) },
+                // SAFETY: as above.
+                _ => unsafe { reuse_page(shared, written, (region, page), entry.kind, input, ptr) },
+            };
+            written_page.map_err(|error| {
+                MigrationError::Protocol(format!(
+                    "channel {}: page {page} of region {}: {error}",
+                    landing.channel, landing.region_id
+                ))
+            })?;
         }
         populated.set(page);
         counts.normal += 1;
@@ -271,68 +298,100 @@ fn land(
     Ok(())
 }
 
-/// Writes a page whose payload is not the page itself: decompresses it,
-/// copies the page a duplicate names (`written`: the owner's pages, given
-/// when the owner lands the packet itself), or applies a delta.
-fn rebuild(
-    landing: &Landing,
-    decompressors: &mut Decompressors,
+/// Copies the page a duplicate names (`written`: the owner's pages, given
+/// when the owner lands the packet itself) or applies a delta.
+///
+/// # Safety
+/// `ptr` is a whole page inside region `region`, claimed by this packet for
+/// this iteration.
+unsafe fn reuse_page(
     shared: &ReceiverShared<'_>,
     written: Option<&WrittenHere>,
-    entry: &PageEntry,
+    at: (usize, u64),
+    kind: PageKind,
     input: &[u8],
     ptr: *mut u8,
-) -> Result<(), MigrationError> {
-    let page = u64::from(entry.page_index);
-    let at = (landing.region_index, page);
-    // In every arm `ptr` is a whole page inside the region (from
-    // `page_ptr`), claimed by this packet for this iteration; each writes
-    // exactly one page or fails.
-    let result = match (entry.kind, written) {
-        (PageKind::Compressed, _) => decompress(landing, decompressors, input, ptr)?,
-        // SAFETY: as above.
+) -> Result<(), String> {
+    match (kind, written) {
+        // SAFETY: the caller's contract.
         (PageKind::Duplicate, Some(written)) => unsafe {
             apply_duplicate(shared, written, at, ptr, input)
         },
         (PageKind::Duplicate, None) => {
-            return Err(MigrationError::Internal(
-                "a packet with duplicates was handed to the decoder pool".into(),
-            ));
+            Err("a packet with duplicates was handed to the decoder pool".into())
         }
-        // SAFETY: as above.
+        // SAFETY: the caller's contract.
         (PageKind::Delta, _) => unsafe { apply_delta(shared, at, ptr, input) },
-        (PageKind::Zero | PageKind::Raw, _) => Ok(()),
-    };
-    result.map_err(|error| {
-        MigrationError::Protocol(format!(
-            "channel {}: page {page} of region {}: {error}",
-            landing.channel, landing.region_id
-        ))
-    })
+        _ => Err(format!("no payload to rebuild a {kind:?} page from")),
+    }
 }
 
-/// Decompresses `input` into the page at `ptr`; the codec's complaint, if
-/// any, for the caller to place.
-fn decompress(
-    landing: &Landing,
-    decompressors: &mut Decompressors,
-    input: &[u8],
-    ptr: *mut u8,
-) -> Result<Result<(), String>, MigrationError> {
-    // The decoder admits only announced codecs and every announced codec
-    // has a decompressor: a miss means those two lists disagree.
-    let decompressor = decompressors.0[usize::from(landing.codec)]
-        .as_mut()
-        .ok_or_else(|| {
-            MigrationError::Protocol(format!(
-                "channel {}: codec {} was not announced",
-                landing.channel, landing.codec
-            ))
-        })?;
-    // SAFETY: `ptr` is a whole page inside the region (from `page_ptr`),
-    // claimed by this packet for this iteration; the decoder writes exactly
-    // one page or fails.
-    Ok(unsafe { decompressor.decompress_page(input, ptr) }.map_err(|error| error.to_string()))
+/// Where a packet's compressed pages come from: each page's own bytes,
+/// decoded alone (against the packet's dictionary, if it names one), or
+/// the packet's one frame (codec `zstd-packet`), decoded at its first
+/// compressed page into exactly the packet's compressed pages.
+struct CompressedInput<'d> {
+    decompressor: Option<&'d mut PageDecompressor>,
+    dictionary: u8,
+    /// For a packet frame: how many pages it holds, and once decoded,
+    /// those not yet written.
+    frame: Option<(usize, Option<&'d [u8]>)>,
+}
+
+impl<'d> CompressedInput<'d> {
+    fn new(landing: &Landing, decompressors: &'d mut Decompressors) -> Self {
+        let frame = (landing.codec == codec_id::ZSTD_PACKET).then(|| {
+            let pages = landing
+                .entries
+                .iter()
+                .filter(|entry| entry.kind == PageKind::Compressed)
+                .count();
+            (pages, None)
+        });
+        Self {
+            decompressor: decompressors.0[usize::from(landing.codec)].as_mut(),
+            dictionary: landing.dictionary,
+            frame,
+        }
+    }
+
+    /// Writes the next compressed page (its own bytes `input`; a packet
+    /// frame's later pages have none) into `page_out`.
+    ///
+    /// # Safety
+    /// `page_out` points to `PAGE_SIZE` writable bytes nothing else
+    /// accesses during the call.
+    unsafe fn decode_next(&mut self, input: &[u8], page_out: *mut u8) -> Result<(), String> {
+        // The decoder admits only announced codecs and every announced
+        // codec has a decompressor: a miss means those two lists disagree.
+        const UNANNOUNCED: &str = "the packet's codec was not announced";
+        let Some((pages, decoded)) = &mut self.frame else {
+            let decompressor = self.decompressor.as_deref_mut().ok_or(UNANNOUNCED)?;
+            // SAFETY: forwarded caller contract; the decoder writes exactly
+            // one page or fails.
+            return unsafe { decompressor.decompress_page_with(input, self.dictionary, page_out) }
+                .map_err(|error| error.to_string());
+        };
+        if decoded.is_none() {
+            // The wire's table rules put the frame's bytes on the first
+            // compressed entry.
+            let decompressor = self.decompressor.take().ok_or(UNANNOUNCED)?;
+            *decoded = Some(
+                decompressor
+                    .decompress_packet(input, self.dictionary, *pages)
+                    .map_err(|error| error.to_string())?,
+            );
+        }
+        let rest = decoded.as_mut().ok_or(UNANNOUNCED)?;
+        let (page, after) = rest
+            .split_first_chunk::<PAGE_SIZE>()
+            .ok_or("the packet frame holds fewer pages than its table")?;
+        *rest = after;
+        // SAFETY: forwarded caller contract; `page` is in the decompressor's
+        // own buffer, which cannot overlap guest memory.
+        unsafe { std::ptr::copy_nonoverlapping(page.as_ptr(), page_out, PAGE_SIZE) };
+        Ok(())
+    }
 }
 
 /// The decoder threads' shared state: the ring of packets waiting to be
@@ -445,7 +504,7 @@ impl DecodePool {
     ) {
         let cpu_start = thread_cpu_seconds();
         let bell = self.decoder_bells[index].get_or_init(Doorbell::for_current_thread);
-        match Decompressors::new(codecs, shared.qpl_path) {
+        match Decompressors::new(codecs, shared) {
             Ok(mut decompressors) => {
                 loop {
                     if self.decode_one(&mut decompressors, shared) {

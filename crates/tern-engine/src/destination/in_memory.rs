@@ -167,6 +167,7 @@ impl Destination {
             mut guest,
             regions,
         } = self.greet(main, hello, make_guest)?;
+        let dictionaries = super::dictionary::receive_dictionaries(main, &mut decoder, &setup)?;
         let count = setup.channel_count;
         let mut slots: Vec<Option<MemoryStream>> = (0..count).map(|_| None).collect();
         let mut seen = HashSet::new();
@@ -201,7 +202,8 @@ impl Destination {
             &self.cancel,
         )
         .with_qpl_path(self.config.qpl_path)
-        .with_decode_threads(self.config.decode_threads());
+        .with_decode_threads(self.config.decode_threads())
+        .with_dictionaries(dictionaries);
         let delivered = live::receive_all(&shared, main, &mut decoder, channels, &codecs)?;
         let stats = self.switch_over(
             &shared,
@@ -255,6 +257,7 @@ mod tests {
                     len: 16 * PAGE_SIZE as u64,
                 }],
                 guest_kind: String::new(),
+                dictionaries: 0,
             },
         })
         .to_bytes()

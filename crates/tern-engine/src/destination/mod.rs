@@ -2,6 +2,7 @@
 //! into guest memory, verify, restore and resume.
 
 mod decode;
+mod dictionary;
 pub(crate) mod handshake;
 mod in_memory;
 mod live;
@@ -364,6 +365,7 @@ impl Destination {
             mut guest,
             regions,
         } = self.greet(main, hello, make_guest)?;
+        let dictionaries = dictionary::receive_dictionaries(main, decoder, &setup)?;
         let channels =
             self.accept_page_channels(handshakes, main, decoder, session_id, setup.channel_count)?;
         tracing::info!(channels = channels.len(), "all channels connected");
@@ -376,7 +378,8 @@ impl Destination {
             &self.cancel,
         )
         .with_qpl_path(self.config.qpl_path)
-        .with_decode_threads(self.config.decode_threads());
+        .with_decode_threads(self.config.decode_threads())
+        .with_dictionaries(dictionaries);
         let delivered = live::receive_all(&shared, main, decoder, channels, &codecs)?;
         let stats = self.switch_over(&shared, main, decoder, &mut guest, delivered, cpu_start)?;
         Ok(Received {

@@ -107,7 +107,7 @@ impl<'s, 'a> PageReceiver<'s, 'a> {
         index: usize,
         codecs: &[CodecId],
     ) -> Result<Self, MigrationError> {
-        let decompressors = Decompressors::new(codecs, shared.qpl_path)?;
+        let decompressors = Decompressors::new(codecs, shared)?;
         Ok(Self {
             shared,
             index,
@@ -325,6 +325,7 @@ mod tests {
                 len: (PAGES * PAGE_SIZE) as u64,
             }],
             guest_kind: String::new(),
+            dictionaries: 0,
         }
     }
 

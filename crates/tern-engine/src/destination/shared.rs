@@ -6,7 +6,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Condvar, Mutex};
 use std::time::{Duration, Instant};
 
-use tern_page::codec::QplPath;
+use tern_page::codec::{CodecDictionary, QplPath};
 use tern_wire::{DigestAlgorithm, SessionSetup};
 
 use super::decode::DecodePool;
@@ -62,6 +62,8 @@ pub(super) struct ReceiverShared<'a> {
     /// Where deflate pages are inflated: IAA through QPL or libdeflate
     /// (`ReceiveConfig::qpl_path`).
     pub(super) qpl_path: QplPath,
+    /// The session's compression dictionaries (`dictionary.rs`).
+    pub(super) dictionaries: Vec<CodecDictionary>,
     io_timeout: Duration,
     pub(super) cancel: &'a CancelToken,
 }
@@ -103,9 +105,16 @@ impl<'a> ReceiverShared<'a> {
             first_failure: Mutex::new(None),
             stats,
             qpl_path: QplPath::Auto,
+            dictionaries: Vec::new(),
             io_timeout,
             cancel,
         }
+    }
+
+    /// Decodes packets that name one of `dictionaries`.
+    pub(super) fn with_dictionaries(mut self, dictionaries: Vec<CodecDictionary>) -> Self {
+        self.dictionaries = dictionaries;
+        self
     }
 
     /// Inflates deflate pages as `path` says (IAA when allowed and present).

@@ -4,7 +4,7 @@
 use super::*;
 
 /// What the workers compress with.
-#[derive(Clone, Copy, Debug)]
+#[derive(Clone, Debug)]
 pub(crate) struct CompressionSetup {
     pub choice: CodecChoice,
     pub level: Option<i32>,
@@ -12,6 +12,12 @@ pub(crate) struct CompressionSetup {
     /// With `auto`: deflate goes through QPL (calibration found it faster
     /// than libdeflate at a similar ratio, see [`tern_page::codec::prefer_offload`]).
     pub deflate_through_qpl: bool,
+    /// zstd in packet frames ([`CodecId::ZstdPacket`]) rather than per page.
+    pub packet_frames: bool,
+    /// The session's zstd dictionary, once trained (see `dictionary.rs`).
+    pub dictionary: Option<tern_page::codec::CodecDictionary>,
+    /// How the dictionary was trained, for the statistics.
+    pub dictionary_report: Option<crate::stats::DictionaryReport>,
 }
 
 impl CompressionSetup {
@@ -19,22 +25,43 @@ impl CompressionSetup {
     pub fn codecs(&self) -> Vec<CodecId> {
         match self.choice.wire() {
             Some(CodecId::None) => Vec::new(),
+            Some(CodecId::Zstd) if self.packet_frames => vec![CodecId::ZstdPacket],
             Some(codec) => vec![codec],
             // auto: the codecs this build has (see tern-page's features).
-            None => [CodecId::Zstd, CodecId::Deflate, CodecId::Lz4]
-                .into_iter()
-                .filter(|codec| codec.is_built())
-                .collect(),
+            None => [
+                CodecId::Zstd,
+                CodecId::Deflate,
+                CodecId::Lz4,
+                CodecId::ZstdPacket,
+            ]
+            .into_iter()
+            .filter(|codec| codec.is_built())
+            .collect(),
         }
     }
 
     /// A compressor for `codec`, as the user's choice asks (QPL for deflate
     /// when `qpl` was chosen, or when `auto` measured QPL the better deflate).
     pub fn compressor(&self, codec: CodecId) -> Result<PageCompressor, tern_page::CodecError> {
-        let level = self.level.unwrap_or_else(|| codec.default_level());
+        self.compressor_at(codec, self.level_for(codec))
+    }
+
+    /// The level asked for `codec`: the configured one, or its default.
+    pub fn level_for(&self, codec: CodecId) -> i32 {
+        self.level.unwrap_or_else(|| codec.default_level())
+    }
+
+    /// [`compressor`](Self::compressor) at `level` (auto tunes it).
+    pub fn compressor_at(
+        &self,
+        codec: CodecId,
+        level: i32,
+    ) -> Result<PageCompressor, tern_page::CodecError> {
         let through_qpl = self.choice == CodecChoice::Qpl || self.deflate_through_qpl;
         if through_qpl && codec == CodecId::Deflate {
             PageCompressor::with_qpl(self.qpl_path, level)
+        } else if codec.is_zstd() {
+            PageCompressor::with_dictionary(codec, level, self.dictionary.as_ref())
         } else {
             PageCompressor::new(codec, level)
         }
@@ -52,12 +79,21 @@ pub(super) struct AutoCodec {
     pub(super) wire_at_start: u64,
     pub(super) busy_at_start: u64,
     pub(super) switches: u64,
+    /// The level in force for the current codec, tuned while it is kept.
+    pub(super) level: i32,
+    /// The current codec's counters when the window started: the window's
+    /// measurement is the difference, at the window's level.
+    pub(super) counters_at_start: CodecCounters,
+    pub(super) level_changes: u64,
 }
 
 /// Adaptive compression decides again after at least this many batches and
 /// this much time: enough to measure the link, often enough to follow it.
 pub(super) const AUTO_DECISION_BATCHES: u64 = 16;
 pub(super) const AUTO_DECISION_INTERVAL: Duration = Duration::from_millis(50);
+
+/// Pages calibration measures the codecs on.
+const CALIBRATION_PAGES: usize = 64;
 
 /// What calibration found: the candidates' measurements, and whether
 /// deflate is to go through QPL.
@@ -70,14 +106,21 @@ pub(super) struct Calibration {
 /// adaptive compression starts from numbers of this guest and this machine.
 /// When libqpl loads, deflate is measured through QPL (on `qpl_path`) too,
 /// and the better of the two deflates is the candidate.
-pub(super) fn calibrate_codecs(regions: &[MemoryRegion], qpl_path: QplPath) -> Calibration {
-    let sample = sample_pages(regions);
+pub(super) fn calibrate_codecs(
+    regions: &[MemoryRegion],
+    qpl_path: QplPath,
+    dictionary: Option<&tern_page::codec::CodecDictionary>,
+) -> Calibration {
+    let sample = sample_pages(regions, CALIBRATION_PAGES);
     let candidates = [
         (CodecId::Zstd, CodecId::Zstd.default_level()),
         (CodecId::Deflate, CodecId::Deflate.default_level()),
         (CodecId::Lz4, CodecId::Lz4.default_level()),
+        (CodecId::ZstdPacket, CodecId::ZstdPacket.default_level()),
     ];
-    let measurements = tern_page::codec::calibrate(&sample, &candidates).unwrap_or_default();
+    let measurements =
+        tern_page::codec::calibrate_with_dictionary(&sample, &candidates, dictionary)
+            .unwrap_or_default();
     let qpl = tern_page::codec::qpl_available()
         .and_then(|()| {
             tern_page::codec::calibrate_qpl(&sample, qpl_path, CodecId::Deflate.default_level())
@@ -116,13 +159,13 @@ pub(super) fn with_qpl_candidate(
     }
 }
 
-/// 64 pages spread evenly over guest memory.
-fn sample_pages(regions: &[MemoryRegion]) -> Vec<[u8; PAGE_SIZE]> {
-    const SAMPLES: u64 = 64;
+/// `count` pages spread evenly over guest memory.
+pub(crate) fn sample_pages(regions: &[MemoryRegion], count: usize) -> Vec<[u8; PAGE_SIZE]> {
+    let samples = count as u64;
     let total: u64 = regions.iter().map(MemoryRegion::pages).sum();
-    let mut sample = Vec::with_capacity(SAMPLES as usize);
-    for index in 0..SAMPLES {
-        let mut global = index * total.max(1) / SAMPLES;
+    let mut sample = Vec::with_capacity(count);
+    for index in 0..samples {
+        let mut global = index * total.max(1) / samples;
         for region in regions {
             if global < region.pages() {
                 if let Some(ptr) = region.page_ptr(global) {
@@ -165,24 +208,10 @@ impl Pipeline<'_> {
             ((busy - auto.busy_at_start) as f64 / 1e9 / (elapsed * self.channel_count as f64))
                 .clamp(0.05, 1.0);
         let link = wire_rate / busy_share;
-        if self.codec != CodecId::None {
-            let level = self
-                .shared
-                .compression
-                .level
-                .unwrap_or_else(|| self.codec.default_level());
-            let counters = self
-                .codec_stats
-                .used()
-                .find(|(which, _)| which.wire() == self.codec)
-                .map(|(_, counters)| *counters);
-            if let Some(measured) = counters.and_then(|counters| {
-                tern_page::codec::CodecMeasurement::from_counters(self.codec, level, &counters)
-            }) {
-                auto.measurements.retain(|known| known.codec != self.codec);
-                auto.measurements.push(measured);
-            }
-        }
+        let measured = self.measure_window();
+        let Some(auto) = self.auto.as_mut() else {
+            return;
+        };
         let decision = auto.selector.next(link, &auto.measurements);
         if decision.codec != self.codec {
             auto.switches += 1;
@@ -193,11 +222,99 @@ impl Pipeline<'_> {
                 "adaptive compression switches codec"
             );
             self.codec = decision.codec;
+            auto.level = self.shared.compression.level_for(decision.codec);
+        } else if let Some(measured) = measured {
+            let workers = self.shared.worker_rings.len();
+            let level = tern_page::codec::tune_level(&measured, link, workers);
+            if level != auto.level {
+                auto.level_changes += 1;
+                tracing::info!(
+                    codec = self.codec.name(),
+                    from = auto.level,
+                    to = level,
+                    link_mb_s = link / 1e6,
+                    "adaptive compression changes level"
+                );
+                auto.level = level;
+            }
         }
+        auto.counters_at_start = current_counters(&self.codec_stats, self.codec);
         auto.batches_since = 0;
         auto.window_started = Instant::now();
         auto.wire_at_start = wire;
         auto.busy_at_start = busy;
+    }
+}
+
+impl Pipeline<'_> {
+    /// The current codec as measured over the decision window (its
+    /// counters since the window started, at the window's level), recorded
+    /// among auto's measurements.
+    fn measure_window(&mut self) -> Option<tern_page::codec::CodecMeasurement> {
+        let auto = self.auto.as_mut()?;
+        if self.codec == CodecId::None {
+            return None;
+        }
+        let now = current_counters(&self.codec_stats, self.codec);
+        let window = data_the_codec_ran_on(&counters_since(&now, &auto.counters_at_start))?;
+        let measured =
+            tern_page::codec::CodecMeasurement::from_counters(self.codec, auto.level, &window)?;
+        auto.measurements.retain(|known| known.codec != self.codec);
+        auto.measurements.push(measured);
+        Some(measured)
+    }
+
+    /// The level the next batch is compressed at.
+    pub(super) fn batch_level(&self) -> i32 {
+        match &self.auto {
+            Some(auto) => auto.level,
+            None => self.shared.compression.level_for(self.codec),
+        }
+    }
+}
+
+/// The counters of the implementation that produces `codec`.
+fn current_counters(stats: &CodecStats, codec: CodecId) -> CodecCounters {
+    stats
+        .used()
+        .find(|(which, _)| which.wire() == codec)
+        .map(|(_, counters)| *counters)
+        .unwrap_or_default()
+}
+
+/// The counters without the pages sampling sent raw: those cost every codec
+/// the same (nothing), so a window of random pages says nothing about the
+/// codec and must not replace what is known of it (a run of random pages
+/// would otherwise make the codec look useless for the rest of the
+/// migration). `None` when the codec ran on no page.
+fn data_the_codec_ran_on(window: &CodecCounters) -> Option<CodecCounters> {
+    let skipped_bytes = window.skipped_by_sampling * PAGE_SIZE as u64;
+    let pages = window.pages.checked_sub(window.skipped_by_sampling)?;
+    (pages > 0).then(|| CodecCounters {
+        pages,
+        skipped_by_sampling: 0,
+        bytes_in: window.bytes_in.saturating_sub(skipped_bytes),
+        bytes_out: window.bytes_out.saturating_sub(skipped_bytes),
+        ..*window
+    })
+}
+
+/// What was counted between `start` and `now` (the CPU rate and ratio of
+/// a window, not of the whole migration).
+fn counters_since(now: &CodecCounters, start: &CodecCounters) -> CodecCounters {
+    CodecCounters {
+        pages: now.pages.saturating_sub(start.pages),
+        compressed: now.compressed.saturating_sub(start.compressed),
+        raw_fallbacks: now.raw_fallbacks.saturating_sub(start.raw_fallbacks),
+        skipped_by_sampling: now
+            .skipped_by_sampling
+            .saturating_sub(start.skipped_by_sampling),
+        offload_fallbacks: now
+            .offload_fallbacks
+            .saturating_sub(start.offload_fallbacks),
+        bytes_in: now.bytes_in.saturating_sub(start.bytes_in),
+        bytes_out: now.bytes_out.saturating_sub(start.bytes_out),
+        cpu_ns: now.cpu_ns.saturating_sub(start.cpu_ns),
     }
 }
 
@@ -257,6 +374,9 @@ mod tests {
             level: None,
             qpl_path: QplPath::Software,
             deflate_through_qpl: calibration.deflate_through_qpl,
+            packet_frames: false,
+            dictionary: None,
+            dictionary_report: None,
         };
         // Without libqpl here the QPL compressor cannot be made: the error
         // shows the setup asked for it.
@@ -264,6 +384,34 @@ mod tests {
             assert!(setup.compressor(CodecId::Deflate).is_err());
             assert!(setup.compressor(CodecId::Zstd).is_ok());
         }
+    }
+
+    #[test]
+    fn a_window_of_pages_sampling_sent_raw_measures_nothing() {
+        let random = CodecCounters {
+            pages: 128,
+            skipped_by_sampling: 128,
+            bytes_in: 128 * 4096,
+            bytes_out: 128 * 4096,
+            cpu_ns: 1000,
+            ..CodecCounters::default()
+        };
+        assert_eq!(data_the_codec_ran_on(&random), None);
+        let mixed = CodecCounters {
+            pages: 4,
+            compressed: 2,
+            skipped_by_sampling: 2,
+            bytes_in: 4 * 4096,
+            bytes_out: 2 * 4096 + 1000,
+            cpu_ns: 1000,
+            ..CodecCounters::default()
+        };
+        let ran = data_the_codec_ran_on(&mixed).unwrap();
+        assert_eq!(
+            (ran.pages, ran.bytes_in, ran.bytes_out),
+            (2, 2 * 4096, 1000)
+        );
+        assert!((ran.ratio() - 8.192).abs() < 1e-9);
     }
 
     #[test]

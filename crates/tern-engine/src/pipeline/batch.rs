@@ -17,6 +17,10 @@ pub(crate) struct Batch {
     pub(super) prechecked: bool,
     /// Codec for this batch's data pages, chosen by the producer.
     pub(super) codec: CodecId,
+    /// The dictionary the compressor used (0: none), named in the header.
+    pub(super) dictionary: u8,
+    /// The level to compress at (auto tunes it).
+    pub(super) level: i32,
     pub(super) compressed: CompressedBatch,
     /// What the worker's compressor did for this batch.
     pub(super) codec_stats: CodecStats,
@@ -92,6 +96,8 @@ impl Batch {
             kinds: Vec::with_capacity(MAX_PAGES_PER_PACKET),
             prechecked: false,
             codec: CodecId::None,
+            dictionary: 0,
+            level: 1,
             compressed: CompressedBatch::new(),
             codec_stats: CodecStats::default(),
             entries: Vec::with_capacity(MAX_PAGES_PER_PACKET),

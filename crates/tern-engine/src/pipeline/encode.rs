@@ -12,7 +12,10 @@ use super::*;
 pub(super) struct Scratch {
     pub(super) pointers: Vec<*const u8>,
     pub(super) zero_flags: Vec<bool>,
-    pub(super) compressors: [Option<PageCompressor>; 4],
+    /// Indexed by wire codec id.
+    pub(super) compressors: [Option<PageCompressor>; 8],
+    /// The level each compressor was asked for.
+    pub(super) levels: [i32; 8],
     /// Pages of the current batch a later one may duplicate: hash, position.
     pub(super) batch_pages: Vec<(u64, usize)>,
     /// Two pages' worth of room to compare pages in.
@@ -73,13 +76,14 @@ fn build_table(shared: &Shared, batch: &mut Batch) {
         });
     }
     batch.prefix.clear();
-    encode_pages_prefix(
-        &mut batch.prefix,
-        shared.region_ids[batch.region],
-        batch.iteration,
-        batch.codec.to_wire(),
-        &batch.entries,
-    );
+    let header = PagesHeader {
+        region_id: shared.region_ids[batch.region],
+        iteration: batch.iteration,
+        page_count: 0, // taken from the entries
+        codec: batch.codec.to_wire(),
+        dictionary: batch.dictionary,
+    };
+    encode_packet_prefix(&mut batch.prefix, &header, &batch.entries);
     batch.wire_bytes = batch.prefix.len() as u64 + payload;
 }
 
@@ -118,12 +122,20 @@ fn hash_pages(shared: &Shared, batch: &mut Batch) {
 pub(super) fn compress(shared: &Shared, batch: &mut Batch, scratch: &mut Scratch) {
     batch.compressed.clear();
     batch.codec_stats = CodecStats::default();
+    batch.dictionary = 0;
     if batch.codec == CodecId::None {
         return;
     }
     let slot = &mut scratch.compressors[batch.codec as usize];
+    let asked = &mut scratch.levels[batch.codec as usize];
+    // Auto tunes the level: a compressor asked for another one is made
+    // anew (compared with what was asked: QPL, say, rounds levels).
+    if *asked != batch.level {
+        *slot = None;
+        *asked = batch.level;
+    }
     if slot.is_none() {
-        match shared.compression.compressor(batch.codec) {
+        match shared.compression.compressor_at(batch.codec, batch.level) {
             Ok(compressor) => *slot = Some(compressor),
             Err(error) => {
                 // Checked at start-up, so this is unexpected: send raw.
@@ -147,4 +159,5 @@ pub(super) fn compress(shared: &Shared, batch: &mut Batch, scratch: &mut Scratch
     // only make it stale.
     unsafe { compressor.compress_batch(&scratch.pointers, &mut batch.compressed) };
     batch.codec_stats = compressor.take_stats();
+    batch.dictionary = compressor.dictionary_id();
 }

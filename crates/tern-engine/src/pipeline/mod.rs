@@ -19,10 +19,14 @@ use std::sync::{Arc, Mutex, OnceLock};
 use std::thread::{self, Scope, ScopedJoinHandle};
 use std::time::{Duration, Instant};
 
-use tern_page::codec::{CodecChoice, CodecId, CodecStats, CompressedBatch, PageOutcome, QplPath};
+use tern_page::codec::{
+    CodecChoice, CodecCounters, CodecId, CodecStats, CompressedBatch, PageOutcome, QplPath,
+};
 use tern_page::dsa::{ZeroAsNormal, ZeroPageOffload};
 use tern_page::{PageCompressor, ZeroChecker};
-use tern_wire::{MAX_PAGES_PER_PACKET, Message, PageEntry, PageKind, Sync, encode_pages_prefix};
+use tern_wire::{
+    MAX_PAGES_PER_PACKET, Message, PageEntry, PageKind, PagesHeader, Sync, encode_packet_prefix,
+};
 
 use crate::bitmap::DirtyBitmap;
 use crate::config::ZeroPageDetection;
@@ -50,8 +54,8 @@ mod reuse;
 mod sender;
 mod worker;
 
-pub(crate) use auto_codec::CompressionSetup;
 use auto_codec::{AutoCodec, calibrate_codecs};
+pub(crate) use auto_codec::{CompressionSetup, sample_pages};
 pub(crate) use batch::ReuseCounts;
 use batch::{Batch, Completion, SendItem, page_ptr};
 use classify::classify;
@@ -235,14 +239,31 @@ impl<'scope> Pipeline<'scope> {
         let channel_count = channels.len();
         // Before the workers exist: they build their compressors from the
         // setup, which calibration may switch to QPL's deflate.
-        let calibration = (setup.compression.choice == CodecChoice::Auto)
-            .then(|| calibrate_codecs(&setup.regions, setup.compression.qpl_path));
+        let calibration = (setup.compression.choice == CodecChoice::Auto).then(|| {
+            calibrate_codecs(
+                &setup.regions,
+                setup.compression.qpl_path,
+                setup.compression.dictionary.as_ref(),
+            )
+        });
         if let Some(calibration) = &calibration {
             setup.compression.deflate_through_qpl = calibration.deflate_through_qpl;
         }
         let pool_size = setup.workers * (WORKER_RING_CAPACITY + BATCHES_PER_WORKER);
         let workers = setup.workers;
         let choice = setup.compression.choice;
+        // A fixed choice names one codec (zstd in packet frames included);
+        // auto starts raw and decides.
+        let initial_codec = match choice {
+            CodecChoice::Auto => CodecId::None,
+            _ => setup
+                .compression
+                .codecs()
+                .first()
+                .copied()
+                .unwrap_or(CodecId::None),
+        };
+        let initial_level = setup.compression.level_for(CodecId::Zstd);
         let cancel = setup.cancel.clone();
         let shared = Arc::new(Shared::new(setup, channel_count, pool_size));
         if let Some(cache) = &shared.delta_cache {
@@ -258,7 +279,7 @@ impl<'scope> Pipeline<'scope> {
             shutdown_handles: Vec::new(),
             cancel,
             totals: IterationTotals::default(),
-            codec: choice.wire().unwrap_or(CodecId::None),
+            codec: initial_codec,
             auto: (choice == CodecChoice::Auto).then(|| AutoCodec {
                 selector: tern_page::AutoSelector::new(workers),
                 measurements: calibration.map(|c| c.measurements).unwrap_or_default(),
@@ -267,6 +288,9 @@ impl<'scope> Pipeline<'scope> {
                 wire_at_start: 0,
                 busy_at_start: 0,
                 switches: 0,
+                level: initial_level,
+                counters_at_start: CodecCounters::default(),
+                level_changes: 0,
             }),
             codec_stats: CodecStats::default(),
             scratch: Scratch::default(),
@@ -349,6 +373,7 @@ impl<'scope> Pipeline<'scope> {
                     None => {
                         let mut fresh = self.take_batch()?;
                         fresh.reset(region, iteration, last, self.codec);
+                        fresh.level = self.batch_level();
                         batch.insert(fresh)
                     }
                 };

@@ -1,8 +1,10 @@
 //! Connecting: the session setup, the main channel and the page channels,
 //! each greeted and welcomed.
 
+use tern_page::codec::{CodecDictionary, CodecId};
 use tern_wire::{
-    ChannelHello, DigestAlgorithm, Handshake, Hello, Message, RegionInfo, SessionSetup, Welcome,
+    ChannelHello, Dictionary, DigestAlgorithm, Handshake, Hello, Message, RegionInfo, SessionSetup,
+    Welcome,
 };
 
 use crate::config::{MigrationConfig, Verify, ZeroCopyBackend};
@@ -23,6 +25,7 @@ pub(super) fn connect(
     setup: &SessionSetup,
     session_id: u64,
     main_slot: &mut Option<Channel>,
+    dictionary: Option<&CodecDictionary>,
 ) -> Result<Vec<PageSender>, MigrationError> {
     let zero_copy_window = if config.zero_copy {
         Some(zero_copy_window(config)?)
@@ -39,6 +42,15 @@ pub(super) fn connect(
     }))
     .map_err(MigrationError::channel(0))?;
     expect_welcome(main, session_id, 0)?;
+    // Before any page channel: every receiver has it before its first packet.
+    if let Some(dictionary) = dictionary {
+        main.send_message(&Message::Dictionary(Dictionary {
+            id: dictionary.id(),
+            codec: CodecId::Zstd.to_wire(),
+            data: dictionary.bytes().to_vec(),
+        }))
+        .map_err(MigrationError::channel(0))?;
+    }
     let identity = main.security().peer_identity.clone();
     (1..=config.channels)
         .map(|index| {
@@ -165,6 +177,7 @@ pub(super) fn session_setup(
             })
             .collect(),
         guest_kind: guest_kind.to_string(),
+        dictionaries: u8::from(compression.dictionary.is_some()),
     };
     setup.validate().map_err(|error| {
         MigrationError::Incompatible(format!("the guest's memory layout or kind: {error}"))

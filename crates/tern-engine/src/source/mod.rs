@@ -2,6 +2,7 @@
 
 mod connect;
 mod convergence;
+mod dictionary;
 mod live;
 mod peer;
 mod switch_over;
@@ -98,6 +99,9 @@ impl Source {
             level: config.compression_level,
             qpl_path: config.qpl_path,
             deflate_through_qpl: false,
+            packet_frames: config.packet_frames,
+            dictionary: None,
+            dictionary_report: None,
         };
         let mut levels = Vec::new();
         for codec in compression.codecs() {
@@ -240,8 +244,12 @@ impl Source {
         let address = connector.address();
         config.check_address(&address)?;
         let regions: Vec<MemoryRegion> = guest.regions().to_vec();
-        let setup =
-            connect::session_setup(&regions, guest.guest_kind(), config, &self.compression)?;
+        let compression = dictionary::with_trained_dictionary(
+            &self.compression,
+            config.compression_dictionary,
+            &regions,
+        );
+        let setup = connect::session_setup(&regions, guest.guest_kind(), config, &compression)?;
         let total: u64 = regions.iter().map(MemoryRegion::len).sum();
         self.stats.total.store(total, Ordering::Relaxed);
         self.stats.remaining.store(total, Ordering::Relaxed);
@@ -251,6 +259,7 @@ impl Source {
             &setup,
             connect::random_session_id(),
             main_slot,
+            compression.dictionary.as_ref(),
         )?;
         let Some(main) = main_slot.as_mut() else {
             return Err(MigrationError::Internal("main channel missing".into()));
@@ -278,7 +287,7 @@ impl Source {
         std::thread::scope(|scope| {
             let mut pipeline = Pipeline::start(
                 scope,
-                self.pipeline_setup(&regions, page_hashes.clone()),
+                self.pipeline_setup(&regions, page_hashes.clone(), compression),
                 page_channels,
             )?;
             // Strict rehashes everything while paused: an audit would find
@@ -357,6 +366,7 @@ impl Source {
         &self,
         regions: &[MemoryRegion],
         page_hashes: Option<Arc<PageHashes>>,
+        compression: CompressionSetup,
     ) -> PipelineSetup {
         let config = &self.config;
         PipelineSetup {
@@ -365,7 +375,7 @@ impl Source {
             detection: config.zero_page_detection,
             zero_offload: self.zero_offload.clone(),
             zero_as_normal: config.zero_page_as_normal,
-            compression: self.compression,
+            compression,
             max_bandwidth: config.max_bandwidth,
             stats: self.stats.clone(),
             cancel: self.cancel.flag(),

@@ -8,7 +8,10 @@
 //! keeps the current one unless another beats it by a margin, so the choice
 //! does not flap between iterations on measurement noise.
 
-use super::{CodecCounters, CodecError, CodecId, PageCompressor, PageDecompressor, thread_cpu_ns};
+use super::{
+    CodecCounters, CodecDictionary, CodecError, CodecId, CompressedBatch, PageCompressor,
+    PageDecompressor, thread_cpu_ns,
+};
 use crate::PAGE_SIZE;
 
 /// What a codec achieves on this machine and this guest's pages.
@@ -115,6 +118,33 @@ pub fn choose_codec(
     }
 }
 
+/// The highest level `auto` raises a codec to: beyond it a level costs
+/// several times the CPU for a few percent of ratio.
+pub const AUTO_MAX_LEVEL: i32 = 9;
+
+/// The level `auto` uses next for the codec it keeps, measured as
+/// `measured` at `measured.level`: one up while the link is the bottleneck
+/// and the workers could compress at least twice what it carries (CPU to
+/// spare, so a better ratio is free), one down while they cannot keep up
+/// with it, else the same (the gap between the two is the hysteresis).
+/// Never below the codec's default level nor above [`AUTO_MAX_LEVEL`]; a
+/// codec with one level (lz4) keeps it. Pure.
+pub fn tune_level(measured: &CodecMeasurement, link_bytes_per_sec: f64, threads: usize) -> i32 {
+    let (_, highest) = measured.codec.level_range();
+    let lowest = measured.codec.default_level();
+    let highest = highest.min(AUTO_MAX_LEVEL).max(lowest);
+    let cpu = measured.compress_bytes_per_sec * threads.max(1) as f64;
+    let link = link_bytes_per_sec * measured.ratio.max(1.0);
+    let next = if cpu >= 2.0 * link {
+        measured.level + 1
+    } else if cpu < link {
+        measured.level - 1
+    } else {
+        measured.level
+    };
+    next.clamp(lowest, highest)
+}
+
 /// Stateful wrapper around [`choose_codec`]: remembers the codec in force.
 #[derive(Clone, Debug)]
 pub struct AutoSelector {
@@ -168,31 +198,52 @@ pub fn calibrate(
     sample: &[[u8; PAGE_SIZE]],
     candidates: &[(CodecId, i32)],
 ) -> Result<Vec<CodecMeasurement>, CodecError> {
+    calibrate_with_dictionary(sample, candidates, None)
+}
+
+/// [`calibrate`], with zstd (per page and in packet frames) compressing
+/// against `dictionary`. The sample goes through in packets, as the
+/// workers compress it.
+pub fn calibrate_with_dictionary(
+    sample: &[[u8; PAGE_SIZE]],
+    candidates: &[(CodecId, i32)],
+    dictionary: Option<&CodecDictionary>,
+) -> Result<Vec<CodecMeasurement>, CodecError> {
     let mut result = Vec::new();
-    let mut out = vec![[0u8; PAGE_SIZE - 1]; sample.len()];
-    let mut lens = vec![None; sample.len()];
+    let pointers: Vec<*const u8> = sample.iter().map(|page| page.as_ptr()).collect();
+    let mut batches: Vec<CompressedBatch> = pointers
+        .chunks(tern_wire::MAX_PAGES_PER_PACKET)
+        .map(|_| CompressedBatch::new())
+        .collect();
     for &(codec, level) in candidates {
         if codec == CodecId::None || !codec.is_built() || sample.is_empty() {
             continue;
         }
-        let mut c = PageCompressor::new(codec, level)?;
+        let dictionary = dictionary.filter(|_| codec.is_zstd());
+        let mut c = PageCompressor::with_dictionary(codec, level, dictionary)?;
         let t0 = thread_cpu_ns();
-        let mut wire = 0usize;
-        for (i, p) in sample.iter().enumerate() {
-            lens[i] = c.compress(p, &mut out[i]);
-            wire += lens[i].unwrap_or(PAGE_SIZE);
+        for (chunk, batch) in pointers
+            .chunks(tern_wire::MAX_PAGES_PER_PACKET)
+            .zip(&mut batches)
+        {
+            // SAFETY: every pointer is a whole page of `sample`, alive and
+            // not written during the call.
+            unsafe { c.compress_batch(chunk, batch) };
         }
         let ct = thread_cpu_ns().saturating_sub(t0).max(1);
-        let mut d = PageDecompressor::new(codec)?;
-        let mut page = [0u8; PAGE_SIZE];
+        let wire: usize = batches
+            .iter()
+            .flat_map(|batch| &batch.outcomes)
+            .map(|outcome| match outcome {
+                super::PageOutcome::Compressed { len, .. } => *len,
+                super::PageOutcome::Raw(_) => PAGE_SIZE,
+            })
+            .sum();
+        let mut d = PageDecompressor::new(codec)?
+            .with_dictionaries(dictionary.map(std::slice::from_ref).unwrap_or_default())?;
+        let id = dictionary.map_or(0, CodecDictionary::id);
         let t1 = thread_cpu_ns();
-        let mut decoded = 0usize;
-        for (i, len) in lens.iter().enumerate() {
-            if let Some(n) = *len {
-                d.decompress(&out[i][..n], &mut page)?;
-                decoded += PAGE_SIZE;
-            }
-        }
+        let decoded = super::bench_dictionary::decode_all(&mut d, &batches, id)?;
         let dt = thread_cpu_ns().saturating_sub(t1).max(1);
         let bytes = (sample.len() * PAGE_SIZE) as f64;
         result.push(CodecMeasurement {
@@ -200,7 +251,7 @@ pub fn calibrate(
             level: c.level(),
             compress_bytes_per_sec: bytes / (ct as f64 / 1e9),
             decompress_bytes_per_sec: (decoded > 0).then(|| decoded as f64 / (dt as f64 / 1e9)),
-            ratio: bytes / wire as f64,
+            ratio: bytes / wire.max(1) as f64,
         });
     }
     Ok(result)
@@ -272,4 +323,42 @@ pub fn calibrate_qpl(
         decompress_bytes_per_sec: (decoded > 0).then(|| decoded as f64 / (dt as f64 / 1e9)),
         ratio: bytes / wire.max(1) as f64,
     })
+}
+
+#[cfg(test)]
+mod level_tests {
+    use super::*;
+
+    fn zstd_at(level: i32, rate: f64, ratio: f64) -> CodecMeasurement {
+        CodecMeasurement {
+            codec: CodecId::Zstd,
+            level,
+            compress_bytes_per_sec: rate,
+            decompress_bytes_per_sec: None,
+            ratio,
+        }
+    }
+
+    #[test]
+    fn the_level_rises_while_the_link_is_the_bottleneck_and_cpu_is_idle() {
+        // 1 Gbit/s at ratio 2 carries 250 MB/s of guest memory; two
+        // workers at 300 MB/s each compress 600: more than twice that.
+        assert_eq!(tune_level(&zstd_at(1, 300e6, 2.0), 125e6, 2), 2);
+        // Between one and two times: kept.
+        assert_eq!(tune_level(&zstd_at(3, 150e6, 2.0), 125e6, 2), 3);
+        // The CPU cannot keep up: one down, never below the default.
+        assert_eq!(tune_level(&zstd_at(3, 100e6, 2.0), 125e6, 2), 2);
+        assert_eq!(tune_level(&zstd_at(1, 10e6, 2.0), 125e6, 2), 1);
+        // Never above the cap, however idle the CPU.
+        assert_eq!(
+            tune_level(&zstd_at(AUTO_MAX_LEVEL, 1e12, 2.0), 1e6, 2),
+            AUTO_MAX_LEVEL
+        );
+        // lz4 has one level.
+        let lz4 = CodecMeasurement {
+            codec: CodecId::Lz4,
+            ..zstd_at(1, 1e12, 2.0)
+        };
+        assert_eq!(tune_level(&lz4, 1e6, 2), 1);
+    }
 }

@@ -82,6 +82,9 @@
 
 mod auto;
 mod bench;
+mod bench_dictionary;
+mod dictionary;
+mod packet;
 #[cfg(feature = "qpl")]
 mod qpl;
 mod qpl_path;
@@ -98,10 +101,15 @@ use tern_wire::codec_id;
 use crate::PAGE_SIZE;
 
 pub use auto::{
-    AutoDecision, AutoSelector, CodecMeasurement, OFFLOAD_RATIO_TOLERANCE, calibrate,
-    calibrate_qpl, choose_codec, prefer_offload,
+    AUTO_MAX_LEVEL, AutoDecision, AutoSelector, CodecMeasurement, OFFLOAD_RATIO_TOLERANCE,
+    calibrate, calibrate_qpl, calibrate_with_dictionary, choose_codec, prefer_offload, tune_level,
 };
 pub use bench::{CodecBenchRow, bench_codecs, corpus_page, default_bench_levels};
+pub use bench_dictionary::{PacketCorpus, ZstdVariantRow, bench_zstd_variants};
+pub use dictionary::{
+    CodecDictionary, DEFAULT_DICTIONARY_LEN, DICTIONARY_SAMPLE_PAGES, train_dictionary,
+};
+pub use packet::PacketFrame;
 #[cfg(feature = "qpl")]
 pub use qpl::{QplCompressor, QplDecompressor, qpl_available};
 pub use qpl_path::QplPath;
@@ -163,6 +171,27 @@ pub enum CodecError {
         /// Input length.
         len: usize,
     },
+    /// A packet names a dictionary this decoder was not given.
+    #[error("{codec} packet names dictionary {id}, which this session does not have")]
+    UnknownDictionary {
+        /// Codec name.
+        codec: &'static str,
+        /// The dictionary id.
+        id: u8,
+    },
+    /// A dictionary that cannot be used (size, id, codec, or training).
+    #[error("dictionary: {0}")]
+    Dictionary(String),
+    /// A packet frame that decodes to another size than its pages.
+    #[error("{codec} packet frame decodes to {decoded} bytes, expected {expected}")]
+    PacketSize {
+        /// Codec name.
+        codec: &'static str,
+        /// Bytes decoded (at most `expected` + 1: decoding stops there).
+        decoded: usize,
+        /// Compressed pages × `PAGE_SIZE`.
+        expected: usize,
+    },
     /// Compressed data arrived for a session without a codec.
     #[error("compressed page but the session has no codec")]
     NoCodec,
@@ -215,11 +244,20 @@ pub enum CodecId {
     Deflate = codec_id::DEFLATE,
     /// lz4 block format.
     Lz4 = codec_id::LZ4,
+    /// zstd, one frame for all compressed pages of a packet (ratio over
+    /// independence: the pages of a packet decode together).
+    ZstdPacket = codec_id::ZSTD_PACKET,
 }
 
 impl CodecId {
     /// Every wire codec.
-    pub const ALL: [CodecId; 4] = [CodecId::None, CodecId::Zstd, CodecId::Deflate, CodecId::Lz4];
+    pub const ALL: [CodecId; 5] = [
+        CodecId::None,
+        CodecId::Zstd,
+        CodecId::Deflate,
+        CodecId::Lz4,
+        CodecId::ZstdPacket,
+    ];
 
     /// Short lowercase name.
     pub fn name(self) -> &'static str {
@@ -228,7 +266,14 @@ impl CodecId {
             CodecId::Zstd => "zstd",
             CodecId::Deflate => "deflate",
             CodecId::Lz4 => "lz4",
+            CodecId::ZstdPacket => "zstd-packet",
         }
+    }
+
+    /// Whether the codec is zstd, per page or per packet (the codecs that
+    /// take a dictionary).
+    pub fn is_zstd(self) -> bool {
+        matches!(self, CodecId::Zstd | CodecId::ZstdPacket)
     }
 
     /// The wire byte.
@@ -243,6 +288,7 @@ impl CodecId {
             codec_id::ZSTD => Ok(CodecId::Zstd),
             codec_id::DEFLATE => Ok(CodecId::Deflate),
             codec_id::LZ4 => Ok(CodecId::Lz4),
+            codec_id::ZSTD_PACKET => Ok(CodecId::ZstdPacket),
             other => Err(CodecError::UnknownCodecId(other)),
         }
     }
@@ -252,7 +298,7 @@ impl CodecId {
     pub fn is_built(self) -> bool {
         match self {
             CodecId::None => true,
-            CodecId::Zstd => cfg!(feature = "zstd"),
+            CodecId::Zstd | CodecId::ZstdPacket => cfg!(feature = "zstd"),
             CodecId::Deflate => cfg!(feature = "deflate"),
             CodecId::Lz4 => cfg!(feature = "lz4"),
         }
@@ -275,7 +321,7 @@ impl CodecId {
         match self {
             CodecId::None => (0, 0),
             // Negative levels are zstd's "fast" levels.
-            CodecId::Zstd => zstd_level_range(),
+            CodecId::Zstd | CodecId::ZstdPacket => zstd_level_range(),
             // libdeflate: 0 is store-only (never shrinks), so start at 1.
             CodecId::Deflate => (1, 12),
             CodecId::Lz4 => (1, 1),
@@ -293,7 +339,7 @@ impl CodecId {
     /// The level actually used when `requested` is asked for.
     /// zstd's 0 means its default, 3.
     pub fn clamp_level(self, requested: i32) -> i32 {
-        if self == CodecId::Zstd && requested == 0 {
+        if self.is_zstd() && requested == 0 {
             return ZSTD_DEFAULT_LEVEL;
         }
         let (lo, hi) = self.level_range();
@@ -333,6 +379,7 @@ impl FromStr for CodecId {
             "zstd" => Ok(CodecId::Zstd),
             "deflate" => Ok(CodecId::Deflate),
             "lz4" => Ok(CodecId::Lz4),
+            "zstd-packet" => Ok(CodecId::ZstdPacket),
             _ => Err(CodecError::UnknownCodec(s.to_owned())),
         }
     }
@@ -531,15 +578,27 @@ pub struct PageCompressor {
     out: Box<[u8; MAX_COMPRESSED]>,
     stats: CodecStats,
     last_raw_reason: RawReason,
+    /// The dictionary id packets name (0: none).
+    dictionary: u8,
+    /// With [`CodecId::ZstdPacket`]: the packet's pages and its frame.
+    packet: Option<Box<PacketFrame>>,
 }
 
 #[cfg(feature = "zstd")]
-fn new_zstd(level: i32) -> Result<zstd::bulk::Compressor<'static>, CodecError> {
+fn new_zstd(
+    level: i32,
+    dictionary: Option<&CodecDictionary>,
+) -> Result<zstd::bulk::Compressor<'static>, CodecError> {
     let init = |e: std::io::Error| CodecError::Init {
         codec: "zstd",
         detail: e.to_string(),
     };
-    let mut c = zstd::bulk::Compressor::new(level).map_err(init)?;
+    let mut c = match dictionary {
+        Some(dictionary) => {
+            zstd::bulk::Compressor::with_dictionary(level, dictionary.bytes()).map_err(init)?
+        }
+        None => zstd::bulk::Compressor::new(level).map_err(init)?,
+    };
     c.include_checksum(false).map_err(init)?;
     c.include_contentsize(false).map_err(init)?;
     c.include_dictid(false).map_err(init)?;
@@ -576,11 +635,39 @@ impl PageCompressor {
     /// [`CodecError::NotBuilt`] for a codec whose feature is off;
     /// [`CodecError::Init`] if the codec library cannot start.
     pub fn new(codec: CodecId, level: i32) -> Result<Self, CodecError> {
+        Self::with_dictionary(codec, level, None)
+    }
+
+    /// As [`new`](Self::new), compressing against `dictionary` (zstd
+    /// only); packets then name its id ([`dictionary_id`](Self::dictionary_id)).
+    ///
+    /// # Errors
+    ///
+    /// As [`new`](Self::new); [`CodecError::Dictionary`] for a dictionary
+    /// with another codec than zstd.
+    pub fn with_dictionary(
+        codec: CodecId,
+        level: i32,
+        dictionary: Option<&CodecDictionary>,
+    ) -> Result<Self, CodecError> {
+        if dictionary.is_some() && !codec.is_zstd() {
+            return Err(CodecError::Dictionary(format!(
+                "{codec} takes no dictionary"
+            )));
+        }
         let level = codec.clamp_level(level);
         let (engine, which) = match codec {
             CodecId::None => (Engine::None, CodecImpl::None),
             #[cfg(feature = "zstd")]
-            CodecId::Zstd => (Engine::Zstd(Box::new(new_zstd(level)?)), CodecImpl::Zstd),
+            CodecId::Zstd => (
+                Engine::Zstd(Box::new(new_zstd(level, dictionary)?)),
+                CodecImpl::Zstd,
+            ),
+            #[cfg(feature = "zstd")]
+            CodecId::ZstdPacket => (
+                Engine::Zstd(Box::new(new_zstd(level, dictionary)?)),
+                CodecImpl::ZstdPacket,
+            ),
             #[cfg(feature = "deflate")]
             CodecId::Deflate => (
                 Engine::Deflate(Box::new(new_deflate(level))),
@@ -598,7 +685,12 @@ impl PageCompressor {
                 });
             }
         };
-        Ok(Self::with_engine(codec, which, level, engine))
+        let mut compressor = Self::with_engine(codec, which, level, engine);
+        compressor.dictionary = dictionary.map_or(0, CodecDictionary::id);
+        if codec == CodecId::ZstdPacket {
+            compressor.packet = Some(Box::default());
+        }
+        Ok(compressor)
     }
 
     /// A compressor for a command-line choice. `Qpl` uses the given path
@@ -653,7 +745,14 @@ impl PageCompressor {
             out: Box::new([0; MAX_COMPRESSED]),
             stats: CodecStats::default(),
             last_raw_reason: RawReason::NoCodec,
+            dictionary: 0,
+            packet: None,
         }
+    }
+
+    /// The dictionary id its packets name: 0 without a dictionary.
+    pub fn dictionary_id(&self) -> u8 {
+        self.dictionary
     }
 
     /// Turns the incompressible-page sampling on or off (on by default).
@@ -733,6 +832,15 @@ impl PageCompressor {
     pub unsafe fn compress_batch(&mut self, pages: &[*const u8], batch: &mut CompressedBatch) {
         batch.clear();
         let t0 = thread_cpu_ns();
+        #[cfg(feature = "zstd")]
+        if let (Some(packet), Engine::Zstd(c)) = (self.packet.as_mut(), &mut self.engine) {
+            // SAFETY: forwarded caller contract.
+            let counters = unsafe { packet.compress(c, pages, batch, self.sampling) };
+            let c = self.stats.get_mut(CodecImpl::ZstdPacket);
+            c.add(&counters);
+            c.cpu_ns += thread_cpu_ns().saturating_sub(t0);
+            return;
+        }
         #[cfg(feature = "qpl")]
         if let Engine::Qpl(q) = &mut self.engine {
             let sampling = self.sampling;
@@ -824,7 +932,7 @@ impl PageCompressor {
 enum DecoderEngine {
     None,
     #[cfg(feature = "zstd")]
-    Zstd(Box<zstd::bulk::Decompressor<'static>>),
+    Zstd(Box<packet::ZstdDecoders>),
     #[cfg(feature = "deflate")]
     Deflate(Box<libdeflater::Decompressor>),
     #[cfg(feature = "lz4")]
@@ -892,13 +1000,8 @@ impl PageDecompressor {
         let engine = match codec {
             CodecId::None => DecoderEngine::None,
             #[cfg(feature = "zstd")]
-            CodecId::Zstd => {
-                DecoderEngine::Zstd(Box::new(zstd::bulk::Decompressor::new().map_err(|e| {
-                    CodecError::Init {
-                        codec: "zstd",
-                        detail: e.to_string(),
-                    }
-                })?))
+            CodecId::Zstd | CodecId::ZstdPacket => {
+                DecoderEngine::Zstd(Box::new(packet::ZstdDecoders::new()?))
             }
             #[cfg(feature = "deflate")]
             CodecId::Deflate => DecoderEngine::Deflate(Box::new(libdeflater::Decompressor::new())),
@@ -953,6 +1056,55 @@ impl PageDecompressor {
         }
     }
 
+    /// Adds the session's dictionaries, so packets may name them (zstd;
+    /// other codecs take none).
+    ///
+    /// # Errors
+    ///
+    /// [`CodecError::Dictionary`] when libzstd rejects one.
+    pub fn with_dictionaries(
+        mut self,
+        dictionaries: &[CodecDictionary],
+    ) -> Result<Self, CodecError> {
+        #[cfg(feature = "zstd")]
+        if let DecoderEngine::Zstd(decoders) = &mut self.engine {
+            for dictionary in dictionaries {
+                decoders.add_dictionary(dictionary)?;
+            }
+        }
+        let _ = dictionaries;
+        Ok(self)
+    }
+
+    /// Decodes the frame of a [`CodecId::ZstdPacket`] packet made with
+    /// dictionary `dictionary` (0: none) into exactly `pages` pages, and
+    /// returns them back to back. Never decodes more than `pages` ×
+    /// `PAGE_SIZE` bytes; any other size is an error.
+    ///
+    /// # Errors
+    ///
+    /// [`CodecError::PacketSize`], [`CodecError::Malformed`],
+    /// [`CodecError::UnknownDictionary`], [`CodecError::BadInputLength`]
+    /// for a frame no shorter than its pages; [`CodecError::NoCodec`] for a
+    /// decoder of another codec.
+    pub fn decompress_packet(
+        &mut self,
+        frame: &[u8],
+        dictionary: u8,
+        pages: usize,
+    ) -> Result<&[u8], CodecError> {
+        match &mut self.engine {
+            #[cfg(feature = "zstd")]
+            DecoderEngine::Zstd(decoders) if self.codec == CodecId::ZstdPacket => {
+                decoders.decompress_packet(frame, dictionary, pages)
+            }
+            _ => {
+                let _ = (frame, dictionary, pages);
+                Err(CodecError::NoCodec)
+            }
+        }
+    }
+
     /// The wire codec this decoder reads.
     pub fn codec(&self) -> CodecId {
         self.codec
@@ -984,6 +1136,18 @@ impl PageDecompressor {
         input: &[u8],
         out: &mut [u8; PAGE_SIZE],
     ) -> Result<(), CodecError> {
+        self.decompress_with(input, 0, out)
+    }
+
+    /// [`decompress`](Self::decompress) of a page compressed against
+    /// dictionary `dictionary` (0: none), which must be one of
+    /// [`with_dictionaries`](Self::with_dictionaries)'s.
+    pub fn decompress_with(
+        &mut self,
+        input: &[u8],
+        dictionary: u8,
+        out: &mut [u8; PAGE_SIZE],
+    ) -> Result<(), CodecError> {
         let codec = self.codec.name();
         if matches!(self.engine, DecoderEngine::None) {
             return Err(CodecError::NoCodec);
@@ -999,17 +1163,13 @@ impl PageDecompressor {
         let decoded = match &mut self.engine {
             DecoderEngine::None => unreachable!("checked above"),
             #[cfg(feature = "zstd")]
-            DecoderEngine::Zstd(d) => match d.decompress_to_buffer(input, &mut out[..]) {
-                Ok(n) => n,
-                Err(e) => {
-                    let detail = e.to_string();
-                    return Err(if detail.contains("too small") {
-                        CodecError::OversizedPage { codec }
-                    } else {
-                        CodecError::Malformed { codec, detail }
-                    });
-                }
-            },
+            DecoderEngine::Zstd(d) => d.decompress_page(input, dictionary, out)?,
+            _ if dictionary != 0 => {
+                return Err(CodecError::UnknownDictionary {
+                    codec,
+                    id: dictionary,
+                });
+            }
             #[cfg(feature = "deflate")]
             DecoderEngine::Deflate(d) => inflate(d, input, out, codec)?,
             #[cfg(feature = "qpl")]
@@ -1053,12 +1213,28 @@ impl PageDecompressor {
         input: &[u8],
         page_out: *mut u8,
     ) -> Result<(), CodecError> {
+        // SAFETY: forwarded caller contract.
+        unsafe { self.decompress_page_with(input, 0, page_out) }
+    }
+
+    /// [`decompress_page`](Self::decompress_page) of a page compressed
+    /// against dictionary `dictionary` (0: none).
+    ///
+    /// # Safety
+    ///
+    /// As [`decompress_page`](Self::decompress_page).
+    pub unsafe fn decompress_page_with(
+        &mut self,
+        input: &[u8],
+        dictionary: u8,
+        page_out: *mut u8,
+    ) -> Result<(), CodecError> {
         // SAFETY: the caller guarantees PAGE_SIZE writable, unaliased bytes
         // at `page_out`, and u8 has alignment 1. The decoders write only
         // through this exact-size reference and bound every write by its
         // length, so nothing past the page can be written.
         let out = unsafe { &mut *page_out.cast::<[u8; PAGE_SIZE]>() };
-        self.decompress(input, out)
+        self.decompress_with(input, dictionary, out)
     }
 }
 
@@ -1180,3 +1356,6 @@ mod feature_tests {
         assert!(CodecChoice::Auto.is_built());
     }
 }
+
+#[cfg(all(test, feature = "zstd"))]
+mod dictionary_tests;

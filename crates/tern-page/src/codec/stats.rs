@@ -21,16 +21,19 @@ pub enum CodecImpl {
     Lz4 = 3,
     /// Intel QPL (IAA hardware or QPL's software path), deflate format.
     Qpl = 4,
+    /// zstd, one frame per packet.
+    ZstdPacket = 5,
 }
 
 impl CodecImpl {
     /// Every implementation, in index order.
-    pub const ALL: [CodecImpl; 5] = [
+    pub const ALL: [CodecImpl; 6] = [
         CodecImpl::None,
         CodecImpl::Zstd,
         CodecImpl::Deflate,
         CodecImpl::Lz4,
         CodecImpl::Qpl,
+        CodecImpl::ZstdPacket,
     ];
 
     /// Short lowercase name.
@@ -41,6 +44,7 @@ impl CodecImpl {
             CodecImpl::Deflate => "deflate",
             CodecImpl::Lz4 => "lz4",
             CodecImpl::Qpl => "qpl",
+            CodecImpl::ZstdPacket => "zstd-packet",
         }
     }
 
@@ -51,6 +55,7 @@ impl CodecImpl {
             CodecImpl::Zstd => CodecId::Zstd,
             CodecImpl::Deflate | CodecImpl::Qpl => CodecId::Deflate,
             CodecImpl::Lz4 => CodecId::Lz4,
+            CodecImpl::ZstdPacket => CodecId::ZstdPacket,
         }
     }
 }
@@ -121,7 +126,7 @@ impl CodecCounters {
 /// engine with [`merge`](Self::merge).
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
 pub struct CodecStats {
-    per_impl: [CodecCounters; 5],
+    per_impl: [CodecCounters; 6],
 }
 
 impl CodecStats {

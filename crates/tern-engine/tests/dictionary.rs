@@ -1,0 +1,335 @@
+//! zstd dictionaries and packet frames end to end: real migrations over
+//! TCP checked by digest, and a hand-driven source sending what a correct
+//! one never does (an oversized, unexpected or misnumbered dictionary, a
+//! packet naming a dictionary the session lacks, a packet frame of the
+//! wrong size or cut short). Each must end in a clear error within a
+//! bounded time.
+
+mod common;
+
+use std::time::Duration;
+
+use common::*;
+use tern_engine::{Address, Channel, MigrationStatus, Source};
+use tern_page::codec::{CodecChoice, CodecId, CompressedBatch, PageCompressor};
+use tern_wire::{
+    ChannelHello, DigestAlgorithm, FRAME_HEADER_LEN, FrameHeader, FrameKind, Handshake, Hello,
+    Message, PageEntry, PageKind, PagesHeader, RegionInfo, SessionSetup, codec_id,
+};
+
+const SESSION: u64 = 0xd1c7;
+const REGION_BYTES: u64 = 4 << 20;
+
+/// Migrates a dirtying guest with `configure` applied; the destination's
+/// memory must equal the source's by digest (compared by the destination
+/// before it resumes: once resumed, its guest writes again).
+fn migrate(
+    configure: impl FnOnce(&mut tern_engine::MigrationConfig),
+) -> tern_engine::MigrationStats {
+    let mut guest = guest(32 * MIB, 8 * MIB);
+    let (listener, address) = tcp_listener();
+    let destination = spawn_destination(listener);
+    let mut config = migration_config(2);
+    configure(&mut config);
+    let stats = Source::new(config)
+        .unwrap()
+        .migrate(&mut guest, &address)
+        .expect("migration");
+    destination.join().unwrap().expect("destination");
+    assert_eq!(stats.status, MigrationStatus::Completed);
+    assert!(stats.digest_verified);
+    stats
+}
+
+#[test]
+fn zstd_against_a_trained_dictionary_verifies() {
+    let stats = migrate(|config| {
+        config.compression = CodecChoice::Zstd;
+        config.compression_dictionary = Some(16 << 10);
+    });
+    let report = stats.compression.expect("compression report");
+    let dictionary = report.dictionary.expect("a dictionary was trained");
+    assert!(dictionary.bytes > 0 && dictionary.bytes <= 16 << 10);
+    assert!(dictionary.sample_pages > 0);
+    assert!(report.codecs["zstd"].compressed > 0, "{:?}", report.codecs);
+}
+
+#[test]
+fn packet_frames_verify_with_and_without_a_dictionary() {
+    for dictionary in [None, Some(32 << 10)] {
+        let stats = migrate(|config| {
+            config.compression = CodecChoice::Zstd;
+            config.packet_frames = true;
+            config.compression_dictionary = dictionary;
+        });
+        let report = stats.compression.expect("compression report");
+        assert_eq!(report.dictionary.is_some(), dictionary.is_some());
+        let packet = &report.codecs["zstd-packet"];
+        assert!(packet.compressed > 0, "{:?}", report.codecs);
+        assert!(packet.ratio > 1.0);
+        assert!(stats.ram.transferred < stats.ram.normal_bytes);
+    }
+}
+
+#[test]
+fn packet_frames_of_a_guest_with_nothing_to_compress_verify() {
+    // Every data page random: packets of the packet codec with no frame.
+    let mut guest = guest_with(tern_synthetic::SyntheticConfig {
+        memory_bytes: 16 * MIB,
+        regions: 1,
+        mix: tern_synthetic::ContentMix::new(20, 80, 0).unwrap(),
+        seed: 5,
+        dirty_rate_bytes_per_sec: 0,
+        working_set_bytes: 4 * MIB,
+        dirtier_threads: 1,
+    });
+    let (listener, address) = tcp_listener();
+    let destination = spawn_destination(listener);
+    let mut config = migration_config(2);
+    config.compression = CodecChoice::Zstd;
+    config.packet_frames = true;
+    config.compression_dictionary = Some(16 << 10);
+    let stats = Source::new(config)
+        .unwrap()
+        .migrate(&mut guest, &address)
+        .expect("migration");
+    destination.join().unwrap().expect("destination");
+    assert!(stats.digest_verified);
+    let report = stats.compression.expect("compression report");
+    // Nothing to learn from random pages: no dictionary, and no frame.
+    assert!(report.dictionary.is_none());
+    assert_eq!(report.codecs["zstd-packet"].compressed, 0);
+}
+
+#[test]
+fn auto_with_a_dictionary_verifies() {
+    let stats = migrate(|config| {
+        config.compression = CodecChoice::Auto;
+        config.compression_dictionary = Some(16 << 10);
+        config.max_bandwidth = Some(16 * MIB);
+    });
+    let report = stats.compression.expect("compression report");
+    assert!(report.dictionary.is_some());
+    assert!(report.codecs.values().any(|codec| codec.compressed > 0));
+}
+
+#[test]
+fn dictionary_options_outside_zstd_are_refused_up_front() {
+    let mut config = migration_config(2);
+    config.compression = CodecChoice::Lz4;
+    config.packet_frames = true;
+    let error = Source::new(config).unwrap_err().to_string();
+    assert!(
+        error.contains("packet frames are a zstd framing"),
+        "{error}"
+    );
+    let mut config = migration_config(2);
+    config.compression = CodecChoice::Deflate;
+    config.compression_dictionary = Some(4096);
+    let error = Source::new(config).unwrap_err().to_string();
+    assert!(error.contains("dictionaries are zstd's"), "{error}");
+    let mut config = migration_config(2);
+    config.compression = CodecChoice::Zstd;
+    config.compression_dictionary = Some(1 << 20);
+    let error = Source::new(config).unwrap_err().to_string();
+    assert!(error.contains("must be 256 to"), "{error}");
+}
+
+/// A destination on its own thread and a source driven by hand.
+struct Attack {
+    destination: std::thread::JoinHandle<DestinationResult>,
+    address: Address,
+    main: Channel,
+}
+
+fn connect(address: &Address) -> Channel {
+    let mut channel = Channel::connect(address, Duration::from_secs(10)).expect("connect");
+    channel.set_timeouts(DEADLINE).expect("timeouts");
+    channel
+}
+
+/// Sends a hello announcing `codecs` and `dictionaries`, one page channel,
+/// and reads the welcome.
+fn hello(codecs: u8, dictionaries: u8) -> Attack {
+    let (listener, address) = tcp_listener();
+    let destination = spawn_destination(listener);
+    let mut main = connect(&address);
+    main.send_message(&Message::Hello(Hello {
+        handshake: Handshake {
+            session_id: SESSION,
+            channel_index: 0,
+        },
+        setup: SessionSetup {
+            page_size: 4096,
+            channel_count: 1,
+            codecs,
+            digest: DigestAlgorithm::Xxh3Pages,
+            regions: vec![RegionInfo {
+                id: 0,
+                guest_addr: 0,
+                len: REGION_BYTES,
+            }],
+            guest_kind: "synthetic".into(),
+            dictionaries,
+        },
+    }))
+    .expect("hello");
+    assert!(matches!(main.read_message(), Ok(Message::Welcome(_))));
+    Attack {
+        destination,
+        address,
+        main,
+    }
+}
+
+impl Attack {
+    fn page_channel(&self) -> Channel {
+        let mut channel = connect(&self.address);
+        channel
+            .send_message(&Message::ChannelHello(ChannelHello {
+                handshake: Handshake {
+                    session_id: SESSION,
+                    channel_index: 1,
+                },
+            }))
+            .expect("channel hello");
+        assert!(matches!(channel.read_message(), Ok(Message::Welcome(_))));
+        channel
+    }
+
+    /// The destination's error, which must come within [`DEADLINE`] (the
+    /// join is bounded by its own timeouts) and mention `needle`.
+    fn expect_error(self, needle: &str) {
+        let error = self
+            .destination
+            .join()
+            .unwrap()
+            .expect_err("the destination must refuse the session");
+        assert!(
+            error.chain().contains(needle),
+            "{needle:?} not in: {}",
+            error.chain()
+        );
+    }
+}
+
+fn dictionary_message(id: u8, len: usize) -> Message {
+    Message::Dictionary(tern_wire::Dictionary {
+        id,
+        codec: codec_id::ZSTD,
+        data: (0..len).map(|i| (i % 251) as u8).collect(),
+    })
+}
+
+#[test]
+fn an_oversized_dictionary_is_refused_at_its_header() {
+    let mut attack = hello(1 << codec_id::ZSTD, 1);
+    // Only the header: the destination must not wait for the body.
+    let header = FrameHeader {
+        kind: FrameKind::Dictionary,
+        body_len: u32::try_from(FrameKind::Dictionary.max_body() + 1).unwrap(),
+    };
+    attack.main.write_all(&header.encode()).expect("header");
+    attack.expect_error("exceeds the limit");
+}
+
+#[test]
+fn a_dictionary_the_hello_did_not_announce_is_refused() {
+    let mut attack = hello(1 << codec_id::ZSTD, 0);
+    attack
+        .main
+        .send_message(&dictionary_message(1, 1024))
+        .expect("dictionary");
+    attack.expect_error("got Dictionary");
+}
+
+#[test]
+fn a_dictionary_of_another_id_than_expected_is_refused() {
+    let mut attack = hello(1 << codec_id::ZSTD, 1);
+    attack
+        .main
+        .send_message(&dictionary_message(2, 1024))
+        .expect("dictionary");
+    attack.expect_error("expected dictionary 1 of 1, got dictionary 2");
+}
+
+/// One packet of region 0, iteration 0, with `entries` and `payload`.
+fn packet(codec: u8, dictionary: u8, entries: &[PageEntry], payload: &[u8]) -> Vec<u8> {
+    let header = PagesHeader {
+        region_id: 0,
+        iteration: 0,
+        page_count: 0,
+        codec,
+        dictionary,
+    };
+    let mut bytes = Vec::new();
+    tern_wire::encode_packet_prefix(&mut bytes, &header, entries);
+    bytes.extend_from_slice(payload);
+    assert_eq!(
+        bytes.len(),
+        FRAME_HEADER_LEN
+            + PagesHeader::ENCODED_LEN
+            + entries.len() * PageEntry::ENCODED_LEN
+            + payload.len()
+    );
+    bytes
+}
+
+fn compressed(page_index: u32, encoded_len: usize) -> PageEntry {
+    PageEntry {
+        page_index,
+        kind: PageKind::Compressed,
+        encoded_len: u32::try_from(encoded_len).unwrap(),
+    }
+}
+
+/// A zstd packet frame of `pages` text-like pages.
+fn packet_frame(pages: usize) -> Vec<u8> {
+    let pages: Vec<[u8; 4096]> = (0..pages)
+        .map(|i| tern_page::codec::corpus_page("text", i as u64 + 1))
+        .collect();
+    let pointers: Vec<*const u8> = pages.iter().map(|page| page.as_ptr()).collect();
+    let mut batch = CompressedBatch::new();
+    let mut compressor = PageCompressor::new(CodecId::ZstdPacket, 1).unwrap();
+    // SAFETY: whole pages of `pages`, alive during the call.
+    unsafe { compressor.compress_batch(&pointers, &mut batch) };
+    batch.data
+}
+
+#[test]
+fn a_packet_naming_a_dictionary_the_session_lacks_is_refused() {
+    let attack = hello(1 << codec_id::ZSTD, 0);
+    let mut channel = attack.page_channel();
+    let bytes = packet(codec_id::ZSTD, 1, &[compressed(0, 10)], &[0; 10]);
+    let _ = channel.write_all(&bytes);
+    attack.expect_error("dictionary 1");
+}
+
+#[test]
+fn a_packet_frame_decoding_to_the_wrong_size_is_refused() {
+    let attack = hello(1 << codec_id::ZSTD_PACKET, 0);
+    let mut channel = attack.page_channel();
+    // A frame of one page for a packet that says two.
+    let frame = packet_frame(1);
+    let bytes = packet(
+        codec_id::ZSTD_PACKET,
+        0,
+        &[compressed(0, frame.len()), compressed(1, 0)],
+        &frame,
+    );
+    let _ = channel.write_all(&bytes);
+    attack.expect_error("packet frame decodes to 4096 bytes, expected 8192");
+}
+
+#[test]
+fn a_truncated_packet_frame_is_refused() {
+    let attack = hello(1 << codec_id::ZSTD_PACKET, 0);
+    let mut channel = attack.page_channel();
+    let frame = packet_frame(4);
+    let cut = &frame[..frame.len() / 2];
+    let entries: Vec<PageEntry> = (0..4)
+        .map(|page| compressed(page, if page == 0 { cut.len() } else { 0 }))
+        .collect();
+    let _ = channel.write_all(&packet(codec_id::ZSTD_PACKET, 0, &entries, cut));
+    attack.expect_error("zstd page malformed");
+}

@@ -1,0 +1,235 @@
+//! zstd beyond one page: a packet's pages in one frame, and decoding
+//! against the session's dictionaries.
+//!
+//! A packet frame trades independence for ratio: the pages of a packet
+//! share one frame, so a page decodes only with the packet's others, on one
+//! thread. The decoder never produces more than the packet's compressed
+//! pages × `PAGE_SIZE` bytes: its output buffer is exactly that long and
+//! zstd stops at its end.
+
+use tern_wire::MAX_PAGES_PER_PACKET;
+
+use super::CodecError;
+#[cfg(feature = "zstd")]
+use super::looks_incompressible_bytes;
+#[cfg(feature = "zstd")]
+use super::{CodecCounters, CodecDictionary, CompressedBatch, PageOutcome, RawReason};
+use crate::PAGE_SIZE;
+
+/// A worker's buffers for packet frames: the packet's pages as one input,
+/// and the frame. Allocated once, at most a packet's worth each.
+#[derive(Debug, Default)]
+pub struct PacketFrame {
+    input: Vec<u8>,
+    output: Vec<u8>,
+}
+
+#[cfg(feature = "zstd")]
+impl PacketFrame {
+    /// Compresses the pages at `pages` into one frame in `batch`: the first
+    /// compressed page's outcome holds the whole frame, the others hold no
+    /// bytes (as the wire's packet-frame entries). Pages the sample finds
+    /// random go raw; when the frame would not be shorter than its pages,
+    /// they all go raw.
+    ///
+    /// # Safety
+    ///
+    /// Every pointer in `pages` points to [`PAGE_SIZE`] readable bytes for
+    /// the duration of the call (the guest may write them: each page is
+    /// copied first).
+    pub(super) unsafe fn compress(
+        &mut self,
+        compressor: &mut zstd::bulk::Compressor<'static>,
+        pages: &[*const u8],
+        batch: &mut CompressedBatch,
+        sampling: bool,
+    ) -> CodecCounters {
+        let mut counters = CodecCounters {
+            pages: pages.len() as u64,
+            bytes_in: (pages.len() * PAGE_SIZE) as u64,
+            ..CodecCounters::default()
+        };
+        self.input.clear();
+        for &page in pages.iter().take(MAX_PAGES_PER_PACKET) {
+            let start = self.input.len();
+            self.input.resize(start + PAGE_SIZE, 0);
+            // SAFETY: the caller guarantees PAGE_SIZE readable bytes at
+            // `page`; the destination is this buffer's last PAGE_SIZE bytes.
+            unsafe {
+                core::ptr::copy_nonoverlapping(page, self.input[start..].as_mut_ptr(), PAGE_SIZE);
+            }
+            let snapshot: &[u8; PAGE_SIZE] = self.input[start..]
+                .try_into()
+                .expect("a page was just appended");
+            if sampling && looks_incompressible_bytes(snapshot) {
+                self.input.truncate(start);
+                batch.outcomes.push(PageOutcome::Raw(RawReason::Sampled));
+                counters.skipped_by_sampling += 1;
+            } else {
+                // Filled in below, once the frame's fate is known.
+                batch
+                    .outcomes
+                    .push(PageOutcome::Compressed { offset: 0, len: 0 });
+            }
+        }
+        let members = (self.input.len() / PAGE_SIZE) as u64;
+        counters.bytes_out = counters.skipped_by_sampling * PAGE_SIZE as u64;
+        if members == 0 {
+            return counters;
+        }
+        self.output.resize(self.input.len() - 1, 0);
+        let frame = match compressor.compress_to_buffer(&self.input[..], &mut self.output[..]) {
+            Ok(len) if len > 0 && len < self.input.len() => Some(len),
+            _ => None,
+        };
+        let mut first = true;
+        for outcome in &mut batch.outcomes {
+            if let PageOutcome::Compressed { .. } = outcome {
+                *outcome = match frame {
+                    Some(len) if first => PageOutcome::Compressed { offset: 0, len },
+                    Some(len) => PageOutcome::Compressed {
+                        offset: len,
+                        len: 0,
+                    },
+                    None => PageOutcome::Raw(RawReason::DidNotShrink),
+                };
+                first = false;
+            }
+        }
+        match frame {
+            Some(len) => {
+                batch.data.extend_from_slice(&self.output[..len]);
+                counters.compressed = members;
+                counters.bytes_out += len as u64;
+            }
+            None => {
+                counters.raw_fallbacks = members;
+                counters.bytes_out += members * PAGE_SIZE as u64;
+            }
+        }
+        counters
+    }
+}
+
+/// A destination's zstd decoders: one without a dictionary, one per
+/// dictionary of the session, and the output of packet frames.
+#[cfg(feature = "zstd")]
+pub(super) struct ZstdDecoders {
+    plain: zstd::bulk::Decompressor<'static>,
+    with_dictionary: Vec<(u8, zstd::bulk::Decompressor<'static>)>,
+    packet: Vec<u8>,
+}
+
+#[cfg(feature = "zstd")]
+fn init_error(error: std::io::Error) -> CodecError {
+    CodecError::Init {
+        codec: "zstd",
+        detail: error.to_string(),
+    }
+}
+
+/// A zstd decoding error: a full output buffer means the input decodes
+/// to more than it may.
+#[cfg(feature = "zstd")]
+fn decode_error(error: std::io::Error, too_long: CodecError) -> CodecError {
+    let detail = error.to_string();
+    if detail.contains("too small") {
+        too_long
+    } else {
+        CodecError::Malformed {
+            codec: "zstd",
+            detail,
+        }
+    }
+}
+
+#[cfg(feature = "zstd")]
+impl ZstdDecoders {
+    pub(super) fn new() -> Result<Self, CodecError> {
+        Ok(Self {
+            plain: zstd::bulk::Decompressor::new().map_err(init_error)?,
+            with_dictionary: Vec::new(),
+            packet: Vec::new(),
+        })
+    }
+
+    pub(super) fn add_dictionary(
+        &mut self,
+        dictionary: &CodecDictionary,
+    ) -> Result<(), CodecError> {
+        let decoder = zstd::bulk::Decompressor::with_dictionary(dictionary.bytes())
+            .map_err(|error| CodecError::Dictionary(format!("libzstd refuses it: {error}")))?;
+        self.with_dictionary
+            .retain(|(id, _)| *id != dictionary.id());
+        self.with_dictionary.push((dictionary.id(), decoder));
+        Ok(())
+    }
+
+    fn decoder(
+        &mut self,
+        dictionary: u8,
+    ) -> Result<&mut zstd::bulk::Decompressor<'static>, CodecError> {
+        if dictionary == 0 {
+            return Ok(&mut self.plain);
+        }
+        self.with_dictionary
+            .iter_mut()
+            .find(|(id, _)| *id == dictionary)
+            .map(|(_, decoder)| decoder)
+            .ok_or(CodecError::UnknownDictionary {
+                codec: "zstd",
+                id: dictionary,
+            })
+    }
+
+    /// One page; returns the bytes decoded (the caller checks for a whole
+    /// page).
+    pub(super) fn decompress_page(
+        &mut self,
+        input: &[u8],
+        dictionary: u8,
+        out: &mut [u8; PAGE_SIZE],
+    ) -> Result<usize, CodecError> {
+        self.decoder(dictionary)?
+            .decompress_to_buffer(input, &mut out[..])
+            .map_err(|error| decode_error(error, CodecError::OversizedPage { codec: "zstd" }))
+    }
+
+    pub(super) fn decompress_packet(
+        &mut self,
+        frame: &[u8],
+        dictionary: u8,
+        pages: usize,
+    ) -> Result<&[u8], CodecError> {
+        let expected = pages.min(MAX_PAGES_PER_PACKET) * PAGE_SIZE;
+        if pages == 0 || pages > MAX_PAGES_PER_PACKET || frame.is_empty() || frame.len() >= expected
+        {
+            return Err(CodecError::BadInputLength {
+                codec: "zstd packet",
+                len: frame.len(),
+            });
+        }
+        let mut packet = std::mem::take(&mut self.packet);
+        packet.resize(expected, 0);
+        let too_long = CodecError::PacketSize {
+            codec: "zstd",
+            decoded: expected + 1,
+            expected,
+        };
+        let decoded = self.decoder(dictionary).and_then(|decoder| {
+            decoder
+                .decompress_to_buffer(frame, &mut packet[..expected])
+                .map_err(|error| decode_error(error, too_long))
+        });
+        self.packet = packet;
+        let decoded = decoded?;
+        if decoded != expected {
+            return Err(CodecError::PacketSize {
+                codec: "zstd",
+                decoded,
+                expected,
+            });
+        }
+        Ok(&self.packet[..expected])
+    }
+}

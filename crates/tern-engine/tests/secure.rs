@@ -384,6 +384,7 @@ fn a_client_without_a_certificate_is_refused() {
                 len: MIB,
             }],
             guest_kind: String::new(),
+            dictionaries: 0,
         },
     });
     // TLS 1.3 finishes the client's side of the handshake before the

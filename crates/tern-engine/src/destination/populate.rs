@@ -146,6 +146,7 @@ mod tests {
                 len: len as u64,
             }],
             guest_kind: String::new(),
+            dictionaries: 0,
         };
         let stats = ReceiveStats::default();
         let cancel = CancelToken::new();

@@ -429,7 +429,7 @@ pub fn print_summary(stats: &MigrationStats, extra: &[(&str, String)]) {
         ("forced switch-over", stats.forced_switch_over.to_string()),
         ("digest verified", stats.digest_verified.to_string()),
         (
-            "channels",
+            "security",
             stats
                 .security
                 .as_ref()

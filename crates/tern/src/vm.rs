@@ -608,7 +608,7 @@ fn receive_one(
         );
         println!(
             "{:>26}  {}",
-            "channels",
+            "security",
             crate::report::security_line(&security)
         );
         for (name, value) in proof.rows() {

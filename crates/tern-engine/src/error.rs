@@ -35,18 +35,23 @@ pub enum ChannelError {
     Auth(String),
 }
 
+/// `error` and each of its causes, joined by ": ".
+fn cause_chain(error: &dyn std::error::Error) -> String {
+    let mut text = error.to_string();
+    let mut source = error.source();
+    while let Some(cause) = source {
+        text.push_str(": ");
+        text.push_str(&cause.to_string());
+        source = cause.source();
+    }
+    text
+}
+
 impl ChannelError {
     /// The full cause chain as one line, for logs (a TLS failure's reason
     /// is in its cause).
     pub fn chain(&self) -> String {
-        let mut text = self.to_string();
-        let mut source = std::error::Error::source(self);
-        while let Some(cause) = source {
-            text.push_str(": ");
-            text.push_str(&cause.to_string());
-            source = cause.source();
-        }
-        text
+        cause_chain(self)
     }
 }
 
@@ -178,14 +183,7 @@ impl MigrationError {
 
     /// The full cause chain as one line, for abort messages and reports.
     pub fn chain(&self) -> String {
-        let mut text = self.to_string();
-        let mut source = std::error::Error::source(self);
-        while let Some(cause) = source {
-            text.push_str(": ");
-            text.push_str(&cause.to_string());
-            source = cause.source();
-        }
-        text
+        cause_chain(self)
     }
 
     pub(crate) fn guest(operation: &'static str) -> impl FnOnce(GuestError) -> Self {

@@ -1062,6 +1062,7 @@ impl PageDecompressor {
     /// # Errors
     ///
     /// [`CodecError::Dictionary`] when libzstd rejects one.
+    #[cfg_attr(not(feature = "zstd"), allow(unused_mut))]
     pub fn with_dictionaries(
         mut self,
         dictionaries: &[CodecDictionary],
@@ -1164,6 +1165,8 @@ impl PageDecompressor {
             DecoderEngine::None => unreachable!("checked above"),
             #[cfg(feature = "zstd")]
             DecoderEngine::Zstd(d) => d.decompress_page(input, dictionary, out)?,
+            // Unreachable in a build without any codec.
+            #[allow(unreachable_patterns)]
             _ if dictionary != 0 => {
                 return Err(CodecError::UnknownDictionary {
                     codec,

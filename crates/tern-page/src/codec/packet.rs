@@ -7,18 +7,22 @@
 //! pages × `PAGE_SIZE` bytes: its output buffer is exactly that long and
 //! zstd stops at its end.
 
+#[cfg(feature = "zstd")]
 use tern_wire::MAX_PAGES_PER_PACKET;
 
+#[cfg(feature = "zstd")]
 use super::CodecError;
 #[cfg(feature = "zstd")]
 use super::looks_incompressible_bytes;
 #[cfg(feature = "zstd")]
 use super::{CodecCounters, CodecDictionary, CompressedBatch, PageOutcome, RawReason};
+#[cfg(feature = "zstd")]
 use crate::PAGE_SIZE;
 
 /// A worker's buffers for packet frames: the packet's pages as one input,
 /// and the frame. Allocated once, at most a packet's worth each.
 #[derive(Debug, Default)]
+#[cfg_attr(not(feature = "zstd"), allow(dead_code))]
 pub struct PacketFrame {
     input: Vec<u8>,
     output: Vec<u8>,

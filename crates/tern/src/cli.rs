@@ -161,6 +161,11 @@ pub struct ListenArgs {
     /// format is the same either way.
     #[arg(long, default_value = "auto", value_parser = qpl_path_values())]
     pub qpl_path: QplPath,
+    /// Threads that decompress pages for every channel (default: one per
+    /// core); 0 leaves each channel's receiver to decompress its own
+    /// packets. QEMU: no parameter.
+    #[arg(long, value_parser = clap::value_parser!(u16).range(0..=256))]
+    pub decode_threads: Option<u16>,
     /// How long, after saying it is ready, to wait for the source's commit,
     /// in seconds; without it the guest is not resumed here.
     #[arg(long, default_value_t = 10, value_parser = clap::value_parser!(u64).range(1..))]
@@ -180,6 +185,7 @@ impl ListenArgs {
             max_memory: self.max_memory,
             qpl_path: self.qpl_path,
             switch_over_timeout: Duration::from_secs(self.switch_over_timeout),
+            decode_threads: self.decode_threads.map(usize::from),
             ..tern_engine::ReceiveConfig::default()
         };
         if self.qpl_path == QplPath::Hardware {

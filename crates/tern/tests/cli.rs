@@ -748,3 +748,40 @@ fn demo_over_tls_reports_it() {
     assert_eq!(report["authenticated"], true);
     assert_eq!(report["digest-verified"], true);
 }
+
+#[test]
+fn receive_decodes_on_the_threads_it_is_given() {
+    let receiver = Receiver::spawn(&["receive"], &["--json", "--decode-threads", "2"]);
+    let output = tern()
+        .args(["migrate", "--json", "--to", &receiver.address])
+        .args([
+            "--memory",
+            "16MiB",
+            "--dirty-rate",
+            "0",
+            "--compression",
+            "zstd",
+        ])
+        .output()
+        .unwrap();
+    assert!(output.status.success(), "{output:?}");
+    assert_eq!(json(&output)["digest-verified"], true);
+    let received = receiver.report();
+    assert_eq!(received["digest-verified"], true);
+    assert!(
+        received["cpu-seconds"].get("decoders").is_some(),
+        "the decoder threads ran: {received}"
+    );
+    let too_many = tern()
+        .args([
+            "receive",
+            "--listen",
+            "127.0.0.1:0",
+            "--decode-threads",
+            "5000",
+        ])
+        .output()
+        .unwrap();
+    assert_eq!(too_many.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&too_many.stderr).contains("5000"));
+}

@@ -318,31 +318,22 @@ impl Job {
     ) {
         let flags =
             abi::FLAG_FIRST | abi::FLAG_LAST | abi::FLAG_DYNAMIC_HUFFMAN | abi::FLAG_OMIT_VERIFY;
-        // SAFETY: every offset + field size is within KNOWN_PREFIX <
-        // PUBLIC_JOB_SIZE <= the job size (checked in `new`); fields are
-        // written unaligned-safe.
+        // SAFETY: the caller's contract.
         unsafe {
-            let j = self.ptr;
-            j.add(abi::OFF_NEXT_IN)
-                .cast::<*const u8>()
-                .write_unaligned(input.as_ptr());
-            j.add(abi::OFF_AVAILABLE_IN)
-                .cast::<u32>()
-                .write_unaligned(PAGE_SIZE_U32);
-            j.add(abi::OFF_TOTAL_IN).cast::<u32>().write_unaligned(0);
-            j.add(abi::OFF_NEXT_OUT)
-                .cast::<*mut u8>()
-                .write_unaligned(out.as_mut_ptr());
-            j.add(abi::OFF_AVAILABLE_OUT)
-                .cast::<u32>()
-                .write_unaligned(MAX_COMPRESSED_U32);
-            j.add(abi::OFF_TOTAL_OUT).cast::<u32>().write_unaligned(0);
-            j.add(abi::OFF_OP)
-                .cast::<u32>()
-                .write_unaligned(abi::OP_COMPRESS);
-            j.add(abi::OFF_FLAGS).cast::<u32>().write_unaligned(flags);
-            j.add(abi::OFF_LEVEL).cast::<u32>().write_unaligned(level);
+            self.fill(
+                abi::OP_COMPRESS,
+                flags,
+                (input.as_ptr(), PAGE_SIZE_U32),
+                (out.as_mut_ptr(), MAX_COMPRESSED_U32),
+            );
         }
+        // SAFETY: within the checked prefix (see `fill`).
+        unsafe {
+            self.ptr
+                .add(abi::OFF_LEVEL)
+                .cast::<u32>()
+                .write_unaligned(level)
+        };
     }
 
     /// Sets up a one-shot inflate of the raw deflate stream `input` into
@@ -353,33 +344,49 @@ impl Job {
     /// `input` and `out` must stay valid and unmoved until the job is waited
     /// for.
     unsafe fn prepare_decompress(&mut self, input: &[u8], out: &mut [u8; PAGE_SIZE]) {
-        // The caller checked 1..=MAX_COMPRESSED bytes.
+        // The caller checked 1..=MAX_COMPRESSED bytes. The level field is
+        // ignored by inflate.
         let input_len = u32::try_from(input.len()).unwrap_or(0);
-        // SAFETY: as in `prepare`; `op` and `flags` are rewritten, and the
-        // level field is ignored by inflate.
+        // SAFETY: the caller's contract.
+        unsafe {
+            self.fill(
+                abi::OP_DECOMPRESS,
+                abi::FLAG_FIRST | abi::FLAG_LAST,
+                (input.as_ptr(), input_len),
+                (out.as_mut_ptr(), PAGE_SIZE_U32),
+            );
+        }
+    }
+
+    /// Writes the job's operation, flags, input and output (pointer and
+    /// length each) and zeroes its totals.
+    ///
+    /// # Safety
+    ///
+    /// The buffers must stay valid and unmoved until the job is waited for.
+    unsafe fn fill(&mut self, op: u32, flags: u32, input: (*const u8, u32), out: (*mut u8, u32)) {
+        // SAFETY: every offset + field size is within KNOWN_PREFIX <
+        // PUBLIC_JOB_SIZE <= the job size (checked in `new`); fields are
+        // written unaligned-safe. QPL's input field is `uint8_t *`; jobs
+        // only read through it.
         unsafe {
             let j = self.ptr;
-            // QPL's field is `uint8_t *`; inflate only reads through it.
             j.add(abi::OFF_NEXT_IN)
                 .cast::<*const u8>()
-                .write_unaligned(input.as_ptr());
+                .write_unaligned(input.0);
             j.add(abi::OFF_AVAILABLE_IN)
                 .cast::<u32>()
-                .write_unaligned(input_len);
+                .write_unaligned(input.1);
             j.add(abi::OFF_TOTAL_IN).cast::<u32>().write_unaligned(0);
             j.add(abi::OFF_NEXT_OUT)
                 .cast::<*mut u8>()
-                .write_unaligned(out.as_mut_ptr());
+                .write_unaligned(out.0);
             j.add(abi::OFF_AVAILABLE_OUT)
                 .cast::<u32>()
-                .write_unaligned(PAGE_SIZE_U32);
+                .write_unaligned(out.1);
             j.add(abi::OFF_TOTAL_OUT).cast::<u32>().write_unaligned(0);
-            j.add(abi::OFF_OP)
-                .cast::<u32>()
-                .write_unaligned(abi::OP_DECOMPRESS);
-            j.add(abi::OFF_FLAGS)
-                .cast::<u32>()
-                .write_unaligned(abi::FLAG_FIRST | abi::FLAG_LAST);
+            j.add(abi::OFF_OP).cast::<u32>().write_unaligned(op);
+            j.add(abi::OFF_FLAGS).cast::<u32>().write_unaligned(flags);
         }
     }
 

@@ -94,7 +94,6 @@ fn build_table(shared: &Shared, batch: &mut Batch) {
 /// With duplicate detection, the same hash is the page's content hash.
 fn hash_pages(shared: &Shared, batch: &mut Batch) {
     let dedup = shared.dedup.is_some();
-    batch.reuse.delta_lens.resize(batch.pages.len(), 0);
     if shared.page_hashes.is_none() && !dedup {
         return;
     }

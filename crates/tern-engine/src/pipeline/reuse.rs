@@ -154,6 +154,10 @@ pub(super) fn encode_deltas(shared: &Shared, batch: &mut Batch) {
     let Some(cache) = &shared.delta_cache else {
         return;
     };
+    batch.reuse.delta_lens.resize(batch.pages.len(), 0);
+    // Each record is written here, then only its own bytes are appended:
+    // the packed buffer is not zero-filled a page's worth per page.
+    let mut record = [0u8; MAX_DELTA_LEN];
     for position in 0..batch.pages.len() {
         let page = batch.pages[position];
         if batch.kinds[position] != PageKind::Raw {
@@ -161,28 +165,19 @@ pub(super) fn encode_deltas(shared: &Shared, batch: &mut Batch) {
             continue;
         }
         let reuse = &mut batch.reuse;
-        let start = reuse.deltas.len();
-        reuse.deltas.resize(start + MAX_DELTA_LEN, 0);
         let copy: &[u8; PAGE_SIZE] = reuse.copies[position * PAGE_SIZE..(position + 1) * PAGE_SIZE]
             .try_into()
             .expect("a page");
-        let outcome = cache.encode(batch.region, page, copy, &mut reuse.deltas[start..]);
-        match outcome {
+        match cache.encode(batch.region, page, copy, &mut record) {
             DeltaOutcome::Delta(len) => {
-                reuse.deltas.truncate(start + len);
+                reuse.deltas.extend_from_slice(&record[..len]);
                 reuse.delta_lens[position] = len as u32;
                 reuse.counts.delta_pages += 1;
                 reuse.counts.delta_bytes += len as u64;
                 batch.kinds[position] = PageKind::Delta;
             }
-            DeltaOutcome::Overflow => {
-                reuse.deltas.truncate(start);
-                reuse.counts.overflows += 1;
-            }
-            DeltaOutcome::Miss => {
-                reuse.deltas.truncate(start);
-                reuse.counts.cache_misses += 1;
-            }
+            DeltaOutcome::Overflow => reuse.counts.overflows += 1,
+            DeltaOutcome::Miss => reuse.counts.cache_misses += 1,
         }
     }
 }

@@ -446,6 +446,7 @@ pub fn sample_session() -> (Vec<u8>, Vec<Vec<u8>>) {
                 Message::Sync(Sync {
                     iteration,
                     last: iteration == 1,
+                    dictionaries: 0,
                 })
                 .to_bytes(),
             );

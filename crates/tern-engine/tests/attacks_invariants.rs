@@ -149,7 +149,12 @@ fn raw_pages(iteration: u32, pages: &[u32]) -> Vec<u8> {
 }
 
 fn sync(iteration: u32, last: bool) -> Vec<u8> {
-    Message::Sync(Sync { iteration, last }).to_bytes()
+    Message::Sync(Sync {
+        iteration,
+        last,
+        dictionaries: 0,
+    })
+    .to_bytes()
 }
 
 impl Attacker {

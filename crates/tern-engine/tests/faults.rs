@@ -310,6 +310,7 @@ fn sync_out_of_order_is_refused() {
         .send_message(&Message::Sync(Sync {
             iteration: 5,
             last: false,
+            dictionaries: 0,
         }))
         .unwrap();
     expect_destination_error(destination, "iteration 5");
@@ -645,6 +646,7 @@ fn sync(iteration: u32) -> Vec<u8> {
     Message::Sync(Sync {
         iteration,
         last: false,
+        dictionaries: 0,
     })
     .to_bytes()
 }

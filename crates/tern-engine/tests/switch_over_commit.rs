@@ -330,6 +330,7 @@ fn destination_ready() -> (JoinHandle<DestinationResult>, Channel, Channel, Mess
     page.send_message(&Message::Sync(Sync {
         iteration: 0,
         last: true,
+        dictionaries: 0,
     }))
     .unwrap();
     for section in &sections {
@@ -447,6 +448,7 @@ fn a_source_trickling_a_packet_is_cut_off_at_the_transfer_deadline() {
     let frame = Message::Sync(Sync {
         iteration: 0,
         last: false,
+        dictionaries: 0,
     })
     .to_bytes();
     let trickle = std::thread::spawn(move || {

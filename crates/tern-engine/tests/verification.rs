@@ -106,7 +106,11 @@ impl FakeSource {
 
     fn sync(&mut self, iteration: u32, last: bool) {
         self.pages
-            .send_message(&Message::Sync(Sync { iteration, last }))
+            .send_message(&Message::Sync(Sync {
+                iteration,
+                last,
+                dictionaries: 0,
+            }))
             .unwrap();
     }
 

@@ -118,7 +118,7 @@ enum State {
 /// ```
 /// use tern_wire::{Event, Expect, FrameDecoder, Message, Sync};
 ///
-/// let stream = Message::Sync(Sync { iteration: 0, last: true }).to_bytes();
+/// let stream = Message::Sync(Sync { iteration: 0, last: true, dictionaries: 0 }).to_bytes();
 /// let mut socket = &stream[..];
 /// let mut decoder = FrameDecoder::new();
 /// let event = loop {

@@ -22,7 +22,7 @@
 //! ```
 //! use tern_wire::{FRAME_HEADER_LEN, FrameHeader, FrameKind, Message, Sync};
 //!
-//! let sent = Message::Sync(Sync { iteration: 3, last: false });
+//! let sent = Message::Sync(Sync { iteration: 3, last: false, dictionaries: 0 });
 //! let bytes = sent.to_bytes();
 //!
 //! let (head, body) = bytes.split_first_chunk::<FRAME_HEADER_LEN>().unwrap();
@@ -72,7 +72,7 @@ pub use pages::{
 /// First bytes of every handshake.
 pub const MAGIC: [u8; 8] = *b"TERNMIG\0";
 /// Protocol version spoken by this build.
-pub const PROTOCOL_VERSION: u16 = 5;
+pub const PROTOCOL_VERSION: u16 = 6;
 /// The only page size this version supports: the one definition of tern's
 /// page size (`tern_page::PAGE_SIZE` and `tern_engine::PAGE_SIZE` are this
 /// value as a `usize`).

@@ -278,6 +278,10 @@ pub struct Sync {
     pub iteration: u32,
     /// Whether this is the final iteration, sent with the guest paused.
     pub last: bool,
+    /// How many dictionaries (ids 1..=this) packets of the next iteration
+    /// may name: every one the source has sent on the main channel, at
+    /// most [`MAX_DICTIONARIES`]. It never decreases within a session.
+    pub dictionaries: u8,
 }
 
 /// One saved device/vCPU state section.
@@ -527,7 +531,10 @@ impl Message {
                     .zeros(6);
             }
             Self::Sync(sync) => {
-                w.u32(sync.iteration).u32(u32::from(sync.last));
+                w.u32(sync.iteration)
+                    .u8(u8::from(sync.last))
+                    .u8(sync.dictionaries)
+                    .zeros(2);
             }
             Self::StateSection(section) => {
                 w.u32(section.version)
@@ -667,7 +674,7 @@ impl Message {
             }
             FrameKind::Sync => {
                 let iteration = r.u32()?;
-                let last = match r.u32()? {
+                let last = match r.u8()? {
                     0 => false,
                     1 => true,
                     other => {
@@ -677,7 +684,19 @@ impl Message {
                         });
                     }
                 };
-                Self::Sync(Sync { iteration, last })
+                let dictionaries = r.u8()?;
+                if dictionaries > MAX_DICTIONARIES {
+                    return Err(WireError::InvalidField {
+                        field: "sync dictionaries",
+                        detail: format!("{dictionaries} (at most {MAX_DICTIONARIES})"),
+                    });
+                }
+                r.reserved(2)?;
+                Self::Sync(Sync {
+                    iteration,
+                    last,
+                    dictionaries,
+                })
             }
             FrameKind::StateSection => {
                 let version = r.u32()?;

@@ -59,6 +59,12 @@ fn control_messages_round_trip() {
     round_trip(Message::Sync(Sync {
         iteration: 4,
         last: true,
+        dictionaries: 0,
+    }));
+    round_trip(Message::Sync(Sync {
+        iteration: 7,
+        last: false,
+        dictionaries: MAX_DICTIONARIES,
     }));
     round_trip(Message::StateSection(StateSectionMsg {
         name: "vcpu0".into(),
@@ -540,6 +546,7 @@ fn session_stream() -> (SessionSetup, Vec<u8>) {
     Message::Sync(Sync {
         iteration: 0,
         last: true,
+        dictionaries: 0,
     })
     .encode(&mut stream);
     Message::StateSection(StateSectionMsg {
@@ -699,6 +706,29 @@ fn decoder_grows_a_body_only_as_it_arrives() {
 }
 
 #[test]
+fn a_sync_naming_more_dictionaries_than_a_session_may_have_is_refused() {
+    let mut bytes = Message::Sync(Sync {
+        iteration: 1,
+        last: false,
+        dictionaries: 2,
+    })
+    .to_bytes();
+    // The body: iteration u32, last u8, dictionaries u8, reserved [u8; 2].
+    bytes[FRAME_HEADER_LEN + 5] = MAX_DICTIONARIES + 1;
+    let decode = |bytes: &[u8]| Message::decode(FrameKind::Sync, &bytes[FRAME_HEADER_LEN..]);
+    assert!(matches!(
+        decode(&bytes),
+        Err(WireError::InvalidField {
+            field: "sync dictionaries",
+            ..
+        })
+    ));
+    bytes[FRAME_HEADER_LEN + 5] = 2;
+    bytes[FRAME_HEADER_LEN + 6] = 1;
+    assert!(matches!(decode(&bytes), Err(WireError::ReservedNotZero(_))));
+}
+
+#[test]
 fn decoder_keeps_reporting_its_first_error() {
     let setup = setup();
     let mut decoder = FrameDecoder::with_setup(setup);
@@ -706,6 +736,7 @@ fn decoder_keeps_reporting_its_first_error() {
     let good = Message::Sync(Sync {
         iteration: 0,
         last: false,
+        dictionaries: 0,
     })
     .to_bytes();
     bad.extend_from_slice(&good);

@@ -289,7 +289,14 @@ mod tests {
     }
 
     fn sync(stream: &mut Vec<u8>, iteration: u32, last: bool) {
-        stream.extend(Message::Sync(Sync { iteration, last }).to_bytes());
+        stream.extend(
+            Message::Sync(Sync {
+                iteration,
+                last,
+                dictionaries: 0,
+            })
+            .to_bytes(),
+        );
     }
 
     fn complete(main: &mut Vec<u8>, final_iteration: u32) {

@@ -214,7 +214,7 @@ impl<'s, 'a> PageReceiver<'s, 'a> {
             iteration: sync.iteration,
             last: sync.last,
         })?;
-        self.shared.end_iteration(iteration, sync.last)?;
+        self.shared.end_iteration(iteration, sync)?;
         self.written.clear();
         if self.index == 0 {
             self.shared
@@ -330,7 +330,12 @@ mod tests {
     }
 
     fn sync(iteration: u32, last: bool) -> Vec<u8> {
-        Message::Sync(Sync { iteration, last }).to_bytes()
+        Message::Sync(Sync {
+            iteration,
+            last,
+            dictionaries: 0,
+        })
+        .to_bytes()
     }
 
     /// Receives `stream` into a fresh guest of [`PAGES`] pages, each

@@ -518,7 +518,14 @@ impl<'scope> Pipeline<'scope> {
             self.wait_for_completion()?;
         }
         for (index, ring) in self.shared.sender_rings.iter().enumerate() {
-            if ring.push(SendItem::Sync(Sync { iteration, last })).is_err() {
+            if ring
+                .push(SendItem::Sync(Sync {
+                    iteration,
+                    last,
+                    dictionaries: 0,
+                }))
+                .is_err()
+            {
                 return Err(MigrationError::Internal(
                     "sender ring unexpectedly full".into(),
                 ));

@@ -180,35 +180,69 @@ struct PageCounts {
     normal: u64,
 }
 
-/// One decompressor per codec id the session announced.
-pub(super) struct Decompressors([Option<PageDecompressor>; 8]);
+/// One decompressor per codec id the session announced, and how many of
+/// the session's dictionaries they know.
+pub(super) struct Decompressors {
+    by_codec: [Option<PageDecompressor>; 8],
+    dictionaries: u8,
+}
 
 impl Decompressors {
-    /// Decompressors for `codecs`, knowing the session's dictionaries.
+    /// Decompressors for `codecs`, knowing the session's dictionaries in
+    /// force.
     pub(super) fn new(
         codecs: &[CodecId],
         shared: &ReceiverShared<'_>,
     ) -> Result<Self, MigrationError> {
-        let mut decompressors: [Option<PageDecompressor>; 8] = Default::default();
+        let mut by_codec: [Option<PageDecompressor>; 8] = Default::default();
         for &codec in codecs {
-            decompressors[codec as usize] = Some(
-                PageDecompressor::for_destination(codec, shared.qpl_path)
-                    .and_then(|decoder| decoder.with_dictionaries(&shared.dictionaries))
-                    .map_err(|error| {
-                        MigrationError::Incompatible(format!(
-                            "cannot decode {}: {error}",
-                            codec.name()
-                        ))
-                    })?,
+            by_codec[codec as usize] = Some(
+                PageDecompressor::for_destination(codec, shared.qpl_path).map_err(|error| {
+                    MigrationError::Incompatible(format!("cannot decode {}: {error}", codec.name()))
+                })?,
             );
         }
-        Ok(Self(decompressors))
+        let mut decompressors = Self {
+            by_codec,
+            dictionaries: 0,
+        };
+        decompressors.learn_dictionaries(shared)?;
+        Ok(decompressors)
+    }
+
+    /// Loads the dictionaries that came into force since the last call (a
+    /// refresh, at an iteration barrier), before a packet that names one
+    /// is decoded; a packet naming one not in force then finds no decoder
+    /// and is refused.
+    fn learn_dictionaries_for(
+        &mut self,
+        dictionary: u8,
+        shared: &ReceiverShared<'_>,
+    ) -> Result<(), MigrationError> {
+        if dictionary <= self.dictionaries {
+            return Ok(());
+        }
+        self.learn_dictionaries(shared)
+    }
+
+    fn learn_dictionaries(&mut self, shared: &ReceiverShared<'_>) -> Result<(), MigrationError> {
+        let new = shared.dictionaries.in_force_after(self.dictionaries);
+        if new.is_empty() {
+            return Ok(());
+        }
+        for decompressor in self.by_codec.iter_mut().flatten() {
+            decompressor
+                .add_dictionaries(&new)
+                .map_err(|error| MigrationError::Protocol(error.to_string()))?;
+        }
+        self.dictionaries += u8::try_from(new.len()).unwrap_or(u8::MAX);
+        Ok(())
     }
 
     /// Says which inflate ran and how often the offload left a page to
     /// libdeflate (not in the statistics, whose wire message lacks a field).
     pub(super) fn log_offload(&self, thread: &str) {
-        for decompressor in self.0.iter().flatten() {
+        for decompressor in self.by_codec.iter().flatten() {
             if decompressor.implementation() == tern_page::codec::CodecImpl::Qpl {
                 tracing::info!(
                     thread,
@@ -241,6 +275,7 @@ fn land(
     let populated = &shared.populated[region];
     let hashes = shared.page_hashes.as_ref();
     let mut payloads = &landing.compressed[..];
+    decompressors.learn_dictionaries_for(landing.dictionary, shared)?;
     let mut compressed = CompressedInput::new(landing, decompressors);
     let mut counts = PageCounts::default();
     for (entry, &ptr) in landing.entries.iter().zip(&landing.pages) {
@@ -349,7 +384,7 @@ impl<'d> CompressedInput<'d> {
             (pages, None)
         });
         Self {
-            decompressor: decompressors.0[usize::from(landing.codec)].as_mut(),
+            decompressor: decompressors.by_codec[usize::from(landing.codec)].as_mut(),
             dictionary: landing.dictionary,
             frame,
         }

@@ -1,10 +1,16 @@
 //! The session's compression dictionaries: read on the main channel right
 //! after the welcome, exactly as many as the hello announced, before any
 //! page channel is accepted; so every receiver has every dictionary before
-//! its first packet, and a packet naming another is refused.
+//! its first packet, and a packet naming another is refused. Refreshed
+//! dictionaries arrive on the main channel during the live phase and come
+//! into force at an iteration barrier ([`SessionDictionaries`]).
+
+use std::sync::atomic::{AtomicU8, Ordering};
+use std::sync::{Condvar, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
 
 use tern_page::codec::{CodecDictionary, CodecId};
-use tern_wire::{FRAME_HEADER_LEN, FrameDecoder, FrameKind, Message, SessionSetup};
+use tern_wire::{Dictionary, FRAME_HEADER_LEN, FrameDecoder, FrameKind, Message, SessionSetup};
 
 use super::handshake::peer_aborted;
 use super::stream::{FrameSource, read_message_within};
@@ -48,3 +54,114 @@ fn describe(message: &Message) -> String {
         other => format!("{:?}", other.kind()),
     }
 }
+
+/// The session's dictionaries at the destination: those of the setup, and
+/// those the source sends on the main channel during the live phase (a
+/// refresh), each with the next id. A packet may name only the ones *in
+/// force*: those the syncs of an earlier iteration announced, once every
+/// page channel crossed that iteration's barrier (docs/protocol.md,
+/// "Dictionaries"). At most `MAX_DICTIONARIES` of at most
+/// `MAX_DICTIONARY_LEN` bytes each are ever held: the source cannot make
+/// this side allocate more, whatever it sends.
+pub(super) struct SessionDictionaries {
+    received: Mutex<Vec<CodecDictionary>>,
+    /// Rung when the main channel delivers one.
+    arrived: Condvar,
+    /// How many of `received` packets may name (ids 1..=this).
+    in_force: AtomicU8,
+}
+
+impl SessionDictionaries {
+    /// The setup's dictionaries, all in force from the first packet.
+    pub(super) fn new(setup: Vec<CodecDictionary>) -> Self {
+        let in_force = u8::try_from(setup.len()).unwrap_or(u8::MAX);
+        Self {
+            received: Mutex::new(setup),
+            arrived: Condvar::new(),
+            in_force: AtomicU8::new(in_force),
+        }
+    }
+
+    fn received(&self) -> MutexGuard<'_, Vec<CodecDictionary>> {
+        self.received.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Takes a dictionary the source sent during the live phase: it must
+    /// carry the next id (and so be at most the protocol's eighth).
+    pub(super) fn receive(&self, dictionary: Dictionary) -> Result<(), MigrationError> {
+        let mut received = self.received();
+        let expected = received.len() + 1;
+        if usize::from(dictionary.id) != expected {
+            return Err(MigrationError::Protocol(format!(
+                "dictionary {} sent where dictionary {expected} was due",
+                dictionary.id
+            )));
+        }
+        let dictionary = CodecDictionary::new(dictionary.id, CodecId::Zstd, dictionary.data)
+            .map_err(|error| MigrationError::Protocol(error.to_string()))?;
+        received.push(dictionary);
+        self.arrived.notify_all();
+        Ok(())
+    }
+
+    /// How many dictionaries packets may name.
+    pub(super) fn in_force(&self) -> u8 {
+        self.in_force.load(Ordering::Acquire)
+    }
+
+    /// Checks a sync's dictionary count: never fewer than in force, and
+    /// waits (until `deadline`, or until `stop` says the session failed)
+    /// for the main channel to have delivered them all. The source sends
+    /// a dictionary on the main channel before any sync that counts it,
+    /// so a correct source makes this wait short.
+    pub(super) fn wait_for(
+        &self,
+        count: u8,
+        deadline: Instant,
+        stop: impl Fn() -> Result<(), MigrationError>,
+    ) -> Result<(), MigrationError> {
+        let in_force = self.in_force();
+        if count < in_force {
+            return Err(MigrationError::Protocol(format!(
+                "a sync counts {count} dictionaries, {in_force} are already in force"
+            )));
+        }
+        let mut received = self.received();
+        while received.len() < usize::from(count) {
+            stop()?;
+            if Instant::now() >= deadline {
+                return Err(MigrationError::Protocol(format!(
+                    "a sync counts {count} dictionaries, the main channel delivered {}",
+                    received.len()
+                )));
+            }
+            received = self
+                .arrived
+                .wait_timeout(received, DICTIONARY_POLL)
+                .unwrap_or_else(|e| e.into_inner())
+                .0;
+        }
+        Ok(())
+    }
+
+    /// Puts the first `count` dictionaries in force; called by the last
+    /// receiver to reach an iteration's barrier, while no packet is decoded.
+    pub(super) fn put_in_force(&self, count: u8) {
+        self.in_force.fetch_max(count, Ordering::AcqRel);
+    }
+
+    /// The dictionaries in force after the first `loaded`, for a decoder
+    /// catching up.
+    pub(super) fn in_force_after(&self, loaded: u8) -> Vec<CodecDictionary> {
+        let in_force = usize::from(self.in_force());
+        let received = self.received();
+        received
+            .get(usize::from(loaded)..in_force.min(received.len()))
+            .map(<[CodecDictionary]>::to_vec)
+            .unwrap_or_default()
+    }
+}
+
+/// How often a receiver waiting for a dictionary looks whether the session
+/// failed meanwhile (a delivery wakes it at once).
+const DICTIONARY_POLL: Duration = Duration::from_millis(50);

@@ -217,8 +217,8 @@ fn too_much_state() -> MigrationError {
     ))
 }
 
-/// Reads state sections until `Complete` arrives on the main channel,
-/// refusing anything out of order.
+/// Reads refreshed dictionaries and state sections until `Complete`
+/// arrives on the main channel, refusing anything out of order.
 fn read_main_channel(
     shared: &ReceiverShared<'_>,
     main: &mut (impl FrameSource + FrameSink),
@@ -260,6 +260,7 @@ fn read_main_channel(
                     data: section.data,
                 });
             }
+            Message::Dictionary(dictionary) => shared.dictionaries.receive(dictionary)?,
             Message::Complete(complete) => {
                 shared.set_final_iteration(complete.final_iteration);
                 return Ok((sections, complete));
@@ -343,8 +344,8 @@ impl Heartbeat {
     }
 }
 
-/// Waits for the main channel, which carries nothing from the source during
-/// the live phase, looking at the failure flag and sending heartbeats
+/// Waits for the main channel, which carries little from the source during
+/// the live phase (refreshed dictionaries), looking at the failure flag and sending heartbeats
 /// meanwhile.
 fn wait_for_main(
     shared: &ReceiverShared<'_>,

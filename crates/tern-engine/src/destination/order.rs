@@ -18,8 +18,8 @@ use tern_wire::FrameKind;
 /// or an abort, see `handshake.rs`) has answered the source's hello.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(super) enum MainChannelState {
-    /// Hello answered; pages flow on the page channels, the main channel is
-    /// silent until the switch-over.
+    /// Hello answered; pages flow on the page channels, the main channel
+    /// carries nothing but refreshed dictionaries until the switch-over.
     Live,
     /// State sections arriving.
     Sections,
@@ -41,6 +41,8 @@ impl MainChannelState {
         match (self, kind) {
             (S::Aborted, _) => Err(format!("{kind:?} on the main channel after an abort")),
             (_, K::Abort) => Ok(S::Aborted),
+            // A refreshed dictionary: only while pages flow.
+            (S::Live, K::Dictionary) => Ok(S::Live),
             (S::Live | S::Sections, K::StateSection) => Ok(S::Sections),
             (S::Live | S::Sections, K::Complete) => Ok(S::Completed),
             (S::Live | S::Sections, _) => Err(format!("unexpected {kind:?} on the main channel")),

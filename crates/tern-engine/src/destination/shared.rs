@@ -7,9 +7,10 @@ use std::sync::{Condvar, Mutex};
 use std::time::{Duration, Instant};
 
 use tern_page::codec::{CodecDictionary, QplPath};
-use tern_wire::{DigestAlgorithm, SessionSetup};
+use tern_wire::{DigestAlgorithm, SessionSetup, Sync};
 
 use super::decode::DecodePool;
+use super::dictionary::SessionDictionaries;
 use super::stream::FrameSource;
 use super::{POLL_INTERVAL, ReceiveStats};
 use crate::digest::PageHashes;
@@ -63,7 +64,7 @@ pub(super) struct ReceiverShared<'a> {
     /// (`ReceiveConfig::qpl_path`).
     pub(super) qpl_path: QplPath,
     /// The session's compression dictionaries (`dictionary.rs`).
-    pub(super) dictionaries: Vec<CodecDictionary>,
+    pub(super) dictionaries: SessionDictionaries,
     io_timeout: Duration,
     pub(super) cancel: &'a CancelToken,
 }
@@ -105,7 +106,7 @@ impl<'a> ReceiverShared<'a> {
             first_failure: Mutex::new(None),
             stats,
             qpl_path: QplPath::Auto,
-            dictionaries: Vec::new(),
+            dictionaries: SessionDictionaries::new(Vec::new()),
             io_timeout,
             cancel,
         }
@@ -113,7 +114,7 @@ impl<'a> ReceiverShared<'a> {
 
     /// Decodes packets that name one of `dictionaries`.
     pub(super) fn with_dictionaries(mut self, dictionaries: Vec<CodecDictionary>) -> Self {
-        self.dictionaries = dictionaries;
+        self.dictionaries = SessionDictionaries::new(dictionaries);
         self
     }
 
@@ -152,23 +153,35 @@ impl<'a> ReceiverShared<'a> {
         !self.claims[region].get_seq(page)
     }
 
-    /// Ends iteration `iteration` for the caller: waits until every receiver
-    /// has ended it, then releases the iteration's page claims. Every
-    /// receiver must agree on whether it was the last.
-    pub(super) fn end_iteration(&self, iteration: u32, last: bool) -> Result<(), MigrationError> {
+    /// Ends iteration `iteration` for the caller: waits until the main
+    /// channel has delivered the dictionaries the sync counts, then until
+    /// every receiver has ended the iteration; the last one releases the
+    /// iteration's page claims and puts those dictionaries in force. Every
+    /// receiver must agree on whether it was the last and on the count.
+    pub(super) fn end_iteration(&self, iteration: u32, sync: Sync) -> Result<(), MigrationError> {
+        self.dictionaries
+            .wait_for(sync.dictionaries, Instant::now() + self.io_timeout, || {
+                self.check_failed()
+            })?;
+        let vote = SyncVote {
+            last: sync.last,
+            dictionaries: sync.dictionaries,
+        };
         self.barrier
-            .wait(last, || {
+            .wait(vote, || {
                 for claims in self.claims.iter().chain(&self.referenced) {
                     claims.clear_all();
                 }
+                self.dictionaries.put_in_force(sync.dictionaries);
             })
             .map_err(|error| match error {
                 BarrierError::Aborted => MigrationError::Internal("another channel failed".into()),
                 BarrierError::Disagreement => MigrationError::Protocol(format!(
-                    "the page channels disagree on whether iteration {iteration} is the last"
+                    "the page channels' syncs of iteration {iteration} disagree on whether it \
+                     is the last or on the dictionaries in force"
                 )),
             })?;
-        if last {
+        if sync.last {
             self.pages_ended.store(true, Ordering::Release);
         }
         Ok(())
@@ -355,16 +368,25 @@ pub(super) struct SyncBarrier {
     aborted: AtomicBool,
 }
 
+/// What each receiver's sync said; all must say the same.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) struct SyncVote {
+    pub(super) last: bool,
+    pub(super) dictionaries: u8,
+}
+
 #[derive(Default)]
 struct BarrierState {
     /// Parties waiting in the current generation.
     arrived: usize,
-    /// How many of them said their sync was the last.
-    last: usize,
+    /// The first party's vote in this generation.
+    vote: Option<SyncVote>,
+    /// Whether a later party voted otherwise.
+    differs: bool,
     /// Generations completed.
     generation: u64,
-    /// Whether the parties of the generation completed last agreed on
-    /// "last"; stays valid until all of them have left, since the next
+    /// Whether the parties of the generation completed last agreed;
+    /// stays valid until all of them have left, since the next
     /// generation cannot complete without each of them.
     agreed: bool,
 }
@@ -374,7 +396,7 @@ struct BarrierState {
 pub(super) enum BarrierError {
     /// Another thread failed.
     Aborted,
-    /// Some parties said "last" and others did not.
+    /// Some parties' syncs said otherwise than others'.
     Disagreement,
 }
 
@@ -395,16 +417,18 @@ impl SyncBarrier {
 
     /// Waits for every party. The last to arrive runs `release` before
     /// letting the others go, while all of them are inside the barrier.
-    pub(super) fn wait(&self, last: bool, release: impl FnOnce()) -> Result<(), BarrierError> {
+    pub(super) fn wait(&self, vote: SyncVote, release: impl FnOnce()) -> Result<(), BarrierError> {
         let mut state = self.state.lock().unwrap_or_else(|e| e.into_inner());
         let generation = state.generation;
         state.arrived += 1;
-        state.last += usize::from(last);
+        let first = *state.vote.get_or_insert(vote);
+        state.differs |= first != vote;
         if state.arrived == self.parties {
             release();
-            state.agreed = state.last == 0 || state.last == self.parties;
+            state.agreed = !state.differs;
             state.arrived = 0;
-            state.last = 0;
+            state.vote = None;
+            state.differs = false;
             state.generation += 1;
             self.condvar.notify_all();
         }
@@ -458,10 +482,21 @@ mod tests {
     /// whether its sync was the last; returns each one's result and how
     /// often the release ran.
     fn cross(lasts: &[bool]) -> (Vec<Result<(), BarrierError>>, usize) {
-        let barrier = SyncBarrier::new(lasts.len());
+        let votes: Vec<SyncVote> = lasts
+            .iter()
+            .map(|&last| SyncVote {
+                last,
+                dictionaries: 1,
+            })
+            .collect();
+        cross_votes(&votes)
+    }
+
+    fn cross_votes(votes: &[SyncVote]) -> (Vec<Result<(), BarrierError>>, usize) {
+        let barrier = SyncBarrier::new(votes.len());
         let released = AtomicU64::new(0);
         let results = std::thread::scope(|scope| {
-            let handles: Vec<_> = lasts
+            let handles: Vec<_> = votes
                 .iter()
                 .map(|&last| {
                     let barrier = &barrier;
@@ -496,5 +531,22 @@ mod tests {
                 .all(|result| *result == Err(BarrierError::Disagreement)),
             "{results:?}"
         );
+    }
+
+    #[test]
+    fn the_barrier_refuses_parties_that_disagree_on_the_dictionaries() {
+        let vote = |dictionaries| SyncVote {
+            last: false,
+            dictionaries,
+        };
+        let (results, _) = cross_votes(&[vote(2), vote(2), vote(3)]);
+        assert!(
+            results
+                .iter()
+                .all(|result| *result == Err(BarrierError::Disagreement)),
+            "{results:?}"
+        );
+        let (results, _) = cross_votes(&[vote(3), vote(3)]);
+        assert!(results.iter().all(Result::is_ok), "{results:?}");
     }
 }

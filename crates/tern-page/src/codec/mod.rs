@@ -1067,6 +1067,17 @@ impl PageDecompressor {
         mut self,
         dictionaries: &[CodecDictionary],
     ) -> Result<Self, CodecError> {
+        self.add_dictionaries(dictionaries)?;
+        Ok(self)
+    }
+
+    /// Adds dictionaries to a decoder in use (a refresh during the
+    /// session); one with the id of a known one replaces it.
+    ///
+    /// # Errors
+    ///
+    /// [`CodecError::Dictionary`] when libzstd rejects one.
+    pub fn add_dictionaries(&mut self, dictionaries: &[CodecDictionary]) -> Result<(), CodecError> {
         #[cfg(feature = "zstd")]
         if let DecoderEngine::Zstd(decoders) = &mut self.engine {
             for dictionary in dictionaries {
@@ -1074,7 +1085,7 @@ impl PageDecompressor {
             }
         }
         let _ = dictionaries;
-        Ok(self)
+        Ok(())
     }
 
     /// Decodes the frame of a [`CodecId::ZstdPacket`] packet made with

@@ -98,6 +98,38 @@ pub enum LimitPolicy {
     SwitchOver,
 }
 
+/// Whether the session's zstd dictionary is trained again during the live
+/// phase when the pages sent stop resembling what it was trained on
+/// (docs/compression.md, "Refresh").
+#[derive(
+    Clone,
+    Copy,
+    Debug,
+    Default,
+    PartialEq,
+    Eq,
+    strum::EnumString,
+    strum::IntoStaticStr,
+    strum::EnumIter,
+)]
+#[strum(
+    serialize_all = "kebab-case",
+    parse_err_ty = UnknownName,
+    parse_err_fn = UnknownName::new
+)]
+#[non_exhaustive]
+pub enum DictionaryRefresh {
+    /// Never: the setup's dictionary serves the whole session.
+    Off,
+    /// On a background thread; the workers keep the dictionary in force
+    /// until the new one is announced at an iteration boundary.
+    #[default]
+    Background,
+    /// At the iteration boundary itself, holding the next iteration until
+    /// training ends: the refresh happens at a known iteration (tests).
+    AtBoundary,
+}
+
 /// Whether the destination's memory is compared with the source's before
 /// the guest resumes there.
 #[derive(
@@ -226,6 +258,9 @@ pub struct MigrationConfig {
     /// pages at setup and compress every zstd page against it (pages stay
     /// independent); `None`: no dictionary. Only with zstd or `auto`.
     pub compression_dictionary: Option<usize>,
+    /// Whether that dictionary is trained again, on the pages being sent,
+    /// when its ratio drops (only with `compression_dictionary`).
+    pub dictionary_refresh: DictionaryRefresh,
     /// zstd with all compressible pages of a packet in one frame (ratio over
     /// independence). Only with zstd; `auto` weighs both framings itself.
     pub packet_frames: bool,
@@ -285,6 +320,7 @@ impl Default for MigrationConfig {
             delta_cache_size: 0,
             delta_offload: None,
             compression_dictionary: None,
+            dictionary_refresh: DictionaryRefresh::default(),
             packet_frames: false,
             verify: Verify::Full,
             digest_threads: 0,

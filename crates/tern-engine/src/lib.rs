@@ -71,7 +71,7 @@ pub mod vm_memory;
 
 pub use bitmap::DirtyBitmap;
 pub use config::{
-    DEFAULT_SWITCH_OVER_TIMEOUT, LimitPolicy, MigrationConfig, ReceiveConfig,
+    DEFAULT_SWITCH_OVER_TIMEOUT, DictionaryRefresh, LimitPolicy, MigrationConfig, ReceiveConfig,
     UnauthenticatedPolicy, UnknownName, Verify, ZeroCopyBackend, ZeroPageDetection,
 };
 pub use destination::{Destination, ReceivePhase, ReceiveStats, Received};

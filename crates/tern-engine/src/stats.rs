@@ -797,12 +797,13 @@ pub struct CompressionReport {
     pub codec_switches: u64,
     /// Per codec implementation (zstd's packet frames count as zstd).
     pub codecs: BTreeMap<String, CodecReport>,
-    /// The zstd dictionary trained at setup, if any.
+    /// The zstd dictionary trained at setup, if any, and its refreshes.
     #[serde(skip_serializing_if = "Option::is_none", default)]
     pub dictionary: Option<DictionaryReport>,
 }
 
-/// The zstd dictionary a migration trained and sent.
+/// The zstd dictionary a migration trained at setup and sent, and the
+/// ones it trained again during the live phase.
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
 #[serde(rename_all = "kebab-case")]
 pub struct DictionaryReport {
@@ -814,6 +815,17 @@ pub struct DictionaryReport {
     /// Wall-clock time of sampling and training, in milliseconds (part of
     /// the setup time).
     pub training_ms: f64,
+    /// Dictionaries trained in all: the setup's and the refreshes.
+    #[serde(default)]
+    pub trained: u64,
+    /// Dictionaries trained again on the pages being sent and announced
+    /// during the live phase (docs/compression.md, "Refresh").
+    #[serde(default)]
+    pub refreshes: u64,
+    /// Wall-clock time the refreshes' training took in all, in
+    /// milliseconds, on a background thread (not the per-page path).
+    #[serde(default)]
+    pub refresh_training_ms: f64,
 }
 
 /// How zero pages were found.

@@ -10,7 +10,7 @@ mod common;
 use std::time::Duration;
 
 use common::*;
-use tern_engine::{Address, Channel, MigrationStatus, Source};
+use tern_engine::{Address, Channel, GuestMemory, MigrationStatus, Source};
 use tern_page::codec::{CodecChoice, CodecId, CompressedBatch, PageCompressor};
 use tern_wire::{
     ChannelHello, DigestAlgorithm, FRAME_HEADER_LEN, FrameHeader, FrameKind, Handshake, Hello,
@@ -111,6 +111,166 @@ fn auto_with_a_dictionary_verifies() {
     let report = stats.compression.expect("compression report");
     assert!(report.dictionary.is_some());
     assert!(report.codecs.values().any(|codec| codec.compressed > 0));
+}
+
+/// A guest whose data pages are 4 KiB windows of one 12 KiB passage of
+/// letters: a dictionary trained on them holds the passage, and a page
+/// then costs a few bytes, while without it every page costs about 60 %
+/// of its size. At every dirty-log sync (the first ends iteration 0) it
+/// rewrites its working set with windows of another passage, so the
+/// setup's dictionary stops helping: a refresh pays.
+struct ChangingGuest {
+    inner: tern_synthetic::SyntheticGuest,
+    working_set_pages: u64,
+}
+
+const PASSAGE_LEN: usize = 12 << 10;
+
+fn passage(seed: u64) -> Vec<u8> {
+    let mut state = seed;
+    (0..PASSAGE_LEN)
+        .map(|_| {
+            state = state
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            b"abcdefghijklmnopqrstuvwxyz "[((state >> 33) % 27) as usize]
+        })
+        .collect()
+}
+
+impl ChangingGuest {
+    fn new(memory: u64, working_set_pages: u64) -> Self {
+        let inner = guest_with(tern_synthetic::SyntheticConfig {
+            memory_bytes: memory,
+            regions: 1,
+            mix: tern_synthetic::ContentMix::new(100, 0, 0).unwrap(),
+            seed: 3,
+            dirty_rate_bytes_per_sec: 0,
+            working_set_bytes: 0,
+            dirtier_threads: 1,
+        });
+        let mut guest = Self {
+            inner,
+            working_set_pages,
+        };
+        let pages = guest.inner.regions()[0].pages();
+        guest.write(pages, 1);
+        guest
+    }
+
+    /// Fills the first `pages` pages with windows of passage `seed`, each
+    /// page's window at another offset.
+    fn write(&mut self, pages: u64, seed: u64) {
+        let text = passage(seed);
+        let region = &self.inner.regions()[0];
+        for page in 0..pages {
+            let offset = (page as usize * 1031 + seed as usize * 17) % (PASSAGE_LEN - 4096);
+            let ptr = region.page_ptr(page).expect("inside the region");
+            // SAFETY: a whole page of the guest's own mapping; the source
+            // reads pages only while an iteration is sent, never during
+            // the dirty-log sync that calls this.
+            unsafe { std::ptr::copy_nonoverlapping(text[offset..].as_ptr(), ptr, 4096) };
+        }
+    }
+}
+
+impl tern_engine::GuestMemory for ChangingGuest {
+    fn regions(&self) -> &[tern_engine::MemoryRegion] {
+        self.inner.regions()
+    }
+}
+
+impl tern_engine::DirtyLog for ChangingGuest {
+    fn start_dirty_log(&mut self) -> tern_engine::GuestResult<()> {
+        self.inner.start_dirty_log()
+    }
+
+    fn sync_dirty_log(
+        &mut self,
+        bitmaps: &mut [tern_engine::DirtyBitmap],
+    ) -> tern_engine::GuestResult<()> {
+        self.inner.sync_dirty_log(bitmaps)?;
+        self.write(self.working_set_pages, 2);
+        for page in 0..self.working_set_pages {
+            bitmaps[0].set(page);
+        }
+        Ok(())
+    }
+
+    fn stop_dirty_log(&mut self) -> tern_engine::GuestResult<()> {
+        self.inner.stop_dirty_log()
+    }
+}
+
+impl tern_engine::GuestControl for ChangingGuest {
+    fn pause(&mut self) -> tern_engine::GuestResult<()> {
+        self.inner.pause()
+    }
+
+    fn resume(&mut self) -> tern_engine::GuestResult<()> {
+        self.inner.resume()
+    }
+
+    fn set_throttle(&mut self, percent: u8) -> tern_engine::GuestResult<()> {
+        self.inner.set_throttle(percent)
+    }
+}
+
+impl tern_engine::DeviceState for ChangingGuest {
+    fn save_state(&mut self) -> tern_engine::GuestResult<Vec<tern_engine::StateSection>> {
+        self.inner.save_state()
+    }
+
+    fn restore_state(
+        &mut self,
+        sections: &[tern_engine::StateSection],
+    ) -> tern_engine::GuestResult<()> {
+        self.inner.restore_state(sections)
+    }
+
+    fn state_size_hint(&self) -> u64 {
+        self.inner.state_size_hint()
+    }
+
+    fn guest_kind(&self) -> &str {
+        self.inner.guest_kind()
+    }
+}
+
+#[test]
+fn a_guest_whose_pages_change_character_gets_a_refreshed_dictionary() {
+    for packet_frames in [false, true] {
+        // 2048 pages of the first passage; from iteration 1 on, 512 of them
+        // hold the second, written again at every sync.
+        let mut guest = ChangingGuest::new(8 * MIB, 512);
+        let (listener, address) = tcp_listener();
+        let destination = spawn_destination(listener);
+        let mut config = migration_config(2);
+        config.compression = CodecChoice::Zstd;
+        config.packet_frames = packet_frames;
+        config.compression_dictionary = Some(32 << 10);
+        config.dictionary_refresh = tern_engine::DictionaryRefresh::AtBoundary;
+        // Never converges by itself: iterations 0 to 3 run, then the
+        // switch-over is forced.
+        config.downtime_limit = Duration::from_nanos(1);
+        config.max_iterations = Some(4);
+        config.limit_policy = tern_engine::LimitPolicy::SwitchOver;
+        let stats = Source::new(config)
+            .unwrap()
+            .migrate(&mut guest, &address)
+            .expect("migration");
+        destination.join().unwrap().expect("destination");
+        assert_eq!(stats.status, MigrationStatus::Completed);
+        assert!(stats.digest_verified);
+        let report = stats.compression.expect("compression report");
+        let dictionary = report.dictionary.expect("a dictionary was trained");
+        // Iteration 1 sends the second passage against the first's
+        // dictionary: its ratio collapses, and a dictionary trained on it
+        // is in force from iteration 2; that one keeps its ratio.
+        assert_eq!(dictionary.refreshes, 1, "{dictionary:?}");
+        assert_eq!(dictionary.trained, 2);
+        assert!(dictionary.refresh_training_ms > 0.0);
+    }
 }
 
 #[test]

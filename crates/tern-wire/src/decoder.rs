@@ -16,7 +16,7 @@
 use crate::error::WireError;
 use crate::message::{Message, SessionSetup};
 use crate::pages::{PageEntry, PageKind, PagesHeader, decode_page_table};
-use crate::{FRAME_HEADER_LEN, FrameHeader, FrameKind, MAX_PAGES_PER_PACKET};
+use crate::{FRAME_HEADER_LEN, FrameHeader, FrameKind, MAX_DICTIONARIES, MAX_PAGES_PER_PACKET};
 
 /// Largest piece of a control body handed out at once: the body buffer
 /// grows by at most this much per piece, so a frame that announces 64 MiB
@@ -187,6 +187,15 @@ impl FrameDecoder {
             frame_len: 0,
             entries: Vec::with_capacity(MAX_PAGES_PER_PACKET),
             only: None,
+        }
+    }
+
+    /// From now on, page packets may name dictionaries 1..=`count` (a
+    /// refresh came into force at an iteration barrier). Never fewer than
+    /// before: a dictionary in force stays so.
+    pub fn allow_dictionaries(&mut self, count: u8) {
+        if let Some(setup) = &mut self.setup {
+            setup.dictionaries = setup.dictionaries.max(count.min(MAX_DICTIONARIES));
         }
     }
 

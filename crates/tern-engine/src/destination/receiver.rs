@@ -215,6 +215,9 @@ impl<'s, 'a> PageReceiver<'s, 'a> {
             last: sync.last,
         })?;
         self.shared.end_iteration(iteration, sync)?;
+        // Past the barrier: the dictionaries the sync counted are in force.
+        self.decoder
+            .allow_dictionaries(self.shared.dictionaries.in_force());
         self.written.clear();
         if self.index == 0 {
             self.shared

@@ -18,6 +18,9 @@ pub(crate) struct CompressionSetup {
     pub dictionary: Option<tern_page::codec::CodecDictionary>,
     /// How the dictionary was trained, for the statistics.
     pub dictionary_report: Option<crate::stats::DictionaryReport>,
+    /// How it is refreshed during the live phase, and its size; `None`
+    /// without a dictionary.
+    pub dictionary_refresh: Option<(crate::config::DictionaryRefresh, usize)>,
 }
 
 impl CompressionSetup {
@@ -57,11 +60,23 @@ impl CompressionSetup {
         codec: CodecId,
         level: i32,
     ) -> Result<PageCompressor, tern_page::CodecError> {
+        self.compressor_with(codec, level, self.dictionary.as_ref())
+    }
+
+    /// [`compressor_at`](Self::compressor_at) against `dictionary` (zstd
+    /// only; other codecs ignore it): a refreshed one, in force since an
+    /// iteration boundary.
+    pub fn compressor_with(
+        &self,
+        codec: CodecId,
+        level: i32,
+        dictionary: Option<&tern_page::codec::CodecDictionary>,
+    ) -> Result<PageCompressor, tern_page::CodecError> {
         let through_qpl = self.choice == CodecChoice::Qpl || self.deflate_through_qpl;
         if through_qpl && codec == CodecId::Deflate {
             PageCompressor::with_qpl(self.qpl_path, level)
         } else if codec.is_zstd() {
-            PageCompressor::with_dictionary(codec, level, self.dictionary.as_ref())
+            PageCompressor::with_dictionary(codec, level, dictionary)
         } else {
             PageCompressor::new(codec, level)
         }
@@ -287,7 +302,7 @@ fn current_counters(stats: &CodecStats, codec: CodecId) -> CodecCounters {
 /// codec and must not replace what is known of it (a run of random pages
 /// would otherwise make the codec look useless for the rest of the
 /// migration). `None` when the codec ran on no page.
-fn data_the_codec_ran_on(window: &CodecCounters) -> Option<CodecCounters> {
+pub(super) fn data_the_codec_ran_on(window: &CodecCounters) -> Option<CodecCounters> {
     let skipped_bytes = window.skipped_by_sampling * PAGE_SIZE as u64;
     let pages = window.pages.checked_sub(window.skipped_by_sampling)?;
     (pages > 0).then(|| CodecCounters {
@@ -377,6 +392,7 @@ mod tests {
             packet_frames: false,
             dictionary: None,
             dictionary_report: None,
+            dictionary_refresh: None,
         };
         // Without libqpl here the QPL compressor cannot be made: the error
         // shows the setup asked for it.

@@ -19,6 +19,9 @@ pub(crate) struct Batch {
     pub(super) codec: CodecId,
     /// The dictionary the compressor used (0: none), named in the header.
     pub(super) dictionary: u8,
+    /// The dictionary in force for zstd when the producer made the batch
+    /// (0: none); changes only at an iteration boundary.
+    pub(super) use_dictionary: u8,
     /// The level to compress at (auto tunes it).
     pub(super) level: i32,
     pub(super) compressed: CompressedBatch,
@@ -97,6 +100,7 @@ impl Batch {
             prechecked: false,
             codec: CodecId::None,
             dictionary: 0,
+            use_dictionary: 0,
             level: 1,
             compressed: CompressedBatch::new(),
             codec_stats: CodecStats::default(),

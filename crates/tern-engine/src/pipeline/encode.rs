@@ -128,13 +128,27 @@ pub(super) fn compress(shared: &Shared, batch: &mut Batch, scratch: &mut Scratch
     let slot = &mut scratch.compressors[batch.codec as usize];
     let asked = &mut scratch.levels[batch.codec as usize];
     // Auto tunes the level: a compressor asked for another one is made
-    // anew (compared with what was asked: QPL, say, rounds levels).
-    if *asked != batch.level {
+    // anew (compared with what was asked: QPL, say, rounds levels). So is
+    // one whose dictionary is no longer the one in force (a refresh).
+    let dictionary = if batch.codec.is_zstd() {
+        batch.use_dictionary
+    } else {
+        0
+    };
+    if *asked != batch.level
+        || slot
+            .as_ref()
+            .is_some_and(|compressor| compressor.dictionary_id() != dictionary)
+    {
         *slot = None;
         *asked = batch.level;
     }
     if slot.is_none() {
-        match shared.compression.compressor_at(batch.codec, batch.level) {
+        let in_force = shared.dictionary(dictionary);
+        match shared
+            .compression
+            .compressor_with(batch.codec, batch.level, in_force.as_ref())
+        {
             Ok(compressor) => *slot = Some(compressor),
             Err(error) => {
                 // Checked at start-up, so this is unexpected: send raw.

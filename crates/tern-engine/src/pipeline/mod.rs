@@ -35,6 +35,7 @@ use crate::error::ChannelError;
 use crate::error::MigrationError;
 use crate::guest::{MemoryRegion, PAGE_SIZE};
 use crate::ring::{Doorbell, Ring};
+use crate::source::{DictionaryRefresher, RatioWindow, sample_dirty_pages};
 use crate::stats::{
     CodecReport, CompressionReport, LiveStats, OffloadReport, ZeroDetectionReport,
     thread_cpu_seconds,
@@ -47,6 +48,7 @@ mod batch;
 mod classify;
 mod dedup;
 mod delta_cache;
+mod dictionary_refresh;
 mod encode;
 mod rate;
 mod report;
@@ -103,6 +105,9 @@ struct Shared {
     dedup: Option<DedupIndex>,
     /// Pages as last sent, for deltas (`--delta-cache-size`).
     delta_cache: Option<DeltaCache>,
+    /// The session's zstd dictionaries, ids 1, 2, …: the setup's and the
+    /// refreshes announced so far. Read when a worker makes a compressor.
+    dictionaries: Mutex<Vec<tern_page::codec::CodecDictionary>>,
 }
 
 impl Shared {
@@ -115,7 +120,6 @@ impl Shared {
             zero_offload: setup.zero_offload,
             zero_as_normal: (setup.zero_as_normal > 0.0)
                 .then(|| ZeroAsNormal::new(setup.zero_as_normal)),
-            compression: setup.compression,
             sender_busy_ns: AtomicU64::new(0),
             worker_rings: (0..setup.workers)
                 .map(|_| Ring::new(WORKER_RING_CAPACITY))
@@ -142,7 +146,19 @@ impl Shared {
                 .then(|| DeltaCache::new(setup.delta_cache_size, setup.delta_offload)),
             page_hashes: setup.page_hashes,
             regions: setup.regions,
+            dictionaries: Mutex::new(setup.compression.dictionary.iter().cloned().collect()),
+            compression: setup.compression,
         }
+    }
+
+    /// Dictionary `id` (0, or one not announced: none).
+    fn dictionary(&self, id: u8) -> Option<tern_page::codec::CodecDictionary> {
+        let index = usize::from(id).checked_sub(1)?;
+        self.dictionaries
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .get(index)
+            .cloned()
     }
 
     fn fail(&self, error: MigrationError) {
@@ -210,6 +226,22 @@ pub(crate) struct Pipeline<'scope> {
     /// The duplicate references of the iteration being sent, checked
     /// against the next dirty bitmap.
     references: Vec<Reference>,
+    /// Dictionaries: the one zstd batches use, refreshes.
+    dictionaries: DictionaryState,
+}
+
+/// The producer's view of the session's dictionaries.
+struct DictionaryState {
+    /// The id zstd batches are compressed against (0: none).
+    in_use: u8,
+    /// The highest id announced on the main channel; in use from the
+    /// iteration after the sync that counts it.
+    announced: u8,
+    /// Dictionary-compressed data pages of the iteration being sent.
+    window: RatioWindow,
+    refresher: Option<DictionaryRefresher>,
+    refreshes: u64,
+    refresh_training_ms: f64,
 }
 
 /// Settings of the pipeline.
@@ -264,6 +296,12 @@ impl<'scope> Pipeline<'scope> {
                 .unwrap_or(CodecId::None),
         };
         let initial_level = setup.compression.level_for(CodecId::Zstd);
+        let dictionary_id = setup
+            .compression
+            .dictionary
+            .as_ref()
+            .map_or(0, tern_page::codec::CodecDictionary::id);
+        let refresh = setup.compression.dictionary_refresh;
         let cancel = setup.cancel.clone();
         let shared = Arc::new(Shared::new(setup, channel_count, pool_size));
         if let Some(cache) = &shared.delta_cache {
@@ -295,6 +333,15 @@ impl<'scope> Pipeline<'scope> {
             codec_stats: CodecStats::default(),
             scratch: Scratch::default(),
             references: Vec::new(),
+            dictionaries: DictionaryState {
+                in_use: dictionary_id,
+                announced: dictionary_id,
+                window: RatioWindow::default(),
+                refresher: refresh
+                    .and_then(|(mode, max_len)| DictionaryRefresher::new(mode, max_len)),
+                refreshes: 0,
+                refresh_training_ms: 0.0,
+            },
         };
         pipeline.spawn_workers(scope)?;
         pipeline.spawn_senders(scope, channels)?;
@@ -351,12 +398,15 @@ impl<'scope> Pipeline<'scope> {
 
     /// Sends every page set in `bitmaps` (one per region) as part of
     /// `iteration`, then ends the iteration on every channel with a sync.
-    /// `last` is the switch-over pass, sent with the guest paused.
+    /// `last` is the switch-over pass, sent with the guest paused. With
+    /// the `main` channel (live iterations), a refreshed dictionary may be
+    /// announced there before the syncs (see `dictionary_refresh.rs`).
     pub fn send_iteration(
         &mut self,
         bitmaps: &mut [DirtyBitmap],
         iteration: u32,
         last: bool,
+        main: Option<&mut Channel>,
     ) -> Result<IterationTotals, MigrationError> {
         self.totals = IterationTotals::default();
         self.prepare_reuse(bitmaps, iteration);
@@ -374,6 +424,7 @@ impl<'scope> Pipeline<'scope> {
                         let mut fresh = self.take_batch()?;
                         fresh.reset(region, iteration, last, self.codec);
                         fresh.level = self.batch_level();
+                        fresh.use_dictionary = self.dictionaries.in_use;
                         batch.insert(fresh)
                     }
                 };
@@ -390,7 +441,7 @@ impl<'scope> Pipeline<'scope> {
                 self.submit(partial)?;
             }
         }
-        self.sync_channels(iteration, last)?;
+        self.sync_channels(iteration, last, bitmaps, main)?;
         self.publish_reports();
         Ok(self.totals)
     }
@@ -493,6 +544,7 @@ impl<'scope> Pipeline<'scope> {
                     stats.sent_dirty(batch.pages.len() as u64 * PAGE_SIZE as u64);
                     stats.add_reuse(&batch.reuse.counts);
                     self.references.extend_from_slice(&batch.reuse.references);
+                    self.dictionaries.count(&batch);
                     self.pool.push(batch);
                 }
                 Completion::Synced => synced += 1,
@@ -511,21 +563,31 @@ impl<'scope> Pipeline<'scope> {
         Ok(self.reap_completions())
     }
 
-    fn sync_channels(&mut self, iteration: u32, last: bool) -> Result<(), MigrationError> {
+    fn sync_channels(
+        &mut self,
+        iteration: u32,
+        last: bool,
+        bitmaps: &[DirtyBitmap],
+        main: Option<&mut Channel>,
+    ) -> Result<(), MigrationError> {
         // A page sent in the next iteration must never overtake its older
         // copy, so the iteration's packets all leave before its syncs.
         while self.in_flight > 0 {
             self.wait_for_completion()?;
         }
+        if let Some(main) = main
+            && !last
+        {
+            self.refresh_dictionary(bitmaps, main)?;
+        }
+        let dictionaries = self.dictionaries.announced;
+        let sync = Sync {
+            iteration,
+            last,
+            dictionaries,
+        };
         for (index, ring) in self.shared.sender_rings.iter().enumerate() {
-            if ring
-                .push(SendItem::Sync(Sync {
-                    iteration,
-                    last,
-                    dictionaries: 0,
-                }))
-                .is_err()
-            {
+            if ring.push(SendItem::Sync(sync)).is_err() {
                 return Err(MigrationError::Internal(
                     "sender ring unexpectedly full".into(),
                 ));
@@ -538,6 +600,9 @@ impl<'scope> Pipeline<'scope> {
         while synced < self.channel_count {
             synced += self.wait_for_completion()?;
         }
+        // Every channel carries the sync that counts the announced
+        // dictionary before any packet naming it.
+        self.dictionaries.in_use = dictionaries;
         Ok(())
     }
 

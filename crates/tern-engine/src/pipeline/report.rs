@@ -20,7 +20,7 @@ impl Pipeline<'_> {
                         (which.name().to_string(), CodecReport::from(counters))
                     })
                     .collect(),
-                dictionary: shared.compression.dictionary_report.clone(),
+                dictionary: self.dictionary_report(),
             });
         }
         let offload = shared.zero_offload.as_ref().map(|offload| {

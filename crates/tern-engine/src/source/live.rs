@@ -47,7 +47,7 @@ impl Source {
         let mut peer = PeerWatch::new(self.config.io_timeout);
         loop {
             let started = Instant::now();
-            let totals = pipe.send_iteration(&mut bitmaps, iteration, false)?;
+            let totals = pipe.send_iteration(&mut bitmaps, iteration, false, Some(main))?;
             let elapsed = started.elapsed().as_secs_f64().max(1e-6);
             if let Some(measured) = measured_bandwidth(&totals, elapsed, bandwidth == 0.0) {
                 bandwidth = measured;

@@ -3,6 +3,7 @@
 mod connect;
 mod convergence;
 mod dictionary;
+pub(crate) use dictionary::{DictionaryRefresher, RatioWindow, sample_dirty_pages};
 mod live;
 mod peer;
 mod switch_over;
@@ -102,6 +103,7 @@ impl Source {
             packet_frames: config.packet_frames,
             dictionary: None,
             dictionary_report: None,
+            dictionary_refresh: None,
         };
         let mut levels = Vec::new();
         for codec in compression.codecs() {
@@ -247,6 +249,7 @@ impl Source {
         let compression = dictionary::with_trained_dictionary(
             &self.compression,
             config.compression_dictionary,
+            config.dictionary_refresh,
             &regions,
         );
         let setup = connect::session_setup(&regions, guest.guest_kind(), config, &compression)?;

@@ -106,7 +106,7 @@ impl Source {
             }
         }
         let sending = Instant::now();
-        pipe.send_iteration(bitmaps, iteration, true)?;
+        pipe.send_iteration(bitmaps, iteration, true, None)?;
         self.stats.set_final_pages_time(sending.elapsed());
         self.stats.remaining.store(0, Ordering::Relaxed);
         let Some(hashes) = pipe.page_hashes() else {

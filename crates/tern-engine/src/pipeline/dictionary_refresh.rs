@@ -1,0 +1,83 @@
+//! Refreshing the zstd dictionary at an iteration boundary, and why no
+//! packet can reach the destination before the dictionary it names.
+//!
+//! The order, for a dictionary trained while iteration *i* is sent:
+//! 1. all of *i*'s packets are sent (`sync_channels` waits for them), and
+//!    they all name the dictionary in use, an older one;
+//! 2. the new dictionary goes on the main channel;
+//! 3. *i*'s sync on every page channel counts it;
+//! 4. only once every channel's sender has written its sync do batches of
+//!    *i+1* name it, and a channel's packets leave in order after its sync.
+//!
+//! The destination puts it in force at the barrier of *i*, which each
+//! receiver reaches only once the main channel has delivered every
+//! dictionary its sync counts; packets of *i+1* are read after the barrier.
+
+use tern_page::codec::DICTIONARY_SAMPLE_PAGES;
+use tern_wire::{Dictionary, codec_id};
+
+use super::*;
+
+impl DictionaryState {
+    /// Adds a returned batch's dictionary-compressed data pages to the
+    /// iteration's window.
+    pub(super) fn count(&mut self, batch: &Batch) {
+        if batch.dictionary == 0 || !batch.codec.is_zstd() {
+            return;
+        }
+        for (_, counters) in batch.codec_stats.used() {
+            if let Some(ran) = auto_codec::data_the_codec_ran_on(counters) {
+                self.window.pages += ran.pages;
+                self.window.bytes_in += ran.bytes_in;
+                self.window.bytes_out += ran.bytes_out;
+            }
+        }
+    }
+}
+
+impl Pipeline<'_> {
+    /// At a live iteration's boundary, before its syncs: judges the
+    /// dictionary on the iteration's window, and announces a refreshed one
+    /// on `main` when one is ready (order: see the module's comment).
+    pub(super) fn refresh_dictionary(
+        &mut self,
+        bitmaps: &[DirtyBitmap],
+        main: &mut Channel,
+    ) -> Result<(), MigrationError> {
+        let window = std::mem::take(&mut self.dictionaries.window);
+        let Some(refresher) = self.dictionaries.refresher.as_mut() else {
+            return Ok(());
+        };
+        let regions = &self.shared.regions;
+        let Some(refreshed) = refresher.at_boundary(&window, || {
+            sample_dirty_pages(regions, bitmaps, DICTIONARY_SAMPLE_PAGES)
+        }) else {
+            return Ok(());
+        };
+        let dictionary = refreshed.dictionary;
+        main.send_message(&Message::Dictionary(Dictionary {
+            id: dictionary.id(),
+            codec: codec_id::ZSTD,
+            data: dictionary.bytes().to_vec(),
+        }))
+        .map_err(MigrationError::channel(0))?;
+        self.dictionaries.announced = dictionary.id();
+        self.dictionaries.refreshes += 1;
+        self.dictionaries.refresh_training_ms += refreshed.training_ms;
+        self.shared
+            .dictionaries
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .push(dictionary);
+        Ok(())
+    }
+
+    /// The dictionary report with the refreshes so far.
+    pub(super) fn dictionary_report(&self) -> Option<crate::stats::DictionaryReport> {
+        let mut report = self.shared.compression.dictionary_report.clone()?;
+        report.refreshes = self.dictionaries.refreshes;
+        report.trained += self.dictionaries.refreshes;
+        report.refresh_training_ms = self.dictionaries.refresh_training_ms;
+        Some(report)
+    }
+}

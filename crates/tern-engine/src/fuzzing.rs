@@ -254,11 +254,12 @@ impl DeviceState for MemoryGuest {
     }
 }
 
-/// The dictionary of [`sample_session`]: raw content (zstd takes any
+/// Dictionary `id` of [`sample_session`]: raw content (zstd takes any
 /// bytes without its dictionary magic as a prefix to match against).
-fn sample_dictionary() -> CodecDictionary {
-    let text = b"page of the sample session; dictionary ".repeat(64);
-    CodecDictionary::new(1, CodecId::Zstd, text).expect("within the limits")
+/// Dictionary 1 is the setup's, dictionary 2 a refresh.
+fn sample_dictionary(id: u8) -> CodecDictionary {
+    let text = format!("page of the sample session; dictionary {id} ").repeat(64);
+    CodecDictionary::new(id, CodecId::Zstd, text.into_bytes()).expect("within the limits")
 }
 
 /// Appends one packet of `pages` (index, content or `None` for a zero
@@ -420,7 +421,7 @@ pub fn sample_session() -> (Vec<u8>, Vec<Vec<u8>>) {
             vec![(14, Some(text(14))), (15, None)],
         ),
     ];
-    let dictionary = sample_dictionary();
+    let dictionaries = [sample_dictionary(1), sample_dictionary(2)];
     for iteration in 0..2u32 {
         for (_, channel, codec, pages) in plan.iter().filter(|send| send.0 == iteration) {
             for (page, content) in pages {
@@ -430,9 +431,13 @@ pub fn sample_session() -> (Vec<u8>, Vec<Vec<u8>>) {
                     None => memory[start..start + PAGE_SIZE].fill(0),
                 }
             }
-            // zstd packets use the session's dictionary, in turn per
-            // iteration, so both ways are in the sample.
-            let dictionary = (codec.is_zstd() && iteration == 0).then_some(&dictionary);
+            // zstd packets use the setup's dictionary in iteration 0; in
+            // iteration 1 per-page zstd uses the refreshed one and the
+            // packet frame none, so every way is in the sample.
+            let dictionary = codec
+                .is_zstd()
+                .then_some(&dictionaries[iteration as usize])
+                .filter(|_| iteration == 0 || *codec == CodecId::Zstd);
             encode_sample_packet(
                 &mut channels[*channel],
                 iteration,
@@ -446,7 +451,9 @@ pub fn sample_session() -> (Vec<u8>, Vec<Vec<u8>>) {
                 Message::Sync(Sync {
                     iteration,
                     last: iteration == 1,
-                    dictionaries: 0,
+                    // The refresh, sent on the main channel during
+                    // iteration 0, is in force from iteration 1.
+                    dictionaries: 2,
                 })
                 .to_bytes(),
             );
@@ -469,14 +476,16 @@ pub fn sample_session() -> (Vec<u8>, Vec<Vec<u8>>) {
         setup,
     })
     .to_bytes();
-    main.extend(
-        Message::Dictionary(tern_wire::Dictionary {
-            id: dictionary.id(),
-            codec: codec_id::ZSTD,
-            data: dictionary.bytes().to_vec(),
-        })
-        .to_bytes(),
-    );
+    for dictionary in &dictionaries {
+        main.extend(
+            Message::Dictionary(tern_wire::Dictionary {
+                id: dictionary.id(),
+                codec: codec_id::ZSTD,
+                data: dictionary.bytes().to_vec(),
+            })
+            .to_bytes(),
+        );
+    }
     main.extend(
         Message::StateSection(StateSectionMsg {
             name: "sample".into(),

@@ -177,8 +177,8 @@ impl<'a> ReceiverShared<'a> {
             .map_err(|error| match error {
                 BarrierError::Aborted => MigrationError::Internal("another channel failed".into()),
                 BarrierError::Disagreement => MigrationError::Protocol(format!(
-                    "the page channels' syncs of iteration {iteration} disagree on whether it \
-                     is the last or on the dictionaries in force"
+                    "the page channels disagree on whether iteration {iteration} is the last, \
+                     or on the dictionaries in force after it"
                 )),
             })?;
         if sync.last {

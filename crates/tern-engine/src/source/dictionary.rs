@@ -258,7 +258,7 @@ pub(crate) fn sample_dirty_pages(
     let mut seen = 0u64;
     for (region, bitmap) in regions.iter().zip(bitmaps) {
         for page in bitmap.iter_dirty() {
-            if seen % stride == 0
+            if seen.is_multiple_of(stride)
                 && let Some(ptr) = region.page_ptr(page)
             {
                 let mut copy = [0u8; PAGE_SIZE];

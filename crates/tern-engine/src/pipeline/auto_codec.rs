@@ -102,6 +102,42 @@ pub(super) struct AutoCodec {
     pub(super) level_changes: u64,
 }
 
+impl AutoCodec {
+    /// Adaptive compression before its first window: the codec calibration
+    /// finds best on a link of `max_bandwidth`, or without one, on a link
+    /// slower than every codec (the best ratio that is worth it). The first
+    /// window has no link measurement yet; starting raw there sent its
+    /// pages uncompressed (about 20 MiB of data pages at 1 Gbit/s, see
+    /// docs/compression.md), while a codec too slow for a fast link costs
+    /// at most that one window's difference in speed.
+    pub(super) fn start(
+        workers: usize,
+        measurements: Vec<tern_page::codec::CodecMeasurement>,
+        max_bandwidth: Option<u64>,
+        compression: &CompressionSetup,
+    ) -> Self {
+        let mut selector = tern_page::AutoSelector::new(workers);
+        let link = max_bandwidth.map_or(SLOWER_THAN_ANY_CODEC, |rate| rate as f64);
+        let first = selector.next(link, &measurements).codec;
+        Self {
+            selector,
+            measurements,
+            batches_since: 0,
+            window_started: Instant::now(),
+            wire_at_start: 0,
+            busy_at_start: 0,
+            switches: 0,
+            level: compression.level_for(first),
+            counters_at_start: CodecCounters::default(),
+            level_changes: 0,
+        }
+    }
+}
+
+/// A link rate (bytes per second) below any codec's speed: the selector
+/// then ranks codecs by ratio alone.
+const SLOWER_THAN_ANY_CODEC: f64 = 1.0;
+
 /// Adaptive compression decides again after at least this many batches and
 /// this much time: enough to measure the link, often enough to follow it.
 pub(super) const AUTO_DECISION_BATCHES: u64 = 16;
@@ -428,6 +464,33 @@ mod tests {
             (2, 2 * 4096, 1000)
         );
         assert!((ran.ratio() - 8.192).abs() < 1e-9);
+    }
+
+    #[test]
+    fn auto_starts_with_the_best_ratio_unless_the_link_is_known_to_be_fast() {
+        let setup = CompressionSetup {
+            choice: CodecChoice::Auto,
+            level: None,
+            qpl_path: QplPath::Software,
+            deflate_through_qpl: false,
+            packet_frames: false,
+            dictionary: None,
+            dictionary_report: None,
+            dictionary_refresh: None,
+        };
+        let mut candidates = software();
+        candidates.push(measured(CodecId::ZstdPacket, 150e6, 2.3));
+        let start = |max_bandwidth| {
+            AutoCodec::start(2, candidates.clone(), max_bandwidth, &setup)
+                .selector
+                .current()
+        };
+        assert_eq!(start(None), CodecId::ZstdPacket);
+        // 10 Gbit/s with two workers: no codec keeps up.
+        assert_eq!(start(Some(1_250_000_000)), CodecId::None);
+        // Without calibration there is nothing to choose from.
+        let unknown = AutoCodec::start(2, Vec::new(), None, &setup);
+        assert_eq!(unknown.selector.current(), CodecId::None);
     }
 
     #[test]

@@ -285,17 +285,24 @@ impl<'scope> Pipeline<'scope> {
         let workers = setup.workers;
         let choice = setup.compression.choice;
         // A fixed choice names one codec (zstd in packet frames included);
-        // auto starts raw and decides.
-        let initial_codec = match choice {
-            CodecChoice::Auto => CodecId::None,
-            _ => setup
+        // auto starts with what calibration found best for a slow link.
+        let auto = (choice == CodecChoice::Auto).then(|| {
+            AutoCodec::start(
+                workers,
+                calibration.map(|c| c.measurements).unwrap_or_default(),
+                setup.max_bandwidth,
+                &setup.compression,
+            )
+        });
+        let initial_codec = match &auto {
+            Some(auto) => auto.selector.current(),
+            None => setup
                 .compression
                 .codecs()
                 .first()
                 .copied()
                 .unwrap_or(CodecId::None),
         };
-        let initial_level = setup.compression.level_for(CodecId::Zstd);
         let dictionary_id = setup
             .compression
             .dictionary
@@ -318,18 +325,7 @@ impl<'scope> Pipeline<'scope> {
             cancel,
             totals: IterationTotals::default(),
             codec: initial_codec,
-            auto: (choice == CodecChoice::Auto).then(|| AutoCodec {
-                selector: tern_page::AutoSelector::new(workers),
-                measurements: calibration.map(|c| c.measurements).unwrap_or_default(),
-                batches_since: 0,
-                window_started: Instant::now(),
-                wire_at_start: 0,
-                busy_at_start: 0,
-                switches: 0,
-                level: initial_level,
-                counters_at_start: CodecCounters::default(),
-                level_changes: 0,
-            }),
+            auto,
             codec_stats: CodecStats::default(),
             scratch: Scratch::default(),
             references: Vec::new(),

@@ -7,7 +7,8 @@ use std::time::Duration;
 use clap::builder::{PossibleValue, TypedValueParser};
 use clap::{Args, ColorChoice, Parser, Subcommand};
 use tern_engine::{
-    Address, LimitPolicy, MigrationConfig, Verify, ZeroCopyBackend, ZeroPageDetection,
+    Address, DictionaryRefresh, LimitPolicy, MigrationConfig, Verify, ZeroCopyBackend,
+    ZeroPageDetection,
 };
 use tern_page::codec::{CodecChoice, QplPath};
 use tern_synthetic::{ContentMix, SyntheticConfig};
@@ -474,6 +475,15 @@ pub struct TransferArgs {
     /// pages stay independent. With zstd or auto. QEMU: no parameter.
     #[arg(long, default_value = "off", value_parser = parse_dictionary_size)]
     pub compression_dictionary: DictionarySize,
+    /// Train the dictionary again, on the pages being sent, when its ratio
+    /// drops by more than 10 % (new one announced at an iteration
+    /// boundary). With --compression-dictionary. QEMU: no parameter.
+    #[arg(long, default_value = "background", value_parser = Choices::<DictionaryRefresh>::new(&[
+        ("off", "never: the setup's dictionary serves the whole migration"),
+        ("background", "train on a background thread, switch at the next iteration boundary"),
+        ("at-boundary", "train at the iteration boundary, holding the next iteration"),
+    ]))]
+    pub dictionary_refresh: DictionaryRefresh,
     /// zstd with all compressible pages of a packet in one frame: better
     /// ratio, a packet decodes on one thread. With --compression zstd (auto
     /// weighs both framings itself). QEMU: multifd zstd is one stream per
@@ -628,6 +638,7 @@ impl TransferArgs {
                 ),
             },
             compression_dictionary: self.compression_dictionary.0,
+            dictionary_refresh: self.dictionary_refresh,
             packet_frames: self.packet_frames,
             verify: self.verify,
             digest_threads: self.digest_threads,

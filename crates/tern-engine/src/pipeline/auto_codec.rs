@@ -100,6 +100,56 @@ pub(super) struct AutoCodec {
     /// measurement is the difference, at the window's level.
     pub(super) counters_at_start: CodecCounters,
     pub(super) level_changes: u64,
+    /// The link estimates of the last windows.
+    pub(super) links: LinkEstimates,
+}
+
+/// The link rate as auto decides on it: the (lower) median of the last
+/// [`LinkEstimates::KEPT`] windows' estimates, once
+/// [`LinkEstimates::NEEDED`] are in. One window's estimate (wire bytes per
+/// second over the share of time the senders were busy) can be off by 10x
+/// or more: while socket buffers fill, sends return at once and the link
+/// looks as fast as memory (1-3.6 GB/s measured on a 1 Gbit/s link), and
+/// a window of zero pages hardly uses it. Single windows like these made
+/// auto leave a codec for raw or lz4 and come back a window later, sending
+/// that window's pages with a worse ratio (docs/compression.md).
+#[derive(Debug, Default)]
+pub(super) struct LinkEstimates {
+    recent: std::collections::VecDeque<f64>,
+}
+
+impl LinkEstimates {
+    /// Windows the median is taken over.
+    pub const KEPT: usize = 5;
+    /// Windows measured before the first decision.
+    pub const NEEDED: usize = 3;
+
+    /// Adds a window's estimate; the rate to decide on, once enough are in.
+    pub fn push(&mut self, estimate: f64) -> Option<f64> {
+        if self.recent.len() == Self::KEPT {
+            self.recent.pop_front();
+        }
+        self.recent.push_back(estimate);
+        if self.recent.len() < Self::NEEDED {
+            return None;
+        }
+        let mut sorted: Vec<f64> = self.recent.iter().copied().collect();
+        sorted.sort_by(f64::total_cmp);
+        // The lower median: in doubt, the slower link, on which a codec
+        // costs least if wrong (raw on a slow link costs most).
+        Some(sorted[(sorted.len() - 1) / 2])
+    }
+}
+
+impl AutoCodec {
+    /// Starts the next decision window.
+    fn start_window(&mut self, counters: CodecCounters, wire: u64, busy: u64) {
+        self.counters_at_start = counters;
+        self.batches_since = 0;
+        self.window_started = Instant::now();
+        self.wire_at_start = wire;
+        self.busy_at_start = busy;
+    }
 }
 
 impl AutoCodec {
@@ -130,6 +180,7 @@ impl AutoCodec {
             level: compression.level_for(first),
             counters_at_start: CodecCounters::default(),
             level_changes: 0,
+            links: LinkEstimates::default(),
         }
     }
 }
@@ -258,9 +309,13 @@ impl Pipeline<'_> {
         let busy_share =
             ((busy - auto.busy_at_start) as f64 / 1e9 / (elapsed * self.channel_count as f64))
                 .clamp(0.05, 1.0);
-        let link = wire_rate / busy_share;
         let measured = self.measure_window();
         let Some(auto) = self.auto.as_mut() else {
+            return;
+        };
+        let link = auto.links.push(wire_rate / busy_share);
+        let Some(link) = link else {
+            auto.start_window(current_counters(&self.codec_stats, self.codec), wire, busy);
             return;
         };
         let decision = auto.selector.next(link, &auto.measurements);
@@ -289,11 +344,7 @@ impl Pipeline<'_> {
                 auto.level = level;
             }
         }
-        auto.counters_at_start = current_counters(&self.codec_stats, self.codec);
-        auto.batches_since = 0;
-        auto.window_started = Instant::now();
-        auto.wire_at_start = wire;
-        auto.busy_at_start = busy;
+        auto.start_window(current_counters(&self.codec_stats, self.codec), wire, busy);
     }
 }
 
@@ -491,6 +542,24 @@ mod tests {
         // Without calibration there is nothing to choose from.
         let unknown = AutoCodec::start(2, Vec::new(), None, &setup);
         assert_eq!(unknown.selector.current(), CodecId::None);
+    }
+
+    #[test]
+    fn one_window_s_wild_link_estimate_does_not_move_the_decision() {
+        let mut links = LinkEstimates::default();
+        // The first windows only measure.
+        assert_eq!(links.push(1009e6), None);
+        assert_eq!(links.push(142e6), None);
+        // Then the median of what is kept: the outliers of a 1 Gbit/s link
+        // measured in one migration (socket buffers filling, a window of
+        // zero pages) do not show.
+        assert_eq!(links.push(120e6), Some(142e6));
+        assert_eq!(links.push(3631e6), Some(142e6));
+        assert_eq!(links.push(26e6), Some(142e6));
+        assert_eq!(links.push(118e6), Some(120e6));
+        // A link that really changed wins after three windows.
+        assert_eq!(links.push(1200e6), Some(120e6));
+        assert_eq!(links.push(1180e6), Some(1180e6));
     }
 
     #[test]

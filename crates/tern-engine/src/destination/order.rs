@@ -129,7 +129,7 @@ impl PageChannelState {
 mod tests {
     use super::*;
 
-    const ALL_KINDS: [FrameKind; 12] = [
+    const ALL_KINDS: [FrameKind; 13] = [
         FrameKind::Hello,
         FrameKind::ChannelHello,
         FrameKind::Welcome,
@@ -142,6 +142,7 @@ mod tests {
         FrameKind::Ready,
         FrameKind::Commit,
         FrameKind::Heartbeat,
+        FrameKind::Dictionary,
     ];
 
     #[test]
@@ -150,6 +151,7 @@ mod tests {
         use MainChannelState as S;
         // Every (state, kind) pair not listed is refused.
         let allowed: &[(S, K, S)] = &[
+            (S::Live, K::Dictionary, S::Live),
             (S::Live, K::StateSection, S::Sections),
             (S::Live, K::Complete, S::Completed),
             (S::Live, K::Abort, S::Aborted),

@@ -284,8 +284,8 @@ fn a_guest_whose_pages_change_character_gets_a_refreshed_dictionary() {
         // It pays: iterations 2, 3 and the switch-over send 3 × 512 pages
         // of the second passage. Per page, against the old dictionary,
         // each costs ~2.5 KiB, against the new one a few bytes (measured:
-        // 1.4 MB in all against 5.2 MB); a packet frame finds most of the
-        // passage inside itself, so there it saves less (114 KB, 148 KB).
+        // 1.4 MB in all against 5.2 MB); a packet frame finds much of the
+        // passage inside itself, so there it saves less (114 KB, 198 KB).
         let without = migrate_changing_guest(packet_frames, DictionaryRefresh::Off);
         let without_report = without.compression.expect("compression report");
         assert_eq!(without_report.dictionary.expect("setup's").refreshes, 0);

@@ -9,20 +9,27 @@
 //! lock is held on the per-page path and no two workers touch one slot's
 //! bytes.
 //!
+//! Not every page goes through the cache: each worker's [`DeltaGate`]
+//! admits a page only from the second pass on, and only a sample of pages
+//! while its recent lookups mostly overflow, because caching costs every
+//! page it admits whether or not a delta comes of it.
+//!
 //! The invariant the destination relies on: at the start of every
 //! iteration, a valid slot naming page P holds exactly the bytes the
 //! destination holds for P. It holds because
 //!
-//! * a slot is written from the same copy of the page that goes on the wire
-//!   (as a delta, compressed or raw: the batch sends from that copy, never
-//!   from guest memory, when the cache is on);
+//! * a slot is written only for an admitted page, from the same copy of
+//!   the page that goes on the wire (as a delta, compressed or raw: the
+//!   batch sends an admitted page from that copy, never from guest memory);
 //! * a page is in at most one batch per iteration, and the destination
 //!   finishes an iteration before the next starts (the sync barrier), so the
 //!   delta of iteration *i+1* is applied to what iteration *i* left;
-//! * a page sent without updating its slot (zero, duplicate, or its slot
-//!   busy with another page) leaves no valid slot naming it: `forget`
-//!   clears the slot, and whoever holds a busy slot releases it naming its
-//!   own page.
+//! * a page sent without updating its slot (not admitted by the gate,
+//!   zero, duplicate, or its slot busy with another page) leaves no valid
+//!   slot naming it: `forget` clears the slot, and whoever holds a busy
+//!   slot releases it naming its own page. So when a closed gate reopens,
+//!   the pages it kept out are misses, never deltas against bytes the
+//!   destination no longer holds.
 
 use std::cell::UnsafeCell;
 use std::sync::Arc;

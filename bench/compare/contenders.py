@@ -105,8 +105,9 @@ def tern_verify(channels: int) -> TernContender:
 
 
 def tern_delta(channels: int) -> TernContender:
+    # tern-best with the delta cache: the two rows differ by deltas only.
     return TernContender("tern-delta", verify="none", channels=channels, compression="auto",
-                         delta=True)
+                         options=DICTIONARY, delta=True)
 
 
 # Every contender, in the order of the report's rows; the TLS pair runs

@@ -83,6 +83,8 @@ class TernCommandTest(unittest.TestCase):
         self.assertEqual(pairs["--delta-cache-size"], str(512 << 20))
         self.assertEqual(pairs["--workload"], "rewrite")
         self.assertEqual(pairs["--compression"], "auto")
+        # tern-best's options, so that the two rows differ by deltas only.
+        self.assertEqual(pairs["--compression-dictionary"], "64KiB")
         plain = dict(zip(*[tern.source_args(cfg, ARTIFACTS, Case("running", "1gbit", 4, "none"),
                                             TERN, "h:1")] * 2))
         self.assertNotIn("--delta-cache-size", plain)

@@ -55,6 +55,7 @@
 
 pub mod bitmap;
 pub mod config;
+mod deadline;
 pub mod destination;
 mod digest;
 pub mod error;

@@ -557,7 +557,10 @@ pub struct XbzrleCacheStats {
     pub bytes: u64,
     /// Pages sent as deltas.
     pub pages: u64,
-    /// Data pages not in the cache (sent whole, then cached).
+    /// Data pages not in the cache (sent whole, then cached). Pages the
+    /// cache does not admit (the first pass; while deltas mostly overflow,
+    /// pages outside the probed sample) are not looked up: they count in
+    /// none of these.
     pub cache_miss: u64,
     /// Share of looked-up pages that missed.
     pub cache_miss_rate: f64,

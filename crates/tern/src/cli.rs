@@ -449,13 +449,15 @@ pub struct TransferArgs {
     #[arg(long, default_value = "auto", value_parser = qpl_path_values())]
     pub qpl_path: QplPath,
     /// Send a page whose bytes the destination already holds in another
-    /// page as an 8-byte reference to it (off with --zero-copy). QEMU: no
-    /// parameter.
-    #[arg(long, default_value = "on", value_parser = Choices::<OnOff>::new(&[
+    /// page as an 8-byte reference to it (off with --zero-copy). Looking
+    /// costs a hash of every data page, which a verified migration computes
+    /// anyway. QEMU: no parameter.
+    #[arg(long, default_value = "auto", value_parser = Choices::<Dedup>::new(&[
+        ("auto", "on unless --verify none (then the page hashes would be an extra cost)"),
         ("on", "look for duplicate pages"),
         ("off", "send every page's bytes"),
     ]))]
-    pub dedup: OnOff,
+    pub dedup: Dedup,
     /// Cache of pages as last sent, against which re-sent pages go as
     /// deltas (DSA delta records), with multifd; 0 turns deltas off. QEMU:
     /// xbzrle-cache-size (with the xbzrle capability, without multifd).
@@ -625,7 +627,11 @@ impl TransferArgs {
             compression: self.compression,
             compression_level: self.compression_level,
             qpl_path: self.qpl_path,
-            dedup: self.dedup == OnOff::On,
+            dedup: match self.dedup {
+                Dedup::On => true,
+                Dedup::Off => false,
+                Dedup::Auto => self.verify != Verify::None,
+            },
             delta_cache_size: self.delta_cache_size,
             delta_offload: match self.delta_offload {
                 DeltaOffloadChoice::Cpu => None,
@@ -714,6 +720,31 @@ impl FromStr for DeltaOffloadChoice {
             "software" => Ok(Self::Software),
             "hw" => Ok(Self::Hardware),
             other => Err(format!("'{other}' is none of cpu, software, hw")),
+        }
+    }
+}
+
+/// `--dedup`: whether duplicate pages go as references.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Dedup {
+    /// On when the memory is verified: its page hashes are computed
+    /// anyway, so the index costs little; with `--verify none` hashing
+    /// every data page only for duplicates costs more CPU than the few
+    /// duplicates of a typical guest save (measured: docs/compression.md).
+    Auto,
+    On,
+    Off,
+}
+
+impl FromStr for Dedup {
+    type Err = String;
+
+    fn from_str(text: &str) -> Result<Self, String> {
+        match text {
+            "auto" => Ok(Self::Auto),
+            "on" => Ok(Self::On),
+            "off" => Ok(Self::Off),
+            other => Err(format!("'{other}' is none of auto, on, off")),
         }
     }
 }
@@ -865,6 +896,23 @@ mod tests {
             panic!("not demo")
         };
         Ok(args)
+    }
+
+    #[test]
+    fn dedup_auto_follows_verification() {
+        let dedup = |options: &[&str]| {
+            demo(options)
+                .unwrap()
+                .transfer
+                .migration_config()
+                .unwrap()
+                .dedup
+        };
+        assert!(dedup(&[]));
+        assert!(!dedup(&["--verify", "none"]));
+        assert!(dedup(&["--verify", "none", "--dedup", "on"]));
+        assert!(!dedup(&["--dedup", "off"]));
+        assert!(demo(&["--dedup", "sometimes"]).is_err());
     }
 
     #[test]

@@ -1,6 +1,7 @@
 //! Handshake and setup: the main channel's hello, the guest, the page
 //! channels.
 
+use crate::deadline::Deadline;
 use std::collections::HashSet;
 use std::sync::{Arc, mpsc};
 use std::time::{Duration, Instant};
@@ -332,21 +333,10 @@ impl Destination {
         &self,
         handshakes: &mut Handshakes<'_>,
     ) -> Result<Arrived, MigrationError> {
-        let deadline = Instant::now() + self.config.accept_timeout;
+        let deadline = Deadline::after(self.config.accept_timeout, "the source to connect");
         loop {
-            if self.cancel.is_cancelled() {
-                return Err(MigrationError::Cancelled);
-            }
-            let remaining = deadline.saturating_duration_since(Instant::now());
-            if remaining.is_zero() {
-                return Err(MigrationError::Channel {
-                    index: 0,
-                    source: ChannelError::Timeout("the source to connect"),
-                });
-            }
-            let Some(mut arrived) = handshakes
-                .next(remaining.min(POLL_INTERVAL))
-                .map_err(MigrationError::channel(0))?
+            let slice = deadline.next_slice_unless(&self.cancel, 0, POLL_INTERVAL)?;
+            let Some(mut arrived) = handshakes.next(slice).map_err(MigrationError::channel(0))?
             else {
                 continue;
             };
@@ -460,11 +450,9 @@ impl Destination {
     ) -> Result<Vec<Channel>, MigrationError> {
         let mut slots: Vec<Option<Channel>> = (0..count).map(|_| None).collect();
         let mut seen = HashSet::new();
-        let deadline = Instant::now() + self.config.accept_timeout;
+        let deadline = Deadline::after(self.config.accept_timeout, "the source's page channels");
         while seen.len() < usize::from(count) {
-            if self.cancel.is_cancelled() {
-                return Err(MigrationError::Cancelled);
-            }
+            let slice = deadline.next_slice_unless(&self.cancel, seen.len() + 1, POLL_INTERVAL)?;
             if main
                 .wait_readable(Duration::ZERO)
                 .map_err(MigrationError::channel(0))?
@@ -478,16 +466,7 @@ impl Destination {
                     Err(error) => MigrationError::channel(0)(error),
                 });
             }
-            let remaining = deadline.saturating_duration_since(Instant::now());
-            if remaining.is_zero() {
-                return Err(MigrationError::Channel {
-                    index: seen.len() + 1,
-                    source: ChannelError::Timeout("the source's page channels"),
-                });
-            }
-            let Some(mut arrived) = handshakes
-                .next(remaining.min(POLL_INTERVAL))
-                .map_err(MigrationError::channel(0))?
+            let Some(mut arrived) = handshakes.next(slice).map_err(MigrationError::channel(0))?
             else {
                 continue;
             };

@@ -2,6 +2,7 @@
 //! the guest's state, say "ready", and resume the guest only once the
 //! source has committed (docs/protocol.md, "Switch-over").
 
+use crate::deadline::Deadline;
 use std::time::Instant;
 
 use tern_wire::{DigestAlgorithm, FrameDecoder, Message, Outcome, OutcomeStats, Ready};
@@ -12,7 +13,7 @@ use super::order::MainChannelState;
 use super::shared::ReceiverShared;
 use super::stream::{FrameSink, FrameSource, read_message};
 use super::{Destination, POLL_INTERVAL, ReceivePhase};
-use crate::error::{ChannelError, MigrationError};
+use crate::error::MigrationError;
 use crate::guest::{DestinationGuest, StateSection};
 use crate::stats::thread_cpu_seconds;
 
@@ -85,20 +86,11 @@ impl Destination {
         main: &mut impl FrameSource,
         decoder: &mut FrameDecoder,
     ) -> Result<(), MigrationError> {
-        let deadline = Instant::now() + self.config.switch_over_timeout;
+        let deadline = Deadline::after(self.config.switch_over_timeout, "the source's commit");
         loop {
-            if self.cancel.is_cancelled() {
-                return Err(MigrationError::Cancelled);
-            }
-            let left = deadline.saturating_duration_since(Instant::now());
-            if left.is_zero() {
-                return Err(MigrationError::Channel {
-                    index: 0,
-                    source: ChannelError::Timeout("the source's commit"),
-                });
-            }
+            let slice = deadline.next_slice_unless(&self.cancel, 0, POLL_INTERVAL)?;
             if main
-                .wait_readable(left.min(POLL_INTERVAL))
+                .wait_readable(slice)
                 .map_err(MigrationError::channel(0))?
             {
                 break;

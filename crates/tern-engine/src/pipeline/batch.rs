@@ -39,9 +39,12 @@ pub(crate) struct Batch {
 /// A batch's duplicate and delta pages (see `reuse.rs`).
 #[derive(Debug, Default)]
 pub(crate) struct ReuseBatch {
-    /// With the delta cache: each page's bytes as read once, in batch
-    /// order; the cache, the compressor and the sender all use this copy,
-    /// so what is cached is exactly what is sent. Empty without the cache.
+    /// With the delta cache: whether each page (in batch order) goes
+    /// through it. Empty without the cache.
+    pub(super) admitted: Vec<bool>,
+    /// The bytes of each admitted page as read once, at its position; the
+    /// cache, the compressor and the sender all use this copy, so what is
+    /// cached is exactly what is sent. Other positions are stale.
     pub(super) copies: Vec<u8>,
     /// Each page's content hash (with duplicate detection), in batch order.
     pub(super) hashes: Vec<u64>,
@@ -72,6 +75,7 @@ pub(crate) struct ReuseCounts {
 
 impl ReuseBatch {
     pub(super) fn reset(&mut self) {
+        self.admitted.clear();
         self.hashes.clear();
         self.duplicates.clear();
         self.deltas.clear();
@@ -81,8 +85,12 @@ impl ReuseBatch {
         self.counts = ReuseCounts::default();
     }
 
-    /// The copy of the batch's page at `position`, when there are copies.
+    /// The copy of the batch's page at `position`, when it went through
+    /// the delta cache.
     pub(super) fn copy(&self, position: usize) -> Option<&[u8; PAGE_SIZE]> {
+        if !self.admitted.get(position).copied().unwrap_or(false) {
+            return None;
+        }
         self.copies
             .get(position * PAGE_SIZE..(position + 1) * PAGE_SIZE)
             .map(|bytes| bytes.try_into().expect("a page"))

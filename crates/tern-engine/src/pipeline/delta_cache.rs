@@ -9,20 +9,27 @@
 //! lock is held on the per-page path and no two workers touch one slot's
 //! bytes.
 //!
+//! Not every page goes through the cache: each worker's [`DeltaGate`]
+//! admits a page only from the second pass on, and only a sample of pages
+//! while its recent lookups mostly overflow, because caching costs every
+//! page it admits whether or not a delta comes of it.
+//!
 //! The invariant the destination relies on: at the start of every
 //! iteration, a valid slot naming page P holds exactly the bytes the
 //! destination holds for P. It holds because
 //!
-//! * a slot is written from the same copy of the page that goes on the wire
-//!   (as a delta, compressed or raw: the batch sends from that copy, never
-//!   from guest memory, when the cache is on);
+//! * a slot is written only for an admitted page, from the same copy of
+//!   the page that goes on the wire (as a delta, compressed or raw: the
+//!   batch sends an admitted page from that copy, never from guest memory);
 //! * a page is in at most one batch per iteration, and the destination
 //!   finishes an iteration before the next starts (the sync barrier), so the
 //!   delta of iteration *i+1* is applied to what iteration *i* left;
-//! * a page sent without updating its slot (zero, duplicate, or its slot
-//!   busy with another page) leaves no valid slot naming it: `forget`
-//!   clears the slot, and whoever holds a busy slot releases it naming its
-//!   own page.
+//! * a page sent without updating its slot (not admitted by the gate,
+//!   zero, duplicate, or its slot busy with another page) leaves no valid
+//!   slot naming it: `forget` clears the slot, and whoever holds a busy
+//!   slot releases it naming its own page. So when a closed gate reopens,
+//!   the pages it kept out are misses, never deltas against bytes the
+//!   destination no longer holds.
 
 use std::cell::UnsafeCell;
 use std::sync::Arc;
@@ -44,6 +51,115 @@ pub(super) enum DeltaOutcome {
     Overflow,
     /// Not cached (now it is, unless the slot was busy): send it whole.
     Miss,
+}
+
+/// Lookups of cached pages (deltas and overflows) a worker's gate counts
+/// before it decides again whether caching pays.
+const GATE_WINDOW: u32 = 64;
+/// The gate closes when fewer than one lookup in this many gives a delta:
+/// an overflow costs a copy and a scan of the page (about 2 µs on the
+/// 2-core VM), a delta saves most of a page on the wire (about 30 µs of a
+/// 1 Gbit/s link), so deltas pay down to a small share.
+const CLOSE_BELOW_ONE_IN: u32 = 8;
+/// The gate reopens when the sample gives a delta at least once in this
+/// many lookups (above the closing share, so that it does not flap).
+const REOPEN_FROM_ONE_IN: u32 = 4;
+/// While the gate is closed, one page in this many (a fixed sample, by the
+/// page's identity) still goes through the cache, to keep measuring.
+const PROBE_ONE_IN: u64 = 16;
+
+/// Which of a worker's pages go through the delta cache: its admission
+/// policy, one per worker (no shared state on the per-page path).
+///
+/// Going through the cache costs a page a copy out of guest memory, a copy
+/// into its slot and, the first time the slot is used, a page fault: about
+/// 2 µs a page on the 2-core VM (docs/benchmarks-qemu.md), paid whether or
+/// not a delta ever comes of it. So a page is admitted
+///
+/// * only from the second pass on (`iteration >= 1`): every page is in the
+///   first pass and goes once whatever happens; it is worth caching only
+///   if it comes back, and a page in a later pass has come back (QEMU's
+///   xbzrle likewise starts after the first pass);
+/// * while the worker's recent lookups of cached pages give deltas: when
+///   fewer than one in [`CLOSE_BELOW_ONE_IN`] of [`GATE_WINDOW`] lookups
+///   did (pages rewritten whole), the gate closes and only a fixed sample
+///   of pages ([`PROBE_ONE_IN`]) keeps going through the cache, so the
+///   worker goes on measuring and reopens when deltas pay again.
+///
+/// The cache's invariant does not depend on the gate: a page it does not
+/// admit is sent from guest memory and its slot is forgotten
+/// ([`DeltaCache::forget`]), as for a zero page.
+#[derive(Debug)]
+pub(super) struct DeltaGate {
+    open: bool,
+    lookups: u32,
+    deltas: u32,
+    /// Times the gate closed, for the log.
+    closings: u64,
+}
+
+impl Default for DeltaGate {
+    fn default() -> Self {
+        Self {
+            open: true,
+            lookups: 0,
+            deltas: 0,
+            closings: 0,
+        }
+    }
+}
+
+impl DeltaGate {
+    /// Whether page `page` of `region`, sent in `iteration`, goes through
+    /// the cache.
+    pub fn admits(&self, iteration: u32, region: usize, page: u32) -> bool {
+        iteration >= 1 && (self.open || is_probe(region, page))
+    }
+
+    /// Counts what the cache did with an admitted page.
+    pub fn record(&mut self, outcome: DeltaOutcome) {
+        match outcome {
+            DeltaOutcome::Delta(_) => self.deltas += 1,
+            DeltaOutcome::Overflow => {}
+            // Says nothing about whether deltas pay.
+            DeltaOutcome::Miss => return,
+        }
+        self.lookups += 1;
+        if self.lookups < GATE_WINDOW {
+            return;
+        }
+        let was_open = self.open;
+        self.open = if was_open {
+            self.deltas * CLOSE_BELOW_ONE_IN >= self.lookups
+        } else {
+            self.deltas * REOPEN_FROM_ONE_IN >= self.lookups
+        };
+        if was_open && !self.open {
+            self.closings += 1;
+            tracing::debug!(
+                deltas = self.deltas,
+                lookups = self.lookups,
+                closings = self.closings,
+                "deltas do not pay: only a sample of pages goes through the delta cache"
+            );
+        } else if !was_open && self.open {
+            tracing::debug!(
+                deltas = self.deltas,
+                "deltas pay again: the delta cache reopens"
+            );
+        }
+        self.lookups = 0;
+        self.deltas = 0;
+    }
+}
+
+/// Whether the page is in the sample that goes through the cache while a
+/// gate is closed: a fixed one in [`PROBE_ONE_IN`], by a hash of the page's
+/// identity (so strided working sets are sampled too), so that a probe
+/// cached in one pass is looked up in the next.
+fn is_probe(region: usize, page: u32) -> bool {
+    let identity = ((region as u64) << 32) | u64::from(page);
+    (identity.wrapping_mul(0x9e37_79b9_7f4a_7c15) >> 32) & (PROBE_ONE_IN - 1) == 0
 }
 
 /// One cached page's bytes.
@@ -248,5 +364,129 @@ mod tests {
         state.store(tag(0, 1), Ordering::Release);
         assert_eq!(held, tag(0, 0));
         assert_eq!(cache.encode(0, 0, &page(2), &mut delta), DeltaOutcome::Miss);
+    }
+
+    fn gate_after(outcomes: &[(DeltaOutcome, u32)]) -> DeltaGate {
+        let mut gate = DeltaGate::default();
+        for &(outcome, times) in outcomes {
+            for _ in 0..times {
+                gate.record(outcome);
+            }
+        }
+        gate
+    }
+
+    fn admitted_in(gate: &DeltaGate, iteration: u32, pages: u32) -> usize {
+        (0..pages)
+            .filter(|&page| gate.admits(iteration, 0, page))
+            .count()
+    }
+
+    #[test]
+    fn the_first_pass_goes_around_the_cache_and_later_passes_through_it() {
+        let gate = DeltaGate::default();
+        assert_eq!(admitted_in(&gate, 0, 1000), 0);
+        assert_eq!(admitted_in(&gate, 1, 1000), 1000);
+        assert_eq!(admitted_in(&gate, 7, 1000), 1000);
+    }
+
+    #[test]
+    fn mostly_overflowing_lookups_close_the_gate_to_a_sample() {
+        // Misses say nothing about deltas: the gate stays open.
+        let gate = gate_after(&[(DeltaOutcome::Miss, 10 * GATE_WINDOW)]);
+        assert_eq!(admitted_in(&gate, 1, 1000), 1000);
+        // One delta in eight lookups still pays.
+        let gate = gate_after(&[
+            (DeltaOutcome::Delta(10), GATE_WINDOW / 8),
+            (DeltaOutcome::Overflow, GATE_WINDOW - GATE_WINDOW / 8),
+        ]);
+        assert_eq!(admitted_in(&gate, 1, 1000), 1000);
+        let gate = gate_after(&[
+            (DeltaOutcome::Delta(10), GATE_WINDOW / 8 - 1),
+            (DeltaOutcome::Overflow, GATE_WINDOW - GATE_WINDOW / 8 + 1),
+        ]);
+        let sampled = admitted_in(&gate, 1, 16_384);
+        assert!((512..=2048).contains(&sampled), "{sampled} of 16384");
+        // The sample is fixed: the same pages every pass and every worker.
+        let other = gate_after(&[(DeltaOutcome::Overflow, GATE_WINDOW)]);
+        assert!((0..16_384).all(|page| gate.admits(2, 3, page) == other.admits(5, 3, page)));
+        // Still nothing of the first pass.
+        assert_eq!(admitted_in(&gate, 0, 16_384), 0);
+    }
+
+    #[test]
+    fn deltas_in_the_sample_reopen_the_gate() {
+        let closed = [(DeltaOutcome::Overflow, GATE_WINDOW)];
+        // One in eight reopens nothing: above the closing share only.
+        let gate = gate_after(&[
+            closed[0],
+            (DeltaOutcome::Delta(10), GATE_WINDOW / 8),
+            (DeltaOutcome::Overflow, GATE_WINDOW - GATE_WINDOW / 8),
+        ]);
+        assert!(admitted_in(&gate, 1, 1000) < 1000);
+        let gate = gate_after(&[
+            closed[0],
+            (DeltaOutcome::Delta(10), GATE_WINDOW / 4),
+            (DeltaOutcome::Overflow, GATE_WINDOW - GATE_WINDOW / 4),
+        ]);
+        assert_eq!(admitted_in(&gate, 1, 1000), 1000);
+    }
+
+    /// A worker's steps (as `reuse.rs` takes them) against a model of the
+    /// destination: whatever the gate does, after every pass the
+    /// destination holds the guest's pages, and a valid slot holds what
+    /// the destination holds.
+    #[test]
+    fn the_destination_keeps_up_while_the_gate_closes_and_reopens() {
+        const PAGES: u32 = 1024;
+        let cache = DeltaCache::new(u64::from(PAGES) * PAGE_SIZE as u64, None);
+        let mut gate = DeltaGate::default();
+        let mut guest: Vec<Box<[u8; PAGE_SIZE]>> = (0..PAGES).map(|_| page(0)).collect();
+        let mut destination = guest.clone();
+        let mut record = [0u8; MAX_DELTA_LEN];
+        let mut seed = 0x2545_f491_4f6c_dd1d_u64;
+        let mut next = move || {
+            seed ^= seed << 13;
+            seed ^= seed >> 7;
+            seed ^= seed << 17;
+            seed
+        };
+        let (mut closed_passes, mut deltas_after_reopening) = (0, 0);
+        // Passes 1-3 rewrite every page whole, passes 4-9 change one word.
+        for iteration in 0..10u32 {
+            for (index, bytes) in guest.iter_mut().enumerate() {
+                if iteration == 0 {
+                    bytes.fill(index as u8);
+                } else if iteration <= 3 {
+                    bytes.iter_mut().for_each(|byte| *byte = next() as u8);
+                } else {
+                    bytes[index % PAGE_SIZE] ^= 0x5a;
+                }
+            }
+            if iteration >= 2 && admitted_in(&gate, iteration, PAGES) < PAGES as usize {
+                closed_passes += 1;
+            }
+            for page in 0..PAGES {
+                let sent = &guest[page as usize];
+                let held = &mut destination[page as usize];
+                if !gate.admits(iteration, 0, page) {
+                    cache.forget(0, page);
+                    **held = **sent;
+                    continue;
+                }
+                let outcome = cache.encode(0, page, sent, &mut record);
+                gate.record(outcome);
+                match outcome {
+                    DeltaOutcome::Delta(len) => {
+                        apply_delta(&record[..len], held).unwrap();
+                        deltas_after_reopening += u32::from(closed_passes > 0);
+                    }
+                    DeltaOutcome::Overflow | DeltaOutcome::Miss => **held = **sent,
+                }
+            }
+            assert!(guest == destination, "pass {iteration}");
+        }
+        assert!(closed_passes >= 2, "the gate never closed");
+        assert!(deltas_after_reopening > PAGES, "the gate never reopened");
     }
 }

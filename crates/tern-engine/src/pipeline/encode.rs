@@ -3,7 +3,8 @@
 
 use tern_wire::PageRef;
 
-use super::reuse::{copy_data_pages, data_ptr, encode_deltas, find_duplicates};
+use super::delta_cache::DeltaGate;
+use super::reuse::{copy_admitted_pages, data_ptr, encode_deltas, find_duplicates};
 use super::*;
 
 /// A worker's reusable buffers and its compressors (one per codec, made
@@ -20,16 +21,18 @@ pub(super) struct Scratch {
     pub(super) batch_pages: Vec<(u64, usize)>,
     /// Two pages' worth of room to compare pages in.
     pub(super) compare: [Vec<u8>; 2],
+    /// Which pages go through the delta cache.
+    pub(super) delta_gate: DeltaGate,
 }
 
 pub(super) fn encode(shared: &Shared, batch: &mut Batch, scratch: &mut Scratch) {
     if !batch.prechecked {
         classify(shared, batch, scratch);
     }
-    copy_data_pages(shared, batch);
+    copy_admitted_pages(shared, batch, &scratch.delta_gate);
     hash_pages(shared, batch);
     find_duplicates(shared, batch, scratch);
-    encode_deltas(shared, batch);
+    encode_deltas(shared, batch, &mut scratch.delta_gate);
     compress(shared, batch, scratch);
     build_table(shared, batch);
 }

@@ -5,23 +5,34 @@ use tern_page::delta::MAX_DELTA_LEN;
 use tern_wire::PageRef;
 
 use super::dedup::{IndexedPage, Reference};
-use super::delta_cache::DeltaOutcome;
+use super::delta_cache::{DeltaGate, DeltaOutcome};
 use super::*;
 
-/// With the delta cache: copies each data page of the batch once, so that
+/// With the delta cache: decides which data pages go through it (the
+/// worker's [`DeltaGate`]) and copies each of those once, so that
 /// everything after (hash, cache, compression, send) sees the same bytes.
-pub(super) fn copy_data_pages(shared: &Shared, batch: &mut Batch) {
+/// The others are read from guest memory, as without the cache.
+pub(super) fn copy_admitted_pages(shared: &Shared, batch: &mut Batch, gate: &DeltaGate) {
     if shared.delta_cache.is_none() {
         return;
     }
     let region = &shared.regions[batch.region];
-    let copies = &mut batch.reuse.copies;
-    copies.resize(MAX_PAGES_PER_PACKET * PAGE_SIZE, 0);
-    for (position, (&page, &kind)) in batch.pages.iter().zip(&batch.kinds).enumerate() {
-        if kind == PageKind::Zero {
+    let reuse = &mut batch.reuse;
+    reuse.admitted.clear();
+    reuse
+        .admitted
+        .extend(batch.pages.iter().zip(&batch.kinds).map(|(&page, &kind)| {
+            kind != PageKind::Zero && gate.admits(batch.iteration, batch.region, page)
+        }));
+    if !reuse.admitted.contains(&true) {
+        return;
+    }
+    reuse.copies.resize(MAX_PAGES_PER_PACKET * PAGE_SIZE, 0);
+    for (position, &page) in batch.pages.iter().enumerate() {
+        if !reuse.admitted[position] {
             continue;
         }
-        let into = &mut copies[position * PAGE_SIZE..(position + 1) * PAGE_SIZE];
+        let into = &mut reuse.copies[position * PAGE_SIZE..(position + 1) * PAGE_SIZE];
         // SAFETY: `page_ptr` is a whole page inside the region's mapping,
         // which outlives the migration; a racing guest write only makes the
         // copy stale, and that write is in the next dirty bitmap.
@@ -147,10 +158,11 @@ fn same_bytes(a: *const u8, b: *const u8, compare: &mut [Vec<u8>; 2]) -> bool {
     first == second
 }
 
-/// With the delta cache: encodes each raw page against its cached version,
-/// keeping the delta when it is shorter than the page, and makes sure no
-/// page sent another way stays cached.
-pub(super) fn encode_deltas(shared: &Shared, batch: &mut Batch) {
+/// With the delta cache: encodes each admitted raw page against its cached
+/// version, keeping the delta when it is shorter than the page, tells the
+/// gate how that went, and makes sure no page sent another way (not
+/// admitted, zero, duplicate) stays cached.
+pub(super) fn encode_deltas(shared: &Shared, batch: &mut Batch, gate: &mut DeltaGate) {
     let Some(cache) = &shared.delta_cache else {
         return;
     };
@@ -160,15 +172,17 @@ pub(super) fn encode_deltas(shared: &Shared, batch: &mut Batch) {
     let mut record = [0u8; MAX_DELTA_LEN];
     for position in 0..batch.pages.len() {
         let page = batch.pages[position];
-        if batch.kinds[position] != PageKind::Raw {
+        let reuse = &mut batch.reuse;
+        if batch.kinds[position] != PageKind::Raw || !reuse.admitted[position] {
             cache.forget(batch.region, page);
             continue;
         }
-        let reuse = &mut batch.reuse;
         let copy: &[u8; PAGE_SIZE] = reuse.copies[position * PAGE_SIZE..(position + 1) * PAGE_SIZE]
             .try_into()
             .expect("a page");
-        match cache.encode(batch.region, page, copy, &mut record) {
+        let outcome = cache.encode(batch.region, page, copy, &mut record);
+        gate.record(outcome);
+        match outcome {
             DeltaOutcome::Delta(len) => {
                 reuse.deltas.extend_from_slice(&record[..len]);
                 reuse.delta_lens[position] = len as u32;

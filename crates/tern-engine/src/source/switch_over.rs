@@ -1,6 +1,7 @@
 //! The switch-over: the guest pauses, the last pages and the device state
 //! go, the destination verifies and answers.
 
+use crate::deadline::Deadline;
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
@@ -10,7 +11,7 @@ use super::live::LiveEnd;
 use super::{GuestChanges, Source};
 use crate::bitmap::DirtyBitmap;
 use crate::config::Verify;
-use crate::error::{ChannelError, MigrationError};
+use crate::error::MigrationError;
 use crate::guest::SourceGuest;
 use crate::pipeline::Pipeline;
 use crate::stats::{DestinationStats, MigrationStatus};
@@ -185,17 +186,16 @@ impl Source {
     /// switch-over timeout: its outcome, or (as `Err`) its ready. Heartbeats
     /// it sent before it knew the live phase had ended are skipped.
     fn await_answer(&self, main: &mut Channel) -> Result<Result<Outcome, Ready>, MigrationError> {
-        let deadline = Instant::now() + self.config.switch_over_timeout;
+        let deadline = Deadline::after(
+            self.config.switch_over_timeout,
+            "the destination's switch-over answer",
+        );
         loop {
-            let left = deadline.saturating_duration_since(Instant::now());
-            if left.is_zero() {
-                return Err(MigrationError::Channel {
-                    index: 0,
-                    source: ChannelError::Timeout("the destination's switch-over answer"),
-                });
-            }
+            let slice = deadline
+                .next_slice(ANSWER_POLL)
+                .map_err(MigrationError::channel(0))?;
             if !main
-                .wait_readable(left.min(ANSWER_POLL))
+                .wait_readable(slice)
                 .map_err(MigrationError::channel(0))?
             {
                 continue;

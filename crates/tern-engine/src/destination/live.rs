@@ -76,6 +76,9 @@ pub(super) fn receive_all<P: PageStream>(
         if let Some(hashes) = &shared.page_hashes {
             hashes.stop_audit();
         }
+        // Before the joins: a failed receiver may still be writing, and must
+        // not wait on a page nobody will place.
+        shared.release_userfault();
         for handle in handles {
             match handle.join() {
                 Ok(Ok(iteration)) => final_iterations.push(iteration),

@@ -178,21 +178,21 @@ impl<'s, 'a> PageReceiver<'s, 'a> {
         source: &mut impl FrameSource,
         packet: &PagePacket,
     ) -> Result<(), MigrationError> {
-        let region = &self.shared.regions[packet.region_index];
         let mut landing = self.landing.take(self.shared)?;
         let entries = self.decoder.entries();
-        landing.place(region, packet, entries)?;
+        landing.place(self.shared, packet, entries)?;
         claim_pages(self.shared, self.channel, packet, entries, self.iteration())?;
         landing.populate_raw_pages(self.shared);
         // SAFETY: `place` made every segment either a whole page inside the
-        // region (bounds-checked by `page_ptr`) or a slice of the landing's
-        // own buffer, which this receiver holds. Each of those pages was
+        // region (bounds-checked by `page_ptr`) or a slice of one of the
+        // landing's own buffers, which this receiver holds. Each of those pages was
         // claimed by this receiver just above, and claims are released only
         // at the iteration's barrier, which this receiver has not reached:
         // so no other thread writes the page during the read. (The guest is
         // not running on the destination, so it does not touch it either.)
         unsafe { source.read_scattered(landing.segments()) }
             .map_err(MigrationError::channel(self.channel))?;
+        landing.place_staged(self.shared)?;
         // Marked now, read only by a later packet's duplicates, which land
         // after every packet before them (`hand_off`).
         for entry in entries.iter().filter(|entry| entry.kind != PageKind::Zero) {

@@ -47,6 +47,9 @@ pub(super) fn receive_all<P: PageStream>(
         })
         .collect::<Result<_, _>>()?;
     std::thread::scope(|scope| {
+        // Dropped when this closure returns, early or not, before the scope
+        // joins what it started: no thread may wait on a missing page then.
+        let _release = ReleaseUserfault(shared);
         let handles = spawn_receivers(scope, shared, channels, codecs)?;
         let decoders = spawn_decoders(scope, shared, codecs);
         spawn_auditor(scope, shared);
@@ -101,6 +104,15 @@ pub(super) fn receive_all<P: PageStream>(
                 .unwrap_or_else(|| MigrationError::Internal("the migration stopped".into()))),
         }
     })
+}
+
+/// Ends the userfaultfd registration when dropped.
+struct ReleaseUserfault<'s, 'a>(&'s ReceiverShared<'a>);
+
+impl Drop for ReleaseUserfault<'_, '_> {
+    fn drop(&mut self) {
+        self.0.release_userfault();
+    }
 }
 
 /// Starts the thread that audits received memory while pages arrive: a

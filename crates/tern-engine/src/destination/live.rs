@@ -53,6 +53,7 @@ pub(super) fn receive_all<P: PageStream>(
         let handles = spawn_receivers(scope, shared, channels, codecs)?;
         let decoders = spawn_decoders(scope, shared, codecs);
         spawn_auditor(scope, shared);
+        spawn_fault_server(scope, shared);
         let main_result = read_main_channel(shared, main, decoder).and_then(|done| {
             watch_after_completion(shared, main, decoder, &handles).map(|()| done)
         });
@@ -112,6 +113,26 @@ struct ReleaseUserfault<'s, 'a>(&'s ReceiverShared<'a>);
 impl Drop for ReleaseUserfault<'_, '_> {
     fn drop(&mut self) {
         self.0.release_userfault();
+    }
+}
+
+/// Starts the thread that serves page faults on guest memory registered
+/// with a userfaultfd (`userfault.rs`) from anyone but the receivers. A
+/// thread that cannot start ends the registration instead: fresh pages then
+/// fault in as usual.
+fn spawn_fault_server<'scope>(
+    scope: &'scope Scope<'scope, '_>,
+    shared: &'scope ReceiverShared<'_>,
+) {
+    let Some(userfault) = &shared.userfault else {
+        return;
+    };
+    let spawned = std::thread::Builder::new()
+        .name("tern-faults".into())
+        .spawn_scoped(scope, move || userfault.serve_faults());
+    if let Err(error) = spawned {
+        tracing::warn!(%error, "cannot start the userfaultfd thread: pages fault in");
+        userfault.release();
     }
 }
 

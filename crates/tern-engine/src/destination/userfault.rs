@@ -11,16 +11,19 @@
 //! from runs of 8 (`populate.rs`).
 //!
 //! The guest's regions are registered for missing pages for the live phase
-//! only. While they are, any access to a page no packet has written would
-//! wait for this process to resolve it, so the receivers never touch such a
-//! page directly: raw pages go through the bounce buffer, and every other
-//! kind of write to a fresh page (a decompression, a duplicate) first has
-//! the page placed as zeros ([`Userfault::place_zeros`]), which leaves it as
-//! a fault would have. The audit reads only pages that hold data. The
-//! registration ends ([`Userfault::release`]) before the receivers are
-//! joined, on success as on failure, which also wakes any thread that did
-//! wait; and the descriptor is closed when the session's shared state
-//! drops.
+//! only. While they are, any access to a page no packet has written waits
+//! for this process to resolve it. The receivers never touch such a page
+//! directly: raw pages go through the bounce buffer, and every other kind
+//! of write to a fresh page (a decompression, a duplicate) first has the
+//! page placed as zeros ([`Userfault::place_zeros`]), which leaves it as a
+//! fault would have. Anything else that touches guest memory meanwhile (the
+//! VMM, a test reading the destination's memory) is served by
+//! [`Userfault::serve_faults`] on its own thread, which places the page as
+//! zeros, what an unregistered first touch finds: nobody waits longer than
+//! a system call. The registration ends ([`Userfault::release`])
+//! before the receivers are joined, on success as on failure, which also
+//! wakes any thread still waiting and stops the serving thread; the
+//! descriptor is closed when the session's shared state drops.
 //!
 //! When the kernel has no userfaultfd for this process (no
 //! `/dev/userfaultfd` access and `vm.unprivileged_userfaultfd` = 0, a
@@ -41,10 +44,12 @@ mod abi {
     pub(super) const UFFDIO_REGISTER: libc::c_ulong = 0xc020_aa00;
     pub(super) const UFFDIO_UNREGISTER: libc::c_ulong = 0x8010_aa01;
     pub(super) const UFFDIO_COPY: libc::c_ulong = 0xc028_aa03;
+    pub(super) const UFFDIO_WAKE: libc::c_ulong = 0x8010_aa02;
+    pub(super) const UFFD_EVENT_PAGEFAULT: u8 = 0x12;
     pub(super) const UFFD_API: u64 = 0xaa;
     pub(super) const UFFDIO_REGISTER_MODE_MISSING: u64 = 1;
     /// The bit of `UFFDIO_COPY` in a registration's `ioctls`.
-    pub(super) const COPY_IOCTL_BIT: u64 = 1 << 3;
+    pub(super) const NEEDED_IOCTL_BITS: u64 = 1 << 3;
 
     #[repr(C)]
     pub(super) struct Api {
@@ -66,6 +71,17 @@ mod abi {
         pub(super) ioctls: u64,
     }
 
+    /// A `struct uffd_msg` of a page fault: the event, then (after 7
+    /// reserved bytes) the fault's flags and address, then its thread id.
+    #[repr(C)]
+    pub(super) struct Message {
+        pub(super) event: u8,
+        pub(super) reserved: [u8; 7],
+        pub(super) flags: u64,
+        pub(super) address: u64,
+        pub(super) rest: u64,
+    }
+
     #[repr(C)]
     pub(super) struct Copy {
         pub(super) dst: u64,
@@ -84,9 +100,15 @@ const MAX_RETRIES: usize = 1000;
 /// Zeros that fresh pages are placed from, this many pages per call.
 static ZEROS: [u8; 16 * PAGE_SIZE] = [0; 16 * PAGE_SIZE];
 
+/// How long the serving thread waits between looks at the release flag,
+/// in milliseconds (the release also wakes it at once).
+const SERVE_POLL_MS: libc::c_int = 100;
+
 /// A userfaultfd with the guest's regions registered for missing pages.
 pub(super) struct Userfault {
     fd: OwnedFd,
+    /// Written on release, to wake [`Userfault::serve_faults`].
+    wake: OwnedFd,
     /// Each registered region's start and length.
     ranges: Vec<(u64, u64)>,
     /// Set once the regions are unregistered: copies that fail then fall
@@ -108,8 +130,15 @@ impl Userfault {
         if unsafe { libc::ioctl(fd.as_raw_fd(), abi::UFFDIO_API, &mut api) } != 0 {
             return Err(io::Error::last_os_error());
         }
+        // SAFETY: eventfd takes an initial value and flags only.
+        let wake = unsafe { libc::eventfd(0, libc::EFD_CLOEXEC | libc::EFD_NONBLOCK) };
+        if wake < 0 {
+            return Err(io::Error::last_os_error());
+        }
         let mut this = Self {
             fd,
+            // SAFETY: a new descriptor nothing else owns.
+            wake: unsafe { OwnedFd::from_raw_fd(wake) },
             ranges: Vec::with_capacity(regions.len()),
             released: AtomicBool::new(false),
         };
@@ -133,7 +162,7 @@ impl Userfault {
                 return Err(io::Error::last_os_error());
             }
             this.ranges.push(range);
-            if register.ioctls & abi::COPY_IOCTL_BIT == 0 {
+            if register.ioctls & abi::NEEDED_IOCTL_BITS != abi::NEEDED_IOCTL_BITS {
                 return Err(io::Error::other(
                     "UFFDIO_COPY is not offered for this memory",
                 ));
@@ -153,6 +182,82 @@ impl Userfault {
             // SAFETY: `range` is the structure UFFDIO_UNREGISTER reads; a
             // failure leaves the registration to the descriptor's close.
             unsafe { libc::ioctl(self.fd.as_raw_fd(), abi::UFFDIO_UNREGISTER, &mut range) };
+        }
+        let one = 1u64.to_ne_bytes();
+        // SAFETY: eight readable bytes, what an eventfd write takes; a full
+        // counter (impossible here) only leaves the thread to its poll.
+        unsafe { libc::write(self.wake.as_raw_fd(), one.as_ptr().cast(), one.len()) };
+    }
+
+    /// Serves the page faults of anyone but the receivers until the release:
+    /// each missing page touched is mapped as zeros, what a first touch of
+    /// unregistered memory finds. Run on a thread of its own for the live
+    /// phase.
+    pub(super) fn serve_faults(&self) {
+        let mut fds = [
+            libc::pollfd {
+                fd: self.fd.as_raw_fd(),
+                events: libc::POLLIN,
+                revents: 0,
+            },
+            libc::pollfd {
+                fd: self.wake.as_raw_fd(),
+                events: libc::POLLIN,
+                revents: 0,
+            },
+        ];
+        while !self.released.load(Ordering::Acquire) {
+            // SAFETY: two valid pollfd structures.
+            let ready = unsafe { libc::poll(fds.as_mut_ptr(), 2, SERVE_POLL_MS) };
+            if ready > 0 && fds[0].revents & libc::POLLIN != 0 {
+                self.serve_pending();
+            }
+        }
+    }
+
+    /// Serves every fault waiting now (the descriptor does not block).
+    fn serve_pending(&self) {
+        loop {
+            let mut message = std::mem::MaybeUninit::<abi::Message>::zeroed();
+            let size = std::mem::size_of::<abi::Message>();
+            // SAFETY: `message` has room for one `uffd_msg`.
+            let read =
+                unsafe { libc::read(self.fd.as_raw_fd(), message.as_mut_ptr().cast(), size) };
+            if read != size as isize {
+                return;
+            }
+            // SAFETY: the kernel wrote a whole message; every bit pattern
+            // is a valid `Message`.
+            let message = unsafe { message.assume_init() };
+            if message.event == abi::UFFD_EVENT_PAGEFAULT {
+                self.map_zero_page(message.address & !(PAGE_SIZE as u64 - 1));
+            }
+        }
+    }
+
+    /// Places the page at `address` as zeros, or wakes its waiters if a
+    /// receiver placed it meanwhile. (A copy, not `UFFDIO_ZEROPAGE`: a
+    /// write to the shared zero page of a registered range faults again.)
+    fn map_zero_page(&self, address: u64) {
+        let mut copy = abi::Copy {
+            dst: address,
+            src: ZEROS.as_ptr() as u64,
+            len: PAGE_SIZE as u64,
+            mode: 0,
+            copy: 0,
+        };
+        // SAFETY: `copy` is the structure UFFDIO_COPY reads and writes; the
+        // page is one of a registered region's (the kernel reports faults
+        // in registered ranges only) and missing, so placing zeros there
+        // overwrites nothing.
+        let result = unsafe { libc::ioctl(self.fd.as_raw_fd(), abi::UFFDIO_COPY, &mut copy) };
+        if result != 0 {
+            let mut range = abi::Range {
+                start: address,
+                len: PAGE_SIZE as u64,
+            };
+            // SAFETY: `range` is the structure UFFDIO_WAKE reads.
+            unsafe { libc::ioctl(self.fd.as_raw_fd(), abi::UFFDIO_WAKE, &mut range) };
         }
     }
 
@@ -322,9 +427,13 @@ mod tests {
     #[test]
     fn pages_are_placed_with_their_contents_and_present_ones_written_in_place() {
         let memory = Anonymous::new(8);
-        // Page 2 is there before the registration.
-        // SAFETY: a page of the mapping, nothing else uses it.
-        unsafe { memory.base.add(2 * PAGE_SIZE).write_bytes(7, PAGE_SIZE) };
+        // Page 2 is there before the registration; page 3 was read (it
+        // maps the shared zero page).
+        // SAFETY: pages of the mapping, nothing else uses them.
+        unsafe {
+            memory.base.add(2 * PAGE_SIZE).write_bytes(7, PAGE_SIZE);
+            assert_eq!(memory.base.add(3 * PAGE_SIZE).read_volatile(), 0);
+        }
         let regions = [memory.region()];
         let userfault = match Userfault::register(&regions) {
             Ok(userfault) => userfault,
@@ -347,6 +456,35 @@ mod tests {
                 "page {page}"
             );
         }
+    }
+
+    #[test]
+    fn another_thread_touching_a_missing_page_is_served_zeros() {
+        let memory = Anonymous::new(4);
+        let regions = [memory.region()];
+        let Ok(userfault) = Userfault::register(&regions) else {
+            println!("SKIPPED: no userfaultfd for this process");
+            return;
+        };
+        let source = vec![5u8; PAGE_SIZE];
+        // SAFETY: page 1 of the registered mapping; `source` holds a page.
+        unsafe { userfault.place(memory.base.add(PAGE_SIZE), source.as_ptr(), 1) }.unwrap();
+        let base = memory.base as usize;
+        std::thread::scope(|scope| {
+            scope.spawn(|| userfault.serve_faults());
+            let reader = scope.spawn(move || {
+                // SAFETY: pages 0-2 of the mapping, which outlives the
+                // scope; page 2 is written (a first touch of a fresh page).
+                unsafe {
+                    let base = base as *mut u8;
+                    base.add(2 * PAGE_SIZE).write(3);
+                    (*base, *base.add(PAGE_SIZE), *base.add(2 * PAGE_SIZE))
+                }
+            });
+            assert_eq!(reader.join().unwrap(), (0, 5, 3));
+            userfault.release();
+        });
+        assert!(memory.page(3).iter().all(|&byte| byte == 0));
     }
 
     #[test]

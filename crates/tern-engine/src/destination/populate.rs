@@ -10,6 +10,9 @@
 //! So only runs of at least [`MIN_RUN`] pages are populated; shorter ones
 //! keep faulting. Zero pages are never populated: a page that stays zero
 //! keeps costing nothing.
+//!
+//! With a userfaultfd (`userfault.rs`), which wins at every run length,
+//! none of this runs: fresh pages are placed whole instead.
 
 use std::sync::atomic::Ordering;
 

@@ -185,11 +185,13 @@ impl<'s, 'a> PageReceiver<'s, 'a> {
         landing.populate_raw_pages(self.shared);
         // SAFETY: `place` made every segment either a whole page inside the
         // region (bounds-checked by `page_ptr`) or a slice of one of the
-        // landing's own buffers, which this receiver holds. Each of those pages was
-        // claimed by this receiver just above, and claims are released only
-        // at the iteration's barrier, which this receiver has not reached:
-        // so no other thread writes the page during the read. (The guest is
-        // not running on the destination, so it does not touch it either.)
+        // landing's own buffers, which this receiver holds. Each of those
+        // pages was claimed by this receiver just above, and claims are
+        // released only at the iteration's barrier, which this receiver has
+        // not reached: so no other thread writes the page during the read.
+        // (The guest is not running on the destination, so it does not
+        // touch it either.) Fresh pages are read into the bounce buffer and
+        // placed right after (`place_staged`), so the read touches none.
         unsafe { source.read_scattered(landing.segments()) }
             .map_err(MigrationError::channel(self.channel))?;
         landing.place_staged(self.shared)?;

@@ -142,7 +142,7 @@ impl Userfault {
             ranges: Vec::with_capacity(regions.len()),
             released: AtomicBool::new(false),
         };
-        for region in regions.iter().filter(|region| region.len() > 0) {
+        for region in regions.iter().filter(|region| !region.is_empty()) {
             let range = (region.host_ptr() as u64, region.len());
             let mut register = abi::Register {
                 range: abi::Range {

@@ -36,8 +36,9 @@ use std::sync::atomic::{AtomicBool, Ordering};
 
 use crate::guest::{MemoryRegion, PAGE_SIZE};
 
-/// `ioctl` numbers and structures of `<linux/userfaultfd.h>` (the same on
-/// every architecture Linux runs tern on: `_IOWR(0xAA, nr, struct)`).
+/// `ioctl` numbers and structures of `<linux/userfaultfd.h>`, in the
+/// generic `_IOC` encoding (x86-64 and aarch64; powerpc, mips and sparc
+/// encode directions differently and would need their own numbers).
 mod abi {
     pub(super) const USERFAULTFD_IOC_NEW: libc::c_ulong = 0xaa00;
     pub(super) const UFFDIO_API: libc::c_ulong = 0xc018_aa3f;

@@ -19,7 +19,18 @@
 //!   started (the cost left once the faults are paid elsewhere);
 //! * `populate only`: `MADV_POPULATE_WRITE` over the whole mapping at once
 //!   (prefaulting at setup);
-//! * `THP touch+copy`: `MADV_HUGEPAGE` instead, when THP allows it.
+//! * `THP touch+copy`: `MADV_HUGEPAGE` instead, when THP allows it;
+//! * `uffd copy run=N`: the mapping is registered with a userfaultfd
+//!   (missing-page mode) and each run of N pages is placed with one
+//!   `UFFDIO_COPY` from the cache-hot source: the kernel allocates each
+//!   page and copies into it, without zeroing it first;
+//! * `bounce+uffd run=N`: as the receive path would have to do it, the
+//!   page is first copied into a cache-hot bounce buffer (where `readv`
+//!   would put it), then placed with `UFFDIO_COPY`.
+//!
+//! The userfaultfd cases need `/dev/userfaultfd` (or the `userfaultfd`
+//! system call allowed to this user); without it they print why and are
+//! left out.
 //!
 //! No assertion: a benchmark prints what it measured, on whatever machine.
 
@@ -77,6 +88,135 @@ impl Mapping {
     }
 }
 
+/// A userfaultfd with one mapping registered for missing pages; closing
+/// it (on drop) unregisters the mapping.
+struct Userfault {
+    fd: libc::c_int,
+}
+
+/// `ioctl` numbers and structures of `linux/userfaultfd.h` (x86-64).
+mod uffd {
+    pub const USERFAULTFD_IOC_NEW: libc::c_ulong = 0xaa00;
+    pub const UFFDIO_API: libc::c_ulong = 0xc018_aa3f;
+    pub const UFFDIO_REGISTER: libc::c_ulong = 0xc020_aa00;
+    pub const UFFDIO_COPY: libc::c_ulong = 0xc028_aa03;
+    pub const UFFD_API: u64 = 0xaa;
+    pub const UFFDIO_REGISTER_MODE_MISSING: u64 = 1;
+
+    #[repr(C)]
+    pub struct Api {
+        pub api: u64,
+        pub features: u64,
+        pub ioctls: u64,
+    }
+
+    #[repr(C)]
+    pub struct Register {
+        pub start: u64,
+        pub len: u64,
+        pub mode: u64,
+        pub ioctls: u64,
+    }
+
+    #[repr(C)]
+    pub struct Copy {
+        pub dst: u64,
+        pub src: u64,
+        pub len: u64,
+        pub mode: u64,
+        pub copy: i64,
+    }
+}
+
+impl Userfault {
+    /// Registers all of `mapping` for missing pages; `Err` says why not.
+    fn register(mapping: &Mapping) -> Result<Self, String> {
+        let fd = Self::open()?;
+        let this = Self { fd };
+        let mut api = uffd::Api {
+            api: uffd::UFFD_API,
+            features: 0,
+            ioctls: 0,
+        };
+        // SAFETY: `api` is the structure this ioctl reads and writes.
+        if unsafe { libc::ioctl(fd, uffd::UFFDIO_API, &mut api) } != 0 {
+            return Err(format!("UFFDIO_API: {}", std::io::Error::last_os_error()));
+        }
+        let mut register = uffd::Register {
+            start: mapping.ptr as u64,
+            len: mapping.len as u64,
+            mode: uffd::UFFDIO_REGISTER_MODE_MISSING,
+            ioctls: 0,
+        };
+        // SAFETY: `register` is the structure this ioctl reads and writes;
+        // the range is this process's own mapping.
+        if unsafe { libc::ioctl(fd, uffd::UFFDIO_REGISTER, &mut register) } != 0 {
+            return Err(format!(
+                "UFFDIO_REGISTER: {}",
+                std::io::Error::last_os_error()
+            ));
+        }
+        Ok(this)
+    }
+
+    /// A new userfaultfd: through `/dev/userfaultfd` (allowed to its
+    /// owner whatever `vm.unprivileged_userfaultfd` says), else the
+    /// system call.
+    fn open() -> Result<libc::c_int, String> {
+        // SAFETY: a NUL-terminated path; the descriptor is checked.
+        let dev =
+            unsafe { libc::open(c"/dev/userfaultfd".as_ptr(), libc::O_RDWR | libc::O_CLOEXEC) };
+        if dev >= 0 {
+            // SAFETY: the ioctl takes the new descriptor's flags.
+            let fd = unsafe { libc::ioctl(dev, uffd::USERFAULTFD_IOC_NEW, libc::O_CLOEXEC) };
+            let error = std::io::Error::last_os_error();
+            // SAFETY: our own descriptor, no longer needed.
+            unsafe { libc::close(dev) };
+            return if fd >= 0 {
+                Ok(fd)
+            } else {
+                Err(format!("USERFAULTFD_IOC_NEW: {error}"))
+            };
+        }
+        // SAFETY: the system call takes flags only.
+        let fd = unsafe { libc::syscall(libc::SYS_userfaultfd, libc::O_CLOEXEC) };
+        if fd >= 0 {
+            Ok(fd as libc::c_int)
+        } else {
+            Err(format!("userfaultfd: {}", std::io::Error::last_os_error()))
+        }
+    }
+
+    /// Places `pages` pages from `source` at `destination` with one
+    /// `UFFDIO_COPY`.
+    fn copy(&self, destination: *mut u8, source: *const u8, pages: usize) {
+        let mut copy = uffd::Copy {
+            dst: destination as u64,
+            src: source as u64,
+            len: (pages * PAGE) as u64,
+            mode: 0,
+            copy: 0,
+        };
+        // SAFETY: `copy` is the structure this ioctl reads and writes; the
+        // destination lies in the registered mapping, the source in a
+        // buffer of at least that length.
+        let result = unsafe { libc::ioctl(self.fd, uffd::UFFDIO_COPY, &mut copy) };
+        assert!(
+            result == 0 && copy.copy == copy.len as i64,
+            "UFFDIO_COPY: {} (copied {})",
+            std::io::Error::last_os_error(),
+            copy.copy
+        );
+    }
+}
+
+impl Drop for Userfault {
+    fn drop(&mut self) {
+        // SAFETY: our own descriptor; closing it unregisters the mapping.
+        unsafe { libc::close(self.fd) };
+    }
+}
+
 impl Drop for Mapping {
     fn drop(&mut self) {
         // SAFETY: the mapping made in `new`, no longer used.
@@ -103,6 +243,8 @@ enum Case {
     CopyIntoPopulated,
     PopulateOnly,
     HugeTouchCopy,
+    UffdCopy(usize),
+    BounceUffdCopy(usize),
 }
 
 impl Case {
@@ -113,7 +255,13 @@ impl Case {
             Self::CopyIntoPopulated => "copy into populated".into(),
             Self::PopulateOnly => "populate only".into(),
             Self::HugeTouchCopy => "THP touch+copy".into(),
+            Self::UffdCopy(run) => format!("uffd copy run={run}"),
+            Self::BounceUffdCopy(run) => format!("bounce+uffd run={run}"),
         }
+    }
+
+    fn uses_userfaultfd(self) -> bool {
+        matches!(self, Self::UffdCopy(_) | Self::BounceUffdCopy(_))
     }
 
     /// Nanoseconds per page for one round.
@@ -126,6 +274,11 @@ impl Case {
         if let Self::CopyIntoPopulated = self {
             assert!(mapping.populate(0, pages), "MADV_POPULATE_WRITE refused");
         }
+        let userfault = self
+            .uses_userfaultfd()
+            .then(|| Userfault::register(&mapping).expect("checked in main"));
+        // Written once here, so its own first touch is not timed.
+        let mut bounce = vec![1u8; 128 * PAGE];
         let started = Instant::now();
         match self {
             Self::TouchCopy | Self::CopyIntoPopulated | Self::HugeTouchCopy => {
@@ -143,8 +296,39 @@ impl Case {
             Self::PopulateOnly => {
                 assert!(mapping.populate(0, pages), "MADV_POPULATE_WRITE refused")
             }
+            Self::UffdCopy(run) | Self::BounceUffdCopy(run) => {
+                let userfault = userfault.as_ref().expect("registered above");
+                uffd_copy_runs(&mapping, userfault, pages, run, source, &mut bounce, self);
+            }
         }
         started.elapsed().as_nanos() as f64 / pages as f64
+    }
+}
+
+/// Places every page of `mapping` with one `UFFDIO_COPY` per run of `run`
+/// pages, from `source` or (`BounceUffdCopy`) through `bounce` first.
+fn uffd_copy_runs(
+    mapping: &Mapping,
+    userfault: &Userfault,
+    pages: usize,
+    run: usize,
+    source: &[u8],
+    bounce: &mut [u8],
+    case: Case,
+) {
+    let source_pages = source.len() / PAGE;
+    for first in (0..pages).step_by(run) {
+        let len = run.min(pages - first);
+        // Runs wrap around the source, which holds a whole number of them.
+        let offset = (first % source_pages) * PAGE;
+        let from = &source[offset..offset + len * PAGE];
+        let from = if let Case::BounceUffdCopy(_) = case {
+            bounce[..from.len()].copy_from_slice(from);
+            &bounce[..from.len()]
+        } else {
+            from
+        };
+        userfault.copy(mapping.page(first), from.as_ptr(), len);
     }
 }
 
@@ -188,7 +372,24 @@ fn main() {
         Case::CopyIntoPopulated,
         Case::PopulateOnly,
         Case::HugeTouchCopy,
+        Case::UffdCopy(1),
+        Case::UffdCopy(8),
+        Case::UffdCopy(128),
+        Case::BounceUffdCopy(1),
+        Case::BounceUffdCopy(8),
+        Case::BounceUffdCopy(128),
     ];
+    let probe = Mapping::new(PAGE, libc::MADV_NOHUGEPAGE);
+    let cases: Vec<Case> = match Userfault::register(&probe) {
+        Ok(_) => cases.to_vec(),
+        Err(why) => {
+            println!("userfaultfd cases skipped: {why}");
+            cases
+                .into_iter()
+                .filter(|case| !case.uses_userfaultfd())
+                .collect()
+        }
+    };
     let mut samples: Vec<Vec<f64>> = vec![Vec::new(); cases.len()];
     for _ in 0..rounds {
         for (case, samples) in cases.iter().zip(&mut samples) {

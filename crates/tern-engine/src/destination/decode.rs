@@ -28,12 +28,12 @@ use std::time::Instant;
 use tern_page::codec::{CodecId, PageDecompressor};
 use tern_wire::{MAX_PAGES_PER_PACKET, PageEntry, PageKind, PagePacket, codec_id};
 
-use super::populate::populate_runs;
+use super::populate::{place_fresh_as_zeros, populate_runs};
 use super::reuse::{WrittenHere, apply_delta, apply_duplicate};
 use super::shared::ReceiverShared;
 use crate::digest::{page_hash, zero_page_hash};
 use crate::error::MigrationError;
-use crate::guest::{MemoryRegion, PAGE_SIZE};
+use crate::guest::PAGE_SIZE;
 use crate::ring::{Doorbell, Ring};
 use crate::stats::thread_cpu_seconds;
 use crate::transport::Segment;
@@ -65,6 +65,12 @@ pub(super) struct Landing {
     segments: Vec<Segment>,
     /// Compressed payloads land here, then decode straight into their page.
     compressed: Vec<u8>,
+    /// With a userfaultfd: raw pages no packet has written yet land here
+    /// (the bounce buffer, allocated on first use), to be placed whole
+    /// with `UFFDIO_COPY` (`userfault.rs`).
+    staging: Vec<u8>,
+    /// Each staged page's place in guest memory, in staging order.
+    staged: Vec<*mut u8>,
 }
 
 // SAFETY: the pointers are whole guest pages this landing's packet claimed
@@ -87,6 +93,8 @@ impl Landing {
             pages: Vec::with_capacity(MAX_PAGES_PER_PACKET),
             segments: Vec::with_capacity(MAX_PAGES_PER_PACKET),
             compressed: vec![0; MAX_PAGES_PER_PACKET * PAGE_SIZE],
+            staging: Vec::new(),
+            staged: Vec::with_capacity(MAX_PAGES_PER_PACKET),
         }
     }
 
@@ -95,10 +103,11 @@ impl Landing {
     /// guest memory.
     pub(super) fn place(
         &mut self,
-        region: &MemoryRegion,
+        shared: &ReceiverShared<'_>,
         packet: &PagePacket,
         entries: &[PageEntry],
     ) -> Result<(), MigrationError> {
+        let region = &shared.regions[packet.region_index];
         self.region_index = packet.region_index;
         self.region_id = packet.header.region_id;
         self.codec = packet.header.codec;
@@ -107,13 +116,30 @@ impl Landing {
         self.entries.extend_from_slice(entries);
         self.pages.clear();
         self.segments.clear();
+        self.staged.clear();
+        let stage_fresh = shared.userfault.is_some();
+        if stage_fresh && self.staging.is_empty() {
+            self.staging = vec![0; MAX_PAGES_PER_PACKET * PAGE_SIZE];
+        }
+        let populated = &shared.populated[packet.region_index];
         let mut compressed = &mut self.compressed[..];
+        let mut staging = &mut self.staging[..];
         for entry in entries {
             let ptr = region
                 .page_ptr(u64::from(entry.page_index))
                 .ok_or_else(|| MigrationError::Protocol("page outside its region".into()))?;
             self.pages.push(ptr);
             match entry.kind {
+                PageKind::Raw if stage_fresh && !populated.get(u64::from(entry.page_index)) => {
+                    // At most MAX_PAGES_PER_PACKET pages, so they fit.
+                    let (slot, rest) = std::mem::take(&mut staging).split_at_mut(PAGE_SIZE);
+                    staging = rest;
+                    self.segments.push(Segment {
+                        ptr: slot.as_mut_ptr(),
+                        len: PAGE_SIZE,
+                    });
+                    self.staged.push(ptr);
+                }
                 PageKind::Raw => self.segments.push(Segment {
                     ptr,
                     len: PAGE_SIZE,
@@ -133,6 +159,33 @@ impl Landing {
                 }
                 PageKind::Zero => {}
             }
+        }
+        Ok(())
+    }
+
+    /// Places the staged raw pages, read into the bounce buffer, in guest
+    /// memory: one `UFFDIO_COPY` per run of contiguous pages.
+    pub(super) fn place_staged(&self, shared: &ReceiverShared<'_>) -> Result<(), MigrationError> {
+        let Some(userfault) = &shared.userfault else {
+            return Ok(());
+        };
+        let mut first = 0;
+        while first < self.staged.len() {
+            let start = self.staged[first];
+            let run = 1 + self.staged[first + 1..]
+                .iter()
+                .zip(&self.staged[first..])
+                .take_while(|(next, previous)| **next == previous.wrapping_add(PAGE_SIZE))
+                .count();
+            let source = self.staging[first * PAGE_SIZE..][..run * PAGE_SIZE].as_ptr();
+            // SAFETY: the staged pages are whole pages inside the region
+            // (from `page_ptr`), `run` of them contiguous from `start`,
+            // claimed by this packet for this iteration; `source` is this
+            // landing's own buffer, holding their `run` pages in order.
+            unsafe { userfault.place(start, source, run) }.map_err(|error| {
+                MigrationError::Internal(format!("placing received pages: {error}"))
+            })?;
+            first += run;
         }
         Ok(())
     }
@@ -272,6 +325,7 @@ fn land(
         &landing.pages,
         PageKind::Compressed,
     );
+    place_fresh_as_zeros(shared, region, &landing.entries, &landing.pages)?;
     let populated = &shared.populated[region];
     let hashes = shared.page_hashes.as_ref();
     let mut payloads = &landing.compressed[..];

@@ -47,9 +47,13 @@ pub(super) fn receive_all<P: PageStream>(
         })
         .collect::<Result<_, _>>()?;
     std::thread::scope(|scope| {
+        // Dropped when this closure returns, early or not, before the scope
+        // joins what it started: no thread may wait on a missing page then.
+        let _release = ReleaseUserfault(shared);
         let handles = spawn_receivers(scope, shared, channels, codecs)?;
         let decoders = spawn_decoders(scope, shared, codecs);
         spawn_auditor(scope, shared);
+        spawn_fault_server(scope, shared);
         let main_result = read_main_channel(shared, main, decoder).and_then(|done| {
             watch_after_completion(shared, main, decoder, &handles).map(|()| done)
         });
@@ -76,6 +80,9 @@ pub(super) fn receive_all<P: PageStream>(
         if let Some(hashes) = &shared.page_hashes {
             hashes.stop_audit();
         }
+        // Before the joins: a failed receiver may still be writing, and must
+        // not wait on a page nobody will place.
+        shared.release_userfault();
         for handle in handles {
             match handle.join() {
                 Ok(Ok(iteration)) => final_iterations.push(iteration),
@@ -98,6 +105,35 @@ pub(super) fn receive_all<P: PageStream>(
                 .unwrap_or_else(|| MigrationError::Internal("the migration stopped".into()))),
         }
     })
+}
+
+/// Ends the userfaultfd registration when dropped.
+struct ReleaseUserfault<'s, 'a>(&'s ReceiverShared<'a>);
+
+impl Drop for ReleaseUserfault<'_, '_> {
+    fn drop(&mut self) {
+        self.0.release_userfault();
+    }
+}
+
+/// Starts the thread that serves page faults on guest memory registered
+/// with a userfaultfd (`userfault.rs`) from anyone but the receivers. A
+/// thread that cannot start ends the registration instead: fresh pages then
+/// fault in as usual.
+fn spawn_fault_server<'scope>(
+    scope: &'scope Scope<'scope, '_>,
+    shared: &'scope ReceiverShared<'_>,
+) {
+    let Some(userfault) = &shared.userfault else {
+        return;
+    };
+    let spawned = std::thread::Builder::new()
+        .name("tern-faults".into())
+        .spawn_scoped(scope, move || userfault.serve_faults());
+    if let Err(error) = spawned {
+        tracing::warn!(%error, "cannot start the userfaultfd thread: pages fault in");
+        userfault.release();
+    }
 }
 
 /// Starts the thread that audits received memory while pages arrive: a

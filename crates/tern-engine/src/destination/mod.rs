@@ -13,6 +13,7 @@ mod reuse;
 mod shared;
 mod stream;
 mod switch_over;
+mod userfault;
 
 use std::sync::atomic::{AtomicU8, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -379,7 +380,8 @@ impl Destination {
         )
         .with_qpl_path(self.config.qpl_path)
         .with_decode_threads(self.config.decode_threads())
-        .with_dictionaries(dictionaries);
+        .with_dictionaries(dictionaries)
+        .with_userfault();
         let delivered = live::receive_all(&shared, main, decoder, channels, &codecs)?;
         let stats = self.switch_over(&shared, main, decoder, &mut guest, delivered, cpu_start)?;
         Ok(Received {

@@ -10,12 +10,16 @@
 //! So only runs of at least [`MIN_RUN`] pages are populated; shorter ones
 //! keep faulting. Zero pages are never populated: a page that stays zero
 //! keeps costing nothing.
+//!
+//! With a userfaultfd (`userfault.rs`), which wins at every run length,
+//! none of this runs: fresh pages are placed whole instead.
 
 use std::sync::atomic::Ordering;
 
 use tern_wire::{PageEntry, PageKind};
 
 use super::shared::ReceiverShared;
+use crate::error::MigrationError;
 use crate::guest::PAGE_SIZE;
 
 /// The shortest run of pages worth one `MADV_POPULATE_WRITE`.
@@ -25,7 +29,8 @@ const MIN_RUN: usize = 8;
 /// among `entries` (whose pages in memory are `pages`) that no packet has
 /// written yet. A kernel that refuses (before Linux 5.14, or memory the
 /// call does not apply to) turns populating off for the session: the
-/// writes then fault as before.
+/// writes then fault as before. With a userfaultfd (`userfault.rs`) this
+/// does nothing: fresh pages are placed there instead.
 pub(super) fn populate_runs(
     shared: &ReceiverShared<'_>,
     region: usize,
@@ -33,18 +38,68 @@ pub(super) fn populate_runs(
     pages: &[*mut u8],
     kind: PageKind,
 ) {
-    if !shared.populate.load(Ordering::Relaxed) {
+    if shared.userfault.is_some() || !shared.populate.load(Ordering::Relaxed) {
         return;
     }
+    let fresh = |entry: &PageEntry| entry.kind == kind;
+    for_each_fresh_run(shared, region, entries, pages, fresh, |start, len| {
+        populate(shared, start, len);
+        Ok(())
+    })
+    .unwrap_or(());
+}
+
+/// With a userfaultfd, places as zeros every page a packet is about to
+/// write other than through the bounce buffer (decompressed, duplicated
+/// or rebuilt from a delta) that no packet has written yet, so that the
+/// write finds it as a first-touch fault would have.
+pub(super) fn place_fresh_as_zeros(
+    shared: &ReceiverShared<'_>,
+    region: usize,
+    entries: &[PageEntry],
+    pages: &[*mut u8],
+) -> Result<(), MigrationError> {
+    let Some(userfault) = &shared.userfault else {
+        return Ok(());
+    };
+    let written_in_place =
+        |entry: &PageEntry| !matches!(entry.kind, PageKind::Raw | PageKind::Zero);
+    for_each_fresh_run(
+        shared,
+        region,
+        entries,
+        pages,
+        written_in_place,
+        |start, len| {
+            // SAFETY: a run of whole pages inside the region (each came from
+            // `page_ptr`, and they are contiguous) claimed by the caller's
+            // packet for this iteration.
+            unsafe { userfault.place_zeros(start, len) }
+                .map_err(|error| MigrationError::Internal(format!("placing fresh pages: {error}")))
+        },
+    )
+}
+
+/// Calls `each` with the start and length of every run of contiguous pages
+/// among `entries` (whose pages in memory are `pages`) that `wanted`
+/// selects and no packet has written yet.
+fn for_each_fresh_run(
+    shared: &ReceiverShared<'_>,
+    region: usize,
+    entries: &[PageEntry],
+    pages: &[*mut u8],
+    wanted: impl Fn(&PageEntry) -> bool,
+    mut each: impl FnMut(*mut u8, usize) -> Result<(), MigrationError>,
+) -> Result<(), MigrationError> {
     let populated = &shared.populated[region];
     let mut run_start: Option<(*mut u8, usize)> = None;
     let mut previous: *mut u8 = std::ptr::null_mut();
     for (entry, &ptr) in entries.iter().zip(pages) {
-        let fresh = entry.kind == kind && !populated.get(u64::from(entry.page_index));
+        let fresh = wanted(entry) && !populated.get(u64::from(entry.page_index));
         let extends = fresh && run_start.is_some() && ptr == previous.wrapping_add(PAGE_SIZE);
         if !extends {
             if let Some((start, len)) = run_start.take() {
-                populate(shared, start, len);
+                each(start, len)?;
             }
             if fresh {
                 run_start = Some((ptr, 0));
@@ -55,8 +110,9 @@ pub(super) fn populate_runs(
         }
         previous = ptr;
     }
-    if let Some((start, len)) = run_start {
-        populate(shared, start, len);
+    match run_start {
+        Some((start, len)) => each(start, len),
+        None => Ok(()),
     }
 }
 

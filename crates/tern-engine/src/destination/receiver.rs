@@ -178,21 +178,23 @@ impl<'s, 'a> PageReceiver<'s, 'a> {
         source: &mut impl FrameSource,
         packet: &PagePacket,
     ) -> Result<(), MigrationError> {
-        let region = &self.shared.regions[packet.region_index];
         let mut landing = self.landing.take(self.shared)?;
         let entries = self.decoder.entries();
-        landing.place(region, packet, entries)?;
+        landing.place(self.shared, packet, entries)?;
         claim_pages(self.shared, self.channel, packet, entries, self.iteration())?;
         landing.populate_raw_pages(self.shared);
         // SAFETY: `place` made every segment either a whole page inside the
-        // region (bounds-checked by `page_ptr`) or a slice of the landing's
-        // own buffer, which this receiver holds. Each of those pages was
-        // claimed by this receiver just above, and claims are released only
-        // at the iteration's barrier, which this receiver has not reached:
-        // so no other thread writes the page during the read. (The guest is
-        // not running on the destination, so it does not touch it either.)
+        // region (bounds-checked by `page_ptr`) or a slice of one of the
+        // landing's own buffers, which this receiver holds. Each of those
+        // pages was claimed by this receiver just above, and claims are
+        // released only at the iteration's barrier, which this receiver has
+        // not reached: so no other thread writes the page during the read.
+        // (The guest is not running on the destination, so it does not
+        // touch it either.) Fresh pages are read into the bounce buffer and
+        // placed right after (`place_staged`), so the read touches none.
         unsafe { source.read_scattered(landing.segments()) }
             .map_err(MigrationError::channel(self.channel))?;
+        landing.place_staged(self.shared)?;
         // Marked now, read only by a later packet's duplicates, which land
         // after every packet before them (`hand_off`).
         for entry in entries.iter().filter(|entry| entry.kind != PageKind::Zero) {
@@ -396,6 +398,140 @@ mod tests {
             })
         };
         (result, memory, stats)
+    }
+
+    /// Receives `stream` into a fresh anonymous mapping of [`PAGES`] pages
+    /// registered with a userfaultfd, as a real session's guest memory is;
+    /// `prepare` writes into it before the registration. `None` when this
+    /// process has no userfaultfd.
+    fn receive_registered(
+        stream: Vec<u8>,
+        decoders: usize,
+        prepare: impl FnOnce(&mut [u8]),
+    ) -> Option<(Result<u32, MigrationError>, Vec<u8>)> {
+        let len = PAGES * PAGE_SIZE;
+        // SAFETY: a new private anonymous mapping, unmapped below.
+        let base = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                len,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+                -1,
+                0,
+            )
+        };
+        assert_ne!(base, libc::MAP_FAILED);
+        let base = base.cast::<u8>();
+        // SAFETY: the mapping just made, used by this thread alone here.
+        prepare(unsafe { std::slice::from_raw_parts_mut(base, len) });
+        // SAFETY: the mapping outlives the region, unmapped at the end.
+        let region = unsafe { MemoryRegion::new(5, 0, NonNull::new(base).unwrap(), len as u64) };
+        let regions = [region];
+        let (setup, stats, cancel) = (setup(), ReceiveStats::default(), CancelToken::new());
+        let shared = ReceiverShared::new(
+            &setup,
+            &regions,
+            1,
+            &stats,
+            Duration::from_secs(30),
+            &cancel,
+        )
+        .with_decode_threads(decoders)
+        .with_userfault();
+        if shared.userfault.is_none() {
+            println!("SKIPPED: no userfaultfd for this process");
+            // SAFETY: the mapping made above, no longer used.
+            unsafe { libc::munmap(base.cast(), len) };
+            return None;
+        }
+        let codecs = [CodecId::Zstd];
+        let result = std::thread::scope(|scope| {
+            for index in 0..decoders {
+                let (shared, codecs) = (&shared, &codecs);
+                scope.spawn(move || shared.pool.run_decoder(index, shared, codecs));
+            }
+            let source = Buffer {
+                bytes: stream,
+                read: 0,
+            };
+            let result = receive_pages(&shared, 0, source, &codecs);
+            shared.pool.close();
+            result.map_err(|error| shared.first_failure().unwrap_or(error))
+        });
+        shared.release_userfault();
+        // SAFETY: the mapping is no longer written; every page reads now.
+        let memory = unsafe { std::slice::from_raw_parts(base, len) }.to_vec();
+        drop(shared);
+        // SAFETY: the mapping made above, no longer used.
+        unsafe { libc::munmap(base.cast(), len) };
+        Some((result, memory))
+    }
+
+    #[test]
+    fn fresh_pages_are_placed_through_a_userfaultfd_and_others_written_in_place() {
+        for decoders in [0, 2] {
+            let (text, compressed) = compressed_page("placed ");
+            let mut stream = Vec::new();
+            // Pages 1-2 raw and fresh (one run), 3 zero, 4 compressed and
+            // fresh, 6 raw but written before the session, 7 raw and fresh.
+            let entries = [
+                (1, PageKind::Raw, PAGE_SIZE),
+                (2, PageKind::Raw, PAGE_SIZE),
+                (3, PageKind::Zero, 0),
+                (4, PageKind::Compressed, compressed.len()),
+                (6, PageKind::Raw, PAGE_SIZE),
+                (7, PageKind::Raw, PAGE_SIZE),
+            ]
+            .map(|(page_index, kind, len)| PageEntry {
+                page_index,
+                kind,
+                encoded_len: len as u32,
+            });
+            encode_pages_prefix(&mut stream, 5, 0, CodecId::Zstd.to_wire(), &entries);
+            stream.extend_from_slice(&[0x11; PAGE_SIZE]);
+            stream.extend_from_slice(&[0x22; PAGE_SIZE]);
+            stream.extend_from_slice(&compressed);
+            stream.extend_from_slice(&[0x66; PAGE_SIZE]);
+            stream.extend_from_slice(&[0x77; PAGE_SIZE]);
+            // Page 5, fresh, duplicates page 2.
+            let duplicate = [PageEntry {
+                page_index: 5,
+                kind: PageKind::Duplicate,
+                encoded_len: tern_wire::PageRef::ENCODED_LEN as u32,
+            }];
+            encode_pages_prefix(&mut stream, 5, 0, 0, &duplicate);
+            let reference = tern_wire::PageRef {
+                region_id: 5,
+                page_index: 2,
+            };
+            stream.extend_from_slice(&reference.encode());
+            stream.extend(sync(0, false));
+            // Iteration 1: page 1 again (now present, read in place).
+            let again = [PageEntry {
+                page_index: 1,
+                kind: PageKind::Raw,
+                encoded_len: PAGE_SIZE as u32,
+            }];
+            encode_pages_prefix(&mut stream, 5, 1, 0, &again);
+            stream.extend_from_slice(&[0x99; PAGE_SIZE]);
+            stream.extend(sync(1, true));
+
+            let Some((result, memory)) = receive_registered(stream, decoders, |memory| {
+                memory[6 * PAGE_SIZE..7 * PAGE_SIZE].fill(0xee)
+            }) else {
+                return;
+            };
+            assert_eq!(result.unwrap(), 1, "{decoders} decoders");
+            let filled = |index: usize, byte: u8| page(&memory, index).iter().all(|&b| b == byte);
+            assert!(
+                filled(0, 0) && filled(3, 0),
+                "untouched pages read as zeros"
+            );
+            assert!(filled(1, 0x99) && filled(2, 0x22) && filled(5, 0x22));
+            assert!(filled(6, 0x66) && filled(7, 0x77));
+            assert_eq!(page(&memory, 4), text.as_slice());
+        }
     }
 
     /// `text` repeated to fill a page, and its zstd encoding.

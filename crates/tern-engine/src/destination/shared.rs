@@ -12,6 +12,7 @@ use tern_wire::{DigestAlgorithm, SessionSetup, Sync};
 use super::decode::DecodePool;
 use super::dictionary::SessionDictionaries;
 use super::stream::FrameSource;
+use super::userfault::Userfault;
 use super::{POLL_INTERVAL, ReceiveStats};
 use crate::digest::PageHashes;
 use crate::error::{ChannelError, MigrationError};
@@ -44,6 +45,10 @@ pub(super) struct ReceiverShared<'a> {
     /// Whether runs of fresh pages are populated before they are written
     /// (`populate.rs`); turned off for the session when the kernel refuses.
     pub(super) populate: AtomicBool,
+    /// Fresh pages are placed whole with `UFFDIO_COPY` (`userfault.rs`)
+    /// while this is set: from [`ReceiverShared::with_userfault`] until
+    /// [`ReceiverShared::release_userfault`].
+    pub(super) userfault: Option<Userfault>,
     /// The pages a duplicate read in the current iteration without having
     /// written them: no packet may write them until the barrier (see
     /// `reference`). Cleared with the claims.
@@ -95,6 +100,7 @@ impl<'a> ReceiverShared<'a> {
                 .collect(),
             pool: DecodePool::new(receivers, 0),
             populate: AtomicBool::new(true),
+            userfault: None,
             referenced: regions
                 .iter()
                 .map(|region| AtomicBitmap::new(region.pages()))
@@ -131,6 +137,26 @@ impl<'a> ReceiverShared<'a> {
         let threads = if self.setup.codecs == 0 { 0 } else { threads };
         self.pool = DecodePool::new(self.barrier.parties, threads);
         self
+    }
+
+    /// Places fresh pages with `UFFDIO_COPY` when this process may register
+    /// the guest's memory with a userfaultfd; faults them in otherwise.
+    pub(super) fn with_userfault(mut self) -> Self {
+        match Userfault::register(self.regions) {
+            Ok(userfault) => self.userfault = Some(userfault),
+            Err(error) => {
+                tracing::info!(%error, "no userfaultfd: fresh pages fault in on first write");
+            }
+        }
+        self
+    }
+
+    /// Ends the userfaultfd registration, if any: afterwards every page of
+    /// guest memory may be touched as usual.
+    pub(super) fn release_userfault(&self) {
+        if let Some(userfault) = &self.userfault {
+            userfault.release();
+        }
     }
 
     /// Claims `page` of region `region` (an index into the setup's regions)

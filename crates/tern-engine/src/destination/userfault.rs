@@ -1,0 +1,515 @@
+//! Placing fresh pages whole with `UFFDIO_COPY` instead of faulting them
+//! in: a page that has never held data is read from the socket into a
+//! bounce buffer, then one `UFFDIO_COPY` per run of contiguous pages
+//! allocates each page and fills it with its contents, with no zero-fill
+//! and no exception per page.
+//!
+//! Measured on the 2-core shared VM (`cargo bench -p tern-engine --bench
+//! first_touch`, docs/benchmarks.md): the bounce copy plus `UFFDIO_COPY`
+//! costs 0.6-0.8x of a first-write fault and copy per page, for runs of
+//! one page as for whole packets, where `MADV_POPULATE_WRITE` pays only
+//! from runs of 8 (`populate.rs`).
+//!
+//! The guest's regions are registered for missing pages for the live phase
+//! only. While they are, any access to a page no packet has written waits
+//! for this process to resolve it. The receivers never touch such a page
+//! directly: raw pages go through the bounce buffer, and every other kind
+//! of write to a fresh page (a decompression, a duplicate) first has the
+//! page placed as zeros ([`Userfault::place_zeros`]), which leaves it as a
+//! fault would have. Anything else that touches guest memory meanwhile (the
+//! VMM, a test reading the destination's memory) is served by
+//! [`Userfault::serve_faults`] on its own thread, which places the page as
+//! zeros, what an unregistered first touch finds: nobody waits longer than
+//! a system call. The registration ends ([`Userfault::release`])
+//! before the receivers are joined, on success as on failure, which also
+//! wakes any thread still waiting and stops the serving thread; the
+//! descriptor is closed when the session's shared state drops.
+//!
+//! When the kernel has no userfaultfd for this process (no
+//! `/dev/userfaultfd` access and `vm.unprivileged_userfaultfd` = 0, a
+//! seccomp filter, memory it cannot register), the destination faults pages
+//! in as before.
+
+use std::io;
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::sync::atomic::{AtomicBool, Ordering};
+
+use crate::guest::{MemoryRegion, PAGE_SIZE};
+
+/// `ioctl` numbers and structures of `<linux/userfaultfd.h>`, in the
+/// generic `_IOC` encoding (x86-64 and aarch64; powerpc, mips and sparc
+/// encode directions differently and would need their own numbers).
+mod abi {
+    pub(super) const USERFAULTFD_IOC_NEW: libc::c_ulong = 0xaa00;
+    pub(super) const UFFDIO_API: libc::c_ulong = 0xc018_aa3f;
+    pub(super) const UFFDIO_REGISTER: libc::c_ulong = 0xc020_aa00;
+    pub(super) const UFFDIO_UNREGISTER: libc::c_ulong = 0x8010_aa01;
+    pub(super) const UFFDIO_COPY: libc::c_ulong = 0xc028_aa03;
+    pub(super) const UFFDIO_WAKE: libc::c_ulong = 0x8010_aa02;
+    pub(super) const UFFD_EVENT_PAGEFAULT: u8 = 0x12;
+    pub(super) const UFFD_API: u64 = 0xaa;
+    pub(super) const UFFDIO_REGISTER_MODE_MISSING: u64 = 1;
+    /// The bit of `UFFDIO_COPY` in a registration's `ioctls`.
+    pub(super) const NEEDED_IOCTL_BITS: u64 = 1 << 3;
+
+    #[repr(C)]
+    pub(super) struct Api {
+        pub(super) api: u64,
+        pub(super) features: u64,
+        pub(super) ioctls: u64,
+    }
+
+    #[repr(C)]
+    pub(super) struct Range {
+        pub(super) start: u64,
+        pub(super) len: u64,
+    }
+
+    #[repr(C)]
+    pub(super) struct Register {
+        pub(super) range: Range,
+        pub(super) mode: u64,
+        pub(super) ioctls: u64,
+    }
+
+    /// A `struct uffd_msg` of a page fault: the event, then (after 7
+    /// reserved bytes) the fault's flags and address, then its thread id.
+    #[repr(C)]
+    pub(super) struct Message {
+        pub(super) event: u8,
+        pub(super) reserved: [u8; 7],
+        pub(super) flags: u64,
+        pub(super) address: u64,
+        pub(super) rest: u64,
+    }
+
+    #[repr(C)]
+    pub(super) struct Copy {
+        pub(super) dst: u64,
+        pub(super) src: u64,
+        pub(super) len: u64,
+        pub(super) mode: u64,
+        /// Bytes copied, or a negated errno when none were.
+        pub(super) copy: i64,
+    }
+}
+
+/// How often one placement retries a copy the kernel asked to repeat
+/// (`EAGAIN` with no progress, `EINTR`) before giving up.
+const MAX_RETRIES: usize = 1000;
+
+/// Zeros that fresh pages are placed from, this many pages per call.
+static ZEROS: [u8; 16 * PAGE_SIZE] = [0; 16 * PAGE_SIZE];
+
+/// How long the serving thread waits between looks at the release flag,
+/// in milliseconds (the release also wakes it at once).
+const SERVE_POLL_MS: libc::c_int = 100;
+
+/// A userfaultfd with the guest's regions registered for missing pages.
+pub(super) struct Userfault {
+    fd: OwnedFd,
+    /// Written on release, to wake [`Userfault::serve_faults`].
+    wake: OwnedFd,
+    /// Each registered region's start and length.
+    ranges: Vec<(u64, u64)>,
+    /// Set once the regions are unregistered: copies that fail then fall
+    /// back to plain writes, which fault as usual.
+    released: AtomicBool,
+}
+
+impl Userfault {
+    /// Registers every region for missing pages; an error says why this
+    /// process cannot (the caller then faults pages in as before).
+    pub(super) fn register(regions: &[MemoryRegion]) -> io::Result<Self> {
+        let fd = open()?;
+        let mut api = abi::Api {
+            api: abi::UFFD_API,
+            features: 0,
+            ioctls: 0,
+        };
+        // SAFETY: `api` is the structure UFFDIO_API reads and writes.
+        if unsafe { libc::ioctl(fd.as_raw_fd(), abi::UFFDIO_API, &mut api) } != 0 {
+            return Err(io::Error::last_os_error());
+        }
+        // SAFETY: eventfd takes an initial value and flags only.
+        let wake = unsafe { libc::eventfd(0, libc::EFD_CLOEXEC | libc::EFD_NONBLOCK) };
+        if wake < 0 {
+            return Err(io::Error::last_os_error());
+        }
+        let mut this = Self {
+            fd,
+            // SAFETY: a new descriptor nothing else owns.
+            wake: unsafe { OwnedFd::from_raw_fd(wake) },
+            ranges: Vec::with_capacity(regions.len()),
+            released: AtomicBool::new(false),
+        };
+        for region in regions.iter().filter(|region| !region.is_empty()) {
+            let range = (region.host_ptr() as u64, region.len());
+            let mut register = abi::Register {
+                range: abi::Range {
+                    start: range.0,
+                    len: range.1,
+                },
+                mode: abi::UFFDIO_REGISTER_MODE_MISSING,
+                ioctls: 0,
+            };
+            // SAFETY: `register` is the structure UFFDIO_REGISTER reads and
+            // writes; the range is guest memory this process maps.
+            let result =
+                unsafe { libc::ioctl(this.fd.as_raw_fd(), abi::UFFDIO_REGISTER, &mut register) };
+            if result != 0 {
+                // Dropping `this` closes the descriptor, which unregisters
+                // the regions registered so far.
+                return Err(io::Error::last_os_error());
+            }
+            this.ranges.push(range);
+            if register.ioctls & abi::NEEDED_IOCTL_BITS != abi::NEEDED_IOCTL_BITS {
+                return Err(io::Error::other(
+                    "UFFDIO_COPY is not offered for this memory",
+                ));
+            }
+        }
+        Ok(this)
+    }
+
+    /// Ends the registration: from now on a missing page faults in as
+    /// usual, and a thread waiting on one is woken. Idempotent.
+    pub(super) fn release(&self) {
+        if self.released.swap(true, Ordering::AcqRel) {
+            return;
+        }
+        for &(start, len) in &self.ranges {
+            let mut range = abi::Range { start, len };
+            // SAFETY: `range` is the structure UFFDIO_UNREGISTER reads; a
+            // failure leaves the registration to the descriptor's close.
+            unsafe { libc::ioctl(self.fd.as_raw_fd(), abi::UFFDIO_UNREGISTER, &mut range) };
+        }
+        let one = 1u64.to_ne_bytes();
+        // SAFETY: eight readable bytes, what an eventfd write takes; a full
+        // counter (impossible here) only leaves the thread to its poll.
+        unsafe { libc::write(self.wake.as_raw_fd(), one.as_ptr().cast(), one.len()) };
+    }
+
+    /// Serves the page faults of anyone but the receivers until the release:
+    /// each missing page touched is mapped as zeros, what a first touch of
+    /// unregistered memory finds. Run on a thread of its own for the live
+    /// phase.
+    pub(super) fn serve_faults(&self) {
+        let mut fds = [
+            libc::pollfd {
+                fd: self.fd.as_raw_fd(),
+                events: libc::POLLIN,
+                revents: 0,
+            },
+            libc::pollfd {
+                fd: self.wake.as_raw_fd(),
+                events: libc::POLLIN,
+                revents: 0,
+            },
+        ];
+        while !self.released.load(Ordering::Acquire) {
+            // SAFETY: two valid pollfd structures.
+            let ready = unsafe { libc::poll(fds.as_mut_ptr(), 2, SERVE_POLL_MS) };
+            if ready > 0 && fds[0].revents & libc::POLLIN != 0 {
+                self.serve_pending();
+            }
+        }
+    }
+
+    /// Serves every fault waiting now (the descriptor does not block).
+    fn serve_pending(&self) {
+        loop {
+            let mut message = std::mem::MaybeUninit::<abi::Message>::zeroed();
+            let size = std::mem::size_of::<abi::Message>();
+            // SAFETY: `message` has room for one `uffd_msg`.
+            let read =
+                unsafe { libc::read(self.fd.as_raw_fd(), message.as_mut_ptr().cast(), size) };
+            if read != size as isize {
+                return;
+            }
+            // SAFETY: the kernel wrote a whole message; every bit pattern
+            // is a valid `Message`.
+            let message = unsafe { message.assume_init() };
+            if message.event == abi::UFFD_EVENT_PAGEFAULT {
+                self.map_zero_page(message.address & !(PAGE_SIZE as u64 - 1));
+            }
+        }
+    }
+
+    /// Places the page at `address` as zeros, or wakes its waiters if a
+    /// receiver placed it meanwhile. (A copy, not `UFFDIO_ZEROPAGE`: a
+    /// write to the shared zero page of a registered range faults again.)
+    fn map_zero_page(&self, address: u64) {
+        let mut copy = abi::Copy {
+            dst: address,
+            src: ZEROS.as_ptr() as u64,
+            len: PAGE_SIZE as u64,
+            mode: 0,
+            copy: 0,
+        };
+        // SAFETY: `copy` is the structure UFFDIO_COPY reads and writes; the
+        // page is one of a registered region's (the kernel reports faults
+        // in registered ranges only) and missing, so placing zeros there
+        // overwrites nothing.
+        let result = unsafe { libc::ioctl(self.fd.as_raw_fd(), abi::UFFDIO_COPY, &mut copy) };
+        if result != 0 {
+            let mut range = abi::Range {
+                start: address,
+                len: PAGE_SIZE as u64,
+            };
+            // SAFETY: `range` is the structure UFFDIO_WAKE reads.
+            unsafe { libc::ioctl(self.fd.as_raw_fd(), abi::UFFDIO_WAKE, &mut range) };
+        }
+    }
+
+    /// Places `pages` contiguous pages at `destination` with the contents
+    /// at `source`. A page that is there already (memory written before the
+    /// session, or a page zeroed in an earlier iteration) is written in
+    /// place instead.
+    ///
+    /// # Safety
+    /// `destination` is `pages` whole pages inside one registered region,
+    /// which nothing else accesses during the call; `source` is
+    /// `pages * PAGE_SIZE` readable bytes outside them.
+    pub(super) unsafe fn place(
+        &self,
+        destination: *mut u8,
+        source: *const u8,
+        pages: usize,
+    ) -> io::Result<()> {
+        let mut done = 0;
+        let mut retries = 0;
+        while done < pages {
+            let offset = done * PAGE_SIZE;
+            let (to, from) = (
+                destination.wrapping_add(offset),
+                source.wrapping_add(offset),
+            );
+            let len = (pages - done) * PAGE_SIZE;
+            let mut copy = abi::Copy {
+                dst: to as u64,
+                src: from as u64,
+                len: len as u64,
+                mode: 0,
+                copy: 0,
+            };
+            // SAFETY: `copy` is the structure UFFDIO_COPY reads and writes;
+            // the ranges are the caller's.
+            let result = unsafe { libc::ioctl(self.fd.as_raw_fd(), abi::UFFDIO_COPY, &mut copy) };
+            if result == 0 {
+                return Ok(());
+            }
+            let error = io::Error::last_os_error();
+            if copy.copy > 0 {
+                done += copy.copy as usize / PAGE_SIZE;
+                continue;
+            }
+            match error.raw_os_error() {
+                Some(libc::EEXIST) => {
+                    // SAFETY: the page is mapped (that is what EEXIST says)
+                    // and the caller's; `from` holds a page.
+                    unsafe { std::ptr::copy_nonoverlapping(from, to, PAGE_SIZE) };
+                    done += 1;
+                }
+                Some(libc::EAGAIN | libc::EINTR) if retries < MAX_RETRIES => retries += 1,
+                _ if self.released.load(Ordering::Acquire) => {
+                    // SAFETY: unregistered, so the write faults the pages in
+                    // as usual; the ranges are the caller's.
+                    unsafe { std::ptr::copy_nonoverlapping(from, to, len) };
+                    return Ok(());
+                }
+                _ => return Err(error),
+            }
+        }
+        Ok(())
+    }
+
+    /// Places `pages` contiguous pages at `destination` as zeros: what a
+    /// write to a fresh page would have found, now without waiting.
+    ///
+    /// # Safety
+    /// As [`Userfault::place`] for `destination`.
+    pub(super) unsafe fn place_zeros(&self, destination: *mut u8, pages: usize) -> io::Result<()> {
+        let chunk = ZEROS.len() / PAGE_SIZE;
+        for first in (0..pages).step_by(chunk) {
+            let count = chunk.min(pages - first);
+            // SAFETY: the caller's range, `ZEROS` holds `chunk` pages.
+            unsafe {
+                self.place(
+                    destination.wrapping_add(first * PAGE_SIZE),
+                    ZEROS.as_ptr(),
+                    count,
+                )
+            }?;
+        }
+        Ok(())
+    }
+}
+
+/// A new userfaultfd: through `/dev/userfaultfd` (its owner may use it
+/// whatever `vm.unprivileged_userfaultfd` says), else the system call.
+fn open() -> io::Result<OwnedFd> {
+    // SAFETY: a NUL-terminated path; the result is checked.
+    let device =
+        unsafe { libc::open(c"/dev/userfaultfd".as_ptr(), libc::O_RDWR | libc::O_CLOEXEC) };
+    let fd = if device >= 0 {
+        // SAFETY: `device` is a descriptor we just opened and own alone.
+        let device = unsafe { OwnedFd::from_raw_fd(device) };
+        // SAFETY: the ioctl takes the new descriptor's flags as its argument.
+        unsafe {
+            libc::ioctl(
+                device.as_raw_fd(),
+                abi::USERFAULTFD_IOC_NEW,
+                libc::O_CLOEXEC | libc::O_NONBLOCK,
+            )
+        }
+    } else {
+        // SAFETY: the system call takes flags only.
+        unsafe { libc::syscall(libc::SYS_userfaultfd, libc::O_CLOEXEC | libc::O_NONBLOCK) as i32 }
+    };
+    if fd < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: a new descriptor nothing else owns.
+    Ok(unsafe { OwnedFd::from_raw_fd(fd) })
+}
+
+#[cfg(test)]
+mod tests {
+    use std::ptr::NonNull;
+
+    use super::*;
+
+    /// A private anonymous mapping of `pages` pages, unmapped on drop.
+    struct Anonymous {
+        base: *mut u8,
+        len: usize,
+    }
+
+    impl Anonymous {
+        fn new(pages: usize) -> Self {
+            let len = pages * PAGE_SIZE;
+            // SAFETY: a new private anonymous mapping.
+            let base = unsafe {
+                libc::mmap(
+                    std::ptr::null_mut(),
+                    len,
+                    libc::PROT_READ | libc::PROT_WRITE,
+                    libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+                    -1,
+                    0,
+                )
+            };
+            assert_ne!(base, libc::MAP_FAILED);
+            Self {
+                base: base.cast(),
+                len,
+            }
+        }
+
+        fn region(&self) -> MemoryRegion {
+            // SAFETY: the mapping outlives every region made of it here.
+            unsafe { MemoryRegion::new(1, 0, NonNull::new(self.base).unwrap(), self.len as u64) }
+        }
+
+        fn page(&self, index: usize) -> &[u8] {
+            // SAFETY: a page inside the mapping, present when read.
+            unsafe { std::slice::from_raw_parts(self.base.add(index * PAGE_SIZE), PAGE_SIZE) }
+        }
+    }
+
+    impl Drop for Anonymous {
+        fn drop(&mut self) {
+            // SAFETY: the mapping made in `new`.
+            unsafe { libc::munmap(self.base.cast(), self.len) };
+        }
+    }
+
+    #[test]
+    fn pages_are_placed_with_their_contents_and_present_ones_written_in_place() {
+        let memory = Anonymous::new(8);
+        // Page 2 is there before the registration; page 3 was read (it
+        // maps the shared zero page).
+        // SAFETY: pages of the mapping, nothing else uses them.
+        unsafe {
+            memory.base.add(2 * PAGE_SIZE).write_bytes(7, PAGE_SIZE);
+            assert_eq!(memory.base.add(3 * PAGE_SIZE).read_volatile(), 0);
+        }
+        let regions = [memory.region()];
+        let userfault = match Userfault::register(&regions) {
+            Ok(userfault) => userfault,
+            Err(error) => {
+                println!("SKIPPED: no userfaultfd for this process: {error}");
+                return;
+            }
+        };
+        let source: Vec<u8> = (0..4 * PAGE_SIZE)
+            .map(|i| (i / PAGE_SIZE + 1) as u8)
+            .collect();
+        // SAFETY: pages 1-4 of the registered mapping; `source` holds 4.
+        unsafe { userfault.place(memory.base.add(PAGE_SIZE), source.as_ptr(), 4) }.unwrap();
+        // SAFETY: page 6 of the registered mapping.
+        unsafe { userfault.place_zeros(memory.base.add(6 * PAGE_SIZE), 1) }.unwrap();
+        userfault.release();
+        for (page, expected) in [(1, 1), (2, 2), (3, 3), (4, 4), (6, 0), (0, 0), (7, 0)] {
+            assert!(
+                memory.page(page).iter().all(|&byte| byte == expected),
+                "page {page}"
+            );
+        }
+    }
+
+    #[test]
+    fn another_thread_touching_a_missing_page_is_served_zeros() {
+        let memory = Anonymous::new(4);
+        let regions = [memory.region()];
+        let Ok(userfault) = Userfault::register(&regions) else {
+            println!("SKIPPED: no userfaultfd for this process");
+            return;
+        };
+        let source = vec![5u8; PAGE_SIZE];
+        // SAFETY: page 1 of the registered mapping; `source` holds a page.
+        unsafe { userfault.place(memory.base.add(PAGE_SIZE), source.as_ptr(), 1) }.unwrap();
+        let base = memory.base as usize;
+        std::thread::scope(|scope| {
+            scope.spawn(|| userfault.serve_faults());
+            let reader = scope.spawn(move || {
+                // SAFETY: pages 0-2 of the mapping, which outlives the
+                // scope; page 2 is written (a first touch of a fresh page).
+                unsafe {
+                    let base = base as *mut u8;
+                    base.add(2 * PAGE_SIZE).write(3);
+                    (*base, *base.add(PAGE_SIZE), *base.add(2 * PAGE_SIZE))
+                }
+            });
+            assert_eq!(reader.join().unwrap(), (0, 5, 3));
+            userfault.release();
+        });
+        assert!(memory.page(3).iter().all(|&byte| byte == 0));
+    }
+
+    #[test]
+    fn after_release_placing_writes_the_pages_anyway() {
+        let memory = Anonymous::new(2);
+        let regions = [memory.region()];
+        let Ok(userfault) = Userfault::register(&regions) else {
+            println!("SKIPPED: no userfaultfd for this process");
+            return;
+        };
+        userfault.release();
+        let source = vec![9u8; 2 * PAGE_SIZE];
+        // SAFETY: both pages of the mapping; `source` holds two.
+        unsafe { userfault.place(memory.base, source.as_ptr(), 2) }.unwrap();
+        assert!(memory.page(1).iter().all(|&byte| byte == 9));
+    }
+
+    #[test]
+    fn memory_that_is_not_page_aligned_is_refused() {
+        let mut heap = vec![0u8; 3 * PAGE_SIZE];
+        let misaligned = heap.as_mut_ptr().wrapping_add(1);
+        // SAFETY: the bytes lie inside `heap`, which outlives the region.
+        let region =
+            unsafe { MemoryRegion::new(1, 0, NonNull::new(misaligned).unwrap(), PAGE_SIZE as u64) };
+        assert!(Userfault::register(&[region]).is_err());
+    }
+}

@@ -13,6 +13,8 @@ mod reuse;
 mod shared;
 mod stream;
 mod switch_over;
+#[cfg(test)]
+mod test_memory;
 mod userfault;
 
 use std::sync::atomic::{AtomicU8, AtomicU64, Ordering};

@@ -138,14 +138,13 @@ fn populate(shared: &ReceiverShared<'_>, start: *mut u8, pages: usize) {
 
 #[cfg(test)]
 mod tests {
-    use std::ptr::NonNull;
     use std::time::Duration;
 
     use tern_wire::{DigestAlgorithm, RegionInfo, SessionSetup};
 
     use super::*;
     use crate::destination::ReceiveStats;
-    use crate::guest::MemoryRegion;
+    use crate::destination::test_memory::AnonymousMemory;
     use crate::source::CancelToken;
 
     const PAGES: usize = 32;
@@ -172,25 +171,11 @@ mod tests {
 
     #[test]
     fn only_long_runs_of_fresh_pages_of_the_kind_are_populated() {
-        let len = PAGES * PAGE_SIZE;
-        // SAFETY: a new private anonymous mapping, unmapped below.
-        let base = unsafe {
-            libc::mmap(
-                std::ptr::null_mut(),
-                len,
-                libc::PROT_READ | libc::PROT_WRITE,
-                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
-                -1,
-                0,
-            )
-        };
-        assert_ne!(base, libc::MAP_FAILED);
+        let memory = AnonymousMemory::new(PAGES);
+        let (base, len) = (memory.base, memory.len);
         // SAFETY: the mapping just made; 4 KiB pages so residency is per page.
-        unsafe { libc::madvise(base, len, libc::MADV_NOHUGEPAGE) };
-        let base = base.cast::<u8>();
-        // SAFETY: the mapping outlives the region, used only in this test.
-        let region = unsafe { MemoryRegion::new(5, 0, NonNull::new(base).unwrap(), len as u64) };
-        let regions = [region];
+        unsafe { libc::madvise(base.cast(), len, libc::MADV_NOHUGEPAGE) };
+        let regions = [memory.region(5)];
         let setup = SessionSetup {
             page_size: tern_wire::PAGE_SIZE,
             channel_count: 1,
@@ -227,7 +212,5 @@ mod tests {
         let resident = resident(base);
         let expected: Vec<bool> = (0..PAGES).map(|page| page < 10).collect();
         assert_eq!(resident, expected);
-        // SAFETY: the mapping made above, no longer used.
-        unsafe { libc::munmap(base.cast(), len) };
     }
 }

@@ -267,6 +267,7 @@ mod tests {
 
     use super::*;
     use crate::destination::ReceiveStats;
+    use crate::destination::test_memory::AnonymousMemory;
     use crate::guest::{MemoryRegion, PAGE_SIZE};
     use crate::source::CancelToken;
     use crate::transport::Segment;
@@ -409,25 +410,9 @@ mod tests {
         decoders: usize,
         prepare: impl FnOnce(&mut [u8]),
     ) -> Option<(Result<u32, MigrationError>, Vec<u8>)> {
-        let len = PAGES * PAGE_SIZE;
-        // SAFETY: a new private anonymous mapping, unmapped below.
-        let base = unsafe {
-            libc::mmap(
-                std::ptr::null_mut(),
-                len,
-                libc::PROT_READ | libc::PROT_WRITE,
-                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
-                -1,
-                0,
-            )
-        };
-        assert_ne!(base, libc::MAP_FAILED);
-        let base = base.cast::<u8>();
-        // SAFETY: the mapping just made, used by this thread alone here.
-        prepare(unsafe { std::slice::from_raw_parts_mut(base, len) });
-        // SAFETY: the mapping outlives the region, unmapped at the end.
-        let region = unsafe { MemoryRegion::new(5, 0, NonNull::new(base).unwrap(), len as u64) };
-        let regions = [region];
+        let mut memory = AnonymousMemory::new(PAGES);
+        prepare(memory.bytes_mut());
+        let regions = [memory.region(5)];
         let (setup, stats, cancel) = (setup(), ReceiveStats::default(), CancelToken::new());
         let shared = ReceiverShared::new(
             &setup,
@@ -441,8 +426,6 @@ mod tests {
         .with_userfault();
         if shared.userfault.is_none() {
             println!("SKIPPED: no userfaultfd for this process");
-            // SAFETY: the mapping made above, no longer used.
-            unsafe { libc::munmap(base.cast(), len) };
             return None;
         }
         let codecs = [CodecId::Zstd];
@@ -460,12 +443,8 @@ mod tests {
             result.map_err(|error| shared.first_failure().unwrap_or(error))
         });
         shared.release_userfault();
-        // SAFETY: the mapping is no longer written; every page reads now.
-        let memory = unsafe { std::slice::from_raw_parts(base, len) }.to_vec();
         drop(shared);
-        // SAFETY: the mapping made above, no longer used.
-        unsafe { libc::munmap(base.cast(), len) };
-        Some((result, memory))
+        Some((result, memory.bytes_mut().to_vec()))
     }
 
     #[test]

@@ -376,58 +376,12 @@ fn open() -> io::Result<OwnedFd> {
 
 #[cfg(test)]
 mod tests {
-    use std::ptr::NonNull;
-
+    use super::super::test_memory::AnonymousMemory;
     use super::*;
-
-    /// A private anonymous mapping of `pages` pages, unmapped on drop.
-    struct Anonymous {
-        base: *mut u8,
-        len: usize,
-    }
-
-    impl Anonymous {
-        fn new(pages: usize) -> Self {
-            let len = pages * PAGE_SIZE;
-            // SAFETY: a new private anonymous mapping.
-            let base = unsafe {
-                libc::mmap(
-                    std::ptr::null_mut(),
-                    len,
-                    libc::PROT_READ | libc::PROT_WRITE,
-                    libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
-                    -1,
-                    0,
-                )
-            };
-            assert_ne!(base, libc::MAP_FAILED);
-            Self {
-                base: base.cast(),
-                len,
-            }
-        }
-
-        fn region(&self) -> MemoryRegion {
-            // SAFETY: the mapping outlives every region made of it here.
-            unsafe { MemoryRegion::new(1, 0, NonNull::new(self.base).unwrap(), self.len as u64) }
-        }
-
-        fn page(&self, index: usize) -> &[u8] {
-            // SAFETY: a page inside the mapping, present when read.
-            unsafe { std::slice::from_raw_parts(self.base.add(index * PAGE_SIZE), PAGE_SIZE) }
-        }
-    }
-
-    impl Drop for Anonymous {
-        fn drop(&mut self) {
-            // SAFETY: the mapping made in `new`.
-            unsafe { libc::munmap(self.base.cast(), self.len) };
-        }
-    }
 
     #[test]
     fn pages_are_placed_with_their_contents_and_present_ones_written_in_place() {
-        let memory = Anonymous::new(8);
+        let memory = AnonymousMemory::new(8);
         // Page 2 is there before the registration; page 3 was read (it
         // maps the shared zero page).
         // SAFETY: pages of the mapping, nothing else uses them.
@@ -435,7 +389,7 @@ mod tests {
             memory.base.add(2 * PAGE_SIZE).write_bytes(7, PAGE_SIZE);
             assert_eq!(memory.base.add(3 * PAGE_SIZE).read_volatile(), 0);
         }
-        let regions = [memory.region()];
+        let regions = [memory.region(1)];
         let userfault = match Userfault::register(&regions) {
             Ok(userfault) => userfault,
             Err(error) => {
@@ -461,8 +415,8 @@ mod tests {
 
     #[test]
     fn another_thread_touching_a_missing_page_is_served_zeros() {
-        let memory = Anonymous::new(4);
-        let regions = [memory.region()];
+        let memory = AnonymousMemory::new(4);
+        let regions = [memory.region(1)];
         let Ok(userfault) = Userfault::register(&regions) else {
             println!("SKIPPED: no userfaultfd for this process");
             return;
@@ -490,8 +444,8 @@ mod tests {
 
     #[test]
     fn after_release_placing_writes_the_pages_anyway() {
-        let memory = Anonymous::new(2);
-        let regions = [memory.region()];
+        let memory = AnonymousMemory::new(2);
+        let regions = [memory.region(1)];
         let Ok(userfault) = Userfault::register(&regions) else {
             println!("SKIPPED: no userfaultfd for this process");
             return;
@@ -508,8 +462,14 @@ mod tests {
         let mut heap = vec![0u8; 3 * PAGE_SIZE];
         let misaligned = heap.as_mut_ptr().wrapping_add(1);
         // SAFETY: the bytes lie inside `heap`, which outlives the region.
-        let region =
-            unsafe { MemoryRegion::new(1, 0, NonNull::new(misaligned).unwrap(), PAGE_SIZE as u64) };
+        let region = unsafe {
+            MemoryRegion::new(
+                1,
+                0,
+                std::ptr::NonNull::new(misaligned).unwrap(),
+                PAGE_SIZE as u64,
+            )
+        };
         assert!(Userfault::register(&[region]).is_err());
     }
 }

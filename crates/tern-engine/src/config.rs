@@ -4,7 +4,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use tern_page::codec::{CodecChoice, QplPath};
-use tern_page::dsa::ZeroPageOffload;
+use tern_page::{DeltaOffload, ZeroPageOffload};
 
 use crate::error::MigrationError;
 use crate::transport::Address;
@@ -229,7 +229,9 @@ pub struct MigrationConfig {
     /// Zero-page detection mode.
     pub zero_page_detection: ZeroPageDetection,
     /// The offload used in `dsa` mode; `None` opens the DSA work queues
-    /// found in sysfs (an error when there are none).
+    /// found in sysfs (an error when there are none, or when tern-engine was
+    /// built without its `dsa` feature). Any [`ZeroPageOffload`] will do:
+    /// `tern_dsa::software_dsa`, say, or an embedder's own.
     pub zero_page_offload: Option<Arc<dyn ZeroPageOffload>>,
     /// Benchmark knob, not part of the stable API: the share (0.0..=1.0) of
     /// zero pages sent as normal pages, to load the network with a known
@@ -251,9 +253,10 @@ pub struct MigrationConfig {
     /// Not with zero-copy.
     pub delta_cache_size: u64,
     /// Where delta records are created: a DSA queue or the software DSA
-    /// device (create-delta-record descriptors, the CPU as fallback);
+    /// device (`tern_dsa::DsaDeltaOffload`: create-delta-record
+    /// descriptors, the CPU as fallback), or any other [`DeltaOffload`];
     /// `None` is the CPU.
-    pub delta_offload: Option<Arc<tern_page::dsa::DeltaOffload>>,
+    pub delta_offload: Option<Arc<dyn DeltaOffload>>,
     /// Train a zstd dictionary of at most this many bytes on sampled guest
     /// pages at setup and compress every zstd page against it (pages stay
     /// independent); `None`: no dictionary. Only with zstd or `auto`.

@@ -98,5 +98,5 @@ pub use transport::{Accept, Address, Channel, Connect, Connector, Listener};
 // Foreign types that appear in this crate's API, so that an embedder needs
 // no direct dependency on tern-page or tern-wire.
 pub use tern_page::codec::{CodecChoice, QplPath};
-pub use tern_page::dsa::ZeroPageOffload;
+pub use tern_page::{DeltaOffload, ZeroPageOffload};
 pub use tern_wire::{AbortReason, RegionInfo, SessionSetup};

@@ -523,7 +523,7 @@ fn missing_accelerators_are_clear_errors_at_start_up() {
 #[test]
 fn dsa_offload_on_the_software_device_with_faults_and_errors_verifies() {
     use std::sync::Arc;
-    use tern_page::dsa::{SoftwareDsaConfig, software_dsa};
+    use tern_dsa::{SoftwareDsaConfig, software_dsa};
     let mut guest = guest(32 * MIB, 8 * MIB);
     let (listener, address) = tcp_listener();
     let mut config = migration_config(2);

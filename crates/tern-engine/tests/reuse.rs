@@ -148,7 +148,7 @@ fn a_delta_cache_with_zero_copy_is_refused_up_front() {
 
 #[test]
 fn deltas_created_on_the_software_dsa_device_with_faults_verify() {
-    let offload = tern_page::dsa::software_delta_offload(tern_page::dsa::SoftwareDsaConfig {
+    let offload = tern_dsa::software_delta_offload(tern_dsa::SoftwareDsaConfig {
         // Every third descriptor faults part-way, every fifth fails: the
         // CPU redoes those, with the same bytes.
         fault_if: Some(std::sync::Arc::new(|n, _| n % 3 == 0)),
@@ -165,7 +165,7 @@ fn deltas_created_on_the_software_dsa_device_with_faults_verify() {
         },
     );
     assert!(stats.xbzrle_cache.is_some_and(|cache| cache.pages > 0));
-    let device = offload.stats();
+    let device = tern_engine::DeltaOffload::stats(&*offload);
     assert!(device.on_device > 0, "{device:?}");
     assert!(device.fallbacks > 0, "{device:?}");
 }

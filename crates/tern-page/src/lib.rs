@@ -3,12 +3,12 @@
 //! Every page the engine sends passes through this crate first. The cheapest
 //! page to send is one we do not send at all: zero pages are announced with a
 //! flag instead of 4 KiB of payload, so [`zero`] decides that as fast as the
-//! memory system allows, and [`dsa`] can hand the same question to an Intel
-//! DSA accelerator (or its software stand-in) in batches, asynchronously.
-//! Non-zero pages then go through [`codec`]: each page compressed on its own
-//! (zstd, IAA-compatible deflate, lz4, or Intel QPL), or sent raw when it
-//! would not shrink. A page sent before may go as a [`delta`] against its
-//! previous version instead.
+//! memory system allows, and [`offload`] is the interface through which an
+//! accelerator (Intel DSA, in the `tern-dsa` crate) answers the same
+//! question in batches, asynchronously. Non-zero pages then go through
+//! [`codec`]: each page compressed on its own (zstd, IAA-compatible deflate,
+//! lz4, or Intel QPL), or sent raw when it would not shrink. A page sent
+//! before may go as a [`delta`] against its previous version instead.
 //!
 //! # Example
 //!
@@ -32,10 +32,11 @@
 //!
 //! # Cargo features
 //!
-//! `zstd`, `deflate`, `lz4`, `qpl` (Intel QPL, loaded at run time; implies
-//! `deflate`) and `dsa` (Intel DSA offload and its software stand-in), all on
-//! by default. A part left out keeps its enum variants; choosing it is a
-//! [`CodecError::NotBuilt`] or [`dsa::OffloadError::NotBuilt`] at run time.
+//! `zstd`, `deflate`, `lz4` and `qpl` (Intel QPL, loaded at run time;
+//! implies `deflate`), all on by default, one per codec. A codec left out
+//! keeps its enum variants; choosing it is a [`CodecError::NotBuilt`] at run
+//! time. The Intel DSA driver is a crate of its own, `tern-dsa`, which
+//! implements [`offload`]'s traits.
 
 #![warn(missing_docs)]
 // Numeric casts that can truncate or change sign are spelled out (try_from,
@@ -51,12 +52,16 @@
 pub mod codec;
 pub mod cpu_time;
 pub mod delta;
-pub mod dsa;
+pub mod offload;
 pub mod zero;
 
 pub use codec::{
     AutoSelector, CodecChoice, CodecError, CodecId, CodecStats, CompressedBatch, PageCompressor,
     PageDecompressor, PageOutcome,
+};
+pub use offload::{
+    CpuOffload, DeltaOffload, DeltaOffloadStats, MAX_BATCH_PAGES, OffloadError, OffloadId, Ticket,
+    TicketState, ZeroOffloadStats, ZeroPageOffload, cpu_offload,
 };
 pub use zero::{
     PAGE_SIZE, ZeroCheckBackend, ZeroCheckError, ZeroChecker, is_zero_page_qemu_style,

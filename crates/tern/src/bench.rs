@@ -36,7 +36,7 @@ struct ZeroRow {
     times_read_loop: f64,
 }
 
-/// The cases of `tern_page::dsa::bench_zero`, with the words a table uses.
+/// The cases of `tern_dsa::bench_zero`, with the words a table uses.
 const ZERO_CASES: [(&str, &str); 3] = [
     ("zero", "zero pages"),
     ("first-byte", "first byte non-zero"),
@@ -49,7 +49,7 @@ fn bench_zero(args: &BenchZeroArgs) -> anyhow::Result<ExitCode> {
         bail!("--buffer must hold at least one page and --rounds must be at least 1");
     }
     const GIB: f64 = (1u64 << 30) as f64;
-    let rows = tern_page::dsa::bench_zero(buffer, args.rounds);
+    let rows = tern_dsa::bench_zero(buffer, args.rounds);
     // The read loop reads every byte whatever the pages hold, so its three
     // measurements (one per case) are one figure; their median is the
     // steadiest baseline on a shared machine.

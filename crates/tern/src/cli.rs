@@ -425,12 +425,12 @@ pub struct TransferArgs {
     /// listed devices or queues (`dsa0,dsa2/wq2.1`), or tern's software DSA
     /// device (`software`, for machines without DSA; it runs the same
     /// descriptors on a CPU thread).
-    #[arg(long, default_value = "hw", value_parser = Choices::<tern_page::dsa::DsaDevice>::new(&[
+    #[arg(long, default_value = "hw", value_parser = Choices::<tern_dsa::DsaDevice>::new(&[
         ("hw", "every usable DSA work queue in sysfs"),
         ("software", "tern's software DSA device"),
         ("dsa0,dsa2/wq2.1", "only these devices or work queues"),
     ]))]
-    pub dsa_device: tern_page::dsa::DsaDevice,
+    pub dsa_device: tern_dsa::DsaDevice,
     /// Benchmark knob: percent of zero pages sent as normal pages.
     #[arg(long, default_value_t = 0.0)]
     pub zero_page_as_normal: f64,
@@ -611,11 +611,11 @@ impl TransferArgs {
             throttle_increment: self.cpu_throttle_increment,
             zero_page_detection: self.zero_page_detection,
             zero_page_offload: match (self.zero_page_detection, &self.dsa_device) {
-                (ZeroPageDetection::Dsa, tern_page::dsa::DsaDevice::Software) => Some(
-                    tern_page::dsa::software_dsa(tern_page::dsa::SoftwareDsaConfig::default()),
+                (ZeroPageDetection::Dsa, tern_dsa::DsaDevice::Software) => Some(
+                    tern_dsa::software_dsa(tern_dsa::SoftwareDsaConfig::default()),
                 ),
-                (ZeroPageDetection::Dsa, tern_page::dsa::DsaDevice::Only(devices)) => Some(
-                    tern_page::dsa::open_dsa(&tern_page::dsa::DsaConfig {
+                (ZeroPageDetection::Dsa, tern_dsa::DsaDevice::Only(devices)) => Some(
+                    tern_dsa::open_dsa(&tern_dsa::DsaConfig {
                         devices: devices.clone(),
                         ..Default::default()
                     })
@@ -635,11 +635,11 @@ impl TransferArgs {
             delta_cache_size: self.delta_cache_size,
             delta_offload: match self.delta_offload {
                 DeltaOffloadChoice::Cpu => None,
-                DeltaOffloadChoice::Software => Some(tern_page::dsa::software_delta_offload(
-                    tern_page::dsa::SoftwareDsaConfig::default(),
+                DeltaOffloadChoice::Software => Some(tern_dsa::software_delta_offload(
+                    tern_dsa::SoftwareDsaConfig::default(),
                 )),
                 DeltaOffloadChoice::Hardware => Some(
-                    tern_page::dsa::open_delta_offload(&tern_page::dsa::DsaConfig::default())
+                    tern_dsa::open_delta_offload(&tern_dsa::DsaConfig::default())
                         .context("--delta-offload hw")?,
                 ),
             },
@@ -996,7 +996,7 @@ mod tests {
 
     #[test]
     fn dsa_device_takes_hw_software_or_a_list() {
-        use tern_page::dsa::DsaDevice;
+        use tern_dsa::DsaDevice;
         assert_eq!(demo(&[]).unwrap().transfer.dsa_device, DsaDevice::Hardware);
         let args = demo(&["--dsa-device", "software"]).unwrap();
         assert_eq!(args.transfer.dsa_device, DsaDevice::Software);

@@ -73,7 +73,7 @@ pub fn examine() -> Vec<Finding> {
         .unwrap_or_default();
     let flags: Vec<&str> = cpu_flags.split_whitespace().collect();
     let modules = loaded_modules();
-    let submit = tern_page::dsa::CpuSubmitFeatures::detect();
+    let submit = tern_dsa::CpuSubmitFeatures::detect();
     vec![
         kvm_finding(
             kvm_access(),
@@ -241,7 +241,7 @@ pub fn dsa_finding(sysfs_root: &Path, dev_root: &Path) -> Finding {
              pages are found on the CPU meanwhile",
         );
     }
-    match tern_page::dsa::sysfs::discover_work_queues(sysfs_root, dev_root) {
+    match tern_dsa::sysfs::discover_work_queues(sysfs_root, dev_root) {
         Ok(queues) => {
             let mut unusable = Vec::new();
             let listed: Vec<String> = queues

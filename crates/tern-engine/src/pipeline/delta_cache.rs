@@ -35,9 +35,9 @@ use std::cell::UnsafeCell;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
+use tern_page::DeltaOffload;
 use tern_page::PAGE_SIZE;
 use tern_page::delta::create_delta;
-use tern_page::dsa::DeltaOffload;
 
 const BUSY: u64 = 1 << 63;
 const VALID: u64 = 1 << 62;
@@ -175,7 +175,7 @@ pub(super) struct DeltaCache {
     bytes: Box<[SlotBytes]>,
     /// Creates the delta records on DSA (or the software device) instead
     /// of the CPU; the same bytes either way.
-    offload: Option<Arc<DeltaOffload>>,
+    offload: Option<Arc<dyn DeltaOffload>>,
 }
 
 // SAFETY: a slot's bytes are accessed only by the worker that set its busy
@@ -190,7 +190,7 @@ fn tag(region: usize, page: u32) -> u64 {
 
 impl DeltaCache {
     /// A cache of `bytes` (whole pages; at least one).
-    pub fn new(bytes: u64, offload: Option<Arc<DeltaOffload>>) -> Self {
+    pub fn new(bytes: u64, offload: Option<Arc<dyn DeltaOffload>>) -> Self {
         let slots = usize::try_from(bytes / PAGE_SIZE as u64)
             .unwrap_or(usize::MAX)
             .max(1);

@@ -22,7 +22,7 @@ use std::time::{Duration, Instant};
 use tern_page::codec::{
     CodecChoice, CodecCounters, CodecId, CodecStats, CompressedBatch, PageOutcome, QplPath,
 };
-use tern_page::dsa::{ZeroAsNormal, ZeroPageOffload};
+use tern_page::{DeltaOffload, ZeroPageOffload};
 use tern_page::{PageCompressor, ZeroChecker};
 use tern_wire::{
     MAX_PAGES_PER_PACKET, Message, PageEntry, PageKind, PagesHeader, Sync, encode_packet_prefix,
@@ -55,6 +55,7 @@ mod report;
 mod reuse;
 mod sender;
 mod worker;
+mod zero_as_normal;
 
 use auto_codec::{AutoCodec, calibrate_codecs};
 pub(crate) use auto_codec::{CompressionSetup, sample_pages};
@@ -68,6 +69,7 @@ use rate::RateLimiter;
 pub(crate) use sender::PageSender;
 use sender::run_sender;
 use worker::run_worker;
+use zero_as_normal::ZeroAsNormal;
 
 /// Requests a worker may have queued.
 const WORKER_RING_CAPACITY: usize = 4;
@@ -258,7 +260,7 @@ pub(crate) struct PipelineSetup {
     pub page_hashes: Option<Arc<PageHashes>>,
     pub dedup: bool,
     pub delta_cache_size: u64,
-    pub delta_offload: Option<Arc<tern_page::dsa::DeltaOffload>>,
+    pub delta_offload: Option<Arc<dyn DeltaOffload>>,
 }
 
 impl<'scope> Pipeline<'scope> {

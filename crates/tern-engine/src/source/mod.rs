@@ -69,7 +69,7 @@ pub struct MigrationFailure {
 pub struct Source {
     config: MigrationConfig,
     compression: CompressionSetup,
-    zero_offload: Option<Arc<dyn tern_page::dsa::ZeroPageOffload>>,
+    zero_offload: Option<Arc<dyn tern_page::ZeroPageOffload>>,
     stats: Arc<LiveStats>,
     cancel: CancelToken,
 }
@@ -124,12 +124,10 @@ impl Source {
         let zero_offload = match config.zero_page_detection {
             ZeroPageDetection::Dsa => Some(match &config.zero_page_offload {
                 Some(offload) => offload.clone(),
-                None => tern_page::dsa::open_dsa(&tern_page::dsa::DsaConfig::default()).map_err(
-                    |error| MigrationError::InvalidConfig {
-                        field: "zero_page_detection",
-                        reason: format!("dsa: {error}"),
-                    },
-                )?,
+                None => open_default_dsa().map_err(|reason| MigrationError::InvalidConfig {
+                    field: "zero_page_detection",
+                    reason: format!("dsa: {reason}"),
+                })?,
             }),
             _ => None,
         };
@@ -428,4 +426,17 @@ fn restore_guest<G: SourceGuest>(guest: &mut G, changes: &GuestChanges) {
     {
         tracing::error!(%error, "cannot stop dirty logging after a failed migration");
     }
+}
+
+/// The host's DSA work queues, as `tern_dsa::DsaConfig::default()` finds
+/// them: what `zero_page_detection: Dsa` uses when no offload is given.
+#[cfg(feature = "dsa")]
+fn open_default_dsa() -> Result<Arc<dyn tern_page::ZeroPageOffload>, String> {
+    tern_dsa::open_dsa(&tern_dsa::DsaConfig::default()).map_err(|error| error.to_string())
+}
+
+/// Without the `dsa` feature there is no driver to open.
+#[cfg(not(feature = "dsa"))]
+fn open_default_dsa() -> Result<Arc<dyn tern_page::ZeroPageOffload>, String> {
+    Err("tern-engine was built without the dsa feature (give zero_page_offload instead)".into())
 }

@@ -8,11 +8,15 @@
 //! keeps the current one unless another beats it by a margin, so the choice
 //! does not flap between iterations on measurement noise.
 
-use super::{
-    CodecCounters, CodecDictionary, CodecError, CodecId, CompressedBatch, PageCompressor,
-    PageDecompressor, thread_cpu_ns,
-};
+use super::batch::CompressedBatch;
+use super::compressor::PageCompressor;
+use super::decompressor::PageDecompressor;
+use super::dictionary::CodecDictionary;
+use super::error::CodecError;
+use super::id::CodecId;
+use super::stats::CodecCounters;
 use crate::PAGE_SIZE;
+use crate::cpu_time::thread_cpu_ns;
 
 /// What a codec achieves on this machine and this guest's pages.
 #[derive(Clone, Copy, Debug, PartialEq)]

@@ -2,7 +2,10 @@
 
 use std::time::Instant;
 
-use super::{CodecError, CodecId, PageCompressor, PageDecompressor};
+use super::compressor::PageCompressor;
+use super::decompressor::PageDecompressor;
+use super::error::CodecError;
+use super::id::CodecId;
 use crate::PAGE_SIZE;
 
 /// One result line.

@@ -6,10 +6,13 @@ use std::time::Instant;
 
 use tern_wire::MAX_PAGES_PER_PACKET;
 
-use super::{
-    CodecDictionary, CodecError, CodecId, CompressedBatch, PageCompressor, PageDecompressor,
-    PageOutcome, train_dictionary,
-};
+use super::batch::{CompressedBatch, PageOutcome};
+use super::compressor::PageCompressor;
+use super::decompressor::PageDecompressor;
+use super::dictionary::CodecDictionary;
+use super::error::CodecError;
+use super::id::CodecId;
+use super::training::train_dictionary;
 use crate::PAGE_SIZE;
 
 /// One zstd variant on one corpus.

@@ -11,8 +11,8 @@ use std::sync::Arc;
 
 use tern_wire::{MAX_DICTIONARIES, MAX_DICTIONARY_LEN};
 
-use super::{CodecError, CodecId, looks_incompressible_bytes};
-use crate::PAGE_SIZE;
+use super::error::CodecError;
+use super::id::CodecId;
 
 /// The dictionary size trained by default (see docs/compression.md for the
 /// sizes measured).
@@ -76,45 +76,4 @@ impl CodecDictionary {
     pub fn bytes(&self) -> &[u8] {
         &self.bytes
     }
-}
-
-/// Trains a zstd dictionary of at most `max_len` bytes on the pages of
-/// `sample` worth compressing (zero pages and pages the sample finds random
-/// are left out: they never reach the codec).
-///
-/// # Errors
-///
-/// [`CodecError::Dictionary`] when too few pages are left or zstd's
-/// trainer fails (it needs some repetition across samples);
-/// [`CodecError::NotBuilt`] without the `zstd` feature.
-pub fn train_dictionary(sample: &[[u8; PAGE_SIZE]], max_len: usize) -> Result<Vec<u8>, CodecError> {
-    let max_len = max_len.clamp(256, MAX_DICTIONARY_LEN);
-    let useful: Vec<&[u8; PAGE_SIZE]> = sample
-        .iter()
-        .filter(|page| page.iter().any(|&byte| byte != 0) && !looks_incompressible_bytes(page))
-        .collect();
-    // zstd's trainer refuses fewer than a handful of samples.
-    if useful.len() < 8 {
-        return Err(CodecError::Dictionary(format!(
-            "{} compressible pages in the sample, too few to train on",
-            useful.len()
-        )));
-    }
-    train(&useful, max_len)
-}
-
-#[cfg(feature = "zstd")]
-fn train(pages: &[&[u8; PAGE_SIZE]], max_len: usize) -> Result<Vec<u8>, CodecError> {
-    let mut continuous = Vec::with_capacity(pages.len() * PAGE_SIZE);
-    for page in pages {
-        continuous.extend_from_slice(&page[..]);
-    }
-    let sizes = vec![PAGE_SIZE; pages.len()];
-    zstd::dict::from_continuous(&continuous, &sizes, max_len)
-        .map_err(|error| CodecError::Dictionary(format!("zstd's trainer failed: {error}")))
-}
-
-#[cfg(not(feature = "zstd"))]
-fn train(_: &[&[u8; PAGE_SIZE]], _: usize) -> Result<Vec<u8>, CodecError> {
-    Err(CodecError::NotBuilt { feature: "zstd" })
 }

@@ -1,6 +1,7 @@
 //! Dictionaries and packet frames: round trips and refusals.
 
 use super::*;
+use crate::PAGE_SIZE;
 
 fn sample(kind: &str, pages: u64, seed: u64) -> Vec<[u8; PAGE_SIZE]> {
     (0..pages).map(|i| corpus_page(kind, seed + i)).collect()

@@ -57,11 +57,35 @@ use std::alloc::{Layout, alloc_zeroed, dealloc};
 use std::fmt;
 use std::sync::{Arc, OnceLock};
 
-use super::{
-    CodecError, CompressedBatch, MAX_COMPRESSED, PageOutcome, QplPath, RawReason, deflate_page,
-    looks_incompressible_bytes, new_deflate,
-};
 use crate::PAGE_SIZE;
+use crate::codec::backend::{Backend, PageDecoder, PageEncoder};
+use crate::codec::batch::MAX_COMPRESSED;
+use crate::codec::batch::{CompressedBatch, PageOutcome, RawReason};
+use crate::codec::deflate::{deflate_page, inflate, new_deflate};
+use crate::codec::error::CodecError;
+use crate::codec::id::CodecImpl;
+use crate::codec::qpl_path::QplPath;
+use crate::codec::sample::looks_incompressible_bytes;
+use crate::codec::stats::CodecCounters;
+
+/// QPL: deflate's format, compressed through libqpl (IAA when present);
+/// its decoder is the destination's IAA inflate, with libdeflate behind it.
+pub(super) const BACKENDS: &[Backend] = &[Backend {
+    implementation: CodecImpl::Qpl,
+    encoder: |level, _, path| Ok(Box::new(QplCompressor::new(path, level)?)),
+    decoder: || Ok(Box::new(QplInflater::open()?)),
+    available: Some(qpl_available),
+    trainer: None,
+}];
+
+/// `qpl_path_t`'s value for a path.
+fn raw_path(path: QplPath) -> u32 {
+    match path {
+        QplPath::Auto => 0,
+        QplPath::Hardware => 1,
+        QplPath::Software => 2,
+    }
+}
 
 // The page and output sizes as QPL's `u32` job fields.
 #[expect(clippy::cast_possible_truncation, reason = "4096 fits in u32")]
@@ -224,7 +248,7 @@ fn library() -> Result<Arc<QplLib>, CodecError> {
 }
 
 /// Whether libqpl can be loaded; the error says why not.
-pub fn qpl_available() -> Result<(), CodecError> {
+fn qpl_available() -> Result<(), CodecError> {
     library().map(|_| ())
 }
 
@@ -265,7 +289,7 @@ impl Job {
     fn new(lib: &Arc<QplLib>, path: QplPath) -> Result<Self, CodecError> {
         let mut size = 0u32;
         // SAFETY: `size` is a valid u32 out-pointer.
-        let st = unsafe { (lib.get_job_size)(path.raw(), &mut size) };
+        let st = unsafe { (lib.get_job_size)(raw_path(path), &mut size) };
         if st != abi::STS_OK {
             return Err(CodecError::Qpl {
                 call: "qpl_get_job_size",
@@ -291,7 +315,7 @@ impl Job {
         }
         // SAFETY: `ptr` is qpl_get_job_size bytes, 64-byte aligned, as
         // qpl_init_job requires.
-        let st = unsafe { (lib.init_job)(path.raw(), ptr) };
+        let st = unsafe { (lib.init_job)(raw_path(path), ptr) };
         if st != abi::STS_OK {
             // SAFETY: allocated above with this layout, not initialised.
             unsafe { dealloc(ptr, layout) };
@@ -757,6 +781,94 @@ impl QplDecompressor {
     }
 }
 
+impl BatchCounts {
+    /// The counters of a batch of `pages` pages whose compressed bytes are
+    /// `compressed_bytes`.
+    fn counters(self, pages: usize, compressed_bytes: usize) -> CodecCounters {
+        let raw = self.did_not_shrink + self.sampled;
+        CodecCounters {
+            pages: pages as u64,
+            bytes_in: (pages * PAGE_SIZE) as u64,
+            compressed: self.compressed,
+            raw_fallbacks: self.did_not_shrink,
+            skipped_by_sampling: self.sampled,
+            offload_fallbacks: self.software,
+            bytes_out: compressed_bytes as u64 + raw * PAGE_SIZE as u64,
+            ..CodecCounters::default()
+        }
+    }
+}
+
+impl PageEncoder for QplCompressor {
+    fn level(&self) -> i32 {
+        self.level
+    }
+
+    fn compress(
+        &mut self,
+        page: &[u8; PAGE_SIZE],
+        out: &mut [u8; MAX_COMPRESSED],
+        counters: &mut CodecCounters,
+    ) -> Option<usize> {
+        let (n, software) = self.compress_one(page, out);
+        counters.offload_fallbacks += u64::from(software);
+        n
+    }
+
+    unsafe fn compress_batch(
+        &mut self,
+        pages: &[*const u8],
+        batch: &mut CompressedBatch,
+        sampling: bool,
+    ) -> Option<CodecCounters> {
+        // SAFETY: forwarded caller contract.
+        let counts = unsafe { QplCompressor::compress_batch(self, pages, batch, sampling) };
+        Some(counts.counters(pages.len(), batch.data.len()))
+    }
+}
+
+/// The destination's deflate decoder on IAA: QPL's inflate, with libdeflate
+/// for what it does not decode (libdeflate has the last word on whether a
+/// stream is valid).
+struct QplInflater {
+    qpl: QplDecompressor,
+    software: libdeflater::Decompressor,
+    fallbacks: u64,
+}
+
+impl QplInflater {
+    /// Opens QPL's hardware path: an error when IAA cannot be had.
+    fn open() -> Result<Self, CodecError> {
+        Ok(Self {
+            qpl: QplDecompressor::new(QplPath::Hardware)?,
+            software: libdeflater::Decompressor::new(),
+            fallbacks: 0,
+        })
+    }
+}
+
+impl PageDecoder for QplInflater {
+    fn decompress(
+        &mut self,
+        input: &[u8],
+        dictionary: u8,
+        out: &mut [u8; PAGE_SIZE],
+    ) -> Result<usize, CodecError> {
+        let _ = dictionary;
+        match self.qpl.decompress(input, out) {
+            Some(PAGE_SIZE) => Ok(PAGE_SIZE),
+            _ => {
+                self.fallbacks += 1;
+                inflate(&mut self.software, input, out)
+            }
+        }
+    }
+
+    fn offload_fallbacks(&self) -> u64 {
+        self.fallbacks
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -816,9 +928,9 @@ mod tests {
         );
         assert_eq!(
             [
-                QplPath::Auto.raw(),
-                QplPath::Hardware.raw(),
-                QplPath::Software.raw()
+                raw_path(QplPath::Auto),
+                raw_path(QplPath::Hardware),
+                raw_path(QplPath::Software)
             ],
             [0, 1, 2]
         );

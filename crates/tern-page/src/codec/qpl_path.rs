@@ -4,7 +4,7 @@
 use std::fmt;
 use std::str::FromStr;
 
-use super::CodecError;
+use super::error::CodecError;
 
 /// `qpl_path_t`: which QPL implementation runs the jobs.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
@@ -19,15 +19,6 @@ pub enum QplPath {
 }
 
 impl QplPath {
-    #[cfg_attr(not(feature = "qpl"), allow(dead_code))]
-    pub(crate) fn raw(self) -> u32 {
-        match self {
-            QplPath::Auto => 0,
-            QplPath::Hardware => 1,
-            QplPath::Software => 2,
-        }
-    }
-
     /// Short lowercase name.
     pub fn name(self) -> &'static str {
         match self {
@@ -56,11 +47,4 @@ impl FromStr for QplPath {
             ))),
         }
     }
-}
-
-/// Whether libqpl can be loaded; without the `qpl` feature never:
-/// [`CodecError::NotBuilt`].
-#[cfg(not(feature = "qpl"))]
-pub fn qpl_available() -> Result<(), CodecError> {
-    Err(CodecError::NotBuilt { feature: "qpl" })
 }

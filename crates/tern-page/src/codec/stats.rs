@@ -2,63 +2,7 @@
 
 use std::fmt;
 
-use super::CodecId;
-
-pub use crate::cpu_time::thread_cpu_ns;
-
-/// Which implementation did the work; statistics are kept per implementation
-/// so QPL offload and software deflate can be compared even though they share
-/// a wire format.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub enum CodecImpl {
-    /// No compression: every page raw.
-    None = 0,
-    /// zstd.
-    Zstd = 1,
-    /// libdeflate, raw deflate.
-    Deflate = 2,
-    /// lz4 block format.
-    Lz4 = 3,
-    /// Intel QPL (IAA hardware or QPL's software path), deflate format.
-    Qpl = 4,
-    /// zstd, one frame per packet.
-    ZstdPacket = 5,
-}
-
-impl CodecImpl {
-    /// Every implementation, in index order.
-    pub const ALL: [CodecImpl; 6] = [
-        CodecImpl::None,
-        CodecImpl::Zstd,
-        CodecImpl::Deflate,
-        CodecImpl::Lz4,
-        CodecImpl::Qpl,
-        CodecImpl::ZstdPacket,
-    ];
-
-    /// Short lowercase name.
-    pub fn name(self) -> &'static str {
-        match self {
-            CodecImpl::None => "none",
-            CodecImpl::Zstd => "zstd",
-            CodecImpl::Deflate => "deflate",
-            CodecImpl::Lz4 => "lz4",
-            CodecImpl::Qpl => "qpl",
-            CodecImpl::ZstdPacket => "zstd-packet",
-        }
-    }
-
-    /// The wire codec this implementation produces.
-    pub fn wire(self) -> CodecId {
-        match self {
-            CodecImpl::None => CodecId::None,
-            CodecImpl::Zstd => CodecId::Zstd,
-            CodecImpl::Deflate | CodecImpl::Qpl => CodecId::Deflate,
-            CodecImpl::Lz4 => CodecId::Lz4,
-            CodecImpl::ZstdPacket => CodecId::ZstdPacket,
-        }
-    }
-}
+use super::id::CodecImpl;
 
 /// Plain counters for one codec implementation.
 ///

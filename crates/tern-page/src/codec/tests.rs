@@ -92,7 +92,7 @@ fn level_changes_output_and_is_reported() {
 
 #[test]
 fn out_of_range_level_is_clamped_and_reported() {
-    let max_zstd = *zstd::compression_level_range().end();
+    let max_zstd = *::zstd::compression_level_range().end();
     assert_eq!(
         PageCompressor::new(CodecId::Zstd, 1000).unwrap().level(),
         max_zstd
@@ -147,7 +147,7 @@ fn truncated_and_garbage_input_errors() {
 fn stream_of_len(codec: CodecId, len: usize) -> Vec<u8> {
     let data: Vec<u8> = (0..len).map(|i| (i % 251) as u8).collect();
     match codec {
-        CodecId::Zstd | CodecId::ZstdPacket => zstd::bulk::compress(&data, 1).unwrap(),
+        CodecId::Zstd | CodecId::ZstdPacket => ::zstd::bulk::compress(&data, 1).unwrap(),
         CodecId::Deflate => {
             let mut c = libdeflater::Compressor::new(libdeflater::CompressionLvl::new(6).unwrap());
             let mut out = vec![0u8; c.deflate_compress_bound(len)];

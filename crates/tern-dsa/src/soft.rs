@@ -20,9 +20,9 @@ use std::sync::{Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
 use std::time::Duration;
 
-use super::desc::*;
-use super::queue::{DsaQueue, SubmissionMethod, SubmitError};
-use super::sysfs::WqMode;
+use crate::desc::*;
+use crate::queue::{DsaQueue, SubmissionMethod, SubmitError};
+use crate::sysfs::WqMode;
 
 /// Chooses descriptors for an injected fault or error: called with the
 /// 1-based index of the COMPVAL descriptor among all the device executed,

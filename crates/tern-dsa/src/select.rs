@@ -5,7 +5,7 @@
 use std::fmt;
 use std::str::FromStr;
 
-use super::sysfs::WorkQueueInfo;
+use crate::sysfs::WorkQueueInfo;
 
 /// One entry of a device list.
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
@@ -213,7 +213,7 @@ pub fn current_numa_node() -> Option<u32> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::dsa::sysfs::{AccelKind, WqMode};
+    use crate::sysfs::{AccelKind, WqMode};
 
     fn wq(device: &str, queue: &str) -> WorkQueueInfo {
         WorkQueueInfo {

@@ -1,6 +1,6 @@
 //! Delta records on DSA: create-delta-record and apply-delta-record, on a
 //! DSA work queue or the software device (which runs the same
-//! descriptors), with the CPU codec of [`crate::delta`] as fallback.
+//! descriptors), with the CPU codec of [`tern_page::delta`] as fallback.
 //!
 //! Both produce the same bytes: the wire format *is* DSA's record format.
 //! Each call is synchronous: one descriptor, polled until its completion
@@ -12,19 +12,28 @@
 //! answers. Anything but a clean completion (a page fault, an error, a
 //! refused submission, a record that fails validation) also falls back to
 //! the CPU, so the result never depends on the device behaving.
+//!
+//! [`DsaDeltaOffload`] implements tern-page's [`DeltaOffload`].
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
-use super::OffloadError;
-use super::desc::*;
-use super::offload::DsaConfig;
-use super::queue::{DsaQueue, HardwareQueue};
-use super::soft::{SoftwareDsa, SoftwareDsaConfig};
-use super::sysfs::discover_work_queues;
-use crate::PAGE_SIZE;
-use crate::delta::{DeltaError, MAX_DELTA_LEN, apply_delta, create_delta, validate_delta};
+use tern_page::delta::{DeltaError, MAX_DELTA_LEN, apply_delta, create_delta, validate_delta};
+use tern_page::{DeltaOffload, DeltaOffloadStats, PAGE_SIZE};
+
+use crate::DsaError;
+use crate::desc::{
+    CompletionRecord, DELTA_RESULT_DIFFERENT, DELTA_RESULT_EQUAL, DELTA_RESULT_OVERFLOW,
+    Descriptor, DsaStatus, STATUS_NONE,
+};
+use crate::engine::DsaConfig;
+use crate::queue::{DsaQueue, HardwareQueue};
+use crate::soft::{SoftwareDsa, SoftwareDsaConfig};
+use crate::sysfs::{WorkQueueInfo, discover_work_queues};
+
+/// The page size as the descriptors' `u32` sizes.
+const PAGE_SIZE_U32: u32 = tern_wire::PAGE_SIZE;
 
 /// What one device job works on: copies of the inputs and room for the
 /// output, 32-byte aligned for the completion record.
@@ -47,21 +56,9 @@ impl Job {
     }
 }
 
-/// Counters of a [`DeltaOffload`].
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct DeltaOffloadStats {
-    /// Operations the device completed.
-    pub on_device: u64,
-    /// Operations the CPU did instead.
-    pub fallbacks: u64,
-    /// Jobs left to a device that did not answer in time (their memory is
-    /// never reused).
-    pub abandoned: u64,
-}
-
 /// Delta records through a DSA queue, the CPU as fallback.
 #[derive(Debug)]
-pub struct DeltaOffload {
+pub struct DsaDeltaOffload {
     queue: Arc<dyn DsaQueue>,
     deadline: Duration,
     on_device: AtomicU64,
@@ -75,35 +72,35 @@ pub struct DeltaOffload {
 pub const DELTA_DEADLINE: Duration = Duration::from_millis(100);
 
 /// Delta records on tern's software DSA device.
-pub fn software_delta_offload(config: SoftwareDsaConfig) -> Arc<DeltaOffload> {
-    Arc::new(DeltaOffload::new(
+pub fn software_delta_offload(config: SoftwareDsaConfig) -> Arc<DsaDeltaOffload> {
+    Arc::new(DsaDeltaOffload::new(
         Arc::new(SoftwareDsa::new(config)),
         DELTA_DEADLINE,
     ))
 }
 
 /// Delta records on the first DSA work queue `config` selects.
-pub fn open_delta_offload(config: &DsaConfig) -> Result<Arc<DeltaOffload>, OffloadError> {
-    if !cfg!(feature = "dsa") {
-        return Err(OffloadError::NotBuilt { feature: "dsa" });
-    }
+pub fn open_delta_offload(config: &DsaConfig) -> Result<Arc<DsaDeltaOffload>, DsaError> {
     let found = discover_work_queues(&config.sysfs_root, &config.dev_root)?;
     let info = found
         .iter()
         .find(|info| config.devices.matches(info))
-        .ok_or_else(|| OffloadError::NoMatch {
+        .ok_or_else(|| DsaError::NoMatch {
             selection: config.devices.to_string(),
             found: found
                 .iter()
-                .map(super::sysfs::WorkQueueInfo::full_name)
+                .map(WorkQueueInfo::full_name)
                 .collect::<Vec<_>>()
                 .join(", "),
         })?;
     let queue = HardwareQueue::open(info, config.force_write, config.submit_attempts)?;
-    Ok(Arc::new(DeltaOffload::new(Arc::new(queue), DELTA_DEADLINE)))
+    Ok(Arc::new(DsaDeltaOffload::new(
+        Arc::new(queue),
+        DELTA_DEADLINE,
+    )))
 }
 
-impl DeltaOffload {
+impl DsaDeltaOffload {
     /// Uses `queue`, waiting at most `deadline` for each completion.
     pub fn new(queue: Arc<dyn DsaQueue>, deadline: Duration) -> Self {
         Self {
@@ -112,88 +109,6 @@ impl DeltaOffload {
             on_device: AtomicU64::new(0),
             fallbacks: AtomicU64::new(0),
             abandoned: AtomicU64::new(0),
-        }
-    }
-
-    /// The counters so far.
-    pub fn stats(&self) -> DeltaOffloadStats {
-        DeltaOffloadStats {
-            on_device: self.on_device.load(Ordering::Relaxed),
-            fallbacks: self.fallbacks.load(Ordering::Relaxed),
-            abandoned: self.abandoned.load(Ordering::Relaxed),
-        }
-    }
-
-    /// [`create_delta`] on the device: the same contract and the same
-    /// bytes.
-    pub fn create(
-        &self,
-        old: &[u8; PAGE_SIZE],
-        new: &[u8; PAGE_SIZE],
-        out: &mut [u8],
-    ) -> Option<usize> {
-        let limit = out.len().min(MAX_DELTA_LEN);
-        let mut job = Job::new();
-        job.old.copy_from_slice(old);
-        job.new.copy_from_slice(new);
-        let desc = Descriptor::create_delta(
-            job.old.as_ptr() as u64,
-            job.new.as_ptr() as u64,
-            tern_wire::PAGE_SIZE,
-            job.delta.as_mut_ptr() as u64,
-            u32::try_from(limit).expect("at most MAX_DELTA_LEN"),
-            std::ptr::addr_of!(job.record) as u64,
-        );
-        let Some(job) = self.run(job, &desc) else {
-            return self.cpu_create(old, new, out);
-        };
-        let size = job.record.delta_rec_size() as usize;
-        match (job.record.result, size) {
-            (DELTA_RESULT_OVERFLOW, _) => {
-                self.on_device.fetch_add(1, Ordering::Relaxed);
-                None
-            }
-            // Equal pages still get one entry (a record is never empty):
-            // the CPU codec writes it, identically.
-            (DELTA_RESULT_EQUAL, 0) => {
-                self.on_device.fetch_add(1, Ordering::Relaxed);
-                create_delta(old, new, out)
-            }
-            (DELTA_RESULT_DIFFERENT, size)
-                if size <= limit && validate_delta(&job.delta[..size]).is_ok() =>
-            {
-                self.on_device.fetch_add(1, Ordering::Relaxed);
-                out[..size].copy_from_slice(&job.delta[..size]);
-                Some(size)
-            }
-            _ => self.cpu_create(old, new, out),
-        }
-    }
-
-    /// [`apply_delta`] on the device; the record is validated on the CPU
-    /// first, so a bad record is refused the same way whatever runs it.
-    pub fn apply(&self, record: &[u8], page: &mut [u8; PAGE_SIZE]) -> Result<(), DeltaError> {
-        validate_delta(record)?;
-        let mut job = Job::new();
-        job.delta[..record.len()].copy_from_slice(record);
-        job.new.copy_from_slice(page);
-        let desc = Descriptor::apply_delta(
-            job.delta.as_ptr() as u64,
-            u32::try_from(record.len()).expect("validated: at most MAX_DELTA_LEN"),
-            job.new.as_mut_ptr() as u64,
-            tern_wire::PAGE_SIZE,
-            std::ptr::addr_of!(job.record) as u64,
-        );
-        match self.run(job, &desc) {
-            Some(job) => {
-                self.on_device.fetch_add(1, Ordering::Relaxed);
-                page.copy_from_slice(&job.new);
-                Ok(())
-            }
-            None => {
-                self.fallbacks.fetch_add(1, Ordering::Relaxed);
-                apply_delta(record, page)
-            }
         }
     }
 
@@ -235,10 +150,97 @@ impl DeltaOffload {
     }
 }
 
+impl DeltaOffload for DsaDeltaOffload {
+    fn stats(&self) -> DeltaOffloadStats {
+        DeltaOffloadStats {
+            on_device: self.on_device.load(Ordering::Relaxed),
+            fallbacks: self.fallbacks.load(Ordering::Relaxed),
+            abandoned: self.abandoned.load(Ordering::Relaxed),
+        }
+    }
+
+    fn create(
+        &self,
+        old: &[u8; PAGE_SIZE],
+        new: &[u8; PAGE_SIZE],
+        out: &mut [u8],
+    ) -> Option<usize> {
+        let limit = out.len().min(MAX_DELTA_LEN);
+        let mut job = Job::new();
+        job.old.copy_from_slice(old);
+        job.new.copy_from_slice(new);
+        let desc = Descriptor::create_delta(
+            job.old.as_ptr() as u64,
+            job.new.as_ptr() as u64,
+            PAGE_SIZE_U32,
+            job.delta.as_mut_ptr() as u64,
+            u32::try_from(limit).expect("at most MAX_DELTA_LEN"),
+            std::ptr::addr_of!(job.record) as u64,
+        );
+        let Some(job) = self.run(job, &desc) else {
+            return self.cpu_create(old, new, out);
+        };
+        let size = job.record.delta_rec_size() as usize;
+        match (job.record.result, size) {
+            (DELTA_RESULT_OVERFLOW, _) => {
+                self.on_device.fetch_add(1, Ordering::Relaxed);
+                None
+            }
+            // Equal pages still get one entry (a record is never empty):
+            // the CPU codec writes it, identically.
+            (DELTA_RESULT_EQUAL, 0) => {
+                self.on_device.fetch_add(1, Ordering::Relaxed);
+                create_delta(old, new, out)
+            }
+            (DELTA_RESULT_DIFFERENT, size)
+                if size <= limit && validate_delta(&job.delta[..size]).is_ok() =>
+            {
+                self.on_device.fetch_add(1, Ordering::Relaxed);
+                out[..size].copy_from_slice(&job.delta[..size]);
+                Some(size)
+            }
+            _ => self.cpu_create(old, new, out),
+        }
+    }
+
+    // The record is validated on the CPU first, so a bad record is refused
+    // the same way whatever runs it.
+    fn apply(&self, record: &[u8], page: &mut [u8; PAGE_SIZE]) -> Result<(), DeltaError> {
+        validate_delta(record)?;
+        let mut job = Job::new();
+        job.delta[..record.len()].copy_from_slice(record);
+        job.new.copy_from_slice(page);
+        let desc = Descriptor::apply_delta(
+            job.delta.as_ptr() as u64,
+            u32::try_from(record.len()).expect("validated: at most MAX_DELTA_LEN"),
+            job.new.as_mut_ptr() as u64,
+            PAGE_SIZE_U32,
+            std::ptr::addr_of!(job.record) as u64,
+        );
+        match self.run(job, &desc) {
+            Some(job) => {
+                self.on_device.fetch_add(1, Ordering::Relaxed);
+                page.copy_from_slice(&job.new);
+                Ok(())
+            }
+            None => {
+                self.fallbacks.fetch_add(1, Ordering::Relaxed);
+                apply_delta(record, page)
+            }
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
-    use super::*;
-    use crate::dsa::{SoftwareDsa, SoftwareDsaConfig};
+    use std::sync::Arc;
+    use std::time::Duration;
+
+    use tern_page::delta::{MAX_DELTA_LEN, create_delta};
+    use tern_page::{DeltaOffload, DeltaOffloadStats, PAGE_SIZE};
+
+    use super::DsaDeltaOffload;
+    use crate::soft::{SoftwareDsa, SoftwareDsaConfig};
 
     fn page(seed: u8) -> Box<[u8; PAGE_SIZE]> {
         let mut page = Box::new([0u8; PAGE_SIZE]);
@@ -248,8 +250,8 @@ mod tests {
         page
     }
 
-    fn offload(config: SoftwareDsaConfig) -> DeltaOffload {
-        DeltaOffload::new(Arc::new(SoftwareDsa::new(config)), Duration::from_secs(30))
+    fn offload(config: SoftwareDsaConfig) -> DsaDeltaOffload {
+        DsaDeltaOffload::new(Arc::new(SoftwareDsa::new(config)), Duration::from_secs(30))
     }
 
     #[test]
@@ -304,7 +306,7 @@ mod tests {
 
     #[test]
     fn a_lost_descriptor_is_abandoned_and_the_cpu_answers() {
-        let losing = DeltaOffload::new(
+        let losing = DsaDeltaOffload::new(
             Arc::new(SoftwareDsa::new(SoftwareDsaConfig {
                 lose_if: Some(Arc::new(|_, _| true)),
                 ..SoftwareDsaConfig::default()

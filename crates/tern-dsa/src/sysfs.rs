@@ -10,7 +10,7 @@
 use std::fs;
 use std::path::{Path, PathBuf};
 
-use super::OffloadError;
+use crate::DsaError;
 
 /// How a work queue accepts descriptors.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -118,15 +118,15 @@ impl AccelKind {
 ///
 /// # Errors
 ///
-/// [`OffloadError::NoWorkQueue`] if the tree is missing or holds no usable
+/// [`DsaError::NoWorkQueue`] if the tree is missing or holds no usable
 /// queue, with a hint on how to configure one.
 pub fn discover_work_queues(
     sysfs_root: &Path,
     dev_root: &Path,
-) -> Result<Vec<WorkQueueInfo>, OffloadError> {
+) -> Result<Vec<WorkQueueInfo>, DsaError> {
     let found = discover_queues(sysfs_root, AccelKind::Dsa, dev_root);
     if found.is_empty() {
-        return Err(OffloadError::NoWorkQueue {
+        return Err(DsaError::NoWorkQueue {
             root: sysfs_root.display().to_string(),
         });
     }
@@ -140,15 +140,15 @@ pub fn discover_work_queues(
 ///
 /// # Errors
 ///
-/// [`OffloadError::NoIaaQueue`] if the tree is missing or holds no usable
+/// [`DsaError::NoIaaQueue`] if the tree is missing or holds no usable
 /// IAA queue.
 pub fn discover_iaa_work_queues(
     sysfs_root: &Path,
     dev_root: &Path,
-) -> Result<Vec<WorkQueueInfo>, OffloadError> {
+) -> Result<Vec<WorkQueueInfo>, DsaError> {
     let found = discover_queues(sysfs_root, AccelKind::Iaa, dev_root);
     if found.is_empty() {
-        return Err(OffloadError::NoIaaQueue {
+        return Err(DsaError::NoIaaQueue {
             root: sysfs_root.display().to_string(),
         });
     }
@@ -358,7 +358,7 @@ pub(crate) mod tests {
         fake_wq(t.path(), true, 0, 0, "disabled", "user", "dedicated", 32);
         assert!(matches!(
             discover_work_queues(t.path(), Path::new("/d")),
-            Err(OffloadError::NoWorkQueue { .. })
+            Err(DsaError::NoWorkQueue { .. })
         ));
     }
 
@@ -393,7 +393,7 @@ pub(crate) mod tests {
         fake_iaa_wq(t.path(), true, 0, 0);
         assert!(matches!(
             discover_work_queues(t.path(), Path::new("/d")),
-            Err(OffloadError::NoWorkQueue { .. })
+            Err(DsaError::NoWorkQueue { .. })
         ));
         let empty = tempfile::tempdir().unwrap();
         let err = discover_iaa_work_queues(empty.path(), Path::new("/d")).unwrap_err();

@@ -20,16 +20,16 @@
 //!   fullness, so the same bound applies.
 //!
 //! A dedicated queue takes one opener: a second process gets EBUSY, reported
-//! as [`OffloadError::QueueBusy`] naming the queue. Shared queues take many.
+//! as [`DsaError::QueueBusy`] naming the queue. Shared queues take many.
 
 use std::fmt;
 use std::fs::OpenOptions;
 use std::os::fd::{AsRawFd, OwnedFd};
 use std::sync::atomic::{AtomicU64, Ordering};
 
-use super::OffloadError;
-use super::desc::{Descriptor, OPCODE_BATCH};
-use super::sysfs::{WorkQueueInfo, WqMode};
+use crate::DsaError;
+use crate::desc::{Descriptor, OPCODE_BATCH};
+use crate::sysfs::{WorkQueueInfo, WqMode};
 
 /// How descriptors reach a queue.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -209,13 +209,13 @@ impl Drop for Portal {
 /// The error for a failed open of `info`'s device node: EBUSY is a
 /// dedicated queue someone else holds (the driver allows one opener), named
 /// so the user knows which queue and what to do.
-fn open_error(info: &WorkQueueInfo, source: std::io::Error) -> OffloadError {
+fn open_error(info: &WorkQueueInfo, source: std::io::Error) -> DsaError {
     if source.raw_os_error() == Some(libc::EBUSY) {
-        OffloadError::QueueBusy {
+        DsaError::QueueBusy {
             queue: info.full_name(),
         }
     } else {
-        OffloadError::Open {
+        DsaError::Open {
             path: info.dev_path.clone(),
             source,
         }
@@ -242,14 +242,14 @@ impl HardwareQueue {
     ///
     /// # Errors
     ///
-    /// [`OffloadError::Open`] if the device node cannot be opened (missing,
+    /// [`DsaError::Open`] if the device node cannot be opened (missing,
     /// or permissions: the node is root-owned unless udev rules say
     /// otherwise).
     pub fn open(
         info: &WorkQueueInfo,
         force_write: bool,
         enqcmd_attempts: u32,
-    ) -> Result<Self, OffloadError> {
+    ) -> Result<Self, DsaError> {
         let file = OpenOptions::new()
             .read(true)
             .write(true)
@@ -482,7 +482,7 @@ mod tests {
     #[test]
     fn opening_a_missing_node_is_an_error() {
         let info = WorkQueueInfo {
-            kind: crate::dsa::sysfs::AccelKind::Dsa,
+            kind: crate::sysfs::AccelKind::Dsa,
             device: "dsa9".into(),
             queue: "wq9.0".into(),
             label: String::new(),
@@ -496,7 +496,7 @@ mod tests {
         assert!(err.to_string().contains("/nonexistent/dsa/wq9.0"), "{err}");
         // A dedicated queue another process holds: EBUSY, named.
         let busy = open_error(&info, std::io::Error::from_raw_os_error(libc::EBUSY));
-        assert!(matches!(busy, OffloadError::QueueBusy { .. }), "{busy:?}");
+        assert!(matches!(busy, DsaError::QueueBusy { .. }), "{busy:?}");
         let msg = busy.to_string();
         assert!(
             msg.contains("dsa9/wq9.0") && msg.contains("shared"),

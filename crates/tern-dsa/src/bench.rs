@@ -11,11 +11,13 @@ use std::hint::black_box;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use super::offload::{DsaConfig, MAX_BATCH_PAGES, ZeroOffloadStats, ZeroPageOffload, open_dsa};
-use super::{offload::software_dsa, soft::SoftwareDsaConfig};
-use crate::zero::{
+use tern_page::zero::{
     PAGE_SIZE, ZeroCheckBackend, ZeroChecker, is_zero_page_qemu_style, read_bandwidth_probe,
 };
+use tern_page::{MAX_BATCH_PAGES, ZeroOffloadStats, ZeroPageOffload};
+
+use crate::engine::{DsaConfig, open_dsa, software_dsa};
+use crate::soft::SoftwareDsaConfig;
 
 /// One measurement.
 #[derive(Clone, Debug, PartialEq)]
@@ -56,18 +58,7 @@ pub fn bench_zero(buffer_bytes: usize, rounds: usize) -> Vec<ZeroBenchRow> {
     let start = storage.as_ptr().align_offset(PAGE_SIZE);
     let buf = &mut storage[start..start + bytes];
 
-    let mut offloads: Vec<(String, Arc<dyn ZeroPageOffload>)> = Vec::new();
-    offloads.push((
-        "soft-dsa".to_owned(),
-        software_dsa(SoftwareDsaConfig {
-            max_batch_size: MAX_BATCH_PAGES,
-            ..Default::default()
-        }),
-    ));
-    if let Ok(dsa) = open_dsa(&DsaConfig::default()) {
-        offloads.push(("dsa".to_owned(), dsa));
-    }
-
+    let offloads = bench_offloads();
     let mut rows = Vec::new();
     let cases: [(&'static str, Option<usize>); 3] = [
         ("zero", None),
@@ -132,6 +123,21 @@ pub fn bench_zero(buffer_bytes: usize, rounds: usize) -> Vec<ZeroBenchRow> {
     rows
 }
 
+/// The offloads measured: the software device, and DSA when it opens.
+fn bench_offloads() -> Vec<(String, Arc<dyn ZeroPageOffload>)> {
+    let mut offloads: Vec<(String, Arc<dyn ZeroPageOffload>)> = vec![(
+        "soft-dsa".to_owned(),
+        software_dsa(SoftwareDsaConfig {
+            max_batch_size: MAX_BATCH_PAGES,
+            ..Default::default()
+        }),
+    )];
+    if let Ok(dsa) = open_dsa(&DsaConfig::default()) {
+        offloads.push(("dsa".to_owned(), dsa));
+    }
+    offloads
+}
+
 /// Completion-thread CPU per GiB checked between two snapshots.
 fn completion_cpu_per_gib(before: &ZeroOffloadStats, after: &ZeroOffloadStats) -> Option<Duration> {
     let pages = after.pages_checked() - before.pages_checked();
@@ -169,7 +175,9 @@ fn count_with_offload(off: &dyn ZeroPageOffload, buf: &[u8]) -> usize {
 
 #[cfg(test)]
 mod tests {
-    use super::*;
+    use tern_page::zero::ZeroCheckBackend;
+
+    use super::bench_zero;
 
     #[test]
     fn bench_rows_for_every_backend() {
@@ -206,7 +214,7 @@ mod tests {
 
     /// The figure for docs/zero-page-detection.md: completion-thread CPU on
     /// the software device over a DRAM-sized buffer. Run with
-    /// `cargo test -p tern-page --release completion_thread_cpu -- --ignored --nocapture`.
+    /// `cargo test -p tern-dsa --release completion_thread_cpu -- --ignored --nocapture`.
     #[test]
     #[ignore = "a measurement (256 MiB x 5 rounds), not a check"]
     fn completion_thread_cpu_on_the_software_device() {

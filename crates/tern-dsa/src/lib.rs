@@ -1,5 +1,8 @@
-//! Zero-page detection offloaded to Intel DSA (Data Streaming Accelerator),
-//! with a software device for machines without one and the CPU as fallback.
+//! tern's Intel DSA (Data Streaming Accelerator) driver: zero-page checks
+//! and delta records on DSA work queues, with a software device for machines
+//! without one and the CPU as fallback. It implements the offload traits of
+//! `tern-page` ([`tern_page::ZeroPageOffload`], [`tern_page::DeltaOffload`]);
+//! the dependency points one way, from here to tern-page.
 //!
 //! The layers, bottom up:
 //!
@@ -12,27 +15,49 @@
 //!   ENQCMD or write(), chosen at start-up).
 //! * [`soft`]: [`SoftwareDsa`], a thread that executes the same descriptors,
 //!   with injectable faults, delays and errors.
-//! * [`offload`]: the asynchronous batch API workers use
-//!   ([`ZeroPageOffload`]), its DSA implementation with a completion thread
-//!   and CPU fallback, and a CPU-only implementation with the same shape.
+//! * [`engine`]: [`DsaOffload`], the asynchronous batch engine behind
+//!   [`ZeroPageOffload`](tern_page::ZeroPageOffload): batch slots, the
+//!   submission path, the completion thread, and the decoding of records
+//!   with CPU fallback; [`open_dsa`] and [`software_dsa`] build one.
 //! * [`delta`]: create- and apply-delta-record descriptors for delta pages
-//!   ([`DeltaOffload`]), on a queue or the software device, CPU fallback.
+//!   ([`DsaDeltaOffload`]), on a queue or the software device, CPU fallback.
 //! * [`mod@bench`]: throughput of every backend for `tern bench zero`.
 //!
 //! See `docs/zero-page-detection.md` for the design and the DSA set-up.
+//! **DSA hardware: not yet run**; the software device runs the tests.
 //!
-//! # Cargo feature
+//! # Example
 //!
-//! The `dsa` feature (on by default) decides whether tern opens DSA
-//! hardware: without it [`open_dsa`] fails with [`OffloadError::NotBuilt`].
-//! The engine, the descriptors and the software device are plain Rust with
-//! no dependency, so they are always built (the software device is what the
-//! tests run).
+//! ```
+//! use tern_dsa::{SoftwareDsaConfig, software_dsa};
+//! use tern_page::PAGE_SIZE;
+//!
+//! let offload = software_dsa(SoftwareDsaConfig::default());
+//! let pages = [vec![0u8; PAGE_SIZE], vec![1u8; PAGE_SIZE]];
+//! let pointers: Vec<*const u8> = pages.iter().map(|page| page.as_ptr()).collect();
+//! // SAFETY: the pages stay readable until `wait` returns.
+//! let ticket = unsafe { offload.submit(&pointers) }?;
+//! let mut is_zero = Vec::new();
+//! offload.wait(ticket, &mut is_zero)?;
+//! assert_eq!(is_zero, [true, false]);
+//! # Ok::<(), tern_page::OffloadError>(())
+//! ```
+
+#![warn(missing_docs)]
+// Numeric casts that can truncate or change sign are spelled out (try_from,
+// or an `expect` attribute with the reason), as in tern-page.
+#![warn(
+    clippy::cast_possible_truncation,
+    clippy::cast_sign_loss,
+    clippy::cast_possible_wrap,
+    clippy::cast_lossless,
+    clippy::ptr_as_ptr
+)]
 
 pub mod bench;
 pub mod delta;
 pub mod desc;
-pub mod offload;
+pub mod engine;
 pub mod queue;
 pub mod select;
 pub mod soft;
@@ -41,23 +66,17 @@ pub mod sysfs;
 use std::path::PathBuf;
 
 pub use bench::{ZeroBenchRow, bench_zero};
-pub use delta::{
-    DELTA_DEADLINE, DeltaOffload, DeltaOffloadStats, open_delta_offload, software_delta_offload,
-};
+pub use delta::{DELTA_DEADLINE, DsaDeltaOffload, open_delta_offload, software_delta_offload};
 pub use desc::{CompletionRecord, Descriptor, DsaStatus};
-pub use offload::{
-    CpuOffload, DsaConfig, MAX_BATCH_PAGES, OffloadConfig, Ticket, ZeroAsNormal, ZeroOffloadStats,
-    ZeroPageOffload, cpu_offload, open_dsa,
-};
-pub use offload::{DsaOffload, software_dsa};
+pub use engine::{DsaConfig, DsaOffload, OffloadConfig, open_dsa, software_dsa};
 pub use queue::{CpuSubmitFeatures, DsaQueue, HardwareQueue, SubmissionMethod, SubmitError};
 pub use select::{BadSelection, DsaDevice, DsaSelection, NumaPolicy};
 pub use soft::{SoftwareDsa, SoftwareDsaConfig, StallGate};
 pub use sysfs::{AccelKind, WorkQueueInfo, WqMode, discover_iaa_work_queues, discover_work_queues};
 
-/// Why the offload could not be set up or a call was refused.
+/// Why DSA could not be set up.
 #[derive(Debug, thiserror::Error)]
-pub enum OffloadError {
+pub enum DsaError {
     /// Discovery found nothing usable.
     #[error(
         "no DSA work queue found in {root} (is the idxd driver loaded and a user work queue \
@@ -106,17 +125,4 @@ pub enum OffloadError {
     /// Work queues were found but none could be opened.
     #[error("no DSA work queue could be opened: {0}")]
     NoneOpened(String),
-    /// More pages than one submission takes.
-    #[error("{0} pages in one submission; at most {MAX_BATCH_PAGES}")]
-    TooManyPages(usize),
-    /// DSA was asked for but the `dsa` feature was off when tern-page was
-    /// built.
-    #[error("tern-page was built without the {feature} feature")]
-    NotBuilt {
-        /// The feature: `dsa`.
-        feature: &'static str,
-    },
-    /// A ticket from another offload, or one already waited on.
-    #[error("ticket does not belong to this offload or was already waited on")]
-    BadTicket,
 }

@@ -7,28 +7,23 @@
 //! pages × `PAGE_SIZE` bytes: its output buffer is exactly that long and
 //! zstd stops at its end.
 
-#[cfg(feature = "zstd")]
 use tern_wire::MAX_PAGES_PER_PACKET;
 
-#[cfg(feature = "zstd")]
-use super::CodecError;
-#[cfg(feature = "zstd")]
-use super::looks_incompressible_bytes;
-#[cfg(feature = "zstd")]
-use super::{CodecCounters, CodecDictionary, CompressedBatch, PageOutcome, RawReason};
-#[cfg(feature = "zstd")]
 use crate::PAGE_SIZE;
+use crate::codec::batch::{CompressedBatch, PageOutcome, RawReason};
+use crate::codec::dictionary::CodecDictionary;
+use crate::codec::error::CodecError;
+use crate::codec::sample::looks_incompressible_bytes;
+use crate::codec::stats::CodecCounters;
 
 /// A worker's buffers for packet frames: the packet's pages as one input,
 /// and the frame. Allocated once, at most a packet's worth each.
 #[derive(Debug, Default)]
-#[cfg_attr(not(feature = "zstd"), allow(dead_code))]
-pub struct PacketFrame {
+pub(super) struct PacketFrame {
     input: Vec<u8>,
     output: Vec<u8>,
 }
 
-#[cfg(feature = "zstd")]
 impl PacketFrame {
     /// Compresses the pages at `pages` into one frame in `batch`: the first
     /// compressed page's outcome holds the whole frame, the others hold no
@@ -43,7 +38,7 @@ impl PacketFrame {
     /// copied first).
     pub(super) unsafe fn compress(
         &mut self,
-        compressor: &mut zstd::bulk::Compressor<'static>,
+        compressor: &mut ::zstd::bulk::Compressor<'static>,
         pages: &[*const u8],
         batch: &mut CompressedBatch,
         sampling: bool,
@@ -117,14 +112,12 @@ impl PacketFrame {
 
 /// A destination's zstd decoders: one without a dictionary, one per
 /// dictionary of the session, and the output of packet frames.
-#[cfg(feature = "zstd")]
 pub(super) struct ZstdDecoders {
-    plain: zstd::bulk::Decompressor<'static>,
-    with_dictionary: Vec<(u8, zstd::bulk::Decompressor<'static>)>,
+    plain: ::zstd::bulk::Decompressor<'static>,
+    with_dictionary: Vec<(u8, ::zstd::bulk::Decompressor<'static>)>,
     packet: Vec<u8>,
 }
 
-#[cfg(feature = "zstd")]
 fn init_error(error: std::io::Error) -> CodecError {
     CodecError::Init {
         codec: "zstd",
@@ -134,7 +127,6 @@ fn init_error(error: std::io::Error) -> CodecError {
 
 /// A zstd decoding error: a full output buffer means the input decodes
 /// to more than it may.
-#[cfg(feature = "zstd")]
 fn decode_error(error: std::io::Error, too_long: CodecError) -> CodecError {
     let detail = error.to_string();
     if detail.contains("too small") {
@@ -147,11 +139,10 @@ fn decode_error(error: std::io::Error, too_long: CodecError) -> CodecError {
     }
 }
 
-#[cfg(feature = "zstd")]
 impl ZstdDecoders {
     pub(super) fn new() -> Result<Self, CodecError> {
         Ok(Self {
-            plain: zstd::bulk::Decompressor::new().map_err(init_error)?,
+            plain: ::zstd::bulk::Decompressor::new().map_err(init_error)?,
             with_dictionary: Vec::new(),
             packet: Vec::new(),
         })
@@ -161,7 +152,7 @@ impl ZstdDecoders {
         &mut self,
         dictionary: &CodecDictionary,
     ) -> Result<(), CodecError> {
-        let decoder = zstd::bulk::Decompressor::with_dictionary(dictionary.bytes())
+        let decoder = ::zstd::bulk::Decompressor::with_dictionary(dictionary.bytes())
             .map_err(|error| CodecError::Dictionary(format!("libzstd refuses it: {error}")))?;
         self.with_dictionary
             .retain(|(id, _)| *id != dictionary.id());
@@ -172,7 +163,7 @@ impl ZstdDecoders {
     fn decoder(
         &mut self,
         dictionary: u8,
-    ) -> Result<&mut zstd::bulk::Decompressor<'static>, CodecError> {
+    ) -> Result<&mut ::zstd::bulk::Decompressor<'static>, CodecError> {
         if dictionary == 0 {
             return Ok(&mut self.plain);
         }

@@ -1,6 +1,3 @@
-// Test data is made by truncating counters and random numbers on purpose.
-#![allow(clippy::cast_possible_truncation)]
-
 use super::*;
 use crate::PAGE_SIZE;
 
@@ -145,7 +142,7 @@ fn truncated_and_garbage_input_errors() {
 
 /// Streams that decode to `len` bytes, made with the codec libraries directly.
 fn stream_of_len(codec: CodecId, len: usize) -> Vec<u8> {
-    let data: Vec<u8> = (0..len).map(|i| (i % 251) as u8).collect();
+    let data: Vec<u8> = (0..len).map(|i| (i % 251).to_le_bytes()[0]).collect();
     match codec {
         CodecId::Zstd | CodecId::ZstdPacket => ::zstd::bulk::compress(&data, 1).unwrap(),
         CodecId::Deflate => {
@@ -213,15 +210,15 @@ fn garbage_fuzz_never_panics() {
         for i in 0..1500 {
             let input: Vec<u8> = if i % 2 == 0 {
                 let len = 1 + (next() % 600) as usize;
-                (0..len).map(|_| next() as u8).collect()
+                (0..len).map(|_| next().to_le_bytes()[0]).collect()
             } else {
                 // A valid stream with a few bytes flipped or cut.
                 let mut v = valid.clone();
                 for _ in 0..1 + next() % 4 {
-                    let at = (next() as usize) % v.len();
+                    let at = below(next(), v.len());
                     v[at] ^= 1 << (next() % 8);
                 }
-                v.truncate(1 + (next() as usize) % v.len());
+                v.truncate(1 + below(next(), v.len()));
                 v
             };
             let _ = d.decompress(&input, &mut page);
@@ -451,4 +448,10 @@ fn calibrating_qpl_without_libqpl_says_why() {
         ),
         "{error}"
     );
+}
+
+/// `random % n`, as an index.
+fn below(random: u64, n: usize) -> usize {
+    usize::try_from(random % u64::try_from(n).expect("a buffer length fits u64"))
+        .expect("below a usize")
 }

@@ -30,7 +30,7 @@ pub enum PageOutcome {
     Raw(RawReason),
 }
 
-/// The output of [`PageCompressor::compress_batch`]: compressed bytes packed
+/// The output of [`PageCompressor::compress_batch`](super::PageCompressor::compress_batch): compressed bytes packed
 /// back to back, and one outcome per input page. Reuse it across batches.
 #[derive(Debug, Default)]
 pub struct CompressedBatch {

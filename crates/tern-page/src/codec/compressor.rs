@@ -81,7 +81,7 @@ impl PageCompressor {
 
     /// A compressor for a command-line choice. `Qpl` uses the given path
     /// (and fails with [`CodecError::QplUnavailable`] without libqpl);
-    /// `Auto` is an error: resolve it with [`AutoSelector`] first.
+    /// `Auto` is an error: resolve it with [`AutoSelector`](super::AutoSelector) first.
     pub fn for_choice(
         choice: CodecChoice,
         level: i32,

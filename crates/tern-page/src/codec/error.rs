@@ -102,7 +102,7 @@ pub enum CodecError {
         /// The feature (and codec) name: `zstd`, `deflate`, `lz4` or `qpl`.
         feature: &'static str,
     },
-    /// `auto` must be resolved to a concrete codec (see [`AutoSelector`]).
+    /// `auto` must be resolved to a concrete codec (see [`AutoSelector`](super::AutoSelector)).
     #[error(
         "codec choice 'auto' must be resolved by the AutoSelector before building a compressor"
     )]

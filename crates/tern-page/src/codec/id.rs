@@ -145,7 +145,7 @@ pub enum CodecChoice {
     /// Deflate through Intel QPL (IAA when present), same wire format as
     /// [`CodecChoice::Deflate`].
     Qpl,
-    /// Chosen per iteration by [`AutoSelector`].
+    /// Chosen per iteration by [`AutoSelector`](super::AutoSelector).
     Auto,
 }
 

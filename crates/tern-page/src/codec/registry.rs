@@ -120,3 +120,34 @@ impl CodecChoice {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::{REGISTERED, find};
+    use crate::codec::id::CodecImpl;
+
+    #[test]
+    fn each_codec_is_registered_once_exactly_when_its_feature_is_on() {
+        let features = [
+            (CodecImpl::Zstd, cfg!(feature = "zstd")),
+            (CodecImpl::ZstdPacket, cfg!(feature = "zstd")),
+            (CodecImpl::Deflate, cfg!(feature = "deflate")),
+            (CodecImpl::Lz4, cfg!(feature = "lz4")),
+            (CodecImpl::Qpl, cfg!(feature = "qpl")),
+        ];
+        for (which, on) in features {
+            assert_eq!(find(which).is_some(), on, "{which:?}");
+            assert_eq!(which.is_built(), on, "{which:?}");
+        }
+        for which in CodecImpl::ALL {
+            let entries = REGISTERED
+                .iter()
+                .flat_map(|backends| backends.iter())
+                .filter(|backend| backend.implementation == which)
+                .count();
+            assert!(entries <= 1, "{which:?} registered {entries} times");
+        }
+        assert!(find(CodecImpl::None).is_none(), "none is no codec");
+        assert!(CodecImpl::None.is_built());
+    }
+}

@@ -292,6 +292,10 @@ mod feature_tests {
             eprintln!("skipped: libqpl loads here; this checks the machine without it");
             return;
         }
+        if !CodecId::Deflate.is_built() {
+            eprintln!("skipped: tern-page built without the deflate feature");
+            return;
+        }
         let mut page = [0u8; PAGE_SIZE];
         for (i, byte) in page.iter_mut().enumerate() {
             *byte = u8::try_from(i / 64).unwrap_or(u8::MAX);

@@ -376,8 +376,14 @@ impl CompletionRecord {
 
 #[cfg(test)]
 mod tests {
-    use super::*;
     use std::mem::{align_of, offset_of, size_of};
+
+    use super::{
+        CompletionRecord, Descriptor, DsaStatus, FLAG_BOF, FLAG_CRAV, FLAG_RCR, FLAGS_MASK,
+        OPCODE_AP_DELTA, OPCODE_BATCH, OPCODE_COMPVAL, OPCODE_CR_DELTA, OPCODE_NOOP,
+        STATUS_BAD_OPCODE, STATUS_DESC_CNT_ERANGE, STATUS_HW_ERR_DRB, STATUS_HW_ERR1,
+        STATUS_SUCCESS, STATUS_TRAFFIC_CLASS_CONF, STATUS_TRANSLATION_FAIL,
+    };
 
     #[test]
     fn descriptor_layout_matches_idxd_h() {

@@ -451,7 +451,9 @@ mod x86 {
 
 #[cfg(test)]
 mod tests {
-    use super::*;
+    use super::{CpuSubmitFeatures, HardwareQueue, SubmissionMethod, choose_method, open_error};
+    use crate::DsaError;
+    use crate::sysfs::{WorkQueueInfo, WqMode};
 
     #[test]
     fn method_choice() {

@@ -212,8 +212,8 @@ pub fn current_numa_node() -> Option<u32> {
 
 #[cfg(test)]
 mod tests {
-    use super::*;
-    use crate::sysfs::{AccelKind, WqMode};
+    use super::{DsaDevice, DsaSelection, current_numa_node, is_local};
+    use crate::sysfs::{AccelKind, WorkQueueInfo, WqMode};
 
     fn wq(device: &str, queue: &str) -> WorkQueueInfo {
         WorkQueueInfo {

@@ -20,7 +20,13 @@ use std::sync::{Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
 use std::time::Duration;
 
-use crate::desc::*;
+use crate::desc::{
+    CompletionRecord, DELTA_RESULT_DIFFERENT, DELTA_RESULT_EQUAL, DELTA_RESULT_OVERFLOW,
+    Descriptor, FLAG_CRAV, FLAG_RCR, OPCODE_AP_DELTA, OPCODE_BATCH, OPCODE_COMPVAL,
+    OPCODE_CR_DELTA, OPCODE_NOOP, STATUS_BAD_OPCODE, STATUS_BATCH_FAIL, STATUS_DESC_CNT_ERANGE,
+    STATUS_DESCLIST_ALIGN, STATUS_HW_ERR1, STATUS_PAGE_FAULT_NOBOF, STATUS_SUCCESS,
+    STATUS_XFER_ERANGE,
+};
 use crate::queue::{DsaQueue, SubmissionMethod, SubmitError};
 use crate::sysfs::WqMode;
 
@@ -691,8 +697,17 @@ unsafe fn write_record(rec: *mut CompletionRecord, o: Outcome) {
 
 #[cfg(test)]
 mod tests {
-    use super::*;
-    use std::time::Instant;
+    use std::sync::Arc;
+    use std::time::{Duration, Instant};
+
+    use super::{SoftwareDsa, SoftwareDsaConfig, StallGate};
+    use crate::desc::{
+        CompletionRecord, Descriptor, DsaStatus, FLAG_CRAV, FLAG_RCR, STATUS_BAD_OPCODE,
+        STATUS_BATCH_FAIL, STATUS_DESC_CNT_ERANGE, STATUS_DESCLIST_ALIGN, STATUS_HW_ERR1,
+        STATUS_NONE, STATUS_SUCCESS, STATUS_TRANSLATION_FAIL,
+    };
+    use crate::queue::{DsaQueue, SubmissionMethod, SubmitError};
+    use crate::sysfs::WqMode;
 
     /// Descriptors and records for direct device tests.
     #[repr(C, align(64))]

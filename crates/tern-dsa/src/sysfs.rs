@@ -272,7 +272,14 @@ fn read_queue(
 
 #[cfg(test)]
 pub(crate) mod tests {
-    use super::*;
+    use std::fs;
+    use std::path::Path;
+
+    use super::{
+        AccelKind, WorkQueueInfo, WqMode, discover_iaa_work_queues, discover_work_queues,
+        parse_wq_name,
+    };
+    use crate::DsaError;
 
     /// Writes a fake work queue directory.
     #[allow(clippy::too_many_arguments)] // a test fixture, read at call sites

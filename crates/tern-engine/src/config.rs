@@ -538,6 +538,11 @@ pub struct ReceiveConfig {
     /// one per core the process may use. `Some(0)`: each receiver
     /// decompresses its own packets, one core per channel at most.
     pub decode_threads: Option<usize>,
+    /// Keep the guest paused after a verified, committed switch-over and
+    /// hand it over paused ([`crate::Received::resumed`] is false): for a
+    /// VMM that resumes it itself (Cloud Hypervisor's `CompletePaused`,
+    /// libvirt's paused start).
+    pub keep_paused: bool,
 }
 
 /// Whether a destination without an auth key or TLS accepts sessions.
@@ -568,6 +573,7 @@ impl Default for ReceiveConfig {
             allow_unverified: false,
             switch_over_timeout: DEFAULT_SWITCH_OVER_TIMEOUT,
             decode_threads: None,
+            keep_paused: false,
         }
     }
 }

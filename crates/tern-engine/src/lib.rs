@@ -55,6 +55,7 @@
 
 pub mod bitmap;
 pub mod config;
+pub mod control;
 mod deadline;
 pub mod destination;
 mod digest;
@@ -74,6 +75,10 @@ pub use bitmap::DirtyBitmap;
 pub use config::{
     DEFAULT_SWITCH_OVER_TIMEOUT, DictionaryRefresh, LimitPolicy, MigrationConfig, ReceiveConfig,
     UnauthenticatedPolicy, UnknownName, Verify, ZeroCopyBackend, ZeroPageDetection,
+};
+pub use control::{
+    CONTRACT_VERSION, ControlError, Event, EventBody, MigrationHandle, MigrationParameters,
+    ReceiveHandle, ReceiveReport, Subscription,
 };
 pub use destination::{Destination, ReceivePhase, ReceiveStats, Received};
 pub use error::{ChannelError, MigrationError};

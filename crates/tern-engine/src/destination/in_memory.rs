@@ -214,6 +214,7 @@ impl Destination {
             cpu_start,
         )?;
         Ok(Received {
+            resumed: !self.config.keep_paused,
             guest,
             stats: self.local_stats(&stats),
             setup,

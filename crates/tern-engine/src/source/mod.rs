@@ -13,6 +13,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Instant;
 
 use crate::config::{MigrationConfig, Verify, ZeroPageDetection};
+use crate::control::{MigrationHandle, SourceControl};
 use crate::digest::{AuditPace, PageHashes};
 use crate::error::MigrationError;
 use crate::guest::{MemoryRegion, SourceGuest};
@@ -72,6 +73,7 @@ pub struct Source {
     zero_offload: Option<Arc<dyn tern_page::dsa::ZeroPageOffload>>,
     stats: Arc<LiveStats>,
     cancel: CancelToken,
+    control: Arc<SourceControl>,
 }
 
 /// What the guest was left in, so a failure can undo it.
@@ -133,12 +135,16 @@ impl Source {
             }),
             _ => None,
         };
+        let stats = Arc::new(LiveStats::new());
+        let cancel = CancelToken::new();
+        let control = Arc::new(SourceControl::new(&config, stats.clone(), cancel.clone()));
         Ok(Self {
             config,
             compression,
             zero_offload,
-            stats: Arc::new(LiveStats::new()),
-            cancel: CancelToken::new(),
+            stats,
+            cancel,
+            control,
         })
     }
 
@@ -150,6 +156,12 @@ impl Source {
     /// A token that cancels the migration.
     pub fn cancel_token(&self) -> CancelToken {
         self.cancel.clone()
+    }
+
+    /// A handle to query, steer, cancel and watch the migration from any
+    /// thread (see [`crate::control`]).
+    pub fn handle(&self) -> MigrationHandle {
+        MigrationHandle::new(self.control.clone())
     }
 
     /// Runs the migration to `address`. On success the guest stays paused
@@ -175,6 +187,7 @@ impl Source {
     ) -> Result<MigrationStats, MigrationFailure> {
         self.stats.start_clock();
         self.stats.set_downtime_limit(self.config.downtime_limit);
+        self.control.events.status(MigrationStatus::Setup, None);
         let cpu_start = thread_cpu_seconds();
         let mut changes = GuestChanges::default();
         let mut main: Option<Channel> = None;
@@ -198,6 +211,7 @@ impl Source {
                         "the downtime broke its limit"
                     );
                 }
+                self.control.finish(&stats);
                 Ok(stats)
             }
             Err(error) => {
@@ -207,6 +221,7 @@ impl Source {
                     }
                     channel.shutdown();
                 }
+                let failed_in = self.stats.status();
                 let status = if changes.committed {
                     tracing::error!(
                         error = %error.chain(),
@@ -224,6 +239,8 @@ impl Source {
                 self.stats.set_status(status);
                 let mut stats = self.stats.snapshot();
                 stats.error_desc = Some(error.chain());
+                stats.failed_in = Some(failed_in);
+                self.control.finish(&stats);
                 // Returned to the caller, who reports it: a warning here would
                 // print the same failure twice.
                 tracing::debug!(error = %error.chain(), "migration {}", status.as_str());
@@ -309,7 +326,11 @@ impl Source {
                     &mut pipeline,
                     dirty_log_started,
                 )
-                .and_then(|live| self.switch_over(guest, main, changes, &mut pipeline, live))
+                .and_then(|live| {
+                    self.stats.set_status(MigrationStatus::Device);
+                    self.control.events.status(MigrationStatus::Device, None);
+                    self.switch_over(guest, main, changes, &mut pipeline, live)
+                })
                 .map_err(|error| {
                     // A closed page channel is usually the symptom; the
                     // destination's abort message, when it sent one, is the
@@ -380,6 +401,7 @@ impl Source {
             zero_as_normal: config.zero_page_as_normal,
             compression,
             max_bandwidth: config.max_bandwidth,
+            bandwidth_cap: self.control.parameters.bandwidth_cap(),
             stats: self.stats.clone(),
             cancel: self.cancel.flag(),
             page_hashes,

@@ -282,6 +282,10 @@ pub struct MigrationConfig {
     pub io_timeout: Duration,
     /// How long to keep trying to reach the destination.
     pub connect_timeout: Duration,
+    /// How long the destination has to answer each channel's handshake
+    /// (the welcome, or the key exchange's challenge): a peer silent that
+    /// long is reported as not a tern destination.
+    pub handshake_timeout: Duration,
     /// How long the paused source waits for each of the destination's
     /// switch-over answers: "ready" after the last bytes were sent (without
     /// it, the source resumes its guest), then the acknowledgement of its
@@ -329,6 +333,7 @@ impl Default for MigrationConfig {
             zero_copy_window: 0,
             io_timeout: Duration::from_secs(30),
             connect_timeout: Duration::from_secs(10),
+            handshake_timeout: Duration::from_secs(10),
             security: Security::default(),
             switch_over_timeout: DEFAULT_SWITCH_OVER_TIMEOUT,
         }

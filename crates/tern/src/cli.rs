@@ -66,6 +66,9 @@ pub enum Command {
     /// Print a shell completion script: `tern completions bash >
     /// /etc/bash_completion.d/tern`.
     Completions(CompletionsArgs),
+    /// Send one command to the control socket of a running migrate, receive
+    /// or vm command, or print its events (docs/control.md).
+    Ctl(crate::ctl::CtlArgs),
     /// Report what this machine offers tern (KVM, DSA, IAA, QPL, kernel TLS,
     /// io_uring, memlock limit, huge pages, NUMA) and how to fix what is
     /// missing.
@@ -124,6 +127,8 @@ pub struct MigrateArgs {
     /// starts, before the report (docs/cli.md, "Events").
     #[arg(long)]
     pub events: bool,
+    #[command(flatten)]
+    pub steering: crate::steering::SteeringArgs,
 }
 
 /// Where and how a destination waits (`tern receive`, `tern vm receive`).
@@ -171,6 +176,16 @@ pub struct ListenArgs {
     /// in seconds; without it the guest is not resumed here.
     #[arg(long, default_value_t = 10, value_parser = clap::value_parser!(u64).range(1..))]
     pub switch_over_timeout: u64,
+    #[command(flatten)]
+    pub steering: crate::steering::SteeringArgs,
+    /// Keep the guest paused after a verified switch-over and hand it over:
+    /// `cont` on the control socket resumes it (needs --control-socket).
+    #[arg(long, requires = "control_socket")]
+    pub keep_paused: bool,
+    /// With --keep-paused: how long to wait for `cont`, in seconds; then
+    /// the guest is resumed anyway, never left paused.
+    #[arg(long, default_value_t = 60, value_parser = clap::value_parser!(u64).range(1..))]
+    pub paused_timeout: u64,
 }
 
 impl ListenArgs {
@@ -187,6 +202,7 @@ impl ListenArgs {
             qpl_path: self.qpl_path,
             switch_over_timeout: Duration::from_secs(self.switch_over_timeout),
             decode_threads: self.decode_threads.map(usize::from),
+            keep_paused: self.keep_paused,
             ..tern_engine::ReceiveConfig::default()
         };
         if self.qpl_path == QplPath::Hardware {
@@ -532,6 +548,10 @@ pub struct TransferArgs {
     /// How long to keep trying to reach the destination, in seconds.
     #[arg(long, default_value_t = 10)]
     pub connect_timeout: u64,
+    /// How long the destination has to answer the handshake, in seconds;
+    /// a peer silent that long is reported as not a tern destination.
+    #[arg(long = "handshake-timeout", default_value_t = 10, value_parser = clap::value_parser!(u64).range(1..))]
+    pub handshake_timeout: u64,
     /// How long the paused source waits for each switch-over answer of the
     /// destination, in seconds: without its "ready" the source guest
     /// resumes; without the acknowledgement of the commit the outcome is
@@ -652,6 +672,7 @@ impl TransferArgs {
             zero_copy_backend: self.zero_copy_backend,
             io_timeout: Duration::from_secs(self.io_timeout),
             connect_timeout: Duration::from_secs(self.connect_timeout),
+            handshake_timeout: Duration::from_secs(self.handshake_timeout),
             switch_over_timeout: Duration::from_secs(self.switch_over_timeout),
             ..MigrationConfig::default()
         })

@@ -21,6 +21,7 @@ pub fn dispatch(command: Command, verbose: bool) -> anyhow::Result<ExitCode> {
         Command::Receive(args) => receive(&args),
         Command::Bench(command) => crate::bench::run(command),
         Command::Vm(command) => crate::vm::run(command, verbose),
+        Command::Ctl(args) => crate::ctl::run(&args),
         Command::Doctor(args) => {
             crate::doctor::print(&crate::doctor::examine(), args.json)?;
             Ok(ExitCode::SUCCESS)
@@ -39,9 +40,11 @@ pub fn dispatch(command: Command, verbose: bool) -> anyhow::Result<ExitCode> {
 }
 
 /// A migration that started and did not complete, with what became of the
-/// guest. `tern` exits with 1 for it, 3 when the switch-over's outcome is
-/// unknown, or 128 + the signal that cancelled it; any other error is a
-/// usage or setup error (2).
+/// guest. `tern` exits with [`exit::FAILED`] for it, [`exit::NOTHING_SENT`]
+/// when it never got past the handshake, [`exit::OUTCOME_UNKNOWN`] when the
+/// switch-over's outcome is unknown, [`exit::CANCELLED`] when a control
+/// command cancelled it, or 128 + the signal that cancelled it; any other
+/// error is a usage or setup error ([`exit::USAGE`]).
 #[derive(Debug)]
 pub struct Incomplete(pub String);
 
@@ -56,24 +59,78 @@ impl Incomplete {
     pub fn error(error: impl Into<anyhow::Error>, what: impl Into<String>) -> anyhow::Error {
         error.into().context(Self(what.into()))
     }
+
+    /// A failed source migration, with the exit status its report implies.
+    pub fn source(failure: tern_engine::MigrationFailure, what: &str) -> anyhow::Error {
+        Self::source_error(failure.error, what, &failure.stats)
+    }
+
+    /// A source's `error`, with `stats` its report: marked [`NothingSent`]
+    /// when it failed before anything was sent.
+    pub fn source_error(
+        error: MigrationError,
+        what: &str,
+        stats: &MigrationStats,
+    ) -> anyhow::Error {
+        let nothing_sent = stats.failed_in == Some(tern_engine::MigrationStatus::Setup)
+            && !matches!(error, MigrationError::Cancelled);
+        let error = Self::error(error, what);
+        if nothing_sent {
+            error.context(NothingSent)
+        } else {
+            error
+        }
+    }
+}
+
+/// Marks a failure before anything was sent: the destination could not be
+/// reached, or the handshake with it failed.
+#[derive(Debug)]
+pub struct NothingSent;
+
+impl std::fmt::Display for NothingSent {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("nothing was sent")
+    }
+}
+
+/// tern's exit statuses (docs/cli.md, "Exit status").
+pub mod exit {
+    /// It failed mid-migration; the source guest runs on.
+    pub const FAILED: u8 = 1;
+    /// A usage or setup error: nothing was started.
+    pub const USAGE: u8 = 2;
+    /// The source committed and the destination did not confirm: the source
+    /// guest stays paused, the outcome is unknown.
+    pub const OUTCOME_UNKNOWN: u8 = 3;
+    /// Nothing was sent: the destination could not be reached, or it did
+    /// not complete the handshake (not a tern destination, refused, timed
+    /// out). The source guest runs on.
+    pub const NOTHING_SENT: u8 = 4;
+    /// Cancelled by a control command (`migrate_cancel`); the source guest
+    /// runs on.
+    pub const CANCELLED: u8 = 5;
 }
 
 /// The exit status for an error: see [`Incomplete`] and docs/cli.md.
 pub fn exit_code(error: &anyhow::Error) -> u8 {
-    let outcome_unknown = error.chain().any(|cause| {
-        matches!(
-            cause.downcast_ref::<MigrationError>(),
-            Some(MigrationError::OutcomeUnknown(_))
-        )
-    });
+    let cause_is = |test: fn(&MigrationError) -> bool| {
+        error
+            .chain()
+            .any(|cause| cause.downcast_ref::<MigrationError>().is_some_and(test))
+    };
     if error.downcast_ref::<Incomplete>().is_none() {
-        2
-    } else if outcome_unknown {
-        3
+        exit::USAGE
+    } else if cause_is(|error| matches!(error, MigrationError::OutcomeUnknown(_))) {
+        exit::OUTCOME_UNKNOWN
     } else if let Some(signal) = interrupted_by() {
         128 + signal as u8
+    } else if cause_is(|error| matches!(error, MigrationError::Cancelled)) {
+        exit::CANCELLED
+    } else if error.downcast_ref::<NothingSent>().is_some() {
+        exit::NOTHING_SENT
     } else {
-        1
+        exit::FAILED
     }
 }
 
@@ -344,6 +401,8 @@ fn migrate(args: &MigrateArgs, verbose: bool) -> anyhow::Result<ExitCode> {
         &format!("--memory {}", crate::units::human_bytes(args.guest.memory)),
     )?;
     let source = Source::new(config)?;
+    let steering = crate::steering::Steering::start(&args.steering)?;
+    steering.steer(&crate::control_socket::Target::Source(source.handle()));
     let mut guest = fill_guest(&args.guest)?;
     let cancel = source.cancel_token();
     install_interrupt_handler(move || cancel.cancel());
@@ -367,7 +426,7 @@ fn migrate(args: &MigrateArgs, verbose: bool) -> anyhow::Result<ExitCode> {
         Err(failure) => {
             report_failure(&failure.stats, args.json, verbose)?;
             let what = source_guest_after(&failure.error);
-            Err(Incomplete::error(failure.error, what))
+            Err(Incomplete::source(failure, what))
         }
     }
 }
@@ -420,45 +479,66 @@ pub fn serve_sessions(
 }
 
 fn receive(args: &ReceiveArgs) -> anyhow::Result<ExitCode> {
+    let steering = crate::steering::Steering::start(&args.listen.steering)?;
     serve_sessions(&args.listen, |destination, listener| {
-        receive_one(args, destination, listener)
+        steering.steer(&crate::control_socket::Target::Destination(
+            destination.handle(),
+        ));
+        receive_one(args, destination, listener, &steering)
     })
+}
+
+/// `tern receive --json`'s document: the destination's report and whether
+/// the resumed guest went on writing memory.
+#[derive(Serialize, schemars::JsonSchema)]
+#[serde(rename_all = "kebab-case")]
+pub(crate) struct ReceiveJson {
+    #[serde(flatten)]
+    report: tern_engine::ReceiveReport,
+    /// Whether the guest, resumed here, went on writing memory.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    resumed_guest_dirtying: Option<bool>,
 }
 
 fn receive_one(
     args: &ReceiveArgs,
     destination: &Destination,
     listener: &tern_engine::Listener,
+    steering: &crate::steering::Steering,
 ) -> anyhow::Result<ExitCode> {
     let progress = Progress::receiving(destination.stats());
     let received = destination.receive(listener, destination_guest);
     progress.finish();
-    let received = received
-        .map_err(|error| Incomplete::error(error, "the incoming migration did not complete"))?;
-    let running = guest_keeps_running(&received.guest, Duration::from_millis(args.run_after));
-    #[derive(Serialize)]
-    #[serde(rename_all = "kebab-case")]
-    struct ReceiveReport<'a> {
-        status: &'static str,
-        digest_verified: bool,
-        memory: u64,
-        resumed_guest_dirtying: bool,
-        #[serde(flatten)]
-        stats: &'a tern_engine::DestinationStats,
-        #[serde(flatten)]
-        security: &'a tern_engine::SessionSecurity,
-    }
-    let report = ReceiveReport {
-        status: "completed",
-        // The destination compared digests unless the source asked for none.
-        digest_verified: received.setup.digest != tern_wire::DigestAlgorithm::None,
-        memory: received.setup.total_bytes(),
-        resumed_guest_dirtying: running,
-        stats: &received.stats,
-        security: &received.security,
+    let mut received = match received {
+        Ok(received) => received,
+        Err(error) => {
+            if args.json {
+                print_json(&ReceiveJson {
+                    report: destination.handle().query(),
+                    resumed_guest_dirtying: None,
+                })?;
+            }
+            return Err(Incomplete::error(
+                error,
+                "the incoming migration did not complete",
+            ));
+        }
     };
+    if !received.resumed {
+        hand_over_paused(
+            &mut received.guest,
+            steering,
+            &destination.handle(),
+            Duration::from_secs(args.listen.paused_timeout),
+        )?;
+    }
+    let running = guest_keeps_running(&received.guest, Duration::from_millis(args.run_after));
+    let report = destination.handle().query();
     if args.json {
-        print_json(&report)?;
+        print_json(&ReceiveJson {
+            report,
+            resumed_guest_dirtying: Some(running),
+        })?;
     } else {
         println!(
             "received {} in {} pages with data and {} zero pages; digest {}; guest resumed{}",
@@ -475,6 +555,50 @@ fn receive_one(
         println!("channels: {}", security_line(&received.security));
     }
     Ok(ExitCode::SUCCESS)
+}
+
+/// Waits for `cont` on the control socket to resume a guest handed over
+/// paused, at most `timeout`; then resumes it anyway, so that it is never
+/// left paused.
+pub fn hand_over_paused<G: tern_engine::GuestControl>(
+    guest: &mut G,
+    steering: &crate::steering::Steering,
+    handle: &tern_engine::ReceiveHandle,
+    timeout: Duration,
+) -> anyhow::Result<()> {
+    let (asked, requests) = std::sync::mpsc::channel::<std::sync::mpsc::Sender<String>>();
+    steering.offer_resume(Box::new(move || {
+        let (answer, answered) = std::sync::mpsc::channel();
+        asked
+            .send(answer)
+            .map_err(|_| anyhow::anyhow!("the hand-over is over"))?;
+        match answered.recv_timeout(Duration::from_secs(10)) {
+            Ok(error) if error.is_empty() => Ok(()),
+            Ok(error) => Err(anyhow::anyhow!(error)),
+            Err(_) => Err(anyhow::anyhow!("no answer from the receiving command")),
+        }
+    }));
+    tracing::info!("the guest is paused here; waiting for cont on the control socket");
+    let answer = match requests.recv_timeout(timeout) {
+        Ok(answer) => Some(answer),
+        Err(_) => {
+            tracing::warn!(
+                "no cont within {} s: resuming the guest so that it is not left paused",
+                timeout.as_secs()
+            );
+            None
+        }
+    };
+    let resumed = guest.resume();
+    if let Some(answer) = answer {
+        let _ = answer.send(match &resumed {
+            Ok(()) => String::new(),
+            Err(error) => error.to_string(),
+        });
+    } else if resumed.is_ok() {
+        handle.note_resumed();
+    }
+    resumed.context("cannot resume the handed-over guest")
 }
 
 /// The first SIGINT or SIGTERM received, once a handler is installed.

@@ -42,6 +42,8 @@ pub(super) fn connect(
     }))
     .map_err(MigrationError::channel(0))?;
     expect_welcome(main, session_id, 0)?;
+    main.set_timeouts(config.io_timeout)
+        .map_err(MigrationError::channel(0))?;
     // Before any page channel: every receiver has it before its first packet.
     if let Some(dictionary) = dictionary {
         main.send_message(&Message::Dictionary(Dictionary {
@@ -81,7 +83,11 @@ fn open_channel(
     let mut channel = connector
         .connect(index, config.connect_timeout)
         .map_err(failed())?;
-    channel.set_timeouts(config.io_timeout).map_err(failed())?;
+    // Until the welcome: a peer that is not a tern destination is named
+    // within the handshake timeout (`expect_welcome` restores io_timeout).
+    channel
+        .set_timeouts(config.handshake_timeout.min(config.io_timeout))
+        .map_err(failed())?;
     let address = connector.address();
     let handshake = Handshake {
         session_id,
@@ -106,6 +112,9 @@ fn connect_page_channel(
         }))
         .map_err(MigrationError::channel(usize::from(index)))?;
     expect_welcome(&mut channel, session_id, index)?;
+    channel
+        .set_timeouts(config.io_timeout)
+        .map_err(MigrationError::channel(usize::from(index)))?;
     let Some(window) = zero_copy_window else {
         return Ok(PageSender::Plain(channel));
     };

@@ -237,6 +237,11 @@ impl Source {
                     }
                 };
                 self.stats.set_status(status);
+                let error = if failed_in == MigrationStatus::Setup {
+                    name_non_tern_peer(error, &connector.address(), &self.config)
+                } else {
+                    error
+                };
                 let mut stats = self.stats.snapshot();
                 stats.error_desc = Some(error.chain());
                 stats.failed_in = Some(failed_in);
@@ -431,6 +436,49 @@ impl Connect for Unreachable {
 
     fn address(&self) -> Address {
         self.0.clone()
+    }
+}
+
+/// A handshake on the main channel that failed the way a peer speaking
+/// another protocol makes it fail (a frame kind or magic tern never sends,
+/// silence past the handshake timeout), as [`MigrationError::NotTern`].
+fn name_non_tern_peer(
+    error: MigrationError,
+    address: &Address,
+    config: &MigrationConfig,
+) -> MigrationError {
+    use crate::error::ChannelError;
+    use tern_wire::WireError;
+    let MigrationError::Channel { index: 0, source } = &error else {
+        return error;
+    };
+    let detail = match source {
+        ChannelError::Protocol(WireError::UnknownFrameKind(kind)) => {
+            let shown = char::from(*kind);
+            if shown.is_ascii_graphic() {
+                format!("it sent a byte tern never starts a frame with ({kind}, {shown:?})")
+            } else {
+                format!("it sent a byte tern never starts a frame with ({kind})")
+            }
+        }
+        ChannelError::Protocol(WireError::BadMagic) => {
+            "it answered without tern's magic bytes".to_string()
+        }
+        ChannelError::Protocol(WireError::FrameTooLong { .. }) => {
+            "it answered with a frame no tern destination sends".to_string()
+        }
+        ChannelError::Timeout(_) => format!(
+            "it did not answer the handshake within {} s (handshake_timeout)",
+            config
+                .handshake_timeout
+                .min(config.io_timeout)
+                .as_secs_f64()
+        ),
+        _ => return error,
+    };
+    MigrationError::NotTern {
+        address: address.to_string(),
+        detail,
     }
 }
 

@@ -606,7 +606,7 @@ mod tests {
         let event = address_event("listening", &Address::Tcp("127.0.0.1:4444".into()));
         assert_eq!(
             serde_json::to_string(&event).unwrap(),
-            r#"{"event":"listening","address":"127.0.0.1:4444","transport":"tcp","port":4444}"#
+            r#"{"event":"listening","version":1,"address":"127.0.0.1:4444","transport":"tcp","port":4444}"#
         );
         let event = address_event("listening", &Address::Unix("/tmp/t.sock".into()));
         assert_eq!(event.address, "unix:/tmp/t.sock");
@@ -619,7 +619,7 @@ mod tests {
         let event = address_event("migrating", &Address::Tcp("10.0.0.2:4444".into()));
         assert_eq!(
             serde_json::to_string(&event).unwrap(),
-            r#"{"event":"migrating","address":"10.0.0.2:4444","transport":"tcp","port":4444}"#
+            r#"{"event":"migrating","version":1,"address":"10.0.0.2:4444","transport":"tcp","port":4444}"#
         );
     }
 

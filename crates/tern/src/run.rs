@@ -65,32 +65,31 @@ impl Incomplete {
         Self::source_error(failure.error, what, &failure.stats)
     }
 
-    /// A source's `error`, with `stats` its report: marked [`NothingSent`]
-    /// when it failed before anything was sent.
-    pub fn source_error(
-        error: MigrationError,
-        what: &str,
-        stats: &MigrationStats,
-    ) -> anyhow::Error {
+    /// A source's `error`, with `stats` its report: a [`NothingSent`] when
+    /// it failed before anything was sent.
+    pub fn source_error(error: MigrationError, what: &str, stats: &MigrationStats) -> anyhow::Error {
         let nothing_sent = stats.failed_in == Some(tern_engine::MigrationStatus::Setup)
-            && !matches!(error, MigrationError::Cancelled);
-        let error = Self::error(error, what);
+            && !matches!(
+                error,
+                MigrationError::Cancelled | MigrationError::OutcomeUnknown(_)
+            );
         if nothing_sent {
-            error.context(NothingSent)
+            anyhow::Error::from(error).context(NothingSent)
         } else {
-            error
+            Self::error(error, what)
         }
     }
 }
 
-/// Marks a failure before anything was sent: the destination could not be
-/// reached, or the handshake with it failed.
+/// A migration that failed before anything was sent: the destination could
+/// not be reached, or the handshake with it failed. The source guest runs
+/// on.
 #[derive(Debug)]
 pub struct NothingSent;
 
 impl std::fmt::Display for NothingSent {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str("nothing was sent")
+        f.write_str("nothing was sent; the source guest runs on")
     }
 }
 
@@ -119,7 +118,12 @@ pub fn exit_code(error: &anyhow::Error) -> u8 {
             .chain()
             .any(|cause| cause.downcast_ref::<MigrationError>().is_some_and(test))
     };
-    if error.downcast_ref::<Incomplete>().is_none() {
+    if error.downcast_ref::<NothingSent>().is_some() {
+        match interrupted_by() {
+            Some(signal) => 128 + signal as u8,
+            None => exit::NOTHING_SENT,
+        }
+    } else if error.downcast_ref::<Incomplete>().is_none() {
         exit::USAGE
     } else if cause_is(|error| matches!(error, MigrationError::OutcomeUnknown(_))) {
         exit::OUTCOME_UNKNOWN
@@ -127,8 +131,6 @@ pub fn exit_code(error: &anyhow::Error) -> u8 {
         128 + signal as u8
     } else if cause_is(|error| matches!(error, MigrationError::Cancelled)) {
         exit::CANCELLED
-    } else if error.downcast_ref::<NothingSent>().is_some() {
-        exit::NOTHING_SENT
     } else {
         exit::FAILED
     }

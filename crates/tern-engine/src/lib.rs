@@ -78,9 +78,9 @@ pub use config::{
 };
 pub use control::{
     CONTRACT_VERSION, ControlError, Event, EventBody, MigrationHandle, MigrationParameters,
-    ReceiveHandle, ReceiveReport, Subscription,
+    ReceiveReport, Subscription,
 };
-pub use destination::{Destination, ReceivePhase, ReceiveStats, Received};
+pub use destination::{Destination, ReceiveHandle, ReceivePhase, ReceiveStats, Received};
 pub use error::{ChannelError, MigrationError};
 pub use guest::{
     DestinationGuest, DeviceState, DirtyLog, GuestControl, GuestError, GuestMemory, GuestResult,

@@ -11,6 +11,11 @@ use tern_wire::OutcomeStats;
 
 use crate::zerocopy::ZeroCopyStats;
 
+/// Version of the report, event and parameter contract scripts rely on
+/// (docs/control.md): raised when a field changes meaning or goes away; new
+/// fields may appear within a version.
+pub const CONTRACT_VERSION: u32 = 1;
+
 /// Where a migration is.
 #[derive(
     Clone,
@@ -267,7 +272,7 @@ impl LiveStats {
     }
 
     /// Adds one batch's duplicate and delta counts.
-    pub(crate) fn add_reuse(&self, counts: &crate::pipeline::ReuseCounts) {
+    pub(crate) fn add_reuse(&self, counts: &ReuseCounts) {
         self.dedup_pages
             .fetch_add(counts.duplicate_pages, Ordering::Relaxed);
         self.xbzrle_pages
@@ -527,6 +532,36 @@ impl LiveStats {
         (size - remaining, size)
     }
 
+    /// The `ram` part of a snapshot; `seconds` is the time the averages
+    /// are over.
+    fn ram_stats(&self, status: MigrationStatus, seconds: f64) -> RamStats {
+        let transferred = self.transferred.load(Ordering::Relaxed);
+        let normal = self.normal.load(Ordering::Relaxed);
+        let duplicate = self.duplicate.load(Ordering::Relaxed);
+        RamStats {
+            transferred,
+            precopy_bytes: self.precopy_bytes.load(Ordering::Relaxed),
+            downtime_bytes: self.downtime_bytes.load(Ordering::Relaxed),
+            multifd_bytes: self.multifd_bytes.load(Ordering::Relaxed),
+            page_size: crate::guest::PAGE_SIZE as u64,
+            remaining: self.remaining.load(Ordering::Relaxed),
+            total: self.total.load(Ordering::Relaxed),
+            duplicate,
+            normal,
+            normal_bytes: self.normal_bytes.load(Ordering::Relaxed),
+            mbps: transferred as f64 * 8.0 / 1e6 / seconds,
+            pages_per_second: ((normal + duplicate) as f64 / seconds) as u64,
+            dirty_sync_count: self.dirty_sync_count.load(Ordering::Relaxed),
+            dirty_pages_rate: self.dirty_pages_rate.load(Ordering::Relaxed),
+            iterations: self.iteration.load(Ordering::Relaxed),
+            transfer_rate: if status.is_final() {
+                0
+            } else {
+                self.transfer_rate()
+            },
+        }
+    }
+
     /// A consistent-enough copy for display or the final report.
     pub fn snapshot(&self) -> MigrationStats {
         let status = self.status();
@@ -538,9 +573,6 @@ impl LiveStats {
         } else {
             millis(self.started().elapsed())
         };
-        let transferred = self.transferred.load(Ordering::Relaxed);
-        let normal = self.normal.load(Ordering::Relaxed);
-        let duplicate = self.duplicate.load(Ordering::Relaxed);
         let seconds = (total_time_ms as f64 / 1000.0).max(1e-3);
         let cpu_seconds = self
             .cpu_seconds
@@ -552,7 +584,7 @@ impl LiveStats {
         let parts = self.downtime_parts(downtime);
         let exceeded = downtime_limit > 0 && downtime > downtime_limit;
         MigrationStats {
-            version: crate::control::CONTRACT_VERSION,
+            version: CONTRACT_VERSION,
             status,
             failed_in: None,
             total_time: total_time_ms,
@@ -565,28 +597,7 @@ impl LiveStats {
             expected_downtime: self.expected_downtime_ms.load(Ordering::Relaxed),
             digest_time: self.digest_time_ms.load(Ordering::Relaxed),
             digest_rehashed_pages: self.digest_rehashed_pages.load(Ordering::Relaxed),
-            ram: RamStats {
-                transferred,
-                precopy_bytes: self.precopy_bytes.load(Ordering::Relaxed),
-                downtime_bytes: self.downtime_bytes.load(Ordering::Relaxed),
-                multifd_bytes: self.multifd_bytes.load(Ordering::Relaxed),
-                page_size: crate::guest::PAGE_SIZE as u64,
-                remaining: self.remaining.load(Ordering::Relaxed),
-                total: self.total.load(Ordering::Relaxed),
-                duplicate,
-                normal,
-                normal_bytes: self.normal_bytes.load(Ordering::Relaxed),
-                mbps: transferred as f64 * 8.0 / 1e6 / seconds,
-                pages_per_second: ((normal + duplicate) as f64 / seconds) as u64,
-                dirty_sync_count: self.dirty_sync_count.load(Ordering::Relaxed),
-                dirty_pages_rate: self.dirty_pages_rate.load(Ordering::Relaxed),
-                iterations: self.iteration.load(Ordering::Relaxed),
-                transfer_rate: if status.is_final() {
-                    0
-                } else {
-                    self.transfer_rate()
-                },
-            },
+            ram: self.ram_stats(status, seconds),
             cpu_throttle_percentage: self.cpu_throttle_percentage.load(Ordering::Relaxed),
             forced_switch_over: self.forced_switch_over.load(Ordering::Relaxed),
             digest_verified: self.digest_verified.load(Ordering::Relaxed),
@@ -646,6 +657,18 @@ pub struct XbzrleCacheStats {
     pub encoding_rate: f64,
     /// Cached pages that changed too much for a delta (sent whole).
     pub overflow: u64,
+}
+
+/// Per-batch counters of duplicate and delta pages, added to the live
+/// counters when the batch completes (defined here so that the statistics
+/// depend on no part of the pipeline).
+#[derive(Clone, Copy, Debug, Default)]
+pub(crate) struct ReuseCounts {
+    pub(crate) duplicate_pages: u64,
+    pub(crate) delta_pages: u64,
+    pub(crate) delta_bytes: u64,
+    pub(crate) cache_misses: u64,
+    pub(crate) overflows: u64,
 }
 
 /// Milliseconds, saturating.
@@ -759,7 +782,7 @@ pub struct RamStats {
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize, schemars::JsonSchema)]
 #[serde(rename_all = "kebab-case")]
 pub struct MigrationStats {
-    /// The report contract's version ([`crate::control::CONTRACT_VERSION`]).
+    /// The report contract's version ([`CONTRACT_VERSION`]).
     #[serde(default)]
     pub version: u32,
     /// Final or current status.

@@ -366,14 +366,14 @@ fn execute(command: &str, arguments: Value, shared: &Shared) -> Result<Value, Co
         )),
         "query-migrate" => {
             takes_no_arguments()?;
-            to_value(&match target(shared)? {
+            to_value(match target(shared)? {
                 Target::Source(handle) => serde_json::to_value(handle.query()),
                 Target::Destination(handle) => serde_json::to_value(handle.query()),
             })
         }
         "query-migrate-parameters" => {
             takes_no_arguments()?;
-            to_value(&serde_json::to_value(source(shared, command)?.parameters()))
+            to_value(serde_json::to_value(source(shared, command)?.parameters()))
         }
         "migrate-set-parameters" => {
             let patch: MigrationParameters = serde_json::from_value(arguments)
@@ -413,11 +413,8 @@ fn execute(command: &str, arguments: Value, shared: &Shared) -> Result<Value, Co
     }
 }
 
-fn to_value(value: &Result<Value, serde_json::Error>) -> Result<Value, CommandError> {
-    value
-        .as_ref()
-        .map(Clone::clone)
-        .map_err(|error| CommandError::generic(error.to_string()))
+fn to_value(value: Result<Value, serde_json::Error>) -> Result<Value, CommandError> {
+    value.map_err(|error| CommandError::generic(error.to_string()))
 }
 
 fn target(shared: &Shared) -> Result<Target, CommandError> {

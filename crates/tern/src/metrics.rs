@@ -153,8 +153,7 @@ fn render(watched: &mut Watched) -> String {
         Target::Destination(_) => "destination",
     };
     let figures = Figures::of(target);
-    let ended = figures.status.is_final();
-    if ended && watched.ended.is_none() {
+    if figures.status.is_final() && watched.ended.is_none() {
         watched.ended = Some(if figures.elapsed_ms > 0 {
             watched.started + figures.elapsed_ms as f64 / 1000.0
         } else {
@@ -165,66 +164,74 @@ fn render(watched: &mut Watched) -> String {
         "tern_migration",
         [("side".into(), side.into())].into_iter(),
     );
-    let mut gauge = |name: &str, help: &str, value: Option<f64>| {
+    for (name, help, value) in samples(&figures, watched) {
         if let Some(value) = value {
             let metric = Gauge::<f64, AtomicU64>::default();
             metric.set(value);
             registry.register(name, help, metric);
         }
-    };
-    let bytes = |value: u64| Some(value as f64);
-    gauge(
-        "data_processed_bytes",
-        "Bytes of guest data moved so far (kubevirt_vmi_migration_data_processed_bytes).",
-        bytes(figures.processed),
-    );
-    gauge(
-        "data_remaining_bytes",
-        "Dirty guest bytes still to move (kubevirt_vmi_migration_data_remaining_bytes).",
-        figures.remaining.map(|value| value as f64),
-    );
-    gauge(
-        "data_total_bytes",
-        "Guest memory to move (kubevirt_vmi_migration_data_total_bytes).",
-        bytes(figures.total),
-    );
-    gauge(
-        "dirty_memory_rate_bytes",
-        "Bytes per second the guest dirties (kubevirt_vmi_migration_dirty_memory_rate_bytes).",
-        figures.dirty_rate.map(|value| value as f64),
-    );
-    gauge(
-        "memory_transfer_rate_bytes",
-        "Bytes per second moving now (kubevirt_vmi_migration_memory_transfer_rate_bytes).",
-        figures.transfer_rate.map(|value| value as f64),
-    );
-    gauge(
-        "start_time_seconds",
-        "When the migration started, Unix time (kubevirt_vmi_migration_start_time_seconds).",
-        Some(watched.started),
-    );
-    gauge(
-        "end_time_seconds",
-        "When the migration ended, Unix time (kubevirt_vmi_migration_end_time_seconds).",
-        watched.ended,
-    );
-    gauge(
-        "succeeded",
-        "1 once the migration completed (kubevirt_vmi_migration_succeeded).",
-        Some(f64::from(u8::from(
-            figures.status == MigrationStatus::Completed,
-        ))),
-    );
-    gauge(
-        "failed",
-        "1 once the migration failed or was cancelled (kubevirt_vmi_migration_failed).",
-        Some(f64::from(u8::from(
-            ended && figures.status != MigrationStatus::Completed,
-        ))),
-    );
+    }
     let mut text = String::new();
     if encode(&mut text, &registry).is_err() {
         return "# EOF\n".into();
     }
     text
+}
+
+/// Each metric: its name after the `tern_migration_` prefix, its help
+/// (naming KubeVirt's metric it maps onto), and its value when known.
+fn samples(figures: &Figures, watched: &Watched) -> [(&'static str, &'static str, Option<f64>); 9] {
+    let ended = figures.status.is_final();
+    let known = |value: Option<u64>| value.map(|value| value as f64);
+    [
+        (
+            "data_processed_bytes",
+            "Bytes of guest data moved so far (kubevirt_vmi_migration_data_processed_bytes).",
+            known(Some(figures.processed)),
+        ),
+        (
+            "data_remaining_bytes",
+            "Dirty guest bytes still to move (kubevirt_vmi_migration_data_remaining_bytes).",
+            known(figures.remaining),
+        ),
+        (
+            "data_total_bytes",
+            "Guest memory to move (kubevirt_vmi_migration_data_total_bytes).",
+            known(Some(figures.total)),
+        ),
+        (
+            "dirty_memory_rate_bytes",
+            "Bytes per second the guest dirties (kubevirt_vmi_migration_dirty_memory_rate_bytes).",
+            known(figures.dirty_rate),
+        ),
+        (
+            "memory_transfer_rate_bytes",
+            "Bytes per second moving now (kubevirt_vmi_migration_memory_transfer_rate_bytes).",
+            known(figures.transfer_rate),
+        ),
+        (
+            "start_time_seconds",
+            "When the migration started, Unix time (kubevirt_vmi_migration_start_time_seconds).",
+            Some(watched.started),
+        ),
+        (
+            "end_time_seconds",
+            "When the migration ended, Unix time (kubevirt_vmi_migration_end_time_seconds).",
+            watched.ended,
+        ),
+        (
+            "succeeded",
+            "1 once the migration completed (kubevirt_vmi_migration_succeeded).",
+            Some(f64::from(u8::from(
+                figures.status == MigrationStatus::Completed,
+            ))),
+        ),
+        (
+            "failed",
+            "1 once the migration failed or was cancelled (kubevirt_vmi_migration_failed).",
+            Some(f64::from(u8::from(
+                ended && figures.status != MigrationStatus::Completed,
+            ))),
+        ),
+    ]
 }

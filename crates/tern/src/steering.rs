@@ -3,6 +3,9 @@
 //! `tern receive` and `tern vm migrate|receive`.
 
 use std::path::PathBuf;
+use std::time::Duration;
+
+use anyhow::Context;
 
 use clap::Args;
 
@@ -62,4 +65,48 @@ impl Steering {
             socket.offer_resume(resume);
         }
     }
+}
+
+/// Waits for `cont` on the control socket to resume a guest handed over
+/// paused, at most `timeout`; then resumes it anyway, so that it is never
+/// left paused.
+pub fn hand_over_paused<G: tern_engine::GuestControl>(
+    guest: &mut G,
+    steering: &Steering,
+    handle: &tern_engine::ReceiveHandle,
+    timeout: Duration,
+) -> anyhow::Result<()> {
+    let (asked, requests) = std::sync::mpsc::channel::<std::sync::mpsc::Sender<String>>();
+    steering.offer_resume(Box::new(move || {
+        let (answer, answered) = std::sync::mpsc::channel();
+        asked
+            .send(answer)
+            .map_err(|_| anyhow::anyhow!("the hand-over is over"))?;
+        match answered.recv_timeout(Duration::from_secs(10)) {
+            Ok(error) if error.is_empty() => Ok(()),
+            Ok(error) => Err(anyhow::anyhow!(error)),
+            Err(_) => Err(anyhow::anyhow!("no answer from the receiving command")),
+        }
+    }));
+    tracing::info!("the guest is paused here; waiting for cont on the control socket");
+    let answer = match requests.recv_timeout(timeout) {
+        Ok(answer) => Some(answer),
+        Err(_) => {
+            tracing::warn!(
+                "no cont within {} s: resuming the guest so that it is not left paused",
+                timeout.as_secs()
+            );
+            None
+        }
+    };
+    let resumed = guest.resume();
+    if let Some(answer) = answer {
+        let _ = answer.send(match &resumed {
+            Ok(()) => String::new(),
+            Err(error) => error.to_string(),
+        });
+    } else if resumed.is_ok() {
+        handle.note_resumed();
+    }
+    resumed.context("cannot resume the handed-over guest")
 }

@@ -611,7 +611,7 @@ fn receive_one(
         }
     };
     if !resumed {
-        crate::run::hand_over_paused(
+        crate::steering::hand_over_paused(
             &mut guest,
             steering,
             &destination.handle(),

@@ -225,8 +225,7 @@ fn a_migration_that_sent_nothing_is_one_line_and_exit_4() {
     let lines = stderr_lines(&output);
     assert_eq!(lines.len(), 1, "{lines:?}");
     assert!(
-        lines[0]
-            .starts_with("tern: error: nothing was sent; the source guest runs on: ")
+        lines[0].starts_with("tern: error: nothing was sent; the source guest runs on: ")
             && lines[0].contains("Cannot connect"),
         "{lines:?}"
     );

@@ -126,7 +126,13 @@ fn a_running_migration_is_queried_on_both_sides_and_cancelled() {
     let destination_arg = destination_socket.to_str().unwrap();
     let receiver = Receiver::spawn(
         &["receive"],
-        &["--json", "--progress", "none", "--control-socket", destination_arg],
+        &[
+            "--json",
+            "--progress",
+            "none",
+            "--control-socket",
+            destination_arg,
+        ],
     );
     // 64 MiB of random pages at 2 MiB/s: half a minute, cancelled long before.
     let migrate = spawn_migrate(
@@ -148,7 +154,11 @@ fn a_running_migration_is_queried_on_both_sides_and_cancelled() {
     let (code, reply) = ctl(&source_socket, &["migrate_cancel"]);
     assert_eq!((code, reply), (0, serde_json::json!({})));
     let output = migrate.wait_with_output().unwrap();
-    assert_eq!(output.status.code(), Some(5), "cancelled by command: {output:?}");
+    assert_eq!(
+        output.status.code(),
+        Some(5),
+        "cancelled by command: {output:?}"
+    );
     let report = json(&output);
     assert_eq!(report["status"], "cancelled");
     assert_eq!(report["failed-in"], "active");
@@ -199,8 +209,8 @@ fn a_lowered_bandwidth_cap_is_followed() {
     });
     let bytes = second["ram"]["transferred"].as_u64().unwrap()
         - first["ram"]["transferred"].as_u64().unwrap();
-    let seconds = (second["total-time"].as_u64().unwrap()
-        - first["total-time"].as_u64().unwrap()) as f64
+    let seconds = (second["total-time"].as_u64().unwrap() - first["total-time"].as_u64().unwrap())
+        as f64
         / 1000.0;
     let slack = 2.0 * 128.0 * 4096.0;
     assert!(
@@ -208,8 +218,7 @@ fn a_lowered_bandwidth_cap_is_followed() {
         "{bytes} bytes in {seconds} s under a cap of {CAP} B/s"
     );
     assert!(
-        second["ram"]["transfer-rate"].as_u64().unwrap() as f64
-            <= CAP as f64 * 1.5 + slack,
+        second["ram"]["transfer-rate"].as_u64().unwrap() as f64 <= CAP as f64 * 1.5 + slack,
         "{second}"
     );
     ctl(&socket, &["migrate_cancel"]);
@@ -240,13 +249,19 @@ fn a_raised_downtime_limit_lets_a_non_converging_migration_converge() {
             "1",
             "--auto-converge",
             "off",
+            // A broken promise fails the test instead of hanging it.
+            "--max-time",
+            "120",
         ],
     );
     wait_for_socket(&socket);
     query_until(&socket, "two dirty iterations", |report| {
         report["ram"]["iterations"].as_u64() >= Some(2)
     });
-    let (code, _) = ctl(&socket, &["migrate-set-parameters", "downtime-limit=600000"]);
+    let (code, _) = ctl(
+        &socket,
+        &["migrate-set-parameters", "downtime-limit=600000"],
+    );
     assert_eq!(code, 0);
     let output = migrate.wait_with_output().unwrap();
     assert!(output.status.success(), "{output:?}");
@@ -282,6 +297,8 @@ fn events_arrive_in_order_and_switch_over_now_is_forced() {
             "1",
             "--auto-converge",
             "off",
+            "--max-time",
+            "120",
             "--connect-timeout",
             "60",
         ],
@@ -325,9 +342,19 @@ fn events_arrive_in_order_and_switch_over_now_is_forced() {
         .into_iter()
         .filter(|event| event["data"]["status"] != "setup")
         .collect();
-    assert_eq!(names.first().map(String::as_str), Some("MIGRATION:active"), "{names:?}");
-    let device = names.iter().position(|name| name == "MIGRATION:device").unwrap();
-    assert!(names[1..device].iter().all(|name| name == "MIGRATION_PASS"), "{names:?}");
+    assert_eq!(
+        names.first().map(String::as_str),
+        Some("MIGRATION:active"),
+        "{names:?}"
+    );
+    let device = names
+        .iter()
+        .position(|name| name == "MIGRATION:device")
+        .unwrap();
+    assert!(
+        names[1..device].iter().all(|name| name == "MIGRATION_PASS"),
+        "{names:?}"
+    );
     assert_eq!(names[device + 1..], ["MIGRATION:completed"], "{names:?}");
     let passes: Vec<u64> = events
         .iter()
@@ -335,7 +362,12 @@ fn events_arrive_in_order_and_switch_over_now_is_forced() {
         .collect();
     assert_eq!(passes, (1..=passes.len() as u64).collect::<Vec<_>>());
     let pass = &events[1]["data"];
-    for field in ["sent-pages", "dirty-pages", "bandwidth", "expected-downtime"] {
+    for field in [
+        "sent-pages",
+        "dirty-pages",
+        "bandwidth",
+        "expected-downtime",
+    ] {
         assert!(pass.get(field).is_some(), "{field}: {pass}");
     }
     let output = migrate.wait_with_output().unwrap();
@@ -383,7 +415,10 @@ fn metrics_are_scraped_mid_run_with_kubevirt_names() {
         let text = scrape(port)?;
         (metric(&text, "tern_migration_data_processed_bytes")? > 0.0).then_some(text)
     });
-    assert_eq!(metric(&text, "tern_migration_data_total_bytes"), Some((64 << 20) as f64));
+    assert_eq!(
+        metric(&text, "tern_migration_data_total_bytes"),
+        Some((64 << 20) as f64)
+    );
     for name in [
         "tern_migration_data_remaining_bytes",
         "tern_migration_dirty_memory_rate_bytes",
@@ -392,10 +427,20 @@ fn metrics_are_scraped_mid_run_with_kubevirt_names() {
     ] {
         assert!(metric(&text, name).is_some(), "{name} missing:\n{text}");
     }
-    assert_eq!(metric(&text, "tern_migration_succeeded"), Some(0.0), "{text}");
+    assert_eq!(
+        metric(&text, "tern_migration_succeeded"),
+        Some(0.0),
+        "{text}"
+    );
     assert_eq!(metric(&text, "tern_migration_failed"), Some(0.0), "{text}");
-    assert!(metric(&text, "tern_migration_end_time_seconds").is_none(), "{text}");
-    assert!(text.contains("# TYPE tern_migration_data_processed_bytes gauge"), "{text}");
+    assert!(
+        metric(&text, "tern_migration_end_time_seconds").is_none(),
+        "{text}"
+    );
+    assert!(
+        text.contains("# TYPE tern_migration_data_processed_bytes gauge"),
+        "{text}"
+    );
     assert!(text.ends_with("# EOF\n"), "{text}");
     ctl(&socket, &["migrate_cancel"]);
     assert_eq!(migrate.wait_with_output().unwrap().status.code(), Some(5));
@@ -428,9 +473,8 @@ fn bad_commands_get_clear_errors_and_leave_the_migration_untouched() {
     assert!(desc.contains("migrate-now"), "{desc}");
     let (_, desc) = error(first.send("[1,2]"));
     assert!(desc.contains("execute"), "{desc}");
-    let (_, desc) = error(first.send(
-        r#"{"execute":"migrate-set-parameters","arguments":{"max-bandwith":5}}"#,
-    ));
+    let (_, desc) =
+        error(first.send(r#"{"execute":"migrate-set-parameters","arguments":{"max-bandwith":5}}"#));
     assert!(desc.contains("max-bandwith"), "{desc}");
     let (_, desc) = error(first.send(
         r#"{"execute":"migrate-set-parameters","arguments":{"max-bandwidth":1,"downtime-limit":0}}"#,
@@ -450,11 +494,17 @@ fn bad_commands_get_clear_errors_and_leave_the_migration_untouched() {
     let long = format!(r#"{{"execute":"{}"}}"#, "x".repeat(100 << 10));
     let (_, desc) = error(first.send(&long));
     assert!(desc.contains("longer than"), "{desc}");
-    assert_eq!(second.send(r#"{"execute":"query-version"}"#)["return"]["contract"], 1);
+    assert_eq!(
+        second.send(r#"{"execute":"query-version"}"#)["return"]["contract"],
+        1
+    );
     // tern ctl: an unknown command is exit 1 with the error on stderr.
     let (code, stderr) = ctl(&socket, &["no-such-command"]);
     assert_eq!(code, 1);
-    assert!(stderr.as_str().unwrap().contains("CommandNotFound"), "{stderr}");
+    assert!(
+        stderr.as_str().unwrap().contains("CommandNotFound"),
+        "{stderr}"
+    );
     let output = migrate.wait_with_output().unwrap();
     assert!(output.status.success(), "{output:?}");
     assert_eq!(json(&output)["status"], "completed");
@@ -477,7 +527,14 @@ fn a_destination_hands_the_guest_over_paused_until_cont() {
         ],
     );
     let output = tern()
-        .args(["migrate", "--json", "--progress", "none", "--to", &receiver.address])
+        .args([
+            "migrate",
+            "--json",
+            "--progress",
+            "none",
+            "--to",
+            &receiver.address,
+        ])
         .args(["--memory", "32MiB"])
         .output()
         .unwrap();
@@ -500,7 +557,14 @@ fn a_destination_hands_the_guest_over_paused_until_cont() {
 fn exit_statuses_tell_nothing_sent_from_failed() {
     // Nobody listens: nothing was sent (4).
     let output = tern()
-        .args(["migrate", "--json", "--memory", "4MiB", "--connect-timeout", "1"])
+        .args([
+            "migrate",
+            "--json",
+            "--memory",
+            "4MiB",
+            "--connect-timeout",
+            "1",
+        ])
         .args(["--to", "unix:/nonexistent/dir/sock"])
         .output()
         .unwrap();

@@ -1,7 +1,7 @@
 //! Events of a running migration, shaped as QMP's (`event`, `data`,
 //! `timestamp`), and the hub that hands each to every subscriber.
 
-use std::sync::mpsc::{Receiver, RecvTimeoutError, Sender, channel};
+use std::sync::mpsc::{Receiver, Sender, channel};
 use std::sync::{Mutex, MutexGuard};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
@@ -134,10 +134,7 @@ impl Subscription {
     /// The next event, waiting at most `timeout`; `None` when none came or
     /// the migration has ended and every event was taken.
     pub fn next_within(&self, timeout: Duration) -> Option<Event> {
-        match self.events.recv_timeout(timeout) {
-            Ok(event) => Some(event),
-            Err(RecvTimeoutError::Timeout | RecvTimeoutError::Disconnected) => None,
-        }
+        self.events.recv_timeout(timeout).ok()
     }
 
     /// The next event if one is waiting.

@@ -9,6 +9,7 @@
 //!                                      ├─ switch_over_now()  next sync
 //!                                      └─ subscribe()        Event, in order
 //! Destination::handle() ─► ReceiveHandle ─ query() / cancel() / subscribe()
+//!                           (crate::destination::ReceiveHandle)
 //! ```
 //!
 //! The report, the events and the parameters are the contract scripts rely
@@ -19,6 +20,7 @@ mod events;
 mod parameters;
 mod report;
 
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 
 pub(crate) use events::EventHub;
@@ -27,17 +29,39 @@ pub use events::{
 };
 pub(crate) use parameters::{ConvergenceSettings, LiveParameters};
 pub use parameters::{MAX_DOWNTIME_LIMIT_MS, MigrationParameters, ParameterError};
-pub(crate) use report::phase_status;
 pub use report::{GuestState, ReceiveReport};
 
 use crate::config::MigrationConfig;
-use crate::destination::ReceiveStats;
-use crate::source::CancelToken;
 use crate::stats::{LiveStats, MigrationStats, MigrationStatus};
 
-/// Version of the report, event and parameter contract: raised when a field
-/// changes meaning or goes away (new fields may appear within a version).
-pub const CONTRACT_VERSION: u32 = 1;
+pub use crate::stats::CONTRACT_VERSION;
+
+/// Cancels a running migration from another thread (a signal handler's
+/// helper, a UI, a test).
+#[derive(Clone, Debug, Default)]
+pub struct CancelToken(Arc<AtomicBool>);
+
+impl CancelToken {
+    /// A token not yet cancelled.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Asks the migration to stop; it ends with status `cancelled` and the
+    /// source guest running.
+    pub fn cancel(&self) {
+        self.0.store(true, Ordering::Relaxed);
+    }
+
+    /// Whether cancellation was asked for.
+    pub fn is_cancelled(&self) -> bool {
+        self.0.load(Ordering::Relaxed)
+    }
+
+    pub(crate) fn flag(&self) -> Arc<AtomicBool> {
+        self.0.clone()
+    }
+}
 
 /// Why a control request was refused; the migration is untouched.
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
@@ -169,65 +193,5 @@ impl MigrationHandle {
             return Err(ControlError::Ended(status.as_str()));
         }
         Ok(())
-    }
-}
-
-/// What the destination's handle and the destination share.
-#[derive(Debug)]
-pub(crate) struct DestinationControl {
-    pub stats: Arc<ReceiveStats>,
-    pub cancel: CancelToken,
-    pub events: EventHub,
-    report: Mutex<report::ReceiveOutcome>,
-}
-
-impl DestinationControl {
-    pub fn new(stats: Arc<ReceiveStats>, cancel: CancelToken) -> Self {
-        Self {
-            stats,
-            cancel,
-            events: EventHub::new(Side::Destination),
-            report: Mutex::new(report::ReceiveOutcome::default()),
-        }
-    }
-
-    pub fn outcome(&self) -> std::sync::MutexGuard<'_, report::ReceiveOutcome> {
-        self.report.lock().unwrap_or_else(|e| e.into_inner())
-    }
-}
-
-/// A handle on a destination, from [`crate::Destination::handle`]: cheap to
-/// clone, usable from any thread.
-#[derive(Clone, Debug)]
-pub struct ReceiveHandle {
-    control: Arc<DestinationControl>,
-}
-
-impl ReceiveHandle {
-    pub(crate) fn new(control: Arc<DestinationControl>) -> Self {
-        Self { control }
-    }
-
-    /// The destination's report as it stands (the document `tern receive
-    /// --json` prints at the end).
-    pub fn query(&self) -> ReceiveReport {
-        report::build(&self.control)
-    }
-
-    /// Stops the reception: the source is told, and the guest is not
-    /// resumed here.
-    pub fn cancel(&self) {
-        self.control.cancel.cancel();
-    }
-
-    /// Events from now on, in order, ending after the final status change.
-    pub fn subscribe(&self) -> Subscription {
-        self.control.events.subscribe()
-    }
-
-    /// Records that the embedder resumed a guest the destination handed
-    /// over paused ([`crate::ReceiveConfig::keep_paused`]), for the report.
-    pub fn note_resumed(&self) {
-        self.control.outcome().guest = Some(GuestState::Running);
     }
 }

@@ -3,8 +3,6 @@
 
 use serde::{Deserialize, Serialize};
 
-use super::{CONTRACT_VERSION, DestinationControl};
-use crate::destination::ReceivePhase;
 use crate::stats::{DestinationStats, MigrationStatus, SessionSecurity};
 
 /// What became of the guest on the destination.
@@ -55,48 +53,4 @@ pub struct ReceiveReport {
     /// Why it failed.
     #[serde(skip_serializing_if = "Option::is_none", default)]
     pub error_desc: Option<String>,
-}
-
-/// What the destination records as it ends.
-#[derive(Debug, Default)]
-pub(crate) struct ReceiveOutcome {
-    pub status: Option<MigrationStatus>,
-    pub failed_in: Option<MigrationStatus>,
-    pub error_desc: Option<String>,
-    pub digest_verified: bool,
-    pub guest: Option<GuestState>,
-    pub stats: Option<DestinationStats>,
-    pub security: Option<SessionSecurity>,
-}
-
-/// The status a destination phase reports as.
-pub(crate) fn phase_status(phase: ReceivePhase) -> MigrationStatus {
-    match phase {
-        ReceivePhase::Waiting => MigrationStatus::Setup,
-        ReceivePhase::Receiving => MigrationStatus::Active,
-        ReceivePhase::Verifying => MigrationStatus::Device,
-        ReceivePhase::Resumed | ReceivePhase::Paused => MigrationStatus::Completed,
-        ReceivePhase::Failed => MigrationStatus::Failed,
-    }
-}
-
-pub(super) fn build(control: &DestinationControl) -> ReceiveReport {
-    let outcome = control.outcome();
-    let live = &control.stats;
-    ReceiveReport {
-        version: CONTRACT_VERSION,
-        status: outcome.status.unwrap_or_else(|| phase_status(live.phase())),
-        failed_in: outcome.failed_in,
-        memory: live.total_bytes(),
-        iterations: live.iterations_done(),
-        digest_verified: outcome.digest_verified,
-        guest: outcome.guest,
-        refused_connections: live.refused_connections(),
-        stats: outcome
-            .stats
-            .clone()
-            .unwrap_or_else(|| live.live_destination_stats()),
-        security: outcome.security.clone(),
-        error_desc: outcome.error_desc.clone(),
-    }
 }

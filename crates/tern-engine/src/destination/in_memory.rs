@@ -143,6 +143,7 @@ impl Destination {
         (result, main.sent)
     }
 
+    // long: the fuzzing entry point walks Destination::run's steps in one place
     fn run_from_memory<G, F>(
         &self,
         main: &mut MemoryStream,

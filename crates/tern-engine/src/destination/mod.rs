@@ -3,6 +3,7 @@
 
 mod decode;
 mod dictionary;
+mod handle;
 pub(crate) mod handshake;
 mod in_memory;
 mod live;
@@ -24,13 +25,14 @@ use std::time::Duration;
 use tern_wire::{Abort, FrameDecoder, Message, OutcomeStats, SessionSetup};
 
 use crate::config::ReceiveConfig;
-use crate::control::{DestinationControl, GuestState, ReceiveHandle};
+use crate::control::{CancelToken, GuestState};
 use crate::error::MigrationError;
 use crate::guest::{DestinationGuest, GuestError, PAGE_SIZE};
-use crate::source::CancelToken;
 use crate::stats::{DestinationStats, MigrationStatus, SessionSecurity, thread_cpu_seconds};
 use crate::transport::{Channel, Listener};
 
+use handle::DestinationControl;
+pub use handle::ReceiveHandle;
 use handshake::Greeted;
 use shared::ReceiverShared;
 
@@ -356,7 +358,7 @@ impl Destination {
                 MigrationStatus::Completed
             }
             Err(error) => {
-                outcome.failed_in = Some(crate::control::phase_status(self.stats.failed_in()));
+                outcome.failed_in = Some(handle::phase_status(self.stats.failed_in()));
                 outcome.error_desc = Some(error.chain());
                 outcome.stats = Some(self.stats.live_destination_stats());
                 if self.cancel.is_cancelled() || matches!(error, MigrationError::Cancelled) {

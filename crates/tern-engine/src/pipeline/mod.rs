@@ -56,9 +56,9 @@ mod reuse;
 mod sender;
 mod worker;
 
+pub(crate) use crate::stats::ReuseCounts;
 use auto_codec::{AutoCodec, calibrate_codecs};
 pub(crate) use auto_codec::{CompressionSetup, sample_pages};
-pub(crate) use batch::ReuseCounts;
 use batch::{Batch, Completion, SendItem, page_ptr};
 use classify::classify;
 use dedup::{DedupIndex, Reference, resend_referencing_pages};

@@ -81,6 +81,7 @@ impl Source {
                 state_bytes: guest.state_size_hint(),
                 switch_over_requested: self.control.parameters.switch_over_requested(),
             };
+            // What an operator changed since the last sync applies now.
             rules.apply(self.control.parameters.convergence());
             self.stats.set_downtime_limit(rules.downtime_limit());
             self.record_sync(&facts, since_previous_sync.as_secs_f64().max(1e-6));
@@ -102,23 +103,32 @@ impl Source {
                 Decision::Iterate { throttle: None } => {}
                 Decision::Iterate {
                     throttle: Some(percent),
-                } => {
-                    guest
-                        .set_throttle(percent)
-                        .map_err(MigrationError::guest("throttle"))?;
-                    changes.throttled = true;
-                    self.stats
-                        .cpu_throttle_percentage
-                        .store(u64::from(percent), Ordering::Relaxed);
-                    self.control
-                        .events
-                        .publish(EventBody::MigrationThrottle(ThrottleChange {
-                            cpu_throttle_percentage: u64::from(percent),
-                        }));
-                    tracing::info!(throttle = percent, "auto-converge: throttling the guest");
-                }
+                } => self.throttle(guest, changes, percent)?,
             }
         }
+    }
+
+    /// Sets the guest's throttle as auto-converge decided, and says so.
+    fn throttle<G: SourceGuest>(
+        &self,
+        guest: &mut G,
+        changes: &mut GuestChanges,
+        percent: u8,
+    ) -> Result<(), MigrationError> {
+        guest
+            .set_throttle(percent)
+            .map_err(MigrationError::guest("throttle"))?;
+        changes.throttled = true;
+        self.stats
+            .cpu_throttle_percentage
+            .store(u64::from(percent), Ordering::Relaxed);
+        self.control
+            .events
+            .publish(EventBody::MigrationThrottle(ThrottleChange {
+                cpu_throttle_percentage: u64::from(percent),
+            }));
+        tracing::info!(throttle = percent, "auto-converge: throttling the guest");
+        Ok(())
     }
 
     /// Tells subscribers what the iteration just ended measured.

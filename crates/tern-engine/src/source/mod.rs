@@ -9,10 +9,11 @@ mod peer;
 mod switch_over;
 
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::Ordering;
 use std::time::Instant;
 
 use crate::config::{MigrationConfig, Verify, ZeroPageDetection};
+pub use crate::control::CancelToken;
 use crate::control::{MigrationHandle, SourceControl};
 use crate::digest::{AuditPace, PageHashes};
 use crate::error::MigrationError;
@@ -22,33 +23,6 @@ use crate::stats::thread_cpu_seconds;
 use crate::stats::{DestinationStats, LiveStats, MigrationStats, MigrationStatus, SessionSecurity};
 use crate::transport::{Address, Channel, Connect, Connector};
 use peer::{peer_reason, send_abort};
-
-/// Cancels a running migration from another thread (a signal handler's
-/// helper, a UI, a test).
-#[derive(Clone, Debug, Default)]
-pub struct CancelToken(Arc<AtomicBool>);
-
-impl CancelToken {
-    /// A token not yet cancelled.
-    pub fn new() -> Self {
-        Self::default()
-    }
-
-    /// Asks the migration to stop; it ends with status `cancelled` and the
-    /// source guest running.
-    pub fn cancel(&self) {
-        self.0.store(true, Ordering::Relaxed);
-    }
-
-    /// Whether cancellation was asked for.
-    pub fn is_cancelled(&self) -> bool {
-        self.0.load(Ordering::Relaxed)
-    }
-
-    fn flag(&self) -> Arc<AtomicBool> {
-        self.0.clone()
-    }
-}
 
 /// A migration that did not complete, with the statistics up to the
 /// failure. The source guest has been resumed, except after
@@ -332,8 +306,7 @@ impl Source {
                     dirty_log_started,
                 )
                 .and_then(|live| {
-                    self.stats.set_status(MigrationStatus::Device);
-                    self.control.events.status(MigrationStatus::Device, None);
+                    self.enter_device_phase();
                     self.switch_over(guest, main, changes, &mut pipeline, live)
                 })
                 .map_err(|error| {
@@ -360,6 +333,12 @@ impl Source {
             pipeline.shut_down(result.is_err());
             result.map(Some)
         })
+    }
+
+    /// The switch-over starts: the status and its event.
+    fn enter_device_phase(&self) {
+        self.stats.set_status(MigrationStatus::Device);
+        self.control.events.status(MigrationStatus::Device, None);
     }
 
     /// Starts the thread that audits the dirty log during the live phase:

@@ -294,6 +294,11 @@ pub struct MigrationConfig {
     pub switch_over_timeout: Duration,
     /// TLS and the shared-key handshake on every channel.
     pub security: Security,
+    /// The VMM's own configuration, opaque to tern, sent before any memory
+    /// and given to the destination's setup callback
+    /// (`Destination::receive_with_vmm_config`); at most
+    /// `tern_wire::MAX_VMM_CONFIG_LEN` bytes; empty: none is sent.
+    pub vmm_config: Vec<u8>,
 }
 
 /// Default of both sides' `switch_over_timeout`: the destination checks and
@@ -335,6 +340,7 @@ impl Default for MigrationConfig {
             connect_timeout: Duration::from_secs(10),
             handshake_timeout: Duration::from_secs(10),
             security: Security::default(),
+            vmm_config: Vec::new(),
             switch_over_timeout: DEFAULT_SWITCH_OVER_TIMEOUT,
         }
     }
@@ -364,6 +370,16 @@ impl MigrationConfig {
         let bad = |field: &'static str, reason: String| {
             Err(MigrationError::InvalidConfig { field, reason })
         };
+        if self.vmm_config.len() > tern_wire::MAX_VMM_CONFIG_LEN {
+            return bad(
+                "vmm_config",
+                format!(
+                    "{} bytes (at most {})",
+                    self.vmm_config.len(),
+                    tern_wire::MAX_VMM_CONFIG_LEN
+                ),
+            );
+        }
         if self.channels == 0 || self.channels > tern_wire::MAX_CHANNELS {
             return bad(
                 "channels",
@@ -548,6 +564,11 @@ pub struct ReceiveConfig {
     /// VMM that resumes it itself (Cloud Hypervisor's `CompletePaused`,
     /// libvirt's paused start).
     pub keep_paused: bool,
+    /// The largest VMM configuration accepted from the source
+    /// ([`crate::MigrationConfig::vmm_config`]), at most
+    /// `tern_wire::MAX_VMM_CONFIG_LEN`: a larger one is refused at the hello
+    /// that announces it, before it is read.
+    pub max_vmm_config: usize,
 }
 
 /// Whether a destination without an auth key or TLS accepts sessions.
@@ -579,6 +600,7 @@ impl Default for ReceiveConfig {
             switch_over_timeout: DEFAULT_SWITCH_OVER_TIMEOUT,
             decode_threads: None,
             keep_paused: false,
+            max_vmm_config: 64 << 10,
         }
     }
 }

@@ -108,3 +108,97 @@ fn a_failed_reception_is_reported_with_its_cause() {
     assert_eq!(report.failed_in, Some(MigrationStatus::Active));
     assert!(report.error_desc.unwrap().contains("cancel"));
 }
+
+/// The VMM's configuration reaches the setup callback before the guest is
+/// built; one longer than the destination accepts is refused at the hello
+/// that announces it; a frame longer than announced is refused at its
+/// header, before its body is read.
+#[test]
+fn the_vmm_configuration_reaches_the_setup_callback_and_is_bounded() {
+    let blob: Vec<u8> = (0..3000u32).map(|i| (i % 251) as u8).collect();
+    // Delivered.
+    let (listener, address) = tcp_listener();
+    let (given, delivered) = std::sync::mpsc::channel();
+    let receiving = std::thread::spawn(move || {
+        Destination::new(receive_config()).receive_with_vmm_config(&listener, |setup, config| {
+            given.send(config.to_vec()).unwrap();
+            make_destination_guest(setup)
+        })
+    });
+    let source = Source::new(tern_engine::MigrationConfig {
+        vmm_config: blob.clone(),
+        ..migration_config(1)
+    })
+    .unwrap();
+    source.migrate(&mut guest(4 * MIB, 0), &address).unwrap();
+    receiving.join().unwrap().unwrap();
+    assert_eq!(delivered.try_recv().unwrap(), blob);
+
+    // Too large for this destination: refused at the hello, nothing sent.
+    let (listener, address) = tcp_listener();
+    let receiving = std::thread::spawn(move || {
+        Destination::new(ReceiveConfig {
+            max_vmm_config: 1024,
+            ..receive_config()
+        })
+        .receive(&listener, make_destination_guest)
+    });
+    let source = Source::new(tern_engine::MigrationConfig {
+        vmm_config: blob,
+        ..migration_config(1)
+    })
+    .unwrap();
+    let failure = source
+        .migrate(&mut guest(4 * MIB, 0), &address)
+        .unwrap_err();
+    assert_eq!(failure.stats.failed_in, Some(MigrationStatus::Setup));
+    assert!(
+        failure.error.chain().contains("at most 1024"),
+        "{}",
+        failure.error.chain()
+    );
+    assert!(receiving.join().unwrap().is_err());
+}
+
+#[test]
+fn a_vmm_configuration_frame_longer_than_announced_is_refused_at_its_header() {
+    use tern_wire::{
+        DigestAlgorithm, FrameHeader, FrameKind, Handshake, Hello, Message, RegionInfo,
+        SessionSetup,
+    };
+    let (listener, address) = tcp_listener();
+    let receiving = spawn_destination(listener);
+    let mut main =
+        tern_engine::Channel::connect(&address, std::time::Duration::from_secs(10)).unwrap();
+    main.set_timeouts(DEADLINE).unwrap();
+    main.send_message(&Message::Hello(Hello {
+        handshake: Handshake {
+            session_id: 7,
+            channel_index: 0,
+        },
+        setup: SessionSetup {
+            page_size: 4096,
+            channel_count: 1,
+            codecs: 0,
+            digest: DigestAlgorithm::Xxh3Pages,
+            regions: vec![RegionInfo {
+                id: 0,
+                guest_addr: 0,
+                len: MIB,
+            }],
+            guest_kind: "synthetic".into(),
+            dictionaries: 0,
+            vmm_config_len: 16,
+        },
+    }))
+    .unwrap();
+    // A header claiming a megabyte, and no body: the destination must
+    // refuse it from the header alone.
+    let header = FrameHeader {
+        kind: FrameKind::VmmConfig,
+        body_len: 1 << 20,
+    };
+    main.write_all(&header.encode()).unwrap();
+    let error = receiving.join().unwrap().unwrap_err();
+    assert!(error.chain().contains("exceeds"), "{}", error.chain());
+}

@@ -129,6 +129,11 @@ pub struct MigrateArgs {
     pub events: bool,
     #[command(flatten)]
     pub steering: crate::steering::SteeringArgs,
+    /// A file whose bytes go to the destination before any memory, as the
+    /// VMM's configuration (opaque to tern, at most 1 MiB): `tern receive
+    /// --save-vmm-config` writes them out.
+    #[arg(long, value_name = "FILE")]
+    pub vmm_config: Option<std::path::PathBuf>,
 }
 
 /// Where and how a destination waits (`tern receive`, `tern vm receive`).
@@ -186,6 +191,10 @@ pub struct ListenArgs {
     /// the guest is resumed anyway, never left paused.
     #[arg(long, default_value_t = 60, value_parser = clap::value_parser!(u64).range(1..))]
     pub paused_timeout: u64,
+    /// The largest VMM configuration accepted from the source (at most
+    /// 1MiB); a larger one is refused before it is read.
+    #[arg(long, default_value = "64KiB", value_parser = crate::units::parse_size)]
+    pub max_vmm_config: u64,
 }
 
 impl ListenArgs {
@@ -203,6 +212,7 @@ impl ListenArgs {
             switch_over_timeout: Duration::from_secs(self.switch_over_timeout),
             decode_threads: self.decode_threads.map(usize::from),
             keep_paused: self.keep_paused,
+            max_vmm_config: usize::try_from(self.max_vmm_config).unwrap_or(usize::MAX),
             ..tern_engine::ReceiveConfig::default()
         };
         if self.qpl_path == QplPath::Hardware {
@@ -227,6 +237,10 @@ pub struct ReceiveArgs {
     /// milliseconds (shows it carries on dirtying memory here).
     #[arg(long, default_value_t = 200)]
     pub run_after: u64,
+    /// Write the VMM configuration the source sent (`tern migrate
+    /// --vmm-config`) to this file.
+    #[arg(long, value_name = "FILE")]
+    pub save_vmm_config: Option<std::path::PathBuf>,
     /// Print one JSON document instead of the summary table.
     #[arg(long)]
     pub json: bool,

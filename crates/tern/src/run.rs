@@ -400,6 +400,10 @@ fn option_for(field: &str) -> String {
 fn migrate(args: &MigrateArgs, verbose: bool) -> anyhow::Result<ExitCode> {
     let mut config = args.transfer.migration_config()?;
     config.security = args.security.security()?;
+    if let Some(path) = &args.vmm_config {
+        config.vmm_config =
+            std::fs::read(path).with_context(|| format!("--vmm-config {}", path.display()))?;
+    }
     check_config(&config, &args.to)?;
     args.guest.check()?;
     check_memory_fits(
@@ -504,6 +508,9 @@ pub(crate) struct ReceiveJson {
     /// Whether the guest, resumed here, went on writing memory.
     #[serde(skip_serializing_if = "Option::is_none")]
     resumed_guest_dirtying: Option<bool>,
+    /// Bytes of the VMM configuration the source sent, when it sent one.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    vmm_config_bytes: Option<u64>,
 }
 
 fn receive_one(
@@ -513,8 +520,18 @@ fn receive_one(
     steering: &crate::steering::Steering,
 ) -> anyhow::Result<ExitCode> {
     let progress = Progress::receiving(destination.stats());
-    let received = destination.receive(listener, destination_guest);
+    let mut vmm_config = Vec::new();
+    let received = destination.receive_with_vmm_config(listener, |setup, config| {
+        vmm_config = config.to_vec();
+        destination_guest(setup)
+    });
     progress.finish();
+    if let Some(path) = &args.save_vmm_config
+        && received.is_ok()
+    {
+        std::fs::write(path, &vmm_config)
+            .with_context(|| format!("--save-vmm-config {}", path.display()))?;
+    }
     let mut received = match received {
         Ok(received) => received,
         Err(error) => {
@@ -522,6 +539,7 @@ fn receive_one(
                 print_json(&ReceiveJson {
                     report: destination.handle().query(),
                     resumed_guest_dirtying: None,
+                    vmm_config_bytes: None,
                 })?;
             }
             return Err(Incomplete::error(
@@ -544,6 +562,7 @@ fn receive_one(
         print_json(&ReceiveJson {
             report,
             resumed_guest_dirtying: Some(running),
+            vmm_config_bytes: (!vmm_config.is_empty()).then_some(vmm_config.len() as u64),
         })?;
     } else {
         println!(

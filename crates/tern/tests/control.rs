@@ -603,3 +603,60 @@ fn a_peer_that_is_not_tern_is_named() {
         server.join().unwrap();
     }
 }
+
+#[test]
+fn the_vmm_configuration_crosses_and_an_oversized_one_is_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = dir.path().join("config.json");
+    let blob = format!("{{\"cpus\":2,\"pad\":\"{}\"}}", "x".repeat(3000));
+    std::fs::write(&config, &blob).unwrap();
+    let saved = dir.path().join("saved.json");
+    let receiver = Receiver::spawn(
+        &["receive"],
+        &["--json", "--save-vmm-config", saved.to_str().unwrap()],
+    );
+    let output = tern()
+        .args([
+            "migrate",
+            "--json",
+            "--to",
+            &receiver.address,
+            "--memory",
+            "8MiB",
+        ])
+        .arg("--vmm-config")
+        .arg(&config)
+        .output()
+        .unwrap();
+    assert!(output.status.success(), "{output:?}");
+    let (status, stdout, stderr) = receiver.finish();
+    assert!(status.success(), "{stderr}");
+    let report: Value = serde_json::from_slice(&stdout).unwrap();
+    assert_eq!(report["vmm-config-bytes"], blob.len());
+    assert_eq!(std::fs::read_to_string(&saved).unwrap(), blob);
+
+    // A destination that accepts 1 KiB refuses it at the hello: nothing
+    // was sent (4), and its own report says why.
+    let receiver = Receiver::spawn(&["receive"], &["--json", "--max-vmm-config", "1KiB"]);
+    let output = tern()
+        .args([
+            "migrate",
+            "--json",
+            "--to",
+            &receiver.address,
+            "--memory",
+            "8MiB",
+        ])
+        .arg("--vmm-config")
+        .arg(&config)
+        .output()
+        .unwrap();
+    assert_eq!(output.status.code(), Some(4), "{output:?}");
+    let desc = json(&output)["error-desc"].as_str().unwrap().to_string();
+    assert!(desc.contains("at most 1024"), "{desc}");
+    let (status, stdout, _) = receiver.finish();
+    assert_eq!(status.code(), Some(1));
+    let report: Value = serde_json::from_slice(&stdout).unwrap();
+    assert_eq!(report["status"], "failed");
+    assert_eq!(report["failed-in"], "setup");
+}

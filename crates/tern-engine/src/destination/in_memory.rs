@@ -167,7 +167,10 @@ impl Destination {
             codecs,
             mut guest,
             regions,
-        } = self.greet(main, hello, make_guest)?;
+        } = {
+            super::vmm_config::receive(main, &mut decoder, &hello, self.config.max_vmm_config)?;
+            self.greet(main, hello, make_guest)?
+        };
         let dictionaries = super::dictionary::receive_dictionaries(main, &mut decoder, &setup)?;
         let count = setup.channel_count;
         let mut slots: Vec<Option<MemoryStream>> = (0..count).map(|_| None).collect();
@@ -260,6 +263,7 @@ mod tests {
                 }],
                 guest_kind: String::new(),
                 dictionaries: 0,
+                vmm_config_len: 0,
             },
         })
         .to_bytes()

@@ -17,6 +17,7 @@ mod switch_over;
 #[cfg(test)]
 mod test_memory;
 mod userfault;
+mod vmm_config;
 
 use std::sync::atomic::{AtomicU8, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -336,6 +337,23 @@ impl Destination {
         G: DestinationGuest,
         F: FnOnce(&SessionSetup) -> Result<G, GuestError>,
     {
+        self.receive_with_vmm_config(listener, |setup, _| make_guest(setup))
+    }
+
+    /// As [`Destination::receive`], and `make_guest` is also given the
+    /// source VMM's opaque configuration
+    /// ([`crate::MigrationConfig::vmm_config`], at most
+    /// [`ReceiveConfig::max_vmm_config`] bytes; empty when the source sent
+    /// none), to build the guest from.
+    pub fn receive_with_vmm_config<G, F>(
+        &self,
+        listener: &Listener,
+        make_guest: F,
+    ) -> Result<Received<G>, MigrationError>
+    where
+        G: DestinationGuest,
+        F: FnOnce(&SessionSetup, &[u8]) -> Result<G, GuestError>,
+    {
         self.control.events.status(MigrationStatus::Setup, None);
         let result = self.receive_session(listener, make_guest);
         self.record_outcome(&result);
@@ -381,7 +399,7 @@ impl Destination {
     ) -> Result<Received<G>, MigrationError>
     where
         G: DestinationGuest,
-        F: FnOnce(&SessionSetup) -> Result<G, GuestError>,
+        F: FnOnce(&SessionSetup, &[u8]) -> Result<G, GuestError>,
     {
         let cpu_start = thread_cpu_seconds();
         self.check_policy(listener)
@@ -450,15 +468,18 @@ impl Destination {
     ) -> Result<Received<G>, MigrationError>
     where
         G: DestinationGuest,
-        F: FnOnce(&SessionSetup) -> Result<G, GuestError>,
+        F: FnOnce(&SessionSetup, &[u8]) -> Result<G, GuestError>,
     {
+        // Sent right after the hello, before the welcome: the guest is
+        // built from both.
+        let vmm_config = vmm_config::receive(main, decoder, &hello, self.config.max_vmm_config)?;
         let Greeted {
             setup,
             session_id,
             codecs,
             mut guest,
             regions,
-        } = self.greet(main, hello, make_guest)?;
+        } = self.greet(main, hello, |setup| make_guest(setup, &vmm_config))?;
         self.control.events.status(MigrationStatus::Active, None);
         let dictionaries = dictionary::receive_dictionaries(main, decoder, &setup)?;
         let channels =

@@ -41,6 +41,7 @@ pub(super) fn connect(
         setup: setup.clone(),
     }))
     .map_err(MigrationError::channel(0))?;
+    send_vmm_config(main, config)?;
     expect_welcome(main, session_id, 0)?;
     main.set_timeouts(config.io_timeout)
         .map_err(MigrationError::channel(0))?;
@@ -73,6 +74,17 @@ pub(super) fn connect(
 
 /// Connects channel `index` and runs its protections (TLS, the shared-key
 /// handshake); its hello comes next.
+/// The VMM's configuration, right after the hello when it announced one.
+fn send_vmm_config(main: &mut Channel, config: &MigrationConfig) -> Result<(), MigrationError> {
+    if config.vmm_config.is_empty() {
+        return Ok(());
+    }
+    main.send_message(&Message::VmmConfig(tern_wire::VmmConfig {
+        data: config.vmm_config.clone(),
+    }))
+    .map_err(MigrationError::channel(0))
+}
+
 fn open_channel(
     config: &MigrationConfig,
     connector: &dyn Connect,
@@ -187,6 +199,8 @@ pub(super) fn session_setup(
             .collect(),
         guest_kind: guest_kind.to_string(),
         dictionaries: u8::from(compression.dictionary.is_some()),
+        // Checked against the protocol's maximum by `MigrationConfig::validate`.
+        vmm_config_len: u32::try_from(config.vmm_config.len()).unwrap_or(u32::MAX),
     };
     setup.validate().map_err(|error| {
         MigrationError::Incompatible(format!("the guest's memory layout or kind: {error}"))

@@ -123,7 +123,7 @@ pub struct ThrottleChange {
 }
 
 /// Events as they come, from [`crate::control::MigrationHandle::subscribe`]
-/// or [`crate::control::ReceiveHandle::subscribe`]. Iterating blocks until
+/// or [`crate::ReceiveHandle::subscribe`]. Iterating blocks until
 /// the next event and ends after the final status change.
 #[derive(Debug)]
 pub struct Subscription {

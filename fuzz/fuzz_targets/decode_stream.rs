@@ -28,6 +28,7 @@ fuzz_target!(|data: &[u8]| {
         ],
         guest_kind: "synthetic".into(),
         dictionaries: 2,
+        vmm_config_len: 0,
     };
     let _ = decode_stream(data, Some(&setup));
     drive_like_a_receiver(data, setup);

@@ -285,6 +285,10 @@ pub struct MigrationConfig {
     pub io_timeout: Duration,
     /// How long to keep trying to reach the destination.
     pub connect_timeout: Duration,
+    /// How long the destination has to answer each channel's handshake
+    /// (the welcome, or the key exchange's challenge): a peer silent that
+    /// long is reported as not a tern destination.
+    pub handshake_timeout: Duration,
     /// How long the paused source waits for each of the destination's
     /// switch-over answers: "ready" after the last bytes were sent (without
     /// it, the source resumes its guest), then the acknowledgement of its
@@ -293,6 +297,11 @@ pub struct MigrationConfig {
     pub switch_over_timeout: Duration,
     /// TLS and the shared-key handshake on every channel.
     pub security: Security,
+    /// The VMM's own configuration, opaque to tern, sent before any memory
+    /// and given to the destination's setup callback
+    /// (`Destination::receive_with_vmm_config`); at most
+    /// `tern_wire::MAX_VMM_CONFIG_LEN` bytes; empty: none is sent.
+    pub vmm_config: Vec<u8>,
 }
 
 /// Default of both sides' `switch_over_timeout`: the destination checks and
@@ -332,7 +341,9 @@ impl Default for MigrationConfig {
             zero_copy_window: 0,
             io_timeout: Duration::from_secs(30),
             connect_timeout: Duration::from_secs(10),
+            handshake_timeout: Duration::from_secs(10),
             security: Security::default(),
+            vmm_config: Vec::new(),
             switch_over_timeout: DEFAULT_SWITCH_OVER_TIMEOUT,
         }
     }
@@ -362,6 +373,16 @@ impl MigrationConfig {
         let bad = |field: &'static str, reason: String| {
             Err(MigrationError::InvalidConfig { field, reason })
         };
+        if self.vmm_config.len() > tern_wire::MAX_VMM_CONFIG_LEN {
+            return bad(
+                "vmm_config",
+                format!(
+                    "{} bytes (at most {})",
+                    self.vmm_config.len(),
+                    tern_wire::MAX_VMM_CONFIG_LEN
+                ),
+            );
+        }
         if self.channels == 0 || self.channels > tern_wire::MAX_CHANNELS {
             return bad(
                 "channels",
@@ -541,6 +562,16 @@ pub struct ReceiveConfig {
     /// one per core the process may use. `Some(0)`: each receiver
     /// decompresses its own packets, one core per channel at most.
     pub decode_threads: Option<usize>,
+    /// Keep the guest paused after a verified, committed switch-over and
+    /// hand it over paused ([`crate::Received::resumed`] is false): for a
+    /// VMM that resumes it itself (Cloud Hypervisor's `CompletePaused`,
+    /// libvirt's paused start).
+    pub keep_paused: bool,
+    /// The largest VMM configuration accepted from the source
+    /// ([`crate::MigrationConfig::vmm_config`]), at most
+    /// `tern_wire::MAX_VMM_CONFIG_LEN`: a larger one is refused at the hello
+    /// that announces it, before it is read.
+    pub max_vmm_config: usize,
 }
 
 /// Whether a destination without an auth key or TLS accepts sessions.
@@ -571,6 +602,8 @@ impl Default for ReceiveConfig {
             allow_unverified: false,
             switch_over_timeout: DEFAULT_SWITCH_OVER_TIMEOUT,
             decode_threads: None,
+            keep_paused: false,
+            max_vmm_config: 64 << 10,
         }
     }
 }

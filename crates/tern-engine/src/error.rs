@@ -136,6 +136,16 @@ pub enum MigrationError {
     /// The migration was cancelled.
     #[error("Migration cancelled")]
     Cancelled,
+    /// The source's peer answered its handshake as no tern destination
+    /// does, or not at all within the handshake timeout: something else
+    /// listens there.
+    #[error("{address} is not a tern destination: {detail}")]
+    NotTern {
+        /// The destination address.
+        address: String,
+        /// What it did instead.
+        detail: String,
+    },
     /// The source committed the switch-over and the destination did not
     /// confirm that it resumed the guest: it may run there, or nowhere. The
     /// source keeps its guest paused, so it never runs twice; an operator
@@ -165,7 +175,8 @@ impl MigrationError {
                 source: ChannelError::Protocol(_),
                 ..
             }
-            | Self::Protocol(_) => AbortReason::ProtocolError,
+            | Self::Protocol(_)
+            | Self::NotTern { .. } => AbortReason::ProtocolError,
             Self::Incompatible(_)
             | Self::GuestKindMismatch { .. }
             | Self::InvalidConfig { .. }

@@ -346,6 +346,7 @@ pub fn sample_session() -> (Vec<u8>, Vec<Vec<u8>>) {
         }],
         guest_kind: String::new(),
         dictionaries: 1,
+        vmm_config_len: 0,
     };
     let mut memory = vec![0u8; PAGES * PAGE_SIZE];
     let text = |seed: u8| -> Vec<u8> {

@@ -55,6 +55,7 @@
 
 pub mod bitmap;
 pub mod config;
+pub mod control;
 mod deadline;
 pub mod destination;
 mod digest;
@@ -75,7 +76,11 @@ pub use config::{
     DEFAULT_SWITCH_OVER_TIMEOUT, DictionaryRefresh, LimitPolicy, MigrationConfig, ReceiveConfig,
     UnauthenticatedPolicy, UnknownName, Verify, ZeroCopyBackend, ZeroPageDetection,
 };
-pub use destination::{Destination, ReceivePhase, ReceiveStats, Received};
+pub use control::{
+    CONTRACT_VERSION, ControlError, Event, EventBody, MigrationHandle, MigrationParameters,
+    ReceiveReport, Subscription,
+};
+pub use destination::{Destination, ReceiveHandle, ReceivePhase, ReceiveStats, Received};
 pub use error::{ChannelError, MigrationError};
 pub use guest::{
     DestinationGuest, DeviceState, DirtyLog, GuestControl, GuestError, GuestMemory, GuestResult,

@@ -11,8 +11,23 @@ use tern_wire::OutcomeStats;
 
 use crate::zerocopy::ZeroCopyStats;
 
+/// Version of the report, event and parameter contract scripts rely on
+/// (docs/control.md): raised when a field changes meaning or goes away; new
+/// fields may appear within a version.
+pub const CONTRACT_VERSION: u32 = 1;
+
 /// Where a migration is.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, strum::IntoStaticStr)]
+#[derive(
+    Clone,
+    Copy,
+    Debug,
+    PartialEq,
+    Eq,
+    Serialize,
+    Deserialize,
+    strum::IntoStaticStr,
+    schemars::JsonSchema,
+)]
 #[serde(rename_all = "kebab-case")]
 #[strum(serialize_all = "kebab-case")]
 #[repr(u8)]
@@ -51,6 +66,14 @@ impl MigrationStatus {
     /// The name users see.
     pub fn as_str(self) -> &'static str {
         self.into()
+    }
+
+    /// Whether the migration has ended in this status.
+    pub fn is_final(self) -> bool {
+        matches!(
+            self,
+            Self::Completed | Self::Failed | Self::Cancelled | Self::OutcomeUnknown
+        )
     }
 }
 
@@ -129,11 +152,47 @@ pub struct LiveStats {
     xbzrle_bytes: AtomicU64,
     xbzrle_cache_miss: AtomicU64,
     xbzrle_overflow: AtomicU64,
+    /// The transfer rate over the last window, for live queries.
+    rate_window: Mutex<RateWindow>,
+}
+
+/// Bytes per second written over the latest window of at least
+/// [`RATE_WINDOW`], updated when a query finds the window over.
+#[derive(Debug, Default)]
+struct RateWindow {
+    started: Option<Instant>,
+    transferred_at_start: u64,
+    rate: u64,
+}
+
+/// The shortest window the live transfer rate is measured over.
+pub const RATE_WINDOW: Duration = Duration::from_secs(1);
+
+impl RateWindow {
+    /// The rate of the last complete window, starting a new one when the
+    /// current one is over.
+    fn sample(&mut self, now: Instant, transferred: u64) -> u64 {
+        match self.started {
+            Some(started) if now.duration_since(started) >= RATE_WINDOW => {
+                let seconds = now.duration_since(started).as_secs_f64();
+                let bytes = transferred.saturating_sub(self.transferred_at_start);
+                self.rate = (bytes as f64 / seconds) as u64;
+                self.started = Some(now);
+                self.transferred_at_start = transferred;
+            }
+            Some(_) => {}
+            None => {
+                self.started = Some(now);
+                self.transferred_at_start = transferred;
+            }
+        }
+        self.rate
+    }
 }
 
 /// How the session's channels were carried and protected, as the main
 /// channel's handshake established it.
-#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize, schemars::JsonSchema)]
 #[serde(rename_all = "kebab-case")]
 pub struct SessionSecurity {
     /// `tcp`, `unix`, `vsock` or `fd`.
@@ -197,11 +256,23 @@ impl LiveStats {
             xbzrle_bytes: AtomicU64::new(0),
             xbzrle_cache_miss: AtomicU64::new(0),
             xbzrle_overflow: AtomicU64::new(0),
+            rate_window: Mutex::new(RateWindow::default()),
         }
     }
 
+    /// Bytes per second written to all channels over the latest complete
+    /// window of at least [`RATE_WINDOW`] (0 before one completed; a window
+    /// ends at the first query after it is over).
+    pub fn transfer_rate(&self) -> u64 {
+        let transferred = self.transferred.load(Ordering::Relaxed);
+        self.rate_window
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .sample(Instant::now(), transferred)
+    }
+
     /// Adds one batch's duplicate and delta counts.
-    pub(crate) fn add_reuse(&self, counts: &crate::pipeline::ReuseCounts) {
+    pub(crate) fn add_reuse(&self, counts: &ReuseCounts) {
         self.dedup_pages
             .fetch_add(counts.duplicate_pages, Ordering::Relaxed);
         self.xbzrle_pages
@@ -294,6 +365,11 @@ impl LiveStats {
     pub(crate) fn set_downtime_limit(&self, limit: Duration) {
         self.downtime_limit_ms
             .store(millis(limit), Ordering::Relaxed);
+    }
+
+    /// The downtime limit in force, in milliseconds.
+    pub(crate) fn downtime_limit_ms(&self) -> u64 {
+        self.downtime_limit_ms.load(Ordering::Relaxed)
     }
 
     pub(crate) fn set_final_pages_time(&self, time: Duration) {
@@ -456,6 +532,36 @@ impl LiveStats {
         (size - remaining, size)
     }
 
+    /// The `ram` part of a snapshot; `seconds` is the time the averages
+    /// are over.
+    fn ram_stats(&self, status: MigrationStatus, seconds: f64) -> RamStats {
+        let transferred = self.transferred.load(Ordering::Relaxed);
+        let normal = self.normal.load(Ordering::Relaxed);
+        let duplicate = self.duplicate.load(Ordering::Relaxed);
+        RamStats {
+            transferred,
+            precopy_bytes: self.precopy_bytes.load(Ordering::Relaxed),
+            downtime_bytes: self.downtime_bytes.load(Ordering::Relaxed),
+            multifd_bytes: self.multifd_bytes.load(Ordering::Relaxed),
+            page_size: crate::guest::PAGE_SIZE as u64,
+            remaining: self.remaining.load(Ordering::Relaxed),
+            total: self.total.load(Ordering::Relaxed),
+            duplicate,
+            normal,
+            normal_bytes: self.normal_bytes.load(Ordering::Relaxed),
+            mbps: transferred as f64 * 8.0 / 1e6 / seconds,
+            pages_per_second: ((normal + duplicate) as f64 / seconds) as u64,
+            dirty_sync_count: self.dirty_sync_count.load(Ordering::Relaxed),
+            dirty_pages_rate: self.dirty_pages_rate.load(Ordering::Relaxed),
+            iterations: self.iteration.load(Ordering::Relaxed),
+            transfer_rate: if status.is_final() {
+                0
+            } else {
+                self.transfer_rate()
+            },
+        }
+    }
+
     /// A consistent-enough copy for display or the final report.
     pub fn snapshot(&self) -> MigrationStats {
         let status = self.status();
@@ -467,9 +573,6 @@ impl LiveStats {
         } else {
             millis(self.started().elapsed())
         };
-        let transferred = self.transferred.load(Ordering::Relaxed);
-        let normal = self.normal.load(Ordering::Relaxed);
-        let duplicate = self.duplicate.load(Ordering::Relaxed);
         let seconds = (total_time_ms as f64 / 1000.0).max(1e-3);
         let cpu_seconds = self
             .cpu_seconds
@@ -481,7 +584,9 @@ impl LiveStats {
         let parts = self.downtime_parts(downtime);
         let exceeded = downtime_limit > 0 && downtime > downtime_limit;
         MigrationStats {
+            version: CONTRACT_VERSION,
             status,
+            failed_in: None,
             total_time: total_time_ms,
             setup_time: self.setup_time_ms.load(Ordering::Relaxed),
             downtime,
@@ -492,23 +597,7 @@ impl LiveStats {
             expected_downtime: self.expected_downtime_ms.load(Ordering::Relaxed),
             digest_time: self.digest_time_ms.load(Ordering::Relaxed),
             digest_rehashed_pages: self.digest_rehashed_pages.load(Ordering::Relaxed),
-            ram: RamStats {
-                transferred,
-                precopy_bytes: self.precopy_bytes.load(Ordering::Relaxed),
-                downtime_bytes: self.downtime_bytes.load(Ordering::Relaxed),
-                multifd_bytes: self.multifd_bytes.load(Ordering::Relaxed),
-                page_size: crate::guest::PAGE_SIZE as u64,
-                remaining: self.remaining.load(Ordering::Relaxed),
-                total: self.total.load(Ordering::Relaxed),
-                duplicate,
-                normal,
-                normal_bytes: self.normal_bytes.load(Ordering::Relaxed),
-                mbps: transferred as f64 * 8.0 / 1e6 / seconds,
-                pages_per_second: ((normal + duplicate) as f64 / seconds) as u64,
-                dirty_sync_count: self.dirty_sync_count.load(Ordering::Relaxed),
-                dirty_pages_rate: self.dirty_pages_rate.load(Ordering::Relaxed),
-                iterations: self.iteration.load(Ordering::Relaxed),
-            },
+            ram: self.ram_stats(status, seconds),
             cpu_throttle_percentage: self.cpu_throttle_percentage.load(Ordering::Relaxed),
             forced_switch_over: self.forced_switch_over.load(Ordering::Relaxed),
             digest_verified: self.digest_verified.load(Ordering::Relaxed),
@@ -538,7 +627,7 @@ impl LiveStats {
 }
 
 /// Pages sent as references to a page with the same bytes (`--dedup`).
-#[derive(Clone, Copy, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Serialize, Deserialize, schemars::JsonSchema)]
 #[serde(rename_all = "kebab-case")]
 pub struct DedupStats {
     /// Pages sent as duplicates.
@@ -548,7 +637,7 @@ pub struct DedupStats {
 }
 
 /// The delta cache's counters under QEMU's `xbzrle-cache` names.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Serialize, Deserialize, schemars::JsonSchema)]
 #[serde(rename_all = "kebab-case")]
 pub struct XbzrleCacheStats {
     /// Cache size in bytes (`--delta-cache-size`).
@@ -570,13 +659,27 @@ pub struct XbzrleCacheStats {
     pub overflow: u64,
 }
 
+/// Per-batch counters of duplicate and delta pages, added to the live
+/// counters when the batch completes (defined here so that the statistics
+/// depend on no part of the pipeline).
+#[derive(Clone, Copy, Debug, Default)]
+pub(crate) struct ReuseCounts {
+    pub(crate) duplicate_pages: u64,
+    pub(crate) delta_pages: u64,
+    pub(crate) delta_bytes: u64,
+    pub(crate) cache_misses: u64,
+    pub(crate) overflows: u64,
+}
+
 /// Milliseconds, saturating.
 pub(crate) fn millis(time: Duration) -> u64 {
     u64::try_from(time.as_millis()).unwrap_or(u64::MAX)
 }
 
 /// Where the downtime went, in milliseconds.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(
+    Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize, schemars::JsonSchema,
+)]
 #[serde(rename_all = "kebab-case")]
 pub struct DowntimeParts {
     /// Sending the pages dirtied since the last sync (the link).
@@ -607,7 +710,7 @@ impl DowntimeParts {
 
 /// Why the downtime broke its limit: the part of the switch-over that took
 /// the longest.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, schemars::JsonSchema)]
 #[serde(rename_all = "kebab-case")]
 pub enum DowntimeCause {
     /// Sending the last dirty pages: more than the link carried in time.
@@ -633,7 +736,7 @@ impl DowntimeCause {
 }
 
 /// Memory counters, named as in QEMU's `query-migrate` `ram` object.
-#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize, schemars::JsonSchema)]
 #[serde(rename_all = "kebab-case")]
 pub struct RamStats {
     /// Bytes written to the channels (headers included).
@@ -669,14 +772,26 @@ pub struct RamStats {
     pub dirty_pages_rate: u64,
     /// Dirty iterations done (tern's addition).
     pub iterations: u64,
+    /// Bytes per second written to all channels over the latest window of
+    /// at least a second, while the migration runs (tern's addition).
+    #[serde(default)]
+    pub transfer_rate: u64,
 }
 
 /// The statistics of one side of a migration. Durations are milliseconds.
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, schemars::JsonSchema)]
 #[serde(rename_all = "kebab-case")]
 pub struct MigrationStats {
+    /// The report contract's version ([`CONTRACT_VERSION`]).
+    #[serde(default)]
+    pub version: u32,
     /// Final or current status.
     pub status: MigrationStatus,
+    /// The status the migration was in when it failed: `setup` means
+    /// nothing was sent (the destination could not be reached, or the
+    /// handshake failed).
+    #[serde(skip_serializing_if = "Option::is_none", default)]
+    pub failed_in: Option<MigrationStatus>,
     /// From start to the end (or to now).
     pub total_time: u64,
     /// Connecting and handshaking.
@@ -747,7 +862,7 @@ pub struct MigrationStats {
 }
 
 /// Compression of one codec implementation.
-#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize, schemars::JsonSchema)]
 #[serde(rename_all = "kebab-case")]
 pub struct CodecReport {
     /// Data pages given to the codec (raw fallbacks included).
@@ -788,7 +903,7 @@ impl From<&tern_page::codec::CodecCounters> for CodecReport {
 }
 
 /// Compression over the whole migration.
-#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize, schemars::JsonSchema)]
 #[serde(rename_all = "kebab-case")]
 pub struct CompressionReport {
     /// What was asked for: a codec, or `auto`.
@@ -807,7 +922,7 @@ pub struct CompressionReport {
 
 /// The zstd dictionary a migration trained at setup and sent, and the
 /// ones it trained again during the live phase.
-#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize, schemars::JsonSchema)]
 #[serde(rename_all = "kebab-case")]
 pub struct DictionaryReport {
     /// Its size on the wire, in bytes.
@@ -832,7 +947,7 @@ pub struct DictionaryReport {
 }
 
 /// How zero pages were found.
-#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize, schemars::JsonSchema)]
 #[serde(rename_all = "kebab-case")]
 pub struct ZeroDetectionReport {
     /// `none`, `source`, `workers` or `dsa`.
@@ -845,7 +960,7 @@ pub struct ZeroDetectionReport {
 }
 
 /// Accelerator counters.
-#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize, schemars::JsonSchema)]
 #[serde(rename_all = "kebab-case")]
 pub struct OffloadReport {
     /// Pages the device answered.
@@ -869,7 +984,7 @@ pub struct OffloadReport {
 }
 
 /// What the destination reports back at the end.
-#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize, schemars::JsonSchema)]
 #[serde(rename_all = "kebab-case")]
 pub struct DestinationStats {
     /// Bytes read from all channels.

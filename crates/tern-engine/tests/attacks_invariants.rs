@@ -117,6 +117,7 @@ fn handshake(address: &Address, channels: u16) -> Attacker {
             }],
             guest_kind: "synthetic".into(),
             dictionaries: 0,
+            vmm_config_len: 0,
         },
     }))
     .expect("hello");

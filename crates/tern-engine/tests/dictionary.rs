@@ -357,6 +357,7 @@ fn hello(codecs: u8, dictionaries: u8) -> Attack {
             }],
             guest_kind: "synthetic".into(),
             dictionaries,
+            vmm_config_len: 0,
         },
     }))
     .expect("hello");

@@ -28,6 +28,7 @@ fn setup_with_codecs(channels: u16, codecs: u8) -> SessionSetup {
         }],
         guest_kind: "synthetic".into(),
         dictionaries: 0,
+        vmm_config_len: 0,
     }
 }
 

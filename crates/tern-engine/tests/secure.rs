@@ -385,6 +385,7 @@ fn a_client_without_a_certificate_is_refused() {
             }],
             guest_kind: String::new(),
             dictionaries: 0,
+            vmm_config_len: 0,
         },
     });
     // TLS 1.3 finishes the client's side of the handshake before the
@@ -481,6 +482,7 @@ fn a_page_channel_with_another_identity_is_refused() {
                 .collect(),
             guest_kind: String::new(),
             dictionaries: 0,
+            vmm_config_len: 0,
         },
     }))
     .unwrap();

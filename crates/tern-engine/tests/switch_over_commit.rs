@@ -270,6 +270,7 @@ fn setup() -> SessionSetup {
         }],
         guest_kind: "synthetic".into(),
         dictionaries: 0,
+        vmm_config_len: 0,
     }
 }
 

@@ -72,6 +72,7 @@ impl FakeSource {
             }],
             guest_kind: "synthetic".into(),
             dictionaries: 0,
+            vmm_config_len: 0,
         };
         let handshake = |channel_index| Handshake {
             session_id: SESSION,

@@ -15,6 +15,7 @@ fn zstd_setup(codecs: u8, dictionaries: u8) -> SessionSetup {
         }],
         guest_kind: String::new(),
         dictionaries,
+        vmm_config_len: 0,
     }
 }
 

@@ -62,7 +62,7 @@ pub use error::{AbortReason, WireError};
 pub use message::{
     Abort, AuthChallenge, AuthHello, AuthProof, ChannelHello, Complete, Dictionary,
     DigestAlgorithm, Handshake, Hello, Message, Outcome, OutcomeStats, Ready, RegionInfo,
-    SessionSetup, StateSectionMsg, Sync, Welcome,
+    SessionSetup, StateSectionMsg, Sync, VmmConfig, Welcome,
 };
 pub use pages::{
     DELTA_ENTRY_LEN, PageEntry, PageKind, PageRef, PagesHeader, decode_page_table,
@@ -72,7 +72,7 @@ pub use pages::{
 /// First bytes of every handshake.
 pub const MAGIC: [u8; 8] = *b"TERNMIG\0";
 /// Protocol version spoken by this build.
-pub const PROTOCOL_VERSION: u16 = 6;
+pub const PROTOCOL_VERSION: u16 = 7;
 /// The only page size this version supports: the one definition of tern's
 /// page size (`tern_page::PAGE_SIZE` and `tern_engine::PAGE_SIZE` are this
 /// value as a `usize`).
@@ -102,6 +102,9 @@ pub mod codec_id {
 /// Largest compression dictionary ([`Dictionary`]); the destination refuses
 /// a longer one at its frame header, before reading the body.
 pub const MAX_DICTIONARY_LEN: usize = 128 << 10;
+/// Largest VMM configuration blob ([`VmmConfig`], announced by
+/// [`SessionSetup::vmm_config_len`]); a destination may accept less.
+pub const MAX_VMM_CONFIG_LEN: usize = 1 << 20;
 /// Most dictionaries a session may announce ([`SessionSetup::dictionaries`]).
 pub const MAX_DICTIONARIES: u8 = 8;
 /// Most pages one packet may carry.
@@ -167,6 +170,10 @@ pub enum FrameKind {
     /// A compression dictionary, after the welcome and before any page
     /// channel connects (main channel, source to destination).
     Dictionary = 13,
+    /// The source VMM's opaque configuration, right after the hello and
+    /// before the welcome, when the setup announces one (main channel,
+    /// source to destination).
+    VmmConfig = 14,
     /// Authentication, first on a channel when the sides share a key:
     /// the source's nonce, bound to a session and channel (source to
     /// destination). Numbered apart from the session's own kinds.
@@ -194,6 +201,7 @@ impl FrameKind {
             11 => Self::Commit,
             12 => Self::Heartbeat,
             13 => Self::Dictionary,
+            14 => Self::VmmConfig,
             32 => Self::AuthHello,
             33 => Self::AuthChallenge,
             34 => Self::AuthProof,
@@ -205,7 +213,7 @@ impl FrameKind {
     pub fn max_body(self) -> usize {
         match self {
             Self::Hello => {
-                32 + 2 + MAX_REGIONS * RegionInfo::ENCODED_LEN + 4 + MAX_GUEST_KIND_LEN + 1
+                32 + 2 + MAX_REGIONS * RegionInfo::ENCODED_LEN + 4 + MAX_GUEST_KIND_LEN + 1 + 4
             }
             Self::ChannelHello => Handshake::ENCODED_LEN,
             Self::Welcome => 16,
@@ -221,6 +229,7 @@ impl FrameKind {
             Self::Ready => 16,
             Self::Commit | Self::Heartbeat => 8,
             Self::Dictionary => Dictionary::HEADER_LEN + MAX_DICTIONARY_LEN,
+            Self::VmmConfig => VmmConfig::HEADER_LEN + MAX_VMM_CONFIG_LEN,
             Self::AuthHello => Handshake::ENCODED_LEN + AUTH_NONCE_LEN,
             Self::AuthChallenge => AUTH_NONCE_LEN + AUTH_PROOF_LEN,
             Self::AuthProof => AUTH_PROOF_LEN,

@@ -5,7 +5,7 @@ use crate::error::{AbortReason, WireError};
 use crate::{
     AUTH_NONCE_LEN, AUTH_PROOF_LEN, FRAME_HEADER_LEN, FrameHeader, FrameKind, MAGIC, MAX_CHANNELS,
     MAX_DICTIONARIES, MAX_DICTIONARY_LEN, MAX_GUEST_KIND_LEN, MAX_NAME_LEN, MAX_REGION_BYTES,
-    MAX_REGIONS, MAX_SECTION_BYTES, MAX_TEXT_LEN, PAGE_SIZE, PROTOCOL_VERSION,
+    MAX_REGIONS, MAX_SECTION_BYTES, MAX_TEXT_LEN, MAX_VMM_CONFIG_LEN, PAGE_SIZE, PROTOCOL_VERSION,
 };
 
 /// The part of the handshake every channel sends first.
@@ -120,6 +120,10 @@ pub struct SessionSetup {
     /// [`MAX_DICTIONARIES`]; the destination expects exactly these and
     /// refuses any other. Non-zero only with a zstd codec announced.
     pub dictionaries: u8,
+    /// Bytes of the source VMM's opaque configuration ([`VmmConfig`]) sent
+    /// right after the hello, at most [`MAX_VMM_CONFIG_LEN`]; 0: none is
+    /// sent. A destination refuses more than it accepts before reading it.
+    pub vmm_config_len: u32,
 }
 
 impl SessionSetup {
@@ -205,6 +209,15 @@ impl SessionSetup {
         {
             return invalid("guest kind", "must be printable ASCII".to_string());
         }
+        if self.vmm_config_len as usize > MAX_VMM_CONFIG_LEN {
+            return invalid(
+                "vmm config length",
+                format!(
+                    "{} bytes (at most {MAX_VMM_CONFIG_LEN})",
+                    self.vmm_config_len
+                ),
+            );
+        }
         self.validate_dictionaries()
     }
 
@@ -269,6 +282,20 @@ pub struct Dictionary {
 impl Dictionary {
     /// Bytes before the data: id, codec, two reserved, data length.
     pub const HEADER_LEN: usize = 8;
+}
+
+/// The source VMM's configuration, opaque to tern (Cloud Hypervisor's
+/// `Config`): sent on the main channel right after the hello, before the
+/// welcome, so that the destination builds its guest from it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct VmmConfig {
+    /// Exactly [`SessionSetup::vmm_config_len`] bytes.
+    pub data: Vec<u8>,
+}
+
+impl VmmConfig {
+    /// Bytes before the data: its length.
+    pub const HEADER_LEN: usize = 4;
 }
 
 /// End of a dirty iteration on one page channel.
@@ -471,6 +498,8 @@ pub enum Message {
     AuthProof(AuthProof),
     /// See [`Dictionary`].
     Dictionary(Dictionary),
+    /// See [`VmmConfig`].
+    VmmConfig(VmmConfig),
 }
 
 impl Message {
@@ -492,6 +521,7 @@ impl Message {
             Self::AuthChallenge(_) => FrameKind::AuthChallenge,
             Self::AuthProof(_) => FrameKind::AuthProof,
             Self::Dictionary(_) => FrameKind::Dictionary,
+            Self::VmmConfig(_) => FrameKind::VmmConfig,
         }
     }
 
@@ -517,6 +547,10 @@ impl Message {
                 }
                 w.bytes_u32(setup.guest_kind.as_bytes());
                 w.u8(setup.dictionaries);
+                w.u32(setup.vmm_config_len);
+            }
+            Self::VmmConfig(config) => {
+                w.bytes_u32(&config.data);
             }
             Self::Dictionary(dictionary) => {
                 w.u8(dictionary.id)
@@ -638,6 +672,7 @@ impl Message {
                 }
                 let guest_kind = r.string(MAX_GUEST_KIND_LEN, "guest kind")?;
                 let dictionaries = r.u8()?;
+                let vmm_config_len = r.u32()?;
                 let setup = SessionSetup {
                     page_size,
                     channel_count,
@@ -646,6 +681,7 @@ impl Message {
                     regions,
                     guest_kind,
                     dictionaries,
+                    vmm_config_len,
                 };
                 setup.validate()?;
                 Self::Hello(Hello { handshake, setup })
@@ -783,6 +819,9 @@ impl Message {
             }
             FrameKind::AuthProof => Self::AuthProof(AuthProof { proof: r.array()? }),
             FrameKind::Dictionary => Self::Dictionary(decode_dictionary(&mut r)?),
+            FrameKind::VmmConfig => Self::VmmConfig(VmmConfig {
+                data: r.bytes_u32(MAX_VMM_CONFIG_LEN, "vmm config")?.to_vec(),
+            }),
             FrameKind::Pages => {
                 return Err(WireError::Unexpected {
                     got: FrameKind::Pages,
@@ -813,6 +852,7 @@ fn kind_name(kind: FrameKind) -> &'static str {
         FrameKind::AuthChallenge => "auth challenge",
         FrameKind::AuthProof => "auth proof",
         FrameKind::Dictionary => "dictionary",
+        FrameKind::VmmConfig => "vmm config",
     }
 }
 

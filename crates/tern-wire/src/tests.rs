@@ -23,6 +23,7 @@ fn setup() -> SessionSetup {
         ],
         guest_kind: "synthetic".into(),
         dictionaries: 0,
+        vmm_config_len: 0,
     }
 }
 
@@ -195,8 +196,9 @@ fn hello_carries_the_guest_kind_within_bounds() {
     // A peer announcing a longer kind is refused from its length prefix,
     // before the bytes are read or copied.
     let mut bytes = Message::Hello(longest).to_bytes();
-    // The kind is followed by the dictionary count (one byte).
-    let kind_len_at = bytes.len() - 1 - MAX_GUEST_KIND_LEN - 4;
+    // The kind is followed by the dictionary count (one byte) and the VMM
+    // configuration's length (four).
+    let kind_len_at = bytes.len() - 1 - 4 - MAX_GUEST_KIND_LEN - 4;
     bytes[kind_len_at..kind_len_at + 4].copy_from_slice(&u32::MAX.to_le_bytes());
     assert_eq!(
         Message::decode(FrameKind::Hello, &bytes[8..]),

@@ -66,6 +66,9 @@ pub enum Command {
     /// Print a shell completion script: `tern completions bash >
     /// /etc/bash_completion.d/tern`.
     Completions(CompletionsArgs),
+    /// Send one command to the control socket of a running migrate, receive
+    /// or vm command, or print its events (docs/control.md).
+    Ctl(crate::ctl::CtlArgs),
     /// Report what this machine offers tern (KVM, DSA, IAA, QPL, kernel TLS,
     /// io_uring, memlock limit, huge pages, NUMA) and how to fix what is
     /// missing.
@@ -124,6 +127,13 @@ pub struct MigrateArgs {
     /// starts, before the report (docs/cli.md, "Events").
     #[arg(long)]
     pub events: bool,
+    #[command(flatten)]
+    pub steering: crate::steering::SteeringArgs,
+    /// A file whose bytes go to the destination before any memory, as the
+    /// VMM's configuration (opaque to tern, at most 1 MiB): `tern receive
+    /// --save-vmm-config` writes them out.
+    #[arg(long, value_name = "FILE")]
+    pub vmm_config: Option<std::path::PathBuf>,
 }
 
 /// Where and how a destination waits (`tern receive`, `tern vm receive`).
@@ -171,6 +181,20 @@ pub struct ListenArgs {
     /// in seconds; without it the guest is not resumed here.
     #[arg(long, default_value_t = 10, value_parser = clap::value_parser!(u64).range(1..))]
     pub switch_over_timeout: u64,
+    #[command(flatten)]
+    pub steering: crate::steering::SteeringArgs,
+    /// Keep the guest paused after a verified switch-over and hand it over:
+    /// `cont` on the control socket resumes it (needs --control-socket).
+    #[arg(long, requires = "control_socket")]
+    pub keep_paused: bool,
+    /// With --keep-paused: how long to wait for `cont`, in seconds; then
+    /// the guest is resumed anyway, never left paused.
+    #[arg(long, default_value_t = 60, value_parser = clap::value_parser!(u64).range(1..))]
+    pub paused_timeout: u64,
+    /// The largest VMM configuration accepted from the source (at most
+    /// 1MiB); a larger one is refused before it is read.
+    #[arg(long, default_value = "64KiB", value_parser = crate::units::parse_size)]
+    pub max_vmm_config: u64,
 }
 
 impl ListenArgs {
@@ -187,6 +211,8 @@ impl ListenArgs {
             qpl_path: self.qpl_path,
             switch_over_timeout: Duration::from_secs(self.switch_over_timeout),
             decode_threads: self.decode_threads.map(usize::from),
+            keep_paused: self.keep_paused,
+            max_vmm_config: usize::try_from(self.max_vmm_config).unwrap_or(usize::MAX),
             ..tern_engine::ReceiveConfig::default()
         };
         if self.qpl_path == QplPath::Hardware {
@@ -211,6 +237,10 @@ pub struct ReceiveArgs {
     /// milliseconds (shows it carries on dirtying memory here).
     #[arg(long, default_value_t = 200)]
     pub run_after: u64,
+    /// Write the VMM configuration the source sent (`tern migrate
+    /// --vmm-config`) to this file.
+    #[arg(long, value_name = "FILE")]
+    pub save_vmm_config: Option<std::path::PathBuf>,
     /// Print one JSON document instead of the summary table.
     #[arg(long)]
     pub json: bool,
@@ -532,6 +562,10 @@ pub struct TransferArgs {
     /// How long to keep trying to reach the destination, in seconds.
     #[arg(long, default_value_t = 10)]
     pub connect_timeout: u64,
+    /// How long the destination has to answer the handshake, in seconds;
+    /// a peer silent that long is reported as not a tern destination.
+    #[arg(long = "handshake-timeout", default_value_t = 10, value_parser = clap::value_parser!(u64).range(1..))]
+    pub handshake_timeout: u64,
     /// How long the paused source waits for each switch-over answer of the
     /// destination, in seconds: without its "ready" the source guest
     /// resumes; without the acknowledgement of the commit the outcome is
@@ -652,6 +686,7 @@ impl TransferArgs {
             zero_copy_backend: self.zero_copy_backend,
             io_timeout: Duration::from_secs(self.io_timeout),
             connect_timeout: Duration::from_secs(self.connect_timeout),
+            handshake_timeout: Duration::from_secs(self.handshake_timeout),
             switch_over_timeout: Duration::from_secs(self.switch_over_timeout),
             ..MigrationConfig::default()
         })

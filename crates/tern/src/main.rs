@@ -2,12 +2,18 @@
 
 mod bench;
 mod cli;
+mod control_socket;
+mod ctl;
 mod doctor;
+mod metrics;
 #[cfg(test)]
 mod reference;
 mod report;
 mod run;
+#[cfg(test)]
+mod schema;
 mod secure;
+mod steering;
 mod units;
 mod vm;
 

@@ -313,12 +313,17 @@ pub fn with_fill_progress<T>(total: u64, make: impl FnOnce(&AtomicU64) -> T) -> 
 /// the ready event of `tern receive` and `tern vm receive`, and
 /// `migrating`, printed by `tern migrate --events` and `tern vm migrate
 /// --events` as the migration starts.
-#[derive(Serialize)]
-struct AddressEvent {
+#[derive(Serialize, schemars::JsonSchema)]
+pub(crate) struct AddressEvent {
+    /// `listening` or `migrating`.
     event: &'static str,
+    /// The contract's version.
+    version: u32,
     /// What to give `tern migrate --to`.
     address: String,
+    /// `tcp`, `unix`, `vsock` or `fd`.
     transport: &'static str,
+    /// The bound port (TCP, vsock).
     #[serde(skip_serializing_if = "Option::is_none")]
     port: Option<u32>,
 }
@@ -327,6 +332,7 @@ fn address_event(event: &'static str, address: &Address) -> AddressEvent {
     match address {
         Address::Tcp(host_port) => AddressEvent {
             event,
+            version: tern_engine::CONTRACT_VERSION,
             address: host_port.clone(),
             transport: "tcp",
             port: host_port
@@ -335,18 +341,21 @@ fn address_event(event: &'static str, address: &Address) -> AddressEvent {
         },
         Address::Unix(_) => AddressEvent {
             event,
+            version: tern_engine::CONTRACT_VERSION,
             address: address.to_string(),
             transport: "unix",
             port: None,
         },
         Address::Vsock { port, .. } => AddressEvent {
             event,
+            version: tern_engine::CONTRACT_VERSION,
             address: address.to_string(),
             transport: "vsock",
             port: Some(*port),
         },
         Address::Fd(_) => AddressEvent {
             event,
+            version: tern_engine::CONTRACT_VERSION,
             address: address.to_string(),
             transport: "fd",
             port: None,
@@ -597,7 +606,7 @@ mod tests {
         let event = address_event("listening", &Address::Tcp("127.0.0.1:4444".into()));
         assert_eq!(
             serde_json::to_string(&event).unwrap(),
-            r#"{"event":"listening","address":"127.0.0.1:4444","transport":"tcp","port":4444}"#
+            r#"{"event":"listening","version":1,"address":"127.0.0.1:4444","transport":"tcp","port":4444}"#
         );
         let event = address_event("listening", &Address::Unix("/tmp/t.sock".into()));
         assert_eq!(event.address, "unix:/tmp/t.sock");
@@ -610,7 +619,7 @@ mod tests {
         let event = address_event("migrating", &Address::Tcp("10.0.0.2:4444".into()));
         assert_eq!(
             serde_json::to_string(&event).unwrap(),
-            r#"{"event":"migrating","address":"10.0.0.2:4444","transport":"tcp","port":4444}"#
+            r#"{"event":"migrating","version":1,"address":"10.0.0.2:4444","transport":"tcp","port":4444}"#
         );
     }
 

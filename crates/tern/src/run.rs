@@ -21,6 +21,7 @@ pub fn dispatch(command: Command, verbose: bool) -> anyhow::Result<ExitCode> {
         Command::Receive(args) => receive(&args),
         Command::Bench(command) => crate::bench::run(command),
         Command::Vm(command) => crate::vm::run(command, verbose),
+        Command::Ctl(args) => crate::ctl::run(&args),
         Command::Doctor(args) => {
             crate::doctor::print(&crate::doctor::examine(), args.json)?;
             Ok(ExitCode::SUCCESS)
@@ -39,9 +40,11 @@ pub fn dispatch(command: Command, verbose: bool) -> anyhow::Result<ExitCode> {
 }
 
 /// A migration that started and did not complete, with what became of the
-/// guest. `tern` exits with 1 for it, 3 when the switch-over's outcome is
-/// unknown, or 128 + the signal that cancelled it; any other error is a
-/// usage or setup error (2).
+/// guest. `tern` exits with [`exit::FAILED`] for it, [`exit::NOTHING_SENT`]
+/// when it never got past the handshake, [`exit::OUTCOME_UNKNOWN`] when the
+/// switch-over's outcome is unknown, [`exit::CANCELLED`] when a control
+/// command cancelled it, or 128 + the signal that cancelled it; any other
+/// error is a usage or setup error ([`exit::USAGE`]).
 #[derive(Debug)]
 pub struct Incomplete(pub String);
 
@@ -56,24 +59,84 @@ impl Incomplete {
     pub fn error(error: impl Into<anyhow::Error>, what: impl Into<String>) -> anyhow::Error {
         error.into().context(Self(what.into()))
     }
+
+    /// A failed source migration, with the exit status its report implies.
+    pub fn source(failure: tern_engine::MigrationFailure, what: &str) -> anyhow::Error {
+        Self::source_error(failure.error, what, &failure.stats)
+    }
+
+    /// A source's `error`, with `stats` its report: a [`NothingSent`] when
+    /// it failed before anything was sent.
+    pub fn source_error(
+        error: MigrationError,
+        what: &str,
+        stats: &MigrationStats,
+    ) -> anyhow::Error {
+        let nothing_sent = stats.failed_in == Some(tern_engine::MigrationStatus::Setup)
+            && !matches!(
+                error,
+                MigrationError::Cancelled | MigrationError::OutcomeUnknown(_)
+            );
+        if nothing_sent {
+            anyhow::Error::from(error).context(NothingSent)
+        } else {
+            Self::error(error, what)
+        }
+    }
+}
+
+/// A migration that failed before anything was sent: the destination could
+/// not be reached, or the handshake with it failed. The source guest runs
+/// on.
+#[derive(Debug)]
+pub struct NothingSent;
+
+impl std::fmt::Display for NothingSent {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("nothing was sent; the source guest runs on")
+    }
+}
+
+/// tern's exit statuses (docs/cli.md, "Exit status").
+pub mod exit {
+    /// It failed mid-migration; the source guest runs on.
+    pub const FAILED: u8 = 1;
+    /// A usage or setup error: nothing was started.
+    pub const USAGE: u8 = 2;
+    /// The source committed and the destination did not confirm: the source
+    /// guest stays paused, the outcome is unknown.
+    pub const OUTCOME_UNKNOWN: u8 = 3;
+    /// Nothing was sent: the destination could not be reached, or it did
+    /// not complete the handshake (not a tern destination, refused, timed
+    /// out). The source guest runs on.
+    pub const NOTHING_SENT: u8 = 4;
+    /// Cancelled by a control command (`migrate_cancel`); the source guest
+    /// runs on.
+    pub const CANCELLED: u8 = 5;
 }
 
 /// The exit status for an error: see [`Incomplete`] and docs/cli.md.
 pub fn exit_code(error: &anyhow::Error) -> u8 {
-    let outcome_unknown = error.chain().any(|cause| {
-        matches!(
-            cause.downcast_ref::<MigrationError>(),
-            Some(MigrationError::OutcomeUnknown(_))
-        )
-    });
-    if error.downcast_ref::<Incomplete>().is_none() {
-        2
-    } else if outcome_unknown {
-        3
+    let cause_is = |test: fn(&MigrationError) -> bool| {
+        error
+            .chain()
+            .any(|cause| cause.downcast_ref::<MigrationError>().is_some_and(test))
+    };
+    if error.downcast_ref::<NothingSent>().is_some() {
+        match interrupted_by() {
+            Some(signal) => 128 + signal as u8,
+            None => exit::NOTHING_SENT,
+        }
+    } else if error.downcast_ref::<Incomplete>().is_none() {
+        exit::USAGE
+    } else if cause_is(|error| matches!(error, MigrationError::OutcomeUnknown(_))) {
+        exit::OUTCOME_UNKNOWN
     } else if let Some(signal) = interrupted_by() {
         128 + signal as u8
+    } else if cause_is(|error| matches!(error, MigrationError::Cancelled)) {
+        exit::CANCELLED
     } else {
-        1
+        exit::FAILED
     }
 }
 
@@ -337,6 +400,10 @@ fn option_for(field: &str) -> String {
 fn migrate(args: &MigrateArgs, verbose: bool) -> anyhow::Result<ExitCode> {
     let mut config = args.transfer.migration_config()?;
     config.security = args.security.security()?;
+    if let Some(path) = &args.vmm_config {
+        config.vmm_config =
+            std::fs::read(path).with_context(|| format!("--vmm-config {}", path.display()))?;
+    }
     check_config(&config, &args.to)?;
     args.guest.check()?;
     check_memory_fits(
@@ -344,6 +411,8 @@ fn migrate(args: &MigrateArgs, verbose: bool) -> anyhow::Result<ExitCode> {
         &format!("--memory {}", crate::units::human_bytes(args.guest.memory)),
     )?;
     let source = Source::new(config)?;
+    let steering = crate::steering::Steering::start(&args.steering)?;
+    steering.steer(&crate::control_socket::Target::Source(source.handle()));
     let mut guest = fill_guest(&args.guest)?;
     let cancel = source.cancel_token();
     install_interrupt_handler(move || cancel.cancel());
@@ -367,7 +436,7 @@ fn migrate(args: &MigrateArgs, verbose: bool) -> anyhow::Result<ExitCode> {
         Err(failure) => {
             report_failure(&failure.stats, args.json, verbose)?;
             let what = source_guest_after(&failure.error);
-            Err(Incomplete::error(failure.error, what))
+            Err(Incomplete::source(failure, what))
         }
     }
 }
@@ -420,45 +489,81 @@ pub fn serve_sessions(
 }
 
 fn receive(args: &ReceiveArgs) -> anyhow::Result<ExitCode> {
+    let steering = crate::steering::Steering::start(&args.listen.steering)?;
     serve_sessions(&args.listen, |destination, listener| {
-        receive_one(args, destination, listener)
+        steering.steer(&crate::control_socket::Target::Destination(
+            destination.handle(),
+        ));
+        receive_one(args, destination, listener, &steering)
     })
+}
+
+/// `tern receive --json`'s document: the destination's report and whether
+/// the resumed guest went on writing memory.
+#[derive(Serialize, schemars::JsonSchema)]
+#[serde(rename_all = "kebab-case")]
+pub(crate) struct ReceiveJson {
+    #[serde(flatten)]
+    report: tern_engine::ReceiveReport,
+    /// Whether the guest, resumed here, went on writing memory.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    resumed_guest_dirtying: Option<bool>,
+    /// Bytes of the VMM configuration the source sent, when it sent one.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    vmm_config_bytes: Option<u64>,
 }
 
 fn receive_one(
     args: &ReceiveArgs,
     destination: &Destination,
     listener: &tern_engine::Listener,
+    steering: &crate::steering::Steering,
 ) -> anyhow::Result<ExitCode> {
     let progress = Progress::receiving(destination.stats());
-    let received = destination.receive(listener, destination_guest);
+    let mut vmm_config = Vec::new();
+    let received = destination.receive_with_vmm_config(listener, |setup, config| {
+        vmm_config = config.to_vec();
+        destination_guest(setup)
+    });
     progress.finish();
-    let received = received
-        .map_err(|error| Incomplete::error(error, "the incoming migration did not complete"))?;
-    let running = guest_keeps_running(&received.guest, Duration::from_millis(args.run_after));
-    #[derive(Serialize)]
-    #[serde(rename_all = "kebab-case")]
-    struct ReceiveReport<'a> {
-        status: &'static str,
-        digest_verified: bool,
-        memory: u64,
-        resumed_guest_dirtying: bool,
-        #[serde(flatten)]
-        stats: &'a tern_engine::DestinationStats,
-        #[serde(flatten)]
-        security: &'a tern_engine::SessionSecurity,
+    if let Some(path) = &args.save_vmm_config
+        && received.is_ok()
+    {
+        std::fs::write(path, &vmm_config)
+            .with_context(|| format!("--save-vmm-config {}", path.display()))?;
     }
-    let report = ReceiveReport {
-        status: "completed",
-        // The destination compared digests unless the source asked for none.
-        digest_verified: received.setup.digest != tern_wire::DigestAlgorithm::None,
-        memory: received.setup.total_bytes(),
-        resumed_guest_dirtying: running,
-        stats: &received.stats,
-        security: &received.security,
+    let mut received = match received {
+        Ok(received) => received,
+        Err(error) => {
+            if args.json {
+                print_json(&ReceiveJson {
+                    report: destination.handle().query(),
+                    resumed_guest_dirtying: None,
+                    vmm_config_bytes: None,
+                })?;
+            }
+            return Err(Incomplete::error(
+                error,
+                "the incoming migration did not complete",
+            ));
+        }
     };
+    if !received.resumed {
+        crate::steering::hand_over_paused(
+            &mut received.guest,
+            steering,
+            &destination.handle(),
+            Duration::from_secs(args.listen.paused_timeout),
+        )?;
+    }
+    let running = guest_keeps_running(&received.guest, Duration::from_millis(args.run_after));
+    let report = destination.handle().query();
     if args.json {
-        print_json(&report)?;
+        print_json(&ReceiveJson {
+            report,
+            resumed_guest_dirtying: Some(running),
+            vmm_config_bytes: (!vmm_config.is_empty()).then_some(vmm_config.len() as u64),
+        })?;
     } else {
         println!(
             "received {} in {} pages with data and {} zero pages; digest {}; guest resumed{}",

@@ -144,6 +144,8 @@ pub struct MigrateArgs {
     /// starts, before the report (docs/cli.md, "Events").
     #[arg(long)]
     pub events: bool,
+    #[command(flatten)]
+    pub steering: crate::steering::SteeringArgs,
 }
 
 #[derive(Debug, Args)]
@@ -490,6 +492,8 @@ fn migrate(args: &MigrateArgs, verbose: bool) -> anyhow::Result<ExitCode> {
     config.security = args.security.security()?;
     crate::run::check_config(&config, &args.to)?;
     let source = Source::new(config)?;
+    let steering = crate::steering::Steering::start(&args.steering)?;
+    steering.steer(&crate::control_socket::Target::Source(source.handle()));
     let mut guest = args.vm.start(1)?;
     let rate = measure(&guest, Duration::from_millis(args.warmup));
     if args.paused {
@@ -545,21 +549,41 @@ fn migrate(args: &MigrateArgs, verbose: bool) -> anyhow::Result<ExitCode> {
                 }
                 _ => source_guest_after_failure(runs == Some(true), args.paused),
             };
-            Err(crate::run::Incomplete::error(error, what))
+            Err(crate::run::Incomplete::source_error(
+                error,
+                what,
+                &report.stats,
+            ))
         }
     }
 }
 
 fn receive(args: &ReceiveArgs) -> anyhow::Result<ExitCode> {
+    let steering = crate::steering::Steering::start(&args.listen.steering)?;
     crate::run::serve_sessions(&args.listen, |destination, listener| {
-        receive_one(args, destination, listener)
+        steering.steer(&crate::control_socket::Target::Destination(
+            destination.handle(),
+        ));
+        receive_one(args, destination, listener, &steering)
     })
+}
+
+/// `tern vm receive --json`'s document: the destination's report and what
+/// the guest did on here.
+#[derive(Serialize)]
+#[serde(rename_all = "kebab-case")]
+struct ReceiveJson<'a> {
+    #[serde(flatten)]
+    report: tern_engine::ReceiveReport,
+    #[serde(flatten, skip_serializing_if = "Option::is_none")]
+    proof: Option<&'a DestinationProof>,
 }
 
 fn receive_one(
     args: &ReceiveArgs,
     destination: &Destination,
     listener: &tern_engine::Listener,
+    steering: &crate::steering::Steering,
 ) -> anyhow::Result<ExitCode> {
     let make_destination = prepare_destination()?;
     let progress = Progress::receiving(destination.stats());
@@ -568,37 +592,39 @@ fn receive_one(
     let Received {
         mut guest,
         stats,
-        setup,
         security,
+        resumed,
         ..
-    } = received.map_err(|error| {
-        crate::run::Incomplete::error(error, "the incoming migration did not complete")
-    })?;
-    let proof = prove_on_destination(&mut guest, Duration::from_millis(args.run_after))?;
-    #[derive(Serialize)]
-    #[serde(rename_all = "kebab-case")]
-    struct ReceiveReport<'a> {
-        status: &'static str,
-        digest_verified: bool,
-        memory: u64,
-        #[serde(flatten)]
-        proof: &'a DestinationProof,
-        #[serde(flatten)]
-        stats: &'a tern_engine::DestinationStats,
-        #[serde(flatten)]
-        security: &'a tern_engine::SessionSecurity,
-    }
-    let report = ReceiveReport {
-        status: "completed",
-        // The destination only resumes after the digests matched.
-        digest_verified: setup.digest != tern_wire::DigestAlgorithm::None,
-        memory: setup.total_bytes(),
-        proof: &proof,
-        stats: &stats,
-        security: &security,
+    } = match received {
+        Ok(received) => received,
+        Err(error) => {
+            if args.json {
+                print_json(&ReceiveJson {
+                    report: destination.handle().query(),
+                    proof: None,
+                })?;
+            }
+            return Err(crate::run::Incomplete::error(
+                error,
+                "the incoming migration did not complete",
+            ));
+        }
     };
+    if !resumed {
+        crate::steering::hand_over_paused(
+            &mut guest,
+            steering,
+            &destination.handle(),
+            Duration::from_secs(args.listen.paused_timeout),
+        )?;
+    }
+    let proof = prove_on_destination(&mut guest, Duration::from_millis(args.run_after))?;
+    let report = destination.handle().query();
     if args.json {
-        print_json(&report)?;
+        print_json(&ReceiveJson {
+            report,
+            proof: Some(&proof),
+        })?;
     } else {
         println!(
             "received {} ({} pages with data, {} zero)",

@@ -85,6 +85,7 @@ fn hello(regions: Vec<RegionInfo>) -> Vec<u8> {
             regions,
             guest_kind: "synthetic".into(),
             dictionaries: 0,
+            vmm_config_len: 0,
         },
     })
     .to_bytes()

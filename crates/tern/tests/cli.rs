@@ -166,7 +166,7 @@ fn bad_options_are_clear_errors() {
         ])
         .output()
         .unwrap();
-    assert_eq!(output.status.code(), Some(1));
+    assert_eq!(output.status.code(), Some(4), "nothing was sent");
     assert!(
         json(&output)["error-desc"]
             .as_str()
@@ -209,7 +209,7 @@ fn setup_errors_exit_2_with_one_line() {
 }
 
 #[test]
-fn a_failed_migration_is_one_line_and_exit_1() {
+fn a_migration_that_sent_nothing_is_one_line_and_exit_4() {
     let args = [
         "migrate",
         "--to",
@@ -220,19 +220,18 @@ fn a_failed_migration_is_one_line_and_exit_1() {
         "1",
     ];
     let output = tern().args(args).output().unwrap();
-    assert_eq!(output.status.code(), Some(1), "{output:?}");
+    assert_eq!(output.status.code(), Some(4), "{output:?}");
     assert!(output.stdout.is_empty(), "no table on failure: {output:?}");
     let lines = stderr_lines(&output);
     assert_eq!(lines.len(), 1, "{lines:?}");
     assert!(
-        lines[0]
-            .starts_with("tern: error: the migration did not complete; the source guest runs on: ")
+        lines[0].starts_with("tern: error: nothing was sent; the source guest runs on: ")
             && lines[0].contains("Cannot connect"),
         "{lines:?}"
     );
     assert!(!lines[0].contains('\x1b'), "colour on a pipe: {lines:?}");
     let verbose = tern().args(args).arg("-v").output().unwrap();
-    assert_eq!(verbose.status.code(), Some(1));
+    assert_eq!(verbose.status.code(), Some(4));
     assert!(
         String::from_utf8_lossy(&verbose.stdout).contains("status  failed"),
         "-v prints the table: {verbose:?}"
@@ -705,7 +704,8 @@ fn migrate_and_receive_over_tls_report_it_on_both_sides() {
 }
 
 /// A failed TLS handshake is one line on each side: the source's error
-/// (exit 1), the receiver's log line; the receiver keeps waiting.
+/// (exit 4: nothing was sent), the receiver's log line; the receiver keeps
+/// waiting.
 #[test]
 fn an_expired_certificate_is_one_line_on_both_sides() {
     let pki = TlsDirs::new();
@@ -717,7 +717,7 @@ fn an_expired_certificate_is_one_line_on_both_sides() {
         .args(["--memory", "16MiB", "--dirty-rate", "0"])
         .output()
         .unwrap();
-    assert_eq!(output.status.code(), Some(1), "{output:?}");
+    assert_eq!(output.status.code(), Some(4), "{output:?}");
     let lines = stderr_lines(&output);
     assert_eq!(lines.len(), 1, "{lines:?}");
     assert!(lines[0].contains("certificate has expired"), "{lines:?}");

@@ -143,6 +143,7 @@ impl Destination {
         (result, main.sent)
     }
 
+    // long: the fuzzing entry point walks Destination::run's steps in one place
     fn run_from_memory<G, F>(
         &self,
         main: &mut MemoryStream,
@@ -166,7 +167,10 @@ impl Destination {
             codecs,
             mut guest,
             regions,
-        } = self.greet(main, hello, make_guest)?;
+        } = {
+            super::vmm_config::receive(main, &mut decoder, &hello, self.config.max_vmm_config)?;
+            self.greet(main, hello, make_guest)?
+        };
         let dictionaries = super::dictionary::receive_dictionaries(main, &mut decoder, &setup)?;
         let count = setup.channel_count;
         let mut slots: Vec<Option<MemoryStream>> = (0..count).map(|_| None).collect();
@@ -214,6 +218,7 @@ impl Destination {
             cpu_start,
         )?;
         Ok(Received {
+            resumed: !self.config.keep_paused,
             guest,
             stats: self.local_stats(&stats),
             setup,
@@ -258,6 +263,7 @@ mod tests {
                 }],
                 guest_kind: String::new(),
                 dictionaries: 0,
+                vmm_config_len: 0,
             },
         })
         .to_bytes()

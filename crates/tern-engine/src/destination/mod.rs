@@ -3,6 +3,7 @@
 
 mod decode;
 mod dictionary;
+mod handle;
 pub(crate) mod handshake;
 mod in_memory;
 mod live;
@@ -16,6 +17,7 @@ mod switch_over;
 #[cfg(test)]
 mod test_memory;
 mod userfault;
+mod vmm_config;
 
 use std::sync::atomic::{AtomicU8, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -24,12 +26,14 @@ use std::time::Duration;
 use tern_wire::{Abort, FrameDecoder, Message, OutcomeStats, SessionSetup};
 
 use crate::config::ReceiveConfig;
+use crate::control::{CancelToken, GuestState};
 use crate::error::MigrationError;
 use crate::guest::{DestinationGuest, GuestError, PAGE_SIZE};
-use crate::source::CancelToken;
-use crate::stats::{DestinationStats, SessionSecurity, thread_cpu_seconds};
+use crate::stats::{DestinationStats, MigrationStatus, SessionSecurity, thread_cpu_seconds};
 use crate::transport::{Channel, Listener};
 
+use handle::DestinationControl;
+pub use handle::ReceiveHandle;
 use handshake::Greeted;
 use shared::ReceiverShared;
 
@@ -50,6 +54,9 @@ pub enum ReceivePhase {
     Resumed = 3,
     /// The migration failed or was cancelled.
     Failed = 4,
+    /// Verified and committed; the guest is kept paused for the embedder
+    /// ([`ReceiveConfig::keep_paused`]).
+    Paused = 5,
 }
 
 impl ReceivePhase {
@@ -59,6 +66,7 @@ impl ReceivePhase {
             1 => Self::Receiving,
             2 => Self::Verifying,
             3 => Self::Resumed,
+            5 => Self::Paused,
             _ => Self::Failed,
         }
     }
@@ -71,6 +79,7 @@ impl ReceivePhase {
             Self::Verifying => "verifying",
             Self::Resumed => "resumed",
             Self::Failed => "failed",
+            Self::Paused => "paused",
         }
     }
 }
@@ -80,6 +89,8 @@ impl ReceivePhase {
 #[derive(Debug, Default)]
 pub struct ReceiveStats {
     phase: AtomicU8,
+    /// The phase before it became `Failed`.
+    failed_in: AtomicU8,
     /// Bytes read from all channels.
     pub received: AtomicU64,
     /// Zero pages received.
@@ -113,7 +124,15 @@ impl ReceiveStats {
     }
 
     fn set_phase(&self, phase: ReceivePhase) {
-        self.phase.store(phase as u8, Ordering::Release);
+        let previous = ReceivePhase::from_u8(self.phase.swap(phase as u8, Ordering::AcqRel));
+        if phase == ReceivePhase::Failed && previous != ReceivePhase::Failed {
+            self.failed_in.store(previous as u8, Ordering::Relaxed);
+        }
+    }
+
+    /// The phase the reception was in when it failed.
+    pub(crate) fn failed_in(&self) -> ReceivePhase {
+        ReceivePhase::from_u8(self.failed_in.load(Ordering::Relaxed))
     }
 
     /// Bytes read from all page channels so far.
@@ -203,6 +222,16 @@ impl ReceiveStats {
         cpu[receiver] += nanos(seconds);
     }
 
+    /// The figures so far, as the final report gives them (digest time 0
+    /// until verified; the decoders' CPU time once the pages have landed).
+    pub(crate) fn live_destination_stats(&self) -> DestinationStats {
+        let mut stats = DestinationStats::from_wire(&self.snapshot(Duration::ZERO));
+        stats
+            .cpu_seconds
+            .insert("decoders".into(), self.decoder_cpu_seconds());
+        stats
+    }
+
     /// The statistics the outcome message carries.
     fn snapshot(&self, digest_time: Duration) -> OutcomeStats {
         OutcomeStats {
@@ -226,11 +255,16 @@ fn nanos(seconds: f64) -> u64 {
     (seconds * 1e9) as u64
 }
 
-/// A completed incoming migration: the guest, restored and running.
+/// A completed incoming migration: the guest, restored and running (or
+/// paused, with [`ReceiveConfig::keep_paused`]).
 #[derive(Debug)]
 pub struct Received<G> {
-    /// The guest, resumed.
+    /// The guest, resumed (or paused, handed over: see `resumed`).
     pub guest: G,
+    /// Whether the destination resumed the guest; false when
+    /// [`ReceiveConfig::keep_paused`] handed it over paused, for the
+    /// embedder to resume.
+    pub resumed: bool,
     /// The destination's statistics.
     pub stats: DestinationStats,
     /// The session setup the source sent.
@@ -247,6 +281,7 @@ pub struct Destination {
     config: ReceiveConfig,
     stats: Arc<ReceiveStats>,
     cancel: CancelToken,
+    control: Arc<DestinationControl>,
 }
 
 impl Destination {
@@ -263,11 +298,21 @@ impl Destination {
 
     /// A destination with these settings.
     pub fn new(config: ReceiveConfig) -> Self {
+        let stats = Arc::new(ReceiveStats::default());
+        let cancel = CancelToken::new();
+        let control = Arc::new(DestinationControl::new(stats.clone(), cancel.clone()));
         Self {
             config,
-            stats: Arc::new(ReceiveStats::default()),
-            cancel: CancelToken::new(),
+            stats,
+            cancel,
+            control,
         }
+    }
+
+    /// A handle to query, cancel and watch the reception from any thread
+    /// (see [`crate::control`]).
+    pub fn handle(&self) -> ReceiveHandle {
+        ReceiveHandle::new(self.control.clone())
     }
 
     /// Live counters.
@@ -291,6 +336,70 @@ impl Destination {
     where
         G: DestinationGuest,
         F: FnOnce(&SessionSetup) -> Result<G, GuestError>,
+    {
+        self.receive_with_vmm_config(listener, |setup, _| make_guest(setup))
+    }
+
+    /// As [`Destination::receive`], and `make_guest` is also given the
+    /// source VMM's opaque configuration
+    /// ([`crate::MigrationConfig::vmm_config`], at most
+    /// [`ReceiveConfig::max_vmm_config`] bytes; empty when the source sent
+    /// none), to build the guest from.
+    pub fn receive_with_vmm_config<G, F>(
+        &self,
+        listener: &Listener,
+        make_guest: F,
+    ) -> Result<Received<G>, MigrationError>
+    where
+        G: DestinationGuest,
+        F: FnOnce(&SessionSetup, &[u8]) -> Result<G, GuestError>,
+    {
+        self.control.events.status(MigrationStatus::Setup, None);
+        let result = self.receive_session(listener, make_guest);
+        self.record_outcome(&result);
+        result
+    }
+
+    /// Keeps the outcome for the handle's report and sends the final event.
+    fn record_outcome<G>(&self, result: &Result<Received<G>, MigrationError>) {
+        let mut outcome = self.control.outcome();
+        let status = match result {
+            Ok(received) => {
+                outcome.digest_verified = received.setup.digest != tern_wire::DigestAlgorithm::None;
+                outcome.guest = Some(if received.resumed {
+                    GuestState::Running
+                } else {
+                    GuestState::Paused
+                });
+                outcome.stats = Some(received.stats.clone());
+                outcome.security = Some(received.security.clone());
+                MigrationStatus::Completed
+            }
+            Err(error) => {
+                outcome.failed_in = Some(handle::phase_status(self.stats.failed_in()));
+                outcome.error_desc = Some(error.chain());
+                outcome.stats = Some(self.stats.live_destination_stats());
+                if self.cancel.is_cancelled() || matches!(error, MigrationError::Cancelled) {
+                    MigrationStatus::Cancelled
+                } else {
+                    MigrationStatus::Failed
+                }
+            }
+        };
+        outcome.status = Some(status);
+        let error_desc = outcome.error_desc.clone();
+        drop(outcome);
+        self.control.events.status(status, error_desc);
+    }
+
+    fn receive_session<G, F>(
+        &self,
+        listener: &Listener,
+        make_guest: F,
+    ) -> Result<Received<G>, MigrationError>
+    where
+        G: DestinationGuest,
+        F: FnOnce(&SessionSetup, &[u8]) -> Result<G, GuestError>,
     {
         let cpu_start = thread_cpu_seconds();
         self.check_policy(listener)
@@ -359,15 +468,19 @@ impl Destination {
     ) -> Result<Received<G>, MigrationError>
     where
         G: DestinationGuest,
-        F: FnOnce(&SessionSetup) -> Result<G, GuestError>,
+        F: FnOnce(&SessionSetup, &[u8]) -> Result<G, GuestError>,
     {
+        // Sent right after the hello, before the welcome: the guest is
+        // built from both.
+        let vmm_config = vmm_config::receive(main, decoder, &hello, self.config.max_vmm_config)?;
         let Greeted {
             setup,
             session_id,
             codecs,
             mut guest,
             regions,
-        } = self.greet(main, hello, make_guest)?;
+        } = self.greet(main, hello, |setup| make_guest(setup, &vmm_config))?;
+        self.control.events.status(MigrationStatus::Active, None);
         let dictionaries = dictionary::receive_dictionaries(main, decoder, &setup)?;
         let channels =
             self.accept_page_channels(handshakes, main, decoder, session_id, setup.channel_count)?;
@@ -385,8 +498,10 @@ impl Destination {
         .with_dictionaries(dictionaries)
         .with_userfault();
         let delivered = live::receive_all(&shared, main, decoder, channels, &codecs)?;
+        self.control.events.status(MigrationStatus::Device, None);
         let stats = self.switch_over(&shared, main, decoder, &mut guest, delivered, cpu_start)?;
         Ok(Received {
+            resumed: !self.config.keep_paused,
             guest,
             stats: self.local_stats(&stats),
             setup,

@@ -188,6 +188,7 @@ mod tests {
             }],
             guest_kind: String::new(),
             dictionaries: 0,
+            vmm_config_len: 0,
         };
         let stats = ReceiveStats::default();
         let cancel = CancelToken::new();

@@ -332,6 +332,7 @@ mod tests {
             }],
             guest_kind: String::new(),
             dictionaries: 0,
+            vmm_config_len: 0,
         }
     }
 

@@ -56,7 +56,7 @@ impl Destination {
         main.send_message(&Message::Ready(Ready { digest }))
             .map_err(MigrationError::channel(0))?;
         self.await_commit(main, decoder)?;
-        if let Err(error) = guest.resume().map_err(MigrationError::guest("resume")) {
+        if let Err(error) = self.resume_unless_kept_paused(guest) {
             refuse(main, digest, error.chain());
             return Err(error);
         }
@@ -75,8 +75,26 @@ impl Destination {
             tracing::warn!(%error, "the guest was resumed, but the source could not be told");
         })
         .ok();
-        self.stats.set_phase(ReceivePhase::Resumed);
+        self.stats.set_phase(if self.config.keep_paused {
+            ReceivePhase::Paused
+        } else {
+            ReceivePhase::Resumed
+        });
         Ok(stats)
+    }
+
+    /// Resumes the guest, unless the embedder takes it over paused
+    /// (`keep_paused`): committed and verified, it is then the embedder's
+    /// to resume.
+    fn resume_unless_kept_paused<G: DestinationGuest>(
+        &self,
+        guest: &mut G,
+    ) -> Result<(), MigrationError> {
+        if self.config.keep_paused {
+            tracing::info!("switch-over verified and committed; the guest stays paused");
+            return Ok(());
+        }
+        guest.resume().map_err(MigrationError::guest("resume"))
     }
 
     /// Waits, at most the switch-over timeout, for the source's commit. Any

@@ -63,16 +63,6 @@ pub(crate) struct ReuseBatch {
     pub(super) counts: ReuseCounts,
 }
 
-/// Per-batch counters of duplicate and delta pages.
-#[derive(Clone, Copy, Debug, Default)]
-pub(crate) struct ReuseCounts {
-    pub(crate) duplicate_pages: u64,
-    pub(crate) delta_pages: u64,
-    pub(crate) delta_bytes: u64,
-    pub(crate) cache_misses: u64,
-    pub(crate) overflows: u64,
-}
-
 impl ReuseBatch {
     pub(super) fn reset(&mut self) {
         self.admitted.clear();

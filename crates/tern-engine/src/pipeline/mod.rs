@@ -57,9 +57,9 @@ mod sender;
 mod worker;
 mod zero_as_normal;
 
+pub(crate) use crate::stats::ReuseCounts;
 use auto_codec::{AutoCodec, calibrate_codecs};
 pub(crate) use auto_codec::{CompressionSetup, sample_pages};
-pub(crate) use batch::ReuseCounts;
 use batch::{Batch, Completion, SendItem, page_ptr};
 use classify::classify;
 use dedup::{DedupIndex, Reference, resend_referencing_pages};
@@ -100,7 +100,7 @@ struct Shared {
     stopping: AtomicBool,
     /// The first error of any pipeline thread; not on the per-page path.
     failure: Mutex<Option<MigrationError>>,
-    limiter: Option<RateLimiter>,
+    limiter: RateLimiter,
     /// The incremental digest the workers keep, with verification.
     page_hashes: Option<Arc<PageHashes>>,
     /// Pages the destination holds, by content hash (`--dedup`).
@@ -136,11 +136,7 @@ impl Shared {
             producer_bell: Doorbell::for_current_thread(),
             stopping: AtomicBool::new(false),
             failure: Mutex::new(None),
-            limiter: setup.max_bandwidth.map(|bytes_per_second| RateLimiter {
-                bytes_per_second,
-                origin: Instant::now(),
-                next_free_ns: AtomicU64::new(0),
-            }),
+            limiter: RateLimiter::new(setup.bandwidth_cap),
             dedup: setup
                 .dedup
                 .then(|| DedupIndex::new(setup.regions.iter().map(MemoryRegion::pages).sum())),
@@ -255,6 +251,9 @@ pub(crate) struct PipelineSetup {
     pub zero_as_normal: f64,
     pub compression: CompressionSetup,
     pub max_bandwidth: Option<u64>,
+    /// The cap the senders read before each packet (bytes per second, 0:
+    /// none); the handle changes it while the migration runs.
+    pub bandwidth_cap: Arc<AtomicU64>,
     pub stats: Arc<LiveStats>,
     pub cancel: Arc<AtomicBool>,
     pub page_hashes: Option<Arc<PageHashes>>,

@@ -57,9 +57,7 @@ pub(super) fn run_sender(shared: &Shared, index: usize, mut channel: PageSender)
         let result = match item {
             SendItem::Batch(batch) => {
                 let started = Instant::now();
-                if let Some(limiter) = &shared.limiter {
-                    limiter.acquire(batch.wire_bytes);
-                }
+                shared.limiter.acquire(batch.wire_bytes);
                 let result = send_batch(shared, &mut channel, &batch, &mut segments);
                 shared.sender_busy_ns.fetch_add(
                     u64::try_from(started.elapsed().as_nanos()).unwrap_or(u64::MAX),

@@ -41,7 +41,10 @@ pub(super) fn connect(
         setup: setup.clone(),
     }))
     .map_err(MigrationError::channel(0))?;
+    send_vmm_config(main, config)?;
     expect_welcome(main, session_id, 0)?;
+    main.set_timeouts(config.io_timeout)
+        .map_err(MigrationError::channel(0))?;
     // Before any page channel: every receiver has it before its first packet.
     if let Some(dictionary) = dictionary {
         main.send_message(&Message::Dictionary(Dictionary {
@@ -71,6 +74,17 @@ pub(super) fn connect(
 
 /// Connects channel `index` and runs its protections (TLS, the shared-key
 /// handshake); its hello comes next.
+/// The VMM's configuration, right after the hello when it announced one.
+fn send_vmm_config(main: &mut Channel, config: &MigrationConfig) -> Result<(), MigrationError> {
+    if config.vmm_config.is_empty() {
+        return Ok(());
+    }
+    main.send_message(&Message::VmmConfig(tern_wire::VmmConfig {
+        data: config.vmm_config.clone(),
+    }))
+    .map_err(MigrationError::channel(0))
+}
+
 fn open_channel(
     config: &MigrationConfig,
     connector: &dyn Connect,
@@ -81,7 +95,11 @@ fn open_channel(
     let mut channel = connector
         .connect(index, config.connect_timeout)
         .map_err(failed())?;
-    channel.set_timeouts(config.io_timeout).map_err(failed())?;
+    // Until the welcome: a peer that is not a tern destination is named
+    // within the handshake timeout (`expect_welcome` restores io_timeout).
+    channel
+        .set_timeouts(config.handshake_timeout.min(config.io_timeout))
+        .map_err(failed())?;
     let address = connector.address();
     let handshake = Handshake {
         session_id,
@@ -106,6 +124,9 @@ fn connect_page_channel(
         }))
         .map_err(MigrationError::channel(usize::from(index)))?;
     expect_welcome(&mut channel, session_id, index)?;
+    channel
+        .set_timeouts(config.io_timeout)
+        .map_err(MigrationError::channel(usize::from(index)))?;
     let Some(window) = zero_copy_window else {
         return Ok(PageSender::Plain(channel));
     };
@@ -178,6 +199,8 @@ pub(super) fn session_setup(
             .collect(),
         guest_kind: guest_kind.to_string(),
         dictionaries: u8::from(compression.dictionary.is_some()),
+        // Checked against the protocol's maximum by `MigrationConfig::validate`.
+        vmm_config_len: u32::try_from(config.vmm_config.len()).unwrap_or(u32::MAX),
     };
     setup.validate().map_err(|error| {
         MigrationError::Incompatible(format!("the guest's memory layout or kind: {error}"))

@@ -7,6 +7,7 @@
 use std::time::Duration;
 
 use crate::config::{LimitPolicy, MigrationConfig};
+use crate::control::ConvergenceSettings;
 use crate::guest::PAGE_SIZE;
 
 /// What the source measured at one dirty-log sync.
@@ -29,6 +30,8 @@ pub(crate) struct SyncFacts {
     pub final_rehash: Duration,
     /// Bytes of device state the guest expects to send once paused.
     pub state_bytes: u64,
+    /// Whether the operator asked to switch over now.
+    pub switch_over_requested: bool,
 }
 
 impl SyncFacts {
@@ -72,6 +75,10 @@ pub(crate) struct Convergence {
     auto_converge: bool,
     throttle_initial: u8,
     throttle_increment: u8,
+    max_throttle: u8,
+    /// Auto-converge was turned off while the guest was throttled: the
+    /// next decision removes the throttle.
+    unthrottle: bool,
     /// Consecutive syncs where the guest dirtied more than half of what the
     /// iteration sent.
     dirty_outruns: u32,
@@ -88,15 +95,36 @@ impl Convergence {
             auto_converge: config.auto_converge,
             throttle_initial: config.throttle_initial,
             throttle_increment: config.throttle_increment,
+            max_throttle: 99,
+            unthrottle: false,
             dirty_outruns: 0,
             throttle: 0,
         }
     }
 
+    /// Takes the settings an operator may have changed since the last
+    /// sync (downtime limit, auto-converge and its throttle steps).
+    pub fn apply(&mut self, settings: ConvergenceSettings) {
+        if self.auto_converge && !settings.auto_converge && self.throttle > 0 {
+            self.unthrottle = true;
+        }
+        self.downtime_limit = settings.downtime_limit;
+        self.auto_converge = settings.auto_converge;
+        self.throttle_initial = settings.throttle_initial;
+        self.throttle_increment = settings.throttle_increment;
+        self.max_throttle = settings.max_throttle.clamp(1, 99);
+    }
+
+    /// The downtime limit in force.
+    pub fn downtime_limit(&self) -> Duration {
+        self.downtime_limit
+    }
+
     /// The rules in order: a downtime that fits switches over (even when
     /// cancelled, since the end is nearer than a rollback); then
-    /// cancellation; then the iteration and time limits with their policy;
-    /// then auto-converge.
+    /// cancellation; then an operator's "switch over now" (forced); then
+    /// the iteration and time limits with their policy; then
+    /// auto-converge.
     pub fn decide(&mut self, facts: &SyncFacts) -> Decision {
         let expected_downtime = facts.expected_downtime();
         if expected_downtime <= self.downtime_limit {
@@ -104,6 +132,9 @@ impl Convergence {
         }
         if facts.cancelled {
             return Decision::Cancel;
+        }
+        if facts.switch_over_requested {
+            return Decision::SwitchOver { forced: true };
         }
         if let Some(what) = self.limit_reached(facts) {
             return match self.limit_policy {
@@ -138,6 +169,11 @@ impl Convergence {
     /// half of what one iteration sent; two such syncs in a row raise the
     /// throttle (initial step, then increments, at most 99%).
     fn auto_converge(&mut self, facts: &SyncFacts) -> Option<u8> {
+        if std::mem::take(&mut self.unthrottle) {
+            self.throttle = 0;
+            self.dirty_outruns = 0;
+            return Some(0);
+        }
         if !self.auto_converge {
             return None;
         }
@@ -146,15 +182,15 @@ impl Convergence {
         } else {
             self.dirty_outruns = 0;
         }
-        if self.dirty_outruns < 2 || self.throttle >= 99 {
+        if self.dirty_outruns < 2 || self.throttle >= self.max_throttle {
             return None;
         }
         self.throttle = if self.throttle == 0 {
-            self.throttle_initial.max(1)
+            self.throttle_initial.clamp(1, self.max_throttle)
         } else {
             self.throttle
                 .saturating_add(self.throttle_increment)
-                .min(99)
+                .min(self.max_throttle)
         };
         self.dirty_outruns = 0;
         Some(self.throttle)
@@ -185,6 +221,7 @@ mod tests {
             cancelled: false,
             final_rehash: Duration::ZERO,
             state_bytes: 0,
+            switch_over_requested: false,
         }
     }
 
@@ -380,5 +417,72 @@ mod tests {
             })
             .collect();
         assert_eq!(raised, [50, 80, 99]);
+    }
+
+    fn settings(limit_ms: u64, auto_converge: bool) -> ConvergenceSettings {
+        ConvergenceSettings {
+            downtime_limit: Duration::from_millis(limit_ms),
+            auto_converge,
+            throttle_initial: 20,
+            throttle_increment: 10,
+            max_throttle: 99,
+        }
+    }
+
+    #[test]
+    fn a_raised_downtime_limit_lets_a_stuck_migration_switch_over() {
+        let mut rules = Convergence::new(&config());
+        // 100 000 dirty pages at 100 MiB/s: about 3.9 s of downtime.
+        let stuck = facts(1, 100_000, 100_000, 100.0);
+        assert!(matches!(rules.decide(&stuck), Decision::Iterate { .. }));
+        rules.apply(settings(5000, true));
+        assert_eq!(rules.downtime_limit(), Duration::from_secs(5));
+        assert_eq!(rules.decide(&stuck), Decision::SwitchOver { forced: false });
+    }
+
+    #[test]
+    fn switch_over_now_is_forced_and_cancel_wins_over_it() {
+        let mut rules = Convergence::new(&config());
+        let asked = SyncFacts {
+            switch_over_requested: true,
+            ..facts(1, 100_000, 100_000, 100.0)
+        };
+        assert_eq!(rules.decide(&asked), Decision::SwitchOver { forced: true });
+        let both = SyncFacts {
+            cancelled: true,
+            ..asked
+        };
+        assert_eq!(rules.decide(&both), Decision::Cancel);
+    }
+
+    #[test]
+    fn turning_auto_converge_off_removes_the_throttle_and_max_caps_it() {
+        let mut rules = Convergence::new(&config());
+        let outrun = facts(1, 100_000, 100_000, 100.0);
+        rules.decide(&outrun);
+        assert_eq!(
+            rules.decide(&outrun),
+            Decision::Iterate { throttle: Some(20) }
+        );
+        rules.apply(settings(300, false));
+        assert_eq!(
+            rules.decide(&outrun),
+            Decision::Iterate { throttle: Some(0) }
+        );
+        for _ in 0..6 {
+            assert_eq!(rules.decide(&outrun), Decision::Iterate { throttle: None });
+        }
+        let mut capped = Convergence::new(&config());
+        capped.apply(ConvergenceSettings {
+            max_throttle: 35,
+            ..settings(300, true)
+        });
+        let raised: Vec<u8> = (0..12)
+            .filter_map(|_| match capped.decide(&outrun) {
+                Decision::Iterate { throttle } => throttle,
+                _ => None,
+            })
+            .collect();
+        assert_eq!(raised, [20, 30, 35]);
     }
 }

@@ -9,10 +9,11 @@ use super::peer::PeerWatch;
 use super::{GuestChanges, Source};
 use crate::bitmap::DirtyBitmap;
 use crate::config::Verify;
+use crate::control::{EventBody, Pass, ThrottleChange};
 use crate::error::MigrationError;
 use crate::guest::{MemoryRegion, PAGE_SIZE, SourceGuest};
 use crate::pipeline::{IterationTotals, Pipeline};
-use crate::stats::millis;
+use crate::stats::{MigrationStatus, millis};
 use crate::transport::Channel;
 
 /// Where the live phase ended: the pages still dirty and the iteration
@@ -38,7 +39,8 @@ impl Source {
             .map(|region| DirtyBitmap::new(region.pages()))
             .collect();
         bitmaps.iter_mut().for_each(DirtyBitmap::set_all);
-        self.stats.set_status(crate::stats::MigrationStatus::Active);
+        self.stats.set_status(MigrationStatus::Active);
+        self.control.events.status(MigrationStatus::Active, None);
         let live_start = Instant::now();
         let mut rules = Convergence::new(&self.config);
         let mut iteration: u32 = 0;
@@ -77,8 +79,13 @@ impl Source {
                     }
                 }),
                 state_bytes: guest.state_size_hint(),
+                switch_over_requested: self.control.parameters.switch_over_requested(),
             };
+            // What an operator changed since the last sync applies now.
+            rules.apply(self.control.parameters.convergence());
+            self.stats.set_downtime_limit(rules.downtime_limit());
             self.record_sync(&facts, since_previous_sync.as_secs_f64().max(1e-6));
+            self.publish_pass(&facts);
             match rules.decide(&facts) {
                 Decision::SwitchOver { forced } => {
                     if forced {
@@ -96,18 +103,46 @@ impl Source {
                 Decision::Iterate { throttle: None } => {}
                 Decision::Iterate {
                     throttle: Some(percent),
-                } => {
-                    guest
-                        .set_throttle(percent)
-                        .map_err(MigrationError::guest("throttle"))?;
-                    changes.throttled = true;
-                    self.stats
-                        .cpu_throttle_percentage
-                        .store(u64::from(percent), Ordering::Relaxed);
-                    tracing::info!(throttle = percent, "auto-converge: throttling the guest");
-                }
+                } => self.throttle(guest, changes, percent)?,
             }
         }
+    }
+
+    /// Sets the guest's throttle as auto-converge decided, and says so.
+    fn throttle<G: SourceGuest>(
+        &self,
+        guest: &mut G,
+        changes: &mut GuestChanges,
+        percent: u8,
+    ) -> Result<(), MigrationError> {
+        guest
+            .set_throttle(percent)
+            .map_err(MigrationError::guest("throttle"))?;
+        changes.throttled = true;
+        self.stats
+            .cpu_throttle_percentage
+            .store(u64::from(percent), Ordering::Relaxed);
+        self.control
+            .events
+            .publish(EventBody::MigrationThrottle(ThrottleChange {
+                cpu_throttle_percentage: u64::from(percent),
+            }));
+        tracing::info!(throttle = percent, "auto-converge: throttling the guest");
+        Ok(())
+    }
+
+    /// Tells subscribers what the iteration just ended measured.
+    fn publish_pass(&self, facts: &SyncFacts) {
+        let stats = &self.stats;
+        self.control.events.publish(EventBody::MigrationPass(Pass {
+            pass: u64::from(facts.iteration),
+            sent_pages: facts.sent_pages,
+            dirty_pages: facts.dirty_pages,
+            dirty_pages_rate: stats.dirty_pages_rate.load(Ordering::Relaxed),
+            bandwidth: facts.bandwidth as u64,
+            expected_downtime: millis(facts.expected_downtime()),
+            downtime_limit: stats.downtime_limit_ms(),
+        }));
     }
 
     /// Publishes what a sync measured, before the decision.

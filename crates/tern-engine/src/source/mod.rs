@@ -9,10 +9,12 @@ mod peer;
 mod switch_over;
 
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::Ordering;
 use std::time::Instant;
 
 use crate::config::{MigrationConfig, Verify, ZeroPageDetection};
+pub use crate::control::CancelToken;
+use crate::control::{MigrationHandle, SourceControl};
 use crate::digest::{AuditPace, PageHashes};
 use crate::error::MigrationError;
 use crate::guest::{MemoryRegion, SourceGuest};
@@ -21,33 +23,6 @@ use crate::stats::thread_cpu_seconds;
 use crate::stats::{DestinationStats, LiveStats, MigrationStats, MigrationStatus, SessionSecurity};
 use crate::transport::{Address, Channel, Connect, Connector};
 use peer::{peer_reason, send_abort};
-
-/// Cancels a running migration from another thread (a signal handler's
-/// helper, a UI, a test).
-#[derive(Clone, Debug, Default)]
-pub struct CancelToken(Arc<AtomicBool>);
-
-impl CancelToken {
-    /// A token not yet cancelled.
-    pub fn new() -> Self {
-        Self::default()
-    }
-
-    /// Asks the migration to stop; it ends with status `cancelled` and the
-    /// source guest running.
-    pub fn cancel(&self) {
-        self.0.store(true, Ordering::Relaxed);
-    }
-
-    /// Whether cancellation was asked for.
-    pub fn is_cancelled(&self) -> bool {
-        self.0.load(Ordering::Relaxed)
-    }
-
-    fn flag(&self) -> Arc<AtomicBool> {
-        self.0.clone()
-    }
-}
 
 /// A migration that did not complete, with the statistics up to the
 /// failure. The source guest has been resumed, except after
@@ -72,6 +47,7 @@ pub struct Source {
     zero_offload: Option<Arc<dyn tern_page::ZeroPageOffload>>,
     stats: Arc<LiveStats>,
     cancel: CancelToken,
+    control: Arc<SourceControl>,
 }
 
 /// What the guest was left in, so a failure can undo it.
@@ -131,12 +107,16 @@ impl Source {
             }),
             _ => None,
         };
+        let stats = Arc::new(LiveStats::new());
+        let cancel = CancelToken::new();
+        let control = Arc::new(SourceControl::new(&config, stats.clone(), cancel.clone()));
         Ok(Self {
             config,
             compression,
             zero_offload,
-            stats: Arc::new(LiveStats::new()),
-            cancel: CancelToken::new(),
+            stats,
+            cancel,
+            control,
         })
     }
 
@@ -148,6 +128,12 @@ impl Source {
     /// A token that cancels the migration.
     pub fn cancel_token(&self) -> CancelToken {
         self.cancel.clone()
+    }
+
+    /// A handle to query, steer, cancel and watch the migration from any
+    /// thread (see [`crate::control`]).
+    pub fn handle(&self) -> MigrationHandle {
+        MigrationHandle::new(self.control.clone())
     }
 
     /// Runs the migration to `address`. On success the guest stays paused
@@ -173,6 +159,7 @@ impl Source {
     ) -> Result<MigrationStats, MigrationFailure> {
         self.stats.start_clock();
         self.stats.set_downtime_limit(self.config.downtime_limit);
+        self.control.events.status(MigrationStatus::Setup, None);
         let cpu_start = thread_cpu_seconds();
         let mut changes = GuestChanges::default();
         let mut main: Option<Channel> = None;
@@ -196,6 +183,7 @@ impl Source {
                         "the downtime broke its limit"
                     );
                 }
+                self.control.finish(&stats);
                 Ok(stats)
             }
             Err(error) => {
@@ -205,6 +193,7 @@ impl Source {
                     }
                     channel.shutdown();
                 }
+                let failed_in = self.stats.status();
                 let status = if changes.committed {
                     tracing::error!(
                         error = %error.chain(),
@@ -220,8 +209,15 @@ impl Source {
                     }
                 };
                 self.stats.set_status(status);
+                let error = if failed_in == MigrationStatus::Setup {
+                    name_non_tern_peer(error, &connector.address(), &self.config)
+                } else {
+                    error
+                };
                 let mut stats = self.stats.snapshot();
                 stats.error_desc = Some(error.chain());
+                stats.failed_in = Some(failed_in);
+                self.control.finish(&stats);
                 // Returned to the caller, who reports it: a warning here would
                 // print the same failure twice.
                 tracing::debug!(error = %error.chain(), "migration {}", status.as_str());
@@ -307,7 +303,10 @@ impl Source {
                     &mut pipeline,
                     dirty_log_started,
                 )
-                .and_then(|live| self.switch_over(guest, main, changes, &mut pipeline, live))
+                .and_then(|live| {
+                    self.enter_device_phase();
+                    self.switch_over(guest, main, changes, &mut pipeline, live)
+                })
                 .map_err(|error| {
                     // A closed page channel is usually the symptom; the
                     // destination's abort message, when it sent one, is the
@@ -332,6 +331,12 @@ impl Source {
             pipeline.shut_down(result.is_err());
             result.map(Some)
         })
+    }
+
+    /// The switch-over starts: the status and its event.
+    fn enter_device_phase(&self) {
+        self.stats.set_status(MigrationStatus::Device);
+        self.control.events.status(MigrationStatus::Device, None);
     }
 
     /// Starts the thread that audits the dirty log during the live phase:
@@ -378,6 +383,7 @@ impl Source {
             zero_as_normal: config.zero_page_as_normal,
             compression,
             max_bandwidth: config.max_bandwidth,
+            bandwidth_cap: self.control.parameters.bandwidth_cap(),
             stats: self.stats.clone(),
             cancel: self.cancel.flag(),
             page_hashes,
@@ -407,6 +413,49 @@ impl Connect for Unreachable {
 
     fn address(&self) -> Address {
         self.0.clone()
+    }
+}
+
+/// A handshake on the main channel that failed the way a peer speaking
+/// another protocol makes it fail (a frame kind or magic tern never sends,
+/// silence past the handshake timeout), as [`MigrationError::NotTern`].
+fn name_non_tern_peer(
+    error: MigrationError,
+    address: &Address,
+    config: &MigrationConfig,
+) -> MigrationError {
+    use crate::error::ChannelError;
+    use tern_wire::WireError;
+    let MigrationError::Channel { index: 0, source } = &error else {
+        return error;
+    };
+    let detail = match source {
+        ChannelError::Protocol(WireError::UnknownFrameKind(kind)) => {
+            let shown = char::from(*kind);
+            if shown.is_ascii_graphic() {
+                format!("it sent a byte tern never starts a frame with ({kind}, {shown:?})")
+            } else {
+                format!("it sent a byte tern never starts a frame with ({kind})")
+            }
+        }
+        ChannelError::Protocol(WireError::BadMagic) => {
+            "it answered without tern's magic bytes".to_string()
+        }
+        ChannelError::Protocol(WireError::FrameTooLong { .. }) => {
+            "it answered with a frame no tern destination sends".to_string()
+        }
+        ChannelError::Timeout(_) => format!(
+            "it did not answer the handshake within {} s (handshake_timeout)",
+            config
+                .handshake_timeout
+                .min(config.io_timeout)
+                .as_secs_f64()
+        ),
+        _ => return error,
+    };
+    MigrationError::NotTern {
+        address: address.to_string(),
+        detail,
     }
 }
 

@@ -28,7 +28,9 @@ impl Security {
 }
 
 /// TLS parameters of a channel, for reports.
-#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[derive(
+    Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize, schemars::JsonSchema,
+)]
 #[serde(rename_all = "kebab-case")]
 pub struct TlsInfo {
     /// Protocol version, such as `TLSv1_3`.

@@ -198,7 +198,16 @@ impl ZeroCopyError {
 }
 
 /// Accounting of one channel's zero-copy sends.
-#[derive(Clone, Copy, Debug, Default, PartialEq, serde::Serialize, serde::Deserialize)]
+#[derive(
+    Clone,
+    Copy,
+    Debug,
+    Default,
+    PartialEq,
+    serde::Serialize,
+    serde::Deserialize,
+    schemars::JsonSchema,
+)]
 #[serde(rename_all = "kebab-case")]
 pub struct ZeroCopyStats {
     /// `sendmsg(MSG_ZEROCOPY)` calls that sent something (one id each).

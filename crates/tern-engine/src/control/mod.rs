@@ -1,0 +1,197 @@
+//! Steering a migration from outside: a handle on each side, usable from
+//! any thread, to query the live report, cancel, change parameters that
+//! take effect at the next window, and subscribe to events.
+//!
+//! ```text
+//! Source::handle() ──► MigrationHandle ── query()            MigrationStats, live
+//!                                      ├─ cancel()
+//!                                      ├─ set_parameters()   next packet / next sync
+//!                                      ├─ switch_over_now()  next sync
+//!                                      └─ subscribe()        Event, in order
+//! Destination::handle() ─► ReceiveHandle ─ query() / cancel() / subscribe()
+//!                           (crate::destination::ReceiveHandle)
+//! ```
+//!
+//! The report, the events and the parameters are the contract scripts rely
+//! on: they carry [`CONTRACT_VERSION`], their JSON schema is generated from
+//! these types, and docs/control.md documents them.
+
+mod events;
+mod parameters;
+mod report;
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+
+pub(crate) use events::EventHub;
+pub use events::{
+    Empty, Event, EventBody, Pass, Side, StatusChange, Subscription, ThrottleChange, Timestamp,
+};
+pub(crate) use parameters::{ConvergenceSettings, LiveParameters};
+pub use parameters::{MAX_DOWNTIME_LIMIT_MS, MigrationParameters, ParameterError};
+pub use report::{GuestState, ReceiveReport};
+
+use crate::config::MigrationConfig;
+use crate::stats::{LiveStats, MigrationStats, MigrationStatus};
+
+pub use crate::stats::CONTRACT_VERSION;
+
+/// Cancels a running migration from another thread (a signal handler's
+/// helper, a UI, a test).
+#[derive(Clone, Debug, Default)]
+pub struct CancelToken(Arc<AtomicBool>);
+
+impl CancelToken {
+    /// A token not yet cancelled.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Asks the migration to stop; it ends with status `cancelled` and the
+    /// source guest running.
+    pub fn cancel(&self) {
+        self.0.store(true, Ordering::Relaxed);
+    }
+
+    /// Whether cancellation was asked for.
+    pub fn is_cancelled(&self) -> bool {
+        self.0.load(Ordering::Relaxed)
+    }
+
+    pub(crate) fn flag(&self) -> Arc<AtomicBool> {
+        self.0.clone()
+    }
+}
+
+/// Why a control request was refused; the migration is untouched.
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum ControlError {
+    /// A parameter's value is out of range.
+    #[error(transparent)]
+    Parameter(#[from] ParameterError),
+    /// The request needs a feature this build or session does not have.
+    #[error("{0}")]
+    Unsupported(String),
+    /// The migration has ended; nothing can change it any more.
+    #[error("The migration has ended ({0})")]
+    Ended(&'static str),
+}
+
+/// What the source's handle and the source share.
+#[derive(Debug)]
+pub(crate) struct SourceControl {
+    pub stats: Arc<LiveStats>,
+    pub parameters: LiveParameters,
+    pub cancel: CancelToken,
+    pub events: EventHub,
+    /// The report as returned to the caller, once the migration ended.
+    final_report: Mutex<Option<MigrationStats>>,
+}
+
+impl SourceControl {
+    pub fn new(config: &MigrationConfig, stats: Arc<LiveStats>, cancel: CancelToken) -> Self {
+        Self {
+            stats,
+            parameters: LiveParameters::new(config),
+            cancel,
+            events: EventHub::new(Side::Source),
+            final_report: Mutex::new(None),
+        }
+    }
+
+    /// Keeps the final report for later queries and sends the final event.
+    pub fn finish(&self, report: &MigrationStats) {
+        *self.final_report.lock().unwrap_or_else(|e| e.into_inner()) = Some(report.clone());
+        self.events.status(report.status, report.error_desc.clone());
+    }
+}
+
+/// A handle on a source's migration, from [`crate::Source::handle`]: cheap
+/// to clone, usable from any thread, before, during and after
+/// [`crate::Source::migrate`].
+#[derive(Clone, Debug)]
+pub struct MigrationHandle {
+    control: Arc<SourceControl>,
+}
+
+impl MigrationHandle {
+    pub(crate) fn new(control: Arc<SourceControl>) -> Self {
+        Self { control }
+    }
+
+    /// The report as it stands: the same document as the final one
+    /// (`query-migrate`), with the status it has now; after the end, the
+    /// final report, the destination's figures included.
+    pub fn query(&self) -> MigrationStats {
+        if let Some(report) = self
+            .control
+            .final_report
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .as_ref()
+        {
+            return report.clone();
+        }
+        self.control.stats.snapshot()
+    }
+
+    /// The status now.
+    pub fn status(&self) -> MigrationStatus {
+        self.control.stats.status()
+    }
+
+    /// Asks the migration to stop (`migrate_cancel`): it ends `cancelled`
+    /// with the source guest running, and the destination is told.
+    pub fn cancel(&self) {
+        self.control.cancel.cancel();
+    }
+
+    /// The parameters in force (`query-migrate-parameters`).
+    pub fn parameters(&self) -> MigrationParameters {
+        self.control.parameters.current()
+    }
+
+    /// Changes parameters (`migrate-set-parameters`): all or none. The
+    /// bandwidth cap applies from the next packet; the others at the next
+    /// dirty-log sync.
+    pub fn set_parameters(&self, patch: &MigrationParameters) -> Result<(), ControlError> {
+        self.check_running()?;
+        self.control.parameters.apply(patch)?;
+        tracing::info!(?patch, "migration parameters changed");
+        self.control
+            .events
+            .publish(EventBody::MigrationParameters(self.parameters()));
+        Ok(())
+    }
+
+    /// Switches over at the next dirty-log sync, whatever the expected
+    /// downtime (reported as a forced switch-over).
+    pub fn switch_over_now(&self) -> Result<(), ControlError> {
+        self.check_running()?;
+        self.control.parameters.request_switch_over();
+        Ok(())
+    }
+
+    /// Starts postcopy (`migrate-start-postcopy`). This build has no
+    /// postcopy: always [`ControlError::Unsupported`].
+    pub fn start_postcopy(&self) -> Result<(), ControlError> {
+        self.check_running()?;
+        Err(ControlError::Unsupported(
+            "Postcopy is not available in this version of tern".into(),
+        ))
+    }
+
+    /// Events from now on, in order, ending after the final status change
+    /// (a subscription taken after the end gets that one event).
+    pub fn subscribe(&self) -> Subscription {
+        self.control.events.subscribe()
+    }
+
+    fn check_running(&self) -> Result<(), ControlError> {
+        let status = self.status();
+        if status.is_final() {
+            return Err(ControlError::Ended(status.as_str()));
+        }
+        Ok(())
+    }
+}

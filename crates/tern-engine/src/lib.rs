@@ -59,12 +59,14 @@ mod deadline;
 pub mod destination;
 mod digest;
 pub mod error;
+pub mod fault;
 #[doc(hidden)]
 pub mod fuzzing;
 pub mod guest;
 mod pipeline;
 mod ring;
 pub mod source;
+pub mod snapshot;
 pub mod stats;
 pub mod transport;
 #[cfg(feature = "vm-memory")]
@@ -80,6 +82,10 @@ pub use error::{ChannelError, MigrationError};
 pub use guest::{
     DestinationGuest, DeviceState, DirtyLog, GuestControl, GuestError, GuestMemory, GuestResult,
     MemoryRegion, PAGE_SIZE, SourceGuest, StateSection,
+};
+pub use snapshot::{
+    LazyRestore, RestoreConfig, Restored, SaveConfig, SnapshotError, SnapshotFile, restore,
+    restore_lazy, save,
 };
 pub use source::{CancelToken, MigrationFailure, Source};
 pub use stats::{

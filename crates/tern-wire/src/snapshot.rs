@@ -603,6 +603,9 @@ impl WorkingSet {
 /// What follows the page slots: device state and a working set.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct Trailer {
+    /// The VMM's kind of guest (`DeviceState::guest_kind` in the engine):
+    /// a restore into a guest of another kind is refused. Empty: unknown.
+    pub guest_kind: String,
     /// The guest's state sections.
     pub sections: Vec<SnapshotSection>,
     /// Pages to prefetch first on a lazy restore.
@@ -614,6 +617,7 @@ impl Trailer {
     pub fn encode(&self) -> Vec<u8> {
         let mut out = Vec::new();
         let mut writer = Writer::new(&mut out);
+        writer.bytes_u32(self.guest_kind.as_bytes());
         writer.u32(u32::try_from(self.sections.len()).unwrap_or(u32::MAX));
         for section in &self.sections {
             writer
@@ -642,6 +646,7 @@ impl Trailer {
             return Err(SnapshotError::TrailerChecksum);
         }
         let mut reader = Reader::new(bytes, "snapshot trailer");
+        let guest_kind = reader.peer_text(crate::MAX_GUEST_KIND_LEN, "guest kind")?;
         let count = reader.u32()? as usize;
         if count > MAX_SECTIONS {
             return Err(invalid("section count", count.to_string()));
@@ -666,6 +671,7 @@ impl Trailer {
         working_set.check(regions)?;
         reader.finish()?;
         Ok(Self {
+            guest_kind,
             sections,
             working_set,
         })
@@ -686,6 +692,7 @@ mod tests {
         metadata.present[1][0] = 0b101;
         metadata.chunk_hashes[0][2] = 42;
         let trailer = Trailer {
+            guest_kind: "synthetic".into(),
             sections: vec![SnapshotSection {
                 name: "vcpu0".into(),
                 version: 3,

@@ -42,6 +42,10 @@ pub struct LazyStats {
     pub faults: FaultStats,
     /// The memory digest, checked against the file's.
     pub digest: String,
+    /// Pages whose faults loaded them, in order: a working set to record
+    /// for the next restore (`WorkingSet` in tern-wire).
+    #[serde(skip)]
+    pub faulted_pages: Vec<(u32, u32)>,
 }
 
 /// Opens `path`, builds the guest, registers its memory with the fault
@@ -137,6 +141,7 @@ impl<G: DestinationGuest> LazyRestore<G> {
             let _ = self.guest.pause();
             return Err(error.into());
         }
+        let faulted_pages = service.faulted_pages();
         let faults = service.stop();
         let digest = self.file.verified_digest();
         let expected = self.file.metadata().header.digest;
@@ -152,6 +157,7 @@ impl<G: DestinationGuest> LazyRestore<G> {
             loaded_after_ms: self.started.elapsed().as_secs_f64() * 1000.0,
             faults,
             digest: format!("{digest:032x}"),
+            faulted_pages,
         };
         Ok((self.guest, stats))
     }

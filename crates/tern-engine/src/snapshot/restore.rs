@@ -29,6 +29,9 @@ pub struct RestoreConfig {
     pub working_set: Option<Vec<(u32, u32)>>,
     /// Lazy: load in the background at all (off: faults only).
     pub background: bool,
+    /// Eager: resume the guest once restored (off: it stays paused, for a
+    /// caller that checks it first, like QEMU's `-S`).
+    pub resume: bool,
 }
 
 impl Default for RestoreConfig {
@@ -38,6 +41,7 @@ impl Default for RestoreConfig {
             prefetch_working_set: true,
             working_set: None,
             background: true,
+            resume: true,
         }
     }
 }
@@ -56,10 +60,10 @@ pub struct RestoreStats {
     pub digest: String,
 }
 
-/// A restored, running guest.
+/// A restored guest, running unless [`RestoreConfig::resume`] was off.
 #[derive(Debug)]
 pub struct Restored<G> {
-    /// The guest, resumed.
+    /// The guest.
     pub guest: G,
     /// What the restore did.
     pub stats: RestoreStats,
@@ -87,7 +91,9 @@ pub fn restore<G: DestinationGuest>(
         });
     }
     guest.restore_state(&sections(&file))?;
-    guest.resume()?;
+    if config.resume {
+        guest.resume()?;
+    }
     Ok(Restored {
         guest,
         stats: RestoreStats {

@@ -6,8 +6,11 @@ mod doctor;
 #[cfg(test)]
 mod reference;
 mod report;
+mod restore;
 mod run;
+mod save;
 mod secure;
+mod serve_pages;
 mod units;
 mod vm;
 

@@ -19,6 +19,9 @@ pub fn dispatch(command: Command, verbose: bool) -> anyhow::Result<ExitCode> {
         Command::Demo(args) => demo(&args, verbose),
         Command::Migrate(args) => migrate(&args, verbose),
         Command::Receive(args) => receive(&args),
+        Command::Save(args) => crate::save::save(&args),
+        Command::Restore(args) => crate::restore::restore(&args),
+        Command::ServePages(args) => crate::serve_pages::serve(&args),
         Command::Bench(command) => crate::bench::run(command),
         Command::Vm(command) => crate::vm::run(command, verbose),
         Command::Doctor(args) => {

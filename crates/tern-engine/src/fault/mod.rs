@@ -17,6 +17,7 @@
 //! unit, the kernel settles it (`EEXIST`: the page is there already, the
 //! loser's copy is dropped).
 
+pub mod firecracker;
 mod service;
 pub(crate) mod uffd;
 

@@ -1,5 +1,6 @@
 //! The service's threads: one answers faults, the loaders fill the rest.
 
+use std::collections::VecDeque;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
@@ -16,6 +17,14 @@ const PAGE: u64 = PAGE_SIZE as u64;
 /// How long the fault thread sleeps in `poll` before looking at its stop
 /// flag (a stop also wakes it at once).
 const POLL_MS: i32 = 100;
+
+/// How long a placement retries while the kernel answers `EAGAIN`.
+const AGAIN_DEADLINE: Duration = Duration::from_secs(10);
+
+/// Whether a placement failed only because the memory map was changing.
+fn is_again(error: &FaultError) -> bool {
+    matches!(error, FaultError::Place { source, .. } if source.raw_os_error() == Some(libc::EAGAIN))
+}
 
 /// Fault latencies kept for the percentiles (a few MiB at most).
 const MAX_LATENCY_SAMPLES: usize = 1 << 20;
@@ -357,6 +366,7 @@ impl Shared {
 
     /// The fault thread: reads events until stopped.
     fn serve_faults(&self) {
+        let mut pending = VecDeque::new();
         while !self.stopping() {
             match self.uffd.wait(POLL_MS) {
                 Wait::Stopped => return,
@@ -364,11 +374,39 @@ impl Shared {
                 Wait::Closed => return self.fail(FaultError::PeerGone),
                 Wait::Ready => {
                     while let Some(event) = self.uffd.next_event() {
-                        if let Err(error) = self.handle(event) {
+                        pending.push_back(event);
+                    }
+                    while let Some(event) = pending.pop_front() {
+                        if let Err(error) = self.handle_retrying(event, &mut pending) {
                             return self.fail(error);
                         }
                     }
                 }
+            }
+        }
+    }
+
+    /// Handles `event`; while a placement meets `EAGAIN` (the memory map
+    /// is changing: a remove event is queued), reads the queued events,
+    /// handles the removes at once, keeps the faults for later, and tries
+    /// again, for up to [`AGAIN_DEADLINE`].
+    fn handle_retrying(
+        &self,
+        event: Event,
+        pending: &mut VecDeque<Event>,
+    ) -> Result<(), FaultError> {
+        let deadline = Instant::now() + AGAIN_DEADLINE;
+        loop {
+            match self.handle(event) {
+                Err(error) if is_again(&error) && Instant::now() < deadline => {
+                    while let Some(queued) = self.uffd.next_event() {
+                        match queued {
+                            Event::Remove { .. } => self.handle(queued)?,
+                            other => pending.push_back(other),
+                        }
+                    }
+                }
+                other => return other,
             }
         }
     }
@@ -434,8 +472,16 @@ impl Shared {
             let Some(&(region, unit)) = self.order.get(index) else {
                 return;
             };
-            if let Err(error) = self.load_unit(region, unit, false) {
-                return self.fail(error);
+            let deadline = Instant::now() + AGAIN_DEADLINE;
+            loop {
+                match self.load_unit(region, unit, false) {
+                    Ok(_) => break,
+                    // The fault thread reads the event that unblocks it.
+                    Err(error) if is_again(&error) && Instant::now() < deadline => {
+                        std::thread::yield_now();
+                    }
+                    Err(error) => return self.fail(error),
+                }
             }
         }
     }

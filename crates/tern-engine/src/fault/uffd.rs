@@ -543,7 +543,8 @@ impl Userfault {
 /// Drives a placing ioctl over `pages` pages: `ioctl(done, len)` places
 /// from page `done` on and returns the ioctl's result and the structure's
 /// progress field (bytes placed, or a negated errno). Pages the kernel
-/// says exist are skipped; interrupted calls are retried.
+/// says exist are skipped; interrupted calls are retried; `EAGAIN` is
+/// returned (pages already placed stay placed, a retry skips them).
 ///
 /// # Safety
 /// `ioctl` only issues a placing ioctl within the caller's range.
@@ -567,7 +568,9 @@ unsafe fn place_skipping_existing(
         }
         match error.raw_os_error() {
             Some(libc::EEXIST) => done += 1,
-            Some(libc::EAGAIN | libc::EINTR) if retries < MAX_RETRIES => retries += 1,
+            Some(libc::EINTR) if retries < MAX_RETRIES => retries += 1,
+            // EAGAIN: the memory map is changing (a remove event waits to
+            // be read). Only the caller can read it, so it retries.
             _ => return Err(error),
         }
     }

@@ -10,7 +10,7 @@ use anyhow::Context;
 use clap::Args;
 use serde::Serialize;
 use tern_engine::snapshot::LazyStats;
-use tern_engine::{DestinationGuest, GuestControl, GuestError, RestoreConfig};
+use tern_engine::{DestinationGuest, GuestError, RestoreConfig};
 use tern_synthetic::SyntheticGuest;
 use tern_vmm::KvmGuest;
 use tern_wire::snapshot::WorkingSet;

@@ -8,7 +8,7 @@ use anyhow::Context;
 use clap::Args;
 use serde::Serialize;
 use tern_engine::snapshot::{SaveConfig, SaveStats};
-use tern_engine::{GuestControl, SourceGuest};
+use tern_engine::SourceGuest;
 use tern_synthetic::SyntheticGuest;
 
 use crate::run::Incomplete;

@@ -23,17 +23,16 @@ use crate::run::Incomplete;
 use crate::save::print_rows;
 
 #[derive(Debug, Args)]
-#[group(id = "source", required = true, multiple = false)]
 pub struct ServePagesArgs {
     /// The Unix socket to listen on (the path given to Firecracker's
     /// snapshot load as the UFFD backend); it must not exist yet.
     #[arg(long)]
     pub socket: PathBuf,
     /// Serve this tern snapshot (its regions must be the VMM's, in order).
-    #[arg(long, group = "source")]
+    #[arg(long, required_unless_present = "memory_file", conflicts_with = "memory_file")]
     pub snapshot: Option<PathBuf>,
     /// Serve this raw memory file (Firecracker's snapshot memory file).
-    #[arg(long, group = "source")]
+    #[arg(long)]
     pub memory_file: Option<PathBuf>,
     /// How long to wait for the VMM to connect and send its handshake, in
     /// seconds.

@@ -26,6 +26,13 @@ fn is_again(error: &FaultError) -> bool {
     matches!(error, FaultError::Place { source, .. } if source.raw_os_error() == Some(libc::EAGAIN))
 }
 
+/// Whether a placement failed because the memory is no longer there:
+/// unmapped (`ENOENT`) or its process exited (`ESRCH`).
+fn is_gone(error: &FaultError) -> bool {
+    matches!(error, FaultError::Place { source, .. }
+        if matches!(source.raw_os_error(), Some(libc::ENOENT | libc::ESRCH)))
+}
+
 /// Fault latencies kept for the percentiles (a few MiB at most).
 const MAX_LATENCY_SAMPLES: usize = 1 << 20;
 
@@ -406,6 +413,9 @@ impl Shared {
                         }
                     }
                 }
+                // The range was unmapped (or the process ended) since the
+                // fault was queued: nobody waits for the page any more.
+                Err(error) if is_gone(&error) => return Ok(()),
                 other => return other,
             }
         }
@@ -480,6 +490,8 @@ impl Shared {
                     Err(error) if is_again(&error) && Instant::now() < deadline => {
                         std::thread::yield_now();
                     }
+                    // Memory unmapped, or its process gone: nothing to load.
+                    Err(error) if is_gone(&error) => return,
                     Err(error) => return self.fail(error),
                 }
             }

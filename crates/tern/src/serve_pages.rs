@@ -61,12 +61,18 @@ struct ServeReport {
 }
 
 pub fn serve(args: &ServePagesArgs) -> anyhow::Result<ExitCode> {
+    // Before anything else: a signal must always end the serving cleanly.
+    let stop = Arc::new(AtomicBool::new(false));
+    let on_signal = Arc::clone(&stop);
+    crate::run::install_interrupt_handler(move || on_signal.store(true, Ordering::Relaxed));
     let listener = UnixListener::bind(&args.socket)
         .with_context(|| format!("cannot listen on {}", args.socket.display()))?;
     let handshake = accept_handshake(&listener, Duration::from_secs(args.accept_timeout))
         .context("the VMM's handshake failed")?;
     drop(listener);
     let _ = std::fs::remove_file(&args.socket);
+    // Watch the VMM from now on: it may exit before serving even starts.
+    let peer = handshake.peer_pid.map(|pid| (pid, ProcessWatch::new(pid)));
     let (source, working_set, unit_pages) = open_source(args, &handshake.regions)?;
     let served = handshake.regions.iter().map(FirecrackerRegion::served).collect();
     let service = FaultService::adopt_and_start(
@@ -82,7 +88,7 @@ pub fn serve(args: &ServePagesArgs) -> anyhow::Result<ExitCode> {
     )
     .context("cannot start serving")?;
     let started = Instant::now();
-    let outcome = wait_for_peer(&service, handshake.peer_pid);
+    let outcome = wait_for_peer(&service, peer, &stop);
     let stats = service.stop();
     outcome?;
     let report = ServeReport {
@@ -135,11 +141,21 @@ fn open_source(args: &ServePagesArgs, regions: &[FirecrackerRegion]) -> anyhow::
 }
 
 /// Serves until the VMM exits (its pidfd), the service fails, or a signal.
-fn wait_for_peer(service: &FaultService, peer: Option<i32>) -> anyhow::Result<()> {
-    let stop = Arc::new(AtomicBool::new(false));
-    let on_signal = Arc::clone(&stop);
-    crate::run::install_interrupt_handler(move || on_signal.store(true, Ordering::Relaxed));
-    let watch = peer.and_then(|pid| ProcessWatch::new(pid).ok());
+fn wait_for_peer(
+    service: &FaultService,
+    peer: Option<(i32, std::io::Result<ProcessWatch>)>,
+    stop: &AtomicBool,
+) -> anyhow::Result<()> {
+    let pid = peer.as_ref().map_or(0, |(pid, _)| *pid);
+    let watch = match peer {
+        Some((_, Ok(watch))) => Some(watch),
+        Some((pid, Err(error))) if error.raw_os_error() == Some(libc::ESRCH) => {
+            eprintln!("tern serve-pages: the VMM (pid {pid}) exited");
+            return Ok(());
+        }
+        // No pidfd here (kernel before 5.3): serve until a signal.
+        _ => None,
+    };
     loop {
         if let Some(error) = service.take_failure() {
             return Err(Incomplete::error(error, "serving pages failed"));
@@ -150,7 +166,7 @@ fn wait_for_peer(service: &FaultService, peer: Option<i32>) -> anyhow::Result<()
         match &watch {
             Some(watch) => {
                 if watch.exited_within(Duration::from_millis(100))? {
-                    eprintln!("tern serve-pages: the VMM (pid {}) exited", peer.unwrap_or(0));
+                    eprintln!("tern serve-pages: the VMM (pid {pid}) exited");
                     return Ok(());
                 }
             }

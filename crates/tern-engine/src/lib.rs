@@ -65,8 +65,8 @@ pub mod fuzzing;
 pub mod guest;
 mod pipeline;
 mod ring;
-pub mod source;
 pub mod snapshot;
+pub mod source;
 pub mod stats;
 pub mod transport;
 #[cfg(feature = "vm-memory")]

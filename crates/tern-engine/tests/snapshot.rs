@@ -201,7 +201,10 @@ fn a_file_changed_under_a_lazy_restore_stops_it_with_the_chunk_named() {
     let _ = lazy.guest().region_bytes(0);
     let error = lazy.wait_loaded(LOADED_WITHIN).unwrap_err();
     let line = one_line(&error);
-    assert!(line.contains(&format!("chunk {} of region 0", page / 16)), "{line}");
+    assert!(
+        line.contains(&format!("chunk {} of region 0", page / 16)),
+        "{line}"
+    );
 }
 
 fn saved_file(dir: &Path) -> std::path::PathBuf {
@@ -221,10 +224,24 @@ fn a_truncated_file_is_refused() {
     let dir = tempfile::tempdir().unwrap();
     let path = saved_file(dir.path());
     let len = std::fs::metadata(&path).unwrap().len();
-    OpenOptions::new().write(true).open(&path).unwrap().set_len(len - 1).unwrap();
+    OpenOptions::new()
+        .write(true)
+        .open(&path)
+        .unwrap()
+        .set_len(len - 1)
+        .unwrap();
     assert!(refused(&path).contains("truncated"), "{}", refused(&path));
-    OpenOptions::new().write(true).open(&path).unwrap().set_len(100).unwrap();
-    assert!(refused(&path).contains("Truncated snapshot header"), "{}", refused(&path));
+    OpenOptions::new()
+        .write(true)
+        .open(&path)
+        .unwrap()
+        .set_len(100)
+        .unwrap();
+    assert!(
+        refused(&path).contains("Truncated snapshot header"),
+        "{}",
+        refused(&path)
+    );
 }
 
 #[test]
@@ -249,12 +266,20 @@ fn corrupted_metadata_and_device_state_are_refused() {
     let path = saved_file(dir.path());
     let file = OpenOptions::new().write(true).open(&path).unwrap();
     file.write_all_at(&[0xff], 200).unwrap();
-    assert!(refused(&path).contains("metadata is corrupted"), "{}", refused(&path));
+    assert!(
+        refused(&path).contains("metadata is corrupted"),
+        "{}",
+        refused(&path)
+    );
     let path = saved_file(dir.path());
     let header = SnapshotFile::open(&path).unwrap().metadata().header;
     let file = OpenOptions::new().write(true).open(&path).unwrap();
     file.write_all_at(&[0xff], header.data_end + 20).unwrap();
-    assert!(refused(&path).contains("device state is corrupted"), "{}", refused(&path));
+    assert!(
+        refused(&path).contains("device state is corrupted"),
+        "{}",
+        refused(&path)
+    );
 }
 
 #[test]
@@ -262,7 +287,11 @@ fn a_foreign_file_is_refused() {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("foreign");
     std::fs::write(&path, vec![0x5a; 1 << 16]).unwrap();
-    assert!(refused(&path).contains("not a tern snapshot"), "{}", refused(&path));
+    assert!(
+        refused(&path).contains("not a tern snapshot"),
+        "{}",
+        refused(&path)
+    );
     std::fs::write(&path, b"").unwrap();
     assert!(refused(&path).contains("Truncated"), "{}", refused(&path));
 }

@@ -79,7 +79,9 @@ fn a_saved_kvm_guest_restores_eagerly_with_its_memory_and_counts_on() {
         resume: false,
         ..RestoreConfig::default()
     };
-    let mut restored = tern_engine::restore(&path, &config, destination).unwrap().guest;
+    let mut restored = tern_engine::restore(&path, &config, destination)
+        .unwrap()
+        .guest;
     assert_eq!(memory_hash(&restored), hash);
     assert_eq!(restored.pass_count(), passes);
     restored.resume().unwrap();

@@ -146,7 +146,8 @@ fn run<G: Restorable>(args: &RestoreArgs) -> anyhow::Result<ExitCode> {
     let config = args.config()?;
     let failed = |error| Incomplete::error(error, "the restore failed; no guest runs");
     let (mut guest, resumed_after_ms, lazy, digest) = if args.lazy {
-        let restore = tern_engine::restore_lazy(&args.snapshot, &config, G::make).map_err(failed)?;
+        let restore =
+            tern_engine::restore_lazy(&args.snapshot, &config, G::make).map_err(failed)?;
         let resumed_after_ms = restore.resumed_after().as_secs_f64() * 1000.0;
         let (guest, stats) = restore
             .wait_loaded(Duration::from_secs(args.load_timeout))
@@ -209,12 +210,17 @@ fn print_report(args: &RestoreArgs, report: &RestoreReport) -> anyhow::Result<()
             "faults",
             format!(
                 "{} (p50 {:.0} µs, p99 {:.0} µs)",
-                lazy.faults.faults, lazy.faults.fault_latency_p50_us, lazy.faults.fault_latency_p99_us
+                lazy.faults.faults,
+                lazy.faults.fault_latency_p50_us,
+                lazy.faults.fault_latency_p99_us
             ),
         ));
         rows.push((
             "pages by fault / prefetch",
-            format!("{} / {}", lazy.faults.fault_pages, lazy.faults.prefetched_pages),
+            format!(
+                "{} / {}",
+                lazy.faults.fault_pages, lazy.faults.prefetched_pages
+            ),
         ));
     }
     if let (Some(before), Some(after)) = (report.pass_count_before, report.pass_count_after) {

@@ -7,8 +7,8 @@ use std::time::Duration;
 use anyhow::Context;
 use clap::Args;
 use serde::Serialize;
-use tern_engine::snapshot::{SaveConfig, SaveStats};
 use tern_engine::SourceGuest;
+use tern_engine::snapshot::{SaveConfig, SaveStats};
 use tern_synthetic::SyntheticGuest;
 
 use crate::run::Incomplete;
@@ -102,9 +102,8 @@ pub fn vm_save(args: &VmSaveArgs) -> anyhow::Result<ExitCode> {
 }
 
 fn save_guest<G: SourceGuest>(guest: &mut G, args: &SaveFileArgs) -> anyhow::Result<SaveStats> {
-    tern_engine::save(guest, &args.output, &args.config()).map_err(|error| {
-        Incomplete::error(error, "the save did not complete; the guest runs on")
-    })
+    tern_engine::save(guest, &args.output, &args.config())
+        .map_err(|error| Incomplete::error(error, "the save did not complete; the guest runs on"))
 }
 
 fn report(

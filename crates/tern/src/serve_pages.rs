@@ -29,7 +29,11 @@ pub struct ServePagesArgs {
     #[arg(long)]
     pub socket: PathBuf,
     /// Serve this tern snapshot (its regions must be the VMM's, in order).
-    #[arg(long, required_unless_present = "memory_file", conflicts_with = "memory_file")]
+    #[arg(
+        long,
+        required_unless_present = "memory_file",
+        conflicts_with = "memory_file"
+    )]
     pub snapshot: Option<PathBuf>,
     /// Serve this raw memory file (Firecracker's snapshot memory file).
     #[arg(long)]
@@ -74,7 +78,11 @@ pub fn serve(args: &ServePagesArgs) -> anyhow::Result<ExitCode> {
     // Watch the VMM from now on: it may exit before serving even starts.
     let peer = handshake.peer_pid.map(|pid| (pid, ProcessWatch::new(pid)));
     let (source, working_set, unit_pages) = open_source(args, &handshake.regions)?;
-    let served = handshake.regions.iter().map(FirecrackerRegion::served).collect();
+    let served = handshake
+        .regions
+        .iter()
+        .map(FirecrackerRegion::served)
+        .collect();
     let service = FaultService::adopt_and_start(
         handshake.uffd,
         served,
@@ -110,7 +118,10 @@ fn open_source(args: &ServePagesArgs, regions: &[FirecrackerRegion]) -> anyhow::
         let file = RawMemoryFile::open(path, regions)?;
         return Ok((Arc::new(file), Vec::new(), 16));
     }
-    let path = args.snapshot.as_ref().context("--snapshot or --memory-file")?;
+    let path = args
+        .snapshot
+        .as_ref()
+        .context("--snapshot or --memory-file")?;
     let file = SnapshotFile::open(path)?;
     let saved = &file.metadata().regions;
     anyhow::ensure!(

@@ -41,7 +41,8 @@ impl StandIn {
     /// where this process may not have a userfaultfd.
     fn new(len: usize) -> Option<Self> {
         // SAFETY: the system call takes flags only.
-        let fd = unsafe { libc::syscall(libc::SYS_userfaultfd, libc::O_CLOEXEC | libc::O_NONBLOCK) };
+        let fd =
+            unsafe { libc::syscall(libc::SYS_userfaultfd, libc::O_CLOEXEC | libc::O_NONBLOCK) };
         if fd < 0 {
             return None;
         }
@@ -49,7 +50,8 @@ impl StandIn {
         let uffd = unsafe { OwnedFd::from_raw_fd(fd as i32) };
         let mut api = [UFFD_API, UFFD_FEATURE_EVENT_REMOVE, 0];
         // SAFETY: struct uffdio_api is three u64s.
-        assert_eq!(unsafe { libc::ioctl(uffd.as_raw_fd(), UFFDIO_API, api.as_mut_ptr()) }, 0);
+        let result = unsafe { libc::ioctl(uffd.as_raw_fd(), UFFDIO_API, api.as_mut_ptr()) };
+        assert_eq!(result, 0);
         // SAFETY: a new anonymous mapping.
         let base = unsafe {
             libc::mmap(
@@ -65,7 +67,8 @@ impl StandIn {
         // struct uffdio_register: range (start, len), mode, ioctls.
         let mut register = [base as u64, len as u64, UFFDIO_REGISTER_MODE_MISSING, 0];
         // SAFETY: the structure UFFDIO_REGISTER reads and writes.
-        let result = unsafe { libc::ioctl(uffd.as_raw_fd(), UFFDIO_REGISTER, register.as_mut_ptr()) };
+        let result =
+            unsafe { libc::ioctl(uffd.as_raw_fd(), UFFDIO_REGISTER, register.as_mut_ptr()) };
         assert_eq!(result, 0, "{}", std::io::Error::last_os_error());
         Some(Self {
             uffd,
@@ -101,14 +104,20 @@ impl StandIn {
     }
 
     fn page(&self, page: usize) -> Vec<u8> {
-        (0..PAGE).map(|byte| self.read(page * PAGE + byte)).collect()
+        (0..PAGE)
+            .map(|byte| self.read(page * PAGE + byte))
+            .collect()
     }
 
     /// What a balloon does: the kernel sends `UFFD_EVENT_REMOVE`.
     fn remove(&self, page: usize, pages: usize) {
         // SAFETY: whole pages of the mapping.
         let result = unsafe {
-            libc::madvise(self.base.add(page * PAGE).cast(), pages * PAGE, libc::MADV_DONTNEED)
+            libc::madvise(
+                self.base.add(page * PAGE).cast(),
+                pages * PAGE,
+                libc::MADV_DONTNEED,
+            )
         };
         assert_eq!(result, 0);
     }
@@ -127,7 +136,11 @@ fn connect(socket: &Path) -> UnixStream {
         match UnixStream::connect(socket) {
             Ok(stream) => return stream,
             Err(error) => {
-                assert!(Instant::now() < until, "cannot connect to {}: {error}", socket.display());
+                assert!(
+                    Instant::now() < until,
+                    "cannot connect to {}: {error}",
+                    socket.display()
+                );
                 std::thread::sleep(Duration::from_millis(5));
             }
         }
@@ -191,8 +204,18 @@ fn finish(mut child: Child) -> (std::process::ExitStatus, String, String) {
     };
     let mut stdout = String::new();
     let mut stderr = String::new();
-    child.stdout.take().unwrap().read_to_string(&mut stdout).unwrap();
-    child.stderr.take().unwrap().read_to_string(&mut stderr).unwrap();
+    child
+        .stdout
+        .take()
+        .unwrap()
+        .read_to_string(&mut stdout)
+        .unwrap();
+    child
+        .stderr
+        .take()
+        .unwrap()
+        .read_to_string(&mut stderr)
+        .unwrap();
     (status, stdout, stderr)
 }
 
@@ -231,11 +254,24 @@ fn a_raw_memory_file_is_served_with_removes_and_statistics() {
     let dir = tempfile::tempdir().unwrap();
     let file = dir.path().join("memory");
     let bytes = memory_file(&file, 128);
-    let (handler, socket) = serve(dir.path(), &["--memory-file", file.to_str().unwrap(), "--loaders", "0"]);
+    let (handler, socket) = serve(
+        dir.path(),
+        &["--memory-file", file.to_str().unwrap(), "--loaders", "0"],
+    );
     // Two regions, the second from the second half of the file.
-    let _stream = standin.send(&socket, &[(0, 64 * PAGE, 0), (64 * PAGE, 64 * PAGE, (64 * PAGE) as u64)]);
+    let _stream = standin.send(
+        &socket,
+        &[
+            (0, 64 * PAGE, 0),
+            (64 * PAGE, 64 * PAGE, (64 * PAGE) as u64),
+        ],
+    );
     for page in [0, 5, 70, 127, 3] {
-        assert_eq!(standin.page(page), bytes[page * PAGE..(page + 1) * PAGE], "page {page}");
+        assert_eq!(
+            standin.page(page),
+            bytes[page * PAGE..(page + 1) * PAGE],
+            "page {page}"
+        );
     }
     // The balloon takes pages 5-6 back: they fault again and come as zeros.
     standin.remove(5, 2);
@@ -281,7 +317,11 @@ fn a_tern_snapshot_is_served_and_read_back_exactly() {
     let (handler, socket) = serve(dir.path(), &["--snapshot", path.to_str().unwrap()]);
     let _stream = standin.send(&socket, &[(0, 4 << 20, 0)]);
     for page in 0..(4 << 20) / PAGE {
-        assert_eq!(standin.page(page), expected[page * PAGE..(page + 1) * PAGE], "page {page}");
+        assert_eq!(
+            standin.page(page),
+            expected[page * PAGE..(page + 1) * PAGE],
+            "page {page}"
+        );
     }
     // SAFETY: signalling our own child.
     unsafe { libc::kill(handler.id() as i32, libc::SIGTERM) };
@@ -302,7 +342,13 @@ fn a_vmm_that_dies_after_the_handshake_ends_the_handler() {
     memory_file(&file, 64);
     let (handler, socket) = serve(dir.path(), &["--memory-file", file.to_str().unwrap()]);
     let child = std::process::Command::new(std::env::current_exe().unwrap())
-        .args(["--exact", "stand_in_child", "--nocapture", "--test-threads", "1"])
+        .args([
+            "--exact",
+            "stand_in_child",
+            "--nocapture",
+            "--test-threads",
+            "1",
+        ])
         .env("TERN_STANDIN_SOCKET", &socket)
         .status()
         .unwrap();
@@ -322,7 +368,10 @@ fn a_vmm_that_closes_before_the_handshake_is_one_line_error() {
     let (status, _, stderr) = finish(handler);
     assert_eq!(status.code(), Some(2), "{stderr}");
     assert_eq!(stderr.lines().count(), 1, "{stderr}");
-    assert!(stderr.contains("closed the socket before sending"), "{stderr}");
+    assert!(
+        stderr.contains("closed the socket before sending"),
+        "{stderr}"
+    );
 }
 
 #[test]

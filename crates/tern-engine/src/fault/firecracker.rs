@@ -126,7 +126,9 @@ pub fn accept_handshake(
         }
     };
     stream.set_nonblocking(false)?;
-    let left = until.saturating_duration_since(Instant::now()).max(Duration::from_millis(1));
+    let left = until
+        .saturating_duration_since(Instant::now())
+        .max(Duration::from_millis(1));
     stream.set_read_timeout(Some(left))?;
     let peer_pid = peer_pid(&stream);
     let (bytes, uffd) = read_message(&stream)?;
@@ -145,7 +147,10 @@ pub fn parse_regions(bytes: &[u8]) -> Result<Vec<FirecrackerRegion>, HandshakeEr
     let regions: Vec<FirecrackerRegion> =
         serde_json::from_slice(bytes).map_err(|error| invalid(error.to_string()))?;
     if regions.is_empty() || regions.len() > MAX_REGIONS {
-        return Err(invalid(format!("{} regions (1 to {MAX_REGIONS})", regions.len())));
+        return Err(invalid(format!(
+            "{} regions (1 to {MAX_REGIONS})",
+            regions.len()
+        )));
     }
     let page = PAGE_SIZE as u64;
     for (index, region) in regions.iter().enumerate() {
@@ -160,10 +165,15 @@ pub fn parse_regions(bytes: &[u8]) -> Result<Vec<FirecrackerRegion>, HandshakeEr
             || !aligned(region.size)
             || !aligned(region.base_host_virt_addr)
             || !aligned(region.offset)
-            || region.base_host_virt_addr.checked_add(region.size).is_none()
+            || region
+                .base_host_virt_addr
+                .checked_add(region.size)
+                .is_none()
             || region.offset.checked_add(region.size).is_none()
         {
-            return Err(invalid(format!("region {index} is not page-aligned or overflows")));
+            return Err(invalid(format!(
+                "region {index} is not page-aligned or overflows"
+            )));
         }
         let overlaps = regions[..index].iter().any(|other| {
             region.base_host_virt_addr < other.base_host_virt_addr + other.size
@@ -226,7 +236,8 @@ fn received_descriptor(header: &libc::msghdr) -> Option<OwnedFd> {
     let mut cmsg = unsafe { libc::CMSG_FIRSTHDR(header) };
     while !cmsg.is_null() {
         // SAFETY: a control message header inside the buffer.
-        let (level, kind, len) = unsafe { ((*cmsg).cmsg_level, (*cmsg).cmsg_type, (*cmsg).cmsg_len) };
+        let (level, kind, len) =
+            unsafe { ((*cmsg).cmsg_level, (*cmsg).cmsg_type, (*cmsg).cmsg_len) };
         if level == libc::SOL_SOCKET && kind == libc::SCM_RIGHTS {
             // SAFETY: the data of an SCM_RIGHTS message is an array of ints.
             let data = unsafe { libc::CMSG_DATA(cmsg) }.cast::<libc::c_int>();
@@ -280,7 +291,11 @@ fn poll_readable(fd: i32, within: Duration) -> io::Result<bool> {
     let ready = unsafe { libc::poll(&mut pollfd, 1, timeout) };
     if ready < 0 {
         let error = io::Error::last_os_error();
-        return if error.kind() == io::ErrorKind::Interrupted { Ok(false) } else { Err(error) };
+        return if error.kind() == io::ErrorKind::Interrupted {
+            Ok(false)
+        } else {
+            Err(error)
+        };
     }
     Ok(ready > 0)
 }
@@ -300,7 +315,8 @@ impl ProcessWatch {
             return Err(io::Error::last_os_error());
         }
         // SAFETY: a new descriptor nothing else owns.
-        Ok(Self { pidfd: unsafe { OwnedFd::from_raw_fd(fd as i32) } })
+        let pidfd = unsafe { OwnedFd::from_raw_fd(fd as i32) };
+        Ok(Self { pidfd })
     }
 
     /// Waits up to `within` for the process to exit; true once it has.
@@ -322,14 +338,21 @@ pub struct RawMemoryFile {
 
 impl RawMemoryFile {
     /// Opens `path` for `regions`, refusing a file too short for them.
-    pub fn open(path: &std::path::Path, regions: &[FirecrackerRegion]) -> Result<Self, PageSourceError> {
-        let file = File::open(path)
-            .map_err(|error| PageSourceError::io(format!("cannot open {}", path.display()), error))?;
+    pub fn open(
+        path: &std::path::Path,
+        regions: &[FirecrackerRegion],
+    ) -> Result<Self, PageSourceError> {
+        let file = File::open(path).map_err(|error| {
+            PageSourceError::io(format!("cannot open {}", path.display()), error)
+        })?;
         let len = file
             .metadata()
             .map_err(|error| PageSourceError::io(format!("cannot read {}", path.display()), error))?
             .len();
-        if let Some(region) = regions.iter().find(|region| region.offset + region.size > len) {
+        if let Some(region) = regions
+            .iter()
+            .find(|region| region.offset + region.size > len)
+        {
             return Err(PageSourceError::new(format!(
                 "{} holds {len} bytes, but a region needs bytes up to {}",
                 path.display(),
@@ -359,7 +382,9 @@ impl PageSource for RawMemoryFile {
             .ok_or_else(|| PageSourceError::new(format!("no region {region}")))?;
         self.file
             .read_exact_at(buf, offset + first * PAGE_SIZE as u64)
-            .map_err(|error| PageSourceError::io(format!("cannot read {}", self.path.display()), error))?;
+            .map_err(|error| {
+                PageSourceError::io(format!("cannot read {}", self.path.display()), error)
+            })?;
         for (page, is_zero) in buf.chunks(PAGE_SIZE).zip(zero.iter_mut()) {
             *is_zero = self.zero.is_zero(page);
         }
@@ -385,7 +410,11 @@ mod tests {
                  {"base_host_virt_addr":8192,"size":4096,"offset":0,"page_size":4096}]"#,
             br#"{"not":"a list"}"#,
         ] {
-            assert!(parse_regions(bad).is_err(), "{}", String::from_utf8_lossy(bad));
+            assert!(
+                parse_regions(bad).is_err(),
+                "{}",
+                String::from_utf8_lossy(bad)
+            );
         }
     }
 }

@@ -188,7 +188,10 @@ impl FaultService {
         source: Arc<dyn PageSource>,
         config: FaultConfig,
     ) -> Result<Self, FaultError> {
-        let ranges = regions.iter().map(|region| (region.base, region.len)).collect();
+        let ranges = regions
+            .iter()
+            .map(|region| (region.base, region.len))
+            .collect();
         let uffd = Userfault::adopt(fd, ranges).map_err(FaultError::Userfaultfd)?;
         Self::start(uffd, regions, source, config)
     }
@@ -278,7 +281,10 @@ impl FaultService {
 
     /// Whether the service has failed (without taking the error).
     pub fn has_failed(&self) -> bool {
-        self.shared.failed.lock().is_ok_and(|failed| failed.is_some())
+        self.shared
+            .failed
+            .lock()
+            .is_ok_and(|failed| failed.is_some())
     }
 
     /// Waits until every unit is placed or the service fails, polling
@@ -464,7 +470,8 @@ impl Shared {
         let mut address = start & !(PAGE - 1);
         while address < end {
             if let Some((region, page)) = self.locate(address) {
-                self.removed[region][(page / 64) as usize].fetch_or(1 << (page % 64), Ordering::AcqRel);
+                self.removed[region][(page / 64) as usize]
+                    .fetch_or(1 << (page % 64), Ordering::AcqRel);
                 let unit = page / self.unit_pages;
                 let word = &self.present[region][(unit / 64) as usize];
                 if word.fetch_and(!(1 << (unit % 64)), Ordering::AcqRel) & (1 << (unit % 64)) != 0 {
@@ -540,7 +547,13 @@ impl Shared {
 
     /// Places a fetched unit: each run of data pages with one copy, each
     /// run of zero pages with one zero-page call. Returns pages placed.
-    fn place_runs(&self, region: usize, first: u64, buf: &[u8], zero: &[bool]) -> Result<usize, FaultError> {
+    fn place_runs(
+        &self,
+        region: usize,
+        first: u64,
+        buf: &[u8],
+        zero: &[bool],
+    ) -> Result<usize, FaultError> {
         let base = self.regions[region].base + first * PAGE;
         let mut placed = 0;
         let mut start = 0;
@@ -555,7 +568,9 @@ impl Shared {
                 // SAFETY: pages `start..end` of a served region, which the
                 // kernel checks against the registration.
                 unsafe { self.uffd.zero_missing(address, end - start) }.inspect(|&count| {
-                    self.counters.zero_pages.fetch_add(count as u64, Ordering::Relaxed);
+                    self.counters
+                        .zero_pages
+                        .fetch_add(count as u64, Ordering::Relaxed);
                 })
             } else {
                 // SAFETY: as above; `buf` holds the run's pages.
@@ -575,7 +590,11 @@ impl Shared {
     }
 
     fn stats(&self) -> FaultStats {
-        let mut latencies = self.latencies_ns.lock().map(|l| l.clone()).unwrap_or_default();
+        let mut latencies = self
+            .latencies_ns
+            .lock()
+            .map(|l| l.clone())
+            .unwrap_or_default();
         latencies.sort_unstable();
         let percentile = |p: f64| {
             if latencies.is_empty() {

@@ -97,7 +97,11 @@ impl SnapshotFile {
 
     /// The region lengths, for building a guest of the same shape.
     pub fn region_lens(&self) -> Vec<u64> {
-        self.metadata.regions.iter().map(|region| region.len).collect()
+        self.metadata
+            .regions
+            .iter()
+            .map(|region| region.len)
+            .collect()
     }
 
     pub(crate) fn file(&self) -> &File {
@@ -186,11 +190,10 @@ impl PageSource for SnapshotFile {
         buf: &mut [u8],
         zero: &mut [bool],
     ) -> Result<(), PageSourceError> {
-        let slots = self
-            .metadata
-            .regions
-            .get(region)
-            .ok_or_else(|| PageSourceError::new(format!("no region {region} in the snapshot")))?;
+        let slots =
+            self.metadata.regions.get(region).ok_or_else(|| {
+                PageSourceError::new(format!("no region {region} in the snapshot"))
+            })?;
         let chunk = first / CHUNK_PAGES;
         let whole = CHUNK_PAGES.min(slots.pages().saturating_sub(first));
         if !first.is_multiple_of(CHUNK_PAGES) || zero.len() as u64 != whole {

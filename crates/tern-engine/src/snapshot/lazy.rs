@@ -72,7 +72,11 @@ pub fn restore_lazy<G: DestinationGuest>(
         Arc::clone(&file) as Arc<dyn crate::fault::PageSource>,
         FaultConfig {
             unit_pages: CHUNK_PAGES,
-            loaders: if config.background { config.threads.max(1) } else { 0 },
+            loaders: if config.background {
+                config.threads.max(1)
+            } else {
+                0
+            },
             working_set,
             release_on_failure: true,
         },
@@ -108,7 +112,10 @@ impl<G: DestinationGuest> LazyRestore<G> {
 
     /// The fault service's statistics so far.
     pub fn fault_stats(&self) -> FaultStats {
-        self.service.as_ref().map(FaultService::stats).unwrap_or_default()
+        self.service
+            .as_ref()
+            .map(FaultService::stats)
+            .unwrap_or_default()
     }
 
     /// Pages whose faults loaded them so far, in order: a working set for

@@ -77,7 +77,9 @@ pub enum SnapshotError {
     },
     /// A chunk's pages do not hash to the value recorded for it: the file
     /// was corrupted or changed after the save.
-    #[error("{path}: chunk {chunk} of region {region} does not match its hash (corrupted or changed since the save)")]
+    #[error(
+        "{path}: chunk {chunk} of region {region} does not match its hash (corrupted or changed since the save)"
+    )]
     Corrupted {
         /// The file.
         path: PathBuf,
@@ -88,7 +90,9 @@ pub enum SnapshotError {
     },
     /// The memory restored does not hash to the digest saved; the guest
     /// was not resumed.
-    #[error("memory digest mismatch after restore (snapshot {expected:032x}, memory {actual:032x}); the guest was not resumed")]
+    #[error(
+        "memory digest mismatch after restore (snapshot {expected:032x}, memory {actual:032x}); the guest was not resumed"
+    )]
     DigestMismatch {
         /// The digest in the file.
         expected: u128,

@@ -137,8 +137,8 @@ fn read_all(
         for _ in 0..threads.max(1) {
             scope.spawn(|| {
                 let (mut read, mut zero) = (0, 0);
-                while let Some(index) = Some(next.fetch_add(1, Ordering::Relaxed))
-                    .filter(|&index| index < chunks.len())
+                while let Some(index) =
+                    Some(next.fetch_add(1, Ordering::Relaxed)).filter(|&index| index < chunks.len())
                 {
                     if failure.lock().is_ok_and(|failure| failure.is_some()) {
                         break;

@@ -180,26 +180,33 @@ impl<G: SourceGuest + ?Sized> Session<'_, G> {
                 break;
             }
             self.passes += 1;
-            self.writer.write_pages(Some(&bitmaps), self.config.writers)?;
+            self.writer
+                .write_pages(Some(&bitmaps), self.config.writers)?;
         }
         let working_set = WorkingSet {
             pages: bitmaps
                 .iter()
                 .enumerate()
                 .flat_map(|(region, bitmap)| {
-                    bitmap.iter_dirty().map(move |page| (region as u32, page as u32))
+                    bitmap
+                        .iter_dirty()
+                        .map(move |page| (region as u32, page as u32))
                 })
                 .collect(),
         };
         self.pause()?;
         // Pages dirtied before the pause and after the last sync.
-        let mut last: Vec<DirtyBitmap> = bitmaps.iter().map(|b| DirtyBitmap::new(b.pages())).collect();
+        let mut last: Vec<DirtyBitmap> = bitmaps
+            .iter()
+            .map(|b| DirtyBitmap::new(b.pages()))
+            .collect();
         self.guest.sync_dirty_log(&mut last)?;
         for (bitmap, extra) in bitmaps.iter_mut().zip(&last) {
             bitmap.merge(extra);
         }
         self.passes += 1;
-        self.writer.write_pages(Some(&bitmaps), self.config.writers)?;
+        self.writer
+            .write_pages(Some(&bitmaps), self.config.writers)?;
         Ok(working_set)
     }
 

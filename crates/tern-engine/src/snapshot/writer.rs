@@ -95,7 +95,11 @@ impl SlotWriter {
             .map_err(write_error)?;
         // The incomplete header reaches the disk before any page does.
         file.sync_data().map_err(write_error)?;
-        let slots = if direct { open(true)? } else { file.try_clone().map_err(write_error)? };
+        let slots = if direct {
+            open(true)?
+        } else {
+            file.try_clone().map_err(write_error)?
+        };
         let atomics = |count: u64| (0..count).map(|_| AtomicU64::new(0)).collect::<Vec<_>>();
         Ok(Self {
             path: path.to_owned(),
@@ -106,7 +110,11 @@ impl SlotWriter {
                 .iter()
                 .map(|region| atomics(region.pages().div_ceil(64)))
                 .collect(),
-            hashes: layout.regions.iter().map(|region| atomics(region.pages())).collect(),
+            hashes: layout
+                .regions
+                .iter()
+                .map(|region| atomics(region.pages()))
+                .collect(),
             layout,
             regions: regions.to_vec(),
             zero: ZeroChecker::best(),
@@ -208,7 +216,8 @@ impl SlotWriter {
             // unless the page changes meanwhile, when it is written again.
             let hash = unsafe { page_hash(ptr) };
             self.hashes[region][page as usize].store(hash, Ordering::Relaxed);
-            self.present[region][(page / 64) as usize].fetch_or(1 << (page % 64), Ordering::Relaxed);
+            self.present[region][(page / 64) as usize]
+                .fetch_or(1 << (page % 64), Ordering::Relaxed);
             run = match run {
                 Some((start, count)) if start + count == page => Some((start, count + 1)),
                 other => {
@@ -228,9 +237,9 @@ impl SlotWriter {
         };
         let memory = self.regions[region];
         let offset = self.layout.regions[region].slots_offset + start * PAGE;
-        let ptr = memory.page_ptr(start).ok_or_else(|| {
-            self.write_error(std::io::Error::other("page outside the region"))
-        })?;
+        let ptr = memory
+            .page_ptr(start)
+            .ok_or_else(|| self.write_error(std::io::Error::other("page outside the region")))?;
         let len = (count * PAGE) as usize;
         let mut done = 0;
         while done < len {
@@ -256,14 +265,17 @@ impl SlotWriter {
             }
             done += wrote as usize;
         }
-        self.counters.pages_written.fetch_add(count, Ordering::Relaxed);
+        self.counters
+            .pages_written
+            .fetch_add(count, Ordering::Relaxed);
         Ok(())
     }
 
     /// Records `page` as zero; punches its slot if an earlier pass wrote it.
     fn make_hole(&self, region: usize, page: u64) -> Result<(), SnapshotError> {
         self.counters.zero_pages.fetch_add(1, Ordering::Relaxed);
-        self.hashes[region][page as usize].store(crate::digest::zero_page_hash(), Ordering::Relaxed);
+        self.hashes[region][page as usize]
+            .store(crate::digest::zero_page_hash(), Ordering::Relaxed);
         let bit = 1 << (page % 64);
         let word = &self.present[region][(page / 64) as usize];
         if word.load(Ordering::Relaxed) & bit == 0 {
@@ -288,7 +300,8 @@ impl SlotWriter {
             self.punch.store(false, Ordering::Relaxed);
         }
         // No holes here: the slot keeps a zero page, still marked present.
-        self.hashes[region][page as usize].store(crate::digest::zero_page_hash(), Ordering::Relaxed);
+        self.hashes[region][page as usize]
+            .store(crate::digest::zero_page_hash(), Ordering::Relaxed);
         self.file
             .write_all_at(&[0u8; PAGE_SIZE], offset)
             .map_err(|error| self.write_error(error))
@@ -298,7 +311,11 @@ impl SlotWriter {
     pub(crate) fn digest(&self) -> u128 {
         let mut hasher = Xxh3::new();
         for (region, hashes) in self.layout.regions.iter().zip(&self.hashes) {
-            add_region(&mut hasher, region.id, hashes.iter().map(|h| h.load(Ordering::Relaxed)));
+            add_region(
+                &mut hasher,
+                region.id,
+                hashes.iter().map(|h| h.load(Ordering::Relaxed)),
+            );
         }
         hasher.digest128()
     }
@@ -319,8 +336,10 @@ impl SlotWriter {
             for (word, atomic) in metadata.present[index].iter_mut().zip(&self.present[index]) {
                 *word = atomic.load(Ordering::Relaxed);
             }
-            let hashes: Vec<u64> =
-                self.hashes[index].iter().map(|h| h.load(Ordering::Relaxed)).collect();
+            let hashes: Vec<u64> = self.hashes[index]
+                .iter()
+                .map(|h| h.load(Ordering::Relaxed))
+                .collect();
             for (chunk, slot) in metadata.chunk_hashes[index].iter_mut().enumerate() {
                 let first = chunk * CHUNK_PAGES as usize;
                 let end = (first + CHUNK_PAGES as usize).min(region.pages() as usize);
@@ -328,7 +347,9 @@ impl SlotWriter {
             }
         }
         metadata.complete(digest, trailer);
-        self.file.write_all_at(&metadata.encode(), 0).map_err(error)?;
+        self.file
+            .write_all_at(&metadata.encode(), 0)
+            .map_err(error)?;
         self.file.sync_data().map_err(error)?;
         Ok(file_len)
     }

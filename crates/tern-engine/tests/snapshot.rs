@@ -383,3 +383,27 @@ fn a_full_disk_fails_the_save_leaves_the_guest_running_and_the_file_refused() {
     let line = refused(&path);
     assert!(line.contains("incomplete"), "{line}");
 }
+
+#[test]
+fn an_o_direct_save_restores_to_the_same_memory() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("direct.tern");
+    let mut guest = source(8 * MIB, 0, 1);
+    let config = SaveConfig {
+        direct: true,
+        resume: false,
+        ..SaveConfig::default()
+    };
+    match tern_engine::save(&mut guest, &path, &config) {
+        Err(SnapshotError::Open { source, .. }) if source.raw_os_error() == Some(libc::EINVAL) => {
+            println!("SKIPPED: this filesystem refuses O_DIRECT");
+            return;
+        }
+        other => {
+            other.unwrap();
+        }
+    }
+    let digest = guest.digest();
+    let restored = tern_engine::restore(&path, &held(), empty).unwrap();
+    assert_eq!(restored.guest.digest(), digest);
+}

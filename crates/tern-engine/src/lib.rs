@@ -60,11 +60,13 @@ mod deadline;
 pub mod destination;
 mod digest;
 pub mod error;
+pub mod fault;
 #[doc(hidden)]
 pub mod fuzzing;
 pub mod guest;
 mod pipeline;
 mod ring;
+pub mod snapshot;
 pub mod source;
 pub mod stats;
 pub mod transport;
@@ -85,6 +87,10 @@ pub use error::{ChannelError, MigrationError};
 pub use guest::{
     DestinationGuest, DeviceState, DirtyLog, GuestControl, GuestError, GuestMemory, GuestResult,
     MemoryRegion, PAGE_SIZE, SourceGuest, StateSection,
+};
+pub use snapshot::{
+    LazyRestore, RestoreConfig, Restored, SaveConfig, SnapshotError, SnapshotFile, restore,
+    restore_lazy, save,
 };
 pub use source::{CancelToken, MigrationFailure, Source};
 pub use stats::{

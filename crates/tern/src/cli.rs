@@ -57,6 +57,13 @@ pub enum Command {
     Migrate(MigrateArgs),
     /// Receive one migration and verify it.
     Receive(ReceiveArgs),
+    /// Save a synthetic guest to a snapshot file (paused or live).
+    Save(crate::save::SaveArgs),
+    /// Restore a synthetic guest from a snapshot file, eagerly or lazily.
+    Restore(crate::restore::RestoreArgs),
+    /// Serve a snapshot's pages to a VMM over Firecracker's userfaultfd
+    /// page-fault handler protocol.
+    ServePages(crate::serve_pages::ServePagesArgs),
     /// Benchmarks.
     #[command(subcommand)]
     Bench(BenchCommand),

@@ -9,11 +9,14 @@ mod metrics;
 #[cfg(test)]
 mod reference;
 mod report;
+mod restore;
 mod run;
 #[cfg(test)]
 mod schema;
 mod secure;
 mod steering;
+mod save;
+mod serve_pages;
 mod units;
 mod vm;
 

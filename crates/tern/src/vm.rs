@@ -35,6 +35,10 @@ pub enum VmCommand {
     Demo(DemoArgs),
     /// Write the test guest as a multiboot image (for QEMU's `-kernel`).
     ExportGuest(ExportGuestArgs),
+    /// Run the test guest and save it to a snapshot file.
+    Save(crate::save::VmSaveArgs),
+    /// Restore the test guest from a snapshot file and let it run.
+    Restore(crate::restore::RestoreArgs),
 }
 
 #[derive(Debug, Args)]
@@ -90,7 +94,7 @@ impl VmArgs {
 
     /// Starts the guest; `ends` is how many copies of its memory this
     /// process will hold (2 when the destination runs here too).
-    fn start(&self, ends: u64) -> anyhow::Result<KvmGuest> {
+    pub(crate) fn start(&self, ends: u64) -> anyhow::Result<KvmGuest> {
         let config = self.config()?;
         let what = if ends > 1 {
             format!(
@@ -187,6 +191,8 @@ pub fn run(command: VmCommand, verbose: bool) -> anyhow::Result<ExitCode> {
         VmCommand::Receive(args) => receive(&args),
         VmCommand::Demo(args) => demo(&args, verbose),
         VmCommand::ExportGuest(args) => export_guest(&args),
+        VmCommand::Save(args) => crate::save::vm_save(&args),
+        VmCommand::Restore(args) => crate::restore::vm_restore(&args),
     }
 }
 

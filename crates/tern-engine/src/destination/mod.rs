@@ -15,9 +15,10 @@ mod shared;
 mod stream;
 mod switch_over;
 #[cfg(test)]
-mod test_memory;
-mod userfault;
+pub(crate) mod test_memory;
 mod vmm_config;
+// The userfaultfd wrapper lives with the fault service, which shares it.
+use crate::fault::uffd as userfault;
 
 use std::sync::atomic::{AtomicU8, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};

@@ -7,14 +7,14 @@ use std::ptr::NonNull;
 use crate::guest::{MemoryRegion, PAGE_SIZE};
 
 /// A private anonymous mapping, unmapped on drop.
-pub(super) struct AnonymousMemory {
-    pub(super) base: *mut u8,
-    pub(super) len: usize,
+pub(crate) struct AnonymousMemory {
+    pub(crate) base: *mut u8,
+    pub(crate) len: usize,
 }
 
 impl AnonymousMemory {
     /// `pages` pages, none touched yet.
-    pub(super) fn new(pages: usize) -> Self {
+    pub(crate) fn new(pages: usize) -> Self {
         let len = pages * PAGE_SIZE;
         // SAFETY: a new private anonymous mapping, unmapped in `drop`.
         let base = unsafe {
@@ -35,19 +35,19 @@ impl AnonymousMemory {
     }
 
     /// The whole mapping as region `id`.
-    pub(super) fn region(&self, id: u32) -> MemoryRegion {
+    pub(crate) fn region(&self, id: u32) -> MemoryRegion {
         // SAFETY: the mapping outlives every region a test makes of it.
         unsafe { MemoryRegion::new(id, 0, NonNull::new(self.base).unwrap(), self.len as u64) }
     }
 
     /// Page `index`, which must be readable now.
-    pub(super) fn page(&self, index: usize) -> &[u8] {
+    pub(crate) fn page(&self, index: usize) -> &[u8] {
         // SAFETY: a page inside the mapping.
         unsafe { std::slice::from_raw_parts(self.base.add(index * PAGE_SIZE), PAGE_SIZE) }
     }
 
     /// Every byte, for a test that has the mapping to itself.
-    pub(super) fn bytes_mut(&mut self) -> &mut [u8] {
+    pub(crate) fn bytes_mut(&mut self) -> &mut [u8] {
         // SAFETY: the whole mapping, borrowed mutably with `self`.
         unsafe { std::slice::from_raw_parts_mut(self.base, self.len) }
     }

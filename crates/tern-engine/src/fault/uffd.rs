@@ -1,8 +1,13 @@
-//! Placing fresh pages whole with `UFFDIO_COPY` instead of faulting them
-//! in: a page that has never held data is read from the socket into a
-//! bounce buffer, then one `UFFDIO_COPY` per run of contiguous pages
-//! allocates each page and fills it with its contents, with no zero-fill
-//! and no exception per page.
+//! The hand-written userfaultfd wrapper shared by the destination's
+//! `UFFDIO_COPY` placement and the fault service (`fault/`): registration
+//! for missing pages, copies and zero pages placed atomically, events read
+//! and faulting threads woken.
+//!
+//! The destination places fresh pages whole with `UFFDIO_COPY` instead of
+//! faulting them in: a page that has never held data is read from the
+//! socket into a bounce buffer, then one `UFFDIO_COPY` per run of
+//! contiguous pages allocates each page and fills it with its contents,
+//! with no zero-fill and no exception per page.
 //!
 //! Measured on the 2-core shared VM (`cargo bench -p tern-engine --bench
 //! first_touch`, docs/benchmarks.md): the bounce copy plus `UFFDIO_COPY`
@@ -29,6 +34,11 @@
 //! `/dev/userfaultfd` access and `vm.unprivileged_userfaultfd` = 0, a
 //! seccomp filter, memory it cannot register), the destination faults pages
 //! in as before.
+//!
+//! The fault service uses the other half: [`Userfault::copy_missing`] and
+//! [`Userfault::zero_missing`] never write a page that is there already
+//! (`EEXIST` means another placer won, and its copy is the right one), and
+//! [`Userfault::next_event`] reads page faults and `UFFD_EVENT_REMOVE`.
 
 use std::io;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
@@ -46,7 +56,9 @@ mod abi {
     pub(super) const UFFDIO_UNREGISTER: libc::c_ulong = 0x8010_aa01;
     pub(super) const UFFDIO_COPY: libc::c_ulong = 0xc028_aa03;
     pub(super) const UFFDIO_WAKE: libc::c_ulong = 0x8010_aa02;
+    pub(super) const UFFDIO_ZEROPAGE: libc::c_ulong = 0xc020_aa04;
     pub(super) const UFFD_EVENT_PAGEFAULT: u8 = 0x12;
+    pub(super) const UFFD_EVENT_REMOVE: u8 = 0x15;
     pub(super) const UFFD_API: u64 = 0xaa;
     pub(super) const UFFDIO_REGISTER_MODE_MISSING: u64 = 1;
     /// The bit of `UFFDIO_COPY` in a registration's `ioctls`.
@@ -84,6 +96,14 @@ mod abi {
     }
 
     #[repr(C)]
+    pub(super) struct ZeroPage {
+        pub(super) range: Range,
+        pub(super) mode: u64,
+        /// Bytes zeroed, or a negated errno when none were.
+        pub(super) zeropage: i64,
+    }
+
+    #[repr(C)]
     pub(super) struct Copy {
         pub(super) dst: u64,
         pub(super) src: u64,
@@ -106,7 +126,7 @@ static ZEROS: [u8; 16 * PAGE_SIZE] = [0; 16 * PAGE_SIZE];
 const SERVE_POLL_MS: libc::c_int = 100;
 
 /// A userfaultfd with the guest's regions registered for missing pages.
-pub(super) struct Userfault {
+pub(crate) struct Userfault {
     fd: OwnedFd,
     /// Written on release, to wake [`Userfault::serve_faults`].
     wake: OwnedFd,
@@ -120,7 +140,7 @@ pub(super) struct Userfault {
 impl Userfault {
     /// Registers every region for missing pages; an error says why this
     /// process cannot (the caller then faults pages in as before).
-    pub(super) fn register(regions: &[MemoryRegion]) -> io::Result<Self> {
+    pub(crate) fn register(regions: &[MemoryRegion]) -> io::Result<Self> {
         let fd = open()?;
         let mut api = abi::Api {
             api: abi::UFFD_API,
@@ -174,7 +194,7 @@ impl Userfault {
 
     /// Ends the registration: from now on a missing page faults in as
     /// usual, and a thread waiting on one is woken. Idempotent.
-    pub(super) fn release(&self) {
+    pub(crate) fn release(&self) {
         if self.released.swap(true, Ordering::AcqRel) {
             return;
         }
@@ -194,7 +214,7 @@ impl Userfault {
     /// each missing page touched is mapped as zeros, what a first touch of
     /// unregistered memory finds. Run on a thread of its own for the live
     /// phase.
-    pub(super) fn serve_faults(&self) {
+    pub(crate) fn serve_faults(&self) {
         let mut fds = [
             libc::pollfd {
                 fd: self.fd.as_raw_fd(),
@@ -271,7 +291,7 @@ impl Userfault {
     /// `destination` is `pages` whole pages inside one registered region,
     /// which nothing else accesses during the call; `source` is
     /// `pages * PAGE_SIZE` readable bytes outside them.
-    pub(super) unsafe fn place(
+    pub(crate) unsafe fn place(
         &self,
         destination: *mut u8,
         source: *const u8,
@@ -329,7 +349,7 @@ impl Userfault {
     ///
     /// # Safety
     /// As [`Userfault::place`] for `destination`.
-    pub(super) unsafe fn place_zeros(&self, destination: *mut u8, pages: usize) -> io::Result<()> {
+    pub(crate) unsafe fn place_zeros(&self, destination: *mut u8, pages: usize) -> io::Result<()> {
         let chunk = ZEROS.len() / PAGE_SIZE;
         for first in (0..pages).step_by(chunk) {
             let count = chunk.min(pages - first);
@@ -344,6 +364,217 @@ impl Userfault {
         }
         Ok(())
     }
+}
+
+/// What [`Userfault::next_event`] read.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Event {
+    /// A thread touched the missing page at this (page-aligned) address.
+    PageFault(u64),
+    /// `MADV_DONTNEED`/`MADV_REMOVE` (a balloon) dropped `start..end`:
+    /// those pages are missing again.
+    Remove { start: u64, end: u64 },
+    /// Another event (fork, remap, unmap), which the service ignores.
+    Other(u8),
+}
+
+/// What [`Userfault::wait`] found.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Wait {
+    /// An event may be read.
+    Ready,
+    /// [`Userfault::stop_waiting`] was called.
+    Stopped,
+    /// Nothing within the timeout.
+    Timeout,
+    /// The descriptor's other end is gone or broken (`POLLHUP`/`POLLERR`).
+    Closed,
+}
+
+impl Userfault {
+    /// Takes over a userfaultfd another process created, registered and
+    /// handed over (Firecracker's page-fault handler protocol): no
+    /// `UFFDIO_API` or registration here, the creator did both. `ranges`
+    /// are the registered ranges as the creator declared them, in *its*
+    /// address space.
+    pub(crate) fn adopt(fd: OwnedFd, ranges: Vec<(u64, u64)>) -> io::Result<Self> {
+        // SAFETY: eventfd takes an initial value and flags only.
+        let wake = unsafe { libc::eventfd(0, libc::EFD_CLOEXEC | libc::EFD_NONBLOCK) };
+        if wake < 0 {
+            return Err(io::Error::last_os_error());
+        }
+        Ok(Self {
+            fd,
+            // SAFETY: a new descriptor nothing else owns.
+            wake: unsafe { OwnedFd::from_raw_fd(wake) },
+            ranges,
+            released: AtomicBool::new(false),
+        })
+    }
+
+    /// Waits up to `timeout_ms` for an event or [`Userfault::stop_waiting`].
+    pub(crate) fn wait(&self, timeout_ms: i32) -> Wait {
+        let mut fds = [
+            libc::pollfd {
+                fd: self.fd.as_raw_fd(),
+                events: libc::POLLIN,
+                revents: 0,
+            },
+            libc::pollfd {
+                fd: self.wake.as_raw_fd(),
+                events: libc::POLLIN,
+                revents: 0,
+            },
+        ];
+        // SAFETY: two valid pollfd structures.
+        let ready = unsafe { libc::poll(fds.as_mut_ptr(), 2, timeout_ms) };
+        if ready <= 0 {
+            Wait::Timeout
+        } else if fds[1].revents != 0 {
+            Wait::Stopped
+        } else if fds[0].revents & libc::POLLIN != 0 {
+            Wait::Ready
+        } else if fds[0].revents & (libc::POLLHUP | libc::POLLERR) != 0 {
+            Wait::Closed
+        } else {
+            Wait::Timeout
+        }
+    }
+
+    /// Ends every [`Userfault::wait`], now and later, without touching the
+    /// registration.
+    pub(crate) fn stop_waiting(&self) {
+        let one = 1u64.to_ne_bytes();
+        // SAFETY: eight readable bytes, what an eventfd write takes.
+        unsafe { libc::write(self.wake.as_raw_fd(), one.as_ptr().cast(), one.len()) };
+    }
+
+    /// Reads one event, or `None` when none is pending (or the read failed).
+    pub(crate) fn next_event(&self) -> Option<Event> {
+        let mut message = std::mem::MaybeUninit::<abi::Message>::zeroed();
+        let size = std::mem::size_of::<abi::Message>();
+        // SAFETY: `message` has room for one `uffd_msg`.
+        let read = unsafe { libc::read(self.fd.as_raw_fd(), message.as_mut_ptr().cast(), size) };
+        if read != size as isize {
+            return None;
+        }
+        // SAFETY: the kernel wrote a whole message; every bit pattern is a
+        // valid `Message`.
+        let message = unsafe { message.assume_init() };
+        Some(match message.event {
+            abi::UFFD_EVENT_PAGEFAULT => {
+                Event::PageFault(message.address & !(PAGE_SIZE as u64 - 1))
+            }
+            // The remove event's range sits where a fault's flags and
+            // address do.
+            abi::UFFD_EVENT_REMOVE => Event::Remove {
+                start: message.flags,
+                end: message.address,
+            },
+            other => Event::Other(other),
+        })
+    }
+
+    /// Places `pages` pages at address `destination` (in the registering
+    /// process) from `source`, skipping pages that are there already
+    /// (`EEXIST`: someone placed them first, and theirs stays). Returns how
+    /// many pages this call placed. Waiting threads are woken.
+    ///
+    /// # Safety
+    /// `destination` is `pages` whole pages of a registered range;
+    /// `source` is `pages * PAGE_SIZE` readable bytes of this process.
+    pub(crate) unsafe fn copy_missing(
+        &self,
+        destination: u64,
+        source: *const u8,
+        pages: usize,
+    ) -> io::Result<usize> {
+        let fd = self.fd.as_raw_fd();
+        // SAFETY: the caller's contract, passed on.
+        unsafe {
+            place_skipping_existing(pages, |done, len| {
+                let mut copy = abi::Copy {
+                    dst: destination + (done * PAGE_SIZE) as u64,
+                    src: source.wrapping_add(done * PAGE_SIZE) as u64,
+                    len: len as u64,
+                    mode: 0,
+                    copy: 0,
+                };
+                let result = libc::ioctl(fd, abi::UFFDIO_COPY, &mut copy);
+                (result, copy.copy)
+            })
+        }
+    }
+
+    /// Maps `pages` pages at `destination` to the zero page, skipping pages
+    /// that are there already. Returns how many pages this call mapped.
+    ///
+    /// # Safety
+    /// `destination` is `pages` whole pages of a registered range.
+    pub(crate) unsafe fn zero_missing(&self, destination: u64, pages: usize) -> io::Result<usize> {
+        let fd = self.fd.as_raw_fd();
+        // SAFETY: the caller's contract, passed on.
+        unsafe {
+            place_skipping_existing(pages, |done, len| {
+                let mut zero = abi::ZeroPage {
+                    range: abi::Range {
+                        start: destination + (done * PAGE_SIZE) as u64,
+                        len: len as u64,
+                    },
+                    mode: 0,
+                    zeropage: 0,
+                };
+                let result = libc::ioctl(fd, abi::UFFDIO_ZEROPAGE, &mut zero);
+                (result, zero.zeropage)
+            })
+        }
+    }
+
+    /// Wakes threads waiting on `len` bytes at `start` (their page was
+    /// placed by someone else).
+    pub(crate) fn wake_range(&self, start: u64, len: u64) {
+        let mut range = abi::Range { start, len };
+        // SAFETY: `range` is the structure UFFDIO_WAKE reads; a failure
+        // (nothing waits, or the range left) changes nothing.
+        unsafe { libc::ioctl(self.fd.as_raw_fd(), abi::UFFDIO_WAKE, &mut range) };
+    }
+}
+
+/// Drives a placing ioctl over `pages` pages: `ioctl(done, len)` places
+/// from page `done` on and returns the ioctl's result and the structure's
+/// progress field (bytes placed, or a negated errno). Pages the kernel
+/// says exist are skipped; interrupted calls are retried; `EAGAIN` is
+/// returned (pages already placed stay placed, a retry skips them).
+///
+/// # Safety
+/// `ioctl` only issues a placing ioctl within the caller's range.
+unsafe fn place_skipping_existing(
+    pages: usize,
+    mut ioctl: impl FnMut(usize, usize) -> (libc::c_int, i64),
+) -> io::Result<usize> {
+    let (mut done, mut placed, mut retries) = (0, 0, 0);
+    while done < pages {
+        let len = (pages - done) * PAGE_SIZE;
+        let (result, progress) = ioctl(done, len);
+        if result == 0 {
+            return Ok(placed + pages - done);
+        }
+        let error = io::Error::last_os_error();
+        if progress > 0 {
+            let moved = progress as usize / PAGE_SIZE;
+            done += moved;
+            placed += moved;
+            continue;
+        }
+        match error.raw_os_error() {
+            Some(libc::EEXIST) => done += 1,
+            Some(libc::EINTR) if retries < MAX_RETRIES => retries += 1,
+            // EAGAIN: the memory map is changing (a remove event waits to
+            // be read). Only the caller can read it, so it retries.
+            _ => return Err(error),
+        }
+    }
+    Ok(placed)
 }
 
 /// A new userfaultfd: through `/dev/userfaultfd` (its owner may use it
@@ -376,8 +607,8 @@ fn open() -> io::Result<OwnedFd> {
 
 #[cfg(test)]
 mod tests {
-    use super::super::test_memory::AnonymousMemory;
-    use super::*;
+    use super::{MemoryRegion, PAGE_SIZE, Userfault};
+    use crate::destination::test_memory::AnonymousMemory;
 
     #[test]
     fn pages_are_placed_with_their_contents_and_present_ones_written_in_place() {

@@ -1,0 +1,171 @@
+//! Lazy restore: the guest resumes at once; the fault service brings its
+//! memory in from the file.
+
+use std::path::Path;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use serde::Serialize;
+use tern_wire::snapshot::CHUNK_PAGES;
+
+use crate::fault::{FaultConfig, FaultService, FaultStats};
+use crate::guest::DestinationGuest;
+use crate::snapshot::{RestoreConfig, SnapshotError, SnapshotFile, check_shape, sections};
+
+/// A guest running on memory that is still being loaded.
+pub struct LazyRestore<G: DestinationGuest> {
+    guest: G,
+    service: Option<FaultService>,
+    file: Arc<SnapshotFile>,
+    started: Instant,
+    resumed_after: Duration,
+}
+
+impl<G: DestinationGuest> std::fmt::Debug for LazyRestore<G> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("LazyRestore")
+            .field("file", &self.file.path())
+            .field("resumed_after", &self.resumed_after)
+            .finish_non_exhaustive()
+    }
+}
+
+/// What a lazy restore did.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub struct LazyStats {
+    /// From opening the file to the guest resumed.
+    pub resumed_after_ms: f64,
+    /// From opening the file to every page loaded.
+    pub loaded_after_ms: f64,
+    /// The fault service's statistics.
+    pub faults: FaultStats,
+    /// The memory digest, checked against the file's.
+    pub digest: String,
+    /// Pages whose faults loaded them, in order: a working set to record
+    /// for the next restore (`WorkingSet` in tern-wire).
+    #[serde(skip)]
+    pub faulted_pages: Vec<(u32, u32)>,
+}
+
+/// Opens `path`, builds the guest, registers its memory with the fault
+/// service and resumes it at once; pages come in as the guest touches
+/// them, and in the background (the working set first). Call
+/// [`LazyRestore::wait_loaded`] to learn that the guest no longer depends
+/// on the file.
+pub fn restore_lazy<G: DestinationGuest>(
+    path: &Path,
+    config: &RestoreConfig,
+    make_guest: impl FnOnce(&[u64]) -> crate::guest::GuestResult<G>,
+) -> Result<LazyRestore<G>, SnapshotError> {
+    let started = Instant::now();
+    let file = Arc::new(SnapshotFile::open(path)?);
+    let guest = make_guest(&file.region_lens())?;
+    check_shape(&file, guest.regions(), guest.guest_kind())?;
+    let working_set = match (&config.working_set, config.prefetch_working_set) {
+        (_, false) => Vec::new(),
+        (Some(recorded), true) => recorded.clone(),
+        (None, true) => file.trailer().working_set.pages.clone(),
+    };
+    let service = FaultService::register_and_start(
+        guest.regions(),
+        Arc::clone(&file) as Arc<dyn crate::fault::PageSource>,
+        FaultConfig {
+            unit_pages: CHUNK_PAGES,
+            loaders: if config.background {
+                config.threads.max(1)
+            } else {
+                0
+            },
+            working_set,
+            release_on_failure: true,
+        },
+    )?;
+    let mut restore = LazyRestore {
+        guest,
+        service: Some(service),
+        file,
+        started,
+        resumed_after: Duration::ZERO,
+    };
+    restore.guest.restore_state(&sections(&restore.file))?;
+    restore.guest.resume()?;
+    restore.resumed_after = started.elapsed();
+    Ok(restore)
+}
+
+impl<G: DestinationGuest> LazyRestore<G> {
+    /// The running guest.
+    pub fn guest(&self) -> &G {
+        &self.guest
+    }
+
+    /// The running guest, mutably.
+    pub fn guest_mut(&mut self) -> &mut G {
+        &mut self.guest
+    }
+
+    /// Time from opening the file to the guest resumed.
+    pub fn resumed_after(&self) -> Duration {
+        self.resumed_after
+    }
+
+    /// The fault service's statistics so far.
+    pub fn fault_stats(&self) -> FaultStats {
+        self.service
+            .as_ref()
+            .map(FaultService::stats)
+            .unwrap_or_default()
+    }
+
+    /// Pages whose faults loaded them so far, in order: a working set for
+    /// the next restore.
+    pub fn faulted_pages(&self) -> Vec<(u32, u32)> {
+        self.service
+            .as_ref()
+            .map(FaultService::faulted_pages)
+            .unwrap_or_default()
+    }
+
+    /// Whether the fault service has stopped on an error.
+    pub fn has_failed(&self) -> bool {
+        self.service.as_ref().is_some_and(FaultService::has_failed)
+    }
+
+    /// Waits (up to `deadline`) until every page is in memory, ends the
+    /// registration and checks the digest of what was loaded. On an error
+    /// (a chunk that does not match its hash, a read error, the deadline)
+    /// the guest is paused and the error returned: it does not run on
+    /// unverified memory.
+    pub fn wait_loaded(mut self, deadline: Duration) -> Result<(G, LazyStats), SnapshotError> {
+        let Some(service) = self.service.take() else {
+            return Err(SnapshotError::Config("already waited".into()));
+        };
+        if let Err(error) = service.wait_loaded(deadline) {
+            // The registration ended with the failure, so nothing waits on
+            // a page any more and the pause completes.
+            drop(service);
+            let _ = self.guest.pause();
+            return Err(error.into());
+        }
+        let faulted_pages = service.faulted_pages();
+        let faults = service.stop();
+        let digest = self.file.verified_digest();
+        let expected = self.file.metadata().header.digest;
+        if digest != expected {
+            let _ = self.guest.pause();
+            return Err(SnapshotError::DigestMismatch {
+                expected,
+                actual: digest,
+            });
+        }
+        let stats = LazyStats {
+            resumed_after_ms: self.resumed_after.as_secs_f64() * 1000.0,
+            loaded_after_ms: self.started.elapsed().as_secs_f64() * 1000.0,
+            faults,
+            digest: format!("{digest:032x}"),
+            faulted_pages,
+        };
+        Ok((self.guest, stats))
+    }
+}

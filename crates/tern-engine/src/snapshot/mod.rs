@@ -1,0 +1,161 @@
+//! Snapshots: a guest saved to a file and brought back from it.
+//!
+//! The file format is tern-wire's [`tern_wire::snapshot`]
+//! (docs/snapshot-format.md): every page has a slot at a fixed offset, so
+//! [`save`] writes with several threads at once and, saving a running
+//! guest, precopies into the file: a page dirtied again is written again
+//! into the same slot, and the file never grows past memory plus metadata.
+//! Zero pages are holes. The header says "incomplete" until the very last
+//! write, so a save that failed (full disk, crash) leaves a file every
+//! restore refuses.
+//!
+//! [`restore`] reads every page into a fresh guest with several threads,
+//! compares the memory digest and only then resumes the guest.
+//! [`restore_lazy`] resumes the guest at once and lets the fault service
+//! (`crate::fault`) bring pages in as the guest touches them, while
+//! loaders prefetch the recorded working set and then everything else;
+//! every chunk fetched is checked against its hash first.
+
+mod file;
+mod lazy;
+mod restore;
+mod save;
+mod writer;
+
+use std::path::PathBuf;
+
+pub use file::SnapshotFile;
+pub use lazy::{LazyRestore, LazyStats};
+pub use restore::{RestoreConfig, RestoreStats, Restored, restore};
+pub use save::{SaveConfig, SaveStats, save};
+
+pub use lazy::restore_lazy;
+
+use crate::fault::FaultError;
+use crate::guest::GuestError;
+
+/// Why a save or restore failed. Displayed with its sources, one line.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum SnapshotError {
+    /// The file could not be opened or created.
+    #[error("cannot open {path}")]
+    Open {
+        /// The file.
+        path: PathBuf,
+        /// Why.
+        #[source]
+        source: std::io::Error,
+    },
+    /// Reading the file failed.
+    #[error("cannot read {path}")]
+    Read {
+        /// The file.
+        path: PathBuf,
+        /// Why.
+        #[source]
+        source: std::io::Error,
+    },
+    /// Writing the file failed (a full disk ends here); the file stays
+    /// marked incomplete.
+    #[error("cannot write {path} (the file stays marked incomplete)")]
+    Write {
+        /// The file.
+        path: PathBuf,
+        /// Why.
+        #[source]
+        source: std::io::Error,
+    },
+    /// The file is not a usable snapshot.
+    #[error("{path} is not a usable snapshot")]
+    Format {
+        /// The file.
+        path: PathBuf,
+        /// What is wrong with it.
+        #[source]
+        source: tern_wire::snapshot::SnapshotError,
+    },
+    /// A chunk's pages do not hash to the value recorded for it: the file
+    /// was corrupted or changed after the save.
+    #[error(
+        "{path}: chunk {chunk} of region {region} does not match its hash (corrupted or changed since the save)"
+    )]
+    Corrupted {
+        /// The file.
+        path: PathBuf,
+        /// Region index.
+        region: usize,
+        /// Chunk index.
+        chunk: u64,
+    },
+    /// The memory restored does not hash to the digest saved; the guest
+    /// was not resumed.
+    #[error(
+        "memory digest mismatch after restore (snapshot {expected:032x}, memory {actual:032x}); the guest was not resumed"
+    )]
+    DigestMismatch {
+        /// The digest in the file.
+        expected: u128,
+        /// The digest of memory.
+        actual: u128,
+    },
+    /// The guest built for the restore does not have the snapshot's shape.
+    #[error("the snapshot does not fit this guest: {0}")]
+    Shape(String),
+    /// The guest (VMM) failed.
+    #[error("the guest failed")]
+    Guest(#[from] GuestError),
+    /// The fault service failed (lazy restore).
+    #[error("lazy restore failed; the guest was paused")]
+    Fault(#[from] FaultError),
+    /// A configuration field holds an impossible value.
+    #[error("invalid snapshot configuration: {0}")]
+    Config(String),
+}
+
+/// Checks that `guest_regions` are the snapshot's regions, in order.
+pub(crate) fn check_shape(
+    file: &SnapshotFile,
+    guest_regions: &[crate::guest::MemoryRegion],
+    guest_kind: &str,
+) -> Result<(), SnapshotError> {
+    let saved = &file.metadata().regions;
+    let kind = &file.trailer().guest_kind;
+    if !kind.is_empty() && !guest_kind.is_empty() && kind != guest_kind {
+        return Err(SnapshotError::Shape(format!(
+            "it holds a {kind} guest, not a {guest_kind} one"
+        )));
+    }
+    if saved.len() != guest_regions.len() {
+        return Err(SnapshotError::Shape(format!(
+            "{} regions saved, the guest has {}",
+            saved.len(),
+            guest_regions.len()
+        )));
+    }
+    for (index, (saved, guest)) in saved.iter().zip(guest_regions).enumerate() {
+        if saved.len != guest.len() || saved.id != guest.id() {
+            return Err(SnapshotError::Shape(format!(
+                "region {index} was saved as id {} of {} bytes, the guest has id {} of {} bytes",
+                saved.id,
+                saved.len,
+                guest.id(),
+                guest.len()
+            )));
+        }
+    }
+    Ok(())
+}
+
+/// The engine's state sections from the file's.
+pub(crate) fn sections(file: &SnapshotFile) -> Vec<crate::guest::StateSection> {
+    file.trailer()
+        .sections
+        .iter()
+        .map(|section| crate::guest::StateSection {
+            name: section.name.clone(),
+            version: section.version,
+            data: section.data.clone(),
+        })
+        .collect()
+}

@@ -1,0 +1,236 @@
+//! Saving a guest to a snapshot file, paused or live.
+
+use std::path::Path;
+use std::sync::atomic::Ordering;
+use std::time::{Duration, Instant};
+
+use serde::Serialize;
+use tern_wire::snapshot::{SnapshotSection, Trailer, WorkingSet};
+
+use crate::bitmap::DirtyBitmap;
+use crate::guest::SourceGuest;
+use crate::snapshot::SnapshotError;
+use crate::snapshot::writer::SlotWriter;
+
+/// How to save.
+#[derive(Clone, Debug)]
+pub struct SaveConfig {
+    /// Writer threads (at least 1).
+    pub writers: usize,
+    /// Open the page slots with `O_DIRECT` (bypassing the page cache).
+    pub direct: bool,
+    /// Precopy while the guest runs, pausing it only for the last pass;
+    /// otherwise pause first and write once.
+    pub live: bool,
+    /// Live: most passes before the final one.
+    pub max_passes: u32,
+    /// Live: pause for the final pass once a pass finds at most this many
+    /// dirty pages.
+    pub final_pass_pages: u64,
+    /// Resume the guest after the save (the guest keeps running, as after
+    /// QEMU's `savevm`); otherwise it stays paused.
+    pub resume: bool,
+}
+
+impl Default for SaveConfig {
+    fn default() -> Self {
+        Self {
+            writers: 4,
+            direct: false,
+            live: false,
+            max_passes: 8,
+            final_pass_pages: 1024,
+            resume: true,
+        }
+    }
+}
+
+/// What a save did.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub struct SaveStats {
+    /// Wall-clock time of the whole save.
+    pub total_time_ms: f64,
+    /// Time the guest was paused.
+    pub downtime_ms: f64,
+    /// Passes over memory (1 for a paused save).
+    pub passes: u32,
+    /// Page writes, over all passes (QMP's `normal`).
+    pub normal: u64,
+    /// Zero pages found, over all passes (QMP's `duplicate`): holes.
+    pub duplicate: u64,
+    /// Slots punched back to holes because their page became zero.
+    pub holes_punched: u64,
+    /// The file's length (its apparent size; holes take no disk).
+    pub file_bytes: u64,
+    /// Guest memory in bytes.
+    pub memory_bytes: u64,
+    /// The memory digest saved.
+    pub digest: String,
+    /// Pages recorded as the working set (live: dirtied in the last pass).
+    pub working_set_pages: u64,
+}
+
+/// Saves `guest` to `path`. On any error the guest runs on as it did
+/// before (it is resumed if the save paused it) and the file stays marked
+/// incomplete.
+pub fn save<G: SourceGuest + ?Sized>(
+    guest: &mut G,
+    path: &Path,
+    config: &SaveConfig,
+) -> Result<SaveStats, SnapshotError> {
+    if config.writers == 0 {
+        return Err(SnapshotError::Config("writers must be at least 1".into()));
+    }
+    let started = Instant::now();
+    let writer = SlotWriter::create(path, guest.regions(), config.direct)?;
+    let mut session = Session {
+        guest,
+        writer: &writer,
+        config,
+        paused_at: None,
+        logging: false,
+        passes: 0,
+    };
+    let result = session.run();
+    let paused_for = session.paused_at.map(|at| at.elapsed());
+    let undo = session.undo(result.is_ok());
+    let (file_bytes, working_set) = result?;
+    undo?;
+    let counters = &writer.counters;
+    Ok(SaveStats {
+        total_time_ms: millis(started.elapsed()),
+        downtime_ms: paused_for.map_or(0.0, millis),
+        passes: session.passes,
+        normal: counters.pages_written.load(Ordering::Relaxed),
+        duplicate: counters.zero_pages.load(Ordering::Relaxed),
+        holes_punched: counters.holes_punched.load(Ordering::Relaxed),
+        file_bytes,
+        memory_bytes: session.guest.regions().iter().map(|r| r.len()).sum(),
+        digest: format!("{:032x}", writer.digest()),
+        working_set_pages: working_set as u64,
+    })
+}
+
+fn millis(duration: Duration) -> f64 {
+    duration.as_secs_f64() * 1000.0
+}
+
+struct Session<'a, G: SourceGuest + ?Sized> {
+    guest: &'a mut G,
+    writer: &'a SlotWriter,
+    config: &'a SaveConfig,
+    paused_at: Option<Instant>,
+    logging: bool,
+    passes: u32,
+}
+
+impl<G: SourceGuest + ?Sized> Session<'_, G> {
+    /// The passes, the state and the trailer. Returns the file's length
+    /// and the size of the working set recorded.
+    fn run(&mut self) -> Result<(u64, usize), SnapshotError> {
+        let mut working_set = WorkingSet::default();
+        if self.config.live {
+            working_set = self.precopy()?;
+        } else {
+            self.pause()?;
+            self.passes = 1;
+            self.writer.write_pages(None, self.config.writers)?;
+        }
+        let sections = self.guest.save_state()?;
+        let trailer = Trailer {
+            guest_kind: self.guest.guest_kind().to_owned(),
+            sections: sections
+                .into_iter()
+                .map(|section| SnapshotSection {
+                    name: section.name,
+                    version: section.version,
+                    data: section.data,
+                })
+                .collect(),
+            working_set,
+        };
+        let recorded = trailer.working_set.pages.len();
+        let file_bytes = self
+            .writer
+            .finish(self.writer.digest(), &trailer.encode())?;
+        Ok((file_bytes, recorded))
+    }
+
+    /// Live passes, then the final one paused. Returns the pages the last
+    /// live pass found dirty: the guest's write working set.
+    fn precopy(&mut self) -> Result<WorkingSet, SnapshotError> {
+        self.guest.start_dirty_log()?;
+        self.logging = true;
+        let mut bitmaps: Vec<DirtyBitmap> = self
+            .guest
+            .regions()
+            .iter()
+            .map(|region| DirtyBitmap::new(region.pages()))
+            .collect();
+        self.passes = 1;
+        self.writer.write_pages(None, self.config.writers)?;
+        loop {
+            for bitmap in &mut bitmaps {
+                bitmap.clear();
+            }
+            self.guest.sync_dirty_log(&mut bitmaps)?;
+            let dirty: u64 = bitmaps.iter().map(DirtyBitmap::count).sum();
+            if dirty <= self.config.final_pass_pages || self.passes >= self.config.max_passes {
+                break;
+            }
+            self.passes += 1;
+            self.writer
+                .write_pages(Some(&bitmaps), self.config.writers)?;
+        }
+        let working_set = WorkingSet {
+            pages: bitmaps
+                .iter()
+                .enumerate()
+                .flat_map(|(region, bitmap)| {
+                    bitmap
+                        .iter_dirty()
+                        .map(move |page| (region as u32, page as u32))
+                })
+                .collect(),
+        };
+        self.pause()?;
+        // Pages dirtied before the pause and after the last sync.
+        let mut last: Vec<DirtyBitmap> = bitmaps
+            .iter()
+            .map(|b| DirtyBitmap::new(b.pages()))
+            .collect();
+        self.guest.sync_dirty_log(&mut last)?;
+        for (bitmap, extra) in bitmaps.iter_mut().zip(&last) {
+            bitmap.merge(extra);
+        }
+        self.passes += 1;
+        self.writer
+            .write_pages(Some(&bitmaps), self.config.writers)?;
+        Ok(working_set)
+    }
+
+    fn pause(&mut self) -> Result<(), SnapshotError> {
+        self.guest.pause()?;
+        self.paused_at = Some(Instant::now());
+        Ok(())
+    }
+
+    /// Stops the dirty log and resumes the guest if this save paused it
+    /// (always after a failure: the source guest keeps running).
+    fn undo(&mut self, succeeded: bool) -> Result<(), SnapshotError> {
+        let mut first_error = None;
+        if self.logging
+            && let Err(error) = self.guest.stop_dirty_log()
+        {
+            first_error.get_or_insert(error);
+        }
+        if self.paused_at.is_some()
+            && (self.config.resume || !succeeded)
+            && let Err(error) = self.guest.resume()
+        {
+            first_error.get_or_insert(error);
+        }
+        first_error.map_or(Ok(()), |error| Err(error.into()))
+    }
+}

@@ -1,0 +1,231 @@
+//! `tern restore` and `tern vm restore`: a guest brought back from a
+//! snapshot file, eagerly (digest checked before it resumes) or lazily
+//! (resumed at once, memory faulted in and prefetched).
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::time::Duration;
+
+use anyhow::Context;
+use clap::Args;
+use serde::Serialize;
+use tern_engine::snapshot::LazyStats;
+use tern_engine::{DestinationGuest, GuestError, RestoreConfig};
+use tern_synthetic::SyntheticGuest;
+use tern_vmm::KvmGuest;
+use tern_wire::snapshot::WorkingSet;
+
+use crate::run::Incomplete;
+use crate::save::print_rows;
+
+#[derive(Debug, Args)]
+pub struct RestoreArgs {
+    /// The snapshot file.
+    #[arg(long, short)]
+    pub snapshot: PathBuf,
+    /// Resume the guest at once and fault its memory in from the file
+    /// (userfaultfd), prefetching the working set, then the rest.
+    #[arg(long)]
+    pub lazy: bool,
+    /// Reader threads (eager) or background loaders (lazy).
+    #[arg(long, default_value_t = 2, value_parser = clap::value_parser!(u16).range(1..=256))]
+    pub threads: u16,
+    /// Lazy: prefetch this working set (from --record-working-set of an
+    /// earlier restore) instead of the one saved in the file.
+    #[arg(long)]
+    pub working_set: Option<PathBuf>,
+    /// Lazy: no prefetch of a working set, only the rest in order.
+    #[arg(long)]
+    pub no_prefetch: bool,
+    /// Lazy: write the pages the guest faulted on, in order, to this file
+    /// (a working set for the next --working-set).
+    #[arg(long)]
+    pub record_working_set: Option<PathBuf>,
+    /// How long the restored guest runs before the report, in milliseconds.
+    #[arg(long, default_value_t = 500)]
+    pub run_after: u64,
+    /// Lazy: how long memory may take to load fully, in seconds.
+    #[arg(long, default_value_t = 300)]
+    pub load_timeout: u64,
+    /// Print one JSON document instead of the summary.
+    #[arg(long)]
+    pub json: bool,
+}
+
+impl RestoreArgs {
+    fn config(&self) -> anyhow::Result<RestoreConfig> {
+        let working_set = match &self.working_set {
+            Some(path) => {
+                let bytes = std::fs::read(path)
+                    .with_context(|| format!("cannot read {}", path.display()))?;
+                let set = WorkingSet::decode_file(&bytes)
+                    .with_context(|| format!("--working-set {}", path.display()))?;
+                Some(set.pages)
+            }
+            None => None,
+        };
+        Ok(RestoreConfig {
+            threads: usize::from(self.threads),
+            prefetch_working_set: !self.no_prefetch,
+            working_set,
+            background: true,
+            resume: true,
+        })
+    }
+}
+
+/// The JSON document.
+#[derive(Serialize)]
+#[serde(rename_all = "kebab-case")]
+struct RestoreReport {
+    snapshot: PathBuf,
+    mode: &'static str,
+    /// Opening the file to the guest running.
+    resumed_after_ms: f64,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    lazy: Option<LazyStats>,
+    digest: String,
+    digest_verified: bool,
+    guest_runs: bool,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pass_count_before: Option<u64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pass_count_after: Option<u64>,
+}
+
+/// What the command needs from either guest.
+trait Restorable: DestinationGuest + Sized {
+    fn make(lens: &[u64]) -> Result<Self, GuestError>;
+    /// A progress measure that grows while the guest runs.
+    fn progress(&self) -> u64;
+    fn pass_count(&self) -> Option<u64>;
+}
+
+impl Restorable for SyntheticGuest {
+    fn make(lens: &[u64]) -> Result<Self, GuestError> {
+        let total = lens.iter().sum();
+        crate::run::check_memory_fits(total, "the snapshot's guest")
+            .map_err(|error| GuestError::new(error.to_string()))?;
+        SyntheticGuest::empty(lens)
+            .map_err(|error| GuestError::with_source("cannot create the guest", error))
+    }
+    fn progress(&self) -> u64 {
+        self.dirtied_pages()
+    }
+    fn pass_count(&self) -> Option<u64> {
+        None
+    }
+}
+
+impl Restorable for KvmGuest {
+    fn make(lens: &[u64]) -> Result<Self, GuestError> {
+        let total = lens.iter().sum();
+        crate::run::check_memory_fits(total, "the snapshot's guest")
+            .map_err(|error| GuestError::new(error.to_string()))?;
+        KvmGuest::for_destination(lens).map_err(GuestError::from)
+    }
+    fn progress(&self) -> u64 {
+        KvmGuest::pass_count(self)
+    }
+    fn pass_count(&self) -> Option<u64> {
+        Some(KvmGuest::pass_count(self))
+    }
+}
+
+/// `tern restore`: a synthetic guest.
+pub fn restore(args: &RestoreArgs) -> anyhow::Result<ExitCode> {
+    run::<SyntheticGuest>(args)
+}
+
+/// `tern vm restore`: the KVM test guest.
+pub fn vm_restore(args: &RestoreArgs) -> anyhow::Result<ExitCode> {
+    run::<KvmGuest>(args)
+}
+
+fn run<G: Restorable>(args: &RestoreArgs) -> anyhow::Result<ExitCode> {
+    let config = args.config()?;
+    let failed = |error| Incomplete::error(error, "the restore failed; no guest runs");
+    let (mut guest, resumed_after_ms, lazy, digest) = if args.lazy {
+        let restore =
+            tern_engine::restore_lazy(&args.snapshot, &config, G::make).map_err(failed)?;
+        let resumed_after_ms = restore.resumed_after().as_secs_f64() * 1000.0;
+        let (guest, stats) = restore
+            .wait_loaded(Duration::from_secs(args.load_timeout))
+            .map_err(failed)?;
+        if let Some(path) = &args.record_working_set {
+            let set = WorkingSet {
+                pages: stats.faulted_pages.clone(),
+            };
+            std::fs::write(path, set.encode_file())
+                .with_context(|| format!("cannot write {}", path.display()))?;
+        }
+        let digest = stats.digest.clone();
+        (guest, resumed_after_ms, Some(stats), digest)
+    } else {
+        let restored = tern_engine::restore(&args.snapshot, &config, G::make).map_err(failed)?;
+        let stats = restored.stats;
+        (restored.guest, stats.total_time_ms, None, stats.digest)
+    };
+    let before = guest.progress();
+    let pass_count_before = guest.pass_count();
+    std::thread::sleep(Duration::from_millis(args.run_after));
+    let guest_runs = guest.progress() > before;
+    let pass_count_after = guest.pass_count();
+    guest.pause().context("cannot pause the restored guest")?;
+    let report = RestoreReport {
+        snapshot: args.snapshot.clone(),
+        mode: if args.lazy { "lazy" } else { "eager" },
+        resumed_after_ms,
+        lazy,
+        digest,
+        digest_verified: true,
+        guest_runs,
+        pass_count_before,
+        pass_count_after,
+    };
+    print_report(args, &report)?;
+    Ok(ExitCode::SUCCESS)
+}
+
+fn print_report(args: &RestoreArgs, report: &RestoreReport) -> anyhow::Result<()> {
+    if args.json {
+        return crate::report::print_json(report);
+    }
+    let mut rows = vec![
+        ("snapshot", report.snapshot.display().to_string()),
+        ("mode", report.mode.to_string()),
+        (
+            "guest running after",
+            format!("{:.1} ms", report.resumed_after_ms),
+        ),
+        ("digest", format!("{} (verified)", report.digest)),
+        ("guest runs", report.guest_runs.to_string()),
+    ];
+    if let Some(lazy) = &report.lazy {
+        rows.push((
+            "fully loaded after",
+            format!("{:.1} ms", lazy.loaded_after_ms),
+        ));
+        rows.push((
+            "faults",
+            format!(
+                "{} (p50 {:.0} µs, p99 {:.0} µs)",
+                lazy.faults.faults,
+                lazy.faults.fault_latency_p50_us,
+                lazy.faults.fault_latency_p99_us
+            ),
+        ));
+        rows.push((
+            "pages by fault / prefetch",
+            format!(
+                "{} / {}",
+                lazy.faults.fault_pages, lazy.faults.prefetched_pages
+            ),
+        ));
+    }
+    if let (Some(before), Some(after)) = (report.pass_count_before, report.pass_count_after) {
+        rows.push(("pass count", format!("{before} -> {after}")));
+    }
+    print_rows("tern restore", &rows);
+    Ok(())
+}

@@ -11,7 +11,7 @@ use super::handshake::peer_aborted;
 use super::live::Delivered;
 use super::order::MainChannelState;
 use super::shared::ReceiverShared;
-use super::stream::{FrameSink, FrameSource, read_message};
+use super::stream::{FrameSink, FrameSource, read_message_until};
 use super::{Destination, POLL_INTERVAL, ReceivePhase};
 use crate::error::MigrationError;
 use crate::guest::{DestinationGuest, StateSection};
@@ -96,7 +96,9 @@ impl Destination {
                 break;
             }
         }
-        let message = read_message(main, decoder).map_err(MigrationError::channel(0))?;
+        // The commit must be whole by the deadline, however it trickles.
+        let message =
+            read_message_until(main, decoder, deadline.at()).map_err(MigrationError::channel(0))?;
         MainChannelState::Ready
             .next(message.kind())
             .map_err(MigrationError::Protocol)?;

@@ -130,6 +130,94 @@ mod tests {
         assert_eq!(Seal::decode(&seal.encode()), seal);
     }
 
+    /// Accepts a seal whose tag is the sequence number repeated, in order.
+    #[derive(Debug, Default)]
+    struct CountingOpener {
+        next: u64,
+    }
+
+    impl FrameOpener for CountingOpener {
+        fn open(
+            &mut self,
+            _header: &[u8; FRAME_HEADER_LEN],
+            _body: &[u8],
+            seal: &Seal,
+        ) -> Result<(), WireError> {
+            if seal.sequence != self.next {
+                return Err(WireError::SealSequence {
+                    got: seal.sequence,
+                    expected: self.next,
+                });
+            }
+            if seal.tag != [seal.sequence as u8; SEAL_TAG_LEN] {
+                return Err(WireError::SealForged(FrameKind::Commit));
+            }
+            self.next += 1;
+            Ok(())
+        }
+    }
+
+    fn sealed(message: &crate::Message, sequence: u64) -> Vec<u8> {
+        let mut frame = message.to_bytes();
+        mark_sealed(&mut frame);
+        frame.extend_from_slice(
+            &Seal {
+                sequence,
+                tag: [sequence as u8; SEAL_TAG_LEN],
+            }
+            .encode(),
+        );
+        frame
+    }
+
+    fn decode_with_opener(bytes: &[u8]) -> Result<Vec<crate::Frame>, WireError> {
+        let mut decoder = crate::FrameDecoder::new();
+        decoder.seal_with(Box::new(CountingOpener::default()));
+        let mut input = bytes;
+        let mut frames = Vec::new();
+        while let Some(decoded) = decoder.decode(&mut input)? {
+            if let crate::Decoded::Event(crate::Event::Message(message)) = decoded {
+                frames.push(crate::Frame::Message(message));
+            }
+        }
+        decoder.finish()?;
+        Ok(frames)
+    }
+
+    #[test]
+    fn a_sealing_decoder_takes_sealed_frames_in_order_only() {
+        let commit = crate::Message::Commit;
+        let mut stream = sealed(&crate::Message::Heartbeat, 0);
+        stream.extend(sealed(&commit, 1));
+        assert_eq!(decode_with_opener(&stream).unwrap().len(), 2);
+        // Unsealed, replayed, forged.
+        assert_eq!(
+            decode_with_opener(&commit.to_bytes()),
+            Err(WireError::Unsealed(FrameKind::Commit))
+        );
+        let mut replayed = sealed(&commit, 0);
+        replayed.extend(sealed(&commit, 0));
+        assert_eq!(
+            decode_with_opener(&replayed),
+            Err(WireError::SealSequence {
+                got: 0,
+                expected: 1
+            })
+        );
+        let mut forged = sealed(&commit, 0);
+        let last = forged.len() - 1;
+        forged[last] ^= 1;
+        assert!(matches!(
+            decode_with_opener(&forged),
+            Err(WireError::SealForged(_))
+        ));
+        // A decoder without a session key refuses a sealed frame.
+        assert_eq!(
+            crate::decode_stream(&sealed(&commit, 0), None),
+            Err(WireError::SealUnexpected(FrameKind::Commit))
+        );
+    }
+
     #[test]
     fn the_largest_opening_frame_is_a_few_kib() {
         assert_eq!(MAX_OPENING_FRAME, 8 + 32 + 2 + 1024 * 24 + 4 + 64 + 1);

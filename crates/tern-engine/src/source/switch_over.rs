@@ -11,7 +11,7 @@ use super::live::LiveEnd;
 use super::{GuestChanges, Source};
 use crate::bitmap::DirtyBitmap;
 use crate::config::Verify;
-use crate::error::MigrationError;
+use crate::error::{ChannelError, MigrationError};
 use crate::guest::SourceGuest;
 use crate::pipeline::Pipeline;
 use crate::stats::{DestinationStats, MigrationStatus};
@@ -219,7 +219,7 @@ impl Source {
             // up waiting for the commit, so none is sent.
             return Err(MigrationError::Channel {
                 index: 0,
-                source: crate::error::ChannelError::Timeout(
+                source: ChannelError::Timeout(
                     "the destination's switch-over answer (read after the switch-over deadline)",
                 ),
             });
@@ -264,7 +264,15 @@ impl Source {
             // Whole by the deadline, however the bytes trickle in.
             let message = main
                 .read_message_until(Some(deadline.at()))
-                .map_err(MigrationError::channel(0))?;
+                .map_err(|error| {
+                    // Cut off by the switch-over deadline: say so.
+                    MigrationError::channel(0)(match error {
+                        ChannelError::Timeout(_) if deadline.passed() => ChannelError::Timeout(
+                            "the destination's switch-over answer (whole, by the deadline)",
+                        ),
+                        other => other,
+                    })
+                })?;
             match message {
                 Message::Outcome(outcome) => return Ok(Ok(outcome)),
                 Message::Ready(ready) => return Ok(Err(ready)),

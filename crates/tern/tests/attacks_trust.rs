@@ -227,29 +227,47 @@ fn unauthenticated_input_costs_at_most_64_kib_per_connection() {
 /// An attacker that holds `HOSTILE` idle connections to `port` and opens a
 /// new one for each the receiver closes, until `stop`.
 fn hold_hostage(port: u16, stop: Arc<AtomicBool>, reopened: Arc<AtomicU64>) {
-    let mut streams: Vec<TcpStream> = (0..HOSTILE).map(|_| connect(port)).collect();
+    let open = || TcpStream::connect(("127.0.0.1", port)).ok();
+    let mut streams: Vec<Option<TcpStream>> = (0..HOSTILE).map(|_| open()).collect();
     while !stop.load(Ordering::Relaxed) {
-        let mut polled: Vec<libc::pollfd> = streams
+        for slot in streams.iter_mut().filter(|slot| slot.is_none()) {
+            *slot = open();
+        }
+        let slots: Vec<usize> = (0..streams.len())
+            .filter(|&index| streams[index].is_some())
+            .collect();
+        let mut fds: Vec<libc::pollfd> = slots
             .iter()
-            .map(|stream| libc::pollfd {
-                fd: stream.as_raw_fd(),
+            .map(|&index| libc::pollfd {
+                fd: streams[index].as_ref().map_or(-1, AsRawFd::as_raw_fd),
                 events: libc::POLLIN | libc::POLLRDHUP,
                 revents: 0,
             })
             .collect();
-        // SAFETY: `polled` is a valid array of pollfds for the call.
-        let ready = unsafe { libc::poll(polled.as_mut_ptr(), polled.len() as libc::nfds_t, 50) };
+        // SAFETY: `fds` is a valid array of pollfds for the call.
+        let ready = unsafe { libc::poll(fds.as_mut_ptr(), fds.len() as libc::nfds_t, 50) };
         if ready <= 0 {
             continue;
         }
-        for (slot, fd) in polled.iter().enumerate() {
+        for (&slot, fd) in slots.iter().zip(&fds) {
             if fd.revents != 0 {
                 // Closed (or an abort before the close): reopen at once.
-                streams[slot] = connect(port);
+                streams[slot] = open();
                 reopened.fetch_add(1, Ordering::Relaxed);
             }
         }
     }
+}
+
+/// Everything a child writes on stderr, read as it comes (a receiver
+/// blocked on a full pipe would stall the test, not the attack).
+fn drain_stderr(child: &mut std::process::Child) -> std::thread::JoinHandle<String> {
+    let mut pipe = child.stderr.take().expect("stderr piped");
+    std::thread::spawn(move || {
+        let mut text = String::new();
+        let _ = pipe.read_to_string(&mut text);
+        text
+    })
 }
 
 /// Migrates a 32 MiB guest over 4 channels with the key; its wall time.
@@ -275,7 +293,7 @@ fn authenticated_migration(address: &str, key: &str) -> Duration {
 fn an_authenticated_migration_gets_through_connections_held_hostage() {
     let key = key_file();
     let key_path = key.path().to_str().unwrap();
-    let receiver = Receiver::spawn(
+    let mut receiver = Receiver::spawn(
         &["receive"],
         &[
             "--keep-listening",
@@ -285,6 +303,7 @@ fn an_authenticated_migration_gets_through_connections_held_hostage() {
             "300",
         ],
     );
+    let stderr = drain_stderr(&mut receiver.child);
     let quiet = authenticated_migration(&receiver.address, key_path);
     let stop = Arc::new(AtomicBool::new(false));
     let reopened = Arc::new(AtomicU64::new(0));
@@ -292,8 +311,6 @@ fn an_authenticated_migration_gets_through_connections_held_hostage() {
         let (port, stop, reopened) = (receiver.port(), stop.clone(), reopened.clone());
         std::thread::spawn(move || hold_hostage(port, stop, reopened))
     };
-    // The slots are full once the receiver has taken the attacker's
-    // connections: wait until it has closed one to make room for another.
     let mut flooded = Vec::new();
     for _ in 0..3 {
         flooded.push(authenticated_migration(&receiver.address, key_path));
@@ -306,9 +323,9 @@ fn an_authenticated_migration_gets_through_connections_held_hostage() {
         reopened.load(Ordering::Relaxed),
         load()
     );
-    let mut receiver = receiver;
     receiver.child.kill().unwrap();
-    let (_, _, stderr) = receiver.finish();
+    receiver.child.wait().unwrap();
+    let stderr = stderr.join().unwrap();
     assert!(
         stderr.contains("to make room"),
         "the receiver must have dropped idle handshakes: {stderr}"

@@ -77,10 +77,17 @@ pub(super) struct Handshakes<'a> {
     next_id: u64,
     /// Where refused connections are counted.
     stats: Arc<ReceiveStats>,
+    /// Handshakes dropped to make room since the last line about them: a
+    /// flood is logged once a second, not once a connection.
+    dropped_unlogged: u64,
+    dropped_logged_at: Option<Instant>,
 }
 
 /// How long one accept poll waits before looking at finished handshakes.
 const ACCEPT_POLL: Duration = Duration::from_millis(10);
+
+/// How often a flood of dropped handshakes is logged.
+const DROP_LOG_INTERVAL: Duration = Duration::from_secs(1);
 
 /// A uniformly random index below `len` (0 when `len` is 0).
 fn random_index(len: usize) -> usize {
@@ -108,6 +115,8 @@ impl<'a> Handshakes<'a> {
             outcomes,
             next_id: 0,
             stats: stats.clone(),
+            dropped_unlogged: 0,
+            dropped_logged_at: None,
         }
     }
 
@@ -190,13 +199,24 @@ impl<'a> Handshakes<'a> {
         };
         let dropped = self.pending.swap_remove(victim);
         dropped.closer.shutdown();
+        let due = self
+            .dropped_logged_at
+            .is_none_or(|at| at.elapsed() >= DROP_LOG_INTERVAL);
+        if !due {
+            self.dropped_unlogged += 1;
+            self.stats.count_refusal();
+            return true;
+        }
         self.stats.record_refusal(format!(
             "dropped a connection that had proved nothing in its handshake to make room: {} \
              connections were in handshake ({same_address} from the new one's address; limits \
-             {} and {per_address} per address)",
+             {} and {per_address} per address); {} more dropped since the last such line",
             self.pending.len() + 1,
-            self.limit
+            self.limit,
+            self.dropped_unlogged
         ));
+        self.dropped_unlogged = 0;
+        self.dropped_logged_at = Some(Instant::now());
         true
     }
 

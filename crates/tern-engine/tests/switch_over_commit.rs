@@ -28,6 +28,9 @@ enum AtSwitchOver {
     ReadyThenRefuse,
     /// Says ready, reads the commit and acknowledges: a good destination.
     ReadyThenAcknowledge,
+    /// Says ready, reads the commit, then aborts (it failed before
+    /// resuming).
+    ReadyThenAbort,
 }
 
 /// What the fake destination saw on the main channel after the completion.
@@ -140,6 +143,13 @@ fn switch_over(main: &mut Channel, complete: Complete, at: AtSwitchOver) -> Seen
             }))
             .unwrap();
         }
+        AtSwitchOver::ReadyThenAbort => {
+            main.send_message(&Message::Abort(tern_wire::Abort {
+                reason: tern_wire::AbortReason::GuestError,
+                message: "restoring the vCPUs failed".into(),
+            }))
+            .unwrap();
+        }
         AtSwitchOver::Silent => unreachable!(),
     }
     seen
@@ -179,7 +189,13 @@ fn expect_failure(
 #[test]
 fn no_ready_in_time_resumes_the_source_and_tells_the_destination() {
     let (guest, result, seen) = migrate_to_fake(AtSwitchOver::Silent);
-    expect_failure(result, MigrationStatus::Failed, "switch-over answer");
+    let failure = expect_failure(result, MigrationStatus::Failed, "switch-over answer");
+    // Paused past the 1 s switch-over timeout: reported, not 0.
+    assert!(
+        failure.stats.downtime > 0,
+        "the downtime of a failed switch-over is reported: {}",
+        failure.stats.downtime
+    );
     assert!(guest.is_running(), "without a commit the source resumes");
     assert!(
         matches!(seen.first(), Some(Message::Abort(_))),
@@ -213,6 +229,26 @@ fn a_destination_that_could_not_resume_after_the_commit_gives_the_guest_back() {
     let (guest, result, _) = migrate_to_fake(AtSwitchOver::ReadyThenRefuse);
     expect_failure(result, MigrationStatus::Failed, "cannot start the vCPUs");
     assert!(guest.is_running(), "the guest runs nowhere else");
+}
+
+#[test]
+fn an_abort_after_the_commit_means_the_destination_did_not_resume() {
+    let (guest, result, seen) = migrate_to_fake(AtSwitchOver::ReadyThenAbort);
+    assert!(matches!(seen.first(), Some(Message::Commit)), "{seen:?}");
+    let failure = expect_failure(
+        result,
+        MigrationStatus::Failed,
+        "the destination did not resume the guest",
+    );
+    assert!(
+        failure.error.chain().contains("restoring the vCPUs failed"),
+        "{}",
+        failure.error.chain()
+    );
+    assert!(
+        guest.is_running(),
+        "the guest runs nowhere else: it resumes"
+    );
 }
 
 #[test]

@@ -149,7 +149,7 @@ mod tests {
                     expected: self.next,
                 });
             }
-            if seal.tag != [seal.sequence as u8; SEAL_TAG_LEN] {
+            if seal.tag != [seal.sequence.to_le_bytes()[0]; SEAL_TAG_LEN] {
                 return Err(WireError::SealForged(FrameKind::Commit));
             }
             self.next += 1;
@@ -163,7 +163,7 @@ mod tests {
         frame.extend_from_slice(
             &Seal {
                 sequence,
-                tag: [sequence as u8; SEAL_TAG_LEN],
+                tag: [sequence.to_le_bytes()[0]; SEAL_TAG_LEN],
             }
             .encode(),
         );
@@ -221,6 +221,6 @@ mod tests {
     #[test]
     fn the_largest_opening_frame_is_a_few_kib() {
         assert_eq!(MAX_OPENING_FRAME, 8 + 32 + 2 + 1024 * 24 + 4 + 64 + 1);
-        assert!(MAX_OPENING_FRAME < 32 << 10);
+        const { assert!(MAX_OPENING_FRAME < 32 << 10) };
     }
 }

@@ -152,6 +152,12 @@ impl<'a> Handshakes<'a> {
             self.pending.swap_remove(position);
             match outcome {
                 Ok(arrived) => return Some(arrived),
+                // Its reads are bounded by the handshake timeout (a frame
+                // trickled past it is cut off there): the same deadline.
+                Err(ChannelError::Timeout(_)) => self.stats.record_refusal(format!(
+                    "closed a connection that did not finish its handshake within {:?}",
+                    self.timeout
+                )),
                 Err(error) => self.stats.record_refusal(format!(
                     "closed a connection that failed its handshake: {}",
                     error.chain()
@@ -298,7 +304,12 @@ fn open_marking(
     proved: &AtomicBool,
 ) -> Result<Arrived, ChannelError> {
     let mut channel = match &security.tls {
-        Some(config) => tls::accept(channel, config)?,
+        Some(config) => {
+            let channel = tls::accept(channel, config)?;
+            // Mutual TLS: the peer proved a certificate of the CA.
+            proved.store(true, Ordering::Release);
+            channel
+        }
         None => channel,
     };
     // Nothing before the proof may cost more than the largest legal hello:

@@ -273,10 +273,10 @@ pub struct Channel {
     security: security::ChannelSecurity,
     /// Seals every control frame sent, once the key exchange agreed a
     /// session key (the main channel with a shared key).
-    sealer: Option<auth::ControlSealer>,
+    sealer: Option<Box<auth::ControlSealer>>,
     /// Opens every control frame [`Channel::read_message`] reads, likewise.
     /// (A destination's frames are read by a decoder holding its opener.)
-    opener: Option<auth::ControlOpener>,
+    opener: Option<Box<auth::ControlOpener>>,
     /// The message being read, when it spans several reads.
     transfer: Option<Transfer>,
 }
@@ -362,8 +362,9 @@ impl Channel {
         sealer: auth::ControlSealer,
         opener: Option<auth::ControlOpener>,
     ) {
-        self.sealer = Some(sealer);
-        self.opener = opener;
+        // Boxed: the keys are large and most channels have none.
+        self.sealer = Some(Box::new(sealer));
+        self.opener = opener.map(Box::new);
     }
 
     /// Whether the control frames sent on this channel are sealed.

@@ -22,6 +22,17 @@ impl Deadline {
         }
     }
 
+    /// When the wait ends: a message read within it is cut off there too,
+    /// however its bytes trickle in.
+    pub(crate) fn at(&self) -> Instant {
+        self.at
+    }
+
+    /// Whether the deadline has passed.
+    pub(crate) fn passed(&self) -> bool {
+        Instant::now() >= self.at
+    }
+
     /// How long the next slice of the wait may last: at most `slice`, and
     /// never past the deadline. Fails once the deadline has passed, naming
     /// what was awaited.

@@ -643,3 +643,260 @@ fn vsock_loopback_migration_verifies_where_the_kernel_has_it() {
     };
     migrate_and_verify(listener, &address, receive, migration_config(2));
 }
+
+// An attacker on the path, in key mode: a proxy that forwards every
+// channel and rewrites the main channel's frames (docs/security.md, "Sealed
+// control frames").
+
+/// Which way a frame goes through the proxy.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Way {
+    ToDestination,
+    ToSource,
+}
+
+/// What the attacker does to each frame of the main channel (header, body
+/// and seal, as read).
+type Rewrite = Arc<std::sync::Mutex<dyn FnMut(Way, &mut Vec<u8>) + Send>>;
+
+/// Reads one whole frame (with its seal, if sealed) from `from`.
+fn read_frame(from: &mut std::net::TcpStream) -> Option<Vec<u8>> {
+    use std::io::Read;
+    let mut frame = vec![0u8; tern_wire::FRAME_HEADER_LEN];
+    from.read_exact(&mut frame).ok()?;
+    let header: [u8; 8] = frame[..8].try_into().unwrap();
+    let body = u32::from_le_bytes(header[4..8].try_into().unwrap()) as usize;
+    let seal = if tern_wire::header_is_sealed(&header) {
+        tern_wire::SEAL_LEN
+    } else {
+        0
+    };
+    frame.resize(8 + body + seal, 0);
+    from.read_exact(&mut frame[8..]).ok()?;
+    Some(frame)
+}
+
+/// Copies frames from `from` to `to`, through `rewrite`, until either
+/// side closes.
+fn pump_frames(
+    mut from: std::net::TcpStream,
+    mut to: std::net::TcpStream,
+    way: Way,
+    rewrite: Rewrite,
+) {
+    use std::io::Write;
+    while let Some(mut frame) = read_frame(&mut from) {
+        (rewrite.lock().unwrap())(way, &mut frame);
+        if to.write_all(&frame).is_err() {
+            break;
+        }
+    }
+    let _ = to.shutdown(std::net::Shutdown::Both);
+    let _ = from.shutdown(std::net::Shutdown::Both);
+}
+
+/// A proxy in front of `destination`: the first connection (the main
+/// channel) goes frame by frame through `rewrite`, the others byte for
+/// byte. Returns the address sources connect to.
+fn proxy(destination: &Address, rewrite: Rewrite) -> Address {
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let address = Address::Tcp(listener.local_addr().unwrap().to_string());
+    let Address::Tcp(upstream) = destination.clone() else {
+        panic!("a TCP destination")
+    };
+    std::thread::spawn(move || {
+        for (index, downstream) in listener.incoming().enumerate() {
+            let Ok(downstream) = downstream else { return };
+            let upstream = std::net::TcpStream::connect(&upstream).unwrap();
+            let (down, up) = (
+                downstream.try_clone().unwrap(),
+                upstream.try_clone().unwrap(),
+            );
+            if index == 0 {
+                let rewrite_back = rewrite.clone();
+                let rewrite = rewrite.clone();
+                std::thread::spawn(move || {
+                    pump_frames(down, upstream, Way::ToDestination, rewrite)
+                });
+                std::thread::spawn(move || {
+                    pump_frames(up, downstream, Way::ToSource, rewrite_back)
+                });
+            } else {
+                for (mut from, mut to) in [(down, upstream), (up, downstream)] {
+                    std::thread::spawn(move || {
+                        let _ = std::io::copy(&mut from, &mut to);
+                        let _ = to.shutdown(std::net::Shutdown::Both);
+                    });
+                }
+            }
+        }
+    });
+    address
+}
+
+fn keyed() -> Security {
+    Security {
+        auth_key: key("the key both sides of the path hold"),
+        ..Security::default()
+    }
+}
+
+/// The frame kind byte of a frame.
+fn kind_of(frame: &[u8]) -> u8 {
+    frame[0]
+}
+
+/// A key-mode migration of a running, dirtying guest through a proxy that
+/// applies `rewrite`: the source's result, the source guest, and the
+/// destination's result.
+fn migrate_through(
+    rewrite: impl FnMut(Way, &mut Vec<u8>) + Send + 'static,
+) -> (
+    Result<tern_engine::MigrationStats, tern_engine::MigrationFailure>,
+    SyntheticGuest,
+    DestinationResult,
+) {
+    let (listener, address) = tcp_listener();
+    let receiving = receive_with(listener, secured_receive(keyed()));
+    let through = proxy(&address, Arc::new(std::sync::Mutex::new(rewrite)));
+    let mut guest = guest(8 * MIB, MIB);
+    guest.resume().unwrap();
+    let result = Source::new(secured_migration(2, keyed()))
+        .unwrap()
+        .migrate(&mut guest, &through);
+    let received = receiving.thread.join().unwrap();
+    (result, guest, received)
+}
+
+/// The guest runs on exactly one side.
+fn runs_once(source_guest: &SyntheticGuest, destination: &DestinationResult) {
+    let destination_runs = destination
+        .as_ref()
+        .is_ok_and(|received| received.guest.is_running());
+    assert!(
+        source_guest.is_running() != destination_runs,
+        "the guest must run on exactly one host: source {}, destination {}",
+        source_guest.is_running(),
+        destination_runs
+    );
+}
+
+fn one_line_naming(side: &str, text: &str, what: &str) {
+    assert!(!text.contains('\n'), "{side}: one line: {text}");
+    assert!(text.contains(what), "{side} must say '{what}': {text}");
+}
+
+#[test]
+fn a_forged_outcome_in_key_mode_is_refused_and_the_guest_runs_once() {
+    // The attack that made the guest run twice on v6: the destination
+    // resumes and says so; the proxy turns "verified" into "not verified",
+    // which would make the source resume its copy too.
+    let (result, guest, received) = migrate_through(|way, frame| {
+        if way == Way::ToSource && kind_of(frame) == tern_wire::FrameKind::Outcome as u8 {
+            frame[8] = 0;
+        }
+    });
+    let failure = result.expect_err("the forged outcome must not pass");
+    let source = failure.error.chain();
+    assert_eq!(
+        failure.stats.status,
+        MigrationStatus::OutcomeUnknown,
+        "{source}"
+    );
+    one_line_naming("source", &source, "failed its authentication");
+    assert!(received.is_ok(), "the destination resumed, as it said");
+    runs_once(&guest, &received);
+    assert!(!guest.is_running(), "the source keeps its copy paused");
+}
+
+#[test]
+fn a_forged_ready_in_key_mode_is_refused_and_the_source_runs_on() {
+    let (result, guest, received) = migrate_through(|way, frame| {
+        if way == Way::ToSource && kind_of(frame) == tern_wire::FrameKind::Ready as u8 {
+            frame[8] ^= 1;
+        }
+    });
+    let failure = result.expect_err("the forged ready must not pass");
+    let source = failure.error.chain();
+    one_line_naming("source", &source, "failed its authentication");
+    assert!(guest.is_running(), "no commit: the source resumes");
+    let destination = received.as_ref().map(|_| ()).expect_err("no commit came");
+    one_line_naming(
+        "destination",
+        &destination.chain(),
+        "failed its authentication",
+    );
+    runs_once(&guest, &received);
+}
+
+#[test]
+fn a_commit_replayed_from_another_session_is_refused_and_the_guest_runs_once() {
+    // The attacker records a sealed commit of one session...
+    let recorded: Arc<std::sync::Mutex<Option<Vec<u8>>>> = Arc::default();
+    let record = recorded.clone();
+    let (first, _, first_received) = migrate_through(move |way, frame| {
+        if way == Way::ToDestination && kind_of(frame) == tern_wire::FrameKind::Commit as u8 {
+            *record.lock().unwrap() = Some(frame.clone());
+        }
+    });
+    first.unwrap_or_else(|failure| panic!("{}", failure.error.chain()));
+    first_received.unwrap_or_else(|error| panic!("{}", error.chain()));
+    let old_commit = recorded.lock().unwrap().clone().expect("a commit went by");
+    // ...and plays it in place of the next session's.
+    let (result, guest, received) = migrate_through(move |way, frame| {
+        if way == Way::ToDestination && kind_of(frame) == tern_wire::FrameKind::Commit as u8 {
+            *frame = old_commit.clone();
+        }
+    });
+    let destination = received
+        .as_ref()
+        .map(|_| ())
+        .expect_err("no valid commit came");
+    let destination = destination.chain();
+    // The old commit fails its tag (or, were the sessions' frame counts to
+    // differ, its sequence number).
+    let named = if destination.contains("replayed") {
+        "replayed, dropped or reordered"
+    } else {
+        "failed its authentication"
+    };
+    one_line_naming("destination", &destination, named);
+    let failure = result.expect_err("the destination did not resume");
+    assert_eq!(
+        failure.stats.status,
+        MigrationStatus::Failed,
+        "{}",
+        failure.error.chain()
+    );
+    one_line_naming(
+        "source",
+        &failure.error.chain(),
+        "the destination did not resume the guest",
+    );
+    assert!(guest.is_running(), "its abort proves it did not resume");
+    runs_once(&guest, &received);
+}
+
+#[test]
+fn an_injected_unsealed_abort_in_key_mode_fails_the_session_it_reaches() {
+    // The page channels may be torn down by anyone on the path; what must
+    // not happen is that an unauthenticated frame is believed.
+    let injected = Message::Abort(tern_wire::Abort {
+        reason: tern_wire::AbortReason::Other,
+        message: "injected".into(),
+    })
+    .to_bytes();
+    let (result, guest, received) = migrate_through(move |way, frame| {
+        if way == Way::ToSource && kind_of(frame) == tern_wire::FrameKind::Ready as u8 {
+            *frame = injected.clone();
+        }
+    });
+    let failure = result.expect_err("the injected abort is not the destination's");
+    one_line_naming(
+        "source",
+        &failure.error.chain(),
+        "unauthenticated Abort frame",
+    );
+    assert!(guest.is_running());
+    runs_once(&guest, &received);
+}

@@ -28,6 +28,9 @@ enum AtSwitchOver {
     ReadyThenRefuse,
     /// Says ready, reads the commit and acknowledges: a good destination.
     ReadyThenAcknowledge,
+    /// Says ready, reads the commit, then aborts (it failed before
+    /// resuming).
+    ReadyThenAbort,
 }
 
 /// What the fake destination saw on the main channel after the completion.
@@ -140,6 +143,13 @@ fn switch_over(main: &mut Channel, complete: Complete, at: AtSwitchOver) -> Seen
             }))
             .unwrap();
         }
+        AtSwitchOver::ReadyThenAbort => {
+            main.send_message(&Message::Abort(tern_wire::Abort {
+                reason: tern_wire::AbortReason::GuestError,
+                message: "restoring the vCPUs failed".into(),
+            }))
+            .unwrap();
+        }
         AtSwitchOver::Silent => unreachable!(),
     }
     seen
@@ -179,7 +189,13 @@ fn expect_failure(
 #[test]
 fn no_ready_in_time_resumes_the_source_and_tells_the_destination() {
     let (guest, result, seen) = migrate_to_fake(AtSwitchOver::Silent);
-    expect_failure(result, MigrationStatus::Failed, "switch-over answer");
+    let failure = expect_failure(result, MigrationStatus::Failed, "switch-over answer");
+    // Paused past the 1 s switch-over timeout: reported, not 0.
+    assert!(
+        failure.stats.downtime > 0,
+        "the downtime of a failed switch-over is reported: {}",
+        failure.stats.downtime
+    );
     assert!(guest.is_running(), "without a commit the source resumes");
     assert!(
         matches!(seen.first(), Some(Message::Abort(_))),
@@ -213,6 +229,26 @@ fn a_destination_that_could_not_resume_after_the_commit_gives_the_guest_back() {
     let (guest, result, _) = migrate_to_fake(AtSwitchOver::ReadyThenRefuse);
     expect_failure(result, MigrationStatus::Failed, "cannot start the vCPUs");
     assert!(guest.is_running(), "the guest runs nowhere else");
+}
+
+#[test]
+fn an_abort_after_the_commit_means_the_destination_did_not_resume() {
+    let (guest, result, seen) = migrate_to_fake(AtSwitchOver::ReadyThenAbort);
+    assert!(matches!(seen.first(), Some(Message::Commit)), "{seen:?}");
+    let failure = expect_failure(
+        result,
+        MigrationStatus::Failed,
+        "the destination did not resume the guest",
+    );
+    assert!(
+        failure.error.chain().contains("restoring the vCPUs failed"),
+        "{}",
+        failure.error.chain()
+    );
+    assert!(
+        guest.is_running(),
+        "the guest runs nowhere else: it resumes"
+    );
 }
 
 #[test]
@@ -471,4 +507,137 @@ fn a_source_trickling_a_packet_is_cut_off_at_the_transfer_deadline() {
     );
     drop(main);
     trickle.join().unwrap();
+}
+
+// Trickling peers (issue 23): every frame after the handshake, header and
+// body, is one transfer with one deadline; the switch-over deadline holds
+// whatever the peer trickles.
+
+/// Sends `pieces` one after another, `pause` apart, until the peer closes.
+fn trickle(mut channel: Channel, pieces: Vec<Vec<u8>>, pause: Duration) -> JoinHandle<()> {
+    std::thread::spawn(move || {
+        for piece in pieces {
+            if channel.write_all(&piece).is_err() {
+                return;
+            }
+            std::thread::sleep(pause);
+        }
+        // Keep the channel open until the destination gives up on it.
+        let _ = channel.wait_readable(DEADLINE);
+    })
+}
+
+/// A real destination with `io_timeout`, a fake source past its handshake.
+fn destination_with_io_timeout(
+    io_timeout: Duration,
+) -> (JoinHandle<DestinationResult>, Channel, Channel) {
+    let (listener, address) = tcp_listener();
+    let destination = std::thread::spawn(move || {
+        let config = ReceiveConfig {
+            io_timeout,
+            allow_unverified: true,
+            ..receive_config()
+        };
+        Destination::new(config).receive(&listener, make_destination_guest)
+    });
+    let (main, page) = fake_source_handshake(&address, setup());
+    (destination, main, page)
+}
+
+#[test]
+fn a_commit_trickled_past_the_switch_over_deadline_is_not_taken() {
+    // Switch-over timeout 1 s, I/O timeout 10 s: one byte of the commit
+    // every 300 ms would take 4.8 s, each byte well inside the I/O timeout.
+    let (destination, main, _page, answer) = destination_ready();
+    assert!(matches!(answer, Message::Ready(_)), "{answer:?}");
+    let ready_at = std::time::Instant::now();
+    let bytes: Vec<Vec<u8>> = Message::Commit
+        .to_bytes()
+        .into_iter()
+        .map(|byte| vec![byte])
+        .collect();
+    let trickling = trickle(main, bytes, Duration::from_millis(300));
+    let error = destination
+        .join()
+        .expect("no panic")
+        .expect_err("a commit that is not whole by the deadline is not one");
+    eprintln!(
+        "a trickled commit: the destination gave up {:?} after its ready (switch-over \
+         timeout 1 s)",
+        ready_at.elapsed()
+    );
+    assert!(
+        error.chain().contains("the source's commit"),
+        "{}",
+        error.chain()
+    );
+    trickling.join().unwrap();
+}
+
+#[test]
+fn a_state_section_trickled_in_pieces_is_cut_off_at_the_transfer_deadline() {
+    let (destination, main, mut page) = destination_with_io_timeout(Duration::from_secs(1));
+    page.send_message(&Message::Sync(Sync {
+        iteration: 0,
+        last: true,
+        dictionaries: 0,
+    }))
+    .unwrap();
+    // 1 MiB in 64 KiB pieces 400 ms apart: each piece well inside the I/O
+    // timeout, the whole section 6.4 s.
+    let section = Message::StateSection(tern_wire::StateSectionMsg {
+        name: "trickled".into(),
+        version: 1,
+        data: vec![1; 1 << 20],
+    })
+    .to_bytes();
+    let pieces = section.chunks(64 << 10).map(<[u8]>::to_vec).collect();
+    let started = std::time::Instant::now();
+    let trickling = trickle(main, pieces, Duration::from_millis(400));
+    let error = destination
+        .join()
+        .expect("no panic")
+        .expect_err("the trickle is cut off");
+    eprintln!(
+        "a trickled state section: cut off after {:?} (I/O timeout 1 s)",
+        started.elapsed()
+    );
+    assert!(
+        error.chain().contains("outlasted the I/O timeout"),
+        "{}",
+        error.chain()
+    );
+    trickling.join().unwrap();
+    drop(page);
+}
+
+#[test]
+fn a_page_packet_trickled_in_pieces_is_cut_off_at_the_transfer_deadline() {
+    let (destination, main, page) = destination_with_io_timeout(Duration::from_secs(1));
+    // Header, then the packet header and table, then the payload, 600 ms
+    // apart: each read alone is within the I/O timeout, the packet not.
+    let mut packet = raw_pages_prefix(0, &[0]);
+    packet.extend_from_slice(&[7; 4096]);
+    let pieces = vec![
+        packet[..8].to_vec(),
+        packet[8..packet.len() - 4096].to_vec(),
+        packet[packet.len() - 4096..].to_vec(),
+    ];
+    let started = std::time::Instant::now();
+    let trickling = trickle(page, pieces, Duration::from_millis(600));
+    let error = destination
+        .join()
+        .expect("no panic")
+        .expect_err("the trickle is cut off");
+    eprintln!(
+        "a trickled page packet: cut off after {:?} (I/O timeout 1 s)",
+        started.elapsed()
+    );
+    assert!(
+        error.chain().contains("outlasted the I/O timeout"),
+        "{}",
+        error.chain()
+    );
+    trickling.join().unwrap();
+    drop(main);
 }

@@ -16,6 +16,7 @@
 use crate::error::WireError;
 use crate::message::{Message, SessionSetup};
 use crate::pages::{PageEntry, PageKind, PagesHeader, decode_page_table};
+use crate::seal::{FrameOpener, SEAL_LEN, Seal, header_is_sealed};
 use crate::{FRAME_HEADER_LEN, FrameHeader, FrameKind, MAX_DICTIONARIES, MAX_PAGES_PER_PACKET};
 
 /// Largest piece of a control body handed out at once: the body buffer
@@ -90,6 +91,9 @@ enum State {
     FrameHeader,
     Body {
         kind: FrameKind,
+        /// The header of a sealed frame, whose seal follows the body in
+        /// the same structure.
+        sealed: Option<[u8; FRAME_HEADER_LEN]>,
     },
     PagesHeader {
         body_len: usize,
@@ -156,6 +160,9 @@ pub struct FrameDecoder {
     /// The frame kinds this stream may carry, and how to name them in an
     /// error; `None` = any.
     only: Option<(&'static [FrameKind], &'static str)>,
+    /// When set, every control frame must be sealed and pass this opener
+    /// before its body is decoded (protocol version 7, a shared key).
+    opener: Option<Box<dyn FrameOpener>>,
 }
 
 impl Default for FrameDecoder {
@@ -187,6 +194,7 @@ impl FrameDecoder {
             frame_len: 0,
             entries: Vec::with_capacity(MAX_PAGES_PER_PACKET),
             only: None,
+            opener: None,
         }
     }
 
@@ -206,6 +214,27 @@ impl FrameDecoder {
     pub fn only(mut self, kinds: &'static [FrameKind], expected: &'static str) -> Self {
         self.only = Some((kinds, expected));
         self
+    }
+
+    /// Changes the kinds this stream may carry from the next frame on (see
+    /// [`Self::only`]); `None` allows every kind. A destination narrows a
+    /// connection's first frames to the opening kinds and widens the main
+    /// channel's once it is authenticated.
+    pub fn restrict(&mut self, kinds: Option<(&'static [FrameKind], &'static str)>) {
+        self.only = kinds;
+    }
+
+    /// From the next frame on, every control frame must be sealed and pass
+    /// `opener` before its body is decoded; an unsealed one is refused at
+    /// its header ([`WireError::Unsealed`]). Without an opener, a sealed
+    /// frame is refused ([`WireError::SealUnexpected`]).
+    pub fn seal_with(&mut self, opener: Box<dyn FrameOpener>) {
+        self.opener = Some(opener);
+    }
+
+    /// Whether control frames must be sealed.
+    pub fn is_sealed(&self) -> bool {
+        self.opener.is_some()
     }
 
     /// The setup page packets are checked against, if any.
@@ -373,8 +402,12 @@ impl FrameDecoder {
     fn complete(&mut self) -> Result<Option<Event>, WireError> {
         match self.state.clone() {
             State::FrameHeader => self.frame_header(),
-            State::Body { kind } => {
-                let message = Message::decode(kind, &self.buf[..self.need]);
+            State::Body { kind, sealed } => {
+                let body_len = match sealed {
+                    Some(header) => self.open_sealed(&header)?,
+                    None => self.need,
+                };
+                let message = Message::decode(kind, &self.buf[..body_len]);
                 if self.buf.len() > KEEP_BUFFER {
                     self.buf = vec![0; FRAME_HEADER_LEN];
                 }
@@ -461,15 +494,42 @@ impl FrameDecoder {
                 self.start(State::PagesHeader { body_len }, PagesHeader::ENCODED_LEN);
                 Ok(None)
             }
+            kind if header_is_sealed(&head) != self.opener.is_some() => {
+                Err(if self.opener.is_some() {
+                    WireError::Unsealed(kind)
+                } else {
+                    WireError::SealUnexpected(kind)
+                })
+            }
+            kind if header_is_sealed(&head) => {
+                self.frame_len += SEAL_LEN;
+                let sealed = Some(head);
+                self.start(State::Body { kind, sealed }, body_len + SEAL_LEN);
+                Ok(None)
+            }
             kind if body_len == 0 => {
                 self.start(State::FrameHeader, FRAME_HEADER_LEN);
                 self.message(Message::decode(kind, &[])?)
             }
             kind => {
-                self.start(State::Body { kind }, body_len);
+                self.start(State::Body { kind, sealed: None }, body_len);
                 Ok(None)
             }
         }
+    }
+
+    /// Checks the seal at the end of `buf[..need]`; returns the body's
+    /// length.
+    fn open_sealed(&mut self, header: &[u8; FRAME_HEADER_LEN]) -> Result<usize, WireError> {
+        let body_len = self.need - SEAL_LEN;
+        let mut seal = [0u8; SEAL_LEN];
+        seal.copy_from_slice(&self.buf[body_len..self.need]);
+        let opener = self
+            .opener
+            .as_mut()
+            .ok_or(WireError::Truncated("session key"))?;
+        opener.open(header, &self.buf[..body_len], &Seal::decode(&seal))?;
+        Ok(body_len)
     }
 
     fn message(&mut self, message: Message) -> Result<Option<Event>, WireError> {

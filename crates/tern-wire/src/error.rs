@@ -93,6 +93,33 @@ pub enum WireError {
         /// What was expected.
         expected: &'static str,
     },
+    /// A control frame without a seal where every control frame must carry
+    /// one (protocol version 7, a shared key).
+    #[error(
+        "an unauthenticated {0:?} frame where every control frame must carry the session's MAC: \
+         forged or injected on the way"
+    )]
+    Unsealed(FrameKind),
+    /// A sealed frame where no session key was agreed.
+    #[error("a sealed {0:?} frame on a channel without a session key")]
+    SealUnexpected(FrameKind),
+    /// A sealed frame out of order.
+    #[error(
+        "control frame number {got} arrived where number {expected} was due: replayed, dropped \
+         or reordered on the way"
+    )]
+    SealSequence {
+        /// The frame's sequence number.
+        got: u64,
+        /// The one due.
+        expected: u64,
+    },
+    /// A sealed frame whose MAC does not match.
+    #[error(
+        "a {0:?} frame failed its authentication (its MAC does not match the session key): \
+         forged or altered on the way"
+    )]
+    SealForged(FrameKind),
 }
 
 /// Why a side aborted the migration, carried by [`crate::Abort`].

@@ -56,6 +56,7 @@ mod error;
 mod message;
 mod pages;
 pub mod snapshot;
+mod seal;
 
 pub use codec::{MAX_PEER_TEXT_CHARS, Reader, Writer, sanitise_peer_text};
 pub use decoder::{Decoded, Event, Expect, FrameDecoder, PagePacket};
@@ -68,6 +69,10 @@ pub use message::{
 pub use pages::{
     DELTA_ENTRY_LEN, PageEntry, PageKind, PageRef, PagesHeader, decode_page_table,
     encode_packet_prefix, encode_pages_prefix,
+};
+pub use seal::{
+    FRAME_SEALED, FrameOpener, MAX_OPENING_FRAME, MAX_PROOF_FRAME, OPENING_KINDS, PROOF_KINDS,
+    SEAL_LEN, SEAL_TAG_LEN, Seal, header_is_sealed, mark_sealed,
 };
 
 /// First bytes of every handshake.
@@ -211,7 +216,7 @@ impl FrameKind {
     }
 
     /// Largest body a frame of this kind may have.
-    pub fn max_body(self) -> usize {
+    pub const fn max_body(self) -> usize {
         match self {
             Self::Hello => {
                 32 + 2 + MAX_REGIONS * RegionInfo::ENCODED_LEN + 4 + MAX_GUEST_KIND_LEN + 1 + 4
@@ -256,11 +261,18 @@ impl FrameHeader {
         out
     }
 
-    /// Decodes and validates a header: known kind, zero flags and reserved
-    /// bytes, and a body no longer than the kind allows.
+    /// Decodes and validates a header: known kind, no flag but
+    /// [`FRAME_SEALED`] (and that not on a page packet), zero reserved
+    /// bytes, and a body no longer than the kind allows. Whether a sealed
+    /// frame is expected is the reader's decision ([`header_is_sealed`]).
     pub fn decode(bytes: &[u8; FRAME_HEADER_LEN]) -> Result<Self, WireError> {
         let kind = FrameKind::from_u8(bytes[0])?;
-        if bytes[1..4] != [0, 0, 0] {
+        let flags_allowed = if kind == FrameKind::Pages {
+            0
+        } else {
+            FRAME_SEALED
+        };
+        if bytes[1] & !flags_allowed != 0 || bytes[2..4] != [0, 0] {
             return Err(WireError::ReservedNotZero("frame header"));
         }
         let body_len = u32::from_le_bytes([bytes[4], bytes[5], bytes[6], bytes[7]]);

@@ -208,6 +208,8 @@ impl ListenArgs {
     /// Binds the listener and builds the destination's settings.
     pub fn bind(&self) -> anyhow::Result<(tern_engine::Listener, tern_engine::ReceiveConfig)> {
         use anyhow::Context;
+        // Refused before binding: a refusal must not have held the port.
+        self.security.check_before_bind(&self.listen)?;
         let listener = tern_engine::Listener::bind(&self.listen)
             .with_context(|| format!("cannot listen on {}", self.listen))?;
         let mut config = tern_engine::ReceiveConfig {

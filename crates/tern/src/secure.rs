@@ -60,6 +60,24 @@ pub struct DestinationSecurityArgs {
 }
 
 impl DestinationSecurityArgs {
+    /// The policy check on the address alone, before it is bound: an
+    /// address other machines reach is refused without --auth-key,
+    /// --tls-dir or --insecure (the check on the bound listener, in
+    /// [`Self::apply`], stays for the addresses only binding resolves).
+    pub fn check_before_bind(&self, address: &tern_engine::Address) -> anyhow::Result<()> {
+        if self.insecure || self.auth_key.is_some() || self.tls_dir.is_some() {
+            return Ok(());
+        }
+        if address.is_local_only() == Some(false) {
+            anyhow::bail!(
+                "refusing to receive unauthenticated migrations on {address}, which other \
+                 machines can reach: give --auth-key FILE or --tls-dir DIR (or --insecure on a \
+                 network you trust)"
+            );
+        }
+        Ok(())
+    }
+
     /// The engine's settings, after the policy check on `listener`: refused
     /// unauthenticated where other machines reach it (unless --insecure),
     /// warned about on loopback.

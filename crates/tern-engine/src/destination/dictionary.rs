@@ -41,11 +41,30 @@ pub(super) fn receive_dictionaries(
                 )));
             }
         };
-        let dictionary = CodecDictionary::new(dictionary.id, CodecId::Zstd, dictionary.data)
-            .map_err(|error| MigrationError::Protocol(error.to_string()))?;
-        dictionaries.push(dictionary);
+        dictionaries.push(checked_dictionary(dictionary)?);
     }
     Ok(dictionaries)
+}
+
+/// A dictionary from the source, checked by loading it into a zstd
+/// decoder once on arrival: one libzstd refuses is the source's error, and
+/// is named as such (libzstd's own message for a malformed dictionary can
+/// read "not enough memory").
+fn checked_dictionary(dictionary: Dictionary) -> Result<CodecDictionary, MigrationError> {
+    let id = dictionary.id;
+    let dictionary = CodecDictionary::new(id, CodecId::Zstd, dictionary.data).map_err(|error| {
+        MigrationError::Protocol(format!("the source's dictionary {id}: {error}"))
+    })?;
+    tern_page::codec::PageDecompressor::new(CodecId::Zstd)
+        .and_then(|decoder| decoder.with_dictionaries(std::slice::from_ref(&dictionary)))
+        .map_err(|error| {
+            MigrationError::Protocol(format!(
+                "the source's dictionary {id} ({} bytes) is not a zstd dictionary this side can \
+                 load: malformed or corrupt ({error})",
+                dictionary.bytes().len()
+            ))
+        })?;
+    Ok(dictionary)
 }
 
 fn describe(message: &Message) -> String {
@@ -97,9 +116,7 @@ impl SessionDictionaries {
                 dictionary.id
             )));
         }
-        let dictionary = CodecDictionary::new(dictionary.id, CodecId::Zstd, dictionary.data)
-            .map_err(|error| MigrationError::Protocol(error.to_string()))?;
-        received.push(dictionary);
+        received.push(checked_dictionary(dictionary)?);
         self.arrived.notify_all();
         Ok(())
     }

@@ -3,16 +3,19 @@
 
 use crate::deadline::Deadline;
 use std::collections::HashSet;
+use std::net::IpAddr;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, mpsc};
 use std::time::{Duration, Instant};
 
 use tern_page::codec::CodecId;
 use tern_wire::{
     Abort, AbortReason, AuthChallenge, AuthHello, ChannelHello, DigestAlgorithm, FrameDecoder,
-    Message, SessionSetup, Welcome, WireError,
+    FrameKind, MAX_OPENING_FRAME, MAX_PROOF_FRAME, Message, OPENING_KINDS, PROOF_KINDS,
+    SessionSetup, Welcome, WireError,
 };
 
-use super::stream::{FrameSink, read_message};
+use super::stream::{FrameSink, read_message, read_message_within};
 use super::{Destination, POLL_INTERVAL, ReceivePhase, ReceiveStats};
 use crate::config::{ReceiveConfig, UnauthenticatedPolicy};
 use crate::error::{ChannelError, MigrationError};
@@ -44,6 +47,11 @@ struct Pending {
     id: u64,
     closer: ShutdownHandle,
     deadline: Instant,
+    /// Where it comes from (TCP), for the per-address limit.
+    peer: Option<IpAddr>,
+    /// Set once the peer proved the shared key: such a handshake is never
+    /// dropped to make room (only a real source can get there).
+    proved: Arc<AtomicBool>,
 }
 
 type Outcome = (u64, Result<Arrived, ChannelError>);
@@ -51,7 +59,13 @@ type Outcome = (u64, Result<Arrived, ChannelError>);
 /// Accepts connections and reads each one's first message on a thread of
 /// its own, with a deadline per connection, so that a silent, slow or broken
 /// connection costs one thread for at most the handshake timeout and delays
-/// no other. At most `limit` connections are in handshake at once.
+/// no other. At most `limit` connections are in handshake at once, and at
+/// most half of them from one address; when a new connection finds no
+/// room, a pending handshake that has proved nothing yet, chosen at random,
+/// is dropped for it (as OpenSSH's `MaxStartups` drops at random), so an
+/// attacker holding every slot cannot keep them: a real source's
+/// connection gets in, proves the key within a round trip (after which it
+/// is never dropped), and a source that is dropped anyway retries.
 pub(super) struct Handshakes<'a> {
     listener: &'a Listener,
     security: Security,
@@ -63,10 +77,26 @@ pub(super) struct Handshakes<'a> {
     next_id: u64,
     /// Where refused connections are counted.
     stats: Arc<ReceiveStats>,
+    /// Handshakes dropped to make room since the last line about them: a
+    /// flood is logged once a second, not once a connection.
+    dropped_unlogged: u64,
+    dropped_logged_at: Option<Instant>,
 }
 
 /// How long one accept poll waits before looking at finished handshakes.
 const ACCEPT_POLL: Duration = Duration::from_millis(10);
+
+/// How often a flood of dropped handshakes is logged.
+const DROP_LOG_INTERVAL: Duration = Duration::from_secs(1);
+
+/// A uniformly random index below `len` (0 when `len` is 0).
+fn random_index(len: usize) -> usize {
+    let mut bytes = [0u8; 8];
+    if ring::rand::SecureRandom::fill(&ring::rand::SystemRandom::new(), &mut bytes).is_err() {
+        return 0;
+    }
+    usize::try_from(u64::from_le_bytes(bytes) % len.max(1) as u64).unwrap_or(0)
+}
 
 impl<'a> Handshakes<'a> {
     pub(super) fn new(
@@ -85,6 +115,8 @@ impl<'a> Handshakes<'a> {
             outcomes,
             next_id: 0,
             stats: stats.clone(),
+            dropped_unlogged: 0,
+            dropped_logged_at: None,
         }
     }
 
@@ -120,6 +152,12 @@ impl<'a> Handshakes<'a> {
             self.pending.swap_remove(position);
             match outcome {
                 Ok(arrived) => return Some(arrived),
+                // Its reads are bounded by the handshake timeout (a frame
+                // trickled past it is cut off there): the same deadline.
+                Err(ChannelError::Timeout(_)) => self.stats.record_refusal(format!(
+                    "closed a connection that did not finish its handshake within {:?}",
+                    self.timeout
+                )),
                 Err(error) => self.stats.record_refusal(format!(
                     "closed a connection that failed its handshake: {}",
                     error.chain()
@@ -144,10 +182,56 @@ impl<'a> Handshakes<'a> {
         });
     }
 
+    /// Makes room for a connection from `peer` when the slots, or its
+    /// address's share of them, are taken: drops a random pending handshake
+    /// that proved nothing yet (from the same address when that address is
+    /// at its share). Returns false when there is nothing to drop.
+    fn make_room(&mut self, peer: Option<IpAddr>) -> bool {
+        let per_address = (self.limit / 2).max(1);
+        let from_peer = |pending: &Pending| peer.is_some() && pending.peer == peer;
+        let same_address = self.pending.iter().filter(|p| from_peer(p)).count();
+        let crowded_address = same_address >= per_address;
+        if self.pending.len() < self.limit && !crowded_address {
+            return true;
+        }
+        let candidates: Vec<usize> = (0..self.pending.len())
+            .filter(|&index| {
+                let pending = &self.pending[index];
+                !pending.proved.load(Ordering::Acquire) && (!crowded_address || from_peer(pending))
+            })
+            .collect();
+        let Some(&victim) = candidates.get(random_index(candidates.len())) else {
+            return false;
+        };
+        let dropped = self.pending.swap_remove(victim);
+        dropped.closer.shutdown();
+        let due = self
+            .dropped_logged_at
+            .is_none_or(|at| at.elapsed() >= DROP_LOG_INTERVAL);
+        if !due {
+            self.dropped_unlogged += 1;
+            self.stats.count_refusal();
+            return true;
+        }
+        self.stats.record_refusal(format!(
+            "dropped a connection that had proved nothing in its handshake to make room: {} \
+             connections were in handshake ({same_address} from the new one's address; limits \
+             {} and {per_address} per address); {} more dropped since the last such line",
+            self.pending.len() + 1,
+            self.limit,
+            self.dropped_unlogged
+        ));
+        self.dropped_unlogged = 0;
+        self.dropped_logged_at = Some(Instant::now());
+        true
+    }
+
     fn start(&mut self, mut channel: Channel) {
-        if self.pending.len() >= self.limit {
+        let peer = channel.peer_ip();
+        if !self.make_room(peer) {
             self.stats.record_refusal(format!(
-                "closed a new connection: {} connections are already in handshake",
+                "closed a new connection: {} connections are already in handshake, each past \
+                 its key proof",
                 self.pending.len()
             ));
             return;
@@ -162,17 +246,20 @@ impl<'a> Handshakes<'a> {
         let _ = channel.set_timeouts(self.timeout);
         let id = self.next_id;
         self.next_id += 1;
+        let proved = Arc::new(AtomicBool::new(false));
         self.pending.push(Pending {
             id,
             closer,
             deadline: Instant::now() + self.timeout,
+            peer,
+            proved: proved.clone(),
         });
         let sender = self.sender.clone();
         let security = self.security.clone();
         let spawned = std::thread::Builder::new()
             .name("tern-handshake".into())
             .spawn(move || {
-                let outcome = open(channel, &security);
+                let outcome = open_marking(channel, &security, &proved);
                 // The accept loop may be gone; the connection closes then.
                 let _ = sender.send((id, outcome));
             });
@@ -191,6 +278,15 @@ impl Drop for Handshakes<'_> {
     }
 }
 
+/// How a refused opening kind is named.
+const OPENING_NAMES: &str = "a hello, a channel hello or an auth hello";
+
+/// What may follow a key exchange.
+const HELLO_KINDS: [FrameKind; 3] = [FrameKind::Hello, FrameKind::ChannelHello, FrameKind::Abort];
+
+/// The largest hello after a key exchange: sealed on the main channel.
+const MAX_SEALED_OPENING_FRAME: usize = MAX_OPENING_FRAME + tern_wire::SEAL_LEN;
+
 /// The first byte of a TLS ClientHello record, which no tern frame kind
 /// uses.
 const TLS_HANDSHAKE_RECORD: u8 = 0x16;
@@ -198,24 +294,46 @@ const TLS_HANDSHAKE_RECORD: u8 = 0x16;
 /// Runs a new connection's protections (TLS, the shared-key handshake) and
 /// reads its first message after them.
 pub(crate) fn open(channel: Channel, security: &Security) -> Result<Arrived, ChannelError> {
+    open_marking(channel, security, &AtomicBool::new(false))
+}
+
+/// [`open`], setting `proved` as soon as the peer proved the shared key.
+fn open_marking(
+    channel: Channel,
+    security: &Security,
+    proved: &AtomicBool,
+) -> Result<Arrived, ChannelError> {
     let mut channel = match &security.tls {
-        Some(config) => tls::accept(channel, config)?,
+        Some(config) => {
+            let channel = tls::accept(channel, config)?;
+            // Mutual TLS: the peer proved a certificate of the CA.
+            proved.store(true, Ordering::Release);
+            channel
+        }
         None => channel,
     };
-    let mut decoder = FrameDecoder::new();
-    let result = first_message(&mut channel, &mut decoder, security.auth_key.as_deref()).map_err(
-        |error| match error {
-            ChannelError::Protocol(WireError::UnknownFrameKind(TLS_HANDSHAKE_RECORD))
-                if security.tls.is_none() =>
-            {
-                ChannelError::Tls(std::io::Error::new(
-                    std::io::ErrorKind::InvalidData,
-                    "the source speaks TLS and this destination does not: start it with --tls-dir",
-                ))
-            }
-            other => other,
-        },
-    );
+    // Nothing before the proof may cost more than the largest legal hello:
+    // any other kind is refused at its header.
+    let mut decoder = FrameDecoder::new().only(&OPENING_KINDS, OPENING_NAMES);
+    let result = first_message(
+        &mut channel,
+        &mut decoder,
+        security.auth_key.as_deref(),
+        proved,
+    )
+    .map_err(|error| match error {
+        ChannelError::Protocol(WireError::UnknownFrameKind(TLS_HANDSHAKE_RECORD))
+            if security.tls.is_none() =>
+        {
+            ChannelError::Tls(std::io::Error::new(
+                std::io::ErrorKind::InvalidData,
+                "the source speaks TLS and this destination does not: start it with --tls-dir",
+            ))
+        }
+        other => other,
+    });
+    // What follows an accepted opening is the session's own business.
+    decoder.restrict(None);
     match result {
         Ok(message) => Ok(Arrived {
             channel,
@@ -250,12 +368,22 @@ fn first_message(
     channel: &mut Channel,
     decoder: &mut FrameDecoder,
     key: Option<&AuthKey>,
+    proved: &AtomicBool,
 ) -> Result<Message, ChannelError> {
-    let first = read_message(channel, decoder)?;
+    let first = read_message_within(channel, decoder, MAX_OPENING_FRAME)?;
     match (key, first) {
         (Some(key), Message::AuthHello(hello)) => {
-            server_auth(channel, decoder, key, hello)?;
-            let message = read_message(channel, decoder)?;
+            let bound = server_auth(channel, decoder, key, hello)?;
+            proved.store(true, Ordering::Release);
+            if hello.handshake.channel_index == 0 {
+                // The main channel: every control frame from the hello on is
+                // sealed with the session's keys.
+                let (sealer, opener) = key.session_keys(&bound).for_destination();
+                channel.seal_control(sealer, None);
+                decoder.seal_with(Box::new(opener));
+            }
+            decoder.restrict(Some((&HELLO_KINDS, "a hello or a channel hello")));
+            let message = read_message_within(channel, decoder, MAX_SEALED_OPENING_FRAME)?;
             let named = match &message {
                 Message::Hello(hello) => Some(hello.handshake),
                 Message::ChannelHello(hello) => Some(hello.handshake),
@@ -288,7 +416,7 @@ fn server_auth(
     decoder: &mut FrameDecoder,
     key: &AuthKey,
     hello: AuthHello,
-) -> Result<(), ChannelError> {
+) -> Result<Bound, ChannelError> {
     let destination_nonce = auth::nonce().map_err(|error| ChannelError::Auth(error.to_string()))?;
     let bound = Bound {
         handshake: hello.handshake,
@@ -299,12 +427,16 @@ fn server_auth(
         nonce: destination_nonce,
         proof: key.destination_proof(&bound),
     }))?;
-    match read_message(channel, decoder)? {
-        Message::AuthProof(proof) => key.verify_source(&bound, &proof.proof).map_err(|_| {
-            ChannelError::Auth(
-                "the source's proof does not match this destination's auth key".into(),
-            )
-        }),
+    decoder.restrict(Some((&PROOF_KINDS, "an auth proof")));
+    match read_message_within(channel, decoder, MAX_PROOF_FRAME)? {
+        Message::AuthProof(proof) => key
+            .verify_source(&bound, &proof.proof)
+            .map(|()| bound)
+            .map_err(|_| {
+                ChannelError::Auth(
+                    "the source's proof does not match this destination's auth key".into(),
+                )
+            }),
         Message::Abort(abort) => Err(ChannelError::Auth(format!(
             "the source gave up authenticating: {}",
             abort.message

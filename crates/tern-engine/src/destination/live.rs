@@ -246,6 +246,10 @@ pub(super) const MAX_STATE_BYTES: usize = 64 << 20;
 /// with its longest text, a completion).
 const SMALL_FRAME: usize = 8 << 10;
 
+/// A state section's frame beyond its data: header, version, the longest
+/// name and the two lengths.
+const SECTION_FRAMING: usize = tern_wire::FRAME_HEADER_LEN + 4 + 4 + tern_wire::MAX_NAME_LEN + 4;
+
 fn too_much_state() -> MigrationError {
     MigrationError::Protocol(format!(
         "more state than a destination accepts ({MAX_STATE_SECTIONS} sections, {} MiB in all)",
@@ -266,9 +270,14 @@ fn read_main_channel(
     let mut heartbeat = Heartbeat::new();
     loop {
         wait_for_main(shared, main, decoder, &mut heartbeat)?;
-        // Only state sections are large: the rest of the budget bounds the
-        // next frame, so a section past the total is refused at its header.
-        let budget = MAX_STATE_BYTES.saturating_sub(state_bytes).max(SMALL_FRAME);
+        // Only state sections are large: the rest of the budget (of
+        // section data, plus one frame's framing) bounds the next frame, so
+        // a section past the total is refused at its header, and one
+        // section of the largest size fits.
+        let budget = MAX_STATE_BYTES
+            .saturating_sub(state_bytes)
+            .saturating_add(SECTION_FRAMING)
+            .max(SMALL_FRAME);
         let message = read_message_within(main, decoder, budget).map_err(|error| match error {
             ChannelError::Protocol(WireError::FieldTooLong { field: "frame", .. }) => {
                 too_much_state()
@@ -286,7 +295,7 @@ fn read_main_channel(
                         section.name
                     )));
                 }
-                state_bytes = state_bytes.saturating_add(decoder.frame_len());
+                state_bytes = state_bytes.saturating_add(section.data.len());
                 if sections.len() >= MAX_STATE_SECTIONS || state_bytes > MAX_STATE_BYTES {
                     return Err(too_much_state());
                 }

@@ -194,6 +194,12 @@ impl ReceiveStats {
         *self.last_refusal.lock().unwrap_or_else(|e| e.into_inner()) = Some(reason);
     }
 
+    /// Counts a refused connection without logging it (one of a flood,
+    /// which is logged as a summary).
+    pub(crate) fn count_refusal(&self) {
+        self.refused_connections.fetch_add(1, Ordering::Relaxed);
+    }
+
     fn record_audit_pass(&self) {
         self.audit_passes.fetch_add(1, Ordering::Relaxed);
     }

@@ -194,6 +194,8 @@ impl<'s, 'a> PageReceiver<'s, 'a> {
         // placed right after (`place_staged`), so the read touches none.
         unsafe { source.read_scattered(landing.segments()) }
             .map_err(MigrationError::channel(self.channel))?;
+        // The packet, header to payload, was one transfer.
+        source.end_transfer();
         landing.place_staged(self.shared)?;
         // Marked now, read only by a later packet's duplicates, which land
         // after every packet before them (`hand_off`).

@@ -1,7 +1,7 @@
 //! Reading frames with the protocol's decoder, from a channel or, to drive
 //! the destination without sockets, from anything else that gives bytes.
 
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use tern_wire::{Event, Expect, FrameDecoder, FrameKind, Message, WireError};
 
@@ -25,6 +25,15 @@ pub(crate) trait FrameSource {
     /// writable bytes, bounds-checked by the caller, that nothing else
     /// accesses during the call.
     unsafe fn read_scattered(&mut self, segments: &[Segment]) -> Result<(), ChannelError>;
+
+    /// Starts one message that takes several reads (a frame's header and
+    /// body, a packet's header, table and payload): they share one
+    /// deadline, the I/O timeout from its first byte or `limit` if sooner.
+    /// A buffer has no deadlines.
+    fn begin_transfer(&mut self, _limit: Option<Instant>) {}
+
+    /// Ends the message [`FrameSource::begin_transfer`] started.
+    fn end_transfer(&mut self) {}
 }
 
 impl FrameSource for Channel {
@@ -39,6 +48,14 @@ impl FrameSource for Channel {
     unsafe fn read_scattered(&mut self, segments: &[Segment]) -> Result<(), ChannelError> {
         // SAFETY: the caller upholds the same contract.
         unsafe { Channel::read_scattered(self, segments) }
+    }
+
+    fn begin_transfer(&mut self, limit: Option<Instant>) {
+        Channel::begin_transfer(self, limit);
+    }
+
+    fn end_transfer(&mut self) {
+        Channel::end_transfer(self);
     }
 }
 
@@ -84,12 +101,33 @@ impl PageStream for Channel {
 /// Reads until `decoder` completes a structure: a control message, or a
 /// page packet's header and table (placing its payload is the caller's
 /// job). Each read is exactly the rest of the structure, so nothing of the
-/// next frame, and no payload, is read here.
+/// next frame, and no payload, is read here. It is one transfer with one
+/// deadline; for a packet, the transfer goes on through its payload, and
+/// the caller ends it ([`FrameSource::end_transfer`]) once the payload is
+/// read.
 pub(crate) fn read_event(
     source: &mut impl FrameSource,
     decoder: &mut FrameDecoder,
 ) -> Result<Event, ChannelError> {
-    read_event_within(source, decoder, usize::MAX)
+    read_event_in_transfer(source, decoder, usize::MAX, None)
+}
+
+/// Reads one whole frame (a control message, or a packet's header and
+/// table) as one transfer: header and body within one deadline, the I/O
+/// timeout from its first byte or `limit` if sooner. A packet's payload
+/// belongs to the same transfer: its reader ends the transfer after it.
+fn read_event_in_transfer(
+    source: &mut impl FrameSource,
+    decoder: &mut FrameDecoder,
+    max_frame: usize,
+    limit: Option<Instant>,
+) -> Result<Event, ChannelError> {
+    source.begin_transfer(limit);
+    let event = read_event_within(source, decoder, max_frame);
+    if !matches!(event, Ok(Event::Pages(_))) {
+        source.end_transfer();
+    }
+    event
 }
 
 /// As [`read_event`], refusing a frame longer than `max_frame` bytes
@@ -111,12 +149,17 @@ fn read_event_within(
             return Ok(event);
         }
         // The header is read whole, so the frame's length is known from the
-        // first call on.
-        if decoder.frame_len() > max_frame {
+        // first call on. A seal adds its own bytes to any frame.
+        let max = if decoder.is_sealed() {
+            max_frame.saturating_add(tern_wire::SEAL_LEN)
+        } else {
+            max_frame
+        };
+        if decoder.frame_len() > max {
             return Err(ChannelError::Protocol(WireError::FieldTooLong {
                 field: "frame",
                 len: decoder.frame_len(),
-                max: max_frame,
+                max,
             }));
         }
     }
@@ -129,7 +172,7 @@ pub(crate) fn read_message_within(
     decoder: &mut FrameDecoder,
     max_frame: usize,
 ) -> Result<Message, ChannelError> {
-    control_message(read_event_within(source, decoder, max_frame)?)
+    control_message(read_event_in_transfer(source, decoder, max_frame, None)?)
 }
 
 /// Reads one control message.
@@ -137,7 +180,22 @@ pub(crate) fn read_message(
     source: &mut impl FrameSource,
     decoder: &mut FrameDecoder,
 ) -> Result<Message, ChannelError> {
-    control_message(read_event(source, decoder)?)
+    control_message(read_event_in_transfer(source, decoder, usize::MAX, None)?)
+}
+
+/// Reads one control message, cut off at `limit` however its bytes
+/// trickle in (a switch-over answer has its own deadline).
+pub(crate) fn read_message_until(
+    source: &mut impl FrameSource,
+    decoder: &mut FrameDecoder,
+    limit: Instant,
+) -> Result<Message, ChannelError> {
+    control_message(read_event_in_transfer(
+        source,
+        decoder,
+        usize::MAX,
+        Some(limit),
+    )?)
 }
 
 fn control_message(event: Event) -> Result<Message, ChannelError> {

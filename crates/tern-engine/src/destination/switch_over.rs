@@ -11,9 +11,9 @@ use super::handshake::peer_aborted;
 use super::live::Delivered;
 use super::order::MainChannelState;
 use super::shared::ReceiverShared;
-use super::stream::{FrameSink, FrameSource, read_message};
+use super::stream::{FrameSink, FrameSource, read_message_until};
 use super::{Destination, POLL_INTERVAL, ReceivePhase};
-use crate::error::MigrationError;
+use crate::error::{ChannelError, MigrationError};
 use crate::guest::{DestinationGuest, StateSection};
 use crate::stats::thread_cpu_seconds;
 
@@ -114,7 +114,16 @@ impl Destination {
                 break;
             }
         }
-        let message = read_message(main, decoder).map_err(MigrationError::channel(0))?;
+        // The commit must be whole by the deadline, however it trickles.
+        let message = read_message_until(main, decoder, deadline.at()).map_err(|error| {
+            // Cut off by the switch-over deadline: say so, not "I/O".
+            MigrationError::channel(0)(match error {
+                ChannelError::Timeout(_) if deadline.passed() => ChannelError::Timeout(
+                    "the source's commit (whole, by the switch-over deadline)",
+                ),
+                other => other,
+            })
+        })?;
         MainChannelState::Ready
             .next(message.kind())
             .map_err(MigrationError::Protocol)?;

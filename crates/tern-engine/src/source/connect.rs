@@ -1,6 +1,8 @@
 //! Connecting: the session setup, the main channel and the page channels,
 //! each greeted and welcomed.
 
+use std::time::{Duration, Instant};
+
 use tern_page::codec::{CodecDictionary, CodecId};
 use tern_wire::{
     ChannelHello, Dictionary, DigestAlgorithm, Handshake, Hello, Message, RegionInfo, SessionSetup,
@@ -32,19 +34,14 @@ pub(super) fn connect(
     } else {
         None
     };
-    let main = main_slot.insert(open_channel(config, connector, session_id, 0)?);
-    main.send_message(&Message::Hello(Hello {
+    let hello = Message::Hello(Hello {
         handshake: Handshake {
             session_id,
             channel_index: 0,
         },
         setup: setup.clone(),
-    }))
-    .map_err(MigrationError::channel(0))?;
-    send_vmm_config(main, config)?;
-    expect_welcome(main, session_id, 0)?;
-    main.set_timeouts(config.io_timeout)
-        .map_err(MigrationError::channel(0))?;
+    });
+    let main = main_slot.insert(open_and_greet(config, connector, session_id, 0, &hello)?);
     // Before any page channel: every receiver has it before its first packet.
     if let Some(dictionary) = dictionary {
         main.send_message(&Message::Dictionary(Dictionary {
@@ -57,7 +54,13 @@ pub(super) fn connect(
     let identity = main.security().peer_identity.clone();
     (1..=config.channels)
         .map(|index| {
-            let channel = open_channel(config, connector, session_id, index)?;
+            let hello = Message::ChannelHello(ChannelHello {
+                handshake: Handshake {
+                    session_id,
+                    channel_index: index,
+                },
+            });
+            let channel = open_and_greet(config, connector, session_id, index, &hello)?;
             if channel.security().peer_identity != identity {
                 return Err(MigrationError::Channel {
                     index: usize::from(index),
@@ -67,13 +70,11 @@ pub(super) fn connect(
                     ),
                 });
             }
-            connect_page_channel(config, channel, session_id, index, zero_copy_window)
+            page_sender(config, channel, index, zero_copy_window)
         })
         .collect()
 }
 
-/// Connects channel `index` and runs its protections (TLS, the shared-key
-/// handshake); its hello comes next.
 /// The VMM's configuration, right after the hello when it announced one.
 fn send_vmm_config(main: &mut Channel, config: &MigrationConfig) -> Result<(), MigrationError> {
     if config.vmm_config.is_empty() {
@@ -85,6 +86,8 @@ fn send_vmm_config(main: &mut Channel, config: &MigrationConfig) -> Result<(), M
     .map_err(MigrationError::channel(0))
 }
 
+/// Connects channel `index` and runs its protections (TLS, the shared-key
+/// handshake); its hello comes next.
 fn open_channel(
     config: &MigrationConfig,
     connector: &dyn Connect,
@@ -96,7 +99,7 @@ fn open_channel(
         .connect(index, config.connect_timeout)
         .map_err(failed())?;
     // Until the welcome: a peer that is not a tern destination is named
-    // within the handshake timeout (`expect_welcome` restores io_timeout).
+    // within the handshake timeout (`open_and_greet` restores io_timeout).
     channel
         .set_timeouts(config.handshake_timeout.min(config.io_timeout))
         .map_err(failed())?;
@@ -108,25 +111,75 @@ fn open_channel(
     secure_client(channel, &config.security, address.host(), handshake).map_err(failed())
 }
 
-fn connect_page_channel(
+/// Connects channel `index`, runs its protections and sends `hello`, until
+/// the destination welcomes it. A busy destination may drop a connection
+/// that has proved nothing yet to make room for another (its defence
+/// against connections held hostage, docs/security.md): a channel closed
+/// before its welcome is opened again, after 10 ms, then twice as long
+/// each time (at most 320 ms), for as long as the connect timeout allows.
+fn open_and_greet(
     config: &MigrationConfig,
-    mut channel: Channel,
+    connector: &dyn Connect,
     session_id: u64,
+    index: u16,
+    hello: &Message,
+) -> Result<Channel, MigrationError> {
+    let until = Instant::now() + config.connect_timeout;
+    let mut backoff = Duration::from_millis(10);
+    loop {
+        let attempt = open_channel(config, connector, session_id, index).and_then(|mut channel| {
+            channel
+                .send_message(hello)
+                .map_err(MigrationError::channel(usize::from(index)))?;
+            if index == 0 {
+                send_vmm_config(&mut channel, config)?;
+            }
+            expect_welcome(&mut channel, session_id, index)?;
+            channel
+                .set_timeouts(config.io_timeout)
+                .map_err(MigrationError::channel(usize::from(index)))?;
+            Ok(channel)
+        });
+        match attempt {
+            Err(error) if dropped_before_welcome(&error) && Instant::now() + backoff < until => {
+                tracing::debug!(
+                    channel = index,
+                    error = %error.chain(),
+                    "the destination dropped the connection before welcoming it; retrying"
+                );
+                std::thread::sleep(backoff);
+                backoff = (backoff * 2).min(Duration::from_millis(320));
+            }
+            other => return other,
+        }
+    }
+}
+
+/// Whether a channel failed because the destination closed it (reset or
+/// end of stream) before welcoming it, with no reason given: what a
+/// destination short of handshake slots does.
+fn dropped_before_welcome(error: &MigrationError) -> bool {
+    let MigrationError::Channel { source, .. } = error else {
+        return false;
+    };
+    match source {
+        ChannelError::Closed => true,
+        ChannelError::Io(error) => matches!(
+            error.kind(),
+            std::io::ErrorKind::ConnectionReset
+                | std::io::ErrorKind::BrokenPipe
+                | std::io::ErrorKind::ConnectionAborted
+        ),
+        _ => false,
+    }
+}
+
+fn page_sender(
+    config: &MigrationConfig,
+    channel: Channel,
     index: u16,
     zero_copy_window: Option<usize>,
 ) -> Result<PageSender, MigrationError> {
-    channel
-        .send_message(&Message::ChannelHello(ChannelHello {
-            handshake: Handshake {
-                session_id,
-                channel_index: index,
-            },
-        }))
-        .map_err(MigrationError::channel(usize::from(index)))?;
-    expect_welcome(&mut channel, session_id, index)?;
-    channel
-        .set_timeouts(config.io_timeout)
-        .map_err(MigrationError::channel(usize::from(index)))?;
     let Some(window) = zero_copy_window else {
         return Ok(PageSender::Plain(channel));
     };

@@ -11,7 +11,7 @@ use super::live::LiveEnd;
 use super::{GuestChanges, Source};
 use crate::bitmap::DirtyBitmap;
 use crate::config::Verify;
-use crate::error::MigrationError;
+use crate::error::{ChannelError, MigrationError};
 use crate::guest::SourceGuest;
 use crate::pipeline::Pipeline;
 use crate::stats::{DestinationStats, MigrationStatus};
@@ -26,13 +26,33 @@ impl Source {
         pipe: &mut Pipeline<'_>,
         live: LiveEnd,
     ) -> Result<DestinationStats, MigrationError> {
+        let paused_at = Instant::now();
+        let result = self.pause_and_switch(guest, main, changes, pipe, live, paused_at);
+        if result.is_err() && changes.paused {
+            // Failed or unknown: the guest was paused this long so far (it
+            // resumes right after a failure, or stays paused when the
+            // outcome is unknown); reported whatever the outcome.
+            self.stats.set_downtime(paused_at.elapsed());
+        }
+        result
+    }
+
+    // long: the switch-over's steps in order, each with its failure path.
+    fn pause_and_switch<G: SourceGuest>(
+        &self,
+        guest: &mut G,
+        main: &mut Channel,
+        changes: &mut GuestChanges,
+        pipe: &mut Pipeline<'_>,
+        live: LiveEnd,
+        paused_at: Instant,
+    ) -> Result<DestinationStats, MigrationError> {
         let LiveEnd {
             mut bitmaps,
             iteration,
             forced,
         } = live;
         self.stats.set_status(MigrationStatus::Device);
-        let paused_at = Instant::now();
         guest.pause().map_err(MigrationError::guest("pause"))?;
         changes.paused = true;
         guest
@@ -49,14 +69,26 @@ impl Source {
             elapsed_ms = paused_at.elapsed().as_millis() as u64,
             "state and digest sent"
         );
-        self.await_ready(main, digest)?;
+        // The destination waits for the commit no longer than its own
+        // switch-over timeout after its ready, which follows this
+        // completion: a ready read after ours has passed (this side stalled)
+        // may be one the destination no longer honours.
+        let answer_deadline = Deadline::after(
+            self.config.switch_over_timeout,
+            "the destination's switch-over answer",
+        );
+        self.await_ready(main, digest, &answer_deadline)?;
         // From here on the destination may run the guest: never resume it
         // here, whatever happens next.
         changes.committed = true;
+        let commit_deadline = Deadline::after(
+            self.config.switch_over_timeout,
+            "the destination's switch-over answer",
+        );
         let answer = main
             .send_message(&Message::Commit)
             .map_err(MigrationError::channel(0))
-            .and_then(|()| self.await_answer(main));
+            .and_then(|()| self.await_answer(main, &commit_deadline));
         let outcome = match answer {
             Ok(Ok(outcome)) if outcome.verified => outcome,
             // A definite "not resumed": the guest runs nowhere, so it
@@ -74,6 +106,18 @@ impl Source {
                         "a second ready ({:032x}) instead of the acknowledgement",
                         ready.digest
                     )),
+                )));
+            }
+            // The destination sends an abort only while the guest has not
+            // resumed there (after resuming it answers with its outcome),
+            // so, like a "not resumed" outcome, it means the guest runs
+            // nowhere: it resumes here. (With a key, both are sealed: nobody
+            // on the path can forge them.)
+            Err(error @ MigrationError::PeerAborted { .. }) => {
+                changes.committed = false;
+                return Err(MigrationError::Protocol(format!(
+                    "the destination did not resume the guest: {}",
+                    error.chain()
                 )));
             }
             Err(error) => return Err(MigrationError::OutcomeUnknown(Box::new(error))),
@@ -135,9 +179,10 @@ impl Source {
             .save_state()
             .map_err(MigrationError::guest("save state"))?;
         let mut send_paused = |message: Message| {
-            let bytes = message.to_bytes();
-            main.write_all(&bytes).map_err(MigrationError::channel(0))?;
-            self.stats.add_sent(bytes.len() as u64, true, false);
+            let sent = main
+                .send_message_counted(&message)
+                .map_err(MigrationError::channel(0))?;
+            self.stats.add_sent(sent as u64, true, false);
             Ok::<_, MigrationError>(())
         };
         for section in &sections {
@@ -161,9 +206,25 @@ impl Source {
     /// an abort, silence past the switch-over timeout: the migration fails
     /// and the guest resumes here, which is safe, since the destination
     /// never resumes without a commit.
-    fn await_ready(&self, main: &mut Channel, digest: u128) -> Result<(), MigrationError> {
+    fn await_ready(
+        &self,
+        main: &mut Channel,
+        digest: u128,
+        deadline: &Deadline,
+    ) -> Result<(), MigrationError> {
         let verify = self.config.verify.compares();
-        match self.await_answer(main)? {
+        let answer = self.await_answer(main, deadline)?;
+        if deadline.passed() {
+            // Read late (this side stalled): the destination may have given
+            // up waiting for the commit, so none is sent.
+            return Err(MigrationError::Channel {
+                index: 0,
+                source: ChannelError::Timeout(
+                    "the destination's switch-over answer (read after the switch-over deadline)",
+                ),
+            });
+        }
+        match answer {
             Err(ready) if verify && ready.digest != digest => Err(MigrationError::DigestMismatch {
                 source_digest: digest,
                 destination: ready.digest,
@@ -185,11 +246,11 @@ impl Source {
     /// The destination's next answer on the main channel within the
     /// switch-over timeout: its outcome, or (as `Err`) its ready. Heartbeats
     /// it sent before it knew the live phase had ended are skipped.
-    fn await_answer(&self, main: &mut Channel) -> Result<Result<Outcome, Ready>, MigrationError> {
-        let deadline = Deadline::after(
-            self.config.switch_over_timeout,
-            "the destination's switch-over answer",
-        );
+    fn await_answer(
+        &self,
+        main: &mut Channel,
+        deadline: &Deadline,
+    ) -> Result<Result<Outcome, Ready>, MigrationError> {
         loop {
             let slice = deadline
                 .next_slice(ANSWER_POLL)
@@ -200,7 +261,19 @@ impl Source {
             {
                 continue;
             }
-            match main.read_message().map_err(MigrationError::channel(0))? {
+            // Whole by the deadline, however the bytes trickle in.
+            let message = main
+                .read_message_until(Some(deadline.at()))
+                .map_err(|error| {
+                    // Cut off by the switch-over deadline: say so.
+                    MigrationError::channel(0)(match error {
+                        ChannelError::Timeout(_) if deadline.passed() => ChannelError::Timeout(
+                            "the destination's switch-over answer (whole, by the deadline)",
+                        ),
+                        other => other,
+                    })
+                })?;
+            match message {
                 Message::Outcome(outcome) => return Ok(Ok(outcome)),
                 Message::Ready(ready) => return Ok(Err(ready)),
                 Message::Heartbeat => {}

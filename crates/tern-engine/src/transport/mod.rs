@@ -30,7 +30,7 @@ use std::path::PathBuf;
 use std::str::FromStr;
 use std::time::{Duration, Instant};
 
-use tern_wire::{FRAME_HEADER_LEN, FrameHeader, Message};
+use tern_wire::{FRAME_HEADER_LEN, FrameHeader, FrameOpener, Message, SEAL_LEN, Seal};
 
 use crate::error::ChannelError;
 
@@ -115,6 +115,26 @@ impl Address {
             Self::Unix(_) => "unix",
             Self::Vsock { .. } => "vsock",
             Self::Fd(_) => "fd",
+        }
+    }
+
+    /// Whether only this machine can connect to a listener bound here,
+    /// known before binding: `Some(true)` for a Unix socket or a TCP host
+    /// that resolves only to loopback addresses, `Some(false)` for every
+    /// interface (`tcp::PORT`), another TCP host, vsock or inherited
+    /// sockets, `None` when the host does not resolve.
+    pub fn is_local_only(&self) -> Option<bool> {
+        match self {
+            Self::Unix(_) => Some(true),
+            Self::Vsock { .. } | Self::Fd(_) => Some(false),
+            Self::Tcp(host_port) => {
+                if host_port.starts_with(':') {
+                    return Some(false);
+                }
+                let addresses: Vec<_> = host_port.to_socket_addrs().ok()?.collect();
+                (!addresses.is_empty())
+                    .then(|| addresses.iter().all(|address| address.ip().is_loopback()))
+            }
         }
     }
 
@@ -251,6 +271,25 @@ pub struct Channel {
     /// What the channel's handshake established, for the peer's checks and
     /// the statistics.
     security: security::ChannelSecurity,
+    /// Seals every control frame sent, once the key exchange agreed a
+    /// session key (the main channel with a shared key).
+    sealer: Option<Box<auth::ControlSealer>>,
+    /// Opens every control frame [`Channel::read_message`] reads, likewise.
+    /// (A destination's frames are read by a decoder holding its opener.)
+    opener: Option<Box<auth::ControlOpener>>,
+    /// The message being read, when it spans several reads.
+    transfer: Option<Transfer>,
+}
+
+/// One message read in several calls (a header, then its body, or a
+/// packet's header, table and payload): its deadline is the I/O timeout
+/// from its first byte, or `limit` if that comes first, however the bytes
+/// trickle in.
+#[derive(Clone, Copy, Debug)]
+struct Transfer {
+    limit: Option<Instant>,
+    /// Known once the first byte has arrived.
+    deadline: Option<Instant>,
 }
 
 /// A handle that shuts a channel down from another thread, waking any read
@@ -309,7 +348,105 @@ impl Channel {
             fd,
             message_timeout: None,
             security: security::ChannelSecurity::default(),
+            sealer: None,
+            opener: None,
+            transfer: None,
         })
+    }
+
+    /// From now on every control frame sent is sealed with `sealer`, and
+    /// every one [`Channel::read_message`] reads must pass `opener` (a
+    /// destination passes `None`: its decoder holds the opener).
+    pub(crate) fn seal_control(
+        &mut self,
+        sealer: auth::ControlSealer,
+        opener: Option<auth::ControlOpener>,
+    ) {
+        // Boxed: the keys are large and most channels have none.
+        self.sealer = Some(Box::new(sealer));
+        self.opener = opener.map(Box::new);
+    }
+
+    /// Whether the control frames sent on this channel are sealed.
+    pub fn is_sealed(&self) -> bool {
+        self.sealer.is_some()
+    }
+
+    /// Starts a message that takes several reads: until
+    /// [`Channel::end_transfer`], all of them count against one deadline,
+    /// the I/O timeout from the first byte (a silent peer is still allowed
+    /// the I/O timeout before it), or `limit` if that comes first.
+    pub fn begin_transfer(&mut self, limit: Option<Instant>) {
+        self.transfer = Some(Transfer {
+            limit,
+            deadline: None,
+        });
+    }
+
+    /// Ends the message [`Channel::begin_transfer`] started.
+    pub fn end_transfer(&mut self) {
+        self.transfer = None;
+    }
+
+    /// The clock of the next read: the socket's own timeout for a read of
+    /// its own; within a transfer, what is left of the transfer's deadline,
+    /// which is set when its first byte arrives.
+    fn read_clock(&mut self) -> Result<TransferClock, ChannelError> {
+        let Some(mut transfer) = self.transfer else {
+            return Ok(TransferClock::new(
+                self.fd,
+                libc::SO_RCVTIMEO,
+                self.message_timeout,
+            ));
+        };
+        let now = Instant::now();
+        let limit_left = transfer
+            .limit
+            .map(|limit| limit.saturating_duration_since(now));
+        let deadline = match transfer.deadline {
+            Some(deadline) => deadline,
+            None => {
+                // The wait for the first byte is the peer's silence, bounded
+                // as any read (and by the limit).
+                let wait = match (self.message_timeout, limit_left) {
+                    (Some(timeout), Some(left)) => Some(timeout.min(left)),
+                    (timeout, left) => timeout.or(left),
+                };
+                if let Some(wait) = wait
+                    && !self.wait_readable(wait)?
+                {
+                    return Err(if limit_left.is_some_and(|left| left <= wait) {
+                        TransferClock::OUTLASTED
+                    } else {
+                        ChannelError::Timeout("the peer (I/O timed out)")
+                    });
+                }
+                let first_byte = Instant::now();
+                let own = self.message_timeout.map(|timeout| first_byte + timeout);
+                let deadline = match (own, transfer.limit) {
+                    (Some(own), Some(limit)) => own.min(limit),
+                    (own, limit) => match own.or(limit) {
+                        Some(deadline) => deadline,
+                        None => {
+                            return Ok(TransferClock::new(self.fd, libc::SO_RCVTIMEO, None));
+                        }
+                    },
+                };
+                transfer.deadline = Some(deadline);
+                self.transfer = Some(transfer);
+                deadline
+            }
+        };
+        let left = deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return Err(TransferClock::OUTLASTED);
+        }
+        Ok(TransferClock::narrowed_from_start(
+            self.fd,
+            libc::SO_RCVTIMEO,
+            left,
+            self.message_timeout,
+        ))
     }
 
     /// A channel over a connected stream socket this process owns (one an
@@ -317,6 +454,15 @@ impl Channel {
     /// is not a stream socket.
     pub fn from_socket(fd: std::os::fd::OwnedFd) -> Result<Self, ChannelError> {
         Self::new(Stream::Socket(socket::stream_socket(fd)?))
+    }
+
+    /// The peer's IP address, for a TCP channel.
+    pub fn peer_ip(&self) -> Option<std::net::IpAddr> {
+        // SAFETY: `self.fd` is open for as long as `self` lives, which
+        // covers this call.
+        let borrowed = unsafe { std::os::fd::BorrowedFd::borrow_raw(self.fd) };
+        let address = socket2::SockRef::from(&borrowed).peer_addr().ok()?;
+        address.as_socket().map(|socket| socket.ip())
     }
 
     /// The transport and security the channel's handshake established.
@@ -441,11 +587,19 @@ impl Channel {
             Stream::Socket(socket) => socket.as_raw_fd(),
             Stream::Tls(_) => unreachable!("refused above"),
         };
+        if self.is_sealed() {
+            return Err(ChannelError::Io(io::Error::other(
+                "a channel whose control frames are sealed cannot be duplicated",
+            )));
+        }
         Ok(Self {
             stream,
             fd,
             security: self.security.clone(),
             message_timeout: self.message_timeout,
+            sealer: None,
+            opener: None,
+            transfer: None,
         })
     }
 
@@ -459,9 +613,20 @@ impl Channel {
         unsafe { self.send_vectored(&[segment]) }
     }
 
-    /// Encodes and sends one control message.
+    /// Encodes and sends one control message (sealed when the channel
+    /// seals its control frames).
     pub fn send_message(&mut self, message: &Message) -> Result<(), ChannelError> {
-        self.write_all(&message.to_bytes())
+        self.send_message_counted(message).map(|_| ())
+    }
+
+    /// [`Channel::send_message`], returning the bytes sent.
+    pub fn send_message_counted(&mut self, message: &Message) -> Result<usize, ChannelError> {
+        let mut bytes = message.to_bytes();
+        if let Some(sealer) = &mut self.sealer {
+            sealer.seal(&mut bytes);
+        }
+        self.write_all(&bytes)?;
+        Ok(bytes.len())
     }
 
     /// Reads exactly `buf.len()` bytes; a clean end of stream is reported as
@@ -482,12 +647,43 @@ impl Channel {
         Ok(FrameHeader::decode(&head)?)
     }
 
-    /// Reads one control message (frame header and body).
+    /// Reads one control message (frame header and body, and its seal
+    /// when the channel's frames are sealed), all of it within one transfer
+    /// deadline.
     pub fn read_message(&mut self) -> Result<Message, ChannelError> {
-        let header = self.read_frame_header()?;
-        let mut body = vec![0u8; header.body_len as usize];
+        self.read_message_until(None)
+    }
+
+    /// [`Channel::read_message`], cut off at `limit` whatever the peer
+    /// trickles (a switch-over answer has its own deadline).
+    pub fn read_message_until(&mut self, limit: Option<Instant>) -> Result<Message, ChannelError> {
+        self.begin_transfer(limit);
+        let message = self.read_whole_message();
+        self.end_transfer();
+        message
+    }
+
+    fn read_whole_message(&mut self) -> Result<Message, ChannelError> {
+        let mut head = [0u8; FRAME_HEADER_LEN];
+        self.read_exact(&mut head)?;
+        let header = FrameHeader::decode(&head)?;
+        let sealed = tern_wire::header_is_sealed(&head);
+        if sealed != self.opener.is_some() {
+            return Err(ChannelError::Protocol(if sealed {
+                tern_wire::WireError::SealUnexpected(header.kind)
+            } else {
+                tern_wire::WireError::Unsealed(header.kind)
+            }));
+        }
+        let body_len = header.body_len as usize;
+        let mut body = vec![0u8; body_len + if sealed { SEAL_LEN } else { 0 }];
         self.read_exact(&mut body)?;
-        Ok(Message::decode(header.kind, &body)?)
+        if let Some(opener) = &mut self.opener {
+            let mut seal = [0u8; SEAL_LEN];
+            seal.copy_from_slice(&body[body_len..]);
+            opener.open(&head, &body[..body_len], &Seal::decode(&seal))?;
+        }
+        Ok(Message::decode(header.kind, &body[..body_len])?)
     }
 
     /// Waits up to `timeout` for the channel to have data (or to be closed).
@@ -548,13 +744,13 @@ impl Channel {
     /// accesses during the call, and that lie inside memory the caller has
     /// bounds-checked (guest pages or a scratch buffer).
     pub unsafe fn read_scattered(&mut self, segments: &[Segment]) -> Result<(), ChannelError> {
+        let mut clock = self.read_clock()?;
         if let Stream::Tls(tls) = &mut self.stream {
             // SAFETY: the caller's contract, passed on.
-            return unsafe { tls.read_segments(segments, self.message_timeout) };
+            return unsafe { tls.read_segments(segments, clock) };
         }
         let mut iovecs = to_iovecs(segments);
         let mut first = 0;
-        let mut clock = TransferClock::new(self.fd, libc::SO_RCVTIMEO, self.message_timeout);
         while first < iovecs.len() {
             clock.before_call()?;
             let batch = &mut iovecs[first..];
@@ -589,6 +785,8 @@ struct TransferClock {
     timeout: Option<Duration>,
     started: Option<Instant>,
     narrowed: bool,
+    /// The socket's timeout outside this transfer.
+    restore: Option<Duration>,
 }
 
 impl TransferClock {
@@ -611,6 +809,26 @@ impl TransferClock {
             timeout,
             started: None,
             narrowed: false,
+            restore: timeout,
+        }
+    }
+
+    /// A clock of `left` whose first call is narrowed too: what is left of
+    /// a transfer that began earlier. The socket's timeout goes back to
+    /// `restore` when the clock ends.
+    fn narrowed_from_start(
+        fd: RawFd,
+        option: libc::c_int,
+        left: Duration,
+        restore: Option<Duration>,
+    ) -> Self {
+        Self {
+            fd,
+            option,
+            timeout: Some(left),
+            started: Some(Instant::now()),
+            narrowed: false,
+            restore,
         }
     }
 
@@ -637,9 +855,10 @@ impl TransferClock {
 
 impl Drop for TransferClock {
     fn drop(&mut self) {
-        if let (true, Some(timeout)) = (self.narrowed, self.timeout) {
+        if self.narrowed {
             // Best effort: a socket whose option cannot be set is broken,
-            // and its next transfer says so.
+            // and its next transfer says so. A zero timeout is "none".
+            let timeout = self.restore.unwrap_or(Duration::ZERO);
             let _ = set_socket_timeout(self.fd, self.option, timeout);
         }
     }

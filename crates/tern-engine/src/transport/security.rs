@@ -82,8 +82,14 @@ pub fn secure_client(
         None => channel,
     };
     if let Some(key) = &security.auth_key {
-        client_auth(&mut channel, key, handshake)?;
+        let bound = client_auth(&mut channel, key, handshake)?;
         channel.mark_key_authenticated();
+        if handshake.channel_index == 0 {
+            // The main channel carries the switch-over: from its hello on,
+            // every control frame is sealed with the session's keys.
+            let (sealer, opener) = key.session_keys(&bound).for_source();
+            channel.seal_control(sealer, Some(opener));
+        }
     }
     Ok(channel)
 }
@@ -92,7 +98,7 @@ fn client_auth(
     channel: &mut Channel,
     key: &AuthKey,
     handshake: Handshake,
-) -> Result<(), ChannelError> {
+) -> Result<Bound, ChannelError> {
     let source_nonce = auth::nonce().map_err(auth_failed)?;
     channel.send_message(&Message::AuthHello(AuthHello {
         handshake,
@@ -129,7 +135,8 @@ fn client_auth(
     }
     channel.send_message(&Message::AuthProof(AuthProof {
         proof: key.source_proof(&bound),
-    }))
+    }))?;
+    Ok(bound)
 }
 
 fn auth_failed(error: auth::AuthError) -> ChannelError {

@@ -640,7 +640,7 @@ impl TlsStream {
     }
 
     /// Decrypts into the segments (one copy, out of rustls's buffer), all
-    /// of it within one transfer deadline of `timeout`, as on a plain
+    /// of it within `clock`'s transfer deadline, as on a plain
     /// socket: records trickling in do not restart the clock.
     ///
     /// # Safety
@@ -648,9 +648,8 @@ impl TlsStream {
     pub(super) unsafe fn read_segments(
         &mut self,
         segments: &[Segment],
-        timeout: Option<Duration>,
+        mut clock: TransferClock,
     ) -> Result<(), ChannelError> {
-        let mut clock = TransferClock::new(self.raw_fd(), libc::SO_RCVTIMEO, timeout);
         for segment in segments.iter().filter(|segment| segment.len > 0) {
             // SAFETY: the segment points to `len` writable, bounds-checked
             // bytes that nothing else accesses during the call (caller's

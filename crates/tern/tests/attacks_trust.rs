@@ -1,0 +1,387 @@
+//! The trust holes of issue 23, each as an attack on a real `tern receive`
+//! process: what an unauthenticated connection may make it hold, a flood
+//! of idle connections against an authenticated source, and the memory of
+//! a 64-channel session against the bound docs/security.md states. Each
+//! prints what it measured (`--nocapture`), the figures of the threat table
+//! in docs/security.md.
+
+mod process;
+
+use std::io::{Read, Write};
+use std::net::TcpStream;
+use std::os::fd::AsRawFd;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use process::{Receiver, tern, wait_until_read};
+use tern_wire::{
+    Abort, AbortReason, AuthHello, DigestAlgorithm, FRAME_HEADER_LEN, FrameHeader, FrameKind,
+    Handshake, Hello, Message, RegionInfo, SessionSetup,
+};
+
+const KIB: u64 = 1 << 10;
+const MIB: u64 = 1 << 20;
+
+/// Connections an attacker holds: the receiver's default handshake limit.
+const HOSTILE: usize = 64;
+
+/// A `/proc/PID/status` field in bytes (`VmRSS`, `VmHWM`).
+fn status_bytes(child: &std::process::Child, field: &str) -> u64 {
+    let status = std::fs::read_to_string(format!("/proc/{}/status", child.id())).unwrap();
+    let kib: u64 = status
+        .lines()
+        .find_map(|line| line.strip_prefix(field))
+        .and_then(|value| value.trim().trim_end_matches("kB").trim().parse().ok())
+        .unwrap_or_else(|| panic!("{field} in /proc/PID/status"));
+    kib * KIB
+}
+
+/// Bytes the process read so far (`rchar`).
+fn read_bytes(child: &std::process::Child) -> u64 {
+    std::fs::read_to_string(format!("/proc/{}/io", child.id()))
+        .unwrap_or_default()
+        .lines()
+        .find_map(|line| line.strip_prefix("rchar: "))
+        .and_then(|value| value.trim().parse().ok())
+        .unwrap_or(0)
+}
+
+/// The machine's load, for the record next to each figure.
+fn load() -> String {
+    std::fs::read_to_string("/proc/loadavg")
+        .unwrap_or_default()
+        .split_whitespace()
+        .take(3)
+        .collect::<Vec<_>>()
+        .join(" ")
+}
+
+fn key_file() -> tempfile::NamedTempFile {
+    let mut file = tempfile::NamedTempFile::new().unwrap();
+    file.write_all(b"0123456789abcdef0123456789abcdef\n")
+        .unwrap();
+    file
+}
+
+fn connect(port: u16) -> TcpStream {
+    TcpStream::connect(("127.0.0.1", port)).unwrap()
+}
+
+/// The largest legal hello: 1024 regions and the longest guest kind.
+fn largest_hello() -> Vec<u8> {
+    Message::Hello(Hello {
+        handshake: Handshake {
+            session_id: 0x5107_1015,
+            channel_index: 0,
+        },
+        setup: SessionSetup {
+            page_size: 4096,
+            channel_count: 1,
+            codecs: 0,
+            digest: DigestAlgorithm::Xxh3Pages,
+            regions: (0..1024)
+                .map(|id| RegionInfo {
+                    id,
+                    guest_addr: u64::from(id) << 30,
+                    len: 1 << 20,
+                })
+                .collect(),
+            guest_kind: "k".repeat(64),
+            dictionaries: 0,
+        },
+    })
+    .to_bytes()
+}
+
+/// The v6 attack: a state section's header announcing 64 MiB, then 1 MiB
+/// of its body (the receiver read all of it before authenticating).
+fn oversized_first_frame(stream: &mut TcpStream) {
+    let header = FrameHeader {
+        kind: FrameKind::StateSection,
+        body_len: 64 << 20,
+    }
+    .encode();
+    // Refused at its header now: the writes may meet a closed socket.
+    let _ = stream.write_all(&header);
+    let _ = stream.write_all(&vec![0x5a; MIB as usize]);
+}
+
+/// Reads one frame (header and body) from a plaintext stream.
+fn read_frame(stream: &mut TcpStream) -> Message {
+    let mut head = [0u8; FRAME_HEADER_LEN];
+    stream.read_exact(&mut head).unwrap();
+    let header = FrameHeader::decode(&head).unwrap();
+    let mut body = vec![0u8; header.body_len as usize];
+    stream.read_exact(&mut body).unwrap();
+    Message::decode(header.kind, &body).unwrap()
+}
+
+/// Opens `HOSTILE` connections that each send `attack`, waits until the
+/// receiver has read what they sent, and returns its peak RSS above what
+/// it held before, with the connections still held.
+fn hostile_peak(
+    receiver: &Receiver,
+    attack: impl Fn(&mut TcpStream) -> u64,
+) -> (u64, Vec<TcpStream>) {
+    let idle = status_bytes(&receiver.child, "VmRSS:");
+    let before = read_bytes(&receiver.child);
+    let mut sent = 0;
+    let held: Vec<TcpStream> = (0..HOSTILE)
+        .map(|_| {
+            let mut stream = connect(receiver.port());
+            sent += attack(&mut stream);
+            stream
+        })
+        .collect();
+    wait_until_read(&receiver.child, before + sent);
+    let peak = status_bytes(&receiver.child, "VmHWM:");
+    (peak.saturating_sub(idle), held)
+}
+
+/// What an unauthenticated connection can make the receiver hold: at most
+/// 64 KiB each, whatever it sends first (docs/security.md, "Before
+/// authentication").
+#[test]
+fn unauthenticated_input_costs_at_most_64_kib_per_connection() {
+    let key = key_file();
+    let key_path = key.path().to_str().unwrap();
+    let bound = HOSTILE as u64 * 64 * KIB;
+    // With a key: the v6 attack (refused at its header now), then the
+    // worst that still passes: an auth hello, then all but the last byte
+    // of the longest frame allowed in place of the proof.
+    let receiver = Receiver::spawn(
+        &["receive"],
+        &[
+            "--keep-listening",
+            "--auth-key",
+            key_path,
+            "--handshake-timeout",
+            "60",
+        ],
+    );
+    let (oversized, held) = hostile_peak(&receiver, |stream| {
+        oversized_first_frame(stream);
+        // Only the refused header's 8 bytes are read.
+        FRAME_HEADER_LEN as u64
+    });
+    drop(held);
+    let (proof_frame, held) = hostile_peak(&receiver, |stream| {
+        let hello = Message::AuthHello(AuthHello {
+            handshake: Handshake {
+                session_id: 1,
+                channel_index: 0,
+            },
+            nonce: [3; 32],
+        })
+        .to_bytes();
+        stream.write_all(&hello).unwrap();
+        assert!(matches!(read_frame(stream), Message::AuthChallenge(_)));
+        let abort = Message::Abort(Abort {
+            reason: AbortReason::Other,
+            message: "x".repeat(4096),
+        })
+        .to_bytes();
+        stream.write_all(&abort[..abort.len() - 1]).unwrap();
+        (hello.len() + abort.len() - 1) as u64
+    });
+    drop(held);
+    let mut receiver = receiver;
+    receiver.child.kill().unwrap();
+    receiver.child.wait().unwrap();
+    // Without a key (loopback): all but the last byte of the largest
+    // legal hello.
+    let receiver = Receiver::spawn(
+        &["receive"],
+        &["--keep-listening", "--handshake-timeout", "60"],
+    );
+    let hello = largest_hello();
+    let (largest_hello_cost, held) = hostile_peak(&receiver, |stream| {
+        stream.write_all(&hello[..hello.len() - 1]).unwrap();
+        (hello.len() - 1) as u64
+    });
+    drop(held);
+    let mut receiver = receiver;
+    receiver.child.kill().unwrap();
+    receiver.child.wait().unwrap();
+    for (what, cost) in [
+        ("64 MiB state-section header first (auth key)", oversized),
+        (
+            "auth hello, then 4 KiB - 1 of an abort (auth key)",
+            proof_frame,
+        ),
+        ("largest hello - 1 byte (no key)", largest_hello_cost),
+    ] {
+        eprintln!(
+            "{HOSTILE} connections, {what}: receiver peak RSS +{} KiB above idle (load {})",
+            cost / KIB,
+            load()
+        );
+        assert!(
+            cost <= bound,
+            "{what}: {cost} bytes above idle for {HOSTILE} connections, more than {bound}"
+        );
+    }
+}
+
+/// An attacker that holds `HOSTILE` idle connections to `port` and opens a
+/// new one for each the receiver closes, until `stop`.
+fn hold_hostage(port: u16, stop: Arc<AtomicBool>, reopened: Arc<AtomicU64>) {
+    let open = || TcpStream::connect(("127.0.0.1", port)).ok();
+    let mut streams: Vec<Option<TcpStream>> = (0..HOSTILE).map(|_| open()).collect();
+    while !stop.load(Ordering::Relaxed) {
+        for slot in streams.iter_mut().filter(|slot| slot.is_none()) {
+            *slot = open();
+        }
+        let slots: Vec<usize> = (0..streams.len())
+            .filter(|&index| streams[index].is_some())
+            .collect();
+        let mut fds: Vec<libc::pollfd> = slots
+            .iter()
+            .map(|&index| libc::pollfd {
+                fd: streams[index].as_ref().map_or(-1, AsRawFd::as_raw_fd),
+                events: libc::POLLIN | libc::POLLRDHUP,
+                revents: 0,
+            })
+            .collect();
+        // SAFETY: `fds` is a valid array of pollfds for the call.
+        let ready = unsafe { libc::poll(fds.as_mut_ptr(), fds.len() as libc::nfds_t, 50) };
+        if ready <= 0 {
+            continue;
+        }
+        for (&slot, fd) in slots.iter().zip(&fds) {
+            if fd.revents != 0 {
+                // Closed (or an abort before the close): reopen at once.
+                streams[slot] = open();
+                reopened.fetch_add(1, Ordering::Relaxed);
+            }
+        }
+    }
+}
+
+/// Everything a child writes on stderr, read as it comes (a receiver
+/// blocked on a full pipe would stall the test, not the attack).
+fn drain_stderr(child: &mut std::process::Child) -> std::thread::JoinHandle<String> {
+    let mut pipe = child.stderr.take().expect("stderr piped");
+    std::thread::spawn(move || {
+        let mut text = String::new();
+        let _ = pipe.read_to_string(&mut text);
+        text
+    })
+}
+
+/// Migrates a 32 MiB guest over 4 channels with the key; its wall time.
+fn authenticated_migration(address: &str, key: &str) -> Duration {
+    let started = Instant::now();
+    let output = tern()
+        .args(["migrate", "--json", "--progress", "none", "--to", address])
+        .args(["--memory", "32MiB", "--channels", "4", "--dirty-rate", "0"])
+        .args(["--auth-key", key, "--connect-timeout", "30"])
+        .output()
+        .unwrap();
+    assert!(
+        output.status.success(),
+        "the authenticated migration failed: {}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    started.elapsed()
+}
+
+/// Issue 23's hostage attack: 64 idle connections, each reopened as soon
+/// as the receiver closes it, from the source's own host.
+#[test]
+fn an_authenticated_migration_gets_through_connections_held_hostage() {
+    let key = key_file();
+    let key_path = key.path().to_str().unwrap();
+    let mut receiver = Receiver::spawn(
+        &["receive"],
+        &[
+            "--keep-listening",
+            "--auth-key",
+            key_path,
+            "--handshake-timeout",
+            "300",
+        ],
+    );
+    let stderr = drain_stderr(&mut receiver.child);
+    let quiet = authenticated_migration(&receiver.address, key_path);
+    let stop = Arc::new(AtomicBool::new(false));
+    let reopened = Arc::new(AtomicU64::new(0));
+    let attacker = {
+        let (port, stop, reopened) = (receiver.port(), stop.clone(), reopened.clone());
+        std::thread::spawn(move || hold_hostage(port, stop, reopened))
+    };
+    let mut flooded = Vec::new();
+    for _ in 0..3 {
+        flooded.push(authenticated_migration(&receiver.address, key_path));
+    }
+    stop.store(true, Ordering::Relaxed);
+    attacker.join().unwrap();
+    eprintln!(
+        "hostage attack: {HOSTILE} idle connections held, {} reopened; authenticated 32 MiB \
+         migrations took {flooded:?} (without the attack {quiet:?}; load {})",
+        reopened.load(Ordering::Relaxed),
+        load()
+    );
+    receiver.child.kill().unwrap();
+    receiver.child.wait().unwrap();
+    let stderr = stderr.join().unwrap();
+    assert!(
+        stderr.contains("to make room"),
+        "the receiver must have dropped idle handshakes: {stderr}"
+    );
+}
+
+/// The memory bound of docs/security.md ("Memory"), for a session of
+/// `channels` page channels into a guest of `guest` bytes with the decoder
+/// pool (four landings per receiver) and a userfaultfd (a bounce buffer
+/// per landing).
+fn documented_bound(guest: u64, channels: u64) -> u64 {
+    let pages = guest / 4096;
+    let per_channel = 4 * (512 * KIB + 512 * KIB) + 512 * KIB;
+    let bookkeeping = pages * 8 + pages * (4 + channels) / 8;
+    let fixed = 48 * MIB;
+    guest + fixed + channels * per_channel + bookkeeping
+}
+
+/// 64 channels of full packets (random pages, which go raw) into a
+/// 128 MiB guest: the receiver's peak RSS stays within guest + the
+/// documented bound.
+#[test]
+fn sixty_four_channels_stay_within_the_documented_memory_bound() {
+    let receiver = Receiver::spawn(&["receive"], &["--keep-listening"]);
+    let output = tern()
+        .args([
+            "migrate",
+            "--json",
+            "--progress",
+            "none",
+            "--to",
+            &receiver.address,
+        ])
+        .args(["--memory", "128MiB", "--mix", "0:100:0", "--channels", "64"])
+        .args(["--dirty-rate", "0"])
+        .output()
+        .unwrap();
+    assert!(
+        output.status.success(),
+        "{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    let peak = status_bytes(&receiver.child, "VmHWM:");
+    let bound = documented_bound(128 * MIB, 64);
+    eprintln!(
+        "64 channels, 128 MiB guest of random pages: receiver peak RSS {} MiB, documented \
+         bound {} MiB (load {})",
+        peak / MIB,
+        bound / MIB,
+        load()
+    );
+    let mut receiver = receiver;
+    receiver.child.kill().unwrap();
+    receiver.child.wait().unwrap();
+    assert!(
+        peak <= bound,
+        "peak RSS {peak} bytes above the documented bound {bound}"
+    );
+}

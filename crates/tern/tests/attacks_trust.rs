@@ -89,6 +89,7 @@ fn largest_hello() -> Vec<u8> {
                 .collect(),
             guest_kind: "k".repeat(64),
             dictionaries: 0,
+            vmm_config_len: 0,
         },
     })
     .to_bytes()

@@ -5,13 +5,17 @@
 
 mod common;
 
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::thread::JoinHandle;
 use std::time::Duration;
 
 use common::*;
 use tern_engine::{
-    Channel, Destination, Listener, MigrationError, MigrationStatus, ReceiveConfig, Source,
+    Channel, Destination, DeviceState, GuestControl, GuestError, GuestMemory, Listener,
+    MemoryRegion, MigrationError, MigrationStatus, ReceiveConfig, Source, StateSection,
 };
+use tern_synthetic::SyntheticGuest;
 use tern_wire::{
     ChannelHello, Complete, DigestAlgorithm, Handshake, Hello, Message, Outcome, OutcomeStats,
     Ready, RegionInfo, SessionSetup, Sync, Welcome,
@@ -28,6 +32,10 @@ enum AtSwitchOver {
     ReadyThenRefuse,
     /// Says ready, reads the commit and acknowledges: a good destination.
     ReadyThenAcknowledge,
+    /// Says ready with a digest other than the source's (memory that
+    /// arrived differently), then reads whatever comes: the source must
+    /// not commit.
+    ReadyWithAnotherDigest,
 }
 
 /// What the fake destination saw on the main channel after the completion.
@@ -114,6 +122,16 @@ fn switch_over(main: &mut Channel, complete: Complete, at: AtSwitchOver) -> Seen
         }
         return seen;
     }
+    if matches!(at, AtSwitchOver::ReadyWithAnotherDigest) {
+        main.send_message(&Message::Ready(Ready {
+            digest: complete.digest ^ 1,
+        }))
+        .unwrap();
+        while let Ok(message) = main.read_message() {
+            seen.push(message);
+        }
+        return seen;
+    }
     main.send_message(&Message::Ready(Ready {
         digest: complete.digest,
     }))
@@ -140,7 +158,7 @@ fn switch_over(main: &mut Channel, complete: Complete, at: AtSwitchOver) -> Seen
             }))
             .unwrap();
         }
-        AtSwitchOver::Silent => unreachable!(),
+        AtSwitchOver::Silent | AtSwitchOver::ReadyWithAnotherDigest => unreachable!(),
     }
     seen
 }
@@ -225,6 +243,31 @@ fn ready_commit_acknowledge_completes() {
 }
 
 #[test]
+fn a_ready_with_another_digest_is_a_mismatch_and_the_source_never_commits() {
+    let (guest, result, seen) = migrate_to_fake(AtSwitchOver::ReadyWithAnotherDigest);
+    let failure = expect_failure(result, MigrationStatus::Failed, "digest");
+    let MigrationError::DigestMismatch {
+        source_digest,
+        destination,
+    } = failure.error
+    else {
+        panic!("expected a digest mismatch: {}", failure.error.chain());
+    };
+    assert_eq!(destination, source_digest ^ 1, "the values compared");
+    assert!(
+        !failure.stats.digest_verified,
+        "a mismatch is not a verified digest"
+    );
+    assert!(guest.is_running(), "without a commit the source resumes");
+    assert!(
+        !seen
+            .iter()
+            .any(|message| matches!(message, Message::Commit)),
+        "no commit after a ready with another digest: {seen:?}"
+    );
+}
+
+#[test]
 fn a_destination_without_heartbeats_is_detected_during_the_live_phase() {
     let (listener, address) = tcp_listener();
     // It never answers the switch-over either; the source must not get
@@ -306,16 +349,92 @@ fn fake_source_handshake(
     (main, page)
 }
 
+/// What a destination guest saw of its own resumption, kept where the test
+/// can read it after the destination has dropped the guest.
+#[derive(Debug, Default)]
+struct ResumeLog {
+    /// Set by the fake source just before it sends its commit.
+    commit_sent: AtomicBool,
+    /// Calls of `resume`.
+    resumed: AtomicUsize,
+    /// Calls of `resume` before the commit was sent: the guest would have
+    /// run on both hosts.
+    resumed_before_commit: AtomicUsize,
+}
+
+impl ResumeLog {
+    fn resumed(&self) -> usize {
+        self.resumed.load(Ordering::SeqCst)
+    }
+}
+
+/// A synthetic destination guest that records every resumption in a
+/// [`ResumeLog`].
+#[derive(Debug)]
+struct WatchedGuest {
+    guest: SyntheticGuest,
+    log: Arc<ResumeLog>,
+}
+
+impl GuestMemory for WatchedGuest {
+    fn regions(&self) -> &[MemoryRegion] {
+        self.guest.regions()
+    }
+}
+
+impl GuestControl for WatchedGuest {
+    fn pause(&mut self) -> Result<(), GuestError> {
+        self.guest.pause()
+    }
+
+    fn resume(&mut self) -> Result<(), GuestError> {
+        if !self.log.commit_sent.load(Ordering::SeqCst) {
+            self.log
+                .resumed_before_commit
+                .fetch_add(1, Ordering::SeqCst);
+        }
+        self.log.resumed.fetch_add(1, Ordering::SeqCst);
+        self.guest.resume()
+    }
+
+    fn set_throttle(&mut self, percent: u8) -> Result<(), GuestError> {
+        self.guest.set_throttle(percent)
+    }
+}
+
+impl DeviceState for WatchedGuest {
+    fn save_state(&mut self) -> Result<Vec<StateSection>, GuestError> {
+        self.guest.save_state()
+    }
+
+    fn restore_state(&mut self, sections: &[StateSection]) -> Result<(), GuestError> {
+        self.guest.restore_state(sections)
+    }
+
+    fn guest_kind(&self) -> &str {
+        self.guest.guest_kind()
+    }
+}
+
+type WatchedResult = Result<tern_engine::Received<WatchedGuest>, MigrationError>;
+
 /// A real destination with a short switch-over timeout, a fake source that
-/// has sent everything (one empty iteration, the completion), and the
-/// destination's first answer.
-fn destination_ready() -> (JoinHandle<DestinationResult>, Channel, Channel, Message) {
-    use tern_engine::{DeviceState, GuestControl};
+/// has sent everything (one empty iteration, the completion), the
+/// destination's first answer, and what its guest saw of its resumption.
+fn destination_ready() -> (
+    JoinHandle<WatchedResult>,
+    Channel,
+    Channel,
+    Message,
+    Arc<ResumeLog>,
+) {
     // The device state a synthetic destination guest needs to restore.
     let mut source_guest = guest(4 * MIB, 0);
     source_guest.pause().unwrap();
     let sections = source_guest.save_state().unwrap();
     let (listener, address) = tcp_listener();
+    let log = Arc::new(ResumeLog::default());
+    let guest_log = Arc::clone(&log);
     let destination = std::thread::spawn(move || {
         let config = ReceiveConfig {
             switch_over_timeout: Duration::from_secs(1),
@@ -324,7 +443,12 @@ fn destination_ready() -> (JoinHandle<DestinationResult>, Channel, Channel, Mess
             allow_unverified: true,
             ..receive_config()
         };
-        Destination::new(config).receive(&listener, make_destination_guest)
+        Destination::new(config).receive(&listener, |setup: &SessionSetup| {
+            Ok(WatchedGuest {
+                guest: make_destination_guest(setup)?,
+                log: guest_log,
+            })
+        })
     });
     let (mut main, mut page) = fake_source_handshake(&address, setup());
     page.send_message(&Message::Sync(Sync {
@@ -353,13 +477,24 @@ fn destination_ready() -> (JoinHandle<DestinationResult>, Channel, Channel, Mess
             other => break other,
         }
     };
-    (destination, main, page, answer)
+    (destination, main, page, answer, log)
+}
+
+/// The destination failed and its guest never ran.
+fn assert_never_resumed(log: &ResumeLog) {
+    assert_eq!(
+        log.resumed(),
+        0,
+        "the destination resumed its guest without a commit"
+    );
 }
 
 #[test]
 fn the_destination_says_ready_and_resumes_only_on_commit() {
-    let (destination, mut main, _page, answer) = destination_ready();
+    let (destination, mut main, _page, answer, log) = destination_ready();
     assert!(matches!(answer, Message::Ready(_)), "{answer:?}");
+    assert_eq!(log.resumed(), 0, "resumed before the commit");
+    log.commit_sent.store(true, Ordering::SeqCst);
     main.send_message(&Message::Commit).unwrap();
     match main.read_message().expect("the acknowledgement") {
         Message::Outcome(outcome) => assert!(outcome.verified, "{outcome:?}"),
@@ -369,12 +504,14 @@ fn the_destination_says_ready_and_resumes_only_on_commit() {
         .join()
         .expect("no panic")
         .unwrap_or_else(|error| panic!("{}", error.chain()));
-    assert!(received.guest.is_running());
+    assert!(received.guest.guest.is_running());
+    assert_eq!(log.resumed(), 1);
+    assert_eq!(log.resumed_before_commit.load(Ordering::SeqCst), 0);
 }
 
 #[test]
 fn no_commit_in_time_and_the_destination_does_not_resume() {
-    let (destination, _main, _page, answer) = destination_ready();
+    let (destination, _main, _page, answer, log) = destination_ready();
     assert!(matches!(answer, Message::Ready(_)), "{answer:?}");
     let error = destination
         .join()
@@ -385,11 +522,12 @@ fn no_commit_in_time_and_the_destination_does_not_resume() {
         "{}",
         error.chain()
     );
+    assert_never_resumed(&log);
 }
 
 #[test]
 fn an_abort_instead_of_a_commit_and_the_destination_does_not_resume() {
-    let (destination, mut main, _page, answer) = destination_ready();
+    let (destination, mut main, _page, answer, log) = destination_ready();
     assert!(matches!(answer, Message::Ready(_)), "{answer:?}");
     main.send_message(&Message::Abort(tern_wire::Abort {
         reason: tern_wire::AbortReason::Other,
@@ -405,18 +543,30 @@ fn an_abort_instead_of_a_commit_and_the_destination_does_not_resume() {
         "{}",
         error.chain()
     );
+    assert!(
+        error.chain().contains("the source gave up waiting"),
+        "{}",
+        error.chain()
+    );
+    assert_never_resumed(&log);
 }
 
 #[test]
 fn a_closed_main_channel_instead_of_a_commit_and_the_destination_does_not_resume() {
-    let (destination, main, page, answer) = destination_ready();
+    let (destination, main, page, answer, log) = destination_ready();
     assert!(matches!(answer, Message::Ready(_)), "{answer:?}");
     drop(main);
     drop(page);
-    destination
+    let error = destination
         .join()
         .expect("no panic")
         .expect_err("the source is gone");
+    assert!(
+        matches!(error, MigrationError::Channel { index: 0, .. }),
+        "the main channel's loss: {}",
+        error.chain()
+    );
+    assert_never_resumed(&log);
 }
 
 #[test]

@@ -441,6 +441,8 @@ fn receive_one(
     struct ReceiveReport<'a> {
         status: &'static str,
         digest_verified: bool,
+        #[serde(skip_serializing_if = "Option::is_none")]
+        digest_comparison: Option<tern_engine::DigestComparison>,
         memory: u64,
         resumed_guest_dirtying: bool,
         #[serde(flatten)]
@@ -450,8 +452,12 @@ fn receive_one(
     }
     let report = ReceiveReport {
         status: "completed",
-        // The destination compared digests unless the source asked for none.
-        digest_verified: received.setup.digest != tern_wire::DigestAlgorithm::None,
+        // Evidence, not configuration: the destination compared the two
+        // digests (and resumed only because they matched).
+        digest_verified: received
+            .digest_comparison
+            .is_some_and(|comparison| comparison.matched()),
+        digest_comparison: received.digest_comparison,
         memory: received.setup.total_bytes(),
         resumed_guest_dirtying: running,
         stats: &received.stats,

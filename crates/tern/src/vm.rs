@@ -570,7 +570,7 @@ fn receive_one(
         stats,
         setup,
         security,
-        ..
+        digest_comparison,
     } = received.map_err(|error| {
         crate::run::Incomplete::error(error, "the incoming migration did not complete")
     })?;
@@ -580,6 +580,8 @@ fn receive_one(
     struct ReceiveReport<'a> {
         status: &'static str,
         digest_verified: bool,
+        #[serde(skip_serializing_if = "Option::is_none")]
+        digest_comparison: Option<tern_engine::DigestComparison>,
         memory: u64,
         #[serde(flatten)]
         proof: &'a DestinationProof,
@@ -590,8 +592,9 @@ fn receive_one(
     }
     let report = ReceiveReport {
         status: "completed",
-        // The destination only resumes after the digests matched.
-        digest_verified: setup.digest != tern_wire::DigestAlgorithm::None,
+        // Evidence, not configuration: the digests this side compared.
+        digest_verified: digest_comparison.is_some_and(|comparison| comparison.matched()),
+        digest_comparison,
         memory: setup.total_bytes(),
         proof: &proof,
         stats: &stats,

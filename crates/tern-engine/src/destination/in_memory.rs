@@ -221,6 +221,7 @@ impl Destination {
                 transport: "memory".into(),
                 ..SessionSecurity::default()
             },
+            digest_comparison: self.stats.digest_comparison(),
         })
     }
 }

@@ -27,7 +27,7 @@ use crate::config::ReceiveConfig;
 use crate::error::MigrationError;
 use crate::guest::{DestinationGuest, GuestError, PAGE_SIZE};
 use crate::source::CancelToken;
-use crate::stats::{DestinationStats, SessionSecurity, thread_cpu_seconds};
+use crate::stats::{DestinationStats, DigestComparison, SessionSecurity, thread_cpu_seconds};
 use crate::transport::{Channel, Listener};
 
 use handshake::Greeted;
@@ -104,6 +104,8 @@ pub struct ReceiveStats {
     last_refusal: Mutex<Option<String>>,
     /// CPU nanoseconds of the decoder threads, together.
     decoder_cpu: AtomicU64,
+    /// The digests the switch-over compared, once it compared them.
+    digest_comparison: Mutex<Option<DigestComparison>>,
 }
 
 impl ReceiveStats {
@@ -203,6 +205,22 @@ impl ReceiveStats {
         cpu[receiver] += nanos(seconds);
     }
 
+    /// Records the digests the switch-over compared.
+    fn set_digest_comparison(&self, comparison: DigestComparison) {
+        *self
+            .digest_comparison
+            .lock()
+            .unwrap_or_else(|e| e.into_inner()) = Some(comparison);
+    }
+
+    /// The digests the switch-over compared, if it did.
+    pub fn digest_comparison(&self) -> Option<DigestComparison> {
+        *self
+            .digest_comparison
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+    }
+
     /// The statistics the outcome message carries.
     fn snapshot(&self, digest_time: Duration) -> OutcomeStats {
         OutcomeStats {
@@ -239,6 +257,10 @@ pub struct Received<G> {
     /// channel's handshake established it (the same fields as the
     /// source's report).
     pub security: SessionSecurity,
+    /// The source's digest and this side's, compared equal before the
+    /// guest resumed; `None` when the session did not verify (the source
+    /// asked for no digest).
+    pub digest_comparison: Option<DigestComparison>,
 }
 
 /// Receives one migration.
@@ -391,6 +413,7 @@ impl Destination {
             stats: self.local_stats(&stats),
             setup,
             security: SessionSecurity::default(),
+            digest_comparison: self.stats.digest_comparison(),
         })
     }
 }

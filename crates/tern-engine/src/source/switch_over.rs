@@ -14,7 +14,7 @@ use crate::config::Verify;
 use crate::error::MigrationError;
 use crate::guest::SourceGuest;
 use crate::pipeline::Pipeline;
-use crate::stats::{DestinationStats, MigrationStatus};
+use crate::stats::{DestinationStats, DigestComparison, MigrationStatus};
 use crate::transport::Channel;
 
 impl Source {
@@ -79,8 +79,7 @@ impl Source {
             Err(error) => return Err(MigrationError::OutcomeUnknown(Box::new(error))),
         };
         self.stats.set_downtime(paused_at.elapsed());
-        self.stats
-            .set_digest_verified(self.config.verify.compares());
+        self.stats.set_digest_verified_from_comparison();
         if forced {
             tracing::info!("switch-over was forced by a limit");
         }
@@ -163,7 +162,18 @@ impl Source {
     /// never resumes without a commit.
     fn await_ready(&self, main: &mut Channel, digest: u128) -> Result<(), MigrationError> {
         let verify = self.config.verify.compares();
-        match self.await_answer(main)? {
+        let answer = self.await_answer(main)?;
+        if verify {
+            let destination = match &answer {
+                Ok(outcome) => outcome.digest,
+                Err(ready) => ready.digest,
+            };
+            self.stats.set_digest_comparison(DigestComparison {
+                source: digest,
+                destination,
+            });
+        }
+        match answer {
             Err(ready) if verify && ready.digest != digest => Err(MigrationError::DigestMismatch {
                 source_digest: digest,
                 destination: ready.digest,

@@ -1306,7 +1306,10 @@ mod feature_tests {
     #[test]
     fn without_iaa_the_destination_inflates_with_libdeflate() {
         if qpl_available().is_ok() {
-            eprintln!("skipped: libqpl loads here; this checks the machine without it");
+            tern_test_skip::skip(
+                tern_test_skip::Need::NoQpl,
+                "libqpl loads here; this checks the machine without it",
+            );
             return;
         }
         let mut page = [0u8; PAGE_SIZE];

@@ -12,6 +12,8 @@ use tern_wire::{
 };
 use xxhash_rust::xxh3::Xxh3;
 
+pub mod structured;
+
 use crate::config::ReceiveConfig;
 use crate::destination::Destination;
 use crate::digest::{add_region, page_hash};
@@ -128,6 +130,30 @@ pub fn sample_auth_input() -> Vec<u8> {
 /// destination sent back must be valid protocol.
 pub fn destination_session(data: &[u8]) -> Result<(), MigrationError> {
     let (main, pages) = split_session_input(data);
+    run_session(&main, &pages).map(|_| ())
+}
+
+/// Runs a whole destination session built from a fuzz input read as
+/// choices (see [`structured::structured_session`]): a valid session of
+/// every page kind, codec and dictionary way, corrupted as the input says.
+/// The same checks as [`destination_session`].
+pub fn structured_destination_session(data: &[u8]) -> Result<SessionEnd, MigrationError> {
+    let (main, pages) = structured::structured_session(data);
+    run_session(&main, &pages)
+}
+
+/// How far a session that ended well went: whether the guest resumed, and
+/// the digests the destination compared.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct SessionEnd {
+    /// The digests compared at the switch-over, when the session verified.
+    pub digest_comparison: Option<crate::stats::DigestComparison>,
+}
+
+/// Runs one session from its streams (main channel, page channels) into a
+/// [`MemoryGuest`], checking that the destination's replies are valid
+/// protocol and end as the result says.
+pub fn run_session(main: &[u8], pages: &[Vec<u8>]) -> Result<SessionEnd, MigrationError> {
     let pages: Vec<&[u8]> = pages.iter().map(Vec::as_slice).collect();
     // Streams that skip the digest reach the receiver too. In memory, a
     // source that falls silent (its stream ends, or holds back a commit the
@@ -138,7 +164,7 @@ pub fn destination_session(data: &[u8]) -> Result<(), MigrationError> {
         io_timeout: std::time::Duration::from_millis(100),
         ..ReceiveConfig::default()
     });
-    let (result, sent) = destination.receive_from_memory(&main, &pages, MemoryGuest::for_setup);
+    let (result, sent) = destination.receive_from_memory(main, &pages, MemoryGuest::for_setup);
     let replies = tern_wire::decode_stream(&sent, None)
         .unwrap_or_else(|error| panic!("the destination sent invalid bytes: {error}"));
     let verdict = replies.last().map(|frame| match frame {
@@ -161,7 +187,9 @@ pub fn destination_session(data: &[u8]) -> Result<(), MigrationError> {
             "a failed session ends with an abort or a refusal, not {verdict:?}"
         ),
     }
-    result.map(|_| ())
+    result.map(|received| SessionEnd {
+        digest_comparison: received.digest_comparison,
+    })
 }
 
 /// A destination guest in plain heap memory, as small as the fuzz target

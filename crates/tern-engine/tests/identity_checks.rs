@@ -109,7 +109,7 @@ fn the_source_refuses_a_destination_certificate_from_another_ca() {
         "{chain}"
     );
     cancel.cancel();
-    assert!(destination.join().unwrap().is_err());
+    assert!(join_within(destination, "the destination").is_err());
 }
 
 /// The source trusts the destination's CA, so it would go on; only the
@@ -135,7 +135,7 @@ fn the_destination_refuses_a_source_certificate_from_another_ca() {
         "{refusal}"
     );
     cancel.cancel();
-    assert!(destination.join().unwrap().is_err());
+    assert!(join_within(destination, "the destination").is_err());
 }
 
 /// A fake destination presents one certificate on the main channel and
@@ -186,7 +186,7 @@ fn the_source_refuses_a_page_channel_with_another_destination_certificate() {
         "{}",
         error.chain()
     );
-    let said = fake.join().expect("the fake destination must not panic");
+    let said = join_within(fake, "the fake destination");
     assert!(
         !said
             .iter()
@@ -246,7 +246,7 @@ fn hello_after_key_exchange(proved: Handshake, hello: Handshake) -> (Message, St
     let answer = main.read_message().expect("the destination's answer");
     let refusal = (!matches!(answer, Message::Welcome(_))).then(|| first_refusal(&stats));
     cancel.cancel();
-    let _ = destination.join().unwrap();
+    let _ = join_within(destination, "the destination");
     (answer, refusal.unwrap_or_default())
 }
 

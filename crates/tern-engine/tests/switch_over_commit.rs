@@ -172,7 +172,7 @@ fn migrate_to_fake(at: AtSwitchOver) -> (tern_synthetic::SyntheticGuest, Migrati
     let mut config = migration_config(1);
     config.switch_over_timeout = Duration::from_secs(1);
     let result = Source::new(config).unwrap().migrate(&mut guest, &address);
-    let seen = fake.join().expect("the fake destination must not panic");
+    let seen = join_within(fake, "the fake destination");
     (guest, result, seen)
 }
 
@@ -291,7 +291,7 @@ fn a_destination_without_heartbeats_is_detected_during_the_live_phase() {
         failure.error.chain()
     );
     assert!(guest.is_running());
-    fake.join().expect("the fake destination must not panic");
+    join_within(fake, "the fake destination");
 }
 
 // The destination's side: a hand-driven source.
@@ -500,9 +500,7 @@ fn the_destination_says_ready_and_resumes_only_on_commit() {
         Message::Outcome(outcome) => assert!(outcome.verified, "{outcome:?}"),
         other => panic!("expected the outcome, got {other:?}"),
     }
-    let received = destination
-        .join()
-        .expect("no panic")
+    let received = join_within(destination, "the destination")
         .unwrap_or_else(|error| panic!("{}", error.chain()));
     assert!(received.guest.guest.is_running());
     assert_eq!(log.resumed(), 1);
@@ -513,10 +511,7 @@ fn the_destination_says_ready_and_resumes_only_on_commit() {
 fn no_commit_in_time_and_the_destination_does_not_resume() {
     let (destination, _main, _page, answer, log) = destination_ready();
     assert!(matches!(answer, Message::Ready(_)), "{answer:?}");
-    let error = destination
-        .join()
-        .expect("no panic")
-        .expect_err("no commit came");
+    let error = join_within(destination, "the destination").expect_err("no commit came");
     assert!(
         error.chain().contains("the source's commit"),
         "{}",
@@ -534,10 +529,7 @@ fn an_abort_instead_of_a_commit_and_the_destination_does_not_resume() {
         message: "the source gave up waiting".into(),
     }))
     .unwrap();
-    let error = destination
-        .join()
-        .expect("no panic")
-        .expect_err("an abort came");
+    let error = join_within(destination, "the destination").expect_err("an abort came");
     assert!(
         matches!(error, MigrationError::PeerAborted { .. }),
         "{}",
@@ -557,10 +549,7 @@ fn a_closed_main_channel_instead_of_a_commit_and_the_destination_does_not_resume
     assert!(matches!(answer, Message::Ready(_)), "{answer:?}");
     drop(main);
     drop(page);
-    let error = destination
-        .join()
-        .expect("no panic")
-        .expect_err("the source is gone");
+    let error = join_within(destination, "the destination").expect_err("the source is gone");
     assert!(
         matches!(error, MigrationError::Channel { index: 0, .. }),
         "the main channel's loss: {}",
@@ -609,10 +598,7 @@ fn a_source_trickling_a_packet_is_cut_off_at_the_transfer_deadline() {
             std::thread::sleep(Duration::from_millis(300));
         }
     });
-    let error = destination
-        .join()
-        .expect("no panic")
-        .expect_err("the trickle is cut off");
+    let error = join_within(destination, "the destination").expect_err("the trickle is cut off");
     assert!(
         error.chain().contains("outlasted the I/O timeout"),
         "{}",

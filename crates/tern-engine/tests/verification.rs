@@ -161,10 +161,7 @@ fn assert_mismatch(outcome: Result<(), String>) {
 }
 
 fn expect_mismatch(destination: std::thread::JoinHandle<DestinationResult>) {
-    let error = destination
-        .join()
-        .expect("destination must not panic")
-        .expect_err("destination must refuse");
+    let error = join_within(destination, "the destination").expect_err("destination must refuse");
     assert!(
         matches!(error, MigrationError::DigestMismatch { .. }),
         "{}",
@@ -181,7 +178,7 @@ fn an_honest_fake_source_verifies() {
     source.send_pages(0, &memory, &all_data_pages());
     source.sync(0, true);
     source.complete(0, protocol_digest(&memory)).unwrap();
-    let received = destination.join().unwrap().expect("destination verifies");
+    let received = join_within(destination, "the destination").expect("destination verifies");
     assert_eq!(received.guest.region_bytes(0).unwrap(), memory);
     let comparison = received
         .digest_comparison
@@ -205,10 +202,7 @@ fn a_page_copied_or_decompressed_wrongly_is_caught() {
     source.send_pages(0, &landed, &all_data_pages());
     source.sync(0, true);
     assert_mismatch(source.complete(0, protocol_digest(&memory)));
-    let error = destination
-        .join()
-        .expect("destination must not panic")
-        .expect_err("destination must refuse");
+    let error = join_within(destination, "the destination").expect_err("destination must refuse");
     let MigrationError::DigestMismatch {
         source_digest,
         destination,
@@ -596,7 +590,7 @@ fn a_broken_downtime_limit_is_reported_with_its_cause() {
         .unwrap()
         .migrate(&mut guest, &address)
         .expect("the migration completes, late");
-    destination.join().unwrap().expect("destination verifies");
+    join_within(destination, "the destination").expect("destination verifies");
     assert_eq!(stats.downtime_limit, 100);
     assert!(stats.downtime >= SLOW_STATE.as_millis() as u64);
     assert!(stats.downtime_exceeded);
@@ -622,7 +616,7 @@ fn a_kept_downtime_limit_is_not_reported_as_broken() {
         .unwrap()
         .migrate(&mut guest, &address)
         .expect("the migration completes");
-    destination.join().unwrap().expect("destination verifies");
+    join_within(destination, "the destination").expect("destination verifies");
     assert!(!stats.downtime_exceeded);
     assert_eq!(stats.downtime_exceeded_cause, None);
     let json = serde_json::to_value(&stats).unwrap();

@@ -1,7 +1,10 @@
 //! A whole destination session run from bytes held in memory instead of
-//! sockets: the same handshake checks, receivers, state machines,
-//! verification and restore as [`Destination::receive`], with each channel a
-//! buffer. Tests and the fuzz target drive the destination this way.
+//! sockets: the same handshake checks, receivers, state machines, page
+//! placement (userfaultfd where this process may use it), verification and
+//! restore as [`Destination::receive`], with each channel a buffer. Tests
+//! and the fuzz target drive the destination this way. Only the sockets'
+//! own deadlines (a frame's transfer deadline, the accept timeout) are not
+//! reached: a read from memory never waits.
 
 use std::collections::HashSet;
 use std::time::Duration;
@@ -203,7 +206,11 @@ impl Destination {
         )
         .with_qpl_path(self.config.qpl_path)
         .with_decode_threads(self.config.decode_threads())
-        .with_dictionaries(dictionaries);
+        .with_dictionaries(dictionaries)
+        // As `receive` does: fresh pages placed with UFFDIO_COPY where this
+        // process may register the guest's memory, so fuzzing reaches the
+        // placement and fault service too.
+        .with_userfault();
         let delivered = live::receive_all(&shared, main, &mut decoder, channels, &codecs)?;
         let stats = self.switch_over(
             &shared,

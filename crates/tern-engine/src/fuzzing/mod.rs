@@ -192,17 +192,75 @@ pub fn run_session(main: &[u8], pages: &[Vec<u8>]) -> Result<SessionEnd, Migrati
     })
 }
 
-/// A destination guest in plain heap memory, as small as the fuzz target
+/// A destination guest in anonymous memory of its own (`mmap`, as a VMM's
+/// guest RAM is, so the destination may register it with a userfaultfd and
+/// place pages as it does in production), as small as the fuzz target
 /// allows.
 #[derive(Debug)]
 pub struct MemoryGuest {
-    /// Keeps the regions' memory alive.
-    memory: Vec<Vec<u8>>,
+    /// The regions' mappings, unmapped on drop.
+    mappings: Vec<Mapping>,
     regions: Vec<MemoryRegion>,
     /// The sections restored.
     pub sections: Vec<StateSection>,
     /// Whether the session resumed the guest.
     pub resumed: bool,
+}
+
+/// One anonymous private mapping.
+#[derive(Debug)]
+struct Mapping {
+    base: NonNull<u8>,
+    len: usize,
+}
+
+// SAFETY: the mapping is plain memory owned by its guest; the engine's
+// threads reach it through the guest's regions, as they do any guest's.
+unsafe impl Send for Mapping {}
+// SAFETY: as above; `Mapping` itself is never written through `&self`.
+unsafe impl std::marker::Sync for Mapping {}
+
+impl Mapping {
+    fn new(len: usize) -> Result<Self, GuestError> {
+        if len == 0 {
+            // An empty region: nothing to map (mmap refuses a length of 0).
+            return Ok(Self {
+                base: NonNull::dangling(),
+                len,
+            });
+        }
+        // SAFETY: a new anonymous private mapping; no existing memory is
+        // affected.
+        let base = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                len,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE,
+                -1,
+                0,
+            )
+        };
+        if base == libc::MAP_FAILED {
+            return Err(GuestError::new(format!(
+                "mmap of {len} bytes: {}",
+                std::io::Error::last_os_error()
+            )));
+        }
+        let base = NonNull::new(base.cast()).ok_or_else(|| GuestError::new("mmap gave null"))?;
+        Ok(Self { base, len })
+    }
+}
+
+impl Drop for Mapping {
+    fn drop(&mut self) {
+        if self.len == 0 {
+            return;
+        }
+        // SAFETY: the mapping this value made; nothing uses it any more
+        // (the guest, which lends it out, is being dropped).
+        unsafe { libc::munmap(self.base.as_ptr().cast(), self.len) };
+    }
 }
 
 impl MemoryGuest {
@@ -216,27 +274,20 @@ impl MemoryGuest {
         if total.is_none_or(|total| total > MAX_GUEST_BYTES) {
             return Err(GuestError::new("the fuzzing guest is at most 1 MiB"));
         }
-        let mut memory: Vec<Vec<u8>> = setup
-            .regions
-            .iter()
-            .map(|region| vec![0; region.len as usize])
-            .collect();
-        let regions = setup
-            .regions
-            .iter()
-            .zip(&mut memory)
-            .map(|(info, bytes)| {
-                let host = NonNull::new(bytes.as_mut_ptr())
-                    .ok_or_else(|| GuestError::new("empty region"))?;
-                // SAFETY: `bytes` is a writable allocation of `info.len`
-                // bytes (a multiple of the page size, as the decoder checked)
-                // that this guest owns; moving the `Vec` does not move its
-                // heap buffer, which lives as long as the guest.
-                Ok(unsafe { MemoryRegion::new(info.id, info.guest_addr, host, info.len) })
-            })
-            .collect::<Result<_, GuestError>>()?;
+        let mut mappings = Vec::new();
+        let mut regions = Vec::new();
+        for info in &setup.regions {
+            let mapping = Mapping::new(info.len as usize)?;
+            // SAFETY: `mapping` is a writable mapping of `info.len` bytes (a
+            // multiple of the page size, as the decoder checked) that this
+            // guest owns and unmaps only when dropped.
+            regions.push(unsafe {
+                MemoryRegion::new(info.id, info.guest_addr, mapping.base, info.len)
+            });
+            mappings.push(mapping);
+        }
         Ok(Self {
-            memory,
+            mappings,
             regions,
             sections: Vec::new(),
             resumed: false,
@@ -245,7 +296,10 @@ impl MemoryGuest {
 
     /// The bytes of region `index`.
     pub fn region_bytes(&self, index: usize) -> &[u8] {
-        &self.memory[index]
+        let mapping = &self.mappings[index];
+        // SAFETY: the whole mapping, alive as long as `self`; the session
+        // that wrote it has ended.
+        unsafe { std::slice::from_raw_parts(mapping.base.as_ptr(), mapping.len) }
     }
 }
 

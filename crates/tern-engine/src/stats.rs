@@ -477,6 +477,7 @@ impl LiveStats {
     }
 
     /// A consistent-enough copy for display or the final report.
+    // long: one line per field of the report
     pub fn snapshot(&self) -> MigrationStats {
         let status = self.status();
         let total_time_ms = if matches!(

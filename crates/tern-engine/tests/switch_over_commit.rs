@@ -36,6 +36,9 @@ enum AtSwitchOver {
     /// arrived differently), then reads whatever comes: the source must
     /// not commit.
     ReadyWithAnotherDigest,
+    /// Refuses instead of saying ready, with the source's digest (another
+    /// reason, such as a state it cannot restore) or with another digest.
+    RefuseWithDigest { same: bool },
 }
 
 /// What the fake destination saw on the main channel after the completion.
@@ -122,6 +125,23 @@ fn switch_over(main: &mut Channel, complete: Complete, at: AtSwitchOver) -> Seen
         }
         return seen;
     }
+    if let AtSwitchOver::RefuseWithDigest { same } = at {
+        main.send_message(&Message::Outcome(Outcome {
+            verified: false,
+            digest: if same {
+                complete.digest
+            } else {
+                complete.digest ^ 1
+            },
+            detail: "cannot restore the device state".into(),
+            stats: OutcomeStats::default(),
+        }))
+        .unwrap();
+        while let Ok(message) = main.read_message() {
+            seen.push(message);
+        }
+        return seen;
+    }
     if matches!(at, AtSwitchOver::ReadyWithAnotherDigest) {
         main.send_message(&Message::Ready(Ready {
             digest: complete.digest ^ 1,
@@ -158,7 +178,9 @@ fn switch_over(main: &mut Channel, complete: Complete, at: AtSwitchOver) -> Seen
             }))
             .unwrap();
         }
-        AtSwitchOver::Silent | AtSwitchOver::ReadyWithAnotherDigest => unreachable!(),
+        AtSwitchOver::Silent
+        | AtSwitchOver::ReadyWithAnotherDigest
+        | AtSwitchOver::RefuseWithDigest { .. } => unreachable!(),
     }
     seen
 }
@@ -267,6 +289,42 @@ fn a_ready_with_another_digest_is_a_mismatch_and_the_source_never_commits() {
     );
 }
 
+/// A refusal carrying the source's own digest is a refusal for its stated
+/// reason, not a digest mismatch; one carrying another digest is a
+/// mismatch. Either way the source never commits and runs on.
+#[test]
+fn a_refusal_instead_of_ready_is_reported_for_what_it_is() {
+    let (guest, result, seen) = migrate_to_fake(AtSwitchOver::RefuseWithDigest { same: true });
+    let failure = expect_failure(result, MigrationStatus::Failed, "cannot restore");
+    assert!(
+        matches!(failure.error, MigrationError::Protocol(_)),
+        "{}",
+        failure.error.chain()
+    );
+    assert!(guest.is_running());
+    assert!(
+        !seen
+            .iter()
+            .any(|message| matches!(message, Message::Commit))
+    );
+    let (guest, result, seen) = migrate_to_fake(AtSwitchOver::RefuseWithDigest { same: false });
+    let failure = expect_failure(result, MigrationStatus::Failed, "digest");
+    let MigrationError::DigestMismatch {
+        source_digest,
+        destination,
+    } = failure.error
+    else {
+        panic!("expected a digest mismatch: {}", failure.error.chain());
+    };
+    assert_eq!(destination, source_digest ^ 1);
+    assert!(guest.is_running());
+    assert!(
+        !seen
+            .iter()
+            .any(|message| matches!(message, Message::Commit))
+    );
+}
+
 #[test]
 fn a_destination_without_heartbeats_is_detected_during_the_live_phase() {
     let (listener, address) = tcp_listener();
@@ -360,6 +418,11 @@ struct ResumeLog {
     /// Calls of `resume` before the commit was sent: the guest would have
     /// run on both hosts.
     resumed_before_commit: AtomicUsize,
+    /// State sections restored, by count of calls.
+    restored: AtomicUsize,
+    /// Calls of `set_throttle(0)`: auto-converge's throttle is the
+    /// migration's, not the guest's life after it.
+    throttle_cleared: AtomicUsize,
 }
 
 impl ResumeLog {
@@ -398,6 +461,9 @@ impl GuestControl for WatchedGuest {
     }
 
     fn set_throttle(&mut self, percent: u8) -> Result<(), GuestError> {
+        if percent == 0 {
+            self.log.throttle_cleared.fetch_add(1, Ordering::SeqCst);
+        }
         self.guest.set_throttle(percent)
     }
 }
@@ -408,6 +474,7 @@ impl DeviceState for WatchedGuest {
     }
 
     fn restore_state(&mut self, sections: &[StateSection]) -> Result<(), GuestError> {
+        self.log.restored.fetch_add(1, Ordering::SeqCst);
         self.guest.restore_state(sections)
     }
 
@@ -494,6 +561,13 @@ fn the_destination_says_ready_and_resumes_only_on_commit() {
     let (destination, mut main, _page, answer, log) = destination_ready();
     assert!(matches!(answer, Message::Ready(_)), "{answer:?}");
     assert_eq!(log.resumed(), 0, "resumed before the commit");
+    // Ready means everything short of running: the state is restored and
+    // the migration's throttle cleared before it is sent.
+    assert_eq!(log.restored.load(Ordering::SeqCst), 1, "state restored");
+    assert!(
+        log.throttle_cleared.load(Ordering::SeqCst) >= 1,
+        "throttle cleared"
+    );
     log.commit_sent.store(true, Ordering::SeqCst);
     main.send_message(&Message::Commit).unwrap();
     match main.read_message().expect("the acknowledgement") {

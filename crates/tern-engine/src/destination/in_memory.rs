@@ -146,6 +146,7 @@ impl Destination {
         (result, main.sent)
     }
 
+    // long: `receive`'s steps in order, one call each, with the channel checks between
     fn run_from_memory<G, F>(
         &self,
         main: &mut MemoryStream,
@@ -425,6 +426,30 @@ mod tests {
         assert!(
             error.contains("the page channels disagree on whether iteration 0 is the last")
                 || error.contains("sync of iteration 0 is not the last"),
+            "{error}"
+        );
+    }
+
+    /// The completion counts a state section that never came: the guest
+    /// would resume without part of its state.
+    #[test]
+    fn a_completion_counting_a_missing_state_section_is_refused() {
+        let mut main = hello(1);
+        main.extend(
+            Message::Complete(Complete {
+                final_iteration: 0,
+                sections: 1,
+                digest: 0,
+            })
+            .to_bytes(),
+        );
+        main.extend(Message::Commit.to_bytes());
+        let mut stream = page_channel(1);
+        sync(&mut stream, 0, true);
+        let (result, _) = run(&main, &[stream]);
+        let error = result.expect_err("the session must fail").chain();
+        assert!(
+            error.contains("received 0 state sections, the source sent 1"),
             "{error}"
         );
     }

@@ -135,21 +135,7 @@ impl Session {
             guest_kind: String::new(),
             dictionaries: initial,
         };
-        let mut main = Message::Hello(Hello {
-            handshake: handshake(0),
-            setup: setup.clone(),
-        })
-        .to_bytes();
-        // The setup's dictionaries, then the refresh, which a source sends
-        // during iteration 0 and which the syncs of iteration 0 count.
-        for dictionary in &dictionaries {
-            Message::Dictionary(tern_wire::Dictionary {
-                id: dictionary.id(),
-                codec: tern_wire::codec_id::ZSTD,
-                data: dictionary.bytes().to_vec(),
-            })
-            .encode(&mut main);
-        }
+        let main = main_start(&setup, &dictionaries);
         let channels = (1..=channel_count)
             .map(|index| {
                 Message::ChannelHello(ChannelHello {
@@ -446,6 +432,26 @@ impl IterationState {
         let index = choices.choose_index(candidates.len()).ok()?;
         Some(candidates[index])
     }
+}
+
+/// The main channel's hello, then the setup's dictionaries and the
+/// refresh, which a source sends during iteration 0 and which the syncs of
+/// iteration 0 count.
+fn main_start(setup: &SessionSetup, dictionaries: &[CodecDictionary]) -> Vec<u8> {
+    let mut main = Message::Hello(Hello {
+        handshake: handshake(0),
+        setup: setup.clone(),
+    })
+    .to_bytes();
+    for dictionary in dictionaries {
+        Message::Dictionary(tern_wire::Dictionary {
+            id: dictionary.id(),
+            codec: tern_wire::codec_id::ZSTD,
+            data: dictionary.bytes().to_vec(),
+        })
+        .encode(&mut main);
+    }
+    main
 }
 
 /// A choice between two ways; the first when the input has run out.

@@ -1,7 +1,12 @@
 //! Writes the seed inputs of the fuzz targets into `fuzz/seeds/<target>/`:
 //! a valid session for `destination_session` (and a few damaged copies),
-//! real compressed pages for each decompressor. `cargo run --example
-//! write_seeds` in `fuzz/` (stable is enough).
+//! its streams for `decode_stream`, structured sessions that end in
+//! different ways for `destination_session_structured`, real compressed
+//! pages for each decompressor, delta records. One command, on stable, in
+//! `fuzz/`: `cargo run --release --example write_seeds`. Run it again after
+//! any change to the protocol (seeds of an older version end at the
+//! version check); it rewrites the seeds it makes and keeps the `found-*`
+//! inputs.
 
 use std::fs;
 use std::path::Path;
@@ -48,7 +53,79 @@ fn main() -> std::io::Result<()> {
         }
     }
     write_packet_seeds(&seeds.join("decompress_zstd_packet"))?;
-    write_delta_seeds(&seeds.join("apply_delta"))
+    write_delta_seeds(&seeds.join("apply_delta"))?;
+    write_stream_seeds(&seeds.join("decode_stream"), &main, &pages)?;
+    write_structured_seeds(&seeds.join("destination_session_structured"))
+}
+
+/// The sample session's streams, each behind the byte that sets the
+/// receiver-like driver's read size.
+fn write_stream_seeds(dir: &Path, main: &[u8], pages: &[Vec<u8>]) -> std::io::Result<()> {
+    fs::create_dir_all(dir)?;
+    let streams = std::iter::once(("main", main)).chain(
+        pages
+            .iter()
+            .enumerate()
+            .map(|(index, stream)| (["pages-1", "pages-2"][index.min(1)], stream.as_slice())),
+    );
+    for (name, stream) in streams {
+        for read_size in [255u8, 7] {
+            let mut seed = vec![read_size];
+            seed.extend_from_slice(stream);
+            fs::write(dir.join(format!("{name}-reads-{read_size}")), seed)?;
+        }
+    }
+    Ok(())
+}
+
+/// Structured inputs that end in different ways: pseudo-random choices,
+/// one kept per distinct outcome (numbers blanked), plus the empty input
+/// (the smallest valid session). Deterministic.
+fn write_structured_seeds(dir: &Path) -> std::io::Result<()> {
+    use std::collections::BTreeMap;
+    if dir.exists() {
+        fs::remove_dir_all(dir)?;
+    }
+    fs::create_dir_all(dir)?;
+    let mut kept: BTreeMap<String, Vec<u8>> = BTreeMap::new();
+    let mut state = 0x2545_f491_4f6c_dd1du64;
+    let mut next = || {
+        state ^= state << 13;
+        state ^= state >> 7;
+        state ^= state << 17;
+        state
+    };
+    let mut inputs = vec![Vec::new()];
+    for round in 0..2000u64 {
+        let len = 8 + (next() % 120) as usize;
+        let mut input: Vec<u8> = (0..len).map(|_| next() as u8).collect();
+        // Half of the inputs end before the corruption choices: valid
+        // sessions of every shape.
+        if round % 2 == 0 {
+            input.truncate(len / 2);
+        }
+        inputs.push(input);
+    }
+    for input in inputs {
+        let outcome = match tern_engine::fuzzing::structured_destination_session(&input) {
+            Ok(end) if end.digest_comparison.is_some() => "verified".to_string(),
+            Ok(_) => "completed-unverified".to_string(),
+            Err(error) => blank_numbers(&error.chain()),
+        };
+        kept.entry(outcome).or_insert(input);
+    }
+    for (index, (outcome, input)) in kept.iter().enumerate() {
+        let name: String = outcome
+            .chars()
+            .filter(|c| c.is_ascii_alphanumeric() || *c == ' ')
+            .take(48)
+            .collect::<String>()
+            .trim()
+            .replace(' ', "-");
+        fs::write(dir.join(format!("{index:03}-{name}")), input)?;
+    }
+    println!("destination_session_structured: {} seeds", kept.len());
+    Ok(())
 }
 
 /// Packet frames of text and binary pages, with and without the target's
@@ -102,4 +179,22 @@ fn write_delta_seeds(dir: &Path) -> std::io::Result<()> {
     }
     fs::write(dir.join("bad_word"), [0x00, 0x02, 1, 2, 3, 4, 5, 6, 7, 8])?;
     fs::write(dir.join("bad_order"), [[2, 0, 1, 1, 1, 1, 1, 1, 1, 1], [1, 0, 1, 1, 1, 1, 1, 1, 1, 1]].concat())
+}
+
+/// An error's text with its numbers blanked (decimal digits, and words of
+/// hexadecimal digits such as digests), so errors of one kind compare equal.
+fn blank_numbers(text: &str) -> String {
+    text.split(' ')
+        .map(|word| {
+            let core = word.trim_matches(|c: char| !c.is_ascii_alphanumeric());
+            if core.len() >= 4 && core.chars().all(|c| c.is_ascii_hexdigit()) {
+                word.replace(core, "#")
+            } else {
+                word.chars()
+                    .map(|c| if c.is_ascii_digit() { '#' } else { c })
+                    .collect()
+            }
+        })
+        .collect::<Vec<_>>()
+        .join(" ")
 }

@@ -94,8 +94,8 @@ pub use snapshot::{
 };
 pub use source::{CancelToken, MigrationFailure, Source};
 pub use stats::{
-    DedupStats, DestinationStats, DowntimeCause, DowntimeParts, LiveStats, MigrationStats,
-    MigrationStatus, RamStats, SessionSecurity, XbzrleCacheStats,
+    DedupStats, DestinationStats, DigestComparison, DowntimeCause, DowntimeParts, LiveStats,
+    MigrationStats, MigrationStatus, RamStats, SessionSecurity, XbzrleCacheStats,
 };
 pub use transport::auth::AuthKey;
 pub use transport::security::{ChannelSecurity, Security, TlsInfo};

@@ -136,6 +136,7 @@ pub struct LiveStats {
     digest_audit_passes: AtomicU64,
     total_time_ms: AtomicU64,
     digest_verified: AtomicBool,
+    digest_comparison: Mutex<Option<DigestComparison>>,
     cpu_seconds: Mutex<BTreeMap<String, f64>>,
     zero_copy: Mutex<Option<ZeroCopyStats>>,
     /// Each zero-copy channel's latest counters (published at every sync
@@ -244,6 +245,7 @@ impl LiveStats {
             digest_audit_passes: AtomicU64::new(0),
             total_time_ms: AtomicU64::new(0),
             digest_verified: AtomicBool::new(false),
+            digest_comparison: Mutex::new(None),
             cpu_seconds: Mutex::new(BTreeMap::new()),
             zero_copy: Mutex::new(None),
             zero_copy_channels: Mutex::new(BTreeMap::new()),
@@ -402,8 +404,26 @@ impl LiveStats {
         self.digest_rehashed_pages.store(pages, Ordering::Relaxed);
     }
 
-    pub(crate) fn set_digest_verified(&self, verified: bool) {
-        self.digest_verified.store(verified, Ordering::Relaxed);
+    /// Records the digests the switch-over compared; the migration counts
+    /// as verified only once [`Self::set_digest_verified`] says the
+    /// destination acknowledged the commit as well.
+    pub(crate) fn set_digest_comparison(&self, comparison: DigestComparison) {
+        *self
+            .digest_comparison
+            .lock()
+            .unwrap_or_else(|e| e.into_inner()) = Some(comparison);
+    }
+
+    /// The migration is verified when the digests were compared and
+    /// matched, and the destination, which compared them too before it said
+    /// ready, resumed the guest: evidence, never configuration.
+    pub(crate) fn set_digest_verified_from_comparison(&self) {
+        let matched = self
+            .digest_comparison
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .is_some_and(|comparison| comparison.matched());
+        self.digest_verified.store(matched, Ordering::Relaxed);
     }
 
     /// Records the CPU time a thread used; called by each thread as it ends.
@@ -563,6 +583,7 @@ impl LiveStats {
     }
 
     /// A consistent-enough copy for display or the final report.
+    // long: one line per field of the report
     pub fn snapshot(&self) -> MigrationStats {
         let status = self.status();
         let total_time_ms = if matches!(
@@ -601,6 +622,10 @@ impl LiveStats {
             cpu_throttle_percentage: self.cpu_throttle_percentage.load(Ordering::Relaxed),
             forced_switch_over: self.forced_switch_over.load(Ordering::Relaxed),
             digest_verified: self.digest_verified.load(Ordering::Relaxed),
+            digest_comparison: *self
+                .digest_comparison
+                .lock()
+                .unwrap_or_else(|e| e.into_inner()),
             cpu_seconds,
             zero_copy: self.zero_copy_total(),
             security: self
@@ -830,8 +855,14 @@ pub struct MigrationStats {
     pub cpu_throttle_percentage: u64,
     /// Whether an iteration or time limit forced the switch-over.
     pub forced_switch_over: bool,
-    /// Whether the destination's memory digest matched the source's.
+    /// Whether the destination's memory digest matched the source's: true
+    /// only when both digests were compared (see `digest-comparison`) and
+    /// equal, and the destination resumed the guest.
     pub digest_verified: bool,
+    /// The two digests the switch-over compared, when it compared them
+    /// (also on a mismatch): the evidence behind `digest-verified`.
+    #[serde(skip_serializing_if = "Option::is_none", default)]
+    pub digest_comparison: Option<DigestComparison>,
     /// CPU seconds per thread of this side.
     pub cpu_seconds: BTreeMap<String, f64>,
     /// Compression counters, when compression was on.
@@ -981,6 +1012,43 @@ pub struct OffloadReport {
     pub completion_thread_cpu_seconds: f64,
     /// Completion-thread CPU seconds per GiB checked.
     pub cpu_seconds_per_gib: f64,
+}
+
+/// The two memory digests a switch-over compared (docs/verification.md),
+/// each 32 hexadecimal digits in JSON.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, schemars::JsonSchema)]
+#[serde(rename_all = "kebab-case")]
+pub struct DigestComparison {
+    /// The source's digest of its memory, paused.
+    #[serde(with = "hex_digest")]
+    #[schemars(with = "String")]
+    pub source: u128,
+    /// The destination's digest of the memory it received.
+    #[serde(with = "hex_digest")]
+    #[schemars(with = "String")]
+    pub destination: u128,
+}
+
+impl DigestComparison {
+    /// Whether the two digests are the same.
+    pub fn matched(&self) -> bool {
+        self.source == self.destination
+    }
+}
+
+/// A 128-bit digest as 32 hexadecimal digits: JSON numbers that large lose
+/// precision in most readers.
+mod hex_digest {
+    use serde::{Deserialize, Deserializer, Serializer, de::Error};
+
+    pub fn serialize<S: Serializer>(digest: &u128, serializer: S) -> Result<S::Ok, S::Error> {
+        serializer.serialize_str(&format!("{digest:032x}"))
+    }
+
+    pub fn deserialize<'de, D: Deserializer<'de>>(deserializer: D) -> Result<u128, D::Error> {
+        let text = String::deserialize(deserializer)?;
+        u128::from_str_radix(&text, 16).map_err(D::Error::custom)
+    }
 }
 
 /// What the destination reports back at the end.

@@ -405,7 +405,7 @@ fn io_uring_zero_copy_over_loopback_is_accounted_and_verifies() {
                 .chain()
                 .contains("io_uring SENDMSG_ZC is not available") =>
         {
-            eprintln!("skipped: {}", failure.error.chain());
+            tern_test_skip::skip(tern_test_skip::Need::IoUring, failure.error.chain());
             let _ = destination.join();
         }
         Err(failure) => panic!("{}", failure.error.chain()),
@@ -505,7 +505,10 @@ fn missing_accelerators_are_clear_errors_at_start_up() {
     let mut config = migration_config(1);
     config.compression = tern_page::codec::CodecChoice::Qpl;
     if tern_page::codec::qpl_available().is_ok() {
-        eprintln!("skipped: libqpl is installed here, so QPL cannot be missing");
+        tern_test_skip::skip(
+            tern_test_skip::Need::NoQpl,
+            "libqpl is installed here, so QPL cannot be missing",
+        );
     } else {
         let error = Source::new(config).expect_err("no libqpl");
         assert!(error.to_string().contains("libqpl"), "{error}");
@@ -513,7 +516,10 @@ fn missing_accelerators_are_clear_errors_at_start_up() {
     let mut config = migration_config(1);
     config.zero_page_detection = ZeroPageDetection::Dsa;
     if std::path::Path::new("/dev/dsa").exists() {
-        eprintln!("skipped: this machine has DSA devices");
+        tern_test_skip::skip(
+            tern_test_skip::Need::NoAccelerator,
+            "this machine has DSA devices",
+        );
     } else {
         let error = Source::new(config).expect_err("no DSA");
         assert!(error.to_string().contains("no DSA work queue"), "{error}");
@@ -639,7 +645,10 @@ fn deflate_pages_verify_whichever_inflate_the_destination_picks() {
 fn a_destination_that_requires_iaa_without_it_fails_naming_libqpl() {
     use tern_engine::QplPath;
     if tern_page::codec::qpl_available().is_ok() {
-        eprintln!("skipped: libqpl loads here; this checks a destination without it");
+        tern_test_skip::skip(
+            tern_test_skip::Need::NoQpl,
+            "libqpl loads here; this checks a destination without it",
+        );
         return;
     }
     let mut guest = guest(8 * MIB, 0);

@@ -532,10 +532,19 @@ fn an_unauthenticated_destination_on_every_interface_refuses_to_start() {
         unauthenticated: UnauthenticatedPolicy::Refuse,
         ..receive_config()
     };
+    // The policy's own refusal, at once: not the accept timeout's.
+    let error = Destination::new(refuse)
+        .receive(&listener, make_destination_guest)
+        .expect_err("must refuse");
     assert!(
-        Destination::new(refuse)
-            .receive(&listener, make_destination_guest)
-            .is_err()
+        matches!(
+            error,
+            MigrationError::InvalidConfig {
+                field: "unauthenticated",
+                ..
+            }
+        ),
+        "{error}"
     );
 }
 

@@ -5,13 +5,17 @@
 
 mod common;
 
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::thread::JoinHandle;
 use std::time::Duration;
 
 use common::*;
 use tern_engine::{
-    Channel, Destination, Listener, MigrationError, MigrationStatus, ReceiveConfig, Source,
+    Channel, Destination, DeviceState, GuestControl, GuestError, GuestMemory, Listener,
+    MemoryRegion, MigrationError, MigrationStatus, ReceiveConfig, Source, StateSection,
 };
+use tern_synthetic::SyntheticGuest;
 use tern_wire::{
     ChannelHello, Complete, DigestAlgorithm, Handshake, Hello, Message, Outcome, OutcomeStats,
     Ready, RegionInfo, SessionSetup, Sync, Welcome,
@@ -31,6 +35,13 @@ enum AtSwitchOver {
     /// Says ready, reads the commit, then aborts (it failed before
     /// resuming).
     ReadyThenAbort,
+    /// Says ready with a digest other than the source's (memory that
+    /// arrived differently), then reads whatever comes: the source must
+    /// not commit.
+    ReadyWithAnotherDigest,
+    /// Refuses instead of saying ready, with the source's digest (another
+    /// reason, such as a state it cannot restore) or with another digest.
+    RefuseWithDigest { same: bool },
 }
 
 /// What the fake destination saw on the main channel after the completion.
@@ -117,6 +128,33 @@ fn switch_over(main: &mut Channel, complete: Complete, at: AtSwitchOver) -> Seen
         }
         return seen;
     }
+    if let AtSwitchOver::RefuseWithDigest { same } = at {
+        main.send_message(&Message::Outcome(Outcome {
+            verified: false,
+            digest: if same {
+                complete.digest
+            } else {
+                complete.digest ^ 1
+            },
+            detail: "cannot restore the device state".into(),
+            stats: OutcomeStats::default(),
+        }))
+        .unwrap();
+        while let Ok(message) = main.read_message() {
+            seen.push(message);
+        }
+        return seen;
+    }
+    if matches!(at, AtSwitchOver::ReadyWithAnotherDigest) {
+        main.send_message(&Message::Ready(Ready {
+            digest: complete.digest ^ 1,
+        }))
+        .unwrap();
+        while let Ok(message) = main.read_message() {
+            seen.push(message);
+        }
+        return seen;
+    }
     main.send_message(&Message::Ready(Ready {
         digest: complete.digest,
     }))
@@ -150,7 +188,9 @@ fn switch_over(main: &mut Channel, complete: Complete, at: AtSwitchOver) -> Seen
             }))
             .unwrap();
         }
-        AtSwitchOver::Silent => unreachable!(),
+        AtSwitchOver::Silent
+        | AtSwitchOver::ReadyWithAnotherDigest
+        | AtSwitchOver::RefuseWithDigest { .. } => unreachable!(),
     }
     seen
 }
@@ -164,7 +204,7 @@ fn migrate_to_fake(at: AtSwitchOver) -> (tern_synthetic::SyntheticGuest, Migrati
     let mut config = migration_config(1);
     config.switch_over_timeout = Duration::from_secs(1);
     let result = Source::new(config).unwrap().migrate(&mut guest, &address);
-    let seen = fake.join().expect("the fake destination must not panic");
+    let seen = join_within(fake, "the fake destination");
     (guest, result, seen)
 }
 
@@ -261,6 +301,67 @@ fn ready_commit_acknowledge_completes() {
 }
 
 #[test]
+fn a_ready_with_another_digest_is_a_mismatch_and_the_source_never_commits() {
+    let (guest, result, seen) = migrate_to_fake(AtSwitchOver::ReadyWithAnotherDigest);
+    let failure = expect_failure(result, MigrationStatus::Failed, "digest");
+    let MigrationError::DigestMismatch {
+        source_digest,
+        destination,
+    } = failure.error
+    else {
+        panic!("expected a digest mismatch: {}", failure.error.chain());
+    };
+    assert_eq!(destination, source_digest ^ 1, "the values compared");
+    assert!(
+        !failure.stats.digest_verified,
+        "a mismatch is not a verified digest"
+    );
+    assert!(guest.is_running(), "without a commit the source resumes");
+    assert!(
+        !seen
+            .iter()
+            .any(|message| matches!(message, Message::Commit)),
+        "no commit after a ready with another digest: {seen:?}"
+    );
+}
+
+/// A refusal carrying the source's own digest is a refusal for its stated
+/// reason, not a digest mismatch; one carrying another digest is a
+/// mismatch. Either way the source never commits and runs on.
+#[test]
+fn a_refusal_instead_of_ready_is_reported_for_what_it_is() {
+    let (guest, result, seen) = migrate_to_fake(AtSwitchOver::RefuseWithDigest { same: true });
+    let failure = expect_failure(result, MigrationStatus::Failed, "cannot restore");
+    assert!(
+        matches!(failure.error, MigrationError::Protocol(_)),
+        "{}",
+        failure.error.chain()
+    );
+    assert!(guest.is_running());
+    assert!(
+        !seen
+            .iter()
+            .any(|message| matches!(message, Message::Commit))
+    );
+    let (guest, result, seen) = migrate_to_fake(AtSwitchOver::RefuseWithDigest { same: false });
+    let failure = expect_failure(result, MigrationStatus::Failed, "digest");
+    let MigrationError::DigestMismatch {
+        source_digest,
+        destination,
+    } = failure.error
+    else {
+        panic!("expected a digest mismatch: {}", failure.error.chain());
+    };
+    assert_eq!(destination, source_digest ^ 1);
+    assert!(guest.is_running());
+    assert!(
+        !seen
+            .iter()
+            .any(|message| matches!(message, Message::Commit))
+    );
+}
+
+#[test]
 fn a_destination_without_heartbeats_is_detected_during_the_live_phase() {
     let (listener, address) = tcp_listener();
     // It never answers the switch-over either; the source must not get
@@ -284,7 +385,7 @@ fn a_destination_without_heartbeats_is_detected_during_the_live_phase() {
         failure.error.chain()
     );
     assert!(guest.is_running());
-    fake.join().expect("the fake destination must not panic");
+    join_within(fake, "the fake destination");
 }
 
 // The destination's side: a hand-driven source.
@@ -343,16 +444,101 @@ fn fake_source_handshake(
     (main, page)
 }
 
+/// What a destination guest saw of its own resumption, kept where the test
+/// can read it after the destination has dropped the guest.
+#[derive(Debug, Default)]
+struct ResumeLog {
+    /// Set by the fake source just before it sends its commit.
+    commit_sent: AtomicBool,
+    /// Calls of `resume`.
+    resumed: AtomicUsize,
+    /// Calls of `resume` before the commit was sent: the guest would have
+    /// run on both hosts.
+    resumed_before_commit: AtomicUsize,
+    /// State sections restored, by count of calls.
+    restored: AtomicUsize,
+    /// Calls of `set_throttle(0)`: auto-converge's throttle is the
+    /// migration's, not the guest's life after it.
+    throttle_cleared: AtomicUsize,
+}
+
+impl ResumeLog {
+    fn resumed(&self) -> usize {
+        self.resumed.load(Ordering::SeqCst)
+    }
+}
+
+/// A synthetic destination guest that records every resumption in a
+/// [`ResumeLog`].
+#[derive(Debug)]
+struct WatchedGuest {
+    guest: SyntheticGuest,
+    log: Arc<ResumeLog>,
+}
+
+impl GuestMemory for WatchedGuest {
+    fn regions(&self) -> &[MemoryRegion] {
+        self.guest.regions()
+    }
+}
+
+impl GuestControl for WatchedGuest {
+    fn pause(&mut self) -> Result<(), GuestError> {
+        self.guest.pause()
+    }
+
+    fn resume(&mut self) -> Result<(), GuestError> {
+        if !self.log.commit_sent.load(Ordering::SeqCst) {
+            self.log
+                .resumed_before_commit
+                .fetch_add(1, Ordering::SeqCst);
+        }
+        self.log.resumed.fetch_add(1, Ordering::SeqCst);
+        self.guest.resume()
+    }
+
+    fn set_throttle(&mut self, percent: u8) -> Result<(), GuestError> {
+        if percent == 0 {
+            self.log.throttle_cleared.fetch_add(1, Ordering::SeqCst);
+        }
+        self.guest.set_throttle(percent)
+    }
+}
+
+impl DeviceState for WatchedGuest {
+    fn save_state(&mut self) -> Result<Vec<StateSection>, GuestError> {
+        self.guest.save_state()
+    }
+
+    fn restore_state(&mut self, sections: &[StateSection]) -> Result<(), GuestError> {
+        self.log.restored.fetch_add(1, Ordering::SeqCst);
+        self.guest.restore_state(sections)
+    }
+
+    fn guest_kind(&self) -> &str {
+        self.guest.guest_kind()
+    }
+}
+
+type WatchedResult = Result<tern_engine::Received<WatchedGuest>, MigrationError>;
+
 /// A real destination with a short switch-over timeout, a fake source that
-/// has sent everything (one empty iteration, the completion), and the
-/// destination's first answer.
-fn destination_ready() -> (JoinHandle<DestinationResult>, Channel, Channel, Message) {
-    use tern_engine::{DeviceState, GuestControl};
+/// has sent everything (one empty iteration, the completion), the
+/// destination's first answer, and what its guest saw of its resumption.
+fn destination_ready() -> (
+    JoinHandle<WatchedResult>,
+    Channel,
+    Channel,
+    Message,
+    Arc<ResumeLog>,
+) {
     // The device state a synthetic destination guest needs to restore.
     let mut source_guest = guest(4 * MIB, 0);
     source_guest.pause().unwrap();
     let sections = source_guest.save_state().unwrap();
     let (listener, address) = tcp_listener();
+    let log = Arc::new(ResumeLog::default());
+    let guest_log = Arc::clone(&log);
     let destination = std::thread::spawn(move || {
         let config = ReceiveConfig {
             switch_over_timeout: Duration::from_secs(1),
@@ -361,7 +547,12 @@ fn destination_ready() -> (JoinHandle<DestinationResult>, Channel, Channel, Mess
             allow_unverified: true,
             ..receive_config()
         };
-        Destination::new(config).receive(&listener, make_destination_guest)
+        Destination::new(config).receive(&listener, |setup: &SessionSetup| {
+            Ok(WatchedGuest {
+                guest: make_destination_guest(setup)?,
+                log: guest_log,
+            })
+        })
     });
     let (mut main, mut page) = fake_source_handshake(&address, setup());
     page.send_message(&Message::Sync(Sync {
@@ -390,70 +581,92 @@ fn destination_ready() -> (JoinHandle<DestinationResult>, Channel, Channel, Mess
             other => break other,
         }
     };
-    (destination, main, page, answer)
+    (destination, main, page, answer, log)
+}
+
+/// The destination failed and its guest never ran.
+fn assert_never_resumed(log: &ResumeLog) {
+    assert_eq!(
+        log.resumed(),
+        0,
+        "the destination resumed its guest without a commit"
+    );
 }
 
 #[test]
 fn the_destination_says_ready_and_resumes_only_on_commit() {
-    let (destination, mut main, _page, answer) = destination_ready();
+    let (destination, mut main, _page, answer, log) = destination_ready();
     assert!(matches!(answer, Message::Ready(_)), "{answer:?}");
+    assert_eq!(log.resumed(), 0, "resumed before the commit");
+    // Ready means everything short of running: the state is restored and
+    // the migration's throttle cleared before it is sent.
+    assert_eq!(log.restored.load(Ordering::SeqCst), 1, "state restored");
+    assert!(
+        log.throttle_cleared.load(Ordering::SeqCst) >= 1,
+        "throttle cleared"
+    );
+    log.commit_sent.store(true, Ordering::SeqCst);
     main.send_message(&Message::Commit).unwrap();
     match main.read_message().expect("the acknowledgement") {
         Message::Outcome(outcome) => assert!(outcome.verified, "{outcome:?}"),
         other => panic!("expected the outcome, got {other:?}"),
     }
-    let received = destination
-        .join()
-        .expect("no panic")
+    let received = join_within(destination, "the destination")
         .unwrap_or_else(|error| panic!("{}", error.chain()));
-    assert!(received.guest.is_running());
+    assert!(received.guest.guest.is_running());
+    assert_eq!(log.resumed(), 1);
+    assert_eq!(log.resumed_before_commit.load(Ordering::SeqCst), 0);
 }
 
 #[test]
 fn no_commit_in_time_and_the_destination_does_not_resume() {
-    let (destination, _main, _page, answer) = destination_ready();
+    let (destination, _main, _page, answer, log) = destination_ready();
     assert!(matches!(answer, Message::Ready(_)), "{answer:?}");
-    let error = destination
-        .join()
-        .expect("no panic")
-        .expect_err("no commit came");
+    let error = join_within(destination, "the destination").expect_err("no commit came");
     assert!(
         error.chain().contains("the source's commit"),
         "{}",
         error.chain()
     );
+    assert_never_resumed(&log);
 }
 
 #[test]
 fn an_abort_instead_of_a_commit_and_the_destination_does_not_resume() {
-    let (destination, mut main, _page, answer) = destination_ready();
+    let (destination, mut main, _page, answer, log) = destination_ready();
     assert!(matches!(answer, Message::Ready(_)), "{answer:?}");
     main.send_message(&Message::Abort(tern_wire::Abort {
         reason: tern_wire::AbortReason::Other,
         message: "the source gave up waiting".into(),
     }))
     .unwrap();
-    let error = destination
-        .join()
-        .expect("no panic")
-        .expect_err("an abort came");
+    let error = join_within(destination, "the destination").expect_err("an abort came");
     assert!(
         matches!(error, MigrationError::PeerAborted { .. }),
         "{}",
         error.chain()
     );
+    assert!(
+        error.chain().contains("the source gave up waiting"),
+        "{}",
+        error.chain()
+    );
+    assert_never_resumed(&log);
 }
 
 #[test]
 fn a_closed_main_channel_instead_of_a_commit_and_the_destination_does_not_resume() {
-    let (destination, main, page, answer) = destination_ready();
+    let (destination, main, page, answer, log) = destination_ready();
     assert!(matches!(answer, Message::Ready(_)), "{answer:?}");
     drop(main);
     drop(page);
-    destination
-        .join()
-        .expect("no panic")
-        .expect_err("the source is gone");
+    let error = join_within(destination, "the destination").expect_err("the source is gone");
+    assert!(
+        matches!(error, MigrationError::Channel { index: 0, .. }),
+        "the main channel's loss: {}",
+        error.chain()
+    );
+    assert_never_resumed(&log);
 }
 
 #[test]
@@ -496,10 +709,7 @@ fn a_source_trickling_a_packet_is_cut_off_at_the_transfer_deadline() {
             std::thread::sleep(Duration::from_millis(300));
         }
     });
-    let error = destination
-        .join()
-        .expect("no panic")
-        .expect_err("the trickle is cut off");
+    let error = join_within(destination, "the destination").expect_err("the trickle is cut off");
     assert!(
         error.chain().contains("outlasted the I/O timeout"),
         "{}",
@@ -548,7 +758,7 @@ fn destination_with_io_timeout(
 fn a_commit_trickled_past_the_switch_over_deadline_is_not_taken() {
     // Switch-over timeout 1 s, I/O timeout 10 s: one byte of the commit
     // every 300 ms would take 4.8 s, each byte well inside the I/O timeout.
-    let (destination, main, _page, answer) = destination_ready();
+    let (destination, main, _page, answer, log) = destination_ready();
     assert!(matches!(answer, Message::Ready(_)), "{answer:?}");
     let ready_at = std::time::Instant::now();
     let bytes: Vec<Vec<u8>> = Message::Commit
@@ -571,6 +781,7 @@ fn a_commit_trickled_past_the_switch_over_deadline_is_not_taken() {
         "{}",
         error.chain()
     );
+    assert_never_resumed(&log);
     trickling.join().unwrap();
 }
 

@@ -162,10 +162,7 @@ fn assert_mismatch(outcome: Result<(), String>) {
 }
 
 fn expect_mismatch(destination: std::thread::JoinHandle<DestinationResult>) {
-    let error = destination
-        .join()
-        .expect("destination must not panic")
-        .expect_err("destination must refuse");
+    let error = join_within(destination, "the destination").expect_err("destination must refuse");
     assert!(
         matches!(error, MigrationError::DigestMismatch { .. }),
         "{}",
@@ -182,8 +179,44 @@ fn an_honest_fake_source_verifies() {
     source.send_pages(0, &memory, &all_data_pages());
     source.sync(0, true);
     source.complete(0, protocol_digest(&memory)).unwrap();
-    let received = destination.join().unwrap().expect("destination verifies");
+    let received = join_within(destination, "the destination").expect("destination verifies");
     assert_eq!(received.guest.region_bytes(0).unwrap(), memory);
+    let comparison = received
+        .digest_comparison
+        .expect("the destination reports the digests it compared");
+    assert_eq!(comparison.source, protocol_digest(&memory));
+    assert_eq!(comparison.destination, protocol_digest(&memory));
+}
+
+/// The bytes a faulty copy or decoder would have left: the destination's
+/// digest is read back from what its memory holds, so it is the digest of
+/// the wrong page, computed here independently, and differs from the
+/// source's.
+#[test]
+fn a_page_copied_or_decompressed_wrongly_is_caught() {
+    let (listener, address) = tcp_listener();
+    let destination = spawn_destination(listener);
+    let memory = source_memory();
+    let mut landed = memory.clone();
+    page_bytes(&mut landed, 5)[100] ^= 0x40;
+    let mut source = FakeSource::connect(&address);
+    source.send_pages(0, &landed, &all_data_pages());
+    source.sync(0, true);
+    assert_mismatch(source.complete(0, protocol_digest(&memory)));
+    let error = join_within(destination, "the destination").expect_err("destination must refuse");
+    let MigrationError::DigestMismatch {
+        source_digest,
+        destination,
+    } = error
+    else {
+        panic!("expected a digest mismatch: {}", error.chain());
+    };
+    assert_eq!(source_digest, protocol_digest(&memory));
+    assert_eq!(
+        destination,
+        protocol_digest(&landed),
+        "the destination's digest is that of the memory it holds"
+    );
 }
 
 #[test]
@@ -558,7 +591,7 @@ fn a_broken_downtime_limit_is_reported_with_its_cause() {
         .unwrap()
         .migrate(&mut guest, &address)
         .expect("the migration completes, late");
-    destination.join().unwrap().expect("destination verifies");
+    join_within(destination, "the destination").expect("destination verifies");
     assert_eq!(stats.downtime_limit, 100);
     assert!(stats.downtime >= SLOW_STATE.as_millis() as u64);
     assert!(stats.downtime_exceeded);
@@ -584,7 +617,7 @@ fn a_kept_downtime_limit_is_not_reported_as_broken() {
         .unwrap()
         .migrate(&mut guest, &address)
         .expect("the migration completes");
-    destination.join().unwrap().expect("destination verifies");
+    join_within(destination, "the destination").expect("destination verifies");
     assert!(!stats.downtime_exceeded);
     assert_eq!(stats.downtime_exceeded_cause, None);
     let json = serde_json::to_value(&stats).unwrap();

@@ -15,7 +15,7 @@ const MIB: u64 = 1 << 20;
 macro_rules! require_kvm {
     () => {
         if !kvm_available() {
-            eprintln!("skipped: /dev/kvm not available");
+            tern_test_skip::skip(tern_test_skip::Need::Kvm, "/dev/kvm not available");
             return;
         }
     };
@@ -359,7 +359,10 @@ fn memory_image_is_the_starting_content_and_stays_untouched() {
 #[test]
 fn missing_kvm_is_a_clear_error() {
     if kvm_available() {
-        eprintln!("skipped: /dev/kvm exists; the error path needs a host without it");
+        tern_test_skip::skip(
+            tern_test_skip::Need::NoKvm,
+            "/dev/kvm exists; the error path needs a host without it",
+        );
         return;
     }
     let error = KvmGuest::new(&config(16)).unwrap_err();

@@ -436,7 +436,7 @@ pub fn print_summary(stats: &MigrationStats, extra: &[(&str, String)]) {
         ),
         ("throttle", format!("{}%", stats.cpu_throttle_percentage)),
         ("forced switch-over", stats.forced_switch_over.to_string()),
-        ("digest verified", stats.digest_verified.to_string()),
+        ("digest verified", digest_line(stats)),
         (
             "security",
             stats
@@ -679,5 +679,17 @@ mod tests {
             zero_copy_at_last_sync(&counters),
             "30 of 30 sends copied by the kernel at sync 1"
         );
+    }
+}
+
+/// Whether the digests matched, with the values compared: the evidence, not
+/// the setting.
+fn digest_line(stats: &MigrationStats) -> String {
+    match stats.digest_comparison {
+        Some(comparison) => format!(
+            "{} (source {:032x}, destination {:032x})",
+            stats.digest_verified, comparison.source, comparison.destination
+        ),
+        None => format!("{} (not compared)", stats.digest_verified),
     }
 }

@@ -598,7 +598,10 @@ fn bench_codec_reports_no_decompression_rate_for_raw_pages() {
 #[test]
 fn qpl_path_hardware_without_iaa_is_refused_before_anything_moves() {
     if tern_page::codec::qpl_available().is_ok() {
-        eprintln!("skipped: libqpl loads here; this checks a machine without it");
+        tern_test_skip::skip(
+            tern_test_skip::Need::NoQpl,
+            "libqpl loads here; this checks a machine without it",
+        );
         return;
     }
     for args in [

@@ -10,7 +10,7 @@ fn kvm_available() -> bool {
     if std::path::Path::new("/dev/kvm").exists() {
         true
     } else {
-        eprintln!("skipped: /dev/kvm not available");
+        tern_test_skip::skip(tern_test_skip::Need::Kvm, "/dev/kvm not available");
         false
     }
 }

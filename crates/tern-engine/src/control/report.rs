@@ -3,7 +3,7 @@
 
 use serde::{Deserialize, Serialize};
 
-use crate::stats::{DestinationStats, MigrationStatus, SessionSecurity};
+use crate::stats::{DestinationStats, DigestComparison, MigrationStatus, SessionSecurity};
 
 /// What became of the guest on the destination.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, schemars::JsonSchema)]
@@ -37,6 +37,10 @@ pub struct ReceiveReport {
     /// source's and found them equal (false until completed, and when the
     /// source asked for no verification).
     pub digest_verified: bool,
+    /// The two digests the switch-over compared, when it compared them
+    /// (also on a mismatch): the evidence behind `digest-verified`.
+    #[serde(skip_serializing_if = "Option::is_none", default)]
+    pub digest_comparison: Option<DigestComparison>,
     /// The guest, once completed: running, or paused for a hand-over.
     #[serde(skip_serializing_if = "Option::is_none", default)]
     pub guest: Option<GuestState>,

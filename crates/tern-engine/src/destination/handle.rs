@@ -101,6 +101,7 @@ fn build(control: &DestinationControl) -> ReceiveReport {
         memory: live.total_bytes(),
         iterations: live.iterations_done(),
         digest_verified: outcome.digest_verified,
+        digest_comparison: live.digest_comparison(),
         guest: outcome.guest,
         refused_connections: live.refused_connections(),
         stats: outcome

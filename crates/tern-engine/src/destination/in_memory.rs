@@ -1,7 +1,10 @@
 //! A whole destination session run from bytes held in memory instead of
-//! sockets: the same handshake checks, receivers, state machines,
-//! verification and restore as [`Destination::receive`], with each channel a
-//! buffer. Tests and the fuzz target drive the destination this way.
+//! sockets: the same handshake checks, receivers, state machines, page
+//! placement (userfaultfd where this process may use it), verification and
+//! restore as [`Destination::receive`], with each channel a buffer. Tests
+//! and the fuzz target drive the destination this way. Only the sockets'
+//! own deadlines (a frame's transfer deadline, the accept timeout) are not
+//! reached: a read from memory never waits.
 
 use std::collections::HashSet;
 use std::time::Duration;
@@ -143,7 +146,7 @@ impl Destination {
         (result, main.sent)
     }
 
-    // long: the fuzzing entry point walks Destination::run's steps in one place
+    // long: `receive`'s steps in order, one call each, with the channel checks between
     fn run_from_memory<G, F>(
         &self,
         main: &mut MemoryStream,
@@ -207,7 +210,11 @@ impl Destination {
         )
         .with_qpl_path(self.config.qpl_path)
         .with_decode_threads(self.config.decode_threads())
-        .with_dictionaries(dictionaries);
+        .with_dictionaries(dictionaries)
+        // As `receive` does: fresh pages placed with UFFDIO_COPY where this
+        // process may register the guest's memory, so fuzzing reaches the
+        // placement and fault service too.
+        .with_userfault();
         let delivered = live::receive_all(&shared, main, &mut decoder, channels, &codecs)?;
         let stats = self.switch_over(
             &shared,
@@ -226,6 +233,7 @@ impl Destination {
                 transport: "memory".into(),
                 ..SessionSecurity::default()
             },
+            digest_comparison: self.stats.digest_comparison(),
         })
     }
 }
@@ -423,6 +431,30 @@ mod tests {
         assert!(
             error.contains("the page channels disagree on whether iteration 0 is the last")
                 || error.contains("sync of iteration 0 is not the last"),
+            "{error}"
+        );
+    }
+
+    /// The completion counts a state section that never came: the guest
+    /// would resume without part of its state.
+    #[test]
+    fn a_completion_counting_a_missing_state_section_is_refused() {
+        let mut main = hello(1);
+        main.extend(
+            Message::Complete(Complete {
+                final_iteration: 0,
+                sections: 1,
+                digest: 0,
+            })
+            .to_bytes(),
+        );
+        main.extend(Message::Commit.to_bytes());
+        let mut stream = page_channel(1);
+        sync(&mut stream, 0, true);
+        let (result, _) = run(&main, &[stream]);
+        let error = result.expect_err("the session must fail").chain();
+        assert!(
+            error.contains("received 0 state sections, the source sent 1"),
             "{error}"
         );
     }

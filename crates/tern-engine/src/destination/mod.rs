@@ -30,7 +30,9 @@ use crate::config::ReceiveConfig;
 use crate::control::{CancelToken, GuestState};
 use crate::error::MigrationError;
 use crate::guest::{DestinationGuest, GuestError, PAGE_SIZE};
-use crate::stats::{DestinationStats, MigrationStatus, SessionSecurity, thread_cpu_seconds};
+use crate::stats::{
+    DestinationStats, DigestComparison, MigrationStatus, SessionSecurity, thread_cpu_seconds,
+};
 use crate::transport::{Channel, Listener};
 
 use handle::DestinationControl;
@@ -116,6 +118,8 @@ pub struct ReceiveStats {
     last_refusal: Mutex<Option<String>>,
     /// CPU nanoseconds of the decoder threads, together.
     decoder_cpu: AtomicU64,
+    /// The digests the switch-over compared, once it compared them.
+    digest_comparison: Mutex<Option<DigestComparison>>,
 }
 
 impl ReceiveStats {
@@ -239,6 +243,22 @@ impl ReceiveStats {
         stats
     }
 
+    /// Records the digests the switch-over compared.
+    fn set_digest_comparison(&self, comparison: DigestComparison) {
+        *self
+            .digest_comparison
+            .lock()
+            .unwrap_or_else(|e| e.into_inner()) = Some(comparison);
+    }
+
+    /// The digests the switch-over compared, if it did.
+    pub fn digest_comparison(&self) -> Option<DigestComparison> {
+        *self
+            .digest_comparison
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+    }
+
     /// The statistics the outcome message carries.
     fn snapshot(&self, digest_time: Duration) -> OutcomeStats {
         OutcomeStats {
@@ -280,6 +300,10 @@ pub struct Received<G> {
     /// channel's handshake established it (the same fields as the
     /// source's report).
     pub security: SessionSecurity,
+    /// The source's digest and this side's, compared equal before the
+    /// guest resumed; `None` when the session did not verify (the source
+    /// asked for no digest).
+    pub digest_comparison: Option<DigestComparison>,
 }
 
 /// Receives one migration.
@@ -372,7 +396,10 @@ impl Destination {
         let mut outcome = self.control.outcome();
         let status = match result {
             Ok(received) => {
-                outcome.digest_verified = received.setup.digest != tern_wire::DigestAlgorithm::None;
+                // Evidence, not configuration: the digests this side compared.
+                outcome.digest_verified = received
+                    .digest_comparison
+                    .is_some_and(|comparison| comparison.matched());
                 outcome.guest = Some(if received.resumed {
                     GuestState::Running
                 } else {
@@ -513,6 +540,7 @@ impl Destination {
             stats: self.local_stats(&stats),
             setup,
             security: SessionSecurity::default(),
+            digest_comparison: self.stats.digest_comparison(),
         })
     }
 }

@@ -15,7 +15,7 @@ use super::stream::{FrameSink, FrameSource, read_message_until};
 use super::{Destination, POLL_INTERVAL, ReceivePhase};
 use crate::error::{ChannelError, MigrationError};
 use crate::guest::{DestinationGuest, StateSection};
-use crate::stats::thread_cpu_seconds;
+use crate::stats::{DigestComparison, thread_cpu_seconds};
 
 impl Destination {
     /// Verifies what was delivered, restores `guest`'s state, and resumes it
@@ -48,6 +48,12 @@ impl Destination {
             };
             refuse(main, digest, error.to_string());
             return Err(error);
+        }
+        if shared.setup.digest != DigestAlgorithm::None {
+            self.stats.set_digest_comparison(DigestComparison {
+                source: complete.digest,
+                destination: digest,
+            });
         }
         if let Err(error) = restore(guest, &sections) {
             refuse(main, digest, error.chain());

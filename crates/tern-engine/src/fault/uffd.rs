@@ -624,7 +624,10 @@ mod tests {
         let userfault = match Userfault::register(&regions) {
             Ok(userfault) => userfault,
             Err(error) => {
-                println!("SKIPPED: no userfaultfd for this process: {error}");
+                tern_test_skip::skip(
+                    tern_test_skip::Need::Userfaultfd,
+                    format!("no userfaultfd for this process: {error}"),
+                );
                 return;
             }
         };
@@ -649,7 +652,10 @@ mod tests {
         let memory = AnonymousMemory::new(4);
         let regions = [memory.region(1)];
         let Ok(userfault) = Userfault::register(&regions) else {
-            println!("SKIPPED: no userfaultfd for this process");
+            tern_test_skip::skip(
+                tern_test_skip::Need::Userfaultfd,
+                "no userfaultfd for this process",
+            );
             return;
         };
         let source = vec![5u8; PAGE_SIZE];
@@ -678,7 +684,10 @@ mod tests {
         let memory = AnonymousMemory::new(2);
         let regions = [memory.region(1)];
         let Ok(userfault) = Userfault::register(&regions) else {
-            println!("SKIPPED: no userfaultfd for this process");
+            tern_test_skip::skip(
+                tern_test_skip::Need::Userfaultfd,
+                "no userfaultfd for this process",
+            );
             return;
         };
         userfault.release();

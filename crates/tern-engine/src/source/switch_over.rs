@@ -14,7 +14,7 @@ use crate::config::Verify;
 use crate::error::{ChannelError, MigrationError};
 use crate::guest::SourceGuest;
 use crate::pipeline::Pipeline;
-use crate::stats::{DestinationStats, MigrationStatus};
+use crate::stats::{DestinationStats, DigestComparison, MigrationStatus};
 use crate::transport::Channel;
 
 impl Source {
@@ -123,8 +123,7 @@ impl Source {
             Err(error) => return Err(MigrationError::OutcomeUnknown(Box::new(error))),
         };
         self.stats.set_downtime(paused_at.elapsed());
-        self.stats
-            .set_digest_verified(self.config.verify.compares());
+        self.stats.set_digest_verified_from_comparison();
         if forced {
             tracing::info!("switch-over was forced by a limit");
         }
@@ -222,6 +221,16 @@ impl Source {
                 source: ChannelError::Timeout(
                     "the destination's switch-over answer (read after the switch-over deadline)",
                 ),
+            });
+        }
+        if verify {
+            let destination = match &answer {
+                Ok(outcome) => outcome.digest,
+                Err(ready) => ready.digest,
+            };
+            self.stats.set_digest_comparison(DigestComparison {
+                source: digest,
+                destination,
             });
         }
         match answer {

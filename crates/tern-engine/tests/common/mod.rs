@@ -169,3 +169,75 @@ pub fn raw_pages_prefix(iteration: u32, pages: &[u32]) -> Vec<u8> {
     tern_wire::encode_pages_prefix(&mut bytes, 0, iteration, 0, &entries);
     bytes
 }
+
+/// A synthetic destination guest that restores its state but never runs:
+/// `resume` only records the call. Its memory stays as the migration left
+/// it, so a test can compare it with the paused source's even when the
+/// source's guest dirties memory (a running copy would go on writing).
+#[derive(Debug)]
+pub struct HeldGuest {
+    pub guest: SyntheticGuest,
+    pub resumed: bool,
+}
+
+impl tern_engine::GuestMemory for HeldGuest {
+    fn regions(&self) -> &[tern_engine::MemoryRegion] {
+        self.guest.regions()
+    }
+}
+
+impl tern_engine::GuestControl for HeldGuest {
+    fn pause(&mut self) -> Result<(), GuestError> {
+        self.resumed = false;
+        Ok(())
+    }
+
+    fn resume(&mut self) -> Result<(), GuestError> {
+        self.resumed = true;
+        Ok(())
+    }
+
+    fn set_throttle(&mut self, percent: u8) -> Result<(), GuestError> {
+        self.guest.set_throttle(percent)
+    }
+}
+
+impl tern_engine::DeviceState for HeldGuest {
+    fn save_state(&mut self) -> Result<Vec<tern_engine::StateSection>, GuestError> {
+        self.guest.save_state()
+    }
+
+    fn restore_state(&mut self, sections: &[tern_engine::StateSection]) -> Result<(), GuestError> {
+        self.guest.restore_state(sections)
+    }
+
+    fn guest_kind(&self) -> &str {
+        self.guest.guest_kind()
+    }
+}
+
+/// Runs a destination of [`HeldGuest`]s on its own thread.
+pub fn spawn_held_destination(
+    listener: Listener,
+) -> JoinHandle<Result<Received<HeldGuest>, MigrationError>> {
+    std::thread::spawn(move || {
+        Destination::new(receive_config()).receive(&listener, |setup| {
+            Ok(HeldGuest {
+                guest: make_destination_guest(setup)?,
+                resumed: false,
+            })
+        })
+    })
+}
+
+/// Joins `thread` once it has finished, polling; panics naming `what`
+/// after [`DEADLINE`], so a product deadline that stopped working fails the
+/// test instead of hanging it (the thread is left behind; the test process
+/// ends with the failure).
+pub fn join_within<T>(thread: JoinHandle<T>, what: &str) -> T {
+    wait_until(&format!("{what} ends"), || thread.is_finished());
+    match thread.join() {
+        Ok(value) => value,
+        Err(panic) => std::panic::resume_unwind(panic),
+    }
+}

@@ -289,11 +289,17 @@ mod feature_tests {
     #[test]
     fn without_iaa_the_destination_inflates_with_libdeflate() {
         if qpl_available().is_ok() {
-            eprintln!("skipped: libqpl loads here; this checks the machine without it");
+            tern_test_skip::skip(
+                tern_test_skip::Need::NoQpl,
+                "libqpl loads here; this checks the machine without it",
+            );
             return;
         }
         if !CodecId::Deflate.is_built() {
-            eprintln!("skipped: tern-page built without the deflate feature");
+            tern_test_skip::skip(
+                tern_test_skip::Need::Host,
+                "tern-page built without the deflate feature",
+            );
             return;
         }
         let mut page = [0u8; PAGE_SIZE];

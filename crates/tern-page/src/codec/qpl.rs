@@ -940,7 +940,10 @@ mod tests {
         match qpl_available() {
             Ok(()) => true,
             Err(e) => {
-                eprintln!("skipped: needs libqpl (bench/install-qpl.sh, then TERN_QPL_LIB): {e}");
+                tern_test_skip::skip(
+                    tern_test_skip::Need::Qpl,
+                    format!("needs libqpl (bench/install-qpl.sh, then TERN_QPL_LIB): {e}"),
+                );
                 false
             }
         }
@@ -1022,7 +1025,10 @@ mod tests {
             return;
         }
         if std::path::Path::new("/dev/iax").exists() {
-            eprintln!("skipped: this machine has IAA devices");
+            tern_test_skip::skip(
+                tern_test_skip::Need::NoAccelerator,
+                "this machine has IAA devices",
+            );
             return;
         }
         let error = QplDecompressor::new(QplPath::Hardware).unwrap_err();

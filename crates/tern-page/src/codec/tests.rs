@@ -436,7 +436,10 @@ fn auto_offloads_deflate_only_when_qpl_is_faster_at_a_similar_ratio() {
 #[test]
 fn calibrating_qpl_without_libqpl_says_why() {
     if qpl_available().is_ok() {
-        eprintln!("skipped: libqpl loads here; this checks the machine without it");
+        tern_test_skip::skip(
+            tern_test_skip::Need::NoQpl,
+            "libqpl loads here; this checks the machine without it",
+        );
         return;
     }
     let sample = [corpus_page("text", 1)];

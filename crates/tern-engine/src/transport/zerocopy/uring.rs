@@ -695,7 +695,7 @@ mod tests {
         match check_available() {
             Ok(()) => true,
             Err(error) => {
-                eprintln!("skipping: {error}");
+                tern_test_skip::skip(tern_test_skip::Need::IoUring, error);
                 false
             }
         }

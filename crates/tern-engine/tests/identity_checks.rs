@@ -1,0 +1,286 @@
+//! One test per identity check, each built so that it fails when that one
+//! check is removed (docs/testing.md, "Mutation testing"): the source's
+//! check of the destination certificate's issuer, the destination's of the
+//! source's, the source's demand that every channel present the main
+//! channel's certificate, and the destination's demand that an
+//! authenticated hello name the session and channel the key exchange
+//! covered. The other side of each case accepts, so only the check under
+//! test can refuse.
+
+mod common;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use common::*;
+use tern_engine::transport::security::secure_client;
+use tern_engine::transport::tls;
+use tern_engine::{
+    AuthKey, Channel, Destination, GuestControl, GuestMemory, Listener, MigrationConfig,
+    MigrationError, ReceiveConfig, Security, Source, TlsConfig,
+};
+use tern_wire::{DigestAlgorithm, Handshake, Hello, Message, RegionInfo, SessionSetup, Welcome};
+
+fn tls_security(config: TlsConfig) -> Security {
+    Security {
+        tls: Some(Arc::new(config)),
+        ..Security::default()
+    }
+}
+
+/// A TLS configuration trusting `trusted`'s CA and presenting an identity
+/// `issuer` signed for `names`.
+fn mixed(trusted: &TestPki, issuer: &TestPki, names: &[&str]) -> TlsConfig {
+    let identity = issuer.identity(names);
+    TlsConfig::from_pem(
+        trusted.ca.as_bytes(),
+        identity.chain.as_bytes(),
+        identity.key.as_bytes(),
+    )
+    .expect("TLS configuration")
+}
+
+/// A destination on its own thread with `config`; returns the thread, its
+/// statistics (for the reason it refused a connection) and its cancel
+/// token.
+fn receiving(
+    listener: Listener,
+    config: ReceiveConfig,
+) -> (
+    std::thread::JoinHandle<DestinationResult>,
+    Arc<tern_engine::ReceiveStats>,
+    tern_engine::CancelToken,
+) {
+    let destination = Destination::new(config);
+    let stats = destination.stats();
+    let cancel = destination.cancel_token();
+    let thread = std::thread::spawn(move || destination.receive(&listener, make_destination_guest));
+    (thread, stats, cancel)
+}
+
+/// The destination's reason for the first connection it refused.
+fn first_refusal(stats: &tern_engine::ReceiveStats) -> String {
+    wait_until("the destination refuses a connection", || {
+        stats.refused_connections() > 0
+    });
+    stats.last_refusal().expect("a refusal's reason")
+}
+
+fn migration(security: Security) -> MigrationConfig {
+    MigrationConfig {
+        security,
+        ..migration_config(1)
+    }
+}
+
+/// The source's error for a migration of a running guest that must fail;
+/// the guest runs on.
+fn source_refuses(address: &tern_engine::Address, config: MigrationConfig) -> MigrationError {
+    let mut guest = guest(4 * MIB, 0);
+    guest.resume().unwrap();
+    let failure = Source::new(config)
+        .unwrap()
+        .migrate(&mut guest, address)
+        .expect_err("the migration must fail");
+    assert!(guest.is_running(), "the source guest runs on");
+    failure.error
+}
+
+/// The destination trusts the source's CA, so it would accept; only the
+/// source's check of the destination certificate's issuer refuses.
+#[test]
+fn the_source_refuses_a_destination_certificate_from_another_ca() {
+    let pki = TestPki::new("tern test CA");
+    let stranger = TestPki::new("another CA");
+    let (listener, address) = tcp_listener();
+    let receive = ReceiveConfig {
+        security: tls_security(mixed(&pki, &stranger, &["127.0.0.1"])),
+        ..receive_config()
+    };
+    let (destination, _stats, cancel) = receiving(listener, receive);
+    let error = source_refuses(
+        &address,
+        migration(tls_security(pki.config(&pki.identity(&["source.test"])))),
+    );
+    let chain = error.chain();
+    assert!(
+        chain.contains("destination's certificate is not signed by a CA")
+            && chain.contains("UnknownIssuer"),
+        "{chain}"
+    );
+    cancel.cancel();
+    assert!(join_within(destination, "the destination").is_err());
+}
+
+/// The source trusts the destination's CA, so it would go on; only the
+/// destination's check of the source certificate's issuer refuses.
+#[test]
+fn the_destination_refuses_a_source_certificate_from_another_ca() {
+    let pki = TestPki::new("tern test CA");
+    let stranger = TestPki::new("another CA");
+    let (listener, address) = tcp_listener();
+    let receive = ReceiveConfig {
+        security: tls_security(pki.config(&pki.identity(&["127.0.0.1"]))),
+        ..receive_config()
+    };
+    let (destination, stats, cancel) = receiving(listener, receive);
+    let _ = source_refuses(
+        &address,
+        migration(tls_security(mixed(&pki, &stranger, &["source.test"]))),
+    );
+    let refusal = first_refusal(&stats);
+    assert!(
+        refusal.contains("source's certificate is not signed by a CA")
+            && refusal.contains("UnknownIssuer"),
+        "{refusal}"
+    );
+    cancel.cancel();
+    assert!(join_within(destination, "the destination").is_err());
+}
+
+/// A fake destination presents one certificate on the main channel and
+/// another, from the same CA and for the same name, on the page channel.
+/// Both pass the TLS checks; only the source's comparison refuses.
+#[test]
+fn the_source_refuses_a_page_channel_with_another_destination_certificate() {
+    let pki = TestPki::new("tern test CA");
+    let first = pki.config(&pki.identity(&["127.0.0.1"]));
+    let second = pki.config(&pki.identity(&["127.0.0.1"]));
+    let source_config = pki.config(&pki.identity(&["source.test"]));
+    let (listener, address) = tcp_listener();
+    let fake = std::thread::spawn(move || {
+        let accept = || {
+            let mut channel = listener.accept_timeout(DEADLINE).expect("accept");
+            channel.set_timeouts(DEADLINE).unwrap();
+            channel
+        };
+        let mut main = tls::accept(accept(), &first).expect("the main channel's TLS");
+        let Message::Hello(hello) = main.read_message().expect("a hello") else {
+            panic!("no hello")
+        };
+        main.send_message(&Message::Welcome(Welcome {
+            session_id: hello.handshake.session_id,
+            channel_index: 0,
+        }))
+        .unwrap();
+        // The source closes the page channel once it has seen the
+        // certificate: the handshake's own outcome does not matter here.
+        let _ = tls::accept(accept(), &second);
+        // What the source says on the main channel before it closes it.
+        let mut said = Vec::new();
+        while let Ok(message) = main.read_message() {
+            said.push(message);
+        }
+        said
+    });
+    let error = source_refuses(&address, migration(tls_security(source_config)));
+    assert!(
+        matches!(error, MigrationError::Channel { index: 1, .. }),
+        "{}",
+        error.chain()
+    );
+    assert!(
+        error
+            .chain()
+            .contains("another certificate than on the main channel"),
+        "{}",
+        error.chain()
+    );
+    let said = join_within(fake, "the fake destination");
+    assert!(
+        !said
+            .iter()
+            .any(|message| matches!(message, Message::Dictionary(_) | Message::Complete(_))),
+        "nothing of the session follows: {said:?}"
+    );
+}
+
+fn key() -> Security {
+    Security {
+        auth_key: Some(Arc::new(
+            AuthKey::from_bytes(b"the key of the identity checks").unwrap(),
+        )),
+        ..Security::default()
+    }
+}
+
+/// A small session's setup for a hand-made source.
+fn setup() -> SessionSetup {
+    let guest = guest(4 * MIB, 0);
+    SessionSetup {
+        page_size: 4096,
+        channel_count: 1,
+        codecs: 0,
+        digest: DigestAlgorithm::Xxh3Pages,
+        regions: guest
+            .regions()
+            .iter()
+            .map(|region| RegionInfo {
+                id: region.id(),
+                guest_addr: region.guest_addr(),
+                len: region.len(),
+            })
+            .collect(),
+        guest_kind: String::new(),
+        dictionaries: 0,
+        vmm_config_len: 0,
+    }
+}
+
+/// A hand-made source proves the key for one session and then says hello
+/// for `hello`; the destination's answer.
+fn hello_after_key_exchange(proved: Handshake, hello: Handshake) -> (Message, String) {
+    let (listener, address) = tcp_listener();
+    let receive = ReceiveConfig {
+        security: key(),
+        ..receive_config()
+    };
+    let (destination, stats, cancel) = receiving(listener, receive);
+    let mut channel = Channel::connect(&address, Duration::from_secs(5)).expect("connect");
+    channel.set_timeouts(DEADLINE).unwrap();
+    let mut main = secure_client(channel, &key(), None, proved).expect("the key exchange");
+    main.send_message(&Message::Hello(Hello {
+        handshake: hello,
+        setup: setup(),
+    }))
+    .unwrap();
+    let answer = main.read_message().expect("the destination's answer");
+    let refusal = (!matches!(answer, Message::Welcome(_))).then(|| first_refusal(&stats));
+    cancel.cancel();
+    let _ = join_within(destination, "the destination");
+    (answer, refusal.unwrap_or_default())
+}
+
+#[test]
+fn an_authenticated_hello_for_another_session_is_refused() {
+    let proved = Handshake {
+        session_id: 0x0a,
+        channel_index: 0,
+    };
+    let (answer, refusal) = hello_after_key_exchange(
+        proved,
+        Handshake {
+            session_id: 0x0b,
+            ..proved
+        },
+    );
+    let Message::Abort(abort) = answer else {
+        panic!("expected an abort, got {answer:?}")
+    };
+    let reason = "the hello names another session or channel than the authentication";
+    assert!(abort.message.contains(reason), "{}", abort.message);
+    assert!(refusal.contains(reason), "{refusal}");
+}
+
+/// The control case: the same hand-made source, naming the session it
+/// proved, is welcomed (so the refusal above is the check's, not the fake
+/// source's).
+#[test]
+fn an_authenticated_hello_for_the_proved_session_is_welcomed() {
+    let proved = Handshake {
+        session_id: 0x0a,
+        channel_index: 0,
+    };
+    let (answer, _) = hello_after_key_exchange(proved, proved);
+    assert!(matches!(answer, Message::Welcome(_)), "{answer:?}");
+}

@@ -86,6 +86,18 @@ pub enum DsaError {
         /// The sysfs root that was searched.
         root: String,
     },
+    /// Devices exist but shared virtual addressing is off on them
+    /// (`pasid_enabled` is 0): the IOMMU is not in scalable mode.
+    #[error(
+        "{devices}: shared virtual addressing is off (pasid_enabled = 0), so user work queues \
+         cannot take this process's addresses; enable VT-d in the firmware, boot with \
+         intel_iommu=on,sm_on on the kernel command line, reboot, and check that \
+         /sys/bus/dsa/devices/<device>/pasid_enabled reads 1"
+    )]
+    NoSva {
+        /// The devices without SVA, e.g. `dsa0, dsa2`.
+        devices: String,
+    },
     /// Queues were found, but none is in the user's selection.
     #[error("no DSA work queue matches --dsa-device {selection} (found: {found})")]
     NoMatch {

@@ -68,7 +68,7 @@ use std::path::PathBuf;
 pub use bench::{ZeroBenchRow, bench_zero};
 pub use delta::{DELTA_DEADLINE, DsaDeltaOffload, open_delta_offload, software_delta_offload};
 pub use desc::{CompletionRecord, Descriptor, DsaStatus};
-pub use engine::{DsaConfig, DsaOffload, OffloadConfig, open_dsa, software_dsa};
+pub use engine::{DsaConfig, DsaOffload, OffloadConfig, open_dsa, open_dsa_engine, software_dsa};
 pub use queue::{CpuSubmitFeatures, DsaQueue, HardwareQueue, SubmissionMethod, SubmitError};
 pub use select::{BadSelection, DsaDevice, DsaSelection, NumaPolicy};
 pub use soft::{SoftwareDsa, SoftwareDsaConfig, StallGate};

@@ -568,8 +568,12 @@ mod x86 {
 
 #[cfg(test)]
 mod tests {
-    use super::{CpuSubmitFeatures, HardwareQueue, SubmissionMethod, choose_method, open_error};
+    use super::{
+        CpuSubmitFeatures, DsaQueue, HardwareQueue, SubmissionMethod, SubmitError, choose_method,
+        open_error,
+    };
     use crate::DsaError;
+    use crate::desc::Descriptor;
     use crate::sysfs::{WorkQueueInfo, WqMode};
 
     #[test]
@@ -590,6 +594,50 @@ mod tests {
         assert!(!Write.supports_batch());
         assert!(Movdir64b.supports_batch() && Enqcmd.supports_batch());
         assert_eq!(Enqcmd.to_string(), "enqcmd");
+    }
+
+    #[test]
+    fn the_write_path_writes_several_descriptors_in_one_call() {
+        // A regular file stands in for the queue's node: it takes the bytes
+        // as the driver would, and shows how many calls carried them.
+        let dir = tempfile::tempdir().unwrap();
+        let node = dir.path().join("wq0.0");
+        std::fs::write(&node, b"").unwrap();
+        let info = WorkQueueInfo {
+            kind: crate::sysfs::AccelKind::Dsa,
+            device: "dsa0".into(),
+            queue: "wq0.0".into(),
+            label: String::new(),
+            mode: WqMode::Shared,
+            size: 128,
+            max_batch_size: 32,
+            dev_path: node.clone(),
+            sysfs_dir: dir.path().join("sys"),
+            numa_node: None,
+        };
+        let queue = HardwareQueue::open(&info, true, 8).unwrap();
+        assert_eq!(queue.method(), SubmissionMethod::Write);
+        let descs: Vec<Descriptor> = (0..5u64)
+            .map(|i| Descriptor::compval(0x1000 * i, 4096, 0, 0x40 * i))
+            .collect();
+        // SAFETY: nothing executes these descriptors: the file only stores
+        // them.
+        let (accepted, error) = unsafe { queue.submit_many(&descs) };
+        assert_eq!((accepted, error.is_none()), (5, true));
+        assert_eq!(queue.write_calls(), 1);
+        let written = std::fs::read(&node).unwrap();
+        assert_eq!(written.len(), 5 * 64);
+        assert_eq!(&written[64..128], descs[1].as_bytes());
+        // A BATCH is refused before anything is written.
+        let batch = [Descriptor::batch(0, 2, 0)];
+        // SAFETY: as above.
+        let (accepted, error) = unsafe { queue.submit_many(&batch) };
+        assert!(accepted == 0 && matches!(error, Some(SubmitError::BatchRefused)));
+        // No sysfs state: not reported disabled.
+        assert!(!queue.is_disabled());
+        std::fs::create_dir_all(dir.path().join("sys")).unwrap();
+        std::fs::write(dir.path().join("sys/state"), "disabled\n").unwrap();
+        assert!(queue.is_disabled());
     }
 
     #[test]

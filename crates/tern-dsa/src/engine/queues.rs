@@ -76,7 +76,7 @@ impl QueueEntry {
 
     /// Reserves up to `wanted` descriptors of room; returns how many (0 when
     /// the queue is full).
-    fn reserve(&self, wanted: usize) -> u32 {
+    pub(super) fn reserve(&self, wanted: usize) -> u32 {
         let wanted = u32::try_from(wanted).unwrap_or(u32::MAX);
         if !self.bounded {
             self.in_flight.fetch_add(wanted, Ordering::AcqRel);

@@ -209,7 +209,7 @@ impl Inner {
     /// queue is skipped for a while (longer after each refusal in a row)
     /// and retired after `refusals_before_retire` of them, or at once when
     /// the kernel refused it outright (an I/O error, a stopped device).
-    fn note_refusal(&self, queue: &QueueEntry, error: &SubmitError) {
+    pub(super) fn note_refusal(&self, queue: &QueueEntry, error: &SubmitError) {
         self.counters
             .submit_failures
             .fetch_add(1, Ordering::Relaxed);

@@ -834,3 +834,50 @@ fn completion_thread_waits_with_umwait_only_where_waitpkg_exists() {
     check(&off, &Pages::new(64, |i| i == 3));
     assert_eq!(off.stats().umwaits, 0);
 }
+
+#[test]
+fn the_delta_offload_shares_the_zero_page_queues_and_their_bound() {
+    use tern_page::DeltaOffload;
+    use tern_page::delta::MAX_DELTA_LEN;
+
+    use crate::delta::{DELTA_DEADLINE, DsaDeltaOffload};
+
+    // A dedicated queue of two places, held by a stalled zero-page batch.
+    let (dev, gate) = stalled_device(2, 32, WqMode::Dedicated);
+    let engine = Arc::new(
+        DsaOffload::new(
+            vec![dev.clone() as Arc<dyn DsaQueue>],
+            OffloadConfig::default(),
+        )
+        .unwrap(),
+    );
+    let delta = DsaDeltaOffload::sharing(engine.clone(), DELTA_DEADLINE);
+    let pages = Pages::new(3, |i| i == 1);
+    // Three pages, one chunk: one place taken; a second batch takes the other.
+    // SAFETY: `pages` outlives the waits.
+    let first = unsafe { engine.submit(&pages.ptrs()) }.unwrap();
+    // SAFETY: as above.
+    let second = unsafe { engine.submit(&pages.ptrs()) }.unwrap();
+    let offered = dev.descriptors_offered();
+    assert_eq!(offered, 2);
+    let old = [7u8; PAGE_SIZE];
+    let mut new = old;
+    new[100] = 1;
+    let mut out = [0u8; MAX_DELTA_LEN];
+    // The queue is full: the delta is made on the CPU, nothing is offered
+    // (a third descriptor would be dropped by the dedicated queue).
+    assert!(delta.create(&old, &new, &mut out).is_some());
+    assert_eq!(dev.descriptors_offered(), offered);
+    assert_eq!(delta.stats().fallbacks, 1);
+    assert_eq!(dev.dropped(), 0);
+    gate.open();
+    let mut answers = Vec::new();
+    engine.wait(first, &mut answers).unwrap();
+    engine.wait(second, &mut answers).unwrap();
+    assert_eq!(answers, pages.expected());
+    // Room again: the same queue (no second open) makes the record.
+    assert!(delta.create(&old, &new, &mut out).is_some());
+    assert_eq!(delta.stats().on_device, 1);
+    assert_eq!(dev.descriptors_offered(), offered + 1);
+    assert_eq!(dev.dropped(), 0);
+}

@@ -283,6 +283,7 @@ pub struct HardwareQueue {
     enqcmd_attempts: u32,
     retries: AtomicU64,
     write_calls: AtomicU64,
+    portal_refused: Option<std::io::Error>,
 }
 
 impl HardwareQueue {
@@ -308,6 +309,7 @@ impl HardwareQueue {
             .open(&info.dev_path)
             .map_err(|source| open_error(info, source))?;
         let fd: OwnedFd = file.into();
+        let mut portal_refused = None;
         let portal = if force_write {
             None
         } else {
@@ -327,6 +329,7 @@ impl HardwareQueue {
             if p == libc::MAP_FAILED {
                 let err = std::io::Error::last_os_error();
                 warn_portal_refused(info, &err);
+                portal_refused = Some(err);
                 None
             } else {
                 Some(Portal(p.cast()))
@@ -345,7 +348,15 @@ impl HardwareQueue {
             enqcmd_attempts: enqcmd_attempts.max(1),
             retries: AtomicU64::new(0),
             write_calls: AtomicU64::new(0),
+            portal_refused,
         })
+    }
+
+    /// Why the portal could not be mapped (so descriptors go through
+    /// write()), when it was tried and refused: EPERM is the
+    /// INTEL-SA-01084 mitigation (no CAP_SYS_RAWIO).
+    pub fn portal_refused(&self) -> Option<&std::io::Error> {
+        self.portal_refused.as_ref()
     }
 
     /// What sysfs said about this queue.

@@ -65,7 +65,7 @@ pub mod sysfs;
 
 use std::path::PathBuf;
 
-pub use bench::{ZeroBenchRow, bench_zero};
+pub use bench::{DsaBench, ZeroBench, ZeroBenchRow, bench_zero, bench_zero_report};
 pub use delta::{DELTA_DEADLINE, DsaDeltaOffload, open_delta_offload, software_delta_offload};
 pub use desc::{CompletionRecord, Descriptor, DsaStatus};
 pub use engine::{DsaConfig, DsaOffload, OffloadConfig, open_dsa, open_dsa_engine, software_dsa};

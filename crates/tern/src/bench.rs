@@ -49,7 +49,8 @@ fn bench_zero(args: &BenchZeroArgs) -> anyhow::Result<ExitCode> {
         bail!("--buffer must hold at least one page and --rounds must be at least 1");
     }
     const GIB: f64 = (1u64 << 30) as f64;
-    let rows = tern_dsa::bench_zero(buffer, args.rounds);
+    let tern_dsa::ZeroBench { rows, dsa } = tern_dsa::bench_zero_report(buffer, args.rounds);
+    let dsa_report = DsaReport::from(&dsa);
     // The read loop reads every byte whatever the pages hold, so its three
     // measurements (one per case) are one figure; their median is the
     // steadiest baseline on a shared machine.
@@ -88,6 +89,8 @@ fn bench_zero(args: &BenchZeroArgs) -> anyhow::Result<ExitCode> {
             /// of every row's `times-read-loop`.
             read_loop_gib_per_s: f64,
             rows: &'a [ZeroRow],
+            /// What the hardware DSA did, or why it has no row.
+            dsa: &'a DsaReport,
         }
         print_json(&Report {
             machine: machine_name(),
@@ -96,6 +99,7 @@ fn bench_zero(args: &BenchZeroArgs) -> anyhow::Result<ExitCode> {
             default_backend,
             read_loop_gib_per_s,
             rows: &rows,
+            dsa: &dsa_report,
         })?;
     } else {
         println!(
@@ -143,8 +147,62 @@ fn bench_zero(args: &BenchZeroArgs) -> anyhow::Result<ExitCode> {
             };
             println!("| {label} | {} |", cells.join(" | "));
         }
+        println!();
+        match &dsa_report {
+            DsaReport {
+                missing: Some(why), ..
+            } => println!("No dsa row: {why}"),
+            report => println!(
+                "dsa: {}; {} pages on the device, {} device errors, {} page faults, {} CPU \
+                 fallbacks, {} queues retired",
+                report.describe,
+                report.pages_device,
+                report.device_errors,
+                report.page_faults,
+                report.cpu_fallbacks,
+                report.queues_disabled
+            ),
+        }
     }
     Ok(ExitCode::SUCCESS)
+}
+
+/// The hardware DSA's part of `tern bench zero`: its counters over every
+/// round, or why it was not measured.
+#[derive(Serialize, Default)]
+#[serde(rename_all = "kebab-case")]
+struct DsaReport {
+    /// Why there is no `dsa` row (the error opening it); absent when
+    /// measured.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    missing: Option<String>,
+    /// The engine: queues and submission method.
+    describe: String,
+    pages_device: u64,
+    cpu_fallbacks: u64,
+    page_faults: u64,
+    device_errors: u64,
+    queues_disabled: u64,
+}
+
+impl From<&tern_dsa::DsaBench> for DsaReport {
+    fn from(dsa: &tern_dsa::DsaBench) -> Self {
+        match dsa {
+            tern_dsa::DsaBench::Missing(why) => DsaReport {
+                missing: Some(why.clone()),
+                ..DsaReport::default()
+            },
+            tern_dsa::DsaBench::Measured { describe, stats } => DsaReport {
+                missing: None,
+                describe: describe.clone(),
+                pages_device: stats.pages_device,
+                cpu_fallbacks: stats.pages_fallback,
+                page_faults: stats.page_faults,
+                device_errors: stats.device_errors,
+                queues_disabled: stats.queues_disabled,
+            },
+        }
+    }
 }
 
 #[derive(Serialize)]

@@ -333,6 +333,12 @@ pub struct GuestArgs {
     /// Seed of the content and of the dirtier.
     #[arg(long, default_value_t = 0x7e57)]
     pub seed: u64,
+    /// Write every zero page once (without changing it) after the fill, so
+    /// each has its own memory: DSA then finds real page-table entries
+    /// instead of faulting, and the CPU reads real memory instead of one
+    /// cached shared zero page (docs/hardware.md).
+    #[arg(long)]
+    pub touch_zero_pages: bool,
 }
 
 impl GuestArgs {
@@ -364,6 +370,9 @@ impl GuestArgs {
         let share = |bytes: u64, percent: u8| {
             u64::try_from(u128::from(bytes) * u128::from(percent) / 100).unwrap_or(u64::MAX)
         };
+        if self.touch_zero_pages {
+            return self.memory;
+        }
         share(self.memory, 100 - self.mix.zero)
             .saturating_add(share(self.working_set(), self.mix.zero))
     }

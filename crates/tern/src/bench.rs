@@ -43,6 +43,7 @@ const ZERO_CASES: [(&str, &str); 3] = [
     ("last-byte", "last byte non-zero"),
 ];
 
+// long: one report read top to bottom: the rows, the JSON document or the table, the DSA line
 fn bench_zero(args: &BenchZeroArgs) -> anyhow::Result<ExitCode> {
     let buffer = usize::try_from(args.buffer).context("--buffer is too large")?;
     if buffer < tern_page::PAGE_SIZE || args.rounds == 0 {
@@ -148,21 +149,7 @@ fn bench_zero(args: &BenchZeroArgs) -> anyhow::Result<ExitCode> {
             println!("| {label} | {} |", cells.join(" | "));
         }
         println!();
-        match &dsa_report {
-            DsaReport {
-                missing: Some(why), ..
-            } => println!("No dsa row: {why}"),
-            report => println!(
-                "dsa: {}; {} pages on the device, {} device errors, {} page faults, {} CPU \
-                 fallbacks, {} queues retired",
-                report.describe,
-                report.pages_device,
-                report.device_errors,
-                report.page_faults,
-                report.cpu_fallbacks,
-                report.queues_disabled
-            ),
-        }
+        dsa_report.print();
     }
     Ok(ExitCode::SUCCESS)
 }
@@ -183,6 +170,26 @@ struct DsaReport {
     page_faults: u64,
     device_errors: u64,
     queues_disabled: u64,
+}
+
+impl DsaReport {
+    /// The line under the table: the device's counters, or why it has no
+    /// row.
+    fn print(&self) {
+        match &self.missing {
+            Some(why) => println!("No dsa row: {why}"),
+            None => println!(
+                "dsa: {}; {} pages on the device, {} device errors, {} page faults, {} CPU \
+                 fallbacks, {} queues retired",
+                self.describe,
+                self.pages_device,
+                self.device_errors,
+                self.page_faults,
+                self.cpu_fallbacks,
+                self.queues_disabled
+            ),
+        }
+    }
 }
 
 impl From<&tern_dsa::DsaBench> for DsaReport {

@@ -736,8 +736,11 @@ pub fn memlock_finding(limit: Option<u64>, cap_ipc_lock: bool) -> Finding {
             format!("RLIMIT_MEMLOCK {human}: 16 MiB zero-copy windows for {channels} channels"),
         );
     }
+    // The kernel charges zero-copy pins to the user (every process of the
+    // same uid shares the limit), not to this process alone.
     let fix = "raise it: `ulimit -l unlimited` in the shell, LimitMEMLOCK=infinity in a systemd \
-               unit, or grant CAP_IPC_LOCK";
+               unit, or grant CAP_IPC_LOCK; the kernel charges zero-copy pins to the user, so \
+               every tern running as this user shares the limit";
     if limit < SMALLEST_WINDOW {
         return Finding::new(
             "memlock",

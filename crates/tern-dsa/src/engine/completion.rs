@@ -84,17 +84,23 @@ impl Inner {
     /// still write their memory, so it is never reused.
     fn retire_disabled_queues(&self, active: &mut Vec<u32>, now: Instant) {
         let mut suspects: Vec<usize> = Vec::new();
+        // Queues asked this round: a kernel without a poll handler reports
+        // every fd ready, so each queue's state is read at most once.
+        let mut asked: Vec<usize> = Vec::new();
         for &i in active.iter() {
             // SAFETY: as in first_pending.
             let meta = unsafe { &*self.slots[i as usize].meta.get() };
             let q = &self.queues.entries[meta.queue];
-            if suspects.contains(&meta.queue) || q.disabled.load(Ordering::Relaxed) {
+            if asked.contains(&meta.queue) || q.disabled.load(Ordering::Relaxed) {
                 continue;
             }
             let overdue = now.saturating_duration_since(meta.submitted_at) > HEALTH_OVERDUE;
             let signalled = q.queue.event_fd().is_some_and(polls_ready);
-            if (overdue || signalled) && q.queue.is_disabled() {
-                suspects.push(meta.queue);
+            if overdue || signalled {
+                asked.push(meta.queue);
+                if q.queue.is_disabled() {
+                    suspects.push(meta.queue);
+                }
             }
         }
         for qi in suspects {

@@ -47,6 +47,38 @@ const OFFLOAD_DEPTH: usize = 4;
 /// median of each. The hardware DSA is included when [`open_dsa`] with the
 /// default configuration succeeds.
 pub fn bench_zero(buffer_bytes: usize, rounds: usize) -> Vec<ZeroBenchRow> {
+    bench_zero_report(buffer_bytes, rounds).rows
+}
+
+/// What the hardware DSA did during [`bench_zero_report`], or why it was
+/// not measured.
+#[derive(Clone, Debug, PartialEq)]
+pub enum DsaBench {
+    /// Measured: the engine's description (queues and submission method)
+    /// and its counters over every round (device errors, page faults and
+    /// CPU fallbacks say whether the device really did the work).
+    Measured {
+        /// E.g. `dsa [dsa0/wq0.0 (enqcmd)]`.
+        describe: String,
+        /// Counters after the last round.
+        stats: ZeroOffloadStats,
+    },
+    /// Not measured: why the engine did not open.
+    Missing(String),
+}
+
+/// The measurements of [`bench_zero`] and what became of the DSA row.
+#[derive(Clone, Debug, PartialEq)]
+pub struct ZeroBench {
+    /// One row per backend and case.
+    pub rows: Vec<ZeroBenchRow>,
+    /// The hardware DSA's outcome.
+    pub dsa: DsaBench,
+}
+
+/// [`bench_zero`], also saying what the hardware DSA did or why it is
+/// missing.
+pub fn bench_zero_report(buffer_bytes: usize, rounds: usize) -> ZeroBench {
     let pages = (buffer_bytes / PAGE_SIZE).max(1);
     let bytes = pages * PAGE_SIZE;
     let rounds = rounds.max(1);
@@ -58,7 +90,7 @@ pub fn bench_zero(buffer_bytes: usize, rounds: usize) -> Vec<ZeroBenchRow> {
     let start = storage.as_ptr().align_offset(PAGE_SIZE);
     let buf = &mut storage[start..start + bytes];
 
-    let offloads = bench_offloads();
+    let (offloads, dsa_missing) = bench_offloads();
     let mut rows = Vec::new();
     let cases: [(&'static str, Option<usize>); 3] = [
         ("zero", None),
@@ -120,22 +152,37 @@ pub fn bench_zero(buffer_bytes: usize, rounds: usize) -> Vec<ZeroBenchRow> {
             rows.push(measured);
         }
     }
-    rows
+    let dsa = match (dsa_missing, offloads.iter().find(|(name, _)| name == "dsa")) {
+        (_, Some((_, dsa))) => DsaBench::Measured {
+            describe: dsa.describe(),
+            stats: dsa.stats(),
+        },
+        (Some(why), None) => DsaBench::Missing(why),
+        (None, None) => DsaBench::Missing("not opened".to_owned()),
+    };
+    ZeroBench { rows, dsa }
 }
 
-/// The offloads measured: the software device, and DSA when it opens.
-fn bench_offloads() -> Vec<(String, Arc<dyn ZeroPageOffload>)> {
-    let mut offloads: Vec<(String, Arc<dyn ZeroPageOffload>)> = vec![(
+/// An offload with its row name.
+type NamedOffload = (String, Arc<dyn ZeroPageOffload>);
+
+/// The offloads measured: the software device, and DSA when it opens
+/// (else why it did not).
+fn bench_offloads() -> (Vec<NamedOffload>, Option<String>) {
+    let mut offloads: Vec<NamedOffload> = vec![(
         "soft-dsa".to_owned(),
         software_dsa(SoftwareDsaConfig {
             max_batch_size: MAX_BATCH_PAGES,
             ..Default::default()
         }),
     )];
-    if let Ok(dsa) = open_dsa(&DsaConfig::default()) {
-        offloads.push(("dsa".to_owned(), dsa));
+    match open_dsa(&DsaConfig::default()) {
+        Ok(dsa) => {
+            offloads.push(("dsa".to_owned(), dsa));
+            (offloads, None)
+        }
+        Err(error) => (offloads, Some(error.to_string())),
     }
-    offloads
 }
 
 /// Completion-thread CPU per GiB checked between two snapshots.

@@ -27,10 +27,9 @@ use crate::desc::{
     CompletionRecord, DELTA_RESULT_DIFFERENT, DELTA_RESULT_EQUAL, DELTA_RESULT_OVERFLOW,
     Descriptor, DsaStatus, STATUS_NONE,
 };
-use crate::engine::DsaConfig;
-use crate::queue::{DsaQueue, HardwareQueue};
+use crate::engine::{DsaConfig, DsaOffload, OffloadConfig, open_dsa_engine};
+use crate::queue::DsaQueue;
 use crate::soft::{SoftwareDsa, SoftwareDsaConfig};
-use crate::sysfs::{WorkQueueInfo, discover_work_queues};
 
 /// The page size as the descriptors' `u32` sizes.
 const PAGE_SIZE_U32: u32 = tern_wire::PAGE_SIZE;
@@ -56,10 +55,17 @@ impl Job {
     }
 }
 
-/// Delta records through a DSA queue, the CPU as fallback.
+/// Delta records through the DSA engine's queues, the CPU as fallback.
+///
+/// It shares the queues of a zero-page engine ([`DsaDeltaOffload::sharing`]):
+/// the same device list, the same open handles (a dedicated queue takes one
+/// opener, so a second handle would be refused), and the same per-queue
+/// in-flight bound, so delta and zero-page descriptors together never
+/// overfill a queue. When every queue is full, backing off or retired, the
+/// CPU answers.
 #[derive(Debug)]
 pub struct DsaDeltaOffload {
-    queue: Arc<dyn DsaQueue>,
+    engine: Arc<DsaOffload>,
     deadline: Duration,
     on_device: AtomicU64,
     fallbacks: AtomicU64,
@@ -79,32 +85,38 @@ pub fn software_delta_offload(config: SoftwareDsaConfig) -> Arc<DsaDeltaOffload>
     ))
 }
 
-/// Delta records on the first DSA work queue `config` selects.
+/// Delta records on the DSA work queues `config` selects, opened for this
+/// offload alone. When zero-page detection also uses DSA, share its engine
+/// with [`DsaDeltaOffload::sharing`] instead: a dedicated queue takes a
+/// single opener.
+///
+/// # Errors
+///
+/// As [`open_dsa_engine`].
 pub fn open_delta_offload(config: &DsaConfig) -> Result<Arc<DsaDeltaOffload>, DsaError> {
-    let found = discover_work_queues(&config.sysfs_root, &config.dev_root)?;
-    let info = found
-        .iter()
-        .find(|info| config.devices.matches(info))
-        .ok_or_else(|| DsaError::NoMatch {
-            selection: config.devices.to_string(),
-            found: found
-                .iter()
-                .map(WorkQueueInfo::full_name)
-                .collect::<Vec<_>>()
-                .join(", "),
-        })?;
-    let queue = HardwareQueue::open(info, config.force_write, config.submit_attempts)?;
-    Ok(Arc::new(DsaDeltaOffload::new(
-        Arc::new(queue),
+    Ok(Arc::new(DsaDeltaOffload::sharing(
+        open_dsa_engine(config)?,
         DELTA_DEADLINE,
     )))
 }
 
 impl DsaDeltaOffload {
-    /// Uses `queue`, waiting at most `deadline` for each completion.
+    /// Uses `queue` alone, waiting at most `deadline` for each completion.
+    ///
+    /// # Panics
+    ///
+    /// If the engine's completion thread cannot be started.
     pub fn new(queue: Arc<dyn DsaQueue>, deadline: Duration) -> Self {
+        let engine = DsaOffload::new(vec![queue], OffloadConfig::default())
+            .expect("one queue is enough to start");
+        Self::sharing(Arc::new(engine), deadline)
+    }
+
+    /// Shares the queues (and their in-flight bound) of a zero-page engine,
+    /// waiting at most `deadline` for each completion.
+    pub fn sharing(engine: Arc<DsaOffload>, deadline: Duration) -> Self {
         Self {
-            queue,
+            engine,
             deadline,
             on_device: AtomicU64::new(0),
             fallbacks: AtomicU64::new(0),
@@ -125,11 +137,17 @@ impl DsaDeltaOffload {
     /// Submits `desc` (whose addresses all point into `job`) and waits for
     /// a successful completion; `None` for anything else. A job the device
     /// has not answered by the deadline is leaked, so it may still write it.
+    ///
+    /// Room for the descriptor is reserved on the engine's queues first;
+    /// an abandoned descriptor keeps its reservation (it may still occupy
+    /// the queue), so the bound holds.
     fn run(&self, job: Box<Job>, desc: &Descriptor) -> Option<Box<Job>> {
+        let (queue_index, queue) = self.engine.reserve_one()?;
         // SAFETY: every address in `desc` points into `job`, which stays
         // allocated until its record is written: it is returned (and freed)
         // only after the status is non-zero, and leaked otherwise.
-        if unsafe { self.queue.submit(desc) }.is_err() {
+        if let Err(error) = unsafe { queue.submit(desc) } {
+            self.engine.release_one(queue_index, Some(&error));
             return None;
         }
         let started = Instant::now();
@@ -137,6 +155,7 @@ impl DsaDeltaOffload {
             // SAFETY: the job's record is live; the device writes it.
             let status = unsafe { CompletionRecord::load_status(&job.record) };
             if status != STATUS_NONE {
+                self.engine.release_one(queue_index, None);
                 return (DsaStatus::decode(status) == DsaStatus::Success).then_some(job);
             }
             if started.elapsed() > self.deadline {

@@ -65,10 +65,10 @@ pub mod sysfs;
 
 use std::path::PathBuf;
 
-pub use bench::{ZeroBenchRow, bench_zero};
+pub use bench::{DsaBench, ZeroBench, ZeroBenchRow, bench_zero, bench_zero_report};
 pub use delta::{DELTA_DEADLINE, DsaDeltaOffload, open_delta_offload, software_delta_offload};
 pub use desc::{CompletionRecord, Descriptor, DsaStatus};
-pub use engine::{DsaConfig, DsaOffload, OffloadConfig, open_dsa, software_dsa};
+pub use engine::{DsaConfig, DsaOffload, OffloadConfig, open_dsa, open_dsa_engine, software_dsa};
 pub use queue::{CpuSubmitFeatures, DsaQueue, HardwareQueue, SubmissionMethod, SubmitError};
 pub use select::{BadSelection, DsaDevice, DsaSelection, NumaPolicy};
 pub use soft::{SoftwareDsa, SoftwareDsaConfig, StallGate};
@@ -85,6 +85,18 @@ pub enum DsaError {
     NoWorkQueue {
         /// The sysfs root that was searched.
         root: String,
+    },
+    /// Devices exist but shared virtual addressing is off on them
+    /// (`pasid_enabled` is 0): the IOMMU is not in scalable mode.
+    #[error(
+        "{devices}: shared virtual addressing is off (pasid_enabled = 0), so user work queues \
+         cannot take this process's addresses; enable VT-d in the firmware, boot with \
+         intel_iommu=on,sm_on on the kernel command line, reboot, and check that \
+         /sys/bus/dsa/devices/<device>/pasid_enabled reads 1"
+    )]
+    NoSva {
+        /// The devices without SVA, e.g. `dsa0, dsa2`.
+        devices: String,
     },
     /// Queues were found, but none is in the user's selection.
     #[error("no DSA work queue matches --dsa-device {selection} (found: {found})")]

@@ -24,7 +24,7 @@
 
 use std::fmt;
 use std::fs::OpenOptions;
-use std::os::fd::{AsRawFd, OwnedFd};
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd};
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use crate::DsaError;
@@ -124,6 +124,38 @@ pub trait DsaQueue: Send + Sync + fmt::Debug {
     fn numa_node(&self) -> Option<u32> {
         None
     }
+
+    /// A file descriptor that polls readable when the driver reports trouble
+    /// on the queue (the idxd driver wakes pollers of the queue's character
+    /// device when the device or queue errs or is disabled); `None` when
+    /// there is none.
+    fn event_fd(&self) -> Option<BorrowedFd<'_>> {
+        None
+    }
+
+    /// Whether the queue is no longer enabled (its sysfs `state`), asked by
+    /// the completion thread when [`event_fd`](Self::event_fd) polls ready or
+    /// a submission is overdue.
+    fn is_disabled(&self) -> bool {
+        false
+    }
+
+    /// Hands several descriptors over at once where the path allows it (one
+    /// write() for all); returns how many the queue accepted, in order. The
+    /// default submits them one by one and stops at the first refusal.
+    ///
+    /// # Safety
+    ///
+    /// As [`submit`](Self::submit), for every descriptor.
+    unsafe fn submit_many(&self, descs: &[Descriptor]) -> (usize, Option<SubmitError>) {
+        for (i, desc) in descs.iter().enumerate() {
+            // SAFETY: forwarded from the caller.
+            if let Err(e) = unsafe { self.submit(desc) } {
+                return (i, Some(e));
+            }
+        }
+        (descs.len(), None)
+    }
 }
 
 /// Submission-related CPU features, read from CPUID leaf 7 directly because
@@ -222,6 +254,25 @@ fn open_error(info: &WorkQueueInfo, source: std::io::Error) -> DsaError {
     }
 }
 
+/// Says, at warn, that the portal of `info` could not be mapped and what
+/// that costs: on Sapphire and Emerald Rapids (INTEL-SA-01084) the kernel
+/// maps portals only for processes with CAP_SYS_RAWIO, and without the
+/// portal every page goes as its own descriptor through write(), with no
+/// BATCH, which can be slower than checking on the CPU.
+fn warn_portal_refused(info: &WorkQueueInfo, err: &std::io::Error) {
+    let why = if err.raw_os_error() == Some(libc::EPERM) {
+        "the kernel maps work-queue portals only for processes with CAP_SYS_RAWIO on this CPU \
+         (INTEL-SA-01084): run tern as root or grant it CAP_SYS_RAWIO"
+    } else {
+        "see `tern doctor`"
+    };
+    tracing::warn!(
+        "cannot map the portal of DSA work queue {} ({err}): submitting with write(), one \
+         descriptor per page and no batches, which may be slower than the CPU; {why}",
+        info.full_name()
+    );
+}
+
 /// A real work queue opened from `/dev/dsa`.
 #[derive(Debug)]
 pub struct HardwareQueue {
@@ -231,6 +282,8 @@ pub struct HardwareQueue {
     method: SubmissionMethod,
     enqcmd_attempts: u32,
     retries: AtomicU64,
+    write_calls: AtomicU64,
+    portal_refused: Option<std::io::Error>,
 }
 
 impl HardwareQueue {
@@ -256,6 +309,7 @@ impl HardwareQueue {
             .open(&info.dev_path)
             .map_err(|source| open_error(info, source))?;
         let fd: OwnedFd = file.into();
+        let mut portal_refused = None;
         let portal = if force_write {
             None
         } else {
@@ -274,10 +328,8 @@ impl HardwareQueue {
             };
             if p == libc::MAP_FAILED {
                 let err = std::io::Error::last_os_error();
-                tracing::info!(
-                    "cannot map the portal of {} ({err}); submitting with write()",
-                    info.full_name()
-                );
+                warn_portal_refused(info, &err);
+                portal_refused = Some(err);
                 None
             } else {
                 Some(Portal(p.cast()))
@@ -295,12 +347,65 @@ impl HardwareQueue {
             method,
             enqcmd_attempts: enqcmd_attempts.max(1),
             retries: AtomicU64::new(0),
+            write_calls: AtomicU64::new(0),
+            portal_refused,
         })
+    }
+
+    /// Why the portal could not be mapped (so descriptors go through
+    /// write()), when it was tried and refused: EPERM is the
+    /// INTEL-SA-01084 mitigation (no CAP_SYS_RAWIO).
+    pub fn portal_refused(&self) -> Option<&std::io::Error> {
+        self.portal_refused.as_ref()
     }
 
     /// What sysfs said about this queue.
     pub fn info(&self) -> &WorkQueueInfo {
         &self.info
+    }
+
+    /// write() submission of several descriptors in one call: the idxd
+    /// driver takes any multiple of 64 bytes and submits each descriptor in
+    /// turn, returning the bytes of those it accepted. EAGAIN (nothing
+    /// accepted) is retried like a refused ENQCMD; a short count is the
+    /// queue filling up, and the rest is left to the caller.
+    fn submit_write_many(&self, descs: &[Descriptor]) -> (usize, Option<SubmitError>) {
+        if descs.iter().any(|d| d.opcode == OPCODE_BATCH) {
+            return (0, Some(SubmitError::BatchRefused));
+        }
+        if descs.is_empty() {
+            return (0, None);
+        }
+        let bytes = std::mem::size_of_val(descs);
+        for attempt in 0..self.enqcmd_attempts {
+            self.write_calls.fetch_add(1, Ordering::Relaxed);
+            // SAFETY: `descs` is a live slice of initialised 64-byte
+            // descriptors, contiguous (the type's size is its alignment).
+            let n = unsafe { libc::write(self.fd.as_raw_fd(), descs.as_ptr().cast(), bytes) };
+            if let Ok(written) = usize::try_from(n) {
+                let accepted = written / std::mem::size_of::<Descriptor>();
+                if accepted == descs.len() {
+                    return (accepted, None);
+                }
+                if accepted > 0 {
+                    return (accepted, Some(SubmitError::QueueFull(attempt + 1)));
+                }
+            }
+            let err = std::io::Error::last_os_error();
+            if n < 0 && err.kind() != std::io::ErrorKind::WouldBlock {
+                return (0, Some(SubmitError::Io(err)));
+            }
+            if attempt > 0 {
+                self.retries.fetch_add(1, Ordering::Relaxed);
+            }
+            std::hint::spin_loop();
+        }
+        (0, Some(SubmitError::QueueFull(self.enqcmd_attempts)))
+    }
+
+    /// write() calls made so far (each carries one or more descriptors).
+    pub fn write_calls(&self) -> u64 {
+        self.write_calls.load(Ordering::Relaxed)
     }
 
     /// write() submission: one descriptor per call, EAGAIN retried like a
@@ -311,6 +416,7 @@ impl HardwareQueue {
         }
         let bytes = desc.as_bytes();
         for attempt in 0..self.enqcmd_attempts {
+            self.write_calls.fetch_add(1, Ordering::Relaxed);
             // SAFETY: writing 64 initialised bytes from a live buffer to an
             // open fd.
             let n = unsafe { libc::write(self.fd.as_raw_fd(), bytes.as_ptr().cast(), 64) };
@@ -384,6 +490,28 @@ impl DsaQueue for HardwareQueue {
     fn numa_node(&self) -> Option<u32> {
         self.info.numa_node
     }
+
+    fn event_fd(&self) -> Option<BorrowedFd<'_>> {
+        Some(self.fd.as_fd())
+    }
+
+    fn is_disabled(&self) -> bool {
+        std::fs::read_to_string(self.info.sysfs_dir.join("state"))
+            .is_ok_and(|state| state.trim() != "enabled")
+    }
+
+    unsafe fn submit_many(&self, descs: &[Descriptor]) -> (usize, Option<SubmitError>) {
+        if self.method == SubmissionMethod::Write {
+            return self.submit_write_many(descs);
+        }
+        for (i, desc) in descs.iter().enumerate() {
+            // SAFETY: forwarded from the caller.
+            if let Err(e) = unsafe { self.submit(desc) } {
+                return (i, Some(e));
+            }
+        }
+        (descs.len(), None)
+    }
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -451,8 +579,12 @@ mod x86 {
 
 #[cfg(test)]
 mod tests {
-    use super::{CpuSubmitFeatures, HardwareQueue, SubmissionMethod, choose_method, open_error};
+    use super::{
+        CpuSubmitFeatures, DsaQueue, HardwareQueue, SubmissionMethod, SubmitError, choose_method,
+        open_error,
+    };
     use crate::DsaError;
+    use crate::desc::Descriptor;
     use crate::sysfs::{WorkQueueInfo, WqMode};
 
     #[test]
@@ -476,6 +608,50 @@ mod tests {
     }
 
     #[test]
+    fn the_write_path_writes_several_descriptors_in_one_call() {
+        // A regular file stands in for the queue's node: it takes the bytes
+        // as the driver would, and shows how many calls carried them.
+        let dir = tempfile::tempdir().unwrap();
+        let node = dir.path().join("wq0.0");
+        std::fs::write(&node, b"").unwrap();
+        let info = WorkQueueInfo {
+            kind: crate::sysfs::AccelKind::Dsa,
+            device: "dsa0".into(),
+            queue: "wq0.0".into(),
+            label: String::new(),
+            mode: WqMode::Shared,
+            size: 128,
+            max_batch_size: 32,
+            dev_path: node.clone(),
+            sysfs_dir: dir.path().join("sys"),
+            numa_node: None,
+        };
+        let queue = HardwareQueue::open(&info, true, 8).unwrap();
+        assert_eq!(queue.method(), SubmissionMethod::Write);
+        let descs: Vec<Descriptor> = (0..5u64)
+            .map(|i| Descriptor::compval(0x1000 * i, 4096, 0, 0x40 * i))
+            .collect();
+        // SAFETY: nothing executes these descriptors: the file only stores
+        // them.
+        let (accepted, error) = unsafe { queue.submit_many(&descs) };
+        assert_eq!((accepted, error.is_none()), (5, true));
+        assert_eq!(queue.write_calls(), 1);
+        let written = std::fs::read(&node).unwrap();
+        assert_eq!(written.len(), 5 * 64);
+        assert_eq!(&written[64..128], descs[1].as_bytes());
+        // A BATCH is refused before anything is written.
+        let batch = [Descriptor::batch(0, 2, 0)];
+        // SAFETY: as above.
+        let (accepted, error) = unsafe { queue.submit_many(&batch) };
+        assert!(accepted == 0 && matches!(error, Some(SubmitError::BatchRefused)));
+        // No sysfs state: not reported disabled.
+        assert!(!queue.is_disabled());
+        std::fs::create_dir_all(dir.path().join("sys")).unwrap();
+        std::fs::write(dir.path().join("sys/state"), "disabled\n").unwrap();
+        assert!(queue.is_disabled());
+    }
+
+    #[test]
     fn cpuid_reads() {
         // Only checks it does not crash; prints what this host has.
         eprintln!("{:?}", CpuSubmitFeatures::detect());
@@ -492,6 +668,7 @@ mod tests {
             size: 16,
             max_batch_size: 32,
             dev_path: "/nonexistent/dsa/wq9.0".into(),
+            sysfs_dir: "/nonexistent/sys/wq9.0".into(),
             numa_node: None,
         };
         let err = HardwareQueue::open(&info, false, 8).unwrap_err();

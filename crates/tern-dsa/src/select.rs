@@ -225,6 +225,7 @@ mod tests {
             size: 32,
             max_batch_size: 32,
             dev_path: format!("/dev/dsa/{queue}").into(),
+            sysfs_dir: format!("/sys/bus/dsa/devices/{queue}").into(),
             numa_node: None,
         }
     }

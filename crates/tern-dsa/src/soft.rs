@@ -13,8 +13,9 @@
 //! refused submissions are injectable through [`SoftwareDsaConfig`].
 
 use std::fmt;
+use std::os::fd::{AsFd, BorrowedFd, FromRawFd, OwnedFd};
 use std::ptr::{addr_of_mut, read_unaligned};
-use std::sync::atomic::{AtomicU8, AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU8, AtomicU64, AtomicUsize, Ordering};
 use std::sync::mpsc::{Receiver, Sender, channel};
 use std::sync::{Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
@@ -169,6 +170,10 @@ struct DeviceCounters {
     occupancy: AtomicUsize,
     /// Highest occupancy seen.
     peak: AtomicUsize,
+    /// Calls to `submit` or `submit_many` (one write() each on that path).
+    calls: AtomicU64,
+    /// Set by [`SoftwareDsa::disable`]: nothing more runs or is accepted.
+    disabled: AtomicBool,
 }
 
 /// The software device: a queue plus the thread that executes it.
@@ -177,6 +182,9 @@ pub struct SoftwareDsa {
     tx: Mutex<Option<Sender<Descriptor>>>,
     thread: Mutex<Option<JoinHandle<()>>>,
     counters: Arc<DeviceCounters>,
+    /// Polls readable once the device is disabled, like the idxd driver's
+    /// queue fd.
+    events: OwnedFd,
 }
 
 impl fmt::Debug for SoftwareDsa {
@@ -200,12 +208,45 @@ impl SoftwareDsa {
             .name(format!("{}-engine", config.name))
             .spawn(move || device.run(rx))
             .expect("spawning the software DSA thread");
+        // SAFETY: eventfd takes no pointers; the result is checked.
+        let raw = unsafe { libc::eventfd(0, libc::EFD_CLOEXEC | libc::EFD_NONBLOCK) };
+        assert!(raw >= 0, "eventfd: {}", std::io::Error::last_os_error());
+        // SAFETY: `raw` is a fresh descriptor owned by nobody else.
+        let events = unsafe { OwnedFd::from_raw_fd(raw) };
         SoftwareDsa {
             config,
             tx: Mutex::new(Some(tx)),
             thread: Mutex::new(Some(thread)),
             counters,
+            events,
         }
+    }
+
+    /// Disables the queue, as `accel-config disable-wq` or a device halt
+    /// would: descriptors not yet executed are dropped without a record,
+    /// later submissions are refused, and the event fd polls readable.
+    pub fn disable(&self) {
+        self.counters.disabled.store(true, Ordering::Release);
+        let one: u64 = 1;
+        // SAFETY: writes 8 bytes from a live u64 to the eventfd.
+        let _ = unsafe {
+            libc::write(
+                std::os::fd::AsRawFd::as_raw_fd(&self.events),
+                (&raw const one).cast(),
+                8,
+            )
+        };
+    }
+
+    /// Calls to `submit` and `submit_many` so far (write() calls, on that
+    /// path).
+    pub fn submit_calls(&self) -> u64 {
+        self.counters.calls.load(Ordering::Relaxed)
+    }
+
+    /// Descriptors offered to the queue so far, accepted or not.
+    pub fn descriptors_offered(&self) -> u64 {
+        self.counters.submits.load(Ordering::Relaxed)
     }
 
     /// COMPVAL descriptors executed so far.
@@ -262,12 +303,18 @@ impl Drop for SoftwareDsa {
     }
 }
 
-impl DsaQueue for SoftwareDsa {
-    unsafe fn submit(&self, desc: &Descriptor) -> Result<(), SubmitError> {
+impl SoftwareDsa {
+    /// One descriptor into the queue (see [`DsaQueue::submit`]).
+    fn submit_one(&self, desc: &Descriptor) -> Result<(), SubmitError> {
         if self.config.method == SubmissionMethod::Write && desc.opcode == OPCODE_BATCH {
             return Err(SubmitError::BatchRefused);
         }
         let n = self.counters.submits.fetch_add(1, Ordering::Relaxed) + 1;
+        if self.counters.disabled.load(Ordering::Acquire) {
+            // A disabled queue accepts nothing (ENQCMD keeps answering
+            // retry; write() fails).
+            return Err(SubmitError::QueueFull(self.config.submit_attempts));
+        }
         if self
             .config
             .refuse_every
@@ -315,6 +362,31 @@ impl DsaQueue for SoftwareDsa {
             self.counters.occupancy.fetch_sub(1, Ordering::AcqRel);
             SubmitError::Stopped
         })
+    }
+}
+
+impl DsaQueue for SoftwareDsa {
+    unsafe fn submit(&self, desc: &Descriptor) -> Result<(), SubmitError> {
+        self.counters.calls.fetch_add(1, Ordering::Relaxed);
+        self.submit_one(desc)
+    }
+
+    unsafe fn submit_many(&self, descs: &[Descriptor]) -> (usize, Option<SubmitError>) {
+        self.counters.calls.fetch_add(1, Ordering::Relaxed);
+        for (i, desc) in descs.iter().enumerate() {
+            if let Err(e) = self.submit_one(desc) {
+                return (i, Some(e));
+            }
+        }
+        (descs.len(), None)
+    }
+
+    fn event_fd(&self) -> Option<BorrowedFd<'_>> {
+        Some(self.events.as_fd())
+    }
+
+    fn is_disabled(&self) -> bool {
+        self.counters.disabled.load(Ordering::Acquire)
     }
 
     fn method(&self) -> SubmissionMethod {
@@ -378,6 +450,11 @@ impl Outcome {
 impl Device {
     fn run(self, rx: Receiver<Descriptor>) {
         while let Ok(desc) = rx.recv() {
+            if self.counters.disabled.load(Ordering::Acquire) {
+                // Disabled: what was queued is dropped, no record written.
+                self.counters.occupancy.fetch_sub(1, Ordering::AcqRel);
+                continue;
+            }
             // SAFETY: submitters promised (DsaQueue::submit) that every
             // address in the descriptor is valid until its record is written.
             unsafe { self.execute(&desc, false) };

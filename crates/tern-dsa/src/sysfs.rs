@@ -51,6 +51,9 @@ pub struct WorkQueueInfo {
     pub max_batch_size: u32,
     /// Character device to open, e.g. `/dev/dsa/wq0.0`.
     pub dev_path: PathBuf,
+    /// The queue's sysfs directory (its `state` says whether it is still
+    /// enabled).
+    pub sysfs_dir: PathBuf,
     /// NUMA node of the device, when sysfs says (`-1` is reported as None).
     pub numa_node: Option<u32>,
 }
@@ -126,6 +129,12 @@ pub fn discover_work_queues(
 ) -> Result<Vec<WorkQueueInfo>, DsaError> {
     let found = discover_queues(sysfs_root, AccelKind::Dsa, dev_root);
     if found.is_empty() {
+        let devices = devices_without_sva(sysfs_root, AccelKind::Dsa);
+        if !devices.is_empty() {
+            return Err(DsaError::NoSva {
+                devices: devices.join(", "),
+            });
+        }
         return Err(DsaError::NoWorkQueue {
             root: sysfs_root.display().to_string(),
         });
@@ -148,11 +157,44 @@ pub fn discover_iaa_work_queues(
 ) -> Result<Vec<WorkQueueInfo>, DsaError> {
     let found = discover_queues(sysfs_root, AccelKind::Iaa, dev_root);
     if found.is_empty() {
+        let devices = devices_without_sva(sysfs_root, AccelKind::Iaa);
+        if !devices.is_empty() {
+            return Err(DsaError::NoSva {
+                devices: devices.join(", "),
+            });
+        }
         return Err(DsaError::NoIaaQueue {
             root: sysfs_root.display().to_string(),
         });
     }
     Ok(found)
+}
+
+/// Whether the device in `device_dir` says user PASID (shared virtual
+/// addressing) is off: its `pasid_enabled` attribute reads `0`. Without SVA
+/// the device would take tern's virtual addresses as physical ones, so its
+/// user queues are never used. Kernels without the attribute predate the
+/// check and are trusted (they refuse user queues without SVA themselves).
+pub fn sva_disabled(device_dir: &Path) -> bool {
+    attr(device_dir, "pasid_enabled").is_some_and(|v| v == "0")
+}
+
+/// The devices of `kind` whose `pasid_enabled` reads 0, sorted.
+pub fn devices_without_sva(sysfs_root: &Path, kind: AccelKind) -> Vec<String> {
+    let Ok(entries) = fs::read_dir(sysfs_root.join("devices")) else {
+        return Vec::new();
+    };
+    let mut names: Vec<String> = entries
+        .flatten()
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .filter(|n| {
+            n.strip_prefix(kind.prefix())
+                .is_some_and(|d| !d.is_empty() && d.bytes().all(|b| b.is_ascii_digit()))
+        })
+        .filter(|n| sva_disabled(&sysfs_root.join("devices").join(n)))
+        .collect();
+    names.sort();
+    names
 }
 
 /// The kind of device `N` of `wqN.M`: `iaxN` if that device exists, else
@@ -240,7 +282,7 @@ fn read_queue(
     if attr(&device_dir, "state").is_some_and(|s| s != "enabled") {
         return None;
     }
-    if attr(dir, "type")? != "user" {
+    if attr(dir, "type")? != "user" || sva_disabled(&device_dir) {
         return None;
     }
     let mode = match attr(dir, "mode")?.as_str() {
@@ -266,6 +308,7 @@ fn read_queue(
         size,
         max_batch_size,
         dev_path: dev_root.join(queue),
+        sysfs_dir: dir.to_path_buf(),
         numa_node,
     })
 }
@@ -405,6 +448,27 @@ pub(crate) mod tests {
         let empty = tempfile::tempdir().unwrap();
         let err = discover_iaa_work_queues(empty.path(), Path::new("/d")).unwrap_err();
         assert!(err.to_string().contains("no IAA work queue"), "{err}");
+    }
+
+    #[test]
+    fn a_device_without_sva_is_refused_naming_the_kernel_option() {
+        let t = tempfile::tempdir().unwrap();
+        fake_wq(t.path(), true, 0, 0, "enabled", "user", "dedicated", 32);
+        fs::write(t.path().join("devices/dsa0/pasid_enabled"), "0\n").unwrap();
+        let err = discover_work_queues(t.path(), Path::new("/d")).unwrap_err();
+        assert!(matches!(err, DsaError::NoSva { .. }), "{err:?}");
+        let msg = err.to_string();
+        assert!(
+            msg.contains("intel_iommu=on,sm_on") && msg.contains("dsa0"),
+            "{msg}"
+        );
+        fs::write(t.path().join("devices/dsa0/pasid_enabled"), "1\n").unwrap();
+        assert_eq!(
+            discover_work_queues(t.path(), Path::new("/d"))
+                .unwrap()
+                .len(),
+            1
+        );
     }
 
     #[test]

@@ -1008,6 +1008,20 @@ pub struct OffloadReport {
     pub batches: u64,
     /// Submission attempts refused and retried.
     pub submit_retries: u64,
+    /// Descriptors a queue refused for good (after its retries), their
+    /// pages checked on the CPU.
+    #[serde(default)]
+    pub submit_failures: u64,
+    /// Pages checked on the CPU because every queue was full.
+    #[serde(default)]
+    pub pages_queue_full: u64,
+    /// Queues taken out of use (errors, timeouts, refusals, or disabled by
+    /// the kernel).
+    #[serde(default)]
+    pub queues_disabled: u64,
+    /// Batch slots never reused because the device may still write them.
+    #[serde(default)]
+    pub slots_retired: u64,
     /// CPU seconds of the completion thread.
     pub completion_thread_cpu_seconds: f64,
     /// Completion-thread CPU seconds per GiB checked.

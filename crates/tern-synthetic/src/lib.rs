@@ -383,6 +383,28 @@ impl SyntheticGuest {
         }
     }
 
+    /// Gives every page of the guest its own memory: pages the fill left zero
+    /// (never touched, so without a page-table entry, or mapped to the
+    /// kernel's shared zero page) are written without changing a byte.
+    ///
+    /// A DSA work queue uses the process's page tables (shared virtual
+    /// addressing): a page without an entry makes its COMPVAL stop with a
+    /// page fault and the CPU finish it, and the CPU reading an untouched
+    /// page reads one cached shared zero page. After this, zero pages are
+    /// real memory for both, so a zero-page measurement compares like with
+    /// like. Costs one page fault and 4 KiB of memory per zero page. Returns
+    /// the pages touched.
+    pub fn touch_zero_pages(&self) -> u64 {
+        let mapping = self.memory.mapping();
+        let pages = mapping.len() / PAGE_SIZE;
+        for page in 0..pages {
+            // SAFETY: `page < pages`, so the byte lies inside the mapping,
+            // which `self.memory` keeps alive.
+            unsafe { write_access(mapping.ptr().add(page * PAGE_SIZE)) };
+        }
+        pages as u64
+    }
+
     /// Whether the guest runs (between `resume` and `pause`).
     pub fn is_running(&self) -> bool {
         self.dirtier.is_running()
@@ -573,3 +595,38 @@ impl DeviceState for SyntheticGuest {
 
 #[cfg(test)]
 mod tests;
+
+/// Writes to the byte at `byte` without changing it, whatever another
+/// thread writes there meanwhile: a locked OR of 0, which the MMU treats as
+/// a write (so the kernel gives the page its own frame). Written as an
+/// instruction because the compiler turns an atomic `fetch_or(0)` into a
+/// plain load.
+///
+/// # Safety
+///
+/// `byte` must be valid for writes.
+#[cfg(target_arch = "x86_64")]
+unsafe fn write_access(byte: *mut u8) {
+    // SAFETY: the caller guarantees a writable byte; the locked OR of 0
+    // leaves its value unchanged and only sets flags.
+    unsafe {
+        std::arch::asm!("lock or byte ptr [{0}], 0", in(reg) byte, options(nostack));
+    }
+}
+
+/// See the x86_64 version: a compare-exchange of 0 with 0 elsewhere.
+///
+/// # Safety
+///
+/// `byte` must be valid for writes.
+#[cfg(not(target_arch = "x86_64"))]
+unsafe fn write_access(byte: *mut u8) {
+    // SAFETY: the caller guarantees a writable, aligned (u8) byte.
+    let atomic = unsafe { std::sync::atomic::AtomicU8::from_ptr(byte) };
+    let _ = atomic.compare_exchange(
+        0,
+        0,
+        std::sync::atomic::Ordering::Relaxed,
+        std::sync::atomic::Ordering::Relaxed,
+    );
+}

@@ -475,3 +475,42 @@ fn rapid_pause_resume_and_restore() {
     // Dropping a running guest stops its threads before unmapping.
     drop(guest);
 }
+
+/// Kilobytes of private anonymous memory backing the mapping that starts at
+/// `ptr`, from /proc/self/smaps: pages never touched, or only read (mapped
+/// to the kernel's shared zero page), do not count.
+fn anonymous_kib(ptr: *const u8) -> u64 {
+    let smaps = std::fs::read_to_string("/proc/self/smaps").unwrap();
+    let head = format!("{:x}-", ptr as usize);
+    let mut lines = smaps.lines().skip_while(|line| !line.starts_with(&head));
+    assert!(lines.next().is_some(), "no mapping at {ptr:?}");
+    lines
+        .find_map(|line| line.strip_prefix("Anonymous:"))
+        .and_then(|rest| rest.trim().trim_end_matches("kB").trim().parse().ok())
+        .unwrap()
+}
+
+#[test]
+fn touching_zero_pages_gives_each_its_own_memory_and_changes_nothing() {
+    let guest = SyntheticGuest::new(&SyntheticConfig {
+        memory_bytes: 8 << 20,
+        mix: ContentMix::new(50, 25, 25).unwrap(),
+        ..SyntheticConfig::default()
+    })
+    .unwrap();
+    let region = &tern_engine::GuestMemory::regions(&guest)[0];
+    let (ptr, len) = (region.host_ptr().cast_const(), region.len());
+    let before = guest.digest();
+    let private_before = anonymous_kib(ptr);
+    assert!(
+        private_before < len / 1024,
+        "the fill leaves zero pages without memory"
+    );
+    assert_eq!(guest.touch_zero_pages(), len / PAGE_SIZE as u64);
+    assert_eq!(
+        anonymous_kib(ptr),
+        len / 1024,
+        "every page has its own memory"
+    );
+    assert_eq!(guest.digest(), before);
+}

@@ -43,13 +43,15 @@ const ZERO_CASES: [(&str, &str); 3] = [
     ("last-byte", "last byte non-zero"),
 ];
 
+// long: one report read top to bottom: the rows, the JSON document or the table, the DSA line
 fn bench_zero(args: &BenchZeroArgs) -> anyhow::Result<ExitCode> {
     let buffer = usize::try_from(args.buffer).context("--buffer is too large")?;
     if buffer < tern_page::PAGE_SIZE || args.rounds == 0 {
         bail!("--buffer must hold at least one page and --rounds must be at least 1");
     }
     const GIB: f64 = (1u64 << 30) as f64;
-    let rows = tern_dsa::bench_zero(buffer, args.rounds);
+    let tern_dsa::ZeroBench { rows, dsa } = tern_dsa::bench_zero_report(buffer, args.rounds);
+    let dsa_report = DsaReport::from(&dsa);
     // The read loop reads every byte whatever the pages hold, so its three
     // measurements (one per case) are one figure; their median is the
     // steadiest baseline on a shared machine.
@@ -88,6 +90,8 @@ fn bench_zero(args: &BenchZeroArgs) -> anyhow::Result<ExitCode> {
             /// of every row's `times-read-loop`.
             read_loop_gib_per_s: f64,
             rows: &'a [ZeroRow],
+            /// What the hardware DSA did, or why it has no row.
+            dsa: &'a DsaReport,
         }
         print_json(&Report {
             machine: machine_name(),
@@ -96,6 +100,7 @@ fn bench_zero(args: &BenchZeroArgs) -> anyhow::Result<ExitCode> {
             default_backend,
             read_loop_gib_per_s,
             rows: &rows,
+            dsa: &dsa_report,
         })?;
     } else {
         println!(
@@ -143,8 +148,68 @@ fn bench_zero(args: &BenchZeroArgs) -> anyhow::Result<ExitCode> {
             };
             println!("| {label} | {} |", cells.join(" | "));
         }
+        println!();
+        dsa_report.print();
     }
     Ok(ExitCode::SUCCESS)
+}
+
+/// The hardware DSA's part of `tern bench zero`: its counters over every
+/// round, or why it was not measured.
+#[derive(Serialize, Default)]
+#[serde(rename_all = "kebab-case")]
+struct DsaReport {
+    /// Why there is no `dsa` row (the error opening it); absent when
+    /// measured.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    missing: Option<String>,
+    /// The engine: queues and submission method.
+    describe: String,
+    pages_device: u64,
+    cpu_fallbacks: u64,
+    page_faults: u64,
+    device_errors: u64,
+    queues_disabled: u64,
+}
+
+impl DsaReport {
+    /// The line under the table: the device's counters, or why it has no
+    /// row.
+    fn print(&self) {
+        match &self.missing {
+            Some(why) => println!("No dsa row: {why}"),
+            None => println!(
+                "dsa: {}; {} pages on the device, {} device errors, {} page faults, {} CPU \
+                 fallbacks, {} queues retired",
+                self.describe,
+                self.pages_device,
+                self.device_errors,
+                self.page_faults,
+                self.cpu_fallbacks,
+                self.queues_disabled
+            ),
+        }
+    }
+}
+
+impl From<&tern_dsa::DsaBench> for DsaReport {
+    fn from(dsa: &tern_dsa::DsaBench) -> Self {
+        match dsa {
+            tern_dsa::DsaBench::Missing(why) => DsaReport {
+                missing: Some(why.clone()),
+                ..DsaReport::default()
+            },
+            tern_dsa::DsaBench::Measured { describe, stats } => DsaReport {
+                missing: None,
+                describe: describe.clone(),
+                pages_device: stats.pages_device,
+                cpu_fallbacks: stats.pages_fallback,
+                page_faults: stats.page_faults,
+                device_errors: stats.device_errors,
+                queues_disabled: stats.queues_disabled,
+            },
+        }
+    }
 }
 
 #[derive(Serialize)]

@@ -372,6 +372,12 @@ pub struct GuestArgs {
     /// Seed of the content and of the dirtier.
     #[arg(long, default_value_t = 0x7e57)]
     pub seed: u64,
+    /// Write every zero page once (without changing it) after the fill, so
+    /// each has its own memory: DSA then finds real page-table entries
+    /// instead of faulting, and the CPU reads real memory instead of one
+    /// cached shared zero page (docs/hardware.md).
+    #[arg(long)]
+    pub touch_zero_pages: bool,
 }
 
 impl GuestArgs {
@@ -403,6 +409,9 @@ impl GuestArgs {
         let share = |bytes: u64, percent: u8| {
             u64::try_from(u128::from(bytes) * u128::from(percent) / 100).unwrap_or(u64::MAX)
         };
+        if self.touch_zero_pages {
+            return self.memory;
+        }
         share(self.memory, 100 - self.mix.zero)
             .saturating_add(share(self.working_set(), self.mix.zero))
     }
@@ -623,7 +632,35 @@ impl TransferArgs {
         })
     }
 
+    /// The DSA set-up `--dsa-device` names (every queue unless a list is
+    /// given).
+    fn dsa_config(&self) -> tern_dsa::DsaConfig {
+        tern_dsa::DsaConfig {
+            devices: match &self.dsa_device {
+                tern_dsa::DsaDevice::Only(devices) => devices.clone(),
+                _ => tern_dsa::DsaSelection::all(),
+            },
+            ..Default::default()
+        }
+    }
+
+    /// One DSA engine over the hardware queues `--dsa-device` names, shared
+    /// by zero-page detection and the delta offload (a dedicated queue takes
+    /// a single opener); `None` when neither uses hardware DSA.
+    fn open_dsa_engine(&self) -> anyhow::Result<Option<std::sync::Arc<tern_dsa::DsaOffload>>> {
+        let zero = self.zero_page_detection == ZeroPageDetection::Dsa
+            && self.dsa_device != tern_dsa::DsaDevice::Software;
+        if !zero && self.delta_offload != DeltaOffloadChoice::Hardware {
+            return Ok(None);
+        }
+        use anyhow::Context as _;
+        tern_dsa::open_dsa_engine(&self.dsa_config())
+            .map(Some)
+            .with_context(|| format!("--dsa-device {}", self.dsa_device))
+    }
+
     pub fn migration_config(&self) -> anyhow::Result<MigrationConfig> {
+        let dsa_engine = self.open_dsa_engine()?;
         use anyhow::Context;
         if let Some(note) = self.compression_level_note() {
             eprintln!("tern: warning: {note}");
@@ -653,17 +690,13 @@ impl TransferArgs {
             throttle_initial: self.cpu_throttle_initial,
             throttle_increment: self.cpu_throttle_increment,
             zero_page_detection: self.zero_page_detection,
-            zero_page_offload: match (self.zero_page_detection, &self.dsa_device) {
-                (ZeroPageDetection::Dsa, tern_dsa::DsaDevice::Software) => Some(
+            zero_page_offload: match (self.zero_page_detection, &self.dsa_device, &dsa_engine) {
+                (ZeroPageDetection::Dsa, tern_dsa::DsaDevice::Software, _) => Some(
                     tern_dsa::software_dsa(tern_dsa::SoftwareDsaConfig::default()),
                 ),
-                (ZeroPageDetection::Dsa, tern_dsa::DsaDevice::Only(devices)) => Some(
-                    tern_dsa::open_dsa(&tern_dsa::DsaConfig {
-                        devices: devices.clone(),
-                        ..Default::default()
-                    })
-                    .with_context(|| format!("--dsa-device {devices}"))?,
-                ),
+                (ZeroPageDetection::Dsa, _, Some(engine)) => {
+                    Some(engine.clone() as std::sync::Arc<dyn tern_page::ZeroPageOffload>)
+                }
                 _ => None,
             },
             zero_page_as_normal: self.zero_page_as_normal / 100.0,
@@ -681,10 +714,14 @@ impl TransferArgs {
                 DeltaOffloadChoice::Software => Some(tern_dsa::software_delta_offload(
                     tern_dsa::SoftwareDsaConfig::default(),
                 )),
-                DeltaOffloadChoice::Hardware => Some(
-                    tern_dsa::open_delta_offload(&tern_dsa::DsaConfig::default())
+                DeltaOffloadChoice::Hardware => Some(match &dsa_engine {
+                    Some(engine) => std::sync::Arc::new(tern_dsa::DsaDeltaOffload::sharing(
+                        engine.clone(),
+                        tern_dsa::DELTA_DEADLINE,
+                    )),
+                    None => tern_dsa::open_delta_offload(&self.dsa_config())
                         .context("--delta-offload hw")?,
-                ),
+                }),
             },
             compression_dictionary: self.compression_dictionary.0,
             dictionary_refresh: self.dictionary_refresh,

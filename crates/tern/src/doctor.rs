@@ -81,9 +81,16 @@ pub fn examine() -> Vec<Finding> {
             &flags,
         ),
         cpu_finding(submit.movdir64b, submit.enqcmd, submit.waitpkg),
+        iommu_finding(
+            read("/proc/cmdline").as_deref(),
+            &sva_states(Path::new("/sys/bus/dsa")),
+        ),
+        rawio_finding(has_cap_sys_rawio()),
         dsa_finding(Path::new("/sys/bus/dsa"), Path::new("/dev/dsa")),
-        iaa_finding(&accelerator_devices(Path::new("/sys/bus/dsa"), "iax")),
+        iaa_finding(Path::new("/sys/bus/dsa"), Path::new("/dev/iax")),
+        accel_config_finding(libaccel_config_loads()),
         qpl_finding(tern_page::codec::qpl_available().map_err(|error| error.to_string())),
+        qpl_hardware_finding(qpl_hardware_probe()),
         ktls_finding(
             read("/proc/sys/net/ipv4/tcp_available_ulp").as_deref(),
             tls_module_installed(),
@@ -106,13 +113,13 @@ pub fn print(findings: &[Finding], json: bool) -> anyhow::Result<()> {
     }
     for finding in findings {
         println!(
-            "{:<8} {:<9} {}",
+            "{:<8} {:<12} {}",
             finding.status.label(),
             finding.topic,
             finding.detail
         );
         if let Some(fix) = &finding.fix {
-            println!("{:<18} fix: {fix}", "");
+            println!("{:<21} fix: {fix}", "");
         }
     }
     Ok(())
@@ -201,7 +208,8 @@ pub fn cpu_finding(movdir64b: bool, enqcmd: bool, waitpkg: bool) -> Finding {
     }
     Finding::new("cpu", Status::Limited, detail).fix(
         "without MOVDIR64B/ENQCMD tern submits DSA descriptors with write() on the queue's \
-         device file (slower, one syscall per batch); these come with 4th-gen Xeon and later",
+         device file: one descriptor per page, no batches (several descriptors per write() \
+         call); these instructions come with 4th-gen Xeon and later",
     )
 }
 
@@ -224,7 +232,210 @@ fn accelerator_devices(sysfs_root: &Path, prefix: &str) -> Vec<String> {
     names
 }
 
-/// DSA work queues tern can open.
+/// Each accelerator device with its `pasid_enabled` (None: the kernel does
+/// not publish it).
+fn sva_states(sysfs_root: &Path) -> Vec<(String, Option<bool>)> {
+    let mut devices = accelerator_devices(sysfs_root, "dsa");
+    devices.extend(accelerator_devices(sysfs_root, "iax"));
+    devices
+        .into_iter()
+        .map(|name| {
+            let value = std::fs::read_to_string(
+                sysfs_root.join("devices").join(&name).join("pasid_enabled"),
+            )
+            .ok()
+            .map(|text| text.trim() == "1");
+            (name, value)
+        })
+        .collect()
+}
+
+/// Whether the kernel command line asks for the IOMMU in scalable mode:
+/// `intel_iommu=` with both `on` and `sm_on` among its values.
+fn cmdline_has_scalable_mode(cmdline: &str) -> bool {
+    cmdline.split_whitespace().any(|word| {
+        word.strip_prefix("intel_iommu=").is_some_and(|values| {
+            let values: Vec<&str> = values.split(',').collect();
+            values.contains(&"on") && values.contains(&"sm_on")
+        })
+    })
+}
+
+/// The fix for an IOMMU not in scalable mode.
+const SVA_FIX: &str = "enable VT-d in the firmware (BIOS), add intel_iommu=on,sm_on to the \
+                       kernel command line (GRUB_CMDLINE_LINUX, then update-grub or \
+                       grub2-mkconfig), reboot; each device's pasid_enabled must then read 1";
+
+/// Shared virtual addressing, which user work queues need: the IOMMU in
+/// scalable mode, seen as each device's `pasid_enabled`.
+pub fn iommu_finding(cmdline: Option<&str>, devices: &[(String, Option<bool>)]) -> Finding {
+    let asked = cmdline.is_some_and(cmdline_has_scalable_mode);
+    let off: Vec<&str> = devices
+        .iter()
+        .filter(|(_, sva)| *sva == Some(false))
+        .map(|(name, _)| name.as_str())
+        .collect();
+    if !off.is_empty() {
+        return Finding::new(
+            "iommu",
+            Status::Missing,
+            format!(
+                "shared virtual addressing off (pasid_enabled 0) on {}{}",
+                off.join(", "),
+                if asked {
+                    "; the command line asks for scalable mode, so check VT-d in the firmware and `dmesg | grep -i -e DMAR -e IOMMU`"
+                } else {
+                    "; intel_iommu=on,sm_on is not on the kernel command line"
+                }
+            ),
+        )
+        .fix(SVA_FIX);
+    }
+    if devices.is_empty() {
+        let detail = if asked {
+            "intel_iommu=on,sm_on on the kernel command line; no DSA/IAA device to check"
+        } else {
+            "no DSA/IAA device; intel_iommu=on,sm_on is not on the kernel command line"
+        };
+        let finding = Finding::new(
+            "iommu",
+            if asked { Status::Ok } else { Status::Missing },
+            detail,
+        );
+        return if asked { finding } else { finding.fix(SVA_FIX) };
+    }
+    let on: Vec<&str> = devices
+        .iter()
+        .filter(|(_, sva)| *sva == Some(true))
+        .map(|(name, _)| name.as_str())
+        .collect();
+    if on.len() == devices.len() {
+        return Finding::new(
+            "iommu",
+            Status::Ok,
+            format!(
+                "shared virtual addressing on (pasid_enabled 1) for {}",
+                on.join(", ")
+            ),
+        );
+    }
+    Finding::new(
+        "iommu",
+        if asked { Status::Ok } else { Status::Limited },
+        "this kernel does not publish pasid_enabled; the kernel refuses to enable a user work \
+         queue without SVA",
+    )
+}
+
+/// Whether this process has CAP_SYS_RAWIO (bit 17 of CapEff).
+fn has_cap_sys_rawio() -> bool {
+    read("/proc/self/status")
+        .and_then(|status| {
+            status.lines().find_map(|line| {
+                let hex = line.strip_prefix("CapEff:")?.trim();
+                u64::from_str_radix(hex, 16).ok()
+            })
+        })
+        .is_some_and(|caps| caps & (1 << 17) != 0)
+}
+
+/// CAP_SYS_RAWIO, which Sapphire and Emerald Rapids need for the fast path.
+pub fn rawio_finding(cap_sys_rawio: bool) -> Finding {
+    if cap_sys_rawio {
+        return Finding::new(
+            "rawio",
+            Status::Ok,
+            "CAP_SYS_RAWIO: work-queue portals can be mapped (MOVDIR64B/ENQCMD with batches)",
+        );
+    }
+    Finding::new(
+        "rawio",
+        Status::Limited,
+        "no CAP_SYS_RAWIO: on Sapphire and Emerald Rapids the kernel refuses to map work-queue \
+         portals without it (INTEL-SA-01084), so DSA goes through write(): one descriptor per \
+         page, no batches, possibly slower than the CPU",
+    )
+    .fix("run tern as root, or `sudo setcap cap_sys_rawio+ep $(command -v tern)`")
+}
+
+/// How tern would submit to `queue`, and why, found by opening it (and
+/// closing it at once: no descriptor is sent).
+fn submission_of(queue: &tern_dsa::WorkQueueInfo) -> (String, bool) {
+    use tern_dsa::{DsaQueue, SubmissionMethod};
+    match tern_dsa::HardwareQueue::open(queue, false, 1) {
+        Err(tern_dsa::DsaError::QueueBusy { .. }) => {
+            ("dedicated, held by another process".to_string(), false)
+        }
+        Err(error) => (format!("cannot open: {error}"), false),
+        Ok(opened) => match (opened.method(), opened.portal_refused()) {
+            (SubmissionMethod::Movdir64b, _) => (
+                format!(
+                    "MOVDIR64B to the portal, batches of {}",
+                    opened.max_batch_size()
+                ),
+                true,
+            ),
+            (SubmissionMethod::Enqcmd, _) => (
+                format!(
+                    "ENQCMD to the portal, batches of {}",
+                    opened.max_batch_size()
+                ),
+                true,
+            ),
+            (_, Some(error)) if error.raw_os_error() == Some(libc::EPERM) => (
+                "write(): portal mmap refused (EPERM, no CAP_SYS_RAWIO), one descriptor per \
+                 page, no batches"
+                    .to_string(),
+                false,
+            ),
+            (_, Some(error)) => (
+                format!("write(): portal mmap refused ({error}), one descriptor per page"),
+                false,
+            ),
+            (_, None) => (
+                "write(): the CPU lacks MOVDIR64B/ENQCMD, one descriptor per page".to_string(),
+                false,
+            ),
+        },
+    }
+}
+
+/// The devices under `sysfs_root` named `prefix`N with their state, for a
+/// report that found no usable queue.
+fn device_states(sysfs_root: &Path, prefix: &str) -> String {
+    let devices = accelerator_devices(sysfs_root, prefix);
+    if devices.is_empty() {
+        return "none".to_string();
+    }
+    devices
+        .iter()
+        .map(|name| {
+            let state =
+                std::fs::read_to_string(sysfs_root.join("devices").join(name).join("state"))
+                    .map_or_else(|_| "state unknown".to_string(), |s| s.trim().to_string());
+            format!("{name} ({state})")
+        })
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
+/// The accel-config recipe for a shared user queue on `device`.
+fn queue_recipe(device: &str) -> String {
+    let queue = format!(
+        "wq{}.0",
+        device.trim_start_matches(|c: char| c.is_ascii_alphabetic())
+    );
+    format!(
+        "configure a shared user queue (docs/hardware.md): accel-config config-engine \
+         {device}/engine{n}.0 --group-id=0; accel-config config-wq {device}/{queue} --group-id=0 \
+         --mode=shared --type=user --name=tern --driver-name=user --priority=10 --wq-size=128 \
+         --threshold=128; accel-config enable-device {device}; accel-config enable-wq \
+         {device}/{queue}",
+        n = device.trim_start_matches(|c: char| c.is_ascii_alphabetic()),
+    )
+}
+
+/// DSA work queues tern can open, and how it would submit to each.
 pub fn dsa_finding(sysfs_root: &Path, dev_root: &Path) -> Finding {
     if !sysfs_root.exists() {
         return Finding::new(
@@ -236,53 +447,76 @@ pub fn dsa_finding(sysfs_root: &Path, dev_root: &Path) -> Finding {
             ),
         )
         .fix(
-            "needs Intel DSA (4th-gen Xeon or later, enabled in firmware, IOMMU in scalable \
-             mode), `modprobe idxd`, and user work queues configured with accel-config; zero \
-             pages are found on the CPU meanwhile",
+            "needs Intel DSA (4th-gen Xeon or later, VT-d on in firmware, intel_iommu=on,sm_on), \
+             `modprobe idxd`, and a user work queue (docs/hardware.md); zero pages are found \
+             on the CPU meanwhile",
         );
     }
-    match tern_dsa::sysfs::discover_work_queues(sysfs_root, dev_root) {
-        Ok(queues) => {
-            let mut unusable = Vec::new();
-            let listed: Vec<String> = queues
-                .iter()
-                .map(|queue| {
-                    let access = if is_read_write(&queue.dev_path) {
-                        ""
-                    } else {
-                        unusable.push(queue.dev_path.display().to_string());
-                        ", no access"
-                    };
-                    format!(
-                        "{} ({}, size {}, node {}{access})",
-                        queue.full_name(),
-                        queue.mode.name(),
-                        queue.size,
-                        queue
-                            .numa_node
-                            .map_or_else(|| "?".to_string(), |node| node.to_string())
-                    )
-                })
-                .collect();
+    let queues = match tern_dsa::sysfs::discover_work_queues(sysfs_root, dev_root) {
+        Ok(queues) => queues,
+        Err(error @ tern_dsa::DsaError::NoSva { .. }) => {
+            return Finding::new("dsa", Status::Missing, error.to_string()).fix(SVA_FIX);
+        }
+        Err(_) => {
+            let devices = accelerator_devices(sysfs_root, "dsa");
             let finding = Finding::new(
                 "dsa",
-                if unusable.is_empty() {
-                    Status::Ok
-                } else {
-                    Status::Limited
-                },
-                listed.join("; "),
+                Status::Missing,
+                format!(
+                    "no enabled user work queue; DSA devices: {}",
+                    device_states(sysfs_root, "dsa")
+                ),
             );
-            if unusable.is_empty() {
-                finding
-            } else {
-                finding.fix(format!(
-                    "grant this user read/write on {} (a udev rule or group)",
-                    unusable.join(", ")
-                ))
-            }
+            return match devices.first() {
+                Some(device) => finding.fix(queue_recipe(device)),
+                None => {
+                    finding.fix("no DSA device: check VT-d in the firmware and `dmesg | grep idxd`")
+                }
+            };
         }
-        Err(error) => Finding::new("dsa", Status::Missing, error.to_string()),
+    };
+    let mut unusable = Vec::new();
+    let mut slow = false;
+    let listed: Vec<String> = queues
+        .iter()
+        .map(|queue| {
+            let how = if is_read_write(&queue.dev_path) {
+                let (how, fast) = submission_of(queue);
+                slow |= !fast;
+                how
+            } else {
+                unusable.push(queue.dev_path.display().to_string());
+                "no access".to_string()
+            };
+            format!(
+                "{} ({}, size {}, node {}: {how})",
+                queue.full_name(),
+                queue.mode.name(),
+                queue.size,
+                queue
+                    .numa_node
+                    .map_or_else(|| "?".to_string(), |node| node.to_string())
+            )
+        })
+        .collect();
+    let status = if unusable.is_empty() && !slow {
+        Status::Ok
+    } else {
+        Status::Limited
+    };
+    let finding = Finding::new("dsa", status, listed.join("; "));
+    if !unusable.is_empty() {
+        finding.fix(format!(
+            "grant this user read/write on {} (the udev rule in docs/hardware.md)",
+            unusable.join(", ")
+        ))
+    } else if slow {
+        finding.fix(
+            "see the rawio and cpu lines: the portal path needs CAP_SYS_RAWIO on Sapphire/Emerald \
+             Rapids and MOVDIR64B/ENQCMD",
+        )
+    } else {
+        finding
     }
 }
 
@@ -295,13 +529,120 @@ fn is_read_write(path: &Path) -> bool {
     unsafe { libc::access(path.as_ptr(), libc::R_OK | libc::W_OK) == 0 }
 }
 
-/// IAA devices, for the QPL hardware path.
-pub fn iaa_finding(devices: &[String]) -> Finding {
-    if devices.is_empty() {
-        return Finding::new("iaa", Status::Missing, "no IAA device (iax*) under /sys/bus/dsa")
-            .fix("needs Intel IAA (4th-gen Xeon or later) with queues configured by accel-config; QPL's software path works without it");
+/// IAA work queues for QPL's hardware path: QPL submits to shared user
+/// queues it can open.
+pub fn iaa_finding(sysfs_root: &Path, dev_root: &Path) -> Finding {
+    let queues = match tern_dsa::discover_iaa_work_queues(sysfs_root, dev_root) {
+        Ok(queues) => queues,
+        Err(error @ tern_dsa::DsaError::NoSva { .. }) => {
+            return Finding::new("iaa", Status::Missing, error.to_string()).fix(SVA_FIX);
+        }
+        Err(_) => {
+            let devices = accelerator_devices(sysfs_root, "iax");
+            let finding = Finding::new(
+                "iaa",
+                Status::Missing,
+                format!(
+                    "no enabled user work queue; IAA devices: {}",
+                    device_states(sysfs_root, "iax")
+                ),
+            );
+            return match devices.first() {
+                Some(device) => finding.fix(queue_recipe(device)),
+                None => finding.fix(
+                    "no IAA device (4th-gen Xeon or later); QPL's software path works without it",
+                ),
+            };
+        }
+    };
+    let mut usable = 0;
+    let listed: Vec<String> = queues
+        .iter()
+        .map(|queue| {
+            let access = is_read_write(&queue.dev_path);
+            let shared = queue.mode == tern_dsa::WqMode::Shared;
+            usable += usize::from(access && shared);
+            format!(
+                "{} ({}, size {}{}{})",
+                queue.full_name(),
+                queue.mode.name(),
+                queue.size,
+                if shared { "" } else { ", QPL needs shared" },
+                if access { "" } else { ", no access" }
+            )
+        })
+        .collect();
+    let finding = Finding::new(
+        "iaa",
+        if usable > 0 {
+            Status::Ok
+        } else {
+            Status::Missing
+        },
+        listed.join("; "),
+    );
+    if usable > 0 {
+        finding
+    } else {
+        finding.fix(
+            "QPL needs a shared user queue (--mode=shared) with read/write access on /dev/iax/wq*: \
+             see docs/hardware.md",
+        )
     }
-    Finding::new("iaa", Status::Ok, devices.join(", "))
+}
+
+/// Whether libaccel-config, which QPL's hardware path loads, can be loaded.
+fn libaccel_config_loads() -> bool {
+    ["libaccel-config.so.1", "libaccel-config.so"]
+        .iter()
+        .any(|name| {
+            let name = std::ffi::CString::new(*name).expect("no NUL");
+            // SAFETY: dlopen with a valid C string; the handle is closed at once.
+            unsafe {
+                let handle = libc::dlopen(name.as_ptr(), libc::RTLD_LAZY | libc::RTLD_LOCAL);
+                if handle.is_null() {
+                    false
+                } else {
+                    libc::dlclose(handle);
+                    true
+                }
+            }
+        })
+}
+
+/// libaccel-config, through which QPL finds IAA queues.
+pub fn accel_config_finding(loads: bool) -> Finding {
+    if loads {
+        return Finding::new("accel-config", Status::Ok, "libaccel-config loads");
+    }
+    Finding::new(
+        "accel-config",
+        Status::Missing,
+        "libaccel-config.so.1 not found: QPL's hardware path cannot find IAA queues",
+    )
+    .fix("install accel-config (package accel-config / libaccel-config1, or build intel/idxd-config)")
+}
+
+/// Initialises a QPL job on the hardware path (QPL opens the IAA queues
+/// there) and frees it: no job runs.
+fn qpl_hardware_probe() -> Result<(), String> {
+    tern_page::codec::QplCompressor::new(tern_page::codec::QplPath::Hardware, 1)
+        .map(drop)
+        .map_err(|error| error.to_string())
+}
+
+/// Whether QPL's hardware path initialises.
+pub fn qpl_hardware_finding(probe: Result<(), String>) -> Finding {
+    match probe {
+        Ok(()) => Finding::new(
+            "qpl-hw",
+            Status::Ok,
+            "QPL initialised a hardware-path job (none was run)",
+        ),
+        Err(error) => Finding::new("qpl-hw", Status::Missing, error).fix(
+            "see the iaa and accel-config lines; `--qpl-path auto` then compresses on the CPU",
+        ),
+    }
 }
 
 /// The QPL library that `--compression qpl` loads at run time.
@@ -395,8 +736,11 @@ pub fn memlock_finding(limit: Option<u64>, cap_ipc_lock: bool) -> Finding {
             format!("RLIMIT_MEMLOCK {human}: 16 MiB zero-copy windows for {channels} channels"),
         );
     }
+    // The kernel charges zero-copy pins to the user (every process of the
+    // same uid shares the limit), not to this process alone.
     let fix = "raise it: `ulimit -l unlimited` in the shell, LimitMEMLOCK=infinity in a systemd \
-               unit, or grant CAP_IPC_LOCK";
+               unit, or grant CAP_IPC_LOCK; the kernel charges zero-copy pins to the user, so \
+               every tern running as this user shares the limit";
     if limit < SMALLEST_WINDOW {
         return Finding::new(
             "memlock",
@@ -542,8 +886,70 @@ mod tests {
             std::fs::create_dir_all(devices.join(name)).unwrap();
         }
         assert_eq!(accelerator_devices(root.path(), "iax"), ["iax1", "iax3"]);
-        assert_eq!(iaa_finding(&[]).status, Status::Missing);
-        assert_eq!(iaa_finding(&["iax1".into()]).detail, "iax1");
+        // Devices without an enabled queue: listed, with the recipe.
+        let iaa = iaa_finding(root.path(), root.path());
+        assert_eq!(iaa.status, Status::Missing);
+        assert!(
+            iaa.detail.contains("iax1 (state unknown)"),
+            "{}",
+            iaa.detail
+        );
+        assert!(iaa.fix.unwrap().contains("--driver-name=user"));
+        let dsa = dsa_finding(root.path(), root.path());
+        assert!(dsa.detail.contains("dsa0"), "{}", dsa.detail);
+        assert!(
+            dsa.fix
+                .unwrap()
+                .contains("accel-config enable-wq dsa0/wq0.0")
+        );
+        // SVA off: the refusal names the kernel option.
+        std::fs::write(devices.join("dsa0/pasid_enabled"), "0\n").unwrap();
+        let wq = devices.join("dsa0/wq0.0");
+        std::fs::create_dir_all(&wq).unwrap();
+        for (name, value) in [
+            ("state", "enabled"),
+            ("type", "user"),
+            ("mode", "shared"),
+            ("size", "128"),
+        ] {
+            std::fs::write(wq.join(name), value).unwrap();
+        }
+        let dsa = dsa_finding(root.path(), root.path());
+        assert_eq!(dsa.status, Status::Missing);
+        assert!(dsa.fix.unwrap().contains("intel_iommu=on,sm_on"));
+    }
+
+    #[test]
+    fn the_iommu_line_reads_pasid_enabled_and_the_command_line() {
+        let on = "BOOT_IMAGE=/vmlinuz intel_iommu=on,sm_on quiet";
+        assert!(cmdline_has_scalable_mode(on));
+        assert!(!cmdline_has_scalable_mode("intel_iommu=on"));
+        let off = iommu_finding(Some("intel_iommu=on"), &[("dsa0".into(), Some(false))]);
+        assert_eq!(off.status, Status::Missing);
+        assert!(off.fix.unwrap().contains("intel_iommu=on,sm_on"));
+        let good = iommu_finding(
+            Some(on),
+            &[("dsa0".into(), Some(true)), ("iax1".into(), Some(true))],
+        );
+        assert_eq!(good.status, Status::Ok);
+        assert!(good.detail.contains("dsa0, iax1"), "{}", good.detail);
+        assert_eq!(iommu_finding(None, &[]).status, Status::Missing);
+        assert_eq!(iommu_finding(Some(on), &[]).status, Status::Ok);
+    }
+
+    #[test]
+    fn rawio_accel_config_and_the_qpl_probe_say_what_to_do() {
+        assert_eq!(rawio_finding(true).status, Status::Ok);
+        let without = rawio_finding(false);
+        assert!(
+            without.detail.contains("INTEL-SA-01084"),
+            "{}",
+            without.detail
+        );
+        assert!(without.fix.unwrap().contains("cap_sys_rawio"));
+        assert!(accel_config_finding(false).fix.is_some());
+        assert_eq!(qpl_hardware_finding(Ok(())).status, Status::Ok);
+        assert!(qpl_hardware_finding(Err("no IAA".into())).fix.is_some());
     }
 
     #[test]

@@ -447,10 +447,14 @@ fn migrate(args: &MigrateArgs, verbose: bool) -> anyhow::Result<ExitCode> {
 /// Creates the synthetic guest, showing the fill's progress.
 fn fill_guest(args: &crate::cli::GuestArgs) -> anyhow::Result<SyntheticGuest> {
     let config = args.synthetic_config();
-    crate::report::with_fill_progress(config.memory_bytes, |filled| {
+    let guest = crate::report::with_fill_progress(config.memory_bytes, |filled| {
         SyntheticGuest::new_with_fill_progress(&config, filled)
     })
-    .context("cannot create the synthetic guest")
+    .context("cannot create the synthetic guest")?;
+    if args.touch_zero_pages {
+        guest.touch_zero_pages();
+    }
+    Ok(guest)
 }
 
 /// Serves incoming migrations on the listener `listen` binds: one, or with

@@ -56,6 +56,78 @@ impl Inner {
     }
 }
 
+/// How often, at most, the completion thread asks the queues with
+/// outstanding work whether the kernel has disabled them: well inside the
+/// 100 ms a disabled queue may go unnoticed.
+const HEALTH_INTERVAL: Duration = Duration::from_millis(10);
+
+/// A submission outstanding this long makes its queue's state be read even
+/// when the queue's fd does not poll ready.
+const HEALTH_OVERDUE: Duration = Duration::from_millis(50);
+
+/// Whether `fd` polls readable or in error right now (no waiting).
+fn polls_ready(fd: std::os::fd::BorrowedFd<'_>) -> bool {
+    let mut pfd = libc::pollfd {
+        fd: std::os::fd::AsRawFd::as_raw_fd(&fd),
+        events: libc::POLLIN | libc::POLLPRI,
+        revents: 0,
+    };
+    // SAFETY: one valid pollfd, zero timeout.
+    let n = unsafe { libc::poll(&raw mut pfd, 1, 0) };
+    n > 0 && pfd.revents != 0
+}
+
+impl Inner {
+    /// Retires every queue with outstanding work that the kernel has
+    /// disabled (its fd polled ready, or a submission is overdue, and its
+    /// state says so), finishing its slots as timed out: the device may
+    /// still write their memory, so it is never reused.
+    fn retire_disabled_queues(&self, active: &mut Vec<u32>, now: Instant) {
+        let mut suspects: Vec<usize> = Vec::new();
+        // Queues asked this round: a kernel without a poll handler reports
+        // every fd ready, so each queue's state is read at most once.
+        let mut asked: Vec<usize> = Vec::new();
+        for &i in active.iter() {
+            // SAFETY: as in first_pending.
+            let meta = unsafe { &*self.slots[i as usize].meta.get() };
+            let q = &self.queues.entries[meta.queue];
+            if asked.contains(&meta.queue) || q.disabled.load(Ordering::Relaxed) {
+                continue;
+            }
+            let overdue = now.saturating_duration_since(meta.submitted_at) > HEALTH_OVERDUE;
+            let signalled = q.queue.event_fd().is_some_and(polls_ready);
+            if overdue || signalled {
+                asked.push(meta.queue);
+                if q.queue.is_disabled() {
+                    suspects.push(meta.queue);
+                }
+            }
+        }
+        for qi in suspects {
+            let q = &self.queues.entries[qi];
+            if !q.disabled.swap(true, Ordering::Relaxed) {
+                self.counters
+                    .queues_disabled
+                    .fetch_add(1, Ordering::Relaxed);
+                tracing::warn!(
+                    "DSA queue {} was disabled (by the kernel or accel-config): its outstanding \
+                     pages are checked on the CPU and it is not used again",
+                    q.queue.name()
+                );
+            }
+            active.retain(|&i| {
+                let slot = &self.slots[i as usize];
+                // SAFETY: as in first_pending.
+                let on_queue = unsafe { &*slot.meta.get() }.queue == qi;
+                if on_queue {
+                    self.mark_done(slot, true);
+                }
+                !on_queue
+            });
+        }
+    }
+}
+
 /// Idle polling rounds spent spinning before the completion thread waits
 /// more politely (UMWAIT or yield).
 pub(super) const SPIN_ROUNDS: u32 = 64;
@@ -100,6 +172,7 @@ pub(super) fn completion_thread(inner: &Inner) {
             .store(thread_cpu_ns(), Ordering::Relaxed);
     };
     let timeout = inner.config.completion_timeout;
+    let mut last_health = Instant::now();
     loop {
         while let Some(i) = inner.pending.pop() {
             active.push(i);
@@ -138,6 +211,10 @@ pub(super) fn completion_thread(inner: &Inner) {
             oldest_pending.get_or_insert(rec);
             true
         });
+        if active.len() == before && now.saturating_duration_since(last_health) >= HEALTH_INTERVAL {
+            last_health = now;
+            inner.retire_disabled_queues(&mut active, now);
+        }
         if active.len() < before {
             idle_rounds = 0;
             publish_cpu();

@@ -24,6 +24,13 @@ pub struct OffloadConfig {
     pub checker: ZeroChecker,
     /// Which queues a submission prefers, by NUMA node.
     pub numa: NumaPolicy,
+    /// How long a queue that refused a submission for good is skipped; it
+    /// doubles with each refusal in a row, up to a second.
+    pub refusal_backoff: Duration,
+    /// Refusals in a row after which a queue is retired for the rest of the
+    /// run (a disabled or persistently saturated shared queue); 0 never
+    /// retires.
+    pub refusals_before_retire: u32,
     /// Let the completion thread UMWAIT on a pending record when the CPU
     /// has WAITPKG (else it yields).
     pub umwait: bool,
@@ -37,6 +44,8 @@ impl Default for OffloadConfig {
             completion_timeout: Duration::from_secs(5),
             checker: ZeroChecker::best(),
             numa: NumaPolicy::PreferLocal,
+            refusal_backoff: Duration::from_millis(1),
+            refusals_before_retire: 16,
             umwait: true,
         }
     }

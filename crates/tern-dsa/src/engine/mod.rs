@@ -63,4 +63,4 @@ mod tests;
 
 pub use config::{DsaConfig, OffloadConfig};
 pub use offload::DsaOffload;
-pub use open::{open_dsa, software_dsa};
+pub use open::{open_dsa, open_dsa_engine, software_dsa};

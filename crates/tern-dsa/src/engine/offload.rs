@@ -57,6 +57,34 @@ impl DsaOffload {
         })
     }
 
+    /// Reserves room for one descriptor on the next enabled queue with room
+    /// (the zero-page submissions' round-robin, in-flight bound and
+    /// back-off), for another user of the same queues such as the delta
+    /// offload; `None` when every queue is full, backing off or retired.
+    /// The reservation is given back with [`release_one`](Self::release_one)
+    /// once the descriptor's record is written, and kept for good if it
+    /// never is.
+    pub(crate) fn reserve_one(&self) -> Option<(usize, Arc<dyn DsaQueue>)> {
+        let node = if self.inner.queues.numa_matters {
+            crate::select::current_numa_node()
+        } else {
+            None
+        };
+        let r = self.inner.queues.pick(1, node).ok()?;
+        Some((r.queue, self.inner.queues.entries[r.queue].queue.clone()))
+    }
+
+    /// Gives back a reservation of [`reserve_one`](Self::reserve_one); a
+    /// refused submission is counted and may back the queue off or retire it.
+    pub(crate) fn release_one(&self, queue: usize, refused: Option<&crate::SubmitError>) {
+        let entry = &self.inner.queues.entries[queue];
+        entry.in_flight.fetch_sub(1, Ordering::AcqRel);
+        match refused {
+            Some(error) => self.inner.note_refusal(entry, error),
+            None => entry.accepted(),
+        }
+    }
+
     /// Names and methods of the queues, e.g. `["dsa0/wq0.0 (movdir64b)"]`.
     pub fn queue_names(&self) -> Vec<String> {
         self.inner

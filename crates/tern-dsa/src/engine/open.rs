@@ -32,6 +32,16 @@ use crate::sysfs::{WorkQueueInfo, WqMode, discover_work_queues};
 /// [`DsaError::QueueBusy`] if the one candidate is a dedicated queue in
 /// use, [`DsaError::NoneOpened`] if none could be opened.
 pub fn open_dsa(config: &DsaConfig) -> Result<Arc<dyn ZeroPageOffload>, DsaError> {
+    Ok(open_dsa_engine(config)?)
+}
+
+/// [`open_dsa`], returning the engine itself, so the delta offload can
+/// share its queues ([`crate::DsaDeltaOffload::sharing`]).
+///
+/// # Errors
+///
+/// As [`open_dsa`].
+pub fn open_dsa_engine(config: &DsaConfig) -> Result<Arc<DsaOffload>, DsaError> {
     let found = discover_work_queues(&config.sysfs_root, &config.dev_root)?;
     let wqs = select_queues(&found, &config.devices).ok_or_else(|| DsaError::NoMatch {
         selection: config.devices.to_string(),

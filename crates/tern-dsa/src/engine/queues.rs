@@ -2,7 +2,8 @@
 //! choice of a queue with room for a batch.
 
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, AtomicU32, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicUsize, Ordering};
+use std::time::{Duration, Instant};
 
 use tern_page::MAX_BATCH_PAGES;
 
@@ -25,6 +26,11 @@ pub(super) struct QueueEntry {
     pub(super) numa_node: Option<u32>,
     pub(super) consecutive_errors: AtomicU32,
     pub(super) disabled: AtomicBool,
+    /// Submissions refused for good in a row (reset by an acceptance).
+    refusals: AtomicU32,
+    /// Nanoseconds after [`Queues::epoch`] before which the queue is
+    /// skipped: its back-off after a refusal.
+    skip_until: AtomicU64,
 }
 
 impl QueueEntry {
@@ -37,12 +43,40 @@ impl QueueEntry {
             in_flight: AtomicU32::new(0),
             consecutive_errors: AtomicU32::new(0),
             disabled: AtomicBool::new(false),
+            refusals: AtomicU32::new(0),
+            skip_until: AtomicU64::new(0),
         }
+    }
+
+    /// The queue accepted a descriptor: its run of refusals is over.
+    pub(super) fn accepted(&self) {
+        if self.refusals.load(Ordering::Relaxed) != 0 {
+            self.refusals.store(0, Ordering::Relaxed);
+        }
+    }
+
+    /// The queue refused a descriptor for good: skip it for `base` times
+    /// 2^(refusals in a row - 1), at most [`MAX_BACKOFF`]. Returns the
+    /// refusals in a row.
+    pub(super) fn refused(&self, queues: &Queues, base: Duration) -> u32 {
+        let n = self.refusals.fetch_add(1, Ordering::Relaxed) + 1;
+        let backoff = base
+            .saturating_mul(1u32 << (n - 1).min(16))
+            .min(MAX_BACKOFF);
+        let until = queues.now_nanos().saturating_add(nanos(backoff));
+        self.skip_until.fetch_max(until, Ordering::Relaxed);
+        n
+    }
+
+    /// Whether the queue is backing off at `now` (nanoseconds after the
+    /// epoch).
+    fn backing_off(&self, now: u64) -> bool {
+        self.skip_until.load(Ordering::Relaxed) > now
     }
 
     /// Reserves up to `wanted` descriptors of room; returns how many (0 when
     /// the queue is full).
-    fn reserve(&self, wanted: usize) -> u32 {
+    pub(super) fn reserve(&self, wanted: usize) -> u32 {
         let wanted = u32::try_from(wanted).unwrap_or(u32::MAX);
         if !self.bounded {
             self.in_flight.fetch_add(wanted, Ordering::AcqRel);
@@ -58,6 +92,13 @@ impl QueueEntry {
             Err(_) => 0,
         }
     }
+}
+
+/// The longest a refusing queue is skipped before it is tried again.
+pub(super) const MAX_BACKOFF: Duration = Duration::from_secs(1);
+
+fn nanos(d: Duration) -> u64 {
+    u64::try_from(d.as_nanos()).unwrap_or(u64::MAX)
 }
 
 /// Room reserved on a queue for (the head of) a batch.
@@ -88,6 +129,8 @@ pub(super) struct Queues {
     /// Whether the queues are on different known NUMA nodes, so the
     /// submitter's node is worth asking.
     pub(super) numa_matters: bool,
+    /// Origin of the back-off deadlines.
+    epoch: Instant,
 }
 
 impl Queues {
@@ -102,7 +145,13 @@ impl Queues {
             next: AtomicUsize::new(0),
             numa,
             numa_matters,
+            epoch: Instant::now(),
         }
+    }
+
+    /// Nanoseconds since the epoch, on the monotonic clock.
+    fn now_nanos(&self) -> u64 {
+        nanos(self.epoch.elapsed())
     }
 
     /// Reserves room for up to `len` pages on the next enabled queue with
@@ -114,6 +163,7 @@ impl Queues {
         let start = self.next.fetch_add(1, Ordering::Relaxed);
         let tiered = self.numa == NumaPolicy::PreferLocal && cpu_node.is_some();
         let mut saw_enabled = false;
+        let mut now = None;
         for pass in 0..if tiered { 2 } else { 1 } {
             for k in 0..n {
                 let qi = (start + k) % n;
@@ -125,6 +175,11 @@ impl Queues {
                     continue;
                 }
                 saw_enabled = true;
+                if q.skip_until.load(Ordering::Relaxed) != 0
+                    && q.backing_off(*now.get_or_insert_with(|| self.now_nanos()))
+                {
+                    continue;
+                }
                 if let Some(reservation) = Self::reserve_on(q, qi, len) {
                     return Ok(reservation);
                 }

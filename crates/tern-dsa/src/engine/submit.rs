@@ -121,6 +121,13 @@ impl Inner {
     fn send_chunks(&self, slot: &Slot, meta: &mut SlotMeta, r: Reservation) {
         let queue = &self.queues.entries[r.queue];
         let chunks = r.chunks as usize;
+        if chunks == r.pages {
+            // One COMPVAL per page (the write() path, or a queue without
+            // batches): the descriptors lie side by side in the slot and go
+            // in one call, one write() for all on that path.
+            self.send_singles(slot, meta, queue, r.pages);
+            return;
+        }
         let mut start = 0;
         let mut submitted = 0u64;
         for c in 0..chunks {
@@ -133,15 +140,43 @@ impl Inner {
                     meta.watch.push(watch);
                     submitted += 1;
                 }
-                Err(e) => self.note_refusal(queue, &e),
+                Err(e) => {
+                    // The rest would most likely be refused too: it goes to
+                    // the CPU with this chunk, without more attempts.
+                    self.note_refusal(queue, &e);
+                    break;
+                }
             }
             start += size;
         }
+        self.count_sent(queue, submitted);
+    }
+
+    /// Submits pages `..pages` of the slot as lone COMPVALs in one call.
+    fn send_singles(&self, slot: &Slot, meta: &mut SlotMeta, queue: &QueueEntry, pages: usize) {
+        let SlotArrays { descs, .. } = slot.arrays();
+        // SAFETY: `fill` wrote descriptors 0..pages; no device reads them
+        // yet, and the slice is dropped before the next write to them.
+        let list = unsafe { std::slice::from_raw_parts(descs.cast_const(), pages) };
+        // SAFETY: the descriptors point at slot memory and at the caller's
+        // pages, valid until the slot is DONE and waited.
+        let (accepted, error) = unsafe { queue.queue.submit_many(list) };
+        meta.watch.extend((0..accepted).map(Watch::Single));
+        if let Some(e) = error {
+            self.note_refusal(queue, &e);
+        }
+        self.count_sent(queue, accepted as u64);
+    }
+
+    /// Counts `submitted` descriptors handed to `queue`; any acceptance
+    /// ends the queue's run of refusals.
+    fn count_sent(&self, queue: &QueueEntry, submitted: u64) {
         self.counters
             .descriptors_submitted
             .fetch_add(submitted, Ordering::Relaxed);
         if submitted > 0 {
             self.counters.batches.fetch_add(1, Ordering::Relaxed);
+            queue.accepted();
         }
     }
 
@@ -170,13 +205,26 @@ impl Inner {
         }
     }
 
-    fn note_refusal(&self, queue: &QueueEntry, error: &SubmitError) {
+    /// A queue refused a descriptor for good: its pages go to the CPU, the
+    /// queue is skipped for a while (longer after each refusal in a row)
+    /// and retired after `refusals_before_retire` of them, or at once when
+    /// the kernel refused it outright (an I/O error, a stopped device).
+    pub(super) fn note_refusal(&self, queue: &QueueEntry, error: &SubmitError) {
         self.counters
             .submit_failures
             .fetch_add(1, Ordering::Relaxed);
-        if let SubmitError::Io(_) | SubmitError::Stopped = error {
+        let hard = matches!(error, SubmitError::Io(_) | SubmitError::Stopped);
+        let refusals = queue.refused(&self.queues, self.config.refusal_backoff);
+        let limit = self.config.refusals_before_retire;
+        if (hard || (limit > 0 && refusals >= limit))
+            && !queue.disabled.swap(true, Ordering::Relaxed)
+        {
+            self.counters
+                .queues_disabled
+                .fetch_add(1, Ordering::Relaxed);
             tracing::warn!(
-                "DSA queue {}: {error}; checking on the CPU",
+                "DSA queue {} retired after {refusals} refused submission(s) in a row ({error}); \
+                 its pages are checked on the CPU",
                 queue.queue.name()
             );
         }

@@ -133,6 +133,110 @@ fn write_path_submits_every_page_alone() {
 }
 
 #[test]
+fn the_write_path_hands_a_batch_over_in_one_call() {
+    let device = Arc::new(SoftwareDsa::new(SoftwareDsaConfig {
+        method: SubmissionMethod::Write,
+        ..Default::default()
+    }));
+    let off = DsaOffload::new(vec![device.clone()], OffloadConfig::default()).unwrap();
+    check(&off, &Pages::new(40, |i| i % 2 == 0));
+    check(&off, &Pages::new(7, |i| i == 3));
+    assert_eq!(off.stats().descriptors_submitted, 47);
+    assert_eq!(device.submit_calls(), 2, "one write() per batch");
+}
+
+#[test]
+fn a_refusing_queue_is_backed_off_then_retired() {
+    let refusing = || {
+        Arc::new(SoftwareDsa::new(SoftwareDsaConfig {
+            refuse_every: Some(1),
+            ..Default::default()
+        }))
+    };
+    // Backing off: after a refusal the queue is left alone for a while.
+    let device = refusing();
+    let off = DsaOffload::new(
+        vec![device.clone()],
+        OffloadConfig {
+            refusal_backoff: Duration::from_secs(3600),
+            ..Default::default()
+        },
+    )
+    .unwrap();
+    let pages = Pages::new(64, |i| i % 5 == 0);
+    check(&off, &pages);
+    assert_eq!(
+        device.descriptors_offered(),
+        1,
+        "the rest of the batch is not offered"
+    );
+    check(&off, &pages);
+    check(&off, &pages);
+    assert_eq!(device.descriptors_offered(), 1, "skipped while backing off");
+    let s = off.stats();
+    assert_eq!(s.submit_failures, 1, "{s:?}");
+    assert_eq!(s.pages_queue_full, 128, "{s:?}");
+    assert_eq!(s.pages_fallback, 192, "{s:?}");
+    // Retired: after `refusals_before_retire` refusals in a row it is never
+    // offered anything again.
+    let device = refusing();
+    let off = DsaOffload::new(
+        vec![device.clone()],
+        OffloadConfig {
+            refusal_backoff: Duration::ZERO,
+            refusals_before_retire: 3,
+            ..Default::default()
+        },
+    )
+    .unwrap();
+    for _ in 0..10 {
+        check(&off, &pages);
+    }
+    assert_eq!(device.descriptors_offered(), 3);
+    let s = off.stats();
+    assert_eq!((s.queues_disabled, s.submit_failures), (1, 3), "{s:?}");
+}
+
+#[test]
+fn a_queue_disabled_under_outstanding_work_is_noticed_through_its_fd() {
+    // Every descriptor is accepted and lost, and the timeout is an hour:
+    // only the disabled queue's fd (and its state) can finish the wait.
+    let device = Arc::new(SoftwareDsa::new(SoftwareDsaConfig {
+        lose_if: Some(Arc::new(|_, _| true)),
+        ..Default::default()
+    }));
+    let off = DsaOffload::new(
+        vec![device.clone()],
+        OffloadConfig {
+            completion_timeout: Duration::from_secs(3600),
+            ..Default::default()
+        },
+    )
+    .unwrap();
+    let pages = Pages::new(64, |i| i % 3 == 0);
+    // SAFETY: `pages` outlives the wait.
+    let ticket = unsafe { off.submit(&pages.ptrs()) }.unwrap();
+    assert!(!off.is_done(&ticket));
+    device.disable();
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while !off.is_done(&ticket) {
+        assert!(
+            Instant::now() < deadline,
+            "the disabled queue was never noticed"
+        );
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    let mut out = Vec::new();
+    off.wait(ticket, &mut out).unwrap();
+    assert_eq!(out, pages.expected());
+    let s = off.stats();
+    assert_eq!((s.queues_disabled, s.slots_retired), (1, 1), "{s:?}");
+    // Nothing more goes to it.
+    check(&off, &pages);
+    assert_eq!(off.stats().descriptors_submitted, s.descriptors_submitted);
+}
+
+#[test]
 fn page_faults_are_finished_on_the_cpu() {
     // Fault on every third descriptor, after 1000 bytes: a page whose
     // only non-zero byte lies beyond that must still be reported
@@ -198,10 +302,12 @@ fn refused_submissions_fall_back() {
     )
     .unwrap();
     check(&off, &Pages::new(128, |i| i % 7 == 0));
+    // The first chunk goes, the second is refused, and the rest of the
+    // batch is checked on the CPU without being offered.
     let s = off.stats();
-    assert_eq!(s.submit_failures, 4, "{s:?}");
-    assert_eq!(s.pages_fallback, 64);
-    assert_eq!(s.pages_device, 64);
+    assert_eq!(s.submit_failures, 1, "{s:?}");
+    assert_eq!(s.pages_fallback, 112);
+    assert_eq!(s.pages_device, 16);
 }
 
 #[test]
@@ -538,7 +644,8 @@ fn a_full_shared_queue_refuses_instead_of_dropping() {
     assert_eq!(out, pages.expected());
     assert_eq!(dev.dropped(), 0);
     let s = off.stats();
-    assert_eq!(s.submit_failures, 4, "{s:?}");
+    // The first refusal ends the offering: the rest is checked on the CPU.
+    assert_eq!(s.submit_failures, 1, "{s:?}");
     assert_eq!(s.device_errors, 0, "{s:?}");
 }
 
@@ -726,4 +833,51 @@ fn completion_thread_waits_with_umwait_only_where_waitpkg_exists() {
     assert!(!off.inner.umwait_available);
     check(&off, &Pages::new(64, |i| i == 3));
     assert_eq!(off.stats().umwaits, 0);
+}
+
+#[test]
+fn the_delta_offload_shares_the_zero_page_queues_and_their_bound() {
+    use tern_page::DeltaOffload;
+    use tern_page::delta::MAX_DELTA_LEN;
+
+    use crate::delta::{DELTA_DEADLINE, DsaDeltaOffload};
+
+    // A dedicated queue of two places, held by a stalled zero-page batch.
+    let (dev, gate) = stalled_device(2, 32, WqMode::Dedicated);
+    let engine = Arc::new(
+        DsaOffload::new(
+            vec![dev.clone() as Arc<dyn DsaQueue>],
+            OffloadConfig::default(),
+        )
+        .unwrap(),
+    );
+    let delta = DsaDeltaOffload::sharing(engine.clone(), DELTA_DEADLINE);
+    let pages = Pages::new(3, |i| i == 1);
+    // Three pages, one chunk: one place taken; a second batch takes the other.
+    // SAFETY: `pages` outlives the waits.
+    let first = unsafe { engine.submit(&pages.ptrs()) }.unwrap();
+    // SAFETY: as above.
+    let second = unsafe { engine.submit(&pages.ptrs()) }.unwrap();
+    let offered = dev.descriptors_offered();
+    assert_eq!(offered, 2);
+    let old = [7u8; PAGE_SIZE];
+    let mut new = old;
+    new[100] = 1;
+    let mut out = [0u8; MAX_DELTA_LEN];
+    // The queue is full: the delta is made on the CPU, nothing is offered
+    // (a third descriptor would be dropped by the dedicated queue).
+    assert!(delta.create(&old, &new, &mut out).is_some());
+    assert_eq!(dev.descriptors_offered(), offered);
+    assert_eq!(delta.stats().fallbacks, 1);
+    assert_eq!(dev.dropped(), 0);
+    gate.open();
+    let mut answers = Vec::new();
+    engine.wait(first, &mut answers).unwrap();
+    engine.wait(second, &mut answers).unwrap();
+    assert_eq!(answers, pages.expected());
+    // Room again: the same queue (no second open) makes the record.
+    assert!(delta.create(&old, &new, &mut out).is_some());
+    assert_eq!(delta.stats().on_device, 1);
+    assert_eq!(dev.descriptors_offered(), offered + 1);
+    assert_eq!(dev.dropped(), 0);
 }

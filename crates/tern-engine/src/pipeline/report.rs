@@ -36,6 +36,10 @@ impl Pipeline<'_> {
                 device_errors: stats.device_errors,
                 batches: stats.batches,
                 submit_retries: stats.submit_retries,
+                submit_failures: stats.submit_failures,
+                pages_queue_full: stats.pages_queue_full,
+                queues_disabled: stats.queues_disabled,
+                slots_retired: stats.slots_retired,
                 completion_thread_cpu_seconds: cpu,
                 cpu_seconds_per_gib: if gib > 0.0 { cpu / gib } else { 0.0 },
             }

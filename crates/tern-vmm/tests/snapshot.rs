@@ -109,7 +109,10 @@ fn a_lazily_restored_kvm_guest_counts_on_while_its_memory_loads() {
     };
     let lazy = match tern_engine::restore_lazy(&path, &config, destination) {
         Err(SnapshotError::Fault(error)) => {
-            println!("SKIPPED: no userfaultfd for this process: {error}");
+            tern_test_skip::skip(
+                tern_test_skip::Need::Userfaultfd,
+                format!("no userfaultfd for this process: {error}"),
+            );
             return;
         }
         other => other.unwrap(),

@@ -55,8 +55,8 @@ mod decoder;
 mod error;
 mod message;
 mod pages;
-pub mod snapshot;
 mod seal;
+pub mod snapshot;
 
 pub use codec::{MAX_PEER_TEXT_CHARS, Reader, Writer, sanitise_peer_text};
 pub use decoder::{Decoded, Event, Expect, FrameDecoder, PagePacket};

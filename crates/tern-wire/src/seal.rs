@@ -220,7 +220,9 @@ mod tests {
 
     #[test]
     fn the_largest_opening_frame_is_a_few_kib() {
-        assert_eq!(MAX_OPENING_FRAME, 8 + 32 + 2 + 1024 * 24 + 4 + 64 + 1);
+        // Header, then the hello: session and channel, page size, regions,
+        // codecs, guest kind, dictionaries, the VMM configuration's length.
+        assert_eq!(MAX_OPENING_FRAME, 8 + 32 + 2 + 1024 * 24 + 4 + 64 + 1 + 4);
         const { assert!(MAX_OPENING_FRAME < 32 << 10) };
     }
 }

@@ -11,12 +11,12 @@ mod reference;
 mod report;
 mod restore;
 mod run;
+mod save;
 #[cfg(test)]
 mod schema;
 mod secure;
-mod steering;
-mod save;
 mod serve_pages;
+mod steering;
 mod units;
 mod vm;
 

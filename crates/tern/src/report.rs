@@ -597,6 +597,18 @@ fn downtime_warning(stats: &MigrationStats) -> Option<String> {
     ))
 }
 
+/// Whether the digests matched, with the values compared: the evidence, not
+/// the setting.
+fn digest_line(stats: &MigrationStats) -> String {
+    match stats.digest_comparison {
+        Some(comparison) => format!(
+            "{} (source {:032x}, destination {:032x})",
+            stats.digest_verified, comparison.source, comparison.destination
+        ),
+        None => format!("{} (not compared)", stats.digest_verified),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -679,17 +691,5 @@ mod tests {
             zero_copy_at_last_sync(&counters),
             "30 of 30 sends copied by the kernel at sync 1"
         );
-    }
-}
-
-/// Whether the digests matched, with the values compared: the evidence, not
-/// the setting.
-fn digest_line(stats: &MigrationStats) -> String {
-    match stats.digest_comparison {
-        Some(comparison) => format!(
-            "{} (source {:032x}, destination {:032x})",
-            stats.digest_verified, comparison.source, comparison.destination
-        ),
-        None => format!("{} (not compared)", stats.digest_verified),
     }
 }

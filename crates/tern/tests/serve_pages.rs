@@ -248,7 +248,10 @@ fn stand_in_child() {
 #[test]
 fn a_raw_memory_file_is_served_with_removes_and_statistics() {
     let Some(standin) = StandIn::new(2 * 64 * PAGE) else {
-        println!("SKIPPED: no userfaultfd for this process");
+        tern_test_skip::skip(
+            tern_test_skip::Need::Userfaultfd,
+            "no userfaultfd for this process",
+        );
         return;
     };
     let dir = tempfile::tempdir().unwrap();
@@ -297,7 +300,10 @@ fn a_raw_memory_file_is_served_with_removes_and_statistics() {
 #[test]
 fn a_tern_snapshot_is_served_and_read_back_exactly() {
     let Some(standin) = StandIn::new(4 << 20) else {
-        println!("SKIPPED: no userfaultfd for this process");
+        tern_test_skip::skip(
+            tern_test_skip::Need::Userfaultfd,
+            "no userfaultfd for this process",
+        );
         return;
     };
     let dir = tempfile::tempdir().unwrap();
@@ -334,7 +340,10 @@ fn a_tern_snapshot_is_served_and_read_back_exactly() {
 #[test]
 fn a_vmm_that_dies_after_the_handshake_ends_the_handler() {
     if StandIn::new(PAGE).is_none() {
-        println!("SKIPPED: no userfaultfd for this process");
+        tern_test_skip::skip(
+            tern_test_skip::Need::Userfaultfd,
+            "no userfaultfd for this process",
+        );
         return;
     }
     let dir = tempfile::tempdir().unwrap();
@@ -377,7 +386,10 @@ fn a_vmm_that_closes_before_the_handshake_is_one_line_error() {
 #[test]
 fn regions_the_file_cannot_hold_are_refused() {
     let Some(standin) = StandIn::new(64 * PAGE) else {
-        println!("SKIPPED: no userfaultfd for this process");
+        tern_test_skip::skip(
+            tern_test_skip::Need::Userfaultfd,
+            "no userfaultfd for this process",
+        );
         return;
     };
     let dir = tempfile::tempdir().unwrap();

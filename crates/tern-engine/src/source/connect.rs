@@ -41,7 +41,9 @@ pub(super) fn connect(
         },
         setup: setup.clone(),
     });
-    let main = main_slot.insert(open_and_greet(config, connector, session_id, 0, &hello)?);
+    let main = main_slot.insert(open_and_greet(
+        config, connector, session_id, 0, &hello, None,
+    )?);
     // Before any page channel: every receiver has it before its first packet.
     if let Some(dictionary) = dictionary {
         main.send_message(&Message::Dictionary(Dictionary {
@@ -60,16 +62,14 @@ pub(super) fn connect(
                     channel_index: index,
                 },
             });
-            let channel = open_and_greet(config, connector, session_id, index, &hello)?;
-            if channel.security().peer_identity != identity {
-                return Err(MigrationError::Channel {
-                    index: usize::from(index),
-                    source: ChannelError::Auth(
-                        "the destination presented another certificate than on the main channel"
-                            .into(),
-                    ),
-                });
-            }
+            let channel = open_and_greet(
+                config,
+                connector,
+                session_id,
+                index,
+                &hello,
+                Some(&identity),
+            )?;
             page_sender(config, channel, index, zero_copy_window)
         })
         .collect()
@@ -111,8 +111,9 @@ fn open_channel(
     secure_client(channel, &config.security, address.host(), handshake).map_err(failed())
 }
 
-/// Connects channel `index`, runs its protections and sends `hello`, until
-/// the destination welcomes it. A busy destination may drop a connection
+/// Connects channel `index`, runs its protections, checks that the
+/// destination is the one of the main channel (`main_identity`) and sends
+/// `hello`, until the destination welcomes it. A busy destination may drop a connection
 /// that has proved nothing yet to make room for another (its defence
 /// against connections held hostage, docs/security.md): a channel closed
 /// before its welcome is opened again, after 10 ms, then twice as long
@@ -123,11 +124,25 @@ fn open_and_greet(
     session_id: u64,
     index: u16,
     hello: &Message,
+    main_identity: Option<&Option<Vec<u8>>>,
 ) -> Result<Channel, MigrationError> {
     let until = Instant::now() + config.connect_timeout;
     let mut backoff = Duration::from_millis(10);
     loop {
         let attempt = open_channel(config, connector, session_id, index).and_then(|mut channel| {
+            // Before the hello: a destination that is not the one on the
+            // main channel learns nothing of the session.
+            if let Some(identity) = main_identity
+                && channel.security().peer_identity != *identity
+            {
+                return Err(MigrationError::Channel {
+                    index: usize::from(index),
+                    source: ChannelError::Auth(
+                        "the destination presented another certificate than on the main channel"
+                            .into(),
+                    ),
+                });
+            }
             channel
                 .send_message(hello)
                 .map_err(MigrationError::channel(usize::from(index)))?;

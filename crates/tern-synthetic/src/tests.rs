@@ -507,10 +507,13 @@ fn touching_zero_pages_gives_each_its_own_memory_and_changes_nothing() {
         "the fill leaves zero pages without memory"
     );
     assert_eq!(guest.touch_zero_pages(), len / PAGE_SIZE as u64);
-    assert_eq!(
-        anonymous_kib(ptr),
-        len / 1024,
-        "every page has its own memory"
+    // At least the whole guest: the kernel may merge a neighbouring
+    // anonymous mapping into the same entry of smaps.
+    let private_after = anonymous_kib(ptr);
+    assert!(
+        private_after >= len / 1024,
+        "every page has its own memory: {private_after} KiB of {} KiB",
+        len / 1024
     );
     assert_eq!(guest.digest(), before);
 }

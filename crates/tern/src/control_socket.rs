@@ -268,6 +268,7 @@ fn serve_client(stream: UnixStream, shared: &Arc<Shared>) {
                 &format!("Request longer than {MAX_REQUEST_BYTES} bytes; closing"),
             );
             let _ = write_line(&mut lock(&writer), &reply);
+            drain_before_close(&mut reader, &writer);
             break;
         }
         if line.iter().all(u8::is_ascii_whitespace) {
@@ -454,4 +455,16 @@ fn cont(shared: &Shared) -> Result<Value, CommandError> {
         body: tern_engine::EventBody::Resume(tern_engine::control::Empty {}),
     });
     Ok(json!({}))
+}
+
+/// Ends a client that sent too much: our side of the stream is shut (the
+/// reply already written reaches it), and what it still sends is read and
+/// dropped for up to a second and 1 MiB, so that closing does not reset
+/// the connection and lose the reply before the client reads it.
+fn drain_before_close(reader: &mut BufReader<UnixStream>, writer: &Mutex<UnixStream>) {
+    let _ = lock(writer).shutdown(std::net::Shutdown::Write);
+    let _ = reader
+        .get_ref()
+        .set_read_timeout(Some(std::time::Duration::from_secs(1)));
+    let _ = std::io::copy(&mut reader.take(1 << 20), &mut std::io::sink());
 }

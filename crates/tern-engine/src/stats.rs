@@ -949,6 +949,65 @@ pub struct CompressionReport {
     /// The zstd dictionary trained at setup, if any, and its refreshes.
     #[serde(skip_serializing_if = "Option::is_none", default)]
     pub dictionary: Option<DictionaryReport>,
+    /// With `auto`: what it decided and why (docs/compression.md, "Auto").
+    #[serde(skip_serializing_if = "Option::is_none", default)]
+    pub auto: Option<AutoReport>,
+}
+
+/// What adaptive compression (`auto`) decided during a migration.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize, schemars::JsonSchema)]
+#[serde(rename_all = "kebab-case")]
+pub struct AutoReport {
+    /// Every decision that changed something, in order (at most
+    /// [`AutoReport::MAX_DECISIONS`]; later ones are counted in
+    /// `decisions-dropped`).
+    pub decisions: Vec<AutoDecisionReport>,
+    /// Decisions left out of `decisions` for its bound.
+    #[serde(default)]
+    pub decisions_dropped: u64,
+    /// Times the codec changed.
+    pub codec_switches: u64,
+    /// Times the level changed.
+    pub level_changes: u64,
+    /// Changes a decision window proposed and hysteresis confirmed, but
+    /// that were refused because the switches allowed were spent.
+    pub switches_held: u64,
+    /// Times the guest's content changed character (the ratio of the codec
+    /// in force moved by more than 30 % for two windows), which renews the
+    /// switches allowed.
+    pub content_changes: u64,
+    /// The link rate auto last decided on, in bytes per second (0: not yet
+    /// measured).
+    pub link_rate: u64,
+}
+
+impl AutoReport {
+    /// Bound of [`AutoReport::decisions`].
+    pub const MAX_DECISIONS: usize = 64;
+
+    /// Appends a decision, within the bound.
+    pub fn record(&mut self, decision: AutoDecisionReport) {
+        if self.decisions.len() < Self::MAX_DECISIONS {
+            self.decisions.push(decision);
+        } else {
+            self.decisions_dropped += 1;
+        }
+    }
+}
+
+/// One of `auto`'s decisions.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize, schemars::JsonSchema)]
+#[serde(rename_all = "kebab-case")]
+pub struct AutoDecisionReport {
+    /// Milliseconds since the migration started.
+    pub at_ms: u64,
+    /// What was decided: `codec` (zstd's packet frames are the codec
+    /// `zstd-packet`), `level`, `dictionary`, `delta-cache` or `content`.
+    pub subject: String,
+    /// The choice: a codec name, a level, `on`/`off` or a size in bytes.
+    pub choice: String,
+    /// Why, from what was measured.
+    pub reason: String,
 }
 
 /// The zstd dictionary a migration trained at setup and sent, and the

@@ -1,6 +1,7 @@
 //! Which codec a batch uses: the configured one, or `auto`, which
 //! re-decides from the link rate and the codecs' measured speed and ratio.
 
+use super::rate::{LinkWindow, QueueSamples, link_estimate};
 use super::*;
 
 /// What the workers compress with.
@@ -21,6 +22,8 @@ pub(crate) struct CompressionSetup {
     /// How it is refreshed during the live phase, and its size; `None`
     /// without a dictionary.
     pub dictionary_refresh: Option<(crate::config::DictionaryRefresh, usize)>,
+    /// What `auto` decided at setup (the dictionary), for its report.
+    pub auto_decisions: Vec<crate::stats::AutoDecisionReport>,
 }
 
 impl CompressionSetup {
@@ -93,15 +96,201 @@ pub(super) struct AutoCodec {
     pub(super) window_started: Instant,
     pub(super) wire_at_start: u64,
     pub(super) busy_at_start: u64,
-    pub(super) switches: u64,
-    /// The level in force for the current codec, tuned while it is kept.
-    pub(super) level: i32,
+    /// The link's queue as the senders sampled it when the window started.
+    pub(super) queue_at_start: QueueSamples,
+    /// The codec in force, with hysteresis.
+    pub(super) codec_choice: tern_page::codec::SteadyChoice<CodecId>,
+    /// The level in force for the current codec, tuned while it is kept,
+    /// with hysteresis.
+    pub(super) level_choice: tern_page::codec::SteadyChoice<i32>,
     /// The current codec's counters when the window started: the window's
     /// measurement is the difference, at the window's level.
     pub(super) counters_at_start: CodecCounters,
-    pub(super) level_changes: u64,
     /// The link estimates of the last windows.
     pub(super) links: LinkEstimates,
+    /// Whether the guest's pages changed character (renews the switches).
+    pub(super) content: tern_page::codec::ContentWatch,
+    /// The decisions so far, with their reasons, for the statistics.
+    pub(super) report: crate::stats::AutoReport,
+}
+
+/// A codec (or level) must win this many decision windows in a row to take
+/// over: at 50 ms a window, 150 ms of evidence rather than one window's
+/// noise.
+pub(super) const CONFIRM_WINDOWS: u32 = 3;
+/// Codec switches allowed until the content changes.
+pub(super) const CODEC_SWITCH_BUDGET: u32 = 3;
+/// Level changes allowed per codec until the content changes.
+pub(super) const LEVEL_CHANGE_BUDGET: u32 = 4;
+/// Another codec must move this much more guest memory per second than the
+/// one in force to be proposed (above the noise of a loaded machine's
+/// measurements).
+pub(super) const SWITCH_MARGIN: f64 = 0.15;
+
+/// What one decision window changed.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub(super) struct WindowOutcome {
+    pub codec: Option<CodecId>,
+    pub level: Option<i32>,
+}
+
+impl AutoCodec {
+    /// The codec in force.
+    pub(super) fn codec(&self) -> CodecId {
+        self.codec_choice.current()
+    }
+
+    /// The level in force.
+    pub(super) fn level(&self) -> i32 {
+        self.level_choice.current()
+    }
+
+    /// One decision window, pure apart from `self`: the codec and level for
+    /// the next batches from the link rate `link` (bytes per second) and the
+    /// current codec's measurement over the window (`measured`, at the
+    /// window's level), with `workers` compressing; `at_ms` stamps the
+    /// recorded decisions. `level_for` is the level a newly chosen codec
+    /// starts at.
+    pub(super) fn decide(
+        &mut self,
+        link: f64,
+        measured: Option<tern_page::codec::CodecMeasurement>,
+        workers: usize,
+        at_ms: u64,
+        level_for: impl Fn(CodecId) -> i32,
+    ) -> WindowOutcome {
+        self.report.link_rate = link as u64;
+        if let Some(measured) = measured
+            && self.content.observe(measured.ratio)
+        {
+            self.codec_choice.content_changed();
+            self.level_choice.content_changed();
+            self.report.content_changes += 1;
+            self.note(
+                at_ms,
+                "content",
+                measured.codec.name().to_string(),
+                format!(
+                    "the ratio of {} moved by more than {:.0} % for {} windows (now {:.2}): \
+                     the switches allowed are renewed",
+                    measured.codec.name(),
+                    tern_page::codec::ContentWatch::CHANGE * 100.0,
+                    tern_page::codec::ContentWatch::WINDOWS,
+                    measured.ratio
+                ),
+            );
+        }
+        let current = self.codec();
+        let proposed = tern_page::codec::choose_codec(
+            link,
+            workers,
+            &self.measurements,
+            current,
+            SWITCH_MARGIN,
+        );
+        let mut outcome = WindowOutcome::default();
+        match self.codec_choice.offer(proposed.codec) {
+            tern_page::codec::Steadiness::Switched { from } => {
+                let level = level_for(proposed.codec);
+                self.level_choice = tern_page::codec::SteadyChoice::new(
+                    level,
+                    CONFIRM_WINDOWS,
+                    LEVEL_CHANGE_BUDGET,
+                );
+                self.content.reset();
+                self.report.codec_switches += 1;
+                let reason = self.codec_reason(from, proposed, link, workers);
+                self.note(at_ms, "codec", proposed.codec.name().to_string(), reason);
+                outcome.codec = Some(proposed.codec);
+                outcome.level = Some(level);
+                return outcome;
+            }
+            tern_page::codec::Steadiness::OverBudget => {
+                self.report.switches_held += 1;
+                tracing::debug!(
+                    kept = current.name(),
+                    proposed = proposed.codec.name(),
+                    "adaptive compression keeps its codec: the switches allowed are spent"
+                );
+            }
+            tern_page::codec::Steadiness::Kept | tern_page::codec::Steadiness::Waiting(_) => {}
+        }
+        let Some(measured) = measured.filter(|m| m.codec == current) else {
+            return outcome;
+        };
+        let level = tern_page::codec::tune_level(&measured, link, workers);
+        match self.level_choice.offer(level) {
+            tern_page::codec::Steadiness::Switched { from } => {
+                self.content.reset();
+                self.report.level_changes += 1;
+                let cpu = measured.compress_bytes_per_sec * workers.max(1) as f64;
+                let carried = link * measured.ratio.max(1.0);
+                let why = if level > from {
+                    "the link is the bottleneck and the workers compress at least twice what it \
+                     carries: a better ratio costs no time"
+                } else {
+                    "the workers cannot keep up with the link"
+                };
+                self.note(
+                    at_ms,
+                    "level",
+                    level.to_string(),
+                    format!(
+                        "{} {from} -> {level}: {why} (workers {:.0} MB/s, link carries {:.0} MB/s \
+                         of guest memory at ratio {:.2})",
+                        current.name(),
+                        cpu / 1e6,
+                        carried / 1e6,
+                        measured.ratio
+                    ),
+                );
+                outcome.level = Some(level);
+            }
+            tern_page::codec::Steadiness::OverBudget => self.report.switches_held += 1,
+            tern_page::codec::Steadiness::Kept | tern_page::codec::Steadiness::Waiting(_) => {}
+        }
+        outcome
+    }
+
+    /// Why `proposed` replaced `from`, in numbers.
+    fn codec_reason(
+        &self,
+        from: CodecId,
+        proposed: tern_page::codec::AutoDecision,
+        link: f64,
+        workers: usize,
+    ) -> String {
+        let rate_of = |codec: CodecId| {
+            if codec == CodecId::None {
+                return link;
+            }
+            self.measurements
+                .iter()
+                .find(|m| m.codec == codec)
+                .map_or(0.0, |m| m.effective_rate(link, workers))
+        };
+        format!(
+            "{} moves {:.0} MB/s of guest memory against {:.0} MB/s for {} on a {:.0} MB/s link \
+             with {workers} workers, {} windows in a row",
+            proposed.codec.name(),
+            proposed.effective_bytes_per_sec / 1e6,
+            rate_of(from) / 1e6,
+            from.name(),
+            link / 1e6,
+            CONFIRM_WINDOWS
+        )
+    }
+
+    /// Records a decision and logs it.
+    pub(super) fn note(&mut self, at_ms: u64, subject: &str, choice: String, reason: String) {
+        tracing::info!(subject, choice, reason, "auto decides");
+        self.report.record(crate::stats::AutoDecisionReport {
+            at_ms,
+            subject: subject.to_string(),
+            choice,
+            reason,
+        });
+    }
 }
 
 /// The link rate as auto decides on it: the (lower) median of the last
@@ -143,12 +332,13 @@ impl LinkEstimates {
 
 impl AutoCodec {
     /// Starts the next decision window.
-    fn start_window(&mut self, counters: CodecCounters, wire: u64, busy: u64) {
+    fn start_window(&mut self, counters: CodecCounters, wire: u64, busy: u64, queue: QueueSamples) {
         self.counters_at_start = counters;
         self.batches_since = 0;
         self.window_started = Instant::now();
         self.wire_at_start = wire;
         self.busy_at_start = busy;
+        self.queue_at_start = queue;
     }
 }
 
@@ -168,20 +358,49 @@ impl AutoCodec {
     ) -> Self {
         let mut selector = tern_page::AutoSelector::new(workers);
         let link = max_bandwidth.map_or(SLOWER_THAN_ANY_CODEC, |rate| rate as f64);
-        let first = selector.next(link, &measurements).codec;
-        Self {
+        let first = selector.next(link, &measurements);
+        let mut report = crate::stats::AutoReport::default();
+        for decision in &compression.auto_decisions {
+            report.record(decision.clone());
+        }
+        let mut auto = Self {
             selector,
             measurements,
             batches_since: 0,
             window_started: Instant::now(),
             wire_at_start: 0,
             busy_at_start: 0,
-            switches: 0,
-            level: compression.level_for(first),
+            queue_at_start: QueueSamples::default(),
+            codec_choice: tern_page::codec::SteadyChoice::new(
+                first.codec,
+                CONFIRM_WINDOWS,
+                CODEC_SWITCH_BUDGET,
+            ),
+            level_choice: tern_page::codec::SteadyChoice::new(
+                compression.level_for(first.codec),
+                CONFIRM_WINDOWS,
+                LEVEL_CHANGE_BUDGET,
+            ),
             counters_at_start: CodecCounters::default(),
-            level_changes: 0,
             links: LinkEstimates::default(),
-        }
+            content: tern_page::codec::ContentWatch::default(),
+            report,
+        };
+        let reason = match max_bandwidth {
+            _ if auto.measurements.is_empty() => "calibration measured no codec".to_string(),
+            Some(rate) => format!(
+                "calibration on {CALIBRATION_PAGES} sampled pages: it moves {:.0} MB/s of guest \
+                 memory on the configured {:.0} MB/s link with {workers} workers",
+                first.effective_bytes_per_sec / 1e6,
+                rate as f64 / 1e6
+            ),
+            None => format!(
+                "calibration on {CALIBRATION_PAGES} sampled pages: the best ratio worth its \
+                 CPU until the link is measured (no max-bandwidth configured)"
+            ),
+        };
+        auto.note(0, "codec", first.codec.name().to_string(), reason);
+        auto
     }
 }
 
@@ -287,8 +506,9 @@ pub(crate) fn sample_pages(regions: &[MemoryRegion], count: usize) -> Vec<[u8; P
 }
 
 impl Pipeline<'_> {
-    /// Adaptive compression: every [`AUTO_DECISION_INTERVAL`], picks
-    /// the codec that moves guest memory fastest over the link as measured.
+    /// Adaptive compression: every [`AUTO_DECISION_INTERVAL`], decides the
+    /// codec and level from the link and the codecs as measured
+    /// ([`AutoCodec::decide`]).
     pub(super) fn maybe_switch_codec(&mut self) {
         let Some(auto) = self.auto.as_mut() else {
             return;
@@ -302,49 +522,46 @@ impl Pipeline<'_> {
         let elapsed = auto.window_started.elapsed().as_secs_f64().max(1e-6);
         let wire = self.shared.stats.transferred.load(Ordering::Relaxed);
         let busy = self.shared.sender_busy_ns.load(Ordering::Relaxed);
-        let wire_rate = (wire - auto.wire_at_start) as f64 / elapsed;
+        let queue = self
+            .shared
+            .link_queue
+            .as_ref()
+            .map(LinkQueue::snapshot)
+            .unwrap_or_default();
         // The share of time the senders were busy: near 1 the link is the
         // bottleneck and the wire rate is its capacity; lower, the link
         // could carry proportionally more.
         let busy_share =
             ((busy - auto.busy_at_start) as f64 / 1e9 / (elapsed * self.channel_count as f64))
                 .clamp(0.05, 1.0);
+        let window = LinkWindow {
+            seconds: elapsed,
+            written: wire - auto.wire_at_start,
+            busy_share,
+            queue_at_start: auto.queue_at_start,
+            queue_at_end: queue,
+        };
         let measured = self.measure_window();
+        let at_ms = self.shared.stats.started().elapsed().as_millis() as u64;
+        let workers = self.shared.worker_rings.len();
+        let compression = &self.shared.compression;
         let Some(auto) = self.auto.as_mut() else {
             return;
         };
-        let link = auto.links.push(wire_rate / busy_share);
-        let Some(link) = link else {
-            auto.start_window(current_counters(&self.codec_stats, self.codec), wire, busy);
-            return;
-        };
-        let decision = auto.selector.next(link, &auto.measurements);
-        if decision.codec != self.codec {
-            auto.switches += 1;
-            tracing::info!(
-                from = self.codec.name(),
-                to = decision.codec.name(),
-                link_mb_s = link / 1e6,
-                "adaptive compression switches codec"
-            );
-            self.codec = decision.codec;
-            auto.level = self.shared.compression.level_for(decision.codec);
-        } else if let Some(measured) = measured {
-            let workers = self.shared.worker_rings.len();
-            let level = tern_page::codec::tune_level(&measured, link, workers);
-            if level != auto.level {
-                auto.level_changes += 1;
-                tracing::info!(
-                    codec = self.codec.name(),
-                    from = auto.level,
-                    to = level,
-                    link_mb_s = link / 1e6,
-                    "adaptive compression changes level"
-                );
-                auto.level = level;
+        if let Some(link) = auto.links.push(link_estimate(&window)) {
+            let outcome = auto.decide(link, measured, workers, at_ms, |codec| {
+                compression.level_for(codec)
+            });
+            if let Some(codec) = outcome.codec {
+                self.codec = codec;
             }
         }
-        auto.start_window(current_counters(&self.codec_stats, self.codec), wire, busy);
+        auto.start_window(
+            current_counters(&self.codec_stats, self.codec),
+            wire,
+            busy,
+            queue,
+        );
     }
 }
 
@@ -360,7 +577,7 @@ impl Pipeline<'_> {
         let now = current_counters(&self.codec_stats, self.codec);
         let window = data_the_codec_ran_on(&counters_since(&now, &auto.counters_at_start))?;
         let measured =
-            tern_page::codec::CodecMeasurement::from_counters(self.codec, auto.level, &window)?;
+            tern_page::codec::CodecMeasurement::from_counters(self.codec, auto.level(), &window)?;
         auto.measurements.retain(|known| known.codec != self.codec);
         auto.measurements.push(measured);
         Some(measured)
@@ -369,9 +586,40 @@ impl Pipeline<'_> {
     /// The level the next batch is compressed at.
     pub(super) fn batch_level(&self) -> i32 {
         match &self.auto {
-            Some(auto) => auto.level,
+            Some(auto) => auto.level(),
             None => self.shared.compression.level_for(self.codec),
         }
+    }
+
+    /// What compressing the last pages costs at the codec and level in
+    /// force, for the downtime estimate: the workers' guest bytes per CPU
+    /// second together, and the ratio, as last measured. `None` without
+    /// compression or before any measurement.
+    pub(crate) fn codec_cost(&self) -> Option<crate::source::CodecCost> {
+        if self.codec == CodecId::None {
+            return None;
+        }
+        let workers = self.shared.worker_rings.len().max(1) as f64;
+        let measured = match &self.auto {
+            Some(auto) => auto
+                .measurements
+                .iter()
+                .find(|m| m.codec == self.codec)
+                .copied(),
+            None => {
+                let counters =
+                    data_the_codec_ran_on(&current_counters(&self.codec_stats, self.codec))?;
+                tern_page::codec::CodecMeasurement::from_counters(
+                    self.codec,
+                    self.batch_level(),
+                    &counters,
+                )
+            }
+        }?;
+        Some(crate::source::CodecCost {
+            guest_bytes_per_sec: measured.compress_bytes_per_sec * workers,
+            ratio: measured.ratio,
+        })
     }
 }
 
@@ -480,6 +728,7 @@ mod tests {
             dictionary: None,
             dictionary_report: None,
             dictionary_refresh: None,
+            auto_decisions: Vec::new(),
         };
         // Without libqpl here the QPL compressor cannot be made: the error
         // shows the setup asked for it.
@@ -528,6 +777,7 @@ mod tests {
             dictionary: None,
             dictionary_report: None,
             dictionary_refresh: None,
+            auto_decisions: Vec::new(),
         };
         let mut candidates = software();
         candidates.push(measured(CodecId::ZstdPacket, 150e6, 2.3));
@@ -560,6 +810,142 @@ mod tests {
         // A link that really changed wins after three windows.
         assert_eq!(links.push(1200e6), Some(120e6));
         assert_eq!(links.push(1180e6), Some(1180e6));
+    }
+
+    fn auto_on(candidates: Vec<CodecMeasurement>) -> AutoCodec {
+        let setup = CompressionSetup {
+            choice: CodecChoice::Auto,
+            level: None,
+            qpl_path: QplPath::Software,
+            deflate_through_qpl: false,
+            packet_frames: false,
+            dictionary: None,
+            dictionary_report: None,
+            dictionary_refresh: None,
+            auto_decisions: Vec::new(),
+        };
+        AutoCodec::start(2, candidates, None, &setup)
+    }
+
+    /// Runs `links` (bytes per second) through the decision, one window
+    /// each; the codecs in force after each window.
+    fn follow(auto: &mut AutoCodec, links: &[f64]) -> Vec<CodecId> {
+        links
+            .iter()
+            .enumerate()
+            .map(|(window, &link)| {
+                auto.decide(link, None, 2, window as u64 * 50, |codec| {
+                    codec.default_level()
+                });
+                auto.codec()
+            })
+            .collect()
+    }
+
+    #[test]
+    fn a_flapping_link_estimate_does_not_flap_the_codec() {
+        // zstd wins on the slow link, lz4 on the 4x faster one.
+        let mut auto = auto_on(software());
+        assert_eq!(auto.codec(), CodecId::Zstd);
+        let slow = 125e6;
+        let fast = 500e6;
+        // Each window says the opposite of the last one: nothing moves.
+        let alternating: Vec<f64> = (0..60)
+            .map(|w| if w % 2 == 0 { fast } else { slow })
+            .collect();
+        let codecs = follow(&mut auto, &alternating);
+        assert!(codecs.iter().all(|&c| c == CodecId::Zstd), "{codecs:?}");
+        // Two windows one way, one the other: still nothing.
+        let bursts: Vec<f64> = (0..60)
+            .map(|w| if w % 3 == 2 { slow } else { fast })
+            .collect();
+        let codecs = follow(&mut auto, &bursts);
+        assert!(codecs.iter().all(|&c| c == CodecId::Zstd), "{codecs:?}");
+        assert_eq!(auto.report.codec_switches, 0);
+        // Runs of three windows each way, for a long time: at most the
+        // budget of switches, then the codec stays.
+        let runs: Vec<f64> = (0..120)
+            .map(|w| if (w / 3) % 2 == 0 { fast } else { slow })
+            .collect();
+        let codecs = follow(&mut auto, &runs);
+        let switches = codecs.windows(2).filter(|pair| pair[0] != pair[1]).count();
+        assert_eq!(switches, CODEC_SWITCH_BUDGET as usize, "{codecs:?}");
+        assert_eq!(auto.report.codec_switches, u64::from(CODEC_SWITCH_BUDGET));
+        assert!(auto.report.switches_held > 0);
+        // Every switch is in the report with its reason.
+        let recorded: Vec<_> = auto
+            .report
+            .decisions
+            .iter()
+            .filter(|d| d.subject == "codec")
+            .collect();
+        assert_eq!(recorded.len(), 1 + CODEC_SWITCH_BUDGET as usize);
+        assert!(recorded[1].reason.contains("MB/s"), "{:?}", recorded[1]);
+    }
+
+    #[test]
+    fn a_link_that_really_changed_is_followed_after_three_windows() {
+        let mut auto = auto_on(software());
+        let codecs = follow(&mut auto, &[125e6, 125e6, 500e6, 500e6, 500e6, 500e6]);
+        assert_eq!(
+            codecs,
+            [
+                CodecId::Zstd,
+                CodecId::Zstd,
+                CodecId::Zstd,
+                CodecId::Zstd,
+                CodecId::Lz4,
+                CodecId::Lz4
+            ]
+        );
+    }
+
+    #[test]
+    fn changed_content_renews_the_switches_allowed() {
+        let mut auto = auto_on(software());
+        let runs: Vec<f64> = (0..60)
+            .map(|w| if (w / 3) % 2 == 0 { 500e6 } else { 125e6 })
+            .collect();
+        follow(&mut auto, &runs);
+        assert_eq!(auto.codec_choice.switches(), CODEC_SWITCH_BUDGET);
+        // The codec in force now compresses 1.4, then 3.0 for two windows.
+        let codec = auto.codec();
+        let at = |ratio| CodecMeasurement {
+            level: codec.default_level(),
+            ..measured(codec, 300e6, ratio)
+        };
+        for ratio in [1.4, 1.4, 3.0, 3.0] {
+            auto.decide(125e6, Some(at(ratio)), 2, 0, |c| c.default_level());
+        }
+        assert_eq!(auto.report.content_changes, 1);
+        assert_eq!(auto.codec_choice.switches(), 0);
+    }
+
+    #[test]
+    fn the_level_does_not_flap_either() {
+        let mut auto = auto_on(software());
+        assert_eq!(auto.codec(), CodecId::Zstd);
+        // Alternating windows: the CPU has room to spare (level up), then
+        // cannot keep up (level down).
+        for window in 0..40 {
+            let rate = if window % 2 == 0 { 300e6 } else { 40e6 };
+            let m = CodecMeasurement {
+                level: auto.level(),
+                ..measured(CodecId::Zstd, rate, 2.1)
+            };
+            auto.decide(125e6, Some(m), 2, 0, |c| c.default_level());
+        }
+        assert_eq!(auto.report.level_changes, 0);
+        // Steadily idle CPU: up one level after three windows.
+        for _ in 0..3 {
+            let m = CodecMeasurement {
+                level: auto.level(),
+                ..measured(CodecId::Zstd, 300e6, 2.1)
+            };
+            auto.decide(125e6, Some(m), 2, 0, |c| c.default_level());
+        }
+        assert_eq!(auto.level(), 2);
+        assert_eq!(auto.report.level_changes, 1);
     }
 
     #[test]

@@ -65,7 +65,7 @@ use classify::classify;
 use dedup::{DedupIndex, Reference, resend_referencing_pages};
 use delta_cache::DeltaCache;
 use encode::{Scratch, encode};
-use rate::RateLimiter;
+use rate::{LinkQueue, RateLimiter};
 pub(crate) use sender::PageSender;
 use sender::run_sender;
 use worker::run_worker;
@@ -91,6 +91,8 @@ struct Shared {
     /// Nanoseconds senders spent sending (blocked included), for the link
     /// estimate of adaptive compression.
     sender_busy_ns: AtomicU64,
+    /// The sockets' queues, for the link estimate of adaptive compression.
+    link_queue: Option<LinkQueue>,
     worker_rings: Vec<Ring<Box<Batch>>>,
     worker_bells: Vec<OnceLock<Doorbell>>,
     sender_rings: Vec<Ring<SendItem>>,
@@ -123,6 +125,8 @@ impl Shared {
             zero_as_normal: (setup.zero_as_normal > 0.0)
                 .then(|| ZeroAsNormal::new(setup.zero_as_normal)),
             sender_busy_ns: AtomicU64::new(0),
+            link_queue: (setup.compression.choice == CodecChoice::Auto)
+                .then(|| LinkQueue::new(channel_count)),
             worker_rings: (0..setup.workers)
                 .map(|_| Ring::new(WORKER_RING_CAPACITY))
                 .collect(),

@@ -12,7 +12,10 @@ impl Pipeline<'_> {
             shared.stats.set_compression(CompressionReport {
                 choice: shared.compression.choice.name().to_string(),
                 level: shared.compression.level,
-                codec_switches: self.auto.as_ref().map_or(0, |auto| auto.switches),
+                codec_switches: self
+                    .auto
+                    .as_ref()
+                    .map_or(0, |auto| auto.report.codec_switches),
                 codecs: self
                     .codec_stats
                     .used()
@@ -21,6 +24,7 @@ impl Pipeline<'_> {
                     })
                     .collect(),
                 dictionary: self.dictionary_report(),
+                auto: self.auto_report(),
             });
         }
         let offload = shared.zero_offload.as_ref().map(|offload| {
@@ -53,5 +57,10 @@ impl Pipeline<'_> {
             },
             offload,
         });
+    }
+
+    /// Auto's decisions so far (with `auto`).
+    fn auto_report(&self) -> Option<crate::stats::AutoReport> {
+        self.auto.as_ref().map(|auto| auto.report.clone())
     }
 }

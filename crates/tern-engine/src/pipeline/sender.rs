@@ -57,6 +57,9 @@ pub(super) fn run_sender(shared: &Shared, index: usize, mut channel: PageSender)
         let result = match item {
             SendItem::Batch(batch) => {
                 let started = Instant::now();
+                if let Some(queue) = &shared.link_queue {
+                    queue.sample(index, channel.channel().raw_fd());
+                }
                 shared.limiter.acquire(batch.wire_bytes);
                 let result = send_batch(shared, &mut channel, &batch, &mut segments);
                 shared.sender_busy_ns.fetch_add(

@@ -80,6 +80,7 @@ impl Source {
                 }),
                 state_bytes: guest.state_size_hint(),
                 switch_over_requested: self.control.parameters.switch_over_requested(),
+                codec: pipe.codec_cost(),
             };
             // What an operator changed since the last sync applies now.
             rules.apply(self.control.parameters.convergence());

@@ -3,6 +3,7 @@
 mod connect;
 mod convergence;
 mod dictionary;
+pub(crate) use convergence::CodecCost;
 pub(crate) use dictionary::{DictionaryRefresher, RatioWindow, sample_dirty_pages};
 mod live;
 mod peer;
@@ -80,6 +81,7 @@ impl Source {
             dictionary: None,
             dictionary_report: None,
             dictionary_refresh: None,
+            auto_decisions: Vec::new(),
         };
         let mut levels = Vec::new();
         for codec in compression.codecs() {

@@ -193,6 +193,163 @@ impl AutoSelector {
     }
 }
 
+/// Hysteresis for one of `auto`'s choices (codec, level, ...): a new value
+/// takes over only after it was proposed [`SteadyChoice::confirm`] decisions
+/// in a row, and at most [`SteadyChoice::budget`] times until the guest's
+/// content changes ([`SteadyChoice::content_changed`]). Measurements of
+/// a loaded machine swing 2-10x between windows (docs/compression.md); a
+/// choice that followed each window switched codec 9 to 52 times in one
+/// migration (issue 31), each switch sending a window of pages with a codec
+/// measured on noise. Pure: fed one proposal per decision window.
+#[derive(Clone, Debug, PartialEq)]
+pub struct SteadyChoice<T> {
+    current: T,
+    /// The value proposed against the current one, and in how many
+    /// decisions in a row.
+    challenger: Option<(T, u32)>,
+    switches: u32,
+    confirm: u32,
+    budget: u32,
+    /// Proposals that were confirmed but refused for the budget.
+    held: u64,
+}
+
+/// What [`SteadyChoice::offer`] did with a proposal.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Steadiness<T> {
+    /// The proposal is the value in force.
+    Kept,
+    /// A different value, not yet proposed often enough in a row: this many
+    /// times so far.
+    Waiting(u32),
+    /// Confirmed, but the switches allowed until the content changes are
+    /// spent: the value in force stays.
+    OverBudget,
+    /// The proposal takes over from the value before.
+    Switched {
+        /// The value before.
+        from: T,
+    },
+}
+
+impl<T: Copy + PartialEq> SteadyChoice<T> {
+    /// Starts at `initial`; a value must be proposed `confirm` times in a
+    /// row (at least once) to take over, at most `budget` times.
+    pub fn new(initial: T, confirm: u32, budget: u32) -> Self {
+        Self {
+            current: initial,
+            challenger: None,
+            switches: 0,
+            confirm: confirm.max(1),
+            budget,
+            held: 0,
+        }
+    }
+
+    /// The value in force.
+    pub fn current(&self) -> T {
+        self.current
+    }
+
+    /// Switches made since the start or the last content change.
+    pub fn switches(&self) -> u32 {
+        self.switches
+    }
+
+    /// Confirmed proposals refused because the budget was spent.
+    pub fn held(&self) -> u64 {
+        self.held
+    }
+
+    /// Decisions in a row a value needs to take over.
+    pub fn confirm(&self) -> u32 {
+        self.confirm
+    }
+
+    /// Switches allowed until the content changes.
+    pub fn budget(&self) -> u32 {
+        self.budget
+    }
+
+    /// Takes one decision's proposal.
+    pub fn offer(&mut self, proposed: T) -> Steadiness<T> {
+        if proposed == self.current {
+            self.challenger = None;
+            return Steadiness::Kept;
+        }
+        let streak = match self.challenger {
+            Some((value, streak)) if value == proposed => streak + 1,
+            _ => 1,
+        };
+        if streak < self.confirm {
+            self.challenger = Some((proposed, streak));
+            return Steadiness::Waiting(streak);
+        }
+        self.challenger = None;
+        if self.switches >= self.budget {
+            self.held += 1;
+            return Steadiness::OverBudget;
+        }
+        let from = self.current;
+        self.current = proposed;
+        self.switches += 1;
+        Steadiness::Switched { from }
+    }
+
+    /// The guest's pages changed character: the budget is renewed, since
+    /// what was measured before no longer holds.
+    pub fn content_changed(&mut self) {
+        self.switches = 0;
+        self.challenger = None;
+    }
+}
+
+/// Whether the guest's content changed character, from the ratio the codec
+/// in force achieves window after window on the pages it ran on: a change
+/// when the ratio stays more than [`ContentWatch::CHANGE`] away from the
+/// reference (the first window after the reference was reset) for
+/// [`ContentWatch::WINDOWS`] windows in a row. Noise between windows of the
+/// same content moves the ratio by a few percent; text against binary or
+/// random pages moves it by 2x. Pure.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct ContentWatch {
+    reference: Option<f64>,
+    away: u32,
+}
+
+impl ContentWatch {
+    /// The relative change of the ratio that counts as other content.
+    pub const CHANGE: f64 = 0.30;
+    /// Windows in a row the change must last.
+    pub const WINDOWS: u32 = 2;
+
+    /// Takes one window's ratio; true when the content changed (the window
+    /// then becomes the new reference).
+    pub fn observe(&mut self, ratio: f64) -> bool {
+        let Some(reference) = self.reference else {
+            self.reference = Some(ratio);
+            return false;
+        };
+        if (ratio / reference - 1.0).abs() <= Self::CHANGE {
+            self.away = 0;
+            return false;
+        }
+        self.away += 1;
+        if self.away < Self::WINDOWS {
+            return false;
+        }
+        self.reference = Some(ratio);
+        self.away = 0;
+        true
+    }
+
+    /// Another codec or level is in force: its ratios are its own, so the
+    /// next window is the new reference.
+    pub fn reset(&mut self) {
+        *self = Self::default();
+    }
+}
+
 /// Measures codecs on a sample of the guest's pages (e.g. 64 pages picked
 /// across memory before the first iteration): one-thread CPU rate for
 /// compression (sampling on) and decompression, and the ratio. Codecs this

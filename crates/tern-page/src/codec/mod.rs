@@ -99,8 +99,9 @@ mod training;
 mod zstd;
 
 pub use auto::{
-    AUTO_MAX_LEVEL, AutoDecision, AutoSelector, CodecMeasurement, OFFLOAD_RATIO_TOLERANCE,
-    calibrate, calibrate_qpl, calibrate_with_dictionary, choose_codec, prefer_offload, tune_level,
+    AUTO_MAX_LEVEL, AutoDecision, AutoSelector, CodecMeasurement, ContentWatch,
+    OFFLOAD_RATIO_TOLERANCE, Steadiness, SteadyChoice, calibrate, calibrate_qpl,
+    calibrate_with_dictionary, choose_codec, prefer_offload, tune_level,
 };
 pub use batch::{CompressedBatch, MAX_COMPRESSED, PageOutcome, RawReason};
 pub use bench::{CodecBenchRow, bench_codecs, corpus_page, default_bench_levels};

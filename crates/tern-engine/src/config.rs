@@ -267,6 +267,17 @@ pub struct MigrationConfig {
     /// zstd with all compressible pages of a packet in one frame (ratio over
     /// independence). Only with zstd; `auto` weighs both framings itself.
     pub packet_frames: bool,
+    /// With `compression: Auto` and no `compression_dictionary`: auto
+    /// trains a zstd dictionary at setup and keeps it when it improves
+    /// zstd's ratio on pages the training did not see (unless the
+    /// configured `max_bandwidth` is faster than every codec). See
+    /// docs/compression.md, "Auto".
+    pub auto_dictionary: bool,
+    /// With `compression: Auto` and `delta_cache_size` 0: the most memory
+    /// auto may give the delta cache, which it sizes from the pages the
+    /// guest dirties again; `None`: half of guest memory, at most
+    /// [`DEFAULT_DELTA_CACHE_ALLOWANCE_MAX`]; `Some(0)`: no delta cache.
+    pub delta_cache_allowance: Option<u64>,
     /// Memory verification at switch-over.
     pub verify: Verify,
     /// Threads hashing again, while the guest is paused, the pages whose
@@ -304,6 +315,10 @@ pub struct MigrationConfig {
     pub vmm_config: Vec<u8>,
 }
 
+/// The most memory `auto` gives a delta cache without
+/// `delta_cache_allowance` (it also stays within half of guest memory).
+pub const DEFAULT_DELTA_CACHE_ALLOWANCE_MAX: u64 = 2 << 30;
+
 /// Default of both sides' `switch_over_timeout`: the destination checks and
 /// restores in milliseconds, and a guest paused this long is already an
 /// outage worth reporting.
@@ -334,6 +349,8 @@ impl Default for MigrationConfig {
             compression_dictionary: None,
             dictionary_refresh: DictionaryRefresh::default(),
             packet_frames: false,
+            auto_dictionary: true,
+            delta_cache_allowance: None,
             verify: Verify::Full,
             digest_threads: 0,
             zero_copy: false,

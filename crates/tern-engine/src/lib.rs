@@ -75,8 +75,9 @@ pub mod vm_memory;
 
 pub use bitmap::DirtyBitmap;
 pub use config::{
-    DEFAULT_SWITCH_OVER_TIMEOUT, DictionaryRefresh, LimitPolicy, MigrationConfig, ReceiveConfig,
-    UnauthenticatedPolicy, UnknownName, Verify, ZeroCopyBackend, ZeroPageDetection,
+    DEFAULT_DELTA_CACHE_ALLOWANCE_MAX, DEFAULT_SWITCH_OVER_TIMEOUT, DictionaryRefresh, LimitPolicy,
+    MigrationConfig, ReceiveConfig, UnauthenticatedPolicy, UnknownName, Verify, ZeroCopyBackend,
+    ZeroPageDetection,
 };
 pub use control::{
     CONTRACT_VERSION, ControlError, Event, EventBody, MigrationHandle, MigrationParameters,

@@ -482,9 +482,14 @@ pub struct TransferArgs {
     /// Benchmark knob: percent of zero pages sent as normal pages.
     #[arg(long, default_value_t = 0.0)]
     pub zero_page_as_normal: f64,
-    /// Page compression, each page on its own. QEMU: multifd-compression
-    /// (its zlib is a stream per channel: use deflate).
-    #[arg(long, default_value = "none", value_parser = compression_values())]
+    /// Page compression, each page on its own. The default, auto, picks
+    /// what the link needs: the codec, level and framing that move guest
+    /// memory fastest over the measured link, nothing where the link is
+    /// faster than the codecs, with a trained dictionary and a delta cache
+    /// when they pay (none with --zero-copy, which sends from guest
+    /// memory). QEMU: multifd-compression (its zlib is a stream per
+    /// channel: use deflate).
+    #[arg(long, default_value = "auto", value_parser = compression_values())]
     pub compression: CodecChoice,
     /// Compression level, clamped to the codec's range (zstd up to 22,
     /// negative levels faster; deflate 1 to 12; lz4 1; qpl 1 or 3); the
@@ -507,10 +512,16 @@ pub struct TransferArgs {
     ]))]
     pub dedup: Dedup,
     /// Cache of pages as last sent, against which re-sent pages go as
-    /// deltas (DSA delta records), with multifd; 0 turns deltas off. QEMU:
-    /// xbzrle-cache-size (with the xbzrle capability, without multifd).
-    #[arg(long, default_value = "0", value_parser = parse_size)]
-    pub delta_cache_size: u64,
+    /// deltas (DSA delta records), with multifd; 0 turns deltas off; auto
+    /// (with --compression auto) sizes it from the pages the guest dirties
+    /// again, within --delta-cache-allowance. QEMU: xbzrle-cache-size (with
+    /// the xbzrle capability, without multifd).
+    #[arg(long, default_value = "auto", value_parser = parse_delta_cache_size)]
+    pub delta_cache_size: DeltaCacheSize,
+    /// The most memory auto may give the delta cache (default: half of
+    /// guest memory, at most 2GiB). QEMU: no parameter.
+    #[arg(long, value_parser = parse_size)]
+    pub delta_cache_allowance: Option<u64>,
     /// Where delta records are created: the CPU, tern's software DSA
     /// device, or the first DSA work queue (create-delta-record
     /// descriptors; the CPU redoes any that fail). QEMU: no parameter.
@@ -522,9 +533,11 @@ pub struct TransferArgs {
     pub delta_offload: DeltaOffloadChoice,
     /// Train a zstd dictionary of at most this size (256B to 128KiB) on
     /// sampled guest pages at setup and compress every zstd page against it;
-    /// pages stay independent. With zstd or auto. QEMU: no parameter.
-    #[arg(long, default_value = "off", value_parser = parse_dictionary_size)]
-    pub compression_dictionary: DictionarySize,
+    /// pages stay independent. With zstd or auto; auto (with --compression
+    /// auto) trains 64KiB and keeps it when it improves zstd's ratio on
+    /// pages the training did not see. QEMU: no parameter.
+    #[arg(long, default_value = "auto", value_parser = parse_dictionary_choice)]
+    pub compression_dictionary: DictionaryChoice,
     /// Train the dictionary again, on the pages being sent, when its ratio
     /// drops by more than 10 % (new one announced at an iteration
     /// boundary). With --compression-dictionary. QEMU: no parameter.
@@ -700,7 +713,12 @@ impl TransferArgs {
                 _ => None,
             },
             zero_page_as_normal: self.zero_page_as_normal / 100.0,
-            compression: self.compression,
+            // Zero-copy sends from guest memory: no codec can run, and auto
+            // would pick none.
+            compression: match self.compression {
+                CodecChoice::Auto if self.zero_copy => CodecChoice::None,
+                choice => choice,
+            },
             compression_level: self.compression_level,
             qpl_path: self.qpl_path,
             dedup: match self.dedup {
@@ -708,7 +726,11 @@ impl TransferArgs {
                 Dedup::Off => false,
                 Dedup::Auto => self.verify != Verify::None,
             },
-            delta_cache_size: self.delta_cache_size,
+            delta_cache_size: self.delta_cache_size.0.unwrap_or(0),
+            delta_cache_allowance: match self.delta_cache_size.0 {
+                Some(0) => Some(0),
+                _ => self.delta_cache_allowance,
+            },
             delta_offload: match self.delta_offload {
                 DeltaOffloadChoice::Cpu => None,
                 DeltaOffloadChoice::Software => Some(tern_dsa::software_delta_offload(
@@ -723,7 +745,11 @@ impl TransferArgs {
                         .context("--delta-offload hw")?,
                 }),
             },
-            compression_dictionary: self.compression_dictionary.0,
+            compression_dictionary: match self.compression_dictionary {
+                DictionaryChoice::Size(bytes) => Some(bytes),
+                DictionaryChoice::Auto | DictionaryChoice::Off => None,
+            },
+            auto_dictionary: self.compression_dictionary == DictionaryChoice::Auto,
             dictionary_refresh: self.dictionary_refresh,
             packet_frames: self.packet_frames,
             verify: self.verify,
@@ -756,6 +782,37 @@ fn parse_dictionary_size(text: &str) -> Result<DictionarySize, String> {
         ));
     }
     Ok(DictionarySize(usize::try_from(bytes).ok()))
+}
+
+/// `--compression-dictionary` of `vm migrate`: `auto`, `off` or a size.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum DictionaryChoice {
+    /// Auto trains one and keeps it when it pays (with `--compression auto`).
+    Auto,
+    /// None.
+    Off,
+    /// At most this many bytes.
+    Size(usize),
+}
+
+fn parse_dictionary_choice(text: &str) -> Result<DictionaryChoice, String> {
+    if text.trim() == "auto" {
+        return Ok(DictionaryChoice::Auto);
+    }
+    Ok(parse_dictionary_size(text)?
+        .0
+        .map_or(DictionaryChoice::Off, DictionaryChoice::Size))
+}
+
+/// `--delta-cache-size`: a size, or `auto` (`None`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct DeltaCacheSize(pub Option<u64>);
+
+fn parse_delta_cache_size(text: &str) -> Result<DeltaCacheSize, String> {
+    if text.trim() == "auto" {
+        return Ok(DeltaCacheSize(None));
+    }
+    parse_size(text).map(|bytes| DeltaCacheSize(Some(bytes)))
 }
 
 /// The `--qpl-path` values.

@@ -125,7 +125,7 @@ pub(super) const LEVEL_CHANGE_BUDGET: u32 = 4;
 /// Another codec must move this much more guest memory per second than the
 /// one in force to be proposed (above the noise of a loaded machine's
 /// measurements).
-pub(super) const SWITCH_MARGIN: f64 = 0.15;
+pub(crate) const SWITCH_MARGIN: f64 = 0.15;
 
 /// What one decision window changed.
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
@@ -414,7 +414,7 @@ pub(super) const AUTO_DECISION_BATCHES: u64 = 16;
 pub(super) const AUTO_DECISION_INTERVAL: Duration = Duration::from_millis(50);
 
 /// Pages calibration measures the codecs on.
-const CALIBRATION_PAGES: usize = 64;
+pub(crate) const CALIBRATION_PAGES: usize = 64;
 
 /// What calibration found: the candidates' measurements, and whether
 /// deflate is to go through QPL.
@@ -432,7 +432,7 @@ pub(super) fn calibrate_codecs(
     qpl_path: QplPath,
     dictionary: Option<&tern_page::codec::CodecDictionary>,
 ) -> Calibration {
-    let sample = sample_pages(regions, CALIBRATION_PAGES);
+    let sample = sample_pages_at(regions, CALIBRATION_PAGES, untrained_offset(regions));
     let candidates = [
         (CodecId::Zstd, CodecId::Zstd.default_level()),
         (CodecId::Deflate, CodecId::Deflate.default_level()),
@@ -480,13 +480,31 @@ pub(super) fn with_qpl_candidate(
     }
 }
 
+/// How far from the dictionary's training sample calibration samples, so
+/// that it judges a dictionary on pages it was not trained on: half the
+/// training sample's stride.
+pub(crate) fn untrained_offset(regions: &[MemoryRegion]) -> u64 {
+    let total: u64 = regions.iter().map(MemoryRegion::pages).sum();
+    (total / (2 * tern_page::codec::DICTIONARY_SAMPLE_PAGES as u64)).max(1)
+}
+
 /// `count` pages spread evenly over guest memory.
 pub(crate) fn sample_pages(regions: &[MemoryRegion], count: usize) -> Vec<[u8; PAGE_SIZE]> {
+    sample_pages_at(regions, count, 0)
+}
+
+/// `count` pages spread evenly over guest memory, each `offset` pages after
+/// the one [`sample_pages`] takes (pages another sample did not see).
+pub(crate) fn sample_pages_at(
+    regions: &[MemoryRegion],
+    count: usize,
+    offset: u64,
+) -> Vec<[u8; PAGE_SIZE]> {
     let samples = count as u64;
     let total: u64 = regions.iter().map(MemoryRegion::pages).sum();
     let mut sample = Vec::with_capacity(count);
     for index in 0..samples {
-        let mut global = index * total.max(1) / samples;
+        let mut global = (index * total.max(1) / samples + offset) % total.max(1);
         for region in regions {
             if global < region.pages() {
                 if let Some(ptr) = region.page_ptr(global) {
@@ -620,6 +638,42 @@ impl Pipeline<'_> {
             guest_bytes_per_sec: measured.compress_bytes_per_sec * workers,
             ratio: measured.ratio,
         })
+    }
+}
+
+impl Pipeline<'_> {
+    /// With `auto` and no delta cache configured, before a live iteration
+    /// from the second on (no worker runs): decides whether a delta cache
+    /// pays and how large, from the pages dirtied again (`bitmaps`: what
+    /// this iteration sends) and the allowance, and sets it up. The first
+    /// pass goes around the cache (`DeltaGate`), so an empty cache set up
+    /// now misses nothing. Decided once.
+    pub(super) fn size_delta_cache(&mut self, bitmaps: &[DirtyBitmap], iteration: u32) {
+        if iteration == 0 || self.delta_auto.is_none() {
+            return;
+        }
+        let redirtied: u64 = bitmaps.iter().map(DirtyBitmap::count).sum();
+        let Some((allowance, offload)) = self.delta_auto.as_ref() else {
+            return;
+        };
+        let decision = delta_cache::size_delta_cache(redirtied, *allowance);
+        let (choice, reason) = match decision {
+            delta_cache::DeltaCacheDecision::Wait => return,
+            delta_cache::DeltaCacheDecision::Off(reason) => ("off".to_string(), reason),
+            delta_cache::DeltaCacheDecision::On(bytes, reason) => {
+                let _ = self
+                    .shared
+                    .delta_cache
+                    .set(DeltaCache::new(bytes, offload.clone()));
+                self.shared.stats.set_delta_cache_size(bytes);
+                (bytes.to_string(), reason)
+            }
+        };
+        self.delta_auto = None;
+        let at_ms = self.shared.stats.started().elapsed().as_millis() as u64;
+        if let Some(auto) = self.auto.as_mut() {
+            auto.note(at_ms, "delta-cache", choice, reason);
+        }
     }
 }
 

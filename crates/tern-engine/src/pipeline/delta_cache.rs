@@ -162,6 +162,52 @@ fn is_probe(region: usize, page: u32) -> bool {
     (identity.wrapping_mul(0x9e37_79b9_7f4a_7c15) >> 32) & (PROBE_ONE_IN - 1) == 0
 }
 
+/// Fewer pages dirtied again than this (4 MiB) are not worth a cache: they
+/// cost the link little whole, and say little about the working set.
+pub(super) const AUTO_MIN_REDIRTIED_PAGES: u64 = 1024;
+/// Slots per page dirtied again: the cache is direct-mapped, so twice the
+/// working set keeps most of its pages out of each other's slots. Memory is
+/// touched only for slots in use (see [`DeltaCache::new`]).
+pub(super) const AUTO_SLOTS_PER_PAGE: u64 = 2;
+
+/// What `auto` does about a delta cache at an iteration boundary.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(super) enum DeltaCacheDecision {
+    /// Not yet: too few pages were dirtied again to tell.
+    Wait,
+    /// No cache, for the reason given.
+    Off(String),
+    /// A cache of this many bytes, for the reason given.
+    On(u64, String),
+}
+
+/// Whether and how large a delta cache pays, from `redirtied` (the pages
+/// the guest wrote while the previous iteration was sent, which this one
+/// sends again: the working set) and `allowance` (the most memory the
+/// operator gives it). Pure. The admission gate (`DeltaGate`) then decides
+/// page by page whether deltas pay; this sizes the cache to the working
+/// set so its slots hold it.
+pub(super) fn size_delta_cache(redirtied: u64, allowance: u64) -> DeltaCacheDecision {
+    let page = PAGE_SIZE as u64;
+    if allowance < page {
+        return DeltaCacheDecision::Off("no memory is allowed for a delta cache".into());
+    }
+    if redirtied < AUTO_MIN_REDIRTIED_PAGES {
+        return DeltaCacheDecision::Wait;
+    }
+    let wanted = redirtied
+        .saturating_mul(AUTO_SLOTS_PER_PAGE)
+        .saturating_mul(page);
+    let bytes = wanted.min(allowance / page * page);
+    let reason = format!(
+        "{redirtied} pages ({} MiB) were dirtied again while the last iteration was sent: \
+         {AUTO_SLOTS_PER_PAGE} slots per page, within the {} MiB allowed",
+        redirtied * page >> 20,
+        allowance >> 20
+    );
+    DeltaCacheDecision::On(bytes, reason)
+}
+
 /// One cached page's bytes.
 type SlotBytes = UnsafeCell<[u8; PAGE_SIZE]>;
 
@@ -294,6 +340,47 @@ fn zeroed_slots(slots: usize) -> Box<[SlotBytes]> {
             memory.cast::<SlotBytes>(),
             slots,
         ))
+    }
+}
+
+#[cfg(test)]
+mod sizing_tests {
+    use super::{AUTO_MIN_REDIRTIED_PAGES, DeltaCacheDecision, size_delta_cache};
+
+    const MIB: u64 = 1 << 20;
+
+    #[test]
+    fn the_cache_is_sized_from_the_working_set_within_the_allowance() {
+        // 512 MiB dirtied again: a 1 GiB cache when 2 GiB are allowed,
+        let DeltaCacheDecision::On(bytes, reason) = size_delta_cache(131_072, 2048 * MIB) else {
+            panic!("expected a cache");
+        };
+        assert_eq!(bytes, 1024 * MIB);
+        assert!(reason.contains("131072 pages (512 MiB)"), "{reason}");
+        // ...the allowance when less is allowed,
+        assert_eq!(
+            size_delta_cache(131_072, 300 * MIB),
+            DeltaCacheDecision::On(300 * MIB, size_delta_cache(131_072, 300 * MIB).reason())
+        );
+        // ...none without an allowance, and no decision yet while the
+        // guest dirties too little to tell.
+        assert!(matches!(
+            size_delta_cache(131_072, 0),
+            DeltaCacheDecision::Off(_)
+        ));
+        assert_eq!(
+            size_delta_cache(AUTO_MIN_REDIRTIED_PAGES - 1, 2048 * MIB),
+            DeltaCacheDecision::Wait
+        );
+    }
+
+    impl DeltaCacheDecision {
+        fn reason(&self) -> String {
+            match self {
+                Self::Wait => String::new(),
+                Self::Off(reason) | Self::On(_, reason) => reason.clone(),
+            }
+        }
     }
 }
 

@@ -59,7 +59,10 @@ mod zero_as_normal;
 
 pub(crate) use crate::stats::ReuseCounts;
 use auto_codec::{AutoCodec, calibrate_codecs};
-pub(crate) use auto_codec::{CompressionSetup, sample_pages};
+pub(crate) use auto_codec::{
+    CALIBRATION_PAGES, CompressionSetup, SWITCH_MARGIN, sample_pages, sample_pages_at,
+    untrained_offset,
+};
 use batch::{Batch, Completion, SendItem, page_ptr};
 use classify::classify;
 use dedup::{DedupIndex, Reference, resend_referencing_pages};
@@ -107,8 +110,9 @@ struct Shared {
     page_hashes: Option<Arc<PageHashes>>,
     /// Pages the destination holds, by content hash (`--dedup`).
     dedup: Option<DedupIndex>,
-    /// Pages as last sent, for deltas (`--delta-cache-size`).
-    delta_cache: Option<DeltaCache>,
+    /// Pages as last sent, for deltas (`--delta-cache-size`); with `auto`,
+    /// set at an iteration boundary once auto sized it.
+    delta_cache: OnceLock<DeltaCache>,
     /// The session's zstd dictionaries, ids 1, 2, …: the setup's and the
     /// refreshes announced so far. Read when a worker makes a compressor.
     dictionaries: Mutex<Vec<tern_page::codec::CodecDictionary>>,
@@ -144,8 +148,16 @@ impl Shared {
             dedup: setup
                 .dedup
                 .then(|| DedupIndex::new(setup.regions.iter().map(MemoryRegion::pages).sum())),
-            delta_cache: (setup.delta_cache_size > 0)
-                .then(|| DeltaCache::new(setup.delta_cache_size, setup.delta_offload)),
+            delta_cache: {
+                let cache = OnceLock::new();
+                if setup.delta_cache_size > 0 {
+                    let _ = cache.set(DeltaCache::new(
+                        setup.delta_cache_size,
+                        setup.delta_offload.clone(),
+                    ));
+                }
+                cache
+            },
             page_hashes: setup.page_hashes,
             regions: setup.regions,
             dictionaries: Mutex::new(setup.compression.dictionary.iter().cloned().collect()),
@@ -230,6 +242,8 @@ pub(crate) struct Pipeline<'scope> {
     references: Vec<Reference>,
     /// Dictionaries: the one zstd batches use, refreshes.
     dictionaries: DictionaryState,
+    /// Auto's delta cache, until it decided: its allowance and offload.
+    delta_auto: Option<(u64, Option<Arc<dyn DeltaOffload>>)>,
 }
 
 /// The producer's view of the session's dictionaries.
@@ -264,6 +278,9 @@ pub(crate) struct PipelineSetup {
     pub dedup: bool,
     pub delta_cache_size: u64,
     pub delta_offload: Option<Arc<dyn DeltaOffload>>,
+    /// With `auto` and no delta cache configured: the most memory auto may
+    /// give one (see `delta_cache.rs`, `size_delta_cache`).
+    pub delta_cache_allowance: Option<u64>,
 }
 
 impl<'scope> Pipeline<'scope> {
@@ -314,9 +331,13 @@ impl<'scope> Pipeline<'scope> {
             .as_ref()
             .map_or(0, tern_page::codec::CodecDictionary::id);
         let refresh = setup.compression.dictionary_refresh;
+        let delta_auto = setup
+            .delta_cache_allowance
+            .filter(|_| setup.delta_cache_size == 0 && choice == CodecChoice::Auto)
+            .map(|allowance| (allowance, setup.delta_offload.clone()));
         let cancel = setup.cancel.clone();
         let shared = Arc::new(Shared::new(setup, channel_count, pool_size));
-        if let Some(cache) = &shared.delta_cache {
+        if let Some(cache) = shared.delta_cache.get() {
             shared.stats.set_delta_cache_size(cache.bytes());
         }
         let mut pipeline = Self {
@@ -343,6 +364,7 @@ impl<'scope> Pipeline<'scope> {
                 refreshes: 0,
                 refresh_training_ms: 0.0,
             },
+            delta_auto,
         };
         pipeline.spawn_workers(scope)?;
         pipeline.spawn_senders(scope, channels)?;
@@ -410,6 +432,9 @@ impl<'scope> Pipeline<'scope> {
         main: Option<&mut Channel>,
     ) -> Result<IterationTotals, MigrationError> {
         self.totals = IterationTotals::default();
+        if !last {
+            self.size_delta_cache(bitmaps, iteration);
+        }
         self.prepare_reuse(bitmaps, iteration);
         let bitmaps = &*bitmaps;
         let dirty_pages: u64 = bitmaps.iter().map(DirtyBitmap::count).sum();

@@ -13,7 +13,7 @@ use super::*;
 /// everything after (hash, cache, compression, send) sees the same bytes.
 /// The others are read from guest memory, as without the cache.
 pub(super) fn copy_admitted_pages(shared: &Shared, batch: &mut Batch, gate: &DeltaGate) {
-    if shared.delta_cache.is_none() {
+    if shared.delta_cache.get().is_none() {
         return;
     }
     let region = &shared.regions[batch.region];
@@ -163,7 +163,7 @@ fn same_bytes(a: *const u8, b: *const u8, compare: &mut [Vec<u8>; 2]) -> bool {
 /// gate how that went, and makes sure no page sent another way (not
 /// admitted, zero, duplicate) stays cached.
 pub(super) fn encode_deltas(shared: &Shared, batch: &mut Batch, gate: &mut DeltaGate) {
-    let Some(cache) = &shared.delta_cache else {
+    let Some(cache) = shared.delta_cache.get() else {
         return;
     };
     batch.reuse.delta_lens.resize(batch.pages.len(), 0);

@@ -4,14 +4,19 @@
 
 use std::time::Instant;
 
-use tern_page::codec::{CodecDictionary, CodecId, DICTIONARY_SAMPLE_PAGES, train_dictionary};
+use tern_page::codec::{
+    CodecDictionary, CodecId, DICTIONARY_SAMPLE_PAGES, calibrate_with_dictionary, train_dictionary,
+};
 use tern_wire::MAX_DICTIONARIES;
 
 use crate::bitmap::DirtyBitmap;
-use crate::config::DictionaryRefresh;
+use crate::config::{DictionaryRefresh, MigrationConfig};
 use crate::guest::{MemoryRegion, PAGE_SIZE};
-use crate::pipeline::{CompressionSetup, sample_pages};
-use crate::stats::DictionaryReport;
+use crate::pipeline::{
+    CALIBRATION_PAGES, CompressionSetup, SWITCH_MARGIN, sample_pages, sample_pages_at,
+    untrained_offset,
+};
+use crate::stats::{AutoDecisionReport, DictionaryReport};
 
 /// `setup` with a dictionary of at most `max_len` bytes trained on this
 /// guest's pages, when one is asked for and a zstd codec may be used.
@@ -57,6 +62,103 @@ pub(crate) fn with_trained_dictionary(
         }
     }
     setup
+}
+
+/// The dictionary `auto` trains when none is configured: 64 KiB, the size
+/// measured against QEMU (docs/compression.md); a 4 KiB page finds most of
+/// its matches in it and it costs 64 KiB once on the wire.
+pub(crate) const AUTO_DICTIONARY_LEN: usize = 64 << 10;
+
+/// zstd's ratio with the dictionary, over its ratio without, on pages the
+/// training did not see, from which `auto` keeps a dictionary: below it a
+/// dictionary saves less than the noise of the measurement.
+pub(crate) const AUTO_DICTIONARY_GAIN: f64 = 1.03;
+
+/// With `auto` and no dictionary configured: trains one (unless the
+/// configured link is faster than every codec, where `auto` sends raw) and
+/// keeps it when zstd's ratio with it, on pages the training did not see,
+/// beats its ratio without by [`AUTO_DICTIONARY_GAIN`]. The decision and
+/// its reason go into the setup's `auto_decisions`.
+pub(crate) fn with_auto_dictionary(
+    setup: &CompressionSetup,
+    config: &MigrationConfig,
+    regions: &[MemoryRegion],
+) -> CompressionSetup {
+    let mut setup = setup.clone();
+    let decide = |setup: &mut CompressionSetup, choice: String, reason: String| {
+        tracing::info!(subject = "dictionary", choice, reason, "auto decides");
+        setup.auto_decisions.push(AutoDecisionReport {
+            at_ms: 0,
+            subject: "dictionary".to_string(),
+            choice,
+            reason,
+        });
+    };
+    let sample = sample_pages_at(regions, CALIBRATION_PAGES, untrained_offset(regions));
+    let zstd = [(CodecId::Zstd, CodecId::Zstd.default_level())];
+    let measure = |dictionary: Option<&CodecDictionary>| {
+        calibrate_with_dictionary(&sample, &zstd, dictionary)
+            .ok()
+            .and_then(|measured| measured.first().copied())
+    };
+    let Some(plain) = measure(None) else {
+        decide(
+            &mut setup,
+            "off".into(),
+            "zstd could not be measured".into(),
+        );
+        return setup;
+    };
+    if let Some(rate) = config.max_bandwidth {
+        let link = rate as f64;
+        let workers = config.worker_count();
+        let carried = plain.effective_rate(link, workers);
+        if carried <= link * (1.0 + SWITCH_MARGIN) {
+            let reason = format!(
+                "the configured link ({:.0} MB/s) is faster than zstd with {workers} workers \
+                 ({:.0} MB/s of guest memory at ratio {:.2}): auto sends raw there",
+                link / 1e6,
+                carried / 1e6,
+                plain.ratio
+            );
+            decide(&mut setup, "off".into(), reason);
+            return setup;
+        }
+    }
+    let trained = with_trained_dictionary(
+        &setup,
+        Some(AUTO_DICTIONARY_LEN),
+        config.dictionary_refresh,
+        regions,
+    );
+    let (Some(dictionary), Some(report)) = (&trained.dictionary, &trained.dictionary_report) else {
+        let reason = "training found nothing to learn (the sampled pages are zero or random)";
+        decide(&mut setup, "off".into(), reason.into());
+        return setup;
+    };
+    let with = measure(Some(dictionary)).map_or(0.0, |measured| measured.ratio);
+    let gain = with / plain.ratio.max(1e-9);
+    let numbers = format!(
+        "zstd's ratio on {} pages the training did not see: {:.3} without, {with:.3} with \
+         ({:+.1} %; trained on {} pages in {:.0} ms)",
+        sample.len(),
+        plain.ratio,
+        (gain - 1.0) * 100.0,
+        report.sample_pages,
+        report.training_ms
+    );
+    if gain >= AUTO_DICTIONARY_GAIN {
+        let mut trained = trained.clone();
+        decide(&mut trained, report.bytes.to_string(), numbers);
+        trained
+    } else {
+        let reason = format!(
+            "{numbers}: below the {:.0} % a dictionary must gain",
+            (AUTO_DICTIONARY_GAIN - 1.0) * 100.0
+        );
+        decide(&mut setup, "off".into(), reason);
+        setup
+    }
 }
 
 /// Dictionary-compressed data pages of one iteration: what the codec ran

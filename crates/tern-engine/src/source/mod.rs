@@ -242,12 +242,19 @@ impl Source {
         let address = connector.address();
         config.check_address(&address)?;
         let regions: Vec<MemoryRegion> = guest.regions().to_vec();
-        let compression = dictionary::with_trained_dictionary(
-            &self.compression,
-            config.compression_dictionary,
-            config.dictionary_refresh,
-            &regions,
-        );
+        let compression = if config.compression == tern_page::codec::CodecChoice::Auto
+            && config.compression_dictionary.is_none()
+            && config.auto_dictionary
+        {
+            dictionary::with_auto_dictionary(&self.compression, config, &regions)
+        } else {
+            dictionary::with_trained_dictionary(
+                &self.compression,
+                config.compression_dictionary,
+                config.dictionary_refresh,
+                &regions,
+            )
+        };
         let setup = connect::session_setup(&regions, guest.guest_kind(), config, &compression)?;
         let total: u64 = regions.iter().map(MemoryRegion::len).sum();
         self.stats.total.store(total, Ordering::Relaxed);
@@ -392,8 +399,25 @@ impl Source {
             dedup: config.dedup_active(),
             delta_cache_size: config.delta_cache_size,
             delta_offload: config.delta_offload.clone(),
+            delta_cache_allowance: auto_delta_allowance(config, regions),
         }
     }
+}
+
+/// The memory `auto` may give a delta cache: the configured allowance, or
+/// half of guest memory up to [`crate::config::DEFAULT_DELTA_CACHE_ALLOWANCE_MAX`];
+/// `None` when auto does not decide it (a configured cache size, another
+/// codec choice, zero-copy).
+fn auto_delta_allowance(config: &MigrationConfig, regions: &[MemoryRegion]) -> Option<u64> {
+    let decides = config.compression == tern_page::codec::CodecChoice::Auto
+        && config.delta_cache_size == 0
+        && !config.zero_copy;
+    let guest: u64 = regions.iter().map(MemoryRegion::len).sum();
+    decides.then(|| {
+        config
+            .delta_cache_allowance
+            .unwrap_or_else(|| (guest / 2).min(crate::config::DEFAULT_DELTA_CACHE_ALLOWANCE_MAX))
+    })
 }
 
 /// A destination whose sockets could not be taken (a bad `fd:` list): each

@@ -1236,10 +1236,12 @@ mod tests {
         let qpl = note(&["--compression", "qpl", "--compression-level", "9"]).unwrap();
         assert!(qpl.ends_with("so 3"), "{qpl}");
         assert!(
-            note(&["--compression-level", "3"])
+            note(&["--compression", "none", "--compression-level", "3"])
                 .unwrap()
                 .contains("no effect")
         );
+        // The default is auto, which clamps per codec.
+        assert_eq!(note(&["--compression-level", "3"]), None);
         assert_eq!(
             note(&["--compression", "zstd", "--compression-level", "-5"]),
             None

@@ -226,9 +226,13 @@ fn vm_migrate_survives_a_killed_receiver() {
             "64MiB",
             "--warmup",
             "100",
-            // Slow enough that the kill lands mid-transfer.
+            // Slow enough that the kill lands mid-transfer; uncompressed,
+            // since the default (auto, with deltas) would finish this
+            // guest in less than the bytes waited for below.
             "--max-bandwidth",
             "4MiB",
+            "--compression",
+            "none",
             "--io-timeout",
             "5",
         ])

@@ -159,6 +159,7 @@ impl AutoCodec {
         at_ms: u64,
         level_for: impl Fn(CodecId) -> i32,
     ) -> WindowOutcome {
+        let first_measurement = self.report.link_rate == 0;
         self.report.link_rate = link as u64;
         if let Some(measured) = measured
             && self.content.observe(measured.ratio)
@@ -189,7 +190,18 @@ impl AutoCodec {
             SWITCH_MARGIN,
         );
         let mut outcome = WindowOutcome::default();
-        match self.codec_choice.offer(proposed.codec) {
+        // The codec in force before the link was measured is a guess
+        // (calibration's, for a link of unknown speed): the first decision
+        // on a measured link replaces it at once.
+        let verdict = if first_measurement {
+            match self.codec_choice.settle(proposed.codec) {
+                Some(from) => tern_page::codec::Steadiness::Switched { from },
+                None => tern_page::codec::Steadiness::Kept,
+            }
+        } else {
+            self.codec_choice.offer(proposed.codec)
+        };
+        match verdict {
             tern_page::codec::Steadiness::Switched { from } => {
                 let level = level_for(proposed.codec);
                 self.level_choice = tern_page::codec::SteadyChoice::new(
@@ -199,7 +211,7 @@ impl AutoCodec {
                 );
                 self.content.reset();
                 self.report.codec_switches += 1;
-                let reason = self.codec_reason(from, proposed, link, workers);
+                let reason = self.codec_reason(from, proposed, link, workers, first_measurement);
                 self.note(at_ms, "codec", proposed.codec.name().to_string(), reason);
                 outcome.codec = Some(proposed.codec);
                 outcome.level = Some(level);
@@ -259,6 +271,7 @@ impl AutoCodec {
         proposed: tern_page::codec::AutoDecision,
         link: f64,
         workers: usize,
+        first_measurement: bool,
     ) -> String {
         let rate_of = |codec: CodecId| {
             if codec == CodecId::None {
@@ -269,15 +282,19 @@ impl AutoCodec {
                 .find(|m| m.codec == codec)
                 .map_or(0.0, |m| m.effective_rate(link, workers))
         };
+        let evidence = if first_measurement {
+            "the first decision on the measured link".to_string()
+        } else {
+            format!("{CONFIRM_WINDOWS} windows in a row")
+        };
         format!(
             "{} moves {:.0} MB/s of guest memory against {:.0} MB/s for {} on a {:.0} MB/s link \
-             with {workers} workers, {} windows in a row",
+             with {workers} workers, {evidence}",
             proposed.codec.name(),
             proposed.effective_bytes_per_sec / 1e6,
             rate_of(from) / 1e6,
             from.name(),
             link / 1e6,
-            CONFIRM_WINDOWS
         )
     }
 
@@ -878,7 +895,10 @@ mod tests {
             dictionary_refresh: None,
             auto_decisions: Vec::new(),
         };
-        AutoCodec::start(2, candidates, None, &setup)
+        let mut auto = AutoCodec::start(2, candidates, None, &setup);
+        // The first measured link (1 Gbit/s) settles the start's guess.
+        auto.decide(125e6, None, 2, 0, |codec| codec.default_level());
+        auto
     }
 
     /// Runs `links` (bytes per second) through the decision, one window

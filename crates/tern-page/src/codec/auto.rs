@@ -296,6 +296,16 @@ impl<T: Copy + PartialEq> SteadyChoice<T> {
         Steadiness::Switched { from }
     }
 
+    /// Puts `value` in force at once, outside the budget: for a decision
+    /// on the first real measurement, which replaces a guess rather than
+    /// a measured choice. The value before, when it changed.
+    pub fn settle(&mut self, value: T) -> Option<T> {
+        self.challenger = None;
+        let from = self.current;
+        self.current = value;
+        (from != value).then_some(from)
+    }
+
     /// The guest's pages changed character: the budget is renewed, since
     /// what was measured before no longer holds.
     pub fn content_changed(&mut self) {
@@ -484,6 +494,70 @@ pub fn calibrate_qpl(
         decompress_bytes_per_sec: (decoded > 0).then(|| decoded as f64 / (dt as f64 / 1e9)),
         ratio: bytes / wire.max(1) as f64,
     })
+}
+
+#[cfg(test)]
+mod steady_tests {
+    use super::{ContentWatch, Steadiness, SteadyChoice};
+
+    #[test]
+    fn a_flapping_proposal_never_takes_over() {
+        let mut choice = SteadyChoice::new('a', 3, 2);
+        for round in 0..50 {
+            let proposed = if round % 2 == 0 { 'b' } else { 'a' };
+            assert_ne!(
+                choice.offer(proposed),
+                Steadiness::Switched { from: 'a' },
+                "round {round}"
+            );
+        }
+        assert_eq!(choice.current(), 'a');
+        // Two in a row then one back: still not.
+        for round in 0..30 {
+            choice.offer(if round % 3 == 2 { 'a' } else { 'b' });
+        }
+        assert_eq!((choice.current(), choice.switches()), ('a', 0));
+    }
+
+    #[test]
+    fn three_in_a_row_switch_within_the_budget_renewed_by_content() {
+        let mut choice = SteadyChoice::new(1, 3, 2);
+        let mut offer_three = |choice: &mut SteadyChoice<i32>, value| {
+            (0..3).map(|_| choice.offer(value)).last().unwrap()
+        };
+        assert_eq!(
+            offer_three(&mut choice, 2),
+            Steadiness::Switched { from: 1 }
+        );
+        assert_eq!(
+            offer_three(&mut choice, 1),
+            Steadiness::Switched { from: 2 }
+        );
+        assert_eq!(offer_three(&mut choice, 2), Steadiness::OverBudget);
+        assert_eq!((choice.current(), choice.held()), (1, 1));
+        choice.content_changed();
+        assert_eq!(
+            offer_three(&mut choice, 2),
+            Steadiness::Switched { from: 1 }
+        );
+        // A first measurement replaces a guess at once, outside the budget.
+        assert_eq!(choice.settle(5), Some(2));
+        assert_eq!((choice.current(), choice.switches()), (5, 1));
+    }
+
+    #[test]
+    fn content_changes_only_when_the_ratio_moves_for_two_windows() {
+        let mut watch = ContentWatch::default();
+        assert!(!watch.observe(2.0));
+        // Noise, and one wild window: no change.
+        for ratio in [2.1, 1.9, 3.5, 2.0, 2.2] {
+            assert!(!watch.observe(ratio), "{ratio}");
+        }
+        assert!(!watch.observe(1.2));
+        assert!(watch.observe(1.25));
+        // The new content is the reference now.
+        assert!(!watch.observe(1.2));
+    }
 }
 
 #[cfg(test)]

@@ -69,6 +69,9 @@ class TernContender:
     delta: bool = False
     # More `tern vm migrate` options (a zstd dictionary, packet frames).
     options: tuple[str, ...] = ()
+    # tern as it comes: no channel, codec or verification option (auto
+    # decides codec, level, dictionary and delta cache; verify full).
+    defaults: bool = False
 
     def channels_for(self, case: Case) -> int:
         return self.channels if self.channels is not None else case.channels
@@ -110,12 +113,16 @@ def tern_delta(channels: int) -> TernContender:
                          options=DICTIONARY, delta=True)
 
 
+# tern with no option beyond the guest and the downtime limit: what a user
+# gets. A row of every case (issue 31: tern's defaults in every row).
+TERN_DEFAULT = TernContender("tern-default", verify="full", defaults=True)
+
 # Every contender, in the order of the report's rows; the TLS pair runs
 # only when asked for (--contenders).
-NAMES = ("qemu", "qemu-nothp", "tern", "tern-dict", "tern-packet", "tern-best", "tern-verify",
-         "qemu-xbzrle", "tern-delta", "qemu-tls", "tern-tls")
-DEFAULT_NAMES = ("qemu", "qemu-nothp", "tern", "tern-dict", "tern-packet", "tern-best",
-                 "tern-verify", "qemu-xbzrle", "tern-delta")
+NAMES = ("qemu", "qemu-nothp", "tern", "tern-default", "tern-dict", "tern-packet", "tern-best",
+         "tern-verify", "qemu-xbzrle", "tern-delta", "qemu-tls", "tern-tls")
+DEFAULT_NAMES = ("qemu", "qemu-nothp", "tern", "tern-default", "tern-dict", "tern-packet",
+                 "tern-best", "tern-verify", "qemu-xbzrle", "tern-delta")
 TLS_NAMES = ("qemu-tls", "tern-tls")
 EXTRA_NAMES = ("tern-best", "tern-verify", "qemu-xbzrle", "tern-delta")
 # Contenders only running cases have: deltas need pages sent twice.
@@ -133,9 +140,7 @@ def plan(modes: list[str], links: list[str], channels: list[int], compressions: 
         for link in links:
             for count in channels:
                 for compression in compressions:
-                    chosen = [c for c in (QEMU, QEMU_NOTHP, TERN, QEMU_TLS, TERN_TLS)
-                              if c.name in wanted]
-                    rows = ((QEMU, QEMU_NOTHP, TERN, QEMU_TLS, TERN_TLS)
+                    rows = ((QEMU, QEMU_NOTHP, TERN, TERN_DEFAULT, QEMU_TLS, TERN_TLS)
                             + (ZSTD_ROWS if compression == "zstd" else ()))
                     chosen = [c for c in rows if c.name in wanted]
                     if chosen:

@@ -77,10 +77,11 @@ def source_args(cfg: Config, artifacts: Artifacts, case: Case, who: TernContende
             "--progress", "none",
             "--memory", str(cfg.memory), "--working-set", str(cfg.working_set_for(case.mode)),
             "--image", str(artifacts.image), "--warmup", str(cfg.warmup),
-            "--downtime-limit", str(cfg.downtime_limit),
-            "--channels", str(who.channels_for(case)),
-            "--compression", compression, "--verify", who.verify]
-    if compression == "zstd":
+            "--downtime-limit", str(cfg.downtime_limit)]
+    if not who.defaults:
+        args += ["--channels", str(who.channels_for(case)),
+                 "--compression", compression, "--verify", who.verify]
+    if compression == "zstd" and not who.defaults:
         args += ["--compression-level", "1"]  # QEMU's default level
     args += list(who.options)
     if case.mode == "paused":

@@ -20,7 +20,7 @@ class PlanTest(unittest.TestCase):
         self.assertEqual(len(cases), 20)
         first, contenders = cases[0]
         self.assertEqual(first.key, "paused/loopback/2ch/none")
-        self.assertEqual([c.name for c in contenders], ["qemu", "qemu-nothp", "tern"])
+        self.assertEqual([c.name for c in contenders], ["qemu", "qemu-nothp", "tern", "tern-default"])
         self.assertIsInstance(contenders[1], QemuContender)
         self.assertFalse(contenders[1].thp)
         extra, extras = cases[4]
@@ -48,8 +48,8 @@ class PlanTest(unittest.TestCase):
     def test_tls_rows_run_beside_the_plain_ones_when_named(self):
         cases = plan(["paused"], ["1gbit"], [2], ["none"], list(NAMES), extras=False)
         names = [w.name for w in cases[0][1]]
-        self.assertEqual(names, ["qemu", "qemu-nothp", "tern", "qemu-tls", "tern-tls"])
-        self.assertTrue(cases[0][1][3].tls and cases[0][1][4].tls)
+        self.assertEqual(names, ["qemu", "qemu-nothp", "tern", "tern-default", "qemu-tls", "tern-tls"])
+        self.assertTrue(cases[0][1][4].tls and cases[0][1][5].tls)
         self.assertFalse(config.Config().wants_tls())
         self.assertTrue(config.Config(contenders=["tern-tls"]).wants_tls())
 

@@ -96,7 +96,12 @@ fn packet_frames_with_dictionary(
     level: i32,
 ) -> Result<u64, Box<dyn std::error::Error>> {
     let step = (pages.len() / TRAINING_PAGES).max(1);
-    let training: Vec<u8> = pages.iter().step_by(step).flat_map(|page| page.iter()).copied().collect();
+    let training: Vec<u8> = pages
+        .iter()
+        .step_by(step)
+        .flat_map(|page| page.iter())
+        .copied()
+        .collect();
     let sizes: Vec<usize> = vec![PAGE; training.len() / PAGE];
     let dictionary = zstd::dict::from_continuous(&training, &sizes, DICTIONARY_BYTES)?;
     let mut compressor = zstd::bulk::Compressor::with_dictionary(level, &dictionary)?;

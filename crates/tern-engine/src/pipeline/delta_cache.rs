@@ -202,7 +202,7 @@ pub(super) fn size_delta_cache(redirtied: u64, allowance: u64) -> DeltaCacheDeci
     let reason = format!(
         "{redirtied} pages ({} MiB) were dirtied again while the last iteration was sent: \
          {AUTO_SLOTS_PER_PAGE} slots per page, within the {} MiB allowed",
-        redirtied * page >> 20,
+        (redirtied * page) >> 20,
         allowance >> 20
     );
     DeltaCacheDecision::On(bytes, reason)

@@ -522,7 +522,7 @@ mod steady_tests {
     #[test]
     fn three_in_a_row_switch_within_the_budget_renewed_by_content() {
         let mut choice = SteadyChoice::new(1, 3, 2);
-        let mut offer_three = |choice: &mut SteadyChoice<i32>, value| {
+        let offer_three = |choice: &mut SteadyChoice<i32>, value| {
             (0..3).map(|_| choice.offer(value)).last().unwrap()
         };
         assert_eq!(

@@ -161,25 +161,8 @@ impl AutoCodec {
     ) -> WindowOutcome {
         let first_measurement = self.report.link_rate == 0;
         self.report.link_rate = link as u64;
-        if let Some(measured) = measured
-            && self.content.observe(measured.ratio)
-        {
-            self.codec_choice.content_changed();
-            self.level_choice.content_changed();
-            self.report.content_changes += 1;
-            self.note(
-                at_ms,
-                "content",
-                measured.codec.name().to_string(),
-                format!(
-                    "the ratio of {} moved by more than {:.0} % for {} windows (now {:.2}): \
-                     the switches allowed are renewed",
-                    measured.codec.name(),
-                    tern_page::codec::ContentWatch::CHANGE * 100.0,
-                    tern_page::codec::ContentWatch::WINDOWS,
-                    measured.ratio
-                ),
-            );
+        if let Some(measured) = measured {
+            self.watch_content(&measured, at_ms);
         }
         let current = self.codec();
         let proposed = tern_page::codec::choose_codec(
@@ -227,10 +210,24 @@ impl AutoCodec {
             }
             tern_page::codec::Steadiness::Kept | tern_page::codec::Steadiness::Waiting(_) => {}
         }
-        let Some(measured) = measured.filter(|m| m.codec == current) else {
-            return outcome;
-        };
-        let level = tern_page::codec::tune_level(&measured, link, workers);
+        if let Some(measured) = measured.filter(|m| m.codec == current) {
+            outcome.level = self.decide_level(&measured, link, workers, at_ms);
+        }
+        outcome
+    }
+
+    /// The level for the codec in force, measured as `measured` over the
+    /// window: [`tern_page::codec::tune_level`] through hysteresis. The new
+    /// level, when it changed.
+    fn decide_level(
+        &mut self,
+        measured: &tern_page::codec::CodecMeasurement,
+        link: f64,
+        workers: usize,
+        at_ms: u64,
+    ) -> Option<i32> {
+        let current = measured.codec;
+        let level = tern_page::codec::tune_level(measured, link, workers);
         match self.level_choice.offer(level) {
             tern_page::codec::Steadiness::Switched { from } => {
                 self.content.reset();
@@ -256,12 +253,38 @@ impl AutoCodec {
                         measured.ratio
                     ),
                 );
-                outcome.level = Some(level);
+                Some(level)
             }
-            tern_page::codec::Steadiness::OverBudget => self.report.switches_held += 1,
-            tern_page::codec::Steadiness::Kept | tern_page::codec::Steadiness::Waiting(_) => {}
+            tern_page::codec::Steadiness::OverBudget => {
+                self.report.switches_held += 1;
+                None
+            }
+            tern_page::codec::Steadiness::Kept | tern_page::codec::Steadiness::Waiting(_) => None,
         }
-        outcome
+    }
+
+    /// Renews the switches allowed when the window's ratio shows the
+    /// guest's content changed ([`tern_page::codec::ContentWatch`]).
+    fn watch_content(&mut self, measured: &tern_page::codec::CodecMeasurement, at_ms: u64) {
+        if !self.content.observe(measured.ratio) {
+            return;
+        }
+        self.codec_choice.content_changed();
+        self.level_choice.content_changed();
+        self.report.content_changes += 1;
+        self.note(
+            at_ms,
+            "content",
+            measured.codec.name().to_string(),
+            format!(
+                "the ratio of {} moved by more than {:.0} % for {} windows (now {:.2}): the \
+                 switches allowed are renewed",
+                measured.codec.name(),
+                tern_page::codec::ContentWatch::CHANGE * 100.0,
+                tern_page::codec::ContentWatch::WINDOWS,
+                measured.ratio
+            ),
+        );
     }
 
     /// Why `proposed` replaced `from`, in numbers.

@@ -283,8 +283,18 @@ pub(crate) struct PipelineSetup {
     pub delta_cache_allowance: Option<u64>,
 }
 
+impl PipelineSetup {
+    /// The allowance and offload of a delta cache auto decides, if it does.
+    fn delta_auto(&self) -> Option<(u64, Option<Arc<dyn DeltaOffload>>)> {
+        self.delta_cache_allowance
+            .filter(|_| self.delta_cache_size == 0 && self.compression.choice == CodecChoice::Auto)
+            .map(|allowance| (allowance, self.delta_offload.clone()))
+    }
+}
+
 impl<'scope> Pipeline<'scope> {
     /// Starts workers and one sender per page channel inside `scope`.
+    // long: the producer's whole state is built here, in the order it depends on
     pub fn start<'env>(
         scope: &'scope Scope<'scope, 'env>,
         mut setup: PipelineSetup,
@@ -331,10 +341,7 @@ impl<'scope> Pipeline<'scope> {
             .as_ref()
             .map_or(0, tern_page::codec::CodecDictionary::id);
         let refresh = setup.compression.dictionary_refresh;
-        let delta_auto = setup
-            .delta_cache_allowance
-            .filter(|_| setup.delta_cache_size == 0 && choice == CodecChoice::Auto)
-            .map(|allowance| (allowance, setup.delta_offload.clone()));
+        let delta_auto = setup.delta_auto();
         let cancel = setup.cancel.clone();
         let shared = Arc::new(Shared::new(setup, channel_count, pool_size));
         if let Some(cache) = shared.delta_cache.get() {

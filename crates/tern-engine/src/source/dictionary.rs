@@ -74,12 +74,54 @@ pub(crate) const AUTO_DICTIONARY_LEN: usize = 64 << 10;
 /// dictionary saves less than the noise of the measurement.
 pub(crate) const AUTO_DICTIONARY_GAIN: f64 = 1.03;
 
+/// `setup` with the session's dictionary: the configured one, or with
+/// `auto` and none configured, the one auto decides on.
+pub(crate) fn session_compression(
+    setup: &CompressionSetup,
+    config: &MigrationConfig,
+    regions: &[MemoryRegion],
+) -> CompressionSetup {
+    if config.compression == tern_page::codec::CodecChoice::Auto
+        && config.compression_dictionary.is_none()
+        && config.auto_dictionary
+    {
+        with_auto_dictionary(setup, config, regions)
+    } else {
+        with_trained_dictionary(
+            setup,
+            config.compression_dictionary,
+            config.dictionary_refresh,
+            regions,
+        )
+    }
+}
+
+/// Why no dictionary pays, when the configured link is faster than zstd
+/// measured as `zstd` with the configured workers (auto sends raw there).
+fn link_faster_than_zstd(
+    config: &MigrationConfig,
+    zstd: &tern_page::codec::CodecMeasurement,
+) -> Option<String> {
+    let link = config.max_bandwidth? as f64;
+    let workers = config.worker_count();
+    let carried = zstd.effective_rate(link, workers);
+    (carried <= link * (1.0 + SWITCH_MARGIN)).then(|| {
+        format!(
+            "the configured link ({:.0} MB/s) is faster than zstd with {workers} workers \
+             ({:.0} MB/s of guest memory at ratio {:.2}): auto sends raw there",
+            link / 1e6,
+            carried / 1e6,
+            zstd.ratio
+        )
+    })
+}
+
 /// With `auto` and no dictionary configured: trains one (unless the
 /// configured link is faster than every codec, where `auto` sends raw) and
 /// keeps it when zstd's ratio with it, on pages the training did not see,
 /// beats its ratio without by [`AUTO_DICTIONARY_GAIN`]. The decision and
 /// its reason go into the setup's `auto_decisions`.
-pub(crate) fn with_auto_dictionary(
+fn with_auto_dictionary(
     setup: &CompressionSetup,
     config: &MigrationConfig,
     regions: &[MemoryRegion],
@@ -109,21 +151,9 @@ pub(crate) fn with_auto_dictionary(
         );
         return setup;
     };
-    if let Some(rate) = config.max_bandwidth {
-        let link = rate as f64;
-        let workers = config.worker_count();
-        let carried = plain.effective_rate(link, workers);
-        if carried <= link * (1.0 + SWITCH_MARGIN) {
-            let reason = format!(
-                "the configured link ({:.0} MB/s) is faster than zstd with {workers} workers \
-                 ({:.0} MB/s of guest memory at ratio {:.2}): auto sends raw there",
-                link / 1e6,
-                carried / 1e6,
-                plain.ratio
-            );
-            decide(&mut setup, "off".into(), reason);
-            return setup;
-        }
+    if let Some(reason) = link_faster_than_zstd(config, &plain) {
+        decide(&mut setup, "off".into(), reason);
+        return setup;
     }
     let trained = with_trained_dictionary(
         &setup,

@@ -242,19 +242,7 @@ impl Source {
         let address = connector.address();
         config.check_address(&address)?;
         let regions: Vec<MemoryRegion> = guest.regions().to_vec();
-        let compression = if config.compression == tern_page::codec::CodecChoice::Auto
-            && config.compression_dictionary.is_none()
-            && config.auto_dictionary
-        {
-            dictionary::with_auto_dictionary(&self.compression, config, &regions)
-        } else {
-            dictionary::with_trained_dictionary(
-                &self.compression,
-                config.compression_dictionary,
-                config.dictionary_refresh,
-                &regions,
-            )
-        };
+        let compression = dictionary::session_compression(&self.compression, config, &regions);
         let setup = connect::session_setup(&regions, guest.guest_kind(), config, &compression)?;
         let total: u64 = regions.iter().map(MemoryRegion::len).sum();
         self.stats.total.store(total, Ordering::Relaxed);

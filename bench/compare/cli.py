@@ -83,6 +83,14 @@ def prepare(cfg: Config, argv: list[str]) -> tuple[Results, Artifacts]:
     ), artifacts
 
 
+def load_average() -> float | None:
+    """The 1-minute load average (other jobs share the machine)."""
+    try:
+        return float(Path("/proc/loadavg").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
 def run_plan(cfg: Config, artifacts: Artifacts, results: Results, charts: bool) -> None:
     work, out = Path(cfg.work), Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -99,11 +107,14 @@ def run_plan(cfg: Config, artifacts: Artifacts, results: Results, charts: bool) 
                 order = contenders if (rep + index) % 2 == 0 else contenders[::-1]
                 for who in order:
                     record = Run(case, who.name, rep)
+                    load = load_average()
                     try:
                         if isinstance(who, QemuContender):
                             record.outcome = qemu.run(cfg, artifacts, case, who, work)
                         else:
                             record.outcome = tern.run(cfg, artifacts, case, who, work)
+                        # The machine is shared: the load when the run started.
+                        record.outcome.details["loadavg-1min"] = load
                         log(f"rep {rep} {case.key:28} {who.name:11} {record.outcome.line()}")
                     except Exception as error:  # noqa: BLE001 - recorded, run goes on
                         record.error = f"{type(error).__name__}: {error}"

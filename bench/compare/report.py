@@ -14,7 +14,7 @@ CHARTS = ("total_time.png", "downtime.png", "cpu.png", "bytes.png")
 COLORS = {"qemu": "#d95f02", "qemu-nothp": "#e6ab02", "tern": "#1b9e77",
           "tern-best": "#7570b3", "tern-verify": "#66a61e", "qemu-xbzrle": "#a6761d",
           "tern-delta": "#e7298a", "qemu-tls": "#666666", "tern-tls": "#1f78b4",
-          "tern-dict": "#e6ab02", "tern-packet": "#a6cee3"}
+          "tern-dict": "#e6ab02", "tern-packet": "#a6cee3", "tern-default": "#000000"}
 
 
 def fmt(value: float | None, unit: str = "") -> str:
@@ -53,6 +53,45 @@ def _row(case: str, who: str, s: Summary, q: Summary | None, qn: Summary | None)
     return (f"| {case} | {who}{flag} | {fmt(s.total_time_s)} | "
             f"{fmt(s.downtime_s, 'ms')} | {fmt(s.bytes, 'MiB')} | "
             f"{fmt(s.src_cpu_s)} | {fmt(s.dst_cpu_s)} | {s.n} | " + " | ".join(cells) + " |")
+
+
+def _overrun(outcome) -> str:
+    """One overrun: its downtime, and tern's cause and parts when known."""
+    text = f"{outcome.downtime_s * 1000:.0f}"
+    cause = outcome.details.get("downtime-exceeded-cause")
+    parts = outcome.details.get("downtime-parts")
+    if cause:
+        text += f" ({cause}"
+        if isinstance(parts, dict):
+            text += "; " + ", ".join(f"{k} {v}" for k, v in parts.items())
+        expected = outcome.details.get("expected-downtime")
+        if expected is not None:
+            text += f"; expected {expected}"
+        text += ")"
+    return text
+
+
+def load_and_overruns(results: Results) -> list[str]:
+    """The machine's load when the runs started, and the runs whose
+    downtime exceeded the limit, per contender."""
+    limit_s = results.config.downtime_limit / 1000
+    loads = sorted(r.outcome.details["loadavg-1min"] for r in results.runs
+                   if r.outcome and r.outcome.details.get("loadavg-1min") is not None)
+    lines = ["", "## Load and downtime overruns", ""]
+    if loads:
+        lines.append(f"1-minute load average when each run started (2 CPUs, shared): "
+                     f"min {loads[0]:.1f}, median {loads[len(loads) // 2]:.1f}, "
+                     f"max {loads[-1]:.1f} over {len(loads)} runs.")
+    else:
+        lines.append("Load not recorded (results of an older harness).")
+    lines += ["", f"| who | runs | downtime over {limit_s * 1000:.0f} ms | overruns (ms) |",
+              "| --- | ---: | ---: | --- |"]
+    for who in sorted({r.contender for r in results.runs if r.outcome}):
+        done = [r for r in results.runs if r.outcome and r.contender == who]
+        over = [r.outcome for r in done if r.outcome.downtime_s > limit_s]
+        lines.append(f"| {who} | {len(done)} | {len(over)} | "
+                     + ", ".join(_overrun(o) for o in over) + " |")
+    return lines
 
 
 def markdown(results: Results, charts: bool = True) -> str:
@@ -129,6 +168,7 @@ def markdown(results: Results, charts: bool = True) -> str:
             if qb and tb:
                 lines.append(f"| {mode}/{link} | {qb[0]:.2f} | {qb[1]} | "
                              f"{tb[0]:.2f} | {tb[1]} | {tb[0] / qb[0]:.2f} |")
+    lines += load_and_overruns(results)
     errors = [r for r in results.runs if r.error]
     lines += ["", f"## Failed runs: {len(errors)}", ""]
     for r in errors:

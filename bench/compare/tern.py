@@ -187,6 +187,9 @@ def outcome(case: Case, stats: dict[str, Any], rstats: dict[str, Any], src_cpu: 
     details = {k: stats[k] for k in ("setup-time", "ram", "compression", "digest-verified",
                                      "cpu-seconds") if k in stats}
     details |= {k: stats[k] for k in ("xbzrle-cache", "dedup") if k in stats}
+    # Where the downtime went, and what the last sync predicted (overruns).
+    details |= {k: stats[k] for k in ("expected-downtime", "downtime-parts",
+                                      "downtime-exceeded-cause", "digest-time") if k in stats}
     details |= {"dirty-sync-count": ram.get("dirty-sync-count"), "dst-threads": dst_threads,
                 # Auto-converge only raises the throttle: the last is the peak.
                 "peak-throttle": stats.get("cpu-throttle-percentage", 0)}

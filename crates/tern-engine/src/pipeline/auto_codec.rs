@@ -453,6 +453,13 @@ const SLOWER_THAN_ANY_CODEC: f64 = 1.0;
 pub(super) const AUTO_DECISION_BATCHES: u64 = 16;
 pub(super) const AUTO_DECISION_INTERVAL: Duration = Duration::from_millis(50);
 
+/// Fewer pages than this through the codec in a window measure nothing:
+/// a window of a few pages (deltas and duplicates took the rest, or the
+/// iteration was ending) gave rates of 27 MB/s for a codec calibrated at
+/// 150 and ratios far from the codec's, which moved the codec and made
+/// the content look changed (issue 31's bench runs).
+pub(super) const MEASURED_WINDOW_PAGES: u64 = 256;
+
 /// Pages calibration measures the codecs on.
 pub(crate) const CALIBRATION_PAGES: usize = 64;
 
@@ -633,7 +640,8 @@ impl Pipeline<'_> {
             return None;
         }
         let now = current_counters(&self.codec_stats, self.codec);
-        let window = data_the_codec_ran_on(&counters_since(&now, &auto.counters_at_start))?;
+        let window = data_the_codec_ran_on(&counters_since(&now, &auto.counters_at_start))
+            .filter(|window| window.pages >= MEASURED_WINDOW_PAGES)?;
         let measured =
             tern_page::codec::CodecMeasurement::from_counters(self.codec, auto.level(), &window)?;
         auto.measurements.retain(|known| known.codec != self.codec);
@@ -706,6 +714,11 @@ impl Pipeline<'_> {
                     .delta_cache
                     .set(DeltaCache::new(bytes, offload.clone()));
                 self.shared.stats.set_delta_cache_size(bytes);
+                // Deltas now take the pages the codec saw: its ratios
+                // from here on are of other pages, not of other content.
+                if let Some(auto) = self.auto.as_mut() {
+                    auto.content.reset();
+                }
                 (bytes.to_string(), reason)
             }
         };

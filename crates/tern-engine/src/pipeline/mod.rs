@@ -59,10 +59,7 @@ mod zero_as_normal;
 
 pub(crate) use crate::stats::ReuseCounts;
 use auto_codec::{AutoCodec, calibrate_codecs};
-pub(crate) use auto_codec::{
-    CALIBRATION_PAGES, CompressionSetup, SWITCH_MARGIN, sample_pages, sample_pages_at,
-    untrained_offset,
-};
+pub(crate) use auto_codec::{CompressionSetup, SWITCH_MARGIN, calibration_sample, sample_pages};
 use batch::{Batch, Completion, SendItem, page_ptr};
 use classify::classify;
 use dedup::{DedupIndex, Reference, resend_referencing_pages};

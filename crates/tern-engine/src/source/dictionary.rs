@@ -12,10 +12,7 @@ use tern_wire::MAX_DICTIONARIES;
 use crate::bitmap::DirtyBitmap;
 use crate::config::{DictionaryRefresh, MigrationConfig};
 use crate::guest::{MemoryRegion, PAGE_SIZE};
-use crate::pipeline::{
-    CALIBRATION_PAGES, CompressionSetup, SWITCH_MARGIN, sample_pages, sample_pages_at,
-    untrained_offset,
-};
+use crate::pipeline::{CompressionSetup, SWITCH_MARGIN, calibration_sample, sample_pages};
 use crate::stats::{AutoDecisionReport, DictionaryReport};
 
 /// `setup` with a dictionary of at most `max_len` bytes trained on this
@@ -136,7 +133,7 @@ fn with_auto_dictionary(
             reason,
         });
     };
-    let sample = sample_pages_at(regions, CALIBRATION_PAGES, untrained_offset(regions));
+    let sample = calibration_sample(regions);
     let zstd = [(CodecId::Zstd, CodecId::Zstd.default_level())];
     let measure = |dictionary: Option<&CodecDictionary>| {
         calibrate_with_dictionary(&sample, &zstd, dictionary)

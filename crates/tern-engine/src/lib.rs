@@ -51,6 +51,7 @@
 //! assert_eq!(received.guest.digest(), guest.digest());
 //! # Ok::<(), Box<dyn std::error::Error>>(())
 //! ```
+#![cfg_attr(docsrs, feature(doc_cfg))]
 #![warn(missing_docs)]
 
 pub mod bitmap;

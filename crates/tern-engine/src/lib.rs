@@ -98,7 +98,9 @@ pub use stats::{
     DedupStats, DestinationStats, DigestComparison, DowntimeCause, DowntimeParts, LiveStats,
     MigrationStats, MigrationStatus, RamStats, SessionSecurity, XbzrleCacheStats,
 };
-pub use transport::auth::AuthKey;
+#[cfg(feature = "ring")]
+pub use transport::auth::RingCrypto;
+pub use transport::auth::{AuthCrypto, AuthKey};
 pub use transport::security::{ChannelSecurity, Security, TlsInfo};
 pub use transport::tls::{KernelTls, TlsConfig};
 /// The zero-copy senders, at their historical path.

@@ -10,14 +10,15 @@
 mod common;
 
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::thread::JoinHandle;
 use std::time::Duration;
 
 use common::*;
 use tern_engine::{
-    Address, AuthKey, Channel, Connector, Destination, GuestControl, Listener, MigrationConfig,
-    MigrationError, MigrationStatus, ReceiveConfig, Security, Source, UnauthenticatedPolicy,
+    Address, AuthCrypto, AuthKey, Channel, Connector, Destination, GuestControl, Listener,
+    MigrationConfig, MigrationError, MigrationStatus, ReceiveConfig, Security, Source,
+    UnauthenticatedPolicy,
 };
 use tern_synthetic::SyntheticGuest;
 use tern_wire::{ChannelHello, Handshake, Hello, Message};
@@ -170,6 +171,81 @@ fn auth_key_migration_verifies() {
     assert_eq!(security.transport, "tcp");
     assert!(security.authenticated);
     assert_eq!(security.tls, None);
+}
+
+/// An embedder's hash primitives: ring's here, counted, or deliberately
+/// not HMAC.
+#[derive(Default)]
+struct EmbedderCrypto {
+    calls: AtomicU64,
+    not_hmac: bool,
+}
+
+impl AuthCrypto for EmbedderCrypto {
+    fn hmac_sha256(&self, key: &[u8], message: &[u8]) -> [u8; 32] {
+        self.calls.fetch_add(1, Ordering::Relaxed);
+        if self.not_hmac {
+            return self.sha256(&[key, message].concat());
+        }
+        tern_engine::RingCrypto.hmac_sha256(key, message)
+    }
+
+    fn sha256(&self, data: &[u8]) -> [u8; 32] {
+        tern_engine::RingCrypto.sha256(data)
+    }
+}
+
+#[test]
+fn an_embedders_auth_crypto_carries_the_session() {
+    let (listener, address) = tcp_listener();
+    let crypto = Arc::new(EmbedderCrypto::default());
+    let secret = b"a shared secret of the test";
+    let source = Security {
+        auth_key: Some(Arc::new(
+            AuthKey::from_bytes_with(secret, crypto.clone()).unwrap(),
+        )),
+        ..Security::default()
+    };
+    let destination = Security {
+        auth_key: key("a shared secret of the test"),
+        ..Security::default()
+    };
+    let stats = migrate_and_verify(
+        listener,
+        &address,
+        secured_receive(destination),
+        secured_migration(2, source),
+    );
+    assert!(stats.security.expect("security").authenticated);
+    // Three channels' proofs, the session keys and the sealed control
+    // frames of the main channel all went through the embedder's HMAC.
+    assert!(crypto.calls.load(Ordering::Relaxed) >= 8);
+}
+
+#[test]
+fn an_auth_crypto_that_is_not_hmac_is_refused() {
+    let (listener, address) = tcp_listener();
+    let crypto = Arc::new(EmbedderCrypto {
+        not_hmac: true,
+        ..EmbedderCrypto::default()
+    });
+    let source = Security {
+        auth_key: Some(Arc::new(
+            AuthKey::from_bytes_with(b"a shared secret of the test", crypto).unwrap(),
+        )),
+        ..Security::default()
+    };
+    let destination = Security {
+        auth_key: key("a shared secret of the test"),
+        ..Security::default()
+    };
+    migrate_refused(
+        listener,
+        &address,
+        secured_receive(destination),
+        secured_migration(1, source),
+    )
+    .both_say("auth key");
 }
 
 #[test]

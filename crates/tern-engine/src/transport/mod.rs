@@ -16,7 +16,14 @@ pub mod auth;
 pub mod seam;
 pub mod security;
 pub mod socket;
+/// TLS: rustls (feature `tls`), or the same API that never makes a channel
+/// TLS (without it).
+#[cfg(feature = "tls")]
 pub mod tls;
+#[cfg(not(feature = "tls"))]
+#[path = "tls_off.rs"]
+pub mod tls;
+mod tls_types;
 pub mod zerocopy;
 
 pub use seam::{Accept, Connect, Connector};
@@ -257,6 +264,10 @@ enum Stream {
     /// handles (kTLS): plain reads and writes either way.
     Socket(socket2::Socket),
     /// TLS in user space: every byte goes through rustls.
+    #[cfg_attr(
+        not(feature = "tls"),
+        expect(dead_code, reason = "no TLS stream exists without the tls feature")
+    )]
     Tls(Box<tls::TlsStream>),
 }
 
@@ -494,6 +505,10 @@ impl Channel {
     }
 
     /// The underlying socket, for the TLS handshake that wraps it.
+    #[cfg_attr(
+        not(feature = "tls"),
+        expect(dead_code, reason = "only the TLS handshake takes the socket back")
+    )]
     fn into_socket(self) -> Result<socket2::Socket, ChannelError> {
         let fd: std::os::fd::OwnedFd = match self.stream {
             Stream::Tcp(tcp) => tcp.into(),

@@ -576,6 +576,7 @@ pub struct ReceiveConfig {
 
 /// Whether a destination without an auth key or TLS accepts sessions.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[non_exhaustive]
 pub enum UnauthenticatedPolicy {
     /// Only on a listener no other machine reaches (loopback TCP, a Unix
     /// socket); anywhere else receiving fails before anything is accepted.

@@ -31,6 +31,7 @@ pub const CONTRACT_VERSION: u32 = 1;
 #[serde(rename_all = "kebab-case")]
 #[strum(serialize_all = "kebab-case")]
 #[repr(u8)]
+#[non_exhaustive]
 pub enum MigrationStatus {
     /// Connecting and handshaking.
     Setup = 0,
@@ -737,6 +738,7 @@ impl DowntimeParts {
 /// the longest.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, schemars::JsonSchema)]
 #[serde(rename_all = "kebab-case")]
+#[non_exhaustive]
 pub enum DowntimeCause {
     /// Sending the last dirty pages: more than the link carried in time.
     Link,

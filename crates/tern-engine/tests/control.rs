@@ -19,6 +19,7 @@ fn names(events: impl Iterator<Item = tern_engine::Event>) -> Vec<String> {
             EventBody::MigrationThrottle(_) => "THROTTLE".into(),
             EventBody::MigrationParameters(_) => "PARAMETERS".into(),
             EventBody::Resume(_) => "RESUME".into(),
+            other => format!("{other:?}"),
         })
         .collect()
 }

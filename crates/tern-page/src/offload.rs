@@ -42,6 +42,7 @@ pub const MAX_BATCH_PAGES: usize = 128;
 
 /// Why an offload refused a call.
 #[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
 pub enum OffloadError {
     /// More pages than one submission takes.
     #[error("{0} pages in one submission; at most {MAX_BATCH_PAGES}")]
@@ -112,6 +113,7 @@ pub struct Ticket {
 
 /// What a [`Ticket`] holds.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
 pub enum TicketState {
     /// Answered at submission: bit i of `zero` set = page i is zero.
     Ready {

@@ -353,11 +353,12 @@ fn address_event(event: &'static str, address: &Address) -> AddressEvent {
             transport: "vsock",
             port: Some(*port),
         },
-        Address::Fd(_) => AddressEvent {
+        // `Fd`, and any kind a newer engine adds: its own transport name.
+        _ => AddressEvent {
             event,
             version: tern_engine::CONTRACT_VERSION,
             address: address.to_string(),
-            transport: "fd",
+            transport: address.transport(),
             port: None,
         },
     }

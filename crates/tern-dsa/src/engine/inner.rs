@@ -156,6 +156,8 @@ impl Inner {
                 }
                 Ok(Some(slot))
             }
+            // A state a newer tern-page defines names no slot of this engine.
+            _ => Err(OffloadError::BadTicket),
         }
     }
 }

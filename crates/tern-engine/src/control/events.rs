@@ -13,6 +13,7 @@ use crate::stats::MigrationStatus;
 /// Which end of the migration sent an event.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, schemars::JsonSchema)]
 #[serde(rename_all = "kebab-case")]
+#[non_exhaustive]
 pub enum Side {
     /// The side whose guest leaves (`tern migrate`).
     Source,
@@ -61,6 +62,7 @@ pub struct Event {
 /// What happened, with its figures: the `event` name and its `data`.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize, schemars::JsonSchema)]
 #[serde(tag = "event", content = "data", rename_all = "SCREAMING_SNAKE_CASE")]
+#[non_exhaustive]
 pub enum EventBody {
     /// The migration's status changed (QMP's `MIGRATION`): `active` once
     /// the channels are set up, `device` when the switch-over starts, then

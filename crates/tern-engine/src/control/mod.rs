@@ -65,6 +65,7 @@ impl CancelToken {
 
 /// Why a control request was refused; the migration is untouched.
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
+#[non_exhaustive]
 pub enum ControlError {
     /// A parameter's value is out of range.
     #[error(transparent)]

@@ -8,6 +8,7 @@ use crate::stats::{DestinationStats, DigestComparison, MigrationStatus, SessionS
 /// What became of the guest on the destination.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, schemars::JsonSchema)]
 #[serde(rename_all = "kebab-case")]
+#[non_exhaustive]
 pub enum GuestState {
     /// It runs here.
     Running,

@@ -46,6 +46,7 @@ const POLL_INTERVAL: Duration = Duration::from_millis(100);
 /// Where a destination is, for progress display.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 #[repr(u8)]
+#[non_exhaustive]
 pub enum ReceivePhase {
     /// Waiting for the source to connect and announce the guest.
     Waiting = 0,

@@ -43,6 +43,7 @@ use crate::error::ChannelError;
 
 /// Where a destination listens, or a source connects.
 #[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
 pub enum Address {
     /// `tcp:HOST:PORT` or plain `HOST:PORT`. An empty host (`tcp::PORT`, as
     /// QEMU writes it) listens on every interface and connects to this
@@ -159,6 +160,7 @@ impl Address {
 
 /// A bound listening socket.
 #[derive(Debug)]
+#[non_exhaustive]
 pub enum Listener {
     /// TCP.
     Tcp(TcpListener),

@@ -7,6 +7,7 @@ pub const MAX_COMPRESSED: usize = PAGE_SIZE - 1;
 
 /// Why a page goes raw.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
 pub enum RawReason {
     /// The session has no codec.
     NoCodec,
@@ -18,6 +19,7 @@ pub enum RawReason {
 
 /// What happened to one page of a batch.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
 pub enum PageOutcome {
     /// Compressed: `len` bytes at `offset` in [`CompressedBatch::data`].
     Compressed {

@@ -10,6 +10,7 @@ use crate::transport::{Address, Channel, Listener, Segment};
 
 /// How [`measure_cpu_per_gib`] sends page payloads.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
 pub enum SendMode {
     /// `sendmsg` copying from the buffer (what the pipeline does today).
     Plain,

@@ -53,6 +53,7 @@ pub const DEFAULT_FLUSH_TIMEOUT: Duration = Duration::from_secs(30);
 
 /// What can go wrong with zero-copy sends.
 #[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
 pub enum ZeroCopyError {
     /// `setsockopt(SO_ZEROCOPY)` failed.
     #[error(

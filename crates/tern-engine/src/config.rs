@@ -14,6 +14,7 @@ use crate::transport::security::Security;
 /// config enums).
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
 #[error("'{0}' is not a known value")]
+#[non_exhaustive]
 pub struct UnknownName(pub String);
 
 impl UnknownName {

@@ -23,6 +23,7 @@ pub fn zero_page_hash() -> u64 {
 
 /// A digest and what it cost.
 #[derive(Clone, Copy, Debug, PartialEq)]
+#[non_exhaustive]
 pub struct Digest {
     /// The digest.
     pub value: u128,

@@ -196,6 +196,7 @@ impl RateWindow {
 /// channel's handshake established it.
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize, schemars::JsonSchema)]
 #[serde(rename_all = "kebab-case")]
+#[non_exhaustive]
 pub struct SessionSecurity {
     /// `tcp`, `unix`, `vsock` or `fd`.
     pub transport: String,
@@ -655,6 +656,7 @@ impl LiveStats {
 /// Pages sent as references to a page with the same bytes (`--dedup`).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Serialize, Deserialize, schemars::JsonSchema)]
 #[serde(rename_all = "kebab-case")]
+#[non_exhaustive]
 pub struct DedupStats {
     /// Pages sent as duplicates.
     pub pages: u64,
@@ -665,6 +667,7 @@ pub struct DedupStats {
 /// The delta cache's counters under QEMU's `xbzrle-cache` names.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Serialize, Deserialize, schemars::JsonSchema)]
 #[serde(rename_all = "kebab-case")]
+#[non_exhaustive]
 pub struct XbzrleCacheStats {
     /// Cache size in bytes (`--delta-cache-size`).
     pub cache_size: u64,
@@ -707,6 +710,7 @@ pub(crate) fn millis(time: Duration) -> u64 {
     Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize, schemars::JsonSchema,
 )]
 #[serde(rename_all = "kebab-case")]
+#[non_exhaustive]
 pub struct DowntimeParts {
     /// Sending the pages dirtied since the last sync (the link).
     pub final_pages: u64,
@@ -765,6 +769,7 @@ impl DowntimeCause {
 /// Memory counters, named as in QEMU's `query-migrate` `ram` object.
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize, schemars::JsonSchema)]
 #[serde(rename_all = "kebab-case")]
+#[non_exhaustive]
 pub struct RamStats {
     /// Bytes written to the channels (headers included).
     pub transferred: u64,
@@ -808,6 +813,7 @@ pub struct RamStats {
 /// The statistics of one side of a migration. Durations are milliseconds.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize, schemars::JsonSchema)]
 #[serde(rename_all = "kebab-case")]
+#[non_exhaustive]
 pub struct MigrationStats {
     /// The report contract's version ([`CONTRACT_VERSION`]).
     #[serde(default)]
@@ -897,6 +903,7 @@ pub struct MigrationStats {
 /// Compression of one codec implementation.
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize, schemars::JsonSchema)]
 #[serde(rename_all = "kebab-case")]
+#[non_exhaustive]
 pub struct CodecReport {
     /// Data pages given to the codec (raw fallbacks included).
     pub pages: u64,
@@ -938,6 +945,7 @@ impl From<&tern_page::codec::CodecCounters> for CodecReport {
 /// Compression over the whole migration.
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize, schemars::JsonSchema)]
 #[serde(rename_all = "kebab-case")]
+#[non_exhaustive]
 pub struct CompressionReport {
     /// What was asked for: a codec, or `auto`.
     pub choice: String,
@@ -957,6 +965,7 @@ pub struct CompressionReport {
 /// ones it trained again during the live phase.
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize, schemars::JsonSchema)]
 #[serde(rename_all = "kebab-case")]
+#[non_exhaustive]
 pub struct DictionaryReport {
     /// Its size on the wire, in bytes.
     pub bytes: u64,
@@ -982,6 +991,7 @@ pub struct DictionaryReport {
 /// How zero pages were found.
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize, schemars::JsonSchema)]
 #[serde(rename_all = "kebab-case")]
+#[non_exhaustive]
 pub struct ZeroDetectionReport {
     /// `none`, `source`, `workers` or `dsa`.
     pub mode: String,
@@ -995,6 +1005,7 @@ pub struct ZeroDetectionReport {
 /// Accelerator counters.
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize, schemars::JsonSchema)]
 #[serde(rename_all = "kebab-case")]
+#[non_exhaustive]
 pub struct OffloadReport {
     /// Pages the device answered.
     pub pages_device: u64,
@@ -1034,6 +1045,7 @@ pub struct OffloadReport {
 /// each 32 hexadecimal digits in JSON.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, schemars::JsonSchema)]
 #[serde(rename_all = "kebab-case")]
+#[non_exhaustive]
 pub struct DigestComparison {
     /// The source's digest of its memory, paused.
     #[serde(with = "hex_digest")]
@@ -1070,6 +1082,7 @@ mod hex_digest {
 /// What the destination reports back at the end.
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize, schemars::JsonSchema)]
 #[serde(rename_all = "kebab-case")]
+#[non_exhaustive]
 pub struct DestinationStats {
     /// Bytes read from all channels.
     pub received: u64,

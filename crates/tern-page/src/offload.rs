@@ -194,6 +194,7 @@ pub unsafe fn zero_mask_on_cpu(checker: &ZeroChecker, pages: &[*const u8]) -> u1
 
 /// Counters of a [`ZeroPageOffload`].
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
+#[non_exhaustive]
 pub struct ZeroOffloadStats {
     /// Pages the device answered.
     pub pages_device: u64,
@@ -338,6 +339,7 @@ pub trait DeltaOffload: Send + Sync + fmt::Debug {
 
 /// Counters of a [`DeltaOffload`].
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct DeltaOffloadStats {
     /// Operations the device completed.
     pub on_device: u64,

@@ -23,6 +23,7 @@ pub enum Side {
 
 /// When an event happened: wall-clock time, as QMP gives it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, schemars::JsonSchema)]
+#[non_exhaustive]
 pub struct Timestamp {
     /// Seconds since the Unix epoch.
     pub seconds: u64,
@@ -47,6 +48,7 @@ impl Timestamp {
 /// under which version of the contract.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize, schemars::JsonSchema)]
 #[serde(rename_all = "kebab-case")]
+#[non_exhaustive]
 pub struct Event {
     /// The contract's version ([`CONTRACT_VERSION`]).
     pub version: u32,
@@ -57,6 +59,19 @@ pub struct Event {
     /// What happened.
     #[serde(flatten)]
     pub body: EventBody,
+}
+
+impl Event {
+    /// An event of this contract version ([`CONTRACT_VERSION`]) that
+    /// happens now.
+    pub fn now(side: Side, body: EventBody) -> Self {
+        Self {
+            version: CONTRACT_VERSION,
+            side,
+            timestamp: Timestamp::now(),
+            body,
+        }
+    }
 }
 
 /// What happened, with its figures: the `event` name and its `data`.
@@ -83,11 +98,13 @@ pub enum EventBody {
 
 /// No data.
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize, schemars::JsonSchema)]
+#[non_exhaustive]
 pub struct Empty {}
 
 /// A status change.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, schemars::JsonSchema)]
 #[serde(rename_all = "kebab-case")]
+#[non_exhaustive]
 pub struct StatusChange {
     /// The new status.
     pub status: MigrationStatus,
@@ -99,6 +116,7 @@ pub struct StatusChange {
 /// The figures of one dirty iteration, measured at its dirty-log sync.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize, schemars::JsonSchema)]
 #[serde(rename_all = "kebab-case")]
+#[non_exhaustive]
 pub struct Pass {
     /// Iterations completed, counting this one (QMP's `pass`).
     pub pass: u64,
@@ -119,6 +137,7 @@ pub struct Pass {
 /// A throttle change.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, schemars::JsonSchema)]
 #[serde(rename_all = "kebab-case")]
+#[non_exhaustive]
 pub struct ThrottleChange {
     /// The guest's throttle now, in percent.
     pub cpu_throttle_percentage: u64,
@@ -200,12 +219,7 @@ impl EventHub {
             &body,
             EventBody::Migration(change) if change.status.is_final()
         );
-        let event = Event {
-            version: CONTRACT_VERSION,
-            side: self.side,
-            timestamp: Timestamp::now(),
-            body,
-        };
+        let event = Event::now(self.side, body);
         let mut state = self.state();
         if state.last.is_some() {
             return;

@@ -49,6 +49,7 @@ pub struct MigrationParameters {
 /// A parameter value out of its range.
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
 #[error("Parameter '{name}' {reason}")]
+#[non_exhaustive]
 pub struct ParameterError {
     /// The parameter's name as in [`MigrationParameters`]' JSON.
     pub name: &'static str,

@@ -20,6 +20,7 @@ pub enum GuestState {
 /// The destination's report.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize, schemars::JsonSchema)]
 #[serde(rename_all = "kebab-case")]
+#[non_exhaustive]
 pub struct ReceiveReport {
     /// The contract's version.
     pub version: u32,

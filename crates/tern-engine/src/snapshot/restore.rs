@@ -49,6 +49,7 @@ impl Default for RestoreConfig {
 /// What an eager restore did.
 #[derive(Clone, Debug, PartialEq, Serialize)]
 #[serde(rename_all = "kebab-case")]
+#[non_exhaustive]
 pub struct RestoreStats {
     /// From opening the file to the guest running.
     pub total_time_ms: f64,
@@ -62,6 +63,7 @@ pub struct RestoreStats {
 
 /// A restored guest, running unless [`RestoreConfig::resume`] was off.
 #[derive(Debug)]
+#[non_exhaustive]
 pub struct Restored<G> {
     /// The guest.
     pub guest: G,

@@ -48,6 +48,7 @@ impl Default for SaveConfig {
 /// What a save did.
 #[derive(Clone, Debug, PartialEq, Serialize)]
 #[serde(rename_all = "kebab-case")]
+#[non_exhaustive]
 pub struct SaveStats {
     /// Wall-clock time of the whole save.
     pub total_time_ms: f64,

@@ -374,6 +374,7 @@ enum Role {
 
 /// What both proofs of one exchange cover.
 #[derive(Clone, Copy, Debug)]
+#[non_exhaustive]
 pub struct Bound {
     /// The session and channel the exchange is for.
     pub handshake: Handshake,

@@ -32,6 +32,7 @@ impl Security {
     Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize, schemars::JsonSchema,
 )]
 #[serde(rename_all = "kebab-case")]
+#[non_exhaustive]
 pub struct TlsInfo {
     /// Protocol version, such as `TLSv1_3`.
     pub version: String,
@@ -43,6 +44,7 @@ pub struct TlsInfo {
 
 /// What a channel's handshake established.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct ChannelSecurity {
     /// The peer proved it holds the shared key.
     pub key_authenticated: bool,

@@ -35,6 +35,7 @@ pub enum PageOutcome {
 /// The output of [`PageCompressor::compress_batch`](super::PageCompressor::compress_batch): compressed bytes packed
 /// back to back, and one outcome per input page. Reuse it across batches.
 #[derive(Debug, Default)]
+#[non_exhaustive]
 pub struct CompressedBatch {
     /// Compressed pages, back to back, in page order.
     pub data: Vec<u8>,

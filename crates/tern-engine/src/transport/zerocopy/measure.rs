@@ -29,6 +29,7 @@ pub enum SendMode {
 
 /// What [`measure_cpu_per_gib`] measured.
 #[derive(Clone, Copy, Debug)]
+#[non_exhaustive]
 pub struct CpuMeasurement {
     /// How it was sent.
     pub mode: SendMode,

@@ -210,6 +210,7 @@ impl ZeroCopyError {
     schemars::JsonSchema,
 )]
 #[serde(rename_all = "kebab-case")]
+#[non_exhaustive]
 pub struct ZeroCopyStats {
     /// `sendmsg(MSG_ZEROCOPY)` calls that sent something (one id each).
     pub sends_queued: u64,

@@ -429,7 +429,7 @@ impl LiveStats {
     }
 
     /// Records the CPU time a thread used; called by each thread as it ends.
-    pub fn record_cpu(&self, thread: &str, seconds: f64) {
+    pub(crate) fn record_cpu(&self, thread: &str, seconds: f64) {
         let mut map = self.cpu_seconds.lock().unwrap_or_else(|e| e.into_inner());
         *map.entry(thread.to_string()).or_insert(0.0) += seconds;
     }
@@ -442,19 +442,10 @@ impl LiveStats {
             .unwrap_or_else(|e| e.into_inner()) = Some(security);
     }
 
-    /// Adds a zero-copy channel's accounting; called by each sender as it
-    /// ends.
-    pub fn record_zero_copy(&self, channel: &ZeroCopyStats) {
-        let mut total = self.zero_copy.lock().unwrap_or_else(|e| e.into_inner());
-        total
-            .get_or_insert_with(ZeroCopyStats::default)
-            .add(channel);
-    }
-
     /// Replaces page channel `channel`'s zero-copy counters with newer ones
     /// (its sender publishes them at every sync and when it ends), so the
     /// live statistics show them while the migration runs.
-    pub fn publish_zero_copy(&self, channel: usize, counters: &ZeroCopyStats) {
+    pub(crate) fn publish_zero_copy(&self, channel: usize, counters: &ZeroCopyStats) {
         self.zero_copy_channels
             .lock()
             .unwrap_or_else(|e| e.into_inner())

@@ -53,6 +53,8 @@
 //! ```
 #![cfg_attr(docsrs, feature(doc_cfg))]
 #![warn(missing_docs)]
+// Items visible outside the crate are exactly those reachable from its root.
+#![warn(unreachable_pub)]
 
 pub mod bitmap;
 pub mod config;

@@ -188,7 +188,7 @@ struct HubState {
 }
 
 impl EventHub {
-    pub fn new(side: Side) -> Self {
+    pub(crate) fn new(side: Side) -> Self {
         Self {
             side,
             state: Mutex::new(HubState::default()),
@@ -199,7 +199,7 @@ impl EventHub {
         self.state.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    pub fn subscribe(&self) -> Subscription {
+    pub(crate) fn subscribe(&self) -> Subscription {
         let (sender, events) = channel();
         let mut state = self.state();
         match &state.last {
@@ -214,7 +214,7 @@ impl EventHub {
 
     /// Sends `body` to every subscriber; a final status change closes the
     /// subscriptions. Nothing is sent after the final status change.
-    pub fn publish(&self, body: EventBody) {
+    pub(crate) fn publish(&self, body: EventBody) {
         let final_status = matches!(
             &body,
             EventBody::Migration(change) if change.status.is_final()
@@ -233,7 +233,7 @@ impl EventHub {
         }
     }
 
-    pub fn status(&self, status: MigrationStatus, error_desc: Option<String>) {
+    pub(crate) fn status(&self, status: MigrationStatus, error_desc: Option<String>) {
         self.publish(EventBody::Migration(StatusChange { status, error_desc }));
     }
 }

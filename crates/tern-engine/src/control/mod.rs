@@ -90,7 +90,11 @@ pub(crate) struct SourceControl {
 }
 
 impl SourceControl {
-    pub fn new(config: &MigrationConfig, stats: Arc<LiveStats>, cancel: CancelToken) -> Self {
+    pub(crate) fn new(
+        config: &MigrationConfig,
+        stats: Arc<LiveStats>,
+        cancel: CancelToken,
+    ) -> Self {
         Self {
             stats,
             parameters: LiveParameters::new(config),
@@ -101,7 +105,7 @@ impl SourceControl {
     }
 
     /// Keeps the final report for later queries and sends the final event.
-    pub fn finish(&self, report: &MigrationStats) {
+    pub(crate) fn finish(&self, report: &MigrationStats) {
         *self.final_report.lock().unwrap_or_else(|e| e.into_inner()) = Some(report.clone());
         self.events.status(report.status, report.error_desc.clone());
     }

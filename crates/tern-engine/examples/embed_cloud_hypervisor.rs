@@ -21,11 +21,6 @@
 //! Run it with
 //! `cargo run -p tern-engine --release --example embed_cloud_hypervisor --features vm-memory`.
 
-#![allow(
-    clippy::field_reassign_with_default,
-    reason = "configs are built from default() and fields, which keeps building when fields are added"
-)]
-
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::thread::JoinHandle;

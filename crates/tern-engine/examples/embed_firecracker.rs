@@ -23,11 +23,6 @@
 //! Run it with
 //! `cargo run -p tern-engine --release --example embed_firecracker --features vm-memory`.
 
-#![allow(
-    clippy::field_reassign_with_default,
-    reason = "configs are built from default() and fields, which keeps building when fields are added"
-)]
-
 use std::ops::Range;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};

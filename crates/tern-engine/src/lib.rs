@@ -113,6 +113,11 @@ pub use transport::{Accept, Address, Channel, Connect, Connector, Listener};
 
 // Foreign types that appear in this crate's API, so that an embedder needs
 // no direct dependency on tern-page, tern-wire or tern-dsa.
+/// The Intel DSA driver (feature `dsa`): `open_dsa`, `software_dsa`,
+/// `DsaConfig`, the delta offload, for [`MigrationConfig::zero_page_offload`]
+/// and [`MigrationConfig::delta_offload`].
+#[cfg(feature = "dsa")]
+pub use tern_dsa as dsa;
 pub use tern_page::codec::{CodecChoice, CodecError, CodecId, QplPath};
 /// The offload traits and their types (tickets, statistics, errors), for an
 /// embedder's own zero-page or delta accelerator
@@ -125,8 +130,3 @@ pub use tern_wire::snapshot::SnapshotError as SnapshotFormatError;
 pub use tern_wire::{
     AbortReason, DigestAlgorithm, PROTOCOL_VERSION, RegionInfo, SessionSetup, WireError,
 };
-/// The Intel DSA driver (feature `dsa`): `open_dsa`, `software_dsa`,
-/// `DsaConfig`, the delta offload, for [`MigrationConfig::zero_page_offload`]
-/// and [`MigrationConfig::delta_offload`].
-#[cfg(feature = "dsa")]
-pub use tern_dsa as dsa;

@@ -86,16 +86,18 @@ fn receive_with(listener: Listener, config: ReceiveConfig) -> Receiving {
 }
 
 fn secured_receive(security: Security) -> ReceiveConfig {
-    ReceiveConfig {
-        security,
-        ..receive_config()
+    {
+        let mut config = receive_config();
+        config.security = security;
+        config
     }
 }
 
 fn secured_migration(channels: u16, security: Security) -> MigrationConfig {
-    MigrationConfig {
-        security,
-        ..migration_config(channels)
+    {
+        let mut config = migration_config(channels);
+        config.security = security;
+        config
     }
 }
 
@@ -604,9 +606,10 @@ fn an_unauthenticated_destination_on_every_interface_refuses_to_start() {
     assert!(error.to_string().contains("--insecure"), "{error}");
     // Loopback is accepted by default; refused when the policy says so.
     let (listener, _) = tcp_listener();
-    let refuse = ReceiveConfig {
-        unauthenticated: UnauthenticatedPolicy::Refuse,
-        ..receive_config()
+    let refuse = {
+        let mut config = receive_config();
+        config.unauthenticated = UnauthenticatedPolicy::Refuse;
+        config
     };
     // The policy's own refusal, at once: not the accept timeout's.
     let error = Destination::new(refuse)
@@ -633,13 +636,11 @@ fn skipping_the_digest_is_the_destination_s_choice() {
     refused.both_say("--allow-unverified");
     let (listener, address) = tcp_listener();
     let mut guest = guest(8 * MIB, 0);
-    let receiving = receive_with(
-        listener,
-        ReceiveConfig {
-            allow_unverified: true,
-            ..receive_config()
-        },
-    );
+    let receiving = receive_with(listener, {
+        let mut config = receive_config();
+        config.allow_unverified = true;
+        config
+    });
     let stats = Source::new(migrate)
         .unwrap()
         .migrate(&mut guest, &address)
@@ -669,9 +670,10 @@ fn an_embedder_s_connected_sockets_carry_a_verified_migration() {
         Address::Fd(vec![]),
         destination_ends,
     )));
-    let receive = ReceiveConfig {
-        unauthenticated: UnauthenticatedPolicy::Allow,
-        ..receive_config()
+    let receive = {
+        let mut config = receive_config();
+        config.unauthenticated = UnauthenticatedPolicy::Allow;
+        config
     };
     // Not dirtying: the resumed destination guest would write and differ
     // from the paused source by digest.
@@ -722,9 +724,10 @@ fn vsock_loopback_migration_verifies_where_the_kernel_has_it() {
         return;
     }
     let _ = listener.accept_timeout(DEADLINE);
-    let receive = ReceiveConfig {
-        unauthenticated: UnauthenticatedPolicy::Allow,
-        ..receive_config()
+    let receive = {
+        let mut config = receive_config();
+        config.unauthenticated = UnauthenticatedPolicy::Allow;
+        config
     };
     migrate_and_verify(listener, &address, receive, migration_config(2));
 }

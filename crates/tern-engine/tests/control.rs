@@ -66,9 +66,10 @@ fn both_sides_report_events_in_order_and_keep_the_final_report() {
     let late = handle.subscribe().collect::<Vec<_>>();
     assert_eq!(names(late.into_iter()), ["MIGRATION:completed"]);
     assert_eq!(
-        handle.set_parameters(&MigrationParameters {
-            downtime_limit: Some(10),
-            ..MigrationParameters::default()
+        handle.set_parameters(&{
+            let mut config = MigrationParameters::default();
+            config.downtime_limit = Some(10);
+            config
         }),
         Err(ControlError::Ended("completed"))
     );

@@ -22,9 +22,10 @@ use tern_engine::{
 use tern_wire::{DigestAlgorithm, Handshake, Hello, Message, RegionInfo, SessionSetup, Welcome};
 
 fn tls_security(config: TlsConfig) -> Security {
-    Security {
-        tls: Some(Arc::new(config)),
-        ..Security::default()
+    {
+        let mut engine_config = Security::default();
+        engine_config.tls = Some(Arc::new(config));
+        engine_config
     }
 }
 
@@ -199,11 +200,12 @@ fn the_source_refuses_a_page_channel_with_another_destination_certificate() {
 }
 
 fn key() -> Security {
-    Security {
-        auth_key: Some(Arc::new(
+    {
+        let mut config = Security::default();
+        config.auth_key = Some(Arc::new(
             AuthKey::from_bytes(b"the key of the identity checks").unwrap(),
-        )),
-        ..Security::default()
+        ));
+        config
     }
 }
 

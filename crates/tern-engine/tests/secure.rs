@@ -159,9 +159,10 @@ fn migrate_refused(
 #[test]
 fn auth_key_migration_verifies() {
     let (listener, address) = tcp_listener();
-    let security = Security {
-        auth_key: key("a shared secret of the test"),
-        ..Security::default()
+    let security = {
+        let mut config = Security::default();
+        config.auth_key = key("a shared secret of the test");
+        config
     };
     let stats = migrate_and_verify(
         listener,
@@ -202,15 +203,17 @@ fn an_embedders_auth_crypto_carries_the_session() {
     let (listener, address) = tcp_listener();
     let crypto = Arc::new(EmbedderCrypto::default());
     let secret = b"a shared secret of the test";
-    let source = Security {
-        auth_key: Some(Arc::new(
+    let source = {
+        let mut config = Security::default();
+        config.auth_key = Some(Arc::new(
             AuthKey::from_bytes_with(secret, crypto.clone()).unwrap(),
-        )),
-        ..Security::default()
+        ));
+        config
     };
-    let destination = Security {
-        auth_key: key("a shared secret of the test"),
-        ..Security::default()
+    let destination = {
+        let mut config = Security::default();
+        config.auth_key = key("a shared secret of the test");
+        config
     };
     let stats = migrate_and_verify(
         listener,
@@ -231,15 +234,17 @@ fn an_auth_crypto_that_is_not_hmac_is_refused() {
         not_hmac: true,
         ..EmbedderCrypto::default()
     });
-    let source = Security {
-        auth_key: Some(Arc::new(
+    let source = {
+        let mut config = Security::default();
+        config.auth_key = Some(Arc::new(
             AuthKey::from_bytes_with(b"a shared secret of the test", crypto).unwrap(),
-        )),
-        ..Security::default()
+        ));
+        config
     };
-    let destination = Security {
-        auth_key: key("a shared secret of the test"),
-        ..Security::default()
+    let destination = {
+        let mut config = Security::default();
+        config.auth_key = key("a shared secret of the test");
+        config
     };
     migrate_refused(
         listener,
@@ -253,17 +258,16 @@ fn an_auth_crypto_that_is_not_hmac_is_refused() {
 #[test]
 fn a_wrong_auth_key_is_refused() {
     let (listener, address) = tcp_listener();
-    let receive = secured_receive(Security {
-        auth_key: key("the destination's secret"),
-        ..Security::default()
+    let receive = secured_receive({
+        let mut config = Security::default();
+        config.auth_key = key("the destination's secret");
+        config
     });
-    let migrate = secured_migration(
-        1,
-        Security {
-            auth_key: key("the source's other secret"),
-            ..Security::default()
-        },
-    );
+    let migrate = secured_migration(1, {
+        let mut config = Security::default();
+        config.auth_key = key("the source's other secret");
+        config
+    });
     let refused = migrate_refused(listener, &address, receive, migrate);
     refused.both_say("auth key");
     assert!(
@@ -278,9 +282,10 @@ fn a_wrong_auth_key_is_refused() {
 #[test]
 fn a_source_without_the_key_is_refused() {
     let (listener, address) = tcp_listener();
-    let receive = secured_receive(Security {
-        auth_key: key("the destination's secret"),
-        ..Security::default()
+    let receive = secured_receive({
+        let mut config = Security::default();
+        config.auth_key = key("the destination's secret");
+        config
     });
     let refused = migrate_refused(listener, &address, receive, migration_config(1));
     refused.both_say("requires an auth key");
@@ -289,21 +294,20 @@ fn a_source_without_the_key_is_refused() {
 #[test]
 fn a_destination_without_a_key_is_refused_by_a_source_with_one() {
     let (listener, address) = tcp_listener();
-    let migrate = secured_migration(
-        1,
-        Security {
-            auth_key: key("the source's secret key"),
-            ..Security::default()
-        },
-    );
+    let migrate = secured_migration(1, {
+        let mut config = Security::default();
+        config.auth_key = key("the source's secret key");
+        config
+    });
     let refused = migrate_refused(listener, &address, receive_config(), migrate);
     refused.both_say("this destination has none");
 }
 
 fn tls(config: tern_engine::TlsConfig) -> Security {
-    Security {
-        tls: Some(Arc::new(config)),
-        ..Security::default()
+    {
+        let mut engine_config = Security::default();
+        engine_config.tls = Some(Arc::new(config));
+        engine_config
     }
 }
 
@@ -823,9 +827,10 @@ fn proxy(destination: &Address, rewrite: Rewrite) -> Address {
 }
 
 fn keyed() -> Security {
-    Security {
-        auth_key: key("the key both sides of the path hold"),
-        ..Security::default()
+    {
+        let mut config = Security::default();
+        config.auth_key = key("the key both sides of the path hold");
+        config
     }
 }
 

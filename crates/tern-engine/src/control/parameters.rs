@@ -22,6 +22,7 @@ pub const MAX_DOWNTIME_LIMIT_MS: u64 = 2_000_000;
 /// migration runs).
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize, schemars::JsonSchema)]
 #[serde(rename_all = "kebab-case", deny_unknown_fields)]
+#[non_exhaustive]
 pub struct MigrationParameters {
     /// Cap on the bytes per second written to all channels together; 0
     /// removes the cap. Takes effect from the next packet.

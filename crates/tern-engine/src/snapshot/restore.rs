@@ -18,6 +18,7 @@ const PAGE: u64 = PAGE_SIZE as u64;
 
 /// How to restore.
 #[derive(Clone, Debug)]
+#[non_exhaustive]
 pub struct RestoreConfig {
     /// Reader threads for an eager restore, loader threads for a lazy one.
     pub threads: usize,

@@ -14,6 +14,7 @@ use crate::snapshot::writer::SlotWriter;
 
 /// How to save.
 #[derive(Clone, Debug)]
+#[non_exhaustive]
 pub struct SaveConfig {
     /// Writer threads (at least 1).
     pub writers: usize,

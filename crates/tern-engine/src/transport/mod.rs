@@ -324,6 +324,7 @@ impl ShutdownHandle {
 /// A piece of a vectored send: a pointer and a length. The pointer may be
 /// into guest memory; see [`Channel::send_vectored`].
 #[derive(Clone, Copy, Debug)]
+#[non_exhaustive]
 pub struct Segment {
     /// First byte.
     pub ptr: *const u8,

@@ -12,6 +12,7 @@ use crate::error::ChannelError;
 
 /// The protections one side applies to each of its channels.
 #[derive(Clone, Debug, Default)]
+#[non_exhaustive]
 pub struct Security {
     /// TLS on every channel.
     pub tls: Option<Arc<TlsConfig>>,

@@ -171,11 +171,11 @@ impl DsaDeltaOffload {
 
 impl DeltaOffload for DsaDeltaOffload {
     fn stats(&self) -> DeltaOffloadStats {
-        DeltaOffloadStats {
-            on_device: self.on_device.load(Ordering::Relaxed),
-            fallbacks: self.fallbacks.load(Ordering::Relaxed),
-            abandoned: self.abandoned.load(Ordering::Relaxed),
-        }
+        let mut stats = DeltaOffloadStats::default();
+        stats.on_device = self.on_device.load(Ordering::Relaxed);
+        stats.fallbacks = self.fallbacks.load(Ordering::Relaxed);
+        stats.abandoned = self.abandoned.load(Ordering::Relaxed);
+        stats
     }
 
     fn create(

@@ -28,8 +28,8 @@ const MIB: usize = 1 << 20;
 
 /// The source VMM's guest.
 struct RunningVm {
-    memory: VmMemory<AtomicBitmap>,
-    log: AtomicBitmapLog,
+    memory: VmMemory<GuestMemoryMmap<AtomicBitmap>>,
+    log: AtomicBitmapLog<GuestMemoryMmap<AtomicBitmap>>,
     /// Writes done by the device, saved as device state.
     writes: Arc<AtomicU64>,
     running: Arc<AtomicBool>,
@@ -38,9 +38,10 @@ struct RunningVm {
 
 impl RunningVm {
     fn new(memory: GuestMemoryMmap<AtomicBitmap>) -> GuestResult<Self> {
+        let memory = VmMemory::new(&memory)?;
         let mut vm = Self {
-            log: AtomicBitmapLog::new(&memory)?,
-            memory: VmMemory::new(&memory)?,
+            log: memory.dirty_log()?,
+            memory,
             writes: Arc::new(AtomicU64::new(0)),
             running: Arc::new(AtomicBool::new(false)),
             device: None,
@@ -139,7 +140,7 @@ impl DeviceState for RunningVm {
 
 /// The destination VMM's guest: memory shaped as the source announced.
 struct ArrivingVm {
-    memory: VmMemory<()>,
+    memory: VmMemory<GuestMemoryMmap<()>>,
     writes: u64,
 }
 

@@ -14,6 +14,7 @@ use crate::transport::security::Security;
 /// config enums).
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
 #[error("'{0}' is not a known value")]
+#[non_exhaustive]
 pub struct UnknownName(pub String);
 
 impl UnknownName {
@@ -202,7 +203,19 @@ pub enum ZeroCopyBackend {
 }
 
 /// Source-side settings.
+///
+/// `#[non_exhaustive]`, so that settings can be added in a minor release:
+/// start from [`MigrationConfig::default()`] and set fields, or chain the
+/// setters of the same names (quinn-proto's style):
+///
+/// ```
+/// let mut config = tern_engine::MigrationConfig::default();
+/// config.channels(4).auto_converge(false);
+/// config.max_bandwidth = Some(1 << 30);
+/// assert_eq!((config.channels, config.auto_converge), (4, false));
+/// ```
 #[derive(Clone, Debug)]
+#[non_exhaustive]
 pub struct MigrationConfig {
     /// Number of page channels (the main channel comes on top).
     pub channels: u16,
@@ -365,6 +378,75 @@ impl Default for MigrationConfig {
         }
     }
 }
+
+/// Chained setters, one per public field: `config.channels(4).verify(..)`
+/// sets the fields of the same names and returns the config again.
+macro_rules! setters {
+    ($config:ident { $($field:ident: $type:ty),* $(,)? }) => {
+        impl $config {
+            $(
+                #[doc = concat!("Sets `", stringify!($field), "`; returns the config for chaining.")]
+                pub fn $field(&mut self, value: $type) -> &mut Self {
+                    self.$field = value;
+                    self
+                }
+            )*
+        }
+    };
+}
+
+setters!(MigrationConfig {
+    channels: u16,
+    workers: usize,
+    downtime_limit: Duration,
+    max_bandwidth: Option<u64>,
+    max_iterations: Option<u32>,
+    max_time: Option<Duration>,
+    limit_policy: LimitPolicy,
+    auto_converge: bool,
+    throttle_initial: u8,
+    throttle_increment: u8,
+    zero_page_detection: ZeroPageDetection,
+    zero_page_offload: Option<Arc<dyn ZeroPageOffload>>,
+    zero_page_as_normal: f64,
+    compression: CodecChoice,
+    compression_level: Option<i32>,
+    qpl_path: QplPath,
+    dedup: bool,
+    delta_cache_size: u64,
+    delta_offload: Option<Arc<dyn DeltaOffload>>,
+    compression_dictionary: Option<usize>,
+    dictionary_refresh: DictionaryRefresh,
+    packet_frames: bool,
+    verify: Verify,
+    digest_threads: usize,
+    zero_copy: bool,
+    zero_copy_backend: ZeroCopyBackend,
+    zero_copy_window: usize,
+    io_timeout: Duration,
+    connect_timeout: Duration,
+    handshake_timeout: Duration,
+    switch_over_timeout: Duration,
+    security: Security,
+    vmm_config: Vec<u8>,
+});
+
+// `decode_threads` has no setter: `ReceiveConfig::decode_threads()` is the
+// count in force (the field's `None` resolved); set the field.
+setters!(ReceiveConfig {
+    accept_timeout: Duration,
+    io_timeout: Duration,
+    handshake_timeout: Duration,
+    max_pending_handshakes: usize,
+    max_memory: Option<u64>,
+    qpl_path: QplPath,
+    switch_over_timeout: Duration,
+    security: Security,
+    unauthenticated: UnauthenticatedPolicy,
+    allow_unverified: bool,
+    keep_paused: bool,
+    max_vmm_config: usize,
+});
 
 impl MigrationConfig {
     /// Worker threads actually used.
@@ -541,8 +623,10 @@ impl MigrationConfig {
     }
 }
 
-/// Destination-side settings.
+/// Destination-side settings. `#[non_exhaustive]` like [`MigrationConfig`]:
+/// start from [`ReceiveConfig::default()`] and set fields or chain setters.
 #[derive(Clone, Debug)]
+#[non_exhaustive]
 pub struct ReceiveConfig {
     /// How long to wait for the source's connections.
     pub accept_timeout: Duration,
@@ -593,6 +677,7 @@ pub struct ReceiveConfig {
 
 /// Whether a destination without an auth key or TLS accepts sessions.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[non_exhaustive]
 pub enum UnauthenticatedPolicy {
     /// Only on a listener no other machine reaches (loopback TCP, a Unix
     /// socket); anywhere else receiving fails before anything is accepted.

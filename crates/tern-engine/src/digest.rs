@@ -16,14 +16,15 @@ use crate::guest::{MemoryRegion, PAGE_SIZE};
 use crate::stats::thread_cpu_seconds;
 
 /// XXH3-64 of a zero page, computed once.
-pub fn zero_page_hash() -> u64 {
+pub(crate) fn zero_page_hash() -> u64 {
     static HASH: OnceLock<u64> = OnceLock::new();
     *HASH.get_or_init(|| xxh3_64(&[0u8; PAGE_SIZE]))
 }
 
 /// A digest and what it cost.
 #[derive(Clone, Copy, Debug, PartialEq)]
-pub struct Digest {
+#[non_exhaustive]
+pub(crate) struct Digest {
     /// The digest.
     pub value: u128,
     /// CPU seconds of the hashing threads.
@@ -41,7 +42,7 @@ pub struct Digest {
 /// Nothing may write to the regions during the call (the guest is paused and
 /// no receiver runs).
 #[cfg(test)]
-pub unsafe fn memory_digest(
+pub(crate) unsafe fn memory_digest(
     regions: &[MemoryRegion],
     threads: usize,
     is_page_untouched: &(dyn Fn(usize, u64) -> bool + Sync),
@@ -93,7 +94,11 @@ pub unsafe fn memory_digest(
 /// Adds one region's page hashes to a digest being built. The destination
 /// builds its digest from the hashes its receivers computed as they wrote
 /// each page, through the same function, so both sides agree on the format.
-pub fn add_region(hasher: &mut Xxh3, region_id: u32, page_hashes: impl IntoIterator<Item = u64>) {
+pub(crate) fn add_region(
+    hasher: &mut Xxh3,
+    region_id: u32,
+    page_hashes: impl IntoIterator<Item = u64>,
+) {
     hasher.update(&region_id.to_le_bytes());
     for hash in page_hashes {
         hasher.update(&hash.to_le_bytes());
@@ -104,13 +109,13 @@ pub fn add_region(hasher: &mut Xxh3, region_id: u32, page_hashes: impl IntoItera
 ///
 /// # Safety
 /// `page` points to a readable page that nothing writes during the call.
-pub unsafe fn page_hash(page: *const u8) -> u64 {
+pub(crate) unsafe fn page_hash(page: *const u8) -> u64 {
     // SAFETY: the caller's contract.
     xxh3_64(unsafe { std::slice::from_raw_parts(page, PAGE_SIZE) })
 }
 
 /// Threads to use for hashing: all cores.
-pub fn digest_threads() -> usize {
+pub(crate) fn digest_threads() -> usize {
     std::thread::available_parallelism().map_or(1, |n| n.get())
 }
 

@@ -51,7 +51,10 @@
 //! assert_eq!(received.guest.digest(), guest.digest());
 //! # Ok::<(), Box<dyn std::error::Error>>(())
 //! ```
+#![cfg_attr(docsrs, feature(doc_cfg))]
 #![warn(missing_docs)]
+// Items visible outside the crate are exactly those reachable from its root.
+#![warn(unreachable_pub)]
 
 pub mod bitmap;
 pub mod config;
@@ -98,7 +101,9 @@ pub use stats::{
     DedupStats, DestinationStats, DigestComparison, DowntimeCause, DowntimeParts, LiveStats,
     MigrationStats, MigrationStatus, RamStats, SessionSecurity, XbzrleCacheStats,
 };
-pub use transport::auth::AuthKey;
+#[cfg(feature = "ring")]
+pub use transport::auth::RingCrypto;
+pub use transport::auth::{AuthCrypto, AuthKey};
 pub use transport::security::{ChannelSecurity, Security, TlsInfo};
 pub use transport::tls::{KernelTls, TlsConfig};
 /// The zero-copy senders, at their historical path.
@@ -108,7 +113,21 @@ pub use transport::zerocopy::uring as uring_zc;
 pub use transport::{Accept, Address, Channel, Connect, Connector, Listener};
 
 // Foreign types that appear in this crate's API, so that an embedder needs
-// no direct dependency on tern-page or tern-wire.
-pub use tern_page::codec::{CodecChoice, QplPath};
+// no direct dependency on tern-page, tern-wire or tern-dsa.
+/// The Intel DSA driver (feature `dsa`): `open_dsa`, `software_dsa`,
+/// `DsaConfig`, the delta offload, for [`MigrationConfig::zero_page_offload`]
+/// and [`MigrationConfig::delta_offload`].
+#[cfg(feature = "dsa")]
+pub use tern_dsa as dsa;
+pub use tern_page::codec::{CodecChoice, CodecError, CodecId, QplPath};
+/// The offload traits and their types (tickets, statistics, errors), for an
+/// embedder's own zero-page or delta accelerator
+/// ([`MigrationConfig::zero_page_offload`], [`MigrationConfig::delta_offload`]).
+pub use tern_page::offload;
 pub use tern_page::{DeltaOffload, ZeroPageOffload};
-pub use tern_wire::{AbortReason, RegionInfo, SessionSetup};
+/// The snapshot file format's own errors (the source of
+/// [`SnapshotError`]'s format variant).
+pub use tern_wire::snapshot::SnapshotError as SnapshotFormatError;
+pub use tern_wire::{
+    AbortReason, DigestAlgorithm, PROTOCOL_VERSION, RegionInfo, SessionSetup, WireError,
+};

@@ -22,19 +22,19 @@ const PARK_TIMEOUT: Duration = Duration::from_millis(2);
 
 /// Wakes one thread.
 #[derive(Debug)]
-pub struct Doorbell {
+pub(crate) struct Doorbell {
     thread: Thread,
     sleeping: AtomicBool,
 }
 
 impl Doorbell {
     /// A doorbell for the calling thread.
-    pub fn for_current_thread() -> Self {
+    pub(crate) fn for_current_thread() -> Self {
         Self::new(thread::current())
     }
 
     /// A doorbell for `thread`, which alone may wait on it.
-    pub fn new(thread: Thread) -> Self {
+    pub(crate) fn new(thread: Thread) -> Self {
         Self {
             thread,
             sleeping: AtomicBool::new(false),
@@ -42,7 +42,7 @@ impl Doorbell {
     }
 
     /// Wakes the thread if it sleeps.
-    pub fn ring(&self) {
+    pub(crate) fn ring(&self) {
         fence(Ordering::SeqCst);
         if self.sleeping.load(Ordering::Relaxed) {
             self.thread.unpark();
@@ -51,7 +51,7 @@ impl Doorbell {
 
     /// Called by the owning thread: returns once `ready()` is true (checked
     /// first while spinning, then between parks).
-    pub fn wait_until(&self, mut ready: impl FnMut() -> bool) {
+    pub(crate) fn wait_until(&self, mut ready: impl FnMut() -> bool) {
         for _ in 0..SPIN_ROUNDS {
             if ready() {
                 return;
@@ -73,40 +73,40 @@ impl Doorbell {
 
 /// A bounded multi-producer multi-consumer lock-free ring.
 #[derive(Debug)]
-pub struct Ring<T> {
+pub(crate) struct Ring<T> {
     queue: ArrayQueue<T>,
 }
 
 impl<T> Ring<T> {
     /// A ring holding at most `capacity` items.
-    pub fn new(capacity: usize) -> Self {
+    pub(crate) fn new(capacity: usize) -> Self {
         Self {
             queue: ArrayQueue::new(capacity.max(1)),
         }
     }
 
     /// Adds an item, or gives it back when the ring is full.
-    pub fn push(&self, item: T) -> Result<(), T> {
+    pub(crate) fn push(&self, item: T) -> Result<(), T> {
         self.queue.push(item)
     }
 
     /// Takes the oldest item.
-    pub fn pop(&self) -> Option<T> {
+    pub(crate) fn pop(&self) -> Option<T> {
         self.queue.pop()
     }
 
     /// Whether the ring has room for another item.
-    pub fn has_room(&self) -> bool {
+    pub(crate) fn has_room(&self) -> bool {
         !self.queue.is_full()
     }
 
     /// Whether the ring is empty.
-    pub fn is_empty(&self) -> bool {
+    pub(crate) fn is_empty(&self) -> bool {
         self.queue.is_empty()
     }
 
     /// Number of items queued.
-    pub fn len(&self) -> usize {
+    pub(crate) fn len(&self) -> usize {
         self.queue.len()
     }
 }

@@ -31,6 +31,7 @@ pub const CONTRACT_VERSION: u32 = 1;
 #[serde(rename_all = "kebab-case")]
 #[strum(serialize_all = "kebab-case")]
 #[repr(u8)]
+#[non_exhaustive]
 pub enum MigrationStatus {
     /// Connecting and handshaking.
     Setup = 0,
@@ -195,6 +196,7 @@ impl RateWindow {
 /// channel's handshake established it.
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize, schemars::JsonSchema)]
 #[serde(rename_all = "kebab-case")]
+#[non_exhaustive]
 pub struct SessionSecurity {
     /// `tcp`, `unix`, `vsock` or `fd`.
     pub transport: String,
@@ -427,7 +429,7 @@ impl LiveStats {
     }
 
     /// Records the CPU time a thread used; called by each thread as it ends.
-    pub fn record_cpu(&self, thread: &str, seconds: f64) {
+    pub(crate) fn record_cpu(&self, thread: &str, seconds: f64) {
         let mut map = self.cpu_seconds.lock().unwrap_or_else(|e| e.into_inner());
         *map.entry(thread.to_string()).or_insert(0.0) += seconds;
     }
@@ -440,19 +442,10 @@ impl LiveStats {
             .unwrap_or_else(|e| e.into_inner()) = Some(security);
     }
 
-    /// Adds a zero-copy channel's accounting; called by each sender as it
-    /// ends.
-    pub fn record_zero_copy(&self, channel: &ZeroCopyStats) {
-        let mut total = self.zero_copy.lock().unwrap_or_else(|e| e.into_inner());
-        total
-            .get_or_insert_with(ZeroCopyStats::default)
-            .add(channel);
-    }
-
     /// Replaces page channel `channel`'s zero-copy counters with newer ones
     /// (its sender publishes them at every sync and when it ends), so the
     /// live statistics show them while the migration runs.
-    pub fn publish_zero_copy(&self, channel: usize, counters: &ZeroCopyStats) {
+    pub(crate) fn publish_zero_copy(&self, channel: usize, counters: &ZeroCopyStats) {
         self.zero_copy_channels
             .lock()
             .unwrap_or_else(|e| e.into_inner())
@@ -654,6 +647,7 @@ impl LiveStats {
 /// Pages sent as references to a page with the same bytes (`--dedup`).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Serialize, Deserialize, schemars::JsonSchema)]
 #[serde(rename_all = "kebab-case")]
+#[non_exhaustive]
 pub struct DedupStats {
     /// Pages sent as duplicates.
     pub pages: u64,
@@ -664,6 +658,7 @@ pub struct DedupStats {
 /// The delta cache's counters under QEMU's `xbzrle-cache` names.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Serialize, Deserialize, schemars::JsonSchema)]
 #[serde(rename_all = "kebab-case")]
+#[non_exhaustive]
 pub struct XbzrleCacheStats {
     /// Cache size in bytes (`--delta-cache-size`).
     pub cache_size: u64,
@@ -706,6 +701,7 @@ pub(crate) fn millis(time: Duration) -> u64 {
     Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize, schemars::JsonSchema,
 )]
 #[serde(rename_all = "kebab-case")]
+#[non_exhaustive]
 pub struct DowntimeParts {
     /// Sending the pages dirtied since the last sync (the link).
     pub final_pages: u64,
@@ -737,6 +733,7 @@ impl DowntimeParts {
 /// the longest.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, schemars::JsonSchema)]
 #[serde(rename_all = "kebab-case")]
+#[non_exhaustive]
 pub enum DowntimeCause {
     /// Sending the last dirty pages: more than the link carried in time.
     Link,
@@ -763,6 +760,7 @@ impl DowntimeCause {
 /// Memory counters, named as in QEMU's `query-migrate` `ram` object.
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize, schemars::JsonSchema)]
 #[serde(rename_all = "kebab-case")]
+#[non_exhaustive]
 pub struct RamStats {
     /// Bytes written to the channels (headers included).
     pub transferred: u64,
@@ -806,6 +804,7 @@ pub struct RamStats {
 /// The statistics of one side of a migration. Durations are milliseconds.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize, schemars::JsonSchema)]
 #[serde(rename_all = "kebab-case")]
+#[non_exhaustive]
 pub struct MigrationStats {
     /// The report contract's version ([`CONTRACT_VERSION`]).
     #[serde(default)]
@@ -895,6 +894,7 @@ pub struct MigrationStats {
 /// Compression of one codec implementation.
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize, schemars::JsonSchema)]
 #[serde(rename_all = "kebab-case")]
+#[non_exhaustive]
 pub struct CodecReport {
     /// Data pages given to the codec (raw fallbacks included).
     pub pages: u64,
@@ -936,6 +936,7 @@ impl From<&tern_page::codec::CodecCounters> for CodecReport {
 /// Compression over the whole migration.
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize, schemars::JsonSchema)]
 #[serde(rename_all = "kebab-case")]
+#[non_exhaustive]
 pub struct CompressionReport {
     /// What was asked for: a codec, or `auto`.
     pub choice: String,
@@ -1014,6 +1015,7 @@ pub struct AutoDecisionReport {
 /// ones it trained again during the live phase.
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize, schemars::JsonSchema)]
 #[serde(rename_all = "kebab-case")]
+#[non_exhaustive]
 pub struct DictionaryReport {
     /// Its size on the wire, in bytes.
     pub bytes: u64,
@@ -1039,6 +1041,7 @@ pub struct DictionaryReport {
 /// How zero pages were found.
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize, schemars::JsonSchema)]
 #[serde(rename_all = "kebab-case")]
+#[non_exhaustive]
 pub struct ZeroDetectionReport {
     /// `none`, `source`, `workers` or `dsa`.
     pub mode: String,
@@ -1052,6 +1055,7 @@ pub struct ZeroDetectionReport {
 /// Accelerator counters.
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize, schemars::JsonSchema)]
 #[serde(rename_all = "kebab-case")]
+#[non_exhaustive]
 pub struct OffloadReport {
     /// Pages the device answered.
     pub pages_device: u64,
@@ -1091,6 +1095,7 @@ pub struct OffloadReport {
 /// each 32 hexadecimal digits in JSON.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, schemars::JsonSchema)]
 #[serde(rename_all = "kebab-case")]
+#[non_exhaustive]
 pub struct DigestComparison {
     /// The source's digest of its memory, paused.
     #[serde(with = "hex_digest")]
@@ -1114,11 +1119,16 @@ impl DigestComparison {
 mod hex_digest {
     use serde::{Deserialize, Deserializer, Serializer, de::Error};
 
-    pub fn serialize<S: Serializer>(digest: &u128, serializer: S) -> Result<S::Ok, S::Error> {
+    pub(super) fn serialize<S: Serializer>(
+        digest: &u128,
+        serializer: S,
+    ) -> Result<S::Ok, S::Error> {
         serializer.serialize_str(&format!("{digest:032x}"))
     }
 
-    pub fn deserialize<'de, D: Deserializer<'de>>(deserializer: D) -> Result<u128, D::Error> {
+    pub(super) fn deserialize<'de, D: Deserializer<'de>>(
+        deserializer: D,
+    ) -> Result<u128, D::Error> {
         let text = String::deserialize(deserializer)?;
         u128::from_str_radix(&text, 16).map_err(D::Error::custom)
     }
@@ -1127,6 +1137,7 @@ mod hex_digest {
 /// What the destination reports back at the end.
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize, schemars::JsonSchema)]
 #[serde(rename_all = "kebab-case")]
+#[non_exhaustive]
 pub struct DestinationStats {
     /// Bytes read from all channels.
     pub received: u64,

@@ -46,10 +46,11 @@ fn start_destination() -> RunningDestination {
     std::thread::spawn(move || {
         // The rest stays default, whatever limits ReceiveConfig grows.
         #[allow(clippy::needless_update)]
-        let config = ReceiveConfig {
-            accept_timeout: Duration::from_secs(30),
-            io_timeout: Duration::from_secs(30),
-            ..ReceiveConfig::default()
+        let config = {
+            let mut config = ReceiveConfig::default();
+            config.accept_timeout = Duration::from_secs(30);
+            config.io_timeout = Duration::from_secs(30);
+            config
         };
         let received = Destination::new(config).receive(&listener, |setup: &SessionSetup| {
             let lens: Vec<u64> = setup.regions.iter().map(|region| region.len).collect();

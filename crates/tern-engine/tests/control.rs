@@ -8,7 +8,7 @@ use common::*;
 use tern_engine::control::GuestState;
 use tern_engine::{
     ControlError, Destination, EventBody, GuestControl, MigrationParameters, MigrationStatus,
-    ReceiveConfig, Source,
+    Source,
 };
 
 fn names(events: impl Iterator<Item = tern_engine::Event>) -> Vec<String> {
@@ -19,6 +19,7 @@ fn names(events: impl Iterator<Item = tern_engine::Event>) -> Vec<String> {
             EventBody::MigrationThrottle(_) => "THROTTLE".into(),
             EventBody::MigrationParameters(_) => "PARAMETERS".into(),
             EventBody::Resume(_) => "RESUME".into(),
+            other => format!("{other:?}"),
         })
         .collect()
 }
@@ -26,9 +27,10 @@ fn names(events: impl Iterator<Item = tern_engine::Event>) -> Vec<String> {
 #[test]
 fn both_sides_report_events_in_order_and_keep_the_final_report() {
     let (listener, address) = tcp_listener();
-    let destination = Destination::new(ReceiveConfig {
-        keep_paused: true,
-        ..receive_config()
+    let destination = Destination::new({
+        let mut config = receive_config();
+        config.keep_paused = true;
+        config
     });
     let receive_handle = destination.handle();
     let destination_events = receive_handle.subscribe();
@@ -64,9 +66,10 @@ fn both_sides_report_events_in_order_and_keep_the_final_report() {
     let late = handle.subscribe().collect::<Vec<_>>();
     assert_eq!(names(late.into_iter()), ["MIGRATION:completed"]);
     assert_eq!(
-        handle.set_parameters(&MigrationParameters {
-            downtime_limit: Some(10),
-            ..MigrationParameters::default()
+        handle.set_parameters(&{
+            let mut config = MigrationParameters::default();
+            config.downtime_limit = Some(10);
+            config
         }),
         Err(ControlError::Ended("completed"))
     );
@@ -125,9 +128,10 @@ fn the_vmm_configuration_reaches_the_setup_callback_and_is_bounded() {
             make_destination_guest(setup)
         })
     });
-    let source = Source::new(tern_engine::MigrationConfig {
-        vmm_config: blob.clone(),
-        ..migration_config(1)
+    let source = Source::new({
+        let mut config = migration_config(1);
+        config.vmm_config = blob.clone();
+        config
     })
     .unwrap();
     source.migrate(&mut guest(4 * MIB, 0), &address).unwrap();
@@ -137,15 +141,17 @@ fn the_vmm_configuration_reaches_the_setup_callback_and_is_bounded() {
     // Too large for this destination: refused at the hello, nothing sent.
     let (listener, address) = tcp_listener();
     let receiving = std::thread::spawn(move || {
-        Destination::new(ReceiveConfig {
-            max_vmm_config: 1024,
-            ..receive_config()
+        Destination::new({
+            let mut config = receive_config();
+            config.max_vmm_config = 1024;
+            config
         })
         .receive(&listener, make_destination_guest)
     });
-    let source = Source::new(tern_engine::MigrationConfig {
-        vmm_config: blob,
-        ..migration_config(1)
+    let source = Source::new({
+        let mut config = migration_config(1);
+        config.vmm_config = blob;
+        config
     })
     .unwrap();
     let failure = source

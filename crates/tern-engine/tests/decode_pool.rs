@@ -8,7 +8,7 @@
 mod common;
 
 use common::*;
-use tern_engine::{Destination, MigrationStatus, ReceiveConfig, Source};
+use tern_engine::{Destination, MigrationStatus, Source};
 use tern_page::codec::CodecChoice;
 
 /// Migrates a guest of `memory` bytes dirtied at `dirty_rate` over
@@ -23,9 +23,10 @@ fn migrate_compressed(
     let mut guest = guest(memory, dirty_rate);
     let (listener, address) = tcp_listener();
     let destination = std::thread::spawn(move || {
-        Destination::new(ReceiveConfig {
-            decode_threads: Some(decode_threads),
-            ..receive_config()
+        Destination::new({
+            let mut config = receive_config();
+            config.decode_threads = Some(decode_threads);
+            config
         })
         .receive(&listener, make_destination_guest)
     });

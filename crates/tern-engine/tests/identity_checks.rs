@@ -22,9 +22,10 @@ use tern_engine::{
 use tern_wire::{DigestAlgorithm, Handshake, Hello, Message, RegionInfo, SessionSetup, Welcome};
 
 fn tls_security(config: TlsConfig) -> Security {
-    Security {
-        tls: Some(Arc::new(config)),
-        ..Security::default()
+    {
+        let mut engine_config = Security::default();
+        engine_config.tls = Some(Arc::new(config));
+        engine_config
     }
 }
 
@@ -67,9 +68,10 @@ fn first_refusal(stats: &tern_engine::ReceiveStats) -> String {
 }
 
 fn migration(security: Security) -> MigrationConfig {
-    MigrationConfig {
-        security,
-        ..migration_config(1)
+    {
+        let mut config = migration_config(1);
+        config.security = security;
+        config
     }
 }
 
@@ -93,9 +95,10 @@ fn the_source_refuses_a_destination_certificate_from_another_ca() {
     let pki = TestPki::new("tern test CA");
     let stranger = TestPki::new("another CA");
     let (listener, address) = tcp_listener();
-    let receive = ReceiveConfig {
-        security: tls_security(mixed(&pki, &stranger, &["127.0.0.1"])),
-        ..receive_config()
+    let receive = {
+        let mut config = receive_config();
+        config.security = tls_security(mixed(&pki, &stranger, &["127.0.0.1"]));
+        config
     };
     let (destination, _stats, cancel) = receiving(listener, receive);
     let error = source_refuses(
@@ -119,9 +122,10 @@ fn the_destination_refuses_a_source_certificate_from_another_ca() {
     let pki = TestPki::new("tern test CA");
     let stranger = TestPki::new("another CA");
     let (listener, address) = tcp_listener();
-    let receive = ReceiveConfig {
-        security: tls_security(pki.config(&pki.identity(&["127.0.0.1"]))),
-        ..receive_config()
+    let receive = {
+        let mut engine_config = receive_config();
+        engine_config.security = tls_security(pki.config(&pki.identity(&["127.0.0.1"])));
+        engine_config
     };
     let (destination, stats, cancel) = receiving(listener, receive);
     let _ = source_refuses(
@@ -196,11 +200,12 @@ fn the_source_refuses_a_page_channel_with_another_destination_certificate() {
 }
 
 fn key() -> Security {
-    Security {
-        auth_key: Some(Arc::new(
+    {
+        let mut config = Security::default();
+        config.auth_key = Some(Arc::new(
             AuthKey::from_bytes(b"the key of the identity checks").unwrap(),
-        )),
-        ..Security::default()
+        ));
+        config
     }
 }
 
@@ -231,9 +236,10 @@ fn setup() -> SessionSetup {
 /// for `hello`; the destination's answer.
 fn hello_after_key_exchange(proved: Handshake, hello: Handshake) -> (Message, String) {
     let (listener, address) = tcp_listener();
-    let receive = ReceiveConfig {
-        security: key(),
-        ..receive_config()
+    let receive = {
+        let mut config = receive_config();
+        config.security = key();
+        config
     };
     let (destination, stats, cancel) = receiving(listener, receive);
     let mut channel = Channel::connect(&address, Duration::from_secs(5)).expect("connect");

@@ -345,9 +345,10 @@ fn verify_none_skips_the_digest() {
     config.verify = tern_engine::Verify::None;
     // Skipping the digest is the destination's choice too.
     let destination = std::thread::spawn(move || {
-        let config = tern_engine::ReceiveConfig {
-            allow_unverified: true,
-            ..receive_config()
+        let config = {
+            let mut config = receive_config();
+            config.allow_unverified = true;
+            config
         };
         Destination::new(config).receive(&listener, make_destination_guest)
     });
@@ -577,9 +578,10 @@ fn zero_copy_to_a_unix_socket_is_refused_before_connecting() {
     let dir = tempfile::tempdir().unwrap();
     let address = Address::Unix(dir.path().join("tern.sock"));
     let listener = Listener::bind(&address).unwrap();
-    let source = Source::new(tern_engine::MigrationConfig {
-        zero_copy: true,
-        ..migration_config(2)
+    let source = Source::new({
+        let mut config = migration_config(2);
+        config.zero_copy = true;
+        config
     })
     .unwrap();
     let mut guest = guest(4 * MIB, 0);
@@ -612,9 +614,10 @@ fn spawn_destination_inflating_with(
     qpl_path: tern_engine::QplPath,
 ) -> std::thread::JoinHandle<DestinationResult> {
     std::thread::spawn(move || {
-        Destination::new(tern_engine::ReceiveConfig {
-            qpl_path,
-            ..receive_config()
+        Destination::new({
+            let mut config = receive_config();
+            config.qpl_path = qpl_path;
+            config
         })
         .receive(&listener, make_destination_guest)
     })

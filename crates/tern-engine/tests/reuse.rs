@@ -73,13 +73,11 @@ fn duplicate_pages_of_a_paused_guest_go_as_references_and_verify() {
     assert!(dedup.pages > copies / 3, "{dedup:?} of {copies} copies");
     assert_eq!(dedup.bytes_saved, dedup.pages * (4096 - 8));
     assert!(stats.xbzrle_cache.is_none());
-    let plain = migrate(
-        &mut guest_with_duplicates(32 * MIB, 0).0,
-        MigrationConfig {
-            dedup: false,
-            ..migration_config(3)
-        },
-    );
+    let plain = migrate(&mut guest_with_duplicates(32 * MIB, 0).0, {
+        let mut config = migration_config(3);
+        config.dedup = false;
+        config
+    });
     assert!(plain.dedup.is_none());
     assert!(
         stats.ram.transferred + dedup.pages * 4000 <= plain.ram.transferred + (1 << 20),
@@ -92,16 +90,17 @@ fn duplicate_pages_of_a_paused_guest_go_as_references_and_verify() {
 /// A slow link and a busy dirtier: many iterations, pages re-sent as deltas
 /// against the cache, duplicates of pages the guest keeps writing.
 fn running_config(delta_cache_size: u64) -> MigrationConfig {
-    MigrationConfig {
-        max_bandwidth: Some(48 * MIB),
-        delta_cache_size,
+    {
+        let mut config = migration_config(3);
+        config.max_bandwidth = Some(48 * MIB);
+        config.delta_cache_size = delta_cache_size;
         // The whole working set is dirty at every sync: a short limit keeps
         // the migration iterating until the iteration limit forces it over.
-        downtime_limit: Duration::from_millis(20),
-        max_iterations: Some(6),
-        limit_policy: LimitPolicy::SwitchOver,
-        max_time: Some(Duration::from_secs(90)),
-        ..migration_config(3)
+        config.downtime_limit = Duration::from_millis(20);
+        config.max_iterations = Some(6);
+        config.limit_policy = LimitPolicy::SwitchOver;
+        config.max_time = Some(Duration::from_secs(90));
+        config
     }
 }
 
@@ -120,13 +119,11 @@ fn a_dirtying_guest_with_duplicates_and_deltas_verifies() {
 #[test]
 fn a_delta_cache_smaller_than_the_working_set_misses_and_verifies() {
     let (mut guest, _) = guest_with_duplicates(32 * MIB, 24 * MIB);
-    let stats = migrate(
-        &mut guest,
-        MigrationConfig {
-            dedup: false,
-            ..running_config(256 << 10)
-        },
-    );
+    let stats = migrate(&mut guest, {
+        let mut config = running_config(256 << 10);
+        config.dedup = false;
+        config
+    });
     let xbzrle = stats.xbzrle_cache.expect("the cache reports");
     assert!(xbzrle.cache_miss > 0, "{xbzrle:?}");
     assert!(stats.dedup.is_none());
@@ -134,10 +131,11 @@ fn a_delta_cache_smaller_than_the_working_set_misses_and_verifies() {
 
 #[test]
 fn a_delta_cache_with_zero_copy_is_refused_up_front() {
-    let config = MigrationConfig {
-        zero_copy: true,
-        delta_cache_size: MIB,
-        ..migration_config(1)
+    let config = {
+        let mut config = migration_config(1);
+        config.zero_copy = true;
+        config.delta_cache_size = MIB;
+        config
     };
     let Err(error) = Source::new(config) else {
         panic!("a delta cache with zero-copy was accepted");
@@ -157,13 +155,11 @@ fn deltas_created_on_the_software_dsa_device_with_faults_verify() {
         ..Default::default()
     });
     let (mut guest, _) = guest_with_duplicates(32 * MIB, 24 * MIB);
-    let stats = migrate(
-        &mut guest,
-        MigrationConfig {
-            delta_offload: Some(offload.clone()),
-            ..running_config(16 * MIB)
-        },
-    );
+    let stats = migrate(&mut guest, {
+        let mut config = running_config(16 * MIB);
+        config.delta_offload = Some(offload.clone());
+        config
+    });
     assert!(stats.xbzrle_cache.is_some_and(|cache| cache.pages > 0));
     let device = tern_engine::DeltaOffload::stats(&*offload);
     assert!(device.on_device > 0, "{device:?}");
@@ -275,9 +271,10 @@ fn pages_rewritten_whole_close_the_delta_gate_and_verify() {
     };
     let (listener, address) = tcp_listener();
     let destination = spawn_destination(listener);
-    let stats = Source::new(MigrationConfig {
-        dedup: false,
-        ..running_config(16 * MIB)
+    let stats = Source::new({
+        let mut config = running_config(16 * MIB);
+        config.dedup = false;
+        config
     })
     .unwrap()
     .migrate(&mut guest, &address)

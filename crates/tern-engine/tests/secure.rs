@@ -10,14 +10,15 @@
 mod common;
 
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::thread::JoinHandle;
 use std::time::Duration;
 
 use common::*;
 use tern_engine::{
-    Address, AuthKey, Channel, Connector, Destination, GuestControl, Listener, MigrationConfig,
-    MigrationError, MigrationStatus, ReceiveConfig, Security, Source, UnauthenticatedPolicy,
+    Address, AuthCrypto, AuthKey, Channel, Connector, Destination, GuestControl, Listener,
+    MigrationConfig, MigrationError, MigrationStatus, ReceiveConfig, Security, Source,
+    UnauthenticatedPolicy,
 };
 use tern_synthetic::SyntheticGuest;
 use tern_wire::{ChannelHello, Handshake, Hello, Message};
@@ -85,16 +86,18 @@ fn receive_with(listener: Listener, config: ReceiveConfig) -> Receiving {
 }
 
 fn secured_receive(security: Security) -> ReceiveConfig {
-    ReceiveConfig {
-        security,
-        ..receive_config()
+    {
+        let mut config = receive_config();
+        config.security = security;
+        config
     }
 }
 
 fn secured_migration(channels: u16, security: Security) -> MigrationConfig {
-    MigrationConfig {
-        security,
-        ..migration_config(channels)
+    {
+        let mut config = migration_config(channels);
+        config.security = security;
+        config
     }
 }
 
@@ -156,9 +159,10 @@ fn migrate_refused(
 #[test]
 fn auth_key_migration_verifies() {
     let (listener, address) = tcp_listener();
-    let security = Security {
-        auth_key: key("a shared secret of the test"),
-        ..Security::default()
+    let security = {
+        let mut config = Security::default();
+        config.auth_key = key("a shared secret of the test");
+        config
     };
     let stats = migrate_and_verify(
         listener,
@@ -172,20 +176,98 @@ fn auth_key_migration_verifies() {
     assert_eq!(security.tls, None);
 }
 
+/// An embedder's hash primitives: ring's here, counted, or deliberately
+/// not HMAC.
+#[derive(Default)]
+struct EmbedderCrypto {
+    calls: AtomicU64,
+    not_hmac: bool,
+}
+
+impl AuthCrypto for EmbedderCrypto {
+    fn hmac_sha256(&self, key: &[u8], message: &[u8]) -> [u8; 32] {
+        self.calls.fetch_add(1, Ordering::Relaxed);
+        if self.not_hmac {
+            return self.sha256(&[key, message].concat());
+        }
+        tern_engine::RingCrypto.hmac_sha256(key, message)
+    }
+
+    fn sha256(&self, data: &[u8]) -> [u8; 32] {
+        tern_engine::RingCrypto.sha256(data)
+    }
+}
+
+#[test]
+fn an_embedders_auth_crypto_carries_the_session() {
+    let (listener, address) = tcp_listener();
+    let crypto = Arc::new(EmbedderCrypto::default());
+    let secret = b"a shared secret of the test";
+    let source = {
+        let mut config = Security::default();
+        config.auth_key = Some(Arc::new(
+            AuthKey::from_bytes_with(secret, crypto.clone()).unwrap(),
+        ));
+        config
+    };
+    let destination = {
+        let mut config = Security::default();
+        config.auth_key = key("a shared secret of the test");
+        config
+    };
+    let stats = migrate_and_verify(
+        listener,
+        &address,
+        secured_receive(destination),
+        secured_migration(2, source),
+    );
+    assert!(stats.security.expect("security").authenticated);
+    // Three channels' proofs, the session keys and the sealed control
+    // frames of the main channel all went through the embedder's HMAC.
+    assert!(crypto.calls.load(Ordering::Relaxed) >= 8);
+}
+
+#[test]
+fn an_auth_crypto_that_is_not_hmac_is_refused() {
+    let (listener, address) = tcp_listener();
+    let crypto = Arc::new(EmbedderCrypto {
+        not_hmac: true,
+        ..EmbedderCrypto::default()
+    });
+    let source = {
+        let mut config = Security::default();
+        config.auth_key = Some(Arc::new(
+            AuthKey::from_bytes_with(b"a shared secret of the test", crypto).unwrap(),
+        ));
+        config
+    };
+    let destination = {
+        let mut config = Security::default();
+        config.auth_key = key("a shared secret of the test");
+        config
+    };
+    migrate_refused(
+        listener,
+        &address,
+        secured_receive(destination),
+        secured_migration(1, source),
+    )
+    .both_say("auth key");
+}
+
 #[test]
 fn a_wrong_auth_key_is_refused() {
     let (listener, address) = tcp_listener();
-    let receive = secured_receive(Security {
-        auth_key: key("the destination's secret"),
-        ..Security::default()
+    let receive = secured_receive({
+        let mut config = Security::default();
+        config.auth_key = key("the destination's secret");
+        config
     });
-    let migrate = secured_migration(
-        1,
-        Security {
-            auth_key: key("the source's other secret"),
-            ..Security::default()
-        },
-    );
+    let migrate = secured_migration(1, {
+        let mut config = Security::default();
+        config.auth_key = key("the source's other secret");
+        config
+    });
     let refused = migrate_refused(listener, &address, receive, migrate);
     refused.both_say("auth key");
     assert!(
@@ -200,9 +282,10 @@ fn a_wrong_auth_key_is_refused() {
 #[test]
 fn a_source_without_the_key_is_refused() {
     let (listener, address) = tcp_listener();
-    let receive = secured_receive(Security {
-        auth_key: key("the destination's secret"),
-        ..Security::default()
+    let receive = secured_receive({
+        let mut config = Security::default();
+        config.auth_key = key("the destination's secret");
+        config
     });
     let refused = migrate_refused(listener, &address, receive, migration_config(1));
     refused.both_say("requires an auth key");
@@ -211,21 +294,20 @@ fn a_source_without_the_key_is_refused() {
 #[test]
 fn a_destination_without_a_key_is_refused_by_a_source_with_one() {
     let (listener, address) = tcp_listener();
-    let migrate = secured_migration(
-        1,
-        Security {
-            auth_key: key("the source's secret key"),
-            ..Security::default()
-        },
-    );
+    let migrate = secured_migration(1, {
+        let mut config = Security::default();
+        config.auth_key = key("the source's secret key");
+        config
+    });
     let refused = migrate_refused(listener, &address, receive_config(), migrate);
     refused.both_say("this destination has none");
 }
 
 fn tls(config: tern_engine::TlsConfig) -> Security {
-    Security {
-        tls: Some(Arc::new(config)),
-        ..Security::default()
+    {
+        let mut engine_config = Security::default();
+        engine_config.tls = Some(Arc::new(config));
+        engine_config
     }
 }
 
@@ -528,9 +610,10 @@ fn an_unauthenticated_destination_on_every_interface_refuses_to_start() {
     assert!(error.to_string().contains("--insecure"), "{error}");
     // Loopback is accepted by default; refused when the policy says so.
     let (listener, _) = tcp_listener();
-    let refuse = ReceiveConfig {
-        unauthenticated: UnauthenticatedPolicy::Refuse,
-        ..receive_config()
+    let refuse = {
+        let mut config = receive_config();
+        config.unauthenticated = UnauthenticatedPolicy::Refuse;
+        config
     };
     // The policy's own refusal, at once: not the accept timeout's.
     let error = Destination::new(refuse)
@@ -557,13 +640,11 @@ fn skipping_the_digest_is_the_destination_s_choice() {
     refused.both_say("--allow-unverified");
     let (listener, address) = tcp_listener();
     let mut guest = guest(8 * MIB, 0);
-    let receiving = receive_with(
-        listener,
-        ReceiveConfig {
-            allow_unverified: true,
-            ..receive_config()
-        },
-    );
+    let receiving = receive_with(listener, {
+        let mut config = receive_config();
+        config.allow_unverified = true;
+        config
+    });
     let stats = Source::new(migrate)
         .unwrap()
         .migrate(&mut guest, &address)
@@ -593,9 +674,10 @@ fn an_embedder_s_connected_sockets_carry_a_verified_migration() {
         Address::Fd(vec![]),
         destination_ends,
     )));
-    let receive = ReceiveConfig {
-        unauthenticated: UnauthenticatedPolicy::Allow,
-        ..receive_config()
+    let receive = {
+        let mut config = receive_config();
+        config.unauthenticated = UnauthenticatedPolicy::Allow;
+        config
     };
     // Not dirtying: the resumed destination guest would write and differ
     // from the paused source by digest.
@@ -646,9 +728,10 @@ fn vsock_loopback_migration_verifies_where_the_kernel_has_it() {
         return;
     }
     let _ = listener.accept_timeout(DEADLINE);
-    let receive = ReceiveConfig {
-        unauthenticated: UnauthenticatedPolicy::Allow,
-        ..receive_config()
+    let receive = {
+        let mut config = receive_config();
+        config.unauthenticated = UnauthenticatedPolicy::Allow;
+        config
     };
     migrate_and_verify(listener, &address, receive, migration_config(2));
 }
@@ -744,9 +827,10 @@ fn proxy(destination: &Address, rewrite: Rewrite) -> Address {
 }
 
 fn keyed() -> Security {
-    Security {
-        auth_key: key("the key both sides of the path hold"),
-        ..Security::default()
+    {
+        let mut config = Security::default();
+        config.auth_key = key("the key both sides of the path hold");
+        config
     }
 }
 

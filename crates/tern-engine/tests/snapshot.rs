@@ -33,9 +33,10 @@ fn empty(lens: &[u64]) -> Result<SyntheticGuest, GuestError> {
 }
 
 fn paused_save(guest: &mut SyntheticGuest, path: &Path) -> u128 {
-    let config = SaveConfig {
-        resume: false,
-        ..SaveConfig::default()
+    let config = {
+        let mut config = SaveConfig::default();
+        config.resume = false;
+        config
     };
     tern_engine::save(guest, path, &config).expect("save");
     guest.digest()
@@ -71,9 +72,10 @@ fn a_paused_save_restores_eagerly_to_the_same_memory_and_runs_on() {
 
 /// Restores without resuming, so the digest can be compared first.
 fn held() -> RestoreConfig {
-    RestoreConfig {
-        resume: false,
-        ..RestoreConfig::default()
+    {
+        let mut config = RestoreConfig::default();
+        config.resume = false;
+        config
     }
 }
 
@@ -92,12 +94,13 @@ fn a_live_save_of_a_dirtying_guest_restores_to_its_memory_at_the_pause() {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("live.tern");
     let mut guest = source(32 * MIB, 256 * MIB, 1);
-    let config = SaveConfig {
-        live: true,
-        resume: false,
-        final_pass_pages: 64,
-        max_passes: 5,
-        ..SaveConfig::default()
+    let config = {
+        let mut config = SaveConfig::default();
+        config.live = true;
+        config.resume = false;
+        config.final_pass_pages = 64;
+        config.max_passes = 5;
+        config
     };
     let stats = tern_engine::save(&mut guest, &path, &config).unwrap();
     assert!(stats.passes >= 2, "{stats:?}");
@@ -139,9 +142,10 @@ fn a_lazily_restored_guest_dirties_memory_while_it_loads() {
     let path = dir.path().join("busy.tern");
     let mut guest = source(16 * MIB, 64 * MIB, 1);
     paused_save(&mut guest, &path);
-    let config = RestoreConfig {
-        background: false,
-        ..RestoreConfig::default()
+    let config = {
+        let mut config = RestoreConfig::default();
+        config.background = false;
+        config
     };
     let Ok(lazy) = tern_engine::restore_lazy(&path, &config, empty) else {
         tern_test_skip::skip(
@@ -164,9 +168,10 @@ fn a_lazy_restore_without_loaders_serves_every_page_by_fault() {
     let path = dir.path().join("faults.tern");
     let mut guest = source(4 * MIB, 0, 1);
     let digest = paused_save(&mut guest, &path);
-    let config = RestoreConfig {
-        background: false,
-        ..RestoreConfig::default()
+    let config = {
+        let mut config = RestoreConfig::default();
+        config.background = false;
+        config
     };
     let Ok(lazy) = tern_engine::restore_lazy(&path, &config, empty) else {
         tern_test_skip::skip(
@@ -197,9 +202,10 @@ fn a_file_changed_under_a_lazy_restore_stops_it_with_the_chunk_named() {
     let page = (0..metadata.regions[0].pages())
         .find(|&page| metadata.is_present(0, page))
         .unwrap();
-    let config = RestoreConfig {
-        background: false,
-        ..RestoreConfig::default()
+    let config = {
+        let mut config = RestoreConfig::default();
+        config.background = false;
+        config
     };
     let Ok(lazy) = tern_engine::restore_lazy(&path, &config, empty) else {
         tern_test_skip::skip(
@@ -344,9 +350,10 @@ fn a_snapshot_of_another_shape_is_refused() {
 fn an_impossible_configuration_is_refused_and_the_guest_runs_on() {
     let dir = tempfile::tempdir().unwrap();
     let mut guest = source(4 * MIB, 16 * MIB, 1);
-    let config = SaveConfig {
-        writers: 0,
-        ..SaveConfig::default()
+    let config = {
+        let mut config = SaveConfig::default();
+        config.writers = 0;
+        config
     };
     let error = tern_engine::save(&mut guest, &dir.path().join("x"), &config).unwrap_err();
     assert!(one_line(&error).contains("writers"));
@@ -406,10 +413,11 @@ fn an_o_direct_save_restores_to_the_same_memory() {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("direct.tern");
     let mut guest = source(8 * MIB, 0, 1);
-    let config = SaveConfig {
-        direct: true,
-        resume: false,
-        ..SaveConfig::default()
+    let config = {
+        let mut config = SaveConfig::default();
+        config.direct = true;
+        config.resume = false;
+        config
     };
     match tern_engine::save(&mut guest, &path, &config) {
         Err(SnapshotError::Open { source, .. }) if source.raw_os_error() == Some(libc::EINVAL) => {

@@ -13,7 +13,7 @@ use std::time::Duration;
 use common::*;
 use tern_engine::{
     Channel, Destination, DeviceState, GuestControl, GuestError, GuestMemory, Listener,
-    MemoryRegion, MigrationError, MigrationStatus, ReceiveConfig, Source, StateSection,
+    MemoryRegion, MigrationError, MigrationStatus, Source, StateSection,
 };
 use tern_synthetic::SyntheticGuest;
 use tern_wire::{
@@ -540,12 +540,13 @@ fn destination_ready() -> (
     let log = Arc::new(ResumeLog::default());
     let guest_log = Arc::clone(&log);
     let destination = std::thread::spawn(move || {
-        let config = ReceiveConfig {
-            switch_over_timeout: Duration::from_secs(1),
+        let config = {
+            let mut config = receive_config();
+            config.switch_over_timeout = Duration::from_secs(1);
             // The fake source does not hash: skipping the digest is the
             // destination's choice.
-            allow_unverified: true,
-            ..receive_config()
+            config.allow_unverified = true;
+            config
         };
         Destination::new(config).receive(&listener, |setup: &SessionSetup| {
             Ok(WatchedGuest {
@@ -684,10 +685,11 @@ fn the_destination_sends_heartbeats_while_pages_flow() {
 fn a_source_trickling_a_packet_is_cut_off_at_the_transfer_deadline() {
     let (listener, address) = tcp_listener();
     let destination = std::thread::spawn(move || {
-        let config = ReceiveConfig {
-            io_timeout: Duration::from_secs(1),
-            allow_unverified: true,
-            ..receive_config()
+        let config = {
+            let mut config = receive_config();
+            config.io_timeout = Duration::from_secs(1);
+            config.allow_unverified = true;
+            config
         };
         Destination::new(config).receive(&listener, make_destination_guest)
     });
@@ -743,10 +745,11 @@ fn destination_with_io_timeout(
 ) -> (JoinHandle<DestinationResult>, Channel, Channel) {
     let (listener, address) = tcp_listener();
     let destination = std::thread::spawn(move || {
-        let config = ReceiveConfig {
-            io_timeout,
-            allow_unverified: true,
-            ..receive_config()
+        let config = {
+            let mut config = receive_config();
+            config.io_timeout = io_timeout;
+            config.allow_unverified = true;
+            config
         };
         Destination::new(config).receive(&listener, make_destination_guest)
     });

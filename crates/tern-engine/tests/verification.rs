@@ -504,9 +504,10 @@ fn with_strict_a_forgotten_write_is_found_without_an_audit() {
         syncs: 0,
         wait_for_audit: false,
     };
-    let source = Source::new(tern_engine::MigrationConfig {
-        verify: tern_engine::Verify::Strict,
-        ..migration_config(2)
+    let source = Source::new({
+        let mut config = migration_config(2);
+        config.verify = tern_engine::Verify::Strict;
+        config
     })
     .unwrap();
     guest.source_stats = Some(source.stats());

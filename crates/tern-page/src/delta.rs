@@ -29,6 +29,7 @@ pub const MAX_DELTA_LEN: usize = (PAGE_SIZE - 1) / DELTA_ENTRY_LEN * DELTA_ENTRY
 
 /// Why a delta record was refused.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
 pub enum DeltaError {
     /// Empty, longer than [`MAX_DELTA_LEN`], or not whole entries.
     #[error("delta record of {0} bytes (must be 1 to {MAX_DELTA_LEN} whole 10-byte entries)")]

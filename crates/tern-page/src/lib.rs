@@ -38,7 +38,10 @@
 //! time. The Intel DSA driver is a crate of its own, `tern-dsa`, which
 //! implements [`offload`]'s traits.
 
+#![cfg_attr(docsrs, feature(doc_cfg))]
 #![warn(missing_docs)]
+// Items visible outside the crate are exactly those reachable from its root.
+#![warn(unreachable_pub)]
 // Numeric casts that can truncate or change sign are spelled out (try_from,
 // or an `expect` attribute with the reason); see docs/publishing.md.
 #![warn(

@@ -42,6 +42,7 @@ pub const MAX_BATCH_PAGES: usize = 128;
 
 /// Why an offload refused a call.
 #[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
 pub enum OffloadError {
     /// More pages than one submission takes.
     #[error("{0} pages in one submission; at most {MAX_BATCH_PAGES}")]
@@ -112,6 +113,7 @@ pub struct Ticket {
 
 /// What a [`Ticket`] holds.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
 pub enum TicketState {
     /// Answered at submission: bit i of `zero` set = page i is zero.
     Ready {
@@ -192,6 +194,7 @@ pub unsafe fn zero_mask_on_cpu(checker: &ZeroChecker, pages: &[*const u8]) -> u1
 
 /// Counters of a [`ZeroPageOffload`].
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
+#[non_exhaustive]
 pub struct ZeroOffloadStats {
     /// Pages the device answered.
     pub pages_device: u64,
@@ -336,6 +339,7 @@ pub trait DeltaOffload: Send + Sync + fmt::Debug {
 
 /// Counters of a [`DeltaOffload`].
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct DeltaOffloadStats {
     /// Operations the device completed.
     pub on_device: u64,

@@ -51,6 +51,7 @@ const SAMPLE_OFFSETS: [usize; 3] = [0, PAGE_SIZE / 2, PAGE_SIZE - 8];
 /// the `tern bench zero` command can compare backends on the machine at hand,
 /// and so a user can force a backend if a CPU's wide vectors turn out slower.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[non_exhaustive]
 pub enum ZeroCheckBackend {
     /// Plain `u64` loads OR-ed together; the reference every other backend is
     /// tested against. (The compiler may still vectorise it.)
@@ -140,6 +141,7 @@ impl FromStr for ZeroCheckBackend {
 
 /// Why a [`ZeroChecker`] could not be built.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
 pub enum ZeroCheckError {
     /// The requested backend cannot run here; running it anyway would fault
     /// with an illegal instruction, so we refuse up front.

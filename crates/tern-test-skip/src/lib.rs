@@ -33,6 +33,7 @@ pub const LOG_ENV: &str = "TERN_SKIP_LOG";
 /// What a skipped test needed and this machine lacks (or, for the tests of
 /// a fallback, has): the optional paths CI reports as exercised or not.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
 pub enum Need {
     /// `/dev/kvm`.
     Kvm,

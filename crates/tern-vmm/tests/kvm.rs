@@ -214,10 +214,11 @@ fn throttle_slows_the_guest() {
 }
 
 fn migration_config() -> MigrationConfig {
-    MigrationConfig {
-        channels: 2,
-        io_timeout: Duration::from_secs(20),
-        ..MigrationConfig::default()
+    {
+        let mut config = MigrationConfig::default();
+        config.channels = 2;
+        config.io_timeout = Duration::from_secs(20);
+        config
     }
 }
 
@@ -228,9 +229,10 @@ fn live_migration_over_tcp_keeps_the_guest_counting() {
     let listener = Listener::bind(&Address::Tcp("127.0.0.1:0".into())).unwrap();
     let address = listener.local_address().unwrap();
     let destination = std::thread::spawn(move || {
-        Destination::new(ReceiveConfig {
-            io_timeout: Duration::from_secs(20),
-            ..ReceiveConfig::default()
+        Destination::new({
+            let mut config = ReceiveConfig::default();
+            config.io_timeout = Duration::from_secs(20);
+            config
         })
         .receive(&listener, |setup| {
             let lens: Vec<u64> = setup.regions.iter().map(|region| region.len).collect();

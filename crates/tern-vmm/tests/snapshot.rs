@@ -57,11 +57,12 @@ fn xxhash(bytes: &[u8]) -> u128 {
 }
 
 fn save_paused(guest: &mut KvmGuest, path: &std::path::Path, live: bool) -> (u128, u64) {
-    let config = SaveConfig {
-        live,
-        resume: false,
-        final_pass_pages: 16,
-        ..SaveConfig::default()
+    let config = {
+        let mut config = SaveConfig::default();
+        config.live = live;
+        config.resume = false;
+        config.final_pass_pages = 16;
+        config
     };
     tern_engine::save(guest, path, &config).expect("save");
     (memory_hash(guest), guest.pass_count())
@@ -75,9 +76,10 @@ fn a_saved_kvm_guest_restores_eagerly_with_its_memory_and_counts_on() {
     let mut source = running_source();
     let (hash, passes) = save_paused(&mut source, &path, true);
     drop(source);
-    let config = RestoreConfig {
-        resume: false,
-        ..RestoreConfig::default()
+    let config = {
+        let mut config = RestoreConfig::default();
+        config.resume = false;
+        config
     };
     let mut restored = tern_engine::restore(&path, &config, destination)
         .unwrap()
@@ -103,9 +105,10 @@ fn a_lazily_restored_kvm_guest_counts_on_while_its_memory_loads() {
     let mut source = running_source();
     let (_, passes) = save_paused(&mut source, &path, false);
     drop(source);
-    let config = RestoreConfig {
-        background: false,
-        ..RestoreConfig::default()
+    let config = {
+        let mut config = RestoreConfig::default();
+        config.background = false;
+        config
     };
     let lazy = match tern_engine::restore_lazy(&path, &config, destination) {
         Err(SnapshotError::Fault(error)) => {

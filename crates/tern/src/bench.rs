@@ -568,22 +568,21 @@ fn one_run(
     let memory = args.memory;
     let listener = Listener::bind(&Address::Tcp("127.0.0.1:0".into()))?;
     let address = listener.local_address()?;
-    let destination = spawn_local_destination(
-        listener,
-        ReceiveConfig {
-            // The benchmark's own source: its --verify choice stands.
-            allow_unverified: true,
-            decode_threads: case.decode_threads,
-            ..ReceiveConfig::default()
-        },
-    );
-    let source = Source::new(MigrationConfig {
-        channels: case.channels,
-        compression: case.compression,
-        zero_copy: case.zero_copy,
-        max_bandwidth: args.max_bandwidth,
-        verify: case.verify,
-        ..MigrationConfig::default()
+    let destination = spawn_local_destination(listener, {
+        let mut config = ReceiveConfig::default();
+        // The benchmark's own source: its --verify choice stands.
+        config.allow_unverified = true;
+        config.decode_threads = case.decode_threads;
+        config
+    });
+    let source = Source::new({
+        let mut config = MigrationConfig::default();
+        config.channels = case.channels;
+        config.compression = case.compression;
+        config.zero_copy = case.zero_copy;
+        config.max_bandwidth = args.max_bandwidth;
+        config.verify = case.verify;
+        config
     })?;
     let result = source.migrate(guest, &address);
     let received = destination.finish(result.is_ok());

@@ -212,18 +212,16 @@ impl ListenArgs {
         self.security.check_before_bind(&self.listen)?;
         let listener = tern_engine::Listener::bind(&self.listen)
             .with_context(|| format!("cannot listen on {}", self.listen))?;
-        let mut config = tern_engine::ReceiveConfig {
-            accept_timeout: Duration::from_secs(self.accept_timeout),
-            io_timeout: Duration::from_secs(self.io_timeout),
-            handshake_timeout: Duration::from_secs(self.handshake_timeout),
-            max_memory: self.max_memory,
-            qpl_path: self.qpl_path,
-            switch_over_timeout: Duration::from_secs(self.switch_over_timeout),
-            decode_threads: self.decode_threads.map(usize::from),
-            keep_paused: self.keep_paused,
-            max_vmm_config: usize::try_from(self.max_vmm_config).unwrap_or(usize::MAX),
-            ..tern_engine::ReceiveConfig::default()
-        };
+        let mut config = tern_engine::ReceiveConfig::default();
+        config.accept_timeout = Duration::from_secs(self.accept_timeout);
+        config.io_timeout = Duration::from_secs(self.io_timeout);
+        config.handshake_timeout = Duration::from_secs(self.handshake_timeout);
+        config.max_memory = self.max_memory;
+        config.qpl_path = self.qpl_path;
+        config.switch_over_timeout = Duration::from_secs(self.switch_over_timeout);
+        config.decode_threads = self.decode_threads.map(usize::from);
+        config.keep_paused = self.keep_paused;
+        config.max_vmm_config = usize::try_from(self.max_vmm_config).unwrap_or(usize::MAX);
         if self.qpl_path == QplPath::Hardware {
             // Asked for IAA: say now, not when a source connects, if it
             // cannot be had.
@@ -691,47 +689,49 @@ impl TransferArgs {
                 self.zero_page_as_normal
             );
         }
-        Ok(MigrationConfig {
-            channels: self.channels,
-            workers: self.workers,
-            downtime_limit: Duration::from_millis(self.downtime_limit),
-            max_bandwidth: self.max_bandwidth,
-            max_iterations: self.max_iterations,
-            max_time,
-            limit_policy: self.on_limit,
-            auto_converge: self.auto_converge == OnOff::On && !self.no_auto_converge,
-            throttle_initial: self.cpu_throttle_initial,
-            throttle_increment: self.cpu_throttle_increment,
-            zero_page_detection: self.zero_page_detection,
-            zero_page_offload: match (self.zero_page_detection, &self.dsa_device, &dsa_engine) {
-                (ZeroPageDetection::Dsa, tern_dsa::DsaDevice::Software, _) => Some(
-                    tern_dsa::software_dsa(tern_dsa::SoftwareDsaConfig::default()),
-                ),
-                (ZeroPageDetection::Dsa, _, Some(engine)) => {
-                    Some(engine.clone() as std::sync::Arc<dyn tern_page::ZeroPageOffload>)
-                }
-                _ => None,
-            },
-            zero_page_as_normal: self.zero_page_as_normal / 100.0,
+        Ok({
+            let mut config = MigrationConfig::default();
+            config.channels = self.channels;
+            config.workers = self.workers;
+            config.downtime_limit = Duration::from_millis(self.downtime_limit);
+            config.max_bandwidth = self.max_bandwidth;
+            config.max_iterations = self.max_iterations;
+            config.max_time = max_time;
+            config.limit_policy = self.on_limit;
+            config.auto_converge = self.auto_converge == OnOff::On && !self.no_auto_converge;
+            config.throttle_initial = self.cpu_throttle_initial;
+            config.throttle_increment = self.cpu_throttle_increment;
+            config.zero_page_detection = self.zero_page_detection;
+            config.zero_page_offload =
+                match (self.zero_page_detection, &self.dsa_device, &dsa_engine) {
+                    (ZeroPageDetection::Dsa, tern_dsa::DsaDevice::Software, _) => Some(
+                        tern_dsa::software_dsa(tern_dsa::SoftwareDsaConfig::default()),
+                    ),
+                    (ZeroPageDetection::Dsa, _, Some(engine)) => {
+                        Some(engine.clone() as std::sync::Arc<dyn tern_page::ZeroPageOffload>)
+                    }
+                    _ => None,
+                };
+            config.zero_page_as_normal = self.zero_page_as_normal / 100.0;
             // Zero-copy sends from guest memory: no codec can run, and auto
             // would pick none.
-            compression: match self.compression {
+            config.compression = match self.compression {
                 CodecChoice::Auto if self.zero_copy => CodecChoice::None,
                 choice => choice,
-            },
-            compression_level: self.compression_level,
-            qpl_path: self.qpl_path,
-            dedup: match self.dedup {
+            };
+            config.compression_level = self.compression_level;
+            config.qpl_path = self.qpl_path;
+            config.dedup = match self.dedup {
                 Dedup::On => true,
                 Dedup::Off => false,
                 Dedup::Auto => self.verify != Verify::None,
-            },
-            delta_cache_size: self.delta_cache_size.0.unwrap_or(0),
-            delta_cache_allowance: match self.delta_cache_size.0 {
+            };
+            config.delta_cache_size = self.delta_cache_size.0.unwrap_or(0);
+            config.delta_cache_allowance = match self.delta_cache_size.0 {
                 Some(0) => Some(0),
                 _ => self.delta_cache_allowance,
-            },
-            delta_offload: match self.delta_offload {
+            };
+            config.delta_offload = match self.delta_offload {
                 DeltaOffloadChoice::Cpu => None,
                 DeltaOffloadChoice::Software => Some(tern_dsa::software_delta_offload(
                     tern_dsa::SoftwareDsaConfig::default(),
@@ -744,23 +744,23 @@ impl TransferArgs {
                     None => tern_dsa::open_delta_offload(&self.dsa_config())
                         .context("--delta-offload hw")?,
                 }),
-            },
-            compression_dictionary: match self.compression_dictionary {
+            };
+            config.compression_dictionary = match self.compression_dictionary {
                 DictionaryChoice::Size(bytes) => Some(bytes),
                 DictionaryChoice::Auto | DictionaryChoice::Off => None,
-            },
-            auto_dictionary: self.compression_dictionary == DictionaryChoice::Auto,
-            dictionary_refresh: self.dictionary_refresh,
-            packet_frames: self.packet_frames,
-            verify: self.verify,
-            digest_threads: self.digest_threads,
-            zero_copy: self.zero_copy,
-            zero_copy_backend: self.zero_copy_backend,
-            io_timeout: Duration::from_secs(self.io_timeout),
-            connect_timeout: Duration::from_secs(self.connect_timeout),
-            handshake_timeout: Duration::from_secs(self.handshake_timeout),
-            switch_over_timeout: Duration::from_secs(self.switch_over_timeout),
-            ..MigrationConfig::default()
+            };
+            config.auto_dictionary = self.compression_dictionary == DictionaryChoice::Auto;
+            config.dictionary_refresh = self.dictionary_refresh;
+            config.packet_frames = self.packet_frames;
+            config.verify = self.verify;
+            config.digest_threads = self.digest_threads;
+            config.zero_copy = self.zero_copy;
+            config.zero_copy_backend = self.zero_copy_backend;
+            config.io_timeout = Duration::from_secs(self.io_timeout);
+            config.connect_timeout = Duration::from_secs(self.connect_timeout);
+            config.handshake_timeout = Duration::from_secs(self.handshake_timeout);
+            config.switch_over_timeout = Duration::from_secs(self.switch_over_timeout);
+            config
         })
     }
 }
@@ -1115,9 +1115,10 @@ mod tests {
             assert!(error.contains("out of range (1..=64)"), "{error}");
         }
         assert_eq!(demo(&["--channels", "64"]).unwrap().transfer.channels, 64);
-        let engine = MigrationConfig {
-            channels: 65,
-            ..MigrationConfig::default()
+        let engine = {
+            let mut config = MigrationConfig::default();
+            config.channels = 65;
+            config
         }
         .validate()
         .unwrap_err()

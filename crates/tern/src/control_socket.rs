@@ -448,12 +448,10 @@ fn cont(shared: &Shared) -> Result<Value, CommandError> {
     })?;
     resume().map_err(|error| CommandError::generic(format!("Cannot resume: {error:#}")))?;
     handle.note_resumed();
-    shared.broadcast(&Event {
-        version: CONTRACT_VERSION,
-        side: tern_engine::control::Side::Destination,
-        timestamp: tern_engine::control::Timestamp::now(),
-        body: tern_engine::EventBody::Resume(tern_engine::control::Empty {}),
-    });
+    shared.broadcast(&Event::now(
+        tern_engine::control::Side::Destination,
+        tern_engine::EventBody::Resume(tern_engine::control::Empty::default()),
+    ));
     Ok(json!({}))
 }
 

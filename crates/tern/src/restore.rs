@@ -64,12 +64,14 @@ impl RestoreArgs {
             }
             None => None,
         };
-        Ok(RestoreConfig {
-            threads: usize::from(self.threads),
-            prefetch_working_set: !self.no_prefetch,
-            working_set,
-            background: true,
-            resume: true,
+        Ok({
+            let mut config = RestoreConfig::default();
+            config.threads = usize::from(self.threads);
+            config.prefetch_working_set = !self.no_prefetch;
+            config.working_set = working_set;
+            config.background = true;
+            config.resume = true;
+            config
         })
     }
 }

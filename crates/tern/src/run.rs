@@ -286,16 +286,14 @@ fn demo(args: &DemoArgs, verbose: bool) -> anyhow::Result<ExitCode> {
         );
     }
     let mut guest = fill_guest(&args.guest)?;
-    let destination = spawn_local_destination(
-        listener,
-        ReceiveConfig {
-            io_timeout: config.io_timeout,
-            security: destination_security,
-            // The demo's own source: its --verify choice stands.
-            allow_unverified: true,
-            ..ReceiveConfig::default()
-        },
-    );
+    let destination = spawn_local_destination(listener, {
+        let mut engine_config = ReceiveConfig::default();
+        engine_config.io_timeout = config.io_timeout;
+        engine_config.security = destination_security;
+        // The demo's own source: its --verify choice stands.
+        engine_config.allow_unverified = true;
+        engine_config
+    });
     if !args.json {
         eprintln!(
             "tern demo: migrating to {address} over {} channels...",

@@ -43,12 +43,13 @@ pub struct SaveFileArgs {
 
 impl SaveFileArgs {
     fn config(&self) -> SaveConfig {
-        SaveConfig {
-            writers: usize::from(self.writers),
-            direct: self.direct,
-            live: self.live,
-            resume: !self.stop,
-            ..SaveConfig::default()
+        {
+            let mut config = SaveConfig::default();
+            config.writers = usize::from(self.writers);
+            config.direct = self.direct;
+            config.live = self.live;
+            config.resume = !self.stop;
+            config
         }
     }
 }

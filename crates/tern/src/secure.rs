@@ -128,7 +128,12 @@ fn load(auth_key: Option<&PathBuf>, tls_dir: Option<&PathBuf>) -> anyhow::Result
                 .with_context(|| format!("--tls-dir {}", dir.display()))
         })
         .transpose()?;
-    Ok(Security { tls, auth_key })
+    Ok({
+        let mut config = Security::default();
+        config.tls = tls;
+        config.auth_key = auth_key;
+        config
+    })
 }
 
 fn warn_if_readable_by_others(path: &std::path::Path) {
@@ -164,13 +169,17 @@ pub fn throwaway_tls() -> anyhow::Result<(Security, Security)> {
         )?;
         Ok(Arc::new(config))
     };
-    let source = Security {
-        tls: Some(identity(&["tern-demo-source"])?),
-        auth_key: None,
+    let source = {
+        let mut config = Security::default();
+        config.tls = Some(identity(&["tern-demo-source"])?);
+        config.auth_key = None;
+        config
     };
-    let destination = Security {
-        tls: Some(identity(&["127.0.0.1", "localhost"])?),
-        auth_key: None,
+    let destination = {
+        let mut config = Security::default();
+        config.tls = Some(identity(&["127.0.0.1", "localhost"])?);
+        config.auth_key = None;
+        config
     };
     Ok((source, destination))
 }

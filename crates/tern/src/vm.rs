@@ -688,11 +688,12 @@ fn demo(args: &DemoArgs, verbose: bool) -> anyhow::Result<ExitCode> {
     let io_timeout = config.io_timeout;
     let make_destination = prepare_destination()?;
     let destination = std::thread::spawn(move || {
-        Destination::new(ReceiveConfig {
-            io_timeout,
+        Destination::new({
+            let mut config = ReceiveConfig::default();
+            config.io_timeout = io_timeout;
             // The demo's own source: its --verify choice stands.
-            allow_unverified: true,
-            ..ReceiveConfig::default()
+            config.allow_unverified = true;
+            config
         })
         .receive(&listener, make_destination)
         .context("the destination failed")

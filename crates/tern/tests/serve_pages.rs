@@ -314,9 +314,10 @@ fn a_tern_snapshot_is_served_and_read_back_exactly() {
         ..tern_synthetic::SyntheticConfig::default()
     })
     .unwrap();
-    let config = tern_engine::SaveConfig {
-        resume: false,
-        ..tern_engine::SaveConfig::default()
+    let config = {
+        let mut config = tern_engine::SaveConfig::default();
+        config.resume = false;
+        config
     };
     tern_engine::save(&mut guest, &path, &config).unwrap();
     let expected = guest.region_bytes(0).unwrap();

@@ -37,23 +37,23 @@ pub(super) struct Counters {
 impl Counters {
     pub(super) fn snapshot(&self) -> ZeroOffloadStats {
         let l = |a: &AtomicU64| a.load(Ordering::Relaxed);
-        ZeroOffloadStats {
-            pages_device: l(&self.pages_device),
-            pages_cpu: 0,
-            pages_fallback: l(&self.pages_fallback),
-            page_faults: l(&self.page_faults),
-            device_errors: l(&self.device_errors),
-            descriptors_submitted: l(&self.descriptors_submitted),
-            batches: l(&self.batches),
-            submit_retries: 0,
-            submit_failures: l(&self.submit_failures),
-            slots_exhausted: l(&self.slots_exhausted),
-            queues_disabled: l(&self.queues_disabled),
-            slots_retired: l(&self.slots_retired),
-            pages_queue_full: l(&self.pages_queue_full),
-            umwaits: l(&self.umwaits),
-            completion_thread_cpu: Duration::from_nanos(l(&self.completion_cpu_ns)),
-        }
+        // Built field by field: the struct is non_exhaustive (tern-page may add
+        // counters this engine leaves at zero).
+        let mut stats = ZeroOffloadStats::default();
+        stats.pages_device = l(&self.pages_device);
+        stats.pages_fallback = l(&self.pages_fallback);
+        stats.page_faults = l(&self.page_faults);
+        stats.device_errors = l(&self.device_errors);
+        stats.descriptors_submitted = l(&self.descriptors_submitted);
+        stats.batches = l(&self.batches);
+        stats.submit_failures = l(&self.submit_failures);
+        stats.slots_exhausted = l(&self.slots_exhausted);
+        stats.queues_disabled = l(&self.queues_disabled);
+        stats.slots_retired = l(&self.slots_retired);
+        stats.pages_queue_full = l(&self.pages_queue_full);
+        stats.umwaits = l(&self.umwaits);
+        stats.completion_thread_cpu = Duration::from_nanos(l(&self.completion_cpu_ns));
+        stats
     }
 }
 
@@ -156,6 +156,8 @@ impl Inner {
                 }
                 Ok(Some(slot))
             }
+            // A state a newer tern-page defines names no slot of this engine.
+            _ => Err(OffloadError::BadTicket),
         }
     }
 }

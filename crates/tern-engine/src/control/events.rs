@@ -13,6 +13,7 @@ use crate::stats::MigrationStatus;
 /// Which end of the migration sent an event.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, schemars::JsonSchema)]
 #[serde(rename_all = "kebab-case")]
+#[non_exhaustive]
 pub enum Side {
     /// The side whose guest leaves (`tern migrate`).
     Source,
@@ -22,6 +23,7 @@ pub enum Side {
 
 /// When an event happened: wall-clock time, as QMP gives it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, schemars::JsonSchema)]
+#[non_exhaustive]
 pub struct Timestamp {
     /// Seconds since the Unix epoch.
     pub seconds: u64,
@@ -46,6 +48,7 @@ impl Timestamp {
 /// under which version of the contract.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize, schemars::JsonSchema)]
 #[serde(rename_all = "kebab-case")]
+#[non_exhaustive]
 pub struct Event {
     /// The contract's version ([`CONTRACT_VERSION`]).
     pub version: u32,
@@ -58,9 +61,23 @@ pub struct Event {
     pub body: EventBody,
 }
 
+impl Event {
+    /// An event of this contract version ([`CONTRACT_VERSION`]) that
+    /// happens now.
+    pub fn now(side: Side, body: EventBody) -> Self {
+        Self {
+            version: CONTRACT_VERSION,
+            side,
+            timestamp: Timestamp::now(),
+            body,
+        }
+    }
+}
+
 /// What happened, with its figures: the `event` name and its `data`.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize, schemars::JsonSchema)]
 #[serde(tag = "event", content = "data", rename_all = "SCREAMING_SNAKE_CASE")]
+#[non_exhaustive]
 pub enum EventBody {
     /// The migration's status changed (QMP's `MIGRATION`): `active` once
     /// the channels are set up, `device` when the switch-over starts, then
@@ -81,11 +98,13 @@ pub enum EventBody {
 
 /// No data.
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize, schemars::JsonSchema)]
+#[non_exhaustive]
 pub struct Empty {}
 
 /// A status change.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, schemars::JsonSchema)]
 #[serde(rename_all = "kebab-case")]
+#[non_exhaustive]
 pub struct StatusChange {
     /// The new status.
     pub status: MigrationStatus,
@@ -97,6 +116,7 @@ pub struct StatusChange {
 /// The figures of one dirty iteration, measured at its dirty-log sync.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize, schemars::JsonSchema)]
 #[serde(rename_all = "kebab-case")]
+#[non_exhaustive]
 pub struct Pass {
     /// Iterations completed, counting this one (QMP's `pass`).
     pub pass: u64,
@@ -117,6 +137,7 @@ pub struct Pass {
 /// A throttle change.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, schemars::JsonSchema)]
 #[serde(rename_all = "kebab-case")]
+#[non_exhaustive]
 pub struct ThrottleChange {
     /// The guest's throttle now, in percent.
     pub cpu_throttle_percentage: u64,
@@ -167,7 +188,7 @@ struct HubState {
 }
 
 impl EventHub {
-    pub fn new(side: Side) -> Self {
+    pub(crate) fn new(side: Side) -> Self {
         Self {
             side,
             state: Mutex::new(HubState::default()),
@@ -178,7 +199,7 @@ impl EventHub {
         self.state.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    pub fn subscribe(&self) -> Subscription {
+    pub(crate) fn subscribe(&self) -> Subscription {
         let (sender, events) = channel();
         let mut state = self.state();
         match &state.last {
@@ -193,17 +214,12 @@ impl EventHub {
 
     /// Sends `body` to every subscriber; a final status change closes the
     /// subscriptions. Nothing is sent after the final status change.
-    pub fn publish(&self, body: EventBody) {
+    pub(crate) fn publish(&self, body: EventBody) {
         let final_status = matches!(
             &body,
             EventBody::Migration(change) if change.status.is_final()
         );
-        let event = Event {
-            version: CONTRACT_VERSION,
-            side: self.side,
-            timestamp: Timestamp::now(),
-            body,
-        };
+        let event = Event::now(self.side, body);
         let mut state = self.state();
         if state.last.is_some() {
             return;
@@ -217,7 +233,7 @@ impl EventHub {
         }
     }
 
-    pub fn status(&self, status: MigrationStatus, error_desc: Option<String>) {
+    pub(crate) fn status(&self, status: MigrationStatus, error_desc: Option<String>) {
         self.publish(EventBody::Migration(StatusChange { status, error_desc }));
     }
 }

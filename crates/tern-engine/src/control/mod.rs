@@ -65,6 +65,7 @@ impl CancelToken {
 
 /// Why a control request was refused; the migration is untouched.
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
+#[non_exhaustive]
 pub enum ControlError {
     /// A parameter's value is out of range.
     #[error(transparent)]
@@ -89,7 +90,11 @@ pub(crate) struct SourceControl {
 }
 
 impl SourceControl {
-    pub fn new(config: &MigrationConfig, stats: Arc<LiveStats>, cancel: CancelToken) -> Self {
+    pub(crate) fn new(
+        config: &MigrationConfig,
+        stats: Arc<LiveStats>,
+        cancel: CancelToken,
+    ) -> Self {
         Self {
             stats,
             parameters: LiveParameters::new(config),
@@ -100,7 +105,7 @@ impl SourceControl {
     }
 
     /// Keeps the final report for later queries and sends the final event.
-    pub fn finish(&self, report: &MigrationStats) {
+    pub(crate) fn finish(&self, report: &MigrationStats) {
         *self.final_report.lock().unwrap_or_else(|e| e.into_inner()) = Some(report.clone());
         self.events.status(report.status, report.error_desc.clone());
     }

@@ -22,6 +22,7 @@ pub const MAX_DOWNTIME_LIMIT_MS: u64 = 2_000_000;
 /// migration runs).
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize, schemars::JsonSchema)]
 #[serde(rename_all = "kebab-case", deny_unknown_fields)]
+#[non_exhaustive]
 pub struct MigrationParameters {
     /// Cap on the bytes per second written to all channels together; 0
     /// removes the cap. Takes effect from the next packet.
@@ -49,6 +50,7 @@ pub struct MigrationParameters {
 /// A parameter value out of its range.
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
 #[error("Parameter '{name}' {reason}")]
+#[non_exhaustive]
 pub struct ParameterError {
     /// The parameter's name as in [`MigrationParameters`]' JSON.
     pub name: &'static str,
@@ -114,7 +116,7 @@ pub(crate) struct LiveParameters {
 }
 
 impl LiveParameters {
-    pub fn new(config: &MigrationConfig) -> Self {
+    pub(crate) fn new(config: &MigrationConfig) -> Self {
         Self {
             max_bandwidth: Arc::new(AtomicU64::new(config.max_bandwidth.unwrap_or(0))),
             downtime_limit_ms: AtomicU64::new(
@@ -129,7 +131,7 @@ impl LiveParameters {
     }
 
     /// Applies a validated patch.
-    pub fn apply(&self, patch: &MigrationParameters) -> Result<(), ParameterError> {
+    pub(crate) fn apply(&self, patch: &MigrationParameters) -> Result<(), ParameterError> {
         patch.validate()?;
         let set_u8 = |atomic: &AtomicU8, value: Option<u8>| {
             if let Some(value) = value {
@@ -152,7 +154,7 @@ impl LiveParameters {
     }
 
     /// Every parameter's current value.
-    pub fn current(&self) -> MigrationParameters {
+    pub(crate) fn current(&self) -> MigrationParameters {
         let settings = self.convergence();
         MigrationParameters {
             max_bandwidth: Some(self.max_bandwidth.load(Ordering::Relaxed)),
@@ -167,11 +169,11 @@ impl LiveParameters {
     }
 
     /// The bandwidth cap the pipeline's senders read before each packet.
-    pub fn bandwidth_cap(&self) -> Arc<AtomicU64> {
+    pub(crate) fn bandwidth_cap(&self) -> Arc<AtomicU64> {
         self.max_bandwidth.clone()
     }
 
-    pub fn convergence(&self) -> ConvergenceSettings {
+    pub(crate) fn convergence(&self) -> ConvergenceSettings {
         ConvergenceSettings {
             downtime_limit: Duration::from_millis(self.downtime_limit_ms.load(Ordering::Relaxed)),
             auto_converge: self.auto_converge.load(Ordering::Relaxed),
@@ -181,11 +183,11 @@ impl LiveParameters {
         }
     }
 
-    pub fn request_switch_over(&self) {
+    pub(crate) fn request_switch_over(&self) {
         self.switch_over_requested.store(true, Ordering::Relaxed);
     }
 
-    pub fn switch_over_requested(&self) -> bool {
+    pub(crate) fn switch_over_requested(&self) -> bool {
         self.switch_over_requested.load(Ordering::Relaxed)
     }
 }

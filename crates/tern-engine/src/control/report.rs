@@ -8,6 +8,7 @@ use crate::stats::{DestinationStats, DigestComparison, MigrationStatus, SessionS
 /// What became of the guest on the destination.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, schemars::JsonSchema)]
 #[serde(rename_all = "kebab-case")]
+#[non_exhaustive]
 pub enum GuestState {
     /// It runs here.
     Running,
@@ -19,6 +20,7 @@ pub enum GuestState {
 /// The destination's report.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize, schemars::JsonSchema)]
 #[serde(rename_all = "kebab-case")]
+#[non_exhaustive]
 pub struct ReceiveReport {
     /// The contract's version.
     pub version: u32,

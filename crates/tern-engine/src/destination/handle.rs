@@ -18,7 +18,7 @@ pub(crate) struct DestinationControl {
 }
 
 impl DestinationControl {
-    pub fn new(stats: Arc<ReceiveStats>, cancel: CancelToken) -> Self {
+    pub(crate) fn new(stats: Arc<ReceiveStats>, cancel: CancelToken) -> Self {
         Self {
             stats,
             cancel,
@@ -27,7 +27,7 @@ impl DestinationControl {
         }
     }
 
-    pub fn outcome(&self) -> MutexGuard<'_, ReceiveOutcome> {
+    pub(crate) fn outcome(&self) -> MutexGuard<'_, ReceiveOutcome> {
         self.report.lock().unwrap_or_else(|e| e.into_inner())
     }
 }

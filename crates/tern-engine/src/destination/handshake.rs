@@ -92,7 +92,7 @@ const DROP_LOG_INTERVAL: Duration = Duration::from_secs(1);
 /// A uniformly random index below `len` (0 when `len` is 0).
 fn random_index(len: usize) -> usize {
     let mut bytes = [0u8; 8];
-    if ring::rand::SecureRandom::fill(&ring::rand::SystemRandom::new(), &mut bytes).is_err() {
+    if crate::transport::auth::random_bytes(&mut bytes).is_err() {
         return 0;
     }
     usize::try_from(u64::from_le_bytes(bytes) % len.max(1) as u64).unwrap_or(0)

@@ -121,7 +121,7 @@ impl Destination {
     /// [`receive`](Self::receive)'s own path. Returns the result and the
     /// bytes the destination sent on the main channel: its welcome, then its
     /// outcome or an abort. For tests and fuzzing.
-    pub fn receive_from_memory<G, F>(
+    pub(crate) fn receive_from_memory<G, F>(
         &self,
         main: &[u8],
         page_channels: &[&[u8]],

@@ -46,6 +46,7 @@ const POLL_INTERVAL: Duration = Duration::from_millis(100);
 /// Where a destination is, for progress display.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 #[repr(u8)]
+#[non_exhaustive]
 pub enum ReceivePhase {
     /// Waiting for the source to connect and announce the guest.
     Waiting = 0,
@@ -90,6 +91,7 @@ impl ReceivePhase {
 /// Live counters of the destination, readable while [`Destination::receive`]
 /// runs (through the accessor methods) for progress display.
 #[derive(Debug, Default)]
+#[non_exhaustive]
 pub struct ReceiveStats {
     phase: AtomicU8,
     /// The phase before it became `Failed`.
@@ -285,6 +287,7 @@ fn nanos(seconds: f64) -> u64 {
 /// A completed incoming migration: the guest, restored and running (or
 /// paused, with [`ReceiveConfig::keep_paused`]).
 #[derive(Debug)]
+#[non_exhaustive]
 pub struct Received<G> {
     /// The guest, resumed (or paused, handed over: see `resumed`).
     pub guest: G,

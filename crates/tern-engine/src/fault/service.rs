@@ -81,6 +81,7 @@ impl Default for FaultConfig {
 /// What the service did, in QMP's words where QMP has them.
 #[derive(Clone, Debug, Default, PartialEq, Serialize)]
 #[serde(rename_all = "kebab-case")]
+#[non_exhaustive]
 pub struct FaultStats {
     /// Page faults answered.
     pub faults: u64,

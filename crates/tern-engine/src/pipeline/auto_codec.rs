@@ -28,7 +28,7 @@ pub(crate) struct CompressionSetup {
 
 impl CompressionSetup {
     /// Codecs the session may use (announced in the hello as a bitmask).
-    pub fn codecs(&self) -> Vec<CodecId> {
+    pub(crate) fn codecs(&self) -> Vec<CodecId> {
         match self.choice.wire() {
             Some(CodecId::None) => Vec::new(),
             Some(CodecId::Zstd) if self.packet_frames => vec![CodecId::ZstdPacket],
@@ -48,17 +48,20 @@ impl CompressionSetup {
 
     /// A compressor for `codec`, as the user's choice asks (QPL for deflate
     /// when `qpl` was chosen, or when `auto` measured QPL the better deflate).
-    pub fn compressor(&self, codec: CodecId) -> Result<PageCompressor, tern_page::CodecError> {
+    pub(crate) fn compressor(
+        &self,
+        codec: CodecId,
+    ) -> Result<PageCompressor, tern_page::CodecError> {
         self.compressor_at(codec, self.level_for(codec))
     }
 
     /// The level asked for `codec`: the configured one, or its default.
-    pub fn level_for(&self, codec: CodecId) -> i32 {
+    pub(crate) fn level_for(&self, codec: CodecId) -> i32 {
         self.level.unwrap_or_else(|| codec.default_level())
     }
 
     /// [`compressor`](Self::compressor) at `level` (auto tunes it).
-    pub fn compressor_at(
+    pub(crate) fn compressor_at(
         &self,
         codec: CodecId,
         level: i32,
@@ -69,7 +72,7 @@ impl CompressionSetup {
     /// [`compressor_at`](Self::compressor_at) against `dictionary` (zstd
     /// only; other codecs ignore it): a refreshed one, in force since an
     /// iteration boundary.
-    pub fn compressor_with(
+    pub(crate) fn compressor_with(
         &self,
         codec: CodecId,
         level: i32,
@@ -349,12 +352,12 @@ pub(super) struct LinkEstimates {
 
 impl LinkEstimates {
     /// Windows the median is taken over.
-    pub const KEPT: usize = 5;
+    pub(super) const KEPT: usize = 5;
     /// Windows measured before the first decision.
-    pub const NEEDED: usize = 3;
+    pub(super) const NEEDED: usize = 3;
 
     /// Adds a window's estimate; the rate to decide on, once enough are in.
-    pub fn push(&mut self, estimate: f64) -> Option<f64> {
+    pub(super) fn push(&mut self, estimate: f64) -> Option<f64> {
         if self.recent.len() == Self::KEPT {
             self.recent.pop_front();
         }

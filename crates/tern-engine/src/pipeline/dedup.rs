@@ -63,7 +63,7 @@ impl IndexedPage {
     }
 
     /// Whether it went in `iteration` (else in an earlier one).
-    pub fn in_iteration(&self, iteration: u32) -> bool {
+    pub(super) fn in_iteration(&self, iteration: u32) -> bool {
         self.iteration == iteration & ITERATION_MASK
     }
 }
@@ -76,7 +76,7 @@ pub(super) struct DedupIndex {
 impl DedupIndex {
     /// An index sized for `guest_pages` pages (a bucket per page, rounded to
     /// a power of two, between 1 Ki and 4 Mi buckets: at most 32 MiB).
-    pub fn new(guest_pages: u64) -> Self {
+    pub(super) fn new(guest_pages: u64) -> Self {
         let buckets = guest_pages
             .clamp(MIN_BUCKETS, MAX_BUCKETS)
             .next_power_of_two();
@@ -91,19 +91,19 @@ impl DedupIndex {
     }
 
     /// The page last published under `hash`'s bucket, if any.
-    pub fn candidate(&self, hash: u64) -> Option<IndexedPage> {
+    pub(super) fn candidate(&self, hash: u64) -> Option<IndexedPage> {
         IndexedPage::unpack(self.bucket(hash).load(Ordering::Acquire))
     }
 
     /// Publishes a page whose packet is already queued on its channel.
-    pub fn publish(&self, hash: u64, page: IndexedPage) {
+    pub(super) fn publish(&self, hash: u64, page: IndexedPage) {
         self.bucket(hash).store(page.pack(), Ordering::Release);
     }
 
     /// Before `iteration`, with no worker running: drops every page of
     /// `bitmaps` (dirtied since it was sent, or about to be sent again) and
     /// every bucket old enough that its 15-bit iteration would alias.
-    pub fn sweep(&self, bitmaps: &[DirtyBitmap], iteration: u32) {
+    pub(super) fn sweep(&self, bitmaps: &[DirtyBitmap], iteration: u32) {
         for bucket in self.buckets.iter() {
             let Some(page) = IndexedPage::unpack(bucket.load(Ordering::Relaxed)) else {
                 continue;

@@ -112,12 +112,12 @@ impl Default for DeltaGate {
 impl DeltaGate {
     /// Whether page `page` of `region`, sent in `iteration`, goes through
     /// the cache.
-    pub fn admits(&self, iteration: u32, region: usize, page: u32) -> bool {
+    pub(super) fn admits(&self, iteration: u32, region: usize, page: u32) -> bool {
         iteration >= 1 && (self.open || is_probe(region, page))
     }
 
     /// Counts what the cache did with an admitted page.
-    pub fn record(&mut self, outcome: DeltaOutcome) {
+    pub(super) fn record(&mut self, outcome: DeltaOutcome) {
         match outcome {
             DeltaOutcome::Delta(_) => self.deltas += 1,
             DeltaOutcome::Overflow => {}
@@ -236,7 +236,7 @@ fn tag(region: usize, page: u32) -> u64 {
 
 impl DeltaCache {
     /// A cache of `bytes` (whole pages; at least one).
-    pub fn new(bytes: u64, offload: Option<Arc<dyn DeltaOffload>>) -> Self {
+    pub(super) fn new(bytes: u64, offload: Option<Arc<dyn DeltaOffload>>) -> Self {
         let slots = usize::try_from(bytes / PAGE_SIZE as u64)
             .unwrap_or(usize::MAX)
             .max(1);
@@ -248,7 +248,7 @@ impl DeltaCache {
     }
 
     /// Size in bytes.
-    pub fn bytes(&self) -> u64 {
+    pub(super) fn bytes(&self) -> u64 {
         (self.states.len() * PAGE_SIZE) as u64
     }
 
@@ -263,7 +263,7 @@ impl DeltaCache {
     /// sent, against its cached version into `delta`, and caches `copy` in
     /// its place. The caller must send exactly `copy` (as the delta, or
     /// whole for an overflow or a miss).
-    pub fn encode(
+    pub(super) fn encode(
         &self,
         region: usize,
         page: u32,
@@ -312,7 +312,7 @@ impl DeltaCache {
     /// Page `page` of `region` is being sent without its bytes passing
     /// through the cache (a zero page, a duplicate): its slot must not name
     /// it any more.
-    pub fn forget(&self, region: usize, page: u32) {
+    pub(super) fn forget(&self, region: usize, page: u32) {
         let (slot_state, _) = self.slot(region, page);
         let wanted = tag(region, page);
         // Busy means held for another page, which will be named instead.

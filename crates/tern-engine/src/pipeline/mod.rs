@@ -292,7 +292,7 @@ impl PipelineSetup {
 impl<'scope> Pipeline<'scope> {
     /// Starts workers and one sender per page channel inside `scope`.
     // long: the producer's whole state is built here, in the order it depends on
-    pub fn start<'env>(
+    pub(crate) fn start<'env>(
         scope: &'scope Scope<'scope, 'env>,
         mut setup: PipelineSetup,
         channels: Vec<PageSender>,
@@ -419,7 +419,7 @@ impl<'scope> Pipeline<'scope> {
     }
 
     /// The incremental digest the workers keep (with verification).
-    pub fn page_hashes(&self) -> Option<&PageHashes> {
+    pub(crate) fn page_hashes(&self) -> Option<&PageHashes> {
         self.shared.page_hashes.as_deref()
     }
 
@@ -428,7 +428,7 @@ impl<'scope> Pipeline<'scope> {
     /// `last` is the switch-over pass, sent with the guest paused. With
     /// the `main` channel (live iterations), a refreshed dictionary may be
     /// announced there before the syncs (see `dictionary_refresh.rs`).
-    pub fn send_iteration(
+    pub(crate) fn send_iteration(
         &mut self,
         bitmaps: &mut [DirtyBitmap],
         iteration: u32,
@@ -638,7 +638,7 @@ impl<'scope> Pipeline<'scope> {
 
     /// Stops every thread and waits for them. Safe to call after a failure:
     /// channels are shut down so no thread stays blocked in the kernel.
-    pub fn shut_down(mut self, abort_channels: bool) {
+    pub(crate) fn shut_down(mut self, abort_channels: bool) {
         if abort_channels {
             for channel in &self.shutdown_handles {
                 channel.shutdown();

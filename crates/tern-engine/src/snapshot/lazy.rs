@@ -33,6 +33,7 @@ impl<G: DestinationGuest> std::fmt::Debug for LazyRestore<G> {
 /// What a lazy restore did.
 #[derive(Clone, Debug, PartialEq, Serialize)]
 #[serde(rename_all = "kebab-case")]
+#[non_exhaustive]
 pub struct LazyStats {
     /// From opening the file to the guest resumed.
     pub resumed_after_ms: f64,

@@ -18,6 +18,7 @@ const PAGE: u64 = PAGE_SIZE as u64;
 
 /// How to restore.
 #[derive(Clone, Debug)]
+#[non_exhaustive]
 pub struct RestoreConfig {
     /// Reader threads for an eager restore, loader threads for a lazy one.
     pub threads: usize,
@@ -49,6 +50,7 @@ impl Default for RestoreConfig {
 /// What an eager restore did.
 #[derive(Clone, Debug, PartialEq, Serialize)]
 #[serde(rename_all = "kebab-case")]
+#[non_exhaustive]
 pub struct RestoreStats {
     /// From opening the file to the guest running.
     pub total_time_ms: f64,
@@ -62,6 +64,7 @@ pub struct RestoreStats {
 
 /// A restored guest, running unless [`RestoreConfig::resume`] was off.
 #[derive(Debug)]
+#[non_exhaustive]
 pub struct Restored<G> {
     /// The guest.
     pub guest: G,

@@ -14,6 +14,7 @@ use crate::snapshot::writer::SlotWriter;
 
 /// How to save.
 #[derive(Clone, Debug)]
+#[non_exhaustive]
 pub struct SaveConfig {
     /// Writer threads (at least 1).
     pub writers: usize,
@@ -48,6 +49,7 @@ impl Default for SaveConfig {
 /// What a save did.
 #[derive(Clone, Debug, PartialEq, Serialize)]
 #[serde(rename_all = "kebab-case")]
+#[non_exhaustive]
 pub struct SaveStats {
     /// Wall-clock time of the whole save.
     pub total_time_ms: f64,

@@ -41,7 +41,7 @@ impl SyncFacts {
     /// Downtime a switch-over now would cost: the remaining dirty pages and
     /// the device state at the measured bandwidth, and finishing the
     /// digest.
-    pub fn expected_downtime(&self) -> Duration {
+    pub(super) fn expected_downtime(&self) -> Duration {
         let remaining = self.dirty_pages as f64 * PAGE_SIZE as f64 + self.state_bytes as f64;
         let link = Duration::from_secs_f64(remaining / self.bandwidth.max(1.0));
         link.max(self.codec_downtime()) + self.final_rehash
@@ -114,7 +114,7 @@ pub(crate) struct Convergence {
 }
 
 impl Convergence {
-    pub fn new(config: &MigrationConfig) -> Self {
+    pub(super) fn new(config: &MigrationConfig) -> Self {
         Self {
             downtime_limit: config.downtime_limit,
             max_iterations: config.max_iterations,
@@ -132,7 +132,7 @@ impl Convergence {
 
     /// Takes the settings an operator may have changed since the last
     /// sync (downtime limit, auto-converge and its throttle steps).
-    pub fn apply(&mut self, settings: ConvergenceSettings) {
+    pub(super) fn apply(&mut self, settings: ConvergenceSettings) {
         if self.auto_converge && !settings.auto_converge && self.throttle > 0 {
             self.unthrottle = true;
         }
@@ -144,7 +144,7 @@ impl Convergence {
     }
 
     /// The downtime limit in force.
-    pub fn downtime_limit(&self) -> Duration {
+    pub(super) fn downtime_limit(&self) -> Duration {
         self.downtime_limit
     }
 
@@ -153,7 +153,7 @@ impl Convergence {
     /// cancellation; then an operator's "switch over now" (forced); then
     /// the iteration and time limits with their policy; then
     /// auto-converge.
-    pub fn decide(&mut self, facts: &SyncFacts) -> Decision {
+    pub(super) fn decide(&mut self, facts: &SyncFacts) -> Decision {
         let expected_downtime = facts.expected_downtime();
         if expected_downtime <= self.downtime_limit {
             return Decision::SwitchOver { forced: false };

@@ -199,10 +199,10 @@ pub(crate) struct RatioWindow {
 
 impl RatioWindow {
     /// Fewer pages than this say too little about a dictionary to judge it.
-    pub const ENOUGH_PAGES: u64 = 256;
+    pub(crate) const ENOUGH_PAGES: u64 = 256;
 
     /// Guest bytes per wire byte, when the window is large enough.
-    pub fn ratio(&self) -> Option<f64> {
+    pub(crate) fn ratio(&self) -> Option<f64> {
         (self.pages >= Self::ENOUGH_PAGES && self.bytes_out > 0)
             .then(|| self.bytes_in as f64 / self.bytes_out as f64)
     }
@@ -222,11 +222,11 @@ impl RefreshRule {
     /// How much worse than its baseline the ratio must get: below noise
     /// between iterations of similar content (a few percent), well above
     /// what retraining costs in bytes (one dictionary per refresh).
-    pub const WORSE_BY: f64 = 0.10;
+    pub(super) const WORSE_BY: f64 = 0.10;
 
     /// Takes one iteration's window; true when a new dictionary should be
     /// trained.
-    pub fn observe(&mut self, window: &RatioWindow) -> bool {
+    pub(super) fn observe(&mut self, window: &RatioWindow) -> bool {
         let Some(ratio) = window.ratio() else {
             return false;
         };
@@ -241,14 +241,14 @@ impl RefreshRule {
     }
 
     /// A new dictionary is in use: its own first window is its baseline.
-    pub fn restart(&mut self) {
+    pub(super) fn restart(&mut self) {
         self.baseline = None;
         self.last = None;
     }
 
     /// Training failed on what is sent now: take the current ratio as the
     /// baseline, so only a further drop tries again.
-    pub fn settle(&mut self) {
+    pub(super) fn settle(&mut self) {
         if let Some(last) = self.last {
             self.baseline = Some(last);
         }
@@ -280,7 +280,7 @@ pub(crate) struct DictionaryRefresher {
 impl DictionaryRefresher {
     /// A refresher for a session whose setup trained dictionary 1 of at
     /// most `max_len` bytes; `None` when refreshing is off.
-    pub fn new(mode: DictionaryRefresh, max_len: usize) -> Option<Self> {
+    pub(crate) fn new(mode: DictionaryRefresh, max_len: usize) -> Option<Self> {
         (mode != DictionaryRefresh::Off).then(|| Self {
             mode,
             max_len,
@@ -294,7 +294,7 @@ impl DictionaryRefresher {
     /// syncs not yet): judges the iteration's window, starts training on
     /// `sample()` if a refresh pays, and returns a dictionary whose training
     /// has finished, to be announced now.
-    pub fn at_boundary(
+    pub(crate) fn at_boundary(
         &mut self,
         window: &RatioWindow,
         sample: impl FnOnce() -> Vec<[u8; PAGE_SIZE]>,

@@ -31,6 +31,7 @@ use peer::{peer_reason, send_abort};
 /// stays paused.
 #[derive(Debug, thiserror::Error)]
 #[error("{error}")]
+#[non_exhaustive]
 pub struct MigrationFailure {
     /// The cause.
     #[source]

@@ -15,8 +15,14 @@
 //! session and channel are inside both proofs, and the hello that follows
 //! must name the same ones, so a proof cannot be moved to another channel
 //! or session; the two roles have different labels, so a side cannot be
-//! made to answer its own challenge. Tags are compared in constant time
-//! (`ring::hmac::verify`).
+//! made to answer its own challenge. Tags are compared in constant time.
+//!
+//! The two primitives, HMAC-SHA256 and SHA-256, come through
+//! [`AuthCrypto`]: ring's with the `ring` feature (on by default, and with
+//! `tls`), or the embedder's own (aws-lc-rs, OpenSSL) through
+//! [`AuthKey::from_bytes_with`], so that a VMM linking another crypto
+//! library need not link ring too. Nonces come from the kernel
+//! (`getrandom(2)`).
 //!
 //! On the main channel the exchange also yields a session key, one per
 //! direction, that seals every control frame after it (protocol version
@@ -31,9 +37,8 @@
 
 use std::fmt;
 use std::path::Path;
+use std::sync::Arc;
 
-use ring::hmac;
-use ring::rand::{SecureRandom, SystemRandom};
 use tern_wire::{
     AUTH_NONCE_LEN, AUTH_PROOF_LEN, FRAME_HEADER_LEN, FrameHeader, FrameOpener, Handshake, Seal,
     WireError,
@@ -67,11 +72,98 @@ pub enum AuthError {
     /// No random bytes for a nonce.
     #[error("no random bytes for an authentication nonce")]
     Random,
+    /// No HMAC-SHA256 implementation: the `ring` feature is off and none was
+    /// given.
+    #[error(
+        "tern-engine was built without the ring feature: give an AuthCrypto \
+         (AuthKey::from_bytes_with) for the auth key"
+    )]
+    NoCrypto,
+}
+
+/// Length of an HMAC-SHA256 tag and of a SHA-256 digest.
+pub const SHA256_LEN: usize = 32;
+
+/// The hash primitives of the shared-key handshake and of the control-frame
+/// seals. tern builds every proof, key and seal from these two, and compares
+/// tags itself, in constant time. [`RingCrypto`] (feature `ring`) is the
+/// default; an embedder that links another crypto library implements it in
+/// a few lines over that library's HMAC and SHA-256 and passes it to
+/// [`AuthKey::from_bytes_with`].
+pub trait AuthCrypto: Send + Sync {
+    /// HMAC-SHA256 of `message` under `key` (RFC 2104 with SHA-256).
+    fn hmac_sha256(&self, key: &[u8], message: &[u8]) -> [u8; SHA256_LEN];
+
+    /// SHA-256 of `data`.
+    fn sha256(&self, data: &[u8]) -> [u8; SHA256_LEN];
+}
+
+/// ring's HMAC-SHA256 and SHA-256.
+#[cfg(feature = "ring")]
+#[derive(Clone, Copy, Debug, Default)]
+pub struct RingCrypto;
+
+#[cfg(feature = "ring")]
+impl AuthCrypto for RingCrypto {
+    fn hmac_sha256(&self, key: &[u8], message: &[u8]) -> [u8; SHA256_LEN] {
+        let key = ring::hmac::Key::new(ring::hmac::HMAC_SHA256, key);
+        to_array(ring::hmac::sign(&key, message).as_ref())
+    }
+
+    fn sha256(&self, data: &[u8]) -> [u8; SHA256_LEN] {
+        to_array(ring::digest::digest(&ring::digest::SHA256, data).as_ref())
+    }
+}
+
+/// The default implementation, when this build has one.
+fn default_crypto() -> Result<Arc<dyn AuthCrypto>, AuthError> {
+    #[cfg(feature = "ring")]
+    return Ok(Arc::new(RingCrypto));
+    #[cfg(not(feature = "ring"))]
+    return Err(AuthError::NoCrypto);
+}
+
+/// A secret and the primitives that use it.
+#[derive(Clone)]
+struct Keyed {
+    secret: Vec<u8>,
+    crypto: Arc<dyn AuthCrypto>,
+}
+
+impl Keyed {
+    fn sign(&self, message: &[u8]) -> [u8; SHA256_LEN] {
+        self.crypto.hmac_sha256(&self.secret, message)
+    }
+
+    /// Whether `tag` is `message`'s tag, compared in constant time.
+    fn verify(&self, message: &[u8], tag: &[u8]) -> bool {
+        tags_equal(&self.sign(message), tag)
+    }
+
+    fn derive(&self, label: &[u8]) -> Self {
+        Self {
+            secret: self.sign(label).to_vec(),
+            crypto: self.crypto.clone(),
+        }
+    }
+}
+
+/// Constant-time comparison: the time depends on the lengths only, never on
+/// where the bytes differ.
+fn tags_equal(expected: &[u8], got: &[u8]) -> bool {
+    if expected.len() != got.len() {
+        return false;
+    }
+    let difference = expected
+        .iter()
+        .zip(got)
+        .fold(0u8, |acc, (a, b)| acc | (a ^ b));
+    std::hint::black_box(difference) == 0
 }
 
 /// A shared secret both sides hold.
 #[derive(Clone)]
-pub struct AuthKey(hmac::Key);
+pub struct AuthKey(Keyed);
 
 impl fmt::Debug for AuthKey {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
@@ -83,6 +175,11 @@ impl AuthKey {
     /// A key from its bytes; trailing white space (a newline left by an
     /// editor or `openssl rand -hex 32 > file`) is not part of it.
     pub fn from_bytes(bytes: &[u8]) -> Result<Self, AuthError> {
+        Self::from_bytes_with(bytes, default_crypto()?)
+    }
+
+    /// [`AuthKey::from_bytes`] with the embedder's hash primitives.
+    pub fn from_bytes_with(bytes: &[u8], crypto: Arc<dyn AuthCrypto>) -> Result<Self, AuthError> {
         let end = bytes
             .iter()
             .rposition(|byte| !byte.is_ascii_whitespace())
@@ -90,42 +187,50 @@ impl AuthKey {
         if end < MIN_KEY_LEN {
             return Err(AuthError::TooShort { len: end });
         }
-        Ok(Self(hmac::Key::new(hmac::HMAC_SHA256, &bytes[..end])))
+        Ok(Self(Keyed {
+            secret: bytes[..end].to_vec(),
+            crypto,
+        }))
     }
 
     /// Reads a key file.
     pub fn load(path: &Path) -> Result<Self, AuthError> {
+        Self::load_with(path, default_crypto()?)
+    }
+
+    /// [`AuthKey::load`] with the embedder's hash primitives.
+    pub fn load_with(path: &Path, crypto: Arc<dyn AuthCrypto>) -> Result<Self, AuthError> {
         let bytes = std::fs::read(path).map_err(|source| AuthError::Read {
             path: path.display().to_string(),
             source,
         })?;
-        Self::from_bytes(&bytes)
-    }
-
-    fn tag(&self, role: Role, bound: &Bound) -> hmac::Tag {
-        hmac::sign(&self.0, &bound.message(role))
+        Self::from_bytes_with(&bytes, crypto)
     }
 
     /// The destination's proof for this exchange.
     pub fn destination_proof(&self, bound: &Bound) -> [u8; AUTH_PROOF_LEN] {
-        to_array(self.tag(Role::Destination, bound))
+        self.0.sign(&bound.message(Role::Destination))
     }
 
     /// The source's proof for this exchange.
     pub fn source_proof(&self, bound: &Bound) -> [u8; AUTH_PROOF_LEN] {
-        to_array(self.tag(Role::Source, bound))
+        self.0.sign(&bound.message(Role::Source))
     }
 
     /// Checks the destination's proof, in constant time.
     pub fn verify_destination(&self, bound: &Bound, proof: &[u8]) -> Result<(), AuthError> {
-        hmac::verify(&self.0, &bound.message(Role::Destination), proof)
-            .map_err(|_| AuthError::WrongProof)
+        self.0
+            .verify(&bound.message(Role::Destination), proof)
+            .then_some(())
+            .ok_or(AuthError::WrongProof)
     }
 
     /// Checks the source's proof, in constant time.
     pub fn verify_source(&self, bound: &Bound, proof: &[u8]) -> Result<(), AuthError> {
-        hmac::verify(&self.0, &bound.message(Role::Source), proof)
-            .map_err(|_| AuthError::WrongProof)
+        self.0
+            .verify(&bound.message(Role::Source), proof)
+            .then_some(())
+            .ok_or(AuthError::WrongProof)
     }
 
     /// The keys that seal the control frames of the channel this exchange
@@ -135,11 +240,8 @@ impl AuthKey {
     pub fn session_keys(&self, bound: &Bound) -> SessionKeys {
         let mut label = b"tern control v1".to_vec();
         bound.append_fields(&mut label);
-        let session = hmac::sign(&self.0, &label);
-        let direction = |name: &[u8]| {
-            let derived = hmac::sign(&hmac::Key::new(hmac::HMAC_SHA256, session.as_ref()), name);
-            hmac::Key::new(hmac::HMAC_SHA256, derived.as_ref())
-        };
+        let session = self.0.derive(&label);
+        let direction = |name: &[u8]| session.derive(name);
         SessionKeys {
             source_to_destination: direction(b"source to destination"),
             destination_to_source: direction(b"destination to source"),
@@ -150,8 +252,8 @@ impl AuthKey {
 /// The two directions' keys of one channel ([`AuthKey::session_keys`]).
 #[derive(Clone)]
 pub struct SessionKeys {
-    source_to_destination: hmac::Key,
-    destination_to_source: hmac::Key,
+    source_to_destination: Keyed,
+    destination_to_source: Keyed,
 }
 
 impl fmt::Debug for SessionKeys {
@@ -180,19 +282,18 @@ impl SessionKeys {
 
 /// What one frame's tag covers: its sequence number, its header, and the
 /// SHA-256 of its body (so that checking a 64 MiB state section needs no
-/// copy of it, and the tag comparison stays `hmac::verify`'s, in constant
-/// time).
-fn tagged(sequence: u64, header: &[u8], body: &[u8]) -> Vec<u8> {
-    let mut message = Vec::with_capacity(8 + FRAME_HEADER_LEN + 32);
+/// copy of it).
+fn tagged(key: &Keyed, sequence: u64, header: &[u8], body: &[u8]) -> Vec<u8> {
+    let mut message = Vec::with_capacity(8 + FRAME_HEADER_LEN + SHA256_LEN);
     message.extend_from_slice(&sequence.to_le_bytes());
     message.extend_from_slice(header);
-    message.extend_from_slice(ring::digest::digest(&ring::digest::SHA256, body).as_ref());
+    message.extend_from_slice(&key.crypto.sha256(body));
     message
 }
 
 /// Seals the control frames one side sends on a channel, numbering them.
 pub struct ControlSealer {
-    key: hmac::Key,
+    key: Keyed,
     next: u64,
 }
 
@@ -203,7 +304,7 @@ impl fmt::Debug for ControlSealer {
 }
 
 impl ControlSealer {
-    fn new(key: hmac::Key) -> Self {
+    fn new(key: Keyed) -> Self {
         Self { key, next: 0 }
     }
 
@@ -212,12 +313,12 @@ impl ControlSealer {
     pub fn seal(&mut self, frame: &mut Vec<u8>) {
         tern_wire::mark_sealed(frame);
         let (header, body) = frame.split_at(FRAME_HEADER_LEN);
-        let tag = hmac::sign(&self.key, &tagged(self.next, header, body));
+        let tag = self.key.sign(&tagged(&self.key, self.next, header, body));
         let mut seal = Seal {
             sequence: self.next,
             tag: [0; tern_wire::SEAL_TAG_LEN],
         };
-        seal.tag.copy_from_slice(tag.as_ref());
+        seal.tag.copy_from_slice(&tag);
         frame.extend_from_slice(&seal.encode());
         self.next += 1;
     }
@@ -226,7 +327,7 @@ impl ControlSealer {
 /// Checks the sealed control frames one side reads on a channel: each must
 /// carry the next sequence number and a tag made with the peer's key.
 pub struct ControlOpener {
-    key: hmac::Key,
+    key: Keyed,
     next: u64,
 }
 
@@ -237,7 +338,7 @@ impl fmt::Debug for ControlOpener {
 }
 
 impl ControlOpener {
-    fn new(key: hmac::Key) -> Self {
+    fn new(key: Keyed) -> Self {
         Self { key, next: 0 }
     }
 }
@@ -256,8 +357,10 @@ impl FrameOpener for ControlOpener {
                 expected: self.next,
             });
         }
-        let message = tagged(seal.sequence, header, body);
-        hmac::verify(&self.key, &message, &seal.tag).map_err(|_| WireError::SealForged(kind))?;
+        let message = tagged(&self.key, seal.sequence, header, body);
+        if !self.key.verify(&message, &seal.tag) {
+            return Err(WireError::SealForged(kind));
+        }
         self.next += 1;
         Ok(())
     }
@@ -271,6 +374,7 @@ enum Role {
 
 /// What both proofs of one exchange cover.
 #[derive(Clone, Copy, Debug)]
+#[non_exhaustive]
 pub struct Bound {
     /// The session and channel the exchange is for.
     pub handshake: Handshake,
@@ -304,15 +408,36 @@ impl Bound {
 /// A fresh random nonce.
 pub fn nonce() -> Result<[u8; AUTH_NONCE_LEN], AuthError> {
     let mut nonce = [0u8; AUTH_NONCE_LEN];
-    SystemRandom::new()
-        .fill(&mut nonce)
-        .map_err(|_| AuthError::Random)?;
+    random_bytes(&mut nonce).map_err(|_| AuthError::Random)?;
     Ok(nonce)
 }
 
-fn to_array(tag: hmac::Tag) -> [u8; AUTH_PROOF_LEN] {
-    let mut out = [0u8; AUTH_PROOF_LEN];
-    out.copy_from_slice(tag.as_ref());
+/// Fills `buffer` from the kernel's random source (`getrandom(2)`, which
+/// blocks only until the pool is first seeded at boot).
+pub(crate) fn random_bytes(buffer: &mut [u8]) -> std::io::Result<()> {
+    let mut filled = 0;
+    while filled < buffer.len() {
+        let rest = &mut buffer[filled..];
+        // SAFETY: `rest` is a writable buffer of `rest.len()` bytes, which
+        // getrandom writes at most.
+        let got = unsafe { libc::getrandom(rest.as_mut_ptr().cast(), rest.len(), 0) };
+        match usize::try_from(got) {
+            Ok(count) => filled += count,
+            Err(_) => {
+                let error = std::io::Error::last_os_error();
+                if error.kind() != std::io::ErrorKind::Interrupted {
+                    return Err(error);
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
+#[cfg(feature = "ring")]
+fn to_array(bytes: &[u8]) -> [u8; SHA256_LEN] {
+    let mut out = [0u8; SHA256_LEN];
+    out.copy_from_slice(bytes);
     out
 }
 
@@ -320,6 +445,24 @@ fn to_array(tag: hmac::Tag) -> [u8; AUTH_PROOF_LEN] {
 mod tests {
     use super::*;
 
+    #[test]
+    fn tags_compare_whole() {
+        assert!(tags_equal(&[1, 2, 3], &[1, 2, 3]));
+        assert!(!tags_equal(&[1, 2, 3], &[1, 2, 4]));
+        assert!(!tags_equal(&[1, 2, 3], &[1, 2]));
+        assert!(!tags_equal(&[], &[0]));
+    }
+
+    #[cfg(not(feature = "ring"))]
+    #[test]
+    fn without_ring_a_key_needs_the_embedders_crypto() {
+        assert!(matches!(
+            AuthKey::from_bytes(b"0123456789abcdef"),
+            Err(AuthError::NoCrypto)
+        ));
+    }
+
+    #[cfg(feature = "ring")]
     fn bound(session_id: u64, channel_index: u16) -> Bound {
         Bound {
             handshake: Handshake {
@@ -331,6 +474,7 @@ mod tests {
         }
     }
 
+    #[cfg(feature = "ring")]
     #[test]
     fn proofs_verify_only_with_the_same_key_session_channel_and_role() {
         let key = AuthKey::from_bytes(b"0123456789abcdef0123\n").unwrap();
@@ -359,6 +503,7 @@ mod tests {
             .unwrap();
     }
 
+    #[cfg(feature = "ring")]
     #[test]
     fn trailing_white_space_is_not_part_of_the_key() {
         let a = AuthKey::from_bytes(b"0123456789abcdef\n").unwrap();

@@ -16,7 +16,14 @@ pub mod auth;
 pub mod seam;
 pub mod security;
 pub mod socket;
+/// TLS: rustls (feature `tls`), or the same API that never makes a channel
+/// TLS (without it).
+#[cfg(feature = "tls")]
 pub mod tls;
+#[cfg(not(feature = "tls"))]
+#[path = "tls_off.rs"]
+pub mod tls;
+mod tls_types;
 pub mod zerocopy;
 
 pub use seam::{Accept, Connect, Connector};
@@ -36,6 +43,7 @@ use crate::error::ChannelError;
 
 /// Where a destination listens, or a source connects.
 #[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
 pub enum Address {
     /// `tcp:HOST:PORT` or plain `HOST:PORT`. An empty host (`tcp::PORT`, as
     /// QEMU writes it) listens on every interface and connects to this
@@ -152,6 +160,7 @@ impl Address {
 
 /// A bound listening socket.
 #[derive(Debug)]
+#[non_exhaustive]
 pub enum Listener {
     /// TCP.
     Tcp(TcpListener),
@@ -257,6 +266,10 @@ enum Stream {
     /// handles (kTLS): plain reads and writes either way.
     Socket(socket2::Socket),
     /// TLS in user space: every byte goes through rustls.
+    #[cfg_attr(
+        not(feature = "tls"),
+        expect(dead_code, reason = "no TLS stream exists without the tls feature")
+    )]
     Tls(Box<tls::TlsStream>),
 }
 
@@ -311,6 +324,7 @@ impl ShutdownHandle {
 /// A piece of a vectored send: a pointer and a length. The pointer may be
 /// into guest memory; see [`Channel::send_vectored`].
 #[derive(Clone, Copy, Debug)]
+#[non_exhaustive]
 pub struct Segment {
     /// First byte.
     pub ptr: *const u8,
@@ -494,6 +508,10 @@ impl Channel {
     }
 
     /// The underlying socket, for the TLS handshake that wraps it.
+    #[cfg_attr(
+        not(feature = "tls"),
+        expect(dead_code, reason = "only the TLS handshake takes the socket back")
+    )]
     fn into_socket(self) -> Result<socket2::Socket, ChannelError> {
         let fd: std::os::fd::OwnedFd = match self.stream {
             Stream::Tcp(tcp) => tcp.into(),

@@ -36,6 +36,7 @@ pub trait Accept: Send + Sync + fmt::Debug {
 /// The built-in [`Connect`]: dial an address (TCP, Unix, vsock), or hand
 /// out sockets connected beforehand (`fd:` addresses, an embedder's).
 #[derive(Debug)]
+#[non_exhaustive]
 pub enum Connector {
     /// Dials the address once per channel.
     Dial(Address),

@@ -12,6 +12,7 @@ use crate::error::ChannelError;
 
 /// The protections one side applies to each of its channels.
 #[derive(Clone, Debug, Default)]
+#[non_exhaustive]
 pub struct Security {
     /// TLS on every channel.
     pub tls: Option<Arc<TlsConfig>>,
@@ -32,6 +33,7 @@ impl Security {
     Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize, schemars::JsonSchema,
 )]
 #[serde(rename_all = "kebab-case")]
+#[non_exhaustive]
 pub struct TlsInfo {
     /// Protocol version, such as `TLSv1_3`.
     pub version: String,
@@ -43,6 +45,7 @@ pub struct TlsInfo {
 
 /// What a channel's handshake established.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct ChannelSecurity {
     /// The peer proved it holds the shared key.
     pub key_authenticated: bool,

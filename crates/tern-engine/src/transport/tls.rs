@@ -34,41 +34,7 @@ use super::{Channel, Segment, Stream, TransferClock};
 use crate::error::ChannelError;
 use tern_wire::{FrameKind, Message};
 
-/// Why a TLS configuration cannot be built.
-#[derive(Debug, thiserror::Error)]
-#[non_exhaustive]
-pub enum TlsError {
-    /// A PEM file cannot be read.
-    #[error("Cannot read {path}")]
-    Read {
-        /// The file.
-        path: String,
-        /// The cause.
-        #[source]
-        source: io::Error,
-    },
-    /// A PEM file holds nothing usable.
-    #[error("{what}: {detail}")]
-    Pem {
-        /// Which file or part.
-        what: &'static str,
-        /// What is wrong.
-        detail: String,
-    },
-    /// rustls refused the certificates or key.
-    #[error("TLS configuration")]
-    Rustls(#[source] rustls::Error),
-}
-
-/// Whether the records may be handed to the kernel.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
-pub enum KernelTls {
-    /// kTLS where the kernel offers it, user-space rustls elsewhere.
-    #[default]
-    Auto,
-    /// Always user-space rustls.
-    Off,
-}
+pub use super::tls_types::{KernelTls, TlsError};
 
 /// Certificates, trust and options for both roles.
 #[derive(Clone)]

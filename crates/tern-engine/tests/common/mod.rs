@@ -46,22 +46,24 @@ pub fn tcp_listener() -> (Listener, Address) {
 
 /// Short timeouts so failing tests fail fast.
 pub fn receive_config() -> ReceiveConfig {
-    ReceiveConfig {
-        accept_timeout: Duration::from_secs(20),
-        io_timeout: Duration::from_secs(10),
-        ..ReceiveConfig::default()
+    {
+        let mut config = ReceiveConfig::default();
+        config.accept_timeout = Duration::from_secs(20);
+        config.io_timeout = Duration::from_secs(10);
+        config
     }
 }
 
 pub fn migration_config(channels: u16) -> MigrationConfig {
-    MigrationConfig {
-        channels,
-        io_timeout: Duration::from_secs(10),
-        connect_timeout: Duration::from_secs(5),
+    {
+        let mut config = MigrationConfig::default();
+        config.channels = channels;
+        config.io_timeout = Duration::from_secs(10);
+        config.connect_timeout = Duration::from_secs(5);
         // A migration that does not converge fails the test instead of
         // hanging it.
-        max_time: Some(Duration::from_secs(60)),
-        ..MigrationConfig::default()
+        config.max_time = Some(Duration::from_secs(60));
+        config
     }
 }
 

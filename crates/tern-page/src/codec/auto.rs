@@ -20,6 +20,8 @@ use crate::cpu_time::thread_cpu_ns;
 
 /// What a codec achieves on this machine and this guest's pages.
 #[derive(Clone, Copy, Debug, PartialEq)]
+// Not `#[non_exhaustive]`: callers build it from what they measured (the
+// engine's calibration and its tests), as the input of `decide`.
 pub struct CodecMeasurement {
     /// Wire codec.
     pub codec: CodecId,
@@ -62,6 +64,7 @@ impl CodecMeasurement {
 
 /// The codec picked for the next iteration.
 #[derive(Clone, Copy, Debug, PartialEq)]
+#[non_exhaustive]
 pub struct AutoDecision {
     /// Wire codec (`None`: send raw).
     pub codec: CodecId,

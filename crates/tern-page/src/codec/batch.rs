@@ -7,6 +7,7 @@ pub const MAX_COMPRESSED: usize = PAGE_SIZE - 1;
 
 /// Why a page goes raw.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
 pub enum RawReason {
     /// The session has no codec.
     NoCodec,
@@ -18,6 +19,7 @@ pub enum RawReason {
 
 /// What happened to one page of a batch.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
 pub enum PageOutcome {
     /// Compressed: `len` bytes at `offset` in [`CompressedBatch::data`].
     Compressed {
@@ -33,6 +35,7 @@ pub enum PageOutcome {
 /// The output of [`PageCompressor::compress_batch`](super::PageCompressor::compress_batch): compressed bytes packed
 /// back to back, and one outcome per input page. Reuse it across batches.
 #[derive(Debug, Default)]
+#[non_exhaustive]
 pub struct CompressedBatch {
     /// Compressed pages, back to back, in page order.
     pub data: Vec<u8>,

@@ -10,6 +10,7 @@ use crate::PAGE_SIZE;
 
 /// One result line.
 #[derive(Clone, Debug, PartialEq)]
+#[non_exhaustive]
 pub struct CodecBenchRow {
     /// Corpus: `mixed`, `random`, `text` or `binary`.
     pub corpus: &'static str,

@@ -17,6 +17,7 @@ use crate::PAGE_SIZE;
 
 /// One zstd variant on one corpus.
 #[derive(Clone, Debug, PartialEq)]
+#[non_exhaustive]
 pub struct ZstdVariantRow {
     /// Corpus name (`mixed`, or the image's file name).
     pub corpus: String,
@@ -41,6 +42,7 @@ pub struct ZstdVariantRow {
 
 /// The pages to measure, in packets, and the pages to train on (others).
 #[derive(Clone, Debug, Default)]
+#[non_exhaustive]
 pub struct PacketCorpus {
     /// Corpus name.
     pub name: String,

@@ -5,6 +5,7 @@ use crate::PAGE_SIZE;
 
 /// Codec errors.
 #[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
 pub enum CodecError {
     /// A name that is not a codec.
     #[error("unknown codec {0:?} (expected none, zstd, deflate, lz4, qpl or auto)")]

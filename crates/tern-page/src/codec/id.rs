@@ -14,6 +14,7 @@ use super::error::CodecError;
 /// QPL is not here: it produces [`CodecId::Deflate`]'s format.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 #[repr(u8)]
+#[non_exhaustive]
 pub enum CodecId {
     /// No compression.
     None = codec_id::NONE,
@@ -133,6 +134,7 @@ impl FromStr for CodecId {
 
 /// What the user asked for on the command line (`--compression`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[non_exhaustive]
 pub enum CodecChoice {
     /// No compression.
     None,
@@ -213,6 +215,7 @@ impl FromStr for CodecChoice {
 /// so QPL offload and software deflate can be compared even though they share
 /// a wire format.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[non_exhaustive]
 pub enum CodecImpl {
     /// No compression: every page raw.
     None = 0,

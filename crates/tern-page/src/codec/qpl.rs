@@ -94,44 +94,44 @@ const PAGE_SIZE_U32: u32 = PAGE_SIZE as u32;
 const MAX_COMPRESSED_U32: u32 = MAX_COMPRESSED as u32;
 
 /// Submissions tried against a busy queue before the CPU takes the page.
-pub const BUSY_RETRIES: u32 = 8;
+pub(super) const BUSY_RETRIES: u32 = 8;
 
 /// Offsets and constants of QPL 1.x's public C API, as QPL 1.9.0's headers
 /// give them (see module docs).
 mod abi {
-    pub const OFF_NEXT_IN: usize = 0;
-    pub const OFF_AVAILABLE_IN: usize = 8;
-    pub const OFF_TOTAL_IN: usize = 12;
-    pub const OFF_NEXT_OUT: usize = 16;
-    pub const OFF_AVAILABLE_OUT: usize = 24;
-    pub const OFF_TOTAL_OUT: usize = 28;
-    pub const OFF_OP: usize = 32;
-    pub const OFF_FLAGS: usize = 36;
-    pub const OFF_LEVEL: usize = 52;
+    pub(super) const OFF_NEXT_IN: usize = 0;
+    pub(super) const OFF_AVAILABLE_IN: usize = 8;
+    pub(super) const OFF_TOTAL_IN: usize = 12;
+    pub(super) const OFF_NEXT_OUT: usize = 16;
+    pub(super) const OFF_AVAILABLE_OUT: usize = 24;
+    pub(super) const OFF_TOTAL_OUT: usize = 28;
+    pub(super) const OFF_OP: usize = 32;
+    pub(super) const OFF_FLAGS: usize = 36;
+    pub(super) const OFF_LEVEL: usize = 52;
     /// Bytes of the prefix this build writes or reads.
-    pub const KNOWN_PREFIX: usize = 56;
+    pub(super) const KNOWN_PREFIX: usize = 56;
     /// `sizeof(qpl_job)` in QPL 1.9.0's job.h; `qpl_get_job_size` adds the
     /// library's private state after it, so a smaller size is not QPL 1.x.
-    pub const PUBLIC_JOB_SIZE: usize = 240;
+    pub(super) const PUBLIC_JOB_SIZE: usize = 240;
     // The job-size check in `Job::new` covers every field written.
     const _: () = assert!(KNOWN_PREFIX <= PUBLIC_JOB_SIZE);
 
-    pub const OP_DECOMPRESS: u32 = 0x00;
-    pub const OP_COMPRESS: u32 = 0x01;
-    pub const FLAG_FIRST: u32 = 0x0001;
-    pub const FLAG_LAST: u32 = 0x0002;
-    pub const FLAG_DYNAMIC_HUFFMAN: u32 = 0x2000;
-    pub const FLAG_OMIT_VERIFY: u32 = 0x4000;
+    pub(super) const OP_DECOMPRESS: u32 = 0x00;
+    pub(super) const OP_COMPRESS: u32 = 0x01;
+    pub(super) const FLAG_FIRST: u32 = 0x0001;
+    pub(super) const FLAG_LAST: u32 = 0x0002;
+    pub(super) const FLAG_DYNAMIC_HUFFMAN: u32 = 0x2000;
+    pub(super) const FLAG_OMIT_VERIFY: u32 = 0x4000;
 
-    pub const STS_OK: u32 = 0;
-    pub const STS_MORE_OUTPUT_NEEDED: u32 = 2;
-    pub const STS_QUEUES_ARE_BUSY: u32 = 5;
-    pub const STS_DST_IS_SHORT: u32 = 225;
-    pub const STS_INTL_OUTPUT_OVERFLOW: u32 = 311;
-    pub const STS_INIT_HW_NOT_SUPPORTED: u32 = 500;
-    pub const STS_INIT_LIBACCEL_NOT_FOUND: u32 = 501;
-    pub const STS_INIT_LIBACCEL_ERROR: u32 = 502;
-    pub const STS_INIT_WORK_QUEUES_NOT_AVAILABLE: u32 = 503;
+    pub(super) const STS_OK: u32 = 0;
+    pub(super) const STS_MORE_OUTPUT_NEEDED: u32 = 2;
+    pub(super) const STS_QUEUES_ARE_BUSY: u32 = 5;
+    pub(super) const STS_DST_IS_SHORT: u32 = 225;
+    pub(super) const STS_INTL_OUTPUT_OVERFLOW: u32 = 311;
+    pub(super) const STS_INIT_HW_NOT_SUPPORTED: u32 = 500;
+    pub(super) const STS_INIT_LIBACCEL_NOT_FOUND: u32 = 501;
+    pub(super) const STS_INIT_LIBACCEL_ERROR: u32 = 502;
+    pub(super) const STS_INIT_WORK_QUEUES_NOT_AVAILABLE: u32 = 503;
 }
 
 type GetJobSizeFn = unsafe extern "C" fn(u32, *mut u32) -> u32;

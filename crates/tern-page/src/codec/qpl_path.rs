@@ -8,6 +8,7 @@ use super::error::CodecError;
 
 /// `qpl_path_t`: which QPL implementation runs the jobs.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+#[non_exhaustive]
 pub enum QplPath {
     /// Hardware when present, else QPL's software path.
     #[default]

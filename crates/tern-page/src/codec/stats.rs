@@ -11,6 +11,8 @@ use super::id::CodecImpl;
 /// raw page), so [`ratio`](Self::ratio) is the real saving, raw pages
 /// included.
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
+// Not `#[non_exhaustive]`: a plain value of counters that callers build to
+// subtract and add windows of them (tern-engine's auto codec does).
 pub struct CodecCounters {
     /// Pages offered to the compressor.
     pub pages: u64,

@@ -10,6 +10,7 @@ use crate::transport::{Address, Channel, Listener, Segment};
 
 /// How [`measure_cpu_per_gib`] sends page payloads.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
 pub enum SendMode {
     /// `sendmsg` copying from the buffer (what the pipeline does today).
     Plain,
@@ -28,6 +29,7 @@ pub enum SendMode {
 
 /// What [`measure_cpu_per_gib`] measured.
 #[derive(Clone, Copy, Debug)]
+#[non_exhaustive]
 pub struct CpuMeasurement {
     /// How it was sent.
     pub mode: SendMode,

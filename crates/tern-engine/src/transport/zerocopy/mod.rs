@@ -53,6 +53,7 @@ pub const DEFAULT_FLUSH_TIMEOUT: Duration = Duration::from_secs(30);
 
 /// What can go wrong with zero-copy sends.
 #[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
 pub enum ZeroCopyError {
     /// `setsockopt(SO_ZEROCOPY)` failed.
     #[error(
@@ -209,6 +210,7 @@ impl ZeroCopyError {
     schemars::JsonSchema,
 )]
 #[serde(rename_all = "kebab-case")]
+#[non_exhaustive]
 pub struct ZeroCopyStats {
     /// `sendmsg(MSG_ZEROCOPY)` calls that sent something (one id each).
     pub sends_queued: u64,

@@ -60,6 +60,7 @@ super::impl_zero_copy_transport!(ZeroCopySender);
 
 /// One completion notification: ids `first..=last` (modulo 2³²) are done.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct Notification {
     /// First completed id (`ee_info`).
     pub first: u32,

@@ -7,7 +7,7 @@ use crate::error::ChannelError;
 use crate::transport::{Address, Channel, Listener, Segment};
 
 /// A connected loopback TCP pair.
-pub fn tcp_pair() -> (Channel, Channel) {
+pub(crate) fn tcp_pair() -> (Channel, Channel) {
     let listener = Listener::bind(&Address::Tcp("127.0.0.1:0".into())).unwrap();
     let address = listener.local_address().unwrap();
     let mut client = Channel::connect(&address, Duration::from_secs(5)).unwrap();
@@ -25,7 +25,7 @@ fn page_byte(page: usize, offset: usize) -> u8 {
 /// (the batch number, rewritten in one reused buffer, so a sender that
 /// kept pointing at it would send the wrong number) through the sender
 /// `enable` makes with `window` bytes; a reader checks every byte.
-pub fn round_trip<S: ZeroCopyTransport>(
+pub(crate) fn round_trip<S: ZeroCopyTransport>(
     enable: impl FnOnce(Channel) -> S,
     window: usize,
     pages: usize,
@@ -100,7 +100,7 @@ pub fn round_trip<S: ZeroCopyTransport>(
 
 /// How the connection goes away in [`flush_after_hang_up`].
 #[derive(Clone, Copy, Debug)]
-pub enum HangUp {
+pub(crate) enum HangUp {
     /// The peer shuts its socket down (a FIN, no reset, no socket error)
     /// and keeps it open without reading.
     PeerShutsDown,
@@ -114,7 +114,7 @@ pub enum HangUp {
 /// said. The sender is given a 120 s flush timeout; this panics unless
 /// `flush` returns within 60 s, so a hang-up that is only noticed by the
 /// timeout fails the test without any timing assertion on small numbers.
-pub fn flush_after_hang_up<S: ZeroCopyTransport + 'static>(
+pub(crate) fn flush_after_hang_up<S: ZeroCopyTransport + 'static>(
     enable: impl FnOnce(Channel) -> S,
     hang_up: HangUp,
 ) -> Result<(), ZeroCopyError> {

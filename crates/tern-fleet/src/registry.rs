@@ -1,0 +1,651 @@
+//! The agent's state, without I/O: who holds a slot, who waits and where,
+//! each running migration's share and clocks. Time comes in as `now`
+//! (since the agent started), so every rule is tested with a table.
+//!
+//! ```text
+//!   join ──▶ Queued ──(slot free, first in line)──▶ Running ⇄ Held
+//!              │                                       │
+//!              └────────── leave / vanished ───────────┘──▶ gone (slot and share released)
+//! ```
+
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+use tern_engine::MigrationStatus;
+
+use crate::division::{self, Division, Load, Share};
+use crate::error::FleetError;
+use crate::limits::{self, LimitClock};
+use crate::protocol::{
+    Direction, Directive, FLEET_PROTOCOL_VERSION, FleetCounters, FleetSettings, FleetState,
+    FleetView, JoinReply, JoinRequest, MemberCommand, MigrationPolicy, MigrationView, Progress,
+};
+
+/// A member silent for this long is taken for gone: its slot and share are
+/// released (a member reports four times a second).
+pub const SILENCE_LIMIT: Duration = Duration::from_secs(5);
+/// A share is steady when not raised for this long (see [`Load`]).
+const STEADY_AFTER: Duration = Duration::from_secs(2);
+/// The window over which the agent measures a process's write rate.
+const MEASURE_WINDOW: Duration = Duration::from_secs(1);
+
+/// The host's settings in force.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Settings {
+    /// Bytes per second shared by outbound migrations (0: no budget).
+    pub bandwidth: u64,
+    /// Outbound slots (at least 1).
+    pub outbound_slots: u32,
+    /// Inbound slots (at least 1).
+    pub inbound_slots: u32,
+    /// How the budget is divided.
+    pub division: Division,
+}
+
+impl Default for Settings {
+    /// KubeVirt's `parallelOutboundMigrationsPerNode` (2) both ways, no
+    /// budget.
+    fn default() -> Self {
+        Self {
+            bandwidth: 0,
+            outbound_slots: 2,
+            inbound_slots: 2,
+            division: Division::ConvergeFirst,
+        }
+    }
+}
+
+impl Settings {
+    /// Applies `patch`, all or nothing.
+    pub fn apply(&mut self, patch: &FleetSettings) -> Result<(), FleetError> {
+        for (name, slots) in [
+            ("outbound-slots", patch.outbound_slots),
+            ("inbound-slots", patch.inbound_slots),
+        ] {
+            if slots == Some(0) {
+                return Err(FleetError::InvalidSetting {
+                    name,
+                    reason: "must be at least 1".into(),
+                });
+            }
+        }
+        self.bandwidth = patch.bandwidth.unwrap_or(self.bandwidth);
+        self.outbound_slots = patch.outbound_slots.unwrap_or(self.outbound_slots);
+        self.inbound_slots = patch.inbound_slots.unwrap_or(self.inbound_slots);
+        self.division = patch.division.unwrap_or(self.division);
+        Ok(())
+    }
+
+    fn slots(&self, direction: Direction) -> u32 {
+        match direction {
+            Direction::Outbound => self.outbound_slots,
+            Direction::Inbound => self.inbound_slots,
+        }
+    }
+}
+
+#[derive(Debug)]
+struct Member {
+    id: String,
+    arrival: u64,
+    request: JoinRequest,
+    pid: u32,
+    state: FleetState,
+    joined_at: Duration,
+    granted_at: Option<Duration>,
+    progress: Progress,
+    last_heard: Duration,
+    share: Option<Share>,
+    share_raised_at: Duration,
+    sent_auto_converge: Option<Option<bool>>,
+    sent_position: Option<u32>,
+    clock: LimitClock,
+    lowest_remaining: Option<u64>,
+    limit_fired: bool,
+    last_tick: Option<Duration>,
+    last_action: Option<String>,
+}
+
+/// What a process wrote, sampled by the agent (`/proc/PID/io` `wchar`).
+#[derive(Debug, Default)]
+struct Measured {
+    samples: Vec<(Duration, u64)>,
+}
+
+impl Measured {
+    fn record(&mut self, now: Duration, written: u64) {
+        self.samples.push((now, written));
+        // Keeps one sample older than the window to measure across it.
+        while self.samples.len() > 2 && now.saturating_sub(self.samples[1].0) >= MEASURE_WINDOW {
+            self.samples.remove(0);
+        }
+    }
+
+    fn written(&self) -> Option<u64> {
+        self.samples.last().map(|&(_, written)| written)
+    }
+
+    fn rate(&self) -> Option<u64> {
+        let (&(start, first), &(end, last)) = (self.samples.first()?, self.samples.last()?);
+        let span = end.saturating_sub(start);
+        if span < MEASURE_WINDOW {
+            return None;
+        }
+        Some((last.saturating_sub(first) as f64 / span.as_secs_f64()) as u64)
+    }
+}
+
+/// Every migration the agent knows, and the host's settings.
+#[derive(Debug, Default)]
+pub struct Fleet {
+    settings: Settings,
+    members: BTreeMap<String, Member>,
+    measured: BTreeMap<u32, Measured>,
+    next_arrival: u64,
+    counters: FleetCounters,
+}
+
+impl Fleet {
+    /// An empty fleet with `settings`.
+    pub fn new(settings: Settings) -> Self {
+        Self {
+            settings,
+            ..Self::default()
+        }
+    }
+
+    /// The settings in force.
+    pub fn settings(&self) -> Settings {
+        self.settings
+    }
+
+    /// Changes the settings (`fleet-set`); the next tick applies them.
+    pub fn set(&mut self, patch: &FleetSettings) -> Result<(), FleetError> {
+        self.settings.apply(patch)
+    }
+
+    /// A migration joins from process `pid`: queued, or running at once
+    /// when it says it already runs (a rejoin).
+    pub fn join(&mut self, request: JoinRequest, pid: u32, now: Duration) -> JoinReply {
+        let id = match &request.resume {
+            Some(id) if !id.is_empty() && !self.members.contains_key(id) => id.clone(),
+            _ => self.fresh_id(),
+        };
+        let arrival = self.next_arrival;
+        self.next_arrival += 1;
+        let state = if request.running {
+            FleetState::Running
+        } else {
+            FleetState::Queued
+        };
+        self.members.insert(
+            id.clone(),
+            Member {
+                id: id.clone(),
+                arrival,
+                pid,
+                state,
+                joined_at: now,
+                granted_at: request.running.then_some(now),
+                progress: Progress {
+                    total: request.memory,
+                    ..Progress::default()
+                },
+                last_heard: now,
+                share: None,
+                share_raised_at: now,
+                sent_auto_converge: None,
+                sent_position: None,
+                clock: LimitClock {
+                    memory: request.memory,
+                    ..LimitClock::default()
+                },
+                lowest_remaining: None,
+                limit_fired: false,
+                last_tick: None,
+                last_action: None,
+                request,
+            },
+        );
+        let position = self.position(&id);
+        JoinReply {
+            migration: id,
+            state,
+            position,
+        }
+    }
+
+    fn fresh_id(&mut self) -> String {
+        loop {
+            let id = format!("m{}", self.next_arrival + 1);
+            if !self.members.contains_key(&id) {
+                return id;
+            }
+            self.next_arrival += 1;
+        }
+    }
+
+    /// A member's figures.
+    pub fn report(
+        &mut self,
+        id: &str,
+        progress: Progress,
+        now: Duration,
+    ) -> Result<(), FleetError> {
+        let member = self.member_mut(id)?;
+        member.last_heard = now;
+        if progress.total > 0 {
+            member.clock.memory = progress.total;
+        }
+        member.progress = progress;
+        Ok(())
+    }
+
+    /// A member left, its migration in `status` (or vanished: `None`);
+    /// its slot and share are free from the next tick.
+    pub fn leave(&mut self, id: &str, status: Option<MigrationStatus>) {
+        let Some(member) = self.members.remove(id) else {
+            return;
+        };
+        let status = status.or(member.progress.status);
+        match status {
+            Some(MigrationStatus::Completed) => self.counters.succeeded += 1,
+            // Left before its slot came, or before starting: neither.
+            _ if member.state == FleetState::Queued => {}
+            Some(MigrationStatus::Setup) | None if member.progress.transferred == 0 => {}
+            _ => self.counters.failed += 1,
+        }
+    }
+
+    /// What process `pid` has written in all, read by the agent.
+    pub fn measured(&mut self, pid: u32, written: u64, now: Duration) {
+        self.measured.entry(pid).or_default().record(now, written);
+    }
+
+    /// Forgets measurements of processes with no member left.
+    fn prune_measured(&mut self) {
+        let pids: Vec<u32> = self.members.values().map(|member| member.pid).collect();
+        self.measured.retain(|pid, _| pids.contains(pid));
+    }
+
+    /// The processes the agent should measure.
+    pub fn pids(&self) -> Vec<u32> {
+        let mut pids: Vec<u32> = self
+            .members
+            .values()
+            .filter(|member| member.request.direction == Direction::Outbound)
+            .map(|member| member.pid)
+            .collect();
+        pids.sort_unstable();
+        pids.dedup();
+        pids
+    }
+
+    /// Whether the outbound members of `pid` claim no more than it wrote.
+    fn verified(&self, pid: u32) -> bool {
+        let Some(written) = self.measured.get(&pid).and_then(Measured::written) else {
+            return true;
+        };
+        let claimed: u64 = self
+            .members
+            .values()
+            .filter(|member| member.pid == pid && member.request.direction == Direction::Outbound)
+            .map(|member| member.progress.transferred)
+            .sum();
+        claimed <= written
+    }
+
+    /// The transfer rate the agent believes for `member`: what it claims,
+    /// at most what its process was seen writing.
+    fn believed_rate(&self, member: &Member) -> u64 {
+        let measured = self.measured.get(&member.pid).and_then(Measured::rate);
+        match measured {
+            Some(rate) => member.progress.transfer_rate.min(rate),
+            None => member.progress.transfer_rate,
+        }
+    }
+
+    /// The remaining bytes the agent believes: a member whose claims
+    /// exceed what its process wrote is taken to have sent only that.
+    fn believed_remaining(&self, member: &Member) -> u64 {
+        let claimed = if member.progress.remaining > 0 || member.progress.iterations > 0 {
+            member.progress.remaining
+        } else {
+            member.progress.total.max(member.request.memory)
+        };
+        if self.verified(member.pid) {
+            return claimed;
+        }
+        let written = self
+            .measured
+            .get(&member.pid)
+            .and_then(Measured::written)
+            .unwrap_or(0);
+        claimed.max(member.progress.total.saturating_sub(written))
+    }
+
+    fn member_mut(&mut self, id: &str) -> Result<&mut Member, FleetError> {
+        self.members
+            .get_mut(id)
+            .ok_or_else(|| FleetError::UnknownMigration(id.into()))
+    }
+
+    /// Whether `id` is a member.
+    pub fn contains(&self, id: &str) -> bool {
+        self.members.contains_key(id)
+    }
+
+    /// An operator's command for migration `id`: the directive to pass on.
+    /// `max-bandwidth` becomes the migration's cap
+    /// (`bandwidthPerMigration`, 0 removes it), applied by the division.
+    pub fn command(
+        &mut self,
+        id: &str,
+        command: MemberCommand,
+    ) -> Result<Option<Directive>, FleetError> {
+        let member = self.member_mut(id)?;
+        let command = match command {
+            MemberCommand::SetParameters(mut parameters) => {
+                if let Some(cap) = parameters.max_bandwidth.take() {
+                    member.request.policy.bandwidth_per_migration = (cap > 0).then_some(cap);
+                }
+                if parameters.is_empty() {
+                    return Ok(None);
+                }
+                MemberCommand::SetParameters(parameters)
+            }
+            other => other,
+        };
+        member.last_action = Some(format!("{command:?} (operator)"));
+        Ok(Some(Directive::FleetCommand {
+            command,
+            reason: "the operator's command".into(),
+        }))
+    }
+
+    /// Changes a migration's policy (`migrate-set-policy`).
+    pub fn set_policy(&mut self, id: &str, patch: &MigrationPolicy) -> Result<(), FleetError> {
+        self.member_mut(id)?.request.policy.merge(patch);
+        Ok(())
+    }
+
+    /// One member's latest figures.
+    pub fn progress(&self, id: &str) -> Result<Progress, FleetError> {
+        self.members
+            .get(id)
+            .map(|member| member.progress.clone())
+            .ok_or_else(|| FleetError::UnknownMigration(id.into()))
+    }
+
+    /// The queue of `direction` in order: priority first, then arrival.
+    fn queue(&self, direction: Direction) -> Vec<&Member> {
+        let mut queue: Vec<&Member> = self
+            .members
+            .values()
+            .filter(|member| {
+                member.state == FleetState::Queued && member.request.direction == direction
+            })
+            .collect();
+        queue.sort_by_key(|member| (-member.request.policy.priority(), member.arrival));
+        queue
+    }
+
+    fn position(&self, id: &str) -> Option<u32> {
+        let member = self.members.get(id)?;
+        if member.state != FleetState::Queued {
+            return None;
+        }
+        let queue = self.queue(member.request.direction);
+        let index = queue.iter().position(|queued| queued.id == id)?;
+        u32::try_from(index + 1).ok()
+    }
+
+    /// Advances to `now`: forgets silent members, grants free slots,
+    /// divides the budget, checks each migration's limits. Returns what to
+    /// tell each member (by id), changes only.
+    pub fn tick(&mut self, now: Duration) -> Vec<(String, Directive)> {
+        let silent: Vec<String> = self
+            .members
+            .values()
+            .filter(|member| now.saturating_sub(member.last_heard) > SILENCE_LIMIT)
+            .map(|member| member.id.clone())
+            .collect();
+        for id in silent {
+            tracing::warn!(migration = %id, "no report for {SILENCE_LIMIT:?}: its slot is released");
+            self.leave(&id, None);
+        }
+        self.prune_measured();
+        let mut directives = self.grant_slots(now);
+        directives.extend(self.queue_positions());
+        directives.extend(self.divide(now));
+        directives.extend(self.check_limits(now));
+        directives
+    }
+
+    fn grant_slots(&mut self, now: Duration) -> Vec<(String, Directive)> {
+        let mut granted = Vec::new();
+        for direction in [Direction::Outbound, Direction::Inbound] {
+            let running = self
+                .members
+                .values()
+                .filter(|member| {
+                    member.state != FleetState::Queued && member.request.direction == direction
+                })
+                .count();
+            let free = (self.settings.slots(direction) as usize).saturating_sub(running);
+            let ids: Vec<String> = self
+                .queue(direction)
+                .iter()
+                .take(free)
+                .map(|member| member.id.clone())
+                .collect();
+            for id in ids {
+                if let Some(member) = self.members.get_mut(&id) {
+                    member.state = FleetState::Running;
+                    member.granted_at = Some(now);
+                    member.last_heard = now;
+                    granted.push((
+                        id.clone(),
+                        Directive::FleetSlot {
+                            migration: id.clone(),
+                        },
+                    ));
+                }
+            }
+        }
+        granted
+    }
+
+    fn queue_positions(&mut self) -> Vec<(String, Directive)> {
+        let positions: Vec<(String, u32)> = self
+            .members
+            .keys()
+            .filter_map(|id| Some((id.clone(), self.position(id)?)))
+            .collect();
+        let mut directives = Vec::new();
+        for (id, position) in positions {
+            if let Some(member) = self.members.get_mut(&id)
+                && member.sent_position != Some(position)
+            {
+                member.sent_position = Some(position);
+                directives.push((id, Directive::FleetQueued { position }));
+            }
+        }
+        directives
+    }
+
+    fn divide(&mut self, now: Duration) -> Vec<(String, Directive)> {
+        let running: Vec<&Member> = self
+            .members
+            .values()
+            .filter(|member| {
+                member.state != FleetState::Queued
+                    && member.request.direction == Direction::Outbound
+            })
+            .collect();
+        let loads: Vec<Load> = running
+            .iter()
+            .map(|member| Load {
+                priority: member.request.policy.priority(),
+                remaining: self.believed_remaining(member),
+                dirty_rate: member.progress.dirty_rate,
+                transfer_rate: self.believed_rate(member),
+                previous_share: member.share.map_or(0, |share| share.bandwidth),
+                share_steady: now.saturating_sub(member.share_raised_at) >= STEADY_AFTER,
+                cap: member.request.policy.bandwidth_per_migration,
+                switching_over: member.progress.status == Some(MigrationStatus::Device),
+            })
+            .collect();
+        let shares = division::divide(self.settings.bandwidth, &loads, self.settings.division);
+        let ids: Vec<String> = running.iter().map(|member| member.id.clone()).collect();
+        let mut directives = Vec::new();
+        for (id, share) in ids.into_iter().zip(shares) {
+            let Some(member) = self.members.get_mut(&id) else {
+                continue;
+            };
+            let cap = member.request.policy.bandwidth_per_migration;
+            let share = if self.settings.bandwidth == 0 {
+                Share {
+                    bandwidth: cap.unwrap_or(0),
+                    held: false,
+                }
+            } else {
+                share
+            };
+            if let Some(directive) = member.update_share(share, now) {
+                directives.push((id, directive));
+            }
+        }
+        directives
+    }
+
+    fn check_limits(&mut self, now: Duration) -> Vec<(String, Directive)> {
+        let mut directives = Vec::new();
+        for member in self.members.values_mut() {
+            let Some(command) = member.advance_clock(now) else {
+                continue;
+            };
+            directives.push((member.id.clone(), command));
+        }
+        directives
+    }
+
+    /// Everything, for `query-fleet`.
+    pub fn view(&self, now: Duration) -> FleetView {
+        let mut members: Vec<&Member> = self.members.values().collect();
+        members.sort_by_key(|member| {
+            (
+                member.state == FleetState::Queued,
+                self.position(&member.id),
+                member.arrival,
+            )
+        });
+        FleetView {
+            version: FLEET_PROTOCOL_VERSION,
+            bandwidth: self.settings.bandwidth,
+            outbound_slots: self.settings.outbound_slots,
+            inbound_slots: self.settings.inbound_slots,
+            division: self.settings.division,
+            migrations: members
+                .into_iter()
+                .map(|member| self.member_view(member, now))
+                .collect(),
+            counters: self.counters.clone(),
+        }
+    }
+
+    fn member_view(&self, member: &Member, now: Duration) -> MigrationView {
+        let outbound = member.request.direction == Direction::Outbound;
+        MigrationView {
+            migration: member.id.clone(),
+            name: member.request.name.clone(),
+            direction: member.request.direction,
+            pid: member.pid,
+            state: member.state,
+            position: self.position(&member.id),
+            share: member.share.map_or(0, |share| share.bandwidth),
+            policy: member.request.policy.clone(),
+            progress: member.progress.clone(),
+            measured_rate: outbound
+                .then(|| self.measured.get(&member.pid).and_then(Measured::rate))
+                .flatten(),
+            progress_verified: !outbound || self.verified(member.pid),
+            queued_seconds: member
+                .granted_at
+                .unwrap_or(now)
+                .saturating_sub(member.joined_at)
+                .as_secs_f64(),
+            running_seconds: member
+                .granted_at
+                .map_or(0.0, |granted| now.saturating_sub(granted).as_secs_f64()),
+            last_action: member.last_action.clone(),
+        }
+    }
+}
+
+impl Member {
+    /// Records the new share; the directive when it changed enough to tell.
+    fn update_share(&mut self, share: Share, now: Duration) -> Option<Directive> {
+        let previous = self.share;
+        if previous.is_none_or(|previous| share.bandwidth > previous.bandwidth) {
+            self.share_raised_at = now;
+        }
+        self.share = Some(share);
+        self.state = if share.held {
+            FleetState::Held
+        } else {
+            FleetState::Running
+        };
+        // Held: no throttle for a wait the agent chose. Otherwise the
+        // policy's choice, or the migration's own (`None`).
+        let auto_converge = if share.held {
+            Some(false)
+        } else {
+            self.request.policy.allow_auto_converge
+        };
+        let moved = previous.is_none_or(|previous| {
+            let (old, new) = (previous.bandwidth, share.bandwidth);
+            previous.held != share.held || old.abs_diff(new) > old.max(new) / 20
+        });
+        if !moved && self.sent_auto_converge == Some(auto_converge) {
+            return None;
+        }
+        self.sent_auto_converge = Some(auto_converge);
+        Some(Directive::FleetShare {
+            max_bandwidth: share.bandwidth,
+            auto_converge,
+            held: share.held,
+        })
+    }
+
+    /// Advances the limit clocks; the command of a limit that expired,
+    /// once.
+    fn advance_clock(&mut self, now: Duration) -> Option<Directive> {
+        let last = self.last_tick.unwrap_or(now);
+        self.last_tick = Some(now);
+        let counting = self.state == FleetState::Running
+            && self.request.direction == Direction::Outbound
+            && matches!(self.progress.status, Some(MigrationStatus::Active));
+        if !counting || self.limit_fired {
+            return None;
+        }
+        let elapsed = now.saturating_sub(last);
+        self.clock.active += elapsed;
+        let remaining = self.progress.remaining;
+        if self.progress.iterations > 0
+            && self
+                .lowest_remaining
+                .is_none_or(|lowest| remaining < lowest)
+        {
+            self.lowest_remaining = Some(remaining);
+            self.clock.since_new_low = Duration::ZERO;
+        } else {
+            self.clock.since_new_low += elapsed;
+        }
+        let (command, reason) = limits::check(&self.request.policy, &self.clock)?;
+        self.limit_fired = true;
+        tracing::warn!(migration = %self.id, "{reason}: {command:?}");
+        self.last_action = Some(format!("{command:?}: {reason}"));
+        Some(Directive::FleetCommand { command, reason })
+    }
+}

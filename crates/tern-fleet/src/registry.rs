@@ -475,7 +475,7 @@ impl Fleet {
     }
 
     fn divide(&mut self, now: Duration) -> Vec<(String, Directive)> {
-        let running: Vec<&Member> = self
+        let mut running: Vec<&Member> = self
             .members
             .values()
             .filter(|member| {
@@ -483,6 +483,7 @@ impl Fleet {
                     && member.request.direction == Direction::Outbound
             })
             .collect();
+        running.sort_by_key(|member| member.arrival);
         let loads: Vec<Load> = running
             .iter()
             .map(|member| Load {
@@ -603,9 +604,11 @@ impl Member {
         } else {
             self.request.policy.allow_auto_converge
         };
+        // Every decrease is sent (the shares in force never add up to more
+        // than the budget); a rise only when it is worth a line.
         let moved = previous.is_none_or(|previous| {
             let (old, new) = (previous.bandwidth, share.bandwidth);
-            previous.held != share.held || old.abs_diff(new) > old.max(new) / 20
+            previous.held != share.held || new < old || new - old > old / 100
         });
         if !moved && self.sent_auto_converge == Some(auto_converge) {
             return None;
@@ -647,5 +650,270 @@ impl Member {
         tracing::warn!(migration = %self.id, "{reason}: {command:?}");
         self.last_action = Some(format!("{command:?}: {reason}"));
         Some(Directive::FleetCommand { command, reason })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use tern_engine::MigrationStatus;
+
+    use super::{Fleet, SILENCE_LIMIT, Settings};
+    use crate::protocol::{
+        Direction, Directive, FleetState, JoinRequest, MemberCommand, MigrationPolicy, Progress,
+    };
+
+    const MB: u64 = 1_000_000;
+
+    fn request(name: &str, direction: Direction) -> JoinRequest {
+        JoinRequest {
+            name: name.into(),
+            direction,
+            memory: 1 << 30,
+            policy: MigrationPolicy::default(),
+            resume: None,
+            running: false,
+        }
+    }
+
+    fn fleet(slots: u32, bandwidth: u64) -> Fleet {
+        Fleet::new(Settings {
+            bandwidth,
+            outbound_slots: slots,
+            inbound_slots: slots,
+            ..Settings::default()
+        })
+    }
+
+    fn at(millis: u64) -> Duration {
+        Duration::from_millis(millis)
+    }
+
+    fn active(remaining: u64, dirty_rate: u64) -> Progress {
+        Progress {
+            status: Some(MigrationStatus::Active),
+            remaining,
+            total: 1 << 30,
+            dirty_rate,
+            iterations: 1,
+            ..Progress::default()
+        }
+    }
+
+    fn state(fleet: &Fleet, id: &str, now: Duration) -> (FleetState, Option<u32>, u64) {
+        let view = fleet.view(now);
+        let member = view
+            .migrations
+            .iter()
+            .find(|member| member.migration == id)
+            .unwrap();
+        (member.state, member.position, member.share)
+    }
+
+    #[test]
+    fn beyond_its_slots_a_migration_waits_with_its_position() {
+        let mut fleet = fleet(1, 0);
+        let first = fleet.join(request("a", Direction::Outbound), 1, at(0));
+        let second = fleet.join(request("b", Direction::Outbound), 1, at(0));
+        let inbound = fleet.join(request("c", Direction::Inbound), 1, at(0));
+        assert_eq!(second.position, Some(2));
+        let directives = fleet.tick(at(100));
+        let granted: Vec<&str> = directives
+            .iter()
+            .filter(|(_, directive)| matches!(directive, Directive::FleetSlot { .. }))
+            .map(|(id, _)| id.as_str())
+            .collect();
+        assert_eq!(
+            granted,
+            vec![first.migration.as_str(), inbound.migration.as_str()]
+        );
+        assert_eq!(state(&fleet, &second.migration, at(100)).1, Some(1));
+        assert!(directives.contains(&(
+            second.migration.clone(),
+            Directive::FleetQueued { position: 1 }
+        )));
+        fleet.leave(&first.migration, Some(MigrationStatus::Completed));
+        fleet.tick(at(200));
+        assert_eq!(
+            state(&fleet, &second.migration, at(200)).0,
+            FleetState::Running
+        );
+        assert_eq!(fleet.view(at(200)).counters.succeeded, 1);
+    }
+
+    #[test]
+    fn priority_jumps_the_queue_and_a_rejoin_is_never_queued() {
+        let mut fleet = fleet(1, 0);
+        fleet.join(request("a", Direction::Outbound), 1, at(0));
+        fleet.tick(at(0));
+        let plain = fleet.join(request("b", Direction::Outbound), 1, at(0));
+        let mut urgent = request("c", Direction::Outbound);
+        urgent.policy.priority = Some(5);
+        let urgent = fleet.join(urgent, 1, at(0));
+        assert_eq!(urgent.position, Some(1));
+        assert_eq!(state(&fleet, &plain.migration, at(0)).1, Some(2));
+        let mut rejoin = request("d", Direction::Outbound);
+        rejoin.running = true;
+        rejoin.resume = Some("m42".into());
+        let rejoined = fleet.join(rejoin, 2, at(0));
+        assert_eq!(rejoined.migration, "m42");
+        assert_eq!(rejoined.state, FleetState::Running);
+    }
+
+    #[test]
+    fn a_member_that_falls_silent_releases_its_slot() {
+        let mut fleet = fleet(1, 100 * MB);
+        let gone = fleet.join(request("a", Direction::Outbound), 1, at(0));
+        let waiting = fleet.join(request("b", Direction::Outbound), 1, at(0));
+        fleet.tick(at(0));
+        fleet
+            .report(&waiting.migration, Progress::default(), at(5_000))
+            .unwrap();
+        fleet.tick(at(5_000));
+        assert!(fleet.contains(&gone.migration));
+        let later = at(5_000) + SILENCE_LIMIT - at(4_000);
+        fleet
+            .report(&waiting.migration, Progress::default(), later)
+            .unwrap();
+        fleet.tick(later + at(1));
+        assert!(!fleet.contains(&gone.migration));
+        assert_eq!(
+            state(&fleet, &waiting.migration, later).0,
+            FleetState::Running
+        );
+    }
+
+    #[test]
+    fn shares_are_redivided_as_migrations_start_and_finish() {
+        let mut fleet = fleet(2, 100 * MB);
+        let a = fleet.join(request("a", Direction::Outbound), 1, at(0));
+        fleet.tick(at(0));
+        assert_eq!(state(&fleet, &a.migration, at(0)).2, 100 * MB);
+        let b = fleet.join(request("b", Direction::Outbound), 1, at(0));
+        fleet
+            .report(&a.migration, active(1 << 30, 0), at(100))
+            .unwrap();
+        fleet
+            .report(&b.migration, active(1 << 30, 20 * MB), at(100))
+            .unwrap();
+        let directives = fleet.tick(at(100));
+        let (_, _, share_a) = state(&fleet, &a.migration, at(100));
+        let (_, _, share_b) = state(&fleet, &b.migration, at(100));
+        assert!(share_b > share_a, "the dirtier first: {share_a} {share_b}");
+        assert!(share_a + share_b <= 100 * MB);
+        assert!(directives.iter().any(|(id, directive)| id == &b.migration
+            && matches!(directive, Directive::FleetShare { .. })));
+        fleet.leave(&b.migration, Some(MigrationStatus::Completed));
+        fleet.tick(at(200));
+        assert_eq!(state(&fleet, &a.migration, at(200)).2, 100 * MB);
+    }
+
+    #[test]
+    fn a_held_migration_is_told_to_stop_throttling() {
+        let mut fleet = fleet(2, 100 * MB);
+        let hopeless = fleet.join(request("a", Direction::Outbound), 1, at(0));
+        let moderate = fleet.join(request("b", Direction::Outbound), 1, at(0));
+        fleet.tick(at(0));
+        fleet
+            .report(&hopeless.migration, active(1 << 30, 150 * MB), at(100))
+            .unwrap();
+        fleet
+            .report(&moderate.migration, active(1 << 30, 40 * MB), at(100))
+            .unwrap();
+        let directives = fleet.tick(at(100));
+        assert_eq!(
+            state(&fleet, &hopeless.migration, at(100)).0,
+            FleetState::Held
+        );
+        assert!(directives.contains(&(
+            hopeless.migration.clone(),
+            Directive::FleetShare {
+                max_bandwidth: crate::division::keep_alive(100 * MB, 2),
+                auto_converge: Some(false),
+                held: true,
+            }
+        )));
+    }
+
+    #[test]
+    fn the_progress_timeout_counts_only_unheld_time_and_fires_once() {
+        let mut fleet = fleet(1, 0);
+        let mut slow = request("a", Direction::Outbound);
+        slow.policy.progress_timeout = Some(2);
+        let slow = fleet.join(slow, 1, at(0));
+        fleet.tick(at(0));
+        let mut fired = Vec::new();
+        for step in 1..=40 {
+            let now = at(step * 100);
+            fleet
+                .report(&slow.migration, active(1 << 20, 0), now)
+                .unwrap();
+            fired.extend(
+                fleet
+                    .tick(now)
+                    .into_iter()
+                    .filter(|(_, directive)| matches!(directive, Directive::FleetCommand { .. })),
+            );
+        }
+        assert_eq!(fired.len(), 1, "{fired:?}");
+        let Directive::FleetCommand { command, reason } = &fired[0].1 else {
+            unreachable!()
+        };
+        assert_eq!(*command, MemberCommand::Cancel);
+        assert!(reason.contains("progressTimeout"), "{reason}");
+    }
+
+    #[test]
+    fn a_liars_claims_are_bounded_by_what_its_process_wrote() {
+        let mut fleet = fleet(2, 100 * MB);
+        let liar = fleet.join(request("liar", Direction::Outbound), 7, at(0));
+        fleet.tick(at(0));
+        fleet.measured(7, 1_000, at(0));
+        fleet.measured(7, 1_000 + 10 * MB, at(1_000));
+        let mut claim = active(1 << 10, 0);
+        claim.transferred = 1 << 30;
+        claim.transfer_rate = 500 * MB;
+        fleet.report(&liar.migration, claim, at(1_000)).unwrap();
+        fleet.tick(at(1_000));
+        let view = fleet.view(at(1_000));
+        let member = &view.migrations[0];
+        assert!(!member.progress_verified);
+        assert_eq!(member.measured_rate, Some(10 * MB));
+        let liar_member = fleet.members.get(&liar.migration).unwrap();
+        assert_eq!(fleet.believed_rate(liar_member), 10 * MB);
+        assert!(fleet.believed_remaining(liar_member) >= (1 << 30) - 20 * MB);
+    }
+
+    #[test]
+    fn an_operators_bandwidth_becomes_the_migrations_cap() {
+        let mut fleet = fleet(1, 100 * MB);
+        let a = fleet.join(request("a", Direction::Outbound), 1, at(0));
+        fleet.tick(at(0));
+        let patch = tern_engine::MigrationParameters {
+            max_bandwidth: Some(10 * MB),
+            ..tern_engine::MigrationParameters::default()
+        };
+        let forwarded = fleet
+            .command(&a.migration, MemberCommand::SetParameters(patch))
+            .unwrap();
+        assert_eq!(forwarded, None, "nothing left to forward");
+        fleet.tick(at(100));
+        assert_eq!(state(&fleet, &a.migration, at(100)).2, 10 * MB);
+        assert!(fleet.command("m99", MemberCommand::Cancel).is_err());
+    }
+
+    #[test]
+    fn zero_slots_are_refused() {
+        let mut fleet = fleet(1, 0);
+        let error = fleet
+            .set(&crate::protocol::FleetSettings {
+                outbound_slots: Some(0),
+                bandwidth: Some(5),
+                ..Default::default()
+            })
+            .unwrap_err();
+        assert!(error.to_string().contains("outbound-slots"), "{error}");
+        assert_eq!(fleet.settings().bandwidth, 0);
     }
 }

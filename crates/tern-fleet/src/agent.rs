@@ -18,7 +18,7 @@ use tern_engine::{MigrationParameters, MigrationStatus};
 
 use crate::error::FleetError;
 use crate::line::{LineError, read_line, write_line};
-use crate::peer::{Peer, own_uid, peer, written_bytes};
+use crate::peer::{Peer, own_uid, peer, tcp_bytes_sent};
 use crate::protocol::{
     COMMANDS, FLEET_PROTOCOL_VERSION, FleetSettings, FleetView, JoinRequest, MAX_LINE_BYTES,
     MemberCommand, MigrationPolicy, Progress, PushedEvent,
@@ -145,10 +145,7 @@ impl Shared {
     fn tick(&self) {
         let pids = lock(&self.fleet).pids();
         let now = self.now();
-        let written: Vec<(u32, u64)> = pids
-            .into_iter()
-            .filter_map(|pid| Some((pid, written_bytes(pid)?)))
-            .collect();
+        let written = tcp_bytes_sent(&pids);
         let directives = {
             let mut fleet = lock(&self.fleet);
             for (pid, bytes) in written {
@@ -375,6 +372,7 @@ impl Connection<'_> {
     }
 
     /// The commands that name a migration: `{"migration": ID, ...}`.
+    // long: one match over the per-migration commands, each a few lines
     fn for_migration(
         &mut self,
         command: &str,

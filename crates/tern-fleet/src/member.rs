@@ -17,7 +17,9 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use serde_json::{Value, json};
-use tern_engine::{MigrationHandle, MigrationParameters, MigrationStatus, ReceiveHandle};
+use tern_engine::{
+    CancelToken, MigrationHandle, MigrationParameters, MigrationStatus, ReceiveHandle,
+};
 
 use crate::error::FleetError;
 use crate::line::{read_line, write_line};
@@ -109,6 +111,9 @@ pub struct JoinOptions {
     pub policy: MigrationPolicy,
     /// How long to wait in the queue for a slot.
     pub queue_timeout: Duration,
+    /// Stops waiting for a slot once cancelled (a signal): [`join`] then
+    /// returns, and the migration, cancelled, ends at once.
+    pub cancel: Option<CancelToken>,
 }
 
 impl JoinOptions {
@@ -119,6 +124,7 @@ impl JoinOptions {
             memory: 0,
             policy: MigrationPolicy::default(),
             queue_timeout: Duration::from_secs(3600),
+            cancel: None,
         }
     }
 }
@@ -172,7 +178,9 @@ fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
 /// steers, and waits for a slot: returns once one is granted, or once the
 /// agent cancelled the migration while it waited (its handle is then
 /// cancelled, and starting it ends at once as cancelled). Call it after
-/// creating the migration and before starting it.
+/// creating the migration and before starting it. The migration's own
+/// `max-bandwidth`, if any, becomes its cap (`bandwidthPerMigration`)
+/// unless the policy gives one.
 pub fn join(
     agent: &Path,
     steered: Steered,
@@ -182,13 +190,18 @@ pub fn join(
         Steered::Source(handle) => handle.parameters(),
         Steered::Destination(_) => MigrationParameters::default(),
     };
+    let mut policy = options.policy;
+    // The migration's own cap stays its cap under the agent.
+    if policy.bandwidth_per_migration.is_none() {
+        policy.bandwidth_per_migration = own.max_bandwidth.filter(|&cap| cap > 0);
+    }
     let shared = Arc::new(Shared {
         agent: agent.to_path_buf(),
         request: JoinRequest {
             name: options.name,
             direction: steered.direction(),
             memory: options.memory,
-            policy: options.policy,
+            policy,
             resume: None,
             running: false,
         },
@@ -211,7 +224,7 @@ pub fn join(
         shared,
         session: Some(session),
     };
-    membership.wait_for_slot(options.queue_timeout)?;
+    membership.wait_for_slot(options.queue_timeout, options.cancel.as_ref())?;
     Ok(membership)
 }
 
@@ -221,18 +234,26 @@ impl Membership {
         lock(&self.shared.state).clone()
     }
 
-    fn wait_for_slot(&self, timeout: Duration) -> Result<(), FleetError> {
+    fn wait_for_slot(
+        &self,
+        timeout: Duration,
+        cancel: Option<&CancelToken>,
+    ) -> Result<(), FleetError> {
         let deadline = Instant::now() + timeout;
         let mut state = lock(&self.shared.state);
         while !state.granted && !state.cancelled {
+            if cancel.is_some_and(CancelToken::is_cancelled) {
+                return Ok(());
+            }
             let left = deadline.saturating_duration_since(Instant::now());
             if left.is_zero() {
                 return Err(FleetError::QueueTimeout(timeout.as_secs()));
             }
+            // Wakes now and then to notice a cancellation.
             state = self
                 .shared
                 .changed
-                .wait_timeout(state, left)
+                .wait_timeout(state, left.min(Duration::from_millis(100)))
                 .unwrap_or_else(|e| e.into_inner())
                 .0;
         }

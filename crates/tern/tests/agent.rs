@@ -59,6 +59,18 @@ fn spawn_migrate(to: &str, agent: &Path, name: &str, extra: &[&str]) -> Child {
         .unwrap()
 }
 
+/// Kills the child when dropped: a failed assertion leaves no process.
+struct Reaped(Child);
+
+impl Drop for Reaped {
+    fn drop(&mut self) {
+        if self.0.try_wait().ok().flatten().is_none() {
+            let _ = self.0.kill();
+            let _ = self.0.wait();
+        }
+    }
+}
+
 fn scrape(port: u16) -> String {
     let mut stream = std::net::TcpStream::connect(("127.0.0.1", port)).unwrap();
     stream.set_read_timeout(Some(DEADLINE)).unwrap();
@@ -74,17 +86,19 @@ fn migrations_queue_at_the_agent_and_a_killed_one_frees_its_slot() {
     let dir = tempfile::tempdir().unwrap();
     let socket = dir.path().join("agent.sock");
     let metrics_port = free_port();
-    let mut agent = tern()
-        .args(["agent", "--bandwidth", "200MiB", "--outbound-slots", "1"])
-        .arg("--socket")
-        .arg(&socket)
-        .args(["--metrics-listen", &format!("127.0.0.1:{metrics_port}")])
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
+    let mut agent = Reaped(
+        tern()
+            .args(["agent", "--bandwidth", "200MiB", "--outbound-slots", "1"])
+            .arg("--socket")
+            .arg(&socket)
+            .args(["--metrics-listen", &format!("127.0.0.1:{metrics_port}")])
+            .stdout(Stdio::piped())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap(),
+    );
     let mut ready = String::new();
-    BufReader::new(agent.stdout.take().unwrap())
+    BufReader::new(agent.0.stdout.take().unwrap())
         .read_line(&mut ready)
         .unwrap();
     assert!(ready.contains(r#""event":"listening""#), "{ready}");
@@ -93,12 +107,12 @@ fn migrations_queue_at_the_agent_and_a_killed_one_frees_its_slot() {
     let receiver = Receiver::spawn(&["receive", "--json"], &agent_flag);
     // The first is slow (its own cap, 2 MiB/s, stays its cap under the
     // agent), so that it still runs when killed.
-    let mut slow = spawn_migrate(
+    let mut slow = Reaped(spawn_migrate(
         &slow_receiver.address,
         &socket,
         "slow",
         &["--max-bandwidth", "2MiB"],
-    );
+    ));
     poll("the slow one to run capped at its own 2 MiB/s", || {
         let migrations = fleet(&socket)?;
         let member = named(&migrations, "slow")?;
@@ -117,8 +131,8 @@ fn migrations_queue_at_the_agent_and_a_killed_one_frees_its_slot() {
     );
     assert!(text.contains(r#"name="slow""#), "{text}");
     // The slow one dies mid-migration: its slot passes on.
-    slow.kill().unwrap();
-    slow.wait().unwrap();
+    slow.0.kill().unwrap();
+    slow.0.wait().unwrap();
     poll("the slot to pass to the next", || {
         let migrations = fleet(&socket)?;
         let gone = named(&migrations, "slow").is_none();
@@ -143,9 +157,9 @@ fn migrations_queue_at_the_agent_and_a_killed_one_frees_its_slot() {
     // SIGTERM: the agent exits 143 and removes its socket.
     // SAFETY: kill(2) on our own child's pid.
     unsafe {
-        libc::kill(agent.id() as i32, libc::SIGTERM);
+        libc::kill(agent.0.id() as i32, libc::SIGTERM);
     }
-    let status = agent.wait().unwrap();
+    let status = agent.0.wait().unwrap();
     assert_eq!(status.code(), Some(143));
     assert!(!socket.exists());
 }

@@ -436,6 +436,7 @@ impl Fleet {
                 })
                 .count();
             let free = (self.settings.slots(direction) as usize).saturating_sub(running);
+            let free = self.admissible(direction, free);
             let ids: Vec<String> = self
                 .queue(direction)
                 .iter()
@@ -457,6 +458,32 @@ impl Fleet {
             }
         }
         granted
+    }
+
+    /// Of `free` slots, how many may be granted now. Under a budget divided
+    /// converge-first, outbound migrations are admitted one first pass at a
+    /// time: a migration's dirty rate is unknown until its first pass ends,
+    /// and one admitted beside another's first pass would only be held, its
+    /// dirty log running and its guest's pages sent again for nothing. Once
+    /// every running migration knows its dirty rate, the next may start
+    /// and fill what the ones converging leave of the link.
+    fn admissible(&self, direction: Direction, free: usize) -> usize {
+        let gated = direction == Direction::Outbound
+            && self.settings.bandwidth > 0
+            && self.settings.division == Division::ConvergeFirst;
+        if !gated {
+            return free;
+        }
+        let in_first_pass = self.members.values().any(|member| {
+            member.state != FleetState::Queued
+                && member.request.direction == Direction::Outbound
+                && member.progress.iterations == 0
+                && !member
+                    .progress
+                    .status
+                    .is_some_and(|status| status.is_final() || status == MigrationStatus::Device)
+        });
+        if in_first_pass { 0 } else { free.min(1) }
     }
 
     fn queue_positions(&mut self) -> Vec<(String, Directive)> {
@@ -904,6 +931,43 @@ mod tests {
         fleet.tick(at(100));
         assert_eq!(state(&fleet, &a.migration, at(100)).2, 10 * MB);
         assert!(fleet.command("m99", MemberCommand::Cancel).is_err());
+    }
+
+    #[test]
+    fn converge_first_admits_one_first_pass_at_a_time() {
+        let mut fleet = fleet(4, 100 * MB);
+        let ids: Vec<String> = ["a", "b", "c"]
+            .iter()
+            .map(|name| {
+                fleet
+                    .join(request(name, Direction::Outbound), 1, at(0))
+                    .migration
+            })
+            .collect();
+        fleet.tick(at(0));
+        let running = |fleet: &Fleet| {
+            ids.iter()
+                .filter(|id| state(fleet, id, at(0)).0 != FleetState::Queued)
+                .count()
+        };
+        assert_eq!(running(&fleet), 1, "one first pass at a time");
+        let mut first_pass = active(1 << 30, 0);
+        first_pass.iterations = 0;
+        fleet.report(&ids[0], first_pass, at(100)).unwrap();
+        fleet.tick(at(100));
+        assert_eq!(running(&fleet), 1);
+        fleet.report(&ids[0], active(1 << 20, 0), at(200)).unwrap();
+        fleet.tick(at(200));
+        assert_eq!(running(&fleet), 2, "the first knows its dirty rate");
+        // Equal shares, or no budget: slots alone decide.
+        fleet
+            .set(&crate::protocol::FleetSettings {
+                division: Some(crate::division::Division::Equal),
+                ..Default::default()
+            })
+            .unwrap();
+        fleet.tick(at(300));
+        assert_eq!(running(&fleet), 3);
     }
 
     #[test]

@@ -139,7 +139,11 @@ fn beyond_its_slot_a_migration_waits_queued_and_starts_when_the_slot_frees() {
 #[test]
 fn the_share_is_applied_to_the_migration_and_redivided() {
     let dir = tempfile::tempdir().unwrap();
-    let agent = Agent::start(&socket_in(&dir), settings(2, 100 * MB)).unwrap();
+    // Equal shares: converge-first would admit b only once a's first pass
+    // ended, and these migrations never start.
+    let mut host = settings(2, 100 * MB);
+    host.division = tern_fleet::Division::Equal;
+    let agent = Agent::start(&socket_in(&dir), host).unwrap();
     let (_a_source, a_handle) = source_handle();
     let a = join(
         agent.path(),

@@ -55,8 +55,10 @@ while true; do
     "$tern" ctl "$agent" query-fleet | python3 -c '
 import json, sys
 view = json.load(sys.stdin)
-rows = [f"{m[\"name\"]}:{m[\"state\"]}" + (f"#{m[\"position\"]}" if m.get("position") else f"@{m[\"share\"] >> 20}MiB/s")
-        for m in view["migrations"] if m["direction"] == "outbound"]
+def row(m):
+    where = "#%d" % m["position"] if m.get("position") else "@%dMiB/s" % (m["share"] >> 20)
+    return m["name"] + ":" + m["state"] + where
+rows = [row(m) for m in view["migrations"] if m["direction"] == "outbound"]
 print("evacuate:", " ".join(rows) or "(none listed)")' || true
     sleep 2
 done

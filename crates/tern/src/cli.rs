@@ -80,6 +80,9 @@ pub enum Command {
     /// io_uring, memlock limit, huge pages, NUMA) and how to fix what is
     /// missing.
     Doctor(DoctorArgs),
+    /// The host coordinator: slots and a shared bandwidth budget for every
+    /// migration on this host that joins with --agent (docs/fleet.md).
+    Agent(crate::agent::AgentArgs),
 }
 
 #[derive(Debug, Args)]

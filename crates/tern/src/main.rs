@@ -1,5 +1,7 @@
 //! `tern`: live migration of VM memory, from the command line.
 
+mod agent;
+mod agent_metrics;
 mod bench;
 mod cli;
 mod control_socket;

@@ -25,6 +25,7 @@ pub fn dispatch(command: Command, verbose: bool) -> anyhow::Result<ExitCode> {
         Command::Bench(command) => crate::bench::run(command),
         Command::Vm(command) => crate::vm::run(command, verbose),
         Command::Ctl(args) => crate::ctl::run(&args),
+        Command::Agent(args) => crate::agent::run(&args),
         Command::Doctor(args) => {
             crate::doctor::print(&crate::doctor::examine(), args.json)?;
             Ok(ExitCode::SUCCESS)
@@ -417,6 +418,11 @@ fn migrate(args: &MigrateArgs, verbose: bool) -> anyhow::Result<ExitCode> {
     let mut guest = fill_guest(&args.guest)?;
     let cancel = source.cancel_token();
     install_interrupt_handler(move || cancel.cancel());
+    // --agent: waits here for a slot (docs/fleet.md).
+    steering.join_agent(
+        &crate::control_socket::Target::Source(source.handle()),
+        &source.cancel_token(),
+    )?;
     // After the handler, as for the ready event: a script may signal from
     // the moment it reads the line.
     if args.events {
@@ -499,6 +505,10 @@ fn receive(args: &ReceiveArgs) -> anyhow::Result<ExitCode> {
         steering.steer(&crate::control_socket::Target::Destination(
             destination.handle(),
         ));
+        steering.join_agent(
+            &crate::control_socket::Target::Destination(destination.handle()),
+            &destination.cancel_token(),
+        )?;
         receive_one(args, destination, listener, &steering)
     })
 }

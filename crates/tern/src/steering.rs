@@ -24,12 +24,49 @@ pub struct SteeringArgs {
     /// metrics (docs/control.md).
     #[arg(long, value_name = "HOST:PORT")]
     pub metrics_listen: Option<String>,
+    /// Join the host's agent (`tern agent --socket PATH`): wait for a slot,
+    /// take the agent's share of its bandwidth budget, follow its policy
+    /// (docs/fleet.md).
+    #[arg(long, value_name = "PATH")]
+    pub agent: Option<PathBuf>,
+    /// The name the agent lists this migration under (a VM's name;
+    /// tern-PID by default).
+    #[arg(long, value_name = "NAME", requires = "agent")]
+    pub agent_name: Option<String>,
+    /// This migration's policy in KubeVirt's MigrationPolicy names, as
+    /// JSON: '{"completionTimeoutPerGiB":800,"progressTimeout":150,
+    /// "allowAutoConverge":true,"allowPostCopy":false,"priority":1}'
+    /// (docs/fleet.md).
+    #[arg(long, value_name = "JSON", requires = "agent", value_parser = parse_policy)]
+    pub migration_policy: Option<tern_fleet::MigrationPolicy>,
+    /// Longest wait in the agent's queue for a slot, in seconds; then
+    /// nothing is started.
+    #[arg(
+        long,
+        value_name = "SECONDS",
+        default_value_t = 3600,
+        requires = "agent"
+    )]
+    pub agent_queue_timeout: u64,
 }
 
-/// The control socket and metrics endpoint a command runs, if asked for.
+fn parse_policy(text: &str) -> Result<tern_fleet::MigrationPolicy, String> {
+    serde_json::from_str(text).map_err(|error| format!("not a migration policy: {error}"))
+}
+
+/// The control socket, metrics endpoint and agent membership a command
+/// runs, if asked for.
 pub struct Steering {
     socket: Option<ControlSocket>,
     metrics: Option<MetricsEndpoint>,
+    agent: Option<AgentOptions>,
+    membership: std::sync::Mutex<Option<tern_fleet::Membership>>,
+}
+
+/// How to join the agent.
+struct AgentOptions {
+    path: PathBuf,
+    options: tern_fleet::JoinOptions,
 }
 
 impl Steering {
@@ -46,7 +83,22 @@ impl Steering {
             .as_deref()
             .map(MetricsEndpoint::start)
             .transpose()?;
-        Ok(Self { socket, metrics })
+        let agent = args.agent.clone().map(|path| {
+            let name = args
+                .agent_name
+                .clone()
+                .unwrap_or_else(|| format!("tern-{}", std::process::id()));
+            let mut options = tern_fleet::JoinOptions::new(name);
+            options.policy = args.migration_policy.clone().unwrap_or_default();
+            options.queue_timeout = Duration::from_secs(args.agent_queue_timeout);
+            AgentOptions { path, options }
+        });
+        Ok(Self {
+            socket,
+            metrics,
+            agent,
+            membership: std::sync::Mutex::new(None),
+        })
     }
 
     /// Steers and reports on `target` from now on.
@@ -57,6 +109,31 @@ impl Steering {
         if let Some(metrics) = &self.metrics {
             metrics.set_target(target.clone());
         }
+    }
+
+    /// With `--agent`: joins the agent with `target` (leaving it with the
+    /// one before, for `--keep-listening`) and waits for a slot, or until
+    /// `cancel` is cancelled (a signal).
+    pub fn join_agent(
+        &self,
+        target: &Target,
+        cancel: &tern_engine::CancelToken,
+    ) -> anyhow::Result<()> {
+        let Some(agent) = &self.agent else {
+            return Ok(());
+        };
+        let mut membership = self.membership.lock().unwrap_or_else(|e| e.into_inner());
+        membership.take();
+        let steered = match target {
+            Target::Source(handle) => tern_fleet::Steered::Source(handle.clone()),
+            Target::Destination(handle) => tern_fleet::Steered::Destination(handle.clone()),
+        };
+        let mut options = agent.options.clone();
+        options.cancel = Some(cancel.clone());
+        let joined = tern_fleet::join(&agent.path, steered, options)
+            .with_context(|| format!("--agent {}", agent.path.display()))?;
+        *membership = Some(joined);
+        Ok(())
     }
 
     /// Lets `cont` on the control socket run `resume`.

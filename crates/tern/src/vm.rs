@@ -511,6 +511,11 @@ fn migrate(args: &MigrateArgs, verbose: bool) -> anyhow::Result<ExitCode> {
     );
     let cancel = source.cancel_token();
     crate::run::install_interrupt_handler(move || cancel.cancel());
+    // --agent: waits here for a slot (docs/fleet.md).
+    steering.join_agent(
+        &crate::control_socket::Target::Source(source.handle()),
+        &source.cancel_token(),
+    )?;
     // After the handler, as for the ready event: a script may signal from
     // the moment it reads the line.
     if args.events {
@@ -570,6 +575,10 @@ fn receive(args: &ReceiveArgs) -> anyhow::Result<ExitCode> {
         steering.steer(&crate::control_socket::Target::Destination(
             destination.handle(),
         ));
+        steering.join_agent(
+            &crate::control_socket::Target::Destination(destination.handle()),
+            &destination.cancel_token(),
+        )?;
         receive_one(args, destination, listener, &steering)
     })
 }

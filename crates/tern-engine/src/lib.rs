@@ -65,6 +65,7 @@ pub mod fault;
 pub mod fuzzing;
 pub mod guest;
 mod pipeline;
+pub mod postcopy;
 mod ring;
 pub mod snapshot;
 pub mod source;
@@ -82,6 +83,7 @@ pub use control::{
     CONTRACT_VERSION, ControlError, Event, EventBody, MigrationHandle, MigrationParameters,
     ReceiveReport, Subscription,
 };
+pub use postcopy::{PostcopyMode, PostcopyReport, PostcopyTrigger};
 pub use destination::{Destination, ReceiveHandle, ReceivePhase, ReceiveStats, Received};
 pub use error::{ChannelError, MigrationError};
 pub use guest::{

@@ -72,8 +72,8 @@ pub use pages::{
     encode_packet_prefix, encode_pages_prefix,
 };
 pub use postcopy::{
-    MAX_REQUEST_PAGES, MAX_STALE_RUNS, PageRequest, PageRun, PostcopyComplete, PostcopySwitch,
-    UrgentPages,
+    LATENCY_BUCKETS, MAX_REQUEST_PAGES, MAX_STALE_RUNS, PageRequest, PageRun, PostcopyComplete,
+    PostcopySwitch, UrgentPages,
 };
 pub use seal::{
     FRAME_SEALED, FrameOpener, MAX_OPENING_FRAME, MAX_PROOF_FRAME, OPENING_KINDS, PROOF_KINDS,

@@ -148,9 +148,14 @@ impl UrgentPages {
     }
 }
 
+/// Buckets of [`PostcopyComplete::latency_histogram`]: bucket `i` counts
+/// faults answered in `[2^i, 2^(i+1))` microseconds (bucket 0 also below
+/// 1 µs, the last one also everything longer).
+pub const LATENCY_BUCKETS: usize = 24;
+
 /// The destination holds every page (destination to source, main
 /// channel): its digest of memory as delivered, to compare with the
-/// source's, and what postcopy cost.
+/// source's, and what postcopy cost the guest.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct PostcopyComplete {
     /// Digest of memory as it stood at the switch, from the pages as they
@@ -160,11 +165,20 @@ pub struct PostcopyComplete {
     pub requested_pages: u64,
     /// Stale pages placed from the background push.
     pub pushed_pages: u64,
+    /// Page faults the destination answered.
+    pub faults: u64,
+    /// Time guest threads spent waiting on faults, summed, in microseconds
+    /// (QEMU's blocktime).
+    pub blocktime_micros: u64,
+    /// Microseconds from the resume until every page was placed.
+    pub delivered_micros: u64,
+    /// Fault latencies, a power-of-two histogram in microseconds.
+    pub latency_histogram: [u64; LATENCY_BUCKETS],
 }
 
 impl PostcopyComplete {
     /// Body length.
-    pub const ENCODED_LEN: usize = 32;
+    pub const ENCODED_LEN: usize = 16 + 5 * 8 + LATENCY_BUCKETS * 8;
 }
 
 /// Largest body of a postcopy kind, `None` for another kind.
@@ -290,14 +304,34 @@ pub(crate) fn decode_urgent(r: &mut Reader<'_>) -> Result<UrgentPages, WireError
 pub(crate) fn encode_complete(complete: &PostcopyComplete, w: &mut Writer<'_>) {
     w.u128(complete.digest)
         .u64(complete.requested_pages)
-        .u64(complete.pushed_pages);
+        .u64(complete.pushed_pages)
+        .u64(complete.faults)
+        .u64(complete.blocktime_micros)
+        .u64(complete.delivered_micros);
+    for &count in &complete.latency_histogram {
+        w.u64(count);
+    }
 }
 
 pub(crate) fn decode_complete(r: &mut Reader<'_>) -> Result<PostcopyComplete, WireError> {
+    let digest = r.u128()?;
+    let requested_pages = r.u64()?;
+    let pushed_pages = r.u64()?;
+    let faults = r.u64()?;
+    let blocktime_micros = r.u64()?;
+    let delivered_micros = r.u64()?;
+    let mut latency_histogram = [0; LATENCY_BUCKETS];
+    for count in &mut latency_histogram {
+        *count = r.u64()?;
+    }
     Ok(PostcopyComplete {
-        digest: r.u128()?,
-        requested_pages: r.u64()?,
-        pushed_pages: r.u64()?,
+        digest,
+        requested_pages,
+        pushed_pages,
+        faults,
+        blocktime_micros,
+        delivered_micros,
+        latency_histogram,
     })
 }
 
@@ -358,6 +392,10 @@ mod tests {
                 digest: 0x1234_5678_9abc_def0_0fed_cba9_8765_4321,
                 requested_pages: 5,
                 pushed_pages: 1 << 40,
+                faults: 7,
+                blocktime_micros: 900,
+                delivered_micros: 12_000,
+                latency_histogram: std::array::from_fn(|i| i as u64),
             }),
         ];
         for message in messages {

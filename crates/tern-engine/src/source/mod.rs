@@ -1,7 +1,7 @@
 //! The source side: handshake, dirty iterations, convergence, switch-over.
 
 mod connect;
-mod convergence;
+pub(crate) mod convergence;
 mod dictionary;
 pub(crate) use dictionary::{DictionaryRefresher, RatioWindow, sample_dirty_pages};
 mod live;

@@ -83,13 +83,13 @@ pub use control::{
     CONTRACT_VERSION, ControlError, Event, EventBody, MigrationHandle, MigrationParameters,
     ReceiveReport, Subscription,
 };
-pub use postcopy::{PostcopyMode, PostcopyReport, PostcopyTrigger};
 pub use destination::{Destination, ReceiveHandle, ReceivePhase, ReceiveStats, Received};
 pub use error::{ChannelError, MigrationError};
 pub use guest::{
     DestinationGuest, DeviceState, DirtyLog, GuestControl, GuestError, GuestMemory, GuestResult,
     MemoryRegion, PAGE_SIZE, SourceGuest, StateSection,
 };
+pub use postcopy::{PostcopyMode, PostcopyReport, PostcopyTrigger};
 pub use snapshot::{
     LazyRestore, RestoreConfig, Restored, SaveConfig, SnapshotError, SnapshotFile, restore,
     restore_lazy, save,

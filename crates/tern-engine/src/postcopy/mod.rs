@@ -152,7 +152,11 @@ pub(crate) fn trimmed(histogram: &[u64]) -> Vec<u64> {
 /// The power-of-two bucket of a latency in nanoseconds (in µs buckets).
 pub(crate) fn latency_bucket(nanos: u64) -> usize {
     let micros = nanos / 1000;
-    let bucket = if micros == 0 { 0 } else { micros.ilog2() as usize };
+    let bucket = if micros == 0 {
+        0
+    } else {
+        micros.ilog2() as usize
+    };
     bucket.min(tern_wire::LATENCY_BUCKETS - 1)
 }
 

@@ -6,6 +6,7 @@ mod dictionary;
 pub(crate) use dictionary::{DictionaryRefresher, RatioWindow, sample_dirty_pages};
 mod live;
 mod peer;
+mod postcopy;
 mod switch_over;
 
 use std::sync::Arc;
@@ -61,6 +62,9 @@ struct GuestChanges {
     /// The source committed the switch-over: the guest may run on the
     /// destination, so it is never resumed here.
     committed: bool,
+    /// The destination resumed the guest in postcopy: it runs there, and
+    /// a failure now is a postcopy failure, not an unknown outcome.
+    postcopy_resumed: bool,
 }
 
 impl Source {
@@ -194,7 +198,13 @@ impl Source {
                     channel.shutdown();
                 }
                 let failed_in = self.stats.status();
-                let status = if changes.committed {
+                let status = if changes.postcopy_resumed {
+                    tracing::error!(
+                        error = %error.chain(),
+                        "postcopy failed after the point of no return: the source guest stays paused"
+                    );
+                    MigrationStatus::Failed
+                } else if changes.committed {
                     tracing::error!(
                         error = %error.chain(),
                         "the switch-over's outcome is unknown: the guest stays paused"
@@ -258,6 +268,7 @@ impl Source {
             main_slot,
             compression.dictionary.as_ref(),
         )?;
+        let postcopy_channels = postcopy_channels(config, &page_channels)?;
         let Some(main) = main_slot.as_mut() else {
             return Err(MigrationError::Internal("main channel missing".into()));
         };
@@ -305,7 +316,22 @@ impl Source {
                 )
                 .and_then(|live| {
                     self.enter_device_phase();
-                    self.switch_over(guest, main, changes, &mut pipeline, live)
+                    match live.postcopy {
+                        Some(trigger) => self.switch_over_postcopy(
+                            guest,
+                            main,
+                            changes,
+                            &mut pipeline,
+                            live,
+                            postcopy::Handover {
+                                trigger,
+                                channels: postcopy_channels,
+                                setup: &setup,
+                                regions: &regions,
+                            },
+                        ),
+                        None => self.switch_over(guest, main, changes, &mut pipeline, live),
+                    }
                 })
                 .map_err(|error| {
                     // A closed page channel is usually the symptom; the
@@ -392,6 +418,28 @@ impl Source {
             delta_offload: config.delta_offload.clone(),
         }
     }
+}
+
+/// Second handles on the page channels for postcopy's background push,
+/// taken before the pipeline owns them (none when postcopy is off).
+fn postcopy_channels(
+    config: &MigrationConfig,
+    page_channels: &[crate::pipeline::PageSender],
+) -> Result<Vec<Channel>, MigrationError> {
+    if config.postcopy == crate::postcopy::PostcopyMode::Off {
+        return Ok(Vec::new());
+    }
+    page_channels
+        .iter()
+        .map(|sender| sender.channel().try_clone())
+        .collect::<Result<_, _>>()
+        .map_err(|error| MigrationError::InvalidConfig {
+            field: "postcopy",
+            reason: format!(
+                "postcopy pushes pages on second handles of the page channels, which \
+                 this transport cannot give ({error}); user-space TLS cannot, kernel TLS can"
+            ),
+        })
 }
 
 /// A destination whose sockets could not be taken (a bad `fd:` list): each

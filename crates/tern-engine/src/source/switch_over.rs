@@ -350,7 +350,8 @@ impl Source {
         } = live;
         guest.pause().map_err(MigrationError::guest("pause"))?;
         changes.paused = true;
-        bitmaps.iter_mut().for_each(DirtyBitmap::clear);
+        // The live phase's last sync found pages it never sent; this one
+        // adds what was written since.
         guest
             .sync_dirty_log(&mut bitmaps)
             .map_err(MigrationError::guest("sync dirty log"))?;

@@ -81,7 +81,10 @@ fn a_guest_that_cannot_converge_migrates_with_postcopy_auto() {
     assert_eq!(stats.status, MigrationStatus::Completed);
     assert!(stats.digest_verified, "{:?}", stats.digest_comparison);
     assert!(!guest.is_running(), "the source stays paused");
-    assert_eq!(stats.cpu_throttle_percentage, 0, "postcopy instead of throttling");
+    assert_eq!(
+        stats.cpu_throttle_percentage, 0,
+        "postcopy instead of throttling"
+    );
     let postcopy = stats.postcopy.expect("postcopy report");
     assert_eq!(postcopy.trigger, Some(PostcopyTrigger::Throttle));
     assert!(postcopy.stale_pages > 0);

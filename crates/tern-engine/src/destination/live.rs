@@ -262,11 +262,7 @@ fn too_much_state() -> MigrationError {
 
 /// What the main channel delivered: the state, the completion, and a
 /// postcopy switch's stale runs.
-type MainDelivery = (
-    Vec<StateSection>,
-    Complete,
-    Option<Vec<tern_wire::PageRun>>,
-);
+type MainDelivery = (Vec<StateSection>, Complete, Option<Vec<tern_wire::PageRun>>);
 
 /// The stale runs of a postcopy switch, frame by frame.
 #[derive(Default)]

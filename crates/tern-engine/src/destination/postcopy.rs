@@ -458,13 +458,8 @@ impl Phase<'_> {
         for index in 0..usize::from(urgent.pages) {
             let page = u64::from(urgent.first_page) + index as u64;
             self.check_stale(region, page)?;
-            self.delivery.place(
-                self.service,
-                self.hashes,
-                region,
-                page,
-                urgent.page(index),
-            )?;
+            self.delivery
+                .place(self.service, self.hashes, region, page, urgent.page(index))?;
         }
         Ok(())
     }
@@ -474,7 +469,9 @@ impl Phase<'_> {
             .regions
             .iter()
             .position(|region| region.id == id)
-            .ok_or_else(|| MigrationError::Protocol(format!("postcopy page of unknown region {id}")))
+            .ok_or_else(|| {
+                MigrationError::Protocol(format!("postcopy page of unknown region {id}"))
+            })
     }
 
     fn check_stale(&self, region: usize, page: u64) -> Result<(), MigrationError> {
@@ -687,4 +684,135 @@ pub(super) fn completion(
     };
     report.add_destination(&complete);
     (complete, report)
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+    use std::time::{Duration, Instant};
+
+    use tern_wire::{DigestAlgorithm, PageRun, RegionInfo, SessionSetup};
+
+    use super::{Delivery, start_faults};
+    use crate::destination::test_memory::AnonymousMemory;
+    use crate::guest::PAGE_SIZE;
+    use crate::postcopy::StaleSet;
+
+    fn setup(pages: u64) -> SessionSetup {
+        SessionSetup {
+            page_size: tern_wire::PAGE_SIZE,
+            channel_count: 1,
+            codecs: 0,
+            digest: DigestAlgorithm::None,
+            regions: vec![RegionInfo {
+                id: 1,
+                guest_addr: 0,
+                len: pages * PAGE_SIZE as u64,
+            }],
+            guest_kind: String::new(),
+            dictionaries: 0,
+            vmm_config_len: 0,
+        }
+    }
+
+    /// Pages 0..4 of 8 stale, a delivery with `timeout` per fault.
+    fn delivery(timeout: Duration) -> (Arc<Delivery>, SessionSetup) {
+        let setup = setup(8);
+        let runs = [PageRun {
+            region_id: 1,
+            first_page: 0,
+            pages: 4,
+        }];
+        let stale = StaleSet::from_runs(&setup, &runs).unwrap();
+        (
+            Arc::new(Delivery::new(stale, &setup, timeout).unwrap()),
+            setup,
+        )
+    }
+
+    fn skip_without_userfaultfd(error: &crate::error::MigrationError) {
+        tern_test_skip::skip(
+            tern_test_skip::Need::Userfaultfd,
+            format!("no userfaultfd for this process: {error}"),
+        );
+    }
+
+    #[test]
+    fn a_page_delivered_twice_is_placed_once() {
+        let memory = AnonymousMemory::new(8);
+        let regions = [memory.region(1)];
+        let (delivery, _) = delivery(Duration::from_secs(5));
+        let service = match start_faults(&regions, &delivery) {
+            Ok(service) => service,
+            Err(error) => return skip_without_userfaultfd(&error),
+        };
+        let first = vec![5u8; PAGE_SIZE];
+        let second = vec![6u8; PAGE_SIZE];
+        assert!(delivery.place(&service, None, 0, 1, Some(&first)).unwrap());
+        assert!(!delivery.place(&service, None, 0, 1, Some(&second)).unwrap());
+        assert!(delivery.place(&service, None, 0, 2, None).unwrap());
+        drop(service.stop());
+        assert!(memory.page(1).iter().all(|&byte| byte == 5));
+        assert!(memory.page(2).iter().all(|&byte| byte == 0));
+        assert!(!delivery.complete(), "pages 0 and 3 are still missing");
+    }
+
+    #[test]
+    fn a_fault_on_a_stale_page_asks_the_source_and_a_silent_source_fails_it() {
+        let memory = AnonymousMemory::new(8);
+        let regions = [memory.region(1)];
+        let (delivery, _) = delivery(Duration::from_millis(200));
+        let service = match start_faults(&regions, &delivery) {
+            Ok(service) => service,
+            Err(error) => return skip_without_userfaultfd(&error),
+        };
+        let base = memory.base as usize;
+        let reader = std::thread::spawn(move || {
+            // SAFETY: page 6 (not stale) and page 2 (stale) of the mapping,
+            // which outlives the thread (joined below).
+            unsafe {
+                let base = base as *const u8;
+                (
+                    base.add(6 * PAGE_SIZE).read_volatile(),
+                    base.add(2 * PAGE_SIZE).read_volatile(),
+                )
+            }
+        });
+        // The page that was never stale is a zero page without asking;
+        // the stale one is asked for, with its stale neighbours.
+        let deadline = Instant::now() + Duration::from_secs(60);
+        let requests = loop {
+            let requests = delivery.take_requests();
+            if !requests.is_empty() {
+                break requests;
+            }
+            assert!(Instant::now() < deadline, "no request was made");
+            std::thread::sleep(Duration::from_millis(1));
+        };
+        assert_eq!(
+            requests,
+            [PageRun {
+                region_id: 1,
+                first_page: 2,
+                pages: 2
+            }]
+        );
+        // Nobody answers: the fault fails at its deadline, with the setting
+        // named, and the memory is released so no thread hangs.
+        assert_eq!(reader.join().unwrap(), (0, 0));
+        let failure = loop {
+            if let Some(failure) = service.take_failure() {
+                break failure;
+            }
+            assert!(Instant::now() < deadline, "the fault never failed");
+            std::thread::sleep(Duration::from_millis(1));
+        };
+        let mut chain = failure.to_string();
+        let mut cause = std::error::Error::source(&failure);
+        while let Some(next) = cause {
+            chain.push_str(&format!(": {next}"));
+            cause = next.source();
+        }
+        assert!(chain.contains("postcopy_request_timeout"), "{chain}");
+    }
 }

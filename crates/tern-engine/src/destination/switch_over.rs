@@ -10,9 +10,9 @@ use std::time::{Duration, Instant};
 use tern_wire::{DigestAlgorithm, FrameDecoder, Message, Outcome, OutcomeStats, Ready};
 
 use super::handshake::peer_aborted;
-use super::postcopy;
 use super::live::Delivered;
 use super::order::MainChannelState;
+use super::postcopy;
 use super::shared::ReceiverShared;
 use super::stream::{FrameSink, FrameSource, read_message_until};
 use super::{Destination, POLL_INTERVAL, ReceivePhase};

@@ -313,7 +313,9 @@ impl Answers<'_> {
         let mut queue: VecDeque<PageRun> = VecDeque::new();
         let mut pushed_at: Option<Instant> = None;
         loop {
-            let wait = if queue.is_empty() {
+            // Everything that has arrived is read before the next answer:
+            // a burst beyond the bound is refused, not left in the socket.
+            let mut wait = if queue.is_empty() {
                 REQUEST_POLL
             } else {
                 Duration::ZERO
@@ -323,9 +325,7 @@ impl Answers<'_> {
                 if let Some(complete) = self.take_message(message, &mut queue)? {
                     return Ok(complete);
                 }
-                if queue.len() >= MAX_PENDING_REQUESTS || !queue.is_empty() && wait.is_zero() {
-                    break;
-                }
+                wait = Duration::ZERO;
             }
             if let Some(run) = queue.pop_front() {
                 self.answer(main, run)?;
@@ -444,9 +444,18 @@ fn gone(error: ChannelError) -> MigrationError {
 
 #[cfg(test)]
 mod tests {
-    use super::ChunkCursor;
+    use std::os::unix::net::UnixStream;
+    use std::time::Duration;
+
+    use tern_wire::{Message, PageRequest, PageRun, PostcopyComplete};
+
+    use super::{ChunkCursor, Frozen, MAX_PENDING_REQUESTS, ServeCounters, serve};
     use crate::bitmap::DirtyBitmap;
+    use crate::destination::test_memory::AnonymousMemory;
+    use crate::error::MigrationError;
     use crate::postcopy::StaleSet;
+    use crate::stats::LiveStats;
+    use crate::transport::Channel;
 
     #[test]
     fn the_push_takes_every_chunk_once_and_follows_requests() {
@@ -468,5 +477,135 @@ mod tests {
             rest.push(chunk);
         }
         assert_eq!(rest, [(0, 128), (0, 256)]);
+    }
+
+    fn pair() -> (Channel, Channel) {
+        let (ours, theirs) = UnixStream::pair().unwrap();
+        let mut ours = Channel::from_socket(ours.into()).unwrap();
+        let mut theirs = Channel::from_socket(theirs.into()).unwrap();
+        ours.set_timeouts(Duration::from_secs(5)).unwrap();
+        theirs.set_timeouts(Duration::from_secs(5)).unwrap();
+        (ours, theirs)
+    }
+
+    /// Runs `serve` over 64 pages (16 stale) against `peer`, which plays
+    /// the destination on the other end of the main channel; the one page
+    /// channel's push is read and dropped.
+    fn serve_against(
+        peer: impl FnOnce(&mut Channel) + Send,
+    ) -> (Result<PostcopyComplete, MigrationError>, ServeCounters) {
+        let memory = AnonymousMemory::new(64);
+        // SAFETY: the mapping's 64 pages, nothing else uses them.
+        unsafe { memory.base.write_bytes(7, 8 * crate::guest::PAGE_SIZE) };
+        let regions = [memory.region(1)];
+        let mut bitmap = DirtyBitmap::new(64);
+        (0..16).for_each(|page| bitmap.set(page * 4));
+        let stale = StaleSet::from_dirty(&[bitmap]);
+        let frozen = Frozen {
+            regions: &regions,
+            stale: &stale,
+            iteration: 3,
+        };
+        let (mut main, mut their_main) = pair();
+        let (push, mut their_push) = pair();
+        let stats = LiveStats::new();
+        let counters = ServeCounters::default();
+        let result = std::thread::scope(|scope| {
+            scope.spawn(move || {
+                let mut sink = vec![0u8; 1 << 20];
+                while their_push.read_exact(&mut sink[..1]).is_ok() {}
+            });
+            scope.spawn(move || peer(&mut their_main));
+            serve(
+                &mut main,
+                vec![push],
+                &frozen,
+                Duration::from_secs(5),
+                &stats,
+                &counters,
+            )
+        });
+        (result, counters)
+    }
+
+    fn request(first_page: u32, pages: u32) -> Message {
+        Message::PageRequest(PageRequest {
+            run: PageRun {
+                region_id: 1,
+                first_page,
+                pages,
+            },
+        })
+    }
+
+    #[test]
+    fn requests_are_answered_until_the_destination_completes() {
+        let (result, counters) = serve_against(|peer| {
+            peer.send_message(&request(0, 2)).unwrap();
+            match peer.read_message().unwrap() {
+                Message::UrgentPages(urgent) => {
+                    assert_eq!(
+                        (urgent.first_page, urgent.pages, urgent.zero_mask),
+                        (0, 2, 0)
+                    );
+                    assert!(urgent.data.iter().all(|&byte| byte == 7));
+                }
+                other => panic!("{other:?}"),
+            }
+            peer.send_message(&Message::PostcopyComplete(PostcopyComplete {
+                digest: 5,
+                requested_pages: 2,
+                pushed_pages: 16,
+                faults: 1,
+                blocktime_micros: 10,
+                delivered_micros: 100,
+                latency_histogram: [0; tern_wire::LATENCY_BUCKETS],
+            }))
+            .unwrap();
+        });
+        assert_eq!(result.unwrap().digest, 5);
+        assert_eq!(
+            counters.requests.load(std::sync::atomic::Ordering::Relaxed),
+            1
+        );
+    }
+
+    #[test]
+    fn a_request_outside_guest_memory_fails_with_a_clear_error() {
+        let (result, _) = serve_against(|peer| {
+            peer.send_message(&request(60, 8)).unwrap();
+        });
+        let error = result.unwrap_err().to_string();
+        assert!(
+            error.contains("pages 60..68 of region 1, which has 64"),
+            "{error}"
+        );
+    }
+
+    #[test]
+    fn a_request_flood_fails_instead_of_queueing_without_end() {
+        let (result, _) = serve_against(|peer| {
+            let mut burst = Vec::new();
+            for _ in 0..MAX_PENDING_REQUESTS + 10 {
+                request(0, 1).encode(&mut burst);
+            }
+            // Sent in one write and never read back: the source reads
+            // them all before it could answer.
+            let _ = peer.write_all(&burst);
+        });
+        let error = result.unwrap_err().to_string();
+        assert!(error.contains("more than 4096 page requests"), "{error}");
+    }
+
+    #[test]
+    fn a_destination_that_dies_ends_postcopy_with_a_channel_error() {
+        let (result, _) = serve_against(|peer| {
+            peer.send_message(&request(4, 1)).unwrap();
+            peer.shutdown();
+        });
+        match result {
+            Err(MigrationError::Channel { index: 0, .. }) => {}
+            other => panic!("{other:?}"),
+        }
     }
 }

@@ -15,8 +15,6 @@ use tern_synthetic::{ContentMix, SyntheticConfig, SyntheticGuest};
 
 /// Whether this process may use userfaultfd; a skip says why not.
 fn userfaultfd_works() -> bool {
-    let memory = vec![0u8; 0];
-    drop(memory);
     // SAFETY: the system call takes flags only; the descriptor is closed
     // right away.
     let fd = unsafe { libc::syscall(libc::SYS_userfaultfd, libc::O_CLOEXEC) };
@@ -88,9 +86,8 @@ fn a_guest_that_cannot_converge_migrates_with_postcopy_auto() {
     let postcopy = stats.postcopy.expect("postcopy report");
     assert_eq!(postcopy.trigger, Some(PostcopyTrigger::Throttle));
     assert!(postcopy.stale_pages > 0);
-    assert_eq!(
+    assert!(
         postcopy.pushed_pages + postcopy.requested_pages >= postcopy.stale_pages,
-        true,
         "{postcopy:?}"
     );
     eprintln!("source: {postcopy:?}");

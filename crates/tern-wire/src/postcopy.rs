@@ -156,7 +156,7 @@ pub const LATENCY_BUCKETS: usize = 24;
 /// The destination holds every page (destination to source, main
 /// channel): its digest of memory as delivered, to compare with the
 /// source's, and what postcopy cost the guest.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq)]
 pub struct PostcopyComplete {
     /// Digest of memory as it stood at the switch, from the pages as they
     /// were placed (0 when the session does not verify).
@@ -172,8 +172,10 @@ pub struct PostcopyComplete {
     pub blocktime_micros: u64,
     /// Microseconds from the resume until every page was placed.
     pub delivered_micros: u64,
-    /// Fault latencies, a power-of-two histogram in microseconds.
-    pub latency_histogram: [u64; LATENCY_BUCKETS],
+    /// Fault latencies, a power-of-two histogram in microseconds: always
+    /// [`LATENCY_BUCKETS`] entries on the wire (missing ones are sent as 0,
+    /// extra ones are left out).
+    pub latency_histogram: Vec<u64>,
 }
 
 impl PostcopyComplete {
@@ -308,8 +310,8 @@ pub(crate) fn encode_complete(complete: &PostcopyComplete, w: &mut Writer<'_>) {
         .u64(complete.faults)
         .u64(complete.blocktime_micros)
         .u64(complete.delivered_micros);
-    for &count in &complete.latency_histogram {
-        w.u64(count);
+    for bucket in 0..LATENCY_BUCKETS {
+        w.u64(complete.latency_histogram.get(bucket).copied().unwrap_or(0));
     }
 }
 
@@ -320,10 +322,9 @@ pub(crate) fn decode_complete(r: &mut Reader<'_>) -> Result<PostcopyComplete, Wi
     let faults = r.u64()?;
     let blocktime_micros = r.u64()?;
     let delivered_micros = r.u64()?;
-    let mut latency_histogram = [0; LATENCY_BUCKETS];
-    for count in &mut latency_histogram {
-        *count = r.u64()?;
-    }
+    let latency_histogram = (0..LATENCY_BUCKETS)
+        .map(|_| r.u64())
+        .collect::<Result<_, _>>()?;
     Ok(PostcopyComplete {
         digest,
         requested_pages,
@@ -338,7 +339,7 @@ pub(crate) fn decode_complete(r: &mut Reader<'_>) -> Result<PostcopyComplete, Wi
 #[cfg(test)]
 mod tests {
     use super::{
-        MAX_REQUEST_PAGES, MAX_STALE_RUNS, PageRequest, PageRun, PostcopyComplete, PostcopySwitch,
+        LATENCY_BUCKETS, MAX_REQUEST_PAGES, MAX_STALE_RUNS, PageRequest, PageRun, PostcopyComplete, PostcopySwitch,
         UrgentPages,
     };
     use crate::{FRAME_HEADER_LEN, FrameHeader, FrameKind, Message, PAGE_SIZE, WireError};
@@ -395,7 +396,7 @@ mod tests {
                 faults: 7,
                 blocktime_micros: 900,
                 delivered_micros: 12_000,
-                latency_histogram: std::array::from_fn(|i| i as u64),
+                latency_histogram: (0..LATENCY_BUCKETS as u64).collect(),
             }),
         ];
         for message in messages {
@@ -442,7 +443,7 @@ mod tests {
             more: false,
             stale: vec![],
         }));
-        body[4..8].copy_from_slice(&(MAX_STALE_RUNS as u32 + 1).to_le_bytes());
+        body[4..8].copy_from_slice(&(u32::try_from(MAX_STALE_RUNS).unwrap() + 1).to_le_bytes());
         assert!(matches!(
             Message::decode(FrameKind::PostcopySwitch, &body),
             Err(WireError::FieldTooLong { .. })

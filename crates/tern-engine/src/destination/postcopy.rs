@@ -674,7 +674,7 @@ pub(super) fn completion(
         faults: faults.faults,
         blocktime_micros: (faults.blocktime_ms * 1000.0) as u64,
         delivered_micros: u64::try_from(delivered_after.as_micros()).unwrap_or(u64::MAX),
-        latency_histogram: histogram,
+        latency_histogram: histogram.to_vec(),
     };
     let mut report = PostcopyReport {
         stale_pages: delivery.stale.total(),

@@ -78,6 +78,7 @@ fn unknown_mode(text: &str) -> UnknownName {
 /// Why precopy handed over to postcopy.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, schemars::JsonSchema)]
 #[serde(rename_all = "kebab-case")]
+#[non_exhaustive]
 pub enum PostcopyTrigger {
     /// An operator asked (`migrate-start-postcopy`).
     Requested,
@@ -94,6 +95,7 @@ pub enum PostcopyTrigger {
 /// What postcopy did, with QEMU's names where it has them.
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize, schemars::JsonSchema)]
 #[serde(rename_all = "kebab-case")]
+#[non_exhaustive]
 pub struct PostcopyReport {
     /// Why precopy handed over (absent on the destination, which is not
     /// told).

@@ -559,7 +559,7 @@ mod tests {
                 faults: 1,
                 blocktime_micros: 10,
                 delivered_micros: 100,
-                latency_histogram: [0; tern_wire::LATENCY_BUCKETS],
+                latency_histogram: vec![0; tern_wire::LATENCY_BUCKETS],
             }))
             .unwrap();
         });

@@ -392,8 +392,8 @@ impl Source {
             .send_message(&Message::Commit)
             .map_err(MigrationError::channel(0))
             .and_then(|()| self.await_answer(main, &commit_deadline));
-        match answer {
-            Ok(Ok(outcome)) if outcome.verified => {}
+        let resumed = match answer {
+            Ok(Ok(outcome)) if outcome.verified => outcome,
             Ok(Ok(outcome)) => {
                 changes.committed = false;
                 return Err(MigrationError::Protocol(format!(
@@ -416,7 +416,7 @@ impl Source {
                 )));
             }
             Err(error) => return Err(MigrationError::OutcomeUnknown(Box::new(error))),
-        }
+        };
         changes.postcopy_resumed = true;
         self.stats.set_downtime(paused_at.elapsed());
         self.stats.set_status(MigrationStatus::PostcopyActive);
@@ -432,7 +432,8 @@ impl Source {
             stale: &stale,
             iteration: iteration.saturating_add(1),
         };
-        self.serve_postcopy(main, handover, &frozen, digest)
+        self.serve_postcopy(main, handover, &frozen, digest)?;
+        Ok(DestinationStats::from_wire(&resumed.stats))
     }
 
     /// Serves the destination until it holds every page, then compares the
@@ -443,7 +444,7 @@ impl Source {
         handover: Handover<'_>,
         frozen: &Frozen<'_>,
         digest: u128,
-    ) -> Result<DestinationStats, MigrationError> {
+    ) -> Result<(), MigrationError> {
         let counters = ServeCounters::default();
         let mut report = PostcopyReport {
             trigger: Some(handover.trigger),
@@ -496,7 +497,7 @@ impl Source {
             }
         }
         self.stats.set_digest_verified_from_comparison();
-        Ok(DestinationStats::default())
+        Ok(())
     }
 
     /// Ends precopy with the guest paused: a last sync on every page

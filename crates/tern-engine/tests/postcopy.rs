@@ -126,3 +126,40 @@ fn memory_held_paused_after_postcopy_equals_the_source() {
     // for byte, the stale pages included.
     assert_eq!(received.guest.digest(), guest.digest());
 }
+
+#[test]
+fn migrate_start_postcopy_hands_over_on_request() {
+    if !userfaultfd_works() {
+        return;
+    }
+    let mut guest = busy_guest();
+    let (listener, address) = tcp_listener();
+    let destination = spawn_destination(listener);
+    let mut config = postcopy_config(PostcopyMode::OnRequest);
+    // Precopy alone would throttle on: only the request ends it.
+    config.auto_converge = false;
+    let source = Source::new(config).unwrap();
+    let handle = source.handle();
+    let requester = std::thread::spawn(move || {
+        wait_until("the migration is active", || {
+            handle.query().status == MigrationStatus::Active
+        });
+        handle.start_postcopy()
+    });
+    let stats = source.migrate(&mut guest, &address).expect("migration");
+    requester.join().unwrap().expect("start_postcopy");
+    let mut received = destination.join().unwrap().expect("destination");
+    assert!(stats.digest_verified);
+    assert_eq!(
+        stats.postcopy.as_ref().and_then(|p| p.trigger),
+        Some(PostcopyTrigger::Requested)
+    );
+    received.guest.pause().unwrap();
+}
+
+#[test]
+fn migrate_start_postcopy_is_refused_when_postcopy_is_off() {
+    let source = Source::new(migration_config(1)).unwrap();
+    let error = source.handle().start_postcopy().unwrap_err().to_string();
+    assert!(error.contains("Postcopy is off"), "{error}");
+}

@@ -339,8 +339,8 @@ pub(crate) fn decode_complete(r: &mut Reader<'_>) -> Result<PostcopyComplete, Wi
 #[cfg(test)]
 mod tests {
     use super::{
-        LATENCY_BUCKETS, MAX_REQUEST_PAGES, MAX_STALE_RUNS, PageRequest, PageRun, PostcopyComplete, PostcopySwitch,
-        UrgentPages,
+        LATENCY_BUCKETS, MAX_REQUEST_PAGES, MAX_STALE_RUNS, PageRequest, PageRun, PostcopyComplete,
+        PostcopySwitch, UrgentPages,
     };
     use crate::{FRAME_HEADER_LEN, FrameHeader, FrameKind, Message, PAGE_SIZE, WireError};
 

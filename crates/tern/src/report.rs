@@ -548,16 +548,14 @@ pub fn print_summary(stats: &MigrationStats, extra: &[(&str, String)]) {
 
 /// The postcopy lines of the summary, with QEMU's names in brackets.
 fn postcopy_rows(report: &tern_engine::PostcopyReport) -> Vec<(&'static str, String)> {
-    let trigger = report
-        .trigger
-        .map_or("unknown", |trigger| match trigger {
-            tern_engine::PostcopyTrigger::Requested => "requested",
-            tern_engine::PostcopyTrigger::Timer => "--postcopy-after",
-            tern_engine::PostcopyTrigger::Throttle => "instead of throttling",
-            tern_engine::PostcopyTrigger::Limit => "at a limit",
-            tern_engine::PostcopyTrigger::FirstPass => "after the first pass",
-            _ => "other",
-        });
+    let trigger = report.trigger.map_or("unknown", |trigger| match trigger {
+        tern_engine::PostcopyTrigger::Requested => "requested",
+        tern_engine::PostcopyTrigger::Timer => "--postcopy-after",
+        tern_engine::PostcopyTrigger::Throttle => "instead of throttling",
+        tern_engine::PostcopyTrigger::Limit => "at a limit",
+        tern_engine::PostcopyTrigger::FirstPass => "after the first pass",
+        _ => "other",
+    });
     vec![
         (
             "postcopy",
@@ -582,7 +580,10 @@ fn postcopy_rows(report: &tern_engine::PostcopyReport) -> Vec<(&'static str, Str
         ),
         (
             "all memory delivered",
-            format!("{:.1} ms after the guest resumed", report.delivered_after_ms),
+            format!(
+                "{:.1} ms after the guest resumed",
+                report.delivered_after_ms
+            ),
         ),
     ]
 }

@@ -25,7 +25,6 @@ use serde::{Deserialize, Serialize};
 use tern_wire::{PageRun, SessionSetup};
 
 use crate::bitmap::DirtyBitmap;
-use crate::config::UnknownName;
 
 pub(crate) use decide::{PostcopyFacts, switch_to_postcopy};
 
@@ -42,11 +41,7 @@ pub(crate) use decide::{PostcopyFacts, switch_to_postcopy};
     strum::IntoStaticStr,
     strum::EnumIter,
 )]
-#[strum(
-    serialize_all = "kebab-case",
-    parse_err_ty = UnknownName,
-    parse_err_fn = unknown_mode
-)]
+#[strum(serialize_all = "kebab-case")]
 #[non_exhaustive]
 pub enum PostcopyMode {
     /// Precopy only: a guest that cannot converge is throttled, or the
@@ -69,10 +64,6 @@ impl PostcopyMode {
     pub fn as_str(self) -> &'static str {
         self.into()
     }
-}
-
-fn unknown_mode(text: &str) -> UnknownName {
-    UnknownName(text.to_string())
 }
 
 /// Why precopy handed over to postcopy.

@@ -27,6 +27,7 @@ pub(super) struct LiveEnd {
 }
 
 impl Source {
+    // long: one dirty iteration's steps in order, then the decisions.
     pub(super) fn live_phase<G: SourceGuest>(
         &self,
         guest: &mut G,

@@ -198,26 +198,7 @@ impl Source {
                     channel.shutdown();
                 }
                 let failed_in = self.stats.status();
-                let status = if changes.postcopy_resumed {
-                    tracing::error!(
-                        error = %error.chain(),
-                        "postcopy failed after the point of no return: the source guest stays paused"
-                    );
-                    MigrationStatus::Failed
-                } else if changes.committed {
-                    tracing::error!(
-                        error = %error.chain(),
-                        "the switch-over's outcome is unknown: the guest stays paused"
-                    );
-                    MigrationStatus::OutcomeUnknown
-                } else {
-                    restore_guest(guest, &changes);
-                    if matches!(error, MigrationError::Cancelled) {
-                        MigrationStatus::Cancelled
-                    } else {
-                        MigrationStatus::Failed
-                    }
-                };
+                let status = failure_status(guest, &changes, &error);
                 self.stats.set_status(status);
                 let error = if failed_in == MigrationStatus::Setup {
                     name_non_tern_peer(error, &connector.address(), &self.config)
@@ -239,6 +220,7 @@ impl Source {
         }
     }
 
+    // long: connect, live phase and switch-over (precopy or postcopy) in one scope of threads.
     fn run<G: SourceGuest>(
         &self,
         guest: &mut G,
@@ -504,6 +486,35 @@ fn name_non_tern_peer(
     MigrationError::NotTern {
         address: address.to_string(),
         detail,
+    }
+}
+
+/// The status a failure ends in, with the guest resumed only when it runs
+/// nowhere else: never after the commit.
+fn failure_status<G: SourceGuest>(
+    guest: &mut G,
+    changes: &GuestChanges,
+    error: &MigrationError,
+) -> MigrationStatus {
+    if changes.postcopy_resumed {
+        tracing::error!(
+            error = %error.chain(),
+            "postcopy failed after the point of no return: the source guest stays paused"
+        );
+        MigrationStatus::Failed
+    } else if changes.committed {
+        tracing::error!(
+            error = %error.chain(),
+            "the switch-over's outcome is unknown: the guest stays paused"
+        );
+        MigrationStatus::OutcomeUnknown
+    } else {
+        restore_guest(guest, changes);
+        if matches!(error, MigrationError::Cancelled) {
+            MigrationStatus::Cancelled
+        } else {
+            MigrationStatus::Failed
+        }
     }
 }
 

@@ -326,6 +326,15 @@ pub struct MigrationConfig {
     /// (`Destination::receive_with_vmm_config`); at most
     /// `tern_wire::MAX_VMM_CONFIG_LEN` bytes; empty: none is sent.
     pub vmm_config: Vec<u8>,
+    // Postcopy (docs/postcopy.md).
+    /// When precopy hands over to postcopy; `Off` by default.
+    pub postcopy: crate::postcopy::PostcopyMode,
+    /// With `postcopy` `OnRequest`: start postcopy this long after the live
+    /// phase began even without a request; `None`: only on request.
+    pub postcopy_after: Option<Duration>,
+    /// With `postcopy` `Auto`: the highest auto-converge throttle (percent)
+    /// precopy may set; where it would throttle more, postcopy starts.
+    pub postcopy_max_throttle: u8,
 }
 
 /// The most memory `auto` gives a delta cache without
@@ -375,6 +384,9 @@ impl Default for MigrationConfig {
             security: Security::default(),
             vmm_config: Vec::new(),
             switch_over_timeout: DEFAULT_SWITCH_OVER_TIMEOUT,
+            postcopy: crate::postcopy::PostcopyMode::Off,
+            postcopy_after: None,
+            postcopy_max_throttle: 0,
         }
     }
 }
@@ -518,6 +530,9 @@ impl MigrationConfig {
         }
         if self.switch_over_timeout.is_zero() {
             return bad("switch_over_timeout", "must be positive".into());
+        }
+        if self.postcopy_max_throttle > 99 {
+            return bad("postcopy_max_throttle", "a percentage of at most 99".into());
         }
         if !(0.0..=1.0).contains(&self.zero_page_as_normal) {
             return bad(
@@ -673,6 +688,11 @@ pub struct ReceiveConfig {
     /// `tern_wire::MAX_VMM_CONFIG_LEN`: a larger one is refused at the hello
     /// that announces it, before it is read.
     pub max_vmm_config: usize,
+    /// During postcopy, how long a guest thread that touched a missing
+    /// page waits for it (the source's answer or the background push)
+    /// before the migration fails: the longest a silent source can stall
+    /// the guest.
+    pub postcopy_request_timeout: Duration,
 }
 
 /// Whether a destination without an auth key or TLS accepts sessions.
@@ -706,6 +726,7 @@ impl Default for ReceiveConfig {
             decode_threads: None,
             keep_paused: false,
             max_vmm_config: 64 << 10,
+            postcopy_request_timeout: Duration::from_secs(10),
         }
     }
 }

@@ -155,6 +155,32 @@ pub enum MigrationError {
          check the destination before resuming either"
     )]
     OutcomeUnknown(#[source] Box<MigrationError>),
+    /// Postcopy failed after the point of no return: the guest no longer
+    /// runs on the source, which never resumes it; `fate` says where it is.
+    #[error("Postcopy failed after the point of no return ({fate})")]
+    PostcopyFailed {
+        /// Where the guest is now, in one line.
+        fate: &'static str,
+        /// What failed.
+        #[source]
+        cause: Box<MigrationError>,
+    },
+    /// Every page reached the destination during postcopy, but its memory
+    /// as delivered does not match the source's: the guest already runs
+    /// there, so this cannot be undone.
+    #[error(
+        "Memory digest mismatch after postcopy (source {source_digest:032x}, destination \
+         {destination:032x}): the guest already runs on the destination; suspect pages: {pages}"
+    )]
+    PostcopyDigestMismatch {
+        /// Source digest.
+        source_digest: u128,
+        /// Destination digest.
+        destination: u128,
+        /// The pages delivered after the switch (the only ones the digest
+        /// did not cover before), as runs `region:first+count`.
+        pages: String,
+    },
     /// The iteration or time limit was reached under the cancel policy.
     #[error("Migration did not converge: {0}")]
     LimitReached(String),
@@ -183,12 +209,15 @@ impl MigrationError {
             | Self::UnsupportedTransport { .. } => AbortReason::IncompatibleSetup,
             Self::Guest { .. } => AbortReason::GuestError,
             Self::Channel { .. } | Self::ZeroCopy(_) => AbortReason::ChannelFailed,
-            Self::DigestMismatch { .. } => AbortReason::DigestMismatch,
+            Self::DigestMismatch { .. } | Self::PostcopyDigestMismatch { .. } => {
+                AbortReason::DigestMismatch
+            }
             Self::LimitReached(_) => AbortReason::LimitReached,
             Self::PeerAborted { .. }
             | Self::Thread(_)
             | Self::Internal(_)
-            | Self::OutcomeUnknown(_) => AbortReason::Other,
+            | Self::OutcomeUnknown(_)
+            | Self::PostcopyFailed { .. } => AbortReason::Other,
         }
     }
 

@@ -68,6 +68,7 @@ pub mod fault;
 pub mod fuzzing;
 pub mod guest;
 mod pipeline;
+pub mod postcopy;
 mod ring;
 pub mod snapshot;
 pub mod source;
@@ -92,6 +93,7 @@ pub use guest::{
     DestinationGuest, DeviceState, DirtyLog, GuestControl, GuestError, GuestMemory, GuestResult,
     MemoryRegion, PAGE_SIZE, SourceGuest, StateSection,
 };
+pub use postcopy::{PostcopyMode, PostcopyReport, PostcopyTrigger};
 pub use snapshot::{
     LazyRestore, RestoreConfig, Restored, SaveConfig, SnapshotError, SnapshotFile, restore,
     restore_lazy, save,

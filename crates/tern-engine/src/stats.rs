@@ -49,6 +49,9 @@ pub enum MigrationStatus {
     /// confirm it resumed the guest; the source guest stays paused (see
     /// [`crate::MigrationError::OutcomeUnknown`]).
     OutcomeUnknown = 6,
+    /// The guest runs on the destination, which fetches the pages it
+    /// still lacks from the paused source (docs/postcopy.md).
+    PostcopyActive = 7,
 }
 
 impl MigrationStatus {
@@ -60,6 +63,7 @@ impl MigrationStatus {
             3 => Self::Completed,
             4 => Self::Failed,
             5 => Self::Cancelled,
+            7 => Self::PostcopyActive,
             _ => Self::OutcomeUnknown,
         }
     }
@@ -139,6 +143,8 @@ pub struct LiveStats {
     digest_verified: AtomicBool,
     digest_comparison: Mutex<Option<DigestComparison>>,
     cpu_seconds: Mutex<BTreeMap<String, f64>>,
+    /// What postcopy did, once it started.
+    postcopy: Mutex<Option<crate::postcopy::PostcopyReport>>,
     zero_copy: Mutex<Option<ZeroCopyStats>>,
     /// Each zero-copy channel's latest counters (published at every sync
     /// and at the end), by page channel index.
@@ -249,6 +255,7 @@ impl LiveStats {
             digest_verified: AtomicBool::new(false),
             digest_comparison: Mutex::new(None),
             cpu_seconds: Mutex::new(BTreeMap::new()),
+            postcopy: Mutex::new(None),
             zero_copy: Mutex::new(None),
             zero_copy_channels: Mutex::new(BTreeMap::new()),
             compression: Mutex::new(None),
@@ -496,6 +503,21 @@ impl LiveStats {
         }
     }
 
+    /// Counts `bytes` written after the switch to postcopy: part of
+    /// `transferred` (and of `multifd-bytes` on a page channel), in neither
+    /// `precopy-bytes` nor `downtime-bytes`.
+    pub(crate) fn add_postcopy_sent(&self, bytes: u64, page_channel: bool) {
+        self.transferred.fetch_add(bytes, Ordering::Relaxed);
+        if page_channel {
+            self.multifd_bytes.fetch_add(bytes, Ordering::Relaxed);
+        }
+    }
+
+    /// Records what postcopy did (replacing the previous record).
+    pub(crate) fn set_postcopy(&self, report: crate::postcopy::PostcopyReport) {
+        *self.postcopy.lock().unwrap_or_else(|e| e.into_inner()) = Some(report);
+    }
+
     /// Starts an iteration of `bytes` dirty bytes: the progress of an
     /// iteration is `iteration_bytes - remaining` of `iteration_bytes`.
     pub(crate) fn start_iteration(&self, bytes: u64) {
@@ -638,6 +660,11 @@ impl LiveStats {
                 .clone(),
             dedup: self.dedup_stats(),
             xbzrle_cache: self.xbzrle_stats(),
+            postcopy: self
+                .postcopy
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .clone(),
             destination: None,
             error_desc: None,
         }
@@ -879,6 +906,10 @@ pub struct MigrationStats {
     /// The delta cache, when it was on (QEMU's `xbzrle-cache`).
     #[serde(skip_serializing_if = "Option::is_none", default)]
     pub xbzrle_cache: Option<XbzrleCacheStats>,
+    /// What postcopy did, when the migration switched to it
+    /// (docs/postcopy.md).
+    #[serde(skip_serializing_if = "Option::is_none", default)]
+    pub postcopy: Option<crate::postcopy::PostcopyReport>,
     /// The destination's own statistics, when it sent them.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub destination: Option<DestinationStats>,
@@ -1153,6 +1184,10 @@ pub struct DestinationStats {
     /// (`Received::stats`) also `decoders`, the decoder pool's threads
     /// together, which the outcome message does not carry to the source.
     pub cpu_seconds: BTreeMap<String, f64>,
+    /// What postcopy did here, on the destination's own copy, when the
+    /// migration switched to it.
+    #[serde(skip_serializing_if = "Option::is_none", default)]
+    pub postcopy: Option<crate::postcopy::PostcopyReport>,
 }
 
 impl DestinationStats {
@@ -1172,6 +1207,7 @@ impl DestinationStats {
             normal_pages: stats.normal_pages,
             digest_time: stats.digest_micros / 1000,
             cpu_seconds,
+            postcopy: None,
         }
     }
 }

@@ -55,6 +55,7 @@ mod decoder;
 mod error;
 mod message;
 mod pages;
+mod postcopy;
 mod seal;
 pub mod snapshot;
 
@@ -70,6 +71,10 @@ pub use pages::{
     DELTA_ENTRY_LEN, PageEntry, PageKind, PageRef, PagesHeader, decode_page_table,
     encode_packet_prefix, encode_pages_prefix,
 };
+pub use postcopy::{
+    LATENCY_BUCKETS, MAX_REQUEST_PAGES, MAX_STALE_RUNS, PageRequest, PageRun, PostcopyComplete,
+    PostcopySwitch, UrgentPages,
+};
 pub use seal::{
     FRAME_SEALED, FrameOpener, MAX_OPENING_FRAME, MAX_PROOF_FRAME, OPENING_KINDS, PROOF_KINDS,
     SEAL_LEN, SEAL_TAG_LEN, Seal, header_is_sealed, mark_sealed,
@@ -78,7 +83,7 @@ pub use seal::{
 /// First bytes of every handshake.
 pub const MAGIC: [u8; 8] = *b"TERNMIG\0";
 /// Protocol version spoken by this build.
-pub const PROTOCOL_VERSION: u16 = 7;
+pub const PROTOCOL_VERSION: u16 = 8;
 /// The only page size this version supports: the one definition of tern's
 /// page size (`tern_page::PAGE_SIZE` and `tern_engine::PAGE_SIZE` are this
 /// value as a `usize`).
@@ -180,6 +185,18 @@ pub enum FrameKind {
     /// before the welcome, when the setup announces one (main channel,
     /// source to destination).
     VmmConfig = 14,
+    /// The source switches to postcopy: the destination's stale pages
+    /// (main channel, source to destination; see [`PostcopySwitch`]).
+    PostcopySwitch = 15,
+    /// Pages a destination guest thread waits on (main channel,
+    /// destination to source, postcopy).
+    PageRequest = 16,
+    /// Requested pages, ahead of the background push (main channel,
+    /// source to destination, postcopy).
+    UrgentPages = 17,
+    /// The destination holds every page, with its digest (main channel,
+    /// destination to source, postcopy).
+    PostcopyComplete = 18,
     /// Authentication, first on a channel when the sides share a key:
     /// the source's nonce, bound to a session and channel (source to
     /// destination). Numbered apart from the session's own kinds.
@@ -208,6 +225,10 @@ impl FrameKind {
             12 => Self::Heartbeat,
             13 => Self::Dictionary,
             14 => Self::VmmConfig,
+            15 => Self::PostcopySwitch,
+            16 => Self::PageRequest,
+            17 => Self::UrgentPages,
+            18 => Self::PostcopyComplete,
             32 => Self::AuthHello,
             33 => Self::AuthChallenge,
             34 => Self::AuthProof,
@@ -239,6 +260,13 @@ impl FrameKind {
             Self::AuthHello => Handshake::ENCODED_LEN + AUTH_NONCE_LEN,
             Self::AuthChallenge => AUTH_NONCE_LEN + AUTH_PROOF_LEN,
             Self::AuthProof => AUTH_PROOF_LEN,
+            Self::PostcopySwitch
+            | Self::PageRequest
+            | Self::UrgentPages
+            | Self::PostcopyComplete => match postcopy::max_body(self) {
+                Some(max) => max,
+                None => 0,
+            },
         }
     }
 }

@@ -2,6 +2,7 @@
 
 use crate::codec::{Reader, Writer};
 use crate::error::{AbortReason, WireError};
+use crate::postcopy::{self, PageRequest, PostcopyComplete, PostcopySwitch, UrgentPages};
 use crate::{
     AUTH_NONCE_LEN, AUTH_PROOF_LEN, FRAME_HEADER_LEN, FrameHeader, FrameKind, MAGIC, MAX_CHANNELS,
     MAX_DICTIONARIES, MAX_DICTIONARY_LEN, MAX_GUEST_KIND_LEN, MAX_NAME_LEN, MAX_REGION_BYTES,
@@ -500,6 +501,14 @@ pub enum Message {
     Dictionary(Dictionary),
     /// See [`VmmConfig`].
     VmmConfig(VmmConfig),
+    /// See [`PostcopySwitch`].
+    PostcopySwitch(PostcopySwitch),
+    /// See [`PageRequest`].
+    PageRequest(PageRequest),
+    /// See [`UrgentPages`].
+    UrgentPages(UrgentPages),
+    /// See [`PostcopyComplete`].
+    PostcopyComplete(PostcopyComplete),
 }
 
 impl Message {
@@ -522,6 +531,10 @@ impl Message {
             Self::AuthProof(_) => FrameKind::AuthProof,
             Self::Dictionary(_) => FrameKind::Dictionary,
             Self::VmmConfig(_) => FrameKind::VmmConfig,
+            Self::PostcopySwitch(_) => FrameKind::PostcopySwitch,
+            Self::PageRequest(_) => FrameKind::PageRequest,
+            Self::UrgentPages(_) => FrameKind::UrgentPages,
+            Self::PostcopyComplete(_) => FrameKind::PostcopyComplete,
         }
     }
 
@@ -609,6 +622,10 @@ impl Message {
             Self::AuthProof(proof) => {
                 w.bytes(&proof.proof);
             }
+            Self::PostcopySwitch(switch) => postcopy::encode_switch(switch, &mut w),
+            Self::PageRequest(request) => postcopy::encode_request(request, &mut w),
+            Self::UrgentPages(urgent) => postcopy::encode_urgent(urgent, &mut w),
+            Self::PostcopyComplete(complete) => postcopy::encode_complete(complete, &mut w),
         }
         let body_len = u32::try_from(out.len() - start - FRAME_HEADER_LEN).unwrap_or(u32::MAX);
         let header = FrameHeader {
@@ -822,6 +839,12 @@ impl Message {
             FrameKind::VmmConfig => Self::VmmConfig(VmmConfig {
                 data: r.bytes_u32(MAX_VMM_CONFIG_LEN, "vmm config")?.to_vec(),
             }),
+            FrameKind::PostcopySwitch => Self::PostcopySwitch(postcopy::decode_switch(&mut r)?),
+            FrameKind::PageRequest => Self::PageRequest(postcopy::decode_request(&mut r)?),
+            FrameKind::UrgentPages => Self::UrgentPages(postcopy::decode_urgent(&mut r)?),
+            FrameKind::PostcopyComplete => {
+                Self::PostcopyComplete(postcopy::decode_complete(&mut r)?)
+            }
             FrameKind::Pages => {
                 return Err(WireError::Unexpected {
                     got: FrameKind::Pages,
@@ -853,6 +876,10 @@ fn kind_name(kind: FrameKind) -> &'static str {
         FrameKind::AuthProof => "auth proof",
         FrameKind::Dictionary => "dictionary",
         FrameKind::VmmConfig => "vmm config",
+        FrameKind::PostcopySwitch => "postcopy switch",
+        FrameKind::PageRequest => "page request",
+        FrameKind::UrgentPages => "urgent pages",
+        FrameKind::PostcopyComplete => "postcopy complete",
     }
 }
 

@@ -604,9 +604,41 @@ pub struct TransferArgs {
     /// unknown and the guest stays paused (exit status 3).
     #[arg(long, default_value_t = 10, value_parser = clap::value_parser!(u64).range(1..))]
     pub switch_over_timeout: u64,
+    // Postcopy (issue 24, docs/postcopy.md): one block.
+    /// When precopy hands over to postcopy (QEMU: the postcopy-ram
+    /// capability with migrate-start-postcopy; the names of libvirt,
+    /// KubeVirt and Cloud Hypervisor are in docs/cli.md).
+    #[arg(long, default_value = "off", value_parser = postcopy_values())]
+    pub postcopy: tern_engine::PostcopyMode,
+    /// With --postcopy on-request: start postcopy this many seconds after
+    /// the live phase began, without waiting for migrate-start-postcopy.
+    #[arg(long)]
+    pub postcopy_after: Option<f64>,
+    /// With --postcopy auto: the highest auto-converge throttle (percent)
+    /// precopy may set; where it would throttle more, postcopy starts.
+    #[arg(long, default_value_t = 0, value_parser = clap::value_parser!(u8).range(0..=99))]
+    pub postcopy_max_throttle: u8,
 }
 
 impl TransferArgs {
+    /// The postcopy flags, applied to `config`.
+    fn apply_postcopy(&self, config: &mut MigrationConfig) -> anyhow::Result<()> {
+        config.postcopy = self.postcopy;
+        config.postcopy_max_throttle = self.postcopy_max_throttle;
+        config.postcopy_after = match self.postcopy_after {
+            Some(seconds) if seconds.is_finite() && seconds >= 0.0 => {
+                Some(Duration::from_secs_f64(seconds))
+            }
+            Some(seconds) => anyhow::bail!("--postcopy-after {seconds} must be 0 or more seconds"),
+            None => None,
+        };
+        if config.postcopy_after.is_some() && self.postcopy != tern_engine::PostcopyMode::OnRequest
+        {
+            anyhow::bail!("--postcopy-after needs --postcopy on-request");
+        }
+        Ok(())
+    }
+
     /// What `--compression-level` turns into, when that is not what was
     /// asked for (the codec clamps it; the summary reports the level in
     /// force).
@@ -692,8 +724,7 @@ impl TransferArgs {
                 self.zero_page_as_normal
             );
         }
-        Ok({
-            let mut config = MigrationConfig::default();
+        let mut config = MigrationConfig::default();
             config.channels = self.channels;
             config.workers = self.workers;
             config.downtime_limit = Duration::from_millis(self.downtime_limit);
@@ -763,8 +794,8 @@ impl TransferArgs {
             config.connect_timeout = Duration::from_secs(self.connect_timeout);
             config.handshake_timeout = Duration::from_secs(self.handshake_timeout);
             config.switch_over_timeout = Duration::from_secs(self.switch_over_timeout);
-            config
-        })
+        self.apply_postcopy(&mut config)?;
+        Ok(config)
     }
 }
 
@@ -931,6 +962,21 @@ fn compression_values() -> Choices<CodecChoice> {
         ("lz4", "lz4 block format"),
         ("qpl", "deflate through Intel QPL (IAA when present)"),
         ("auto", "picked from the measured link and codec speeds"),
+    ])
+}
+
+fn postcopy_values() -> Choices<tern_engine::PostcopyMode> {
+    Choices::new(&[
+        ("off", "precopy only: throttle, or give up at a limit"),
+        (
+            "on-request",
+            "precopy until migrate-start-postcopy (tern ctl) or --postcopy-after, then postcopy",
+        ),
+        (
+            "auto",
+            "postcopy instead of throttling past --postcopy-max-throttle or giving up at a limit",
+        ),
+        ("after-first-pass", "one full precopy pass, then postcopy"),
     ])
 }
 

@@ -521,8 +521,14 @@ pub fn print_summary(stats: &MigrationStats, extra: &[(&str, String)]) {
             )
         })
         .collect();
+    let postcopy = stats
+        .postcopy
+        .as_ref()
+        .map(postcopy_rows)
+        .unwrap_or_default();
     let all: Vec<&(&str, String)> = rows
         .iter()
+        .chain(postcopy.iter())
         .chain(zero_detection.iter())
         .chain(compression.iter())
         .chain(zero_copy.iter())
@@ -539,6 +545,48 @@ pub fn print_summary(stats: &MigrationStats, extra: &[(&str, String)]) {
     if let Some(warning) = downtime_warning(stats) {
         println!("{:>width$}  {warning}", "WARNING");
     }
+}
+
+/// The postcopy lines of the summary, with QEMU's names in brackets.
+fn postcopy_rows(report: &tern_engine::PostcopyReport) -> Vec<(&'static str, String)> {
+    let trigger = report.trigger.map_or("unknown", |trigger| match trigger {
+        tern_engine::PostcopyTrigger::Requested => "requested",
+        tern_engine::PostcopyTrigger::Timer => "--postcopy-after",
+        tern_engine::PostcopyTrigger::Throttle => "instead of throttling",
+        tern_engine::PostcopyTrigger::Limit => "at a limit",
+        tern_engine::PostcopyTrigger::FirstPass => "after the first pass",
+        _ => "other",
+    });
+    vec![
+        (
+            "postcopy",
+            format!(
+                "{trigger}: {} stale pages, {} pushed, {} requested in {} requests; {} (postcopy-bytes)",
+                report.stale_pages,
+                report.pushed_pages,
+                report.requested_pages,
+                report.postcopy_requests,
+                human_bytes(report.postcopy_bytes)
+            ),
+        ),
+        (
+            "page faults",
+            format!(
+                "{} on the destination, {:.0} µs average, blocktime {:.1} ms; histogram (µs, powers of 2): {:?}",
+                report.faults,
+                report.fault_latency_avg_us,
+                report.postcopy_blocktime,
+                report.fault_latency_histogram_us
+            ),
+        ),
+        (
+            "all memory delivered",
+            format!(
+                "{:.1} ms after the guest resumed",
+                report.delivered_after_ms
+            ),
+        ),
+    ]
 }
 
 /// How the session's channels were carried and protected, in one line:

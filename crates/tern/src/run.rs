@@ -117,6 +117,10 @@ pub mod exit {
     /// Cancelled by a control command (`migrate_cancel`); the source guest
     /// runs on.
     pub const CANCELLED: u8 = 5;
+    /// Postcopy failed after the point of no return (or its digests
+    /// differed): the guest no longer runs on the source, which stays
+    /// paused; see the error line for where the guest is.
+    pub const POSTCOPY_FAILED: u8 = 6;
 }
 
 /// The exit status for an error: see [`Incomplete`] and docs/cli.md.
@@ -135,6 +139,13 @@ pub fn exit_code(error: &anyhow::Error) -> u8 {
         exit::USAGE
     } else if cause_is(|error| matches!(error, MigrationError::OutcomeUnknown(_))) {
         exit::OUTCOME_UNKNOWN
+    } else if cause_is(|error| {
+        matches!(
+            error,
+            MigrationError::PostcopyFailed { .. } | MigrationError::PostcopyDigestMismatch { .. }
+        )
+    }) {
+        exit::POSTCOPY_FAILED
     } else if let Some(signal) = interrupted_by() {
         128 + signal as u8
     } else if cause_is(|error| matches!(error, MigrationError::Cancelled)) {
@@ -148,6 +159,10 @@ pub fn exit_code(error: &anyhow::Error) -> u8 {
 pub fn source_guest_after(error: &MigrationError) -> &'static str {
     if matches!(error, MigrationError::OutcomeUnknown(_)) {
         "the switch-over's outcome is unknown; the source guest stays paused"
+    } else if matches!(error, MigrationError::PostcopyFailed { .. }) {
+        "postcopy failed after the point of no return; the source guest stays paused and the guest is lost unless the destination still runs it whole"
+    } else if matches!(error, MigrationError::PostcopyDigestMismatch { .. }) {
+        "the guest runs on the destination, whose memory differs from the source's; the source guest stays paused"
     } else {
         "the migration did not complete; the source guest runs on"
     }

@@ -87,6 +87,9 @@ pub(crate) struct SourceControl {
     pub events: EventHub,
     /// The report as returned to the caller, once the migration ended.
     final_report: Mutex<Option<MigrationStats>>,
+    /// Postcopy's mode, and whether `migrate-start-postcopy` was called.
+    postcopy_mode: crate::postcopy::PostcopyMode,
+    postcopy_requested: std::sync::atomic::AtomicBool,
 }
 
 impl SourceControl {
@@ -101,7 +104,15 @@ impl SourceControl {
             cancel,
             events: EventHub::new(Side::Source),
             final_report: Mutex::new(None),
+            postcopy_mode: config.postcopy,
+            postcopy_requested: std::sync::atomic::AtomicBool::new(false),
         }
+    }
+
+    /// Whether `migrate-start-postcopy` was called.
+    pub fn postcopy_requested(&self) -> bool {
+        self.postcopy_requested
+            .load(std::sync::atomic::Ordering::Relaxed)
     }
 
     /// Keeps the final report for later queries and sends the final event.
@@ -177,13 +188,23 @@ impl MigrationHandle {
         Ok(())
     }
 
-    /// Starts postcopy (`migrate-start-postcopy`). This build has no
-    /// postcopy: always [`ControlError::Unsupported`].
+    /// Starts postcopy at the next dirty-log sync
+    /// (`migrate-start-postcopy`): the migration must have been started
+    /// with postcopy on (`MigrationConfig::postcopy` not `Off`, as QEMU
+    /// requires its `postcopy-ram` capability); otherwise
+    /// [`ControlError::Unsupported`]. A precopy that has converged by then
+    /// still switches over as precopy.
     pub fn start_postcopy(&self) -> Result<(), ControlError> {
         self.check_running()?;
-        Err(ControlError::Unsupported(
-            "Postcopy is not available in this version of tern".into(),
-        ))
+        if self.control.postcopy_mode == crate::postcopy::PostcopyMode::Off {
+            return Err(ControlError::Unsupported(
+                "Postcopy is off for this migration (start it with a postcopy mode)".into(),
+            ));
+        }
+        self.control
+            .postcopy_requested
+            .store(true, std::sync::atomic::Ordering::Relaxed);
+        Ok(())
     }
 
     /// Events from now on, in order, ending after the final status change

@@ -26,6 +26,8 @@ pub(super) struct Delivered {
     pub(super) complete: Complete,
     /// The last iteration of each page channel.
     pub(super) final_iterations: Vec<u32>,
+    /// The stale pages of a postcopy switch, when the source made one.
+    pub(super) postcopy: Option<Vec<tern_wire::PageRun>>,
 }
 
 /// Runs the receivers and reads the main channel until the source's
@@ -95,10 +97,11 @@ pub(super) fn receive_all<P: PageStream>(
         }
         receivers_failed |= join_decoders(shared, decoders);
         match main_result {
-            Some((sections, complete)) if !receivers_failed => Ok(Delivered {
+            Some((sections, complete, postcopy)) if !receivers_failed => Ok(Delivered {
                 sections,
                 complete,
                 final_iterations,
+                postcopy,
             }),
             _ => Err(shared
                 .first_failure()
@@ -257,14 +260,57 @@ fn too_much_state() -> MigrationError {
     ))
 }
 
+/// What the main channel delivered: the state, the completion, and a
+/// postcopy switch's stale runs.
+type MainDelivery = (Vec<StateSection>, Complete, Option<Vec<tern_wire::PageRun>>);
+
+/// The stale runs of a postcopy switch, frame by frame.
+#[derive(Default)]
+struct PostcopyList {
+    runs: Option<Vec<tern_wire::PageRun>>,
+    ended: bool,
+}
+
+impl PostcopyList {
+    /// Takes a switch frame; the runs can never outnumber guest pages
+    /// (each names at least one, and none twice), which bounds the list
+    /// whatever the source sends.
+    fn add(&mut self, switch: tern_wire::PostcopySwitch, pages: u64) -> Result<(), MigrationError> {
+        if self.ended {
+            return Err(MigrationError::Protocol(
+                "a postcopy switch frame after the last one".into(),
+            ));
+        }
+        let runs = self.runs.get_or_insert_with(Vec::new);
+        if (runs.len() + switch.stale.len()) as u64 > pages {
+            return Err(MigrationError::Protocol(format!(
+                "more stale runs than the guest's {pages} pages"
+            )));
+        }
+        runs.extend(switch.stale);
+        self.ended = !switch.more;
+        Ok(())
+    }
+
+    fn finish(self) -> Result<Option<Vec<tern_wire::PageRun>>, MigrationError> {
+        if self.runs.is_some() && !self.ended {
+            return Err(MigrationError::Protocol(
+                "the postcopy switch's last frame never came".into(),
+            ));
+        }
+        Ok(self.runs)
+    }
+}
+
 /// Reads refreshed dictionaries and state sections until `Complete`
 /// arrives on the main channel, refusing anything out of order.
 fn read_main_channel(
     shared: &ReceiverShared<'_>,
     main: &mut (impl FrameSource + FrameSink),
     decoder: &mut FrameDecoder,
-) -> Result<(Vec<StateSection>, Complete), MigrationError> {
+) -> Result<MainDelivery, MigrationError> {
     let mut sections: Vec<StateSection> = Vec::new();
+    let mut postcopy = PostcopyList::default();
     let mut state_bytes = 0usize;
     let mut state = MainChannelState::Live;
     let mut heartbeat = Heartbeat::new();
@@ -306,9 +352,12 @@ fn read_main_channel(
                 });
             }
             Message::Dictionary(dictionary) => shared.dictionaries.receive(dictionary)?,
+            Message::PostcopySwitch(switch) => {
+                postcopy.add(switch, shared.setup.total_bytes() / PAGE_SIZE as u64)?;
+            }
             Message::Complete(complete) => {
                 shared.set_final_iteration(complete.final_iteration);
-                return Ok((sections, complete));
+                return Ok((sections, complete, postcopy.finish()?));
             }
             Message::Abort(abort) => return Err(peer_aborted(abort)),
             other => {

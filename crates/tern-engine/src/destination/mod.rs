@@ -9,6 +9,7 @@ mod in_memory;
 mod live;
 mod order;
 mod populate;
+mod postcopy;
 mod receiver;
 mod reuse;
 mod shared;
@@ -534,8 +535,35 @@ impl Destination {
         .with_decode_threads(self.config.decode_threads())
         .with_dictionaries(dictionaries)
         .with_userfault();
+        // Second handles for a postcopy push, should the source switch to
+        // it (none on a channel that cannot give one: postcopy is refused).
+        let push_channels: Vec<Channel> = channels
+            .iter()
+            .filter_map(|channel| channel.try_clone().ok())
+            .collect();
         let delivered = live::receive_all(&shared, main, decoder, channels, &codecs)?;
         self.control.events.status(MigrationStatus::Device, None);
+        if delivered.postcopy.is_some() {
+            let report = self.postcopy_switch_over(
+                &shared,
+                main,
+                decoder,
+                &mut guest,
+                delivered,
+                push_channels,
+                cpu_start,
+            )?;
+            let mut stats = self.local_stats(&self.stats.snapshot(Duration::ZERO));
+            stats.postcopy = Some(report);
+            return Ok(Received {
+                resumed: !self.config.keep_paused,
+                guest,
+                stats,
+                setup,
+                security: SessionSecurity::default(),
+                digest_comparison: self.stats.digest_comparison(),
+            });
+        }
         let stats = self.switch_over(&shared, main, decoder, &mut guest, delivered, cpu_start)?;
         Ok(Received {
             resumed: !self.config.keep_paused,

@@ -43,6 +43,8 @@ impl MainChannelState {
             (_, K::Abort) => Ok(S::Aborted),
             // A refreshed dictionary: only while pages flow.
             (S::Live, K::Dictionary) => Ok(S::Live),
+            // A postcopy switch: its stale list, before the state.
+            (S::Live, K::PostcopySwitch) => Ok(S::Live),
             (S::Live | S::Sections, K::StateSection) => Ok(S::Sections),
             (S::Live | S::Sections, K::Complete) => Ok(S::Completed),
             (S::Live | S::Sections, _) => Err(format!("unexpected {kind:?} on the main channel")),

@@ -3,19 +3,24 @@
 //! source has committed (docs/protocol.md, "Switch-over").
 
 use crate::deadline::Deadline;
-use std::time::Instant;
+use std::sync::Arc;
+use std::sync::atomic::AtomicBool;
+use std::time::{Duration, Instant};
 
 use tern_wire::{DigestAlgorithm, FrameDecoder, Message, Outcome, OutcomeStats, Ready};
 
 use super::handshake::peer_aborted;
 use super::live::Delivered;
 use super::order::MainChannelState;
+use super::postcopy;
 use super::shared::ReceiverShared;
 use super::stream::{FrameSink, FrameSource, read_message_until};
 use super::{Destination, POLL_INTERVAL, ReceivePhase};
 use crate::error::{ChannelError, MigrationError};
 use crate::guest::{DestinationGuest, StateSection};
+use crate::postcopy::{PostcopyReport, StaleSet};
 use crate::stats::{DigestComparison, thread_cpu_seconds};
+use crate::transport::Channel;
 
 impl Destination {
     /// Verifies what was delivered, restores `guest`'s state, and resumes it
@@ -34,7 +39,15 @@ impl Destination {
             sections,
             complete,
             final_iterations,
+            postcopy,
         } = delivered;
+        if postcopy.is_some() {
+            let error = MigrationError::Protocol(
+                "a postcopy switch on a session that cannot run postcopy (no socket)".into(),
+            );
+            refuse(main, 0, error.to_string());
+            return Err(error);
+        }
         check_complete(&final_iterations, sections.len(), &complete)?;
         tracing::debug!("all pages and state received");
         self.stats.set_phase(ReceivePhase::Verifying);
@@ -202,4 +215,135 @@ fn refuse(main: &mut impl FrameSink, digest: u128, detail: String) {
         detail,
         stats: OutcomeStats::default(),
     }));
+}
+
+/// The postcopy switch (docs/postcopy.md): the stale pages are discarded
+/// and registered with the fault service before "ready"; after the commit
+/// the guest resumes and the missing pages arrive while it runs.
+impl Destination {
+    // long: the postcopy switch's steps in order, each with its failure path.
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn postcopy_switch_over<G: DestinationGuest>(
+        &self,
+        shared: &ReceiverShared<'_>,
+        main: &mut Channel,
+        decoder: &mut FrameDecoder,
+        guest: &mut G,
+        delivered: Delivered,
+        push_channels: Vec<Channel>,
+        cpu_start: f64,
+    ) -> Result<PostcopyReport, MigrationError> {
+        let Delivered {
+            sections,
+            complete,
+            final_iterations,
+            postcopy,
+        } = delivered;
+        let runs = postcopy.unwrap_or_default();
+        let prepared = check_complete(&final_iterations, sections.len(), &complete)
+            .and_then(|()| {
+                if push_channels.len() != final_iterations.len() {
+                    return Err(MigrationError::Protocol(
+                        "postcopy needs second handles on the page channels, which this \
+                         transport cannot give (user-space TLS)"
+                            .into(),
+                    ));
+                }
+                StaleSet::from_runs(shared.setup, &runs).map_err(MigrationError::Protocol)
+            })
+            .and_then(|stale| {
+                // The digest of the pages held now, before the stale ones go;
+                // each late page's hash replaces its stale one as it lands.
+                memory_digest(shared);
+                postcopy::discard(shared.regions, &runs, shared.setup)?;
+                let delivery = Arc::new(postcopy::Delivery::new(
+                    stale,
+                    shared.setup,
+                    self.config.postcopy_request_timeout,
+                )?);
+                let service = postcopy::start_faults(shared.regions, &delivery)?;
+                restore(guest, &sections)?;
+                Ok((delivery, service))
+            });
+        let (delivery, service) = match prepared {
+            Ok(prepared) => prepared,
+            Err(error) => {
+                refuse(main, 0, error.chain());
+                return Err(error);
+            }
+        };
+        main.send_message(&Message::Ready(Ready { digest: 0 }))
+            .map_err(MigrationError::channel(0))?;
+        self.await_commit(main, decoder)?;
+        if let Err(error) = self.resume_unless_kept_paused(guest) {
+            refuse(main, 0, error.chain());
+            return Err(error);
+        }
+        let resumed_at = Instant::now();
+        self.stats.record_main_cpu(thread_cpu_seconds() - cpu_start);
+        self.stats.set_phase(ReceivePhase::Resumed);
+        main.send_message(&Message::Outcome(Outcome {
+            verified: true,
+            digest: 0,
+            detail: "resumed in postcopy".into(),
+            stats: self.stats.snapshot(Duration::ZERO),
+        }))
+        .map_err(MigrationError::channel(0))?;
+        tracing::info!("the guest runs here; postcopy fetches its missing pages");
+        let stop = AtomicBool::new(false);
+        let phase = postcopy::Phase {
+            setup: shared.setup,
+            delivery: &delivery,
+            service: &service,
+            hashes: shared.page_hashes.as_ref(),
+            iteration: complete.final_iteration.saturating_add(1),
+            io_timeout: shared.io_timeout(),
+            stop: &stop,
+        };
+        let delivered = postcopy::deliver_all(&phase, main, decoder, push_channels);
+        let delivered_after = resumed_at.elapsed();
+        let faults = service.stop();
+        if let Err(error) = delivered {
+            // Memory the guest depends on will never arrive: stop it here.
+            let _ = guest.pause();
+            self.stats.set_phase(ReceivePhase::Paused);
+            return Err(MigrationError::PostcopyFailed {
+                fate: "the guest is paused on the destination without all of its memory; \
+                       it must not be resumed, and the source's copy stays paused",
+                cause: Box::new(error),
+            });
+        }
+        let digest = shared
+            .page_hashes
+            .as_ref()
+            .map_or(0, |hashes| hashes.recorded_digest());
+        let (message, report) = postcopy::completion(
+            &delivery,
+            &faults,
+            digest,
+            delivered_after,
+            &faults.fault_latency_histogram_us,
+        );
+        main.send_message(&Message::PostcopyComplete(message))
+            .map_err(MigrationError::channel(0))?;
+        if shared.setup.digest != DigestAlgorithm::None {
+            self.stats.set_digest_comparison(DigestComparison {
+                source: complete.digest,
+                destination: digest,
+            });
+            if digest != complete.digest {
+                tracing::error!(
+                    source = format!("{:032x}", complete.digest),
+                    destination = format!("{digest:032x}"),
+                    stale_pages = delivery_total(&report),
+                    "MEMORY DIGEST MISMATCH AFTER POSTCOPY: the guest already runs here"
+                );
+            }
+        }
+        Ok(report)
+    }
+}
+
+fn delivery_total(report: &PostcopyReport) -> u64 {
+    report.stale_pages
 }

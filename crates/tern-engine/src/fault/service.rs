@@ -97,6 +97,13 @@ pub struct FaultStats {
     pub fault_latency_p50_us: f64,
     /// 99th percentile of the same, µs.
     pub fault_latency_p99_us: f64,
+    /// Average of the same, µs.
+    pub fault_latency_avg_us: f64,
+    /// Time faulting threads waited, summed, ms (QEMU's blocktime).
+    pub blocktime_ms: f64,
+    /// Faults per latency bucket: entry `i` counts faults answered in
+    /// `[2^i, 2^(i+1))` µs (the last entry also everything longer).
+    pub fault_latency_histogram_us: Vec<u64>,
     /// Time from the start until every unit was present, if it happened.
     pub loaded_after_ms: Option<f64>,
 }
@@ -321,6 +328,53 @@ impl FaultService {
         Ok(())
     }
 
+    /// Places pages `first..first + zero.len()` of region `region` that a
+    /// page source delivered without a fault asking (postcopy's urgent and
+    /// background pages): each missing page is placed from `buf` (or as
+    /// zeros where `zero` is set), a page there already is left alone, and
+    /// threads waiting on the pages wake. Returns how many this call placed.
+    /// With units of one page, the pages count as present for the faults.
+    pub(crate) fn place(
+        &self,
+        region: usize,
+        first: u64,
+        buf: &[u8],
+        zero: &[bool],
+    ) -> Result<usize, FaultError> {
+        let served = self
+            .shared
+            .regions
+            .get(region)
+            .ok_or_else(|| FaultError::Place {
+                region,
+                page: first,
+                source: std::io::Error::from_raw_os_error(libc::EINVAL),
+            })?;
+        if first + zero.len() as u64 > served.pages() || buf.len() < zero.len() * PAGE_SIZE {
+            return Err(FaultError::Place {
+                region,
+                page: first,
+                source: std::io::Error::from_raw_os_error(libc::EINVAL),
+            });
+        }
+        let deadline = Instant::now() + AGAIN_DEADLINE;
+        let placed = loop {
+            match self.shared.place_runs(region, first, buf, zero) {
+                Err(error) if is_again(&error) && Instant::now() < deadline => {
+                    std::thread::yield_now();
+                }
+                Err(error) if is_gone(&error) => break 0,
+                other => break other?,
+            }
+        };
+        if self.shared.unit_pages == 1 {
+            for page in first..first + zero.len() as u64 {
+                self.shared.mark_present(region, page);
+            }
+        }
+        Ok(placed)
+    }
+
     /// The statistics so far.
     pub fn stats(&self) -> FaultStats {
         self.shared.stats()
@@ -528,6 +582,18 @@ impl Shared {
             *is_zero |= test_bit(&self.removed[region], first + offset as u64);
         }
         let placed = self.place_runs(region, first, &buf, &zero)?;
+        self.mark_present(region, unit);
+        let counter = if by_fault {
+            &self.counters.fault_pages
+        } else {
+            &self.counters.prefetched_pages
+        };
+        counter.fetch_add(placed as u64, Ordering::Relaxed);
+        Ok(true)
+    }
+
+    /// Marks unit `unit` of region `region` present.
+    fn mark_present(&self, region: usize, unit: u64) {
         let word = &self.present[region][(unit / 64) as usize];
         if word.fetch_or(1 << (unit % 64), Ordering::AcqRel) & (1 << (unit % 64)) == 0 {
             self.units_present.fetch_add(1, Ordering::AcqRel);
@@ -537,13 +603,6 @@ impl Shared {
                 loaded.get_or_insert(self.started.elapsed());
             }
         }
-        let counter = if by_fault {
-            &self.counters.fault_pages
-        } else {
-            &self.counters.prefetched_pages
-        };
-        counter.fetch_add(placed as u64, Ordering::Relaxed);
-        Ok(true)
     }
 
     /// Places a fetched unit: each run of data pages with one copy, each
@@ -604,7 +663,19 @@ impl Shared {
             let index = ((latencies.len() - 1) as f64 * p).round() as usize;
             latencies[index] as f64 / 1000.0
         };
+        let total_ns: u64 = latencies.iter().sum();
+        let mut histogram = vec![0u64; tern_wire::LATENCY_BUCKETS];
+        for &latency in &latencies {
+            histogram[crate::postcopy::latency_bucket(latency)] += 1;
+        }
         FaultStats {
+            fault_latency_avg_us: if latencies.is_empty() {
+                0.0
+            } else {
+                total_ns as f64 / latencies.len() as f64 / 1000.0
+            },
+            blocktime_ms: total_ns as f64 / 1e6,
+            fault_latency_histogram_us: crate::postcopy::trimmed(&histogram),
             faults: self.counters.faults.load(Ordering::Relaxed),
             fault_pages: self.counters.fault_pages.load(Ordering::Relaxed),
             prefetched_pages: self.counters.prefetched_pages.load(Ordering::Relaxed),

@@ -12,7 +12,7 @@ pub(crate) enum PageSender {
 }
 
 impl PageSender {
-    pub(super) fn channel(&self) -> &Channel {
+    pub(crate) fn channel(&self) -> &Channel {
         match self {
             Self::Plain(channel) => channel,
             Self::ZeroCopy(sender) => sender.channel(),

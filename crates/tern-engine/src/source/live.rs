@@ -22,9 +22,12 @@ pub(super) struct LiveEnd {
     pub bitmaps: Vec<DirtyBitmap>,
     pub iteration: u32,
     pub forced: bool,
+    /// Postcopy takes over, and why.
+    pub postcopy: Option<crate::postcopy::PostcopyTrigger>,
 }
 
 impl Source {
+    // long: one dirty iteration's steps in order, then the decisions.
     pub(super) fn live_phase<G: SourceGuest>(
         &self,
         guest: &mut G,
@@ -87,7 +90,17 @@ impl Source {
             self.stats.set_downtime_limit(rules.downtime_limit());
             self.record_sync(&facts, since_previous_sync.as_secs_f64().max(1e-6));
             self.publish_pass(&facts);
-            match rules.decide(&facts) {
+            let decision = rules.decide(&facts);
+            if let Some(trigger) = self.postcopy_instead(&facts, &decision) {
+                tracing::info!(?trigger, "precopy hands over to postcopy");
+                return Ok(LiveEnd {
+                    bitmaps,
+                    iteration,
+                    forced: false,
+                    postcopy: Some(trigger),
+                });
+            }
+            match decision {
                 Decision::SwitchOver { forced } => {
                     if forced {
                         tracing::warn!("limit reached: forcing the switch-over");
@@ -97,6 +110,7 @@ impl Source {
                         bitmaps,
                         iteration,
                         forced,
+                        postcopy: None,
                     });
                 }
                 Decision::Cancel => return Err(MigrationError::Cancelled),
@@ -107,6 +121,27 @@ impl Source {
                 } => self.throttle(guest, changes, percent)?,
             }
         }
+    }
+
+    /// Whether postcopy takes over from `decision` (the postcopy rules,
+    /// `postcopy/decide.rs`).
+    fn postcopy_instead(
+        &self,
+        facts: &SyncFacts,
+        decision: &Decision,
+    ) -> Option<crate::postcopy::PostcopyTrigger> {
+        let config = &self.config;
+        crate::postcopy::switch_to_postcopy(
+            &crate::postcopy::PostcopyFacts {
+                mode: config.postcopy,
+                iteration: facts.iteration,
+                live_elapsed: facts.live_elapsed,
+                requested: self.control.postcopy_requested(),
+                after: config.postcopy_after,
+                max_throttle: config.postcopy_max_throttle,
+            },
+            decision,
+        )
     }
 
     /// Sets the guest's throttle as auto-converge decided, and says so.

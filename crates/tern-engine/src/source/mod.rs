@@ -1,12 +1,13 @@
 //! The source side: handshake, dirty iterations, convergence, switch-over.
 
 mod connect;
-mod convergence;
+pub(crate) mod convergence;
 mod dictionary;
 pub(crate) use convergence::CodecCost;
 pub(crate) use dictionary::{DictionaryRefresher, RatioWindow, sample_dirty_pages};
 mod live;
 mod peer;
+mod postcopy;
 mod switch_over;
 
 use std::sync::Arc;
@@ -63,6 +64,9 @@ struct GuestChanges {
     /// The source committed the switch-over: the guest may run on the
     /// destination, so it is never resumed here.
     committed: bool,
+    /// The destination resumed the guest in postcopy: it runs there, and
+    /// a failure now is a postcopy failure, not an unknown outcome.
+    postcopy_resumed: bool,
 }
 
 impl Source {
@@ -197,20 +201,7 @@ impl Source {
                     channel.shutdown();
                 }
                 let failed_in = self.stats.status();
-                let status = if changes.committed {
-                    tracing::error!(
-                        error = %error.chain(),
-                        "the switch-over's outcome is unknown: the guest stays paused"
-                    );
-                    MigrationStatus::OutcomeUnknown
-                } else {
-                    restore_guest(guest, &changes);
-                    if matches!(error, MigrationError::Cancelled) {
-                        MigrationStatus::Cancelled
-                    } else {
-                        MigrationStatus::Failed
-                    }
-                };
+                let status = failure_status(guest, &changes, &error);
                 self.stats.set_status(status);
                 let error = if failed_in == MigrationStatus::Setup {
                     name_non_tern_peer(error, &connector.address(), &self.config)
@@ -232,6 +223,7 @@ impl Source {
         }
     }
 
+    // long: connect, live phase and switch-over (precopy or postcopy) in one scope of threads.
     fn run<G: SourceGuest>(
         &self,
         guest: &mut G,
@@ -256,6 +248,7 @@ impl Source {
             main_slot,
             compression.dictionary.as_ref(),
         )?;
+        let postcopy_channels = postcopy_channels(config, &page_channels)?;
         let Some(main) = main_slot.as_mut() else {
             return Err(MigrationError::Internal("main channel missing".into()));
         };
@@ -303,7 +296,22 @@ impl Source {
                 )
                 .and_then(|live| {
                     self.enter_device_phase();
-                    self.switch_over(guest, main, changes, &mut pipeline, live)
+                    match live.postcopy {
+                        Some(trigger) => self.switch_over_postcopy(
+                            guest,
+                            main,
+                            changes,
+                            &mut pipeline,
+                            live,
+                            postcopy::Handover {
+                                trigger,
+                                channels: postcopy_channels,
+                                setup: &setup,
+                                regions: &regions,
+                            },
+                        ),
+                        None => self.switch_over(guest, main, changes, &mut pipeline, live),
+                    }
                 })
                 .map_err(|error| {
                     // A closed page channel is usually the symptom; the
@@ -409,6 +417,28 @@ fn auto_delta_allowance(config: &MigrationConfig, regions: &[MemoryRegion]) -> O
     })
 }
 
+/// Second handles on the page channels for postcopy's background push,
+/// taken before the pipeline owns them (none when postcopy is off).
+fn postcopy_channels(
+    config: &MigrationConfig,
+    page_channels: &[crate::pipeline::PageSender],
+) -> Result<Vec<Channel>, MigrationError> {
+    if config.postcopy == crate::postcopy::PostcopyMode::Off {
+        return Ok(Vec::new());
+    }
+    page_channels
+        .iter()
+        .map(|sender| sender.channel().try_clone())
+        .collect::<Result<_, _>>()
+        .map_err(|error| MigrationError::InvalidConfig {
+            field: "postcopy",
+            reason: format!(
+                "postcopy pushes pages on second handles of the page channels, which \
+                 this transport cannot give ({error}); user-space TLS cannot, kernel TLS can"
+            ),
+        })
+}
+
 /// A destination whose sockets could not be taken (a bad `fd:` list): each
 /// connection attempt reports why, so the failure takes the usual path.
 #[derive(Debug)]
@@ -471,6 +501,35 @@ fn name_non_tern_peer(
     MigrationError::NotTern {
         address: address.to_string(),
         detail,
+    }
+}
+
+/// The status a failure ends in, with the guest resumed only when it runs
+/// nowhere else: never after the commit.
+fn failure_status<G: SourceGuest>(
+    guest: &mut G,
+    changes: &GuestChanges,
+    error: &MigrationError,
+) -> MigrationStatus {
+    if changes.postcopy_resumed {
+        tracing::error!(
+            error = %error.chain(),
+            "postcopy failed after the point of no return: the source guest stays paused"
+        );
+        MigrationStatus::Failed
+    } else if changes.committed {
+        tracing::error!(
+            error = %error.chain(),
+            "the switch-over's outcome is unknown: the guest stays paused"
+        );
+        MigrationStatus::OutcomeUnknown
+    } else {
+        restore_guest(guest, changes);
+        if matches!(error, MigrationError::Cancelled) {
+            MigrationStatus::Cancelled
+        } else {
+            MigrationStatus::Failed
+        }
     }
 }
 

@@ -5,15 +5,19 @@ use crate::deadline::Deadline;
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
-use tern_wire::{Complete, Message, Outcome, Ready, StateSectionMsg};
+use tern_wire::{
+    Complete, MAX_STALE_RUNS, Message, Outcome, PostcopySwitch, Ready, StateSectionMsg,
+};
 
 use super::live::LiveEnd;
+use super::postcopy::{self, Frozen, Handover, ServeCounters};
 use super::{GuestChanges, Source};
 use crate::bitmap::DirtyBitmap;
 use crate::config::Verify;
 use crate::error::{ChannelError, MigrationError};
 use crate::guest::SourceGuest;
 use crate::pipeline::Pipeline;
+use crate::postcopy::{PostcopyReport, StaleSet};
 use crate::stats::{DestinationStats, DigestComparison, MigrationStatus};
 use crate::transport::Channel;
 
@@ -51,6 +55,7 @@ impl Source {
             mut bitmaps,
             iteration,
             forced,
+            ..
         } = live;
         self.stats.set_status(MigrationStatus::Device);
         guest.pause().map_err(MigrationError::guest("pause"))?;
@@ -303,3 +308,281 @@ impl Source {
 /// How long one wait for the destination's answer lasts before the
 /// deadline is looked at again.
 const ANSWER_POLL: Duration = Duration::from_millis(100);
+
+/// The postcopy switch (docs/postcopy.md): the same ready and commit as a
+/// precopy switch-over, but the dirty pages stay behind, named in the
+/// switch frames, and are served after the commit.
+impl Source {
+    pub(super) fn switch_over_postcopy<G: SourceGuest>(
+        &self,
+        guest: &mut G,
+        main: &mut Channel,
+        changes: &mut GuestChanges,
+        pipe: &mut Pipeline<'_>,
+        live: LiveEnd,
+        handover: Handover<'_>,
+    ) -> Result<DestinationStats, MigrationError> {
+        let paused_at = Instant::now();
+        let result =
+            self.pause_and_hand_over(guest, main, changes, pipe, live, handover, paused_at);
+        if result.is_err() && changes.paused && !changes.postcopy_resumed {
+            self.stats.set_downtime(paused_at.elapsed());
+        }
+        result
+    }
+
+    // long: the postcopy switch's steps in order, each with its failure path.
+    #[allow(clippy::too_many_arguments)]
+    fn pause_and_hand_over<G: SourceGuest>(
+        &self,
+        guest: &mut G,
+        main: &mut Channel,
+        changes: &mut GuestChanges,
+        pipe: &mut Pipeline<'_>,
+        live: LiveEnd,
+        handover: Handover<'_>,
+        paused_at: Instant,
+    ) -> Result<DestinationStats, MigrationError> {
+        let LiveEnd {
+            mut bitmaps,
+            iteration,
+            ..
+        } = live;
+        guest.pause().map_err(MigrationError::guest("pause"))?;
+        changes.paused = true;
+        // The live phase's last sync found pages it never sent; this one
+        // adds what was written since.
+        guest
+            .sync_dirty_log(&mut bitmaps)
+            .map_err(MigrationError::guest("sync dirty log"))?;
+        self.stats.dirty_sync_count.fetch_add(1, Ordering::Relaxed);
+        let stale = StaleSet::from_dirty(&bitmaps);
+        let digest = self.end_precopy(pipe, &bitmaps, iteration)?;
+        self.send_switch_frames(main, &stale, handover.setup)?;
+        self.send_state(guest, main, iteration, digest)?;
+        let answer_deadline = Deadline::after(
+            self.config.switch_over_timeout,
+            "the destination's switch-over answer",
+        );
+        match self.await_answer(main, &answer_deadline)? {
+            Err(_ready) if !answer_deadline.passed() => {}
+            Err(_ready) => {
+                return Err(MigrationError::Channel {
+                    index: 0,
+                    source: ChannelError::Timeout(
+                        "the destination's switch-over answer (read after the switch-over deadline)",
+                    ),
+                });
+            }
+            Ok(outcome) => {
+                return Err(MigrationError::Protocol(format!(
+                    "the destination refused the postcopy switch: {}",
+                    outcome.detail
+                )));
+            }
+        }
+        // The point of no return: from the commit on, the guest may run on
+        // the destination, and it never resumes here.
+        changes.committed = true;
+        let commit_deadline = Deadline::after(
+            self.config.switch_over_timeout,
+            "the destination's switch-over answer",
+        );
+        let answer = main
+            .send_message(&Message::Commit)
+            .map_err(MigrationError::channel(0))
+            .and_then(|()| self.await_answer(main, &commit_deadline));
+        let resumed = match answer {
+            Ok(Ok(outcome)) if outcome.verified => outcome,
+            Ok(Ok(outcome)) => {
+                changes.committed = false;
+                return Err(MigrationError::Protocol(format!(
+                    "the destination could not resume the guest: {}",
+                    outcome.detail
+                )));
+            }
+            Err(error @ MigrationError::PeerAborted { .. }) => {
+                changes.committed = false;
+                return Err(MigrationError::Protocol(format!(
+                    "the destination did not resume the guest: {}",
+                    error.chain()
+                )));
+            }
+            Ok(Err(_)) => {
+                return Err(MigrationError::OutcomeUnknown(Box::new(
+                    MigrationError::Protocol(
+                        "a second ready instead of the acknowledgement".into(),
+                    ),
+                )));
+            }
+            Err(error) => return Err(MigrationError::OutcomeUnknown(Box::new(error))),
+        };
+        changes.postcopy_resumed = true;
+        self.stats.set_downtime(paused_at.elapsed());
+        self.stats.set_status(MigrationStatus::PostcopyActive);
+        self.control
+            .events
+            .status(MigrationStatus::PostcopyActive, None);
+        tracing::info!(
+            stale_pages = stale.total(),
+            "the guest runs on the destination; serving its missing pages"
+        );
+        let frozen = Frozen {
+            regions: handover.regions,
+            stale: &stale,
+            iteration: iteration.saturating_add(1),
+        };
+        self.serve_postcopy(main, handover, &frozen, digest)?;
+        Ok(DestinationStats::from_wire(&resumed.stats))
+    }
+
+    /// Serves the destination until it holds every page, then compares the
+    /// digests: a mismatch now cannot be undone, and says so.
+    fn serve_postcopy(
+        &self,
+        main: &mut Channel,
+        handover: Handover<'_>,
+        frozen: &Frozen<'_>,
+        digest: u128,
+    ) -> Result<(), MigrationError> {
+        let counters = ServeCounters::default();
+        let mut report = PostcopyReport {
+            trigger: Some(handover.trigger),
+            stale_pages: frozen.stale.total(),
+            ..PostcopyReport::default()
+        };
+        let served = postcopy::serve(
+            main,
+            handover.channels,
+            frozen,
+            self.config.io_timeout,
+            &self.stats,
+            &counters,
+        );
+        report.postcopy_bytes = counters.bytes.load(Ordering::Relaxed);
+        report.postcopy_requests = counters.requests.load(Ordering::Relaxed);
+        report.requested_pages = counters.requested_pages.load(Ordering::Relaxed);
+        report.pushed_pages = counters.pushed_pages.load(Ordering::Relaxed);
+        let complete = match served {
+            Ok(complete) => complete,
+            Err(error) => {
+                self.stats.set_postcopy(report);
+                return Err(MigrationError::PostcopyFailed {
+                    fate: "the guest runs on the destination without all of its memory and \
+                           cannot continue without this source, whose copy stays paused",
+                    cause: Box::new(error),
+                });
+            }
+        };
+        report.add_destination(&complete);
+        self.stats.set_postcopy(report);
+        if self.config.verify.compares() {
+            self.stats.set_digest_comparison(DigestComparison {
+                source: digest,
+                destination: complete.digest,
+            });
+            if complete.digest != digest {
+                let pages = describe_runs(&frozen.stale.runs(handover.setup));
+                tracing::error!(
+                    source = format!("{digest:032x}"),
+                    destination = format!("{:032x}", complete.digest),
+                    %pages,
+                    "MEMORY DIGEST MISMATCH AFTER POSTCOPY: the guest already runs on the destination"
+                );
+                return Err(MigrationError::PostcopyDigestMismatch {
+                    source_digest: digest,
+                    destination: complete.digest,
+                    pages,
+                });
+            }
+        }
+        self.stats.set_digest_verified_from_comparison();
+        Ok(())
+    }
+
+    /// Ends precopy with the guest paused: a last sync on every page
+    /// channel without the dirty pages (the destination's receivers end
+    /// there), and the digest of frozen memory, the dirty pages hashed
+    /// again. Returns the digest (0 without verification).
+    fn end_precopy(
+        &self,
+        pipe: &mut Pipeline<'_>,
+        dirty: &[DirtyBitmap],
+        iteration: u32,
+    ) -> Result<u128, MigrationError> {
+        if let Some(hashes) = pipe.page_hashes() {
+            hashes.stop_audit();
+        }
+        let mut nothing: Vec<DirtyBitmap> = dirty
+            .iter()
+            .map(|bitmap| DirtyBitmap::new(bitmap.pages()))
+            .collect();
+        pipe.send_iteration(&mut nothing, iteration, true, None)?;
+        let Some(hashes) = pipe.page_hashes() else {
+            return Ok(0);
+        };
+        if self.config.verify == Verify::Strict {
+            hashes.mark_all_stale();
+        } else {
+            for (region, bitmap) in dirty.iter().enumerate() {
+                for page in bitmap.iter_dirty() {
+                    hashes.mark_stale(region, page);
+                }
+            }
+        }
+        // SAFETY: the guest is paused and the pipeline has sent everything,
+        // so nothing writes memory or records hashes.
+        let finished = unsafe { hashes.finish(self.config.digest_thread_count()) };
+        self.stats.record_cpu("digest", finished.digest.cpu_seconds);
+        self.stats.set_digest_time(finished.digest.elapsed);
+        self.stats.record_digest_rehash(finished.rehashed_pages);
+        Ok(finished.digest.value)
+    }
+
+    /// The stale pages, in as many switch frames as they take.
+    fn send_switch_frames(
+        &self,
+        main: &mut Channel,
+        stale: &StaleSet,
+        setup: &tern_wire::SessionSetup,
+    ) -> Result<(), MigrationError> {
+        let runs = stale.runs(setup);
+        let mut frames = runs.chunks(MAX_STALE_RUNS).peekable();
+        if frames.peek().is_none() {
+            let sent = main
+                .send_message_counted(&Message::PostcopySwitch(PostcopySwitch {
+                    more: false,
+                    stale: Vec::new(),
+                }))
+                .map_err(MigrationError::channel(0))?;
+            self.stats.add_sent(sent as u64, true, false);
+        }
+        while let Some(frame) = frames.next() {
+            let sent = main
+                .send_message_counted(&Message::PostcopySwitch(PostcopySwitch {
+                    more: frames.peek().is_some(),
+                    stale: frame.to_vec(),
+                }))
+                .map_err(MigrationError::channel(0))?;
+            self.stats.add_sent(sent as u64, true, false);
+        }
+        Ok(())
+    }
+}
+
+/// Runs as `region:first+count`, the first 16 and how many more.
+fn describe_runs(runs: &[tern_wire::PageRun]) -> String {
+    const SHOWN: usize = 16;
+    let mut text: Vec<String> = runs
+        .iter()
+        .take(SHOWN)
+        .map(|run| format!("{}:{}+{}", run.region_id, run.first_page, run.pages))
+        .collect();
+    if runs.len() > SHOWN {
+        text.push(format!("and {} more runs", runs.len() - SHOWN));
+    }
+    if text.is_empty() {
+        return "none were delivered after the switch".into();
+    }
+    text.join(" ")
+}

@@ -1,0 +1,818 @@
+//! The destination's half of postcopy (docs/postcopy.md): discard the
+//! stale pages, register guest memory with the fault service, say ready,
+//! resume on the commit, then turn faults into requests and place what the
+//! source sends (urgent pages on the main channel, the background push on
+//! every page channel) until every stale page is in.
+//!
+//! Three kinds of thread share one [`Delivery`]: the fault service's fault
+//! thread (its [`PageSource`]) queues a request for a stale page and waits
+//! until the page is placed; the main-channel thread sends the queued
+//! requests and places the urgent pages; one push receiver per page
+//! channel places the background push. Placement is `UFFDIO_COPY` through
+//! the fault service, which never writes a page that is there: a page
+//! delivered twice (urgent and pushed) is placed once, and a page the
+//! guest has written since is never overwritten. Each page's hash for the
+//! final digest is taken from the bytes placed, by whoever placed it
+//! first, since the guest may change the page right after.
+
+use std::collections::VecDeque;
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Condvar, Mutex};
+use std::thread::ScopedJoinHandle;
+use std::time::{Duration, Instant};
+
+use tern_wire::{
+    FrameDecoder, FrameKind, MAX_REQUEST_PAGES, Message, PageKind, PageRequest, PageRun,
+    PostcopyComplete, SessionSetup, UrgentPages,
+};
+
+use super::handshake::peer_aborted;
+use super::stream::{FrameSource, read_event, read_message};
+use crate::digest::{PageHashes, page_hash, zero_page_hash};
+use crate::error::{ChannelError, MigrationError};
+use crate::fault::{FaultConfig, FaultService, FaultStats, PageSource, PageSourceError};
+use crate::guest::{MemoryRegion, PAGE_SIZE};
+use crate::postcopy::{PageBits, PostcopyReport, StaleSet};
+use crate::transport::Channel;
+
+/// How long the main-channel thread and the waits sleep before looking at
+/// their stop flags (a request or a delivery wakes them at once).
+const POLL: Duration = Duration::from_millis(20);
+
+/// The kinds a page channel carries during postcopy.
+const PUSH_FRAMES: &[FrameKind] = &[FrameKind::Pages, FrameKind::Sync, FrameKind::Abort];
+
+/// Zeros a zero page is placed from (a copy: see [`Delivery::place`]).
+static ZERO_PAGE: [u8; PAGE_SIZE] = [0; PAGE_SIZE];
+
+/// Discards the stale pages' memory, so that they fault once registered:
+/// `MADV_REMOVE` for shared memory (a memfd), `MADV_DONTNEED` for private
+/// anonymous memory, which refuses the first.
+pub(super) fn discard(
+    regions: &[MemoryRegion],
+    runs: &[PageRun],
+    setup: &SessionSetup,
+) -> Result<(), MigrationError> {
+    for run in runs {
+        let Some(index) = setup.regions.iter().position(|r| r.id == run.region_id) else {
+            continue;
+        };
+        let Some(start) = regions[index].page_ptr(u64::from(run.first_page)) else {
+            continue;
+        };
+        let len = run.pages as usize * PAGE_SIZE;
+        // SAFETY: the run lies inside the region (the stale set checked it
+        // against the setup, whose regions match these); the guest is paused
+        // and nothing else touches these pages; dropping them is what the
+        // switch asks for.
+        let removed = unsafe { libc::madvise(start.cast(), len, libc::MADV_REMOVE) };
+        if removed != 0 {
+            // SAFETY: as above.
+            let dropped = unsafe { libc::madvise(start.cast(), len, libc::MADV_DONTNEED) };
+            if dropped != 0 {
+                return Err(MigrationError::Internal(format!(
+                    "cannot discard stale pages {}+{} of region {}: {}",
+                    run.first_page,
+                    run.pages,
+                    run.region_id,
+                    std::io::Error::last_os_error()
+                )));
+            }
+        }
+    }
+    Ok(())
+}
+
+/// What the three kinds of thread share.
+pub(super) struct Delivery {
+    stale: StaleSet,
+    /// Per region: placed (by a push or an urgent delivery).
+    delivered: Vec<PageBits>,
+    delivered_count: AtomicU64,
+    /// Per region: asked for already.
+    requested: Vec<PageBits>,
+    requests: Mutex<VecDeque<PageRun>>,
+    /// Wakes the main-channel thread when a request is queued.
+    wake: OwnedFd,
+    arrived: (Mutex<()>, Condvar),
+    failed: AtomicBool,
+    request_timeout: Duration,
+    region_ids: Vec<u32>,
+    pub(super) requested_pages: AtomicU64,
+    pub(super) pushed_pages: AtomicU64,
+}
+
+impl Delivery {
+    pub(super) fn new(
+        stale: StaleSet,
+        setup: &SessionSetup,
+        request_timeout: Duration,
+    ) -> Result<Self, MigrationError> {
+        // SAFETY: eventfd takes an initial value and flags only.
+        let wake = unsafe { libc::eventfd(0, libc::EFD_CLOEXEC | libc::EFD_NONBLOCK) };
+        if wake < 0 {
+            return Err(MigrationError::Internal(format!(
+                "cannot create an eventfd: {}",
+                std::io::Error::last_os_error()
+            )));
+        }
+        let bits = |stale: &StaleSet| {
+            (0..stale.region_count())
+                .map(|region| PageBits::new(stale.region_pages(region)))
+                .collect::<Vec<_>>()
+        };
+        Ok(Self {
+            delivered: bits(&stale),
+            requested: bits(&stale),
+            stale,
+            delivered_count: AtomicU64::new(0),
+            requests: Mutex::new(VecDeque::new()),
+            // SAFETY: a new descriptor nothing else owns.
+            wake: unsafe { OwnedFd::from_raw_fd(wake) },
+            arrived: (Mutex::new(()), Condvar::new()),
+            failed: AtomicBool::new(false),
+            request_timeout,
+            region_ids: setup.regions.iter().map(|region| region.id).collect(),
+            requested_pages: AtomicU64::new(0),
+            pushed_pages: AtomicU64::new(0),
+        })
+    }
+
+    /// Whether every stale page is placed.
+    pub(super) fn complete(&self) -> bool {
+        self.delivered_count.load(Ordering::Acquire) >= self.stale.total()
+    }
+
+    /// Stops every wait: a faulting thread gets an error (the fault
+    /// service then releases the memory and stops).
+    pub(super) fn fail(&self) {
+        self.failed.store(true, Ordering::Release);
+        self.notify();
+    }
+
+    fn notify(&self) {
+        let _guard = self.arrived.0.lock().unwrap_or_else(|e| e.into_inner());
+        self.arrived.1.notify_all();
+    }
+
+    /// Places `bytes` (a page, or `None` for a zero page) as page `page` of
+    /// region `region` unless it is there, and records its hash if this was
+    /// its first delivery. Zero pages are placed by copying zeros: a
+    /// private page the guest may write without a second fault. Returns
+    /// whether this was the page's first delivery.
+    fn place(
+        &self,
+        service: &FaultService,
+        hashes: Option<&PageHashes>,
+        region: usize,
+        page: u64,
+        bytes: Option<&[u8]>,
+    ) -> Result<bool, MigrationError> {
+        let data = bytes.unwrap_or(&ZERO_PAGE);
+        service
+            .place(region, page, data, &[false])
+            .map_err(|error| MigrationError::Internal(format!("postcopy placement: {error}")))?;
+        if self.delivered[region].set(page) {
+            return Ok(false);
+        }
+        if let Some(hashes) = hashes {
+            let hash = match bytes {
+                // SAFETY: a page of readable bytes.
+                Some(bytes) => unsafe { page_hash(bytes.as_ptr()) },
+                None => zero_page_hash(),
+            };
+            hashes.record(region, page, hash);
+        }
+        self.delivered_count.fetch_add(1, Ordering::AcqRel);
+        self.notify();
+        Ok(true)
+    }
+
+    /// Queues a request for the stale pages from `page` on that are neither
+    /// placed nor asked for, at most [`MAX_REQUEST_PAGES`].
+    fn request(&self, region: usize, page: u64) {
+        let mut end = page;
+        while end < page + u64::from(MAX_REQUEST_PAGES)
+            && self.stale.contains(region, end)
+            && !self.delivered[region].get(end)
+            && (end == page || !self.requested[region].set(end))
+        {
+            end += 1;
+        }
+        if end == page {
+            return;
+        }
+        self.requests
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .push_back(PageRun {
+                region_id: self.region_ids[region],
+                first_page: u32::try_from(page).unwrap_or(u32::MAX),
+                pages: u32::try_from(end - page).unwrap_or(1),
+            });
+        let one = 1u64.to_ne_bytes();
+        // SAFETY: eight readable bytes, what an eventfd write takes.
+        unsafe { libc::write(self.wake.as_raw_fd(), one.as_ptr().cast(), one.len()) };
+    }
+
+    /// Waits until page `page` of region `region` is placed.
+    fn wait_for(&self, region: usize, page: u64) -> Result<(), PageSourceError> {
+        if !self.requested[region].set(page) {
+            self.request(region, page);
+        }
+        let deadline = Instant::now() + self.request_timeout;
+        let mut guard = self.arrived.0.lock().unwrap_or_else(|e| e.into_inner());
+        loop {
+            if self.delivered[region].get(page) {
+                return Ok(());
+            }
+            if self.failed.load(Ordering::Acquire) {
+                return Err(PageSourceError::new("postcopy stopped"));
+            }
+            let now = Instant::now();
+            if now >= deadline {
+                return Err(PageSourceError::new(format!(
+                    "the source did not deliver the page within {} s (postcopy_request_timeout)",
+                    self.request_timeout.as_secs_f64()
+                )));
+            }
+            guard = self
+                .arrived
+                .1
+                .wait_timeout(guard, (deadline - now).min(POLL))
+                .unwrap_or_else(|e| e.into_inner())
+                .0;
+        }
+    }
+
+    fn take_requests(&self) -> Vec<PageRun> {
+        let mut eight = [0u8; 8];
+        // SAFETY: eight writable bytes; the descriptor does not block.
+        unsafe { libc::read(self.wake.as_raw_fd(), eight.as_mut_ptr().cast(), 8) };
+        self.requests
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .drain(..)
+            .collect()
+    }
+}
+
+/// The fault thread's page source: a stale page is requested and waited
+/// for (it is placed by whoever delivers it, so the zeros handed back here
+/// meet `EEXIST` and are dropped); any other missing page was a zero page
+/// the destination never had to write, and is placed as zeros.
+pub(super) struct RemotePages(pub(super) Arc<Delivery>);
+
+impl PageSource for RemotePages {
+    fn fetch(
+        &self,
+        region: usize,
+        first: u64,
+        buf: &mut [u8],
+        zero: &mut [bool],
+    ) -> Result<(), PageSourceError> {
+        buf.fill(0);
+        for (offset, is_zero) in zero.iter_mut().enumerate() {
+            let page = first + offset as u64;
+            *is_zero = false;
+            if self.0.stale.contains(region, page) {
+                self.0.wait_for(region, page)?;
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Starts the fault service on `regions` for postcopy: single pages, no
+/// loaders (the source pushes), memory released if it fails.
+pub(super) fn start_faults(
+    regions: &[MemoryRegion],
+    delivery: &Arc<Delivery>,
+) -> Result<FaultService, MigrationError> {
+    FaultService::register_and_start(
+        regions,
+        Arc::new(RemotePages(delivery.clone())),
+        FaultConfig {
+            unit_pages: 1,
+            loaders: 0,
+            working_set: Vec::new(),
+            release_on_failure: true,
+        },
+    )
+    .map_err(|error| {
+        MigrationError::Internal(format!(
+            "postcopy needs guest memory under userfaultfd: {error}"
+        ))
+    })
+}
+
+/// Everything the postcopy phase's threads read.
+pub(super) struct Phase<'a> {
+    pub setup: &'a SessionSetup,
+    pub delivery: &'a Delivery,
+    pub service: &'a FaultService,
+    pub hashes: Option<&'a PageHashes>,
+    /// The iteration the push's packets and syncs carry.
+    pub iteration: u32,
+    pub io_timeout: Duration,
+    pub stop: &'a AtomicBool,
+}
+
+/// Runs the postcopy phase until every stale page is placed and every
+/// page channel has ended its push, or the first failure.
+pub(super) fn deliver_all(
+    phase: &Phase<'_>,
+    main: &mut Channel,
+    decoder: &mut FrameDecoder,
+    channels: Vec<Channel>,
+) -> Result<(), MigrationError> {
+    std::thread::scope(|scope| {
+        let pushers: Vec<ScopedJoinHandle<'_, Result<(), MigrationError>>> = channels
+            .into_iter()
+            .enumerate()
+            .map(|(index, channel)| scope.spawn(move || phase.receive_push(index + 1, channel)))
+            .collect();
+        let urgent = scope.spawn(|| phase.serve_main(main, decoder));
+        let result = phase.wait_until_delivered(&pushers, &urgent);
+        phase.stop.store(true, Ordering::Release);
+        if result.is_err() {
+            phase.delivery.fail();
+        }
+        let mut first = result.err();
+        for handle in pushers.into_iter().chain(std::iter::once(urgent)) {
+            match handle.join() {
+                Ok(Err(error)) => {
+                    first.get_or_insert(error);
+                }
+                Err(_) => {
+                    first.get_or_insert(MigrationError::Internal(
+                        "a postcopy thread panicked".into(),
+                    ));
+                }
+                Ok(Ok(())) => {}
+            }
+        }
+        first.map_or(Ok(()), Err)
+    })
+}
+
+impl Phase<'_> {
+    /// Waits on the threads: done when every page is in and every push
+    /// ended; a thread's error ends the wait at once.
+    fn wait_until_delivered(
+        &self,
+        pushers: &[ScopedJoinHandle<'_, Result<(), MigrationError>>],
+        urgent: &ScopedJoinHandle<'_, Result<(), MigrationError>>,
+    ) -> Result<(), MigrationError> {
+        loop {
+            if self.delivery.failed.load(Ordering::Acquire) {
+                return Err(MigrationError::Internal("postcopy stopped".into()));
+            }
+            if let Some(error) = self.service.take_failure() {
+                return Err(MigrationError::Internal(format!(
+                    "the fault service stopped: {error}"
+                )));
+            }
+            if urgent.is_finished() {
+                return Err(MigrationError::Internal(
+                    "the main channel's postcopy thread ended early".into(),
+                ));
+            }
+            let pushed = pushers.iter().all(ScopedJoinHandle::is_finished);
+            if pushed && self.delivery.complete() {
+                return Ok(());
+            }
+            if pushed && !self.delivery.complete() {
+                // The push ended; what is missing now can only be urgent
+                // pages on their way, or a source that pushed too little.
+                self.delivery.wait_quietly(self.io_timeout)?;
+                continue;
+            }
+            let guard = self
+                .delivery
+                .arrived
+                .0
+                .lock()
+                .unwrap_or_else(|e| e.into_inner());
+            drop(
+                self.delivery
+                    .arrived
+                    .1
+                    .wait_timeout(guard, POLL)
+                    .unwrap_or_else(|e| e.into_inner()),
+            );
+        }
+    }
+
+    /// The main channel: sends queued requests, places urgent pages.
+    fn serve_main(
+        &self,
+        main: &mut Channel,
+        decoder: &mut FrameDecoder,
+    ) -> Result<(), MigrationError> {
+        let result = self.serve_main_until_stopped(main, decoder);
+        if result.is_err() {
+            self.delivery.fail();
+        }
+        result
+    }
+
+    fn serve_main_until_stopped(
+        &self,
+        main: &mut Channel,
+        decoder: &mut FrameDecoder,
+    ) -> Result<(), MigrationError> {
+        let channel_error = |error| MigrationError::channel(0)(error);
+        while !self.stop.load(Ordering::Acquire) {
+            for run in self.delivery.take_requests() {
+                main.send_message(&Message::PageRequest(PageRequest { run }))
+                    .map_err(MigrationError::channel(0))?;
+                self.delivery
+                    .requested_pages
+                    .fetch_add(u64::from(run.pages), Ordering::Relaxed);
+            }
+            if !wait_two(main, &self.delivery.wake, POLL).map_err(channel_error)? {
+                continue;
+            }
+            if !main.wait_readable(Duration::ZERO).map_err(channel_error)? {
+                continue;
+            }
+            match read_message(main, decoder).map_err(MigrationError::channel(0))? {
+                Message::UrgentPages(urgent) => self.place_urgent(&urgent)?,
+                Message::Abort(abort) => return Err(peer_aborted(abort)),
+                other => {
+                    return Err(MigrationError::Protocol(format!(
+                        "unexpected {:?} on the main channel during postcopy",
+                        other.kind()
+                    )));
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Places an urgent delivery: every page must be stale.
+    fn place_urgent(&self, urgent: &UrgentPages) -> Result<(), MigrationError> {
+        let region = self.region_index(urgent.region_id)?;
+        for index in 0..usize::from(urgent.pages) {
+            let page = u64::from(urgent.first_page) + index as u64;
+            self.check_stale(region, page)?;
+            self.delivery
+                .place(self.service, self.hashes, region, page, urgent.page(index))?;
+        }
+        Ok(())
+    }
+
+    fn region_index(&self, id: u32) -> Result<usize, MigrationError> {
+        self.setup
+            .regions
+            .iter()
+            .position(|region| region.id == id)
+            .ok_or_else(|| {
+                MigrationError::Protocol(format!("postcopy page of unknown region {id}"))
+            })
+    }
+
+    fn check_stale(&self, region: usize, page: u64) -> Result<(), MigrationError> {
+        if self.delivery.stale.contains(region, page) {
+            return Ok(());
+        }
+        Err(MigrationError::Protocol(format!(
+            "the source sent page {page} of region {} in postcopy, which was not stale",
+            self.setup.regions[region].id
+        )))
+    }
+
+    /// One page channel's background push, until its last sync.
+    fn receive_push(&self, index: usize, mut channel: Channel) -> Result<(), MigrationError> {
+        let result = self.receive_push_until_end(index, &mut channel);
+        if result.is_err() {
+            self.delivery.fail();
+        }
+        result
+    }
+
+    fn receive_push_until_end(
+        &self,
+        index: usize,
+        channel: &mut Channel,
+    ) -> Result<(), MigrationError> {
+        let error = |failure| MigrationError::channel(index)(failure);
+        let mut decoder =
+            FrameDecoder::with_setup(self.setup.clone()).only(PUSH_FRAMES, "postcopy pages");
+        let mut payload = vec![0u8; tern_wire::MAX_PAGES_PER_PACKET * PAGE_SIZE];
+        let mut silent_since = Instant::now();
+        loop {
+            if self.stop.load(Ordering::Acquire) {
+                return Ok(());
+            }
+            if !channel.wait_readable(POLL).map_err(error)? {
+                if silent_since.elapsed() > self.io_timeout {
+                    return Err(error(ChannelError::Timeout("the source's background push")));
+                }
+                continue;
+            }
+            silent_since = Instant::now();
+            match read_event(channel, &mut decoder).map_err(error)? {
+                tern_wire::Event::Message(Message::Sync(sync)) => {
+                    if sync.iteration != self.iteration || !sync.last {
+                        return Err(MigrationError::Protocol(format!(
+                            "channel {index}: postcopy ended with a sync of iteration {} (last: {}), \
+                             expected the last of {}",
+                            sync.iteration, sync.last, self.iteration
+                        )));
+                    }
+                    return Ok(());
+                }
+                tern_wire::Event::Message(Message::Abort(abort)) => {
+                    return Err(peer_aborted(abort));
+                }
+                tern_wire::Event::Message(other) => {
+                    return Err(MigrationError::Protocol(format!(
+                        "channel {index}: unexpected {:?} during postcopy",
+                        other.kind()
+                    )));
+                }
+                tern_wire::Event::Pages(packet) => {
+                    let len = packet.payload_len;
+                    let read = match payload.get_mut(..len) {
+                        Some(buf) => channel.read_exact(buf),
+                        None => Err(ChannelError::Protocol(tern_wire::WireError::Truncated(
+                            "postcopy payload",
+                        ))),
+                    };
+                    FrameSource::end_transfer(channel);
+                    read.map_err(error)?;
+                    decoder.consume_payload(len);
+                    self.place_packet(index, &packet, decoder.entries(), &payload[..len])?;
+                }
+            }
+        }
+    }
+
+    /// Places a pushed packet's pages: raw and zero pages only.
+    fn place_packet(
+        &self,
+        index: usize,
+        packet: &tern_wire::PagePacket,
+        entries: &[tern_wire::PageEntry],
+        payload: &[u8],
+    ) -> Result<(), MigrationError> {
+        if packet.header.iteration != self.iteration {
+            return Err(MigrationError::Protocol(format!(
+                "channel {index}: postcopy packet of iteration {}, expected {}",
+                packet.header.iteration, self.iteration
+            )));
+        }
+        let region = packet.region_index;
+        let mut offset = 0;
+        for entry in entries {
+            let page = u64::from(entry.page_index);
+            self.check_stale(region, page)?;
+            let bytes = match entry.kind {
+                PageKind::Zero => None,
+                PageKind::Raw => {
+                    let bytes = &payload[offset..offset + PAGE_SIZE];
+                    offset += PAGE_SIZE;
+                    Some(bytes)
+                }
+                other => {
+                    return Err(MigrationError::Protocol(format!(
+                        "channel {index}: a {other:?} page in the postcopy push (raw and zero only)"
+                    )));
+                }
+            };
+            if self
+                .delivery
+                .place(self.service, self.hashes, region, page, bytes)?
+            {
+                self.delivery.pushed_pages.fetch_add(1, Ordering::Relaxed);
+            }
+        }
+        Ok(())
+    }
+}
+
+impl Delivery {
+    /// After the push ended: waits up to `timeout` for the last pages
+    /// (urgent ones on their way); a push that left pages out is the
+    /// source's error.
+    fn wait_quietly(&self, timeout: Duration) -> Result<(), MigrationError> {
+        let deadline = Instant::now() + timeout;
+        let mut guard = self.arrived.0.lock().unwrap_or_else(|e| e.into_inner());
+        while !self.complete() {
+            if self.failed.load(Ordering::Acquire) {
+                return Err(MigrationError::Internal("postcopy stopped".into()));
+            }
+            let now = Instant::now();
+            if now >= deadline {
+                return Err(MigrationError::Protocol(format!(
+                    "the source ended its push with {} of {} stale pages delivered",
+                    self.delivered_count.load(Ordering::Acquire),
+                    self.stale.total()
+                )));
+            }
+            guard = self
+                .arrived
+                .1
+                .wait_timeout(guard, (deadline - now).min(POLL))
+                .unwrap_or_else(|e| e.into_inner())
+                .0;
+        }
+        Ok(())
+    }
+}
+
+/// Waits until the channel or the eventfd is readable, or `timeout`.
+/// Returns whether the channel may be.
+fn wait_two(main: &Channel, wake: &OwnedFd, timeout: Duration) -> Result<bool, ChannelError> {
+    if main.wait_readable(Duration::ZERO)? {
+        return Ok(true);
+    }
+    let mut fds = [
+        libc::pollfd {
+            fd: main.raw_fd(),
+            events: libc::POLLIN,
+            revents: 0,
+        },
+        libc::pollfd {
+            fd: wake.as_raw_fd(),
+            events: libc::POLLIN,
+            revents: 0,
+        },
+    ];
+    let millis = i32::try_from(timeout.as_millis()).unwrap_or(i32::MAX);
+    // SAFETY: two valid pollfd structures.
+    let ready = unsafe { libc::poll(fds.as_mut_ptr(), 2, millis) };
+    if ready < 0 {
+        let error = std::io::Error::last_os_error();
+        if error.kind() == std::io::ErrorKind::Interrupted {
+            return Ok(false);
+        }
+        return Err(ChannelError::Io(error));
+    }
+    Ok(fds[0].revents != 0)
+}
+
+/// The destination's postcopy figures and its completion message.
+pub(super) fn completion(
+    delivery: &Delivery,
+    faults: &FaultStats,
+    digest: u128,
+    delivered_after: Duration,
+    latencies: &[u64],
+) -> (PostcopyComplete, PostcopyReport) {
+    let mut histogram = [0u64; tern_wire::LATENCY_BUCKETS];
+    for (bucket, &count) in latencies.iter().enumerate() {
+        histogram[bucket.min(tern_wire::LATENCY_BUCKETS - 1)] += count;
+    }
+    let complete = PostcopyComplete {
+        digest,
+        requested_pages: delivery.requested_pages.load(Ordering::Relaxed),
+        pushed_pages: delivery.pushed_pages.load(Ordering::Relaxed),
+        faults: faults.faults,
+        blocktime_micros: (faults.blocktime_ms * 1000.0) as u64,
+        delivered_micros: u64::try_from(delivered_after.as_micros()).unwrap_or(u64::MAX),
+        latency_histogram: histogram.to_vec(),
+    };
+    let mut report = PostcopyReport {
+        stale_pages: delivery.stale.total(),
+        requested_pages: complete.requested_pages,
+        pushed_pages: complete.pushed_pages,
+        ..PostcopyReport::default()
+    };
+    report.add_destination(&complete);
+    (complete, report)
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+    use std::time::{Duration, Instant};
+
+    use tern_wire::{DigestAlgorithm, PageRun, RegionInfo, SessionSetup};
+
+    use super::{Delivery, start_faults};
+    use crate::destination::test_memory::AnonymousMemory;
+    use crate::guest::PAGE_SIZE;
+    use crate::postcopy::StaleSet;
+
+    fn setup(pages: u64) -> SessionSetup {
+        SessionSetup {
+            page_size: tern_wire::PAGE_SIZE,
+            channel_count: 1,
+            codecs: 0,
+            digest: DigestAlgorithm::None,
+            regions: vec![RegionInfo {
+                id: 1,
+                guest_addr: 0,
+                len: pages * PAGE_SIZE as u64,
+            }],
+            guest_kind: String::new(),
+            dictionaries: 0,
+            vmm_config_len: 0,
+        }
+    }
+
+    /// Pages 0..4 of 8 stale, a delivery with `timeout` per fault.
+    fn delivery(timeout: Duration) -> (Arc<Delivery>, SessionSetup) {
+        let setup = setup(8);
+        let runs = [PageRun {
+            region_id: 1,
+            first_page: 0,
+            pages: 4,
+        }];
+        let stale = StaleSet::from_runs(&setup, &runs).unwrap();
+        (
+            Arc::new(Delivery::new(stale, &setup, timeout).unwrap()),
+            setup,
+        )
+    }
+
+    fn skip_without_userfaultfd(error: &crate::error::MigrationError) {
+        tern_test_skip::skip(
+            tern_test_skip::Need::Userfaultfd,
+            format!("no userfaultfd for this process: {error}"),
+        );
+    }
+
+    #[test]
+    fn a_page_delivered_twice_is_placed_once() {
+        let memory = AnonymousMemory::new(8);
+        let regions = [memory.region(1)];
+        let (delivery, _) = delivery(Duration::from_secs(5));
+        let service = match start_faults(&regions, &delivery) {
+            Ok(service) => service,
+            Err(error) => return skip_without_userfaultfd(&error),
+        };
+        let first = vec![5u8; PAGE_SIZE];
+        let second = vec![6u8; PAGE_SIZE];
+        assert!(delivery.place(&service, None, 0, 1, Some(&first)).unwrap());
+        assert!(!delivery.place(&service, None, 0, 1, Some(&second)).unwrap());
+        assert!(delivery.place(&service, None, 0, 2, None).unwrap());
+        drop(service.stop());
+        assert!(memory.page(1).iter().all(|&byte| byte == 5));
+        assert!(memory.page(2).iter().all(|&byte| byte == 0));
+        assert!(!delivery.complete(), "pages 0 and 3 are still missing");
+    }
+
+    #[test]
+    fn a_fault_on_a_stale_page_asks_the_source_and_a_silent_source_fails_it() {
+        let memory = AnonymousMemory::new(8);
+        let regions = [memory.region(1)];
+        let (delivery, _) = delivery(Duration::from_millis(200));
+        let service = match start_faults(&regions, &delivery) {
+            Ok(service) => service,
+            Err(error) => return skip_without_userfaultfd(&error),
+        };
+        let base = memory.base as usize;
+        let reader = std::thread::spawn(move || {
+            // SAFETY: page 6 (not stale) and page 2 (stale) of the mapping,
+            // which outlives the thread (joined below).
+            unsafe {
+                let base = base as *const u8;
+                (
+                    base.add(6 * PAGE_SIZE).read_volatile(),
+                    base.add(2 * PAGE_SIZE).read_volatile(),
+                )
+            }
+        });
+        // The page that was never stale is a zero page without asking;
+        // the stale one is asked for, with its stale neighbours.
+        let deadline = Instant::now() + Duration::from_secs(60);
+        let requests = loop {
+            let requests = delivery.take_requests();
+            if !requests.is_empty() {
+                break requests;
+            }
+            assert!(Instant::now() < deadline, "no request was made");
+            std::thread::sleep(Duration::from_millis(1));
+        };
+        assert_eq!(
+            requests,
+            [PageRun {
+                region_id: 1,
+                first_page: 2,
+                pages: 2
+            }]
+        );
+        // Nobody answers: the fault fails at its deadline, with the setting
+        // named, and the memory is released so no thread hangs.
+        assert_eq!(reader.join().unwrap(), (0, 0));
+        let failure = loop {
+            if let Some(failure) = service.take_failure() {
+                break failure;
+            }
+            assert!(Instant::now() < deadline, "the fault never failed");
+            std::thread::sleep(Duration::from_millis(1));
+        };
+        let mut chain = failure.to_string();
+        let mut cause = std::error::Error::source(&failure);
+        while let Some(next) = cause {
+            chain.push_str(&format!(": {next}"));
+            cause = next.source();
+        }
+        assert!(chain.contains("postcopy_request_timeout"), "{chain}");
+    }
+}

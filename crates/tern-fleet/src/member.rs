@@ -402,15 +402,13 @@ impl Shared {
         let Steered::Source(handle) = &self.steered else {
             return;
         };
-        let patch = MigrationParameters {
-            max_bandwidth: Some(if max_bandwidth == 0 {
-                self.own.max_bandwidth.unwrap_or(0)
-            } else {
-                max_bandwidth
-            }),
-            auto_converge: auto_converge.or(self.own.auto_converge),
-            ..MigrationParameters::default()
-        };
+        let mut patch = MigrationParameters::default();
+        patch.max_bandwidth = Some(if max_bandwidth == 0 {
+            self.own.max_bandwidth.unwrap_or(0)
+        } else {
+            max_bandwidth
+        });
+        patch.auto_converge = auto_converge.or(self.own.auto_converge);
         if let Err(error) = handle.set_parameters(&patch) {
             tracing::debug!("share not applied: {error}");
         }

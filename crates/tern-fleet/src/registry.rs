@@ -920,10 +920,8 @@ mod tests {
         let mut fleet = fleet(1, 100 * MB);
         let a = fleet.join(request("a", Direction::Outbound), 1, at(0));
         fleet.tick(at(0));
-        let patch = tern_engine::MigrationParameters {
-            max_bandwidth: Some(10 * MB),
-            ..tern_engine::MigrationParameters::default()
-        };
+        let mut patch = tern_engine::MigrationParameters::default();
+        patch.max_bandwidth = Some(10 * MB);
         let forwarded = fleet
             .command(&a.migration, MemberCommand::SetParameters(patch))
             .unwrap();

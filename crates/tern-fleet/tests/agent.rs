@@ -380,10 +380,9 @@ fn destination_guest(setup: &tern_wire::SessionSetup) -> Result<SyntheticGuest, 
 fn migrate_as_member(agent: &Path, name: &str, dirty_rate: u64, seed: u64) -> (bool, bool) {
     let listener = Listener::bind(&Address::Tcp("127.0.0.1:0".into())).unwrap();
     let address = listener.local_address().unwrap();
-    let destination = Destination::new(ReceiveConfig {
-        accept_timeout: DEADLINE,
-        ..ReceiveConfig::default()
-    });
+    let mut receive_config = ReceiveConfig::default();
+    receive_config.accept_timeout = DEADLINE;
+    let destination = Destination::new(receive_config);
     let inbound = join(
         agent,
         Steered::Destination(destination.handle()),

@@ -110,7 +110,7 @@ impl SourceControl {
     }
 
     /// Whether `migrate-start-postcopy` was called.
-    pub fn postcopy_requested(&self) -> bool {
+    pub(crate) fn postcopy_requested(&self) -> bool {
         self.postcopy_requested
             .load(std::sync::atomic::Ordering::Relaxed)
     }

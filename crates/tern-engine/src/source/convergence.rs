@@ -63,7 +63,7 @@ impl SyncFacts {
     /// the downtime is the longer of this and the link's time; leaving it
     /// out promised a downtime a slow codec level could not keep (issue
     /// 31: 2 of 6 runs over the limit under `auto`, mostly the last pages).
-    pub fn codec_downtime(&self) -> Duration {
+    pub(crate) fn codec_downtime(&self) -> Duration {
         let Some(codec) = self.codec else {
             return Duration::ZERO;
         };

@@ -665,7 +665,10 @@ pub fn install_interrupt_handler(on_interrupt: impl FnOnce() + Send + 'static) {
         .spawn(move || {
             let mut byte = [0u8; 1];
             if reader.read_exact(&mut byte).is_ok() {
-                eprintln!("tern: interrupted, cancelling...");
+                // Not eprintln!: with stderr's reader gone it would panic
+                // this thread before the cancel, and the signal would be lost.
+                use std::io::Write;
+                let _ = writeln!(std::io::stderr(), "tern: interrupted, cancelling...");
                 on_interrupt();
             }
         });

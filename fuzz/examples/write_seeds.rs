@@ -114,6 +114,13 @@ fn write_structured_seeds(dir: &Path) -> std::io::Result<()> {
             Ok(_) => "completed-unverified".to_string(),
             Err(error) => blank_numbers(&error.chain()),
         };
+        // Kept one per outcome, and besides, the first session of each
+        // outcome that sends a delta page (deltas are rarer than the
+        // outcomes: without this no kept seed carried one).
+        if carries_delta(&input) {
+            kept.entry(format!("delta {outcome}"))
+                .or_insert_with(|| input.clone());
+        }
         kept.entry(outcome).or_insert(input);
     }
     for (index, (outcome, input)) in kept.iter().enumerate() {
@@ -128,6 +135,30 @@ fn write_structured_seeds(dir: &Path) -> std::io::Result<()> {
     }
     println!("destination_session_structured: {} seeds", kept.len());
     Ok(())
+}
+
+/// Whether the session `input` builds sends a delta page on any channel.
+fn carries_delta(input: &[u8]) -> bool {
+    use tern_wire::{Frame, Message, PageKind, decode_stream};
+    let (main, pages) = tern_engine::fuzzing::structured::structured_session(input);
+    let Ok(frames) = decode_stream(&main, None) else {
+        return false;
+    };
+    let Some(setup) = frames.iter().find_map(|frame| match frame {
+        Frame::Message(Message::Hello(hello)) => Some(hello.setup.clone()),
+        _ => None,
+    }) else {
+        return false;
+    };
+    pages.iter().any(|stream| {
+        decode_stream(stream, Some(&setup))
+            .unwrap_or_default()
+            .iter()
+            .any(|frame| {
+                matches!(frame, Frame::Pages(_, entries)
+                    if entries.iter().any(|entry| entry.kind == PageKind::Delta))
+            })
+    })
 }
 
 /// Packet frames of text and binary pages, with and without the target's

@@ -17,7 +17,7 @@ use std::time::{Duration, Instant};
 use process::{Receiver, tern, wait_until_read};
 use tern_wire::{
     Abort, AbortReason, AuthHello, DigestAlgorithm, FRAME_HEADER_LEN, FrameHeader, FrameKind,
-    Handshake, Hello, Message, RegionInfo, SessionSetup,
+    Handshake, Hello, Message, Ready, RegionInfo, SessionSetup, Welcome,
 };
 
 const KIB: u64 = 1 << 10;
@@ -385,4 +385,163 @@ fn sixty_four_channels_stay_within_the_documented_memory_bound() {
         peak <= bound,
         "peak RSS {peak} bytes above the documented bound {bound}"
     );
+}
+
+/// The child's exit status, waited for up to `limit` (then it is killed
+/// and the test fails).
+fn exit_within(child: &mut std::process::Child, limit: Duration) -> std::process::ExitStatus {
+    let until = Instant::now() + limit;
+    loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            return status;
+        }
+        if Instant::now() >= until {
+            let _ = child.kill();
+            let _ = child.wait();
+            panic!("the child did not exit within {limit:?}");
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
+/// The state of process `pid` (`R`, `S`, `T` for stopped, ...).
+fn process_state(pid: u32) -> char {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+    // The state follows the command name, which is in parentheses.
+    stat.rsplit_once(") ")
+        .and_then(|(_, rest)| rest.chars().next())
+        .unwrap_or('?')
+}
+
+/// The system call the main thread of the stopped process `pid` is in.
+fn main_thread_syscall(pid: u32) -> Option<i64> {
+    std::fs::read_to_string(format!("/proc/{pid}/task/{pid}/syscall"))
+        .ok()?
+        .split_whitespace()
+        .next()?
+        .parse()
+        .ok()
+}
+
+fn signal(pid: u32, signal: libc::c_int) {
+    // SAFETY: kill has no memory effects; `pid` is our own child.
+    assert_eq!(unsafe { libc::kill(pid as libc::pid_t, signal) }, 0);
+}
+
+/// Stops the source (SIGSTOP) while its main thread waits in `poll` for
+/// the destination's answer: after its completion, the only such wait is
+/// `await_answer`'s, whose switch-over deadline is then running. A stop
+/// that lands elsewhere is undone and tried again.
+fn stop_while_waiting_for_the_answer(pid: u32) {
+    let until = Instant::now() + Duration::from_secs(60);
+    loop {
+        assert!(Instant::now() < until, "the source never waited in poll");
+        signal(pid, libc::SIGSTOP);
+        while process_state(pid) != 'T' {
+            assert!(Instant::now() < until, "the source did not stop");
+            std::thread::yield_now();
+        }
+        // poll, or ppoll where the C library uses it (x86-64 numbers).
+        if matches!(main_thread_syscall(pid), Some(7 | 271)) {
+            return;
+        }
+        signal(pid, libc::SIGCONT);
+        std::thread::sleep(Duration::from_millis(1));
+    }
+}
+
+/// Issue 23's stalled source: a source stopped after its completion reads
+/// the destination's `Ready` only after its switch-over deadline. It must
+/// not commit (the destination may have given up waiting for the commit),
+/// but resume its guest and tell the destination.
+#[test]
+fn a_ready_read_after_the_switch_over_deadline_is_not_committed() {
+    use tern_engine::{Address, Listener};
+    let listener = Listener::bind(&Address::Tcp("127.0.0.1:0".into())).unwrap();
+    let address = listener.local_address().unwrap().to_string();
+    let mut source = tern()
+        .args(["migrate", "--json", "--progress", "none", "--to", &address])
+        .args(["--memory", "8MiB", "--dirty-rate", "0", "--channels", "1"])
+        .args(["--switch-over-timeout", "1"])
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let stderr = drain_stderr(&mut source);
+    let accept = || listener.accept_timeout(Duration::from_secs(60)).unwrap();
+    let mut main = accept();
+    main.set_timeouts(Duration::from_secs(60)).unwrap();
+    let Message::Hello(hello) = main.read_message().unwrap() else {
+        panic!("no hello")
+    };
+    let session_id = hello.handshake.session_id;
+    main.send_message(&Message::Welcome(Welcome {
+        session_id,
+        channel_index: 0,
+    }))
+    .unwrap();
+    let mut channel = accept();
+    let Message::ChannelHello(channel_hello) = channel.read_message().unwrap() else {
+        panic!("no channel hello")
+    };
+    channel
+        .send_message(&Message::Welcome(Welcome {
+            session_id,
+            channel_index: channel_hello.handshake.channel_index,
+        }))
+        .unwrap();
+    // Ends when the source closes the channel, which it does when it
+    // exits at the latest (waited for below).
+    let drain = std::thread::spawn(move || {
+        let mut sink = vec![0u8; 1 << 16];
+        while channel.read_exact(&mut sink).is_ok() {}
+    });
+    let complete = loop {
+        if !main.wait_readable(Duration::from_millis(500)).unwrap() {
+            main.send_message(&Message::Heartbeat).unwrap();
+            continue;
+        }
+        match main.read_message().unwrap() {
+            Message::Complete(complete) => break complete,
+            Message::StateSection(_) | Message::Sync(_) | Message::Heartbeat => {}
+            other => panic!("before the completion: {other:?}"),
+        }
+    };
+    stop_while_waiting_for_the_answer(source.id());
+    main.send_message(&Message::Ready(Ready {
+        digest: complete.digest,
+    }))
+    .unwrap();
+    // The attack is the stall itself: the source stays stopped past its
+    // 1 s switch-over deadline, with the ready waiting in its socket.
+    let stopped = Instant::now();
+    std::thread::sleep(Duration::from_millis(1500));
+    signal(source.id(), libc::SIGCONT);
+    let mut seen = Vec::new();
+    while let Ok(message) = main.read_message() {
+        seen.push(message);
+    }
+    let status = exit_within(&mut source, Duration::from_secs(60));
+    let stderr = stderr.join().unwrap();
+    drain.join().unwrap();
+    eprintln!(
+        "a ready read {} ms after the source stopped (1 s switch-over deadline): {seen:?}, \
+         source exit {status}, load {}",
+        stopped.elapsed().as_millis(),
+        load()
+    );
+    assert!(
+        !seen
+            .iter()
+            .any(|message| matches!(message, Message::Commit)),
+        "the source committed on a late ready: {seen:?}"
+    );
+    assert!(
+        matches!(seen.first(), Some(Message::Abort(_))),
+        "the destination is told: {seen:?}"
+    );
+    // 1: failed, the guest resumed on the source (3 would be "outcome
+    // unknown", the guest left paused).
+    assert_eq!(status.code(), Some(1), "{stderr}");
+    assert!(stderr.contains("switch-over"), "{stderr}");
 }

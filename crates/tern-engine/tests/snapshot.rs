@@ -233,8 +233,10 @@ fn a_file_changed_under_a_lazy_restore_stops_it_with_the_chunk_named() {
     let (page, offset) = first_present_page(&path);
     // No loaders: only the guest's touch below reads the chunk, after the
     // change.
-    let mut config = RestoreConfig::default();
-    config.background = false;
+    let config = RestoreConfig {
+        background: false,
+        ..RestoreConfig::default()
+    };
     let Some(lazy) = lazy_or_skip(&path, &config) else {
         return;
     };

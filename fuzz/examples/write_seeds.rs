@@ -2,7 +2,8 @@
 //! a valid session for `destination_session` (and a few damaged copies),
 //! its streams for `decode_stream`, structured sessions that end in
 //! different ways for `destination_session_structured`, real compressed
-//! pages for each decompressor, delta records. One command, on stable, in
+//! pages for each decompressor, delta records, snapshot metadata with
+//! trailers and working-set files for `snapshot_file`. One command, on stable, in
 //! `fuzz/`: `cargo run --release --example write_seeds`. Run it again after
 //! any change to the protocol (seeds of an older version end at the
 //! version check); it rewrites the seeds it makes and keeps the `found-*`
@@ -55,6 +56,7 @@ fn main() -> std::io::Result<()> {
     write_packet_seeds(&seeds.join("decompress_zstd_packet"))?;
     write_delta_seeds(&seeds.join("apply_delta"))?;
     write_stream_seeds(&seeds.join("decode_stream"), &main, &pages)?;
+    write_snapshot_seeds(&seeds.join("snapshot_file"))?;
     write_structured_seeds(&seeds.join("destination_session_structured"))
 }
 
@@ -112,6 +114,13 @@ fn write_structured_seeds(dir: &Path) -> std::io::Result<()> {
             Ok(_) => "completed-unverified".to_string(),
             Err(error) => blank_numbers(&error.chain()),
         };
+        // Kept one per outcome, and besides, the first session of each
+        // outcome that sends a delta page (deltas are rarer than the
+        // outcomes: without this no kept seed carried one).
+        if carries_delta(&input) {
+            kept.entry(format!("delta {outcome}"))
+                .or_insert_with(|| input.clone());
+        }
         kept.entry(outcome).or_insert(input);
     }
     for (index, (outcome, input)) in kept.iter().enumerate() {
@@ -126,6 +135,30 @@ fn write_structured_seeds(dir: &Path) -> std::io::Result<()> {
     }
     println!("destination_session_structured: {} seeds", kept.len());
     Ok(())
+}
+
+/// Whether the session `input` builds sends a delta page on any channel.
+fn carries_delta(input: &[u8]) -> bool {
+    use tern_wire::{Frame, Message, PageKind, decode_stream};
+    let (main, pages) = tern_engine::fuzzing::structured::structured_session(input);
+    let Ok(frames) = decode_stream(&main, None) else {
+        return false;
+    };
+    let Some(setup) = frames.iter().find_map(|frame| match frame {
+        Frame::Message(Message::Hello(hello)) => Some(hello.setup.clone()),
+        _ => None,
+    }) else {
+        return false;
+    };
+    pages.iter().any(|stream| {
+        decode_stream(stream, Some(&setup))
+            .unwrap_or_default()
+            .iter()
+            .any(|frame| {
+                matches!(frame, Frame::Pages(_, entries)
+                    if entries.iter().any(|entry| entry.kind == PageKind::Delta))
+            })
+    })
 }
 
 /// Packet frames of text and binary pages, with and without the target's
@@ -178,7 +211,75 @@ fn write_delta_seeds(dir: &Path) -> std::io::Result<()> {
         fs::write(dir.join(name), &record[..len])?;
     }
     fs::write(dir.join("bad_word"), [0x00, 0x02, 1, 2, 3, 4, 5, 6, 7, 8])?;
-    fs::write(dir.join("bad_order"), [[2, 0, 1, 1, 1, 1, 1, 1, 1, 1], [1, 0, 1, 1, 1, 1, 1, 1, 1, 1]].concat())
+    fs::write(
+        dir.join("bad_order"),
+        [
+            [2, 0, 1, 1, 1, 1, 1, 1, 1, 1],
+            [1, 0, 1, 1, 1, 1, 1, 1, 1, 1],
+        ]
+        .concat(),
+    )
+}
+
+/// Snapshot files as `snapshot_file` reads them: the metadata block, then
+/// the trailer (the page slots left out, so each seed stays small), for
+/// one and for several regions, complete and incomplete; a trailer with
+/// no sections; and standalone working-set files.
+fn write_snapshot_seeds(dir: &Path) -> std::io::Result<()> {
+    use tern_wire::snapshot::{
+        SnapshotMetadata, SnapshotSection, Trailer, WorkingSet, plan_layout,
+    };
+    fs::create_dir_all(dir)?;
+    let working_set = WorkingSet {
+        pages: vec![(0, 3), (0, 0), (1, 2)],
+    };
+    let trailer = Trailer {
+        guest_kind: "synthetic".into(),
+        sections: vec![
+            SnapshotSection {
+                name: "synthetic".into(),
+                version: 1,
+                data: (0..64).collect(),
+            },
+            SnapshotSection {
+                name: "vcpu0".into(),
+                version: 3,
+                data: vec![0xaa; 16],
+            },
+        ],
+        working_set: working_set.clone(),
+    }
+    .encode();
+    let bare = Trailer::default().encode();
+    let two_regions = [(0, 0, 64 << 12), (7, 1 << 32, 3 << 12)];
+    let one_region = [(0, 0, 40 << 12)];
+    for (name, regions, trailer, complete) in [
+        ("two_regions", &two_regions[..], &trailer, true),
+        ("two_regions_incomplete", &two_regions[..], &trailer, false),
+        ("one_region_bare", &one_region[..], &bare, true),
+    ] {
+        let layout = plan_layout(regions).expect("a valid layout");
+        let mut metadata = SnapshotMetadata::new(&layout);
+        for present in &mut metadata.present {
+            // Pages 0 and 2 hold data, the rest are holes (every region
+            // here has at least 3 pages).
+            present[0] = 0b101;
+        }
+        for (index, hashes) in metadata.chunk_hashes.iter_mut().enumerate() {
+            hashes[0] = 0x1234_5678 + index as u64;
+        }
+        if complete {
+            metadata.complete(0xfeed_f00d, trailer);
+        }
+        let mut seed = metadata.encode();
+        seed.extend_from_slice(trailer);
+        fs::write(dir.join(name), seed)?;
+    }
+    fs::write(dir.join("working_set"), working_set.encode_file())?;
+    fs::write(
+        dir.join("working_set_empty"),
+        WorkingSet::default().encode_file(),
+    )
 }
 
 /// An error's text with its numbers blanked (decimal digits, and words of

@@ -26,8 +26,16 @@ fuzz_target!(|data: &[u8]| {
             | 1 << codec_id::ZSTD_PACKET,
         digest: DigestAlgorithm::Xxh3Pages,
         regions: vec![
-            RegionInfo { id: 0, guest_addr: 0, len: 64 << 12 },
-            RegionInfo { id: 1, guest_addr: 1 << 30, len: 8 << 12 },
+            RegionInfo {
+                id: 0,
+                guest_addr: 0,
+                len: 64 << 12,
+            },
+            RegionInfo {
+                id: 1,
+                guest_addr: 1 << 30,
+                len: 8 << 12,
+            },
         ],
         guest_kind: "synthetic".into(),
         dictionaries: 2,

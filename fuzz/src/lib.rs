@@ -20,8 +20,12 @@ pub fn decompress(codec: CodecId, data: &[u8]) {
 /// The dictionary the zstd packet target decodes against (dictionary id 1):
 /// raw content, as zstd takes any bytes without its magic.
 pub fn packet_dictionary() -> CodecDictionary {
-    CodecDictionary::new(1, CodecId::Zstd, b"tern packet frame dictionary ".repeat(32))
-        .expect("within the limits")
+    CodecDictionary::new(
+        1,
+        CodecId::Zstd,
+        b"tern packet frame dictionary ".repeat(32),
+    )
+    .expect("within the limits")
 }
 
 /// Decodes `data` as a zstd packet frame: the first byte gives the

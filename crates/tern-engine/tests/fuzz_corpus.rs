@@ -152,9 +152,9 @@ fn the_structured_seeds_reach_every_kind_and_the_switch_over() {
     ] {
         assert!(frames.contains(kind), "no seed sends {kind}: {frames:?}");
     }
-    // Deltas are built (`structured.rs`) but no kept seed carries one yet
-    // (seeds are kept one per outcome): docs/testing.md.
-    for kind in ["Zero", "Raw", "Compressed", "Duplicate"] {
+    // `write_seeds` keeps a delta-carrying session per outcome besides the
+    // one seed per outcome: deltas alone are too rare to be kept by chance.
+    for kind in ["Zero", "Raw", "Compressed", "Duplicate", "Delta"] {
         assert!(
             page_kinds.contains(kind),
             "no seed sends a {kind} page: {page_kinds:?}"

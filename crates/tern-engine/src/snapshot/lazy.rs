@@ -133,6 +133,15 @@ impl<G: DestinationGuest> LazyRestore<G> {
         self.service.as_ref().is_some_and(FaultService::has_failed)
     }
 
+    /// Pauses a guest whose memory failed its checks. A pause that fails
+    /// is logged as an error: the caller's error still says what was wrong
+    /// with the memory.
+    fn pause_unverified(&mut self) {
+        if let Err(error) = self.guest.pause() {
+            tracing::error!(%error, "cannot pause the lazily restored guest after a failed load");
+        }
+    }
+
     /// Waits (up to `deadline`) until every page is in memory, ends the
     /// registration and checks the digest of what was loaded. On an error
     /// (a chunk that does not match its hash, a read error, the deadline)
@@ -146,7 +155,7 @@ impl<G: DestinationGuest> LazyRestore<G> {
             // The registration ended with the failure, so nothing waits on
             // a page any more and the pause completes.
             drop(service);
-            let _ = self.guest.pause();
+            self.pause_unverified();
             return Err(error.into());
         }
         let faulted_pages = service.faulted_pages();
@@ -154,8 +163,8 @@ impl<G: DestinationGuest> LazyRestore<G> {
         let digest = self.file.verified_digest();
         let expected = self.file.metadata().header.digest;
         if digest != expected {
-            let _ = self.guest.pause();
-            return Err(SnapshotError::DigestMismatch {
+            self.pause_unverified();
+            return Err(SnapshotError::LazyDigestMismatch {
                 expected,
                 actual: digest,
             });

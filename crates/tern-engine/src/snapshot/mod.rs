@@ -99,6 +99,17 @@ pub enum SnapshotError {
         /// The digest of memory.
         actual: u128,
     },
+    /// The memory a lazy restore loaded does not hash to the digest saved;
+    /// the guest, which ran meanwhile, was paused.
+    #[error(
+        "memory digest mismatch after a lazy restore (snapshot {expected:032x}, loaded {actual:032x}); the guest was paused"
+    )]
+    LazyDigestMismatch {
+        /// The digest in the file.
+        expected: u128,
+        /// The digest of the pages loaded.
+        actual: u128,
+    },
     /// The guest built for the restore does not have the snapshot's shape.
     #[error("the snapshot does not fit this guest: {0}")]
     Shape(String),

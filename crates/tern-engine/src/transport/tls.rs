@@ -176,6 +176,51 @@ pub fn accept(channel: Channel, config: &TlsConfig) -> Result<Channel, ChannelEr
     )
 }
 
+/// The most a peer may send before its TLS handshake completes: its
+/// hello and its certificate flight (a few KiB with tern's certificates,
+/// under 16 KiB with a chain of several RSA-4096 certificates), and up to
+/// 4 KiB of its first frame read with the last of them (rustls reads
+/// 4 KiB at a time). rustls alone would buffer up to 64 KiB of
+/// one handshake message from a peer that has proved nothing; with this
+/// budget an unauthenticated connection costs at most 24 KiB of it
+/// (docs/security.md, "Before authentication").
+const HANDSHAKE_READ_BUDGET: usize = 24 << 10;
+
+/// The socket as the handshake reads it: reads stop with an error once
+/// the peer has sent [`HANDSHAKE_READ_BUDGET`] bytes.
+struct HandshakeBudget<'a, S> {
+    socket: &'a mut S,
+    left: usize,
+}
+
+impl<S: Read> Read for HandshakeBudget<'_, S> {
+    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        if self.left == 0 {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidData,
+                format!(
+                    "the peer sent more than {} KiB before its TLS handshake completed",
+                    HANDSHAKE_READ_BUDGET >> 10
+                ),
+            ));
+        }
+        let limit = buf.len().min(self.left);
+        let read = self.socket.read(&mut buf[..limit])?;
+        self.left -= read;
+        Ok(read)
+    }
+}
+
+impl<S: Write> Write for HandshakeBudget<'_, S> {
+    fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
+        self.socket.write(buf)
+    }
+
+    fn flush(&mut self) -> io::Result<()> {
+        self.socket.flush()
+    }
+}
+
 /// The other end of a channel, as errors name it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Peer {
@@ -238,8 +283,12 @@ fn handshake(
         Some(text) => ChannelError::Tls(io::Error::new(error.kind(), text)),
         None => tls_error(error),
     };
+    let mut budgeted = HandshakeBudget {
+        socket: &mut socket,
+        left: HANDSHAKE_READ_BUDGET,
+    };
     while connection.is_handshaking() {
-        connection.complete_io(&mut socket).map_err(failed)?;
+        connection.complete_io(&mut budgeted).map_err(failed)?;
     }
     // The last flight (the client's Finished) may still be queued.
     while connection.wants_write() {

@@ -508,6 +508,14 @@ impl fmt::Debug for QplCompressor {
     }
 }
 
+/// Whether QPL runs jobs of `level` on `path` on the CPU although the path
+/// may use IAA: IAA compresses at level 1 only, so `auto` at level 3 always
+/// takes QPL's software path. Such pages are counted as offload fallbacks
+/// (`offload_fallbacks`), so the report shows that IAA did not take them.
+pub(crate) fn level_runs_on_the_cpu(path: QplPath, level: i32) -> bool {
+    path == QplPath::Auto && level >= 3
+}
+
 impl QplCompressor {
     /// Loads libqpl (once per process) and initialises one job. Levels: QPL
     /// has 1 (default, the only one IAA hardware runs) and 3 (high,
@@ -591,7 +599,7 @@ impl QplCompressor {
             refused => Self::finish(refused, 0),
         };
         match result {
-            Ok(n) => (n, false),
+            Ok(n) => (n, level_runs_on_the_cpu(self.path, self.level)),
             Err(()) => (deflate_page(&mut self.software, page, out), true),
         }
     }
@@ -679,6 +687,10 @@ impl QplCompressor {
                 Slot::Done(n) => Self::push(batch, &mut counts, n, &self.outs[i]),
                 Slot::Submitted => unreachable!("every submitted job was waited for"),
             }
+        }
+        if level_runs_on_the_cpu(self.path, self.level) {
+            // QPL took them, but on the CPU: say so.
+            counts.software = (pages.len() as u64).saturating_sub(counts.sampled);
         }
         counts
     }
@@ -956,6 +968,15 @@ mod tests {
             .expect("QPL wrote a raw deflate stream libdeflate decodes");
         assert_eq!(n, PAGE_SIZE);
         page
+    }
+
+    #[test]
+    fn auto_at_level_three_is_counted_on_the_cpu() {
+        assert!(super::level_runs_on_the_cpu(QplPath::Auto, 3));
+        assert!(!super::level_runs_on_the_cpu(QplPath::Auto, 1));
+        // Hardware is clamped to level 1; software is the CPU by name.
+        assert!(!super::level_runs_on_the_cpu(QplPath::Hardware, 1));
+        assert!(!super::level_runs_on_the_cpu(QplPath::Software, 3));
     }
 
     #[test]

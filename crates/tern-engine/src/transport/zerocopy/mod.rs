@@ -42,7 +42,8 @@ use std::time::Duration;
 use crate::error::ChannelError;
 use crate::transport::{Channel, Segment};
 
-/// Page size the kernel uses for locked-memory accounting.
+/// The 4 KiB pages the senders' tests and measurements send (and the
+/// kernel's page size where `sysconf` cannot say).
 const KERNEL_PAGE: usize = 4096;
 /// `CAP_IPC_LOCK` bit in `CapEff`.
 const CAP_IPC_LOCK: u32 = 14;
@@ -400,9 +401,29 @@ macro_rules! impl_zero_copy_transport {
 pub(crate) use impl_zero_copy_transport;
 
 /// Bytes the kernel charges against `RLIMIT_MEMLOCK` for one zero-copy send
-/// of `len` bytes: whole pages plus two (the kernel's own rounding slack).
+/// of `len` bytes: whole pages plus two (the kernel's own rounding slack,
+/// `mm_account_pinned_pages`), in the kernel's page size, which is 16 or
+/// 64 KiB on some arm64 kernels.
 pub fn kernel_charge(len: usize) -> usize {
-    (len / KERNEL_PAGE + 2) * KERNEL_PAGE
+    charge_in_pages_of(len, system_page_size())
+}
+
+/// [`kernel_charge`] for a kernel whose pages are `page` bytes.
+fn charge_in_pages_of(len: usize, page: usize) -> usize {
+    (len / page + 2) * page
+}
+
+/// The kernel's page size (`sysconf(_SC_PAGESIZE)`), read once.
+fn system_page_size() -> usize {
+    static PAGE: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *PAGE.get_or_init(|| {
+        // SAFETY: sysconf reads a constant of the running system.
+        let page = unsafe { libc::sysconf(libc::_SC_PAGESIZE) };
+        usize::try_from(page)
+            .ok()
+            .filter(|&page| page > 0)
+            .unwrap_or(KERNEL_PAGE)
+    })
 }
 
 /// Checks that `window_bytes` (the total over all zero-copy channels) can be
@@ -459,6 +480,17 @@ pub fn has_cap_ipc_lock() -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_charge_is_in_the_kernels_pages() {
+        // Two pages of slack, whatever the page size.
+        assert_eq!(charge_in_pages_of(8192, 4096), 4 * 4096);
+        assert_eq!(charge_in_pages_of(8192, 16384), 2 * 16384);
+        assert_eq!(charge_in_pages_of(65536, 65536), 3 * 65536);
+        // SAFETY: sysconf reads a constant.
+        let page = unsafe { libc::sysconf(libc::_SC_PAGESIZE) } as usize;
+        assert_eq!(kernel_charge(8192), charge_in_pages_of(8192, page));
+    }
 
     #[test]
     fn memlock_check_names_the_limit() {

@@ -54,7 +54,7 @@ pub enum Command {
     /// both ends in one process, with progress and a summary.
     Demo(DemoArgs),
     /// Migrate a synthetic guest to a `tern receive` destination.
-    Migrate(MigrateArgs),
+    Migrate(Box<MigrateArgs>),
     /// Receive one migration and verify it.
     Receive(ReceiveArgs),
     /// Save a synthetic guest to a snapshot file (paused or live).
@@ -725,75 +725,74 @@ impl TransferArgs {
             );
         }
         let mut config = MigrationConfig::default();
-            config.channels = self.channels;
-            config.workers = self.workers;
-            config.downtime_limit = Duration::from_millis(self.downtime_limit);
-            config.max_bandwidth = self.max_bandwidth;
-            config.max_iterations = self.max_iterations;
-            config.max_time = max_time;
-            config.limit_policy = self.on_limit;
-            config.auto_converge = self.auto_converge == OnOff::On && !self.no_auto_converge;
-            config.throttle_initial = self.cpu_throttle_initial;
-            config.throttle_increment = self.cpu_throttle_increment;
-            config.zero_page_detection = self.zero_page_detection;
-            config.zero_page_offload =
-                match (self.zero_page_detection, &self.dsa_device, &dsa_engine) {
-                    (ZeroPageDetection::Dsa, tern_dsa::DsaDevice::Software, _) => Some(
-                        tern_dsa::software_dsa(tern_dsa::SoftwareDsaConfig::default()),
-                    ),
-                    (ZeroPageDetection::Dsa, _, Some(engine)) => {
-                        Some(engine.clone() as std::sync::Arc<dyn tern_page::ZeroPageOffload>)
-                    }
-                    _ => None,
-                };
-            config.zero_page_as_normal = self.zero_page_as_normal / 100.0;
-            // Zero-copy sends from guest memory: no codec can run, and auto
-            // would pick none.
-            config.compression = match self.compression {
-                CodecChoice::Auto if self.zero_copy => CodecChoice::None,
-                choice => choice,
-            };
-            config.compression_level = self.compression_level;
-            config.qpl_path = self.qpl_path;
-            config.dedup = match self.dedup {
-                Dedup::On => true,
-                Dedup::Off => false,
-                Dedup::Auto => self.verify != Verify::None,
-            };
-            config.delta_cache_size = self.delta_cache_size.0.unwrap_or(0);
-            config.delta_cache_allowance = match self.delta_cache_size.0 {
-                Some(0) => Some(0),
-                _ => self.delta_cache_allowance,
-            };
-            config.delta_offload = match self.delta_offload {
-                DeltaOffloadChoice::Cpu => None,
-                DeltaOffloadChoice::Software => Some(tern_dsa::software_delta_offload(
-                    tern_dsa::SoftwareDsaConfig::default(),
+        config.channels = self.channels;
+        config.workers = self.workers;
+        config.downtime_limit = Duration::from_millis(self.downtime_limit);
+        config.max_bandwidth = self.max_bandwidth;
+        config.max_iterations = self.max_iterations;
+        config.max_time = max_time;
+        config.limit_policy = self.on_limit;
+        config.auto_converge = self.auto_converge == OnOff::On && !self.no_auto_converge;
+        config.throttle_initial = self.cpu_throttle_initial;
+        config.throttle_increment = self.cpu_throttle_increment;
+        config.zero_page_detection = self.zero_page_detection;
+        config.zero_page_offload = match (self.zero_page_detection, &self.dsa_device, &dsa_engine) {
+            (ZeroPageDetection::Dsa, tern_dsa::DsaDevice::Software, _) => Some(
+                tern_dsa::software_dsa(tern_dsa::SoftwareDsaConfig::default()),
+            ),
+            (ZeroPageDetection::Dsa, _, Some(engine)) => {
+                Some(engine.clone() as std::sync::Arc<dyn tern_page::ZeroPageOffload>)
+            }
+            _ => None,
+        };
+        config.zero_page_as_normal = self.zero_page_as_normal / 100.0;
+        // Zero-copy sends from guest memory: no codec can run, and auto
+        // would pick none.
+        config.compression = match self.compression {
+            CodecChoice::Auto if self.zero_copy => CodecChoice::None,
+            choice => choice,
+        };
+        config.compression_level = self.compression_level;
+        config.qpl_path = self.qpl_path;
+        config.dedup = match self.dedup {
+            Dedup::On => true,
+            Dedup::Off => false,
+            Dedup::Auto => self.verify != Verify::None,
+        };
+        config.delta_cache_size = self.delta_cache_size.0.unwrap_or(0);
+        config.delta_cache_allowance = match self.delta_cache_size.0 {
+            Some(0) => Some(0),
+            _ => self.delta_cache_allowance,
+        };
+        config.delta_offload = match self.delta_offload {
+            DeltaOffloadChoice::Cpu => None,
+            DeltaOffloadChoice::Software => Some(tern_dsa::software_delta_offload(
+                tern_dsa::SoftwareDsaConfig::default(),
+            )),
+            DeltaOffloadChoice::Hardware => Some(match &dsa_engine {
+                Some(engine) => std::sync::Arc::new(tern_dsa::DsaDeltaOffload::sharing(
+                    engine.clone(),
+                    tern_dsa::DELTA_DEADLINE,
                 )),
-                DeltaOffloadChoice::Hardware => Some(match &dsa_engine {
-                    Some(engine) => std::sync::Arc::new(tern_dsa::DsaDeltaOffload::sharing(
-                        engine.clone(),
-                        tern_dsa::DELTA_DEADLINE,
-                    )),
-                    None => tern_dsa::open_delta_offload(&self.dsa_config())
-                        .context("--delta-offload hw")?,
-                }),
-            };
-            config.compression_dictionary = match self.compression_dictionary {
-                DictionaryChoice::Size(bytes) => Some(bytes),
-                DictionaryChoice::Auto | DictionaryChoice::Off => None,
-            };
-            config.auto_dictionary = self.compression_dictionary == DictionaryChoice::Auto;
-            config.dictionary_refresh = self.dictionary_refresh;
-            config.packet_frames = self.packet_frames;
-            config.verify = self.verify;
-            config.digest_threads = self.digest_threads;
-            config.zero_copy = self.zero_copy;
-            config.zero_copy_backend = self.zero_copy_backend;
-            config.io_timeout = Duration::from_secs(self.io_timeout);
-            config.connect_timeout = Duration::from_secs(self.connect_timeout);
-            config.handshake_timeout = Duration::from_secs(self.handshake_timeout);
-            config.switch_over_timeout = Duration::from_secs(self.switch_over_timeout);
+                None => tern_dsa::open_delta_offload(&self.dsa_config())
+                    .context("--delta-offload hw")?,
+            }),
+        };
+        config.compression_dictionary = match self.compression_dictionary {
+            DictionaryChoice::Size(bytes) => Some(bytes),
+            DictionaryChoice::Auto | DictionaryChoice::Off => None,
+        };
+        config.auto_dictionary = self.compression_dictionary == DictionaryChoice::Auto;
+        config.dictionary_refresh = self.dictionary_refresh;
+        config.packet_frames = self.packet_frames;
+        config.verify = self.verify;
+        config.digest_threads = self.digest_threads;
+        config.zero_copy = self.zero_copy;
+        config.zero_copy_backend = self.zero_copy_backend;
+        config.io_timeout = Duration::from_secs(self.io_timeout);
+        config.connect_timeout = Duration::from_secs(self.connect_timeout);
+        config.handshake_timeout = Duration::from_secs(self.handshake_timeout);
+        config.switch_over_timeout = Duration::from_secs(self.switch_over_timeout);
         self.apply_postcopy(&mut config)?;
         Ok(config)
     }

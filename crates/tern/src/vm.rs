@@ -27,7 +27,7 @@ pub enum VmCommand {
     /// Run the test guest under KVM and report how fast it dirties memory.
     Run(RunArgs),
     /// Run the test guest and migrate it, live, to a `tern vm receive`.
-    Migrate(MigrateArgs),
+    Migrate(Box<MigrateArgs>),
     /// Receive a KVM guest, check it and let it run on here.
     Receive(ReceiveArgs),
     /// Migrate a running KVM guest between two VMs of this process over

@@ -216,6 +216,14 @@ impl<S: Write> Write for HandshakeBudget<'_, S> {
         self.socket.write(buf)
     }
 
+    // rustls writes its queued records with one vectored write, and on a
+    // failed handshake it makes only one last attempt to send its alert:
+    // the default (first buffer only) would leave the alert unsent and the
+    // peer would see a bare close instead of the reason.
+    fn write_vectored(&mut self, bufs: &[io::IoSlice<'_>]) -> io::Result<usize> {
+        self.socket.write_vectored(bufs)
+    }
+
     fn flush(&mut self) -> io::Result<()> {
         self.socket.flush()
     }

@@ -448,7 +448,13 @@ fn two_real_migrations_pass_one_slot_in_turn_and_both_verify() {
     });
     drop(blocker);
     let mut most_running = 0;
+    // Two migrations one after the other, each within its own deadline.
+    let finish_by = Instant::now() + 2 * DEADLINE;
     while !migrations.iter().all(std::thread::JoinHandle::is_finished) {
+        assert!(
+            Instant::now() < finish_by,
+            "the two migrations did not finish"
+        );
         let running = agent
             .view()
             .migrations

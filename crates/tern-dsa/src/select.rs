@@ -224,6 +224,7 @@ mod tests {
             mode: WqMode::Shared,
             size: 32,
             max_batch_size: 32,
+            block_on_fault: None,
             dev_path: format!("/dev/dsa/{queue}").into(),
             sysfs_dir: format!("/sys/bus/dsa/devices/{queue}").into(),
             numa_node: None,

@@ -49,6 +49,11 @@ pub struct WorkQueueInfo {
     pub size: u32,
     /// Largest batch the queue accepts (`max_batch_size`).
     pub max_batch_size: u32,
+    /// Whether a page fault stalls the queue until the kernel resolves it
+    /// (`block_on_fault`; `None` when sysfs does not say). tern's DSA queue
+    /// wants it off (a fault ends the descriptor and the CPU takes the
+    /// page); QPL's default build wants it on for every IAA queue.
+    pub block_on_fault: Option<bool>,
     /// Character device to open, e.g. `/dev/dsa/wq0.0`.
     pub dev_path: PathBuf,
     /// The queue's sysfs directory (its `state` says whether it is still
@@ -299,6 +304,11 @@ fn read_queue(
         .and_then(|s| s.parse().ok())
         .unwrap_or(0);
     let numa_node = attr(&device_dir, "numa_node").and_then(|s| s.parse::<u32>().ok());
+    let block_on_fault = attr(dir, "block_on_fault").and_then(|s| match s.as_str() {
+        "1" => Some(true),
+        "0" => Some(false),
+        _ => None,
+    });
     Some(WorkQueueInfo {
         kind,
         device,
@@ -307,6 +317,7 @@ fn read_queue(
         mode,
         size,
         max_batch_size,
+        block_on_fault,
         dev_path: dev_root.join(queue),
         sysfs_dir: dir.to_path_buf(),
         numa_node,

@@ -555,40 +555,54 @@ pub fn iaa_finding(sysfs_root: &Path, dev_root: &Path) -> Finding {
             };
         }
     };
-    let mut usable = 0;
-    let listed: Vec<String> = queues
+    let usable: Vec<&tern_dsa::WorkQueueInfo> = queues
         .iter()
-        .map(|queue| {
-            let access = is_read_write(&queue.dev_path);
-            let shared = queue.mode == tern_dsa::WqMode::Shared;
-            usable += usize::from(access && shared);
-            format!(
-                "{} ({}, size {}{}{})",
-                queue.full_name(),
-                queue.mode.name(),
-                queue.size,
-                if shared { "" } else { ", QPL needs shared" },
-                if access { "" } else { ", no access" }
-            )
-        })
+        .filter(|queue| queue.mode == tern_dsa::WqMode::Shared && is_read_write(&queue.dev_path))
         .collect();
-    let finding = Finding::new(
-        "iaa",
-        if usable > 0 {
-            Status::Ok
-        } else {
-            Status::Missing
-        },
-        listed.join("; "),
-    );
-    if usable > 0 {
-        finding
-    } else {
-        finding.fix(
+    let listed: Vec<String> = queues.iter().map(describe_iaa_queue).collect();
+    let detail = listed.join("; ");
+    if usable.is_empty() {
+        return Finding::new("iaa", Status::Missing, detail).fix(
             "QPL needs a shared user queue (--mode=shared) with read/write access on /dev/iax/wq*: \
              see docs/hardware.md",
-        )
+        );
     }
+    // QPL's default build (BLOCK_ON_FAULT=ON) asks for block-on-fault on
+    // every IAA queue; without it a page fault fails the job and the page
+    // goes to the CPU.
+    match usable
+        .iter()
+        .find(|queue| queue.block_on_fault == Some(false))
+    {
+        Some(queue) => Finding::new("iaa", Status::Limited, detail).fix(format!(
+            "QPL's default build needs block-on-fault on its IAA queues: `accel-config \
+             disable-wq {name} && accel-config config-wq {name} --block-on-fault=1 && \
+             accel-config enable-wq {name}` (docs/hardware.md)",
+            name = queue.full_name()
+        )),
+        None => Finding::new("iaa", Status::Ok, detail),
+    }
+}
+
+/// One IAA queue as the doctor lists it, with what keeps QPL from it.
+fn describe_iaa_queue(queue: &tern_dsa::WorkQueueInfo) -> String {
+    let shared = queue.mode == tern_dsa::WqMode::Shared;
+    format!(
+        "{} ({}, size {}{}{}{})",
+        queue.full_name(),
+        queue.mode.name(),
+        queue.size,
+        if shared { "" } else { ", QPL needs shared" },
+        if is_read_write(&queue.dev_path) {
+            ""
+        } else {
+            ", no access"
+        },
+        match queue.block_on_fault {
+            Some(false) => ", block-on-fault off",
+            _ => "",
+        }
+    )
 }
 
 /// Whether libaccel-config, which QPL's hardware path loads, can be loaded.
@@ -917,6 +931,41 @@ mod tests {
         let dsa = dsa_finding(root.path(), root.path());
         assert_eq!(dsa.status, Status::Missing);
         assert!(dsa.fix.unwrap().contains("intel_iommu=on,sm_on"));
+    }
+
+    /// QPL's default build needs block-on-fault on its IAA queue: a shared,
+    /// accessible queue with it off is `limited`, with the accel-config
+    /// commands that turn it on; with it on (or unknown) the line is `ok`.
+    #[test]
+    fn an_iaa_queue_without_block_on_fault_is_named_with_its_fix() {
+        let root = tempfile::tempdir().unwrap();
+        let device = root.path().join("devices/iax1");
+        let wq = device.join("wq1.0");
+        std::fs::create_dir_all(&wq).unwrap();
+        std::fs::write(device.join("state"), "enabled\n").unwrap();
+        for (name, value) in [
+            ("state", "enabled"),
+            ("type", "user"),
+            ("mode", "shared"),
+            ("size", "128"),
+            ("block_on_fault", "0"),
+        ] {
+            std::fs::write(wq.join(name), value).unwrap();
+        }
+        // The queue's node: a regular file this user can read and write.
+        std::fs::write(root.path().join("wq1.0"), b"").unwrap();
+        let off = iaa_finding(root.path(), root.path());
+        assert_eq!(off.status, Status::Limited, "{}", off.detail);
+        assert!(off.detail.contains("block-on-fault off"), "{}", off.detail);
+        let fix = off.fix.unwrap();
+        assert!(
+            fix.contains("config-wq iax1/wq1.0 --block-on-fault=1"),
+            "{fix}"
+        );
+        std::fs::write(wq.join("block_on_fault"), "1").unwrap();
+        let on = iaa_finding(root.path(), root.path());
+        assert_eq!(on.status, Status::Ok, "{}", on.detail);
+        assert!(on.fix.is_none());
     }
 
     #[test]

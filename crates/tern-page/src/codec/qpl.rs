@@ -56,6 +56,7 @@
 use std::alloc::{Layout, alloc_zeroed, dealloc};
 use std::fmt;
 use std::sync::{Arc, OnceLock};
+use std::time::{Duration, Instant};
 
 use crate::PAGE_SIZE;
 use crate::codec::backend::{Backend, PageDecoder, PageEncoder};
@@ -96,6 +97,20 @@ const MAX_COMPRESSED_U32: u32 = MAX_COMPRESSED as u32;
 /// Submissions tried against a busy queue before the CPU takes the page.
 pub(super) const BUSY_RETRIES: u32 = 8;
 
+/// How long a batch's jobs may run before they are given up. IAA finishes
+/// a 4 KiB job in microseconds and the pages it reads and writes are the
+/// compressor's own resident buffers, so a job still running after a second
+/// is a stuck, disabled or reset device: its jobs are retired (see
+/// [`RetiredJobs`]) and the compressor stops offering work to QPL.
+pub(super) const JOB_DEADLINE: Duration = Duration::from_secs(1);
+
+/// Status polls spun before the waiting thread starts to sleep between
+/// them: a hardware job normally completes within these.
+const SPIN_POLLS: u32 = 256;
+
+/// The pause between status polls once spinning did not see the job end.
+const POLL_PAUSE: Duration = Duration::from_micros(20);
+
 /// Offsets and constants of QPL 1.x's public C API, as QPL 1.9.0's headers
 /// give them (see module docs).
 mod abi {
@@ -124,6 +139,7 @@ mod abi {
     pub(super) const FLAG_OMIT_VERIFY: u32 = 0x4000;
 
     pub(super) const STS_OK: u32 = 0;
+    pub(super) const STS_BEING_PROCESSED: u32 = 1;
     pub(super) const STS_MORE_OUTPUT_NEEDED: u32 = 2;
     pub(super) const STS_QUEUES_ARE_BUSY: u32 = 5;
     pub(super) const STS_DST_IS_SHORT: u32 = 225;
@@ -144,8 +160,11 @@ struct QplLib {
     get_job_size: GetJobSizeFn,
     init_job: InitJobFn,
     submit_job: JobFn,
+    // Resolved so that a library lacking it is refused early; jobs are
+    // waited for by polling `check_job` against a deadline instead, since
+    // `qpl_wait_job` has none.
+    #[allow(dead_code)]
     wait_job: JobFn,
-    #[allow(dead_code)] // resolved so a library lacking it is refused early
     check_job: JobFn,
     fini_job: JobFn,
     _lib: libloading::Library,
@@ -452,9 +471,147 @@ impl Job {
         st
     }
 
-    fn wait(&mut self) -> u32 {
-        // SAFETY: the job was submitted successfully.
-        unsafe { (self.lib.wait_job)(self.ptr) }
+    /// The job's status now: `STS_BEING_PROCESSED` while it runs.
+    fn status(&self) -> u32 {
+        // SAFETY: the job was initialised; `qpl_check_job` reads its state
+        // (and the completion record of a submitted job) without blocking.
+        unsafe { (self.lib.check_job)(self.ptr) }
+    }
+
+    /// Waits for a submitted job until `deadline`: its final status, or
+    /// `None` when it is still running then (the caller retires it).
+    fn wait_until(&self, deadline: Instant) -> Option<u32> {
+        let mut polls = 0u32;
+        loop {
+            let status = self.status();
+            if status != abi::STS_BEING_PROCESSED {
+                return Some(status);
+            }
+            if Instant::now() >= deadline {
+                return None;
+            }
+            polls = polls.saturating_add(1);
+            if polls < SPIN_POLLS {
+                std::hint::spin_loop();
+            } else {
+                std::thread::sleep(POLL_PAUSE);
+            }
+        }
+    }
+}
+
+/// A job with the buffers it reads and writes. QPL, and IAA behind it,
+/// hold the buffers' addresses until the job completes, so the job and its
+/// buffers are one unit: a job given up at its deadline takes its buffers
+/// into [`RetiredJobs`], and the slot gets fresh ones. Every buffer is
+/// boxed, so its address stays put when the slot moves.
+struct JobSlot {
+    /// `None` once the compressor stopped using QPL.
+    job: Option<Job>,
+    input: Box<[u8; PAGE_SIZE]>,
+    out: Box<[u8; PAGE_SIZE]>,
+}
+
+impl JobSlot {
+    fn new(lib: &Arc<QplLib>, path: QplPath) -> Result<Self, CodecError> {
+        Ok(Self {
+            job: Some(Job::new(lib, path)?),
+            input: Box::new([0; PAGE_SIZE]),
+            out: Box::new([0; PAGE_SIZE]),
+        })
+    }
+
+    /// The first `MAX_COMPRESSED` bytes of the output buffer, where a
+    /// compression job writes.
+    fn compressed_out(&mut self) -> &mut [u8; MAX_COMPRESSED] {
+        self.out
+            .first_chunk_mut::<MAX_COMPRESSED>()
+            .unwrap_or_else(|| unreachable!("MAX_COMPRESSED < PAGE_SIZE"))
+    }
+
+    /// Prepares and submits a compression of `input` into `out`; the
+    /// submit status (`STS_OK`: in flight), or `None` without a job.
+    fn submit_compress(&mut self, level: u32) -> Option<u32> {
+        let Self { job, input, out } = self;
+        let job = job.as_mut()?;
+        let out = out
+            .first_chunk_mut::<MAX_COMPRESSED>()
+            .unwrap_or_else(|| unreachable!("MAX_COMPRESSED < PAGE_SIZE"));
+        // SAFETY: `input` and `out` are this slot's boxed buffers, which go
+        // wherever the job goes until it completes (retired together).
+        unsafe { job.prepare(input, out, level) };
+        Some(job.submit())
+    }
+
+    /// Prepares and submits an inflate of `input[..len]` into `out`.
+    fn submit_decompress(&mut self, len: usize) -> Option<u32> {
+        let Self { job, input, out } = self;
+        let job = job.as_mut()?;
+        // SAFETY: as in `submit_compress`.
+        unsafe { job.prepare_decompress(&input[..len], out) };
+        Some(job.submit())
+    }
+
+    /// Waits for the submitted job until `deadline` (see
+    /// [`Job::wait_until`]); `None` also when the slot has no job.
+    fn wait_until(&self, deadline: Instant) -> Option<u32> {
+        self.job.as_ref()?.wait_until(deadline)
+    }
+
+    fn total_out(&self) -> usize {
+        self.job.as_ref().map_or(0, Job::total_out)
+    }
+
+    /// Gives up the job in flight: it moves into `retired` together with the buffers it may still read or write, and
+    /// this slot keeps fresh buffers (the input copied, so the CPU can
+    /// take the page) and no job.
+    fn retire_job(&mut self, retired: &mut RetiredJobs) {
+        let Some(job) = self.job.take() else {
+            return;
+        };
+        let copy = self.input.clone();
+        let input = std::mem::replace(&mut self.input, copy);
+        let out = std::mem::replace(&mut self.out, Box::new([0; PAGE_SIZE]));
+        retired.slots.push(JobSlot {
+            job: Some(job),
+            input,
+            out,
+        });
+    }
+}
+
+/// Jobs given up at their deadline, kept with their buffers until QPL says
+/// they ended: freeing memory a device may still write would be a write
+/// outside anything we own. Ended jobs are freed at the next
+/// [`reap`](Self::reap); jobs still running when this is dropped are
+/// leaked on purpose (a few hundred KiB each, after a device failure).
+#[derive(Default)]
+struct RetiredJobs {
+    slots: Vec<JobSlot>,
+}
+
+impl RetiredJobs {
+    /// Frees the retired jobs that have ended.
+    fn reap(&mut self) {
+        self.slots.retain(|slot| {
+            slot.job
+                .as_ref()
+                .is_some_and(|job| job.status() == abi::STS_BEING_PROCESSED)
+        });
+    }
+
+    fn len(&self) -> usize {
+        self.slots.len()
+    }
+}
+
+impl Drop for RetiredJobs {
+    fn drop(&mut self) {
+        self.reap();
+        for slot in self.slots.drain(..) {
+            // The device may still write these buffers: never free them.
+            std::mem::forget(slot);
+        }
     }
 }
 
@@ -479,22 +636,19 @@ pub(crate) struct BatchCounts {
     pub software: u64,
 }
 
-enum Slot {
-    Sampled,
-    Submitted,
-    Done(Option<usize>),
-}
-
 /// Deflate through QPL, one job per page, with libdeflate as the fallback.
 pub struct QplCompressor {
     lib: Arc<QplLib>,
     path: QplPath,
     level: i32,
-    jobs: Vec<Job>,
-    inputs: Vec<Box<[u8; PAGE_SIZE]>>,
-    // Boxed so each buffer's address handed to QPL never moves.
-    #[allow(clippy::vec_box)]
-    outs: Vec<Box<[u8; MAX_COMPRESSED]>>,
+    /// One job with its buffers per page of the largest batch so far.
+    slots: Vec<JobSlot>,
+    retired: RetiredJobs,
+    /// How long a batch's jobs may run ([`JOB_DEADLINE`]).
+    job_deadline: Duration,
+    /// Set when a job missed its deadline: every page goes to libdeflate
+    /// from then on (counted as offload fallbacks).
+    gave_up: bool,
     software: libdeflater::Compressor,
 }
 
@@ -503,7 +657,9 @@ impl fmt::Debug for QplCompressor {
         f.debug_struct("QplCompressor")
             .field("path", &self.path)
             .field("level", &self.level)
-            .field("jobs", &self.jobs.len())
+            .field("jobs", &self.slots.len())
+            .field("retired", &self.retired.len())
+            .field("gave_up", &self.gave_up)
             .finish()
     }
 }
@@ -516,26 +672,37 @@ pub(crate) fn level_runs_on_the_cpu(path: QplPath, level: i32) -> bool {
     path == QplPath::Auto && level >= 3
 }
 
+/// What became of one page of a batch.
+enum Slot {
+    Sampled,
+    Submitted,
+    Done(Option<usize>),
+}
+
 impl QplCompressor {
     /// Loads libqpl (once per process) and initialises one job. Levels: QPL
     /// has 1 (default, the only one IAA hardware runs) and 3 (high,
     /// software path); requests are clamped to those, and to 1 on the
     /// hardware path.
     pub fn new(path: QplPath, level: i32) -> Result<Self, CodecError> {
-        let lib = library()?;
+        Self::with_library(library()?, path, level)
+    }
+
+    fn with_library(lib: Arc<QplLib>, path: QplPath, level: i32) -> Result<Self, CodecError> {
         let level = if path == QplPath::Hardware || level < 3 {
             1
         } else {
             3
         };
-        let first = Job::new(&lib, path)?;
+        let first = JobSlot::new(&lib, path)?;
         Ok(Self {
             lib,
             path,
             level,
-            jobs: vec![first],
-            inputs: Vec::new(),
-            outs: Vec::new(),
+            slots: vec![first],
+            retired: RetiredJobs::default(),
+            job_deadline: JOB_DEADLINE,
+            gave_up: false,
             software: new_deflate(level),
         })
     }
@@ -557,12 +724,8 @@ impl QplCompressor {
     }
 
     fn ensure(&mut self, n: usize) -> Result<(), CodecError> {
-        while self.jobs.len() < n {
-            self.jobs.push(Job::new(&self.lib, self.path)?);
-        }
-        while self.inputs.len() < n {
-            self.inputs.push(Box::new([0; PAGE_SIZE]));
-            self.outs.push(Box::new([0; MAX_COMPRESSED]));
+        while self.slots.len() < n {
+            self.slots.push(JobSlot::new(&self.lib, self.path)?);
         }
         Ok(())
     }
@@ -583,6 +746,47 @@ impl QplCompressor {
         }
     }
 
+    /// Stops offering work to QPL after a job missed its deadline.
+    fn give_up(&mut self, index: usize) {
+        self.slots[index].retire_job(&mut self.retired);
+        self.gave_up = true;
+    }
+
+    /// Compresses slot `index`'s input on the CPU into its output.
+    fn on_the_cpu(&mut self, index: usize) -> Option<usize> {
+        let JobSlot { input, out, .. } = &mut self.slots[index];
+        let out = out
+            .first_chunk_mut::<MAX_COMPRESSED>()
+            .unwrap_or_else(|| unreachable!("MAX_COMPRESSED < PAGE_SIZE"));
+        deflate_page(&mut self.software, input, out)
+    }
+
+    /// Compresses the first slot's input synchronously into its output;
+    /// the bool says whether the software fallback did it.
+    fn compress_first_slot(&mut self) -> (Option<usize>, bool) {
+        self.retired.reap();
+        let level = self.level_u32();
+        let result = match self.slots[0].submit_compress(level) {
+            None => Err(()),
+            Some(abi::STS_OK) => {
+                let deadline = Instant::now() + self.job_deadline;
+                match self.slots[0].wait_until(deadline) {
+                    Some(status) => Self::finish(status, self.slots[0].total_out()),
+                    None if self.slots[0].job.is_none() => Err(()),
+                    None => {
+                        self.give_up(0);
+                        Err(())
+                    }
+                }
+            }
+            Some(refused) => Self::finish(refused, 0),
+        };
+        match result {
+            Ok(n) => (n, level_runs_on_the_cpu(self.path, self.level)),
+            Err(()) => (self.on_the_cpu(0), true),
+        }
+    }
+
     /// Compresses one page synchronously; the bool says whether the
     /// software fallback did it.
     pub(crate) fn compress_one(
@@ -590,23 +794,17 @@ impl QplCompressor {
         page: &[u8; PAGE_SIZE],
         out: &mut [u8; MAX_COMPRESSED],
     ) -> (Option<usize>, bool) {
-        let level = self.level_u32();
-        let job = &mut self.jobs[0];
-        // SAFETY: `page` and `out` outlive the wait below.
-        unsafe { job.prepare(page, out, level) };
-        let result = match job.submit() {
-            abi::STS_OK => Self::finish(job.wait(), job.total_out()),
-            refused => Self::finish(refused, 0),
-        };
-        match result {
-            Ok(n) => (n, level_runs_on_the_cpu(self.path, self.level)),
-            Err(()) => (deflate_page(&mut self.software, page, out), true),
+        *self.slots[0].input = *page;
+        let (n, software) = self.compress_first_slot();
+        if let Some(n) = n {
+            out[..n].copy_from_slice(&self.slots[0].out[..n]);
         }
+        (n, software)
     }
 
     /// Compresses a packet's pages: copies each to a private buffer,
-    /// samples it, submits a job per page, then waits for all. Results are
-    /// appended to `batch` in page order.
+    /// samples it, submits a job per page, then waits for all until one
+    /// deadline. Results are appended to `batch` in page order.
     ///
     /// # Safety
     ///
@@ -618,73 +816,28 @@ impl QplCompressor {
         batch: &mut CompressedBatch,
         sampling: bool,
     ) -> BatchCounts {
-        if self.path == QplPath::Software {
+        if self.path == QplPath::Software || self.gave_up {
             // SAFETY: the caller's contract, passed on.
             return unsafe { self.compress_page_by_page(pages, batch, sampling) };
         }
-        let mut counts = BatchCounts::default();
         if self.ensure(pages.len()).is_err() {
-            // Could not get enough jobs: compress the whole batch on the CPU.
-            for &p in pages {
-                let mut input = [0u8; PAGE_SIZE];
-                // SAFETY: caller contract; private destination.
-                unsafe { core::ptr::copy_nonoverlapping(p, input.as_mut_ptr(), PAGE_SIZE) };
-                let mut out = [0u8; MAX_COMPRESSED];
-                counts.software += 1;
-                let n = deflate_page(&mut self.software, &input, &mut out);
-                Self::push(batch, &mut counts, n, &out);
-            }
-            return counts;
+            // Could not get enough jobs: the whole batch goes page by page
+            // through the first (a job per page buys only concurrency).
+            // SAFETY: the caller's contract, passed on.
+            return unsafe { self.compress_page_by_page(pages, batch, sampling) };
         }
-        let level = self.level_u32();
-        let mut slots = Vec::with_capacity(pages.len());
-        for (i, &p) in pages.iter().enumerate() {
-            // SAFETY: caller contract; `inputs[i]` is private memory.
-            unsafe { core::ptr::copy_nonoverlapping(p, self.inputs[i].as_mut_ptr(), PAGE_SIZE) };
-            if sampling && looks_incompressible_bytes(&self.inputs[i]) {
-                slots.push(Slot::Sampled);
-                continue;
-            }
-            // SAFETY: inputs[i] and outs[i] are boxed (stable addresses) and
-            // not touched until this job is waited for below.
-            unsafe { self.jobs[i].prepare(&self.inputs[i], &mut self.outs[i], level) };
-            let slot = match self.jobs[i].submit() {
-                abi::STS_OK => Slot::Submitted,
-                refused => match Self::finish(refused, 0) {
-                    Ok(n) => Slot::Done(n),
-                    Err(()) => {
-                        counts.software += 1;
-                        let n =
-                            deflate_page(&mut self.software, &self.inputs[i], &mut self.outs[i]);
-                        Slot::Done(n)
-                    }
-                },
-            };
-            slots.push(slot);
-        }
-        for (i, slot) in slots.iter_mut().enumerate() {
-            if let Slot::Submitted = slot {
-                let st = self.jobs[i].wait();
-                *slot = match Self::finish(st, self.jobs[i].total_out()) {
-                    Ok(n) => Slot::Done(n),
-                    Err(()) => {
-                        counts.software += 1;
-                        Slot::Done(deflate_page(
-                            &mut self.software,
-                            &self.inputs[i],
-                            &mut self.outs[i],
-                        ))
-                    }
-                };
-            }
-        }
+        self.retired.reap();
+        let mut counts = BatchCounts::default();
+        // SAFETY: the caller's contract, passed on.
+        let mut slots = unsafe { self.submit_all(pages, sampling, &mut counts) };
+        self.wait_all(&mut slots, &mut counts);
         for (i, slot) in slots.into_iter().enumerate() {
             match slot {
                 Slot::Sampled => {
                     counts.sampled += 1;
                     batch.outcomes.push(PageOutcome::Raw(RawReason::Sampled));
                 }
-                Slot::Done(n) => Self::push(batch, &mut counts, n, &self.outs[i]),
+                Slot::Done(n) => Self::push(batch, &mut counts, n, self.slots[i].compressed_out()),
                 Slot::Submitted => unreachable!("every submitted job was waited for"),
             }
         }
@@ -695,9 +848,75 @@ impl QplCompressor {
         counts
     }
 
+    /// Copies each page into its slot, samples it, and submits a job for
+    /// each page worth compressing; a page QPL refuses goes to the CPU.
+    ///
+    /// # Safety
+    ///
+    /// As [`compress_batch`](Self::compress_batch); `ensure(pages.len())`
+    /// succeeded.
+    unsafe fn submit_all(
+        &mut self,
+        pages: &[*const u8],
+        sampling: bool,
+        counts: &mut BatchCounts,
+    ) -> Vec<Slot> {
+        let level = self.level_u32();
+        let mut slots = Vec::with_capacity(pages.len());
+        for (i, &p) in pages.iter().enumerate() {
+            // SAFETY: caller contract; the slot's input is private memory
+            // with no job in flight on it.
+            unsafe {
+                core::ptr::copy_nonoverlapping(p, self.slots[i].input.as_mut_ptr(), PAGE_SIZE)
+            };
+            if sampling && looks_incompressible_bytes(&self.slots[i].input) {
+                slots.push(Slot::Sampled);
+                continue;
+            }
+            let slot = match self.slots[i].submit_compress(level) {
+                Some(abi::STS_OK) => Slot::Submitted,
+                refused => match refused.map_or(Err(()), |st| Self::finish(st, 0)) {
+                    Ok(n) => Slot::Done(n),
+                    Err(()) => {
+                        counts.software += 1;
+                        Slot::Done(self.on_the_cpu(i))
+                    }
+                },
+            };
+            slots.push(slot);
+        }
+        slots
+    }
+
+    /// Waits for every submitted job until one deadline for the batch; a
+    /// job still running then is retired and its page goes to the CPU.
+    fn wait_all(&mut self, slots: &mut [Slot], counts: &mut BatchCounts) {
+        let deadline = Instant::now() + self.job_deadline;
+        for (i, slot) in slots.iter_mut().enumerate() {
+            if !matches!(slot, Slot::Submitted) {
+                continue;
+            }
+            let result = match self.slots[i].wait_until(deadline) {
+                Some(status) => Self::finish(status, self.slots[i].total_out()),
+                None => {
+                    self.give_up(i);
+                    Err(())
+                }
+            };
+            *slot = match result {
+                Ok(n) => Slot::Done(n),
+                Err(()) => {
+                    counts.software += 1;
+                    Slot::Done(self.on_the_cpu(i))
+                }
+            };
+        }
+    }
+
     /// QPL's software path runs each job inside `qpl_submit_job`, so a job
     /// per page buys no concurrency there, and each costs 740,864 bytes
     /// (libqpl 1.9.0): the software path uses its one job, page by page.
+    /// So does a compressor that gave up on QPL (the CPU takes each page).
     ///
     /// # Safety
     ///
@@ -709,19 +928,20 @@ impl QplCompressor {
         sampling: bool,
     ) -> BatchCounts {
         let mut counts = BatchCounts::default();
-        let mut input = [0u8; PAGE_SIZE];
-        let mut out = [0u8; MAX_COMPRESSED];
         for &p in pages {
-            // SAFETY: caller contract; `input` is private memory.
-            unsafe { core::ptr::copy_nonoverlapping(p, input.as_mut_ptr(), PAGE_SIZE) };
-            if sampling && looks_incompressible_bytes(&input) {
+            // SAFETY: caller contract; the first slot's input is private
+            // memory with no job in flight on it.
+            unsafe {
+                core::ptr::copy_nonoverlapping(p, self.slots[0].input.as_mut_ptr(), PAGE_SIZE)
+            };
+            if sampling && looks_incompressible_bytes(&self.slots[0].input) {
                 counts.sampled += 1;
                 batch.outcomes.push(PageOutcome::Raw(RawReason::Sampled));
                 continue;
             }
-            let (n, software) = self.compress_one(&input, &mut out);
+            let (n, software) = self.compress_first_slot();
             counts.software += u64::from(software);
-            Self::push(batch, &mut counts, n, &out);
+            Self::push(batch, &mut counts, n, self.slots[0].compressed_out());
         }
         counts
     }
@@ -748,16 +968,20 @@ impl QplCompressor {
 }
 
 /// Inflate through QPL (on the destination, IAA's decompressor), one page
-/// per job, synchronously.
+/// per job, synchronously, into the job's own buffers (so a job given up
+/// at its deadline can never write the caller's page).
 pub struct QplDecompressor {
     path: QplPath,
-    job: Job,
+    slot: JobSlot,
+    retired: RetiredJobs,
+    job_deadline: Duration,
 }
 
 impl fmt::Debug for QplDecompressor {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("QplDecompressor")
             .field("path", &self.path)
+            .field("retired", &self.retired.len())
             .finish()
     }
 }
@@ -767,10 +991,15 @@ impl QplDecompressor {
     /// on the hardware path QPL's `qpl_init_job` fails when no IAA work
     /// queue can be opened, which is how IAA's absence shows here.
     pub fn new(path: QplPath) -> Result<Self, CodecError> {
-        let lib = library()?;
+        Self::with_library(&library()?, path)
+    }
+
+    fn with_library(lib: &Arc<QplLib>, path: QplPath) -> Result<Self, CodecError> {
         Ok(Self {
             path,
-            job: Job::new(&lib, path)?,
+            slot: JobSlot::new(lib, path)?,
+            retired: RetiredJobs::default(),
+            job_deadline: JOB_DEADLINE,
         })
     }
 
@@ -780,16 +1009,28 @@ impl QplDecompressor {
     }
 
     /// Inflates `input` into `out`: the bytes written, or `None` when QPL
-    /// could not (busy queues, a device error, or a stream it rejects); the
-    /// caller then decodes with libdeflate, which has the last word on
-    /// whether the stream is valid.
+    /// could not (busy queues, a device error, a job past its deadline, or
+    /// a stream it rejects); the caller then decodes with libdeflate, which
+    /// has the last word on whether the stream is valid. After a job missed
+    /// its deadline, QPL is not used again.
     pub(crate) fn decompress(&mut self, input: &[u8], out: &mut [u8; PAGE_SIZE]) -> Option<usize> {
-        // SAFETY: `input` and `out` outlive the wait below.
-        unsafe { self.job.prepare_decompress(input, out) };
-        if self.job.submit() != abi::STS_OK {
+        self.retired.reap();
+        if input.is_empty() || input.len() > PAGE_SIZE {
             return None;
         }
-        (self.job.wait() == abi::STS_OK).then(|| self.job.total_out())
+        self.slot.input[..input.len()].copy_from_slice(input);
+        if self.slot.submit_decompress(input.len())? != abi::STS_OK {
+            return None;
+        }
+        let Some(status) = self.slot.wait_until(Instant::now() + self.job_deadline) else {
+            self.slot.retire_job(&mut self.retired);
+            return None;
+        };
+        let n = self.slot.total_out().min(PAGE_SIZE);
+        (status == abi::STS_OK).then(|| {
+            out[..n].copy_from_slice(&self.slot.out[..n]);
+            n
+        })
     }
 }
 
@@ -994,7 +1235,11 @@ mod tests {
                 assert!(!software, "{kind}: QPL itself must take the page");
                 match n {
                     Some(n) => {
-                        assert_eq!(qpl.jobs[0].total_in(), PAGE_SIZE, "{kind}: total_in");
+                        assert_eq!(
+                            qpl.slots[0].job.as_ref().unwrap().total_in(),
+                            PAGE_SIZE,
+                            "{kind}: total_in"
+                        );
                         assert_eq!(inflate(&out[..n]), page, "{kind}");
                     }
                     // A page that does not fit is "did not shrink", not a
@@ -1036,7 +1281,7 @@ mod tests {
                     }
                 }
             }
-            assert_eq!(qpl.jobs.len(), jobs, "{path}");
+            assert_eq!(qpl.slots.len(), jobs, "{path}");
         }
     }
 
@@ -1075,7 +1320,11 @@ mod tests {
                 inflater.decompress(&compressed[..n], &mut out),
                 Some(PAGE_SIZE)
             );
-            assert_eq!(inflater.job.total_in(), n, "{kind}: total_in");
+            assert_eq!(
+                inflater.slot.job.as_ref().unwrap().total_in(),
+                n,
+                "{kind}: total_in"
+            );
             assert_eq!(out, page, "{kind}");
             // A stream cut short is refused, not half-written as a page.
             assert_ne!(
@@ -1083,6 +1332,146 @@ mod tests {
                 Some(PAGE_SIZE)
             );
         }
+    }
+
+    /// The stuck stand-in library (`qpl_stuck.c`) built with the system C
+    /// compiler, with its controls; `None` (skipped visibly) without one.
+    struct StuckLibrary {
+        lib: Arc<QplLib>,
+        controls: libloading::Library,
+        _dir: tempfile::TempDir,
+    }
+
+    impl StuckLibrary {
+        fn build() -> Option<Self> {
+            let dir = tempfile::tempdir().unwrap();
+            let source = dir.path().join("qpl_stuck.c");
+            let object = dir.path().join("libqpl_stuck.so");
+            std::fs::write(&source, include_str!("qpl_stuck.c")).unwrap();
+            let built = std::process::Command::new("cc")
+                .args(["-shared", "-fPIC", "-O1", "-o"])
+                .arg(&object)
+                .arg(&source)
+                .status();
+            if !built.is_ok_and(|status| status.success()) {
+                tern_test_skip::skip(
+                    tern_test_skip::Need::Host,
+                    "needs a C compiler (`cc`) to build the stuck libqpl stand-in",
+                );
+                return None;
+            }
+            let path = object.to_str().unwrap();
+            let lib = Arc::new(load_from(&[path]).expect("the stand-in loads as QPL 1.x"));
+            // SAFETY: the stand-in built above; its initialisers are empty.
+            let controls = unsafe { libloading::Library::new(path) }.unwrap();
+            Some(Self {
+                lib,
+                controls,
+                _dir: dir,
+            })
+        }
+
+        fn call(&self, name: &[u8]) -> u32 {
+            // SAFETY: the stand-in's controls are `uint32_t f(void)` or
+            // `void f(void)` (the return register is then ignored).
+            unsafe {
+                let f = self
+                    .controls
+                    .get::<unsafe extern "C" fn() -> u32>(name)
+                    .unwrap();
+                f()
+            }
+        }
+
+        fn submits(&self) -> u32 {
+            self.call(b"stuck_submits\0")
+        }
+
+        fn finis(&self) -> u32 {
+            self.call(b"stuck_finis\0")
+        }
+
+        fn release_all(&self) {
+            self.call(b"stuck_release_all\0");
+        }
+    }
+
+    /// A device that stops answering costs one deadline, never a hang (the
+    /// stand-in aborts if `qpl_wait_job` is called): the batch's pages are
+    /// compressed on the CPU, its jobs retired with their buffers, and QPL
+    /// is not offered work again; retired jobs are freed once they end.
+    #[test]
+    fn a_stuck_device_costs_one_deadline_and_the_cpu_takes_over() {
+        let Some(stuck) = StuckLibrary::build() else {
+            return;
+        };
+        let mut qpl = QplCompressor::with_library(stuck.lib.clone(), QplPath::Hardware, 1).unwrap();
+        qpl.job_deadline = Duration::from_millis(20);
+        let pages: Vec<[u8; PAGE_SIZE]> = (0..4)
+            .map(|i| crate::codec::corpus_page("text", i))
+            .collect();
+        let pointers: Vec<*const u8> = pages.iter().map(|p| p.as_ptr()).collect();
+        for round in 0..2 {
+            let mut batch = CompressedBatch::default();
+            // SAFETY: every pointer is a live PAGE_SIZE array in `pages`.
+            let counts = unsafe { qpl.compress_batch(&pointers, &mut batch, false) };
+            assert_eq!(counts.software, 4, "round {round}: the CPU took every page");
+            assert_eq!(counts.compressed, 4, "round {round}");
+            for (page, outcome) in pages.iter().zip(&batch.outcomes) {
+                let PageOutcome::Compressed { offset, len } = *outcome else {
+                    panic!("round {round}: text pages compress");
+                };
+                assert_eq!(inflate(&batch.data[offset..offset + len]), *page);
+            }
+            assert!(qpl.gave_up, "round {round}");
+            assert_eq!(
+                stuck.submits(),
+                4,
+                "round {round}: nothing offered after giving up"
+            );
+            assert_eq!(qpl.retired.len(), 4, "round {round}: retired, not freed");
+        }
+        let mut out = [0u8; MAX_COMPRESSED];
+        let (n, software) = qpl.compress_one(&pages[0], &mut out);
+        assert!(software);
+        assert_eq!(inflate(&out[..n.unwrap()]), pages[0]);
+        assert_eq!(
+            stuck.finis(),
+            0,
+            "no job freed while the device may write it"
+        );
+        stuck.release_all();
+        qpl.compress_one(&pages[1], &mut out);
+        assert_eq!(qpl.retired.len(), 0, "ended jobs are reaped");
+        assert_eq!(stuck.finis(), 4);
+    }
+
+    /// The destination's inflate through a stuck device: `None` after the
+    /// deadline (the caller decodes with libdeflate), the caller's page never
+    /// handed to the device, and no job freed while it may still run, even
+    /// when the decompressor is dropped.
+    #[test]
+    fn a_stuck_device_gives_inflate_back_to_libdeflate() {
+        let Some(stuck) = StuckLibrary::build() else {
+            return;
+        };
+        let mut inflater = QplDecompressor::with_library(&stuck.lib, QplPath::Hardware).unwrap();
+        inflater.job_deadline = Duration::from_millis(20);
+        let page = crate::codec::corpus_page("text", 9);
+        let mut compressed = [0u8; MAX_COMPRESSED];
+        let n = deflate_page(&mut new_deflate(1), &page, &mut compressed).expect("shrinks");
+        let mut out = [7u8; PAGE_SIZE];
+        assert_eq!(inflater.decompress(&compressed[..n], &mut out), None);
+        assert_eq!(out, [7u8; PAGE_SIZE], "the caller's page is untouched");
+        assert_eq!(inflater.retired.len(), 1);
+        assert_eq!(
+            inflater.decompress(&compressed[..n], &mut out),
+            None,
+            "no job left"
+        );
+        assert_eq!(stuck.submits(), 1);
+        drop(inflater);
+        assert_eq!(stuck.finis(), 0, "a job still running is leaked, not freed");
     }
 
     #[test]

@@ -159,7 +159,7 @@ mod tests {
 
     fn page(seed: u8) -> Box<[u8; PAGE_SIZE]> {
         let mut page = Box::new([0u8; PAGE_SIZE]);
-        let mut state = u32::from(seed) * 2_654_435_761 + 1;
+        let mut state = u32::from(seed).wrapping_mul(2_654_435_761).wrapping_add(1);
         for byte in page.iter_mut() {
             state ^= state << 13;
             state ^= state >> 17;

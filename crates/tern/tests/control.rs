@@ -673,3 +673,122 @@ fn the_vmm_configuration_crosses_and_an_oversized_one_is_refused() {
     assert_eq!(report["status"], "failed");
     assert_eq!(report["failed-in"], "setup");
 }
+
+/// A watcher that connects after the migration ended still learns all of
+/// it (`query-events`, `tern ctl events`), and the destination sends a
+/// `MIGRATION_PASS` per iteration it received.
+#[test]
+fn a_late_watcher_gets_the_history_with_the_destination_passes() {
+    let dir = tempfile::tempdir().unwrap();
+    let socket = socket_in(&dir, "destination");
+    let receiver = Receiver::spawn(
+        &["receive"],
+        &[
+            "--json",
+            "--progress",
+            "none",
+            "--keep-paused",
+            "--control-socket",
+            socket.to_str().unwrap(),
+        ],
+    );
+    let output = tern()
+        .args(["migrate", "--json", "--progress", "none"])
+        .args(["--to", &receiver.address, "--memory", "16MiB"])
+        .output()
+        .unwrap();
+    assert!(output.status.success(), "{output:?}");
+    let iterations = json(&output)["ram"]["iterations"].as_u64().unwrap();
+    // Everything happened before this client came.
+    query_until(&socket, "the hand-over", |report| {
+        report["status"] == "completed"
+    });
+    let (mut late, _) = Client::connect(&socket);
+    let history = late.send(r#"{"execute":"query-events","id":1}"#)["return"].clone();
+    assert_eq!(history["dropped"], 0, "{history}");
+    let events = history["events"].as_array().unwrap().clone();
+    let seqs: Vec<u64> = events.iter().map(|e| e["seq"].as_u64().unwrap()).collect();
+    assert_eq!(seqs, (1..=seqs.len() as u64).collect::<Vec<_>>());
+    let statuses: Vec<&str> = events
+        .iter()
+        .filter(|e| e["event"] == "MIGRATION")
+        .map(|e| e["data"]["status"].as_str().unwrap())
+        .collect();
+    assert_eq!(statuses, ["setup", "active", "device", "completed"]);
+    let passes: Vec<&Value> = events
+        .iter()
+        .filter(|e| e["event"] == "MIGRATION_PASS")
+        .collect();
+    assert!(!passes.is_empty(), "no destination pass: {events:?}");
+    for (index, pass) in passes.iter().enumerate() {
+        assert_eq!(pass["side"], "destination");
+        assert_eq!(pass["data"]["pass"], index as u64 + 1, "{pass}");
+        assert!(pass["data"].get("received-bytes").is_some(), "{pass}");
+    }
+    // The first iteration brought every page of the guest.
+    assert!(
+        passes[0]["data"]["received-pages"].as_u64() >= Some((16 << 20) / 4096),
+        "{}",
+        passes[0]
+    );
+    assert!(passes.len() as u64 >= iterations, "{iterations}: {passes:?}");
+    // Since a seq: only what came after.
+    let since = late.send(r#"{"execute":"query-events","arguments":{"since":2}}"#)["return"]
+        ["events"][0]["seq"]
+        .clone();
+    assert_eq!(since, 3);
+    // The destination has no live parameters, and says so.
+    assert_eq!(
+        late.send(r#"{"execute":"query-migrate-parameters"}"#)["return"],
+        serde_json::json!({})
+    );
+    let refused = late.send(r#"{"execute":"migrate-set-parameters","arguments":{"max-bandwidth":1}}"#);
+    assert!(
+        refused["error"]["desc"].as_str().unwrap().contains("destination"),
+        "{refused}"
+    );
+    // `tern ctl events` after the end prints the history, to the end.
+    let printed = tern().arg("ctl").arg(&socket).arg("events").output().unwrap();
+    assert!(printed.status.success(), "{printed:?}");
+    let lines: Vec<Value> = String::from_utf8_lossy(&printed.stdout)
+        .lines()
+        .map(|line| serde_json::from_str(line).unwrap())
+        .collect();
+    assert_eq!(lines, events, "tern ctl events replays what query-events holds");
+    let (code, _) = ctl(&socket, &["cont"]);
+    assert_eq!(code, 0);
+    let (status, _, stderr) = receiver.finish();
+    assert!(status.success(), "{stderr}");
+}
+
+/// The issue's "done when": an external script (examples/steer.py,
+/// Python's standard library only) starts, watches, steers and cancels a
+/// migration through the control socket and the metrics alone, and lets
+/// another complete.
+#[test]
+fn an_external_script_watches_steers_and_cancels_through_socket_and_metrics() {
+    let python = std::process::Command::new("python3")
+        .arg("--version")
+        .output();
+    if !python.is_ok_and(|output| output.status.success()) {
+        return tern_test_skip::skip(tern_test_skip::Need::Host, "no python3 to run the script");
+    }
+    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/../../examples/steer.py");
+    let output = std::process::Command::new("python3")
+        .arg(script)
+        .args(["--tern", env!("CARGO_BIN_EXE_tern")])
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    assert!(
+        output.status.success(),
+        "{stdout}\n{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    let scenarios: Vec<Value> = stdout
+        .lines()
+        .map(|line| serde_json::from_str(line).unwrap())
+        .collect();
+    assert_eq!(scenarios.len(), 2, "{stdout}");
+    assert_eq!(scenarios[0]["source-exit"], 5, "{stdout}");
+}

@@ -62,7 +62,11 @@ fn both_sides_report_events_in_order_and_keep_the_final_report() {
             .collect::<Vec<_>>()
     );
     assert_eq!(
-        [&destination_names[..2], &destination_names[destination_names.len() - 2..]].concat(),
+        [
+            &destination_names[..2],
+            &destination_names[destination_names.len() - 2..]
+        ]
+        .concat(),
         [
             "MIGRATION:setup",
             "MIGRATION:active",

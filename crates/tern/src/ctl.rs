@@ -1,5 +1,6 @@
 //! `tern ctl SOCKET COMMAND [NAME=VALUE ...]`: one command to a control
-//! socket, its answer on stdout; or `events`, the events as they come.
+//! socket, its answer on stdout; or `events`, the events kept so far
+//! (`query-events`) and then the events as they come, each once.
 
 use std::io::{BufRead, BufReader, Write};
 use std::os::unix::net::UnixStream;
@@ -19,8 +20,9 @@ pub struct CtlArgs {
     /// The control socket (`--control-socket` of migrate, receive or vm).
     pub socket: PathBuf,
     /// A command (query-migrate, migrate-set-parameters, migrate_cancel,
-    /// migrate-switch-over, cont, ...; docs/control.md), or `events` to
-    /// print events until the migration ends.
+    /// migrate-switch-over, query-events, cont, ...; docs/control.md), or
+    /// `events` to print the events kept so far, then each as it comes,
+    /// until the migration ends.
     pub command: String,
     /// The command's arguments as NAME=VALUE, VALUE as JSON when it parses
     /// as JSON, else as a string: `max-bandwidth=8388608`.

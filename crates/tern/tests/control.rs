@@ -239,38 +239,79 @@ fn a_raised_downtime_limit_lets_a_non_converging_migration_converge() {
     let dir = tempfile::tempdir().unwrap();
     let socket = socket_in(&dir, "source");
     let receiver = Receiver::spawn(&["receive"], &["--progress", "none"]);
-    // The guest dirties 64 MiB/s of a 16 MiB working set, the link carries
-    // 16 MiB/s, auto-converge is off: a 1 ms limit is never met.
+    // At 1 MiB/s a 1 ms limit allows less than one page of downtime, and
+    // the guest dirties 64 MiB/s of a 4 MiB working set with
+    // auto-converge off: any page dirtied between two syncs keeps it from
+    // switching over.
     let migrate = spawn_migrate(
         &receiver.address,
         &socket,
         &[
             "--memory",
-            "32MiB",
+            "4MiB",
             "--working-set",
-            "16MiB",
+            "4MiB",
             "--dirty-rate",
             "64MiB",
             "--max-bandwidth",
-            "16MiB",
+            "1MiB",
             "--downtime-limit",
             "1",
             "--auto-converge",
             "off",
             // A broken promise fails the test instead of hanging it.
             "--max-time",
-            "120",
+            "90",
         ],
     );
     wait_for_socket(&socket);
-    query_until(&socket, "two dirty iterations", |report| {
-        report["ram"]["iterations"].as_u64() >= Some(2)
-    });
+    let (mut watcher, _) = Client::connect(&socket);
+    let status = |event: &Value| {
+        (event["event"] == "MIGRATION")
+            .then(|| event["data"]["status"].as_str().unwrap().to_string())
+    };
+    // The premise, seen in the events: two syncs that did not fit the limit.
+    let mut stuck = 0;
+    while stuck < 2 {
+        let event = watcher.read();
+        if let Some(status) = status(&event) {
+            assert!(
+                status == "setup" || status == "active",
+                "it ended without the change: {event}"
+            );
+        }
+        if event["event"] == "MIGRATION_PASS" {
+            assert!(
+                event["data"]["expected-downtime"].as_u64() > Some(1),
+                "{event}"
+            );
+            stuck += 1;
+        }
+    }
     let (code, _) = ctl(
         &socket,
         &["migrate-set-parameters", "downtime-limit=600000"],
     );
     assert_eq!(code, 0);
+    // It switches over at a sync whose expected downtime only the raised
+    // limit allows.
+    let mut last_pass = Value::Null;
+    loop {
+        let event = watcher.read();
+        if event["event"] == "MIGRATION_PASS" {
+            last_pass = event.clone();
+        }
+        match status(&event).as_deref() {
+            Some("device") => break,
+            Some("setup" | "active") | None => {}
+            Some(other) => panic!("ended {other} instead of converging: {event}"),
+        }
+    }
+    assert_eq!(last_pass["data"]["downtime-limit"], 600_000, "{last_pass}");
+    assert!(
+        last_pass["data"]["expected-downtime"].as_u64() > Some(1),
+        "{last_pass}"
+    );
     let output = migrate.wait_with_output().unwrap();
     assert!(output.status.success(), "{output:?}");
     let report = json(&output);
@@ -293,14 +334,17 @@ fn events_arrive_in_order_and_switch_over_now_is_forced() {
         &address,
         &socket,
         &[
+            // At 1 MiB/s one dirty page is 4 ms of downtime against a
+            // 1 ms limit: it never converges alone, however loaded the
+            // machine (a faster link let a starved dirtier converge).
             "--memory",
-            "32MiB",
+            "4MiB",
             "--working-set",
-            "16MiB",
+            "4MiB",
             "--dirty-rate",
             "64MiB",
             "--max-bandwidth",
-            "32MiB",
+            "1MiB",
             "--downtime-limit",
             "1",
             "--auto-converge",
@@ -462,6 +506,9 @@ fn bad_commands_get_clear_errors_and_leave_the_migration_untouched() {
     let receiver = Receiver::spawn(&["receive"], &["--progress", "none"]);
     let migrate = spawn_migrate(&receiver.address, &socket, &["--max-bandwidth", "8MiB"]);
     wait_for_socket(&socket);
+    // Steered from the moment query-migrate answers (the guest is filled
+    // first): before that, every command has no migration to act on.
+    query_until(&socket, "the migration started", |_| true);
     use std::os::unix::fs::PermissionsExt;
     let mode = std::fs::metadata(&socket).unwrap().permissions().mode();
     assert_eq!(mode & 0o777, 0o600, "{mode:o}");
@@ -731,7 +778,10 @@ fn a_late_watcher_gets_the_history_with_the_destination_passes() {
         "{}",
         passes[0]
     );
-    assert!(passes.len() as u64 >= iterations, "{iterations}: {passes:?}");
+    assert!(
+        passes.len() as u64 >= iterations,
+        "{iterations}: {passes:?}"
+    );
     // Since a seq: only what came after.
     let since = late.send(r#"{"execute":"query-events","arguments":{"since":2}}"#)["return"]
         ["events"][0]["seq"]
@@ -742,19 +792,31 @@ fn a_late_watcher_gets_the_history_with_the_destination_passes() {
         late.send(r#"{"execute":"query-migrate-parameters"}"#)["return"],
         serde_json::json!({})
     );
-    let refused = late.send(r#"{"execute":"migrate-set-parameters","arguments":{"max-bandwidth":1}}"#);
+    let refused =
+        late.send(r#"{"execute":"migrate-set-parameters","arguments":{"max-bandwidth":1}}"#);
     assert!(
-        refused["error"]["desc"].as_str().unwrap().contains("destination"),
+        refused["error"]["desc"]
+            .as_str()
+            .unwrap()
+            .contains("destination"),
         "{refused}"
     );
     // `tern ctl events` after the end prints the history, to the end.
-    let printed = tern().arg("ctl").arg(&socket).arg("events").output().unwrap();
+    let printed = tern()
+        .arg("ctl")
+        .arg(&socket)
+        .arg("events")
+        .output()
+        .unwrap();
     assert!(printed.status.success(), "{printed:?}");
     let lines: Vec<Value> = String::from_utf8_lossy(&printed.stdout)
         .lines()
         .map(|line| serde_json::from_str(line).unwrap())
         .collect();
-    assert_eq!(lines, events, "tern ctl events replays what query-events holds");
+    assert_eq!(
+        lines, events,
+        "tern ctl events replays what query-events holds"
+    );
     let (code, _) = ctl(&socket, &["cont"]);
     assert_eq!(code, 0);
     let (status, _, stderr) = receiver.finish();

@@ -434,7 +434,10 @@ mod tests {
         // After the end, an event that is not a status change is kept and
         // numbered; a status change is dropped.
         let resumed = hub.publish(EventBody::Resume(super::Empty::default()));
-        assert_eq!(resumed.map(|event| event.seq), Some(seqs[seqs.len() - 1] + 1));
+        assert_eq!(
+            resumed.map(|event| event.seq),
+            Some(seqs[seqs.len() - 1] + 1)
+        );
         assert!(hub.publish(throttle(1)).is_some());
         hub.status(MigrationStatus::Failed, None);
         let late: Vec<_> = hub.subscribe_with_history().collect();

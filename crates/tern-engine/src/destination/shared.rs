@@ -11,9 +11,9 @@ use tern_wire::{DigestAlgorithm, SessionSetup, Sync};
 
 use super::decode::DecodePool;
 use super::dictionary::SessionDictionaries;
+use super::handle::PassReporter;
 use super::stream::FrameSource;
 use super::userfault::Userfault;
-use super::handle::PassReporter;
 use super::{POLL_INTERVAL, ReceiveStats};
 use crate::control::EventHub;
 use crate::digest::PageHashes;

@@ -15,7 +15,7 @@ fn names(events: impl Iterator<Item = tern_engine::Event>) -> Vec<String> {
     events
         .map(|event| match event.body {
             EventBody::Migration(change) => format!("MIGRATION:{}", change.status.as_str()),
-            EventBody::MigrationPass(pass) => format!("PASS:{}", pass.pass),
+            EventBody::MigrationPass(pass) => format!("PASS:{}", pass.pass()),
             EventBody::MigrationThrottle(_) => "THROTTLE".into(),
             EventBody::MigrationParameters(_) => "PARAMETERS".into(),
             EventBody::Resume(_) => "RESUME".into(),

@@ -84,8 +84,8 @@ pub use config::{
     ZeroPageDetection,
 };
 pub use control::{
-    CONTRACT_VERSION, ControlError, Event, EventBody, MigrationHandle, MigrationParameters,
-    ReceiveReport, Subscription,
+    CONTRACT_VERSION, ControlError, EVENT_HISTORY, Event, EventBody, EventHistory, MigrationHandle,
+    MigrationParameters, ReceiveReport, Subscription,
 };
 pub use destination::{Destination, ReceiveHandle, ReceivePhase, ReceiveStats, Received};
 pub use error::{ChannelError, MigrationError};

@@ -15,7 +15,7 @@ fn names(events: impl Iterator<Item = tern_engine::Event>) -> Vec<String> {
     events
         .map(|event| match event.body {
             EventBody::Migration(change) => format!("MIGRATION:{}", change.status.as_str()),
-            EventBody::MigrationPass(pass) => format!("PASS:{}", pass.pass),
+            EventBody::MigrationPass(pass) => format!("PASS:{}", pass.pass()),
             EventBody::MigrationThrottle(_) => "THROTTLE".into(),
             EventBody::MigrationParameters(_) => "PARAMETERS".into(),
             EventBody::Resume(_) => "RESUME".into(),
@@ -50,8 +50,23 @@ fn both_sides_report_events_in_order_and_keep_the_final_report() {
         source_names[source_names.len() - 2..],
         ["MIGRATION:device", "MIGRATION:completed"]
     );
+    // The destination's passes come between active and device, one per
+    // iteration every page channel finished, numbered from 1.
+    let destination_names = names(destination_events);
+    let passes = &destination_names[2..destination_names.len() - 2];
+    assert!(!passes.is_empty(), "{destination_names:?}");
     assert_eq!(
-        names(destination_events),
+        passes,
+        (1..=passes.len())
+            .map(|pass| format!("PASS:{pass}"))
+            .collect::<Vec<_>>()
+    );
+    assert_eq!(
+        [
+            &destination_names[..2],
+            &destination_names[destination_names.len() - 2..]
+        ]
+        .concat(),
         [
             "MIGRATION:setup",
             "MIGRATION:active",
@@ -79,9 +94,29 @@ fn both_sides_report_events_in_order_and_keep_the_final_report() {
     assert_eq!(report.status, MigrationStatus::Completed);
     assert_eq!(report.guest, Some(GuestState::Paused));
     assert!(report.digest_verified);
+    assert_eq!(
+        receive_handle.query().iterations,
+        passes.len() as u64,
+        "one pass per iteration"
+    );
     received.guest.resume().unwrap();
     receive_handle.note_resumed();
     assert_eq!(receive_handle.query().guest, Some(GuestState::Running));
+    // A watcher that comes after the end gets the whole history, the
+    // RESUME included, numbered without gaps.
+    let history = receive_handle.history();
+    assert_eq!(history.dropped, 0);
+    let seqs: Vec<u64> = history.events.iter().map(|event| event.seq).collect();
+    assert_eq!(seqs, (1..=seqs.len() as u64).collect::<Vec<_>>());
+    assert_eq!(
+        names(receive_handle.subscribe_with_history()),
+        [destination_names, vec!["RESUME".to_string()]].concat()
+    );
+    assert_eq!(
+        names(handle.subscribe_with_history()),
+        source_names,
+        "the source's history is every event it sent"
+    );
 }
 
 #[test]

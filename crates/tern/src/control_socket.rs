@@ -27,6 +27,7 @@ pub const COMMANDS: &[&str] = &[
     "query-commands",
     "query-migrate",
     "query-migrate-parameters",
+    "query-events",
     "migrate-set-parameters",
     "migrate_cancel",
     "migrate-switch-over",
@@ -121,6 +122,12 @@ impl ControlSocket {
     /// Lets `cont` resume a guest handed over paused.
     pub fn offer_resume(&self, resume: Resume) {
         *lock(&self.shared.resume) = Some(resume);
+    }
+
+    /// Sends `event` to every client: one the target's subscription no
+    /// longer carries (a `RESUME` after the final status change).
+    pub fn forward(&self, event: &Event) {
+        self.shared.broadcast(event);
     }
 }
 
@@ -374,8 +381,13 @@ fn execute(command: &str, arguments: Value, shared: &Shared) -> Result<Value, Co
         }
         "query-migrate-parameters" => {
             takes_no_arguments()?;
-            to_value(serde_json::to_value(source(shared, command)?.parameters()))
+            match target(shared)? {
+                Target::Source(handle) => to_value(serde_json::to_value(handle.parameters())),
+                // A destination has no live parameters (docs/control.md).
+                Target::Destination(_) => Ok(json!({})),
+            }
         }
+        "query-events" => query_events(&arguments, shared),
         "migrate-set-parameters" => {
             let patch: MigrationParameters = serde_json::from_value(arguments)
                 .map_err(|error| CommandError::generic(format!("Invalid parameters: {error}")))?;
@@ -428,7 +440,8 @@ fn source(shared: &Shared, command: &str) -> Result<MigrationHandle, CommandErro
     match target(shared)? {
         Target::Source(handle) => Ok(handle),
         Target::Destination(_) => Err(CommandError::generic(format!(
-            "{command} is a source's command; this is a destination"
+            "{command} is a source's command; this is a destination, which has no live \
+             parameters (the source paces the migration)"
         ))),
     }
 }
@@ -447,12 +460,38 @@ fn cont(shared: &Shared) -> Result<Value, CommandError> {
         CommandError::generic("No guest is waiting paused (receive with --paused)")
     })?;
     resume().map_err(|error| CommandError::generic(format!("Cannot resume: {error:#}")))?;
-    handle.note_resumed();
-    shared.broadcast(&Event::now(
-        tern_engine::control::Side::Destination,
-        tern_engine::EventBody::Resume(tern_engine::control::Empty::default()),
-    ));
+    shared.broadcast(&handle.note_resumed());
     Ok(json!({}))
+}
+
+/// The events the target kept (`query-events`), those after `since` when
+/// given: `{"events": [...], "dropped": N}`. Before any migration
+/// started, none.
+fn query_events(arguments: &Value, shared: &Shared) -> Result<Value, CommandError> {
+    let arguments = arguments.as_object().cloned().unwrap_or_default();
+    let mut since = 0;
+    for (name, value) in &arguments {
+        match (name.as_str(), value.as_u64()) {
+            ("since", Some(seq)) => since = seq,
+            ("since", None) => {
+                return Err(CommandError::generic(
+                    "Parameter 'since' must be an event's seq (a whole number)",
+                ));
+            }
+            (other, _) => {
+                return Err(CommandError::generic(format!(
+                    "query-events takes only 'since', not '{other}'"
+                )));
+            }
+        }
+    }
+    let mut history = match shared.target() {
+        Some(Target::Source(handle)) => handle.history(),
+        Some(Target::Destination(handle)) => handle.history(),
+        None => tern_engine::EventHistory::default(),
+    };
+    history.events.retain(|event| event.seq > since);
+    to_value(serde_json::to_value(history))
 }
 
 /// Ends a client that sent too much: our side of the stream is shut (the

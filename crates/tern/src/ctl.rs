@@ -1,5 +1,6 @@
 //! `tern ctl SOCKET COMMAND [NAME=VALUE ...]`: one command to a control
-//! socket, its answer on stdout; or `events`, the events as they come.
+//! socket, its answer on stdout; or `events`, the events kept so far
+//! (`query-events`) and then the events as they come, each once.
 
 use std::io::{BufRead, BufReader, Write};
 use std::os::unix::net::UnixStream;
@@ -19,8 +20,9 @@ pub struct CtlArgs {
     /// The control socket (`--control-socket` of migrate, receive or vm).
     pub socket: PathBuf,
     /// A command (query-migrate, migrate-set-parameters, migrate_cancel,
-    /// migrate-switch-over, cont, ...; docs/control.md), or `events` to
-    /// print events until the migration ends.
+    /// migrate-switch-over, query-events, cont, ...; docs/control.md), or
+    /// `events` to print the events kept so far, then each as it comes,
+    /// until the migration ends.
     pub command: String,
     /// The command's arguments as NAME=VALUE, VALUE as JSON when it parses
     /// as JSON, else as a string: `max-bandwidth=8388608`.
@@ -29,6 +31,10 @@ pub struct CtlArgs {
     /// seconds.
     #[arg(long, default_value_t = 30)]
     pub timeout: u64,
+    /// For `events`: only the events from now on, not first those the
+    /// command kept from before (`query-events`).
+    #[arg(long)]
+    pub no_history: bool,
 }
 
 pub fn run(args: &CtlArgs) -> anyhow::Result<ExitCode> {
@@ -51,7 +57,12 @@ pub fn run(args: &CtlArgs) -> anyhow::Result<ExitCode> {
         args.socket.display()
     );
     if args.command == "events" {
-        return print_events(&mut reader);
+        if !args.no_history {
+            let mut writer = stream.try_clone()?;
+            writeln!(writer, r#"{{"execute":"query-events","id":"history"}}"#)
+                .context("cannot ask for the events kept")?;
+        }
+        return print_events(&mut reader, !args.no_history);
     }
     let request = json!({
         "execute": args.command,
@@ -77,24 +88,65 @@ pub fn run(args: &CtlArgs) -> anyhow::Result<ExitCode> {
     }
 }
 
-/// Prints each event line until the final status change or the end of
-/// the connection.
-fn print_events(reader: &mut impl BufRead) -> anyhow::Result<ExitCode> {
+/// Prints the events the command kept (when `history`: the answer to
+/// `query-events`, with the events pushed before it), then each event as
+/// it comes, each once (by `seq`), until the final status change or the
+/// end of the connection.
+fn print_events(reader: &mut impl BufRead, history: bool) -> anyhow::Result<ExitCode> {
+    let mut printed = 0;
+    let mut early = Vec::new();
+    if history {
+        loop {
+            let line = match read_object(reader) {
+                Ok(line) => line,
+                Err(_) => return Ok(ExitCode::SUCCESS),
+            };
+            if line.get("event").is_some() {
+                early.push(line);
+                continue;
+            }
+            // A command without query-events (CommandNotFound) has no
+            // history to give: the live events alone.
+            let kept = line["return"]["events"].as_array().cloned();
+            early.splice(0..0, kept.unwrap_or_default());
+            break;
+        }
+    }
+    // All of what was kept, even past the final status change (a RESUME
+    // after a paused hand-over).
+    let mut ended = false;
+    for event in early {
+        ended |= print_event(&event, &mut printed);
+    }
+    if ended {
+        return Ok(ExitCode::SUCCESS);
+    }
     loop {
         let event = match read_object(reader) {
             Ok(event) => event,
             Err(_) => return Ok(ExitCode::SUCCESS),
         };
-        println!("{event}");
-        let status = event["data"]["status"].as_str().unwrap_or_default();
-        let final_status = matches!(
-            status,
-            "completed" | "failed" | "cancelled" | "outcome-unknown"
-        );
-        if event["event"] == "MIGRATION" && final_status {
+        if event.get("event").is_some() && print_event(&event, &mut printed) {
             return Ok(ExitCode::SUCCESS);
         }
     }
+}
+
+/// Prints `event` unless its `seq` is not past the last one printed;
+/// whether it was the final status change.
+fn print_event(event: &Value, printed: &mut u64) -> bool {
+    match event["seq"].as_u64() {
+        Some(seq) if seq > 0 && seq <= *printed => return false,
+        Some(seq) => *printed = seq,
+        None => {}
+    }
+    println!("{event}");
+    let status = event["data"]["status"].as_str().unwrap_or_default();
+    let final_status = matches!(
+        status,
+        "completed" | "failed" | "cancelled" | "outcome-unknown"
+    );
+    event["event"] == "MIGRATION" && final_status
 }
 
 fn read_object(reader: &mut impl BufRead) -> anyhow::Result<Value> {

@@ -18,6 +18,7 @@ pub fn contract() -> Value {
             "source-report": schema(schemars::schema_for!(tern_engine::MigrationStats)),
             "receive-report": schema(schemars::schema_for!(crate::run::ReceiveJson)),
             "event": schema(schemars::schema_for!(tern_engine::Event)),
+            "event-history": schema(schemars::schema_for!(tern_engine::EventHistory)),
             "address-event": schema(schemars::schema_for!(crate::report::AddressEvent)),
             "migration-parameters": schema(schemars::schema_for!(tern_engine::MigrationParameters)),
         }

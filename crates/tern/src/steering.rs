@@ -183,7 +183,10 @@ pub fn hand_over_paused<G: tern_engine::GuestControl>(
             Err(error) => error.to_string(),
         });
     } else if resumed.is_ok() {
-        handle.note_resumed();
+        let event = handle.note_resumed();
+        if let Some(socket) = &steering.socket {
+            socket.forward(&event);
+        }
     }
     resumed.context("cannot resume the handed-over guest")
 }

@@ -239,38 +239,79 @@ fn a_raised_downtime_limit_lets_a_non_converging_migration_converge() {
     let dir = tempfile::tempdir().unwrap();
     let socket = socket_in(&dir, "source");
     let receiver = Receiver::spawn(&["receive"], &["--progress", "none"]);
-    // The guest dirties 64 MiB/s of a 16 MiB working set, the link carries
-    // 16 MiB/s, auto-converge is off: a 1 ms limit is never met.
+    // At 1 MiB/s a 1 ms limit allows less than one page of downtime, and
+    // the guest dirties 64 MiB/s of a 4 MiB working set with
+    // auto-converge off: any page dirtied between two syncs keeps it from
+    // switching over.
     let migrate = spawn_migrate(
         &receiver.address,
         &socket,
         &[
             "--memory",
-            "32MiB",
+            "4MiB",
             "--working-set",
-            "16MiB",
+            "4MiB",
             "--dirty-rate",
             "64MiB",
             "--max-bandwidth",
-            "16MiB",
+            "1MiB",
             "--downtime-limit",
             "1",
             "--auto-converge",
             "off",
             // A broken promise fails the test instead of hanging it.
             "--max-time",
-            "120",
+            "90",
         ],
     );
     wait_for_socket(&socket);
-    query_until(&socket, "two dirty iterations", |report| {
-        report["ram"]["iterations"].as_u64() >= Some(2)
-    });
+    let (mut watcher, _) = Client::connect(&socket);
+    let status = |event: &Value| {
+        (event["event"] == "MIGRATION")
+            .then(|| event["data"]["status"].as_str().unwrap().to_string())
+    };
+    // The premise, seen in the events: two syncs that did not fit the limit.
+    let mut stuck = 0;
+    while stuck < 2 {
+        let event = watcher.read();
+        if let Some(status) = status(&event) {
+            assert!(
+                status == "setup" || status == "active",
+                "it ended without the change: {event}"
+            );
+        }
+        if event["event"] == "MIGRATION_PASS" {
+            assert!(
+                event["data"]["expected-downtime"].as_u64() > Some(1),
+                "{event}"
+            );
+            stuck += 1;
+        }
+    }
     let (code, _) = ctl(
         &socket,
         &["migrate-set-parameters", "downtime-limit=600000"],
     );
     assert_eq!(code, 0);
+    // It switches over at a sync whose expected downtime only the raised
+    // limit allows.
+    let mut last_pass = Value::Null;
+    loop {
+        let event = watcher.read();
+        if event["event"] == "MIGRATION_PASS" {
+            last_pass = event.clone();
+        }
+        match status(&event).as_deref() {
+            Some("device") => break,
+            Some("setup" | "active") | None => {}
+            Some(other) => panic!("ended {other} instead of converging: {event}"),
+        }
+    }
+    assert_eq!(last_pass["data"]["downtime-limit"], 600_000, "{last_pass}");
+    assert!(
+        last_pass["data"]["expected-downtime"].as_u64() > Some(1),
+        "{last_pass}"
+    );
     let output = migrate.wait_with_output().unwrap();
     assert!(output.status.success(), "{output:?}");
     let report = json(&output);
@@ -293,14 +334,17 @@ fn events_arrive_in_order_and_switch_over_now_is_forced() {
         &address,
         &socket,
         &[
+            // At 1 MiB/s one dirty page is 4 ms of downtime against a
+            // 1 ms limit: it never converges alone, however loaded the
+            // machine (a faster link let a starved dirtier converge).
             "--memory",
-            "32MiB",
+            "4MiB",
             "--working-set",
-            "16MiB",
+            "4MiB",
             "--dirty-rate",
             "64MiB",
             "--max-bandwidth",
-            "32MiB",
+            "1MiB",
             "--downtime-limit",
             "1",
             "--auto-converge",
@@ -462,6 +506,9 @@ fn bad_commands_get_clear_errors_and_leave_the_migration_untouched() {
     let receiver = Receiver::spawn(&["receive"], &["--progress", "none"]);
     let migrate = spawn_migrate(&receiver.address, &socket, &["--max-bandwidth", "8MiB"]);
     wait_for_socket(&socket);
+    // Steered from the moment query-migrate answers (the guest is filled
+    // first): before that, every command has no migration to act on.
+    query_until(&socket, "the migration started", |_| true);
     use std::os::unix::fs::PermissionsExt;
     let mode = std::fs::metadata(&socket).unwrap().permissions().mode();
     assert_eq!(mode & 0o777, 0o600, "{mode:o}");
@@ -672,4 +719,138 @@ fn the_vmm_configuration_crosses_and_an_oversized_one_is_refused() {
     let report: Value = serde_json::from_slice(&stdout).unwrap();
     assert_eq!(report["status"], "failed");
     assert_eq!(report["failed-in"], "setup");
+}
+
+/// A watcher that connects after the migration ended still learns all of
+/// it (`query-events`, `tern ctl events`), and the destination sends a
+/// `MIGRATION_PASS` per iteration it received.
+#[test]
+fn a_late_watcher_gets_the_history_with_the_destination_passes() {
+    let dir = tempfile::tempdir().unwrap();
+    let socket = socket_in(&dir, "destination");
+    let receiver = Receiver::spawn(
+        &["receive"],
+        &[
+            "--json",
+            "--progress",
+            "none",
+            "--keep-paused",
+            "--control-socket",
+            socket.to_str().unwrap(),
+        ],
+    );
+    let output = tern()
+        .args(["migrate", "--json", "--progress", "none"])
+        .args(["--to", &receiver.address, "--memory", "16MiB"])
+        .output()
+        .unwrap();
+    assert!(output.status.success(), "{output:?}");
+    let iterations = json(&output)["ram"]["iterations"].as_u64().unwrap();
+    // Everything happened before this client came.
+    query_until(&socket, "the hand-over", |report| {
+        report["status"] == "completed"
+    });
+    let (mut late, _) = Client::connect(&socket);
+    let history = late.send(r#"{"execute":"query-events","id":1}"#)["return"].clone();
+    assert_eq!(history["dropped"], 0, "{history}");
+    let events = history["events"].as_array().unwrap().clone();
+    let seqs: Vec<u64> = events.iter().map(|e| e["seq"].as_u64().unwrap()).collect();
+    assert_eq!(seqs, (1..=seqs.len() as u64).collect::<Vec<_>>());
+    let statuses: Vec<&str> = events
+        .iter()
+        .filter(|e| e["event"] == "MIGRATION")
+        .map(|e| e["data"]["status"].as_str().unwrap())
+        .collect();
+    assert_eq!(statuses, ["setup", "active", "device", "completed"]);
+    let passes: Vec<&Value> = events
+        .iter()
+        .filter(|e| e["event"] == "MIGRATION_PASS")
+        .collect();
+    assert!(!passes.is_empty(), "no destination pass: {events:?}");
+    for (index, pass) in passes.iter().enumerate() {
+        assert_eq!(pass["side"], "destination");
+        assert_eq!(pass["data"]["pass"], index as u64 + 1, "{pass}");
+        assert!(pass["data"].get("received-bytes").is_some(), "{pass}");
+    }
+    // The first iteration brought every page of the guest.
+    assert!(
+        passes[0]["data"]["received-pages"].as_u64() >= Some((16 << 20) / 4096),
+        "{}",
+        passes[0]
+    );
+    assert!(
+        passes.len() as u64 >= iterations,
+        "{iterations}: {passes:?}"
+    );
+    // Since a seq: only what came after.
+    let since = late.send(r#"{"execute":"query-events","arguments":{"since":2}}"#)["return"]
+        ["events"][0]["seq"]
+        .clone();
+    assert_eq!(since, 3);
+    // The destination has no live parameters, and says so.
+    assert_eq!(
+        late.send(r#"{"execute":"query-migrate-parameters"}"#)["return"],
+        serde_json::json!({})
+    );
+    let refused =
+        late.send(r#"{"execute":"migrate-set-parameters","arguments":{"max-bandwidth":1}}"#);
+    assert!(
+        refused["error"]["desc"]
+            .as_str()
+            .unwrap()
+            .contains("destination"),
+        "{refused}"
+    );
+    // `tern ctl events` after the end prints the history, to the end.
+    let printed = tern()
+        .arg("ctl")
+        .arg(&socket)
+        .arg("events")
+        .output()
+        .unwrap();
+    assert!(printed.status.success(), "{printed:?}");
+    let lines: Vec<Value> = String::from_utf8_lossy(&printed.stdout)
+        .lines()
+        .map(|line| serde_json::from_str(line).unwrap())
+        .collect();
+    assert_eq!(
+        lines, events,
+        "tern ctl events replays what query-events holds"
+    );
+    let (code, _) = ctl(&socket, &["cont"]);
+    assert_eq!(code, 0);
+    let (status, _, stderr) = receiver.finish();
+    assert!(status.success(), "{stderr}");
+}
+
+/// The issue's "done when": an external script (examples/steer.py,
+/// Python's standard library only) starts, watches, steers and cancels a
+/// migration through the control socket and the metrics alone, and lets
+/// another complete.
+#[test]
+fn an_external_script_watches_steers_and_cancels_through_socket_and_metrics() {
+    let python = std::process::Command::new("python3")
+        .arg("--version")
+        .output();
+    if !python.is_ok_and(|output| output.status.success()) {
+        return tern_test_skip::skip(tern_test_skip::Need::Host, "no python3 to run the script");
+    }
+    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/../../examples/steer.py");
+    let output = std::process::Command::new("python3")
+        .arg(script)
+        .args(["--tern", env!("CARGO_BIN_EXE_tern")])
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    assert!(
+        output.status.success(),
+        "{stdout}\n{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    let scenarios: Vec<Value> = stdout
+        .lines()
+        .map(|line| serde_json::from_str(line).unwrap())
+        .collect();
+    assert_eq!(scenarios.len(), 2, "{stdout}");
+    assert_eq!(scenarios[0]["source-exit"], 5, "{stdout}");
 }

@@ -1,6 +1,8 @@
 //! Events of a running migration, shaped as QMP's (`event`, `data`,
-//! `timestamp`), and the hub that hands each to every subscriber.
+//! `timestamp`), and the hub that numbers each, hands it to every
+//! subscriber and keeps a bounded history for those who come late.
 
+use std::collections::VecDeque;
 use std::sync::mpsc::{Receiver, Sender, channel};
 use std::sync::{Mutex, MutexGuard};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
@@ -54,6 +56,13 @@ pub struct Event {
     pub version: u32,
     /// The side that sent it.
     pub side: Side,
+    /// Its number on this side of this migration: 1, 2, 3, ... in the
+    /// order the events happened, without gaps, so that a client that
+    /// reads both the history ([`EVENT_HISTORY`]) and the live events
+    /// drops what it already has, and a gap in what it holds shows events
+    /// the history no longer kept. 0 for an event no hub numbered.
+    #[serde(default)]
+    pub seq: u64,
     /// When it happened.
     pub timestamp: Timestamp,
     /// What happened.
@@ -68,6 +77,7 @@ impl Event {
         Self {
             version: CONTRACT_VERSION,
             side,
+            seq: 0,
             timestamp: Timestamp::now(),
             body,
         }
@@ -84,8 +94,10 @@ pub enum EventBody {
     /// `completed`, `failed`, `cancelled` or `outcome-unknown`, the last
     /// three with the cause.
     Migration(StatusChange),
-    /// A dirty iteration ended (QMP's `MIGRATION_PASS`, with its figures).
-    MigrationPass(Pass),
+    /// A dirty iteration ended (QMP's `MIGRATION_PASS`, with its figures):
+    /// on the source at its dirty-log sync, on the destination when every
+    /// page channel crossed the iteration's barrier.
+    MigrationPass(PassFigures),
     /// Auto-converge changed the guest's throttle.
     MigrationThrottle(ThrottleChange),
     /// Parameters were changed through the handle (all values in force
@@ -111,6 +123,49 @@ pub struct StatusChange {
     /// Why it failed, for `failed`, `cancelled` and `outcome-unknown`.
     #[serde(skip_serializing_if = "Option::is_none", default)]
     pub error_desc: Option<String>,
+}
+
+/// A `MIGRATION_PASS` event's figures: the source's or the destination's
+/// (the event's `side` says which; both have `pass`).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, schemars::JsonSchema)]
+#[serde(untagged)]
+#[non_exhaustive]
+pub enum PassFigures {
+    /// What the source measured at the iteration's dirty-log sync.
+    Source(Pass),
+    /// What the destination received in the iteration.
+    Destination(ReceivedPass),
+}
+
+impl PassFigures {
+    /// Iterations completed, counting this one (QMP's `pass`).
+    pub fn pass(&self) -> u64 {
+        match self {
+            Self::Source(pass) => pass.pass,
+            Self::Destination(pass) => pass.pass,
+        }
+    }
+}
+
+/// The figures of one dirty iteration as the destination saw it, taken
+/// when every page channel had reached the iteration's sync (no page of
+/// the next iteration is counted).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, schemars::JsonSchema)]
+#[serde(rename_all = "kebab-case")]
+#[non_exhaustive]
+pub struct ReceivedPass {
+    /// Iterations every page channel has finished, counting this one (the
+    /// source's `pass` for the same iteration).
+    pub pass: u64,
+    /// Pages the iteration brought, with data and zero pages.
+    pub received_pages: u64,
+    /// Of them, zero pages.
+    pub zero_pages: u64,
+    /// Bytes read from all page channels during the iteration.
+    pub received_bytes: u64,
+    /// Bytes per second read from all page channels since the previous
+    /// pass (or since the channels were set up, for the first).
+    pub bandwidth: u64,
 }
 
 /// The figures of one dirty iteration, measured at its dirty-log sync.
@@ -172,8 +227,28 @@ impl Iterator for Subscription {
     }
 }
 
-/// Hands events to subscribers. After the final status change it keeps
-/// that event for late subscribers and closes every subscription.
+/// Most events a side keeps for clients that subscribe late
+/// ([`crate::MigrationHandle::history`], the control socket's
+/// `query-events`), besides its status changes: those (`MIGRATION`, at
+/// most seven per migration) are always kept. When it is full the oldest
+/// other event goes first.
+pub const EVENT_HISTORY: usize = 256;
+
+/// The events a side has kept, oldest first: every status change, and the
+/// latest [`EVENT_HISTORY`] others.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize, schemars::JsonSchema)]
+#[serde(rename_all = "kebab-case")]
+#[non_exhaustive]
+pub struct EventHistory {
+    /// The events kept, in order (their `seq` rising).
+    pub events: Vec<Event>,
+    /// Events no longer kept: the gaps in `seq` add up to this.
+    pub dropped: u64,
+}
+
+/// Numbers events, hands them to subscribers and keeps a bounded history.
+/// After the final status change it closes every subscription; an event
+/// after it (a `RESUME` after a paused hand-over) only enters the history.
 #[derive(Debug)]
 pub(crate) struct EventHub {
     side: Side,
@@ -183,8 +258,33 @@ pub(crate) struct EventHub {
 #[derive(Debug, Default)]
 struct HubState {
     subscribers: Vec<Sender<Event>>,
-    /// The final status change, once sent.
-    last: Option<Event>,
+    /// The number the next event gets, less one.
+    published: u64,
+    history: VecDeque<Event>,
+    /// Events evicted from the history.
+    dropped: u64,
+    /// Whether the final status change was sent.
+    ended: bool,
+}
+
+impl HubState {
+    fn keep(&mut self, event: Event) {
+        self.history.push_back(event);
+        let others = self
+            .history
+            .iter()
+            .filter(|event| !matches!(event.body, EventBody::Migration(_)))
+            .count();
+        if others > EVENT_HISTORY
+            && let Some(oldest) = self
+                .history
+                .iter()
+                .position(|event| !matches!(event.body, EventBody::Migration(_)))
+        {
+            self.history.remove(oldest);
+            self.dropped += 1;
+        }
+    }
 }
 
 impl EventHub {
@@ -199,38 +299,76 @@ impl EventHub {
         self.state.lock().unwrap_or_else(|e| e.into_inner())
     }
 
+    /// Events from now on; after the end, the final status change alone.
     pub(crate) fn subscribe(&self) -> Subscription {
         let (sender, events) = channel();
         let mut state = self.state();
-        match &state.last {
-            // Ended: the final event, then the end.
-            Some(last) => {
+        if state.ended {
+            let last = state
+                .history
+                .iter()
+                .rev()
+                .find(|event| matches!(event.body, EventBody::Migration(_)));
+            if let Some(last) = last {
                 let _ = sender.send(last.clone());
             }
-            None => state.subscribers.push(sender),
+        } else {
+            state.subscribers.push(sender);
         }
         Subscription { events }
     }
 
-    /// Sends `body` to every subscriber; a final status change closes the
-    /// subscriptions. Nothing is sent after the final status change.
-    pub(crate) fn publish(&self, body: EventBody) {
+    /// The history, then the events from now on, with neither gap nor
+    /// repeat between them (both taken under one lock).
+    pub(crate) fn subscribe_with_history(&self) -> Subscription {
+        let (sender, events) = channel();
+        let mut state = self.state();
+        for event in &state.history {
+            let _ = sender.send(event.clone());
+        }
+        if !state.ended {
+            state.subscribers.push(sender);
+        }
+        Subscription { events }
+    }
+
+    /// The events kept so far.
+    pub(crate) fn history(&self) -> EventHistory {
+        let state = self.state();
+        EventHistory {
+            events: state.history.iter().cloned().collect(),
+            dropped: state.dropped,
+        }
+    }
+
+    /// Numbers `body`, keeps it, and sends it to every subscriber; a final
+    /// status change closes the subscriptions. After the end nothing is
+    /// sent: a status change is dropped, anything else only kept. Returns
+    /// the event, unless dropped.
+    pub(crate) fn publish(&self, body: EventBody) -> Option<Event> {
+        let status_change = matches!(&body, EventBody::Migration(_));
         let final_status = matches!(
             &body,
             EventBody::Migration(change) if change.status.is_final()
         );
-        let event = Event::now(self.side, body);
         let mut state = self.state();
-        if state.last.is_some() {
-            return;
+        if state.ended && status_change {
+            return None;
         }
+        state.published += 1;
+        let event = Event {
+            seq: state.published,
+            ..Event::now(self.side, body)
+        };
         state
             .subscribers
             .retain(|subscriber| subscriber.send(event.clone()).is_ok());
+        state.keep(event.clone());
         if final_status {
             state.subscribers.clear();
-            state.last = Some(event);
+            state.ended = true;
         }
+        Some(event)
     }
 
     pub(crate) fn status(&self, status: MigrationStatus, error_desc: Option<String>) {
@@ -240,7 +378,7 @@ impl EventHub {
 
 #[cfg(test)]
 mod tests {
-    use super::{EventBody, EventHub, Side, ThrottleChange};
+    use super::{EVENT_HISTORY, EventBody, EventHub, Side, ThrottleChange};
     use crate::stats::MigrationStatus;
     use std::time::Duration;
 
@@ -268,5 +406,59 @@ mod tests {
         assert_eq!(json["data"]["error-desc"], "broken");
         assert_eq!(json["side"], "source");
         assert!(late.next_within(Duration::from_millis(1)).is_none());
+    }
+
+    fn throttle(percent: u64) -> EventBody {
+        EventBody::MigrationThrottle(ThrottleChange {
+            cpu_throttle_percentage: percent,
+        })
+    }
+
+    #[test]
+    fn the_history_keeps_every_status_change_and_the_latest_others() {
+        let hub = EventHub::new(Side::Destination);
+        hub.status(MigrationStatus::Setup, None);
+        hub.status(MigrationStatus::Active, None);
+        let extra = 10;
+        for percent in 0..(EVENT_HISTORY as u64 + extra) {
+            hub.publish(throttle(percent));
+        }
+        hub.status(MigrationStatus::Completed, None);
+        let history = hub.history();
+        assert_eq!(history.dropped, extra);
+        assert_eq!(history.events.len(), EVENT_HISTORY + 3);
+        let seqs: Vec<u64> = history.events.iter().map(|event| event.seq).collect();
+        // setup (1) and active (2) kept, the first `extra` throttles gone.
+        assert_eq!(seqs[..3], [1, 2, 3 + extra]);
+        assert!(seqs[2..].windows(2).all(|pair| pair[1] == pair[0] + 1));
+        // After the end, an event that is not a status change is kept and
+        // numbered; a status change is dropped.
+        let resumed = hub.publish(EventBody::Resume(super::Empty::default()));
+        assert_eq!(
+            resumed.map(|event| event.seq),
+            Some(seqs[seqs.len() - 1] + 1)
+        );
+        assert!(hub.publish(throttle(1)).is_some());
+        hub.status(MigrationStatus::Failed, None);
+        // Still bounded: two more others pushed the two oldest out.
+        let late: Vec<_> = hub.subscribe_with_history().collect();
+        assert_eq!(late.len(), EVENT_HISTORY + 3);
+        assert_eq!(hub.history().dropped, extra + 2);
+        assert_eq!(
+            serde_json::to_value(&late[late.len() - 3]).unwrap()["data"]["status"],
+            "completed"
+        );
+    }
+
+    #[test]
+    fn a_late_subscriber_gets_the_history_then_the_live_events_without_a_gap() {
+        let hub = EventHub::new(Side::Source);
+        hub.status(MigrationStatus::Setup, None);
+        hub.publish(throttle(20));
+        let late = hub.subscribe_with_history();
+        hub.publish(throttle(30));
+        hub.status(MigrationStatus::Completed, None);
+        let seqs: Vec<u64> = late.map(|event| event.seq).collect();
+        assert_eq!(seqs, [1, 2, 3, 4]);
     }
 }

@@ -7,8 +7,9 @@
 //!                                      ├─ cancel()
 //!                                      ├─ set_parameters()   next packet / next sync
 //!                                      ├─ switch_over_now()  next sync
-//!                                      └─ subscribe()        Event, in order
-//! Destination::handle() ─► ReceiveHandle ─ query() / cancel() / subscribe()
+//!                                      ├─ subscribe()        Event, in order
+//!                                      └─ history()          the events so far (bounded)
+//! Destination::handle() ─► ReceiveHandle ─ query() / cancel() / subscribe() / history()
 //!                           (crate::destination::ReceiveHandle)
 //! ```
 //!
@@ -25,7 +26,8 @@ use std::sync::{Arc, Mutex};
 
 pub(crate) use events::EventHub;
 pub use events::{
-    Empty, Event, EventBody, Pass, Side, StatusChange, Subscription, ThrottleChange, Timestamp,
+    EVENT_HISTORY, Empty, Event, EventBody, EventHistory, Pass, PassFigures, ReceivedPass, Side,
+    StatusChange, Subscription, ThrottleChange, Timestamp,
 };
 pub(crate) use parameters::{ConvergenceSettings, LiveParameters};
 pub use parameters::{MAX_DOWNTIME_LIMIT_MS, MigrationParameters, ParameterError};
@@ -211,6 +213,20 @@ impl MigrationHandle {
     /// (a subscription taken after the end gets that one event).
     pub fn subscribe(&self) -> Subscription {
         self.control.events.subscribe()
+    }
+
+    /// The events kept so far, then the events from now on, with neither
+    /// gap nor repeat: what a watcher that starts late needs. The history
+    /// holds every status change and the latest [`EVENT_HISTORY`] other
+    /// events.
+    pub fn subscribe_with_history(&self) -> Subscription {
+        self.control.events.subscribe_with_history()
+    }
+
+    /// The events kept so far (`query-events`): every status change and
+    /// the latest [`EVENT_HISTORY`] other events, numbered by `seq`.
+    pub fn history(&self) -> EventHistory {
+        self.control.events.history()
     }
 
     fn check_running(&self) -> Result<(), ControlError> {

@@ -2,10 +2,15 @@
 //! destination, and how its report is built from the live counters and the
 //! recorded outcome.
 
+use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Instant;
 
 use super::{ReceivePhase, ReceiveStats};
-use crate::control::{CancelToken, EventHub, GuestState, ReceiveReport, Side, Subscription};
+use crate::control::{
+    CancelToken, Empty, Event, EventBody, EventHistory, EventHub, GuestState, PassFigures,
+    ReceiveReport, ReceivedPass, Side, Subscription,
+};
 use crate::stats::{CONTRACT_VERSION, DestinationStats, MigrationStatus, SessionSecurity};
 
 /// What the destination's handle and the destination share.
@@ -61,10 +66,29 @@ impl ReceiveHandle {
         self.control.events.subscribe()
     }
 
+    /// The events kept so far, then the events from now on (see
+    /// [`crate::MigrationHandle::subscribe_with_history`]).
+    pub fn subscribe_with_history(&self) -> Subscription {
+        self.control.events.subscribe_with_history()
+    }
+
+    /// The events kept so far (`query-events`; see
+    /// [`crate::MigrationHandle::history`]).
+    pub fn history(&self) -> EventHistory {
+        self.control.events.history()
+    }
+
     /// Records that the embedder resumed a guest the destination handed
-    /// over paused ([`crate::ReceiveConfig::keep_paused`]), for the report.
-    pub fn note_resumed(&self) {
+    /// over paused ([`crate::ReceiveConfig::keep_paused`]), for the report,
+    /// and keeps a `RESUME` event in the history. Returns that event, for
+    /// a caller that forwards events itself: live subscriptions ended with
+    /// the final status change, before the resume.
+    pub fn note_resumed(&self) -> Event {
         self.control.outcome().guest = Some(GuestState::Running);
+        self.control
+            .events
+            .publish(EventBody::Resume(Empty::default()))
+            .unwrap_or_else(|| Event::now(Side::Destination, EventBody::Resume(Empty::default())))
     }
 }
 
@@ -110,5 +134,71 @@ fn build(control: &DestinationControl) -> ReceiveReport {
             .unwrap_or_else(|| live.live_destination_stats()),
         security: outcome.security.clone(),
         error_desc: outcome.error_desc.clone(),
+    }
+}
+
+/// Publishes the destination's `MIGRATION_PASS` events: each iteration's
+/// figures, the counters' growth since the previous one.
+#[derive(Debug)]
+pub(super) struct PassReporter<'a> {
+    events: &'a EventHub,
+    previous: Mutex<PassMark>,
+}
+
+/// The counters at the previous pass (or when the channels were set up).
+#[derive(Debug)]
+struct PassMark {
+    received_bytes: u64,
+    normal_pages: u64,
+    zero_pages: u64,
+    at: Instant,
+}
+
+impl PassMark {
+    fn now(stats: &ReceiveStats) -> Self {
+        Self {
+            received_bytes: stats.received.load(Ordering::Relaxed),
+            normal_pages: stats.normal_pages.load(Ordering::Relaxed),
+            zero_pages: stats.zero_pages.load(Ordering::Relaxed),
+            at: Instant::now(),
+        }
+    }
+}
+
+impl<'a> PassReporter<'a> {
+    pub(super) fn new(events: &'a EventHub, stats: &ReceiveStats) -> Self {
+        Self {
+            events,
+            previous: Mutex::new(PassMark::now(stats)),
+        }
+    }
+
+    /// Publishes pass `pass` (iterations finished, counting this one),
+    /// while no receiver counts anything.
+    pub(super) fn report(&self, pass: u64, stats: &ReceiveStats) {
+        let now = PassMark::now(stats);
+        let mut previous = self.previous.lock().unwrap_or_else(|e| e.into_inner());
+        let received_bytes = now.received_bytes.saturating_sub(previous.received_bytes);
+        let zero_pages = now.zero_pages.saturating_sub(previous.zero_pages);
+        let normal_pages = now.normal_pages.saturating_sub(previous.normal_pages);
+        let seconds = now.at.duration_since(previous.at).as_secs_f64();
+        let bandwidth = if seconds > 0.0 {
+            // `as` saturates; a rate is never negative.
+            (received_bytes as f64 / seconds) as u64
+        } else {
+            0
+        };
+        *previous = now;
+        drop(previous);
+        self.events
+            .publish(EventBody::MigrationPass(PassFigures::Destination(
+                ReceivedPass {
+                    pass,
+                    received_pages: normal_pages + zero_pages,
+                    zero_pages,
+                    received_bytes,
+                    bandwidth,
+                },
+            )));
     }
 }

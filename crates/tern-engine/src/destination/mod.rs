@@ -534,6 +534,7 @@ impl Destination {
         .with_qpl_path(self.config.qpl_path)
         .with_decode_threads(self.config.decode_threads())
         .with_dictionaries(dictionaries)
+        .with_pass_events(&self.control.events)
         .with_userfault();
         // Second handles for a postcopy push, should the source switch to
         // it (none on a channel that cannot give one: postcopy is refused).

@@ -11,9 +11,11 @@ use tern_wire::{DigestAlgorithm, SessionSetup, Sync};
 
 use super::decode::DecodePool;
 use super::dictionary::SessionDictionaries;
+use super::handle::PassReporter;
 use super::stream::FrameSource;
 use super::userfault::Userfault;
 use super::{POLL_INTERVAL, ReceiveStats};
+use crate::control::EventHub;
 use crate::digest::PageHashes;
 use crate::error::{ChannelError, MigrationError};
 use crate::guest::MemoryRegion;
@@ -72,6 +74,9 @@ pub(super) struct ReceiverShared<'a> {
     pub(super) dictionaries: SessionDictionaries,
     io_timeout: Duration,
     pub(super) cancel: &'a CancelToken,
+    /// Tells the destination's watchers each iteration's figures
+    /// (`MIGRATION_PASS`), when the session has watchers to tell.
+    passes: Option<PassReporter<'a>>,
 }
 
 impl<'a> ReceiverShared<'a> {
@@ -115,7 +120,15 @@ impl<'a> ReceiverShared<'a> {
             dictionaries: SessionDictionaries::new(Vec::new()),
             io_timeout,
             cancel,
+            passes: None,
         }
+    }
+
+    /// Publishes a `MIGRATION_PASS` event on `events` as each iteration's
+    /// barrier releases, with what the iteration brought.
+    pub(super) fn with_pass_events(mut self, events: &'a EventHub) -> Self {
+        self.passes = Some(PassReporter::new(events, self.stats));
+        self
     }
 
     /// Decodes packets that name one of `dictionaries`.
@@ -194,11 +207,16 @@ impl<'a> ReceiverShared<'a> {
             dictionaries: sync.dictionaries,
         };
         self.barrier
-            .wait(vote, || {
+            .wait(vote, |agreed| {
                 for claims in self.claims.iter().chain(&self.referenced) {
                     claims.clear_all();
                 }
                 self.dictionaries.put_in_force(sync.dictionaries);
+                // Every receiver is in the barrier: the counters hold this
+                // iteration's pages and none of the next one's.
+                if agreed && let Some(passes) = &self.passes {
+                    passes.report(u64::from(iteration) + 1, self.stats);
+                }
             })
             .map_err(|error| match error {
                 BarrierError::Aborted => MigrationError::Internal("another channel failed".into()),
@@ -443,14 +461,19 @@ impl SyncBarrier {
 
     /// Waits for every party. The last to arrive runs `release` before
     /// letting the others go, while all of them are inside the barrier.
-    pub(super) fn wait(&self, vote: SyncVote, release: impl FnOnce()) -> Result<(), BarrierError> {
+    /// `release` is told whether every party voted alike.
+    pub(super) fn wait(
+        &self,
+        vote: SyncVote,
+        release: impl FnOnce(bool),
+    ) -> Result<(), BarrierError> {
         let mut state = self.state.lock().unwrap_or_else(|e| e.into_inner());
         let generation = state.generation;
         state.arrived += 1;
         let first = *state.vote.get_or_insert(vote);
         state.differs |= first != vote;
         if state.arrived == self.parties {
-            release();
+            release(!state.differs);
             state.agreed = !state.differs;
             state.arrived = 0;
             state.vote = None;
@@ -528,7 +551,7 @@ mod tests {
                     let barrier = &barrier;
                     let released = &released;
                     scope.spawn(move || {
-                        barrier.wait(last, || {
+                        barrier.wait(last, |_| {
                             released.fetch_add(1, Ordering::Relaxed);
                         })
                     })

@@ -9,7 +9,7 @@ use super::peer::PeerWatch;
 use super::{GuestChanges, Source};
 use crate::bitmap::DirtyBitmap;
 use crate::config::Verify;
-use crate::control::{EventBody, Pass, ThrottleChange};
+use crate::control::{EventBody, Pass, PassFigures, ThrottleChange};
 use crate::error::MigrationError;
 use crate::guest::{MemoryRegion, PAGE_SIZE, SourceGuest};
 use crate::pipeline::{IterationTotals, Pipeline};
@@ -170,7 +170,7 @@ impl Source {
     /// Tells subscribers what the iteration just ended measured.
     fn publish_pass(&self, facts: &SyncFacts) {
         let stats = &self.stats;
-        self.control.events.publish(EventBody::MigrationPass(Pass {
+        let pass = Pass {
             pass: u64::from(facts.iteration),
             sent_pages: facts.sent_pages,
             dirty_pages: facts.dirty_pages,
@@ -178,7 +178,10 @@ impl Source {
             bandwidth: facts.bandwidth as u64,
             expected_downtime: millis(facts.expected_downtime()),
             downtime_limit: stats.downtime_limit_ms(),
-        }));
+        };
+        self.control
+            .events
+            .publish(EventBody::MigrationPass(PassFigures::Source(pass)));
     }
 
     /// Publishes what a sync measured, before the decision.

@@ -10,7 +10,7 @@
 set -euo pipefail
 runs=${1:-1}
 # Figures are printed by eprintln! in the tests; these lines are theirs.
-figures='receiver peak|rejected in|refused in|closed after|hostage attack|cut off|read .* ms after|TLS connections|connections,|128 MiB guest|took|slowloris|state-section flood|trickled|through the proxy'
+figures='receiver peak|rejected in|refused in|closed after|hostage attack|cut off|read .* ms after|TLS connections|connections,|128 MiB guest|took|slowloris|state-section flood|trickled|through the proxy|downtime'
 files=(
   "tern attacks_trust"
   "tern attacks_accept"
@@ -23,6 +23,6 @@ for run in $(seq "$runs"); do
     read -r crate file <<<"$entry"
     echo "== run $run: $crate --test $file (load $(cut -d' ' -f1-3 /proc/loadavg))"
     cargo test --release -q -p "$crate" --test "$file" -- --test-threads 1 --nocapture 2>&1 \
-      | grep -E "$figures|test result|FAILED|panicked" || true
+      | grep --line-buffered -E "$figures|test result|FAILED|panicked" || true
   done
 done

@@ -618,6 +618,120 @@ fn sixty_four_channels_with_auto_compression_stay_within_the_documented_bound() 
     );
 }
 
+/// A `/proc/PID/status` count (`Threads`).
+fn status_count(child: &std::process::Child, field: &str) -> u64 {
+    let status = std::fs::read_to_string(format!("/proc/{}/status", child.id())).unwrap();
+    status
+        .lines()
+        .find_map(|line| line.strip_prefix(field))
+        .and_then(|value| value.trim().parse().ok())
+        .unwrap_or_else(|| panic!("{field} in /proc/PID/status"))
+}
+
+/// Reads the receiver's welcome on `stream`; anything else fails the test
+/// with what the receiver said on stderr.
+fn welcomed(stream: &mut TcpStream, receiver: &mut Receiver) {
+    let mut head = [0u8; FRAME_HEADER_LEN];
+    let welcome = stream
+        .read_exact(&mut head)
+        .map_err(|e| e.to_string())
+        .and_then(|()| {
+            let header = FrameHeader::decode(&head).map_err(|e| e.to_string())?;
+            let mut body = vec![0u8; header.body_len as usize];
+            stream.read_exact(&mut body).map_err(|e| e.to_string())?;
+            Message::decode(header.kind, &body).map_err(|e| e.to_string())
+        });
+    if let Ok(Message::Welcome(_)) = welcome {
+        return;
+    }
+    let _ = receiver.child.kill();
+    let mut stderr = String::new();
+    if let Some(mut pipe) = receiver.child.stderr.take() {
+        let _ = pipe.read_to_string(&mut stderr);
+    }
+    panic!("no welcome ({welcome:?}); the receiver said: {stderr}");
+}
+
+/// Issue 23's declared guest: a hello announcing 16 GiB over 64 channels,
+/// every channel welcomed, and not one page sent. What the receiver holds
+/// then is its bookkeeping, which docs/security.md ("Memory") counts per
+/// declared page, plus its receivers' threads; the guest's memory itself
+/// is not touched.
+#[test]
+fn a_declared_guest_costs_its_documented_bookkeeping_before_any_page() {
+    const GUEST: u64 = 16 << 30;
+    const CHANNELS: u16 = 64;
+    let receiver = Receiver::spawn(&["receive"], &["--max-memory", "17GiB"]);
+    let idle = status_bytes(&receiver.child, "VmRSS:");
+    let idle_threads = status_count(&receiver.child, "Threads:");
+    let session = 0x16_6164;
+    let mut main = connect(receiver.port());
+    let hello = Message::Hello(Hello {
+        handshake: Handshake {
+            session_id: session,
+            channel_index: 0,
+        },
+        setup: SessionSetup {
+            page_size: 4096,
+            channel_count: CHANNELS,
+            codecs: 0,
+            digest: DigestAlgorithm::Xxh3Pages,
+            regions: vec![RegionInfo {
+                id: 0,
+                guest_addr: 0,
+                len: GUEST,
+            }],
+            guest_kind: "synthetic".into(),
+            dictionaries: 0,
+            vmm_config_len: 0,
+        },
+    });
+    let mut receiver = receiver;
+    main.write_all(&hello.to_bytes()).unwrap();
+    welcomed(&mut main, &mut receiver);
+    let channels: Vec<TcpStream> = (1..=CHANNELS)
+        .map(|channel_index| {
+            let mut channel = connect(receiver.port());
+            let hello = Message::ChannelHello(tern_wire::ChannelHello {
+                handshake: Handshake {
+                    session_id: session,
+                    channel_index,
+                },
+            });
+            channel.write_all(&hello.to_bytes()).unwrap();
+            welcomed(&mut channel, &mut receiver);
+            channel
+        })
+        .collect();
+    // Every receiver started: the bookkeeping was allocated before them.
+    let until = Instant::now() + Duration::from_secs(60);
+    while status_count(&receiver.child, "Threads:") < idle_threads + u64::from(CHANNELS) {
+        assert!(Instant::now() < until, "the receivers did not start");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    let cost = status_bytes(&receiver.child, "VmHWM:").saturating_sub(idle);
+    drop(channels);
+    drop(main);
+    receiver.child.kill().unwrap();
+    receiver.child.wait().unwrap();
+    let pages = GUEST / 4096;
+    let bookkeeping = pages * 8 + pages * (4 + u64::from(CHANNELS)) / 8;
+    // Each receiver's thread and decoder state, as the formula counts them.
+    let bound = bookkeeping + u64::from(CHANNELS) * 512 * KIB;
+    eprintln!(
+        "a hello declaring 16 GiB over {CHANNELS} channels, no page sent: receiver peak RSS \
+         +{} MiB above idle (bookkeeping by the formula {} MiB, bound {} MiB; load {})",
+        cost / MIB,
+        bookkeeping / MIB,
+        bound / MIB,
+        load()
+    );
+    assert!(
+        cost <= bound,
+        "{cost} bytes above idle for a declared 16 GiB guest, more than {bound}"
+    );
+}
+
 /// The child's exit status, waited for up to `limit` (then it is killed
 /// and the test fails).
 fn exit_within(child: &mut std::process::Child, limit: Duration) -> std::process::ExitStatus {

@@ -929,6 +929,7 @@ fn forward_frames(mut from: TcpStream, mut to: TcpStream, mut before: impl FnMut
 /// its switch-over deadline. It must not resume the guest (the source may
 /// have given up on it by then), but tell the source, which then resumes
 /// its own.
+// long: one scenario in order: the proxy, the stop, the stall, both sides' verdicts.
 #[test]
 fn a_commit_read_after_the_destination_s_switch_over_deadline_is_not_taken() {
     let mut receiver = Receiver::spawn(&["receive"], &["--switch-over-timeout", "1"]);

@@ -661,7 +661,14 @@ fn welcomed(stream: &mut TcpStream, receiver: &mut Receiver) {
 fn a_declared_guest_costs_its_documented_bookkeeping_before_any_page() {
     const GUEST: u64 = 16 << 30;
     const CHANNELS: u16 = 64;
-    let receiver = Receiver::spawn(&["receive"], &["--max-memory", "17GiB"]);
+    // A generous handshake deadline: in the full file on a loaded machine
+    // one channel's handshake was once closed at the default 5 s (cause
+    // not found; see the report of issue 23's session). The promise here
+    // is memory, not that deadline.
+    let receiver = Receiver::spawn(
+        &["receive"],
+        &["--max-memory", "17GiB", "--handshake-timeout", "60"],
+    );
     let idle = status_bytes(&receiver.child, "VmRSS:");
     let idle_threads = status_count(&receiver.child, "Threads:");
     let session = 0x16_6164;

@@ -355,3 +355,36 @@ fn a_flood_of_state_sections_is_refused() {
         rejected,
     );
 }
+
+/// Issue 23: one state section of the largest size fits the 64 MiB total
+/// (version 6 counted its framing too, so it never did). The section is
+/// taken; the session then fails only at the digest, which the attacker
+/// does not know.
+#[test]
+fn one_state_section_of_the_largest_size_fits_the_total() {
+    let destination = start_destination();
+    let mut attacker = handshake(&destination.address, 1);
+    attacker
+        .main
+        .send_message(&Message::StateSection(StateSectionMsg {
+            name: "largest".into(),
+            version: 1,
+            data: vec![7; tern_wire::MAX_SECTION_BYTES],
+        }))
+        .expect("section");
+    attacker
+        .main
+        .send_message(&Message::Complete(Complete {
+            final_iteration: 0,
+            sections: 1,
+            digest: 0,
+        }))
+        .expect("complete");
+    attacker.send_pages(0, &sync(0, true));
+    let error = destination.expect_error("digest");
+    assert!(
+        matches!(error, MigrationError::DigestMismatch { .. }),
+        "{}",
+        error.chain()
+    );
+}

@@ -577,3 +577,22 @@ fn a_sync_counting_a_dictionary_that_never_comes_fails_within_the_timeout() {
     // The destination's I/O timeout bounds the wait.
     attack.expect_error("a sync counts 2 dictionaries, the main channel delivered 1");
 }
+
+/// Issue 23: a dictionary libzstd refuses (the dictionary magic, then
+/// bytes that are no entropy tables) is named as the source's malformed
+/// dictionary, not as libzstd's "not enough memory".
+#[test]
+fn a_malformed_dictionary_is_named_as_the_source_s() {
+    let mut attack = hello(1 << codec_id::ZSTD, 1);
+    let mut data = 0xec30_a437_u32.to_le_bytes().to_vec();
+    data.extend((0..1020).map(|i| (i % 251) as u8));
+    attack
+        .main
+        .send_message(&Message::Dictionary(tern_wire::Dictionary {
+            id: 1,
+            codec: codec_id::ZSTD,
+            data,
+        }))
+        .expect("dictionary");
+    attack.expect_error("the source's dictionary 1 (1024 bytes) is not a zstd dictionary");
+}

@@ -236,6 +236,10 @@ fn no_ready_in_time_resumes_the_source_and_tells_the_destination() {
         "the downtime of a failed switch-over is reported: {}",
         failure.stats.downtime
     );
+    eprintln!(
+        "no ready in time (switch-over timeout 1 s): failed, downtime reported {} ms",
+        failure.stats.downtime
+    );
     assert!(guest.is_running(), "without a commit the source resumes");
     assert!(
         matches!(seen.first(), Some(Message::Abort(_))),
@@ -257,6 +261,16 @@ fn a_commit_without_acknowledgement_is_an_unknown_outcome_and_the_guest_stays_pa
         matches!(failure.error, MigrationError::OutcomeUnknown(_)),
         "{}",
         failure.error.chain()
+    );
+    // Paused until the acknowledgement's deadline at least: reported, not 0.
+    assert!(
+        failure.stats.downtime > 0,
+        "the downtime of an unknown outcome is reported: {}",
+        failure.stats.downtime
+    );
+    eprintln!(
+        "a commit without acknowledgement: outcome-unknown, downtime reported {} ms",
+        failure.stats.downtime
     );
     assert!(
         !guest.is_running(),

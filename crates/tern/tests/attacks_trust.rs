@@ -510,10 +510,9 @@ fn documented_bound(guest: u64, channels: u64) -> u64 {
     guest + fixed + channels * per_channel + bookkeeping
 }
 
-/// The receiver's peak RSS for a migration of a 128 MiB guest of random
-/// pages (which go raw, through the userfaultfd bounce buffers) over
-/// `channels` page channels.
-fn receiver_peak(channels: u16) -> u64 {
+/// The receiver's peak RSS for a migration of a 128 MiB guest of `mix`
+/// pages over `channels` page channels with `compression`.
+fn receiver_peak(channels: u16, compression: &str, mix: &str) -> u64 {
     let receiver = Receiver::spawn(&["receive"], &["--keep-listening"]);
     let output = tern()
         .args([
@@ -524,11 +523,9 @@ fn receiver_peak(channels: u16) -> u64 {
             "--to",
             &receiver.address,
         ])
-        .args(["--memory", "128MiB", "--mix", "0:100:0"])
+        .args(["--memory", "128MiB", "--mix", mix])
         .args(["--channels", &channels.to_string(), "--dirty-rate", "0"])
-        // The channels' own buffers are measured here, not the codecs'
-        // per-channel contexts that the default `auto` sets up.
-        .args(["--compression", "none"])
+        .args(["--compression", compression])
         .output()
         .unwrap();
     assert!(
@@ -543,25 +540,28 @@ fn receiver_peak(channels: u16) -> u64 {
     peak
 }
 
-/// What one more page channel may cost the receiver in this session,
-/// resident: measured 0.55 MiB (34 MiB for 63 channels, load 5.8), so a
-/// buffer of 512 KiB more per channel, touched, fails the test.
-const PER_CHANNEL_RESIDENT: u64 = MIB;
+/// What one more page channel may cost the receiver with compression
+/// `none`, resident: measured 544-549 KiB (one landing's 512 KiB bounce
+/// buffer and the channel's bitmap and stack; 7 runs, load 5.8-14), so a
+/// buffer of 256 KiB more per channel, touched, fails the test.
+const PER_CHANNEL_RESIDENT: u64 = 768 * KIB;
 
-/// 64 channels of full packets (random pages, which go raw) into a
-/// 128 MiB guest: the receiver's peak RSS stays within guest + the
-/// documented bound, and each channel beyond the first costs at most
-/// [`PER_CHANNEL_RESIDENT`] (the tight check: the documented bound is the
-/// worst case of every buffer filled, far above this session).
+/// 64 channels of full packets (random pages, which go raw, through the
+/// userfaultfd bounce buffers) into a 128 MiB guest, compression `none`:
+/// the receiver's peak RSS stays within guest + the documented bound, and
+/// each channel beyond the first costs at most [`PER_CHANNEL_RESIDENT`]
+/// (the tight check: the documented bound is the worst case of every
+/// buffer filled, far above this session). Raw packets land on the
+/// receiver's thread, so one landing of the four is used.
 #[test]
 fn sixty_four_channels_stay_within_the_documented_memory_bound() {
-    let one = receiver_peak(1);
-    let peak = receiver_peak(64);
+    let one = receiver_peak(1, "none", "0:100:0");
+    let peak = receiver_peak(64, "none", "0:100:0");
     let bound = documented_bound(128 * MIB, 64);
     let per_channel = peak.saturating_sub(one) / 63;
     eprintln!(
-        "128 MiB guest of random pages: receiver peak RSS {} MiB with 64 channels, {} MiB \
-         with 1 ({} KiB per added channel); documented bound {} MiB (load {})",
+        "128 MiB guest of random pages, compression none: receiver peak RSS {} MiB with 64 \
+         channels, {} MiB with 1 ({} KiB per added channel); documented bound {} MiB (load {})",
         peak / MIB,
         one / MIB,
         per_channel / KIB,
@@ -575,6 +575,167 @@ fn sixty_four_channels_stay_within_the_documented_memory_bound() {
     assert!(
         per_channel <= PER_CHANNEL_RESIDENT,
         "each added channel costs {per_channel} bytes resident, more than {PER_CHANNEL_RESIDENT}"
+    );
+}
+
+/// What one more page channel may cost with the default compression
+/// (`auto`) and random pages: auto's packets go to the decoder pool, so
+/// all four landings of a receiver fill their 512 KiB bounce buffers
+/// (measured 1,979 KiB per added channel: the "about 2 MiB per channel
+/// with auto" of issue 23's last session), plus 256 KiB for the rest
+/// (bitmap, stack, decompressor contexts). A buffer of 512 KiB more per
+/// channel, touched, fails the test.
+const POOL_PER_CHANNEL_RESIDENT: u64 = 4 * 512 * KIB + 256 * KIB;
+
+/// The same 64 channels with `auto`: the receiver's peak stays within
+/// guest + the documented bound (which counts four landings per receiver,
+/// each with a payload and a bounce buffer), and each added channel
+/// within [`POOL_PER_CHANNEL_RESIDENT`].
+#[test]
+fn sixty_four_channels_with_auto_compression_stay_within_the_documented_bound() {
+    let mix = "0:100:0";
+    let one = receiver_peak(1, "auto", mix);
+    let peak = receiver_peak(64, "auto", mix);
+    let bound = documented_bound(128 * MIB, 64);
+    let per_channel = peak.saturating_sub(one) / 63;
+    eprintln!(
+        "128 MiB guest of random pages, compression auto: receiver peak RSS {} MiB with 64 \
+         channels, {} MiB with 1 ({} KiB per added channel); documented bound {} MiB (load {})",
+        peak / MIB,
+        one / MIB,
+        per_channel / KIB,
+        bound / MIB,
+        load()
+    );
+    assert!(
+        peak <= bound,
+        "peak RSS {peak} bytes above the documented bound {bound}"
+    );
+    assert!(
+        per_channel <= POOL_PER_CHANNEL_RESIDENT,
+        "each added channel costs {per_channel} bytes resident with auto, more than \
+         {POOL_PER_CHANNEL_RESIDENT}"
+    );
+}
+
+/// A `/proc/PID/status` count (`Threads`).
+fn status_count(child: &std::process::Child, field: &str) -> u64 {
+    let status = std::fs::read_to_string(format!("/proc/{}/status", child.id())).unwrap();
+    status
+        .lines()
+        .find_map(|line| line.strip_prefix(field))
+        .and_then(|value| value.trim().parse().ok())
+        .unwrap_or_else(|| panic!("{field} in /proc/PID/status"))
+}
+
+/// Reads the receiver's welcome on `stream`; anything else fails the test
+/// with what the receiver said on stderr.
+fn welcomed(stream: &mut TcpStream, receiver: &mut Receiver) {
+    let mut head = [0u8; FRAME_HEADER_LEN];
+    let welcome = stream
+        .read_exact(&mut head)
+        .map_err(|e| e.to_string())
+        .and_then(|()| {
+            let header = FrameHeader::decode(&head).map_err(|e| e.to_string())?;
+            let mut body = vec![0u8; header.body_len as usize];
+            stream.read_exact(&mut body).map_err(|e| e.to_string())?;
+            Message::decode(header.kind, &body).map_err(|e| e.to_string())
+        });
+    if let Ok(Message::Welcome(_)) = welcome {
+        return;
+    }
+    let _ = receiver.child.kill();
+    let mut stderr = String::new();
+    if let Some(mut pipe) = receiver.child.stderr.take() {
+        let _ = pipe.read_to_string(&mut stderr);
+    }
+    panic!("no welcome ({welcome:?}); the receiver said: {stderr}");
+}
+
+/// Issue 23's declared guest: a hello announcing 16 GiB over 64 channels,
+/// every channel welcomed, and not one page sent. What the receiver holds
+/// then is its bookkeeping, which docs/security.md ("Memory") counts per
+/// declared page, plus its receivers' threads; the guest's memory itself
+/// is not touched.
+#[test]
+fn a_declared_guest_costs_its_documented_bookkeeping_before_any_page() {
+    const GUEST: u64 = 16 << 30;
+    const CHANNELS: u16 = 64;
+    // A generous handshake deadline: in the full file on a loaded machine
+    // one channel's handshake was once closed at the default 5 s (cause
+    // not found; see the report of issue 23's session). The promise here
+    // is memory, not that deadline.
+    let receiver = Receiver::spawn(
+        &["receive"],
+        &["--max-memory", "17GiB", "--handshake-timeout", "60"],
+    );
+    let idle = status_bytes(&receiver.child, "VmRSS:");
+    let idle_threads = status_count(&receiver.child, "Threads:");
+    let session = 0x16_6164;
+    let mut main = connect(receiver.port());
+    let hello = Message::Hello(Hello {
+        handshake: Handshake {
+            session_id: session,
+            channel_index: 0,
+        },
+        setup: SessionSetup {
+            page_size: 4096,
+            channel_count: CHANNELS,
+            codecs: 0,
+            digest: DigestAlgorithm::Xxh3Pages,
+            regions: vec![RegionInfo {
+                id: 0,
+                guest_addr: 0,
+                len: GUEST,
+            }],
+            guest_kind: "synthetic".into(),
+            dictionaries: 0,
+            vmm_config_len: 0,
+        },
+    });
+    let mut receiver = receiver;
+    main.write_all(&hello.to_bytes()).unwrap();
+    welcomed(&mut main, &mut receiver);
+    let channels: Vec<TcpStream> = (1..=CHANNELS)
+        .map(|channel_index| {
+            let mut channel = connect(receiver.port());
+            let hello = Message::ChannelHello(tern_wire::ChannelHello {
+                handshake: Handshake {
+                    session_id: session,
+                    channel_index,
+                },
+            });
+            channel.write_all(&hello.to_bytes()).unwrap();
+            welcomed(&mut channel, &mut receiver);
+            channel
+        })
+        .collect();
+    // Every receiver started: the bookkeeping was allocated before them.
+    let until = Instant::now() + Duration::from_secs(60);
+    while status_count(&receiver.child, "Threads:") < idle_threads + u64::from(CHANNELS) {
+        assert!(Instant::now() < until, "the receivers did not start");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    let cost = status_bytes(&receiver.child, "VmHWM:").saturating_sub(idle);
+    drop(channels);
+    drop(main);
+    receiver.child.kill().unwrap();
+    receiver.child.wait().unwrap();
+    let pages = GUEST / 4096;
+    let bookkeeping = pages * 8 + pages * (4 + u64::from(CHANNELS)) / 8;
+    // Each receiver's thread and decoder state, as the formula counts them.
+    let bound = bookkeeping + u64::from(CHANNELS) * 512 * KIB;
+    eprintln!(
+        "a hello declaring 16 GiB over {CHANNELS} channels, no page sent: receiver peak RSS \
+         +{} MiB above idle (bookkeeping by the formula {} MiB, bound {} MiB; load {})",
+        cost / MIB,
+        bookkeeping / MIB,
+        bound / MIB,
+        load()
+    );
+    assert!(
+        cost <= bound,
+        "{cost} bytes above idle for a declared 16 GiB guest, more than {bound}"
     );
 }
 
@@ -619,17 +780,18 @@ fn signal(pid: u32, signal: libc::c_int) {
     assert_eq!(unsafe { libc::kill(pid as libc::pid_t, signal) }, 0);
 }
 
-/// Stops the source (SIGSTOP) while its main thread waits in `poll` for
-/// the destination's answer: after its completion, the only such wait is
-/// `await_answer`'s, whose switch-over deadline is then running. A stop
-/// that lands elsewhere is undone and tried again.
-fn stop_while_waiting_for_the_answer(pid: u32) {
+/// Stops process `pid` (SIGSTOP) while its main thread waits in `poll`: a
+/// stop that lands elsewhere is undone and tried again. For a source after
+/// its completion, the only such wait is `await_answer`'s; for a
+/// destination after its ready, `await_commit`'s: each with its
+/// switch-over deadline running.
+fn stop_in_poll(pid: u32) {
     let until = Instant::now() + Duration::from_secs(60);
     loop {
-        assert!(Instant::now() < until, "the source never waited in poll");
+        assert!(Instant::now() < until, "process {pid} never waited in poll");
         signal(pid, libc::SIGSTOP);
         while process_state(pid) != 'T' {
-            assert!(Instant::now() < until, "the source did not stop");
+            assert!(Instant::now() < until, "process {pid} did not stop");
             std::thread::yield_now();
         }
         // poll, or ppoll where the C library uses it (x86-64 numbers).
@@ -698,7 +860,7 @@ fn a_ready_read_after_the_switch_over_deadline_is_not_committed() {
             other => panic!("before the completion: {other:?}"),
         }
     };
-    stop_while_waiting_for_the_answer(source.id());
+    stop_in_poll(source.id());
     main.send_message(&Message::Ready(Ready {
         digest: complete.digest,
     }))
@@ -735,4 +897,149 @@ fn a_ready_read_after_the_switch_over_deadline_is_not_committed() {
     // unknown", the guest left paused).
     assert_eq!(status.code(), Some(1), "{stderr}");
     assert!(stderr.contains("switch-over"), "{stderr}");
+}
+
+/// Copies `from` to `to` until `from` ends, counting the bytes in
+/// `copied`, then closes `to`'s writing half.
+fn pipe_counting(mut from: TcpStream, mut to: TcpStream, copied: Arc<AtomicU64>) {
+    let mut buffer = vec![0u8; 1 << 16];
+    while let Ok(read) = from.read(&mut buffer) {
+        if read == 0 || to.write_all(&buffer[..read]).is_err() {
+            break;
+        }
+        copied.fetch_add(read as u64, Ordering::Release);
+    }
+    let _ = to.shutdown(std::net::Shutdown::Write);
+}
+
+/// Forwards the destination's frames on the main channel to the source,
+/// calling `before` with each frame's kind before it is passed on.
+fn forward_frames(mut from: TcpStream, mut to: TcpStream, mut before: impl FnMut(FrameKind)) {
+    let mut head = [0u8; FRAME_HEADER_LEN];
+    while from.read_exact(&mut head).is_ok() {
+        let header = FrameHeader::decode(&head).expect("a frame from the destination");
+        let mut body = vec![0u8; header.body_len as usize];
+        if from.read_exact(&mut body).is_err() {
+            break;
+        }
+        before(header.kind);
+        if to.write_all(&head).is_err() || to.write_all(&body).is_err() {
+            break;
+        }
+    }
+    let _ = to.shutdown(std::net::Shutdown::Write);
+}
+
+/// Issue 23's stalled destination, the mirror of the stalled source: a
+/// destination stopped (SIGSTOP) once it has said ready and waits for the
+/// commit, the commit delivered into its socket meanwhile, continued after
+/// its switch-over deadline. It must not resume the guest (the source may
+/// have given up on it by then), but tell the source, which then resumes
+/// its own.
+// long: one scenario in order: the proxy, the stop, the stall, both sides' verdicts.
+#[test]
+fn a_commit_read_after_the_destination_s_switch_over_deadline_is_not_taken() {
+    let mut receiver = Receiver::spawn(&["receive"], &["--switch-over-timeout", "1"]);
+    let destination_pid = receiver.child.id();
+    let destination_port = receiver.port();
+    let receiver_stderr = drain_stderr(&mut receiver.child);
+    let proxy = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let proxy_address = proxy.local_addr().unwrap().to_string();
+    let mut source = tern()
+        .args(["migrate", "--json", "--progress", "none"])
+        .args(["--to", &proxy_address])
+        .args(["--memory", "8MiB", "--dirty-rate", "0", "--channels", "1"])
+        .args(["--switch-over-timeout", "60"])
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let source_stderr = drain_stderr(&mut source);
+    // Bytes of the source's main channel passed to the destination, and
+    // when the destination was stopped.
+    let to_destination = Arc::new(AtomicU64::new(0));
+    let stopped_at: Arc<std::sync::Mutex<Option<(Instant, u64)>>> = Arc::default();
+    let mut pipes = Vec::new();
+    for index in 0..2 {
+        let (from_source, _) = proxy.accept().unwrap();
+        let to_receiver = connect(destination_port);
+        let (source_in, receiver_in) = (
+            from_source.try_clone().unwrap(),
+            to_receiver.try_clone().unwrap(),
+        );
+        let copied = if index == 0 {
+            to_destination.clone()
+        } else {
+            Arc::default()
+        };
+        pipes.push(std::thread::spawn(move || {
+            pipe_counting(source_in, to_receiver, copied)
+        }));
+        if index == 0 {
+            let (stopped_at, to_destination) = (stopped_at.clone(), to_destination.clone());
+            pipes.push(std::thread::spawn(move || {
+                forward_frames(receiver_in, from_source, |kind| {
+                    if kind == FrameKind::Ready {
+                        // Stopped in await_commit's poll, its deadline
+                        // running; the ready then reaches the source.
+                        stop_in_poll(destination_pid);
+                        *stopped_at.lock().unwrap() =
+                            Some((Instant::now(), to_destination.load(Ordering::Acquire)));
+                    }
+                })
+            }));
+        } else {
+            pipes.push(std::thread::spawn(move || {
+                pipe_counting(receiver_in, from_source, Arc::default())
+            }));
+        }
+    }
+    // The source commits: its commit waits in the stopped destination's
+    // socket (it comes through the proxy, so it was read from the source).
+    let until = Instant::now() + Duration::from_secs(60);
+    let stopped = loop {
+        if let Some((stopped, sent_before)) = *stopped_at.lock().unwrap()
+            && to_destination.load(Ordering::Acquire) > sent_before
+        {
+            break stopped;
+        }
+        assert!(
+            Instant::now() < until,
+            "the destination never said ready, or the source never committed"
+        );
+        std::thread::sleep(Duration::from_millis(5));
+    };
+    // The attack is the stall itself: the destination stays stopped past
+    // its 1 s switch-over deadline, with the commit waiting in its socket.
+    std::thread::sleep(Duration::from_millis(1500).saturating_sub(stopped.elapsed()));
+    let stall = stopped.elapsed();
+    signal(destination_pid, libc::SIGCONT);
+    let destination_status = exit_within(&mut receiver.child, Duration::from_secs(60));
+    let source_status = exit_within(&mut source, Duration::from_secs(60));
+    let (receiver_stderr, source_stderr) = (
+        receiver_stderr.join().unwrap(),
+        source_stderr.join().unwrap(),
+    );
+    for pipe in pipes {
+        pipe.join().unwrap();
+    }
+    eprintln!(
+        "a commit read {} ms after the destination stopped (1 s switch-over deadline): \
+         destination {destination_status}, source {source_status}, load {}",
+        stall.as_millis(),
+        load()
+    );
+    // The destination did not resume: it failed, naming the commit.
+    assert_eq!(destination_status.code(), Some(1), "{receiver_stderr}");
+    assert!(
+        receiver_stderr.contains("the source's commit"),
+        "{receiver_stderr}"
+    );
+    // The source, told, resumed its guest (1: failed, the guest runs on
+    // the source; 3 would be outcome-unknown).
+    assert_eq!(source_status.code(), Some(1), "{source_stderr}");
+    assert!(
+        source_stderr.contains("the destination did not resume the guest"),
+        "{source_stderr}"
+    );
 }

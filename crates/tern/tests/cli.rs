@@ -651,6 +651,20 @@ fn receive_refuses_to_listen_unauthenticated_where_others_reach_it() {
         "{stderr}"
     );
     assert!(output.stdout.is_empty(), "no listening event: {output:?}");
+    // The policy is checked before the port is bound: on a port another
+    // socket holds, the refusal is still the policy's, not "in use".
+    let taken = std::net::TcpListener::bind("0.0.0.0:0").unwrap();
+    let port = taken.local_addr().unwrap().port();
+    let output = tern()
+        .args(["receive", "--listen", &format!("tcp::{port}")])
+        .args(["--accept-timeout", "1"])
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(
+        stderr.contains("refusing to receive unauthenticated migrations"),
+        "the port was bound before the policy was checked: {stderr}"
+    );
 }
 
 #[test]

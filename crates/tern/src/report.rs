@@ -740,3 +740,12 @@ mod tests {
         );
     }
 }
+
+/// Prints `rows` as an aligned two-column summary under `title`.
+pub fn print_rows(title: &str, rows: &[(&str, String)]) {
+    let width = rows.iter().map(|(key, _)| key.len()).max().unwrap_or(0);
+    println!("{title}");
+    for (key, value) in rows {
+        println!("  {key:width$}  {value}");
+    }
+}

@@ -5,7 +5,10 @@
 pub mod agent;
 pub mod bench;
 pub mod ctl;
+pub mod progress;
+pub mod security;
 pub mod snapshot;
+pub mod steering;
 pub mod transfer;
 pub mod values;
 pub mod vm;
@@ -31,7 +34,7 @@ pub struct Cli {
     #[arg(short, long, global = true)]
     pub verbose: bool,
     #[command(flatten)]
-    pub progress: crate::report::ProgressArgs,
+    pub progress: progress::ProgressArgs,
     /// Colour in log lines: auto (only on a terminal, and not when NO_COLOR
     /// is set), always or never.
     #[arg(long, global = true, value_enum, default_value_t = ColorChoice::Auto)]
@@ -132,7 +135,7 @@ pub struct MigrateArgs {
     #[arg(long, value_parser = parse_address)]
     pub to: Address,
     #[command(flatten)]
-    pub security: crate::secure::SourceSecurityArgs,
+    pub security: security::SourceSecurityArgs,
     #[command(flatten)]
     pub guest: GuestArgs,
     #[command(flatten)]
@@ -145,7 +148,7 @@ pub struct MigrateArgs {
     #[arg(long)]
     pub events: bool,
     #[command(flatten)]
-    pub steering: crate::steering::SteeringArgs,
+    pub steering: steering::SteeringArgs,
     /// A file whose bytes go to the destination before any memory, as the
     /// VMM's configuration (opaque to tern, at most 1 MiB): `tern receive
     /// --save-vmm-config` writes them out.
@@ -162,7 +165,7 @@ pub struct ListenArgs {
     #[arg(long, value_parser = parse_address)]
     pub listen: Address,
     #[command(flatten)]
-    pub security: crate::secure::DestinationSecurityArgs,
+    pub security: security::DestinationSecurityArgs,
     /// How long to wait for the source, in seconds.
     #[arg(long, default_value_t = 300)]
     pub accept_timeout: u64,
@@ -199,7 +202,7 @@ pub struct ListenArgs {
     #[arg(long, default_value_t = 10, value_parser = clap::value_parser!(u64).range(1..))]
     pub switch_over_timeout: u64,
     #[command(flatten)]
-    pub steering: crate::steering::SteeringArgs,
+    pub steering: steering::SteeringArgs,
     /// Keep the guest paused after a verified switch-over and hand it over:
     /// `cont` on the control socket resumes it (needs --control-socket).
     #[arg(long, requires = "control_socket")]

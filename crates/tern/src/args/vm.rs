@@ -104,7 +104,7 @@ pub struct MigrateArgs {
     #[arg(long, value_parser = super::values::parse_address)]
     pub to: Address,
     #[command(flatten)]
-    pub security: crate::secure::SourceSecurityArgs,
+    pub security: super::security::SourceSecurityArgs,
     #[command(flatten)]
     pub vm: VmArgs,
     /// How long the guest runs before the migration starts, in
@@ -125,7 +125,7 @@ pub struct MigrateArgs {
     #[arg(long)]
     pub events: bool,
     #[command(flatten)]
-    pub steering: crate::steering::SteeringArgs,
+    pub steering: super::steering::SteeringArgs,
 }
 
 #[derive(Debug, Args)]

@@ -1,9 +1,9 @@
 //! `tern vm`: run, migrate and receive a real KVM guest (the reference VMM
 //! of `tern-vmm` with its test guest), and a localhost demo proving the
-//! guest's memory and execution on the destination. Receiving and the demo
-//! are `tern receive`'s and `tern demo`'s implementations with a KVM guest
-//! (`receive::Arrival`, `demo::Rehearsal`); saving and restoring are
-//! `tern save`'s and `tern restore`'s.
+//! guest's memory and execution on the destination. Migrating, receiving
+//! and the demo are `tern migrate`'s, `tern receive`'s and `tern demo`'s
+//! implementations with a KVM guest (`Departure`, `Arrival`, `Rehearsal`);
+//! saving and restoring are `tern save`'s and `tern restore`'s.
 
 mod demo;
 mod guest;

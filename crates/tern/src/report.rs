@@ -660,6 +660,15 @@ fn digest_line(stats: &MigrationStats) -> String {
     }
 }
 
+/// Prints `rows` as an aligned two-column summary under `title`.
+pub fn print_rows(title: &str, rows: &[(&str, String)]) {
+    let width = rows.iter().map(|(key, _)| key.len()).max().unwrap_or(0);
+    println!("{title}");
+    for (key, value) in rows {
+        println!("  {key:width$}  {value}");
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -740,14 +749,5 @@ mod tests {
             zero_copy_at_last_sync(&counters),
             "30 of 30 sends copied by the kernel at sync 1"
         );
-    }
-}
-
-/// Prints `rows` as an aligned two-column summary under `title`.
-pub fn print_rows(title: &str, rows: &[(&str, String)]) {
-    let width = rows.iter().map(|(key, _)| key.len()).max().unwrap_or(0);
-    println!("{title}");
-    for (key, value) in rows {
-        println!("  {key:width$}  {value}");
     }
 }

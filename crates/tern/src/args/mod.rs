@@ -384,6 +384,26 @@ mod tests {
     }
 
     #[test]
+    fn converting_the_options_opens_no_device() {
+        // Hardware DSA for both offloads: on a machine without DSA, opening
+        // it would fail; the conversion must not try (the session opens it).
+        let args = demo(&[
+            "--zero-page-detection",
+            "dsa",
+            "--dsa-device",
+            "dsa9/wq9.9",
+            "--delta-offload",
+            "hw",
+        ])
+        .unwrap();
+        let config = args.transfer.migration_settings().unwrap();
+        assert_eq!(config.zero_page_detection, ZeroPageDetection::Dsa);
+        assert!(config.zero_page_offload.is_none());
+        assert!(config.delta_offload.is_none());
+        assert!(args.transfer.zero_pages_on_hardware_dsa());
+    }
+
+    #[test]
     fn dedup_auto_follows_verification() {
         let dedup = |options: &[&str]| {
             demo(options)

@@ -306,3 +306,36 @@ pub fn serve_sessions(
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use clap::Parser;
+
+    use crate::args::{Cli, Command};
+
+    fn transfer(options: &[&str]) -> crate::args::TransferArgs {
+        let cli = Cli::try_parse_from(["tern", "demo"].iter().chain(options)).unwrap();
+        let Command::Demo(args) = cli.command else {
+            panic!("not demo")
+        };
+        args.transfer
+    }
+
+    #[test]
+    fn the_software_device_is_attached_without_hardware() {
+        let config = super::migration_config(&transfer(&[
+            "--zero-page-detection",
+            "dsa",
+            "--dsa-device",
+            "software",
+            "--delta-offload",
+            "software",
+        ]))
+        .unwrap();
+        assert!(config.zero_page_offload.is_some());
+        assert!(config.delta_offload.is_some());
+        let config = super::migration_config(&transfer(&[])).unwrap();
+        assert!(config.zero_page_offload.is_none());
+        assert!(config.delta_offload.is_none());
+    }
+}

@@ -1,31 +1,29 @@
 //! `tern`: live migration of VM memory, from the command line.
+//!
+//! The arrows point one way: `main` → `command` (one file per command) →
+//! `session` (what the commands share around a migration), `args` (the
+//! syntax), `report` (the output), and the control plane (`steering`,
+//! `control_socket`, `metrics`, `secure`); nothing below imports a command.
 
-mod agent;
 mod agent_metrics;
-mod bench;
-mod cli;
+mod args;
+mod command;
 mod control_socket;
-mod ctl;
-mod doctor;
 mod metrics;
 #[cfg(test)]
 mod reference;
 mod report;
-mod restore;
-mod run;
-mod save;
 #[cfg(test)]
 mod schema;
 mod secure;
-mod serve_pages;
+mod session;
 mod steering;
 mod units;
-mod vm;
 
 use clap::Parser;
 
 fn main() -> std::process::ExitCode {
-    let cli = cli::Cli::parse();
+    let cli = args::Cli::parse();
     report::set_progress_mode(cli.progress.progress);
     let filter = if cli.verbose { "debug" } else { "warn" };
     tracing_subscriber::fmt()
@@ -36,11 +34,11 @@ fn main() -> std::process::ExitCode {
         .with_writer(std::io::stderr)
         .with_ansi(cli.log_colour())
         .init();
-    match run::dispatch(cli.command, cli.verbose) {
+    match command::dispatch(cli.command, cli.verbose) {
         Ok(code) => code,
         Err(error) => {
             eprintln!("tern: error: {error:#}");
-            std::process::ExitCode::from(run::exit_code(&error))
+            std::process::ExitCode::from(session::exit_code(&error))
         }
     }
 }

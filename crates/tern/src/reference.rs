@@ -12,7 +12,7 @@ const END: &str = "<!-- END GENERATED REFERENCE -->";
 /// Every command, its options, their defaults and possible values, as
 /// Markdown.
 fn render() -> String {
-    let mut command = crate::cli::Cli::command();
+    let mut command = crate::args::Cli::command();
     command.build();
     let mut out = String::new();
     render_command(&mut out, &command, "tern");

@@ -13,31 +13,8 @@ use tern_engine::{
     SessionSecurity,
 };
 
+use crate::args::progress::ProgressMode;
 use crate::units::human_bytes;
-
-/// How progress is shown (`--progress`).
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, clap::ValueEnum)]
-pub enum ProgressMode {
-    /// A bar when stderr is a terminal, `plain` otherwise.
-    #[default]
-    Auto,
-    /// A live bar on stderr (drawn only on a terminal).
-    Bar,
-    /// One line on stderr every two seconds, for logs and CI.
-    Plain,
-    /// Nothing, for scripts.
-    None,
-}
-
-/// The `--progress` option, in a struct of its own so the commands' option
-/// lists stay apart from it.
-#[derive(Clone, Copy, Debug, clap::Args)]
-pub struct ProgressArgs {
-    /// Progress on stderr: auto (a bar on a terminal, plain otherwise), bar,
-    /// plain (a line every 2 s) or none.
-    #[arg(long, global = true, value_enum, default_value_t = ProgressMode::Auto)]
-    pub progress: ProgressMode,
-}
 
 static PROGRESS_MODE: OnceLock<ProgressMode> = OnceLock::new();
 
@@ -394,8 +371,41 @@ pub fn print_json<T: Serialize>(value: &T) -> anyhow::Result<()> {
 
 /// Prints the human summary of a migration.
 pub fn print_summary(stats: &MigrationStats, extra: &[(&str, String)]) {
+    let rows = summary_rows(stats);
+    let postcopy = stats
+        .postcopy
+        .as_ref()
+        .map(postcopy_rows)
+        .unwrap_or_default();
+    let zero_detection = zero_detection_rows(stats);
+    let compression = compression_rows(stats);
+    let zero_copy = zero_copy_rows(stats);
+    let destination_cpu = destination_rows(stats);
+    let all: Vec<&(&str, String)> = rows
+        .iter()
+        .chain(postcopy.iter())
+        .chain(zero_detection.iter())
+        .chain(compression.iter())
+        .chain(zero_copy.iter())
+        .chain(destination_cpu.iter())
+        .chain(extra.iter())
+        .collect();
+    let width = all.iter().map(|(name, _)| name.len()).max().unwrap_or(0);
+    for (name, value) in all {
+        println!("{name:>width$}  {value}");
+    }
+    if let Some(error) = &stats.error_desc {
+        println!("{:>width$}  {error}", "error");
+    }
+    if let Some(warning) = downtime_warning(stats) {
+        println!("{:>width$}  {warning}", "WARNING");
+    }
+}
+
+/// The summary's rows every migration has.
+fn summary_rows(stats: &MigrationStats) -> Vec<(&'static str, String)> {
     let ram = &stats.ram;
-    let rows: Vec<(&str, String)> = vec![
+    vec![
         ("status", stats.status.as_str().to_string()),
         ("total time", format!("{} ms", stats.total_time)),
         ("setup time", format!("{} ms", stats.setup_time)),
@@ -449,8 +459,12 @@ pub fn print_summary(stats: &MigrationStats, extra: &[(&str, String)]) {
             "source CPU",
             format!("{:.2} s", stats.cpu_seconds.values().sum::<f64>()),
         ),
-    ];
-    let destination_cpu = stats
+    ]
+}
+
+/// The destination's CPU and digest time, when it reported them.
+fn destination_rows(stats: &MigrationStats) -> Vec<(&'static str, String)> {
+    stats
         .destination
         .as_ref()
         .map(|destination| {
@@ -465,8 +479,12 @@ pub fn print_summary(stats: &MigrationStats, extra: &[(&str, String)]) {
                 ),
             ]
         })
-        .unwrap_or_default();
-    let zero_copy: Vec<(&str, String)> = stats
+        .unwrap_or_default()
+}
+
+/// One row per zero-copy sender.
+fn zero_copy_rows(stats: &MigrationStats) -> Vec<(&'static str, String)> {
+    stats
         .zero_copy
         .iter()
         .map(|zc| {
@@ -481,8 +499,12 @@ pub fn print_summary(stats: &MigrationStats, extra: &[(&str, String)]) {
                 ),
             )
         })
-        .collect();
-    let compression: Vec<(&str, String)> = stats
+        .collect()
+}
+
+/// One row per codec used.
+fn compression_rows(stats: &MigrationStats) -> Vec<(&'static str, String)> {
+    stats
         .compression
         .iter()
         .flat_map(|report| {
@@ -502,8 +524,12 @@ pub fn print_summary(stats: &MigrationStats, extra: &[(&str, String)]) {
                 )
             })
         })
-        .collect();
-    let zero_detection: Vec<(&str, String)> = stats
+        .collect()
+}
+
+/// Who found the zero pages, with the offload device's figures.
+fn zero_detection_rows(stats: &MigrationStats) -> Vec<(&'static str, String)> {
+    stats
         .zero_page_detection
         .iter()
         .map(|report| {
@@ -520,31 +546,7 @@ pub fn print_summary(stats: &MigrationStats, extra: &[(&str, String)]) {
                 format!("{} ({}){offload}", report.mode, report.backend),
             )
         })
-        .collect();
-    let postcopy = stats
-        .postcopy
-        .as_ref()
-        .map(postcopy_rows)
-        .unwrap_or_default();
-    let all: Vec<&(&str, String)> = rows
-        .iter()
-        .chain(postcopy.iter())
-        .chain(zero_detection.iter())
-        .chain(compression.iter())
-        .chain(zero_copy.iter())
-        .chain(destination_cpu.iter())
-        .chain(extra.iter())
-        .collect();
-    let width = all.iter().map(|(name, _)| name.len()).max().unwrap_or(0);
-    for (name, value) in all {
-        println!("{name:>width$}  {value}");
-    }
-    if let Some(error) = &stats.error_desc {
-        println!("{:>width$}  {error}", "error");
-    }
-    if let Some(warning) = downtime_warning(stats) {
-        println!("{:>width$}  {warning}", "WARNING");
-    }
+        .collect()
 }
 
 /// The postcopy lines of the summary, with QEMU's names in brackets.
@@ -655,6 +657,15 @@ fn digest_line(stats: &MigrationStats) -> String {
             stats.digest_verified, comparison.source, comparison.destination
         ),
         None => format!("{} (not compared)", stats.digest_verified),
+    }
+}
+
+/// Prints `rows` as an aligned two-column summary under `title`.
+pub fn print_rows(title: &str, rows: &[(&str, String)]) {
+    let width = rows.iter().map(|(key, _)| key.len()).max().unwrap_or(0);
+    println!("{title}");
+    for (key, value) in rows {
+        println!("  {key:width$}  {value}");
     }
 }
 

@@ -16,7 +16,7 @@ pub fn contract() -> Value {
         "contract-version": tern_engine::CONTRACT_VERSION,
         "documents": {
             "source-report": schema(schemars::schema_for!(tern_engine::MigrationStats)),
-            "receive-report": schema(schemars::schema_for!(crate::run::ReceiveJson)),
+            "receive-report": schema(schemars::schema_for!(crate::command::receive::ReceiveJson)),
             "event": schema(schemars::schema_for!(tern_engine::Event)),
             "event-history": schema(schemars::schema_for!(tern_engine::EventHistory)),
             "address-event": schema(schemars::schema_for!(crate::report::AddressEvent)),

@@ -3,14 +3,12 @@
 //! Firecracker memory file through the fault service.
 
 use std::os::unix::net::UnixListener;
-use std::path::PathBuf;
 use std::process::ExitCode;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use anyhow::Context;
-use clap::Args;
 use serde::Serialize;
 use tern_engine::fault::firecracker::{
     FirecrackerRegion, ProcessWatch, RawMemoryFile, accept_handshake,
@@ -19,39 +17,9 @@ use tern_engine::fault::{FaultConfig, FaultService, FaultStats, PageSource};
 use tern_engine::snapshot::SnapshotFile;
 use tern_wire::snapshot::CHUNK_PAGES;
 
-use crate::run::Incomplete;
-use crate::save::print_rows;
-
-#[derive(Debug, Args)]
-pub struct ServePagesArgs {
-    /// The Unix socket to listen on (the path given to Firecracker's
-    /// snapshot load as the UFFD backend); it must not exist yet.
-    #[arg(long)]
-    pub socket: PathBuf,
-    /// Serve this tern snapshot (its regions must be the VMM's, in order).
-    #[arg(
-        long,
-        required_unless_present = "memory_file",
-        conflicts_with = "memory_file"
-    )]
-    pub snapshot: Option<PathBuf>,
-    /// Serve this raw memory file (Firecracker's snapshot memory file).
-    #[arg(long)]
-    pub memory_file: Option<PathBuf>,
-    /// How long to wait for the VMM to connect and send its handshake, in
-    /// seconds.
-    #[arg(long, default_value_t = 60)]
-    pub accept_timeout: u64,
-    /// Background loader threads (0: serve faults only).
-    #[arg(long, default_value_t = 1)]
-    pub loaders: u16,
-    /// Do not prefetch the snapshot's recorded working set first.
-    #[arg(long)]
-    pub no_prefetch: bool,
-    /// Print one JSON document at the end instead of the summary.
-    #[arg(long)]
-    pub json: bool,
-}
+use crate::args::snapshot::ServePagesArgs;
+use crate::report::print_rows;
+use crate::session::{self, Incomplete};
 
 #[derive(Serialize)]
 #[serde(rename_all = "kebab-case")]
@@ -68,7 +36,7 @@ pub fn serve(args: &ServePagesArgs) -> anyhow::Result<ExitCode> {
     // Before anything else: a signal must always end the serving cleanly.
     let stop = Arc::new(AtomicBool::new(false));
     let on_signal = Arc::clone(&stop);
-    crate::run::install_interrupt_handler(move || on_signal.store(true, Ordering::Relaxed));
+    session::install_interrupt_handler(move || on_signal.store(true, Ordering::Relaxed));
     let listener = UnixListener::bind(&args.socket)
         .with_context(|| format!("cannot listen on {}", args.socket.display()))?;
     let handshake = accept_handshake(&listener, Duration::from_secs(args.accept_timeout))

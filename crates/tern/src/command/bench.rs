@@ -12,10 +12,11 @@ use tern_engine::{
 use tern_page::codec::CodecChoice;
 use tern_synthetic::{SyntheticConfig, SyntheticGuest};
 
-use crate::cli::{BenchCodecArgs, BenchCommand, BenchMigrateArgs, BenchZeroArgs};
+use crate::args::bench::{BenchCodecArgs, BenchCommand, BenchMigrateArgs, BenchZeroArgs};
 use crate::report::print_json;
-use crate::run::spawn_local_destination;
+use crate::session::{destination_guest, spawn_local_destination};
 
+/// `tern bench ...`.
 pub fn run(command: BenchCommand) -> anyhow::Result<ExitCode> {
     match command {
         BenchCommand::Migrate(args) => bench_migrate(&args),
@@ -437,6 +438,7 @@ fn bench_migrate(args: &BenchMigrateArgs) -> anyhow::Result<ExitCode> {
     } else {
         &[("paused", 0), ("dirtying", args.dirty_rate)]
     };
+    let settings = bench_cases(args);
     for &(mode, dirty_rate) in modes {
         eprintln!(
             "bench: filling a {} {mode} guest...",
@@ -452,65 +454,7 @@ fn bench_migrate(args: &BenchMigrateArgs) -> anyhow::Result<ExitCode> {
             dirtier_threads: 1,
         })
         .context("cannot create the guest")?;
-        let zero_copy_settings: &[bool] = if args.zero_copy {
-            &[false, true]
-        } else {
-            &[false]
-        };
-        let decode_settings: Vec<Option<usize>> = if args.decode_threads.is_empty() {
-            vec![None]
-        } else {
-            args.decode_threads.iter().copied().map(Some).collect()
-        };
-        let mut settings = Vec::new();
-        for &channels in &args.channels {
-            for &compression in &args.compression {
-                for &zero_copy in zero_copy_settings {
-                    for &verify in &args.verify {
-                        for &decode_threads in &decode_settings {
-                            if !(zero_copy && compression != CodecChoice::None) {
-                                settings.push(Case {
-                                    channels,
-                                    compression,
-                                    zero_copy,
-                                    verify,
-                                    decode_threads,
-                                });
-                            }
-                        }
-                    }
-                }
-            }
-        }
-        // Interleave the cases run by run, so slow drifts of a shared
-        // machine spread over every case instead of one.
-        let mut runs: Vec<Vec<RunFigures>> = vec![Vec::new(); settings.len()];
-        for run in 0..args.runs {
-            for (index, case) in settings.iter().enumerate() {
-                let figures = one_run(&mut guest, case, args).with_context(|| {
-                    format!(
-                        "{mode} run {run} with {} channels, compression {}",
-                        case.channels, case.compression
-                    )
-                })?;
-                eprintln!(
-                    "bench: {mode:>8} {} ch {:>7}{} verify {} decoders {} run {run}: total {:.0} ms, downtime {:.0} ms (expected {:.0}), {:.2} GiB/s",
-                    case.channels,
-                    case.compression.name(),
-                    if case.zero_copy { " zero-copy" } else { "" },
-                    case.verify.as_str(),
-                    case.decoders(),
-                    figures.total_ms,
-                    figures.downtime_ms,
-                    figures.expected_downtime_ms,
-                    figures.throughput_gib_s
-                );
-                runs[index].push(figures);
-                if dirty_rate > 0 {
-                    guest.resume().context("cannot resume the source guest")?;
-                }
-            }
-        }
+        let runs = run_interleaved(&mut guest, mode, dirty_rate, &settings, args)?;
         for (case, all) in settings.iter().zip(runs) {
             cases.push(CaseResult {
                 guest: mode,
@@ -542,6 +486,82 @@ fn bench_migrate(args: &BenchMigrateArgs) -> anyhow::Result<ExitCode> {
     Ok(ExitCode::SUCCESS)
 }
 
+/// Every combination of the options' lists, less zero-copy with a codec
+/// (zero-copy sends pages as they are).
+fn bench_cases(args: &BenchMigrateArgs) -> Vec<Case> {
+    let zero_copy_settings: &[bool] = if args.zero_copy {
+        &[false, true]
+    } else {
+        &[false]
+    };
+    let decode_settings: Vec<Option<usize>> = if args.decode_threads.is_empty() {
+        vec![None]
+    } else {
+        args.decode_threads.iter().copied().map(Some).collect()
+    };
+    let mut settings = Vec::new();
+    for &channels in &args.channels {
+        for &compression in &args.compression {
+            for &zero_copy in zero_copy_settings {
+                for &verify in &args.verify {
+                    for &decode_threads in &decode_settings {
+                        if !(zero_copy && compression != CodecChoice::None) {
+                            settings.push(Case {
+                                channels,
+                                compression,
+                                zero_copy,
+                                verify,
+                                decode_threads,
+                            });
+                        }
+                    }
+                }
+            }
+        }
+    }
+    settings
+}
+
+/// Runs every case `--runs` times, interleaved run by run so that slow
+/// drifts of a shared machine spread over every case instead of one; the
+/// figures of each case's runs, in the order of `settings`.
+fn run_interleaved(
+    guest: &mut SyntheticGuest,
+    mode: &str,
+    dirty_rate: u64,
+    settings: &[Case],
+    args: &BenchMigrateArgs,
+) -> anyhow::Result<Vec<Vec<RunFigures>>> {
+    let mut runs: Vec<Vec<RunFigures>> = vec![Vec::new(); settings.len()];
+    for run in 0..args.runs {
+        for (index, case) in settings.iter().enumerate() {
+            let figures = one_run(guest, case, args).with_context(|| {
+                format!(
+                    "{mode} run {run} with {} channels, compression {}",
+                    case.channels, case.compression
+                )
+            })?;
+            eprintln!(
+                "bench: {mode:>8} {} ch {:>7}{} verify {} decoders {} run {run}: total {:.0} ms, downtime {:.0} ms (expected {:.0}), {:.2} GiB/s",
+                case.channels,
+                case.compression.name(),
+                if case.zero_copy { " zero-copy" } else { "" },
+                case.verify.as_str(),
+                case.decoders(),
+                figures.total_ms,
+                figures.downtime_ms,
+                figures.expected_downtime_ms,
+                figures.throughput_gib_s
+            );
+            runs[index].push(figures);
+            if dirty_rate > 0 {
+                guest.resume().context("cannot resume the source guest")?;
+            }
+        }
+    }
+    Ok(runs)
+}
+
 /// One configuration compared by `bench migrate`.
 struct Case {
     channels: u16,
@@ -568,13 +588,11 @@ fn one_run(
     let memory = args.memory;
     let listener = Listener::bind(&Address::Tcp("127.0.0.1:0".into()))?;
     let address = listener.local_address()?;
-    let destination = spawn_local_destination(listener, {
-        let mut config = ReceiveConfig::default();
-        // The benchmark's own source: its --verify choice stands.
-        config.allow_unverified = true;
-        config.decode_threads = case.decode_threads;
-        config
-    });
+    let mut receive_config = ReceiveConfig::default();
+    // The benchmark's own source: its --verify choice stands.
+    receive_config.allow_unverified = true;
+    receive_config.decode_threads = case.decode_threads;
+    let destination = spawn_local_destination(listener, receive_config, destination_guest);
     let source = Source::new({
         let mut config = MigrationConfig::default();
         config.channels = case.channels;

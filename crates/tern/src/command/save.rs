@@ -5,70 +5,15 @@ use std::process::ExitCode;
 use std::time::Duration;
 
 use anyhow::Context;
-use clap::Args;
 use serde::Serialize;
 use tern_engine::SourceGuest;
-use tern_engine::snapshot::{SaveConfig, SaveStats};
+use tern_engine::snapshot::SaveStats;
 use tern_synthetic::SyntheticGuest;
 
-use crate::run::Incomplete;
+use crate::args::snapshot::{SaveArgs, SaveFileArgs, VmSaveArgs};
+use crate::report::print_rows;
+use crate::session::{self, Incomplete};
 use crate::units::human_bytes;
-
-/// How to write the file (both guests).
-#[derive(Debug, Args, Clone)]
-pub struct SaveFileArgs {
-    /// The snapshot file to write (replaced if it exists).
-    #[arg(long, short)]
-    pub output: PathBuf,
-    /// Save while the guest runs (precopy into the file, the guest paused
-    /// only for the last pass); default: pause, then write.
-    #[arg(long)]
-    pub live: bool,
-    /// Writer threads.
-    #[arg(long, default_value_t = 4, value_parser = clap::value_parser!(u16).range(1..=256))]
-    pub writers: u16,
-    /// Write pages with O_DIRECT, bypassing the page cache.
-    #[arg(long)]
-    pub direct: bool,
-    /// Leave the guest paused after the save (it is discarded on exit).
-    #[arg(long)]
-    pub stop: bool,
-    /// How long the guest runs before the save starts, in milliseconds.
-    #[arg(long, default_value_t = 200)]
-    pub warmup: u64,
-    /// Print one JSON document instead of the summary.
-    #[arg(long)]
-    pub json: bool,
-}
-
-impl SaveFileArgs {
-    fn config(&self) -> SaveConfig {
-        {
-            let mut config = SaveConfig::default();
-            config.writers = usize::from(self.writers);
-            config.direct = self.direct;
-            config.live = self.live;
-            config.resume = !self.stop;
-            config
-        }
-    }
-}
-
-#[derive(Debug, Args)]
-pub struct SaveArgs {
-    #[command(flatten)]
-    pub guest: crate::cli::GuestArgs,
-    #[command(flatten)]
-    pub file: SaveFileArgs,
-}
-
-#[derive(Debug, Args)]
-pub struct VmSaveArgs {
-    #[command(flatten)]
-    pub vm: crate::vm::VmArgs,
-    #[command(flatten)]
-    pub file: SaveFileArgs,
-}
 
 /// The JSON document: the save's statistics and what became of the guest.
 #[derive(Serialize)]
@@ -85,7 +30,7 @@ struct SaveReport {
 /// `tern save`: a synthetic guest built from the arguments, saved.
 pub fn save(args: &SaveArgs) -> anyhow::Result<ExitCode> {
     args.guest.check()?;
-    crate::run::check_memory_fits(args.guest.resident_estimate(), "the guest")?;
+    session::check_memory_fits(args.guest.resident_estimate(), "the guest")?;
     let mut guest = SyntheticGuest::new(&args.guest.synthetic_config())
         .context("cannot create the synthetic guest")?;
     std::thread::sleep(Duration::from_millis(args.file.warmup));
@@ -95,7 +40,7 @@ pub fn save(args: &SaveArgs) -> anyhow::Result<ExitCode> {
 
 /// `tern vm save`: the KVM test guest booted, run, saved.
 pub fn vm_save(args: &VmSaveArgs) -> anyhow::Result<ExitCode> {
-    let mut guest = args.vm.start(1)?;
+    let mut guest = session::start_kvm_guest(&args.vm, 1)?;
     std::thread::sleep(Duration::from_millis(args.file.warmup));
     let stats = save_guest(&mut guest, &args.file)?;
     let passes = guest.pass_count();
@@ -147,13 +92,4 @@ fn report(
     }
     print_rows("tern save", &rows);
     Ok(ExitCode::SUCCESS)
-}
-
-/// Prints `rows` as an aligned two-column summary under `title`.
-pub fn print_rows(title: &str, rows: &[(&str, String)]) {
-    let width = rows.iter().map(|(key, _)| key.len()).max().unwrap_or(0);
-    println!("{title}");
-    for (key, value) in rows {
-        println!("  {key:width$}  {value}");
-    }
 }

@@ -4,39 +4,18 @@
 
 use std::io::{BufRead, BufReader, Write};
 use std::os::unix::net::UnixStream;
-use std::path::PathBuf;
 use std::process::ExitCode;
 use std::time::Duration;
 
 use anyhow::Context;
-use clap::Args;
 use serde_json::{Map, Value, json};
+
+use crate::args::ctl::CtlArgs;
 
 /// Exit status when the socket refused the command (its error on stderr).
 pub const REFUSED: u8 = 1;
 
-#[derive(Debug, Args)]
-pub struct CtlArgs {
-    /// The control socket (`--control-socket` of migrate, receive or vm).
-    pub socket: PathBuf,
-    /// A command (query-migrate, migrate-set-parameters, migrate_cancel,
-    /// migrate-switch-over, query-events, cont, ...; docs/control.md), or
-    /// `events` to print the events kept so far, then each as it comes,
-    /// until the migration ends.
-    pub command: String,
-    /// The command's arguments as NAME=VALUE, VALUE as JSON when it parses
-    /// as JSON, else as a string: `max-bandwidth=8388608`.
-    pub arguments: Vec<String>,
-    /// How long to wait for the answer (or, for `events`, for the end), in
-    /// seconds.
-    #[arg(long, default_value_t = 30)]
-    pub timeout: u64,
-    /// For `events`: only the events from now on, not first those the
-    /// command kept from before (`query-events`).
-    #[arg(long)]
-    pub no_history: bool,
-}
-
+/// `tern ctl`.
 pub fn run(args: &CtlArgs) -> anyhow::Result<ExitCode> {
     let stream = UnixStream::connect(&args.socket)
         .with_context(|| format!("cannot connect to {}", args.socket.display()))?;

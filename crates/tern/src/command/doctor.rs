@@ -435,6 +435,24 @@ fn queue_recipe(device: &str) -> String {
     )
 }
 
+/// No enabled user work queue: the devices' states, and the recipe for a
+/// queue on the first device.
+fn no_dsa_queue_finding(sysfs_root: &Path) -> Finding {
+    let devices = accelerator_devices(sysfs_root, "dsa");
+    let finding = Finding::new(
+        "dsa",
+        Status::Missing,
+        format!(
+            "no enabled user work queue; DSA devices: {}",
+            device_states(sysfs_root, "dsa")
+        ),
+    );
+    match devices.first() {
+        Some(device) => finding.fix(queue_recipe(device)),
+        None => finding.fix("no DSA device: check VT-d in the firmware and `dmesg | grep idxd`"),
+    }
+}
+
 /// DSA work queues tern can open, and how it would submit to each.
 pub fn dsa_finding(sysfs_root: &Path, dev_root: &Path) -> Finding {
     if !sysfs_root.exists() {
@@ -457,23 +475,7 @@ pub fn dsa_finding(sysfs_root: &Path, dev_root: &Path) -> Finding {
         Err(error @ tern_dsa::DsaError::NoSva { .. }) => {
             return Finding::new("dsa", Status::Missing, error.to_string()).fix(SVA_FIX);
         }
-        Err(_) => {
-            let devices = accelerator_devices(sysfs_root, "dsa");
-            let finding = Finding::new(
-                "dsa",
-                Status::Missing,
-                format!(
-                    "no enabled user work queue; DSA devices: {}",
-                    device_states(sysfs_root, "dsa")
-                ),
-            );
-            return match devices.first() {
-                Some(device) => finding.fix(queue_recipe(device)),
-                None => {
-                    finding.fix("no DSA device: check VT-d in the firmware and `dmesg | grep idxd`")
-                }
-            };
-        }
+        Err(_) => return no_dsa_queue_finding(sysfs_root),
     };
     let mut unusable = Vec::new();
     let mut slow = false;

@@ -7,7 +7,6 @@ use std::process::ExitCode;
 use std::time::Duration;
 
 use anyhow::Context;
-use clap::Args;
 use serde::Serialize;
 use tern_engine::snapshot::LazyStats;
 use tern_engine::{DestinationGuest, GuestError, RestoreConfig};
@@ -15,66 +14,9 @@ use tern_synthetic::SyntheticGuest;
 use tern_vmm::KvmGuest;
 use tern_wire::snapshot::WorkingSet;
 
-use crate::run::Incomplete;
-use crate::save::print_rows;
-
-#[derive(Debug, Args)]
-pub struct RestoreArgs {
-    /// The snapshot file.
-    #[arg(long, short)]
-    pub snapshot: PathBuf,
-    /// Resume the guest at once and fault its memory in from the file
-    /// (userfaultfd), prefetching the working set, then the rest.
-    #[arg(long)]
-    pub lazy: bool,
-    /// Reader threads (eager) or background loaders (lazy).
-    #[arg(long, default_value_t = 2, value_parser = clap::value_parser!(u16).range(1..=256))]
-    pub threads: u16,
-    /// Lazy: prefetch this working set (from --record-working-set of an
-    /// earlier restore) instead of the one saved in the file.
-    #[arg(long)]
-    pub working_set: Option<PathBuf>,
-    /// Lazy: no prefetch of a working set, only the rest in order.
-    #[arg(long)]
-    pub no_prefetch: bool,
-    /// Lazy: write the pages the guest faulted on, in order, to this file
-    /// (a working set for the next --working-set).
-    #[arg(long)]
-    pub record_working_set: Option<PathBuf>,
-    /// How long the restored guest runs before the report, in milliseconds.
-    #[arg(long, default_value_t = 500)]
-    pub run_after: u64,
-    /// Lazy: how long memory may take to load fully, in seconds.
-    #[arg(long, default_value_t = 300)]
-    pub load_timeout: u64,
-    /// Print one JSON document instead of the summary.
-    #[arg(long)]
-    pub json: bool,
-}
-
-impl RestoreArgs {
-    fn config(&self) -> anyhow::Result<RestoreConfig> {
-        let working_set = match &self.working_set {
-            Some(path) => {
-                let bytes = std::fs::read(path)
-                    .with_context(|| format!("cannot read {}", path.display()))?;
-                let set = WorkingSet::decode_file(&bytes)
-                    .with_context(|| format!("--working-set {}", path.display()))?;
-                Some(set.pages)
-            }
-            None => None,
-        };
-        Ok({
-            let mut config = RestoreConfig::default();
-            config.threads = usize::from(self.threads);
-            config.prefetch_working_set = !self.no_prefetch;
-            config.working_set = working_set;
-            config.background = true;
-            config.resume = true;
-            config
-        })
-    }
-}
+use crate::args::snapshot::RestoreArgs;
+use crate::report::print_rows;
+use crate::session::{self, Incomplete};
 
 /// The JSON document.
 #[derive(Serialize)]
@@ -106,7 +48,7 @@ trait Restorable: DestinationGuest + Sized {
 impl Restorable for SyntheticGuest {
     fn make(lens: &[u64]) -> Result<Self, GuestError> {
         let total = lens.iter().sum();
-        crate::run::check_memory_fits(total, "the snapshot's guest")
+        session::check_memory_fits(total, "the snapshot's guest")
             .map_err(|error| GuestError::new(error.to_string()))?;
         SyntheticGuest::empty(lens)
             .map_err(|error| GuestError::with_source("cannot create the guest", error))
@@ -122,7 +64,7 @@ impl Restorable for SyntheticGuest {
 impl Restorable for KvmGuest {
     fn make(lens: &[u64]) -> Result<Self, GuestError> {
         let total = lens.iter().sum();
-        crate::run::check_memory_fits(total, "the snapshot's guest")
+        session::check_memory_fits(total, "the snapshot's guest")
             .map_err(|error| GuestError::new(error.to_string()))?;
         KvmGuest::for_destination(lens).map_err(GuestError::from)
     }
@@ -145,7 +87,7 @@ pub fn vm_restore(args: &RestoreArgs) -> anyhow::Result<ExitCode> {
 }
 
 fn run<G: Restorable>(args: &RestoreArgs) -> anyhow::Result<ExitCode> {
-    let config = args.config()?;
+    let config = restore_config(args)?;
     let failed = |error| Incomplete::error(error, "the restore failed; no guest runs");
     let (mut guest, resumed_after_ms, lazy, digest) = if args.lazy {
         let restore =
@@ -230,4 +172,28 @@ fn print_report(args: &RestoreArgs, report: &RestoreReport) -> anyhow::Result<()
     }
     print_rows("tern restore", &rows);
     Ok(())
+}
+
+/// The engine's settings for the restore, with the working set
+/// `--working-set` names read from its file.
+fn restore_config(args: &RestoreArgs) -> anyhow::Result<RestoreConfig> {
+    let working_set = match &args.working_set {
+        Some(path) => {
+            let bytes =
+                std::fs::read(path).with_context(|| format!("cannot read {}", path.display()))?;
+            let set = WorkingSet::decode_file(&bytes)
+                .with_context(|| format!("--working-set {}", path.display()))?;
+            Some(set.pages)
+        }
+        None => None,
+    };
+    Ok({
+        let mut config = RestoreConfig::default();
+        config.threads = usize::from(args.threads);
+        config.prefetch_working_set = !args.no_prefetch;
+        config.working_set = working_set;
+        config.background = true;
+        config.resume = true;
+        config
+    })
 }

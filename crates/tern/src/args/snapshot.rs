@@ -1,0 +1,132 @@
+//! The syntax of the snapshot commands: `tern save`, `tern vm save`,
+//! `tern restore`, `tern vm restore` and `tern serve-pages`.
+
+use std::path::PathBuf;
+
+use clap::Args;
+use tern_engine::snapshot::SaveConfig;
+
+use super::GuestArgs;
+use super::vm::VmArgs;
+
+/// How to write the file (both guests).
+#[derive(Debug, Args, Clone)]
+pub struct SaveFileArgs {
+    /// The snapshot file to write (replaced if it exists).
+    #[arg(long, short)]
+    pub output: PathBuf,
+    /// Save while the guest runs (precopy into the file, the guest paused
+    /// only for the last pass); default: pause, then write.
+    #[arg(long)]
+    pub live: bool,
+    /// Writer threads.
+    #[arg(long, default_value_t = 4, value_parser = clap::value_parser!(u16).range(1..=256))]
+    pub writers: u16,
+    /// Write pages with O_DIRECT, bypassing the page cache.
+    #[arg(long)]
+    pub direct: bool,
+    /// Leave the guest paused after the save (it is discarded on exit).
+    #[arg(long)]
+    pub stop: bool,
+    /// How long the guest runs before the save starts, in milliseconds.
+    #[arg(long, default_value_t = 200)]
+    pub warmup: u64,
+    /// Print one JSON document instead of the summary.
+    #[arg(long)]
+    pub json: bool,
+}
+
+impl SaveFileArgs {
+    /// The engine's settings for the save.
+    pub fn config(&self) -> SaveConfig {
+        {
+            let mut config = SaveConfig::default();
+            config.writers = usize::from(self.writers);
+            config.direct = self.direct;
+            config.live = self.live;
+            config.resume = !self.stop;
+            config
+        }
+    }
+}
+
+#[derive(Debug, Args)]
+pub struct SaveArgs {
+    #[command(flatten)]
+    pub guest: GuestArgs,
+    #[command(flatten)]
+    pub file: SaveFileArgs,
+}
+
+#[derive(Debug, Args)]
+pub struct VmSaveArgs {
+    #[command(flatten)]
+    pub vm: VmArgs,
+    #[command(flatten)]
+    pub file: SaveFileArgs,
+}
+
+#[derive(Debug, Args)]
+pub struct RestoreArgs {
+    /// The snapshot file.
+    #[arg(long, short)]
+    pub snapshot: PathBuf,
+    /// Resume the guest at once and fault its memory in from the file
+    /// (userfaultfd), prefetching the working set, then the rest.
+    #[arg(long)]
+    pub lazy: bool,
+    /// Reader threads (eager) or background loaders (lazy).
+    #[arg(long, default_value_t = 2, value_parser = clap::value_parser!(u16).range(1..=256))]
+    pub threads: u16,
+    /// Lazy: prefetch this working set (from --record-working-set of an
+    /// earlier restore) instead of the one saved in the file.
+    #[arg(long)]
+    pub working_set: Option<PathBuf>,
+    /// Lazy: no prefetch of a working set, only the rest in order.
+    #[arg(long)]
+    pub no_prefetch: bool,
+    /// Lazy: write the pages the guest faulted on, in order, to this file
+    /// (a working set for the next --working-set).
+    #[arg(long)]
+    pub record_working_set: Option<PathBuf>,
+    /// How long the restored guest runs before the report, in milliseconds.
+    #[arg(long, default_value_t = 500)]
+    pub run_after: u64,
+    /// Lazy: how long memory may take to load fully, in seconds.
+    #[arg(long, default_value_t = 300)]
+    pub load_timeout: u64,
+    /// Print one JSON document instead of the summary.
+    #[arg(long)]
+    pub json: bool,
+}
+
+#[derive(Debug, Args)]
+pub struct ServePagesArgs {
+    /// The Unix socket to listen on (the path given to Firecracker's
+    /// snapshot load as the UFFD backend); it must not exist yet.
+    #[arg(long)]
+    pub socket: PathBuf,
+    /// Serve this tern snapshot (its regions must be the VMM's, in order).
+    #[arg(
+        long,
+        required_unless_present = "memory_file",
+        conflicts_with = "memory_file"
+    )]
+    pub snapshot: Option<PathBuf>,
+    /// Serve this raw memory file (Firecracker's snapshot memory file).
+    #[arg(long)]
+    pub memory_file: Option<PathBuf>,
+    /// How long to wait for the VMM to connect and send its handshake, in
+    /// seconds.
+    #[arg(long, default_value_t = 60)]
+    pub accept_timeout: u64,
+    /// Background loader threads (0: serve faults only).
+    #[arg(long, default_value_t = 1)]
+    pub loaders: u16,
+    /// Do not prefetch the snapshot's recorded working set first.
+    #[arg(long)]
+    pub no_prefetch: bool,
+    /// Print one JSON document at the end instead of the summary.
+    #[arg(long)]
+    pub json: bool,
+}

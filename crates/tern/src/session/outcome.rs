@@ -1,0 +1,131 @@
+//! How a command ends: the errors that carry what became of the guest, and
+//! tern's exit statuses for them (docs/cli.md, "Exit status").
+
+use tern_engine::{MigrationError, MigrationStats};
+
+use super::interrupt::interrupted_by;
+
+/// A migration that started and did not complete, with what became of the
+/// guest. `tern` exits with [`exit::FAILED`] for it, [`exit::NOTHING_SENT`]
+/// when it never got past the handshake, [`exit::OUTCOME_UNKNOWN`] when the
+/// switch-over's outcome is unknown, [`exit::CANCELLED`] when a control
+/// command cancelled it, or 128 + the signal that cancelled it; any other
+/// error is a usage or setup error ([`exit::USAGE`]).
+#[derive(Debug)]
+pub struct Incomplete(pub String);
+
+impl std::fmt::Display for Incomplete {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl Incomplete {
+    /// A failed or cancelled migration whose cause is `error`.
+    pub fn error(error: impl Into<anyhow::Error>, what: impl Into<String>) -> anyhow::Error {
+        error.into().context(Self(what.into()))
+    }
+
+    /// A failed source migration, with the exit status its report implies.
+    pub fn source(failure: tern_engine::MigrationFailure, what: &str) -> anyhow::Error {
+        Self::source_error(failure.error, what, &failure.stats)
+    }
+
+    /// A source's `error`, with `stats` its report: a [`NothingSent`] when
+    /// it failed before anything was sent.
+    pub fn source_error(
+        error: MigrationError,
+        what: &str,
+        stats: &MigrationStats,
+    ) -> anyhow::Error {
+        let nothing_sent = stats.failed_in == Some(tern_engine::MigrationStatus::Setup)
+            && !matches!(
+                error,
+                MigrationError::Cancelled | MigrationError::OutcomeUnknown(_)
+            );
+        if nothing_sent {
+            anyhow::Error::from(error).context(NothingSent)
+        } else {
+            Self::error(error, what)
+        }
+    }
+}
+
+/// A migration that failed before anything was sent: the destination could
+/// not be reached, or the handshake with it failed. The source guest runs
+/// on.
+#[derive(Debug)]
+pub struct NothingSent;
+
+impl std::fmt::Display for NothingSent {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("nothing was sent; the source guest runs on")
+    }
+}
+
+/// tern's exit statuses (docs/cli.md, "Exit status").
+pub mod exit {
+    /// It failed mid-migration; the source guest runs on.
+    pub const FAILED: u8 = 1;
+    /// A usage or setup error: nothing was started.
+    pub const USAGE: u8 = 2;
+    /// The source committed and the destination did not confirm: the source
+    /// guest stays paused, the outcome is unknown.
+    pub const OUTCOME_UNKNOWN: u8 = 3;
+    /// Nothing was sent: the destination could not be reached, or it did
+    /// not complete the handshake (not a tern destination, refused, timed
+    /// out). The source guest runs on.
+    pub const NOTHING_SENT: u8 = 4;
+    /// Cancelled by a control command (`migrate_cancel`); the source guest
+    /// runs on.
+    pub const CANCELLED: u8 = 5;
+    /// Postcopy failed after the point of no return (or its digests
+    /// differed): the guest no longer runs on the source, which stays
+    /// paused; see the error line for where the guest is.
+    pub const POSTCOPY_FAILED: u8 = 6;
+}
+
+/// The exit status for an error: see [`Incomplete`] and docs/cli.md.
+pub fn exit_code(error: &anyhow::Error) -> u8 {
+    let cause_is = |test: fn(&MigrationError) -> bool| {
+        error
+            .chain()
+            .any(|cause| cause.downcast_ref::<MigrationError>().is_some_and(test))
+    };
+    if error.downcast_ref::<NothingSent>().is_some() {
+        match interrupted_by() {
+            Some(signal) => 128 + signal as u8,
+            None => exit::NOTHING_SENT,
+        }
+    } else if error.downcast_ref::<Incomplete>().is_none() {
+        exit::USAGE
+    } else if cause_is(|error| matches!(error, MigrationError::OutcomeUnknown(_))) {
+        exit::OUTCOME_UNKNOWN
+    } else if cause_is(|error| {
+        matches!(
+            error,
+            MigrationError::PostcopyFailed { .. } | MigrationError::PostcopyDigestMismatch { .. }
+        )
+    }) {
+        exit::POSTCOPY_FAILED
+    } else if let Some(signal) = interrupted_by() {
+        128 + signal as u8
+    } else if cause_is(|error| matches!(error, MigrationError::Cancelled)) {
+        exit::CANCELLED
+    } else {
+        exit::FAILED
+    }
+}
+
+/// What became of the source guest after `error`, for the one error line.
+pub fn source_guest_after(error: &MigrationError) -> &'static str {
+    if matches!(error, MigrationError::OutcomeUnknown(_)) {
+        "the switch-over's outcome is unknown; the source guest stays paused"
+    } else if matches!(error, MigrationError::PostcopyFailed { .. }) {
+        "postcopy failed after the point of no return; the source guest stays paused and the guest is lost unless the destination still runs it whole"
+    } else if matches!(error, MigrationError::PostcopyDigestMismatch { .. }) {
+        "the guest runs on the destination, whose memory differs from the source's; the source guest stays paused"
+    } else {
+        "the migration did not complete; the source guest runs on"
+    }
+}

@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 use tern_page::codec::{CodecDictionary, QplPath};
 use tern_wire::{DigestAlgorithm, SessionSetup, Sync};
 
-use super::decode::DecodePool;
+use super::landing_pool::DecodePool;
 use super::dictionary::SessionDictionaries;
 use super::stream::FrameSource;
 use super::userfault::Userfault;

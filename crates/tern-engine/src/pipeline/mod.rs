@@ -35,7 +35,6 @@ use crate::error::ChannelError;
 use crate::error::MigrationError;
 use crate::guest::{MemoryRegion, PAGE_SIZE};
 use crate::ring::{Doorbell, Ring};
-use crate::source::{DictionaryRefresher, RatioWindow, sample_dirty_pages};
 use crate::stats::{
     CodecReport, CompressionReport, LiveStats, OffloadReport, ZeroDetectionReport,
     thread_cpu_seconds,
@@ -52,6 +51,7 @@ mod dictionary_refresh;
 mod encode;
 mod rate;
 mod report;
+mod refresher;
 mod reuse;
 mod sender;
 mod worker;
@@ -59,13 +59,14 @@ mod zero_as_normal;
 
 pub(crate) use crate::stats::ReuseCounts;
 use auto_codec::{AutoCodec, calibrate_codecs};
-pub(crate) use auto_codec::{CompressionSetup, SWITCH_MARGIN, calibration_sample, sample_pages};
+pub(crate) use auto_codec::{CodecCost, CompressionSetup, SWITCH_MARGIN, calibration_sample, sample_pages};
 use batch::{Batch, Completion, SendItem, page_ptr};
 use classify::classify;
 use dedup::{DedupIndex, Reference, resend_referencing_pages};
 use delta_cache::DeltaCache;
 use encode::{Scratch, encode};
 use rate::{LinkQueue, RateLimiter};
+use refresher::{DictionaryRefresher, RatioWindow, sample_dirty_pages};
 pub(crate) use sender::PageSender;
 use sender::run_sender;
 use worker::run_worker;

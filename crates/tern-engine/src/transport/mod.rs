@@ -7,12 +7,14 @@
 //! [`seam`] (how the engine gets its channels: [`Connect`] and [`Accept`],
 //! which an embedder may implement), [`socket`] (vsock and inherited
 //! descriptors), [`auth`] (the shared-key handshake), [`tls`] (rustls and
-//! kernel TLS), [`security`] (what each side requires of a channel) and
+//! kernel TLS), [`security`] (what each side requires of a channel, with the
+//! leaf `channel_security`: what a handshake established) and
 //! [`zerocopy`] (the zero-copy senders built on a [`Channel`]).
 //! Dependencies point inwards only: the others use this file, never the
 //! reverse.
 
 pub mod auth;
+mod channel_security;
 pub mod seam;
 pub mod security;
 pub mod socket;
@@ -283,7 +285,7 @@ pub struct Channel {
     message_timeout: Option<Duration>,
     /// What the channel's handshake established, for the peer's checks and
     /// the statistics.
-    security: security::ChannelSecurity,
+    security: channel_security::ChannelSecurity,
     /// Seals every control frame sent, once the key exchange agreed a
     /// session key (the main channel with a shared key).
     sealer: Option<Box<auth::ControlSealer>>,
@@ -361,7 +363,7 @@ impl Channel {
             stream,
             fd,
             message_timeout: None,
-            security: security::ChannelSecurity::default(),
+            security: channel_security::ChannelSecurity::default(),
             sealer: None,
             opener: None,
             transfer: None,
@@ -480,7 +482,7 @@ impl Channel {
     }
 
     /// The transport and security the channel's handshake established.
-    pub fn security(&self) -> &security::ChannelSecurity {
+    pub fn security(&self) -> &channel_security::ChannelSecurity {
         &self.security
     }
 

@@ -1,8 +1,17 @@
 //! Which codec a batch uses: the configured one, or `auto`, which
 //! re-decides from the link rate and the codecs' measured speed and ratio.
 
-use super::rate::{LinkWindow, QueueSamples, link_estimate};
-use super::*;
+use std::sync::atomic::Ordering;
+use std::time::{Duration, Instant};
+
+use tern_page::PageCompressor;
+use tern_page::codec::{CodecChoice, CodecCounters, CodecId, CodecStats, QplPath};
+
+use super::delta_cache::DeltaCache;
+use super::rate::{LinkQueue, LinkWindow, QueueSamples, link_estimate};
+use super::{Pipeline, delta_cache};
+use crate::bitmap::DirtyBitmap;
+use crate::guest::{MemoryRegion, PAGE_SIZE};
 
 /// What compressing pages costs at the codec and level in force: the
 /// workers' guest bytes per CPU second together, and the ratio, as last

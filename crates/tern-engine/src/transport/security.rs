@@ -5,9 +5,9 @@ use std::sync::Arc;
 
 use tern_wire::{AuthHello, AuthProof, Handshake, Message};
 
-pub use super::channel_security::{ChannelSecurity, TlsInfo};
 use super::Channel;
 use super::auth::{self, AuthKey, Bound};
+pub use super::channel_security::{ChannelSecurity, TlsInfo};
 use super::tls::{self, TlsConfig};
 use crate::error::ChannelError;
 

@@ -5,10 +5,10 @@ use std::sync::Arc;
 
 use tern_wire::{AuthHello, AuthProof, Handshake, Message};
 
-use super::Channel;
 use super::auth::{self, AuthKey, Bound};
 pub use super::channel_security::{ChannelSecurity, TlsInfo};
 use super::tls::{self, TlsConfig};
+use super::{Channel, Expected};
 use crate::error::ChannelError;
 
 /// The protections one side applies to each of its channels.
@@ -73,7 +73,7 @@ fn client_auth(
         handshake,
         nonce: source_nonce,
     }))?;
-    let challenge = match channel.read_message()? {
+    let challenge = match channel.read_expected(Expected::AUTH_CHALLENGE)? {
         Message::AuthChallenge(challenge) => challenge,
         Message::Abort(abort) => {
             return Err(ChannelError::Auth(format!(

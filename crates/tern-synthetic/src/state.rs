@@ -228,6 +228,10 @@ impl Reader<'_> {
 }
 
 #[cfg(test)]
+#[expect(
+    clippy::cast_possible_truncation,
+    reason = "test data is made by truncating random numbers"
+)]
 mod tests {
     use super::*;
 

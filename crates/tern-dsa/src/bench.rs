@@ -98,12 +98,7 @@ pub fn bench_zero_report(buffer_bytes: usize, rounds: usize) -> ZeroBench {
         ("last-byte", Some(PAGE_SIZE - 1)),
     ];
     for (case, mark) in cases {
-        for page in buf.chunks_exact_mut(PAGE_SIZE) {
-            page.fill(0);
-            if let Some(off) = mark {
-                page[off] = 1;
-            }
-        }
+        mark_pages(buf, mark);
         let expect_zero = mark.is_none();
         let buf: &[u8] = buf;
         let row = |backend: String, f: &mut dyn FnMut() -> usize| {
@@ -152,15 +147,30 @@ pub fn bench_zero_report(buffer_bytes: usize, rounds: usize) -> ZeroBench {
             rows.push(measured);
         }
     }
-    let dsa = match (dsa_missing, offloads.iter().find(|(name, _)| name == "dsa")) {
+    let dsa = dsa_outcome(dsa_missing, &offloads);
+    ZeroBench { rows, dsa }
+}
+
+/// Zeroes every page of `buf`, then sets the byte at `mark` in each.
+fn mark_pages(buf: &mut [u8], mark: Option<usize>) {
+    for page in buf.chunks_exact_mut(PAGE_SIZE) {
+        page.fill(0);
+        if let Some(off) = mark {
+            page[off] = 1;
+        }
+    }
+}
+
+/// What the hardware DSA did, or why it is missing.
+fn dsa_outcome(dsa_missing: Option<String>, offloads: &[NamedOffload]) -> DsaBench {
+    match (dsa_missing, offloads.iter().find(|(name, _)| name == "dsa")) {
         (_, Some((_, dsa))) => DsaBench::Measured {
             describe: dsa.describe(),
             stats: dsa.stats(),
         },
         (Some(why), None) => DsaBench::Missing(why),
         (None, None) => DsaBench::Missing("not opened".to_owned()),
-    };
-    ZeroBench { rows, dsa }
+    }
 }
 
 /// An offload with its row name.

@@ -34,6 +34,13 @@
 //!
 //! No assertion: a benchmark prints what it measured, on whatever machine.
 
+// Test and measurement data: sizes, offsets and counters of small guests.
+#![allow(
+    clippy::cast_possible_truncation,
+    clippy::cast_sign_loss,
+    clippy::cast_possible_wrap
+)]
+
 use std::time::Instant;
 
 const PAGE: usize = 4096;
@@ -96,35 +103,35 @@ struct Userfault {
 
 /// `ioctl` numbers and structures of `linux/userfaultfd.h` (x86-64).
 mod uffd {
-    pub const USERFAULTFD_IOC_NEW: libc::c_ulong = 0xaa00;
-    pub const UFFDIO_API: libc::c_ulong = 0xc018_aa3f;
-    pub const UFFDIO_REGISTER: libc::c_ulong = 0xc020_aa00;
-    pub const UFFDIO_COPY: libc::c_ulong = 0xc028_aa03;
-    pub const UFFD_API: u64 = 0xaa;
-    pub const UFFDIO_REGISTER_MODE_MISSING: u64 = 1;
+    pub(super) const USERFAULTFD_IOC_NEW: libc::c_ulong = 0xaa00;
+    pub(super) const UFFDIO_API: libc::c_ulong = 0xc018_aa3f;
+    pub(super) const UFFDIO_REGISTER: libc::c_ulong = 0xc020_aa00;
+    pub(super) const UFFDIO_COPY: libc::c_ulong = 0xc028_aa03;
+    pub(super) const UFFD_API: u64 = 0xaa;
+    pub(super) const UFFDIO_REGISTER_MODE_MISSING: u64 = 1;
 
     #[repr(C)]
-    pub struct Api {
-        pub api: u64,
-        pub features: u64,
-        pub ioctls: u64,
+    pub(super) struct Api {
+        pub(super) api: u64,
+        pub(super) features: u64,
+        pub(super) ioctls: u64,
     }
 
     #[repr(C)]
-    pub struct Register {
-        pub start: u64,
-        pub len: u64,
-        pub mode: u64,
-        pub ioctls: u64,
+    pub(super) struct Register {
+        pub(super) start: u64,
+        pub(super) len: u64,
+        pub(super) mode: u64,
+        pub(super) ioctls: u64,
     }
 
     #[repr(C)]
-    pub struct Copy {
-        pub dst: u64,
-        pub src: u64,
-        pub len: u64,
-        pub mode: u64,
-        pub copy: i64,
+    pub(super) struct Copy {
+        pub(super) dst: u64,
+        pub(super) src: u64,
+        pub(super) len: u64,
+        pub(super) mode: u64,
+        pub(super) copy: i64,
     }
 }
 

@@ -240,10 +240,12 @@ fn receive(listener: Listener) -> Result<tern_engine::Received<ArrivingVm>, Migr
 /// Migrates the VM, checks the destination, then shows that a hot-plug
 /// during a migration stops it with the source running; `tests/vm_memory.rs`
 /// runs it too.
-pub fn main() -> Result<(), Box<dyn std::error::Error>> {
+pub(crate) fn main() -> Result<(), Box<dyn std::error::Error>> {
     const MEMORY_MIB: usize = 32;
     let guest_memory = guest_memory(MEMORY_MIB)?;
-    let pattern: Vec<u8> = (0..MIB).map(|i| (i % 251) as u8).collect();
+    let pattern: Vec<u8> = (0..MIB)
+        .map(|i| u8::try_from(i % 251).expect("below 251"))
+        .collect();
     for offset in (0..8 * MIB as u64).step_by(MIB) {
         guest_memory
             .memory()

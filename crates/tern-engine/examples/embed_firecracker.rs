@@ -49,24 +49,24 @@ mod firecracker {
         MemoryRegionAddress, MmapRegion, VolatileSlice,
     };
 
-    pub type GuestRegionMmap = vm_memory::GuestRegionMmap<Option<AtomicBitmap>>;
-    pub type GuestMemoryMmap = vm_memory::GuestRegionCollection<GuestRegionMmapExt>;
+    pub(crate) type GuestRegionMmap = vm_memory::GuestRegionMmap<Option<AtomicBitmap>>;
+    pub(crate) type GuestMemoryMmap = vm_memory::GuestRegionCollection<GuestRegionMmapExt>;
 
     #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-    pub enum GuestRegionType {
+    pub(crate) enum GuestRegionType {
         Dram,
         Hotpluggable,
     }
 
     #[derive(Debug)]
-    pub struct GuestRegionMmapExt {
-        pub inner: GuestRegionMmap,
-        pub region_type: GuestRegionType,
+    pub(crate) struct GuestRegionMmapExt {
+        pub(crate) inner: GuestRegionMmap,
+        pub(crate) region_type: GuestRegionType,
         #[expect(dead_code, reason = "KVM slot numbers: this example runs no KVM")]
-        pub slot_from: u32,
-        pub slot_size: usize,
+        pub(crate) slot_from: u32,
+        pub(crate) slot_size: usize,
         /// Whether each slot is plugged (a `BitVec` in Firecracker).
-        pub plugged: Mutex<Vec<bool>>,
+        pub(crate) plugged: Mutex<Vec<bool>>,
     }
 
     impl Deref for GuestRegionMmapExt {
@@ -176,7 +176,7 @@ fn build_memory(plugged: &[bool]) -> Result<GuestMemoryMmap, Box<dyn std::error:
 mod region {
     use vm_memory::{GuestMemoryRegion, MemoryRegionAddress};
 
-    pub fn protect(
+    pub(crate) fn protect(
         region: &super::GuestRegionMmapExt,
         offset: usize,
         len: usize,
@@ -205,8 +205,9 @@ fn plugged_ranges(region: &GuestRegionMmapExt) -> Vec<Range<u64>> {
     }
     let slot = region.slot_size as u64;
     let plugged = region.plugged.lock().expect("plugged");
-    (0..plugged.len() as u64)
-        .filter(|&index| plugged[index as usize])
+    (0..plugged.len())
+        .filter(|&index| plugged[index])
+        .map(|index| index as u64)
         .map(|index| index * slot..(index + 1) * slot)
         .collect()
 }
@@ -354,9 +355,11 @@ impl DeviceState for ArrivingVm {
 
 /// Migrates the microVM and checks the destination; `tests/vm_memory.rs`
 /// runs it too.
-pub fn main() -> Result<(), Box<dyn std::error::Error>> {
+pub(crate) fn main() -> Result<(), Box<dyn std::error::Error>> {
     let memory = build_memory(&PLUGGED)?;
-    let pattern: Vec<u8> = (0..MIB).map(|i| (i % 251) as u8).collect();
+    let pattern: Vec<u8> = (0..MIB)
+        .map(|i| u8::try_from(i % 251).expect("below 251"))
+        .collect();
     for offset in (0..8 * MIB as u64).step_by(MIB) {
         memory.write_slice(&pattern, GuestAddress(DRAM.0 + offset))?;
     }
@@ -426,8 +429,13 @@ fn tern_regions_equal(from: &[MemoryRegion], to: &[MemoryRegion]) -> bool {
             // accessible) and nothing writes them now: the source is paused,
             // the destination guest has no vCPU.
             unsafe {
-                std::slice::from_raw_parts(from.host_ptr(), from.len() as usize)
-                    == std::slice::from_raw_parts(to.host_ptr(), to.len() as usize)
+                std::slice::from_raw_parts(from.host_ptr(), region_len(from.len()))
+                    == std::slice::from_raw_parts(to.host_ptr(), region_len(to.len()))
             }
         })
+}
+
+/// A mapped region's length, which fits the address space it is mapped in.
+fn region_len(len: u64) -> usize {
+    usize::try_from(len).expect("a mapped region fits the address space")
 }

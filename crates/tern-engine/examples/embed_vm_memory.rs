@@ -187,12 +187,14 @@ impl DeviceState for ArrivingVm {
 
 /// Migrates the guest and checks the destination; `tests/vm_memory.rs`
 /// runs it too, so the suite covers what CI runs.
-pub fn main() -> Result<(), Box<dyn std::error::Error>> {
+pub(crate) fn main() -> Result<(), Box<dyn std::error::Error>> {
     let memory: GuestMemoryMmap<AtomicBitmap> = GuestMemoryMmap::from_ranges(&[
         (GuestAddress(0), 32 * MIB),
         (GuestAddress(1 << 32), 16 * MIB),
     ])?;
-    let pattern: Vec<u8> = (0..MIB).map(|i| (i % 251) as u8).collect();
+    let pattern: Vec<u8> = (0..MIB)
+        .map(|i| u8::try_from(i % 251).expect("below 251"))
+        .collect();
     for offset in (0..8 * MIB).step_by(MIB) {
         memory.write_slice(&pattern, GuestAddress(offset as u64))?;
         memory.write_slice(&pattern, GuestAddress((1 << 32) + offset as u64))?;
@@ -241,8 +243,8 @@ pub fn main() -> Result<(), Box<dyn std::error::Error>> {
             // nothing writes them now (the source is paused, the destination
             // guest has no vCPU).
             unsafe {
-                std::slice::from_raw_parts(from.host_ptr(), from.len() as usize)
-                    == std::slice::from_raw_parts(to.host_ptr(), to.len() as usize)
+                std::slice::from_raw_parts(from.host_ptr(), region_len(from.len()))
+                    == std::slice::from_raw_parts(to.host_ptr(), region_len(to.len()))
             }
         });
     println!(
@@ -261,4 +263,9 @@ pub fn main() -> Result<(), Box<dyn std::error::Error>> {
         return Err("the destination differs from the source".into());
     }
     Ok(())
+}
+
+/// A mapped region's length, which fits the address space it is mapped in.
+fn region_len(len: u64) -> usize {
+    usize::try_from(len).expect("a mapped region fits the address space")
 }

@@ -5,6 +5,13 @@
 //! `SO_EE_CODE_ZEROCOPY_COPIED`), so this measures the cost of the
 //! zero-copy bookkeeping; the gain needs a real NIC.
 
+// Test and measurement data: sizes, offsets and counters of small guests.
+#![allow(
+    clippy::cast_possible_truncation,
+    clippy::cast_sign_loss,
+    clippy::cast_possible_wrap
+)]
+
 use tern_engine::zerocopy::{SendMode, measure_cpu_per_gib};
 
 fn main() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {

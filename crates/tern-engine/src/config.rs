@@ -534,6 +534,16 @@ impl MigrationConfig {
         if self.postcopy_max_throttle > 99 {
             return bad("postcopy_max_throttle", "a percentage of at most 99".into());
         }
+        self.validate_zero_pages()?;
+        self.validate_zstd_options()?;
+        self.validate_zero_copy()
+    }
+
+    /// The zero-page benchmark knob and the DSA device it may be given.
+    fn validate_zero_pages(&self) -> Result<(), MigrationError> {
+        let bad = |field: &'static str, reason: String| {
+            Err(MigrationError::InvalidConfig { field, reason })
+        };
         if !(0.0..=1.0).contains(&self.zero_page_as_normal) {
             return bad(
                 "zero_page_as_normal",
@@ -549,7 +559,15 @@ impl MigrationConfig {
                 ),
             );
         }
-        self.validate_zstd_options()?;
+        Ok(())
+    }
+
+    /// Zero-copy sends only from guest memory: nothing that builds pages in
+    /// a private buffer goes with it.
+    fn validate_zero_copy(&self) -> Result<(), MigrationError> {
+        let bad = |field: &'static str, reason: String| {
+            Err(MigrationError::InvalidConfig { field, reason })
+        };
         if self.zero_copy && self.compression != CodecChoice::None {
             return bad(
                 "zero_copy",

@@ -8,6 +8,13 @@
 //! Each test prints its time to reject (`--nocapture` shows it), the figure
 //! docs/security.md reports.
 
+// Test and measurement data: sizes, offsets and counters of small guests.
+#![allow(
+    clippy::cast_possible_truncation,
+    clippy::cast_sign_loss,
+    clippy::cast_possible_wrap
+)]
+
 mod common;
 
 use std::sync::mpsc;

@@ -5,6 +5,13 @@
 //! wrong size or cut short). Each must end in a clear error within a
 //! bounded time.
 
+// Test and measurement data: sizes, offsets and counters of small guests.
+#![allow(
+    clippy::cast_possible_truncation,
+    clippy::cast_sign_loss,
+    clippy::cast_possible_wrap
+)]
+
 mod common;
 
 use std::time::Duration;

@@ -1,6 +1,13 @@
 //! Bad input and faults: every case ends in a clear error, never a panic,
 //! a hang, or a write outside guest memory, and the source guest survives.
 
+// Test and measurement data: sizes, offsets and counters of small guests.
+#![allow(
+    clippy::cast_possible_truncation,
+    clippy::cast_sign_loss,
+    clippy::cast_possible_wrap
+)]
+
 mod common;
 
 use std::time::Duration;

@@ -2,6 +2,13 @@
 //! the synthetic guest's dirtier running on the destination while its
 //! missing pages arrive. Skipped visibly without userfaultfd.
 
+// Test and measurement data: sizes, offsets and counters of small guests.
+#![allow(
+    clippy::cast_possible_truncation,
+    clippy::cast_sign_loss,
+    clippy::cast_possible_wrap
+)]
+
 mod common;
 
 use std::time::Duration;

@@ -2,6 +2,13 @@
 //! eagerly and lazily, every restore proved by the guest's digest; and
 //! every kind of bad file refused with one line, no guest resumed on it.
 
+// Test and measurement data: sizes, offsets and counters of small guests.
+#![allow(
+    clippy::cast_possible_truncation,
+    clippy::cast_sign_loss,
+    clippy::cast_possible_wrap
+)]
+
 mod common;
 
 use std::fs::OpenOptions;

@@ -3,6 +3,13 @@
 //! both hosts, is never left paused without a bounded wait, and a silent or
 //! trickling peer is detected.
 
+// Test and measurement data: sizes, offsets and counters of small guests.
+#![allow(
+    clippy::cast_possible_truncation,
+    clippy::cast_sign_loss,
+    clippy::cast_possible_wrap
+)]
+
 mod common;
 
 use std::sync::Arc;

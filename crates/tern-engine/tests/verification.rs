@@ -5,6 +5,13 @@
 //! Each case ends with the digests differing and the guest not resumed;
 //! a control case shows the same fake source verifies when it is honest.
 
+// Test and measurement data: sizes, offsets and counters of small guests.
+#![allow(
+    clippy::cast_possible_truncation,
+    clippy::cast_sign_loss,
+    clippy::cast_possible_wrap
+)]
+
 mod common;
 
 use std::sync::{Arc, Mutex};

@@ -302,10 +302,10 @@ mod tests {
             (seed >> 33) % bound
         };
         for _ in 0..500 {
-            let count = 1 + next(6) as usize;
+            let count = 1 + usize::try_from(next(6)).expect("below 6");
             let loads: Vec<Load> = (0..count)
                 .map(|_| Load {
-                    priority: next(3) as i32,
+                    priority: i32::try_from(next(3)).expect("below 3"),
                     remaining: next(1 << 30),
                     dirty_rate: next(160 * MB),
                     transfer_rate: next(130 * MB),

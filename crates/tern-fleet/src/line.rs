@@ -5,7 +5,7 @@ use std::io::{BufRead, Read, Write};
 
 /// Why a line could not be read.
 #[derive(Debug)]
-pub enum LineError {
+pub(crate) enum LineError {
     /// The connection ended (or failed).
     Closed,
     /// The line was longer than the limit.
@@ -13,7 +13,7 @@ pub enum LineError {
 }
 
 /// The next non-empty line, without its newline.
-pub fn read_line(reader: &mut impl BufRead, limit: u64) -> Result<Vec<u8>, LineError> {
+pub(crate) fn read_line(reader: &mut impl BufRead, limit: u64) -> Result<Vec<u8>, LineError> {
     loop {
         let mut line = Vec::new();
         match reader.take(limit + 1).read_until(b'\n', &mut line) {
@@ -33,7 +33,7 @@ pub fn read_line(reader: &mut impl BufRead, limit: u64) -> Result<Vec<u8>, LineE
 }
 
 /// Writes `line` and a newline.
-pub fn write_line(writer: &mut impl Write, line: &str) -> std::io::Result<()> {
+pub(crate) fn write_line(writer: &mut impl Write, line: &str) -> std::io::Result<()> {
     let mut bytes = Vec::with_capacity(line.len() + 1);
     bytes.extend_from_slice(line.as_bytes());
     bytes.push(b'\n');

@@ -22,7 +22,9 @@ pub fn peer(stream: &UnixStream) -> std::io::Result<Peer> {
         uid: 0,
         gid: 0,
     };
-    let mut len = std::mem::size_of::<libc::ucred>() as libc::socklen_t;
+    // A ucred is 12 bytes.
+    let mut len = libc::socklen_t::try_from(std::mem::size_of::<libc::ucred>())
+        .map_err(std::io::Error::other)?;
     // SAFETY: the buffer is a ucred and `len` its size, as SO_PEERCRED
     // requires; the descriptor is open for the stream's lifetime.
     let result = unsafe {
@@ -134,21 +136,26 @@ fn tcp_sockets() -> std::io::Result<BTreeMap<u32, u64>> {
     let socket = unsafe { OwnedFd::from_raw_fd(fd) };
     let mut found = BTreeMap::new();
     for family in [libc::AF_INET, libc::AF_INET6] {
-        dump(&socket, family as u8, &mut found)?;
+        dump(
+            &socket,
+            u8::try_from(family).map_err(std::io::Error::other)?,
+            &mut found,
+        )?;
     }
     Ok(found)
 }
 
 fn dump(socket: &OwnedFd, family: u8, found: &mut BTreeMap<u32, u64>) -> std::io::Result<()> {
     let mut request = [0u8; NLMSG_HEADER + REQUEST_BODY];
-    let len = request.len() as u32;
+    let len = u32::try_from(request.len()).map_err(std::io::Error::other)?;
     request[0..4].copy_from_slice(&len.to_ne_bytes());
     request[4..6].copy_from_slice(&SOCK_DIAG_BY_FAMILY.to_ne_bytes());
-    let flags = (libc::NLM_F_REQUEST | libc::NLM_F_DUMP) as u16;
+    let flags =
+        u16::try_from(libc::NLM_F_REQUEST | libc::NLM_F_DUMP).map_err(std::io::Error::other)?;
     request[6..8].copy_from_slice(&flags.to_ne_bytes());
     let body = &mut request[NLMSG_HEADER..];
     body[0] = family;
-    body[1] = libc::IPPROTO_TCP as u8;
+    body[1] = u8::try_from(libc::IPPROTO_TCP).map_err(std::io::Error::other)?;
     body[2] = 1 << (INET_DIAG_INFO - 1);
     body[4..8].copy_from_slice(&u32::MAX.to_ne_bytes());
     // SAFETY: the buffer is valid for its length; the kernel is the
@@ -178,7 +185,8 @@ fn dump(socket: &OwnedFd, family: u8, found: &mut BTreeMap<u32, u64>) -> std::io
         if received < 0 {
             return Err(std::io::Error::last_os_error());
         }
-        let received = received as usize;
+        // Not negative: checked above.
+        let received = received.unsigned_abs();
         if received == 0 || !parse_messages(&buffer[..received], found)? {
             return Ok(());
         }

@@ -131,7 +131,16 @@ impl Measured {
         if span < MEASURE_WINDOW {
             return None;
         }
-        Some((last.saturating_sub(first) as f64 / span.as_secs_f64()) as u64)
+        let rate = last.saturating_sub(first) as f64 / span.as_secs_f64();
+        // Not negative (a difference that saturates at zero over a positive
+        // span); a float beyond u64 saturates, as `as` does.
+        #[expect(
+            clippy::cast_possible_truncation,
+            clippy::cast_sign_loss,
+            reason = "a non-negative rate, saturating"
+        )]
+        let rate = rate as u64;
+        Some(rate)
     }
 }
 

@@ -19,6 +19,9 @@ const MAX_CATCH_UP: Duration = Duration::from_millis(20);
 /// Bytes written per dirtying step: small, so a dirtied page stays mostly
 /// what it was (as in a real guest) but still changes.
 const WRITE_BYTES: u64 = 64;
+/// The 64-bit words of one write.
+const WRITE_WORDS: usize = 8;
+const _: () = assert!(WRITE_WORDS as u64 * 8 == WRITE_BYTES);
 
 /// Guest memory plus the dirty log, shared by the guest and its dirtiers.
 #[derive(Debug)]
@@ -148,8 +151,13 @@ impl Memory {
     pub(crate) fn dirty_one(&self, working_set_pages: u64, state: &mut ThreadState) {
         let page = state.rng.below(working_set_pages);
         let offset = state.rng.below(PAGE_SIZE as u64 / WRITE_BYTES) * WRITE_BYTES;
+        // Inside the mapping (see below), whose length is a usize.
+        #[expect(
+            clippy::cast_possible_truncation,
+            reason = "an offset into the mapping"
+        )]
         let byte = (page * PAGE_SIZE as u64 + offset) as usize;
-        debug_assert!(byte + WRITE_BYTES as usize <= self.mapping.len());
+        debug_assert!(byte + WRITE_WORDS * 8 <= self.mapping.len());
         // SAFETY: `page < working_set_pages <= total pages` (validated when the
         // configuration was built or decoded) and `offset + 64 <= PAGE_SIZE`,
         // so the 64 bytes lie inside the mapping, which the `Arc<Memory>` held
@@ -159,7 +167,7 @@ impl Memory {
         // reference to guest memory exists.
         unsafe {
             let dst = self.mapping.ptr().add(byte).cast::<u64>();
-            for word in 0..WRITE_BYTES as usize / 8 {
+            for word in 0..WRITE_WORDS {
                 dst.add(word).write_volatile(state.rng.next_u64());
             }
         }
@@ -326,10 +334,13 @@ impl Dirtier {
     pub(crate) fn step(&mut self, pages: u64) {
         let mut state = self.control.lock();
         let working_set = state.config.working_set_pages;
-        let threads = state.states.len() as u64;
+        let threads = state.states.len();
         for step in 0..pages {
+            // `step % threads < threads`, a usize.
+            #[expect(clippy::cast_possible_truncation, reason = "below the thread count")]
+            let thread = (step % threads as u64) as usize;
             self.memory
-                .dirty_one(working_set, &mut state.states[(step % threads) as usize]);
+                .dirty_one(working_set, &mut state.states[thread]);
         }
     }
 
@@ -377,7 +388,10 @@ fn dirtier_main(memory: &Memory, control: &Control, index: usize) {
         let earned = u128::from(config.rate_share(index)) * speed * elapsed.as_nanos() / 100;
         let credit = u128::from(local.credit) + earned;
         let due = credit / u128::from(CREDIT_PER_PAGE);
-        local.credit = (credit % u128::from(CREDIT_PER_PAGE)) as u64;
+        // Below CREDIT_PER_PAGE, a u64.
+        #[expect(clippy::cast_possible_truncation, reason = "below CREDIT_PER_PAGE")]
+        let left = (credit % u128::from(CREDIT_PER_PAGE)) as u64;
+        local.credit = left;
         for _ in 0..due {
             if !control.run_flag.load(Ordering::Relaxed) {
                 break;

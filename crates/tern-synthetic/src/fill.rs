@@ -131,13 +131,16 @@ pub(crate) fn fill(mapping: &Mapping, mix: ContentMix, seed: u64, filled: &Atomi
                     PageKind::Random => random_page(&mut rng, &mut buf),
                     PageKind::Text => text_page(&mut rng, &mut buf),
                 }
+                // `page < pages`, a page of the mapping, whose length is a usize.
+                #[expect(clippy::cast_possible_truncation, reason = "a page of the mapping")]
+                let offset = page as usize * PAGE_SIZE;
                 // SAFETY: `page < pages`, so the destination page lies inside
                 // the mapping, and `buf` is a separate stack buffer, so the
                 // ranges do not overlap. No references into the mapping exist.
                 unsafe {
                     std::ptr::copy_nonoverlapping(
                         buf.as_ptr(),
-                        mapping.ptr().add(page as usize * PAGE_SIZE),
+                        mapping.ptr().add(offset),
                         PAGE_SIZE,
                     );
                 }

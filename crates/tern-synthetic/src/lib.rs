@@ -365,14 +365,23 @@ impl SyntheticGuest {
         let mut regions = Vec::with_capacity(region_pages.len());
         let mut first = 0u64;
         for (id, &pages) in region_pages.iter().enumerate() {
+            // Inside the mapping, whose length is a usize.
+            #[expect(
+                clippy::cast_possible_truncation,
+                reason = "an offset into the mapping"
+            )]
+            let offset = (first * PAGE) as usize;
             // SAFETY: regions tile the mapping without overlap, so `first` is
             // inside it; the mapping lives in `memory`, which the guest keeps
             // until after the regions are dropped (see the field order).
-            let host = unsafe { base.add((first * PAGE) as usize) };
+            let host = unsafe { base.add(offset) };
+            // The guest has a handful of regions.
+            #[expect(clippy::cast_possible_truncation, reason = "a handful of regions")]
+            let id = id as u32;
             // SAFETY: as above, `host..host + pages * PAGE` is a readable and
             // writable part of the mapping, alive as long as the guest, and
             // `pages > 0`.
-            regions.push(unsafe { MemoryRegion::new(id as u32, first * PAGE, host, pages * PAGE) });
+            regions.push(unsafe { MemoryRegion::new(id, first * PAGE, host, pages * PAGE) });
             first += pages;
         }
         let memory = Arc::new(Memory::new(mapping, region_pages));
@@ -594,6 +603,11 @@ impl DeviceState for SyntheticGuest {
 }
 
 #[cfg(test)]
+#[expect(
+    clippy::cast_possible_truncation,
+    clippy::cast_sign_loss,
+    reason = "test data and bounds are made by truncating numbers"
+)]
 mod tests;
 
 /// Writes to the byte at `byte` without changing it, whatever another

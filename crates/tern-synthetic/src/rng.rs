@@ -27,6 +27,10 @@ pub(crate) fn hash2(a: u64, b: u64) -> u64 {
 pub(crate) struct WyRand(pub(crate) u64);
 
 impl WyRand {
+    #[expect(
+        clippy::cast_possible_truncation,
+        reason = "wyrand folds the product's high and low halves"
+    )]
     pub(crate) fn next_u64(&mut self) -> u64 {
         self.0 = self.0.wrapping_add(0xa076_1d64_78bd_642f);
         let t = u128::from(self.0) * u128::from(self.0 ^ 0xe703_7ed1_a0b4_28db);

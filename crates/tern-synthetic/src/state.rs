@@ -104,18 +104,7 @@ impl SavedState {
 
     /// Decodes and validates a section for a guest of `total_pages` pages.
     pub(crate) fn decode(section: &StateSection, total_pages: u64) -> GuestResult<Self> {
-        if section.name != SECTION_NAME {
-            return Err(GuestError::new(format!(
-                "unexpected state section {:?}, the synthetic guest only has {SECTION_NAME:?}",
-                section.name
-            )));
-        }
-        if section.version != SECTION_VERSION {
-            return Err(GuestError::new(format!(
-                "state section {SECTION_NAME:?} has version {}, this guest reads version {SECTION_VERSION}",
-                section.version
-            )));
-        }
+        check_name_and_version(section)?;
         let data = &section.data;
         if data.len() < HEADER_LEN {
             return Err(GuestError::new(format!(
@@ -157,22 +146,7 @@ impl SavedState {
                 "state section {SECTION_NAME:?}: throttle {throttle}% is above 99%"
             )));
         }
-        let mut states = Vec::with_capacity(threads as usize);
-        for index in 0..threads {
-            let state = ThreadState {
-                rng: WyRand(reader.u64()),
-                pages: reader.u64(),
-                credit: reader.u64(),
-            };
-            if state.credit >= CREDIT_PER_PAGE {
-                return Err(GuestError::new(format!(
-                    "state section {SECTION_NAME:?}: dirtier thread {index} has rate credit {} of at most {}",
-                    state.credit,
-                    CREDIT_PER_PAGE - 1
-                )));
-            }
-            states.push(state);
-        }
+        let states = read_thread_states(&mut reader, threads)?;
         Ok(Self {
             config: DirtierConfig {
                 seed,
@@ -185,6 +159,44 @@ impl SavedState {
             threads: states,
         })
     }
+}
+
+/// The section is this guest's, in the layout this build reads.
+fn check_name_and_version(section: &StateSection) -> GuestResult<()> {
+    if section.name != SECTION_NAME {
+        return Err(GuestError::new(format!(
+            "unexpected state section {:?}, the synthetic guest only has {SECTION_NAME:?}",
+            section.name
+        )));
+    }
+    if section.version != SECTION_VERSION {
+        return Err(GuestError::new(format!(
+            "state section {SECTION_NAME:?} has version {}, this guest reads version {SECTION_VERSION}",
+            section.version
+        )));
+    }
+    Ok(())
+}
+
+/// Each dirtier thread's saved state, its rate credit below a page's.
+fn read_thread_states(reader: &mut Reader<'_>, threads: u32) -> GuestResult<Vec<ThreadState>> {
+    let mut states = Vec::with_capacity(threads as usize);
+    for index in 0..threads {
+        let state = ThreadState {
+            rng: WyRand(reader.u64()),
+            pages: reader.u64(),
+            credit: reader.u64(),
+        };
+        if state.credit >= CREDIT_PER_PAGE {
+            return Err(GuestError::new(format!(
+                "state section {SECTION_NAME:?}: dirtier thread {index} has rate credit {} of at most {}",
+                state.credit,
+                CREDIT_PER_PAGE - 1
+            )));
+        }
+        states.push(state);
+    }
+    Ok(states)
 }
 
 /// Reads fixed-size fields; callers check the length first, so the slicing
@@ -216,6 +228,10 @@ impl Reader<'_> {
 }
 
 #[cfg(test)]
+#[expect(
+    clippy::cast_possible_truncation,
+    reason = "test data is made by truncating random numbers"
+)]
 mod tests {
     use super::*;
 

@@ -61,7 +61,7 @@ impl ProtectMode {
         let supported =
             vm.check_extension_raw(libc::c_ulong::from(KVM_CAP_MANUAL_DIRTY_LOG_PROTECT2));
         let wanted = u64::from(KVM_DIRTY_LOG_MANUAL_PROTECT_ENABLE);
-        if supported > 0 && (supported as u64) & wanted != 0 {
+        if supported > 0 && u64::from(supported.unsigned_abs()) & wanted != 0 {
             let mut cap = kvm_enable_cap {
                 cap: KVM_CAP_MANUAL_DIRTY_LOG_PROTECT2,
                 ..Default::default()

@@ -126,7 +126,10 @@ impl Asm {
     /// A short jump (`opcode rel8`) back to `target`.
     fn jump_back(&mut self, opcode: u8, target: usize) {
         let after = self.code.len() + 2;
-        let rel = i8::try_from(target as isize - after as isize).expect("loop fits a rel8 jump");
+        let rel = i16::try_from(after - target)
+            .ok()
+            .and_then(|back| i8::try_from(-back).ok())
+            .expect("loop fits a rel8 jump");
         self.emit(&[opcode, rel.to_le_bytes()[0]]);
     }
 
@@ -267,7 +270,10 @@ pub fn code_for(pages: u32, workload: Workload) -> Vec<u8> {
 /// (Numerical Recipes' LCG constants).
 fn fill_random_buffer(asm: &mut Asm, buffer: u32) {
     asm.mov_imm32(EDI, buffer);
-    asm.mov_imm32(EBP, (REWRITE_BUFFER_BYTES / 4) as u32);
+    asm.mov_imm32(
+        EBP,
+        u32::try_from(REWRITE_BUFFER_BYTES / 4).expect("a small buffer"),
+    );
     let word = asm.label();
     next_random(asm);
     asm.mov_to_mem(EDI, EBX);
@@ -337,7 +343,7 @@ pub fn multiboot_image_for(pages: u32, workload: Workload) -> Vec<u8> {
     let end = u32::try_from(PASS_COUNTER_ADDR).expect("below 4 GiB") + PAGE;
     let mut image = vec![0u8; (end - load) as usize];
     image[..code.len()].copy_from_slice(&code);
-    let header_addr = load + MULTIBOOT_HEADER_OFFSET as u32;
+    let header_addr = load + u32::try_from(MULTIBOOT_HEADER_OFFSET).expect("a small offset");
     let flags = MULTIBOOT_AOUT_KLUDGE;
     let checksum = 0u32.wrapping_sub(MULTIBOOT_MAGIC).wrapping_sub(flags);
     let header = [

@@ -57,6 +57,12 @@ pub fn from_image(len: u64, image: &Path) -> Result<GuestRam> {
         .min(len)
         .next_multiple_of(PAGE_SIZE as u64)
         .min(len);
+    // At most `len`, which the anonymous mapping above holds.
+    #[expect(
+        clippy::cast_possible_truncation,
+        reason = "at most the mapping's length"
+    )]
+    let mapped_len = mapped as usize;
     if mapped > 0 {
         // SAFETY: MAP_FIXED replaces the first `mapped` bytes of the
         // anonymous mapping built just above (`mapped <= len`), which
@@ -66,7 +72,7 @@ pub fn from_image(len: u64, image: &Path) -> Result<GuestRam> {
         let ptr = unsafe {
             libc::mmap(
                 mapping.as_ptr().cast(),
-                mapped as usize,
+                mapped_len,
                 libc::PROT_READ | libc::PROT_WRITE,
                 libc::MAP_PRIVATE | libc::MAP_FIXED,
                 file.as_raw_fd(),

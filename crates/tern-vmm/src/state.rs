@@ -91,20 +91,20 @@ pub struct GuestLayout {
 }
 
 mod tag {
-    pub const REGS: u32 = 1;
-    pub const SREGS: u32 = 2;
-    pub const XSAVE: u32 = 3;
-    pub const XCRS: u32 = 4;
-    pub const MSRS: u32 = 5;
-    pub const LAPIC: u32 = 6;
-    pub const EVENTS: u32 = 7;
-    pub const MP_STATE: u32 = 8;
-    pub const DEBUGREGS: u32 = 9;
-    pub const PIC_MASTER: u32 = 1;
-    pub const PIC_SLAVE: u32 = 2;
-    pub const IOAPIC: u32 = 3;
-    pub const CLOCK: u32 = 4;
-    pub const FIELDS: u32 = 1;
+    pub(super) const REGS: u32 = 1;
+    pub(super) const SREGS: u32 = 2;
+    pub(super) const XSAVE: u32 = 3;
+    pub(super) const XCRS: u32 = 4;
+    pub(super) const MSRS: u32 = 5;
+    pub(super) const LAPIC: u32 = 6;
+    pub(super) const EVENTS: u32 = 7;
+    pub(super) const MP_STATE: u32 = 8;
+    pub(super) const DEBUGREGS: u32 = 9;
+    pub(super) const PIC_MASTER: u32 = 1;
+    pub(super) const PIC_SLAVE: u32 = 2;
+    pub(super) const IOAPIC: u32 = 3;
+    pub(super) const CLOCK: u32 = 4;
+    pub(super) const FIELDS: u32 = 1;
 }
 
 #[derive(Default)]

@@ -296,7 +296,8 @@ fn enter_protected_mode(vcpu: &VcpuFd) -> Result<()> {
     sregs.gs = data;
     sregs.ss = data;
     sregs.gdt.base = GDT_ADDR;
-    sregs.gdt.limit = (std::mem::size_of_val(&gdt()) - 1) as u16;
+    sregs.gdt.limit =
+        u16::try_from(std::mem::size_of_val(&gdt()) - 1).expect("a GDT of a few entries");
     // CR0: protection enabled, extension type; paging and caching-disable
     // bits off.
     sregs.cr0 = 0x11;
@@ -664,7 +665,8 @@ pub fn check_working_set(bytes: &[u8], pass_count: u64) -> ConsistencyReport {
     }
     let first_byte = bytes.first().copied().unwrap_or(0);
     let last_byte = bytes.last().copied().unwrap_or(0);
-    let counter_low = pass_count as u8;
+    // The counter's low byte, as the guest writes it.
+    let counter_low = pass_count.to_le_bytes()[0];
     let counter_matches = last_byte == counter_low || last_byte == counter_low.wrapping_add(1);
     if !counter_matches && failure.is_none() {
         failure = Some(format!(

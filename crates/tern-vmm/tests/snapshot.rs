@@ -2,6 +2,9 @@
 //! its memory equal to what was saved, its vCPU state back, and its pass
 //! counter advancing again. Skips where /dev/kvm is missing.
 
+// Test data: offsets into a small guest and a counter's low byte.
+#![allow(clippy::cast_possible_truncation)]
+
 use std::time::Duration;
 
 use tern_engine::snapshot::SaveConfig;

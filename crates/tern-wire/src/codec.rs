@@ -1,6 +1,8 @@
 //! Little-endian cursor reading and writing, with truncation reported as an
 //! error instead of a panic.
 
+use zerocopy::{FromBytes, Immutable, IntoBytes, KnownLayout, Unaligned};
+
 use crate::WireError;
 
 /// Reads fields from a byte slice; every read checks the remaining length.
@@ -88,6 +90,23 @@ impl<'a> Reader<'a> {
         Ok(())
     }
 
+    /// Reads a fixed-layout record ([`crate::layout`]) in one step: its
+    /// size is checked once and every field comes out of the same bytes.
+    pub(crate) fn record<T: FromBytes + KnownLayout + Immutable + Unaligned>(
+        &mut self,
+    ) -> Result<T, WireError> {
+        let what = self.what;
+        T::read_from_bytes(self.take(size_of::<T>())?).map_err(|_| WireError::Truncated(what))
+    }
+
+    /// Requires the reserved bytes of a record to be zero.
+    pub(crate) fn check_reserved(&self, bytes: &[u8]) -> Result<(), WireError> {
+        if bytes.iter().any(|&b| b != 0) {
+            return Err(WireError::ReservedNotZero(self.what));
+        }
+        Ok(())
+    }
+
     /// Requires that nothing is left.
     pub fn finish(self) -> Result<(), WireError> {
         if self.bytes.is_empty() {
@@ -157,6 +176,11 @@ impl<'a> Writer<'a> {
         let len = u32::try_from(bytes.len()).unwrap_or(u32::MAX);
         self.u32(len);
         self.bytes(&bytes[..len as usize])
+    }
+
+    /// Appends a fixed-layout record ([`crate::layout`]).
+    pub(crate) fn record<T: IntoBytes + Immutable>(&mut self, record: &T) -> &mut Self {
+        self.bytes(record.as_bytes())
     }
 
     /// Appends zero bytes.

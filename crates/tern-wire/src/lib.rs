@@ -53,6 +53,7 @@
 mod codec;
 mod decoder;
 mod error;
+mod layout;
 mod message;
 mod pages;
 mod postcopy;

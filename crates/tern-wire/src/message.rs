@@ -2,6 +2,10 @@
 
 use crate::codec::{Reader, Writer};
 use crate::error::{AbortReason, WireError};
+use crate::layout::{
+    CompleteRecord, DictionaryRecord, HandshakeRecord, OutcomeRecord, RegionRecord, SetupRecord,
+    SyncRecord, WelcomeRecord,
+};
 use crate::postcopy::{self, PageRequest, PostcopyComplete, PostcopySwitch, UrgentPages};
 use crate::{
     AUTH_NONCE_LEN, AUTH_PROOF_LEN, FRAME_HEADER_LEN, FrameHeader, FrameKind, MAGIC, MAX_CHANNELS,
@@ -24,30 +28,46 @@ impl Handshake {
     pub const ENCODED_LEN: usize = 24;
 
     fn encode(&self, w: &mut Writer<'_>) {
-        w.bytes(&MAGIC)
-            .u16(PROTOCOL_VERSION)
-            .u16(self.channel_index)
-            .zeros(4)
-            .u64(self.session_id);
+        w.record(&HandshakeRecord {
+            magic: MAGIC,
+            version: PROTOCOL_VERSION.into(),
+            channel_index: self.channel_index.into(),
+            reserved: [0; 4],
+            session_id: self.session_id.into(),
+        });
     }
 
     fn decode(r: &mut Reader<'_>) -> Result<Self, WireError> {
-        if r.array::<8>()? != MAGIC {
+        let record: HandshakeRecord = r.record()?;
+        if record.magic != MAGIC {
             return Err(WireError::BadMagic);
         }
-        let version = r.u16()?;
+        let version = record.version.get();
         if version != PROTOCOL_VERSION {
             return Err(WireError::VersionMismatch {
                 theirs: version,
                 ours: PROTOCOL_VERSION,
             });
         }
-        let channel_index = r.u16()?;
-        r.reserved(4)?;
-        let session_id = r.u64()?;
+        r.check_reserved(&record.reserved)?;
         Ok(Self {
-            session_id,
-            channel_index,
+            session_id: record.session_id.get(),
+            channel_index: record.channel_index.get(),
+        })
+    }
+
+    /// Refuses a channel index outside `allowed`; `detail` says why.
+    fn require_channel(
+        self,
+        allowed: std::ops::RangeInclusive<u16>,
+        detail: impl FnOnce(u16) -> String,
+    ) -> Result<Self, WireError> {
+        if allowed.contains(&self.channel_index) {
+            return Ok(self);
+        }
+        Err(WireError::InvalidField {
+            field: "channel index",
+            detail: detail(self.channel_index),
         })
     }
 }
@@ -159,6 +179,24 @@ impl SessionSetup {
                 format!("{} (must be 1..={MAX_REGIONS})", self.regions.len()),
             );
         }
+        self.validate_regions()?;
+        self.validate_guest_kind()?;
+        if self.vmm_config_len as usize > MAX_VMM_CONFIG_LEN {
+            return invalid(
+                "vmm config length",
+                format!(
+                    "{} bytes (at most {MAX_VMM_CONFIG_LEN})",
+                    self.vmm_config_len
+                ),
+            );
+        }
+        self.validate_dictionaries()
+    }
+
+    /// Each region's length and address, no two overlapping, no two ids
+    /// alike.
+    fn validate_regions(&self) -> Result<(), WireError> {
+        let invalid = |field, detail: String| Err(WireError::InvalidField { field, detail });
         let mut spans = Vec::with_capacity(self.regions.len());
         for region in &self.regions {
             if region.len == 0
@@ -195,6 +233,11 @@ impl SessionSetup {
         if ids.windows(2).any(|pair| pair[0] == pair[1]) {
             return invalid("region id", "two regions share an id".to_string());
         }
+        Ok(())
+    }
+
+    /// Short, printable text.
+    fn validate_guest_kind(&self) -> Result<(), WireError> {
         if self.guest_kind.len() > MAX_GUEST_KIND_LEN {
             return Err(WireError::FieldTooLong {
                 field: "guest kind",
@@ -208,18 +251,12 @@ impl SessionSetup {
             .bytes()
             .all(|byte| byte.is_ascii_graphic() || byte == b' ')
         {
-            return invalid("guest kind", "must be printable ASCII".to_string());
+            return Err(WireError::InvalidField {
+                field: "guest kind",
+                detail: "must be printable ASCII".to_string(),
+            });
         }
-        if self.vmm_config_len as usize > MAX_VMM_CONFIG_LEN {
-            return invalid(
-                "vmm config length",
-                format!(
-                    "{} bytes (at most {MAX_VMM_CONFIG_LEN})",
-                    self.vmm_config_len
-                ),
-            );
-        }
-        self.validate_dictionaries()
+        Ok(())
     }
 
     fn validate_dictionaries(&self) -> Result<(), WireError> {
@@ -542,70 +579,28 @@ impl Message {
     pub fn encode(&self, out: &mut Vec<u8>) {
         let start = out.len();
         out.extend_from_slice(&[0; FRAME_HEADER_LEN]);
-        let mut w = Writer::new(out);
+        self.encode_body(&mut Writer::new(out));
+        let body_len = u32::try_from(out.len() - start - FRAME_HEADER_LEN).unwrap_or(u32::MAX);
+        let header = FrameHeader {
+            kind: self.kind(),
+            body_len,
+        };
+        out[start..start + FRAME_HEADER_LEN].copy_from_slice(&header.encode());
+    }
+
+    fn encode_body(&self, w: &mut Writer<'_>) {
         match self {
             Self::Hello(hello) => {
-                hello.handshake.encode(&mut w);
-                let setup = &hello.setup;
-                w.u32(setup.page_size)
-                    .u16(setup.channel_count)
-                    .u8(setup.codecs)
-                    .u8(setup.digest as u8);
-                w.u16(u16::try_from(setup.regions.len()).unwrap_or(u16::MAX));
-                for region in &setup.regions {
-                    w.u32(region.id)
-                        .zeros(4)
-                        .u64(region.guest_addr)
-                        .u64(region.len);
-                }
-                w.bytes_u32(setup.guest_kind.as_bytes());
-                w.u8(setup.dictionaries);
-                w.u32(setup.vmm_config_len);
+                hello.handshake.encode(w);
+                hello.setup.encode(w);
             }
-            Self::VmmConfig(config) => {
-                w.bytes_u32(&config.data);
-            }
-            Self::Dictionary(dictionary) => {
-                w.u8(dictionary.id)
-                    .u8(dictionary.codec)
-                    .zeros(2)
-                    .bytes_u32(&dictionary.data);
-            }
-            Self::ChannelHello(hello) => hello.handshake.encode(&mut w),
-            Self::Welcome(welcome) => {
-                w.u64(welcome.session_id)
-                    .u16(welcome.channel_index)
-                    .zeros(6);
-            }
-            Self::Sync(sync) => {
-                w.u32(sync.iteration)
-                    .u8(u8::from(sync.last))
-                    .u8(sync.dictionaries)
-                    .zeros(2);
-            }
-            Self::StateSection(section) => {
-                w.u32(section.version)
-                    .bytes_u32(section.name.as_bytes())
-                    .bytes_u32(&section.data);
-            }
-            Self::Complete(complete) => {
-                w.u32(complete.final_iteration)
-                    .u32(complete.sections)
-                    .zeros(8)
-                    .u128(complete.digest);
-            }
-            Self::Outcome(outcome) => {
-                w.u8(u8::from(outcome.verified))
-                    .zeros(7)
-                    .u128(outcome.digest)
-                    .bytes_u32(outcome.detail.as_bytes());
-                outcome.stats.encode(&mut w);
-            }
-            Self::Abort(abort) => {
-                w.u16(abort.reason as u16)
-                    .zeros(2)
-                    .bytes_u32(abort.message.as_bytes());
-            }
+            Self::ChannelHello(hello) => hello.handshake.encode(w),
+            Self::Welcome(welcome) => welcome.encode(w),
+            Self::Sync(sync) => sync.encode(w),
+            Self::StateSection(section) => section.encode(w),
+            Self::Complete(complete) => complete.encode(w),
+            Self::Outcome(outcome) => outcome.encode(w),
+            Self::Abort(abort) => abort.encode(w),
             Self::Ready(ready) => {
                 w.u128(ready.digest);
             }
@@ -613,7 +608,7 @@ impl Message {
                 w.zeros(8);
             }
             Self::AuthHello(hello) => {
-                hello.handshake.encode(&mut w);
+                hello.handshake.encode(w);
                 w.bytes(&hello.nonce);
             }
             Self::AuthChallenge(challenge) => {
@@ -622,17 +617,15 @@ impl Message {
             Self::AuthProof(proof) => {
                 w.bytes(&proof.proof);
             }
-            Self::PostcopySwitch(switch) => postcopy::encode_switch(switch, &mut w),
-            Self::PageRequest(request) => postcopy::encode_request(request, &mut w),
-            Self::UrgentPages(urgent) => postcopy::encode_urgent(urgent, &mut w),
-            Self::PostcopyComplete(complete) => postcopy::encode_complete(complete, &mut w),
+            Self::Dictionary(dictionary) => dictionary.encode(w),
+            Self::VmmConfig(config) => {
+                w.bytes_u32(&config.data);
+            }
+            Self::PostcopySwitch(switch) => postcopy::encode_switch(switch, w),
+            Self::PageRequest(request) => postcopy::encode_request(request, w),
+            Self::UrgentPages(urgent) => postcopy::encode_urgent(urgent, w),
+            Self::PostcopyComplete(complete) => postcopy::encode_complete(complete, w),
         }
-        let body_len = u32::try_from(out.len() - start - FRAME_HEADER_LEN).unwrap_or(u32::MAX);
-        let header = FrameHeader {
-            kind: self.kind(),
-            body_len,
-        };
-        out[start..start + FRAME_HEADER_LEN].copy_from_slice(&header.encode());
     }
 
     /// Encodes into a fresh buffer.
@@ -646,166 +639,20 @@ impl Message {
     pub fn decode(kind: FrameKind, body: &[u8]) -> Result<Self, WireError> {
         let mut r = Reader::new(body, kind_name(kind));
         let message = match kind {
-            FrameKind::Hello => {
-                let handshake = Handshake::decode(&mut r)?;
-                if handshake.channel_index != 0 {
-                    return Err(WireError::InvalidField {
-                        field: "channel index",
-                        detail: format!(
-                            "main-channel hello names channel {}",
-                            handshake.channel_index
-                        ),
-                    });
-                }
-                let page_size = r.u32()?;
-                let channel_count = r.u16()?;
-                let codecs = r.u8()?;
-                if codecs & 1 != 0 {
-                    return Err(WireError::InvalidField {
-                        field: "codecs",
-                        detail: "bit 0 (no codec) must not be set".into(),
-                    });
-                }
-                let digest = DigestAlgorithm::from_u8(r.u8()?)?;
-                let region_count = usize::from(r.u16()?);
-                if region_count > MAX_REGIONS {
-                    return Err(WireError::FieldTooLong {
-                        field: "regions",
-                        len: region_count,
-                        max: MAX_REGIONS,
-                    });
-                }
-                let mut regions = Vec::with_capacity(region_count);
-                for _ in 0..region_count {
-                    let id = r.u32()?;
-                    r.reserved(4)?;
-                    let guest_addr = r.u64()?;
-                    let len = r.u64()?;
-                    regions.push(RegionInfo {
-                        id,
-                        guest_addr,
-                        len,
-                    });
-                }
-                let guest_kind = r.string(MAX_GUEST_KIND_LEN, "guest kind")?;
-                let dictionaries = r.u8()?;
-                let vmm_config_len = r.u32()?;
-                let setup = SessionSetup {
-                    page_size,
-                    channel_count,
-                    codecs,
-                    digest,
-                    regions,
-                    guest_kind,
-                    dictionaries,
-                    vmm_config_len,
-                };
-                setup.validate()?;
-                Self::Hello(Hello { handshake, setup })
-            }
+            FrameKind::Hello => Self::Hello(Hello::decode(&mut r)?),
             FrameKind::ChannelHello => {
-                let handshake = Handshake::decode(&mut r)?;
-                if handshake.channel_index == 0 || handshake.channel_index > MAX_CHANNELS {
-                    return Err(WireError::InvalidField {
-                        field: "channel index",
-                        detail: format!(
-                            "page channel index {} (must be 1..={MAX_CHANNELS})",
-                            handshake.channel_index
-                        ),
-                    });
-                }
+                let handshake = Handshake::decode(&mut r)?
+                    .require_channel(1..=MAX_CHANNELS, |index| {
+                        format!("page channel index {index} (must be 1..={MAX_CHANNELS})")
+                    })?;
                 Self::ChannelHello(ChannelHello { handshake })
             }
-            FrameKind::Welcome => {
-                let session_id = r.u64()?;
-                let channel_index = r.u16()?;
-                r.reserved(6)?;
-                Self::Welcome(Welcome {
-                    session_id,
-                    channel_index,
-                })
-            }
-            FrameKind::Sync => {
-                let iteration = r.u32()?;
-                let last = match r.u8()? {
-                    0 => false,
-                    1 => true,
-                    other => {
-                        return Err(WireError::InvalidField {
-                            field: "sync flags",
-                            detail: format!("{other:#x}"),
-                        });
-                    }
-                };
-                let dictionaries = r.u8()?;
-                if dictionaries > MAX_DICTIONARIES {
-                    return Err(WireError::InvalidField {
-                        field: "sync dictionaries",
-                        detail: format!("{dictionaries} (at most {MAX_DICTIONARIES})"),
-                    });
-                }
-                r.reserved(2)?;
-                Self::Sync(Sync {
-                    iteration,
-                    last,
-                    dictionaries,
-                })
-            }
-            FrameKind::StateSection => {
-                let version = r.u32()?;
-                let name = r.string(MAX_NAME_LEN, "section name")?;
-                if name.is_empty() {
-                    return Err(WireError::InvalidField {
-                        field: "section name",
-                        detail: "empty".to_string(),
-                    });
-                }
-                let data = r.bytes_u32(MAX_SECTION_BYTES, "section data")?.to_vec();
-                Self::StateSection(StateSectionMsg {
-                    name,
-                    version,
-                    data,
-                })
-            }
-            FrameKind::Complete => {
-                let final_iteration = r.u32()?;
-                let sections = r.u32()?;
-                r.reserved(8)?;
-                let digest = r.u128()?;
-                Self::Complete(Complete {
-                    final_iteration,
-                    sections,
-                    digest,
-                })
-            }
-            FrameKind::Outcome => {
-                let verified = match r.u8()? {
-                    0 => false,
-                    1 => true,
-                    other => {
-                        return Err(WireError::InvalidField {
-                            field: "verified flag",
-                            detail: format!("{other}"),
-                        });
-                    }
-                };
-                r.reserved(7)?;
-                let digest = r.u128()?;
-                let detail = r.peer_text(MAX_TEXT_LEN, "outcome detail")?;
-                let stats = OutcomeStats::decode(&mut r)?;
-                Self::Outcome(Outcome {
-                    verified,
-                    digest,
-                    detail,
-                    stats,
-                })
-            }
-            FrameKind::Abort => {
-                let reason = AbortReason::from_u16(r.u16()?);
-                r.reserved(2)?;
-                let message = r.peer_text(MAX_TEXT_LEN, "abort message")?;
-                Self::Abort(Abort { reason, message })
-            }
+            FrameKind::Welcome => Self::Welcome(Welcome::decode(&mut r)?),
+            FrameKind::Sync => Self::Sync(Sync::decode(&mut r)?),
+            FrameKind::StateSection => Self::StateSection(StateSectionMsg::decode(&mut r)?),
+            FrameKind::Complete => Self::Complete(Complete::decode(&mut r)?),
+            FrameKind::Outcome => Self::Outcome(Outcome::decode(&mut r)?),
+            FrameKind::Abort => Self::Abort(Abort::decode(&mut r)?),
             FrameKind::Ready => Self::Ready(Ready { digest: r.u128()? }),
             FrameKind::Commit => {
                 r.reserved(8)?;
@@ -816,26 +663,21 @@ impl Message {
                 Self::Heartbeat
             }
             FrameKind::AuthHello => {
-                let handshake = Handshake::decode(&mut r)?;
-                if handshake.channel_index > MAX_CHANNELS {
-                    return Err(WireError::InvalidField {
-                        field: "channel index",
-                        detail: format!(
-                            "channel index {} (must be 0..={MAX_CHANNELS})",
-                            handshake.channel_index
-                        ),
-                    });
-                }
-                let nonce = r.array()?;
-                Self::AuthHello(AuthHello { handshake, nonce })
+                let handshake = Handshake::decode(&mut r)?
+                    .require_channel(0..=MAX_CHANNELS, |index| {
+                        format!("channel index {index} (must be 0..={MAX_CHANNELS})")
+                    })?;
+                Self::AuthHello(AuthHello {
+                    handshake,
+                    nonce: r.array()?,
+                })
             }
-            FrameKind::AuthChallenge => {
-                let nonce = r.array()?;
-                let proof = r.array()?;
-                Self::AuthChallenge(AuthChallenge { nonce, proof })
-            }
+            FrameKind::AuthChallenge => Self::AuthChallenge(AuthChallenge {
+                nonce: r.array()?,
+                proof: r.array()?,
+            }),
             FrameKind::AuthProof => Self::AuthProof(AuthProof { proof: r.array()? }),
-            FrameKind::Dictionary => Self::Dictionary(decode_dictionary(&mut r)?),
+            FrameKind::Dictionary => Self::Dictionary(Dictionary::decode(&mut r)?),
             FrameKind::VmmConfig => Self::VmmConfig(VmmConfig {
                 data: r.bytes_u32(MAX_VMM_CONFIG_LEN, "vmm config")?.to_vec(),
             }),
@@ -854,6 +696,225 @@ impl Message {
         };
         r.finish()?;
         Ok(message)
+    }
+}
+
+/// A flag byte that must be 0 or 1.
+fn flag(value: u8, field: &'static str, show: fn(u8) -> String) -> Result<bool, WireError> {
+    match value {
+        0 => Ok(false),
+        1 => Ok(true),
+        other => Err(WireError::InvalidField {
+            field,
+            detail: show(other),
+        }),
+    }
+}
+
+impl Hello {
+    fn decode(r: &mut Reader<'_>) -> Result<Self, WireError> {
+        let handshake = Handshake::decode(r)?.require_channel(0..=0, |index| {
+            format!("main-channel hello names channel {index}")
+        })?;
+        let setup = SessionSetup::decode(r)?;
+        setup.validate()?;
+        Ok(Self { handshake, setup })
+    }
+}
+
+impl SessionSetup {
+    fn encode(&self, w: &mut Writer<'_>) {
+        w.record(&SetupRecord {
+            page_size: self.page_size.into(),
+            channel_count: self.channel_count.into(),
+            codecs: self.codecs,
+            digest: self.digest as u8,
+            region_count: u16::try_from(self.regions.len()).unwrap_or(u16::MAX).into(),
+        });
+        for region in &self.regions {
+            w.record(&RegionRecord {
+                id: region.id.into(),
+                reserved: [0; 4],
+                guest_addr: region.guest_addr.into(),
+                len: region.len.into(),
+            });
+        }
+        w.bytes_u32(self.guest_kind.as_bytes());
+        w.u8(self.dictionaries);
+        w.u32(self.vmm_config_len);
+    }
+
+    /// The setup's fields as sent; [`SessionSetup::validate`] checks them.
+    fn decode(r: &mut Reader<'_>) -> Result<Self, WireError> {
+        let fixed: SetupRecord = r.record()?;
+        if fixed.codecs & 1 != 0 {
+            return Err(WireError::InvalidField {
+                field: "codecs",
+                detail: "bit 0 (no codec) must not be set".into(),
+            });
+        }
+        let digest = DigestAlgorithm::from_u8(fixed.digest)?;
+        let region_count = usize::from(fixed.region_count.get());
+        if region_count > MAX_REGIONS {
+            return Err(WireError::FieldTooLong {
+                field: "regions",
+                len: region_count,
+                max: MAX_REGIONS,
+            });
+        }
+        let mut regions = Vec::with_capacity(region_count);
+        for _ in 0..region_count {
+            let region: RegionRecord = r.record()?;
+            r.check_reserved(&region.reserved)?;
+            regions.push(RegionInfo {
+                id: region.id.get(),
+                guest_addr: region.guest_addr.get(),
+                len: region.len.get(),
+            });
+        }
+        Ok(Self {
+            page_size: fixed.page_size.get(),
+            channel_count: fixed.channel_count.get(),
+            codecs: fixed.codecs,
+            digest,
+            regions,
+            guest_kind: r.string(MAX_GUEST_KIND_LEN, "guest kind")?,
+            dictionaries: r.u8()?,
+            vmm_config_len: r.u32()?,
+        })
+    }
+}
+
+impl Welcome {
+    fn encode(&self, w: &mut Writer<'_>) {
+        w.record(&WelcomeRecord {
+            session_id: self.session_id.into(),
+            channel_index: self.channel_index.into(),
+            reserved: [0; 6],
+        });
+    }
+
+    fn decode(r: &mut Reader<'_>) -> Result<Self, WireError> {
+        let record: WelcomeRecord = r.record()?;
+        r.check_reserved(&record.reserved)?;
+        Ok(Self {
+            session_id: record.session_id.get(),
+            channel_index: record.channel_index.get(),
+        })
+    }
+}
+
+impl Sync {
+    fn encode(&self, w: &mut Writer<'_>) {
+        w.record(&SyncRecord {
+            iteration: self.iteration.into(),
+            last: u8::from(self.last),
+            dictionaries: self.dictionaries,
+            reserved: [0; 2],
+        });
+    }
+
+    fn decode(r: &mut Reader<'_>) -> Result<Self, WireError> {
+        let record: SyncRecord = r.record()?;
+        let last = flag(record.last, "sync flags", |other| format!("{other:#x}"))?;
+        let dictionaries = record.dictionaries;
+        if dictionaries > MAX_DICTIONARIES {
+            return Err(WireError::InvalidField {
+                field: "sync dictionaries",
+                detail: format!("{dictionaries} (at most {MAX_DICTIONARIES})"),
+            });
+        }
+        r.check_reserved(&record.reserved)?;
+        Ok(Self {
+            iteration: record.iteration.get(),
+            last,
+            dictionaries,
+        })
+    }
+}
+
+impl StateSectionMsg {
+    fn encode(&self, w: &mut Writer<'_>) {
+        w.u32(self.version)
+            .bytes_u32(self.name.as_bytes())
+            .bytes_u32(&self.data);
+    }
+
+    fn decode(r: &mut Reader<'_>) -> Result<Self, WireError> {
+        let version = r.u32()?;
+        let name = r.string(MAX_NAME_LEN, "section name")?;
+        if name.is_empty() {
+            return Err(WireError::InvalidField {
+                field: "section name",
+                detail: "empty".to_string(),
+            });
+        }
+        let data = r.bytes_u32(MAX_SECTION_BYTES, "section data")?.to_vec();
+        Ok(Self {
+            name,
+            version,
+            data,
+        })
+    }
+}
+
+impl Complete {
+    fn encode(&self, w: &mut Writer<'_>) {
+        w.record(&CompleteRecord {
+            final_iteration: self.final_iteration.into(),
+            sections: self.sections.into(),
+            reserved: [0; 8],
+            digest: self.digest.into(),
+        });
+    }
+
+    fn decode(r: &mut Reader<'_>) -> Result<Self, WireError> {
+        let record: CompleteRecord = r.record()?;
+        r.check_reserved(&record.reserved)?;
+        Ok(Self {
+            final_iteration: record.final_iteration.get(),
+            sections: record.sections.get(),
+            digest: record.digest.get(),
+        })
+    }
+}
+
+impl Outcome {
+    fn encode(&self, w: &mut Writer<'_>) {
+        w.record(&OutcomeRecord {
+            verified: u8::from(self.verified),
+            reserved: [0; 7],
+            digest: self.digest.into(),
+        })
+        .bytes_u32(self.detail.as_bytes());
+        self.stats.encode(w);
+    }
+
+    fn decode(r: &mut Reader<'_>) -> Result<Self, WireError> {
+        let record: OutcomeRecord = r.record()?;
+        let verified = flag(record.verified, "verified flag", |other| format!("{other}"))?;
+        r.check_reserved(&record.reserved)?;
+        Ok(Self {
+            verified,
+            digest: record.digest.get(),
+            detail: r.peer_text(MAX_TEXT_LEN, "outcome detail")?,
+            stats: OutcomeStats::decode(r)?,
+        })
+    }
+}
+
+impl Abort {
+    fn encode(&self, w: &mut Writer<'_>) {
+        w.u16(self.reason as u16)
+            .zeros(2)
+            .bytes_u32(self.message.as_bytes());
+    }
+
+    fn decode(r: &mut Reader<'_>) -> Result<Self, WireError> {
+        let reason = AbortReason::from_u16(r.u16()?);
+        r.reserved(2)?;
+        let message = r.peer_text(MAX_TEXT_LEN, "abort message")?;
+        Ok(Self { reason, message })
     }
 }
 
@@ -883,28 +944,42 @@ fn kind_name(kind: FrameKind) -> &'static str {
     }
 }
 
-fn decode_dictionary(r: &mut Reader<'_>) -> Result<Dictionary, WireError> {
-    let id = r.u8()?;
-    let codec = r.u8()?;
-    r.reserved(2)?;
-    let data = r.bytes_u32(MAX_DICTIONARY_LEN, "dictionary")?.to_vec();
-    if id == 0 || id > MAX_DICTIONARIES {
-        return Err(WireError::InvalidField {
-            field: "dictionary id",
-            detail: format!("{id} (must be 1..={MAX_DICTIONARIES})"),
-        });
+impl Dictionary {
+    fn encode(&self, w: &mut Writer<'_>) {
+        w.record(&DictionaryRecord {
+            id: self.id,
+            codec: self.codec,
+            reserved: [0; 2],
+        })
+        .bytes_u32(&self.data);
     }
-    if codec != crate::codec_id::ZSTD {
-        return Err(WireError::InvalidField {
-            field: "dictionary codec",
-            detail: format!("codec {codec} takes no dictionary"),
-        });
+
+    fn decode(r: &mut Reader<'_>) -> Result<Self, WireError> {
+        let DictionaryRecord {
+            id,
+            codec,
+            reserved,
+        } = r.record()?;
+        r.check_reserved(&reserved)?;
+        let data = r.bytes_u32(MAX_DICTIONARY_LEN, "dictionary")?.to_vec();
+        if id == 0 || id > MAX_DICTIONARIES {
+            return Err(WireError::InvalidField {
+                field: "dictionary id",
+                detail: format!("{id} (must be 1..={MAX_DICTIONARIES})"),
+            });
+        }
+        if codec != crate::codec_id::ZSTD {
+            return Err(WireError::InvalidField {
+                field: "dictionary codec",
+                detail: format!("codec {codec} takes no dictionary"),
+            });
+        }
+        if data.is_empty() {
+            return Err(WireError::InvalidField {
+                field: "dictionary",
+                detail: "empty".into(),
+            });
+        }
+        Ok(Self { id, codec, data })
     }
-    if data.is_empty() {
-        return Err(WireError::InvalidField {
-            field: "dictionary",
-            detail: "empty".into(),
-        });
-    }
-    Ok(Dictionary { id, codec, data })
 }

@@ -35,7 +35,26 @@ pub(super) struct Greeted<G> {
     pub(super) regions: Vec<MemoryRegion>,
 }
 
-/// A connection whose first message arrived within its deadline.
+/// A connection whose first message arrived within its deadline: the end
+/// of one connection's handshake ([`open`]), run on a thread of its own
+/// with its own deadline. Before the peer proved anything, only the opening
+/// kinds are read, and none longer than the largest legal hello.
+///
+/// ```mermaid
+/// stateDiagram-v2
+///     [*] --> Accepted
+///     Accepted --> Opening: TLS accepted (with --tls-dir), or none
+///     Opening --> Challenged: AuthHello (with a key), AuthChallenge sent
+///     Challenged --> Proved: AuthProof matches (main channel: frames sealed from now on)
+///     Proved --> Arrived: Hello or ChannelHello naming the proofs' session and channel
+///     Opening --> Arrived: Hello or ChannelHello (no key), or Abort
+///     Opening --> Refused: other kind, too long, AuthHello without a key, hello with a key
+///     Challenged --> Refused: bad proof, Abort, timeout
+///     Proved --> Refused: other session or channel
+///     Accepted --> Refused: handshake timeout, dropped to make room
+///     Arrived --> [*]: Welcome (or Abort) from the session
+///     Refused --> [*]: Abort with the reason, connection closed
+/// ```
 pub(crate) struct Arrived {
     pub(super) channel: Channel,
     pub(super) decoder: FrameDecoder,

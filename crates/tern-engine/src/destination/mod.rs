@@ -6,6 +6,7 @@ mod dictionary;
 mod handle;
 pub(crate) mod handshake;
 mod in_memory;
+mod landing_pool;
 mod live;
 mod order;
 mod populate;

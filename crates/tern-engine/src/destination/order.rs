@@ -15,7 +15,31 @@
 use tern_wire::FrameKind;
 
 /// Where the main channel is once the handshake (which takes only a hello
-/// or an abort, see `handshake.rs`) has answered the source's hello.
+/// or an abort, see `handshake.rs`) has answered the source's hello: the
+/// destination's session, read by [`MainChannelState::next`] for every
+/// message, and moved to `Ready` by the switch-over (`switch_over.rs`)
+/// once memory is verified and the state restored.
+///
+/// ```mermaid
+/// stateDiagram-v2
+///     [*] --> Live: Hello answered with Welcome
+///     Live --> Live: Dictionary, PostcopySwitch
+///     Live --> Sections: StateSection
+///     Sections --> Sections: StateSection
+///     Live --> Completed: Complete
+///     Sections --> Completed: Complete
+///     Completed --> Ready: verified, state restored (we send Ready)
+///     Ready --> Committed: Commit (we resume, send Outcome)
+///     Live --> Aborted: Abort
+///     Sections --> Aborted: Abort
+///     Completed --> Aborted: Abort
+///     Ready --> Aborted: Abort
+///     Committed --> [*]
+///     Aborted --> [*]
+/// ```
+///
+/// Any other message in any state is refused (the session fails with a
+/// protocol error, sent to the source in an abort).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(super) enum MainChannelState {
     /// Hello answered; pages flow on the page channels, the main channel
@@ -59,6 +83,22 @@ impl MainChannelState {
 }
 
 /// Where one page channel is.
+///
+/// ```mermaid
+/// stateDiagram-v2
+///     [*] --> Iteration0
+///     Iteration0 --> Iteration0: Pages of iteration 0
+///     Iteration0 --> IterationN: Sync(0), not last
+///     IterationN --> IterationN: Pages of iteration n
+///     IterationN --> IterationN: Sync(n), not last (n + 1)
+///     Iteration0 --> Ended: Sync(0, last)
+///     IterationN --> Ended: Sync(n, last)
+///     Ended --> [*]: nothing more may come
+/// ```
+///
+/// An iteration after the source's final one (from its `Complete`), a
+/// sync of it that is not the last, or pages of another iteration are
+/// refused.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(super) enum PageChannelState {
     /// Receiving this iteration: its pages, then its sync.

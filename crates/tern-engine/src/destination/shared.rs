@@ -9,9 +9,9 @@ use std::time::{Duration, Instant};
 use tern_page::codec::{CodecDictionary, QplPath};
 use tern_wire::{DigestAlgorithm, SessionSetup, Sync};
 
-use super::decode::DecodePool;
 use super::dictionary::SessionDictionaries;
 use super::handle::PassReporter;
+use super::landing_pool::DecodePool;
 use super::stream::FrameSource;
 use super::userfault::Userfault;
 use super::{POLL_INTERVAL, ReceiveStats};

@@ -1,8 +1,26 @@
 //! Which codec a batch uses: the configured one, or `auto`, which
 //! re-decides from the link rate and the codecs' measured speed and ratio.
 
-use super::rate::{LinkWindow, QueueSamples, link_estimate};
-use super::*;
+use std::sync::atomic::Ordering;
+use std::time::{Duration, Instant};
+
+use tern_page::PageCompressor;
+use tern_page::codec::{CodecChoice, CodecCounters, CodecId, CodecStats, QplPath};
+
+use super::delta_cache::DeltaCache;
+use super::rate::{LinkQueue, LinkWindow, QueueSamples, link_estimate};
+use super::{Pipeline, delta_cache};
+use crate::bitmap::DirtyBitmap;
+use crate::guest::{MemoryRegion, PAGE_SIZE};
+
+/// What compressing pages costs at the codec and level in force: the
+/// workers' guest bytes per CPU second together, and the ratio, as last
+/// measured (with `auto`, at the level it will use for the last pages).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub(crate) struct CodecCost {
+    pub guest_bytes_per_sec: f64,
+    pub ratio: f64,
+}
 
 /// What the workers compress with.
 #[derive(Clone, Debug)]
@@ -682,7 +700,7 @@ impl Pipeline<'_> {
     /// force, for the downtime estimate: the workers' guest bytes per CPU
     /// second together, and the ratio, as last measured. `None` without
     /// compression or before any measurement.
-    pub(crate) fn codec_cost(&self) -> Option<crate::source::CodecCost> {
+    pub(crate) fn codec_cost(&self) -> Option<CodecCost> {
         if self.codec == CodecId::None {
             return None;
         }
@@ -703,7 +721,7 @@ impl Pipeline<'_> {
                 )
             }
         }?;
-        Some(crate::source::CodecCost {
+        Some(CodecCost {
             guest_bytes_per_sec: measured.compress_bytes_per_sec * workers,
             ratio: measured.ratio,
         })

@@ -1,8 +1,12 @@
 //! The batch: pages of one region travelling producer → worker → sender
 //! and back, allocated once and recycled.
 
+use tern_page::codec::{CodecId, CodecStats, CompressedBatch};
+use tern_wire::{MAX_PAGES_PER_PACKET, PageEntry, PageKind, Sync};
+
 use super::dedup::Reference;
-use super::*;
+use crate::guest::{MemoryRegion, PAGE_SIZE};
+use crate::stats::ReuseCounts;
 
 /// A batch of pages of one region, travelling through the pipeline.
 #[derive(Debug)]

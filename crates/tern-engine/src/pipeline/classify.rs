@@ -1,6 +1,11 @@
 //! Zero-page detection on a batch (CPU, or DSA through the offload).
 
-use super::*;
+use tern_wire::PageKind;
+
+use super::Shared;
+use super::batch::{Batch, page_ptr};
+use super::scratch::Scratch;
+use crate::config::ZeroPageDetection;
 
 pub(super) fn classify(shared: &Shared, batch: &mut Batch, scratch: &mut Scratch) {
     let region = &shared.regions[batch.region];

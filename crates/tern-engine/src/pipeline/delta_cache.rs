@@ -35,9 +35,8 @@ use std::cell::UnsafeCell;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
-use tern_page::DeltaOffload;
-use tern_page::PAGE_SIZE;
 use tern_page::delta::create_delta;
+use tern_page::{DeltaOffload, PAGE_SIZE};
 
 const BUSY: u64 = 1 << 63;
 const VALID: u64 = 1 << 62;

@@ -14,9 +14,14 @@
 //! dictionary its sync counts; packets of *i+1* are read after the barrier.
 
 use tern_page::codec::DICTIONARY_SAMPLE_PAGES;
-use tern_wire::{Dictionary, codec_id};
+use tern_wire::{Dictionary, Message, codec_id};
 
-use super::*;
+use super::batch::Batch;
+use super::refresher::sample_dirty_pages;
+use super::{DictionaryState, Pipeline, auto_codec};
+use crate::bitmap::DirtyBitmap;
+use crate::error::MigrationError;
+use crate::transport::Channel;
 
 impl DictionaryState {
     /// Adds a returned batch's dictionary-compressed data pages to the

@@ -1,29 +1,16 @@
 //! Building a batch's packet: compression of its data pages and the
 //! header and page table.
 
-use tern_wire::PageRef;
+use tern_page::codec::{CodecId, CodecStats, PageOutcome};
+use tern_wire::{PageEntry, PageKind, PageRef, PagesHeader, encode_packet_prefix};
 
-use super::delta_cache::DeltaGate;
+use super::Shared;
+use super::batch::Batch;
+use super::classify::classify;
 use super::reuse::{copy_admitted_pages, data_ptr, encode_deltas, find_duplicates};
-use super::*;
-
-/// A worker's reusable buffers and its compressors (one per codec, made
-/// when first needed).
-#[derive(Default)]
-pub(super) struct Scratch {
-    pub(super) pointers: Vec<*const u8>,
-    pub(super) zero_flags: Vec<bool>,
-    /// Indexed by wire codec id.
-    pub(super) compressors: [Option<PageCompressor>; 8],
-    /// The level each compressor was asked for.
-    pub(super) levels: [i32; 8],
-    /// Pages of the current batch a later one may duplicate: hash, position.
-    pub(super) batch_pages: Vec<(u64, usize)>,
-    /// Two pages' worth of room to compare pages in.
-    pub(super) compare: [Vec<u8>; 2],
-    /// Which pages go through the delta cache.
-    pub(super) delta_gate: DeltaGate,
-}
+use super::scratch::Scratch;
+use crate::digest::{page_hash, zero_page_hash};
+use crate::guest::PAGE_SIZE;
 
 pub(super) fn encode(shared: &Shared, batch: &mut Batch, scratch: &mut Scratch) {
     if !batch.prechecked {

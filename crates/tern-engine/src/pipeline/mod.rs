@@ -17,31 +17,19 @@
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 use std::thread::{self, Scope, ScopedJoinHandle};
-use std::time::{Duration, Instant};
 
-use tern_page::codec::{
-    CodecChoice, CodecCounters, CodecId, CodecStats, CompressedBatch, PageOutcome, QplPath,
-};
-use tern_page::{DeltaOffload, ZeroPageOffload};
-use tern_page::{PageCompressor, ZeroChecker};
-use tern_wire::{
-    MAX_PAGES_PER_PACKET, Message, PageEntry, PageKind, PagesHeader, Sync, encode_packet_prefix,
-};
+use tern_page::codec::{CodecChoice, CodecId, CodecStats};
+use tern_page::{DeltaOffload, ZeroChecker, ZeroPageOffload};
+use tern_wire::{MAX_PAGES_PER_PACKET, Sync};
 
 use crate::bitmap::DirtyBitmap;
 use crate::config::ZeroPageDetection;
-use crate::digest::{PageHashes, page_hash, zero_page_hash};
-use crate::error::ChannelError;
+use crate::digest::PageHashes;
 use crate::error::MigrationError;
 use crate::guest::{MemoryRegion, PAGE_SIZE};
 use crate::ring::{Doorbell, Ring};
-use crate::source::{DictionaryRefresher, RatioWindow, sample_dirty_pages};
-use crate::stats::{
-    CodecReport, CompressionReport, LiveStats, OffloadReport, ZeroDetectionReport,
-    thread_cpu_seconds,
-};
-use crate::transport::{Channel, Segment, ShutdownHandle};
-use crate::zerocopy::{ZeroCopyError, ZeroCopyStats, ZeroCopyTransport};
+use crate::stats::LiveStats;
+use crate::transport::{Channel, ShutdownHandle};
 
 mod auto_codec;
 mod batch;
@@ -51,21 +39,25 @@ mod delta_cache;
 mod dictionary_refresh;
 mod encode;
 mod rate;
+mod refresher;
 mod report;
 mod reuse;
+mod scratch;
 mod sender;
 mod worker;
 mod zero_as_normal;
 
-pub(crate) use crate::stats::ReuseCounts;
 use auto_codec::{AutoCodec, calibrate_codecs};
-pub(crate) use auto_codec::{CompressionSetup, SWITCH_MARGIN, calibration_sample, sample_pages};
-use batch::{Batch, Completion, SendItem, page_ptr};
+pub(crate) use auto_codec::{
+    CodecCost, CompressionSetup, SWITCH_MARGIN, calibration_sample, sample_pages,
+};
+use batch::{Batch, Completion, SendItem};
 use classify::classify;
 use dedup::{DedupIndex, Reference, resend_referencing_pages};
 use delta_cache::DeltaCache;
-use encode::{Scratch, encode};
 use rate::{LinkQueue, RateLimiter};
+use refresher::{DictionaryRefresher, RatioWindow};
+use scratch::Scratch;
 pub(crate) use sender::PageSender;
 use sender::run_sender;
 use worker::run_worker;

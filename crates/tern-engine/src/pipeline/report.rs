@@ -1,7 +1,12 @@
 //! Publishing the pipeline's codec and zero-detection reports into the
 //! live statistics.
 
-use super::*;
+use tern_page::codec::CodecChoice;
+
+use super::Pipeline;
+use crate::config::ZeroPageDetection;
+use crate::guest::PAGE_SIZE;
+use crate::stats::{CodecReport, CompressionReport, OffloadReport, ZeroDetectionReport};
 
 impl Pipeline<'_> {
     /// Publishes the compression and zero-page detection counters to the

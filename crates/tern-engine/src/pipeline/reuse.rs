@@ -2,11 +2,14 @@
 //! holds: duplicates (`dedup.rs`) and deltas (`delta_cache.rs`).
 
 use tern_page::delta::MAX_DELTA_LEN;
-use tern_wire::PageRef;
+use tern_wire::{MAX_PAGES_PER_PACKET, PageKind, PageRef};
 
-use super::dedup::{IndexedPage, Reference};
+use super::Shared;
+use super::batch::{Batch, page_ptr};
+use super::dedup::{DedupIndex, IndexedPage, Reference};
 use super::delta_cache::{DeltaGate, DeltaOutcome};
-use super::*;
+use super::scratch::Scratch;
+use crate::guest::PAGE_SIZE;
 
 /// With the delta cache: decides which data pages go through it (the
 /// worker's [`DeltaGate`]) and copies each of those once, so that

@@ -1,7 +1,18 @@
 //! The channel senders: one thread per page channel writes each batch
 //! (header, table and pages straight from guest memory) and the syncs.
 
-use super::*;
+use std::sync::atomic::Ordering;
+use std::time::Instant;
+
+use tern_wire::{MAX_PAGES_PER_PACKET, Message, PageKind};
+
+use super::Shared;
+use super::batch::{Batch, Completion, SendItem, page_ptr};
+use crate::error::{ChannelError, MigrationError};
+use crate::guest::PAGE_SIZE;
+use crate::stats::thread_cpu_seconds;
+use crate::transport::{Channel, Segment};
+use crate::zerocopy::{ZeroCopyError, ZeroCopyStats, ZeroCopyTransport};
 
 /// How a sender writes its channel.
 pub(crate) enum PageSender {

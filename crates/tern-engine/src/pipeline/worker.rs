@@ -1,9 +1,17 @@
 //! The worker threads: classify and encode a batch, hand it to the
 //! least-loaded sender.
 
+use std::thread;
+
+use tern_wire::{MAX_PAGES_PER_PACKET, PageKind};
+
+use super::Shared;
+use super::batch::{Batch, SendItem};
 use super::dedup::IndexedPage;
+use super::encode::encode;
 use super::reuse::publish;
-use super::*;
+use super::scratch::Scratch;
+use crate::stats::thread_cpu_seconds;
 
 pub(super) fn run_worker(shared: &Shared, index: usize) {
     let cpu_start = thread_cpu_seconds();

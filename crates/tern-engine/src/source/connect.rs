@@ -15,7 +15,7 @@ use crate::error::MigrationError;
 use crate::guest::{MemoryRegion, PAGE_SIZE};
 use crate::pipeline::{CompressionSetup, PageSender};
 use crate::transport::security::secure_client;
-use crate::transport::{Channel, Connect};
+use crate::transport::{Channel, Connect, Expected};
 use crate::uring_zc::UringZeroCopySender;
 use crate::zerocopy::{self, ZeroCopySender};
 
@@ -282,7 +282,7 @@ fn expect_welcome(
     index: u16,
 ) -> Result<(), MigrationError> {
     match channel
-        .read_message()
+        .read_expected(Expected::WELCOME)
         .map_err(MigrationError::channel(usize::from(index)))?
     {
         Message::Welcome(Welcome {

@@ -9,6 +9,7 @@ use std::time::Duration;
 use crate::config::{LimitPolicy, MigrationConfig};
 use crate::control::ConvergenceSettings;
 use crate::guest::PAGE_SIZE;
+use crate::pipeline::CodecCost;
 
 /// What the source measured at one dirty-log sync.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -46,15 +47,6 @@ impl SyncFacts {
         let link = Duration::from_secs_f64(remaining / self.bandwidth.max(1.0));
         link.max(self.codec_downtime()) + self.final_rehash
     }
-}
-
-/// What compressing pages costs at the codec and level in force: the
-/// workers' guest bytes per CPU second together, and the ratio, as last
-/// measured (with `auto`, at the level it will use for the last pages).
-#[derive(Clone, Copy, Debug, PartialEq)]
-pub(crate) struct CodecCost {
-    pub guest_bytes_per_sec: f64,
-    pub ratio: f64,
 }
 
 impl SyncFacts {

@@ -3,8 +3,6 @@
 mod connect;
 pub(crate) mod convergence;
 mod dictionary;
-pub(crate) use convergence::CodecCost;
-pub(crate) use dictionary::{DictionaryRefresher, RatioWindow, sample_dirty_pages};
 mod live;
 mod peer;
 mod postcopy;

@@ -6,7 +6,7 @@ use std::time::{Duration, Instant};
 use tern_wire::{HEARTBEAT_INTERVAL, Message};
 
 use crate::error::{ChannelError, MigrationError};
-use crate::transport::Channel;
+use crate::transport::{Channel, Expected};
 
 /// What the source knows of the destination's liveness during the live
 /// phase: the destination sends a heartbeat about once a second on the main
@@ -42,7 +42,10 @@ impl PeerWatch {
             .wait_readable(Duration::ZERO)
             .map_err(MigrationError::channel(0))?
         {
-            match main.read_message().map_err(MigrationError::channel(0))? {
+            match main
+                .read_expected(Expected::LIVE)
+                .map_err(MigrationError::channel(0))?
+            {
                 Message::Heartbeat => self.heard = self.heard.saturating_add(1),
                 Message::Abort(abort) => {
                     return Err(MigrationError::from_peer_abort(abort));
@@ -88,7 +91,7 @@ pub(super) fn peer_reason(main: &mut Channel) -> Option<MigrationError> {
         if !main.wait_readable(left).ok()? {
             return None;
         }
-        match main.read_message() {
+        match main.read_expected(Expected::LIVE) {
             Ok(Message::Heartbeat) if !left.is_zero() => {}
             Ok(Message::Abort(abort)) => {
                 return Some(MigrationError::from_peer_abort(abort));

@@ -25,7 +25,7 @@ use crate::error::{ChannelError, MigrationError};
 use crate::guest::{MemoryRegion, PAGE_SIZE};
 use crate::postcopy::{PageBits, StaleSet};
 use crate::stats::LiveStats;
-use crate::transport::{Channel, Segment, ShutdownHandle};
+use crate::transport::{Channel, Expected, Segment, ShutdownHandle};
 
 /// Requests read but not answered yet, at most: a destination that sends
 /// more without reading the answers is flooding, and the migration fails
@@ -321,7 +321,7 @@ impl Answers<'_> {
                 Duration::ZERO
             };
             while main.wait_readable(wait).map_err(gone)? {
-                let message = main.read_message().map_err(gone)?;
+                let message = main.read_expected(Expected::POSTCOPY).map_err(gone)?;
                 if let Some(complete) = self.take_message(message, &mut queue)? {
                     return Ok(complete);
                 }

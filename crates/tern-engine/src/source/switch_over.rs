@@ -19,9 +19,31 @@ use crate::guest::SourceGuest;
 use crate::pipeline::Pipeline;
 use crate::postcopy::{PostcopyReport, StaleSet};
 use crate::stats::{DestinationStats, DigestComparison, MigrationStatus};
-use crate::transport::Channel;
+use crate::transport::{Channel, Expected};
 
 impl Source {
+    /// The precopy switch-over, as the source sees it. Until the commit is
+    /// sent, every failure resumes the guest here; after it, the guest may
+    /// run on the destination, so only a definite "not resumed" (an
+    /// outcome that is not verified, or an abort) resumes it here, and
+    /// anything else leaves it paused with the outcome unknown.
+    ///
+    /// ```mermaid
+    /// stateDiagram-v2
+    ///     [*] --> Paused: pause, last dirty-log sync
+    ///     Paused --> LastPages: pages dirtied since the last sync, Sync(last)
+    ///     LastPages --> StateSent: state sections, Complete(digest)
+    ///     StateSent --> Committed: Ready with our digest, Commit sent
+    ///     StateSent --> ResumedHere: Outcome (refused), Abort, digest mismatch, timeout
+    ///     Committed --> Done: Outcome verified
+    ///     Committed --> ResumedHere: Outcome not verified, or Abort
+    ///     Committed --> Unknown: silence, second Ready, channel error
+    ///     Paused --> ResumedHere: any error
+    ///     LastPages --> ResumedHere: any error
+    ///     Done --> [*]: the guest runs on the destination
+    ///     ResumedHere --> [*]: the guest runs here
+    ///     Unknown --> [*]: the guest stays paused here
+    /// ```
     pub(super) fn switch_over<G: SourceGuest>(
         &self,
         guest: &mut G,
@@ -277,7 +299,7 @@ impl Source {
             }
             // Whole by the deadline, however the bytes trickle in.
             let message = main
-                .read_message_until(Some(deadline.at()))
+                .read_expected_until(Expected::SWITCH_OVER_ANSWER, Some(deadline.at()))
                 .map_err(|error| {
                     // Cut off by the switch-over deadline: say so.
                     MigrationError::channel(0)(match error {
@@ -313,6 +335,27 @@ const ANSWER_POLL: Duration = Duration::from_millis(100);
 /// precopy switch-over, but the dirty pages stay behind, named in the
 /// switch frames, and are served after the commit.
 impl Source {
+    /// The switch to postcopy and the service after it, as the source sees
+    /// it. The commit is the point of no return: before it any failure
+    /// resumes the guest here, after it the guest runs on the destination
+    /// and the source serves its stale pages until the destination says
+    /// every one is placed.
+    ///
+    /// ```mermaid
+    /// stateDiagram-v2
+    ///     [*] --> Paused: decision postcopy; pause, last dirty-log sync
+    ///     Paused --> Switched: empty last Sync on page channels; PostcopySwitch (stale runs), state, Complete
+    ///     Switched --> ResumedHere: Outcome (refused), Abort, digest mismatch, timeout
+    ///     Switched --> Serving: Ready, Commit sent (point of no return)
+    ///     Serving --> Serving: PageRequest answered with UrgentPages; push on page channels
+    ///     Serving --> Completed: PostcopyComplete, digests equal
+    ///     Serving --> DigestMismatch: PostcopyComplete, digests differ
+    ///     Serving --> Failed: channel broken, destination silent, Abort
+    ///     ResumedHere --> [*]: the guest runs here
+    ///     Completed --> [*]
+    ///     DigestMismatch --> [*]
+    ///     Failed --> [*]: the guest runs on the destination, pages missing
+    /// ```
     pub(super) fn switch_over_postcopy<G: SourceGuest>(
         &self,
         guest: &mut G,

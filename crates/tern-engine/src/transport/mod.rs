@@ -7,12 +7,15 @@
 //! [`seam`] (how the engine gets its channels: [`Connect`] and [`Accept`],
 //! which an embedder may implement), [`socket`] (vsock and inherited
 //! descriptors), [`auth`] (the shared-key handshake), [`tls`] (rustls and
-//! kernel TLS), [`security`] (what each side requires of a channel) and
+//! kernel TLS), [`security`] (what each side requires of a channel, with the
+//! leaf `channel_security`: what a handshake established) and
 //! [`zerocopy`] (the zero-copy senders built on a [`Channel`]).
 //! Dependencies point inwards only: the others use this file, never the
 //! reverse.
 
 pub mod auth;
+mod channel_security;
+mod expected;
 pub mod seam;
 pub mod security;
 pub mod socket;
@@ -26,6 +29,7 @@ pub mod tls;
 mod tls_types;
 pub mod zerocopy;
 
+pub use expected::Expected;
 pub use seam::{Accept, Connect, Connector};
 
 use std::fmt;
@@ -37,7 +41,7 @@ use std::path::PathBuf;
 use std::str::FromStr;
 use std::time::{Duration, Instant};
 
-use tern_wire::{FRAME_HEADER_LEN, FrameHeader, FrameOpener, Message, SEAL_LEN, Seal};
+use tern_wire::{Event, FRAME_HEADER_LEN, FrameDecoder, FrameHeader, Message};
 
 use crate::error::ChannelError;
 
@@ -283,13 +287,17 @@ pub struct Channel {
     message_timeout: Option<Duration>,
     /// What the channel's handshake established, for the peer's checks and
     /// the statistics.
-    security: security::ChannelSecurity,
+    security: channel_security::ChannelSecurity,
     /// Seals every control frame sent, once the key exchange agreed a
     /// session key (the main channel with a shared key).
     sealer: Option<Box<auth::ControlSealer>>,
-    /// Opens every control frame [`Channel::read_message`] reads, likewise.
-    /// (A destination's frames are read by a decoder holding its opener.)
-    opener: Option<Box<auth::ControlOpener>>,
+    /// Decodes the control frames this channel's readers read
+    /// ([`Channel::read_expected`]): refuses a kind the reader does not
+    /// expect at its header, and opens sealed frames once the key exchange
+    /// agreed a session key. (A destination reads its channels with its
+    /// own decoder, which holds its opener.) `None` only while a read
+    /// holds it.
+    control: Option<Box<FrameDecoder>>,
     /// The message being read, when it spans several reads.
     transfer: Option<Transfer>,
 }
@@ -361,15 +369,15 @@ impl Channel {
             stream,
             fd,
             message_timeout: None,
-            security: security::ChannelSecurity::default(),
+            security: channel_security::ChannelSecurity::default(),
             sealer: None,
-            opener: None,
+            control: Some(Box::new(FrameDecoder::new())),
             transfer: None,
         })
     }
 
     /// From now on every control frame sent is sealed with `sealer`, and
-    /// every one [`Channel::read_message`] reads must pass `opener` (a
+    /// every one [`Channel::read_expected`] reads must pass `opener` (a
     /// destination passes `None`: its decoder holds the opener).
     pub(crate) fn seal_control(
         &mut self,
@@ -378,7 +386,9 @@ impl Channel {
     ) {
         // Boxed: the keys are large and most channels have none.
         self.sealer = Some(Box::new(sealer));
-        self.opener = opener.map(Box::new);
+        if let (Some(opener), Some(control)) = (opener, &mut self.control) {
+            control.seal_with(Box::new(opener));
+        }
     }
 
     /// Whether the control frames sent on this channel are sealed.
@@ -480,7 +490,7 @@ impl Channel {
     }
 
     /// The transport and security the channel's handshake established.
-    pub fn security(&self) -> &security::ChannelSecurity {
+    pub fn security(&self) -> &channel_security::ChannelSecurity {
         &self.security
     }
 
@@ -616,7 +626,7 @@ impl Channel {
             security: self.security.clone(),
             message_timeout: self.message_timeout,
             sealer: None,
-            opener: None,
+            control: Some(Box::new(FrameDecoder::new())),
             transfer: None,
         })
     }
@@ -665,43 +675,60 @@ impl Channel {
         Ok(FrameHeader::decode(&head)?)
     }
 
-    /// Reads one control message (frame header and body, and its seal
-    /// when the channel's frames are sealed), all of it within one transfer
-    /// deadline.
-    pub fn read_message(&mut self) -> Result<Message, ChannelError> {
-        self.read_message_until(None)
+    /// Reads one control message of a kind `expected` names (frame header
+    /// and body, and its seal when the channel's frames are sealed), all of
+    /// it within one transfer deadline. Any other kind is refused at its
+    /// header, and the channel reads nothing more after a refused frame.
+    pub fn read_expected(&mut self, expected: Expected) -> Result<Message, ChannelError> {
+        self.read_expected_until(expected, None)
     }
 
-    /// [`Channel::read_message`], cut off at `limit` whatever the peer
+    /// [`Channel::read_expected`], cut off at `limit` whatever the peer
     /// trickles (a switch-over answer has its own deadline).
-    pub fn read_message_until(&mut self, limit: Option<Instant>) -> Result<Message, ChannelError> {
+    pub fn read_expected_until(
+        &mut self,
+        expected: Expected,
+        limit: Option<Instant>,
+    ) -> Result<Message, ChannelError> {
+        let Some(mut control) = self.control.take() else {
+            return Err(ChannelError::Io(io::Error::other(
+                "a control read is already under way on this channel",
+            )));
+        };
+        control.restrict(Some((expected.kinds, expected.name)));
         self.begin_transfer(limit);
-        let message = self.read_whole_message();
+        let message = self.read_control(&mut control);
         self.end_transfer();
+        self.control = Some(control);
         message
     }
 
-    fn read_whole_message(&mut self) -> Result<Message, ChannelError> {
-        let mut head = [0u8; FRAME_HEADER_LEN];
-        self.read_exact(&mut head)?;
-        let header = FrameHeader::decode(&head)?;
-        let sealed = tern_wire::header_is_sealed(&head);
-        if sealed != self.opener.is_some() {
-            return Err(ChannelError::Protocol(if sealed {
-                tern_wire::WireError::SealUnexpected(header.kind)
-            } else {
-                tern_wire::WireError::Unsealed(header.kind)
-            }));
+    /// Reads any control message ([`Expected::ANY_CONTROL`]): for tools
+    /// and tests that play a peer; the engine's readers say what they
+    /// expect.
+    pub fn read_message(&mut self) -> Result<Message, ChannelError> {
+        self.read_expected(Expected::ANY_CONTROL)
+    }
+
+    /// Feeds `control` exactly the bytes it asks for until it completes a
+    /// message: nothing of the next frame is read.
+    fn read_control(&mut self, control: &mut FrameDecoder) -> Result<Message, ChannelError> {
+        loop {
+            let buf = control.buffer();
+            let len = buf.len();
+            self.read_exact(buf)?;
+            match control.filled(len)? {
+                None => {}
+                Some(Event::Message(message)) => return Ok(message),
+                // Refused at the header: page packets are never expected.
+                Some(Event::Pages(_)) => {
+                    return Err(ChannelError::Protocol(tern_wire::WireError::Unexpected {
+                        got: tern_wire::FrameKind::Pages,
+                        expected: "a control message",
+                    }));
+                }
+            }
         }
-        let body_len = header.body_len as usize;
-        let mut body = vec![0u8; body_len + if sealed { SEAL_LEN } else { 0 }];
-        self.read_exact(&mut body)?;
-        if let Some(opener) = &mut self.opener {
-            let mut seal = [0u8; SEAL_LEN];
-            seal.copy_from_slice(&body[body_len..]);
-            opener.open(&head, &body[..body_len], &Seal::decode(&seal))?;
-        }
-        Ok(Message::decode(header.kind, &body[..body_len])?)
     }
 
     /// Waits up to `timeout` for the channel to have data (or to be closed).
@@ -1017,6 +1044,44 @@ mod tests {
         let address: Address = format!("tcp::{port}").parse().unwrap();
         Channel::connect(&address, Duration::from_secs(30)).unwrap();
         listener.accept_timeout(Duration::from_secs(30)).unwrap();
+    }
+
+    #[test]
+    fn a_reader_refuses_an_unexpected_kind_at_its_header() {
+        let dir = tempfile::tempdir().unwrap();
+        let address = Address::Unix(dir.path().join("s"));
+        let listener = Listener::bind(&address).unwrap();
+        let mut client = Channel::connect(&address, Duration::from_secs(5)).unwrap();
+        let mut server = listener.accept_timeout(Duration::from_secs(5)).unwrap();
+        client
+            .send_message(&Message::Welcome(tern_wire::Welcome {
+                session_id: 1,
+                channel_index: 0,
+            }))
+            .unwrap();
+        let sync = Message::Sync(tern_wire::Sync {
+            iteration: 7,
+            last: false,
+            dictionaries: 0,
+        });
+        client.send_message(&sync).unwrap();
+        assert!(matches!(
+            server.read_expected(Expected::WELCOME),
+            Ok(Message::Welcome(_))
+        ));
+        match server.read_expected(Expected::WELCOME) {
+            Err(ChannelError::Protocol(tern_wire::WireError::Unexpected { got, expected })) => {
+                assert_eq!((got, expected), (tern_wire::FrameKind::Sync, "a welcome"));
+            }
+            other => panic!("expected the sync refused, got {other:?}"),
+        }
+        // Refused at the header: its body is still unread, byte for byte.
+        let mut body = [0u8; 8];
+        server.read_exact(&mut body).unwrap();
+        assert_eq!(&body[..], &sync.to_bytes()[FRAME_HEADER_LEN..]);
+        // And the channel reads no frame after a refused one.
+        client.send_message(&sync).unwrap();
+        assert!(server.read_message().is_err());
     }
 
     #[test]

@@ -5,9 +5,10 @@ use std::sync::Arc;
 
 use tern_wire::{AuthHello, AuthProof, Handshake, Message};
 
-use super::Channel;
 use super::auth::{self, AuthKey, Bound};
+pub use super::channel_security::{ChannelSecurity, TlsInfo};
 use super::tls::{self, TlsConfig};
+use super::{Channel, Expected};
 use crate::error::ChannelError;
 
 /// The protections one side applies to each of its channels.
@@ -25,41 +26,6 @@ impl Security {
     /// Whether the peer has to prove who it is (a key or a certificate).
     pub fn authenticates(&self) -> bool {
         self.tls.is_some() || self.auth_key.is_some()
-    }
-}
-
-/// TLS parameters of a channel, for reports.
-#[derive(
-    Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize, schemars::JsonSchema,
-)]
-#[serde(rename_all = "kebab-case")]
-#[non_exhaustive]
-pub struct TlsInfo {
-    /// Protocol version, such as `TLSv1_3`.
-    pub version: String,
-    /// Cipher suite, such as `TLS13_AES_256_GCM_SHA384`.
-    pub cipher: String,
-    /// Whether the kernel handles the records (kTLS).
-    pub kernel_offload: bool,
-}
-
-/// What a channel's handshake established.
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
-#[non_exhaustive]
-pub struct ChannelSecurity {
-    /// The peer proved it holds the shared key.
-    pub key_authenticated: bool,
-    /// TLS, when the channel runs it.
-    pub tls: Option<TlsInfo>,
-    /// The peer's certificate (DER), when it presented one: every channel
-    /// of a session must present the same.
-    pub peer_identity: Option<Vec<u8>>,
-}
-
-impl ChannelSecurity {
-    /// Whether the peer proved who it is, by key or certificate.
-    pub fn authenticated(&self) -> bool {
-        self.key_authenticated || self.peer_identity.is_some()
     }
 }
 
@@ -107,7 +73,7 @@ fn client_auth(
         handshake,
         nonce: source_nonce,
     }))?;
-    let challenge = match channel.read_message()? {
+    let challenge = match channel.read_expected(Expected::AUTH_CHALLENGE)? {
         Message::AuthChallenge(challenge) => challenge,
         Message::Abort(abort) => {
             return Err(ChannelError::Auth(format!(

@@ -29,7 +29,7 @@ use rustls::{
     ClientConfig, ClientConnection, Connection, RootCertStore, ServerConfig, ServerConnection,
 };
 
-use super::security::{ChannelSecurity, TlsInfo};
+use super::channel_security::{ChannelSecurity, TlsInfo};
 use super::{Channel, Segment, Stream, TransferClock};
 use crate::error::ChannelError;
 use tern_wire::{FrameKind, Message};

@@ -1,4 +1,11 @@
 //! Helpers shared by the integration tests.
+
+// Test and measurement data: sizes, offsets and counters of small guests.
+#![allow(
+    clippy::cast_possible_truncation,
+    clippy::cast_sign_loss,
+    clippy::cast_possible_wrap
+)]
 #![allow(dead_code)]
 
 use std::thread::JoinHandle;
@@ -10,10 +17,10 @@ use tern_engine::{
 };
 use tern_synthetic::{ContentMix, SyntheticConfig, SyntheticGuest};
 
-pub const MIB: u64 = 1 << 20;
+pub(crate) const MIB: u64 = 1 << 20;
 
 /// A synthetic guest of `memory` bytes with the default mix.
-pub fn guest(memory: u64, dirty_rate: u64) -> SyntheticGuest {
+pub(crate) fn guest(memory: u64, dirty_rate: u64) -> SyntheticGuest {
     SyntheticGuest::new(&SyntheticConfig {
         memory_bytes: memory,
         regions: 1,
@@ -26,11 +33,11 @@ pub fn guest(memory: u64, dirty_rate: u64) -> SyntheticGuest {
     .expect("synthetic guest")
 }
 
-pub fn guest_with(config: SyntheticConfig) -> SyntheticGuest {
+pub(crate) fn guest_with(config: SyntheticConfig) -> SyntheticGuest {
     SyntheticGuest::new(&config).expect("synthetic guest")
 }
 
-pub fn make_destination_guest(
+pub(crate) fn make_destination_guest(
     setup: &tern_wire::SessionSetup,
 ) -> Result<SyntheticGuest, GuestError> {
     let lens: Vec<u64> = setup.regions.iter().map(|region| region.len).collect();
@@ -38,14 +45,14 @@ pub fn make_destination_guest(
 }
 
 /// A listener on a free TCP port of 127.0.0.1.
-pub fn tcp_listener() -> (Listener, Address) {
+pub(crate) fn tcp_listener() -> (Listener, Address) {
     let listener = Listener::bind(&Address::Tcp("127.0.0.1:0".into())).expect("bind");
     let address = listener.local_address().expect("address");
     (listener, address)
 }
 
 /// Short timeouts so failing tests fail fast.
-pub fn receive_config() -> ReceiveConfig {
+pub(crate) fn receive_config() -> ReceiveConfig {
     {
         let mut config = ReceiveConfig::default();
         config.accept_timeout = Duration::from_secs(20);
@@ -54,7 +61,7 @@ pub fn receive_config() -> ReceiveConfig {
     }
 }
 
-pub fn migration_config(channels: u16) -> MigrationConfig {
+pub(crate) fn migration_config(channels: u16) -> MigrationConfig {
     {
         let mut config = MigrationConfig::default();
         config.channels = channels;
@@ -67,10 +74,10 @@ pub fn migration_config(channels: u16) -> MigrationConfig {
     }
 }
 
-pub type DestinationResult = Result<Received<SyntheticGuest>, MigrationError>;
+pub(crate) type DestinationResult = Result<Received<SyntheticGuest>, MigrationError>;
 
 /// Runs a destination on its own thread.
-pub fn spawn_destination(listener: Listener) -> JoinHandle<DestinationResult> {
+pub(crate) fn spawn_destination(listener: Listener) -> JoinHandle<DestinationResult> {
     std::thread::spawn(move || {
         Destination::new(receive_config()).receive(&listener, make_destination_guest)
     })
@@ -78,10 +85,10 @@ pub fn spawn_destination(listener: Listener) -> JoinHandle<DestinationResult> {
 
 /// How long a test waits for something that should happen at once: far
 /// beyond any scheduling delay on a loaded machine, so only a hang fails.
-pub const DEADLINE: Duration = Duration::from_secs(60);
+pub(crate) const DEADLINE: Duration = Duration::from_secs(60);
 
 /// Polls `condition` until it holds; panics naming `what` after [`DEADLINE`].
-pub fn wait_until(what: &str, mut condition: impl FnMut() -> bool) {
+pub(crate) fn wait_until(what: &str, mut condition: impl FnMut() -> bool) {
     let deadline = std::time::Instant::now() + DEADLINE;
     while !condition() {
         assert!(
@@ -93,19 +100,19 @@ pub fn wait_until(what: &str, mut condition: impl FnMut() -> bool) {
 }
 
 /// PEM files of a throwaway CA and hosts it signed, made for one test.
-pub struct TestPki {
-    pub ca: String,
+pub(crate) struct TestPki {
+    pub(crate) ca: String,
     ca_issuer: rcgen::CertifiedIssuer<'static, rcgen::KeyPair>,
 }
 
 /// One host's certificate chain and key, in PEM.
-pub struct TestIdentity {
-    pub chain: String,
-    pub key: String,
+pub(crate) struct TestIdentity {
+    pub(crate) chain: String,
+    pub(crate) key: String,
 }
 
 impl TestPki {
-    pub fn new(name: &str) -> Self {
+    pub(crate) fn new(name: &str) -> Self {
         let mut params = rcgen::CertificateParams::new(Vec::<String>::new()).unwrap();
         params.is_ca = rcgen::IsCa::Ca(rcgen::BasicConstraints::Unconstrained);
         params
@@ -120,7 +127,7 @@ impl TestPki {
     }
 
     /// A host certificate valid for `names` (DNS names or IP addresses).
-    pub fn identity(&self, names: &[&str]) -> TestIdentity {
+    pub(crate) fn identity(&self, names: &[&str]) -> TestIdentity {
         let names: Vec<String> = names.iter().map(ToString::to_string).collect();
         let params = rcgen::CertificateParams::new(names).unwrap();
         let key = rcgen::KeyPair::generate().unwrap();
@@ -132,7 +139,7 @@ impl TestPki {
     }
 
     /// A host certificate for `names` whose validity ended in 2021.
-    pub fn expired_identity(&self, names: &[&str]) -> TestIdentity {
+    pub(crate) fn expired_identity(&self, names: &[&str]) -> TestIdentity {
         let names: Vec<String> = names.iter().map(ToString::to_string).collect();
         let mut params = rcgen::CertificateParams::new(names).unwrap();
         params.not_before = rcgen::date_time_ymd(2020, 1, 1);
@@ -146,7 +153,7 @@ impl TestPki {
     }
 
     /// A TLS configuration trusting this CA and presenting `identity`.
-    pub fn config(&self, identity: &TestIdentity) -> tern_engine::TlsConfig {
+    pub(crate) fn config(&self, identity: &TestIdentity) -> tern_engine::TlsConfig {
         tern_engine::TlsConfig::from_pem(
             self.ca.as_bytes(),
             identity.chain.as_bytes(),
@@ -158,7 +165,7 @@ impl TestPki {
 
 /// The header and table of one packet of raw pages of region 0 in
 /// `iteration`; the caller appends the pages' 4 KiB each, in order.
-pub fn raw_pages_prefix(iteration: u32, pages: &[u32]) -> Vec<u8> {
+pub(crate) fn raw_pages_prefix(iteration: u32, pages: &[u32]) -> Vec<u8> {
     let entries: Vec<tern_wire::PageEntry> = pages
         .iter()
         .map(|&page_index| tern_wire::PageEntry {
@@ -177,9 +184,9 @@ pub fn raw_pages_prefix(iteration: u32, pages: &[u32]) -> Vec<u8> {
 /// it, so a test can compare it with the paused source's even when the
 /// source's guest dirties memory (a running copy would go on writing).
 #[derive(Debug)]
-pub struct HeldGuest {
-    pub guest: SyntheticGuest,
-    pub resumed: bool,
+pub(crate) struct HeldGuest {
+    pub(crate) guest: SyntheticGuest,
+    pub(crate) resumed: bool,
 }
 
 impl tern_engine::GuestMemory for HeldGuest {
@@ -219,7 +226,7 @@ impl tern_engine::DeviceState for HeldGuest {
 }
 
 /// Runs a destination of [`HeldGuest`]s on its own thread.
-pub fn spawn_held_destination(
+pub(crate) fn spawn_held_destination(
     listener: Listener,
 ) -> JoinHandle<Result<Received<HeldGuest>, MigrationError>> {
     std::thread::spawn(move || {
@@ -236,7 +243,7 @@ pub fn spawn_held_destination(
 /// after [`DEADLINE`], so a product deadline that stopped working fails the
 /// test instead of hanging it (the thread is left behind; the test process
 /// ends with the failure).
-pub fn join_within<T>(thread: JoinHandle<T>, what: &str) -> T {
+pub(crate) fn join_within<T>(thread: JoinHandle<T>, what: &str) -> T {
     wait_until(&format!("{what} ends"), || thread.is_finished());
     match thread.join() {
         Ok(value) => value,

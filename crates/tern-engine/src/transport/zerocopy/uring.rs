@@ -558,61 +558,11 @@ impl UringZeroCopySender {
             if id == CANCEL_USER_DATA {
                 continue;
             }
-            let oldest = self.next_id - self.in_flight.len() as u64;
-            let Some(request) = id
-                .checked_sub(oldest)
-                .and_then(|offset| self.in_flight.get_mut(offset as usize))
-            else {
-                return Err(ZeroCopyError::Ring {
-                    index: self.index,
-                    source: io::Error::other(format!(
-                        "completion for request {id}, but only {} from {oldest} are in flight",
-                        self.in_flight.len()
-                    )),
-                });
-            };
             if cqueue::notif(flags) {
-                if !request.notification_pending {
-                    return Err(ZeroCopyError::Ring {
-                        index: self.index,
-                        source: io::Error::other(format!("second notification for request {id}")),
-                    });
-                }
-                request.notification_pending = false;
-                request.copied = (res as u32) & IORING_NOTIF_USAGE_ZC_COPIED != 0;
-                let (payload, charge, copied) = (request.payload, request.charge, request.copied);
-                self.stats.notifications += 1;
-                self.stats.sends_completed += 1;
-                if copied {
-                    self.stats.sends_copied += 1;
-                    // Before the result CQE the payload is not known yet;
-                    // the result handler adds it then.
-                    self.stats.copied_bytes += payload as u64;
-                }
-                self.outstanding_sends -= 1;
-                self.outstanding_charge -= charge;
-                self.outstanding_bytes -= payload as u64;
+                self.on_notification(id, res)?;
             } else {
-                request.result_pending = false;
                 let more = cqueue::more(flags);
-                let sent = usize::try_from(res).unwrap_or(0);
-                let payload = sent - sent.min(request.header);
-                request.payload = payload;
-                if more {
-                    self.stats.sends_queued += 1;
-                    self.stats.zero_copy_bytes += payload as u64;
-                    if request.notification_pending {
-                        self.outstanding_bytes += payload as u64;
-                    } else if request.copied {
-                        self.stats.copied_bytes += payload as u64;
-                    }
-                } else if request.notification_pending {
-                    // No notification will come (the request failed).
-                    request.notification_pending = false;
-                    let charge = request.charge;
-                    self.outstanding_sends -= 1;
-                    self.outstanding_charge -= charge;
-                }
+                self.on_result(id, res, more)?;
                 if Some(id) == wanted {
                     found = Some((res, more));
                 }
@@ -625,6 +575,77 @@ impl UringZeroCopySender {
             }
         }
         Ok(found)
+    }
+
+    /// The request in flight a completion names; a completion for any
+    /// other is the kernel breaking the ring's contract.
+    fn in_flight_request(&mut self, id: u64) -> Result<&mut Request, ZeroCopyError> {
+        let oldest = self.next_id - self.in_flight.len() as u64;
+        let (index, len) = (self.index, self.in_flight.len());
+        id.checked_sub(oldest)
+            .and_then(|offset| self.in_flight.get_mut(offset as usize))
+            .ok_or_else(|| ZeroCopyError::Ring {
+                index,
+                source: io::Error::other(format!(
+                    "completion for request {id}, but only {len} from {oldest} are in flight"
+                )),
+            })
+    }
+
+    /// Request `id`'s notification: the kernel let go of its pages.
+    fn on_notification(&mut self, id: u64, res: i32) -> Result<(), ZeroCopyError> {
+        let index = self.index;
+        let request = self.in_flight_request(id)?;
+        if !request.notification_pending {
+            return Err(ZeroCopyError::Ring {
+                index,
+                source: io::Error::other(format!("second notification for request {id}")),
+            });
+        }
+        request.notification_pending = false;
+        request.copied = (res as u32) & IORING_NOTIF_USAGE_ZC_COPIED != 0;
+        let (payload, charge, copied) = (request.payload, request.charge, request.copied);
+        self.stats.notifications += 1;
+        self.stats.sends_completed += 1;
+        if copied {
+            self.stats.sends_copied += 1;
+            // Before the result CQE the payload is not known yet;
+            // the result handler adds it then.
+            self.stats.copied_bytes += payload as u64;
+        }
+        self.outstanding_sends -= 1;
+        self.outstanding_charge -= charge;
+        self.outstanding_bytes -= payload as u64;
+        Ok(())
+    }
+
+    /// Request `id`'s result: `res` bytes sent (or an error), and whether a
+    /// notification follows (`more`).
+    fn on_result(&mut self, id: u64, res: i32, more: bool) -> Result<(), ZeroCopyError> {
+        let request = self.in_flight_request(id)?;
+        request.result_pending = false;
+        let sent = usize::try_from(res).unwrap_or(0);
+        let payload = sent - sent.min(request.header);
+        request.payload = payload;
+        let (pending, copied, charge) =
+            (request.notification_pending, request.copied, request.charge);
+        if !more {
+            // No notification will come (the request failed).
+            request.notification_pending = false;
+        }
+        if more {
+            self.stats.sends_queued += 1;
+            self.stats.zero_copy_bytes += payload as u64;
+            if pending {
+                self.outstanding_bytes += payload as u64;
+            } else if copied {
+                self.stats.copied_bytes += payload as u64;
+            }
+        } else if pending {
+            self.outstanding_sends -= 1;
+            self.outstanding_charge -= charge;
+        }
+        Ok(())
     }
 
     /// Fails when the socket is hung up with bytes the peer never

@@ -1,0 +1,301 @@
+//! When to train the session's zstd dictionary again during the live
+//! phase, and the training itself: the ratio window of one iteration, the
+//! rule that judges it, the refresher that trains on a background thread,
+//! and the sample of dirty pages it trains on. The pipeline owns it
+//! (`dictionary_refresh.rs` announces what it trains); setup's first
+//! dictionary is trained by `source/dictionary.rs`.
+
+use std::time::Instant;
+
+use tern_page::codec::{CodecDictionary, CodecId, train_dictionary};
+use tern_wire::MAX_DICTIONARIES;
+
+use crate::bitmap::DirtyBitmap;
+use crate::config::DictionaryRefresh;
+use crate::guest::{MemoryRegion, PAGE_SIZE};
+
+/// Dictionary-compressed data pages of one iteration: what the codec ran
+/// on (pages sampling sent raw left out, since no dictionary changes them).
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub(crate) struct RatioWindow {
+    pub pages: u64,
+    pub bytes_in: u64,
+    pub bytes_out: u64,
+}
+
+impl RatioWindow {
+    /// Fewer pages than this say too little about a dictionary to judge it.
+    pub(crate) const ENOUGH_PAGES: u64 = 256;
+
+    /// Guest bytes per wire byte, when the window is large enough.
+    pub(crate) fn ratio(&self) -> Option<f64> {
+        (self.pages >= Self::ENOUGH_PAGES && self.bytes_out > 0)
+            .then(|| self.bytes_in as f64 / self.bytes_out as f64)
+    }
+}
+
+/// When a refresh pays: the dictionary's ratio, measured over the first
+/// iteration that used it with enough pages (its baseline), has dropped by
+/// more than [`RefreshRule::WORSE_BY`] over a later iteration with enough
+/// pages. A pure decision, fed once per iteration boundary.
+#[derive(Debug, Default)]
+pub(crate) struct RefreshRule {
+    baseline: Option<f64>,
+    last: Option<f64>,
+}
+
+impl RefreshRule {
+    /// How much worse than its baseline the ratio must get: below noise
+    /// between iterations of similar content (a few percent), well above
+    /// what retraining costs in bytes (one dictionary per refresh).
+    pub(super) const WORSE_BY: f64 = 0.10;
+
+    /// Takes one iteration's window; true when a new dictionary should be
+    /// trained.
+    pub(super) fn observe(&mut self, window: &RatioWindow) -> bool {
+        let Some(ratio) = window.ratio() else {
+            return false;
+        };
+        self.last = Some(ratio);
+        match self.baseline {
+            None => {
+                self.baseline = Some(ratio);
+                false
+            }
+            Some(baseline) => ratio < baseline * (1.0 - Self::WORSE_BY),
+        }
+    }
+
+    /// A new dictionary is in use: its own first window is its baseline.
+    pub(super) fn restart(&mut self) {
+        self.baseline = None;
+        self.last = None;
+    }
+
+    /// Training failed on what is sent now: take the current ratio as the
+    /// baseline, so only a further drop tries again.
+    pub(super) fn settle(&mut self) {
+        if let Some(last) = self.last {
+            self.baseline = Some(last);
+        }
+    }
+}
+
+/// A dictionary trained during the live phase, not yet announced.
+pub(crate) struct Refreshed {
+    pub dictionary: CodecDictionary,
+    pub training_ms: f64,
+}
+
+type Training = std::thread::JoinHandle<Result<(Vec<u8>, f64), tern_page::CodecError>>;
+
+/// Refreshes the session's dictionary when [`RefreshRule`] says it pays:
+/// samples the pages being sent at an iteration boundary and trains on
+/// them, on a background thread or at the boundary
+/// ([`DictionaryRefresh`]), handing out each new dictionary with the next
+/// id, up to the protocol's [`MAX_DICTIONARIES`].
+pub(crate) struct DictionaryRefresher {
+    mode: DictionaryRefresh,
+    max_len: usize,
+    rule: RefreshRule,
+    /// The id the next dictionary gets.
+    next_id: u8,
+    training: Option<Training>,
+}
+
+impl DictionaryRefresher {
+    /// A refresher for a session whose setup trained dictionary 1 of at
+    /// most `max_len` bytes; `None` when refreshing is off.
+    pub(crate) fn new(mode: DictionaryRefresh, max_len: usize) -> Option<Self> {
+        (mode != DictionaryRefresh::Off).then(|| Self {
+            mode,
+            max_len,
+            rule: RefreshRule::default(),
+            next_id: 2,
+            training: None,
+        })
+    }
+
+    /// At an iteration boundary (all of the iteration's packets sent, its
+    /// syncs not yet): judges the iteration's window, starts training on
+    /// `sample()` if a refresh pays, and returns a dictionary whose training
+    /// has finished, to be announced now.
+    pub(crate) fn at_boundary(
+        &mut self,
+        window: &RatioWindow,
+        sample: impl FnOnce() -> Vec<[u8; PAGE_SIZE]>,
+    ) -> Option<Refreshed> {
+        if self.training.is_none() && self.next_id <= MAX_DICTIONARIES && self.rule.observe(window)
+        {
+            let pages = sample();
+            tracing::info!(
+                pages = pages.len(),
+                ratio = window.ratio().unwrap_or_default(),
+                "the dictionary's ratio dropped: training a new one on the pages being sent"
+            );
+            self.start(pages);
+        }
+        self.take_finished()
+    }
+
+    fn start(&mut self, pages: Vec<[u8; PAGE_SIZE]>) {
+        let max_len = self.max_len;
+        let train = move || {
+            let started = Instant::now();
+            train_dictionary(&pages, max_len)
+                .map(|bytes| (bytes, started.elapsed().as_secs_f64() * 1e3))
+        };
+        let spawned = std::thread::Builder::new()
+            .name("tern-dictionary".into())
+            .spawn(train);
+        match spawned {
+            Ok(handle) => self.training = Some(handle),
+            Err(error) => {
+                tracing::warn!(%error, "cannot start training a dictionary");
+                self.rule.settle();
+            }
+        }
+    }
+
+    /// The finished training's dictionary; in `AtBoundary` mode, waits for
+    /// it.
+    fn take_finished(&mut self) -> Option<Refreshed> {
+        let handle = self.training.take()?;
+        if self.mode != DictionaryRefresh::AtBoundary && !handle.is_finished() {
+            self.training = Some(handle);
+            return None;
+        }
+        let trained = handle
+            .join()
+            .unwrap_or_else(|_| {
+                Err(tern_page::CodecError::Dictionary(
+                    "training panicked".into(),
+                ))
+            })
+            .and_then(|(bytes, training_ms)| {
+                CodecDictionary::new(self.next_id, CodecId::Zstd, bytes)
+                    .map(|dictionary| (dictionary, training_ms))
+            });
+        match trained {
+            Ok((dictionary, training_ms)) => {
+                self.next_id += 1;
+                self.rule.restart();
+                tracing::info!(
+                    id = dictionary.id(),
+                    bytes = dictionary.bytes().len(),
+                    training_ms,
+                    "trained a new zstd dictionary"
+                );
+                Some(Refreshed {
+                    dictionary,
+                    training_ms,
+                })
+            }
+            Err(error) => {
+                tracing::warn!(%error, "no new dictionary: keeping the one in force");
+                self.rule.settle();
+                None
+            }
+        }
+    }
+}
+
+/// Up to `count` of the pages set in `bitmaps`, spread evenly over them,
+/// copied out of guest memory (the pages an iteration sends).
+pub(crate) fn sample_dirty_pages(
+    regions: &[MemoryRegion],
+    bitmaps: &[DirtyBitmap],
+    count: usize,
+) -> Vec<[u8; PAGE_SIZE]> {
+    let total: u64 = bitmaps.iter().map(DirtyBitmap::count).sum();
+    let stride = total.div_ceil(count.max(1) as u64).max(1);
+    let mut sample = Vec::with_capacity(count.min(total as usize));
+    let mut seen = 0u64;
+    for (region, bitmap) in regions.iter().zip(bitmaps) {
+        for page in bitmap.iter_dirty() {
+            if seen.is_multiple_of(stride)
+                && let Some(ptr) = region.page_ptr(page)
+            {
+                let mut copy = [0u8; PAGE_SIZE];
+                // SAFETY: a whole page inside the region's mapping; the
+                // guest may write it meanwhile, which only makes the
+                // sample a little stale.
+                unsafe { std::ptr::copy_nonoverlapping(ptr, copy.as_mut_ptr(), PAGE_SIZE) };
+                sample.push(copy);
+            }
+            seen += 1;
+        }
+    }
+    sample
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn window(pages: u64, ratio: f64) -> RatioWindow {
+        let bytes_in = pages * PAGE_SIZE as u64;
+        RatioWindow {
+            pages,
+            bytes_in,
+            bytes_out: (bytes_in as f64 / ratio) as u64,
+        }
+    }
+
+    #[test]
+    fn a_refresh_pays_when_the_ratio_drops_clearly_below_its_first_iteration() {
+        let mut rule = RefreshRule::default();
+        // The first large enough window is the baseline.
+        assert!(!rule.observe(&window(10, 1.0)), "too few pages to judge");
+        assert!(!rule.observe(&window(1000, 4.0)));
+        // Noise, and a drop of less than 10 %, are no reason.
+        assert!(!rule.observe(&window(1000, 4.2)));
+        assert!(!rule.observe(&window(1000, 3.7)));
+        // A clear drop with too few pages says nothing.
+        assert!(!rule.observe(&window(100, 2.0)));
+        assert!(rule.observe(&window(1000, 3.5)));
+        // A new dictionary: its first window is the new baseline.
+        rule.restart();
+        assert!(!rule.observe(&window(1000, 3.0)));
+        assert!(!rule.observe(&window(1000, 2.8)));
+        assert!(rule.observe(&window(1000, 2.6)));
+        // Training failed: only a further drop tries again.
+        rule.settle();
+        assert!(!rule.observe(&window(1000, 2.5)));
+        assert!(rule.observe(&window(1000, 2.3)));
+    }
+
+    #[test]
+    fn the_sample_of_dirty_pages_spreads_over_every_region() {
+        let mut memory = vec![0u8; 2 * 64 * PAGE_SIZE];
+        for (index, page) in memory.chunks_mut(PAGE_SIZE).enumerate() {
+            page.fill(index as u8);
+        }
+        let base = std::ptr::NonNull::new(memory.as_mut_ptr()).unwrap();
+        // SAFETY: two halves of `memory`, which outlives the regions.
+        let regions = unsafe {
+            [
+                MemoryRegion::new(0, 0, base, 64 * PAGE_SIZE as u64),
+                MemoryRegion::new(1, 1 << 32, base.add(64 * PAGE_SIZE), 64 * PAGE_SIZE as u64),
+            ]
+        };
+        let mut bitmaps = [DirtyBitmap::new(64), DirtyBitmap::new(64)];
+        for page in (0..64).step_by(2) {
+            bitmaps[0].set(page);
+            bitmaps[1].set(page);
+        }
+        let sample = sample_dirty_pages(&regions, &bitmaps, 16);
+        assert_eq!(sample.len(), 16);
+        // Every fourth dirty page: pages 0, 8, … of each region.
+        let firsts: Vec<u8> = sample.iter().map(|page| page[0]).collect();
+        let expected: Vec<u8> = (0..8)
+            .map(|k| k * 8)
+            .chain((0..8).map(|k| 64 + k * 8))
+            .collect();
+        assert_eq!(firsts, expected);
+        assert!(
+            sample_dirty_pages(&regions, &[DirtyBitmap::new(64), DirtyBitmap::new(64)], 16)
+                .is_empty()
+        );
+    }
+}

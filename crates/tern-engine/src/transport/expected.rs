@@ -1,0 +1,87 @@
+//! Which control frames a reader accepts next. Every reader of a
+//! [`super::Channel`] says so: the channel's frame decoder refuses any other
+//! kind at its header, before a byte of its body is read or buffered, as
+//! the destination's decoder does for its own channels.
+
+use tern_wire::FrameKind;
+
+/// The control frames a reader accepts next, and how its error names them.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Expected {
+    /// The kinds accepted.
+    pub kinds: &'static [FrameKind],
+    /// The kinds in words, for [`tern_wire::WireError::Unexpected`].
+    pub name: &'static str,
+}
+
+impl Expected {
+    /// Any control frame (never page packets): for tools and tests that
+    /// play a peer and look at whatever comes.
+    pub const ANY_CONTROL: Self = Self {
+        kinds: &[
+            FrameKind::Hello,
+            FrameKind::ChannelHello,
+            FrameKind::Welcome,
+            FrameKind::Sync,
+            FrameKind::StateSection,
+            FrameKind::Complete,
+            FrameKind::Outcome,
+            FrameKind::Abort,
+            FrameKind::Ready,
+            FrameKind::Commit,
+            FrameKind::Heartbeat,
+            FrameKind::Dictionary,
+            FrameKind::VmmConfig,
+            FrameKind::PostcopySwitch,
+            FrameKind::PageRequest,
+            FrameKind::UrgentPages,
+            FrameKind::PostcopyComplete,
+            FrameKind::AuthHello,
+            FrameKind::AuthChallenge,
+            FrameKind::AuthProof,
+        ],
+        name: "a control message",
+    };
+
+    /// The destination's answer to a channel's hello.
+    pub const WELCOME: Self = Self {
+        kinds: &[FrameKind::Welcome, FrameKind::Abort],
+        name: "a welcome",
+    };
+
+    /// The destination's answer to an auth hello.
+    pub const AUTH_CHALLENGE: Self = Self {
+        kinds: &[FrameKind::AuthChallenge, FrameKind::Abort],
+        name: "an auth challenge",
+    };
+
+    /// What the destination sends on its own while the live phase runs.
+    pub const LIVE: Self = Self {
+        kinds: &[FrameKind::Heartbeat, FrameKind::Abort],
+        name: "a heartbeat",
+    };
+
+    /// The destination's answer to the switch-over (`Complete`, then
+    /// `Commit`), with the heartbeats it sends meanwhile.
+    pub const SWITCH_OVER_ANSWER: Self = Self {
+        kinds: &[
+            FrameKind::Outcome,
+            FrameKind::Ready,
+            FrameKind::Heartbeat,
+            FrameKind::Abort,
+        ],
+        name: "the destination's answer",
+    };
+
+    /// What the destination sends during postcopy: page requests, its
+    /// completion, heartbeats.
+    pub const POSTCOPY: Self = Self {
+        kinds: &[
+            FrameKind::PageRequest,
+            FrameKind::PostcopyComplete,
+            FrameKind::Heartbeat,
+            FrameKind::Abort,
+        ],
+        name: "a page request or the postcopy completion",
+    };
+}

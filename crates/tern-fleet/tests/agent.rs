@@ -198,9 +198,10 @@ fn beyond_the_inbound_slots_a_destination_waits_queued_and_starts_when_a_slot_fr
     wait_for("the second running, the third first in line", || {
         let view = agent.view();
         find(&agent, &second_id).is_some_and(|member| member.state == FleetState::Running)
-            && view.migrations.iter().any(|member| {
-                member.name == "third-in" && member.position == Some(1)
-            })
+            && view
+                .migrations
+                .iter()
+                .any(|member| member.name == "third-in" && member.position == Some(1))
     });
     assert!(!third.is_finished(), "one inbound slot");
     drop(second);
@@ -656,7 +657,10 @@ fn the_completion_timeout_switches_a_guest_that_cannot_converge_to_postcopy_unth
     assert!(stats.digest_verified, "{:?}", stats.digest_comparison);
     assert!(received.digest_comparison.unwrap().matched());
     assert_eq!(
-        stats.postcopy.as_ref().and_then(|postcopy| postcopy.trigger),
+        stats
+            .postcopy
+            .as_ref()
+            .and_then(|postcopy| postcopy.trigger),
         Some(PostcopyTrigger::Requested),
         "the agent's request started postcopy"
     );

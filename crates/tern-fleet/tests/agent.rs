@@ -274,14 +274,15 @@ fn a_member_that_dies_releases_its_slot_and_share() {
         std::thread::spawn(move || join(&path, Steered::Source(handle), JoinOptions::new("next")));
     wait_for("the next to queue", || agent.view().migrations.len() == 2);
     drop(doomed);
-    let next = waiting.join().unwrap().unwrap();
-    let next_id = next.state().migration.unwrap();
     wait_for("the slot and the whole share to pass on", || {
         let view = agent.view();
         view.migrations.len() == 1
-            && view.migrations[0].migration == next_id
+            && view.migrations[0].name == "next"
+            && view.migrations[0].state == FleetState::Running
             && view.migrations[0].share == 100 * MB
     });
+    let next = waiting.join().unwrap().unwrap();
+    assert!(next.state().granted);
 }
 
 #[test]

@@ -6,6 +6,8 @@ link, under four (or five) regimes, side by side (docs/benchmarks.md,
     python3 bench/fleet.py                     # 3 repetitions, 1 GiB guests (as root)
     python3 bench/fleet.py --repetitions 1 --memory 256MiB   # a quick look
     python3 bench/fleet.py --report-only       # the table from bench/results/fleet.json
+    python3 bench/fleet.py --postcopy --regimes coordinator,one-at-a-time \
+        --results bench/results/fleet-postcopy.json   # the hopeless guest may use postcopy
 
 The guests: one idle, two moderate dirtiers, one that dirties faster than the
 link and cannot converge without auto-converge's throttle. The link: a token
@@ -22,6 +24,11 @@ slot; the regime's settings are applied (`fleet-set`) and the gate leaves.
 * two-at-a-time: two slots (KubeVirt's old parallelOutboundMigrationsPerNode).
 * coordinator: four slots and a 1 Gbit/s budget, converge-first division.
 * coordinator-equal: the same budget in equal shares (--with-equal).
+
+With --postcopy, in every regime run, the guest that cannot converge runs
+with `--postcopy auto` (postcopy instead of any auto-converge throttle) and
+the policy `allowPostCopy` (the agent's completion timeout starts postcopy
+too): KubeVirt's `allowPostCopy`, Nova's `live_migration_permit_post_copy`.
 
 Recorded per run: the evacuation time (gate open to the last source's
 exit), each guest's finish time from the gate and its own total time, its
@@ -59,6 +66,9 @@ GUESTS = [
     ("moderate-2", "24MiB", "256MiB"),
     ("hopeless", "160MiB", "512MiB"),
 ]
+# The guests that, with --postcopy, may hand over to postcopy.
+POSTCOPY_GUESTS = {"hopeless"}
+POSTCOPY_ARGS = ["--postcopy", "auto", "--migration-policy", '{"allowPostCopy": true}']
 
 REGIMES = {
     "uncoordinated": {"outbound-slots": 4, "bandwidth": 0},
@@ -155,18 +165,18 @@ def size_bytes(text: str) -> int:
 
 
 def start_source(tern: str, agent: str, name: str, dirty: str, working_set: str, memory: str,
-                 to: str) -> subprocess.Popen:
+                 to: str, extra: list[str]) -> subprocess.Popen:
     # A smaller guest than the default keeps the working set's share of it.
     scale = size_bytes(memory) / (1 << 30)
     working_set = f"{max(1, int(size_bytes(working_set) * scale) >> 20)}MiB"
     return subprocess.Popen(
         in_netns([tern, "migrate", "--json", "--progress", "none", "--to", to,
                   "--memory", memory, "--dirty-rate", dirty, "--working-set", working_set,
-                  "--agent", agent, "--agent-name", name]),
+                  "--agent", agent, "--agent-name", name] + extra),
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
-def run_regime(tern: str, regime: str, memory: str) -> dict:
+def run_regime(tern: str, regime: str, memory: str, postcopy: bool) -> dict:
     """One evacuation under `regime`; its record."""
     work = tempfile.mkdtemp(prefix="ternfleet-")
     path = os.path.join(work, "agent.sock")
@@ -200,7 +210,8 @@ def run_regime(tern: str, regime: str, memory: str) -> dict:
             receiver, address = start_receiver(tern, path, name)
             children.append(receiver)
             receivers[name] = receiver
-            source = start_source(tern, path, name, dirty, working_set, memory, address)
+            extra = POSTCOPY_ARGS if postcopy and name in POSTCOPY_GUESTS else []
+            source = start_source(tern, path, name, dirty, working_set, memory, address, extra)
             children.append(source)
             sources[name] = source
         def all_queued():
@@ -247,11 +258,13 @@ def run_regime(tern: str, regime: str, memory: str) -> dict:
                 "downtime-ms": report.get("downtime"),
                 "peak-throttle": max(peak[name], report.get("cpu-throttle-percentage", 0)),
                 "bytes": report.get("ram", {}).get("transferred"),
+                "postcopy-trigger": (report.get("postcopy") or {}).get("trigger"),
                 "error": None if source.returncode == 0 else err.strip().splitlines()[-1:],
             }
         operator.close()
         return {
             "regime": regime,
+            "postcopy": postcopy,
             "memory": memory,
             "evacuation-s": round(evacuation, 2),
             "guests": guests,
@@ -275,14 +288,18 @@ def median(values):
     return statistics.median(values) if values else None
 
 
+def label(run: dict) -> str:
+    return run["regime"] + (" + postcopy" if run.get("postcopy") else "")
+
+
 def report(runs: list[dict]) -> str:
-    regimes = [r for r in REGIMES if any(run["regime"] == r for run in runs)]
+    regimes = list(dict.fromkeys(label(run) for run in runs))
     lines = ["| regime | runs | evacuation (s) | all verified | "
              + " | ".join(f"{name}: finish s / downtime ms / peak throttle %" for name, _, _ in GUESTS)
              + " | bytes sent (MiB) | load before–after |",
              "|---" * (6 + len(GUESTS)) + "|"]
     for regime in regimes:
-        mine = [run for run in runs if run["regime"] == regime]
+        mine = [run for run in runs if label(run) == regime]
         cells = []
         for name, _, _ in GUESTS:
             g = [run["guests"][name] for run in mine]
@@ -295,13 +312,16 @@ def report(runs: list[dict]) -> str:
         lines.append(f"| {regime} | {len(mine)} | {median([run['evacuation-s'] for run in mine])} | "
                      f"{'yes' if verified else 'NO'} | " + " | ".join(cells)
                      + f" | {total_bytes / 2**20:.0f} | {loads} |")
-    best_other = min((median([run["evacuation-s"] for run in runs if run["regime"] == r])
-                      for r in ("uncoordinated", "one-at-a-time", "two-at-a-time") if r in regimes),
-                     default=None)
-    coordinator = median([run["evacuation-s"] for run in runs if run["regime"] == "coordinator"])
-    if best_other and coordinator:
-        lines.append("")
-        lines.append(f"coordinator / best of the others: {coordinator / best_other:.2f}x")
+    for suffix in ("", " + postcopy"):
+        best_other = min((median([run["evacuation-s"] for run in runs if label(run) == r + suffix])
+                          for r in ("uncoordinated", "one-at-a-time", "two-at-a-time")
+                          if r + suffix in regimes), default=None)
+        coordinator = median([run["evacuation-s"] for run in runs
+                              if label(run) == "coordinator" + suffix])
+        if best_other and coordinator:
+            lines.append("")
+            lines.append(f"coordinator{suffix} / best of the others{suffix}: "
+                         f"{coordinator / best_other:.2f}x")
     return "\n".join(lines)
 
 
@@ -313,9 +333,12 @@ def main() -> int:
     parser.add_argument("--regimes", default=None, help="comma-separated subset")
     parser.add_argument("--tern", default=str(ROOT / "target" / "release" / "tern"))
     parser.add_argument("--report-only", action="store_true")
+    parser.add_argument("--postcopy", action="store_true",
+                        help="the guest that cannot converge may use postcopy")
+    parser.add_argument("--results", default=str(RESULTS))
     args = parser.parse_args()
     if args.report_only:
-        print(report(json.loads(RESULTS.read_text())["runs"]))
+        print(report(json.loads(Path(args.results).read_text())["runs"]))
         return 0
     if os.geteuid() != 0:
         print("bench/fleet.py: needs root (a network namespace for the 1 Gbit/s link)",
@@ -333,11 +356,12 @@ def main() -> int:
             order = regimes[repetition % len(regimes):] + regimes[:repetition % len(regimes)]
             for regime in order:
                 print(f"repetition {repetition + 1}: {regime}...", file=sys.stderr, flush=True)
-                run = run_regime(args.tern, regime, args.memory)
+                run = run_regime(args.tern, regime, args.memory, args.postcopy)
                 print(json.dumps(run), file=sys.stderr, flush=True)
                 runs.append(run)
-                RESULTS.parent.mkdir(parents=True, exist_ok=True)
-                RESULTS.write_text(json.dumps({"link": "tbf 1gbit, burst 256kb, latency 50ms",
+                results = Path(args.results)
+                results.parent.mkdir(parents=True, exist_ok=True)
+                results.write_text(json.dumps({"link": "tbf 1gbit, burst 256kb, latency 50ms",
                                                "guests": GUESTS, "runs": runs}, indent=1))
     finally:
         cleanup_link()

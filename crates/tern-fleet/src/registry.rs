@@ -21,8 +21,8 @@ use crate::protocol::{
     FleetView, JoinReply, JoinRequest, MemberCommand, MigrationPolicy, MigrationView, Progress,
 };
 
-/// A member silent for this long is taken for gone: its slot and share are
-/// released (a member reports four times a second).
+/// The default [`Settings::silence_limit`]: a member reports four times a
+/// second.
 pub const SILENCE_LIMIT: Duration = Duration::from_secs(5);
 /// A share is steady when not raised for this long (see [`Load`]).
 const STEADY_AFTER: Duration = Duration::from_secs(2);
@@ -40,6 +40,10 @@ pub struct Settings {
     pub inbound_slots: u32,
     /// How the budget is divided.
     pub division: Division,
+    /// A member silent for this long (its connection open) is taken for
+    /// gone: its slot and share are released. A member whose connection
+    /// closes is released at once, whatever this is.
+    pub silence_limit: Duration,
 }
 
 impl Default for Settings {
@@ -51,6 +55,7 @@ impl Default for Settings {
             outbound_slots: 2,
             inbound_slots: 2,
             division: Division::ConvergeFirst,
+            silence_limit: SILENCE_LIMIT,
         }
     }
 }
@@ -416,14 +421,15 @@ impl Fleet {
     /// divides the budget, checks each migration's limits. Returns what to
     /// tell each member (by id), changes only.
     pub fn tick(&mut self, now: Duration) -> Vec<(String, Directive)> {
+        let limit = self.settings.silence_limit;
         let silent: Vec<String> = self
             .members
             .values()
-            .filter(|member| now.saturating_sub(member.last_heard) > SILENCE_LIMIT)
+            .filter(|member| now.saturating_sub(member.last_heard) > limit)
             .map(|member| member.id.clone())
             .collect();
         for id in silent {
-            tracing::warn!(migration = %id, "no report for {SILENCE_LIMIT:?}: its slot is released");
+            tracing::warn!(migration = %id, "no report for {limit:?}: its slot is released");
             self.leave(&id, None);
         }
         self.prune_measured();

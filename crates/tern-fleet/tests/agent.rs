@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 use serde_json::{Value, json};
 use tern_engine::{
     Address, Destination, GuestError, Listener, MigrationConfig, MigrationHandle, MigrationStatus,
-    ReceiveConfig, Source,
+    PostcopyMode, PostcopyTrigger, ReceiveConfig, Source,
 };
 use tern_fleet::protocol::{FleetState, MigrationView};
 use tern_fleet::{Agent, JoinOptions, Settings, Steered, join};
@@ -137,6 +137,79 @@ fn beyond_its_slot_a_migration_waits_queued_and_starts_when_the_slot_frees() {
 }
 
 #[test]
+fn beyond_the_inbound_slots_a_destination_waits_queued_and_starts_when_a_slot_frees() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut host = settings(4, 0);
+    host.inbound_slots = 1;
+    let agent = Agent::start(&socket_in(&dir), host).unwrap();
+    let first_destination = Destination::new(ReceiveConfig::default());
+    let first = join(
+        agent.path(),
+        Steered::Destination(first_destination.handle()),
+        JoinOptions::new("first-in"),
+    )
+    .unwrap();
+    let first_id = first.state().migration.unwrap();
+    let path = agent.path().to_path_buf();
+    let waiting = |name: &'static str| {
+        let path = path.clone();
+        std::thread::spawn(move || {
+            let destination = Destination::new(ReceiveConfig::default());
+            let joined = join(
+                &path,
+                Steered::Destination(destination.handle()),
+                JoinOptions::new(name),
+            );
+            (destination, joined)
+        })
+    };
+    let second = waiting("second-in");
+    wait_for("the second to queue first in line", || {
+        agent.view().migrations.iter().any(|member| {
+            member.name == "second-in"
+                && member.state == FleetState::Queued
+                && member.position == Some(1)
+        })
+    });
+    let third = waiting("third-in");
+    wait_for("the third to queue behind it", || {
+        agent.view().migrations.iter().any(|member| {
+            member.name == "third-in"
+                && member.state == FleetState::Queued
+                && member.position == Some(2)
+        })
+    });
+    // An outbound migration is not held up by the inbound queue.
+    let (_source, outbound) = source_handle();
+    let outbound = join(
+        agent.path(),
+        Steered::Source(outbound),
+        JoinOptions::new("leaving"),
+    )
+    .unwrap();
+    assert!(outbound.state().granted);
+    assert!(!second.is_finished() && !third.is_finished());
+    assert_eq!(find(&agent, &first_id).unwrap().state, FleetState::Running);
+    drop(first);
+    let (_second_destination, second) = second.join().unwrap();
+    let second = second.unwrap();
+    assert!(second.state().granted);
+    let second_id = second.state().migration.unwrap();
+    wait_for("the second running, the third first in line", || {
+        let view = agent.view();
+        find(&agent, &second_id).is_some_and(|member| member.state == FleetState::Running)
+            && view
+                .migrations
+                .iter()
+                .any(|member| member.name == "third-in" && member.position == Some(1))
+    });
+    assert!(!third.is_finished(), "one inbound slot");
+    drop(second);
+    let (_third_destination, third) = third.join().unwrap();
+    assert!(third.unwrap().state().granted);
+}
+
+#[test]
 fn the_share_is_applied_to_the_migration_and_redivided() {
     let dir = tempfile::tempdir().unwrap();
     // Equal shares: converge-first would admit b only once a's first pass
@@ -175,9 +248,13 @@ fn the_share_is_applied_to_the_migration_and_redivided() {
 #[test]
 fn a_member_that_dies_releases_its_slot_and_share() {
     let dir = tempfile::tempdir().unwrap();
-    let agent = Agent::start(&socket_in(&dir), settings(1, 100 * MB)).unwrap();
+    // Silence alone would release it only after an hour: what releases it
+    // here is its connection closing.
+    let mut host = settings(1, 100 * MB);
+    host.silence_limit = Duration::from_secs(3600);
+    let agent = Agent::start(&socket_in(&dir), host).unwrap();
     // A member whose process dies: the kernel closes its socket, which is
-    // all the agent sees (no fleet-leave).
+    // all the agent sees (no fleet-leave, no report ever).
     let mut doomed = Client::connect(agent.path());
     let reply = doomed.execute(
         "fleet-join",
@@ -197,14 +274,15 @@ fn a_member_that_dies_releases_its_slot_and_share() {
         std::thread::spawn(move || join(&path, Steered::Source(handle), JoinOptions::new("next")));
     wait_for("the next to queue", || agent.view().migrations.len() == 2);
     drop(doomed);
-    let next = waiting.join().unwrap().unwrap();
-    let next_id = next.state().migration.unwrap();
     wait_for("the slot and the whole share to pass on", || {
         let view = agent.view();
         view.migrations.len() == 1
-            && view.migrations[0].migration == next_id
+            && view.migrations[0].name == "next"
+            && view.migrations[0].state == FleetState::Running
             && view.migrations[0].share == 100 * MB
     });
+    let next = waiting.join().unwrap().unwrap();
+    assert!(next.state().granted);
 }
 
 #[test]
@@ -477,4 +555,122 @@ fn two_real_migrations_pass_one_slot_in_turn_and_both_verify() {
         4,
         "two sources, two destinations"
     );
+}
+
+/// Whether this process may use userfaultfd (postcopy's destination); a
+/// skip says why not.
+fn userfaultfd_works() -> bool {
+    // SAFETY: the system call takes flags only; the descriptor is closed
+    // right away.
+    let fd = unsafe { libc::syscall(libc::SYS_userfaultfd, libc::O_CLOEXEC) };
+    if fd >= 0 {
+        // SAFETY: our own descriptor, closed once.
+        unsafe { libc::close(fd as i32) };
+        return true;
+    }
+    if std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open("/dev/userfaultfd")
+        .is_ok()
+    {
+        return true;
+    }
+    tern_test_skip::skip(
+        tern_test_skip::Need::Userfaultfd,
+        "no userfaultfd for this process",
+    );
+    false
+}
+
+// long: one migration under a policy, watched from start to end
+#[test]
+fn the_completion_timeout_switches_a_guest_that_cannot_converge_to_postcopy_unthrottled() {
+    if !userfaultfd_works() {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    // 16 MB/s for a guest dirtying 64 MiB/s: precopy alone never ends.
+    let mut guest = SyntheticGuest::new(&SyntheticConfig {
+        memory_bytes: 48 << 20,
+        seed: 5,
+        dirty_rate_bytes_per_sec: 64 << 20,
+        working_set_bytes: 24 << 20,
+        dirtier_threads: 2,
+        ..SyntheticConfig::default()
+    })
+    .expect("synthetic guest");
+    let agent = Agent::start(&socket_in(&dir), settings(1, 16 * MB)).unwrap();
+    let listener = Listener::bind(&Address::Tcp("127.0.0.1:0".into())).unwrap();
+    let address = listener.local_address().unwrap();
+    let mut receive_config = ReceiveConfig::default();
+    receive_config.accept_timeout = DEADLINE;
+    let destination = Destination::new(receive_config);
+    let inbound = join(
+        agent.path(),
+        Steered::Destination(destination.handle()),
+        JoinOptions::new("busy-in"),
+    )
+    .unwrap();
+    let receiving = std::thread::spawn(move || {
+        let received = destination.receive(&listener, destination_guest);
+        drop(inbound);
+        received
+    });
+    // The engine's own auto-converge is on (the default): the policy
+    // turns it off. Postcopy on request: only the agent starts it.
+    let mut config = bounded_config();
+    config.postcopy = PostcopyMode::OnRequest;
+    let source = Source::new(config).unwrap();
+    let handle = source.handle();
+    let mut options = JoinOptions::new("busy");
+    // 48 MiB at 40 s per GiB: 1.9 s of precopy, then postcopy.
+    options.policy = serde_json::from_value(json!({
+        "completionTimeoutPerGiB": 40,
+        "allowPostCopy": true,
+        "allowAutoConverge": false,
+    }))
+    .unwrap();
+    let member = join(agent.path(), Steered::Source(handle.clone()), options).unwrap();
+    let id = member.state().migration.unwrap();
+    let watching = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(true));
+    let watcher = {
+        let (watching, handle) = (watching.clone(), handle.clone());
+        std::thread::spawn(move || {
+            let mut peak = 0;
+            while watching.load(std::sync::atomic::Ordering::Relaxed) {
+                peak = peak.max(handle.query().cpu_throttle_percentage);
+                std::thread::sleep(Duration::from_millis(10));
+            }
+            peak
+        })
+    };
+    let stats = source.migrate(&mut guest, &address);
+    watching.store(false, std::sync::atomic::Ordering::Relaxed);
+    let last_action = find(&agent, &id).and_then(|view| view.last_action);
+    drop(member);
+    let peak_throttle = watcher.join().unwrap();
+    let received = receiving.join().unwrap();
+    let stats = stats.expect("the migration ends");
+    let mut received = received.expect("the destination receives");
+    tern_engine::GuestControl::pause(&mut received.guest).unwrap();
+    assert_eq!(stats.status, MigrationStatus::Completed, "{last_action:?}");
+    assert!(stats.digest_verified, "{:?}", stats.digest_comparison);
+    assert!(received.digest_comparison.unwrap().matched());
+    assert_eq!(
+        stats
+            .postcopy
+            .as_ref()
+            .and_then(|postcopy| postcopy.trigger),
+        Some(PostcopyTrigger::Requested),
+        "the agent's request started postcopy"
+    );
+    assert!(
+        last_action
+            .as_deref()
+            .is_some_and(|action| action.contains("completionTimeoutPerGiB")),
+        "{last_action:?}"
+    );
+    assert_eq!(peak_throttle, 0, "postcopy instead of a throttle");
+    assert_eq!(stats.cpu_throttle_percentage, 0);
 }

@@ -20,6 +20,7 @@ pub fn run(args: &AgentArgs) -> anyhow::Result<ExitCode> {
         outbound_slots: args.outbound_slots,
         inbound_slots: args.inbound_slots,
         division: args.division.into(),
+        ..Settings::default()
     };
     let agent = std::sync::Arc::new(
         Agent::start(&args.socket, settings).with_context(|| "cannot start the agent")?,

@@ -62,6 +62,7 @@ pub mod control;
 mod deadline;
 pub mod destination;
 mod digest;
+pub mod handover;
 pub mod error;
 pub mod fault;
 #[doc(hidden)]
@@ -91,8 +92,9 @@ pub use destination::{Destination, ReceiveHandle, ReceivePhase, ReceiveStats, Re
 pub use error::{ChannelError, MigrationError};
 pub use guest::{
     DestinationGuest, DeviceState, DirtyLog, GuestControl, GuestError, GuestMemory, GuestResult,
-    MemoryRegion, PAGE_SIZE, SourceGuest, StateSection,
+    MemoryRegion, PAGE_SIZE, RegionFile, SourceGuest, StateSection,
 };
+pub use handover::HandedFile;
 pub use postcopy::{PostcopyMode, PostcopyReport, PostcopyTrigger};
 pub use snapshot::{
     LazyRestore, RestoreConfig, Restored, SaveConfig, SnapshotError, SnapshotFile, restore,
@@ -131,5 +133,5 @@ pub use tern_page::{DeltaOffload, ZeroPageOffload};
 /// [`SnapshotError`]'s format variant).
 pub use tern_wire::snapshot::SnapshotError as SnapshotFormatError;
 pub use tern_wire::{
-    AbortReason, DigestAlgorithm, PROTOCOL_VERSION, RegionInfo, SessionSetup, WireError,
+    AbortReason, DigestAlgorithm, HandoverCoverage, PROTOCOL_VERSION, RegionInfo, SessionSetup, WireError,
 };

@@ -58,6 +58,7 @@ mod pages;
 mod postcopy;
 mod seal;
 pub mod snapshot;
+mod handover;
 
 pub use codec::{MAX_PEER_TEXT_CHARS, Reader, Writer, sanitise_peer_text};
 pub use decoder::{Decoded, Event, Expect, FrameDecoder, PagePacket};
@@ -74,6 +75,10 @@ pub use pages::{
 pub use postcopy::{
     LATENCY_BUCKETS, MAX_REQUEST_PAGES, MAX_STALE_RUNS, PageRequest, PageRun, PostcopyComplete,
     PostcopySwitch, UrgentPages,
+};
+pub use handover::{
+    HANDOVER_FORMAT, HANDOVER_SAMPLE_PAGES, HandedRegion, HandoverCoverage, MAX_HANDOVER_FILES,
+    MemoryHandover,
 };
 pub use seal::{
     FRAME_SEALED, FrameOpener, MAX_OPENING_FRAME, MAX_PROOF_FRAME, OPENING_KINDS, PROOF_KINDS,
@@ -197,6 +202,10 @@ pub enum FrameKind {
     /// The destination holds every page, with its digest (main channel,
     /// destination to source, postcopy).
     PostcopyComplete = 18,
+    /// The source's guest memory as files, their descriptors attached
+    /// (main channel of a Unix socket, source to destination, same-host
+    /// hand-over; see [`MemoryHandover`]).
+    MemoryHandover = 19,
     /// Authentication, first on a channel when the sides share a key:
     /// the source's nonce, bound to a session and channel (source to
     /// destination). Numbered apart from the session's own kinds.
@@ -229,6 +238,7 @@ impl FrameKind {
             16 => Self::PageRequest,
             17 => Self::UrgentPages,
             18 => Self::PostcopyComplete,
+            19 => Self::MemoryHandover,
             32 => Self::AuthHello,
             33 => Self::AuthChallenge,
             34 => Self::AuthProof,
@@ -264,6 +274,10 @@ impl FrameKind {
             | Self::PageRequest
             | Self::UrgentPages
             | Self::PostcopyComplete => match postcopy::max_body(self) {
+                Some(max) => max,
+                None => 0,
+            },
+            Self::MemoryHandover => match handover::max_body(self) {
                 Some(max) => max,
                 None => 0,
             },

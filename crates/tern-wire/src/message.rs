@@ -2,6 +2,7 @@
 
 use crate::codec::{Reader, Writer};
 use crate::error::{AbortReason, WireError};
+use crate::handover::{self, MemoryHandover};
 use crate::postcopy::{self, PageRequest, PostcopyComplete, PostcopySwitch, UrgentPages};
 use crate::{
     AUTH_NONCE_LEN, AUTH_PROOF_LEN, FRAME_HEADER_LEN, FrameHeader, FrameKind, MAGIC, MAX_CHANNELS,
@@ -509,6 +510,8 @@ pub enum Message {
     UrgentPages(UrgentPages),
     /// See [`PostcopyComplete`].
     PostcopyComplete(PostcopyComplete),
+    /// See [`MemoryHandover`].
+    MemoryHandover(MemoryHandover),
 }
 
 impl Message {
@@ -535,6 +538,7 @@ impl Message {
             Self::PageRequest(_) => FrameKind::PageRequest,
             Self::UrgentPages(_) => FrameKind::UrgentPages,
             Self::PostcopyComplete(_) => FrameKind::PostcopyComplete,
+            Self::MemoryHandover(_) => FrameKind::MemoryHandover,
         }
     }
 
@@ -626,6 +630,7 @@ impl Message {
             Self::PageRequest(request) => postcopy::encode_request(request, &mut w),
             Self::UrgentPages(urgent) => postcopy::encode_urgent(urgent, &mut w),
             Self::PostcopyComplete(complete) => postcopy::encode_complete(complete, &mut w),
+            Self::MemoryHandover(handover) => handover::encode(handover, &mut w),
         }
         let body_len = u32::try_from(out.len() - start - FRAME_HEADER_LEN).unwrap_or(u32::MAX);
         let header = FrameHeader {
@@ -845,6 +850,7 @@ impl Message {
             FrameKind::PostcopyComplete => {
                 Self::PostcopyComplete(postcopy::decode_complete(&mut r)?)
             }
+            FrameKind::MemoryHandover => Self::MemoryHandover(handover::decode(&mut r)?),
             FrameKind::Pages => {
                 return Err(WireError::Unexpected {
                     got: FrameKind::Pages,
@@ -880,6 +886,7 @@ fn kind_name(kind: FrameKind) -> &'static str {
         FrameKind::PageRequest => "page request",
         FrameKind::UrgentPages => "urgent pages",
         FrameKind::PostcopyComplete => "postcopy complete",
+        FrameKind::MemoryHandover => "memory hand-over",
     }
 }
 

@@ -13,6 +13,7 @@
 //! reverse.
 
 pub mod auth;
+pub(crate) mod fds;
 pub mod seam;
 pub mod security;
 pub mod socket;

@@ -144,6 +144,11 @@ pub struct MigrateArgs {
     /// --save-vmm-config` writes them out.
     #[arg(long, value_name = "FILE")]
     pub vmm_config: Option<std::path::PathBuf>,
+    /// Same-host migration: hand guest memory over as file descriptors
+    /// over the unix: socket instead of copying it (the synthetic guest is
+    /// then memfd-backed); the destination runs `tern receive --local`.
+    #[arg(long)]
+    pub local: bool,
 }
 
 /// Where and how a destination waits (`tern receive`, `tern vm receive`).
@@ -254,6 +259,11 @@ pub struct ReceiveArgs {
     /// Print one JSON document instead of the summary table.
     #[arg(long)]
     pub json: bool,
+    /// Same-host migration: take guest memory over from the source's file
+    /// descriptors (`tern migrate --local`) instead of receiving a copy;
+    /// needs a unix: address.
+    #[arg(long)]
+    pub local: bool,
 }
 
 #[derive(Debug, Subcommand)]

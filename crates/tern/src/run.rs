@@ -301,7 +301,7 @@ fn demo(args: &DemoArgs, verbose: bool) -> anyhow::Result<ExitCode> {
             args.guest.mix.text
         );
     }
-    let mut guest = fill_guest(&args.guest)?;
+    let mut guest = fill_guest(&args.guest, false)?;
     let destination = spawn_local_destination(listener, {
         let mut engine_config = ReceiveConfig::default();
         engine_config.io_timeout = config.io_timeout;
@@ -410,6 +410,7 @@ fn option_for(field: &str) -> String {
         "throttle_initial" => "--cpu-throttle-initial".into(),
         "throttle_increment" => "--cpu-throttle-increment".into(),
         "zero_page_offload" => "--dsa-device".into(),
+        "memory_handover" => "--local".into(),
         other => format!("--{}", other.replace('_', "-")),
     }
 }
@@ -421,6 +422,7 @@ fn migrate(args: &MigrateArgs, verbose: bool) -> anyhow::Result<ExitCode> {
         config.vmm_config =
             std::fs::read(path).with_context(|| format!("--vmm-config {}", path.display()))?;
     }
+    config.memory_handover = args.local;
     check_config(&config, &args.to)?;
     args.guest.check()?;
     check_memory_fits(
@@ -430,7 +432,7 @@ fn migrate(args: &MigrateArgs, verbose: bool) -> anyhow::Result<ExitCode> {
     let source = Source::new(config)?;
     let steering = crate::steering::Steering::start(&args.steering)?;
     steering.steer(&crate::control_socket::Target::Source(source.handle()));
-    let mut guest = fill_guest(&args.guest)?;
+    let mut guest = fill_guest(&args.guest, args.local)?;
     let cancel = source.cancel_token();
     install_interrupt_handler(move || cancel.cancel());
     // --agent: waits here for a slot (docs/fleet.md).
@@ -463,11 +465,16 @@ fn migrate(args: &MigrateArgs, verbose: bool) -> anyhow::Result<ExitCode> {
     }
 }
 
-/// Creates the synthetic guest, showing the fill's progress.
-fn fill_guest(args: &crate::cli::GuestArgs) -> anyhow::Result<SyntheticGuest> {
+/// Creates the synthetic guest, showing the fill's progress; in a memfd
+/// when its memory will be handed over (`--local`).
+fn fill_guest(args: &crate::cli::GuestArgs, memfd: bool) -> anyhow::Result<SyntheticGuest> {
     let config = args.synthetic_config();
     let guest = crate::report::with_fill_progress(config.memory_bytes, |filled| {
-        SyntheticGuest::new_with_fill_progress(&config, filled)
+        if memfd {
+            SyntheticGuest::new_memfd_with_fill_progress(&config, filled)
+        } else {
+            SyntheticGuest::new_with_fill_progress(&config, filled)
+        }
     })
     .context("cannot create the synthetic guest")?;
     if args.touch_zero_pages {
@@ -515,6 +522,11 @@ pub fn serve_sessions(
 }
 
 fn receive(args: &ReceiveArgs) -> anyhow::Result<ExitCode> {
+    anyhow::ensure!(
+        !args.local || matches!(args.listen.listen, Address::Unix(_) | Address::Fd(_)),
+        "--local needs a unix: address: memory is handed over as file descriptors, which only \
+         a Unix socket carries"
+    );
     let steering = crate::steering::Steering::start(&args.listen.steering)?;
     serve_sessions(&args.listen, |destination, listener| {
         steering.steer(&crate::control_socket::Target::Destination(
@@ -551,10 +563,7 @@ fn receive_one(
 ) -> anyhow::Result<ExitCode> {
     let progress = Progress::receiving(destination.stats());
     let mut vmm_config = Vec::new();
-    let received = destination.receive_with_vmm_config(listener, |setup, config| {
-        vmm_config = config.to_vec();
-        destination_guest(setup)
-    });
+    let received = receive_guest(args.local, destination, listener, &mut vmm_config);
     progress.finish();
     if let Some(path) = &args.save_vmm_config
         && received.is_ok()
@@ -595,11 +604,17 @@ fn receive_one(
             vmm_config_bytes: (!vmm_config.is_empty()).then_some(vmm_config.len() as u64),
         })?;
     } else {
+        let how = if args.local {
+            "by hand-over, no page copied".to_string()
+        } else {
+            format!(
+                "in {} pages with data and {} zero pages",
+                received.stats.normal_pages, received.stats.zero_pages
+            )
+        };
         println!(
-            "received {} in {} pages with data and {} zero pages; digest {}; guest resumed{}",
+            "received {} {how}; digest {}; guest resumed{}",
             crate::units::human_bytes(report.memory),
-            received.stats.normal_pages,
-            received.stats.zero_pages,
             if report.digest_verified {
                 "verified"
             } else {
@@ -610,6 +625,27 @@ fn receive_one(
         println!("channels: {}", security_line(&received.security));
     }
     Ok(ExitCode::SUCCESS)
+}
+
+/// Receives the guest: a copy, or with `--local` the source's memory by
+/// hand-over, mapped from the files it passed.
+fn receive_guest(
+    local: bool,
+    destination: &Destination,
+    listener: &Listener,
+    vmm_config: &mut Vec<u8>,
+) -> Result<Received<SyntheticGuest>, MigrationError> {
+    if local {
+        return destination.receive_handover(listener, |_, config, files| {
+            *vmm_config = config.to_vec();
+            SyntheticGuest::from_handed_files(files)
+                .map_err(|error| GuestError::with_source("cannot map the handed-over memory", error))
+        });
+    }
+    destination.receive_with_vmm_config(listener, |setup, config| {
+        *vmm_config = config.to_vec();
+        destination_guest(setup)
+    })
 }
 
 /// The first SIGINT or SIGTERM received, once a handler is installed.

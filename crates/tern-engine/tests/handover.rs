@@ -333,3 +333,54 @@ fn a_destination_that_dies_before_the_commit_leaves_the_source_running() {
     wait_until("the source's writer to go on", || guest.dirtied_pages() > before);
     assert!(guest.digest() != 0);
 }
+
+/// The measurement behind docs/benchmarks.md, "Same-host hand-over": a
+/// guest of `TERN_HANDOVER_BENCH_MIB` MiB (default 1024) with a 64 MiB/s
+/// writer, migrated over a Unix socket by copy and by hand-over,
+/// alternated, `TERN_HANDOVER_BENCH_RUNS` times each (default 5); prints
+/// the medians. Run with `cargo test --release -p tern-engine --test
+/// handover -- --ignored --nocapture bench`.
+#[test]
+#[ignore = "a benchmark: run by hand"]
+fn bench_handover_against_copy() {
+    let env = |name, default: u64| {
+        std::env::var(name).ok().and_then(|value| value.parse().ok()).unwrap_or(default)
+    };
+    let memory = env("TERN_HANDOVER_BENCH_MIB", 1024) * MIB;
+    let runs = env("TERN_HANDOVER_BENCH_RUNS", 5);
+    let mut rows: Vec<(&str, Vec<u64>, Vec<u64>, Vec<u64>)> =
+        vec![("copy", vec![], vec![], vec![]), ("hand-over", vec![], vec![], vec![])];
+    let load = || std::fs::read_to_string("/proc/loadavg").unwrap_or_default();
+    let load_before = load();
+    for _ in 0..runs {
+        for (mode, row) in rows.iter_mut().enumerate() {
+            let handover = mode == 1;
+            let dir = tempfile::tempdir().unwrap();
+            let (listener, address) = unix_listener(dir.path());
+            let destination = if handover {
+                spawn_handover_destination(listener, false)
+            } else {
+                common::spawn_destination(listener)
+            };
+            let mut guest = SyntheticGuest::new_memfd(&synthetic(memory, 1, 64 * MIB)).unwrap();
+            let mut config = migration_config(2);
+            config.memory_handover = handover;
+            let stats = Source::new(config).unwrap().migrate(&mut guest, &address).expect("migrate");
+            destination.join().unwrap().expect("destination");
+            row.1.push(stats.downtime);
+            row.2.push(stats.total_time);
+            row.3.push(stats.ram.transferred);
+        }
+    }
+    let median = |values: &mut Vec<u64>| {
+        values.sort_unstable();
+        values[values.len() / 2]
+    };
+    println!("| {} MiB guest, 64 MiB/s writer, {runs} runs each | downtime (ms), median | total time (ms), median | bytes sent, median | downtime runs (ms) | total runs (ms) |", memory / MIB);
+    println!("|---|---|---|---|---|---|");
+    for (name, mut down, mut total, mut sent) in rows {
+        let (d, t, s) = (down.clone(), total.clone(), median(&mut sent));
+        println!("| {name} | {} | {} | {s} | {d:?} | {t:?} |", median(&mut down), median(&mut total));
+    }
+    println!("load average before: {load_before}load average after: {}", load());
+}

@@ -603,9 +603,7 @@ impl MigrationConfig {
         };
         Err(MigrationError::InvalidConfig {
             field: "memory_handover",
-            reason: format!(
-                "a hand-over copies no page, so it cannot be combined with {conflict}"
-            ),
+            reason: format!("a hand-over copies no page, so it cannot be combined with {conflict}"),
         })
     }
 

@@ -118,8 +118,7 @@ pub(crate) fn revoke(regions: &[MemoryRegion]) {
         };
         // SAFETY: the region describes a live mapping of `len` bytes (the
         // `MemoryRegion::new` contract); removing access changes no memory.
-        let status =
-            unsafe { libc::mprotect(region.host_ptr().cast(), len, libc::PROT_NONE) };
+        let status = unsafe { libc::mprotect(region.host_ptr().cast(), len, libc::PROT_NONE) };
         if status != 0 {
             tracing::error!(
                 region = region.id(),

@@ -62,12 +62,12 @@ pub mod control;
 mod deadline;
 pub mod destination;
 mod digest;
-pub mod handover;
 pub mod error;
 pub mod fault;
 #[doc(hidden)]
 pub mod fuzzing;
 pub mod guest;
+pub mod handover;
 mod pipeline;
 pub mod postcopy;
 mod ring;
@@ -133,5 +133,6 @@ pub use tern_page::{DeltaOffload, ZeroPageOffload};
 /// [`SnapshotError`]'s format variant).
 pub use tern_wire::snapshot::SnapshotError as SnapshotFormatError;
 pub use tern_wire::{
-    AbortReason, DigestAlgorithm, HandoverCoverage, PROTOCOL_VERSION, RegionInfo, SessionSetup, WireError,
+    AbortReason, DigestAlgorithm, HandoverCoverage, PROTOCOL_VERSION, RegionInfo, SessionSetup,
+    WireError,
 };

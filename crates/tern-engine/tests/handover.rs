@@ -45,12 +45,16 @@ fn unix_listener(dir: &Path) -> (Listener, Address) {
 }
 
 fn adopt(files: Vec<HandedFile>) -> Result<SyntheticGuest, GuestError> {
-    SyntheticGuest::from_handed_files(files).map_err(|error| GuestError::with_source("adopt", error))
+    SyntheticGuest::from_handed_files(files)
+        .map_err(|error| GuestError::with_source("adopt", error))
 }
 
 type Handed = Result<Received<SyntheticGuest>, MigrationError>;
 
-fn spawn_handover_destination(listener: Listener, keep_paused: bool) -> std::thread::JoinHandle<Handed> {
+fn spawn_handover_destination(
+    listener: Listener,
+    keep_paused: bool,
+) -> std::thread::JoinHandle<Handed> {
     std::thread::spawn(move || {
         let mut config = receive_config();
         config.keep_paused = keep_paused;
@@ -66,7 +70,14 @@ fn file_digest(guest: &SyntheticGuest) -> u128 {
     let fd = files[0].file.as_raw_fd();
     // SAFETY: a read-only shared mapping of an open memfd of `len` bytes.
     let addr = unsafe {
-        libc::mmap(std::ptr::null_mut(), len as usize, libc::PROT_READ, libc::MAP_SHARED, fd, 0)
+        libc::mmap(
+            std::ptr::null_mut(),
+            len as usize,
+            libc::PROT_READ,
+            libc::MAP_SHARED,
+            fd,
+            0,
+        )
     };
     assert_ne!(addr, libc::MAP_FAILED);
     // SAFETY: the mapping is `len` readable bytes; nothing writes the file
@@ -104,7 +115,10 @@ fn hands_memory_over_while_a_writer_runs_and_copies_no_page() {
         "{} bytes received",
         received.stats.received
     );
-    assert!(!guest.is_running(), "the source guest runs after the hand-over");
+    assert!(
+        !guest.is_running(),
+        "the source guest runs after the hand-over"
+    );
     // The dirtier's state moved: the destination resumes writing.
     let mut destination_guest = received.guest;
     tern_engine::GuestControl::resume(&mut destination_guest).unwrap();
@@ -122,7 +136,13 @@ fn refuses_tcp_before_connecting() {
         .migrate(&mut guest, &Address::Tcp("127.0.0.1:9".into()))
         .unwrap_err();
     assert!(
-        matches!(failure.error, MigrationError::UnsupportedTransport { field: "memory_handover", .. }),
+        matches!(
+            failure.error,
+            MigrationError::UnsupportedTransport {
+                field: "memory_handover",
+                ..
+            }
+        ),
         "{}",
         failure.error
     );
@@ -154,7 +174,11 @@ fn a_copying_destination_refuses_a_handover_and_the_source_runs_on() {
         .unwrap()
         .migrate(&mut guest, &address)
         .unwrap_err();
-    assert!(failure.error.to_string().contains("hands its memory over"), "{}", failure.error);
+    assert!(
+        failure.error.to_string().contains("hands its memory over"),
+        "{}",
+        failure.error
+    );
     assert!(destination.join().unwrap().is_err());
     assert!(guest.is_running());
 }
@@ -174,7 +198,10 @@ fn memfd(len: u64) -> OwnedFd {
 
 fn send_with_fds(stream: &UnixStream, bytes: &[u8], fds: &[RawFd]) {
     let mut control = [0u64; 8];
-    let mut iov = libc::iovec { iov_base: bytes.as_ptr() as *mut _, iov_len: bytes.len() };
+    let mut iov = libc::iovec {
+        iov_base: bytes.as_ptr() as *mut _,
+        iov_len: bytes.len(),
+    };
     // SAFETY: zeroed msghdr, then pointed at live buffers.
     let mut header: libc::msghdr = unsafe { std::mem::zeroed() };
     header.msg_iov = &raw mut iov;
@@ -187,8 +214,15 @@ fn send_with_fds(stream: &UnixStream, bytes: &[u8], fds: &[RawFd]) {
         (*cmsg).cmsg_level = libc::SOL_SOCKET;
         (*cmsg).cmsg_type = libc::SCM_RIGHTS;
         (*cmsg).cmsg_len = libc::CMSG_LEN((fds.len() * 4) as u32) as usize;
-        std::ptr::copy_nonoverlapping(fds.as_ptr().cast::<u8>(), libc::CMSG_DATA(cmsg), fds.len() * 4);
-        assert_eq!(libc::sendmsg(stream.as_raw_fd(), &header, 0), bytes.len() as isize);
+        std::ptr::copy_nonoverlapping(
+            fds.as_ptr().cast::<u8>(),
+            libc::CMSG_DATA(cmsg),
+            fds.len() * 4,
+        );
+        assert_eq!(
+            libc::sendmsg(stream.as_raw_fd(), &header, 0),
+            bytes.len() as isize
+        );
     }
 }
 
@@ -205,13 +239,20 @@ const REGION: u64 = 4 * MIB;
 
 fn hello() -> Message {
     Message::Hello(Hello {
-        handshake: Handshake { session_id: 7, channel_index: 0 },
+        handshake: Handshake {
+            session_id: 7,
+            channel_index: 0,
+        },
         setup: SessionSetup {
             page_size: 4096,
             channel_count: 1,
             codecs: 0,
             digest: tern_wire::DigestAlgorithm::Xxh3Pages,
-            regions: vec![RegionInfo { id: 0, guest_addr: 0, len: REGION }],
+            regions: vec![RegionInfo {
+                id: 0,
+                guest_addr: 0,
+                len: REGION,
+            }],
             guest_kind: "synthetic".into(),
             dictionaries: 0,
             vmm_config_len: 0,
@@ -222,7 +263,11 @@ fn hello() -> Message {
 fn handover() -> Message {
     Message::MemoryHandover(MemoryHandover {
         coverage: HandoverCoverage::Sampled,
-        regions: vec![HandedRegion { region_id: 0, offset: 0, len: REGION }],
+        regions: vec![HandedRegion {
+            region_id: 0,
+            offset: 0,
+            len: REGION,
+        }],
     })
 }
 
@@ -232,9 +277,13 @@ fn craft(fds: &[RawFd]) -> (String, Handed) {
     let dir = tempfile::tempdir().unwrap();
     let (listener, address) = unix_listener(dir.path());
     let destination = spawn_handover_destination(listener, false);
-    let Address::Unix(path) = address else { unreachable!() };
+    let Address::Unix(path) = address else {
+        unreachable!()
+    };
     let mut stream = UnixStream::connect(path).unwrap();
-    stream.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
+    stream
+        .set_read_timeout(Some(Duration::from_secs(30)))
+        .unwrap();
     stream.write_all(&hello().to_bytes()).unwrap();
     let bytes = handover().to_bytes();
     if fds.is_empty() {
@@ -253,7 +302,10 @@ fn craft(fds: &[RawFd]) -> (String, Handed) {
 fn refuses_a_file_smaller_than_its_region() {
     let small = memfd(REGION / 2);
     let (answer, result) = craft(&[small.as_raw_fd()]);
-    assert!(answer.contains("cannot back it") && answer.contains("bytes"), "{answer}");
+    assert!(
+        answer.contains("cannot back it") && answer.contains("bytes"),
+        "{answer}"
+    );
     assert!(result.is_err());
 }
 
@@ -276,14 +328,20 @@ fn refuses_a_descriptor_that_is_not_a_file() {
 fn refuses_a_file_sealed_against_writes() {
     // SAFETY: as in `memfd`, with sealing allowed.
     let raw = unsafe {
-        libc::memfd_create(c"sealed".as_ptr(), libc::MFD_CLOEXEC | libc::MFD_ALLOW_SEALING)
+        libc::memfd_create(
+            c"sealed".as_ptr(),
+            libc::MFD_CLOEXEC | libc::MFD_ALLOW_SEALING,
+        )
     };
     // SAFETY: just created, owned here.
     let fd = unsafe { OwnedFd::from_raw_fd(raw) };
     // SAFETY: sizing and sealing an open memfd.
     unsafe {
         assert_eq!(libc::ftruncate(fd.as_raw_fd(), REGION as i64), 0);
-        assert_eq!(libc::fcntl(fd.as_raw_fd(), libc::F_ADD_SEALS, libc::F_SEAL_WRITE), 0);
+        assert_eq!(
+            libc::fcntl(fd.as_raw_fd(), libc::F_ADD_SEALS, libc::F_SEAL_WRITE),
+            0
+        );
     }
     let (answer, result) = craft(&[fd.as_raw_fd()]);
     assert!(answer.contains("sealed"), "{answer}");
@@ -300,10 +358,16 @@ fn a_destination_that_dies_before_the_commit_leaves_the_source_running() {
     let listener = UnixListener::bind(&path).unwrap();
     let fake = std::thread::spawn(move || {
         let (mut stream, _) = listener.accept().unwrap();
-        stream.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
-        let Message::Hello(hello) = read_frame(&mut stream) else { panic!("hello") };
+        stream
+            .set_read_timeout(Some(Duration::from_secs(30)))
+            .unwrap();
+        let Message::Hello(hello) = read_frame(&mut stream) else {
+            panic!("hello")
+        };
         // Read as plain bytes: the kernel closes the descriptors.
-        let Message::MemoryHandover(handover) = read_frame(&mut stream) else { panic!("handover") };
+        let Message::MemoryHandover(handover) = read_frame(&mut stream) else {
+            panic!("handover")
+        };
         stream
             .write_all(
                 &Message::Welcome(tern_wire::Welcome {
@@ -313,7 +377,9 @@ fn a_destination_that_dies_before_the_commit_leaves_the_source_running() {
                 .to_bytes(),
             )
             .unwrap();
-        stream.write_all(&Message::MemoryHandover(handover).to_bytes()).unwrap();
+        stream
+            .write_all(&Message::MemoryHandover(handover).to_bytes())
+            .unwrap();
         loop {
             if let Message::Complete(_) = read_frame(&mut stream) {
                 break;
@@ -327,10 +393,16 @@ fn a_destination_that_dies_before_the_commit_leaves_the_source_running() {
         .migrate(&mut guest, &Address::Unix(path))
         .unwrap_err();
     fake.join().unwrap();
-    assert!(guest.is_running(), "the source guest was not resumed: {}", failure.error);
+    assert!(
+        guest.is_running(),
+        "the source guest was not resumed: {}",
+        failure.error
+    );
     // Its memory is still its own: the writer goes on.
     let before = guest.dirtied_pages();
-    wait_until("the source's writer to go on", || guest.dirtied_pages() > before);
+    wait_until("the source's writer to go on", || {
+        guest.dirtied_pages() > before
+    });
     assert!(guest.digest() != 0);
 }
 
@@ -344,12 +416,17 @@ fn a_destination_that_dies_before_the_commit_leaves_the_source_running() {
 #[ignore = "a benchmark: run by hand"]
 fn bench_handover_against_copy() {
     let env = |name, default: u64| {
-        std::env::var(name).ok().and_then(|value| value.parse().ok()).unwrap_or(default)
+        std::env::var(name)
+            .ok()
+            .and_then(|value| value.parse().ok())
+            .unwrap_or(default)
     };
     let memory = env("TERN_HANDOVER_BENCH_MIB", 1024) * MIB;
     let runs = env("TERN_HANDOVER_BENCH_RUNS", 5);
-    let mut rows: Vec<(&str, Vec<u64>, Vec<u64>, Vec<u64>)> =
-        vec![("copy", vec![], vec![], vec![]), ("hand-over", vec![], vec![], vec![])];
+    let mut rows: Vec<(&str, Vec<u64>, Vec<u64>, Vec<u64>)> = vec![
+        ("copy", vec![], vec![], vec![]),
+        ("hand-over", vec![], vec![], vec![]),
+    ];
     let load = || std::fs::read_to_string("/proc/loadavg").unwrap_or_default();
     let load_before = load();
     for _ in 0..runs {
@@ -365,7 +442,10 @@ fn bench_handover_against_copy() {
             let mut guest = SyntheticGuest::new_memfd(&synthetic(memory, 1, 64 * MIB)).unwrap();
             let mut config = migration_config(2);
             config.memory_handover = handover;
-            let stats = Source::new(config).unwrap().migrate(&mut guest, &address).expect("migrate");
+            let stats = Source::new(config)
+                .unwrap()
+                .migrate(&mut guest, &address)
+                .expect("migrate");
             destination.join().unwrap().expect("destination");
             row.1.push(stats.downtime);
             row.2.push(stats.total_time);
@@ -376,11 +456,21 @@ fn bench_handover_against_copy() {
         values.sort_unstable();
         values[values.len() / 2]
     };
-    println!("| {} MiB guest, 64 MiB/s writer, {runs} runs each | downtime (ms), median | total time (ms), median | bytes sent, median | downtime runs (ms) | total runs (ms) |", memory / MIB);
+    println!(
+        "| {} MiB guest, 64 MiB/s writer, {runs} runs each | downtime (ms), median | total time (ms), median | bytes sent, median | downtime runs (ms) | total runs (ms) |",
+        memory / MIB
+    );
     println!("|---|---|---|---|---|---|");
     for (name, mut down, mut total, mut sent) in rows {
         let (d, t, s) = (down.clone(), total.clone(), median(&mut sent));
-        println!("| {name} | {} | {} | {s} | {d:?} | {t:?} |", median(&mut down), median(&mut total));
+        println!(
+            "| {name} | {} | {} | {s} | {d:?} | {t:?} |",
+            median(&mut down),
+            median(&mut total)
+        );
     }
-    println!("load average before: {load_before}load average after: {}", load());
+    println!(
+        "load average before: {load_before}load average after: {}",
+        load()
+    );
 }

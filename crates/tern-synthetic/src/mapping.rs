@@ -105,7 +105,9 @@ impl Mapping {
     /// The file mapped and the mapping's offset in it, if any.
     pub(crate) fn file(&self) -> Option<(BorrowedFd<'_>, u64)> {
         use std::os::fd::AsFd;
-        self.file.as_ref().map(|(file, offset)| (file.as_fd(), *offset))
+        self.file
+            .as_ref()
+            .map(|(file, offset)| (file.as_fd(), *offset))
     }
 
     pub(crate) fn ptr(&self) -> *mut u8 {

@@ -149,14 +149,16 @@ fn check_region(region: &HandedRegion) -> Result<(), WireError> {
             "region {} starts at file offset {}, not a multiple of {page}",
             region.region_id, region.offset
         )
-    } else if region.len == 0 || !region.len.is_multiple_of(page) || region.len > MAX_REGION_BYTES
-    {
+    } else if region.len == 0 || !region.len.is_multiple_of(page) || region.len > MAX_REGION_BYTES {
         format!(
             "region {} has {} bytes (must be a non-zero multiple of {page}, at most {MAX_REGION_BYTES})",
             region.region_id, region.len
         )
     } else if region.offset.checked_add(region.len).is_none() {
-        format!("region {} ends past the largest file offset", region.region_id)
+        format!(
+            "region {} ends past the largest file offset",
+            region.region_id
+        )
     } else {
         return Ok(());
     };

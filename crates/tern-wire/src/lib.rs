@@ -53,16 +53,20 @@
 mod codec;
 mod decoder;
 mod error;
+mod handover;
 mod message;
 mod pages;
 mod postcopy;
 mod seal;
 pub mod snapshot;
-mod handover;
 
 pub use codec::{MAX_PEER_TEXT_CHARS, Reader, Writer, sanitise_peer_text};
 pub use decoder::{Decoded, Event, Expect, FrameDecoder, PagePacket};
 pub use error::{AbortReason, WireError};
+pub use handover::{
+    HANDOVER_FORMAT, HANDOVER_SAMPLE_PAGES, HandedRegion, HandoverCoverage, MAX_HANDOVER_FILES,
+    MemoryHandover,
+};
 pub use message::{
     Abort, AuthChallenge, AuthHello, AuthProof, ChannelHello, Complete, Dictionary,
     DigestAlgorithm, Handshake, Hello, Message, Outcome, OutcomeStats, Ready, RegionInfo,
@@ -75,10 +79,6 @@ pub use pages::{
 pub use postcopy::{
     LATENCY_BUCKETS, MAX_REQUEST_PAGES, MAX_STALE_RUNS, PageRequest, PageRun, PostcopyComplete,
     PostcopySwitch, UrgentPages,
-};
-pub use handover::{
-    HANDOVER_FORMAT, HANDOVER_SAMPLE_PAGES, HandedRegion, HandoverCoverage, MAX_HANDOVER_FILES,
-    MemoryHandover,
 };
 pub use seal::{
     FRAME_SEALED, FrameOpener, MAX_OPENING_FRAME, MAX_PROOF_FRAME, OPENING_KINDS, PROOF_KINDS,

@@ -638,8 +638,9 @@ fn receive_guest(
     if local {
         return destination.receive_handover(listener, |_, config, files| {
             *vmm_config = config.to_vec();
-            SyntheticGuest::from_handed_files(files)
-                .map_err(|error| GuestError::with_source("cannot map the handed-over memory", error))
+            SyntheticGuest::from_handed_files(files).map_err(|error| {
+                GuestError::with_source("cannot map the handed-over memory", error)
+            })
         });
     }
     destination.receive_with_vmm_config(listener, |setup, config| {

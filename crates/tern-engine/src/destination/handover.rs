@@ -7,8 +7,8 @@ use std::os::fd::{AsFd, OwnedFd};
 use std::time::{Duration, Instant};
 
 use tern_wire::{
-    FRAME_HEADER_LEN, FrameDecoder, MAX_HANDOVER_FILES, Message,
-    MemoryHandover, Outcome, SessionSetup,
+    FRAME_HEADER_LEN, FrameDecoder, MAX_HANDOVER_FILES, MemoryHandover, Message, Outcome,
+    SessionSetup,
 };
 
 use super::handshake::{Greeted, peer_aborted};
@@ -73,10 +73,11 @@ impl Destination {
         let vmm_config =
             super::vmm_config::receive(main, decoder, &hello, self.config.max_vmm_config)?;
         let Message::Hello(hello_body) = &hello else {
-            return Err(MigrationError::Internal("the first message is not a hello".into()));
+            return Err(MigrationError::Internal(
+                "the first message is not a hello".into(),
+            ));
         };
-        let (handover, files) =
-            receive_files(main, decoder, &hello_body.setup, &self.config)?;
+        let (handover, files) = receive_files(main, decoder, &hello_body.setup, &self.config)?;
         let Greeted {
             setup,
             mut guest,
@@ -171,7 +172,11 @@ fn receive_files(
 ) -> Result<(MemoryHandover, Vec<HandedFile>), MigrationError> {
     let deadline = Deadline::after(config.handshake_timeout, "the source's memory hand-over");
     while !main
-        .wait_readable(deadline.next_slice(POLL_INTERVAL).map_err(MigrationError::channel(0))?)
+        .wait_readable(
+            deadline
+                .next_slice(POLL_INTERVAL)
+                .map_err(MigrationError::channel(0))?,
+        )
         .map_err(MigrationError::channel(0))?
     {}
     let mut catcher = FileCatcher {

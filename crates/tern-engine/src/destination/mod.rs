@@ -435,7 +435,11 @@ impl Destination {
 
     /// Accepts the main channel and runs the session on it with `run`
     /// (a copy or a hand-over); a failure is told to the source.
-    fn receive_session<G, R>(&self, listener: &Listener, run: R) -> Result<Received<G>, MigrationError>
+    fn receive_session<G, R>(
+        &self,
+        listener: &Listener,
+        run: R,
+    ) -> Result<Received<G>, MigrationError>
     where
         R: FnOnce(
             &mut handshake::Handshakes<'_>,
@@ -474,10 +478,12 @@ impl Destination {
             authenticated: main.security().authenticated(),
             tls: main.security().tls.clone(),
         };
-        let result = run(&mut handshakes, &mut main, &mut decoder, hello, cpu_start)
-            .map(|received| Received {
-                security,
-                ..received
+        let result =
+            run(&mut handshakes, &mut main, &mut decoder, hello, cpu_start).map(|received| {
+                Received {
+                    security,
+                    ..received
+                }
             });
         if let Err(error) = &result {
             self.stats.set_phase(ReceivePhase::Failed);

@@ -32,7 +32,8 @@ impl Source {
         config.check_address(&address)?;
         let regions: Vec<MemoryRegion> = guest.regions().to_vec();
         let (handover, files) = handover_table(guest, &regions, config.verify)?;
-        let setup = connect::session_setup(&regions, guest.guest_kind(), config, &self.compression)?;
+        let setup =
+            connect::session_setup(&regions, guest.guest_kind(), config, &self.compression)?;
         let total: u64 = regions.iter().map(MemoryRegion::len).sum();
         self.stats.total.store(total, Ordering::Relaxed);
         self.stats.remaining.store(0, Ordering::Relaxed);

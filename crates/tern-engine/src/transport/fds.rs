@@ -172,7 +172,8 @@ fn receive_with_rights(fd: RawFd, buf: &mut [u8], max_files: usize) -> io::Resul
                 let payload = (*cmsg).cmsg_len - libc::CMSG_LEN(0) as usize;
                 for index in 0..payload / std::mem::size_of::<RawFd>() {
                     let raw = std::ptr::read_unaligned(
-                        data.add(index * std::mem::size_of::<RawFd>()).cast::<RawFd>(),
+                        data.add(index * std::mem::size_of::<RawFd>())
+                            .cast::<RawFd>(),
                     );
                     files.push(OwnedFd::from_raw_fd(raw));
                 }

@@ -226,7 +226,7 @@ mod tests {
         assert!(decode(&bytes).unwrap_err().to_string().contains("coverage"));
         let mut bytes = handover(&[(0, 0, 4096)]).to_bytes();
         bytes[FRAME_HEADER_LEN + 4..FRAME_HEADER_LEN + 8]
-            .copy_from_slice(&(MAX_HANDOVER_FILES as u32 + 1).to_le_bytes());
+            .copy_from_slice(&(u32::try_from(MAX_HANDOVER_FILES).unwrap() + 1).to_le_bytes());
         assert!(decode(&bytes).unwrap_err().to_string().contains("count"));
     }
 }

@@ -563,9 +563,11 @@ fn userfaultfd_works() -> bool {
     // SAFETY: the system call takes flags only; the descriptor is closed
     // right away.
     let fd = unsafe { libc::syscall(libc::SYS_userfaultfd, libc::O_CLOEXEC) };
-    if fd >= 0 {
+    if let Ok(fd) = i32::try_from(fd)
+        && fd >= 0
+    {
         // SAFETY: our own descriptor, closed once.
-        unsafe { libc::close(fd as i32) };
+        unsafe { libc::close(fd) };
         return true;
     }
     if std::fs::OpenOptions::new()

@@ -772,7 +772,6 @@ impl QplCompressor {
                 let deadline = Instant::now() + self.job_deadline;
                 match self.slots[0].wait_until(deadline) {
                     Some(status) => Self::finish(status, self.slots[0].total_out()),
-                    None if self.slots[0].job.is_none() => Err(()),
                     None => {
                         self.give_up(0);
                         Err(())

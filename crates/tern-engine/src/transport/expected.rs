@@ -85,3 +85,29 @@ impl Expected {
         name: "a page request or the postcopy completion",
     };
 }
+
+#[cfg(test)]
+mod tests {
+    use tern_wire::{FrameHeader, FrameKind};
+
+    use super::Expected;
+
+    /// `ANY_CONTROL` is written out by hand: every kind the wire knows but
+    /// page packets must be in it, so a kind added to tern-wire and
+    /// forgotten here fails this test rather than a tool's read.
+    #[test]
+    fn any_control_lists_every_kind_but_page_packets() {
+        let known: Vec<FrameKind> = (0..=u8::MAX)
+            .filter_map(|byte| FrameHeader::decode(&[byte, 0, 0, 0, 0, 0, 0, 0]).ok())
+            .map(|header| header.kind)
+            .collect();
+        assert!(known.contains(&FrameKind::Hello), "headers decode");
+        for kind in known {
+            assert_eq!(
+                Expected::ANY_CONTROL.kinds.contains(&kind),
+                kind != FrameKind::Pages,
+                "{kind:?}"
+            );
+        }
+    }
+}

@@ -67,6 +67,7 @@
 #![warn(unreachable_pub)]
 
 pub mod bitmap;
+mod cancel;
 pub mod config;
 pub mod control;
 mod deadline;

@@ -8,18 +8,24 @@ use std::os::unix::fs::PermissionsExt;
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::mpsc::{Receiver, RecvTimeoutError, Sender, channel};
 use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
 
 use anyhow::Context;
 use serde_json::{Value, json};
 use tern_engine::{
-    CONTRACT_VERSION, ControlError, Event, MigrationHandle, MigrationParameters, ReceiveHandle,
+    CONTRACT_VERSION, ControlError, Event, EventBody, MigrationHandle, MigrationParameters,
+    ReceiveHandle,
 };
 
 /// Longest request line accepted; a longer one closes the connection.
 pub const MAX_REQUEST_BYTES: u64 = 64 << 10;
 /// Most clients connected at once; more are told so and closed.
 pub const MAX_CLIENTS: usize = 16;
+/// How long closing the socket waits for the events of an ended migration
+/// to reach the clients (they are written from a thread of their own).
+const FLUSH_DEADLINE: Duration = Duration::from_secs(5);
 /// Every command the socket knows, for `query-commands`.
 pub const COMMANDS: &[&str] = &[
     "qmp_capabilities",
@@ -51,6 +57,15 @@ pub type Resume = Box<dyn FnOnce() -> anyhow::Result<()> + Send>;
 pub struct ControlSocket {
     path: PathBuf,
     shared: Arc<Shared>,
+    /// One per steered target: disconnected once its forwarding thread
+    /// has written the target's last event.
+    forwarders: Mutex<Vec<Forwarder>>,
+}
+
+/// A thread writing one target's events to the clients.
+struct Forwarder {
+    target: Target,
+    finished: Receiver<()>,
 }
 
 struct Shared {
@@ -59,6 +74,9 @@ struct Shared {
     clients: Mutex<Vec<Arc<Mutex<UnixStream>>>>,
     connected: AtomicUsize,
     stopping: AtomicBool,
+    /// Tests stand in for a forwarding thread the scheduler runs late.
+    #[cfg(test)]
+    forward_pause: Mutex<Duration>,
 }
 
 fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -89,6 +107,8 @@ impl ControlSocket {
             clients: Mutex::new(Vec::new()),
             connected: AtomicUsize::new(0),
             stopping: AtomicBool::new(false),
+            #[cfg(test)]
+            forward_pause: Mutex::new(Duration::ZERO),
         });
         let accepting = shared.clone();
         std::thread::Builder::new()
@@ -98,6 +118,7 @@ impl ControlSocket {
         Ok(Self {
             path: path.to_path_buf(),
             shared,
+            forwarders: Mutex::new(Vec::new()),
         })
     }
 
@@ -108,15 +129,42 @@ impl ControlSocket {
             Target::Source(handle) => handle.subscribe(),
             Target::Destination(handle) => handle.subscribe(),
         };
-        *lock(&self.shared.target) = Some(target);
+        *lock(&self.shared.target) = Some(target.clone());
         let shared = self.shared.clone();
-        let _ = std::thread::Builder::new()
+        let (finishing, finished): (Sender<()>, _) = channel();
+        let spawned = std::thread::Builder::new()
             .name("tern-control-events".into())
             .spawn(move || {
+                // Dropped when the thread ends: the socket's Drop knows.
+                let _finishing = finishing;
                 for event in events {
+                    #[cfg(test)]
+                    std::thread::sleep(*lock(&shared.forward_pause));
                     shared.broadcast(&event);
                 }
             });
+        if spawned.is_ok() {
+            lock(&self.forwarders).push(Forwarder { target, finished });
+        }
+    }
+
+    /// Waits, at most [`FLUSH_DEADLINE`] in all, until every event of the
+    /// targets that ended has been written to the clients: the command
+    /// returns as soon as the migration ends, and closing the clients
+    /// before its last events reached them would lose the final status
+    /// change. A target that never ended is not waited for.
+    fn flush_ended_targets(&self) {
+        let deadline = Instant::now() + FLUSH_DEADLINE;
+        for forwarder in lock(&self.forwarders).iter() {
+            if !has_ended(&forwarder.target) {
+                continue;
+            }
+            let left = deadline.saturating_duration_since(Instant::now());
+            if let Err(RecvTimeoutError::Timeout) = forwarder.finished.recv_timeout(left) {
+                tracing::warn!("control socket: closing before every event reached the clients");
+                return;
+            }
+        }
     }
 
     /// Lets `cont` resume a guest handed over paused.
@@ -131,8 +179,27 @@ impl ControlSocket {
     }
 }
 
+/// Whether `target` has published its final status change, after which its
+/// event subscriptions end.
+fn has_ended(target: &Target) -> bool {
+    let history = match target {
+        Target::Source(handle) => handle.history(),
+        Target::Destination(handle) => handle.history(),
+    };
+    history
+        .events
+        .iter()
+        .rev()
+        .find_map(|event| match &event.body {
+            EventBody::Migration(change) => Some(change.status.is_final()),
+            _ => None,
+        })
+        .unwrap_or(false)
+}
+
 impl Drop for ControlSocket {
     fn drop(&mut self) {
+        self.flush_ended_targets();
         self.shared.stopping.store(true, Ordering::Relaxed);
         // Wakes the accept loop so that its thread ends.
         let _ = UnixStream::connect(&self.path);
@@ -504,4 +571,50 @@ fn drain_before_close(reader: &mut BufReader<UnixStream>, writer: &Mutex<UnixStr
         .get_ref()
         .set_read_timeout(Some(std::time::Duration::from_secs(1)));
     let _ = std::io::copy(&mut reader.take(1 << 20), &mut std::io::sink());
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tern_engine::{MigrationConfig, Source};
+    use tern_synthetic::{SyntheticConfig, SyntheticGuest};
+
+    /// The command drops its socket as soon as the migration returns; the
+    /// final status change must still reach a watching client, which
+    /// otherwise reads the end of the stream where it waits for
+    /// `completed`, `failed` or `cancelled`.
+    #[test]
+    fn the_final_status_reaches_watchers_before_the_socket_closes() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("control");
+        let socket = ControlSocket::start(&path).unwrap();
+        let client = UnixStream::connect(&path).unwrap();
+        client
+            .set_read_timeout(Some(Duration::from_secs(60)))
+            .unwrap();
+        let mut reader = BufReader::new(client);
+        let mut greeting = String::new();
+        reader.read_line(&mut greeting).unwrap();
+        assert!(greeting.contains("QMP"), "{greeting}");
+        // Each event reaches the clients 50 ms after it happened.
+        *lock(&socket.shared.forward_pause) = Duration::from_millis(50);
+        let source = Source::new(MigrationConfig::default()).unwrap();
+        socket.set_target(Target::Source(source.handle()));
+        let mut guest = SyntheticGuest::new(&SyntheticConfig {
+            memory_bytes: 1 << 20,
+            ..SyntheticConfig::default()
+        })
+        .unwrap();
+        source.cancel_token().cancel();
+        let nowhere: tern_engine::Address = "127.0.0.1:9".parse().unwrap();
+        assert!(source.migrate(&mut guest, &nowhere).is_err());
+        drop(socket);
+        let lines: Vec<Value> = reader
+            .lines()
+            .map(|line| serde_json::from_str(&line.unwrap()).unwrap())
+            .collect();
+        let last = lines.last().expect("at least the final status change");
+        assert_eq!(last["event"], "MIGRATION", "{lines:?}");
+        assert_eq!(last["data"]["status"], "cancelled", "{lines:?}");
+    }
 }

@@ -21,7 +21,8 @@ mod events;
 mod parameters;
 mod report;
 
-use std::sync::atomic::{AtomicBool, Ordering};
+pub use crate::cancel::CancelToken;
+
 use std::sync::{Arc, Mutex};
 
 pub(crate) use events::EventHub;
@@ -37,33 +38,6 @@ use crate::config::MigrationConfig;
 use crate::stats::{LiveStats, MigrationStats, MigrationStatus};
 
 pub use crate::stats::CONTRACT_VERSION;
-
-/// Cancels a running migration from another thread (a signal handler's
-/// helper, a UI, a test).
-#[derive(Clone, Debug, Default)]
-pub struct CancelToken(Arc<AtomicBool>);
-
-impl CancelToken {
-    /// A token not yet cancelled.
-    pub fn new() -> Self {
-        Self::default()
-    }
-
-    /// Asks the migration to stop; it ends with status `cancelled` and the
-    /// source guest running.
-    pub fn cancel(&self) {
-        self.0.store(true, Ordering::Relaxed);
-    }
-
-    /// Whether cancellation was asked for.
-    pub fn is_cancelled(&self) -> bool {
-        self.0.load(Ordering::Relaxed)
-    }
-
-    pub(crate) fn flag(&self) -> Arc<AtomicBool> {
-        self.0.clone()
-    }
-}
 
 /// Why a control request was refused; the migration is untouched.
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]

@@ -1,5 +1,6 @@
 //! The source side: handshake, dirty iterations, convergence, switch-over.
 
+mod cancellable;
 mod connect;
 pub(crate) mod convergence;
 mod dictionary;
@@ -240,12 +241,19 @@ impl Source {
         self.stats.remaining.store(total, Ordering::Relaxed);
         let page_channels = connect::connect(
             config,
-            connector,
+            &cancellable::CancellableConnect::new(connector, &self.cancel),
             &setup,
             connect::random_session_id(),
             main_slot,
             compression.dictionary.as_ref(),
-        )?;
+        )
+        .map_err(|error| {
+            if self.cancel.is_cancelled() {
+                MigrationError::Cancelled
+            } else {
+                error
+            }
+        })?;
         let postcopy_channels = postcopy_channels(config, &page_channels)?;
         let Some(main) = main_slot.as_mut() else {
             return Err(MigrationError::Internal("main channel missing".into()));

@@ -43,6 +43,7 @@ use std::time::{Duration, Instant};
 
 use tern_wire::{Event, FRAME_HEADER_LEN, FrameDecoder, FrameHeader, Message};
 
+use crate::cancel::CancelToken;
 use crate::error::ChannelError;
 
 /// Where a destination listens, or a source connects.
@@ -539,8 +540,26 @@ impl Channel {
     /// Connects to `address`, retrying for up to `timeout` while the
     /// destination is not listening yet.
     pub fn connect(address: &Address, timeout: Duration) -> Result<Self, ChannelError> {
+        Self::connect_cancellable(address, timeout, &CancelToken::new())
+    }
+
+    /// [`Channel::connect`], giving up between attempts once `cancel` is
+    /// cancelled (an error of kind [`io::ErrorKind::Interrupted`]). One
+    /// attempt is not interrupted: a destination that drops the SYN
+    /// still holds it until `timeout`.
+    pub fn connect_cancellable(
+        address: &Address,
+        timeout: Duration,
+        cancel: &CancelToken,
+    ) -> Result<Self, ChannelError> {
         let deadline = Instant::now() + timeout;
         loop {
+            if cancel.is_cancelled() {
+                return Err(ChannelError::Connect(
+                    address.to_string(),
+                    io::Error::new(io::ErrorKind::Interrupted, "the migration was cancelled"),
+                ));
+            }
             let attempt = match address {
                 Address::Tcp(host_port) => connect_tcp(host_port, timeout).map(Stream::Tcp),
                 Address::Unix(path) => UnixStream::connect(path).map(Stream::Unix),

@@ -11,6 +11,7 @@ use std::sync::Mutex;
 use std::time::Duration;
 
 use super::{Address, Channel, socket};
+use crate::cancel::CancelToken;
 use crate::error::ChannelError;
 
 /// Opens the source's channels.
@@ -18,6 +19,20 @@ pub trait Connect: Send + Sync + fmt::Debug {
     /// Opens channel `index` (0 is the main channel, then the page
     /// channels in order), trying for at most `timeout`.
     fn connect(&self, index: u16, timeout: Duration) -> Result<Channel, ChannelError>;
+
+    /// [`Connect::connect`], giving up early once `cancel` is cancelled.
+    /// The engine calls this one; the default does not watch `cancel`
+    /// (the engine checks it between channels), so a connector that waits
+    /// for its peer should override it.
+    fn connect_cancellable(
+        &self,
+        index: u16,
+        timeout: Duration,
+        cancel: &CancelToken,
+    ) -> Result<Channel, ChannelError> {
+        let _ = cancel;
+        self.connect(index, timeout)
+    }
 
     /// The destination, as reports and errors name it.
     fn address(&self) -> Address;
@@ -73,8 +88,17 @@ impl Connector {
 
 impl Connect for Connector {
     fn connect(&self, index: u16, timeout: Duration) -> Result<Channel, ChannelError> {
+        self.connect_cancellable(index, timeout, &CancelToken::new())
+    }
+
+    fn connect_cancellable(
+        &self,
+        index: u16,
+        timeout: Duration,
+        cancel: &CancelToken,
+    ) -> Result<Channel, ChannelError> {
         match self {
-            Self::Dial(address) => Channel::connect(address, timeout),
+            Self::Dial(address) => Channel::connect_cancellable(address, timeout, cancel),
             Self::Sockets { address, sockets } => {
                 let mut sockets = sockets.lock().unwrap_or_else(|e| e.into_inner());
                 let count = sockets.len();

@@ -61,6 +61,18 @@ pub(crate) fn syscall_count(returned: isize) -> usize {
     usize::try_from(returned).unwrap_or(0)
 }
 
+/// A file offset as the `off_t` `pread`/`pwrite`/`fallocate` take; one
+/// past `i64::MAX` (no file holds it) is an `InvalidInput` error.
+#[inline]
+pub(crate) fn file_offset(offset: u64) -> std::io::Result<libc::off_t> {
+    libc::off_t::try_from(offset).map_err(|_| {
+        std::io::Error::new(
+            std::io::ErrorKind::InvalidInput,
+            format!("file offset {offset} is past the largest file"),
+        )
+    })
+}
+
 /// The lowest byte of `value`: test patterns and fuzz seeds that cycle
 /// through byte values on purpose.
 #[inline]
@@ -71,8 +83,8 @@ pub(crate) fn low_byte(value: u64) -> u8 {
 #[cfg(test)]
 mod tests {
     use super::{
-        low_byte, saturating_u32, saturating_u64, saturating_u64_from_f64, saturating_usize,
-        socklen_of, syscall_count,
+        file_offset, low_byte, saturating_u32, saturating_u64, saturating_u64_from_f64,
+        saturating_usize, socklen_of, syscall_count,
     };
 
     #[test]
@@ -88,6 +100,8 @@ mod tests {
         assert_eq!(syscall_count(-1), 0);
         assert_eq!(syscall_count(12), 12);
         assert_eq!(low_byte(0x1234), 0x34);
+        assert_eq!(file_offset(4096).ok(), Some(4096));
+        assert!(file_offset(u64::MAX).is_err());
         assert_eq!(usize::try_from(socklen_of::<libc::c_int>()), Ok(4));
     }
 }

@@ -54,6 +54,12 @@ pub(crate) const fn socklen_of<T>() -> libc::socklen_t {
     len
 }
 
+/// The length of `value` as the `socklen_t` a socket call takes.
+#[cfg(feature = "tls")]
+pub(crate) const fn socklen_of_val<T>(_value: &T) -> libc::socklen_t {
+    socklen_of::<T>()
+}
+
 /// The count a system call returned (`read`, `write`, `sendmsg`, …) once
 /// the caller has checked it is not negative; a negative one becomes 0.
 #[inline]
@@ -103,5 +109,7 @@ mod tests {
         assert_eq!(file_offset(4096).ok(), Some(4096));
         assert!(file_offset(u64::MAX).is_err());
         assert_eq!(usize::try_from(socklen_of::<libc::c_int>()), Ok(4));
+        #[cfg(feature = "tls")]
+        assert_eq!(usize::try_from(super::socklen_of_val(b"tls")), Ok(3));
     }
 }

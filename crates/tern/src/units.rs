@@ -3,7 +3,7 @@
 /// Parses a byte size: a number with an optional unit. Binary units (K, M,
 /// G, T, KiB, MiB, GiB, TiB) are powers of 1024; KB, MB, GB and TB are powers
 /// of 1000; a bare number is bytes.
-pub fn parse_size(text: &str) -> Result<u64, String> {
+pub(crate) fn parse_size(text: &str) -> Result<u64, String> {
     let text = text.trim();
     let split = text
         .find(|c: char| !(c.is_ascii_digit() || c == '.'))
@@ -34,7 +34,7 @@ pub fn parse_size(text: &str) -> Result<u64, String> {
 /// Parses a rate in bytes per second: a size, optionally followed by `/s`.
 /// Bit rates (decimal) are accepted with a `bit` or `bps` unit: `1Gbit`,
 /// `100Mbit/s`, `10Gbps`, `500Kbps`.
-pub fn parse_rate(text: &str) -> Result<u64, String> {
+pub(crate) fn parse_rate(text: &str) -> Result<u64, String> {
     let text = text.trim().trim_end_matches("/s");
     for (suffix, bits) in [
         ("Gbit", 1e9),
@@ -58,7 +58,7 @@ pub fn parse_rate(text: &str) -> Result<u64, String> {
 }
 
 /// Bytes in binary units, for people.
-pub fn human_bytes(bytes: u64) -> String {
+pub(crate) fn human_bytes(bytes: u64) -> String {
     const UNITS: [&str; 5] = ["B", "KiB", "MiB", "GiB", "TiB"];
     let mut value = bytes as f64;
     let mut unit = 0;

@@ -19,7 +19,7 @@ pub(super) fn qpl_path_values() -> Choices<QplPath> {
     ])
 }
 
-pub fn parse_address(text: &str) -> Result<Address, String> {
+pub(crate) fn parse_address(text: &str) -> Result<Address, String> {
     text.parse()
 }
 
@@ -87,7 +87,7 @@ pub(super) fn verify_values() -> Choices<Verify> {
 /// and docs/cli.md) but parses with the type's own `FromStr`, so that
 /// aliases and helpful errors (`zlib`, `legacy`) stay in one place.
 #[derive(Clone, Debug)]
-pub struct Choices<T> {
+pub(crate) struct Choices<T> {
     values: &'static [(&'static str, &'static str)],
     parsed: std::marker::PhantomData<fn() -> T>,
 }

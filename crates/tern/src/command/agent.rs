@@ -11,7 +11,7 @@ use crate::args::agent::AgentArgs;
 
 /// Runs the agent until SIGINT or SIGTERM. Migrations that joined go on at
 /// their last share when it stops, and rejoin the next agent on the path.
-pub fn run(args: &AgentArgs) -> anyhow::Result<ExitCode> {
+pub(crate) fn run(args: &AgentArgs) -> anyhow::Result<ExitCode> {
     // Before any thread starts, so that every thread inherits the mask and
     // the signals wait for `sigwait` below.
     let signals = block_stop_signals()?;

@@ -220,6 +220,10 @@ fn peer_uid(stream: &UnixStream) -> std::io::Result<libc::uid_t> {
         uid: 0,
         gid: 0,
     };
+    #[expect(
+        clippy::cast_possible_truncation,
+        reason = "a ucred is three ints, 12 bytes"
+    )]
     let mut len = std::mem::size_of::<libc::ucred>() as libc::socklen_t;
     // SAFETY: the buffer is a ucred and `len` its size, as SO_PEERCRED
     // requires; the descriptor is open for the stream's lifetime.

@@ -28,7 +28,7 @@ pub(crate) fn parse_size(text: &str) -> Result<u64, String> {
     if !bytes.is_finite() || bytes < 0.0 || bytes > u64::MAX as f64 {
         return Err(format!("'{text}' is out of range"));
     }
-    Ok(bytes as u64)
+    Ok(whole_u64(bytes))
 }
 
 /// Parses a rate in bytes per second: a size, optionally followed by `/s`.
@@ -51,10 +51,23 @@ pub(crate) fn parse_rate(text: &str) -> Result<u64, String> {
                 .trim()
                 .parse()
                 .map_err(|_| format!("'{text}' is not a rate"))?;
-            return Ok((value * bits / 8.0) as u64);
+            return Ok(whole_u64(value * bits / 8.0));
         }
     }
     parse_size(text)
+}
+
+/// `value`'s whole part as a `u64`: negatives and NaN become 0, values
+/// past `u64::MAX` become `u64::MAX`.
+pub(crate) fn whole_u64(value: f64) -> u64 {
+    #[expect(
+        clippy::cast_possible_truncation,
+        clippy::cast_sign_loss,
+        reason = "float-to-integer `as` saturates at both ends and maps NaN to 0: \
+                  the clamp documented above"
+    )]
+    let whole = value as u64;
+    whole
 }
 
 /// Bytes in binary units, for people.

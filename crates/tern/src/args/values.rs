@@ -27,8 +27,8 @@ pub(crate) fn parse_address(text: &str) -> Result<Address, String> {
 /// the same.
 pub(super) fn parse_channels(text: &str) -> Result<u16, String> {
     let max = tern_wire::MAX_CHANNELS;
-    match text.trim().parse::<u64>() {
-        Ok(channels) if (1..=u64::from(max)).contains(&channels) => Ok(channels as u16),
+    match text.trim().parse::<u64>().map(u16::try_from) {
+        Ok(Ok(channels)) if (1..=max).contains(&channels) => Ok(channels),
         _ => Err(format!("--channels {text} is out of range (1..={max})")),
     }
 }

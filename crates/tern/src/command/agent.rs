@@ -38,7 +38,7 @@ pub(crate) fn run(args: &AgentArgs) -> anyhow::Result<ExitCode> {
     let waited = unsafe { libc::sigwait(&signals, &mut signal) };
     anyhow::ensure!(waited == 0, "sigwait failed: {waited}");
     tracing::info!("signal {signal}: the agent stops; its migrations go on at their shares");
-    Ok(ExitCode::from(128 + signal as u8))
+    Ok(ExitCode::from(crate::session::signal_exit_code(signal)))
 }
 
 /// Blocks SIGINT and SIGTERM in this thread (and the threads it starts);

@@ -22,7 +22,7 @@ use tern_vmm::KvmGuest;
 use tern_wire::SessionSetup;
 
 pub(crate) use interrupt::{install_interrupt_handler, interrupted_by};
-pub(crate) use outcome::{Incomplete, exit_code, source_guest_after};
+pub(crate) use outcome::{Incomplete, exit_code, signal_exit_code, source_guest_after};
 
 use crate::args::transfer::DeltaOffloadChoice;
 use crate::args::vm::VmArgs;

@@ -94,7 +94,7 @@ pub(crate) fn exit_code(error: &anyhow::Error) -> u8 {
     };
     if error.downcast_ref::<NothingSent>().is_some() {
         match interrupted_by() {
-            Some(signal) => 128 + signal as u8,
+            Some(signal) => signal_exit_code(signal),
             None => exit::NOTHING_SENT,
         }
     } else if error.downcast_ref::<Incomplete>().is_none() {
@@ -109,12 +109,18 @@ pub(crate) fn exit_code(error: &anyhow::Error) -> u8 {
     }) {
         exit::POSTCOPY_FAILED
     } else if let Some(signal) = interrupted_by() {
-        128 + signal as u8
+        signal_exit_code(signal)
     } else if cause_is(|error| matches!(error, MigrationError::Cancelled)) {
         exit::CANCELLED
     } else {
         exit::FAILED
     }
+}
+
+/// The shell's exit status for a process ended by `signal`: 128 plus the
+/// signal's number (signals are 1..=64, so it fits; past that, 255).
+pub(crate) fn signal_exit_code(signal: i32) -> u8 {
+    u8::try_from(signal.saturating_add(128)).unwrap_or(u8::MAX)
 }
 
 /// What became of the source guest after `error`, for the one error line.

@@ -34,13 +34,6 @@
 //!
 //! No assertion: a benchmark prints what it measured, on whatever machine.
 
-// Test and measurement data: sizes, offsets and counters of small guests.
-#![allow(
-    clippy::cast_possible_truncation,
-    clippy::cast_sign_loss,
-    clippy::cast_possible_wrap
-)]
-
 use std::time::Instant;
 
 const PAGE: usize = 4096;
@@ -188,7 +181,8 @@ impl Userfault {
         // SAFETY: the system call takes flags only.
         let fd = unsafe { libc::syscall(libc::SYS_userfaultfd, libc::O_CLOEXEC) };
         if fd >= 0 {
-            Ok(fd as libc::c_int)
+            libc::c_int::try_from(fd)
+                .map_err(|_| format!("userfaultfd: descriptor {fd} past an int"))
         } else {
             Err(format!("userfaultfd: {}", std::io::Error::last_os_error()))
         }
@@ -209,7 +203,7 @@ impl Userfault {
         // buffer of at least that length.
         let result = unsafe { libc::ioctl(self.fd, uffd::UFFDIO_COPY, &mut copy) };
         assert!(
-            result == 0 && copy.copy == copy.len as i64,
+            result == 0 && u64::try_from(copy.copy) == Ok(copy.len),
             "UFFDIO_COPY: {} (copied {})",
             std::io::Error::last_os_error(),
             copy.copy
@@ -366,7 +360,7 @@ fn main() {
             state ^= state << 13;
             state ^= state >> 7;
             state ^= state << 17;
-            state as u8
+            state.to_le_bytes()[0]
         })
         .collect();
     let cases = [

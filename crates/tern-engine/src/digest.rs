@@ -195,7 +195,11 @@ impl PageHashes {
     /// regions), read from memory by the caller after the page's last
     /// change it knows of. Out-of-range pages are ignored.
     pub(crate) fn record(&self, region: usize, page: u64, hash: u64) {
-        let Some(slot) = self.hashes.get(region).and_then(|h| h.get(page as usize)) else {
+        let Some(slot) = self
+            .hashes
+            .get(region)
+            .and_then(|h| h.get(crate::numeric::saturating_usize(page)))
+        else {
             return;
         };
         // Unmark first, then publish the hash with Release: an auditor that
@@ -301,7 +305,8 @@ impl PageHashes {
     /// # Safety
     /// `region` is region `region_index`, whose mapping is live.
     unsafe fn audit_page(&self, region_index: usize, region: &MemoryRegion, page: u64) {
-        let recorded = self.hashes[region_index][page as usize].load(Ordering::Acquire);
+        let recorded = self.hashes[region_index][crate::numeric::saturating_usize(page)]
+            .load(Ordering::Acquire);
         let Some(ptr) = region.page_ptr(page) else {
             return;
         };
@@ -449,7 +454,9 @@ fn page_hash_ns() -> f64 {
 
 fn measure_page_hash_ns() -> f64 {
     const PAGES: usize = 2048;
-    let buffer: Vec<u8> = (0..PAGES * PAGE_SIZE).map(|i| (i % 251) as u8).collect();
+    let buffer: Vec<u8> = (0..PAGES * PAGE_SIZE)
+        .map(|i| crate::numeric::low_byte(i as u64 % 251))
+        .collect();
     let started = Instant::now();
     let mut sink = 0u64;
     for page in buffer.chunks_exact(PAGE_SIZE) {
@@ -468,7 +475,7 @@ fn lower_this_threads_priority() {
     // harmless, only leaving the priority as it was.
     let failed = unsafe {
         let thread = libc::gettid();
-        libc::setpriority(libc::PRIO_PROCESS, thread as libc::id_t, 19) != 0
+        libc::setpriority(libc::PRIO_PROCESS, thread.cast_unsigned(), 19) != 0
     };
     if failed {
         tracing::debug!("cannot lower the audit thread's priority");
@@ -517,9 +524,12 @@ impl AuditPace<'_> {
     /// Bytes the audit may have read `elapsed` after it started.
     fn allowance(&self, elapsed: Duration) -> u64 {
         let seconds = elapsed.as_secs_f64();
-        let floor = (self.floor_bytes_per_second as f64 * seconds) as u64;
+        let floor =
+            crate::numeric::saturating_u64_from_f64(self.floor_bytes_per_second as f64 * seconds);
         let earned = floor.saturating_add((self.data_bytes)() / Self::DATA_SHARE_DIVISOR);
-        earned.min((self.max_bytes_per_second as f64 * seconds) as u64)
+        earned.min(crate::numeric::saturating_u64_from_f64(
+            self.max_bytes_per_second as f64 * seconds,
+        ))
     }
 
     /// Sleeps (in short steps, so `stop` is heard) until `used` bytes are
@@ -587,7 +597,9 @@ mod tests {
 
     #[test]
     fn finishing_all_stale_pages_is_the_full_digest() {
-        let mut memory: Vec<u8> = (0..64 * PAGE_SIZE).map(|i| (i * 7 % 251) as u8).collect();
+        let mut memory: Vec<u8> = (0..64 * PAGE_SIZE)
+            .map(|i| crate::numeric::low_byte(i as u64 * 7 % 251))
+            .collect();
         let region = region_over(&mut memory);
         let hashes = PageHashes::new(&[region], true);
         // SAFETY: nothing writes during the calls.

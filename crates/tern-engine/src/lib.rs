@@ -53,16 +53,6 @@
 //! ```
 #![cfg_attr(docsrs, feature(doc_cfg))]
 #![warn(missing_docs)]
-// Temporary (issue 30): the workspace's cast lints are not yet fixed at
-// the ~145 sites of this crate (the other library crates are done). Each is
-// to become `try_from` or an `as` under an `expect` attribute saying why it
-// is in range, file by file as the helpers working in them finish; then
-// this line goes.
-#![allow(
-    clippy::cast_possible_truncation,
-    clippy::cast_sign_loss,
-    clippy::cast_possible_wrap
-)]
 // Items visible outside the crate are exactly those reachable from its root.
 #![warn(unreachable_pub)]
 
@@ -78,6 +68,7 @@ pub mod fault;
 #[doc(hidden)]
 pub mod fuzzing;
 pub mod guest;
+mod numeric;
 mod pipeline;
 pub mod postcopy;
 mod ring;

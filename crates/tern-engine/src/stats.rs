@@ -184,7 +184,7 @@ impl RateWindow {
             Some(started) if now.duration_since(started) >= RATE_WINDOW => {
                 let seconds = now.duration_since(started).as_secs_f64();
                 let bytes = transferred.saturating_sub(self.transferred_at_start);
-                self.rate = (bytes as f64 / seconds) as u64;
+                self.rate = crate::numeric::saturating_u64_from_f64(bytes as f64 / seconds);
                 self.started = Some(now);
                 self.transferred_at_start = transferred;
             }
@@ -585,7 +585,9 @@ impl LiveStats {
             normal,
             normal_bytes: self.normal_bytes.load(Ordering::Relaxed),
             mbps: transferred as f64 * 8.0 / 1e6 / seconds,
-            pages_per_second: ((normal + duplicate) as f64 / seconds) as u64,
+            pages_per_second: crate::numeric::saturating_u64_from_f64(
+                (normal + duplicate) as f64 / seconds,
+            ),
             dirty_sync_count: self.dirty_sync_count.load(Ordering::Relaxed),
             dirty_pages_rate: self.dirty_pages_rate.load(Ordering::Relaxed),
             iterations: self.iteration.load(Ordering::Relaxed),

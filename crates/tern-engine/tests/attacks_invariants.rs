@@ -8,13 +8,6 @@
 //! Each test prints its time to reject (`--nocapture` shows it), the figure
 //! docs/security.md reports.
 
-// Test and measurement data: sizes, offsets and counters of small guests.
-#![allow(
-    clippy::cast_possible_truncation,
-    clippy::cast_sign_loss,
-    clippy::cast_possible_wrap
-)]
-
 mod common;
 
 use std::sync::mpsc;
@@ -152,7 +145,7 @@ fn handshake(address: &Address, channels: u16) -> Attacker {
 fn raw_pages(iteration: u32, pages: &[u32]) -> Vec<u8> {
     let mut bytes = raw_pages_prefix(iteration, pages);
     for &page in pages {
-        bytes.extend(std::iter::repeat_n(page as u8 ^ 0x5a, PAGE));
+        bytes.extend(std::iter::repeat_n(page.to_le_bytes()[0] ^ 0x5a, PAGE));
     }
     bytes
 }

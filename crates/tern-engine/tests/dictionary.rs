@@ -5,13 +5,6 @@
 //! wrong size or cut short). Each must end in a clear error within a
 //! bounded time.
 
-// Test and measurement data: sizes, offsets and counters of small guests.
-#![allow(
-    clippy::cast_possible_truncation,
-    clippy::cast_sign_loss,
-    clippy::cast_possible_wrap
-)]
-
 mod common;
 
 use std::time::Duration;
@@ -171,7 +164,9 @@ impl ChangingGuest {
         let text = passage(seed);
         let region = &self.inner.regions()[0];
         for page in 0..pages {
-            let offset = (page as usize * 1031 + seed as usize * 17) % (PASSAGE_LEN - 4096);
+            let offset = (usize::try_from(page).unwrap() * 1031
+                + usize::try_from(seed).unwrap() * 17)
+                % (PASSAGE_LEN - 4096);
             let ptr = region.page_ptr(page).expect("inside the region");
             // SAFETY: a whole page of the guest's own mapping; the source
             // reads pages only while an iteration is sent, never during
@@ -411,7 +406,7 @@ fn dictionary_message(id: u8, len: usize) -> Message {
     Message::Dictionary(tern_wire::Dictionary {
         id,
         codec: codec_id::ZSTD,
-        data: (0..len).map(|i| (i % 251) as u8).collect(),
+        data: (0..len).map(|i| u8::try_from(i % 251).unwrap()).collect(),
     })
 }
 
@@ -592,7 +587,7 @@ fn a_sync_counting_a_dictionary_that_never_comes_fails_within_the_timeout() {
 fn a_malformed_dictionary_is_named_as_the_source_s() {
     let mut attack = hello(1 << codec_id::ZSTD, 1);
     let mut data = 0xec30_a437_u32.to_le_bytes().to_vec();
-    data.extend((0..1020).map(|i| (i % 251) as u8));
+    data.extend((0..1020).map(|i| u8::try_from(i % 251).unwrap()));
     attack
         .main
         .send_message(&Message::Dictionary(tern_wire::Dictionary {

@@ -1,13 +1,6 @@
 //! Bad input and faults: every case ends in a clear error, never a panic,
 //! a hang, or a write outside guest memory, and the source guest survives.
 
-// Test and measurement data: sizes, offsets and counters of small guests.
-#![allow(
-    clippy::cast_possible_truncation,
-    clippy::cast_sign_loss,
-    clippy::cast_possible_wrap
-)]
-
 mod common;
 
 use std::time::Duration;
@@ -77,7 +70,9 @@ fn packet_with_codec(
     let encoded_len = match kind {
         PageKind::Zero => 0,
         PageKind::Raw => 4096,
-        PageKind::Compressed | PageKind::Duplicate | PageKind::Delta => payload.len() as u32,
+        PageKind::Compressed | PageKind::Duplicate | PageKind::Delta => {
+            u32::try_from(payload.len()).unwrap()
+        }
     };
     let mut bytes = Vec::new();
     encode_pages_prefix(
@@ -242,7 +237,7 @@ fn page_outside_the_region_is_refused() {
     let (listener, address) = tcp_listener();
     let destination = spawn_destination(listener);
     let mut fake = handshake(&address, 1);
-    let outside = (REGION_BYTES / 4096) as u32;
+    let outside = u32::try_from(REGION_BYTES / 4096).unwrap();
     fake.pages[0]
         .write_all(&packet(0, outside, PageKind::Raw, &[0xee; 4096]))
         .unwrap();
@@ -621,7 +616,7 @@ fn duplicate_of(region_id: u32, source: u32) -> Vec<u8> {
 
 #[test]
 fn duplicates_of_pages_the_destination_does_not_hold_are_refused() {
-    let outside = (REGION_BYTES / 4096) as u32;
+    let outside = u32::try_from(REGION_BYTES / 4096).unwrap();
     for (reference, needle) in [
         (duplicate_of(0, 5), "holds no data"),
         (duplicate_of(0, outside), "outside region"),
@@ -643,7 +638,7 @@ fn page_packet(iteration: u32, page_index: u32, kind: PageKind, payload: &[u8]) 
     let entry = PageEntry {
         page_index,
         kind,
-        encoded_len: payload.len() as u32,
+        encoded_len: u32::try_from(payload.len()).unwrap(),
     };
     encode_pages_prefix(&mut bytes, 0, iteration, 0, &[entry]);
     bytes.extend_from_slice(payload);

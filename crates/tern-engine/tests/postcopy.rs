@@ -2,13 +2,6 @@
 //! the synthetic guest's dirtier running on the destination while its
 //! missing pages arrive. Skipped visibly without userfaultfd.
 
-// Test and measurement data: sizes, offsets and counters of small guests.
-#![allow(
-    clippy::cast_possible_truncation,
-    clippy::cast_sign_loss,
-    clippy::cast_possible_wrap
-)]
-
 mod common;
 
 use std::time::Duration;
@@ -27,7 +20,7 @@ fn userfaultfd_works() -> bool {
     let fd = unsafe { libc::syscall(libc::SYS_userfaultfd, libc::O_CLOEXEC) };
     if fd >= 0 {
         // SAFETY: our own descriptor.
-        unsafe { libc::close(fd as i32) };
+        unsafe { libc::close(libc::c_int::try_from(fd).unwrap()) };
         return true;
     }
     let device = std::fs::OpenOptions::new()

@@ -2,13 +2,6 @@
 //! eagerly and lazily, every restore proved by the guest's digest; and
 //! every kind of bad file refused with one line, no guest resumed on it.
 
-// Test and measurement data: sizes, offsets and counters of small guests.
-#![allow(
-    clippy::cast_possible_truncation,
-    clippy::cast_sign_loss,
-    clippy::cast_possible_wrap
-)]
-
 mod common;
 
 use std::fs::OpenOptions;
@@ -206,7 +199,12 @@ fn touch(guest: &SyntheticGuest, region: usize, page: u64) -> u8 {
     assert!(offset < region.len(), "page {page} is outside the region");
     // SAFETY: `offset` is inside the region, which the guest maps for as
     // long as it lives; a missing page waits for the fault service.
-    unsafe { region.host_ptr().add(offset as usize).read_volatile() }
+    unsafe {
+        region
+            .host_ptr()
+            .add(usize::try_from(offset).unwrap())
+            .read_volatile()
+    }
 }
 
 /// The first page of region 0 the snapshot holds data for.

@@ -3,13 +3,6 @@
 //! both hosts, is never left paused without a bounded wait, and a silent or
 //! trickling peer is detected.
 
-// Test and measurement data: sizes, offsets and counters of small guests.
-#![allow(
-    clippy::cast_possible_truncation,
-    clippy::cast_sign_loss,
-    clippy::cast_possible_wrap
-)]
-
 mod common;
 
 use std::sync::Arc;
@@ -593,7 +586,7 @@ fn destination_ready() -> (
     }
     main.send_message(&Message::Complete(Complete {
         final_iteration: 0,
-        sections: sections.len() as u32,
+        sections: u32::try_from(sections.len()).unwrap(),
         digest: 0,
     }))
     .unwrap();

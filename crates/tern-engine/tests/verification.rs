@@ -5,13 +5,6 @@
 //! Each case ends with the digests differing and the guest not resumed;
 //! a control case shows the same fake source verifies when it is honest.
 
-// Test and measurement data: sizes, offsets and counters of small guests.
-#![allow(
-    clippy::cast_possible_truncation,
-    clippy::cast_sign_loss,
-    clippy::cast_possible_wrap
-)]
-
 mod common;
 
 use std::sync::{Arc, Mutex};
@@ -38,7 +31,7 @@ const DATA_PAGES: usize = 24;
 fn source_memory() -> Vec<u8> {
     let mut memory = vec![0u8; REGION_PAGES * PAGE];
     for page in 0..DATA_PAGES {
-        page_bytes(&mut memory, page).fill(page as u8 + 1);
+        page_bytes(&mut memory, page).fill(u8::try_from(page).unwrap() + 1);
         page_bytes(&mut memory, page)[17] = 0xC3;
     }
     memory
@@ -68,7 +61,7 @@ struct FakeSource {
 impl FakeSource {
     fn connect(address: &tern_engine::Address) -> Self {
         let setup = SessionSetup {
-            page_size: PAGE as u32,
+            page_size: u32::try_from(PAGE).unwrap(),
             channel_count: 1,
             codecs: 0,
             digest: DigestAlgorithm::Xxh3Pages,
@@ -104,7 +97,10 @@ impl FakeSource {
 
     /// Sends `pages` of `memory` raw in one packet of `iteration`.
     fn send_pages(&mut self, iteration: u32, memory: &[u8], pages: &[usize]) {
-        let indices: Vec<u32> = pages.iter().map(|&page| page as u32).collect();
+        let indices: Vec<u32> = pages
+            .iter()
+            .map(|&page| u32::try_from(page).unwrap())
+            .collect();
         let mut bytes = raw_pages_prefix(iteration, &indices);
         for &page in pages {
             bytes.extend_from_slice(&memory[page * PAGE..(page + 1) * PAGE]);
@@ -142,7 +138,7 @@ impl FakeSource {
         self.main
             .send_message(&Message::Complete(Complete {
                 final_iteration,
-                sections: sections.len() as u32,
+                sections: u32::try_from(sections.len()).unwrap(),
                 digest,
             }))
             .unwrap();
@@ -601,10 +597,13 @@ fn a_broken_downtime_limit_is_reported_with_its_cause() {
         .expect("the migration completes, late");
     join_within(destination, "the destination").expect("destination verifies");
     assert_eq!(stats.downtime_limit, 100);
-    assert!(stats.downtime >= SLOW_STATE.as_millis() as u64);
+    assert!(stats.downtime >= u64::try_from(SLOW_STATE.as_millis()).unwrap());
     assert!(stats.downtime_exceeded);
     let parts = stats.downtime_parts.expect("the downtime's parts");
-    assert!(parts.state >= SLOW_STATE.as_millis() as u64, "{parts:?}");
+    assert!(
+        parts.state >= u64::try_from(SLOW_STATE.as_millis()).unwrap(),
+        "{parts:?}"
+    );
     assert_eq!(stats.downtime_exceeded_cause, Some(parts.largest()));
     let json = serde_json::to_value(&stats).unwrap();
     assert_eq!(json["downtime-exceeded"], true);

@@ -17,7 +17,7 @@ type Labels = Vec<(String, String)>;
 type GaugeFamily = Family<Labels, Gauge<f64, AtomicU64>>;
 
 /// A running metrics endpoint; stops when dropped.
-pub struct AgentMetrics {
+pub(crate) struct AgentMetrics {
     server: Arc<tiny_http::Server>,
 }
 
@@ -25,7 +25,7 @@ impl AgentMetrics {
     /// Serves `GET /metrics` on `address` from a thread of its own.
     /// It holds the agent weakly: the agent's socket goes when the agent
     /// is dropped, whatever a scrape is doing.
-    pub fn start(address: &str, agent: std::sync::Weak<Agent>) -> anyhow::Result<Self> {
+    pub(crate) fn start(address: &str, agent: std::sync::Weak<Agent>) -> anyhow::Result<Self> {
         let server = Arc::new(
             tiny_http::Server::http(address)
                 .map_err(|error| anyhow::anyhow!("{error}"))
@@ -74,7 +74,7 @@ fn family(registry: &mut Registry, name: &str, help: &str) -> GaugeFamily {
 }
 
 /// The exposition for one listing.
-pub fn render(view: &FleetView) -> String {
+pub(crate) fn render(view: &FleetView) -> String {
     let mut registry = Registry::default();
     fleet_gauges(&mut registry, view);
     migration_gauges(&mut registry, &view.migrations);

@@ -20,14 +20,14 @@ use tern_engine::{
 };
 
 /// Longest request line accepted; a longer one closes the connection.
-pub const MAX_REQUEST_BYTES: u64 = 64 << 10;
+pub(crate) const MAX_REQUEST_BYTES: u64 = 64 << 10;
 /// Most clients connected at once; more are told so and closed.
-pub const MAX_CLIENTS: usize = 16;
+pub(crate) const MAX_CLIENTS: usize = 16;
 /// How long closing the socket waits for the events of an ended migration
 /// to reach the clients (they are written from a thread of their own).
 const FLUSH_DEADLINE: Duration = Duration::from_secs(5);
 /// Every command the socket knows, for `query-commands`.
-pub const COMMANDS: &[&str] = &[
+pub(crate) const COMMANDS: &[&str] = &[
     "qmp_capabilities",
     "query-version",
     "query-commands",
@@ -43,7 +43,7 @@ pub const COMMANDS: &[&str] = &[
 
 /// What the socket steers: a source's migration or a destination.
 #[derive(Clone)]
-pub enum Target {
+pub(crate) enum Target {
     /// `tern migrate`, `tern vm migrate`.
     Source(MigrationHandle),
     /// `tern receive`, `tern vm receive`.
@@ -51,10 +51,10 @@ pub enum Target {
 }
 
 /// Resumes a guest handed over paused (`cont`).
-pub type Resume = Box<dyn FnOnce() -> anyhow::Result<()> + Send>;
+pub(crate) type Resume = Box<dyn FnOnce() -> anyhow::Result<()> + Send>;
 
 /// A running control socket; removed when dropped.
-pub struct ControlSocket {
+pub(crate) struct ControlSocket {
     path: PathBuf,
     shared: Arc<Shared>,
     /// One per steered target: disconnected once its forwarding thread
@@ -87,7 +87,7 @@ impl ControlSocket {
     /// Creates the socket at `path` (mode 0600) and serves it from a
     /// thread of its own. A stale socket file nobody listens on is
     /// replaced; a live one is an error.
-    pub fn start(path: &Path) -> anyhow::Result<Self> {
+    pub(crate) fn start(path: &Path) -> anyhow::Result<Self> {
         if path.exists() {
             anyhow::ensure!(
                 UnixStream::connect(path).is_err(),
@@ -124,7 +124,7 @@ impl ControlSocket {
 
     /// Steers `target` from now on, and forwards its events to every
     /// client.
-    pub fn set_target(&self, target: Target) {
+    pub(crate) fn set_target(&self, target: Target) {
         let events = match &target {
             Target::Source(handle) => handle.subscribe(),
             Target::Destination(handle) => handle.subscribe(),
@@ -168,13 +168,13 @@ impl ControlSocket {
     }
 
     /// Lets `cont` resume a guest handed over paused.
-    pub fn offer_resume(&self, resume: Resume) {
+    pub(crate) fn offer_resume(&self, resume: Resume) {
         *lock(&self.shared.resume) = Some(resume);
     }
 
     /// Sends `event` to every client: one the target's subscription no
     /// longer carries (a `RESUME` after the final status change).
-    pub fn forward(&self, event: &Event) {
+    pub(crate) fn forward(&self, event: &Event) {
         self.shared.broadcast(event);
     }
 }
@@ -287,6 +287,10 @@ fn peer_uid(stream: &UnixStream) -> std::io::Result<libc::uid_t> {
         uid: 0,
         gid: 0,
     };
+    #[expect(
+        clippy::cast_possible_truncation,
+        reason = "a ucred is three ints, 12 bytes"
+    )]
     let mut len = std::mem::size_of::<libc::ucred>() as libc::socklen_t;
     // SAFETY: the buffer is a ucred and `len` its size, as SO_PEERCRED
     // requires; the descriptor is open for the stream's lifetime.

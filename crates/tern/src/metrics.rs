@@ -15,7 +15,7 @@ use tern_engine::{MigrationStatus, PAGE_SIZE};
 use crate::control_socket::Target;
 
 /// A running metrics endpoint; stops when dropped.
-pub struct MetricsEndpoint {
+pub(crate) struct MetricsEndpoint {
     server: Arc<tiny_http::Server>,
     shared: Arc<Mutex<Watched>>,
 }
@@ -36,7 +36,7 @@ fn lock(watched: &Mutex<Watched>) -> MutexGuard<'_, Watched> {
 impl MetricsEndpoint {
     /// Serves `GET /metrics` on `address` (HOST:PORT) from a thread of its
     /// own.
-    pub fn start(address: &str) -> anyhow::Result<Self> {
+    pub(crate) fn start(address: &str) -> anyhow::Result<Self> {
         let server = Arc::new(
             tiny_http::Server::http(address)
                 .map_err(|error| anyhow::anyhow!("{error}"))
@@ -52,7 +52,7 @@ impl MetricsEndpoint {
     }
 
     /// Reports on `target` from now on.
-    pub fn set_target(&self, target: Target) {
+    pub(crate) fn set_target(&self, target: Target) {
         let mut watched = lock(&self.shared);
         watched.target = Some(target);
         watched.started = unix_seconds();
@@ -96,7 +96,7 @@ fn serve(server: &tiny_http::Server, shared: &Mutex<Watched>) {
 
 /// One scrape's figures, as KubeVirt's migration metrics define them.
 #[derive(Debug, PartialEq)]
-pub struct Figures {
+pub(crate) struct Figures {
     /// Bytes moved so far.
     pub processed: u64,
     /// Bytes still to move, when known.

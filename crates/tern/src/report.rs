@@ -19,7 +19,7 @@ use crate::units::human_bytes;
 static PROGRESS_MODE: OnceLock<ProgressMode> = OnceLock::new();
 
 /// Sets how progress is shown, once, before any command runs.
-pub fn set_progress_mode(mode: ProgressMode) {
+pub(crate) fn set_progress_mode(mode: ProgressMode) {
     let _ = PROGRESS_MODE.set(mode);
 }
 
@@ -49,24 +49,24 @@ struct View {
 
 /// Progress drawn from live counters by a thread of its own, so the work
 /// never waits for the terminal: a bar, or a periodic line (`--progress`).
-pub struct Progress {
+pub(crate) struct Progress {
     stop: Arc<AtomicBool>,
     thread: Option<JoinHandle<()>>,
 }
 
 impl Progress {
     /// A migration's source side, from its live statistics.
-    pub fn start(stats: Arc<LiveStats>) -> Self {
+    pub(crate) fn start(stats: Arc<LiveStats>) -> Self {
         Self::spawn(move || source_view(&stats))
     }
 
     /// A destination, from its live counters.
-    pub fn receiving(stats: Arc<ReceiveStats>) -> Self {
+    pub(crate) fn receiving(stats: Arc<ReceiveStats>) -> Self {
         Self::spawn(move || destination_view(&stats))
     }
 
     /// Filling `total` bytes of guest memory, `filled` of them done.
-    pub fn filling(total: u64, filled: Arc<AtomicU64>) -> Self {
+    pub(crate) fn filling(total: u64, filled: Arc<AtomicU64>) -> Self {
         Self::spawn(move || View {
             phase: "filling",
             position: filled.load(Ordering::Relaxed).min(total),
@@ -99,7 +99,7 @@ impl Progress {
     }
 
     /// Stops drawing and clears the bar.
-    pub fn finish(mut self) {
+    pub(crate) fn finish(mut self) {
         self.stop();
     }
 
@@ -278,7 +278,7 @@ fn destination_view(stats: &ReceiveStats) -> View {
 
 /// Runs `make` (which fills guest memory, counting bytes in its argument)
 /// with fill progress shown.
-pub fn with_fill_progress<T>(total: u64, make: impl FnOnce(&AtomicU64) -> T) -> T {
+pub(crate) fn with_fill_progress<T>(total: u64, make: impl FnOnce(&AtomicU64) -> T) -> T {
     let filled = Arc::new(AtomicU64::new(0));
     let progress = Progress::filling(total, filled.clone());
     let made = make(&filled);
@@ -353,24 +353,24 @@ fn print_address_event(event: &'static str, address: &Address) -> anyhow::Result
 
 /// The ready event: the destination accepts connections (and on which
 /// port).
-pub fn print_listening(address: &Address) -> anyhow::Result<()> {
+pub(crate) fn print_listening(address: &Address) -> anyhow::Result<()> {
     print_address_event("listening", address)
 }
 
 /// The source's start event: from this line on, the source connects to
 /// `address` and sends pages; the guest's warm-up and fill are over.
-pub fn print_migrating(address: &Address) -> anyhow::Result<()> {
+pub(crate) fn print_migrating(address: &Address) -> anyhow::Result<()> {
     print_address_event("migrating", address)
 }
 
 /// Prints a JSON document to stdout.
-pub fn print_json<T: Serialize>(value: &T) -> anyhow::Result<()> {
+pub(crate) fn print_json<T: Serialize>(value: &T) -> anyhow::Result<()> {
     println!("{}", serde_json::to_string_pretty(value)?);
     Ok(())
 }
 
 /// Prints the human summary of a migration.
-pub fn print_summary(stats: &MigrationStats, extra: &[(&str, String)]) {
+pub(crate) fn print_summary(stats: &MigrationStats, extra: &[(&str, String)]) {
     let rows = summary_rows(stats);
     let postcopy = stats
         .postcopy
@@ -593,7 +593,7 @@ fn postcopy_rows(report: &tern_engine::PostcopyReport) -> Vec<(&'static str, Str
 
 /// How the session's channels were carried and protected, in one line:
 /// `tcp, TLSv1_3 TLS13_AES_256_GCM_SHA384 in user space, authenticated`.
-pub fn security_line(security: &SessionSecurity) -> String {
+pub(crate) fn security_line(security: &SessionSecurity) -> String {
     let mut line = security.transport.clone();
     match &security.tls {
         Some(tls) => {
@@ -661,7 +661,7 @@ fn digest_line(stats: &MigrationStats) -> String {
 }
 
 /// Prints `rows` as an aligned two-column summary under `title`.
-pub fn print_rows(title: &str, rows: &[(&str, String)]) {
+pub(crate) fn print_rows(title: &str, rows: &[(&str, String)]) {
     let width = rows.iter().map(|(key, _)| key.len()).max().unwrap_or(0);
     println!("{title}");
     for (key, value) in rows {

@@ -8,7 +8,7 @@
 use serde_json::{Value, json};
 
 /// The contract's schema: one definition per document.
-pub fn contract() -> Value {
+pub(crate) fn contract() -> Value {
     let schema = |value: schemars::Schema| value.to_value();
     json!({
         "$schema": "https://json-schema.org/draft/2020-12/schema",

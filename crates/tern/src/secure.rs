@@ -12,7 +12,7 @@ use crate::args::security::{DestinationSecurityArgs, SourceSecurityArgs};
 
 impl SourceSecurityArgs {
     /// The engine's settings from these options.
-    pub fn security(&self) -> anyhow::Result<Security> {
+    pub(crate) fn security(&self) -> anyhow::Result<Security> {
         let mut security = load(self.auth_key.as_ref(), self.tls_dir.as_ref())?;
         if let (Some(tls), Some(name)) = (&mut security.tls, &self.tls_hostname) {
             Arc::make_mut(tls).hostname = Some(name.clone());
@@ -26,7 +26,7 @@ impl DestinationSecurityArgs {
     /// address other machines reach is refused without --auth-key,
     /// --tls-dir or --insecure (the check on the bound listener, in
     /// [`Self::apply`], stays for the addresses only binding resolves).
-    pub fn check_before_bind(&self, address: &tern_engine::Address) -> anyhow::Result<()> {
+    pub(crate) fn check_before_bind(&self, address: &tern_engine::Address) -> anyhow::Result<()> {
         if self.insecure || self.auth_key.is_some() || self.tls_dir.is_some() {
             return Ok(());
         }
@@ -43,7 +43,7 @@ impl DestinationSecurityArgs {
     /// The engine's settings, after the policy check on `listener`: refused
     /// unauthenticated where other machines reach it (unless --insecure),
     /// warned about on loopback.
-    pub fn apply(
+    pub(crate) fn apply(
         &self,
         listener: &Listener,
         config: &mut tern_engine::ReceiveConfig,
@@ -113,7 +113,7 @@ fn warn_if_readable_by_others(path: &std::path::Path) {
 /// Both ends of a demo over TLS: a CA made for this run only (rcgen), a
 /// destination certificate for 127.0.0.1 and localhost, a source
 /// certificate; nothing is written to disk.
-pub fn throwaway_tls() -> anyhow::Result<(Security, Security)> {
+pub(crate) fn throwaway_tls() -> anyhow::Result<(Security, Security)> {
     let mut ca_params = rcgen::CertificateParams::new(Vec::<String>::new())?;
     ca_params.is_ca = rcgen::IsCa::Ca(rcgen::BasicConstraints::Unconstrained);
     ca_params

@@ -13,7 +13,7 @@ use crate::metrics::MetricsEndpoint;
 
 /// The control socket, metrics endpoint and agent membership a command
 /// runs, if asked for.
-pub struct Steering {
+pub(crate) struct Steering {
     socket: Option<ControlSocket>,
     metrics: Option<MetricsEndpoint>,
     agent: Option<AgentOptions>,
@@ -29,7 +29,7 @@ struct AgentOptions {
 impl Steering {
     /// Starts what `args` asks for; nothing is steered until
     /// [`Steering::steer`].
-    pub fn start(args: &SteeringArgs) -> anyhow::Result<Self> {
+    pub(crate) fn start(args: &SteeringArgs) -> anyhow::Result<Self> {
         let socket = args
             .control_socket
             .as_deref()
@@ -59,7 +59,7 @@ impl Steering {
     }
 
     /// Steers and reports on `target` from now on.
-    pub fn steer(&self, target: &Target) {
+    pub(crate) fn steer(&self, target: &Target) {
         if let Some(socket) = &self.socket {
             socket.set_target(target.clone());
         }
@@ -71,7 +71,7 @@ impl Steering {
     /// With `--agent`: joins the agent with `target` (leaving it with the
     /// one before, for `--keep-listening`) and waits for a slot, or until
     /// `cancel` is cancelled (a signal).
-    pub fn join_agent(
+    pub(crate) fn join_agent(
         &self,
         target: &Target,
         cancel: &tern_engine::CancelToken,
@@ -94,7 +94,7 @@ impl Steering {
     }
 
     /// Lets `cont` on the control socket run `resume`.
-    pub fn offer_resume(&self, resume: Resume) {
+    pub(crate) fn offer_resume(&self, resume: Resume) {
         if let Some(socket) = &self.socket {
             socket.offer_resume(resume);
         }
@@ -104,7 +104,7 @@ impl Steering {
 /// Waits for `cont` on the control socket to resume a guest handed over
 /// paused, at most `timeout`; then resumes it anyway, so that it is never
 /// left paused.
-pub fn hand_over_paused<G: tern_engine::GuestControl>(
+pub(crate) fn hand_over_paused<G: tern_engine::GuestControl>(
     guest: &mut G,
     steering: &Steering,
     handle: &tern_engine::ReceiveHandle,

@@ -3,7 +3,7 @@
 /// Parses a byte size: a number with an optional unit. Binary units (K, M,
 /// G, T, KiB, MiB, GiB, TiB) are powers of 1024; KB, MB, GB and TB are powers
 /// of 1000; a bare number is bytes.
-pub fn parse_size(text: &str) -> Result<u64, String> {
+pub(crate) fn parse_size(text: &str) -> Result<u64, String> {
     let text = text.trim();
     let split = text
         .find(|c: char| !(c.is_ascii_digit() || c == '.'))
@@ -28,13 +28,13 @@ pub fn parse_size(text: &str) -> Result<u64, String> {
     if !bytes.is_finite() || bytes < 0.0 || bytes > u64::MAX as f64 {
         return Err(format!("'{text}' is out of range"));
     }
-    Ok(bytes as u64)
+    Ok(whole_u64(bytes))
 }
 
 /// Parses a rate in bytes per second: a size, optionally followed by `/s`.
 /// Bit rates (decimal) are accepted with a `bit` or `bps` unit: `1Gbit`,
 /// `100Mbit/s`, `10Gbps`, `500Kbps`.
-pub fn parse_rate(text: &str) -> Result<u64, String> {
+pub(crate) fn parse_rate(text: &str) -> Result<u64, String> {
     let text = text.trim().trim_end_matches("/s");
     for (suffix, bits) in [
         ("Gbit", 1e9),
@@ -51,14 +51,27 @@ pub fn parse_rate(text: &str) -> Result<u64, String> {
                 .trim()
                 .parse()
                 .map_err(|_| format!("'{text}' is not a rate"))?;
-            return Ok((value * bits / 8.0) as u64);
+            return Ok(whole_u64(value * bits / 8.0));
         }
     }
     parse_size(text)
 }
 
+/// `value`'s whole part as a `u64`: negatives and NaN become 0, values
+/// past `u64::MAX` become `u64::MAX`.
+pub(crate) fn whole_u64(value: f64) -> u64 {
+    #[expect(
+        clippy::cast_possible_truncation,
+        clippy::cast_sign_loss,
+        reason = "float-to-integer `as` saturates at both ends and maps NaN to 0: \
+                  the clamp documented above"
+    )]
+    let whole = value as u64;
+    whole
+}
+
 /// Bytes in binary units, for people.
-pub fn human_bytes(bytes: u64) -> String {
+pub(crate) fn human_bytes(bytes: u64) -> String {
     const UNITS: [&str; 5] = ["B", "KiB", "MiB", "GiB", "TiB"];
     let mut value = bytes as f64;
     let mut unit = 0;

@@ -157,7 +157,7 @@ fn migrations_queue_at_the_agent_and_a_killed_one_frees_its_slot() {
     // SIGTERM: the agent exits 143 and removes its socket.
     // SAFETY: kill(2) on our own child's pid.
     unsafe {
-        libc::kill(agent.0.id() as i32, libc::SIGTERM);
+        libc::kill(libc::pid_t::try_from(agent.0.id()).unwrap(), libc::SIGTERM);
     }
     let status = agent.0.wait().unwrap();
     assert_eq!(status.code(), Some(143));

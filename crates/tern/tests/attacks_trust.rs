@@ -105,7 +105,7 @@ fn oversized_first_frame(stream: &mut TcpStream) {
     .encode();
     // Refused at its header now: the writes may meet a closed socket.
     let _ = stream.write_all(&header);
-    let _ = stream.write_all(&vec![0x5a; MIB as usize]);
+    let _ = stream.write_all(&vec![0x5a; usize::try_from(MIB).unwrap()]);
 }
 
 /// Reads one frame (header and body) from a plaintext stream.
@@ -230,14 +230,14 @@ fn unauthenticated_input_costs_at_most_64_kib_per_connection() {
 fn connect_from(source: std::net::Ipv4Addr, port: u16) -> TcpStream {
     use std::os::fd::FromRawFd;
     let address = |ip: std::net::Ipv4Addr, port: u16| libc::sockaddr_in {
-        sin_family: libc::AF_INET as libc::sa_family_t,
+        sin_family: libc::sa_family_t::try_from(libc::AF_INET).unwrap(),
         sin_port: port.to_be(),
         sin_addr: libc::in_addr {
             s_addr: u32::from(ip).to_be(),
         },
         sin_zero: [0; 8],
     };
-    let len = std::mem::size_of::<libc::sockaddr_in>() as libc::socklen_t;
+    let len = libc::socklen_t::try_from(std::mem::size_of::<libc::sockaddr_in>()).unwrap();
     // SAFETY: a new socket; the addresses are valid `sockaddr_in`s of
     // `len` bytes; the descriptor is handed to the `TcpStream`, which owns
     // it from then on (or closed here on failure).
@@ -286,14 +286,15 @@ const TLS_HANDSHAKE_BUDGET: usize = 24 << 10;
 /// handshake message rustls joins (64 KiB), in records of 16 KiB.
 fn client_hello_prefix(stream: &mut TcpStream, wire_len: usize) {
     const MESSAGE: usize = 0xffff - 4 - 5 * 5 - 64;
-    let mut message = vec![0x01, 0x00, (MESSAGE >> 8) as u8, MESSAGE as u8];
+    let [high, low] = u16::try_from(MESSAGE).unwrap().to_be_bytes();
+    let mut message = vec![0x01, 0x00, high, low];
     // A plausible start (the legacy version), then filler.
     message.extend_from_slice(&[0x03, 0x03]);
     message.resize(4 + MESSAGE, 0x41);
     let mut wire = Vec::new();
     for record in message.chunks(16 * 1024) {
         wire.extend_from_slice(&[0x16, 0x03, 0x01]);
-        wire.extend_from_slice(&(record.len() as u16).to_be_bytes());
+        wire.extend_from_slice(&u16::try_from(record.len()).unwrap().to_be_bytes());
         wire.extend_from_slice(record);
     }
     // Refused early: the write may meet a closed socket.
@@ -323,7 +324,7 @@ fn unauthenticated_tls_input_costs_at_most_the_handshake_buffer_per_connection()
     let idle = status_bytes(&receiver.child, "VmRSS:");
     let held: Vec<TcpStream> = (0..HOSTILE)
         .map(|index| {
-            let source = std::net::Ipv4Addr::new(127, 0, 0, 1 + (index % 2) as u8);
+            let source = std::net::Ipv4Addr::new(127, 0, 0, 1 + u8::try_from(index % 2).unwrap());
             let mut stream = connect_from(source, port);
             client_hello_prefix(&mut stream, TLS_HANDSHAKE_BUDGET - 1);
             stream
@@ -776,8 +777,9 @@ fn main_thread_syscall(pid: u32) -> Option<i64> {
 }
 
 fn signal(pid: u32, signal: libc::c_int) {
+    let pid = libc::pid_t::try_from(pid).unwrap();
     // SAFETY: kill has no memory effects; `pid` is our own child.
-    assert_eq!(unsafe { libc::kill(pid as libc::pid_t, signal) }, 0);
+    assert_eq!(unsafe { libc::kill(pid, signal) }, 0);
 }
 
 /// Stops process `pid` (SIGSTOP) while its main thread waits in `poll`: a

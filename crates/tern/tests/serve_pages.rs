@@ -47,7 +47,7 @@ impl StandIn {
             return None;
         }
         // SAFETY: a new descriptor.
-        let uffd = unsafe { OwnedFd::from_raw_fd(fd as i32) };
+        let uffd = unsafe { OwnedFd::from_raw_fd(libc::c_int::try_from(fd).unwrap()) };
         let mut api = [UFFD_API, UFFD_FEATURE_EVENT_REMOVE, 0];
         // SAFETY: struct uffdio_api is three u64s.
         let result = unsafe { libc::ioctl(uffd.as_raw_fd(), UFFDIO_API, api.as_mut_ptr()) };
@@ -170,7 +170,7 @@ fn send_with_fd(stream: &UnixStream, bytes: &[u8], fd: i32) {
     }
     // SAFETY: `header` describes live buffers.
     let sent = unsafe { libc::sendmsg(stream.as_raw_fd(), &header, 0) };
-    assert_eq!(sent, bytes.len() as isize);
+    assert_eq!(usize::try_from(sent), Ok(bytes.len()));
 }
 
 /// `tern serve-pages` on a fresh socket path.
@@ -224,7 +224,7 @@ fn memory_file(path: &Path, pages: usize) -> Vec<u8> {
     let mut bytes = vec![0u8; pages * PAGE];
     for (index, page) in bytes.chunks_mut(PAGE).enumerate() {
         if index % 4 != 3 {
-            page.fill((index % 251) as u8 + 1);
+            page.fill(u8::try_from(index % 251).unwrap() + 1);
         }
     }
     std::fs::write(path, &bytes).unwrap();
@@ -285,7 +285,7 @@ fn a_raw_memory_file_is_served_with_removes_and_statistics() {
     // which is what the handler can see of a VMM that ends; the handler
     // runs on until the VMM process exits, so stop it as an operator does.
     // SAFETY: signalling our own child.
-    unsafe { libc::kill(handler.id() as i32, libc::SIGTERM) };
+    unsafe { libc::kill(libc::pid_t::try_from(handler.id()).unwrap(), libc::SIGTERM) };
     let (status, stdout, stderr) = finish(handler);
     assert!(status.success(), "{stderr}");
     let report: serde_json::Value = serde_json::from_str(&stdout).unwrap();
@@ -331,7 +331,7 @@ fn a_tern_snapshot_is_served_and_read_back_exactly() {
         );
     }
     // SAFETY: signalling our own child.
-    unsafe { libc::kill(handler.id() as i32, libc::SIGTERM) };
+    unsafe { libc::kill(libc::pid_t::try_from(handler.id()).unwrap(), libc::SIGTERM) };
     let (status, stdout, stderr) = finish(handler);
     assert!(status.success(), "{stderr}");
     let report: serde_json::Value = serde_json::from_str(&stdout).unwrap();

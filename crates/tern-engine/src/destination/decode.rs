@@ -467,8 +467,10 @@ impl DecodePool {
             Err(error) => shared.fail(error),
         }
         let seconds = thread_cpu_seconds() - cpu_start;
-        self.cpu_nanos
-            .fetch_add((seconds * 1e9) as u64, Ordering::Relaxed);
+        self.cpu_nanos.fetch_add(
+            crate::numeric::saturating_u64_from_f64(seconds * 1e9),
+            Ordering::Relaxed,
+        );
     }
 }
 

@@ -183,8 +183,8 @@ impl<'a> PassReporter<'a> {
         let normal_pages = now.normal_pages.saturating_sub(previous.normal_pages);
         let seconds = now.at.duration_since(previous.at).as_secs_f64();
         let bandwidth = if seconds > 0.0 {
-            // `as` saturates; a rate is never negative.
-            (received_bytes as f64 / seconds) as u64
+            // A rate is never negative; an overflow saturates.
+            crate::numeric::saturating_u64_from_f64(received_bytes as f64 / seconds)
         } else {
             0
         };

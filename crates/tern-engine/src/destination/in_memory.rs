@@ -293,12 +293,15 @@ mod tests {
             .map(|&page_index| PageEntry {
                 page_index,
                 kind: PageKind::Raw,
-                encoded_len: PAGE_SIZE as u32,
+                encoded_len: tern_wire::PAGE_SIZE,
             })
             .collect();
         encode_pages_prefix(stream, REGION, iteration, 0, &entries);
         for &page in pages {
-            stream.extend(std::iter::repeat_n(page as u8 + 1, PAGE_SIZE));
+            stream.extend(std::iter::repeat_n(
+                crate::numeric::low_byte(page.into()) + 1,
+                PAGE_SIZE,
+            ));
         }
     }
 

@@ -282,8 +282,8 @@ impl ReceiveStats {
 }
 
 fn nanos(seconds: f64) -> u64 {
-    // `as` saturates, and CPU time is never negative.
-    (seconds * 1e9) as u64
+    // CPU time is never negative; an overflow saturates.
+    crate::numeric::saturating_u64_from_f64(seconds * 1e9)
 }
 
 /// A completed incoming migration: the guest, restored and running (or

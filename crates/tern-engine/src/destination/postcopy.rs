@@ -672,7 +672,7 @@ pub(super) fn completion(
         requested_pages: delivery.requested_pages.load(Ordering::Relaxed),
         pushed_pages: delivery.pushed_pages.load(Ordering::Relaxed),
         faults: faults.faults,
-        blocktime_micros: (faults.blocktime_ms * 1000.0) as u64,
+        blocktime_micros: crate::numeric::saturating_u64_from_f64(faults.blocktime_ms * 1000.0),
         delivered_micros: u64::try_from(delivered_after.as_micros()).unwrap_or(u64::MAX),
         latency_histogram: histogram.to_vec(),
     };

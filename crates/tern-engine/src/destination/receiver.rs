@@ -468,7 +468,7 @@ mod tests {
             .map(|(page_index, kind, len)| PageEntry {
                 page_index,
                 kind,
-                encoded_len: len as u32,
+                encoded_len: u32::try_from(len).unwrap(),
             });
             encode_pages_prefix(&mut stream, 5, 0, CodecId::Zstd.to_wire(), &entries);
             stream.extend_from_slice(&[0x11; PAGE_SIZE]);
@@ -480,7 +480,7 @@ mod tests {
             let duplicate = [PageEntry {
                 page_index: 5,
                 kind: PageKind::Duplicate,
-                encoded_len: tern_wire::PageRef::ENCODED_LEN as u32,
+                encoded_len: u32::try_from(tern_wire::PageRef::ENCODED_LEN).unwrap(),
             }];
             encode_pages_prefix(&mut stream, 5, 0, 0, &duplicate);
             let reference = tern_wire::PageRef {
@@ -493,7 +493,7 @@ mod tests {
             let again = [PageEntry {
                 page_index: 1,
                 kind: PageKind::Raw,
-                encoded_len: PAGE_SIZE as u32,
+                encoded_len: tern_wire::PAGE_SIZE,
             }];
             encode_pages_prefix(&mut stream, 5, 1, 0, &again);
             stream.extend_from_slice(&[0x99; PAGE_SIZE]);
@@ -534,7 +534,7 @@ mod tests {
             .map(|&(page_index, bytes)| PageEntry {
                 page_index,
                 kind: PageKind::Compressed,
-                encoded_len: bytes.len() as u32,
+                encoded_len: u32::try_from(bytes.len()).unwrap(),
             })
             .collect();
         encode_pages_prefix(stream, 5, iteration, CodecId::Zstd.to_wire(), &entries);
@@ -565,7 +565,7 @@ mod tests {
             PageEntry {
                 page_index: 1,
                 kind: PageKind::Raw,
-                encoded_len: PAGE_SIZE as u32,
+                encoded_len: tern_wire::PAGE_SIZE,
             },
             PageEntry {
                 page_index: 2,
@@ -575,7 +575,7 @@ mod tests {
             PageEntry {
                 page_index: 3,
                 kind: PageKind::Compressed,
-                encoded_len: len as u32,
+                encoded_len: u32::try_from(len).unwrap(),
             },
         ];
         let mut stream = Vec::new();
@@ -617,7 +617,7 @@ mod tests {
         let mut expected = Vec::new();
         for iteration in 0..ITERATIONS {
             expected.clear();
-            for page in 0..PAGES as u32 {
+            for page in 0..u32::try_from(PAGES).unwrap() {
                 let (plain, compressed) =
                     compressed_page(&format!("iteration {iteration} page {page} "));
                 compressed_packet(&mut stream, iteration, &[(page, &compressed)]);
@@ -699,7 +699,7 @@ mod tests {
         let entry = [PageEntry {
             page_index: 0,
             kind: PageKind::Raw,
-            encoded_len: PAGE_SIZE as u32,
+            encoded_len: tern_wire::PAGE_SIZE,
         }];
         encode_pages_prefix(&mut stream, 5, 0, 0, &entry);
         stream.extend_from_slice(&[1; 100]);

@@ -33,7 +33,9 @@ impl WrittenHere {
             regions: shared
                 .regions
                 .iter()
-                .map(|region| vec![0; region.pages().div_ceil(64) as usize])
+                .map(|region| {
+                    vec![0; crate::numeric::saturating_usize(region.pages().div_ceil(64))]
+                })
                 .collect(),
             touched: Vec::new(),
         }

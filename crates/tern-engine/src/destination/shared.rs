@@ -559,7 +559,10 @@ mod tests {
                 .collect();
             handles.into_iter().map(|h| h.join().unwrap()).collect()
         });
-        (results, released.load(Ordering::Relaxed) as usize)
+        (
+            results,
+            usize::try_from(released.load(Ordering::Relaxed)).unwrap(),
+        )
     }
 
     #[test]

@@ -211,7 +211,7 @@ fn read_message(stream: &UnixStream) -> Result<(Vec<u8>, Option<OwnedFd>), Hands
         return Err(HandshakeError::Closed);
     }
     let uffd = received_descriptor(&header);
-    let mut message = buf[..got as usize].to_vec();
+    let mut message = buf[..crate::numeric::syscall_count(got)].to_vec();
     while serde_json::from_slice::<serde_json::Value>(&message).is_err() {
         if message.len() >= MAX_MESSAGE {
             return Err(HandshakeError::Regions("the message is too long".into()));
@@ -266,7 +266,7 @@ fn peer_pid(stream: &UnixStream) -> Option<i32> {
         uid: 0,
         gid: 0,
     };
-    let mut len = std::mem::size_of::<libc::ucred>() as libc::socklen_t;
+    let mut len = crate::numeric::socklen_of::<libc::ucred>();
     // SAFETY: `credentials` has room for a ucred, `len` says so.
     let result = unsafe {
         libc::getsockopt(
@@ -314,8 +314,10 @@ impl ProcessWatch {
         if fd < 0 {
             return Err(io::Error::last_os_error());
         }
+        let fd = libc::c_int::try_from(fd)
+            .map_err(|_| io::Error::other("pidfd_open returned a descriptor past an int"))?;
         // SAFETY: a new descriptor nothing else owns.
-        let pidfd = unsafe { OwnedFd::from_raw_fd(fd as i32) };
+        let pidfd = unsafe { OwnedFd::from_raw_fd(fd) };
         Ok(Self { pidfd })
     }
 

@@ -491,14 +491,17 @@ impl Shared {
                     && self.load_unit(region, page / self.unit_pages, true)?
                     && let Ok(mut faulted) = self.faulted.lock()
                 {
-                    faulted.push((region as u32, page as u32));
+                    faulted.push((
+                        crate::numeric::saturating_u32(region),
+                        crate::numeric::saturating_u32(page),
+                    ));
                 }
                 // Whoever placed the page, its waiters wake now.
                 self.uffd.wake_range(address, PAGE);
                 if let Ok(mut latencies) = self.latencies_ns.lock()
                     && latencies.len() < MAX_LATENCY_SAMPLES
                 {
-                    latencies.push(began.elapsed().as_nanos() as u64);
+                    latencies.push(crate::numeric::saturating_u64(began.elapsed().as_nanos()));
                 }
             }
             Event::Remove { start, end } => {
@@ -568,7 +571,7 @@ impl Shared {
         }
         let served = self.regions[region];
         let first = unit * self.unit_pages;
-        let count = self.unit_pages.min(served.pages() - first) as usize;
+        let count = crate::numeric::saturating_usize(self.unit_pages.min(served.pages() - first));
         let mut buf = vec![0u8; count * PAGE_SIZE];
         let mut zero = vec![false; count];
         self.source
@@ -660,7 +663,9 @@ impl Shared {
             if latencies.is_empty() {
                 return 0.0;
             }
-            let index = ((latencies.len() - 1) as f64 * p).round() as usize;
+            let index = crate::numeric::saturating_usize(crate::numeric::saturating_u64_from_f64(
+                ((latencies.len() - 1) as f64 * p).round(),
+            ));
             latencies[index] as f64 / 1000.0
         };
         let total_ns: u64 = latencies.iter().sum();

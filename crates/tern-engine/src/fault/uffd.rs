@@ -244,7 +244,7 @@ impl Userfault {
             // SAFETY: `message` has room for one `uffd_msg`.
             let read =
                 unsafe { libc::read(self.fd.as_raw_fd(), message.as_mut_ptr().cast(), size) };
-            if read != size as isize {
+            if usize::try_from(read) != Ok(size) {
                 return;
             }
             // SAFETY: the kernel wrote a whole message; every bit pattern
@@ -321,7 +321,7 @@ impl Userfault {
             }
             let error = io::Error::last_os_error();
             if copy.copy > 0 {
-                done += copy.copy as usize / PAGE_SIZE;
+                done += crate::numeric::saturating_usize(copy.copy.unsigned_abs()) / PAGE_SIZE;
                 continue;
             }
             match error.raw_os_error() {
@@ -455,7 +455,7 @@ impl Userfault {
         let size = std::mem::size_of::<abi::Message>();
         // SAFETY: `message` has room for one `uffd_msg`.
         let read = unsafe { libc::read(self.fd.as_raw_fd(), message.as_mut_ptr().cast(), size) };
-        if read != size as isize {
+        if usize::try_from(read) != Ok(size) {
             return None;
         }
         // SAFETY: the kernel wrote a whole message; every bit pattern is a
@@ -561,7 +561,7 @@ unsafe fn place_skipping_existing(
         }
         let error = io::Error::last_os_error();
         if progress > 0 {
-            let moved = progress as usize / PAGE_SIZE;
+            let moved = crate::numeric::saturating_usize(progress.unsigned_abs()) / PAGE_SIZE;
             done += moved;
             placed += moved;
             continue;
@@ -596,7 +596,10 @@ fn open() -> io::Result<OwnedFd> {
         }
     } else {
         // SAFETY: the system call takes flags only.
-        unsafe { libc::syscall(libc::SYS_userfaultfd, libc::O_CLOEXEC | libc::O_NONBLOCK) as i32 }
+        let fd =
+            unsafe { libc::syscall(libc::SYS_userfaultfd, libc::O_CLOEXEC | libc::O_NONBLOCK) };
+        // A descriptor or -1: both fit an int.
+        libc::c_int::try_from(fd).unwrap_or(-1)
     };
     if fd < 0 {
         return Err(io::Error::last_os_error());
@@ -632,7 +635,7 @@ mod tests {
             }
         };
         let source: Vec<u8> = (0..4 * PAGE_SIZE)
-            .map(|i| (i / PAGE_SIZE + 1) as u8)
+            .map(|i| u8::try_from(i / PAGE_SIZE + 1).unwrap())
             .collect();
         // SAFETY: pages 1-4 of the registered mapping; `source` holds 4.
         unsafe { userfault.place(memory.base.add(PAGE_SIZE), source.as_ptr(), 4) }.unwrap();

@@ -54,12 +54,12 @@ pub fn split_session_input(data: &[u8]) -> (Vec<u8>, Vec<Vec<u8>>) {
 /// The inverse of [`split_session_input`], for writing seeds.
 pub fn join_session_input(main: &[u8], page_channels: &[Vec<u8>]) -> Vec<u8> {
     assert!((1..=MAX_CHANNELS).contains(&page_channels.len()));
-    let mut data = vec![(page_channels.len() - 1) as u8];
+    let mut data = vec![u8::try_from(page_channels.len() - 1).unwrap_or(u8::MAX)];
     let streams = std::iter::once(main).chain(page_channels.iter().map(Vec::as_slice));
     for (index, stream) in streams.enumerate() {
         for chunk in stream.chunks(usize::from(u16::MAX)) {
-            data.push(index as u8);
-            data.extend_from_slice(&(chunk.len() as u16).to_le_bytes());
+            data.push(u8::try_from(index).unwrap_or(u8::MAX));
+            data.extend_from_slice(&u16::try_from(chunk.len()).unwrap_or(u16::MAX).to_le_bytes());
             data.extend_from_slice(chunk);
         }
     }
@@ -280,7 +280,10 @@ impl MemoryGuest {
         let mut mappings = Vec::new();
         let mut regions = Vec::new();
         for info in &setup.regions {
-            let mapping = Mapping::new(info.len as usize)?;
+            let mapping = Mapping::new(
+                usize::try_from(info.len)
+                    .map_err(|_| GuestError::new("a region past the address space"))?,
+            )?;
             // SAFETY: `mapping` is a writable mapping of `info.len` bytes (a
             // multiple of the page size, as the decoder checked) that this
             // guest owns and unmaps only when dropped.
@@ -392,7 +395,7 @@ fn encode_sample_packet(
         entries.push(PageEntry {
             page_index: *page,
             kind,
-            encoded_len: bytes.len() as u32,
+            encoded_len: crate::numeric::saturating_u32(bytes.len()),
         });
         payload.extend_from_slice(bytes);
     }
@@ -450,7 +453,7 @@ pub fn sample_session() -> (Vec<u8>, Vec<Vec<u8>>) {
                 state ^= state << 13;
                 state ^= state >> 7;
                 state ^= state << 17;
-                state as u8
+                crate::numeric::low_byte(state)
             })
             .collect()
     };
@@ -460,7 +463,7 @@ pub fn sample_session() -> (Vec<u8>, Vec<Vec<u8>>) {
             Message::ChannelHello(ChannelHello {
                 handshake: Handshake {
                     session_id: SAMPLE_SESSION,
-                    channel_index: index as u16 + 1,
+                    channel_index: u16::try_from(index + 1).unwrap_or(u16::MAX),
                 },
             })
             .to_bytes(),

@@ -90,7 +90,7 @@ impl Session {
             .map(|index| {
                 let pages = choices.int_in_range(1..=MAX_REGION_PAGES).unwrap_or(1);
                 RegionInfo {
-                    id: index as u32 * 2 + u32::from(flag(choices)),
+                    id: crate::numeric::saturating_u32(index) * 2 + u32::from(flag(choices)),
                     guest_addr: (index as u64) << 30,
                     len: (pages * PAGE_SIZE) as u64,
                 }
@@ -120,7 +120,9 @@ impl Session {
         };
         let memory = regions
             .iter()
-            .map(|region| vec![[0u8; PAGE_SIZE]; region.len as usize / PAGE_SIZE])
+            .map(|region| {
+                vec![[0u8; PAGE_SIZE]; crate::numeric::saturating_usize(region.len) / PAGE_SIZE]
+            })
             .collect::<Vec<_>>();
         let held = memory
             .iter()
@@ -224,7 +226,7 @@ impl Session {
             if holds_data {
                 state.written_on[region][page] = Some(channel);
             }
-            planned.push((page as u32, entry));
+            planned.push((crate::numeric::saturating_u32(page), entry));
         }
         if planned.is_empty() {
             return;
@@ -290,7 +292,7 @@ impl Session {
                     state.named[target_region][target_page] = true;
                     Planned::Duplicate(PageRef {
                         region_id: self.setup.regions[target_region].id,
-                        page_index: target_page as u32,
+                        page_index: crate::numeric::saturating_u32(target_page),
                     })
                 }
                 None => self.new_data(region, page, seed),
@@ -331,7 +333,10 @@ impl Session {
             Message::StateSection(StateSectionMsg {
                 name: format!("device {index}"),
                 version: 1,
-                data: vec![index as u8; usize::from(choices.arbitrary::<u8>().unwrap_or(0))],
+                data: vec![
+                    crate::numeric::low_byte(index.into());
+                    usize::from(choices.arbitrary::<u8>().unwrap_or(0))
+                ],
             })
             .encode(&mut self.main);
         }
@@ -490,7 +495,7 @@ fn page_content(seed: u8, old: &[u8; PAGE_SIZE]) -> [u8; PAGE_SIZE] {
                 state ^= state << 13;
                 state ^= state >> 7;
                 state ^= state << 17;
-                *byte = state as u8;
+                *byte = crate::numeric::low_byte(state);
             }
         }
         _ => {
@@ -553,7 +558,7 @@ fn encode_packet(
                 entries.push(PageEntry {
                     page_index: *page_index,
                     kind: PageKind::Duplicate,
-                    encoded_len: PageRef::ENCODED_LEN as u32,
+                    encoded_len: crate::numeric::saturating_u32(PageRef::ENCODED_LEN),
                 });
                 continue;
             }
@@ -562,7 +567,7 @@ fn encode_packet(
         entries.push(PageEntry {
             page_index: *page_index,
             kind,
-            encoded_len: bytes.len() as u32,
+            encoded_len: crate::numeric::saturating_u32(bytes.len()),
         });
         payload.extend_from_slice(bytes);
     }

@@ -181,7 +181,7 @@ impl AutoCodec {
         level_for: impl Fn(CodecId) -> i32,
     ) -> WindowOutcome {
         let first_measurement = self.report.link_rate == 0;
-        self.report.link_rate = link as u64;
+        self.report.link_rate = crate::numeric::saturating_u64_from_f64(link);
         if let Some(measured) = measured {
             self.watch_content(&measured, at_ms);
         }
@@ -646,7 +646,8 @@ impl Pipeline<'_> {
             queue_at_end: queue,
         };
         let measured = self.measure_window();
-        let at_ms = self.shared.stats.started().elapsed().as_millis() as u64;
+        let at_ms =
+            crate::numeric::saturating_u64(self.shared.stats.started().elapsed().as_millis());
         let workers = self.shared.worker_rings.len();
         let compression = &self.shared.compression;
         let Some(auto) = self.auto.as_mut() else {
@@ -762,7 +763,8 @@ impl Pipeline<'_> {
             }
         };
         self.delta_auto = None;
-        let at_ms = self.shared.stats.started().elapsed().as_millis() as u64;
+        let at_ms =
+            crate::numeric::saturating_u64(self.shared.stats.started().elapsed().as_millis());
         if let Some(auto) = self.auto.as_mut() {
             auto.note(at_ms, "delta-cache", choice, reason);
         }

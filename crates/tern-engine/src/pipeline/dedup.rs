@@ -54,11 +54,16 @@ impl IndexedPage {
     }
 
     fn unpack(word: u64) -> Option<Self> {
+        #[expect(
+            clippy::cast_possible_truncation,
+            reason = "the page is the word's low 32 bits (see `pack`)"
+        )]
+        let page = word as u32;
         (word & VALID != 0).then_some(Self {
             iteration: ((word >> 48) as u32) & ITERATION_MASK,
             channel: ((word >> 42) & 0x3f) as usize,
             region: ((word >> 32) & 0x3ff) as usize,
-            page: word as u32,
+            page,
         })
     }
 
@@ -86,8 +91,12 @@ impl DedupIndex {
     }
 
     fn bucket(&self, hash: u64) -> &AtomicU64 {
-        // The length is a power of two.
-        &self.buckets[(hash as usize) & (self.buckets.len() - 1)]
+        #[expect(
+            clippy::cast_possible_truncation,
+            reason = "the hash's low bits pick the bucket; the length is a power of two"
+        )]
+        let low_bits = hash as usize;
+        &self.buckets[low_bits & (self.buckets.len() - 1)]
     }
 
     /// The page last published under `hash`'s bucket, if any.

@@ -254,7 +254,7 @@ impl DeltaCache {
     fn slot(&self, region: usize, page: u32) -> (&AtomicU64, &SlotBytes) {
         // Regions apart by a large odd stride, pages of a region adjacent.
         let key = (region as u64).wrapping_mul(0x9e37_79b9) + u64::from(page);
-        let index = (key % self.states.len() as u64) as usize;
+        let index = crate::numeric::saturating_usize(key % self.states.len() as u64);
         (&self.states[index], &self.bytes[index])
     }
 
@@ -542,9 +542,11 @@ mod tests {
         for iteration in 0..10u32 {
             for (index, bytes) in guest.iter_mut().enumerate() {
                 if iteration == 0 {
-                    bytes.fill(index as u8);
+                    bytes.fill(crate::numeric::low_byte(index as u64));
                 } else if iteration <= 3 {
-                    bytes.iter_mut().for_each(|byte| *byte = next() as u8);
+                    bytes
+                        .iter_mut()
+                        .for_each(|byte| *byte = crate::numeric::low_byte(next()));
                 } else {
                     bytes[index % PAGE_SIZE] ^= 0x5a;
                 }

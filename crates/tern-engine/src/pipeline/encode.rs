@@ -10,7 +10,13 @@ use super::classify::classify;
 use super::reuse::{copy_admitted_pages, data_ptr, encode_deltas, find_duplicates};
 use super::scratch::Scratch;
 use crate::digest::{page_hash, zero_page_hash};
-use crate::guest::PAGE_SIZE;
+
+/// A duplicate's entry length: a `PageRef` record.
+#[expect(
+    clippy::cast_possible_truncation,
+    reason = "a PageRef record is a dozen bytes"
+)]
+const PAGE_REF_LEN: u32 = PageRef::ENCODED_LEN as u32;
 
 pub(super) fn encode(shared: &Shared, batch: &mut Batch, scratch: &mut Scratch) {
     if !batch.prechecked {
@@ -40,7 +46,7 @@ fn build_table(shared: &Shared, batch: &mut Batch) {
             }
             PageKind::Duplicate => {
                 batch.normal_pages += 1;
-                (PageKind::Duplicate, PageRef::ENCODED_LEN as u32)
+                (PageKind::Duplicate, PAGE_REF_LEN)
             }
             PageKind::Delta => {
                 batch.normal_pages += 1;
@@ -52,9 +58,9 @@ fn build_table(shared: &Shared, batch: &mut Batch) {
                 // compressed, in page order.
                 match outcomes.next() {
                     Some(&PageOutcome::Compressed { len, .. }) => {
-                        (PageKind::Compressed, len as u32)
+                        (PageKind::Compressed, crate::numeric::saturating_u32(len))
                     }
-                    _ => (PageKind::Raw, PAGE_SIZE as u32),
+                    _ => (PageKind::Raw, tern_wire::PAGE_SIZE),
                 }
             }
         };

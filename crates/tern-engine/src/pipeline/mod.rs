@@ -450,9 +450,13 @@ impl<'scope> Pipeline<'scope> {
                         batch.insert(fresh)
                     }
                 };
-                // Region sizes are validated against the protocol's 32-bit
-                // page indices before the migration starts.
-                current.pages.push(page as u32);
+                #[expect(
+                    clippy::cast_possible_truncation,
+                    reason = "region sizes are validated against the protocol's \
+                              32-bit page indices before the migration starts"
+                )]
+                let page = page as u32;
+                current.pages.push(page);
                 if current.pages.len() == MAX_PAGES_PER_PACKET
                     && let Some(full) = batch.take()
                 {

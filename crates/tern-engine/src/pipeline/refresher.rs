@@ -209,7 +209,7 @@ pub(crate) fn sample_dirty_pages(
 ) -> Vec<[u8; PAGE_SIZE]> {
     let total: u64 = bitmaps.iter().map(DirtyBitmap::count).sum();
     let stride = total.div_ceil(count.max(1) as u64).max(1);
-    let mut sample = Vec::with_capacity(count.min(total as usize));
+    let mut sample = Vec::with_capacity(count.min(crate::numeric::saturating_usize(total)));
     let mut seen = 0u64;
     for (region, bitmap) in regions.iter().zip(bitmaps) {
         for page in bitmap.iter_dirty() {
@@ -238,7 +238,7 @@ mod tests {
         RatioWindow {
             pages,
             bytes_in,
-            bytes_out: (bytes_in as f64 / ratio) as u64,
+            bytes_out: crate::numeric::saturating_u64_from_f64(bytes_in as f64 / ratio),
         }
     }
 
@@ -269,7 +269,7 @@ mod tests {
     fn the_sample_of_dirty_pages_spreads_over_every_region() {
         let mut memory = vec![0u8; 2 * 64 * PAGE_SIZE];
         for (index, page) in memory.chunks_mut(PAGE_SIZE).enumerate() {
-            page.fill(index as u8);
+            page.fill(crate::numeric::low_byte(index as u64));
         }
         let base = std::ptr::NonNull::new(memory.as_mut_ptr()).unwrap();
         // SAFETY: two halves of `memory`, which outlives the regions.

@@ -188,7 +188,7 @@ pub(super) fn encode_deltas(shared: &Shared, batch: &mut Batch, gate: &mut Delta
         match outcome {
             DeltaOutcome::Delta(len) => {
                 reuse.deltas.extend_from_slice(&record[..len]);
-                reuse.delta_lens[position] = len as u32;
+                reuse.delta_lens[position] = crate::numeric::saturating_u32(len);
                 reuse.counts.delta_pages += 1;
                 reuse.counts.delta_bytes += len as u64;
                 batch.kinds[position] = PageKind::Delta;

@@ -18,9 +18,7 @@ impl ZeroAsNormal {
     /// `ratio` in 0.0..=1.0 (clamped): the share of zero pages to send as
     /// normal pages.
     pub(crate) fn new(ratio: f64) -> Self {
-        // `allow`, not `expect`: the engine does not enable the cast lints
-        // yet (the workspace manifest will).
-        #[allow(
+        #[expect(
             clippy::cast_possible_truncation,
             clippy::cast_sign_loss,
             reason = "a value in 0.0..=1000.0 with no fraction"

@@ -18,6 +18,18 @@ use crate::snapshot::SnapshotError;
 
 const PAGE: u64 = PAGE_SIZE as u64;
 
+/// A length the file's header declares, as `usize`, before it is
+/// allocated; one past the address space (32-bit hosts) is refused.
+fn declared_len(
+    field: &'static str,
+    len: u64,
+) -> Result<usize, tern_wire::snapshot::SnapshotError> {
+    usize::try_from(len).map_err(|_| tern_wire::snapshot::SnapshotError::Invalid {
+        field,
+        detail: format!("{len} bytes do not fit in this host's memory"),
+    })
+}
+
 /// A snapshot file whose header, metadata and trailer passed every check.
 #[derive(Debug)]
 pub struct SnapshotFile {
@@ -56,13 +68,15 @@ impl SnapshotFile {
         // The file's real length bounds every read below: a header that
         // claims more than the file holds is refused before allocating.
         header.check_file_len(actual).map_err(format)?;
-        let mut block = vec![0u8; header.metadata_len as usize];
+        let mut block =
+            vec![0u8; declared_len("metadata length", header.metadata_len).map_err(format)?];
         file.read_exact_at(&mut block, 0).map_err(read_error)?;
         let metadata = SnapshotMetadata::decode(&block).map_err(format)?;
         if metadata.header != header {
             return Err(format(tern_wire::snapshot::SnapshotError::MetadataChecksum));
         }
-        let mut trailer = vec![0u8; header.trailer_len as usize];
+        let mut trailer =
+            vec![0u8; declared_len("trailer length", header.trailer_len).map_err(format)?];
         file.read_exact_at(&mut trailer, header.data_end)
             .map_err(read_error)?;
         let trailer = Trailer::decode(&trailer, &header, &metadata.regions).map_err(format)?;
@@ -156,7 +170,7 @@ impl SnapshotFile {
         chunk: u64,
         page_hashes: &[u64],
     ) -> Result<(), SnapshotError> {
-        let expected = self.metadata.chunk_hashes[region][chunk as usize];
+        let expected = self.metadata.chunk_hashes[region][crate::numeric::saturating_usize(chunk)];
         if chunk_hash(page_hashes) != expected {
             return Err(SnapshotError::Corrupted {
                 path: self.path.clone(),
@@ -208,7 +222,8 @@ impl PageSource for SnapshotFile {
         self.check_chunk(region, chunk, &hashes)
             .map_err(|error| PageSourceError::new(error.to_string()))?;
         for (index, hash) in hashes.into_iter().enumerate() {
-            self.verified[region][first as usize + index].store(hash, Ordering::Release);
+            self.verified[region][crate::numeric::saturating_usize(first) + index]
+                .store(hash, Ordering::Release);
         }
         Ok(())
     }

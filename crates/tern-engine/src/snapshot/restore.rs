@@ -126,11 +126,11 @@ fn read_all(
     let mut hashes: Vec<Vec<u64>> = metadata
         .regions
         .iter()
-        .map(|region| vec![0; region.pages() as usize])
+        .map(|region| vec![0; crate::numeric::saturating_usize(region.pages())])
         .collect();
     let slots: Vec<Mutex<&mut [u64]>> = hashes
         .iter_mut()
-        .flat_map(|region| region.chunks_mut(CHUNK_PAGES as usize))
+        .flat_map(|region| region.chunks_mut(crate::numeric::saturating_usize(CHUNK_PAGES)))
         .map(Mutex::new)
         .collect();
     let next = AtomicUsize::new(0);
@@ -199,7 +199,7 @@ fn read_chunk(
     let end = first + hashes.len() as u64;
     while page < end {
         if !metadata.is_present(region, page) {
-            hashes[(page - first) as usize] = zero_page_hash();
+            hashes[crate::numeric::saturating_usize(page - first)] = zero_page_hash();
             zero += 1;
             page += 1;
             continue;
@@ -210,14 +210,14 @@ fn read_chunk(
         let ptr = memory
             .page_ptr(page)
             .ok_or_else(|| SnapshotError::Shape("a page outside the guest".into()))?;
-        let len = ((run_end - page) * PAGE) as usize;
+        let len = crate::numeric::saturating_usize((run_end - page) * PAGE);
         pread_exact(file, ptr, len, slots.slots_offset + page * PAGE)?;
         for index in page..run_end {
             let at = memory
                 .page_ptr(index)
                 .ok_or_else(|| SnapshotError::Shape("a page outside the guest".into()))?;
             // SAFETY: a bounds-checked page of a guest that does not run.
-            hashes[(index - first) as usize] = unsafe { page_hash(at) };
+            hashes[crate::numeric::saturating_usize(index - first)] = unsafe { page_hash(at) };
         }
         read += run_end - page;
         page = run_end;
@@ -235,6 +235,12 @@ fn pread_exact(
 ) -> Result<(), SnapshotError> {
     let mut done = 0;
     while done < len {
+        let at = crate::numeric::file_offset(offset + done as u64).map_err(|source| {
+            SnapshotError::Read {
+                path: file.path().to_owned(),
+                source,
+            }
+        })?;
         // SAFETY: `ptr..ptr + len` are pages of the guest's region (bounds
         // checked by the caller), which does not run during a restore.
         let got = unsafe {
@@ -242,7 +248,7 @@ fn pread_exact(
                 file.file().as_raw_fd(),
                 ptr.add(done).cast(),
                 len - done,
-                (offset + done as u64) as libc::off_t,
+                at,
             )
         };
         let error = || SnapshotError::Read {
@@ -250,7 +256,7 @@ fn pread_exact(
             source: std::io::Error::last_os_error(),
         };
         match got {
-            got if got > 0 => done += got as usize,
+            got if got > 0 => done += crate::numeric::syscall_count(got),
             0 => {
                 return Err(SnapshotError::Read {
                     path: file.path().to_owned(),

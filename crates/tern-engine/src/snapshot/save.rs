@@ -190,9 +190,12 @@ impl<G: SourceGuest + ?Sized> Session<'_, G> {
                 .iter()
                 .enumerate()
                 .flat_map(|(region, bitmap)| {
-                    bitmap
-                        .iter_dirty()
-                        .map(move |page| (region as u32, page as u32))
+                    bitmap.iter_dirty().map(move |page| {
+                        (
+                            crate::numeric::saturating_u32(region),
+                            crate::numeric::saturating_u32(page),
+                        )
+                    })
                 })
                 .collect(),
         };

@@ -27,6 +27,9 @@ use crate::guest::{MemoryRegion, PAGE_SIZE};
 use crate::snapshot::SnapshotError;
 
 const PAGE: u64 = PAGE_SIZE as u64;
+/// A page's length as the `off_t` `fallocate` takes.
+#[expect(clippy::cast_possible_wrap, reason = "4096 is far below i64::MAX")]
+const PAGE_OFF: libc::off_t = PAGE_SIZE as libc::off_t;
 /// Pages one writer takes at a time (1 MiB).
 const BATCH_PAGES: u64 = 256;
 
@@ -215,8 +218,9 @@ impl SlotWriter {
             // SAFETY: as above; the hash describes the bytes written below
             // unless the page changes meanwhile, when it is written again.
             let hash = unsafe { page_hash(ptr) };
-            self.hashes[region][page as usize].store(hash, Ordering::Relaxed);
-            self.present[region][(page / 64) as usize]
+            self.hashes[region][crate::numeric::saturating_usize(page)]
+                .store(hash, Ordering::Relaxed);
+            self.present[region][crate::numeric::saturating_usize(page / 64)]
                 .fetch_or(1 << (page % 64), Ordering::Relaxed);
             run = match run {
                 Some((start, count)) if start + count == page => Some((start, count + 1)),
@@ -240,18 +244,15 @@ impl SlotWriter {
         let ptr = memory
             .page_ptr(start)
             .ok_or_else(|| self.write_error(std::io::Error::other("page outside the region")))?;
-        let len = (count * PAGE) as usize;
+        let len = crate::numeric::saturating_usize(count * PAGE);
         let mut done = 0;
         while done < len {
+            let at = crate::numeric::file_offset(offset + done as u64)
+                .map_err(|error| self.write_error(error))?;
             // SAFETY: `count` pages from `start` lie in the region (the run
             // was built from bounds-checked pages); pwrite only reads them.
             let wrote = unsafe {
-                libc::pwrite(
-                    self.slots.as_raw_fd(),
-                    ptr.add(done).cast(),
-                    len - done,
-                    (offset + done as u64) as libc::off_t,
-                )
+                libc::pwrite(self.slots.as_raw_fd(), ptr.add(done).cast(), len - done, at)
             };
             if wrote < 0 {
                 let error = std::io::Error::last_os_error();
@@ -263,7 +264,7 @@ impl SlotWriter {
             if wrote == 0 {
                 return Err(self.write_error(std::io::ErrorKind::WriteZero.into()));
             }
-            done += wrote as usize;
+            done += crate::numeric::syscall_count(wrote);
         }
         self.counters
             .pages_written
@@ -274,22 +275,24 @@ impl SlotWriter {
     /// Records `page` as zero; punches its slot if an earlier pass wrote it.
     fn make_hole(&self, region: usize, page: u64) -> Result<(), SnapshotError> {
         self.counters.zero_pages.fetch_add(1, Ordering::Relaxed);
-        self.hashes[region][page as usize]
+        self.hashes[region][crate::numeric::saturating_usize(page)]
             .store(crate::digest::zero_page_hash(), Ordering::Relaxed);
         let bit = 1 << (page % 64);
-        let word = &self.present[region][(page / 64) as usize];
+        let word = &self.present[region][crate::numeric::saturating_usize(page / 64)];
         if word.load(Ordering::Relaxed) & bit == 0 {
             return Ok(());
         }
         let offset = self.layout.regions[region].slots_offset + page * PAGE;
         if self.punch.load(Ordering::Relaxed) {
+            let at =
+                crate::numeric::file_offset(offset).map_err(|error| self.write_error(error))?;
             // SAFETY: fallocate on our descriptor, within the file.
             let result = unsafe {
                 libc::fallocate(
                     self.file.as_raw_fd(),
                     libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE,
-                    offset as libc::off_t,
-                    PAGE as libc::off_t,
+                    at,
+                    PAGE_OFF,
                 )
             };
             if result == 0 {
@@ -300,7 +303,7 @@ impl SlotWriter {
             self.punch.store(false, Ordering::Relaxed);
         }
         // No holes here: the slot keeps a zero page, still marked present.
-        self.hashes[region][page as usize]
+        self.hashes[region][crate::numeric::saturating_usize(page)]
             .store(crate::digest::zero_page_hash(), Ordering::Relaxed);
         self.file
             .write_all_at(&[0u8; PAGE_SIZE], offset)
@@ -341,8 +344,9 @@ impl SlotWriter {
                 .map(|h| h.load(Ordering::Relaxed))
                 .collect();
             for (chunk, slot) in metadata.chunk_hashes[index].iter_mut().enumerate() {
-                let first = chunk * CHUNK_PAGES as usize;
-                let end = (first + CHUNK_PAGES as usize).min(region.pages() as usize);
+                let first = chunk * crate::numeric::saturating_usize(CHUNK_PAGES);
+                let end = (first + crate::numeric::saturating_usize(CHUNK_PAGES))
+                    .min(crate::numeric::saturating_usize(region.pages()));
                 *slot = chunk_hash(&hashes[first..end]);
             }
         }

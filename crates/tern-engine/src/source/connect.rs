@@ -12,7 +12,7 @@ use tern_wire::{
 use crate::config::{MigrationConfig, Verify, ZeroCopyBackend};
 use crate::error::ChannelError;
 use crate::error::MigrationError;
-use crate::guest::{MemoryRegion, PAGE_SIZE};
+use crate::guest::MemoryRegion;
 use crate::pipeline::{CompressionSetup, PageSender};
 use crate::transport::security::secure_client;
 use crate::transport::{Channel, Connect, Expected};
@@ -247,7 +247,7 @@ pub(super) fn session_setup(
     compression: &CompressionSetup,
 ) -> Result<SessionSetup, MigrationError> {
     let setup = SessionSetup {
-        page_size: PAGE_SIZE as u32,
+        page_size: tern_wire::PAGE_SIZE,
         channel_count: config.channels,
         codecs: compression
             .codecs()
@@ -300,13 +300,14 @@ pub(super) fn random_session_id() -> u64 {
     let mut bytes = [0u8; 8];
     // SAFETY: `bytes` is writable for its length.
     let filled = unsafe { libc::getrandom(bytes.as_mut_ptr().cast(), bytes.len(), 0) };
-    if filled == bytes.len() as isize {
+    if usize::try_from(filled) == Ok(bytes.len()) {
         u64::from_le_bytes(bytes)
     } else {
         // Uniqueness, not secrecy, is what matters here.
         let now = std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
             .unwrap_or_default();
-        now.as_nanos() as u64 ^ u64::from(std::process::id()).rotate_left(32)
+        crate::numeric::saturating_u64(now.as_nanos())
+            ^ u64::from(std::process::id()).rotate_left(32)
     }
 }

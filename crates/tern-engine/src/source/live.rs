@@ -175,7 +175,7 @@ impl Source {
             sent_pages: facts.sent_pages,
             dirty_pages: facts.dirty_pages,
             dirty_pages_rate: stats.dirty_pages_rate.load(Ordering::Relaxed),
-            bandwidth: facts.bandwidth as u64,
+            bandwidth: crate::numeric::saturating_u64_from_f64(facts.bandwidth),
             expected_downtime: millis(facts.expected_downtime()),
             downtime_limit: stats.downtime_limit_ms(),
         };
@@ -192,12 +192,14 @@ impl Source {
         // The next iteration's size, before it starts.
         stats.start_iteration(remaining);
         let dirty_rate = facts.dirty_pages as f64 / seconds_since_previous_sync;
-        stats
-            .dirty_pages_rate
-            .store(dirty_rate as u64, Ordering::Relaxed);
-        stats
-            .bandwidth
-            .store(facts.bandwidth as u64, Ordering::Relaxed);
+        stats.dirty_pages_rate.store(
+            crate::numeric::saturating_u64_from_f64(dirty_rate),
+            Ordering::Relaxed,
+        );
+        stats.bandwidth.store(
+            crate::numeric::saturating_u64_from_f64(facts.bandwidth),
+            Ordering::Relaxed,
+        );
         stats
             .expected_downtime_ms
             .store(millis(facts.expected_downtime()), Ordering::Relaxed);

@@ -239,7 +239,7 @@ impl Pusher<'_> {
                 entries.push(PageEntry {
                     page_index: u32::try_from(page).unwrap_or(u32::MAX),
                     kind: if zero { PageKind::Zero } else { PageKind::Raw },
-                    encoded_len: if zero { 0 } else { PAGE_SIZE as u32 },
+                    encoded_len: if zero { 0 } else { tern_wire::PAGE_SIZE },
                 });
                 if !zero {
                     segments.push(Segment {

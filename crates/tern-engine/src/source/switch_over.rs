@@ -88,12 +88,12 @@ impl Source {
         self.stats.dirty_sync_count.fetch_add(1, Ordering::Relaxed);
         let digest = self.send_last_pages(pipe, &mut bitmaps, iteration)?;
         tracing::debug!(
-            elapsed_ms = paused_at.elapsed().as_millis() as u64,
+            elapsed_ms = crate::numeric::saturating_u64(paused_at.elapsed().as_millis()),
             "final pages sent and memory hashed"
         );
         self.send_state(guest, main, iteration, digest)?;
         tracing::debug!(
-            elapsed_ms = paused_at.elapsed().as_millis() as u64,
+            elapsed_ms = crate::numeric::saturating_u64(paused_at.elapsed().as_millis()),
             "state and digest sent"
         );
         // The destination waits for the commit no longer than its own

@@ -795,7 +795,7 @@ impl Channel {
                 }
                 return Err(clock.failed(error));
             }
-            first = advance(&mut iovecs, first, sent as usize);
+            first = advance(&mut iovecs, first, crate::numeric::syscall_count(sent));
         }
         Ok(())
     }
@@ -818,10 +818,11 @@ impl Channel {
         while first < iovecs.len() {
             clock.before_call()?;
             let batch = &mut iovecs[first..];
-            let count = batch.len().min(libc::UIO_MAXIOV as usize);
+            let count = libc::c_int::try_from(batch.len())
+                .map_or(libc::UIO_MAXIOV, |len| len.min(libc::UIO_MAXIOV));
             // SAFETY: the iovecs describe writable memory (caller's contract)
             // and live until the call returns.
-            let read = unsafe { libc::readv(self.fd, batch.as_ptr(), count as libc::c_int) };
+            let read = unsafe { libc::readv(self.fd, batch.as_ptr(), count) };
             if read < 0 {
                 let error = io::Error::last_os_error();
                 if error.kind() == io::ErrorKind::Interrupted {
@@ -832,7 +833,7 @@ impl Channel {
             if read == 0 {
                 return Err(ChannelError::Closed);
             }
-            first = advance(&mut iovecs, first, read as usize);
+            first = advance(&mut iovecs, first, crate::numeric::syscall_count(read));
         }
         Ok(())
     }
@@ -942,7 +943,7 @@ fn set_socket_timeout(fd: RawFd, option: libc::c_int, timeout: Duration) -> io::
             libc::SOL_SOCKET,
             option,
             (&raw const value).cast(),
-            std::mem::size_of::<libc::timeval>() as libc::socklen_t,
+            crate::numeric::socklen_of::<libc::timeval>(),
         )
     };
     if result == 0 {

@@ -468,7 +468,7 @@ fn set_tls_ulp(socket: &socket2::Socket) -> io::Result<()> {
             libc::SOL_TCP,
             libc::TCP_ULP,
             name.as_ptr().cast(),
-            name.len() as libc::socklen_t,
+            crate::numeric::socklen_of_val(name),
         )
     };
     if result == 0 {
@@ -527,7 +527,7 @@ impl<const KEY: usize> CryptoInfo<KEY> {
                 libc::SOL_TLS,
                 direction,
                 (self as *const Self).cast(),
-                std::mem::size_of::<Self>() as libc::socklen_t,
+                crate::numeric::socklen_of::<Self>(),
             )
         };
         if result == 0 {

@@ -1,11 +1,5 @@
 //! Helpers shared by the integration tests.
 
-// Test and measurement data: sizes, offsets and counters of small guests.
-#![allow(
-    clippy::cast_possible_truncation,
-    clippy::cast_sign_loss,
-    clippy::cast_possible_wrap
-)]
 #![allow(dead_code)]
 
 use std::thread::JoinHandle;

@@ -8,7 +8,7 @@ use tern_fleet::Division;
 use crate::units::parse_rate;
 
 #[derive(Debug, Args)]
-pub struct AgentArgs {
+pub(crate) struct AgentArgs {
     /// The agent's Unix socket (created mode 0600; other users refused).
     #[arg(long, value_name = "PATH")]
     pub socket: PathBuf,

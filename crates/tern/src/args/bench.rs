@@ -10,7 +10,7 @@ use super::values::{compression_values, parse_channels, verify_values};
 use crate::units::{parse_rate, parse_size};
 
 #[derive(Debug, Subcommand)]
-pub enum BenchCommand {
+pub(crate) enum BenchCommand {
     /// Zero-page detection throughput per backend (CPU SIMD backends,
     /// QEMU's method, the software DSA device) beside a plain read loop.
     Zero(BenchZeroArgs),
@@ -22,7 +22,7 @@ pub enum BenchCommand {
 }
 
 #[derive(Debug, Args)]
-pub struct BenchZeroArgs {
+pub(crate) struct BenchZeroArgs {
     /// Buffer size: larger than the caches, so pages come from DRAM.
     #[arg(long, default_value = "256MiB", value_parser = parse_size)]
     pub buffer: u64,
@@ -35,7 +35,7 @@ pub struct BenchZeroArgs {
 }
 
 #[derive(Debug, Args)]
-pub struct BenchCodecArgs {
+pub(crate) struct BenchCodecArgs {
     /// Pages per corpus.
     #[arg(long, default_value_t = 1024)]
     pub pages: usize,
@@ -53,7 +53,7 @@ pub struct BenchCodecArgs {
 }
 
 #[derive(Debug, Args)]
-pub struct BenchMigrateArgs {
+pub(crate) struct BenchMigrateArgs {
     /// Guest memory size.
     #[arg(long, default_value = "4GiB", value_parser = parse_size)]
     pub memory: u64,

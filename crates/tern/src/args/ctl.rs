@@ -5,7 +5,7 @@ use std::path::PathBuf;
 use clap::Args;
 
 #[derive(Debug, Args)]
-pub struct CtlArgs {
+pub(crate) struct CtlArgs {
     /// The control socket (`--control-socket` of migrate, receive or vm).
     pub socket: PathBuf,
     /// A command (query-migrate, migrate-set-parameters, migrate_cancel,

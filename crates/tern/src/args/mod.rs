@@ -2,16 +2,16 @@
 //! family, and the value parsers they share. Nothing here does I/O or
 //! imports a command; the commands (`crate::command`) read these.
 
-pub mod agent;
-pub mod bench;
-pub mod ctl;
-pub mod progress;
-pub mod security;
-pub mod snapshot;
-pub mod steering;
-pub mod transfer;
-pub mod values;
-pub mod vm;
+pub(crate) mod agent;
+pub(crate) mod bench;
+pub(crate) mod ctl;
+pub(crate) mod progress;
+pub(crate) mod security;
+pub(crate) mod snapshot;
+pub(crate) mod steering;
+pub(crate) mod transfer;
+pub(crate) mod values;
+pub(crate) mod vm;
 
 use std::time::Duration;
 
@@ -20,7 +20,7 @@ use tern_engine::Address;
 use tern_page::codec::QplPath;
 use tern_synthetic::{ContentMix, SyntheticConfig};
 
-pub use transfer::TransferArgs;
+pub(crate) use transfer::TransferArgs;
 use values::{parse_address, qpl_path_values};
 
 use crate::units::{parse_rate, parse_size};
@@ -28,7 +28,7 @@ use crate::units::{parse_rate, parse_size};
 /// Live migration of virtual-machine memory over parallel channels.
 #[derive(Debug, Parser)]
 #[command(name = "tern", version)]
-pub struct Cli {
+pub(crate) struct Cli {
     /// Log what happens (or set RUST_LOG), and print the statistics table
     /// after a failed migration too.
     #[arg(short, long, global = true)]
@@ -45,7 +45,7 @@ pub struct Cli {
 
 impl Cli {
     /// Whether log lines on stderr carry colour.
-    pub fn log_colour(&self) -> bool {
+    pub(crate) fn log_colour(&self) -> bool {
         use std::io::IsTerminal;
         match self.color {
             ColorChoice::Always => true,
@@ -59,7 +59,7 @@ impl Cli {
 }
 
 #[derive(Debug, Subcommand)]
-pub enum Command {
+pub(crate) enum Command {
     /// Migrate a built-in synthetic guest to a destination on this machine,
     /// both ends in one process, with progress and a summary.
     Demo(DemoArgs),
@@ -96,21 +96,21 @@ pub enum Command {
 }
 
 #[derive(Debug, Args)]
-pub struct DoctorArgs {
+pub(crate) struct DoctorArgs {
     /// Print one JSON document instead of the table.
     #[arg(long)]
     pub json: bool,
 }
 
 #[derive(Debug, Args)]
-pub struct CompletionsArgs {
+pub(crate) struct CompletionsArgs {
     /// The shell.
     #[arg(value_enum)]
     pub shell: clap_complete::Shell,
 }
 
 #[derive(Debug, Args)]
-pub struct DemoArgs {
+pub(crate) struct DemoArgs {
     #[command(flatten)]
     pub guest: GuestArgs,
     #[command(flatten)]
@@ -128,7 +128,7 @@ pub struct DemoArgs {
 }
 
 #[derive(Debug, Args)]
-pub struct MigrateArgs {
+pub(crate) struct MigrateArgs {
     /// Destination: HOST:PORT, tcp:HOST:PORT, tcp::PORT (this machine),
     /// unix:PATH, vsock:CID:PORT or fd:N,M,... (inherited connected
     /// sockets, one per channel, main first).
@@ -158,7 +158,7 @@ pub struct MigrateArgs {
 
 /// Where and how a destination waits (`tern receive`, `tern vm receive`).
 #[derive(Debug, Args)]
-pub struct ListenArgs {
+pub(crate) struct ListenArgs {
     /// Where to listen: HOST:PORT, tcp:HOST:PORT, tcp::PORT (every
     /// interface), unix:PATH, vsock:CID:PORT or fd:N (an inherited
     /// listening socket, or connected ones).
@@ -220,7 +220,7 @@ pub struct ListenArgs {
 impl ListenArgs {
     /// The destination's settings these options ask for, before the
     /// listener and its security (`crate::session::bind`).
-    pub fn receive_settings(&self) -> tern_engine::ReceiveConfig {
+    pub(crate) fn receive_settings(&self) -> tern_engine::ReceiveConfig {
         let mut config = tern_engine::ReceiveConfig::default();
         config.accept_timeout = Duration::from_secs(self.accept_timeout);
         config.io_timeout = Duration::from_secs(self.io_timeout);
@@ -236,7 +236,7 @@ impl ListenArgs {
 }
 
 #[derive(Debug, Args)]
-pub struct ReceiveArgs {
+pub(crate) struct ReceiveArgs {
     #[command(flatten)]
     pub listen: ListenArgs,
     /// How long to let the resumed guest run before exiting, in
@@ -257,7 +257,7 @@ const DEFAULT_WORKING_SET: u64 = 256 << 20;
 
 /// The synthetic guest's options.
 #[derive(Debug, Args, Clone)]
-pub struct GuestArgs {
+pub(crate) struct GuestArgs {
     /// Guest memory size (binary units: 512M, 4GiB).
     #[arg(long, default_value = "1GiB", value_parser = parse_size)]
     pub memory: u64,
@@ -290,7 +290,7 @@ pub struct GuestArgs {
 
 impl GuestArgs {
     /// Rejects combinations the guest would otherwise quietly reinterpret.
-    pub fn check(&self) -> anyhow::Result<()> {
+    pub(crate) fn check(&self) -> anyhow::Result<()> {
         use crate::units::human_bytes;
         if let Some(working_set) = self.working_set {
             anyhow::ensure!(
@@ -304,7 +304,7 @@ impl GuestArgs {
     }
 
     /// The working set in force.
-    pub fn working_set(&self) -> u64 {
+    pub(crate) fn working_set(&self) -> u64 {
         self.working_set
             .unwrap_or(DEFAULT_WORKING_SET)
             .min(self.memory)
@@ -313,7 +313,7 @@ impl GuestArgs {
     /// Bytes of memory one end will have touched: the pages with data, and
     /// the zero pages the dirtier writes to (untouched zero pages cost
     /// nothing).
-    pub fn resident_estimate(&self) -> u64 {
+    pub(crate) fn resident_estimate(&self) -> u64 {
         let share = |bytes: u64, percent: u8| {
             u64::try_from(u128::from(bytes) * u128::from(percent) / 100).unwrap_or(u64::MAX)
         };
@@ -324,7 +324,7 @@ impl GuestArgs {
             .saturating_add(share(self.working_set(), self.mix.zero))
     }
 
-    pub fn synthetic_config(&self) -> SyntheticConfig {
+    pub(crate) fn synthetic_config(&self) -> SyntheticConfig {
         SyntheticConfig {
             memory_bytes: self.memory,
             regions: self.regions,

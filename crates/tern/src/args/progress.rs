@@ -2,7 +2,7 @@
 
 /// How progress is shown (`--progress`).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, clap::ValueEnum)]
-pub enum ProgressMode {
+pub(crate) enum ProgressMode {
     /// A bar when stderr is a terminal, `plain` otherwise.
     #[default]
     Auto,
@@ -17,7 +17,7 @@ pub enum ProgressMode {
 /// The `--progress` option, in a struct of its own so the commands' option
 /// lists stay apart from it.
 #[derive(Clone, Copy, Debug, clap::Args)]
-pub struct ProgressArgs {
+pub(crate) struct ProgressArgs {
     /// Progress on stderr: auto (a bar on a terminal, plain otherwise), bar,
     /// plain (a line every 2 s) or none.
     #[arg(long, global = true, value_enum, default_value_t = ProgressMode::Auto)]

@@ -6,7 +6,7 @@ use clap::Args;
 
 /// How the source proves itself and checks the destination.
 #[derive(Debug, Args)]
-pub struct SourceSecurityArgs {
+pub(crate) struct SourceSecurityArgs {
     /// A file holding a secret shared with the destination (at least 16
     /// bytes; e.g. `openssl rand -hex 32`): every channel runs a mutual
     /// HMAC-SHA256 challenge and response with it.
@@ -24,7 +24,7 @@ pub struct SourceSecurityArgs {
 
 /// What the destination requires of the source.
 #[derive(Debug, Args)]
-pub struct DestinationSecurityArgs {
+pub(crate) struct DestinationSecurityArgs {
     /// A file holding the secret shared with the source: every channel must
     /// prove it (mutual HMAC-SHA256 challenge and response).
     #[arg(long, value_name = "FILE")]

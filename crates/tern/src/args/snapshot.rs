@@ -11,7 +11,7 @@ use super::vm::VmArgs;
 
 /// How to write the file (both guests).
 #[derive(Debug, Args, Clone)]
-pub struct SaveFileArgs {
+pub(crate) struct SaveFileArgs {
     /// The snapshot file to write (replaced if it exists).
     #[arg(long, short)]
     pub output: PathBuf,
@@ -38,7 +38,7 @@ pub struct SaveFileArgs {
 
 impl SaveFileArgs {
     /// The engine's settings for the save.
-    pub fn config(&self) -> SaveConfig {
+    pub(crate) fn config(&self) -> SaveConfig {
         {
             let mut config = SaveConfig::default();
             config.writers = usize::from(self.writers);
@@ -51,7 +51,7 @@ impl SaveFileArgs {
 }
 
 #[derive(Debug, Args)]
-pub struct SaveArgs {
+pub(crate) struct SaveArgs {
     #[command(flatten)]
     pub guest: GuestArgs,
     #[command(flatten)]
@@ -59,7 +59,7 @@ pub struct SaveArgs {
 }
 
 #[derive(Debug, Args)]
-pub struct VmSaveArgs {
+pub(crate) struct VmSaveArgs {
     #[command(flatten)]
     pub vm: VmArgs,
     #[command(flatten)]
@@ -67,7 +67,7 @@ pub struct VmSaveArgs {
 }
 
 #[derive(Debug, Args)]
-pub struct RestoreArgs {
+pub(crate) struct RestoreArgs {
     /// The snapshot file.
     #[arg(long, short)]
     pub snapshot: PathBuf,
@@ -101,7 +101,7 @@ pub struct RestoreArgs {
 }
 
 #[derive(Debug, Args)]
-pub struct ServePagesArgs {
+pub(crate) struct ServePagesArgs {
     /// The Unix socket to listen on (the path given to Firecracker's
     /// snapshot load as the UFFD backend); it must not exist yet.
     #[arg(long)]

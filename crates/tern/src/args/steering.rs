@@ -6,7 +6,7 @@ use std::path::PathBuf;
 use clap::Args;
 
 #[derive(Debug, Args, Default)]
-pub struct SteeringArgs {
+pub(crate) struct SteeringArgs {
     /// A Unix socket (created mode 0600) speaking a QMP-shaped JSON
     /// protocol: query-migrate, migrate-set-parameters, migrate_cancel, ...
     /// (`tern ctl`; docs/control.md).

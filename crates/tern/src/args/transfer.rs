@@ -18,7 +18,7 @@ use crate::units::{parse_rate, parse_size};
 
 /// Options shared by everything that migrates.
 #[derive(Debug, Args, Clone)]
-pub struct TransferArgs {
+pub(crate) struct TransferArgs {
     /// Page channels (the main channel comes on top), 1 to 64. QEMU:
     /// multifd-channels.
     #[arg(long, default_value_t = 2, value_parser = parse_channels)]
@@ -228,7 +228,7 @@ impl TransferArgs {
     /// What `--compression-level` turns into, when that is not what was
     /// asked for (the codec clamps it; the summary reports the level in
     /// force).
-    pub fn compression_level_note(&self) -> Option<String> {
+    pub(crate) fn compression_level_note(&self) -> Option<String> {
         use tern_page::codec::CodecId;
         let requested = self.compression_level?;
         let clamped = |codec: CodecId| {
@@ -266,7 +266,7 @@ impl TransferArgs {
 
     /// The DSA set-up `--dsa-device` names (every queue unless a list is
     /// given).
-    pub fn dsa_config(&self) -> tern_dsa::DsaConfig {
+    pub(crate) fn dsa_config(&self) -> tern_dsa::DsaConfig {
         tern_dsa::DsaConfig {
             devices: match &self.dsa_device {
                 tern_dsa::DsaDevice::Only(devices) => devices.clone(),
@@ -278,7 +278,7 @@ impl TransferArgs {
 
     /// Whether zero-page detection runs on hardware DSA queues (not the
     /// software device).
-    pub fn zero_pages_on_hardware_dsa(&self) -> bool {
+    pub(crate) fn zero_pages_on_hardware_dsa(&self) -> bool {
         self.zero_page_detection == ZeroPageDetection::Dsa
             && self.dsa_device != tern_dsa::DsaDevice::Software
     }
@@ -286,7 +286,7 @@ impl TransferArgs {
     /// The engine's settings these options ask for, without the offload
     /// devices: converting arguments opens nothing (the session module
     /// opens `--dsa-device` and `--delta-offload` afterwards).
-    pub fn migration_settings(&self) -> anyhow::Result<MigrationConfig> {
+    pub(crate) fn migration_settings(&self) -> anyhow::Result<MigrationConfig> {
         if let Some(note) = self.compression_level_note() {
             eprintln!("tern: warning: {note}");
         }
@@ -362,7 +362,7 @@ impl TransferArgs {
 
 /// `--compression-dictionary`: a size, or `off` (`None`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct DictionarySize(pub Option<usize>);
+pub(crate) struct DictionarySize(pub Option<usize>);
 
 pub(super) fn parse_dictionary_size(text: &str) -> Result<DictionarySize, String> {
     if text.trim() == "off" {
@@ -381,7 +381,7 @@ pub(super) fn parse_dictionary_size(text: &str) -> Result<DictionarySize, String
 
 /// `--compression-dictionary` of `vm migrate`: `auto`, `off` or a size.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum DictionaryChoice {
+pub(crate) enum DictionaryChoice {
     /// Auto trains one and keeps it when it pays (with `--compression auto`).
     Auto,
     /// None.
@@ -401,7 +401,7 @@ fn parse_dictionary_choice(text: &str) -> Result<DictionaryChoice, String> {
 
 /// `--delta-cache-size`: a size, or `auto` (`None`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct DeltaCacheSize(pub Option<u64>);
+pub(crate) struct DeltaCacheSize(pub Option<u64>);
 
 fn parse_delta_cache_size(text: &str) -> Result<DeltaCacheSize, String> {
     if text.trim() == "auto" {
@@ -412,7 +412,7 @@ fn parse_delta_cache_size(text: &str) -> Result<DeltaCacheSize, String> {
 
 /// Where `--delta-offload` creates delta records.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum DeltaOffloadChoice {
+pub(crate) enum DeltaOffloadChoice {
     Cpu,
     Software,
     Hardware,
@@ -433,7 +433,7 @@ impl FromStr for DeltaOffloadChoice {
 
 /// `--dedup`: whether duplicate pages go as references.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Dedup {
+pub(crate) enum Dedup {
     /// On when the memory is verified: its page hashes are computed
     /// anyway, so the index costs little; with `--verify none` hashing
     /// every data page only for duplicates costs more CPU than the few
@@ -458,7 +458,7 @@ impl FromStr for Dedup {
 
 /// `on` or `off`, as QEMU writes capabilities.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum OnOff {
+pub(crate) enum OnOff {
     On,
     Off,
 }

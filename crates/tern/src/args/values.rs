@@ -19,7 +19,7 @@ pub(super) fn qpl_path_values() -> Choices<QplPath> {
     ])
 }
 
-pub fn parse_address(text: &str) -> Result<Address, String> {
+pub(crate) fn parse_address(text: &str) -> Result<Address, String> {
     text.parse()
 }
 
@@ -27,8 +27,8 @@ pub fn parse_address(text: &str) -> Result<Address, String> {
 /// the same.
 pub(super) fn parse_channels(text: &str) -> Result<u16, String> {
     let max = tern_wire::MAX_CHANNELS;
-    match text.trim().parse::<u64>() {
-        Ok(channels) if (1..=u64::from(max)).contains(&channels) => Ok(channels as u16),
+    match text.trim().parse::<u64>().map(u16::try_from) {
+        Ok(Ok(channels)) if (1..=max).contains(&channels) => Ok(channels),
         _ => Err(format!("--channels {text} is out of range (1..={max})")),
     }
 }
@@ -87,7 +87,7 @@ pub(super) fn verify_values() -> Choices<Verify> {
 /// and docs/cli.md) but parses with the type's own `FromStr`, so that
 /// aliases and helpful errors (`zlib`, `legacy`) stay in one place.
 #[derive(Clone, Debug)]
-pub struct Choices<T> {
+pub(crate) struct Choices<T> {
     values: &'static [(&'static str, &'static str)],
     parsed: std::marker::PhantomData<fn() -> T>,
 }

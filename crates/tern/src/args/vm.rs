@@ -14,7 +14,7 @@ use crate::units::{human_bytes, parse_size};
 
 /// KVM guest commands.
 #[derive(Debug, Subcommand)]
-pub enum VmCommand {
+pub(crate) enum VmCommand {
     /// Run the test guest under KVM and report how fast it dirties memory.
     Run(RunArgs),
     /// Run the test guest and migrate it, live, to a `tern vm receive`.
@@ -33,7 +33,7 @@ pub enum VmCommand {
 }
 
 #[derive(Debug, Args)]
-pub struct ExportGuestArgs {
+pub(crate) struct ExportGuestArgs {
     /// Memory the guest dirties each pass, from 1 MiB up (baked into the
     /// code).
     #[arg(long, default_value = "4MiB", value_parser = parse_size)]
@@ -48,7 +48,7 @@ pub struct ExportGuestArgs {
 
 /// The guest VM's shape.
 #[derive(Debug, Args, Clone)]
-pub struct VmArgs {
+pub(crate) struct VmArgs {
     /// Guest RAM (binary units: 128M, 1GiB; at most 3 GiB).
     #[arg(long, default_value = "128MiB", value_parser = parse_size)]
     pub memory: u64,
@@ -66,7 +66,7 @@ pub struct VmArgs {
 
 impl VmArgs {
     /// The VMM's configuration for this shape.
-    pub fn config(&self) -> anyhow::Result<VmConfig> {
+    pub(crate) fn config(&self) -> anyhow::Result<VmConfig> {
         let pages = u32::try_from(self.working_set / tern_engine::PAGE_SIZE as u64)
             .context("--working-set is too large")?;
         anyhow::ensure!(pages > 0, "--working-set must be at least one page");
@@ -86,7 +86,7 @@ impl VmArgs {
 }
 
 #[derive(Debug, Args)]
-pub struct RunArgs {
+pub(crate) struct RunArgs {
     #[command(flatten)]
     pub vm: VmArgs,
     /// How long to run, in seconds.
@@ -98,7 +98,7 @@ pub struct RunArgs {
 }
 
 #[derive(Debug, Args)]
-pub struct MigrateArgs {
+pub(crate) struct MigrateArgs {
     /// Destination: HOST:PORT, tcp:HOST:PORT, tcp::PORT (this machine) or
     /// unix:PATH.
     #[arg(long, value_parser = super::values::parse_address)]
@@ -129,7 +129,7 @@ pub struct MigrateArgs {
 }
 
 #[derive(Debug, Args)]
-pub struct ReceiveArgs {
+pub(crate) struct ReceiveArgs {
     #[command(flatten)]
     pub listen: super::ListenArgs,
     /// How long to let the guest run on here before reporting and exiting,
@@ -142,7 +142,7 @@ pub struct ReceiveArgs {
 }
 
 #[derive(Debug, Args)]
-pub struct DemoArgs {
+pub(crate) struct DemoArgs {
     #[command(flatten)]
     pub vm: VmArgs,
     /// How long the guest runs before the migration starts, in

@@ -11,7 +11,7 @@ use crate::args::agent::AgentArgs;
 
 /// Runs the agent until SIGINT or SIGTERM. Migrations that joined go on at
 /// their last share when it stops, and rejoin the next agent on the path.
-pub fn run(args: &AgentArgs) -> anyhow::Result<ExitCode> {
+pub(crate) fn run(args: &AgentArgs) -> anyhow::Result<ExitCode> {
     // Before any thread starts, so that every thread inherits the mask and
     // the signals wait for `sigwait` below.
     let signals = block_stop_signals()?;
@@ -38,7 +38,7 @@ pub fn run(args: &AgentArgs) -> anyhow::Result<ExitCode> {
     let waited = unsafe { libc::sigwait(&signals, &mut signal) };
     anyhow::ensure!(waited == 0, "sigwait failed: {waited}");
     tracing::info!("signal {signal}: the agent stops; its migrations go on at their shares");
-    Ok(ExitCode::from(128 + signal as u8))
+    Ok(ExitCode::from(crate::session::signal_exit_code(signal)))
 }
 
 /// Blocks SIGINT and SIGTERM in this thread (and the threads it starts);

@@ -17,7 +17,7 @@ use crate::report::print_json;
 use crate::session::{destination_guest, spawn_local_destination};
 
 /// `tern bench ...`.
-pub fn run(command: BenchCommand) -> anyhow::Result<ExitCode> {
+pub(crate) fn run(command: BenchCommand) -> anyhow::Result<ExitCode> {
     match command {
         BenchCommand::Migrate(args) => bench_migrate(&args),
         BenchCommand::Zero(args) => bench_zero(&args),
@@ -661,7 +661,7 @@ fn median_figures(all: &[RunFigures]) -> RunFigures {
 }
 
 /// CPU model, core count and memory, for the record.
-pub fn machine_name() -> String {
+pub(crate) fn machine_name() -> String {
     let cpu = std::fs::read_to_string("/proc/cpuinfo")
         .ok()
         .and_then(|text| {

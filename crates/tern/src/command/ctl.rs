@@ -13,10 +13,10 @@ use serde_json::{Map, Value, json};
 use crate::args::ctl::CtlArgs;
 
 /// Exit status when the socket refused the command (its error on stderr).
-pub const REFUSED: u8 = 1;
+pub(crate) const REFUSED: u8 = 1;
 
 /// `tern ctl`.
-pub fn run(args: &CtlArgs) -> anyhow::Result<ExitCode> {
+pub(crate) fn run(args: &CtlArgs) -> anyhow::Result<ExitCode> {
     let stream = UnixStream::connect(&args.socket)
         .with_context(|| format!("cannot connect to {}", args.socket.display()))?;
     let timeout = Duration::from_secs(args.timeout.max(1));
@@ -146,7 +146,7 @@ fn describe(error: &Value) -> String {
 }
 
 /// NAME=VALUE pairs as a JSON object.
-pub fn parse_arguments(pairs: &[String]) -> anyhow::Result<Value> {
+pub(crate) fn parse_arguments(pairs: &[String]) -> anyhow::Result<Value> {
     let mut arguments = Map::new();
     for pair in pairs {
         let Some((name, value)) = pair.split_once('=') else {

@@ -21,7 +21,7 @@ use crate::session::{self, Incomplete};
 
 /// What `tern demo` and `tern vm demo` differ in: the guests at both ends,
 /// and what proves the migration on the destination.
-pub trait Rehearsal {
+pub(crate) trait Rehearsal {
     /// The guest migrated.
     type Source: SourceGuest;
     /// The guest received, in the destination's thread.
@@ -70,7 +70,7 @@ pub trait Rehearsal {
 }
 
 /// `tern demo`.
-pub fn run(args: &DemoArgs, verbose: bool) -> anyhow::Result<ExitCode> {
+pub(crate) fn run(args: &DemoArgs, verbose: bool) -> anyhow::Result<ExitCode> {
     rehearse(
         &mut SyntheticRehearsal { args },
         &args.transfer,
@@ -81,7 +81,7 @@ pub fn run(args: &DemoArgs, verbose: bool) -> anyhow::Result<ExitCode> {
 
 /// Runs a demo: the source's settings from `transfer` (with a throwaway CA
 /// when `tls`), a destination in a thread, the migration, the proof.
-pub fn rehearse<R: Rehearsal>(
+pub(crate) fn rehearse<R: Rehearsal>(
     rehearsal: &mut R,
     transfer: &TransferArgs,
     tls: bool,

@@ -12,7 +12,7 @@ use serde::Serialize;
 /// How a topic stands on this machine.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "kebab-case")]
-pub enum Status {
+pub(crate) enum Status {
     /// Present and usable.
     Ok,
     /// Usable with a restriction worth knowing.
@@ -33,7 +33,7 @@ impl Status {
 
 /// One line of the report.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize)]
-pub struct Finding {
+pub(crate) struct Finding {
     /// What was checked: `kvm`, `dsa`, `iaa`, `qpl`, `ktls`, `io-uring`,
     /// `memlock`, `thp`, `numa`, `cpu`.
     pub topic: &'static str,
@@ -63,7 +63,7 @@ impl Finding {
 }
 
 /// Runs every check on this machine.
-pub fn examine() -> Vec<Finding> {
+pub(crate) fn examine() -> Vec<Finding> {
     let cpu_flags = read("/proc/cpuinfo")
         .and_then(|text| {
             text.lines()
@@ -105,7 +105,7 @@ pub fn examine() -> Vec<Finding> {
 }
 
 /// Prints the findings as a table, or as one JSON document.
-pub fn print(findings: &[Finding], json: bool) -> anyhow::Result<()> {
+pub(crate) fn print(findings: &[Finding], json: bool) -> anyhow::Result<()> {
     if json {
         let document = serde_json::json!({ "findings": findings });
         println!("{}", serde_json::to_string_pretty(&document)?);
@@ -152,7 +152,7 @@ fn kvm_access() -> Result<(), String> {
 
 /// Whether guests can run, and how fast: natively with VT-x/AMD-V, or under
 /// PVM, where a guest that is not paravirtualized is emulated.
-pub fn kvm_finding(
+pub(crate) fn kvm_finding(
     access: Result<(), String>,
     kvm_modules: &[&str],
     cpu_flags: &[&str],
@@ -195,7 +195,7 @@ pub fn kvm_finding(
 }
 
 /// The CPU instructions the DSA path submits and waits with.
-pub fn cpu_finding(movdir64b: bool, enqcmd: bool, waitpkg: bool) -> Finding {
+pub(crate) fn cpu_finding(movdir64b: bool, enqcmd: bool, waitpkg: bool) -> Finding {
     let yes_no = |present: bool| if present { "yes" } else { "no" };
     let detail = format!(
         "MOVDIR64B {}, ENQCMD {}, WAITPKG {}",
@@ -268,7 +268,7 @@ const SVA_FIX: &str = "enable VT-d in the firmware (BIOS), add intel_iommu=on,sm
 
 /// Shared virtual addressing, which user work queues need: the IOMMU in
 /// scalable mode, seen as each device's `pasid_enabled`.
-pub fn iommu_finding(cmdline: Option<&str>, devices: &[(String, Option<bool>)]) -> Finding {
+pub(crate) fn iommu_finding(cmdline: Option<&str>, devices: &[(String, Option<bool>)]) -> Finding {
     let asked = cmdline.is_some_and(cmdline_has_scalable_mode);
     let off: Vec<&str> = devices
         .iter()
@@ -340,7 +340,7 @@ fn has_cap_sys_rawio() -> bool {
 }
 
 /// CAP_SYS_RAWIO, which Sapphire and Emerald Rapids need for the fast path.
-pub fn rawio_finding(cap_sys_rawio: bool) -> Finding {
+pub(crate) fn rawio_finding(cap_sys_rawio: bool) -> Finding {
     if cap_sys_rawio {
         return Finding::new(
             "rawio",
@@ -454,7 +454,7 @@ fn no_dsa_queue_finding(sysfs_root: &Path) -> Finding {
 }
 
 /// DSA work queues tern can open, and how it would submit to each.
-pub fn dsa_finding(sysfs_root: &Path, dev_root: &Path) -> Finding {
+pub(crate) fn dsa_finding(sysfs_root: &Path, dev_root: &Path) -> Finding {
     if !sysfs_root.exists() {
         return Finding::new(
             "dsa",
@@ -533,7 +533,7 @@ fn is_read_write(path: &Path) -> bool {
 
 /// IAA work queues for QPL's hardware path: QPL submits to shared user
 /// queues it can open.
-pub fn iaa_finding(sysfs_root: &Path, dev_root: &Path) -> Finding {
+pub(crate) fn iaa_finding(sysfs_root: &Path, dev_root: &Path) -> Finding {
     let queues = match tern_dsa::discover_iaa_work_queues(sysfs_root, dev_root) {
         Ok(queues) => queues,
         Err(error @ tern_dsa::DsaError::NoSva { .. }) => {
@@ -627,7 +627,7 @@ fn libaccel_config_loads() -> bool {
 }
 
 /// libaccel-config, through which QPL finds IAA queues.
-pub fn accel_config_finding(loads: bool) -> Finding {
+pub(crate) fn accel_config_finding(loads: bool) -> Finding {
     if loads {
         return Finding::new("accel-config", Status::Ok, "libaccel-config loads");
     }
@@ -648,7 +648,7 @@ fn qpl_hardware_probe() -> Result<(), String> {
 }
 
 /// Whether QPL's hardware path initialises.
-pub fn qpl_hardware_finding(probe: Result<(), String>) -> Finding {
+pub(crate) fn qpl_hardware_finding(probe: Result<(), String>) -> Finding {
     match probe {
         Ok(()) => Finding::new(
             "qpl-hw",
@@ -662,7 +662,7 @@ pub fn qpl_hardware_finding(probe: Result<(), String>) -> Finding {
 }
 
 /// The QPL library that `--compression qpl` loads at run time.
-pub fn qpl_finding(available: Result<(), String>) -> Finding {
+pub(crate) fn qpl_finding(available: Result<(), String>) -> Finding {
     match available {
         Ok(()) => Finding::new("qpl", Status::Ok, "libqpl loads"),
         Err(error) => Finding::new("qpl", Status::Missing, error).fix(
@@ -686,7 +686,7 @@ fn tls_module_installed() -> bool {
 }
 
 /// Kernel TLS, which lets encrypted page data leave with one `sendmsg`.
-pub fn ktls_finding(available_ulps: Option<&str>, module_installed: bool) -> Finding {
+pub(crate) fn ktls_finding(available_ulps: Option<&str>, module_installed: bool) -> Finding {
     let ulps = available_ulps.unwrap_or("").trim();
     if ulps.split_whitespace().any(|ulp| ulp == "tls") {
         return Finding::new("ktls", Status::Ok, format!("TCP ULPs: {ulps}"));
@@ -708,7 +708,7 @@ pub fn ktls_finding(available_ulps: Option<&str>, module_installed: bool) -> Fin
 }
 
 /// io_uring `SENDMSG_ZC`, one of the two zero-copy backends.
-pub fn io_uring_finding(available: Result<(), String>) -> Finding {
+pub(crate) fn io_uring_finding(available: Result<(), String>) -> Finding {
     match available {
         Ok(()) => Finding::new("io-uring", Status::Ok, "SENDMSG_ZC supported"),
         Err(error) => Finding::new("io-uring", Status::Missing, error)
@@ -727,7 +727,7 @@ fn memlock_limit() -> Option<u64> {
 /// Zero-copy keeps sent pages pinned until the NIC is done with them, and
 /// the kernel charges them to `RLIMIT_MEMLOCK`. 16 MiB per channel is what
 /// the engine prefers; `None` is unlimited.
-pub fn memlock_finding(limit: Option<u64>, cap_ipc_lock: bool) -> Finding {
+pub(crate) fn memlock_finding(limit: Option<u64>, cap_ipc_lock: bool) -> Finding {
     const PREFERRED_PER_CHANNEL: u64 = 16 << 20;
     const SMALLEST_WINDOW: u64 = 256 << 10;
     if cap_ipc_lock || limit.is_none() {
@@ -774,7 +774,7 @@ pub fn memlock_finding(limit: Option<u64>, cap_ipc_lock: bool) -> Finding {
 }
 
 /// Transparent huge pages decide what a destination's first touch costs.
-pub fn thp_finding(enabled: Option<&str>) -> Finding {
+pub(crate) fn thp_finding(enabled: Option<&str>) -> Finding {
     let Some(text) = enabled else {
         return Finding::new(
             "thp",
@@ -803,7 +803,7 @@ pub fn thp_finding(enabled: Option<&str>) -> Finding {
 }
 
 /// NUMA nodes, for placing channels and accelerators.
-pub fn numa_finding(online: Option<&str>) -> Finding {
+pub(crate) fn numa_finding(online: Option<&str>) -> Finding {
     let Some(online) = online.map(str::trim).filter(|text| !text.is_empty()) else {
         return Finding::new("numa", Status::Ok, "no NUMA information (one node assumed)");
     };

@@ -19,7 +19,7 @@ use crate::session::{self, Incomplete};
 
 /// What `tern migrate` and `tern vm migrate` differ in: the guest, and
 /// what is reported with the engine's statistics.
-pub trait Departure {
+pub(crate) trait Departure {
     /// The guest migrated.
     type Guest: SourceGuest;
 
@@ -41,7 +41,7 @@ pub trait Departure {
 }
 
 /// The options every migrating command has.
-pub struct Departing<'a> {
+pub(crate) struct Departing<'a> {
     /// `--to`.
     pub to: &'a Address,
     /// `--auth-key`, `--tls-dir`, `--tls-hostname`.
@@ -57,7 +57,7 @@ pub struct Departing<'a> {
 }
 
 /// `tern migrate`.
-pub fn run(args: &MigrateArgs, verbose: bool) -> anyhow::Result<ExitCode> {
+pub(crate) fn run(args: &MigrateArgs, verbose: bool) -> anyhow::Result<ExitCode> {
     let departing = Departing {
         to: &args.to,
         security: &args.security,
@@ -70,7 +70,7 @@ pub fn run(args: &MigrateArgs, verbose: bool) -> anyhow::Result<ExitCode> {
 }
 
 /// Migrates the guest `departure` starts to `departing.to`.
-pub fn depart<D: Departure>(
+pub(crate) fn depart<D: Departure>(
     departing: &Departing<'_>,
     departure: &mut D,
     verbose: bool,

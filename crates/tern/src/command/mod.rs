@@ -4,24 +4,24 @@
 //! `tern vm demo` are `receive`'s and `demo`'s implementations with a KVM
 //! guest.
 
-pub mod agent;
-pub mod bench;
-pub mod ctl;
-pub mod demo;
-pub mod doctor;
-pub mod migrate;
-pub mod receive;
-pub mod restore;
-pub mod save;
-pub mod serve_pages;
-pub mod vm;
+pub(crate) mod agent;
+pub(crate) mod bench;
+pub(crate) mod ctl;
+pub(crate) mod demo;
+pub(crate) mod doctor;
+pub(crate) mod migrate;
+pub(crate) mod receive;
+pub(crate) mod restore;
+pub(crate) mod save;
+pub(crate) mod serve_pages;
+pub(crate) mod vm;
 
 use std::process::ExitCode;
 
 use crate::args::Command;
 
 /// Runs `command`.
-pub fn dispatch(command: Command, verbose: bool) -> anyhow::Result<ExitCode> {
+pub(crate) fn dispatch(command: Command, verbose: bool) -> anyhow::Result<ExitCode> {
     match command {
         Command::Demo(args) => demo::run(&args, verbose),
         Command::Migrate(args) => migrate::run(&args, verbose),

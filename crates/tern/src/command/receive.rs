@@ -24,7 +24,7 @@ use crate::steering::Steering;
 /// What `tern receive` and `tern vm receive` differ in: the guest built for
 /// the layout the source announces, and what is checked and reported once
 /// it runs here.
-pub trait Arrival {
+pub(crate) trait Arrival {
     /// The guest received.
     type Guest: DestinationGuest + GuestControl;
 
@@ -47,7 +47,7 @@ pub trait Arrival {
 }
 
 /// The options every receiving command has.
-pub struct Serving<'a> {
+pub(crate) struct Serving<'a> {
     /// Where and how to wait.
     pub listen: &'a ListenArgs,
     /// `--json`: one document instead of the summary.
@@ -57,7 +57,7 @@ pub struct Serving<'a> {
 }
 
 /// `tern receive`.
-pub fn run(args: &ReceiveArgs) -> anyhow::Result<ExitCode> {
+pub(crate) fn run(args: &ReceiveArgs) -> anyhow::Result<ExitCode> {
     let serving = Serving {
         listen: &args.listen,
         json: args.json,
@@ -68,7 +68,7 @@ pub fn run(args: &ReceiveArgs) -> anyhow::Result<ExitCode> {
 
 /// Serves incoming migrations (one, or with `--keep-listening` one after
 /// another), each steered and joined to the agent as the options say.
-pub fn serve(serving: &Serving<'_>, arrival: &impl Arrival) -> anyhow::Result<ExitCode> {
+pub(crate) fn serve(serving: &Serving<'_>, arrival: &impl Arrival) -> anyhow::Result<ExitCode> {
     let steering = Steering::start(&serving.listen.steering)?;
     session::serve_sessions(serving.listen, |destination, listener| {
         steering.steer(&Target::Destination(destination.handle()));

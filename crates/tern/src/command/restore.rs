@@ -77,12 +77,12 @@ impl Restorable for KvmGuest {
 }
 
 /// `tern restore`: a synthetic guest.
-pub fn restore(args: &RestoreArgs) -> anyhow::Result<ExitCode> {
+pub(crate) fn restore(args: &RestoreArgs) -> anyhow::Result<ExitCode> {
     run::<SyntheticGuest>(args)
 }
 
 /// `tern vm restore`: the KVM test guest.
-pub fn vm_restore(args: &RestoreArgs) -> anyhow::Result<ExitCode> {
+pub(crate) fn vm_restore(args: &RestoreArgs) -> anyhow::Result<ExitCode> {
     run::<KvmGuest>(args)
 }
 

@@ -28,7 +28,7 @@ struct SaveReport {
 }
 
 /// `tern save`: a synthetic guest built from the arguments, saved.
-pub fn save(args: &SaveArgs) -> anyhow::Result<ExitCode> {
+pub(crate) fn save(args: &SaveArgs) -> anyhow::Result<ExitCode> {
     args.guest.check()?;
     session::check_memory_fits(args.guest.resident_estimate(), "the guest")?;
     let mut guest = SyntheticGuest::new(&args.guest.synthetic_config())
@@ -39,7 +39,7 @@ pub fn save(args: &SaveArgs) -> anyhow::Result<ExitCode> {
 }
 
 /// `tern vm save`: the KVM test guest booted, run, saved.
-pub fn vm_save(args: &VmSaveArgs) -> anyhow::Result<ExitCode> {
+pub(crate) fn vm_save(args: &VmSaveArgs) -> anyhow::Result<ExitCode> {
     let mut guest = session::start_kvm_guest(&args.vm, 1)?;
     std::thread::sleep(Duration::from_millis(args.file.warmup));
     let stats = save_guest(&mut guest, &args.file)?;

@@ -32,7 +32,7 @@ struct ServeReport {
     stats: FaultStats,
 }
 
-pub fn serve(args: &ServePagesArgs) -> anyhow::Result<ExitCode> {
+pub(crate) fn serve(args: &ServePagesArgs) -> anyhow::Result<ExitCode> {
     // Before anything else: a signal must always end the serving cleanly.
     let stop = Arc::new(AtomicBool::new(false));
     let on_signal = Arc::clone(&stop);

@@ -5,7 +5,7 @@
 static INTERRUPTED_BY: std::sync::atomic::AtomicI32 = std::sync::atomic::AtomicI32::new(0);
 
 /// The signal that interrupted the command, if one did.
-pub fn interrupted_by() -> Option<i32> {
+pub(crate) fn interrupted_by() -> Option<i32> {
     match INTERRUPTED_BY.load(std::sync::atomic::Ordering::Relaxed) {
         0 => None,
         signal => Some(signal),
@@ -14,7 +14,7 @@ pub fn interrupted_by() -> Option<i32> {
 
 /// Runs `on_interrupt` once on SIGINT or SIGTERM, from a thread of its own
 /// (the handler itself only records the signal and writes to a pipe).
-pub fn install_interrupt_handler(on_interrupt: impl FnOnce() + Send + 'static) {
+pub(crate) fn install_interrupt_handler(on_interrupt: impl FnOnce() + Send + 'static) {
     use std::io::Read;
     use std::os::fd::FromRawFd;
     static WRITE_FD: std::sync::atomic::AtomicI32 = std::sync::atomic::AtomicI32::new(-1);

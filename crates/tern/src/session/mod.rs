@@ -21,8 +21,8 @@ use tern_synthetic::SyntheticGuest;
 use tern_vmm::KvmGuest;
 use tern_wire::SessionSetup;
 
-pub use interrupt::{install_interrupt_handler, interrupted_by};
-pub use outcome::{Incomplete, exit_code, source_guest_after};
+pub(crate) use interrupt::{install_interrupt_handler, interrupted_by};
+pub(crate) use outcome::{Incomplete, exit_code, signal_exit_code, source_guest_after};
 
 use crate::args::transfer::DeltaOffloadChoice;
 use crate::args::vm::VmArgs;
@@ -33,7 +33,7 @@ use crate::units::human_bytes;
 /// The engine's settings `--...` ask for, with the offload devices they
 /// name opened: the conversion itself is pure
 /// ([`TransferArgs::migration_settings`]); only this opens devices.
-pub fn migration_config(transfer: &TransferArgs) -> anyhow::Result<MigrationConfig> {
+pub(crate) fn migration_config(transfer: &TransferArgs) -> anyhow::Result<MigrationConfig> {
     let mut config = transfer.migration_settings()?;
     attach_offloads(transfer, &mut config)?;
     Ok(config)
@@ -83,7 +83,7 @@ fn attach_offloads(transfer: &TransferArgs, config: &mut MigrationConfig) -> any
 
 /// Binds the listener `--listen` names and builds the destination's
 /// settings, its security included.
-pub fn bind(listen: &ListenArgs) -> anyhow::Result<(Listener, ReceiveConfig)> {
+pub(crate) fn bind(listen: &ListenArgs) -> anyhow::Result<(Listener, ReceiveConfig)> {
     // Refused before binding: a refusal must not have held the port.
     listen.security.check_before_bind(&listen.listen)?;
     let listener = Listener::bind(&listen.listen)
@@ -104,7 +104,7 @@ pub fn bind(listen: &ListenArgs) -> anyhow::Result<(Listener, ReceiveConfig)> {
 
 /// Starts the KVM test guest; `ends` is how many copies of its memory this
 /// process will hold (2 when the destination runs here too).
-pub fn start_kvm_guest(vm: &VmArgs, ends: u64) -> anyhow::Result<KvmGuest> {
+pub(crate) fn start_kvm_guest(vm: &VmArgs, ends: u64) -> anyhow::Result<KvmGuest> {
     let config = vm.config()?;
     let what = if ends > 1 {
         format!(
@@ -121,7 +121,7 @@ pub fn start_kvm_guest(vm: &VmArgs, ends: u64) -> anyhow::Result<KvmGuest> {
 /// Refuses a guest that this machine cannot hold: better a clear error now
 /// than the OOM killer minutes later. `need` is the memory the command
 /// will touch; `what` says why, for the message.
-pub fn check_memory_fits(need: u64, what: &str) -> anyhow::Result<()> {
+pub(crate) fn check_memory_fits(need: u64, what: &str) -> anyhow::Result<()> {
     let Some(available) = memory_available() else {
         return Ok(());
     };
@@ -146,7 +146,7 @@ fn memory_available() -> Option<u64> {
 }
 
 /// Builds a destination guest of the layout the source announces.
-pub fn destination_guest(setup: &SessionSetup) -> Result<SyntheticGuest, GuestError> {
+pub(crate) fn destination_guest(setup: &SessionSetup) -> Result<SyntheticGuest, GuestError> {
     check_memory_fits(
         setup.total_bytes(),
         &format!("a {} guest", human_bytes(setup.total_bytes())),
@@ -158,7 +158,7 @@ pub fn destination_guest(setup: &SessionSetup) -> Result<SyntheticGuest, GuestEr
 }
 
 /// A destination running in a thread of this process.
-pub struct LocalDestination<G> {
+pub(crate) struct LocalDestination<G> {
     thread: std::thread::JoinHandle<anyhow::Result<Received<G>>>,
     cancel: CancelToken,
 }
@@ -167,7 +167,7 @@ impl<G> LocalDestination<G> {
     /// Waits for the destination; when the source failed (`source_ok`
     /// false) it is cancelled first, so it does not wait for a source that
     /// will never come.
-    pub fn finish(self, source_ok: bool) -> anyhow::Result<Received<G>> {
+    pub(crate) fn finish(self, source_ok: bool) -> anyhow::Result<Received<G>> {
         if !source_ok {
             self.cancel.cancel();
         }
@@ -179,7 +179,7 @@ impl<G> LocalDestination<G> {
 
 /// Runs a destination in a thread of this process; `make_guest` builds
 /// its guest for the layout the source announces.
-pub fn spawn_local_destination<G, F>(
+pub(crate) fn spawn_local_destination<G, F>(
     listener: Listener,
     config: ReceiveConfig,
     make_guest: F,
@@ -199,7 +199,7 @@ where
 }
 
 /// Waits until the resumed guest has dirtied memory, or gives up.
-pub fn guest_keeps_running(guest: &SyntheticGuest, within: Duration) -> bool {
+pub(crate) fn guest_keeps_running(guest: &SyntheticGuest, within: Duration) -> bool {
     let before = guest.dirtied_pages();
     let deadline = std::time::Instant::now() + within;
     while std::time::Instant::now() < deadline {
@@ -214,7 +214,11 @@ pub fn guest_keeps_running(guest: &SyntheticGuest, within: Duration) -> bool {
 /// The statistics of a failed migration: the JSON document with `--json`
 /// (scripts read `status` and `error`), the table only with `-v`; the cause
 /// itself is the one `tern: error:` line.
-pub fn report_failure(stats: &MigrationStats, json: bool, verbose: bool) -> anyhow::Result<()> {
+pub(crate) fn report_failure(
+    stats: &MigrationStats,
+    json: bool,
+    verbose: bool,
+) -> anyhow::Result<()> {
     if json {
         print_json(stats)?;
     } else if verbose {
@@ -226,7 +230,7 @@ pub fn report_failure(stats: &MigrationStats, json: bool, verbose: bool) -> anyh
 /// Checks the options, and the options against the destination's
 /// transport, before anything is built or connected; the engine names its
 /// config fields, this names the command-line options for them.
-pub fn check_config(config: &MigrationConfig, to: &Address) -> anyhow::Result<()> {
+pub(crate) fn check_config(config: &MigrationConfig, to: &Address) -> anyhow::Result<()> {
     config
         .validate()
         .and_then(|()| config.check_address(to))
@@ -257,7 +261,7 @@ fn option_for(field: &str) -> String {
 }
 
 /// Creates the synthetic guest, showing the fill's progress.
-pub fn fill_guest(args: &GuestArgs) -> anyhow::Result<SyntheticGuest> {
+pub(crate) fn fill_guest(args: &GuestArgs) -> anyhow::Result<SyntheticGuest> {
     let config = args.synthetic_config();
     let guest = crate::report::with_fill_progress(config.memory_bytes, |filled| {
         SyntheticGuest::new_with_fill_progress(&config, filled)
@@ -273,7 +277,7 @@ pub fn fill_guest(args: &GuestArgs) -> anyhow::Result<SyntheticGuest> {
 /// `--keep-listening` one after another until SIGINT or SIGTERM, reporting
 /// each failed one on stderr and waiting for the next. `session` receives one
 /// migration with the destination it is given.
-pub fn serve_sessions(
+pub(crate) fn serve_sessions(
     listen: &ListenArgs,
     mut session: impl FnMut(&Destination, &Listener) -> anyhow::Result<ExitCode>,
 ) -> anyhow::Result<ExitCode> {

@@ -12,7 +12,7 @@ use super::interrupt::interrupted_by;
 /// command cancelled it, or 128 + the signal that cancelled it; any other
 /// error is a usage or setup error ([`exit::USAGE`]).
 #[derive(Debug)]
-pub struct Incomplete(pub String);
+pub(crate) struct Incomplete(pub String);
 
 impl std::fmt::Display for Incomplete {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -22,18 +22,18 @@ impl std::fmt::Display for Incomplete {
 
 impl Incomplete {
     /// A failed or cancelled migration whose cause is `error`.
-    pub fn error(error: impl Into<anyhow::Error>, what: impl Into<String>) -> anyhow::Error {
+    pub(crate) fn error(error: impl Into<anyhow::Error>, what: impl Into<String>) -> anyhow::Error {
         error.into().context(Self(what.into()))
     }
 
     /// A failed source migration, with the exit status its report implies.
-    pub fn source(failure: tern_engine::MigrationFailure, what: &str) -> anyhow::Error {
+    pub(crate) fn source(failure: tern_engine::MigrationFailure, what: &str) -> anyhow::Error {
         Self::source_error(failure.error, what, &failure.stats)
     }
 
     /// A source's `error`, with `stats` its report: a [`NothingSent`] when
     /// it failed before anything was sent.
-    pub fn source_error(
+    pub(crate) fn source_error(
         error: MigrationError,
         what: &str,
         stats: &MigrationStats,
@@ -55,7 +55,7 @@ impl Incomplete {
 /// not be reached, or the handshake with it failed. The source guest runs
 /// on.
 #[derive(Debug)]
-pub struct NothingSent;
+pub(super) struct NothingSent;
 
 impl std::fmt::Display for NothingSent {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -64,29 +64,29 @@ impl std::fmt::Display for NothingSent {
 }
 
 /// tern's exit statuses (docs/cli.md, "Exit status").
-pub mod exit {
+pub(super) mod exit {
     /// It failed mid-migration; the source guest runs on.
-    pub const FAILED: u8 = 1;
+    pub(crate) const FAILED: u8 = 1;
     /// A usage or setup error: nothing was started.
-    pub const USAGE: u8 = 2;
+    pub(crate) const USAGE: u8 = 2;
     /// The source committed and the destination did not confirm: the source
     /// guest stays paused, the outcome is unknown.
-    pub const OUTCOME_UNKNOWN: u8 = 3;
+    pub(crate) const OUTCOME_UNKNOWN: u8 = 3;
     /// Nothing was sent: the destination could not be reached, or it did
     /// not complete the handshake (not a tern destination, refused, timed
     /// out). The source guest runs on.
-    pub const NOTHING_SENT: u8 = 4;
+    pub(crate) const NOTHING_SENT: u8 = 4;
     /// Cancelled by a control command (`migrate_cancel`); the source guest
     /// runs on.
-    pub const CANCELLED: u8 = 5;
+    pub(crate) const CANCELLED: u8 = 5;
     /// Postcopy failed after the point of no return (or its digests
     /// differed): the guest no longer runs on the source, which stays
     /// paused; see the error line for where the guest is.
-    pub const POSTCOPY_FAILED: u8 = 6;
+    pub(crate) const POSTCOPY_FAILED: u8 = 6;
 }
 
 /// The exit status for an error: see [`Incomplete`] and docs/cli.md.
-pub fn exit_code(error: &anyhow::Error) -> u8 {
+pub(crate) fn exit_code(error: &anyhow::Error) -> u8 {
     let cause_is = |test: fn(&MigrationError) -> bool| {
         error
             .chain()
@@ -94,7 +94,7 @@ pub fn exit_code(error: &anyhow::Error) -> u8 {
     };
     if error.downcast_ref::<NothingSent>().is_some() {
         match interrupted_by() {
-            Some(signal) => 128 + signal as u8,
+            Some(signal) => signal_exit_code(signal),
             None => exit::NOTHING_SENT,
         }
     } else if error.downcast_ref::<Incomplete>().is_none() {
@@ -109,7 +109,7 @@ pub fn exit_code(error: &anyhow::Error) -> u8 {
     }) {
         exit::POSTCOPY_FAILED
     } else if let Some(signal) = interrupted_by() {
-        128 + signal as u8
+        signal_exit_code(signal)
     } else if cause_is(|error| matches!(error, MigrationError::Cancelled)) {
         exit::CANCELLED
     } else {
@@ -117,8 +117,14 @@ pub fn exit_code(error: &anyhow::Error) -> u8 {
     }
 }
 
+/// The shell's exit status for a process ended by `signal`: 128 plus the
+/// signal's number (signals are 1..=64, so it fits; past that, 255).
+pub(crate) fn signal_exit_code(signal: i32) -> u8 {
+    u8::try_from(signal.saturating_add(128)).unwrap_or(u8::MAX)
+}
+
 /// What became of the source guest after `error`, for the one error line.
-pub fn source_guest_after(error: &MigrationError) -> &'static str {
+pub(crate) fn source_guest_after(error: &MigrationError) -> &'static str {
     if matches!(error, MigrationError::OutcomeUnknown(_)) {
         "the switch-over's outcome is unknown; the source guest stays paused"
     } else if matches!(error, MigrationError::PostcopyFailed { .. }) {

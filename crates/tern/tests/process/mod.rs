@@ -4,13 +4,13 @@
 use std::process::{Command, Output};
 
 /// The `tern` binary built for these tests.
-pub fn tern() -> Command {
+pub(crate) fn tern() -> Command {
     Command::new(env!("CARGO_BIN_EXE_tern"))
 }
 
 /// A command's stdout as JSON, with both streams in the panic message when
 /// it is not.
-pub fn json(output: &Output) -> serde_json::Value {
+pub(crate) fn json(output: &Output) -> serde_json::Value {
     serde_json::from_slice(&output.stdout).unwrap_or_else(|error| {
         panic!(
             "stdout is not JSON ({error}):\n{}\nstderr:\n{}",
@@ -22,7 +22,7 @@ pub fn json(output: &Output) -> serde_json::Value {
 
 /// The stdout of a command run with `--events`: its first line, a JSON
 /// event (docs/cli.md, "Events"), and the bytes after it (the report).
-pub fn event_and_rest(output: &Output) -> (serde_json::Value, &[u8]) {
+pub(crate) fn event_and_rest(output: &Output) -> (serde_json::Value, &[u8]) {
     let stdout = &output.stdout;
     let end = stdout
         .iter()
@@ -39,7 +39,7 @@ pub fn event_and_rest(output: &Output) -> (serde_json::Value, &[u8]) {
 
 /// Reads one line from a child's stdout (blocking until it comes, or an
 /// empty string if the child exits first) and parses it as an event.
-pub fn read_event(stdout: &mut impl std::io::BufRead) -> serde_json::Value {
+pub(crate) fn read_event(stdout: &mut impl std::io::BufRead) -> serde_json::Value {
     let mut line = String::new();
     stdout.read_line(&mut line).unwrap();
     serde_json::from_str(&line)
@@ -47,7 +47,7 @@ pub fn read_event(stdout: &mut impl std::io::BufRead) -> serde_json::Value {
 }
 
 /// A TCP port of 127.0.0.1 that was free a moment ago.
-pub fn free_port() -> u16 {
+pub(crate) fn free_port() -> u16 {
     std::net::TcpListener::bind("127.0.0.1:0")
         .unwrap()
         .local_addr()
@@ -57,7 +57,7 @@ pub fn free_port() -> u16 {
 
 /// A `tern receive` or `tern vm receive` started on a port the system
 /// picked, known from its ready event (docs/cli.md, "Events").
-pub struct Receiver {
+pub(crate) struct Receiver {
     pub child: std::process::Child,
     /// The event's `address`: what `--to` takes.
     pub address: String,
@@ -67,12 +67,12 @@ pub struct Receiver {
 impl Receiver {
     /// Runs `tern <command…> --listen 127.0.0.1:0 <extra…>` and waits for its
     /// ready event, the first line of its stdout.
-    pub fn spawn(command: &[&str], extra: &[&str]) -> Self {
+    pub(crate) fn spawn(command: &[&str], extra: &[&str]) -> Self {
         Self::spawn_at(command, "127.0.0.1:0", extra)
     }
 
     /// [`Receiver::spawn`] listening on `listen`.
-    pub fn spawn_at(command: &[&str], listen: &str, extra: &[&str]) -> Self {
+    pub(crate) fn spawn_at(command: &[&str], listen: &str, extra: &[&str]) -> Self {
         use std::io::BufRead;
         let mut child = tern()
             .args(command)
@@ -100,7 +100,7 @@ impl Receiver {
 
     /// Waits (up to a minute) for a line on the receiver's stderr that
     /// contains `needle`, and returns it. Takes the stderr pipe over.
-    pub fn stderr_line_with(&mut self, needle: &str) -> String {
+    pub(crate) fn stderr_line_with(&mut self, needle: &str) -> String {
         use std::io::BufRead;
         let pipe = self.child.stderr.take().expect("stderr not taken yet");
         let (sender, lines) = std::sync::mpsc::channel();
@@ -125,14 +125,14 @@ impl Receiver {
     }
 
     /// The bound TCP port, from the event's address.
-    pub fn port(&self) -> u16 {
+    pub(crate) fn port(&self) -> u16 {
         let (_, port) = self.address.rsplit_once(':').expect("a TCP address");
         port.parse().expect("a port number")
     }
 
     /// Waits for the receiver to exit: its status, the rest of its stdout,
     /// its stderr.
-    pub fn finish(mut self) -> (std::process::ExitStatus, Vec<u8>, String) {
+    pub(crate) fn finish(mut self) -> (std::process::ExitStatus, Vec<u8>, String) {
         use std::io::Read;
         let mut rest = Vec::new();
         self.stdout.read_to_end(&mut rest).unwrap();
@@ -146,7 +146,7 @@ impl Receiver {
 
     /// [`Receiver::finish`] for a `--json` receiver that must succeed: its
     /// report.
-    pub fn report(self) -> serde_json::Value {
+    pub(crate) fn report(self) -> serde_json::Value {
         let (status, rest, stderr) = self.finish();
         assert!(status.success(), "{status}: {stderr}");
         serde_json::from_slice(&rest).unwrap_or_else(|error| {
@@ -162,7 +162,7 @@ impl Receiver {
 /// calls (`rchar` in `/proc/PID/io`): for a receiver, proof that pages are
 /// arriving, so a test can kill it in the middle of a migration without
 /// guessing how long setup takes on a loaded machine.
-pub fn wait_until_read(child: &std::process::Child, bytes: u64) {
+pub(crate) fn wait_until_read(child: &std::process::Child, bytes: u64) {
     let path = format!("/proc/{}/io", child.id());
     let read = || -> u64 {
         let text = std::fs::read_to_string(&path).unwrap_or_default();
@@ -185,13 +185,13 @@ pub fn wait_until_read(child: &std::process::Child, bytes: u64) {
 
 /// `--tls-dir` directories made for one test (rcgen): a CA, and one
 /// directory per host with `ca.pem`, `cert.pem` and `key.pem`.
-pub struct TlsDirs {
+pub(crate) struct TlsDirs {
     root: tempfile::TempDir,
     ca: rcgen::CertifiedIssuer<'static, rcgen::KeyPair>,
 }
 
 impl TlsDirs {
-    pub fn new() -> Self {
+    pub(crate) fn new() -> Self {
         let mut params = rcgen::CertificateParams::new(Vec::<String>::new()).unwrap();
         params.is_ca = rcgen::IsCa::Ca(rcgen::BasicConstraints::Unconstrained);
         params
@@ -206,7 +206,7 @@ impl TlsDirs {
     }
 
     /// A host directory `name` with a certificate for `names`.
-    pub fn host(&self, name: &str, names: &[&str]) -> String {
+    pub(crate) fn host(&self, name: &str, names: &[&str]) -> String {
         self.write(
             name,
             rcgen::CertificateParams::new(to_strings(names)).unwrap(),
@@ -214,7 +214,7 @@ impl TlsDirs {
     }
 
     /// A host directory `name` whose certificate expired in 2021.
-    pub fn expired_host(&self, name: &str, names: &[&str]) -> String {
+    pub(crate) fn expired_host(&self, name: &str, names: &[&str]) -> String {
         let mut params = rcgen::CertificateParams::new(to_strings(names)).unwrap();
         params.not_before = rcgen::date_time_ymd(2020, 1, 1);
         params.not_after = rcgen::date_time_ymd(2021, 1, 1);
@@ -238,7 +238,7 @@ fn to_strings(names: &[&str]) -> Vec<String> {
 }
 
 /// Whether this kernel offers kernel TLS (the `tls` upper-layer protocol).
-pub fn kernel_has_tls() -> bool {
+pub(crate) fn kernel_has_tls() -> bool {
     std::fs::read_to_string("/proc/sys/net/ipv4/tcp_available_ulp")
         .unwrap_or_default()
         .split_whitespace()
@@ -247,7 +247,7 @@ pub fn kernel_has_tls() -> bool {
 
 /// Checks a JSON report's `transport`, `tls` and `authenticated` for a
 /// TCP session over mutual TLS (docs/cli.md).
-pub fn assert_reports_tls(report: &serde_json::Value) {
+pub(crate) fn assert_reports_tls(report: &serde_json::Value) {
     assert_eq!(report["transport"], "tcp", "{report}");
     assert_eq!(report["authenticated"], true, "{report}");
     let tls = &report["tls"];

@@ -77,7 +77,9 @@ pub fn measure_cpu_per_gib(
     let expected = batches * (batch_bytes + HEADER) as u64;
     let (mut channel, reader) = loopback_with_reader(expected)?;
 
-    let memory: Vec<u8> = (0..BUFFER).map(|i| (i / KERNEL_PAGE) as u8).collect();
+    let memory: Vec<u8> = (0..BUFFER)
+        .map(|i| crate::numeric::low_byte((i / KERNEL_PAGE) as u64))
+        .collect();
     let header = [0x5au8; HEADER];
     // `None` sends with plain `sendmsg`.
     let mut sender: Option<Box<dyn ZeroCopyTransport>> =
@@ -96,7 +98,7 @@ pub fn measure_cpu_per_gib(
     let thread_start = crate::stats::thread_cpu_seconds();
     let wall = Instant::now();
     for batch in 0..batches {
-        let offset = (batch as usize * batch_bytes) % BUFFER;
+        let offset = (crate::numeric::saturating_usize(batch) * batch_bytes) % BUFFER;
         let page = Segment {
             // `offset + batch_bytes <= BUFFER` since BUFFER is a multiple.
             ptr: memory[offset..].as_ptr(),
@@ -156,7 +158,7 @@ fn loopback_with_reader(
         let mut buffer = vec![0u8; 1 << 20];
         let mut left = expected;
         while left > 0 {
-            let chunk = left.min(buffer.len() as u64) as usize;
+            let chunk = crate::numeric::saturating_usize(left.min(buffer.len() as u64));
             peer.read_exact(&mut buffer[..chunk])?;
             left -= chunk as u64;
         }

@@ -488,7 +488,7 @@ mod tests {
         assert_eq!(charge_in_pages_of(8192, 16384), 2 * 16384);
         assert_eq!(charge_in_pages_of(65536, 65536), 3 * 65536);
         // SAFETY: sysconf reads a constant.
-        let page = unsafe { libc::sysconf(libc::_SC_PAGESIZE) } as usize;
+        let page = usize::try_from(unsafe { libc::sysconf(libc::_SC_PAGESIZE) }).unwrap();
         assert_eq!(kernel_charge(8192), charge_in_pages_of(8192, page));
     }
 

@@ -192,7 +192,7 @@ impl ZeroCopySender {
                 libc::SOL_SOCKET,
                 SO_ZEROCOPY,
                 (&one as *const libc::c_int).cast(),
-                std::mem::size_of::<libc::c_int>() as libc::socklen_t,
+                crate::numeric::socklen_of::<libc::c_int>(),
             )
         };
         if result != 0 {
@@ -347,7 +347,7 @@ impl ZeroCopySender {
                 }
             }
             enobufs = 0;
-            let sent = sent as usize;
+            let sent = crate::numeric::syscall_count(sent);
             self.record_send(sent);
             first = crate::transport::advance(&mut self.iovecs, first, sent);
             if self.reap_continuously {
@@ -446,7 +446,7 @@ impl ZeroCopySender {
                     source: error,
                 });
             }
-            done += sent as usize;
+            done += crate::numeric::syscall_count(sent);
         }
         Ok(())
     }
@@ -471,7 +471,12 @@ impl ZeroCopySender {
     }
 
     fn oldest_id(&self) -> u32 {
-        self.next_id.wrapping_sub(self.in_flight.len() as u32)
+        #[expect(
+            clippy::cast_possible_truncation,
+            reason = "ids count modulo 2^32 as the kernel's do; the window bounds the length"
+        )]
+        let in_flight = self.in_flight.len() as u32;
+        self.next_id.wrapping_sub(in_flight)
     }
 
     fn complete(&mut self, notification: Notification) -> Result<(), ZeroCopyError> {
@@ -488,7 +493,8 @@ impl ZeroCopySender {
                 in_flight: self.in_flight.len(),
             });
         }
-        let range = start as usize..(start + count) as usize;
+        let range = crate::numeric::saturating_usize(start)
+            ..crate::numeric::saturating_usize(start + count);
         for entry in self.in_flight.range_mut(range) {
             if entry.done {
                 continue;
@@ -594,7 +600,7 @@ impl ZeroCopySender {
 fn socket_family(fd: RawFd) -> io::Result<libc::c_int> {
     // SAFETY: an all-zero sockaddr_storage is valid.
     let mut address: libc::sockaddr_storage = unsafe { std::mem::zeroed() };
-    let mut len = std::mem::size_of::<libc::sockaddr_storage>() as libc::socklen_t;
+    let mut len = crate::numeric::socklen_of::<libc::sockaddr_storage>();
     // SAFETY: `address` and `len` are valid for writes and describe a
     // buffer of the stated size.
     let result = unsafe {
@@ -612,7 +618,7 @@ fn socket_family(fd: RawFd) -> io::Result<libc::c_int> {
 
 fn socket_error(fd: RawFd) -> Option<io::Error> {
     let mut value: libc::c_int = 0;
-    let mut len = std::mem::size_of::<libc::c_int>() as libc::socklen_t;
+    let mut len = crate::numeric::socklen_of::<libc::c_int>();
     // SAFETY: `value` and `len` are valid for writes of a c_int.
     let result = unsafe {
         libc::getsockopt(
@@ -935,7 +941,9 @@ mod enobufs_tests {
             }
             sum
         });
-        let memory: Vec<u8> = (0..4usize << 20).map(|i| (i % 251) as u8).collect();
+        let memory: Vec<u8> = (0..4usize << 20)
+            .map(|i| crate::numeric::low_byte(i as u64 % 251))
+            .collect();
         let mut sender = ZeroCopySender::enable(client, 1, MIN_WINDOW_BYTES).unwrap();
         for _ in 0..total / memory.len() {
             for piece in memory.chunks(64 * 1024) {

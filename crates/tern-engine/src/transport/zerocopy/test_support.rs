@@ -18,7 +18,7 @@ pub(crate) fn tcp_pair() -> (Channel, Channel) {
 }
 
 fn page_byte(page: usize, offset: usize) -> u8 {
-    (page.wrapping_mul(131) ^ offset.wrapping_mul(7)) as u8
+    crate::numeric::low_byte((page.wrapping_mul(131) ^ offset.wrapping_mul(7)) as u64)
 }
 
 /// Sends `pages` scattered pages in batches of 48 with an 8-byte header
@@ -90,8 +90,11 @@ pub(crate) fn round_trip<S: ZeroCopyTransport>(
     let stats = sender.stats();
     sender.channel().shutdown();
     reader.join().unwrap();
-    assert!(stats.max_outstanding_bytes as usize >= max_seen);
-    assert!(stats.max_outstanding_bytes as usize <= window, "{stats:?}");
+    assert!(usize::try_from(stats.max_outstanding_bytes).unwrap() >= max_seen);
+    assert!(
+        usize::try_from(stats.max_outstanding_bytes).unwrap() <= window,
+        "{stats:?}"
+    );
     assert!(stats.max_outstanding_bytes > 0);
     assert_eq!(stats.zero_copy_bytes, (pages * KERNEL_PAGE) as u64);
     assert_eq!(stats.header_bytes, 8 * batches.len() as u64);
@@ -126,7 +129,9 @@ pub(crate) fn flush_after_hang_up<S: ZeroCopyTransport + 'static>(
     set_buffer(client.raw_fd(), libc::SO_SNDBUF, 4 << 20);
     set_buffer(server.raw_fd(), libc::SO_RCVBUF, 4096);
     let local = client.try_clone().unwrap();
-    let memory: Vec<u8> = (0..PIECE * PIECES).map(|i| (i % 253) as u8).collect();
+    let memory: Vec<u8> = (0..PIECE * PIECES)
+        .map(|i| crate::numeric::low_byte(i as u64 % 253))
+        .collect();
     let mut sender = enable(client);
     for piece in memory.chunks(PIECE) {
         let segment = Segment {
@@ -168,7 +173,7 @@ fn set_buffer(fd: std::os::fd::RawFd, option: libc::c_int, bytes: libc::c_int) {
             libc::SOL_SOCKET,
             option,
             (&bytes as *const libc::c_int).cast(),
-            std::mem::size_of::<libc::c_int>() as libc::socklen_t,
+            crate::numeric::socklen_of::<libc::c_int>(),
         )
     };
     assert_eq!(result, 0, "setsockopt: {}", std::io::Error::last_os_error());

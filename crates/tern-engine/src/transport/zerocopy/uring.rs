@@ -207,7 +207,7 @@ impl UringZeroCopySender {
         let fd = channel.raw_fd();
         // SAFETY: an all-zero sockaddr_storage is valid.
         let mut address: libc::sockaddr_storage = unsafe { std::mem::zeroed() };
-        let mut len = std::mem::size_of::<libc::sockaddr_storage>() as libc::socklen_t;
+        let mut len = crate::numeric::socklen_of::<libc::sockaddr_storage>();
         // SAFETY: `address` and `len` describe a writable buffer of that size.
         let result = unsafe {
             libc::getsockname(
@@ -456,7 +456,7 @@ impl UringZeroCopySender {
                 source: io::Error::new(io::ErrorKind::WriteZero, "SENDMSG_ZC sent nothing"),
             });
         }
-        Ok(res as usize)
+        Ok(usize::try_from(res).unwrap_or(0))
     }
 
     /// Waits until every request so far has been notified: at each
@@ -476,7 +476,9 @@ impl UringZeroCopySender {
     pub fn reap(&mut self) -> Result<usize, ZeroCopyError> {
         let before = self.stats.notifications;
         self.drain(None)?;
-        Ok((self.stats.notifications - before) as usize)
+        Ok(crate::numeric::saturating_usize(
+            self.stats.notifications - before,
+        ))
     }
 
     /// Blocks until `charge` more bytes fit in the window.
@@ -583,7 +585,7 @@ impl UringZeroCopySender {
         let oldest = self.next_id - self.in_flight.len() as u64;
         let (index, len) = (self.index, self.in_flight.len());
         id.checked_sub(oldest)
-            .and_then(|offset| self.in_flight.get_mut(offset as usize))
+            .and_then(|offset| self.in_flight.get_mut(usize::try_from(offset).ok()?))
             .ok_or_else(|| ZeroCopyError::Ring {
                 index,
                 source: io::Error::other(format!(
@@ -603,7 +605,7 @@ impl UringZeroCopySender {
             });
         }
         request.notification_pending = false;
-        request.copied = (res as u32) & IORING_NOTIF_USAGE_ZC_COPIED != 0;
+        request.copied = res.cast_unsigned() & IORING_NOTIF_USAGE_ZC_COPIED != 0;
         let (payload, charge, copied) = (request.payload, request.charge, request.copied);
         self.stats.notifications += 1;
         self.stats.sends_completed += 1;

@@ -18,7 +18,7 @@ use anyhow::Context;
 use crate::args::vm::{ExportGuestArgs, VmCommand};
 
 /// `tern vm ...`.
-pub fn run(command: VmCommand, verbose: bool) -> anyhow::Result<ExitCode> {
+pub(crate) fn run(command: VmCommand, verbose: bool) -> anyhow::Result<ExitCode> {
     match command {
         VmCommand::Run(args) => run::run(&args),
         VmCommand::Migrate(args) => migrate::run(&args, verbose),

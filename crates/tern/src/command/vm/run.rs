@@ -12,7 +12,7 @@ use super::guest::{ConsistencyJson, GuestRate, measure};
 use crate::args::vm::RunArgs;
 use crate::report::print_json;
 use crate::session;
-use crate::units::human_bytes;
+use crate::units::{human_bytes, whole_u64};
 
 /// `tern vm run --json`'s document.
 #[derive(Serialize)]
@@ -108,7 +108,10 @@ fn run_for(guest: &KvmGuest, started: Instant, total: Duration, json: bool) {
                 guest.pass_count(),
                 rate.passes_per_second,
                 rate.page_writes_per_second,
-                human_bytes(rate.page_writes_per_second as u64 * tern_engine::PAGE_SIZE as u64),
+                human_bytes(
+                    whole_u64(rate.page_writes_per_second)
+                        .saturating_mul(tern_engine::PAGE_SIZE as u64)
+                ),
                 guest.serial_transmitted()
             );
         }

@@ -14,7 +14,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
-use process::{Receiver, TlsDirs, tern, wait_until_read};
+use process::{Reaped, Receiver, TlsDirs, tern, wait_until_read};
 use tern_wire::{
     Abort, AbortReason, AuthHello, DigestAlgorithm, FRAME_HEADER_LEN, FrameHeader, FrameKind,
     Handshake, Hello, Message, Ready, RegionInfo, SessionSetup, Welcome,
@@ -819,6 +819,7 @@ fn a_ready_read_after_the_switch_over_deadline_is_not_committed() {
         .stdout(std::process::Stdio::piped())
         .stderr(std::process::Stdio::piped())
         .spawn()
+        .map(Reaped::new)
         .unwrap();
     let stderr = drain_stderr(&mut source);
     let accept = || listener.accept_timeout(Duration::from_secs(60)).unwrap();
@@ -953,6 +954,7 @@ fn a_commit_read_after_the_destination_s_switch_over_deadline_is_not_taken() {
         .stdout(std::process::Stdio::piped())
         .stderr(std::process::Stdio::piped())
         .spawn()
+        .map(Reaped::new)
         .unwrap();
     let source_stderr = drain_stderr(&mut source);
     // Bytes of the source's main channel passed to the destination, and

@@ -694,10 +694,14 @@ fn a_declared_guest_costs_its_documented_bookkeeping_before_any_page() {
         },
     });
     let mut receiver = receiver;
+    let asked = Instant::now();
     main.write_all(&hello.to_bytes()).unwrap();
     welcomed(&mut main, &mut receiver);
+    let main_welcome = asked.elapsed();
+    let mut slowest = Duration::ZERO;
     let channels: Vec<TcpStream> = (1..=CHANNELS)
         .map(|channel_index| {
+            let asked = Instant::now();
             let mut channel = connect(receiver.port());
             let hello = Message::ChannelHello(tern_wire::ChannelHello {
                 handshake: Handshake {
@@ -707,6 +711,7 @@ fn a_declared_guest_costs_its_documented_bookkeeping_before_any_page() {
             });
             channel.write_all(&hello.to_bytes()).unwrap();
             welcomed(&mut channel, &mut receiver);
+            slowest = slowest.max(asked.elapsed());
             channel
         })
         .collect();
@@ -727,7 +732,8 @@ fn a_declared_guest_costs_its_documented_bookkeeping_before_any_page() {
     let bound = bookkeeping + u64::from(CHANNELS) * 512 * KIB;
     eprintln!(
         "a hello declaring 16 GiB over {CHANNELS} channels, no page sent: receiver peak RSS \
-         +{} MiB above idle (bookkeeping by the formula {} MiB, bound {} MiB; load {})",
+         +{} MiB above idle (bookkeeping by the formula {} MiB, bound {} MiB); main channel \
+         welcomed in {main_welcome:?}, slowest page channel in {slowest:?} (load {})",
         cost / MIB,
         bookkeeping / MIB,
         bound / MIB,

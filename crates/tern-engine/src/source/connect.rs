@@ -127,13 +127,17 @@ fn open_channel(
 ///
 /// A busy destination may drop a connection that has proved nothing yet to
 /// make room for another (its defence against connections held hostage,
-/// docs/security.md), and under a flood a page channel's connection may
-/// wait unanswered in the destination's accept queue past the handshake
-/// timeout: a channel closed before its welcome, or a page channel whose
-/// handshake timed out, is opened again, after 10 ms, then twice as long
-/// each time (at most 320 ms), for as long as the connect timeout allows;
-/// no later attempt waits past that deadline. The main channel's silence
-/// is not retried: it is how a peer that is not tern is named
+/// docs/security.md), and under a flood a connection may wait in the
+/// destination's accept queue, unanswered, past the handshake timeout. So
+/// a channel is opened again, after 10 ms, then twice as long each time
+/// (at most 320 ms), for as long as the connect timeout allows (no later
+/// attempt waits past that deadline), when the destination closed it
+/// before its welcome, or did not answer its handshake in time: any
+/// channel whose TLS handshake or key exchange went unanswered (the
+/// destination cannot have read its hello), and a page channel whose
+/// welcome did not come. A main channel whose welcome did not come is not
+/// opened again: the destination may be building the guest for its hello,
+/// and a peer that is not tern is named by that silence
 /// (`MigrationError::NotTern`). When the last attempt cannot even connect
 /// (the destination gone, or sockets handed over once), the error is the
 /// one that made the channel try again.
@@ -160,18 +164,18 @@ fn open_and_greet(
             limit,
         );
         match attempt {
-            Err(error) if retryable(&error, index) && Instant::now() + backoff < until => {
+            Err(failed) if failed.retryable(index) && Instant::now() + backoff < until => {
                 tracing::debug!(
                     channel = index,
-                    error = %error.chain(),
+                    error = %failed.error.chain(),
                     "the destination closed the connection or did not answer it before \
                      welcoming it; retrying"
                 );
                 std::thread::sleep(backoff);
                 backoff = (backoff * 2).min(Duration::from_millis(320));
-                cause = Some(error);
+                cause = Some(failed.error);
             }
-            Err(error) if is_connect_failure(&error) && cause.is_some() => {
+            Err(Failed { error, .. }) if is_connect_failure(&error) && cause.is_some() => {
                 tracing::debug!(
                     channel = index,
                     error = %error.chain(),
@@ -179,8 +183,26 @@ fn open_and_greet(
                 );
                 return Err(cause.unwrap_or(error));
             }
-            other => return other,
+            Err(failed) => return Err(failed.error),
+            Ok(channel) => return Ok(channel),
         }
+    }
+}
+
+/// Why one attempt of [`open_and_greet`] failed, and whether the hello had
+/// been sent by then.
+struct Failed {
+    error: MigrationError,
+    hello_sent: bool,
+}
+
+impl Failed {
+    /// Whether channel `index` may be opened again after this: the
+    /// destination closed it before its welcome, or did not answer in time
+    /// before the hello (any channel) or after it (a page channel).
+    fn retryable(&self, index: u16) -> bool {
+        dropped_before_welcome(&self.error)
+            || (handshake_timed_out(&self.error) && (!self.hello_sent || index > 0))
     }
 }
 
@@ -193,38 +215,42 @@ fn greet_once(
     hello: &Message,
     main_identity: Option<&Option<Vec<u8>>>,
     until: Option<Instant>,
-) -> Result<Channel, MigrationError> {
-    let mut channel = open_channel(config, connector, session_id, index, until)?;
+) -> Result<Channel, Failed> {
+    let before_hello = |error| Failed {
+        error,
+        hello_sent: false,
+    };
+    let mut channel =
+        open_channel(config, connector, session_id, index, until).map_err(before_hello)?;
     // Before the hello: a destination that is not the one on the main
     // channel learns nothing of the session.
     if let Some(identity) = main_identity
         && channel.security().peer_identity != *identity
     {
-        return Err(MigrationError::Channel {
+        return Err(before_hello(MigrationError::Channel {
             index: usize::from(index),
             source: ChannelError::Auth(
                 "the destination presented another certificate than on the main channel".into(),
             ),
-        });
+        }));
     }
+    let after_hello = |error| Failed {
+        error,
+        hello_sent: true,
+    };
     channel
         .send_message(hello)
-        .map_err(MigrationError::channel(usize::from(index)))?;
+        .map_err(MigrationError::channel(usize::from(index)))
+        .map_err(after_hello)?;
     if index == 0 {
-        send_vmm_config(&mut channel, config)?;
+        send_vmm_config(&mut channel, config).map_err(after_hello)?;
     }
-    expect_welcome(&mut channel, session_id, index, until)?;
+    expect_welcome(&mut channel, session_id, index, until).map_err(after_hello)?;
     channel
         .set_timeouts(config.io_timeout)
-        .map_err(MigrationError::channel(usize::from(index)))?;
+        .map_err(MigrationError::channel(usize::from(index)))
+        .map_err(after_hello)?;
     Ok(channel)
-}
-
-/// Whether channel `index` may be opened again after `error`: the
-/// destination closed it before its welcome, or (a page channel) did not
-/// answer its handshake in time.
-fn retryable(error: &MigrationError, index: u16) -> bool {
-    dropped_before_welcome(error) || (index > 0 && handshake_timed_out(error))
 }
 
 /// Whether a channel failed because its handshake (TLS, the key exchange
@@ -616,8 +642,9 @@ mod tests {
         assert!(took < Duration::from_secs(30), "took {took:?}");
     }
 
-    /// The main channel's silence is how a peer that is not tern is named:
-    /// it is not retried.
+    /// A main channel's silence after its hello is how a peer that is not
+    /// tern is named (and a destination may be building the guest for that
+    /// hello): it is not retried.
     #[test]
     fn the_main_channel_is_not_retried_after_silence() {
         let destination = FakeDestination::start(|_| Answer::Silent);
@@ -630,6 +657,31 @@ mod tests {
             result.err().map(|e| e.chain())
         );
         assert_eq!(connector.attempts(), 1);
+    }
+
+    /// With a key, a main channel whose key exchange goes unanswered (its
+    /// connection still in a flooded destination's accept queue) is opened
+    /// again: the destination cannot have read its hello. The last
+    /// timeout is the error.
+    #[test]
+    fn a_main_channel_whose_key_exchange_goes_unanswered_is_opened_again() {
+        let destination = FakeDestination::start(|_| Answer::Silent);
+        let connector = Counting::new(Connector::Dial(destination.address()));
+        let mut config = config(Duration::from_secs(1), Duration::from_millis(200));
+        config.security.auth_key = Some(Arc::new(
+            crate::transport::auth::AuthKey::from_bytes(&[7; 32]).unwrap(),
+        ));
+        let result = open_and_greet(&config, &connector, SESSION, 0, &hello(0), None);
+        assert!(
+            is_timeout(&result, 0),
+            "{:?}",
+            result.err().map(|e| e.chain())
+        );
+        assert!(
+            connector.attempts() >= 2,
+            "{} attempts",
+            connector.attempts()
+        );
     }
 
     /// Sockets handed over once cannot be connected again: the error is

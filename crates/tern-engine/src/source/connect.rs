@@ -557,11 +557,12 @@ mod tests {
     }
 
     fn config(connect_timeout: Duration, handshake_timeout: Duration) -> MigrationConfig {
-        let mut config = MigrationConfig::default();
-        config.connect_timeout = connect_timeout;
-        config.handshake_timeout = handshake_timeout;
-        config.io_timeout = Duration::from_secs(60);
-        config
+        MigrationConfig {
+            connect_timeout,
+            handshake_timeout,
+            io_timeout: Duration::from_secs(60),
+            ..MigrationConfig::default()
+        }
     }
 
     fn hello(index: u16) -> Message {

@@ -14,7 +14,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
-use process::{Receiver, TlsDirs, tern, wait_until_read};
+use process::{Reaped, Receiver, TlsDirs, tern, wait_until_read};
 use tern_wire::{
     Abort, AbortReason, AuthHello, DigestAlgorithm, FRAME_HEADER_LEN, FrameHeader, FrameKind,
     Handshake, Hello, Message, Ready, RegionInfo, SessionSetup, Welcome,
@@ -695,10 +695,14 @@ fn a_declared_guest_costs_its_documented_bookkeeping_before_any_page() {
         },
     });
     let mut receiver = receiver;
+    let asked = Instant::now();
     main.write_all(&hello.to_bytes()).unwrap();
     welcomed(&mut main, &mut receiver);
+    let main_welcome = asked.elapsed();
+    let mut slowest = Duration::ZERO;
     let channels: Vec<TcpStream> = (1..=CHANNELS)
         .map(|channel_index| {
+            let asked = Instant::now();
             let mut channel = connect(receiver.port());
             let hello = Message::ChannelHello(tern_wire::ChannelHello {
                 handshake: Handshake {
@@ -708,6 +712,7 @@ fn a_declared_guest_costs_its_documented_bookkeeping_before_any_page() {
             });
             channel.write_all(&hello.to_bytes()).unwrap();
             welcomed(&mut channel, &mut receiver);
+            slowest = slowest.max(asked.elapsed());
             channel
         })
         .collect();
@@ -728,7 +733,8 @@ fn a_declared_guest_costs_its_documented_bookkeeping_before_any_page() {
     let bound = bookkeeping + u64::from(CHANNELS) * 512 * KIB;
     eprintln!(
         "a hello declaring 16 GiB over {CHANNELS} channels, no page sent: receiver peak RSS \
-         +{} MiB above idle (bookkeeping by the formula {} MiB, bound {} MiB; load {})",
+         +{} MiB above idle (bookkeeping by the formula {} MiB, bound {} MiB); main channel \
+         welcomed in {main_welcome:?}, slowest page channel in {slowest:?} (load {})",
         cost / MIB,
         bookkeeping / MIB,
         bound / MIB,
@@ -821,6 +827,7 @@ fn a_ready_read_after_the_switch_over_deadline_is_not_committed() {
         .stdout(std::process::Stdio::piped())
         .stderr(std::process::Stdio::piped())
         .spawn()
+        .map(Reaped::new)
         .unwrap();
     let stderr = drain_stderr(&mut source);
     let accept = || listener.accept_timeout(Duration::from_secs(60)).unwrap();
@@ -955,6 +962,7 @@ fn a_commit_read_after_the_destination_s_switch_over_deadline_is_not_taken() {
         .stdout(std::process::Stdio::piped())
         .stderr(std::process::Stdio::piped())
         .spawn()
+        .map(Reaped::new)
         .unwrap();
     let source_stderr = drain_stderr(&mut source);
     // Bytes of the source's main channel passed to the destination, and

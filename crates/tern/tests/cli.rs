@@ -3,7 +3,8 @@
 mod process;
 
 use process::{
-    Receiver, TlsDirs, assert_reports_tls, event_and_rest, json, read_event, tern, wait_until_read,
+    Reaped, Receiver, TlsDirs, assert_reports_tls, event_and_rest, json, read_event, tern,
+    wait_until_read,
 };
 use std::process::Stdio;
 use std::time::{Duration, Instant};
@@ -310,6 +311,7 @@ fn sigint_cancels_and_exits_130() {
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .spawn()
+        .map(Reaped::new)
         .unwrap();
     wait_for_open_connection(&address, migrate.id());
     send_signal(&migrate, libc::SIGINT);
@@ -449,6 +451,7 @@ fn migrating_event_comes_while_the_migration_runs() {
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .spawn()
+        .map(Reaped::new)
         .unwrap();
     let mut stdout = std::io::BufReader::new(migrate.stdout.take().unwrap());
     let event = read_event(&mut stdout);

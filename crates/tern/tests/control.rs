@@ -7,10 +7,10 @@ mod process;
 use std::io::{BufRead, BufReader, Read, Write};
 use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Stdio};
+use std::process::Stdio;
 use std::time::{Duration, Instant};
 
-use process::{Receiver, free_port, json, tern};
+use process::{Reaped, Receiver, free_port, json, tern};
 use serde_json::Value;
 
 /// A generous deadline for anything a test waits for.
@@ -62,7 +62,7 @@ fn query_until(socket: &Path, what: &str, accept: impl Fn(&Value) -> bool) -> Va
 
 /// A source migrating a synthetic guest of random pages to `to`, steered on
 /// `socket` (64 MiB unless `extra` says `--memory`).
-fn spawn_migrate(to: &str, socket: &Path, extra: &[&str]) -> Child {
+fn spawn_migrate(to: &str, socket: &Path, extra: &[&str]) -> Reaped {
     let memory: &[&str] = if extra.contains(&"--memory") {
         &[]
     } else {
@@ -78,6 +78,7 @@ fn spawn_migrate(to: &str, socket: &Path, extra: &[&str]) -> Child {
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .spawn()
+        .map(Reaped::new)
         .unwrap()
 }
 

@@ -1,11 +1,52 @@
 //! Helpers for tests that run the `tern` binary as separate processes.
 #![allow(dead_code)]
 
-use std::process::{Command, Output};
+use std::ops::{Deref, DerefMut};
+use std::process::{Child, Command, Output};
 
 /// The `tern` binary built for these tests.
 pub(crate) fn tern() -> Command {
     Command::new(env!("CARGO_BIN_EXE_tern"))
+}
+
+/// A child process that is killed and reaped when dropped, unless it was
+/// waited for: a test that fails half-way leaves no `tern` running.
+pub(crate) struct Reaped(Option<Child>);
+
+impl Reaped {
+    pub(crate) fn new(child: Child) -> Self {
+        Self(Some(child))
+    }
+
+    /// [`Child::wait_with_output`], which takes the child.
+    pub(crate) fn wait_with_output(mut self) -> std::io::Result<Output> {
+        self.0.take().expect("a child").wait_with_output()
+    }
+}
+
+impl Deref for Reaped {
+    type Target = Child;
+
+    fn deref(&self) -> &Child {
+        self.0.as_ref().expect("a child")
+    }
+}
+
+impl DerefMut for Reaped {
+    fn deref_mut(&mut self) -> &mut Child {
+        self.0.as_mut().expect("a child")
+    }
+}
+
+impl Drop for Reaped {
+    fn drop(&mut self) {
+        if let Some(child) = &mut self.0
+            && let Ok(None) = child.try_wait()
+        {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
 }
 
 /// A command's stdout as JSON, with both streams in the panic message when
@@ -58,7 +99,9 @@ pub(crate) fn free_port() -> u16 {
 /// A `tern receive` or `tern vm receive` started on a port the system
 /// picked, known from its ready event (docs/cli.md, "Events").
 pub(crate) struct Receiver {
-    pub child: std::process::Child,
+    /// Killed and reaped when dropped unless waited for (a test failed
+    /// half-way, a `--keep-listening` receiver).
+    pub(crate) child: Reaped,
     /// The event's `address`: what `--to` takes.
     pub address: String,
     stdout: std::io::BufReader<std::process::ChildStdout>,
@@ -81,6 +124,7 @@ impl Receiver {
             .stdout(std::process::Stdio::piped())
             .stderr(std::process::Stdio::piped())
             .spawn()
+            .map(Reaped::new)
             .unwrap();
         let mut stdout = std::io::BufReader::new(child.stdout.take().unwrap());
         // Blocks until the line arrives: the receiver prints it as soon as

@@ -180,11 +180,10 @@ fn a_live_diff_of_a_dirtying_guest_restores_to_its_memory_at_the_pause() {
     let diff = dir.path().join("live.tern");
     let mut guest = source(64 * MIB);
     save(&mut guest, &base, None);
+    // The save starts as the guest resumes: its first pass finds most
+    // chunks still the base's, and the guest dirties some of them after
+    // the pass compared them, which the later passes must add to the diff.
     guest.resume().unwrap();
-    let before = guest.dirtied_pages();
-    common::wait_until("the guest dirties memory", || {
-        guest.dirtied_pages() > before + 64
-    });
     let mut config = SaveConfig::default();
     config.live = true;
     config.resume = false;
@@ -192,7 +191,7 @@ fn a_live_diff_of_a_dirtying_guest_restores_to_its_memory_at_the_pause() {
     config.max_passes = 4;
     config.diff_base = Some(base.clone());
     let stats = tern_engine::save(&mut guest, &diff, &config).unwrap();
-    assert!(stats.unchanged_pages > 0, "{stats:?}");
+    assert!(stats.unchanged_pages > 0 && stats.passes >= 2, "{stats:?}");
     let memory = guest.digest();
     let restored = tern_engine::restore(&diff, &on(&[&base]), empty).unwrap();
     assert_eq!(restored.guest.digest(), memory);

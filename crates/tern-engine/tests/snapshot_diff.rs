@@ -15,7 +15,7 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use common::MIB;
-use tern_engine::snapshot::{SaveConfig, SaveStats, SnapshotFile};
+use tern_engine::snapshot::{SaveConfig, SaveStats, SnapshotFile, merge};
 use tern_engine::{GuestControl, GuestError, PAGE_SIZE, RestoreConfig, SnapshotError};
 use tern_synthetic::{ContentMix, SyntheticConfig, SyntheticGuest};
 
@@ -171,6 +171,38 @@ fn a_diff_of_a_diff_restores_on_both_bases_eagerly_and_lazily() {
     // Only the base below the first diff is refused.
     let line = one_line(&tern_engine::restore(&second, &on(&[&base]), empty).unwrap_err());
     assert!(line.contains("not its base"), "{line}");
+}
+
+/// base, first diff, second diff merged into one full snapshot: it
+/// restores alone to the second diff's memory, and a diff taken on the
+/// second diff restores on the merge (a base is named by its memory).
+#[test]
+fn a_merge_of_a_diff_and_its_bases_is_a_full_snapshot_of_the_same_memory() {
+    let dir = tempfile::tempdir().unwrap();
+    let [base, first, second, third, merged] =
+        ["base", "first", "second", "third", "merged"].map(|name| dir.path().join(name));
+    let mut guest = source(0);
+    save(&mut guest, &base, None);
+    guest.step_dirtier(150).unwrap();
+    save(&mut guest, &first, Some(&base));
+    guest.step_dirtier(150).unwrap();
+    let (second_stats, memory) = save(&mut guest, &second, Some(&first));
+    let stats = merge(&[base.clone(), first.clone()], &second, &merged).unwrap();
+    assert_eq!(stats.digest, second_stats.digest);
+    assert_eq!(stats.layers, 3);
+    assert_eq!(stats.pages_written + stats.zero_pages, PAGES);
+    assert!(!SnapshotFile::open(&merged).unwrap().metadata().is_diff());
+    let restored = tern_engine::restore(&merged, &on(&[]), empty).unwrap();
+    assert_eq!(restored.guest.digest(), memory);
+    guest.step_dirtier(150).unwrap();
+    let (_, later) = save(&mut guest, &third, Some(&second));
+    let restored = tern_engine::restore(&third, &on(&[&merged]), empty).unwrap();
+    assert_eq!(restored.guest.digest(), later);
+    // The output may not be an input, and a diff alone is no snapshot.
+    let line = one_line(&merge(&[base.clone()], &first, &base).unwrap_err());
+    assert!(line.contains("would replace its input"), "{line}");
+    let line = one_line(&merge(&[], &second, &merged).unwrap_err());
+    assert!(line.contains("is a diff snapshot"), "{line}");
 }
 
 #[test]

@@ -18,6 +18,7 @@
 
 mod file;
 mod lazy;
+mod merge;
 mod restore;
 mod save;
 mod writer;
@@ -26,6 +27,7 @@ use std::path::PathBuf;
 
 pub use file::SnapshotFile;
 pub use lazy::{LazyRestore, LazyStats};
+pub use merge::{MergeStats, merge};
 pub use restore::{RestoreConfig, RestoreStats, Restored, restore};
 pub use save::{SaveConfig, SaveStats, save};
 

@@ -64,6 +64,26 @@ fn a_diff_saved_by_one_process_restores_on_its_base_in_another() {
         assert_eq!(restored["digest"], saved["digest"], "{restored}");
         assert_eq!(restored["digest-verified"], true);
     }
+    // Merged into one full snapshot, it restores alone.
+    let merged = dir.path().join("merged.tern");
+    let output = tern()
+        .args(["merge-snapshot", "--json", "--snapshot"])
+        .arg(&diff)
+        .arg("--base")
+        .arg(&base)
+        .arg("--output")
+        .arg(&merged)
+        .output()
+        .unwrap();
+    assert!(
+        output.status.success(),
+        "{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    assert_eq!(json(&output)["digest"], saved["digest"]);
+    let output = restore(&merged, &[], false);
+    assert!(output.status.success());
+    assert_eq!(json(&output)["digest"], saved["digest"]);
     // Alone, the diff is refused in one line and nothing runs.
     let output = restore(&diff, &[], false);
     assert!(!output.status.success());

@@ -111,6 +111,22 @@ pub struct RestoreArgs {
 }
 
 #[derive(Debug, Args)]
+pub struct MergeSnapshotArgs {
+    /// The diff snapshot.
+    #[arg(long, short)]
+    pub snapshot: PathBuf,
+    /// The files under it, oldest first, as for `tern restore --base`.
+    #[arg(long, value_name = "FILE", required = true)]
+    pub base: Vec<PathBuf>,
+    /// The full snapshot to write (replaced if it exists; never an input).
+    #[arg(long, short)]
+    pub output: PathBuf,
+    /// Print one JSON document instead of the summary.
+    #[arg(long)]
+    pub json: bool,
+}
+
+#[derive(Debug, Args)]
 pub struct ServePagesArgs {
     /// The Unix socket to listen on (the path given to Firecracker's
     /// snapshot load as the UFFD backend); it must not exist yet.

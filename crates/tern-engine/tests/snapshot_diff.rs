@@ -199,7 +199,7 @@ fn a_merge_of_a_diff_and_its_bases_is_a_full_snapshot_of_the_same_memory() {
     let restored = tern_engine::restore(&third, &on(&[&merged]), empty).unwrap();
     assert_eq!(restored.guest.digest(), later);
     // The output may not be an input, and a diff alone is no snapshot.
-    let line = one_line(&merge(&[base.clone()], &first, &base).unwrap_err());
+    let line = one_line(&merge(std::slice::from_ref(&base), &first, &base).unwrap_err());
     assert!(line.contains("would replace its input"), "{line}");
     let line = one_line(&merge(&[], &second, &merged).unwrap_err());
     assert!(line.contains("is a diff snapshot"), "{line}");

@@ -334,7 +334,7 @@ pub(crate) fn slot_runs(places: &[PageAt]) -> Vec<(usize, usize, usize, u64)> {
 /// on the memory of the one below, all of one shape and guest kind.
 fn check_chain(layers: &[Layer]) -> Result<(), SnapshotError> {
     let chain = |detail: String| SnapshotError::Chain(detail);
-    let (bottom, top) = (&layers[0], &layers[layers.len() - 1]);
+    let bottom = &layers[0];
     if let Some(base) = bottom.metadata.header.base_digest {
         return Err(chain(format!(
             "{} is a diff snapshot on the memory with digest {base:032x}: name its base first",
@@ -378,7 +378,7 @@ fn check_chain(layers: &[Layer]) -> Result<(), SnapshotError> {
                 below.path.display(),
                 below.trailer.guest_kind,
                 above.path.display(),
-                top.trailer.guest_kind
+                above.trailer.guest_kind
             )));
         }
     }

@@ -15,6 +15,12 @@
 //! (`crate::fault`) bring pages in as the guest touches them, while
 //! loaders prefetch the recorded working set and then everything else;
 //! every chunk fetched is checked against its hash first.
+//!
+//! A *diff* ([`SaveConfig::diff_base`]) holds only the chunks whose hash
+//! differs from its base's and names the base by its memory digest; both
+//! restores take it on its bases ([`RestoreConfig::bases`]), each page
+//! from the topmost file that defines it, and [`merge`] writes the whole
+//! as one full snapshot.
 
 mod file;
 mod lazy;

@@ -223,8 +223,8 @@ fn write_delta_seeds(dir: &Path) -> std::io::Result<()> {
 
 /// Snapshot files as `snapshot_file` reads them: the metadata block, then
 /// the trailer (the page slots left out, so each seed stays small), for
-/// one and for several regions, complete and incomplete; a trailer with
-/// no sections; and standalone working-set files.
+/// one and for several regions, complete and incomplete, full and diff; a
+/// trailer with no sections; and standalone working-set files.
 fn write_snapshot_seeds(dir: &Path) -> std::io::Result<()> {
     use tern_wire::snapshot::{
         SnapshotMetadata, SnapshotSection, Trailer, WorkingSet, plan_layout,
@@ -275,6 +275,19 @@ fn write_snapshot_seeds(dir: &Path) -> std::io::Result<()> {
         seed.extend_from_slice(trailer);
         fs::write(dir.join(name), seed)?;
     }
+    // A diff of two regions on the memory with digest 0xba5e: pages 0 and
+    // 1 changed (page 1 to zeros), page 2 left to the base.
+    let layout = tern_wire::snapshot::plan_diff_layout(&two_regions).expect("a valid layout");
+    let mut metadata = SnapshotMetadata::new(&layout);
+    metadata.header.base_digest = Some(0xba5e);
+    for (changed, present) in metadata.changed.iter_mut().zip(&mut metadata.present) {
+        changed[0] = 0b11;
+        present[0] = 0b01;
+    }
+    metadata.complete(0xd1ff, &trailer);
+    let mut seed = metadata.encode();
+    seed.extend_from_slice(&trailer);
+    fs::write(dir.join("two_regions_diff"), seed)?;
     fs::write(dir.join("working_set"), working_set.encode_file())?;
     fs::write(
         dir.join("working_set_empty"),

@@ -53,6 +53,9 @@ pub const MAX_TRAILER_BYTES: u64 = 256 << 20;
 pub const MAX_SECTIONS: usize = 4096;
 /// Byte offset of the metadata hash inside the header (zeroed while hashing).
 const METADATA_HASH_AT: usize = 80;
+/// Header flag: a diff snapshot, holding only what changed since a base
+/// snapshot named by its memory digest.
+pub const FLAG_DIFF: u64 = 1;
 
 const PAGE: u64 = PAGE_SIZE as u64;
 
@@ -174,6 +177,8 @@ pub struct Layout {
     pub metadata_len: u64,
     /// End of the last region's slots: where the trailer starts.
     pub data_end: u64,
+    /// A diff snapshot's layout: each region also has a changed bitmap.
+    pub diff: bool,
 }
 
 /// Places `regions` (id, guest address, length) in a file: the metadata
@@ -181,6 +186,16 @@ pub struct Layout {
 /// boundary. Both the writer and the parser call this, so offsets in a
 /// file are checked against it, never trusted.
 pub fn plan_layout(regions: &[(u32, u64, u64)]) -> Result<Layout, SnapshotError> {
+    plan(regions, false)
+}
+
+/// [`plan_layout`] for a diff snapshot: the metadata block also holds a
+/// changed bitmap per region (the pages the diff defines).
+pub fn plan_diff_layout(regions: &[(u32, u64, u64)]) -> Result<Layout, SnapshotError> {
+    plan(regions, true)
+}
+
+fn plan(regions: &[(u32, u64, u64)], diff: bool) -> Result<Layout, SnapshotError> {
     if regions.is_empty() || regions.len() > MAX_REGIONS {
         return Err(invalid(
             "region count",
@@ -201,7 +216,8 @@ pub fn plan_layout(regions: &[(u32, u64, u64)]) -> Result<Layout, SnapshotError>
             return Err(invalid("region id", format!("{id} appears twice")));
         }
         let pages = len / PAGE;
-        metadata_len += 8 * (pages.div_ceil(64) + pages.div_ceil(CHUNK_PAGES));
+        let bitmaps = if diff { 2 } else { 1 };
+        metadata_len += 8 * (bitmaps * pages.div_ceil(64) + pages.div_ceil(CHUNK_PAGES));
     }
     if metadata_len > MAX_METADATA_BYTES {
         return Err(invalid(
@@ -228,6 +244,7 @@ pub fn plan_layout(regions: &[(u32, u64, u64)]) -> Result<Layout, SnapshotError>
         regions: planned,
         metadata_len,
         data_end,
+        diff,
     })
 }
 
@@ -250,6 +267,9 @@ pub struct SnapshotHeader {
     pub digest: u128,
     /// XXH3-64 of the metadata block with this field zeroed.
     pub metadata_hash: u64,
+    /// A diff snapshot: the memory digest of its base (any snapshot whose
+    /// memory has this digest). `None`: a full snapshot.
+    pub base_digest: Option<u128>,
 }
 
 impl SnapshotHeader {
@@ -293,7 +313,7 @@ impl SnapshotHeader {
                 format!("{chunk_pages} pages per chunk, 2^{align_log2} alignment"),
             ));
         }
-        let header = Self {
+        let mut header = Self {
             state,
             region_count,
             metadata_len: reader.u64()?,
@@ -302,11 +322,18 @@ impl SnapshotHeader {
             trailer_hash: reader.u64()?,
             digest: reader.u128()?,
             metadata_hash: reader.u64()?,
+            base_digest: None,
         };
-        if reader.u64()? != 0 {
-            return Err(invalid("flags", "unknown flags set"));
+        let flags = reader.u64()?;
+        if flags & !FLAG_DIFF != 0 {
+            return Err(invalid("flags", format!("unknown flags set ({flags:#x})")));
         }
-        reader.reserved(32)?;
+        if flags & FLAG_DIFF != 0 {
+            header.base_digest = Some(reader.u128()?);
+            reader.reserved(16)?;
+        } else {
+            reader.reserved(32)?;
+        }
         header.check_bounds()?;
         Ok(header)
     }
@@ -355,9 +382,11 @@ impl SnapshotHeader {
             .u64(self.trailer_len)
             .u64(self.trailer_hash)
             .u128(self.digest)
-            .u64(self.metadata_hash)
-            .u64(0)
-            .zeros(32);
+            .u64(self.metadata_hash);
+        match self.base_digest {
+            Some(base) => writer.u64(FLAG_DIFF).u128(base).zeros(16),
+            None => writer.u64(0).zeros(32),
+        };
     }
 }
 
@@ -372,6 +401,10 @@ pub struct SnapshotMetadata {
     /// Per region, one bit per page (bit `n % 64` of word `n / 64`): set
     /// when the page's slot holds data, clear for a zero page (a hole).
     pub present: Vec<Vec<u64>>,
+    /// A diff snapshot's pages it defines, per region, bit by bit as
+    /// `present`: a page not changed is its base's. Empty for a full
+    /// snapshot, which defines every page.
+    pub changed: Vec<Vec<u64>>,
     /// Per region, one [`chunk_hash`] per [`CHUNK_PAGES`] pages.
     pub chunk_hashes: Vec<Vec<u64>>,
 }
@@ -390,12 +423,25 @@ impl SnapshotMetadata {
                 trailer_hash: 0,
                 digest: 0,
                 metadata_hash: 0,
+                base_digest: layout.diff.then_some(0),
             },
             regions: layout.regions.clone(),
             present: layout
                 .regions
                 .iter()
                 .map(|region| vec![0; to_usize(region.bitmap_words())])
+                .collect(),
+            changed: layout
+                .regions
+                .iter()
+                .map(|region| {
+                    let words = if layout.diff {
+                        region.bitmap_words()
+                    } else {
+                        0
+                    };
+                    vec![0; to_usize(words)]
+                })
                 .collect(),
             chunk_hashes: layout
                 .regions
@@ -413,6 +459,24 @@ impl SnapshotMetadata {
             .is_some_and(|word| word & (1 << (page % 64)) != 0)
     }
 
+    /// Whether this file defines page `page` of region `region`: always
+    /// for a full snapshot; for a diff, when the page changed since the
+    /// base (otherwise the base's page is the page).
+    pub fn is_changed(&self, region: usize, page: u64) -> bool {
+        if !self.is_diff() {
+            return true;
+        }
+        self.changed
+            .get(region)
+            .and_then(|words| words.get(to_usize(page / 64)))
+            .is_some_and(|word| word & (1 << (page % 64)) != 0)
+    }
+
+    /// Whether this is a diff snapshot.
+    pub fn is_diff(&self) -> bool {
+        self.header.base_digest.is_some()
+    }
+
     /// The whole metadata block, its hash computed and written in.
     pub fn encode(&self) -> Vec<u8> {
         let mut out = Vec::with_capacity(to_usize(self.header.metadata_len));
@@ -426,8 +490,13 @@ impl SnapshotMetadata {
                 .u64(region.len)
                 .u64(region.slots_offset);
         }
-        for (present, hashes) in self.present.iter().zip(&self.chunk_hashes) {
-            for &word in present.iter().chain(hashes) {
+        for ((present, changed), hashes) in self
+            .present
+            .iter()
+            .zip(&self.changed)
+            .zip(&self.chunk_hashes)
+        {
+            for &word in present.iter().chain(changed).chain(hashes) {
                 writer.u64(word);
             }
         }
@@ -463,7 +532,7 @@ impl SnapshotMetadata {
             table.push(((id, guest_addr, len), slots_offset));
         }
         let planned: Vec<_> = table.iter().map(|&(region, _)| region).collect();
-        let layout = plan_layout(&planned)?;
+        let layout = plan(&planned, header.base_digest.is_some())?;
         if layout.metadata_len != header.metadata_len || layout.data_end != header.data_end {
             return Err(invalid("layout", "lengths do not match the region table"));
         }
@@ -484,17 +553,14 @@ impl SnapshotMetadata {
             for word in metadata.present[index].iter_mut() {
                 *word = reader.u64()?;
             }
-            let tail = region.pages() % 64;
-            if tail != 0
-                && metadata.present[index]
-                    .last()
-                    .is_some_and(|w| w >> tail != 0)
-            {
-                return Err(invalid(
-                    "bitmap",
-                    format!("bits set past the end of region {}", region.id),
-                ));
+            for word in metadata.changed[index].iter_mut() {
+                *word = reader.u64()?;
             }
+            check_bitmaps(
+                region,
+                &metadata.present[index],
+                layout.diff.then_some(&metadata.changed[index][..]),
+            )?;
             for hash in metadata.chunk_hashes[index].iter_mut() {
                 *hash = reader.u64()?;
             }
@@ -510,6 +576,35 @@ impl SnapshotMetadata {
         self.header.trailer_len = trailer.len() as u64;
         self.header.trailer_hash = xxh3_64(trailer);
     }
+}
+
+/// Refuses bits set past a region's last page, and in a diff, a page
+/// present (data in its slot) that the diff does not define.
+fn check_bitmaps(
+    region: &SnapshotRegion,
+    present: &[u64],
+    changed: Option<&[u64]>,
+) -> Result<(), SnapshotError> {
+    let tail = region.pages() % 64;
+    let past_end = |words: &[u64]| tail != 0 && words.last().is_some_and(|w| w >> tail != 0);
+    if past_end(present) || changed.is_some_and(past_end) {
+        return Err(invalid(
+            "bitmap",
+            format!("bits set past the end of region {}", region.id),
+        ));
+    }
+    if let Some(changed) = changed
+        && present.iter().zip(changed).any(|(p, c)| p & !c != 0)
+    {
+        return Err(invalid(
+            "bitmap",
+            format!(
+                "region {} has pages with data that the diff does not define",
+                region.id
+            ),
+        ));
+    }
+    Ok(())
 }
 
 /// XXH3-64 of one chunk: over the little-endian XXH3-64 hashes of its
@@ -682,8 +777,64 @@ impl Trailer {
 mod tests {
     use super::{
         CHUNK_PAGES, SLOT_ALIGN, SNAPSHOT_HEADER_LEN, SnapshotError, SnapshotHeader,
-        SnapshotMetadata, SnapshotSection, Trailer, WorkingSet, plan_layout,
+        SnapshotMetadata, SnapshotSection, Trailer, WorkingSet, plan_diff_layout, plan_layout,
     };
+
+    /// A diff of two regions on the base with digest 0xba5e: pages 0 and 1
+    /// of region 0 changed (page 1 to zeros), page 2 of region 1 changed.
+    fn diff_sample() -> SnapshotMetadata {
+        let layout = plan_diff_layout(&[(0, 0, 64 << 12), (7, 1 << 32, 3 << 12)]).unwrap();
+        let mut metadata = SnapshotMetadata::new(&layout);
+        metadata.header.base_digest = Some(0xba5e);
+        metadata.changed[0][0] = 0b11;
+        metadata.present[0][0] = 0b01;
+        metadata.changed[1][0] = 0b100;
+        metadata.present[1][0] = 0b100;
+        metadata.complete(0xd1ff, &Trailer::default().encode());
+        metadata
+    }
+
+    #[test]
+    fn a_diff_round_trips_with_its_base_and_changed_pages() {
+        let metadata = diff_sample();
+        let bytes = metadata.encode();
+        let full = plan_layout(&[(0, 0, 64 << 12), (7, 1 << 32, 3 << 12)]).unwrap();
+        // One more bitmap word per region.
+        assert_eq!(bytes.len() as u64, full.metadata_len + 2 * 8);
+        let decoded = SnapshotMetadata::decode(&bytes).unwrap();
+        assert_eq!(decoded.header.base_digest, Some(0xba5e));
+        assert!(decoded.is_diff());
+        assert!(decoded.is_changed(0, 1) && !decoded.is_present(0, 1));
+        assert!(!decoded.is_changed(0, 2) && decoded.is_changed(1, 2));
+        for at in 0..bytes.len() {
+            let mut bad = bytes.clone();
+            bad[at] ^= 0x40;
+            assert!(SnapshotMetadata::decode(&bad).is_err(), "byte {at}");
+        }
+        // A full snapshot defines every page.
+        let (full, _) = sample();
+        assert!(!full.is_diff() && full.is_changed(0, 5));
+    }
+
+    #[test]
+    fn a_diff_with_data_for_a_page_it_does_not_define_is_refused() {
+        let mut metadata = diff_sample();
+        metadata.present[0][0] = 0b101;
+        let error = SnapshotMetadata::decode(&metadata.encode()).unwrap_err();
+        assert!(error.to_string().contains("does not define"), "{error}");
+        let mut metadata = diff_sample();
+        metadata.changed[1][0] = 0b1100;
+        let error = SnapshotMetadata::decode(&metadata.encode()).unwrap_err();
+        assert!(error.to_string().contains("past the end"), "{error}");
+    }
+
+    #[test]
+    fn unknown_flags_are_refused() {
+        let mut bytes = diff_sample().encode();
+        bytes[88] |= 2;
+        let error = SnapshotHeader::decode(&bytes).unwrap_err();
+        assert!(error.to_string().contains("unknown flags"), "{error}");
+    }
 
     fn sample() -> (SnapshotMetadata, Vec<u8>) {
         let layout = plan_layout(&[(0, 0, 64 << 12), (7, 1 << 32, 3 << 12)]).unwrap();

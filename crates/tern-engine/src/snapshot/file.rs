@@ -30,24 +30,22 @@ fn declared_len(
     })
 }
 
-/// A snapshot file whose header, metadata and trailer passed every check.
+/// One snapshot file whose header, metadata and trailer passed every
+/// check: a full snapshot, or a diff on another.
 #[derive(Debug)]
-pub struct SnapshotFile {
+pub(crate) struct Layer {
     path: PathBuf,
     file: File,
     metadata: SnapshotMetadata,
     trailer: Trailer,
-    /// Page hashes of the chunks fetched and verified so far (lazy
-    /// restore), for the digest once everything is loaded.
-    verified: Vec<Vec<AtomicU64>>,
 }
 
-impl SnapshotFile {
+impl Layer {
     /// Opens and checks `path`: magic, version, completeness, the metadata
     /// checksum and layout, that the file holds every byte the header
     /// claims, and the trailer's checksum. Pages are checked as they are
     /// read.
-    pub fn open(path: &Path) -> Result<Self, SnapshotError> {
+    pub(crate) fn open(path: &Path) -> Result<Self, SnapshotError> {
         let file = File::open(path).map_err(|source| SnapshotError::Open {
             path: path.to_owned(),
             source,
@@ -80,51 +78,150 @@ impl SnapshotFile {
         file.read_exact_at(&mut trailer, header.data_end)
             .map_err(read_error)?;
         let trailer = Trailer::decode(&trailer, &header, &metadata.regions).map_err(format)?;
-        let verified = metadata
-            .regions
-            .iter()
-            .map(|region| (0..region.pages()).map(|_| AtomicU64::new(0)).collect())
-            .collect();
         Ok(Self {
             path: path.to_owned(),
             file,
             metadata,
             trailer,
-            verified,
         })
     }
 
-    /// The path it was opened from.
-    pub fn path(&self) -> &Path {
+    pub(crate) fn path(&self) -> &Path {
         &self.path
     }
 
-    /// The checked metadata (regions, present pages, hashes, digest).
-    pub fn metadata(&self) -> &SnapshotMetadata {
+    pub(crate) fn metadata(&self) -> &SnapshotMetadata {
         &self.metadata
     }
 
-    /// The checked trailer (device state, working set, guest kind).
-    pub fn trailer(&self) -> &Trailer {
+    pub(crate) fn trailer(&self) -> &Trailer {
         &self.trailer
+    }
+
+    fn digest(&self) -> u128 {
+        self.metadata.header.digest
+    }
+}
+
+/// A snapshot ready to restore from: one full snapshot, or a full one
+/// with diffs layered on it, each diff checked to be taken on the memory
+/// of the layer below. Pages come from the topmost layer that defines
+/// them; the top layer's chunk hashes, digest and device state describe
+/// the whole.
+#[derive(Debug)]
+pub struct SnapshotFile {
+    /// Oldest (the full snapshot) first.
+    layers: Vec<Layer>,
+    /// Page hashes of the chunks fetched and verified so far (lazy
+    /// restore), for the digest once everything is loaded.
+    verified: Vec<Vec<AtomicU64>>,
+}
+
+/// Where one page's bytes are: a layer's slot, or nowhere (a zero page).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum PageAt {
+    /// In layer `layer` (an index, oldest first), at `offset`.
+    Slot { layer: usize, offset: u64 },
+    /// A zero page.
+    Zero,
+}
+
+impl SnapshotFile {
+    /// Opens and checks one full snapshot (see [`SnapshotFile::open_layers`]
+    /// for a diff).
+    pub fn open(path: &Path) -> Result<Self, SnapshotError> {
+        Self::open_layers(&[], path)
+    }
+
+    /// Opens `top` on `bases` (oldest first: a full snapshot, then the
+    /// diffs between it and `top`). Each layer is checked alone (see
+    /// [`Layer::open`]), then as a chain: every layer but the first is a
+    /// diff taken on the memory digest of the layer below, the first is
+    /// full, and all have the same regions.
+    pub fn open_layers(bases: &[PathBuf], top: &Path) -> Result<Self, SnapshotError> {
+        let mut layers = Vec::with_capacity(bases.len() + 1);
+        for path in bases.iter().map(PathBuf::as_path).chain([top]) {
+            layers.push(Layer::open(path)?);
+        }
+        check_chain(&layers)?;
+        let verified = layers[layers.len() - 1]
+            .metadata
+            .regions
+            .iter()
+            .map(|region| (0..region.pages()).map(|_| AtomicU64::new(0)).collect())
+            .collect();
+        Ok(Self { layers, verified })
+    }
+
+    fn top(&self) -> &Layer {
+        // Never empty: `open_layers` opens at least `top`.
+        &self.layers[self.layers.len() - 1]
+    }
+
+    /// The path of the top layer (the file named last).
+    pub fn path(&self) -> &Path {
+        self.top().path()
+    }
+
+    /// The top layer's checked metadata (regions, hashes and digest of
+    /// the whole memory; for a diff, its own present and changed pages).
+    pub fn metadata(&self) -> &SnapshotMetadata {
+        self.top().metadata()
+    }
+
+    /// The top layer's checked trailer (device state, working set, guest
+    /// kind).
+    pub fn trailer(&self) -> &Trailer {
+        self.top().trailer()
+    }
+
+    /// How many files the snapshot is made of (1 for a full snapshot).
+    pub fn layer_count(&self) -> usize {
+        self.layers.len()
     }
 
     /// The region lengths, for building a guest of the same shape.
     pub fn region_lens(&self) -> Vec<u64> {
-        self.metadata
+        self.metadata()
             .regions
             .iter()
             .map(|region| region.len)
             .collect()
     }
 
-    pub(crate) fn file(&self) -> &File {
-        &self.file
+    /// The file of layer `layer`.
+    pub(crate) fn layer_file(&self, layer: usize) -> &File {
+        &self.layers[layer].file
+    }
+
+    /// The path of layer `layer`.
+    pub(crate) fn layer_path(&self, layer: usize) -> &Path {
+        &self.layers[layer].path
+    }
+
+    /// Where page `page` of region `region` is: the slot of the topmost
+    /// layer that defines it, or a zero page.
+    pub(crate) fn locate(&self, region: usize, page: u64) -> PageAt {
+        for (index, layer) in self.layers.iter().enumerate().rev() {
+            let metadata = &layer.metadata;
+            if !metadata.is_changed(region, page) {
+                continue;
+            }
+            return match metadata.regions.get(region) {
+                Some(slots) if metadata.is_present(region, page) => PageAt::Slot {
+                    layer: index,
+                    offset: slots.slots_offset + page * PAGE,
+                },
+                _ => PageAt::Zero,
+            };
+        }
+        // The bottom layer is full: it defines every page.
+        PageAt::Zero
     }
 
     /// Reads pages `first..first + zero.len()` of `region` into `buf`:
-    /// present pages from their slots (contiguous ones in one read), absent
-    /// ones marked zero. Returns each page's hash.
+    /// present pages from their layer's slots (contiguous ones in one
+    /// read), absent ones marked zero. Returns each page's hash.
     pub(crate) fn read_pages(
         &self,
         region: usize,
@@ -132,25 +229,21 @@ impl SnapshotFile {
         buf: &mut [u8],
         zero: &mut [bool],
     ) -> std::io::Result<Vec<u64>> {
-        let slots = self.metadata.regions[region];
         let count = zero.len();
-        for (index, is_zero) in zero.iter_mut().enumerate() {
-            *is_zero = !self.metadata.is_present(region, first + index as u64);
+        let places: Vec<PageAt> = (0..count)
+            .map(|index| self.locate(region, first + index as u64))
+            .collect();
+        for (is_zero, place) in zero.iter_mut().zip(&places) {
+            *is_zero = *place == PageAt::Zero;
         }
-        let mut start = 0;
-        while start < count {
-            if zero[start] {
-                start += 1;
-                continue;
-            }
-            let end = zero[start..]
-                .iter()
-                .position(|&is_zero| is_zero)
-                .map_or(count, |run| start + run);
-            let offset = slots.slots_offset + (first + start as u64) * PAGE;
-            self.file
-                .read_exact_at(&mut buf[start * PAGE_SIZE..end * PAGE_SIZE], offset)?;
-            start = end;
+        for (start, end, layer, offset) in slot_runs(&places) {
+            let layer = &self.layers[layer];
+            layer
+                .file
+                .read_exact_at(&mut buf[start * PAGE_SIZE..end * PAGE_SIZE], offset)
+                .map_err(|error| {
+                    std::io::Error::new(error.kind(), format!("{}: {error}", layer.path.display()))
+                })?;
         }
         Ok((0..count)
             .map(|index| {
@@ -170,10 +263,12 @@ impl SnapshotFile {
         chunk: u64,
         page_hashes: &[u64],
     ) -> Result<(), SnapshotError> {
-        let expected = self.metadata.chunk_hashes[region][crate::numeric::saturating_usize(chunk)];
+        let expected =
+            self.metadata().chunk_hashes[region][crate::numeric::saturating_usize(chunk)];
         if chunk_hash(page_hashes) != expected {
             return Err(SnapshotError::Corrupted {
-                path: self.path.clone(),
+                path: self.path().to_owned(),
+                bases: self.layers.len() - 1,
                 region,
                 chunk,
             });
@@ -185,7 +280,7 @@ impl SnapshotFile {
     /// page has been.
     pub(crate) fn verified_digest(&self) -> u128 {
         let mut hasher = Xxh3::new();
-        for (region, hashes) in self.metadata.regions.iter().zip(&self.verified) {
+        for (region, hashes) in self.metadata().regions.iter().zip(&self.verified) {
             add_region(
                 &mut hasher,
                 region.id,
@@ -205,7 +300,7 @@ impl PageSource for SnapshotFile {
         zero: &mut [bool],
     ) -> Result<(), PageSourceError> {
         let slots =
-            self.metadata.regions.get(region).ok_or_else(|| {
+            self.metadata().regions.get(region).ok_or_else(|| {
                 PageSourceError::new(format!("no region {region} in the snapshot"))
             })?;
         let chunk = first / CHUNK_PAGES;
@@ -216,9 +311,9 @@ impl PageSource for SnapshotFile {
                 zero.len()
             )));
         }
-        let hashes = self.read_pages(region, first, buf, zero).map_err(|error| {
-            PageSourceError::io(format!("cannot read {}", self.path.display()), error)
-        })?;
+        let hashes = self
+            .read_pages(region, first, buf, zero)
+            .map_err(|error| PageSourceError::io("cannot read the snapshot", error))?;
         self.check_chunk(region, chunk, &hashes)
             .map_err(|error| PageSourceError::new(error.to_string()))?;
         for (index, hash) in hashes.into_iter().enumerate() {
@@ -227,6 +322,83 @@ impl PageSource for SnapshotFile {
         }
         Ok(())
     }
+}
+
+/// The runs of `places` in slots: (first index, end index, layer, file
+/// offset of the first), each run contiguous in one layer's file.
+pub(crate) fn slot_runs(places: &[PageAt]) -> Vec<(usize, usize, usize, u64)> {
+    let mut runs: Vec<(usize, usize, usize, u64)> = Vec::new();
+    for (index, place) in places.iter().enumerate() {
+        let PageAt::Slot { layer, offset } = *place else {
+            continue;
+        };
+        match runs.last_mut() {
+            Some((start, end, run_layer, run_offset))
+                if *end == index
+                    && *run_layer == layer
+                    && *run_offset + ((index - *start) as u64) * PAGE == offset =>
+            {
+                *end = index + 1;
+            }
+            _ => runs.push((index, index + 1, layer, offset)),
+        }
+    }
+    runs
+}
+
+/// Refuses layers that are not one full snapshot under diffs, each taken
+/// on the memory of the one below, all of one shape and guest kind.
+fn check_chain(layers: &[Layer]) -> Result<(), SnapshotError> {
+    let chain = |detail: String| SnapshotError::Chain(detail);
+    let bottom = &layers[0];
+    if let Some(base) = bottom.metadata.header.base_digest {
+        return Err(chain(format!(
+            "{} is a diff snapshot on the memory with digest {base:032x}: name its base first",
+            bottom.path.display()
+        )));
+    }
+    for pair in layers.windows(2) {
+        let (below, above) = (&pair[0], &pair[1]);
+        let Some(base) = above.metadata.header.base_digest else {
+            return Err(chain(format!(
+                "{} is a full snapshot: only the first file named can be one",
+                above.path.display()
+            )));
+        };
+        if base != below.digest() {
+            return Err(chain(format!(
+                "{} is a diff on the memory with digest {base:032x}, but {} holds digest {:032x}: not its base",
+                above.path.display(),
+                below.path.display(),
+                below.digest()
+            )));
+        }
+        let shape = |layer: &Layer| -> Vec<(u32, u64, u64)> {
+            layer
+                .metadata
+                .regions
+                .iter()
+                .map(|region| (region.id, region.guest_addr, region.len))
+                .collect()
+        };
+        if shape(below) != shape(above) {
+            return Err(chain(format!(
+                "{} and {} hold guests of different regions",
+                below.path.display(),
+                above.path.display()
+            )));
+        }
+        if below.trailer.guest_kind != above.trailer.guest_kind {
+            return Err(chain(format!(
+                "{} holds a {:?} guest, {} a {:?} one",
+                below.path.display(),
+                below.trailer.guest_kind,
+                above.path.display(),
+                above.trailer.guest_kind
+            )));
+        }
+    }
+    Ok(())
 }
 
 /// Reads as much of `buf` as the file holds from `offset`.

@@ -60,7 +60,7 @@ pub fn restore_lazy<G: DestinationGuest>(
     make_guest: impl FnOnce(&[u64]) -> crate::guest::GuestResult<G>,
 ) -> Result<LazyRestore<G>, SnapshotError> {
     let started = Instant::now();
-    let file = Arc::new(SnapshotFile::open(path)?);
+    let file = Arc::new(SnapshotFile::open_layers(&config.bases, path)?);
     let guest = make_guest(&file.region_lens())?;
     check_shape(&file, guest.regions(), guest.guest_kind())?;
     let working_set = match (&config.working_set, config.prefetch_working_set) {

@@ -15,9 +15,16 @@
 //! (`crate::fault`) bring pages in as the guest touches them, while
 //! loaders prefetch the recorded working set and then everything else;
 //! every chunk fetched is checked against its hash first.
+//!
+//! A *diff* ([`SaveConfig::diff_base`]) holds only the chunks whose hash
+//! differs from its base's and names the base by its memory digest; both
+//! restores take it on its bases ([`RestoreConfig::bases`]), each page
+//! from the topmost file that defines it, and [`merge`] writes the whole
+//! as one full snapshot.
 
 mod file;
 mod lazy;
+mod merge;
 mod restore;
 mod save;
 mod writer;
@@ -26,6 +33,7 @@ use std::path::PathBuf;
 
 pub use file::SnapshotFile;
 pub use lazy::{LazyRestore, LazyStats};
+pub use merge::{MergeStats, merge};
 pub use restore::{RestoreConfig, RestoreStats, Restored, restore};
 pub use save::{SaveConfig, SaveStats, save};
 
@@ -78,11 +86,14 @@ pub enum SnapshotError {
     /// A chunk's pages do not hash to the value recorded for it: the file
     /// was corrupted or changed after the save.
     #[error(
-        "{path}: chunk {chunk} of region {region} does not match its hash (corrupted or changed since the save)"
+        "{path}{}: chunk {chunk} of region {region} does not match its hash (corrupted or changed since the save)",
+        with_bases(*bases)
     )]
     Corrupted {
-        /// The file.
+        /// The file (the top one of a diff and its bases).
         path: PathBuf,
+        /// The files under it (a diff's bases) the chunk was read from too.
+        bases: usize,
         /// Region index.
         region: usize,
         /// Chunk index.
@@ -110,6 +121,10 @@ pub enum SnapshotError {
         /// The digest of the pages loaded.
         actual: u128,
     },
+    /// The files named are not a full snapshot with diffs layered on it,
+    /// each taken on the memory of the one below.
+    #[error("{0}")]
+    Chain(String),
     /// The guest built for the restore does not have the snapshot's shape.
     #[error("the snapshot does not fit this guest: {0}")]
     Shape(String),
@@ -124,38 +139,66 @@ pub enum SnapshotError {
     Config(String),
 }
 
+fn with_bases(bases: usize) -> String {
+    match bases {
+        0 => String::new(),
+        1 => " (on its base)".into(),
+        more => format!(" (on its {more} bases)"),
+    }
+}
+
 /// Checks that `guest_regions` are the snapshot's regions, in order.
 pub(crate) fn check_shape(
     file: &SnapshotFile,
     guest_regions: &[crate::guest::MemoryRegion],
     guest_kind: &str,
 ) -> Result<(), SnapshotError> {
-    let saved = &file.metadata().regions;
-    let kind = &file.trailer().guest_kind;
+    shape_mismatch(file.metadata(), file.trailer(), guest_regions, guest_kind)
+        .map_or(Ok(()), |detail| Err(SnapshotError::Shape(detail)))
+}
+
+/// [`check_shape`] for one file (a diff's base): the mismatch, if any.
+pub(crate) fn check_layer_shape(
+    layer: &file::Layer,
+    guest_regions: &[crate::guest::MemoryRegion],
+    guest_kind: &str,
+) -> Result<(), String> {
+    shape_mismatch(layer.metadata(), layer.trailer(), guest_regions, guest_kind).map_or(Ok(()), Err)
+}
+
+/// How a snapshot's regions and guest kind differ from a guest's.
+fn shape_mismatch(
+    metadata: &tern_wire::snapshot::SnapshotMetadata,
+    trailer: &tern_wire::snapshot::Trailer,
+    guest_regions: &[crate::guest::MemoryRegion],
+    guest_kind: &str,
+) -> Option<String> {
+    let saved = &metadata.regions;
+    let kind = &trailer.guest_kind;
     if !kind.is_empty() && !guest_kind.is_empty() && kind != guest_kind {
-        return Err(SnapshotError::Shape(format!(
-            "it holds a {kind} guest, not a {guest_kind} one"
-        )));
+        return Some(format!("it holds a {kind} guest, not a {guest_kind} one"));
     }
     if saved.len() != guest_regions.len() {
-        return Err(SnapshotError::Shape(format!(
+        return Some(format!(
             "{} regions saved, the guest has {}",
             saved.len(),
             guest_regions.len()
-        )));
+        ));
     }
-    for (index, (saved, guest)) in saved.iter().zip(guest_regions).enumerate() {
-        if saved.len != guest.len() || saved.id != guest.id() {
-            return Err(SnapshotError::Shape(format!(
+    saved
+        .iter()
+        .zip(guest_regions)
+        .enumerate()
+        .find(|(_, (saved, guest))| saved.len != guest.len() || saved.id != guest.id())
+        .map(|(index, (saved, guest))| {
+            format!(
                 "region {index} was saved as id {} of {} bytes, the guest has id {} of {} bytes",
                 saved.id,
                 saved.len,
                 guest.id(),
                 guest.len()
-            )));
-        }
-    }
-    Ok(())
+            )
+        })
 }
 
 /// The engine's state sections from the file's.

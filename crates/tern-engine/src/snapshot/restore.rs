@@ -12,9 +12,8 @@ use xxhash_rust::xxh3::Xxh3;
 
 use crate::digest::{add_region, page_hash, zero_page_hash};
 use crate::guest::{DestinationGuest, MemoryRegion, PAGE_SIZE};
+use crate::snapshot::file::{PageAt, slot_runs};
 use crate::snapshot::{SnapshotError, SnapshotFile, check_shape, sections};
-
-const PAGE: u64 = PAGE_SIZE as u64;
 
 /// How to restore.
 #[derive(Clone, Debug)]
@@ -33,6 +32,9 @@ pub struct RestoreConfig {
     /// Eager: resume the guest once restored (off: it stays paused, for a
     /// caller that checks it first, like QEMU's `-S`).
     pub resume: bool,
+    /// When the snapshot is a diff: the files under it, oldest first (a
+    /// full snapshot, then any diffs between it and the snapshot).
+    pub bases: Vec<std::path::PathBuf>,
 }
 
 impl Default for RestoreConfig {
@@ -43,6 +45,7 @@ impl Default for RestoreConfig {
             working_set: None,
             background: true,
             resume: true,
+            bases: Vec::new(),
         }
     }
 }
@@ -82,7 +85,7 @@ pub fn restore<G: DestinationGuest>(
     make_guest: impl FnOnce(&[u64]) -> crate::guest::GuestResult<G>,
 ) -> Result<Restored<G>, SnapshotError> {
     let started = Instant::now();
-    let file = SnapshotFile::open(path)?;
+    let file = SnapshotFile::open_layers(&config.bases, path)?;
     let mut guest = make_guest(&file.region_lens())?;
     check_shape(&file, guest.regions(), guest.guest_kind())?;
     let (digest, pages_read, zero_pages) = read_all(&file, guest.regions(), config.threads)?;
@@ -183,7 +186,8 @@ fn read_all(
 }
 
 /// Reads one chunk's present pages straight into guest memory (one
-/// `pread` per run) and checks the chunk's hash from what memory holds.
+/// `pread` per run of slots in one file) and checks the chunk's hash from
+/// what memory holds.
 fn read_chunk(
     file: &SnapshotFile,
     memory: &MemoryRegion,
@@ -191,44 +195,39 @@ fn read_chunk(
     chunk: u64,
     hashes: &mut [u64],
 ) -> Result<(u64, u64), SnapshotError> {
-    let metadata = file.metadata();
     let first = chunk * CHUNK_PAGES;
-    let slots = metadata.regions[region];
+    let places: Vec<PageAt> = (first..first + hashes.len() as u64)
+        .map(|page| file.locate(region, page))
+        .collect();
+    let outside = || SnapshotError::Shape("a page outside the guest".into());
+    for (start, end, layer, offset) in slot_runs(&places) {
+        let ptr = memory.page_ptr(first + start as u64).ok_or_else(outside)?;
+        memory
+            .page_ptr(first + end as u64 - 1)
+            .ok_or_else(outside)?;
+        pread_exact(file, layer, ptr, (end - start) * PAGE_SIZE, offset)?;
+    }
     let (mut read, mut zero) = (0, 0);
-    let mut page = first;
-    let end = first + hashes.len() as u64;
-    while page < end {
-        if !metadata.is_present(region, page) {
-            hashes[crate::numeric::saturating_usize(page - first)] = zero_page_hash();
+    for (index, place) in places.iter().enumerate() {
+        if *place == PageAt::Zero {
+            hashes[index] = zero_page_hash();
             zero += 1;
-            page += 1;
             continue;
         }
-        let run_end = (page..end)
-            .find(|&other| !metadata.is_present(region, other))
-            .unwrap_or(end);
-        let ptr = memory
-            .page_ptr(page)
-            .ok_or_else(|| SnapshotError::Shape("a page outside the guest".into()))?;
-        let len = crate::numeric::saturating_usize((run_end - page) * PAGE);
-        pread_exact(file, ptr, len, slots.slots_offset + page * PAGE)?;
-        for index in page..run_end {
-            let at = memory
-                .page_ptr(index)
-                .ok_or_else(|| SnapshotError::Shape("a page outside the guest".into()))?;
-            // SAFETY: a bounds-checked page of a guest that does not run.
-            hashes[crate::numeric::saturating_usize(index - first)] = unsafe { page_hash(at) };
-        }
-        read += run_end - page;
-        page = run_end;
+        let at = memory.page_ptr(first + index as u64).ok_or_else(outside)?;
+        // SAFETY: a bounds-checked page of a guest that does not run.
+        hashes[index] = unsafe { page_hash(at) };
+        read += 1;
     }
     file.check_chunk(region, chunk, hashes)?;
     Ok((read, zero))
 }
 
-/// Reads `len` bytes at `offset` of the file to `ptr` (guest memory).
+/// Reads `len` bytes at `offset` of layer `layer`'s file to `ptr` (guest
+/// memory).
 fn pread_exact(
     file: &SnapshotFile,
+    layer: usize,
     ptr: *mut u8,
     len: usize,
     offset: u64,
@@ -245,21 +244,21 @@ fn pread_exact(
         // checked by the caller), which does not run during a restore.
         let got = unsafe {
             libc::pread(
-                file.file().as_raw_fd(),
+                file.layer_file(layer).as_raw_fd(),
                 ptr.add(done).cast(),
                 len - done,
                 at,
             )
         };
         let error = || SnapshotError::Read {
-            path: file.path().to_owned(),
+            path: file.layer_path(layer).to_owned(),
             source: std::io::Error::last_os_error(),
         };
         match got {
             got if got > 0 => done += crate::numeric::syscall_count(got),
             0 => {
                 return Err(SnapshotError::Read {
-                    path: file.path().to_owned(),
+                    path: file.layer_path(layer).to_owned(),
                     source: std::io::ErrorKind::UnexpectedEof.into(),
                 });
             }

@@ -10,7 +10,10 @@ use tern_wire::snapshot::{SnapshotSection, Trailer, WorkingSet};
 use crate::bitmap::DirtyBitmap;
 use crate::guest::SourceGuest;
 use crate::snapshot::SnapshotError;
-use crate::snapshot::writer::SlotWriter;
+use crate::snapshot::check_layer_shape;
+use crate::snapshot::file::Layer;
+use crate::snapshot::writer::{DiffBase, SlotWriter};
+use std::os::unix::fs::MetadataExt;
 
 /// How to save.
 #[derive(Clone, Debug)]
@@ -31,6 +34,12 @@ pub struct SaveConfig {
     /// Resume the guest after the save (the guest keeps running, as after
     /// QEMU's `savevm`); otherwise it stays paused.
     pub resume: bool,
+    /// Save a diff on this snapshot (full or itself a diff): only the
+    /// chunks whose content differs from the base's are written, and the
+    /// file names the base by its memory digest (Firecracker's
+    /// `snapshot_type: Diff`, compared by content instead of a dirty log
+    /// kept since the base).
+    pub diff_base: Option<std::path::PathBuf>,
 }
 
 impl Default for SaveConfig {
@@ -42,6 +51,7 @@ impl Default for SaveConfig {
             max_passes: 8,
             final_pass_pages: 1024,
             resume: true,
+            diff_base: None,
         }
     }
 }
@@ -71,6 +81,11 @@ pub struct SaveStats {
     pub digest: String,
     /// Pages recorded as the working set (live: dirtied in the last pass).
     pub working_set_pages: u64,
+    /// Diff: pages left to the base (their chunk had the base's hash).
+    pub unchanged_pages: u64,
+    /// Diff: the memory digest of the base it was taken on.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub base_digest: Option<String>,
 }
 
 /// Saves `guest` to `path`. On any error the guest runs on as it did
@@ -85,7 +100,12 @@ pub fn save<G: SourceGuest + ?Sized>(
         return Err(SnapshotError::Config("writers must be at least 1".into()));
     }
     let started = Instant::now();
-    let writer = SlotWriter::create(path, guest.regions(), config.direct)?;
+    let base = match &config.diff_base {
+        Some(base) => Some(open_base(base, path, guest.regions(), guest.guest_kind())?),
+        None => None,
+    };
+    let base_digest = base.as_ref().map(|base| format!("{:032x}", base.digest));
+    let writer = SlotWriter::create(path, guest.regions(), config.direct, base)?;
     let mut session = Session {
         guest,
         writer: &writer,
@@ -111,6 +131,36 @@ pub fn save<G: SourceGuest + ?Sized>(
         memory_bytes: session.guest.regions().iter().map(|r| r.len()).sum(),
         digest: format!("{:032x}", writer.digest()),
         working_set_pages: working_set as u64,
+        unchanged_pages: counters.unchanged_pages.load(Ordering::Relaxed),
+        base_digest,
+    })
+}
+
+/// Opens and checks the base of a diff to be saved at `output`: a
+/// complete snapshot of this guest's regions and kind, and not the file
+/// the diff would replace.
+fn open_base(
+    base: &Path,
+    output: &Path,
+    regions: &[crate::guest::MemoryRegion],
+    guest_kind: &str,
+) -> Result<DiffBase, SnapshotError> {
+    let layer = Layer::open(base)?;
+    if let (Ok(base_meta), Ok(output_meta)) = (std::fs::metadata(base), std::fs::metadata(output))
+        && base_meta.dev() == output_meta.dev()
+        && base_meta.ino() == output_meta.ino()
+    {
+        return Err(SnapshotError::Config(format!(
+            "the diff would replace its own base {}",
+            base.display()
+        )));
+    }
+    check_layer_shape(&layer, regions, guest_kind)
+        .map_err(|error| SnapshotError::Shape(format!("the base {}: {error}", base.display())))?;
+    let metadata = layer.metadata();
+    Ok(DiffBase {
+        digest: metadata.header.digest,
+        chunk_hashes: metadata.chunk_hashes.clone(),
     })
 }
 

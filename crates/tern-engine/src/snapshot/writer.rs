@@ -9,6 +9,11 @@
 //! reports it and a later pass (the last one with the guest paused)
 //! writes it again, with its hash: the hashes always describe the bytes
 //! of the final write.
+//!
+//! A diff snapshot's first pass compares each chunk's hash with its base's
+//! and writes only the chunks that differ (all their pages, marked
+//! changed); later passes of a live save write the pages the dirty log
+//! reports, page by page, and mark them changed.
 
 use std::fs::{File, OpenOptions};
 use std::os::fd::AsRawFd;
@@ -18,7 +23,9 @@ use std::sync::Mutex;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 
 use tern_page::zero::ZeroChecker;
-use tern_wire::snapshot::{CHUNK_PAGES, Layout, SnapshotMetadata, chunk_hash, plan_layout};
+use tern_wire::snapshot::{
+    CHUNK_PAGES, Layout, SnapshotMetadata, chunk_hash, plan_diff_layout, plan_layout,
+};
 use xxhash_rust::xxh3::Xxh3;
 
 use crate::bitmap::DirtyBitmap;
@@ -39,6 +46,16 @@ pub(crate) struct WriteCounters {
     pub(crate) pages_written: AtomicU64,
     pub(crate) zero_pages: AtomicU64,
     pub(crate) holes_punched: AtomicU64,
+    /// Diff: pages of chunks equal to the base's, not written.
+    pub(crate) unchanged_pages: AtomicU64,
+}
+
+/// What a diff is compared with: its base's memory digest and chunk
+/// hashes (which describe the base's whole memory, diff or not).
+#[derive(Debug)]
+pub(crate) struct DiffBase {
+    pub(crate) digest: u128,
+    pub(crate) chunk_hashes: Vec<Vec<u64>>,
 }
 
 /// A snapshot file being written.
@@ -57,22 +74,33 @@ pub(crate) struct SlotWriter {
     /// Cleared when the filesystem cannot punch holes: zeros are then
     /// written into the slot instead.
     punch: AtomicBool,
+    /// A diff's base; `None` for a full snapshot.
+    base: Option<DiffBase>,
+    /// Diff: one bit per page, per region: the diff defines the page.
+    changed: Vec<Vec<AtomicU64>>,
     pub(crate) counters: WriteCounters,
 }
 
 impl SlotWriter {
     /// Creates (or truncates) `path` for `regions`, sized to its layout (a
-    /// sparse file: nothing is allocated yet), with an incomplete header.
+    /// sparse file: nothing is allocated yet), with an incomplete header;
+    /// a diff on `base` if there is one.
     pub(crate) fn create(
         path: &Path,
         regions: &[MemoryRegion],
         direct: bool,
+        base: Option<DiffBase>,
     ) -> Result<Self, SnapshotError> {
         let shape: Vec<_> = regions
             .iter()
             .map(|region| (region.id(), region.guest_addr(), region.len()))
             .collect();
-        let layout = plan_layout(&shape).map_err(|source| SnapshotError::Format {
+        let plan = if base.is_some() {
+            plan_diff_layout
+        } else {
+            plan_layout
+        };
+        let layout = plan(&shape).map_err(|source| SnapshotError::Format {
             path: path.to_owned(),
             source,
         })?;
@@ -118,6 +146,18 @@ impl SlotWriter {
                 .iter()
                 .map(|region| atomics(region.pages()))
                 .collect(),
+            changed: layout
+                .regions
+                .iter()
+                .map(|region| {
+                    atomics(if layout.diff {
+                        region.pages().div_ceil(64)
+                    } else {
+                        0
+                    })
+                })
+                .collect(),
+            base,
             layout,
             regions: regions.to_vec(),
             zero: ZeroChecker::best(),
@@ -195,6 +235,9 @@ impl SlotWriter {
         let memory = self.regions[region];
         let first = batch * BATCH_PAGES;
         let end = (first + BATCH_PAGES).min(memory.pages());
+        if let (Some(base), None) = (&self.base, selected) {
+            return self.write_changed_chunks(base, region, first, end);
+        }
         let mut looked = 0;
         let mut run: Option<(u64, u64)> = None;
         for page in first..end {
@@ -206,6 +249,7 @@ impl SlotWriter {
             let Some(ptr) = memory.page_ptr(page) else {
                 continue;
             };
+            self.mark_changed(region, page);
             // SAFETY: `page_ptr` bounds-checked the page; the guest may
             // write it concurrently, which only makes the answer stale
             // (the dirty log then reports the page again).
@@ -232,6 +276,84 @@ impl SlotWriter {
         }
         self.flush_run(region, run)?;
         Ok(looked)
+    }
+
+    /// A diff's first pass over pages `first..end` of `region` (whole
+    /// chunks): hashes every page, leaves the chunks whose hash is the
+    /// base's, and writes the others whole, their pages marked changed.
+    fn write_changed_chunks(
+        &self,
+        base: &DiffBase,
+        region: usize,
+        first: u64,
+        end: u64,
+    ) -> Result<u64, SnapshotError> {
+        let memory = self.regions[region];
+        let mut chunk_start = first;
+        while chunk_start < end {
+            let chunk_end = (chunk_start + CHUNK_PAGES).min(end);
+            let mut hashes = Vec::with_capacity(crate::numeric::saturating_usize(CHUNK_PAGES));
+            let mut zero = Vec::with_capacity(crate::numeric::saturating_usize(CHUNK_PAGES));
+            for page in chunk_start..chunk_end {
+                let ptr = memory.page_ptr(page).ok_or_else(|| {
+                    self.write_error(std::io::Error::other("page outside the region"))
+                })?;
+                // SAFETY: `page_ptr` bounds-checked the page; a concurrent
+                // guest write only makes the answer stale (see write_batch).
+                let is_zero = unsafe { self.zero.is_zero_page(ptr) };
+                zero.push(is_zero);
+                hashes.push(if is_zero {
+                    crate::digest::zero_page_hash()
+                } else {
+                    // SAFETY: as above.
+                    unsafe { page_hash(ptr) }
+                });
+            }
+            let chunk = (chunk_start / CHUNK_PAGES) as usize;
+            for (page, &hash) in (chunk_start..chunk_end).zip(&hashes) {
+                self.hashes[region][crate::numeric::saturating_usize(page)]
+                    .store(hash, Ordering::Relaxed);
+            }
+            if base.chunk_hashes[region].get(chunk) == Some(&chunk_hash(&hashes)) {
+                self.counters
+                    .unchanged_pages
+                    .fetch_add(chunk_end - chunk_start, Ordering::Relaxed);
+                chunk_start = chunk_end;
+                continue;
+            }
+            let mut run: Option<(u64, u64)> = None;
+            for (page, &is_zero) in (chunk_start..chunk_end).zip(&zero) {
+                self.mark_changed(region, page);
+                if is_zero {
+                    self.flush_run(region, run.take())?;
+                    self.make_hole(region, page)?;
+                    continue;
+                }
+                self.present[region][(page / 64) as usize]
+                    .fetch_or(1 << (page % 64), Ordering::Relaxed);
+                run = match run {
+                    Some((start, count)) if start + count == page => Some((start, count + 1)),
+                    other => {
+                        self.flush_run(region, other)?;
+                        Some((page, 1))
+                    }
+                };
+            }
+            self.flush_run(region, run)?;
+            chunk_start = chunk_end;
+        }
+        Ok(end - first)
+    }
+
+    /// Diff: records that the diff defines `page` (no-op for a full save).
+    fn mark_changed(&self, region: usize, page: u64) {
+        if let Some(word) = self
+            .changed
+            .get(region)
+            .and_then(|words| words.get((page / 64) as usize))
+        {
+            word.fetch_or(1 << (page % 64), Ordering::Relaxed);
+        }
     }
 
     /// Writes `count` pages from `start` of `region` to their slots.
@@ -339,6 +461,9 @@ impl SlotWriter {
             for (word, atomic) in metadata.present[index].iter_mut().zip(&self.present[index]) {
                 *word = atomic.load(Ordering::Relaxed);
             }
+            for (word, atomic) in metadata.changed[index].iter_mut().zip(&self.changed[index]) {
+                *word = atomic.load(Ordering::Relaxed);
+            }
             let hashes: Vec<u64> = self.hashes[index]
                 .iter()
                 .map(|h| h.load(Ordering::Relaxed))
@@ -350,6 +475,7 @@ impl SlotWriter {
                 *slot = chunk_hash(&hashes[first..end]);
             }
         }
+        metadata.header.base_digest = self.base.as_ref().map(|base| base.digest);
         metadata.complete(digest, trailer);
         self.file
             .write_all_at(&metadata.encode(), 0)

@@ -71,6 +71,8 @@ pub(crate) enum Command {
     Save(snapshot::SaveArgs),
     /// Restore a synthetic guest from a snapshot file, eagerly or lazily.
     Restore(snapshot::RestoreArgs),
+    /// Merge a diff snapshot and its bases into one full snapshot.
+    MergeSnapshot(snapshot::MergeSnapshotArgs),
     /// Serve a snapshot's pages to a VMM over Firecracker's userfaultfd
     /// page-fault handler protocol.
     ServePages(snapshot::ServePagesArgs),

@@ -25,6 +25,11 @@ pub(crate) struct SaveFileArgs {
     /// Write pages with O_DIRECT, bypassing the page cache.
     #[arg(long)]
     pub direct: bool,
+    /// Save a diff on this snapshot (full or itself a diff): only the
+    /// chunks whose content differs from it are written, and the file
+    /// names it by its memory digest. Restore with --base.
+    #[arg(long, value_name = "FILE")]
+    pub diff_base: Option<PathBuf>,
     /// Leave the guest paused after the save (it is discarded on exit).
     #[arg(long)]
     pub stop: bool,
@@ -45,6 +50,7 @@ impl SaveFileArgs {
             config.direct = self.direct;
             config.live = self.live;
             config.resume = !self.stop;
+            config.diff_base = self.diff_base.clone();
             config
         }
     }
@@ -71,6 +77,10 @@ pub(crate) struct RestoreArgs {
     /// The snapshot file.
     #[arg(long, short)]
     pub snapshot: PathBuf,
+    /// The snapshot is a diff: the files under it, oldest first (the full
+    /// snapshot, then any diffs between it and --snapshot), once each.
+    #[arg(long, value_name = "FILE")]
+    pub base: Vec<PathBuf>,
     /// Resume the guest at once and fault its memory in from the file
     /// (userfaultfd), prefetching the working set, then the rest.
     #[arg(long)]
@@ -101,6 +111,22 @@ pub(crate) struct RestoreArgs {
 }
 
 #[derive(Debug, Args)]
+pub(crate) struct MergeSnapshotArgs {
+    /// The diff snapshot.
+    #[arg(long, short)]
+    pub(crate) snapshot: PathBuf,
+    /// The files under it, oldest first, as for `tern restore --base`.
+    #[arg(long, value_name = "FILE", required = true)]
+    pub(crate) base: Vec<PathBuf>,
+    /// The full snapshot to write (replaced if it exists; never an input).
+    #[arg(long, short)]
+    pub(crate) output: PathBuf,
+    /// Print one JSON document instead of the summary.
+    #[arg(long)]
+    pub(crate) json: bool,
+}
+
+#[derive(Debug, Args)]
 pub(crate) struct ServePagesArgs {
     /// The Unix socket to listen on (the path given to Firecracker's
     /// snapshot load as the UFFD backend); it must not exist yet.
@@ -113,6 +139,10 @@ pub(crate) struct ServePagesArgs {
         conflicts_with = "memory_file"
     )]
     pub snapshot: Option<PathBuf>,
+    /// The snapshot is a diff: the files under it, oldest first, as for
+    /// `tern restore --base`.
+    #[arg(long, value_name = "FILE", requires = "snapshot")]
+    pub base: Vec<PathBuf>,
     /// Serve this raw memory file (Firecracker's snapshot memory file).
     #[arg(long)]
     pub memory_file: Option<PathBuf>,

@@ -28,6 +28,7 @@ pub(crate) fn dispatch(command: Command, verbose: bool) -> anyhow::Result<ExitCo
         Command::Receive(args) => receive::run(&args),
         Command::Save(args) => save::save(&args),
         Command::Restore(args) => restore::restore(&args),
+        Command::MergeSnapshot(args) => restore::merge(&args),
         Command::ServePages(args) => serve_pages::serve(&args),
         Command::Bench(command) => bench::run(command),
         Command::Vm(command) => vm::run(command, verbose),

@@ -14,7 +14,7 @@ use tern_synthetic::SyntheticGuest;
 use tern_vmm::KvmGuest;
 use tern_wire::snapshot::WorkingSet;
 
-use crate::args::snapshot::RestoreArgs;
+use crate::args::snapshot::{MergeSnapshotArgs, RestoreArgs};
 use crate::report::print_rows;
 use crate::session::{self, Incomplete};
 
@@ -23,6 +23,9 @@ use crate::session::{self, Incomplete};
 #[serde(rename_all = "kebab-case")]
 struct RestoreReport {
     snapshot: PathBuf,
+    /// A diff's bases, oldest first.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    bases: Vec<PathBuf>,
     mode: &'static str,
     /// Opening the file to the guest running.
     resumed_after_ms: f64,
@@ -118,6 +121,7 @@ fn run<G: Restorable>(args: &RestoreArgs) -> anyhow::Result<ExitCode> {
     guest.pause().context("cannot pause the restored guest")?;
     let report = RestoreReport {
         snapshot: args.snapshot.clone(),
+        bases: args.base.clone(),
         mode: if args.lazy { "lazy" } else { "eager" },
         resumed_after_ms,
         lazy,
@@ -135,8 +139,16 @@ fn print_report(args: &RestoreArgs, report: &RestoreReport) -> anyhow::Result<()
     if args.json {
         return crate::report::print_json(report);
     }
-    let mut rows = vec![
-        ("snapshot", report.snapshot.display().to_string()),
+    let mut rows = vec![("snapshot", report.snapshot.display().to_string())];
+    if !report.bases.is_empty() {
+        let bases: Vec<String> = report
+            .bases
+            .iter()
+            .map(|path| path.display().to_string())
+            .collect();
+        rows.push(("on bases", bases.join(", ")));
+    }
+    rows.extend([
         ("mode", report.mode.to_string()),
         (
             "guest running after",
@@ -144,7 +156,7 @@ fn print_report(args: &RestoreArgs, report: &RestoreReport) -> anyhow::Result<()
         ),
         ("digest", format!("{} (verified)", report.digest)),
         ("guest runs", report.guest_runs.to_string()),
-    ];
+    ]);
     if let Some(lazy) = &report.lazy {
         rows.push((
             "fully loaded after",
@@ -194,6 +206,38 @@ fn restore_config(args: &RestoreArgs) -> anyhow::Result<RestoreConfig> {
         config.working_set = working_set;
         config.background = true;
         config.resume = true;
+        config.bases = args.base.clone();
         config
     })
+}
+
+/// `tern merge-snapshot`: a diff and its bases written as one full
+/// snapshot, every chunk checked on the way.
+pub(crate) fn merge(args: &MergeSnapshotArgs) -> anyhow::Result<ExitCode> {
+    let stats = tern_engine::snapshot::merge(&args.base, &args.snapshot, &args.output).map_err(
+        |error| {
+            Incomplete::error(
+                error,
+                "the merge did not complete; the output stays incomplete",
+            )
+        },
+    )?;
+    if args.json {
+        crate::report::print_json(&stats)?;
+        return Ok(ExitCode::SUCCESS);
+    }
+    print_rows(
+        "tern merge-snapshot",
+        &[
+            ("output", args.output.display().to_string()),
+            ("files merged", stats.layers.to_string()),
+            (
+                "pages written / zero",
+                format!("{} / {}", stats.pages_written, stats.zero_pages),
+            ),
+            ("total time", format!("{:.1} ms", stats.total_time_ms)),
+            ("digest", format!("{} (verified)", stats.digest)),
+        ],
+    );
+    Ok(ExitCode::SUCCESS)
 }

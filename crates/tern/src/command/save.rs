@@ -85,8 +85,12 @@ fn report(
             format!("{} / {}", stats.normal, stats.duplicate),
         ),
         ("digest", stats.digest.clone()),
-        ("guest runs", guest_runs.to_string()),
     ];
+    if let Some(base) = &stats.base_digest {
+        rows.push(("diff on base", base.clone()));
+        rows.push(("pages left to the base", stats.unchanged_pages.to_string()));
+    }
+    rows.extend([("guest runs", guest_runs.to_string())]);
     if let Some(passes) = pass_count {
         rows.push(("pass count", passes.to_string()));
     }

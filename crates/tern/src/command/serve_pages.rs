@@ -90,7 +90,7 @@ fn open_source(args: &ServePagesArgs, regions: &[FirecrackerRegion]) -> anyhow::
         .snapshot
         .as_ref()
         .context("--snapshot or --memory-file")?;
-    let file = SnapshotFile::open(path)?;
+    let file = SnapshotFile::open_layers(&args.base, path)?;
     let saved = &file.metadata().regions;
     anyhow::ensure!(
         saved.len() == regions.len(),

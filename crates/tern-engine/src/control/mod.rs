@@ -93,7 +93,10 @@ impl SourceControl {
 
     /// Keeps the final report for later queries and sends the final event.
     pub(crate) fn finish(&self, report: &MigrationStats) {
-        *self.final_report.lock().unwrap_or_else(|e| e.into_inner()) = Some(report.clone());
+        let mut final_report = self.final_report.lock().unwrap_or_else(|e| e.into_inner());
+        *final_report = Some(report.clone());
+        // Under the report's lock: a query that says the status never
+        // comes before the history holds its event.
         self.events.status(report.status, report.error_desc.clone());
     }
 }
@@ -124,7 +127,13 @@ impl MigrationHandle {
         {
             return report.clone();
         }
-        self.control.stats.snapshot()
+        let mut report = self.control.stats.snapshot();
+        // A final status only comes with the final report and its event;
+        // until then the migration is still finishing its switch-over.
+        if report.status.is_final() {
+            report.status = MigrationStatus::Device;
+        }
+        report
     }
 
     /// The status now.

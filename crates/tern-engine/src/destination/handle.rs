@@ -115,12 +115,23 @@ pub(super) fn phase_status(phase: ReceivePhase) -> MigrationStatus {
     }
 }
 
+/// The status a report gives before the outcome is recorded: a final one
+/// only comes with the outcome, together with its `MIGRATION` event, so
+/// a client that saw `completed` finds that event in the history. Until
+/// then a finished phase is still `device`.
+fn live_status(phase: ReceivePhase) -> MigrationStatus {
+    match phase_status(phase) {
+        status if status.is_final() => MigrationStatus::Device,
+        status => status,
+    }
+}
+
 fn build(control: &DestinationControl) -> ReceiveReport {
     let outcome = control.outcome();
     let live = &control.stats;
     ReceiveReport {
         version: CONTRACT_VERSION,
-        status: outcome.status.unwrap_or_else(|| phase_status(live.phase())),
+        status: outcome.status.unwrap_or_else(|| live_status(live.phase())),
         failed_in: outcome.failed_in,
         memory: live.total_bytes(),
         iterations: live.iterations_done(),

@@ -427,8 +427,10 @@ impl Destination {
         };
         outcome.status = Some(status);
         let error_desc = outcome.error_desc.clone();
-        drop(outcome);
+        // Under the outcome's lock: a report that says the status never
+        // comes before the history holds its event.
         self.control.events.status(status, error_desc);
+        drop(outcome);
     }
 
     fn receive_session<G, F>(

@@ -77,6 +77,7 @@ pub mod fault;
 #[doc(hidden)]
 pub mod fuzzing;
 pub mod guest;
+pub mod handover;
 mod pipeline;
 pub mod postcopy;
 mod ring;
@@ -101,8 +102,9 @@ pub use destination::{Destination, ReceiveHandle, ReceivePhase, ReceiveStats, Re
 pub use error::{ChannelError, MigrationError};
 pub use guest::{
     DestinationGuest, DeviceState, DirtyLog, GuestControl, GuestError, GuestMemory, GuestResult,
-    MemoryRegion, PAGE_SIZE, SourceGuest, StateSection,
+    MemoryRegion, PAGE_SIZE, RegionFile, SourceGuest, StateSection,
 };
+pub use handover::HandedFile;
 pub use postcopy::{PostcopyMode, PostcopyReport, PostcopyTrigger};
 pub use snapshot::{
     LazyRestore, RestoreConfig, Restored, SaveConfig, SnapshotError, SnapshotFile, restore,
@@ -141,5 +143,6 @@ pub use tern_page::{DeltaOffload, ZeroPageOffload};
 /// [`SnapshotError`]'s format variant).
 pub use tern_wire::snapshot::SnapshotError as SnapshotFormatError;
 pub use tern_wire::{
-    AbortReason, DigestAlgorithm, PROTOCOL_VERSION, RegionInfo, SessionSetup, WireError,
+    AbortReason, DigestAlgorithm, HandoverCoverage, PROTOCOL_VERSION, RegionInfo, SessionSetup,
+    WireError,
 };

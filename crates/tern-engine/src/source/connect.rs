@@ -347,7 +347,10 @@ pub(super) fn connect_handover(
     main.send_message_with_files(&message, files)
         .map_err(MigrationError::channel(0))?;
     expect_welcome(main, session_id, 0)?;
-    match main.read_message().map_err(MigrationError::channel(0))? {
+    match main
+        .read_expected(Expected::HANDOVER_ECHO)
+        .map_err(MigrationError::channel(0))?
+    {
         Message::MemoryHandover(echo) if echo == *handover => {}
         Message::Abort(abort) => return Err(MigrationError::from_peer_abort(abort)),
         other => {

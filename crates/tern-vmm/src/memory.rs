@@ -271,6 +271,34 @@ mod tests {
     }
 
     #[test]
+    fn memfd_ram_is_a_shared_file_starting_from_the_image() {
+        let mut image = tempfile::NamedTempFile::new().unwrap();
+        let content: Vec<u8> = (0..6000u32).map(|i| (i % 251) as u8).collect();
+        image.write_all(&content).unwrap();
+        let ram = memfd(4 * PAGE_SIZE as u64, Some(image.path())).unwrap();
+        assert_eq!(byte(&ram, 5000), content[5000]);
+        assert_eq!(byte(&ram, 7000), 0, "past the end of the image is zero");
+        ram.write_slice(&[0xAA; 16], GuestAddress(0)).unwrap();
+        let files = region_files(&ram).expect("a memfd backs the RAM");
+        let [file] = &files[..] else {
+            panic!("one region, one file: {files:?}")
+        };
+        assert_eq!((file.region_id, file.offset), (0, 0));
+        // The guest's writes are in the file (shared), not in the image.
+        let mut first = [0u8; 16];
+        // SAFETY: an open descriptor and a 16-byte buffer.
+        let read = unsafe { libc::pread(file.file.as_raw_fd(), first.as_mut_ptr().cast(), 16, 0) };
+        assert_eq!(read, 16);
+        assert_eq!(first, [0xAA; 16]);
+        assert_eq!(
+            std::fs::read(image.path()).unwrap(),
+            content,
+            "image untouched"
+        );
+        assert!(region_files(&anonymous(PAGE_SIZE as u64).unwrap()).is_none());
+    }
+
+    #[test]
     fn rejects_unaligned_sizes() {
         assert!(anonymous(1000).is_err());
         assert!(anonymous(0).is_err());

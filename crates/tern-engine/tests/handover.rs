@@ -68,11 +68,12 @@ fn file_digest(guest: &SyntheticGuest) -> u128 {
     let files = guest.region_files().expect("memfd-backed");
     let len: u64 = guest.regions().iter().map(|region| region.len()).sum();
     let fd = files[0].file.as_raw_fd();
+    let len = usize::try_from(len).expect("the guest fits this address space");
     // SAFETY: a read-only shared mapping of an open memfd of `len` bytes.
     let addr = unsafe {
         libc::mmap(
             std::ptr::null_mut(),
-            len as usize,
+            len,
             libc::PROT_READ,
             libc::MAP_SHARED,
             fd,
@@ -82,11 +83,10 @@ fn file_digest(guest: &SyntheticGuest) -> u128 {
     assert_ne!(addr, libc::MAP_FAILED);
     // SAFETY: the mapping is `len` readable bytes; nothing writes the file
     // (both guests are paused).
-    let digest = xxhash_rust::xxh3::xxh3_128(unsafe {
-        std::slice::from_raw_parts(addr.cast::<u8>(), len as usize)
-    });
+    let digest =
+        xxhash_rust::xxh3::xxh3_128(unsafe { std::slice::from_raw_parts(addr.cast::<u8>(), len) });
     // SAFETY: unmapping what was mapped above.
-    unsafe { libc::munmap(addr, len as usize) };
+    unsafe { libc::munmap(addr, len) };
     digest
 }
 
@@ -191,8 +191,9 @@ fn memfd(len: u64) -> OwnedFd {
     assert!(raw >= 0);
     // SAFETY: `raw` was just created and is owned here.
     let fd = unsafe { OwnedFd::from_raw_fd(raw) };
+    let len = i64::try_from(len).unwrap();
     // SAFETY: sizing an open memfd.
-    assert_eq!(unsafe { libc::ftruncate(fd.as_raw_fd(), len as i64) }, 0);
+    assert_eq!(unsafe { libc::ftruncate(fd.as_raw_fd(), len) }, 0);
     fd
 }
 
@@ -209,11 +210,12 @@ fn send_with_fds(stream: &UnixStream, bytes: &[u8], fds: &[RawFd]) {
     header.msg_control = control.as_mut_ptr().cast();
     // SAFETY: CMSG macros on a buffer large enough for a few descriptors.
     unsafe {
-        header.msg_controllen = libc::CMSG_SPACE((fds.len() * 4) as u32) as usize;
+        let fd_bytes = u32::try_from(fds.len() * 4).unwrap();
+        header.msg_controllen = libc::CMSG_SPACE(fd_bytes) as usize;
         let cmsg = libc::CMSG_FIRSTHDR(&header);
         (*cmsg).cmsg_level = libc::SOL_SOCKET;
         (*cmsg).cmsg_type = libc::SCM_RIGHTS;
-        (*cmsg).cmsg_len = libc::CMSG_LEN((fds.len() * 4) as u32) as usize;
+        (*cmsg).cmsg_len = libc::CMSG_LEN(fd_bytes) as usize;
         std::ptr::copy_nonoverlapping(
             fds.as_ptr().cast::<u8>(),
             libc::CMSG_DATA(cmsg),
@@ -221,7 +223,7 @@ fn send_with_fds(stream: &UnixStream, bytes: &[u8], fds: &[RawFd]) {
         );
         assert_eq!(
             libc::sendmsg(stream.as_raw_fd(), &header, 0),
-            bytes.len() as isize
+            isize::try_from(bytes.len()).unwrap()
         );
     }
 }
@@ -337,7 +339,10 @@ fn refuses_a_file_sealed_against_writes() {
     let fd = unsafe { OwnedFd::from_raw_fd(raw) };
     // SAFETY: sizing and sealing an open memfd.
     unsafe {
-        assert_eq!(libc::ftruncate(fd.as_raw_fd(), REGION as i64), 0);
+        assert_eq!(
+            libc::ftruncate(fd.as_raw_fd(), i64::try_from(REGION).unwrap()),
+            0
+        );
         assert_eq!(
             libc::fcntl(fd.as_raw_fd(), libc::F_ADD_SEALS, libc::F_SEAL_WRITE),
             0
@@ -423,7 +428,9 @@ fn bench_handover_against_copy() {
     };
     let memory = env("TERN_HANDOVER_BENCH_MIB", 1024) * MIB;
     let runs = env("TERN_HANDOVER_BENCH_RUNS", 5);
-    let mut rows: Vec<(&str, Vec<u64>, Vec<u64>, Vec<u64>)> = vec![
+    // Per mode: downtimes, total times, bytes sent.
+    type Row = (&'static str, Vec<u64>, Vec<u64>, Vec<u64>);
+    let mut rows: Vec<Row> = vec![
         ("copy", vec![], vec![], vec![]),
         ("hand-over", vec![], vec![], vec![]),
     ];

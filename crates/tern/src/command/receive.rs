@@ -38,11 +38,7 @@ pub trait Arrival {
     /// With `--local`: prepares the step that builds the guest around the
     /// memory a source on this host hands over, one checked file per
     /// region, instead of receiving a copy.
-    fn prepare_handover(
-        &self,
-    ) -> anyhow::Result<
-        impl FnOnce(&SessionSetup, Vec<HandedFile>) -> Result<Self::Guest, GuestError>,
-    >;
+    fn prepare_handover(&self) -> anyhow::Result<impl Adopt<Self::Guest>>;
 
     /// Checks the received guest, which runs here now, and prints the
     /// report; `handle` queries the destination's report, `vmm_config` is
@@ -55,6 +51,12 @@ pub trait Arrival {
         vmm_config: &[u8],
     ) -> anyhow::Result<ExitCode>;
 }
+
+/// Builds a guest around the memory a source on this host handed over: the
+/// session setup and one checked file per region.
+pub trait Adopt<G>: FnOnce(&SessionSetup, Vec<HandedFile>) -> Result<G, GuestError> {}
+
+impl<G, F> Adopt<G> for F where F: FnOnce(&SessionSetup, Vec<HandedFile>) -> Result<G, GuestError> {}
 
 /// The options every receiving command has.
 pub struct Serving<'a> {
@@ -201,12 +203,8 @@ impl Arrival for SyntheticArrival<'_> {
         Ok(session::destination_guest)
     }
 
-    fn prepare_handover(
-        &self,
-    ) -> anyhow::Result<
-        impl FnOnce(&SessionSetup, Vec<HandedFile>) -> Result<SyntheticGuest, GuestError>,
-    > {
-        Ok(|_: &SessionSetup, files| {
+    fn prepare_handover(&self) -> anyhow::Result<impl Adopt<SyntheticGuest>> {
+        Ok(|_: &SessionSetup, files: Vec<HandedFile>| {
             SyntheticGuest::from_handed_files(files).map_err(|error| {
                 GuestError::with_source("cannot map the handed-over memory", error)
             })

@@ -181,9 +181,8 @@ pub(super) fn prepare_destination()
 
 /// [`prepare_destination`] for `--local`: the VM maps the memory the
 /// source on this host hands over instead of allocating its own.
-pub(super) fn prepare_handover_destination() -> anyhow::Result<
-    impl FnOnce(&tern_wire::SessionSetup, Vec<HandedFile>) -> Result<KvmGuest, GuestError>,
-> {
+pub(super) fn prepare_handover_destination()
+-> anyhow::Result<impl crate::command::receive::Adopt<KvmGuest>> {
     let vm = DestinationVm::new().context("cannot create the destination VM")?;
     Ok(move |_: &tern_wire::SessionSetup, files: Vec<HandedFile>| {
         vm.with_handed_files(files).map_err(|error| {

@@ -5,7 +5,7 @@ use std::process::ExitCode;
 use std::time::Duration;
 
 use serde::Serialize;
-use tern_engine::{GuestError, HandedFile, ReceiveHandle, Received};
+use tern_engine::{GuestError, ReceiveHandle, Received};
 use tern_vmm::KvmGuest;
 use tern_wire::SessionSetup;
 
@@ -13,7 +13,7 @@ use super::guest::{
     DestinationProof, prepare_destination, prepare_handover_destination, prove_on_destination,
 };
 use crate::args::vm::ReceiveArgs;
-use crate::command::receive::{Arrival, Serving, serve};
+use crate::command::receive::{Adopt, Arrival, Serving, serve};
 use crate::report::print_json;
 use crate::units::human_bytes;
 
@@ -53,10 +53,7 @@ impl Arrival for KvmArrival<'_> {
         prepare_destination()
     }
 
-    fn prepare_handover(
-        &self,
-    ) -> anyhow::Result<impl FnOnce(&SessionSetup, Vec<HandedFile>) -> Result<KvmGuest, GuestError>>
-    {
+    fn prepare_handover(&self) -> anyhow::Result<impl Adopt<KvmGuest>> {
         prepare_handover_destination()
     }
 

@@ -56,6 +56,7 @@ fn main() -> std::io::Result<()> {
     write_packet_seeds(&seeds.join("decompress_zstd_packet"))?;
     write_delta_seeds(&seeds.join("apply_delta"))?;
     write_stream_seeds(&seeds.join("decode_stream"), &main, &pages)?;
+    write_handover_seed(&seeds.join("decode_stream"))?;
     write_snapshot_seeds(&seeds.join("snapshot_file"))?;
     write_structured_seeds(&seeds.join("destination_session_structured"))
 }
@@ -78,6 +79,32 @@ fn write_stream_seeds(dir: &Path, main: &[u8], pages: &[Vec<u8>]) -> std::io::Re
         }
     }
     Ok(())
+}
+
+/// A memory hand-over body (kind 19, two regions in one file), which `decode_stream`
+/// also decodes from its raw input: a valid start for mutations of the
+/// hand-over's entries.
+fn write_handover_seed(dir: &Path) -> std::io::Result<()> {
+    use tern_wire::{FRAME_HEADER_LEN, HandedRegion, HandoverCoverage, MemoryHandover, Message};
+    let handover = Message::MemoryHandover(MemoryHandover {
+        coverage: HandoverCoverage::Sampled,
+        regions: vec![
+            HandedRegion {
+                region_id: 0,
+                offset: 0,
+                len: 1 << 20,
+            },
+            HandedRegion {
+                region_id: 1,
+                offset: 1 << 20,
+                len: 4096,
+            },
+        ],
+    });
+    fs::write(
+        dir.join("handover-body"),
+        &handover.to_bytes()[FRAME_HEADER_LEN..],
+    )
 }
 
 /// Structured inputs that end in different ways: pseudo-random choices,

@@ -4,7 +4,8 @@
 //! two-region session through `FrameDecoder` exactly as the engine's
 //! receivers drive it (framing into the decoder's buffer in the pieces it
 //! asks for, payload consumed in place), with the input cut into reads of
-//! varying sizes. The postcopy messages (protocol v8) are also decoded
+//! varying sizes. The postcopy messages (protocol v8) and the memory
+//! hand-over (kind 19) are also decoded
 //! from the raw input as bodies, and whatever decodes must encode back to
 //! the same message. Any panic is a bug.
 #![no_main]
@@ -46,7 +47,8 @@ fuzz_target!(|data: &[u8]| {
     postcopy_bodies_round_trip(data);
 });
 
-/// Decodes the input as the body of each postcopy kind: anything accepted
+/// Decodes the input as the body of each postcopy kind and of the memory
+/// hand-over: anything accepted
 /// must survive an encode and decode unchanged.
 fn postcopy_bodies_round_trip(data: &[u8]) {
     for kind in [
@@ -54,6 +56,7 @@ fn postcopy_bodies_round_trip(data: &[u8]) {
         FrameKind::PageRequest,
         FrameKind::UrgentPages,
         FrameKind::PostcopyComplete,
+        FrameKind::MemoryHandover,
     ] {
         if let Ok(message) = Message::decode(kind, data) {
             let bytes = message.to_bytes();

@@ -335,6 +335,13 @@ pub struct MigrationConfig {
     /// With `postcopy` `Auto`: the highest auto-converge throttle (percent)
     /// precopy may set; where it would throttle more, postcopy starts.
     pub postcopy_max_throttle: u8,
+    /// Same-host migration by memory hand-over: instead of copying pages,
+    /// pass the files backing guest memory ([`crate::GuestMemory::region_files`])
+    /// over the main channel, a Unix socket, and send only the device state
+    /// while the guest is paused (docs/embedding.md, "Same-host
+    /// hand-over"). The destination receives with
+    /// [`crate::Destination::receive_handover`]. Off by default.
+    pub memory_handover: bool,
 }
 
 /// The most memory `auto` gives a delta cache without
@@ -387,6 +394,7 @@ impl Default for MigrationConfig {
             postcopy: crate::postcopy::PostcopyMode::Off,
             postcopy_after: None,
             postcopy_max_throttle: 0,
+            memory_handover: false,
         }
     }
 }
@@ -441,6 +449,7 @@ setters!(MigrationConfig {
     switch_over_timeout: Duration,
     security: Security,
     vmm_config: Vec<u8>,
+    memory_handover: bool,
 });
 
 // `decode_threads` has no setter: `ReceiveConfig::decode_threads()` is the
@@ -536,6 +545,7 @@ impl MigrationConfig {
         }
         self.validate_zero_pages()?;
         self.validate_zstd_options()?;
+        self.validate_handover()?;
         self.validate_zero_copy()
     }
 
@@ -595,6 +605,26 @@ impl MigrationConfig {
         self.dedup && !self.zero_copy
     }
 
+    /// A hand-over moves no page: options about moving pages cannot apply.
+    fn validate_handover(&self) -> Result<(), MigrationError> {
+        if !self.memory_handover {
+            return Ok(());
+        }
+        let conflict = if self.postcopy != crate::postcopy::PostcopyMode::Off {
+            "postcopy"
+        } else if self.zero_copy {
+            "zero_copy"
+        } else if self.security.tls.is_some() {
+            "security.tls (descriptors cannot pass through TLS)"
+        } else {
+            return Ok(());
+        };
+        Err(MigrationError::InvalidConfig {
+            field: "memory_handover",
+            reason: format!("a hand-over copies no page, so it cannot be combined with {conflict}"),
+        })
+    }
+
     /// The dictionary and packet frames are zstd's; `auto` picks the framing.
     fn validate_zstd_options(&self) -> Result<(), MigrationError> {
         let bad = |field, reason: String| Err(MigrationError::InvalidConfig { field, reason });
@@ -635,6 +665,14 @@ impl MigrationConfig {
     /// anything connects: [`crate::Source::migrate`] calls it first, and a
     /// front end may call it earlier still (before building its guest).
     pub fn check_address(&self, address: &Address) -> Result<(), MigrationError> {
+        if self.memory_handover && !matches!(address, Address::Unix(_) | Address::Fd(_)) {
+            return Err(MigrationError::UnsupportedTransport {
+                field: "memory_handover",
+                address: address.to_string(),
+                reason: "memory is handed over as file descriptors, which only a Unix socket \
+                         on this host carries",
+            });
+        }
         if self.zero_copy && self.security.tls.is_some() {
             return Err(MigrationError::UnsupportedTransport {
                 field: "zero_copy",

@@ -13,6 +13,7 @@
 //! harmless because the write marks the page dirty and it is sent again.
 
 use std::fmt;
+use std::os::fd::BorrowedFd;
 use std::ptr::NonNull;
 
 use crate::bitmap::DirtyBitmap;
@@ -144,10 +145,44 @@ impl fmt::Debug for MemoryRegion {
     }
 }
 
+/// The file that backs one region, for a same-host hand-over
+/// ([`crate::MigrationConfig::memory_handover`]): the region is `file`
+/// mapped shared from `offset` on.
+#[derive(Clone, Copy, Debug)]
+#[non_exhaustive]
+pub struct RegionFile<'a> {
+    /// The region's id ([`MemoryRegion::id`]).
+    pub region_id: u32,
+    /// The file (a memfd, a hugetlbfs or tmpfs file), mapped `MAP_SHARED`.
+    pub file: BorrowedFd<'a>,
+    /// Where the region starts in the file; a multiple of [`PAGE_SIZE`].
+    pub offset: u64,
+}
+
+impl<'a> RegionFile<'a> {
+    /// Region `region_id` is `file` mapped shared from `offset` on.
+    pub fn new(region_id: u32, file: BorrowedFd<'a>, offset: u64) -> Self {
+        Self {
+            region_id,
+            file,
+            offset,
+        }
+    }
+}
+
 /// The guest's RAM as a list of regions.
 pub trait GuestMemory: Send + Sync {
     /// The regions, in a stable order. Their ids are unique.
     fn regions(&self) -> &[MemoryRegion];
+
+    /// The files backing the regions, one per region, for a same-host
+    /// hand-over: the source passes them to the destination instead of
+    /// copying pages. The default, `None`, means memory is not backed by
+    /// files this process can pass (anonymous memory); a hand-over is then
+    /// refused before anything connects.
+    fn region_files(&self) -> Option<Vec<RegionFile<'_>>> {
+        None
+    }
 }
 
 /// Dirty-page tracking.

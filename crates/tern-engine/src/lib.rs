@@ -68,6 +68,7 @@ pub mod fault;
 #[doc(hidden)]
 pub mod fuzzing;
 pub mod guest;
+pub mod handover;
 mod numeric;
 mod pipeline;
 pub mod postcopy;
@@ -93,8 +94,9 @@ pub use destination::{Destination, ReceiveHandle, ReceivePhase, ReceiveStats, Re
 pub use error::{ChannelError, MigrationError};
 pub use guest::{
     DestinationGuest, DeviceState, DirtyLog, GuestControl, GuestError, GuestMemory, GuestResult,
-    MemoryRegion, PAGE_SIZE, SourceGuest, StateSection,
+    MemoryRegion, PAGE_SIZE, RegionFile, SourceGuest, StateSection,
 };
+pub use handover::HandedFile;
 pub use postcopy::{PostcopyMode, PostcopyReport, PostcopyTrigger};
 pub use snapshot::{
     LazyRestore, RestoreConfig, Restored, SaveConfig, SnapshotError, SnapshotFile, restore,
@@ -133,5 +135,6 @@ pub use tern_page::{DeltaOffload, ZeroPageOffload};
 /// [`SnapshotError`]'s format variant).
 pub use tern_wire::snapshot::SnapshotError as SnapshotFormatError;
 pub use tern_wire::{
-    AbortReason, DigestAlgorithm, PROTOCOL_VERSION, RegionInfo, SessionSetup, WireError,
+    AbortReason, DigestAlgorithm, HandoverCoverage, PROTOCOL_VERSION, RegionInfo, SessionSetup,
+    WireError,
 };

@@ -350,6 +350,26 @@ where
     fn regions(&self) -> &[MemoryRegion] {
         &self.regions
     }
+
+    /// The files of regions built over a file (vm-memory's `FileOffset`:
+    /// Cloud Hypervisor's `shared=on` memfds), for a same-host hand-over;
+    /// `None` when any migrated region is anonymous memory.
+    fn region_files(&self) -> Option<Vec<crate::guest::RegionFile<'_>>> {
+        let page = crate::guest::PAGE_SIZE as u64;
+        let regions: Vec<&M::R> = self.memory.iter().collect();
+        self.pieces
+            .iter()
+            .zip(&self.regions)
+            .map(|(piece, region)| {
+                let file = regions.get(piece.region)?.mmap_region().file_offset()?;
+                Some(crate::guest::RegionFile::new(
+                    region.id(),
+                    std::os::fd::AsFd::as_fd(file.file()),
+                    file.start().checked_add(piece.first_page * page)?,
+                ))
+            })
+            .collect()
+    }
 }
 
 /// A dirty log over the `AtomicBitmap`s of a vm-memory guest memory (made by

@@ -32,3 +32,13 @@ fn a_cloud_hypervisor_shaped_guest_migrates_and_refuses_a_hot_plug() {
         panic!("the Cloud Hypervisor example failed: {error}");
     }
 }
+
+#[path = "../examples/embed_cloud_hypervisor_local.rs"]
+mod embed_cloud_hypervisor_local;
+
+#[test]
+fn a_cloud_hypervisor_shaped_shared_memory_guest_is_handed_over() {
+    if let Err(error) = embed_cloud_hypervisor_local::main() {
+        panic!("the Cloud Hypervisor hand-over example failed: {error}");
+    }
+}

@@ -25,7 +25,7 @@ use std::sync::atomic::AtomicU64;
 
 use tern_engine::{
     DeviceState, DirtyBitmap, DirtyLog, GuestControl, GuestError, GuestMemory, GuestResult,
-    MemoryRegion, PAGE_SIZE, StateSection,
+    HandedFile, MemoryRegion, PAGE_SIZE, RegionFile, StateSection,
 };
 
 use crate::dirtier::{Dirtier, Memory};
@@ -112,6 +112,9 @@ pub enum SyntheticError {
     /// A dirtier thread could not be started.
     #[error("cannot start a dirtier thread: {0}")]
     Spawn(std::io::Error),
+    /// Handed-over files this guest cannot map as its memory.
+    #[error("cannot take the handed-over memory: {0}")]
+    Handover(String),
 }
 
 impl From<SyntheticError> for GuestError {
@@ -282,6 +285,30 @@ impl SyntheticGuest {
         config: &SyntheticConfig,
         filled: &AtomicU64,
     ) -> Result<Self, SyntheticError> {
+        Self::build(config, filled, false)
+    }
+
+    /// [`SyntheticGuest::new`] with memory in a memfd, mapped shared, so
+    /// that it can be handed over to a destination on this host
+    /// ([`GuestMemory::region_files`] gives the file) instead of copied.
+    pub fn new_memfd(config: &SyntheticConfig) -> Result<Self, SyntheticError> {
+        Self::build(config, &AtomicU64::new(0), true)
+    }
+
+    /// [`SyntheticGuest::new_memfd`], counting the bytes filled as
+    /// [`SyntheticGuest::new_with_fill_progress`] does.
+    pub fn new_memfd_with_fill_progress(
+        config: &SyntheticConfig,
+        filled: &AtomicU64,
+    ) -> Result<Self, SyntheticError> {
+        Self::build(config, filled, true)
+    }
+
+    fn build(
+        config: &SyntheticConfig,
+        filled: &AtomicU64,
+        memfd: bool,
+    ) -> Result<Self, SyntheticError> {
         config.mix.validate()?;
         if config.memory_bytes == 0 {
             return Err(SyntheticError::ZeroMemory);
@@ -311,7 +338,11 @@ impl SyntheticGuest {
             0 => pages,
             ws => ws.min(pages),
         };
-        let mapping = map(config.memory_bytes)?;
+        let mapping = if memfd {
+            map_memfd(config.memory_bytes)?
+        } else {
+            map(config.memory_bytes)?
+        };
         fill::fill(&mapping, config.mix, config.seed, filled);
         let mut guest = Self::assemble(
             mapping,
@@ -348,6 +379,64 @@ impl SyntheticGuest {
             .try_fold(0u64, |sum, &len| sum.checked_add(len))
             .ok_or(SyntheticError::MemoryTooLarge(u64::MAX))?;
         let mapping = map(bytes)?;
+        Ok(Self::assemble(
+            mapping,
+            region_pages,
+            DirtierConfig {
+                seed: 0,
+                rate: 0,
+                working_set_pages: bytes / PAGE,
+                threads: 1,
+            },
+        ))
+    }
+
+    /// Destination side of a hand-over: the source's memory, from the
+    /// files it handed over, mapped shared; paused, with no dirtier until
+    /// [`DeviceState::restore_state`] brings the source's. A synthetic
+    /// guest keeps its memory in one file, so the regions (ids `0..n`,
+    /// contiguous from guest address 0) must lie one after the other in
+    /// one file.
+    pub fn from_handed_files(files: Vec<HandedFile>) -> Result<Self, SyntheticError> {
+        let refuse = |reason: String| SyntheticError::Handover(reason);
+        let mut region_pages = Vec::with_capacity(files.len());
+        let mut identity = None;
+        let mut bytes = 0u64;
+        let mut start = None;
+        for (index, handed) in files.iter().enumerate() {
+            if u64::from(handed.region_id) != index as u64 || handed.guest_addr != bytes {
+                return Err(refuse(format!(
+                    "region {} at {:#x} is not region {index} at {bytes:#x}",
+                    handed.region_id, handed.guest_addr
+                )));
+            }
+            let first = *start.get_or_insert(handed.offset);
+            if handed.offset != first + bytes {
+                return Err(refuse(format!(
+                    "region {} starts at file offset {}, not right after region {}",
+                    handed.region_id,
+                    handed.offset,
+                    index.saturating_sub(1)
+                )));
+            }
+            let id = file_identity(&handed.file).map_err(|error| refuse(error.to_string()))?;
+            if *identity.get_or_insert(id) != id {
+                return Err(refuse(format!(
+                    "region {} is in another file than region 0",
+                    handed.region_id
+                )));
+            }
+            region_pages.push(handed.len / PAGE);
+            bytes = bytes
+                .checked_add(handed.len)
+                .ok_or(SyntheticError::MemoryTooLarge(u64::MAX))?;
+        }
+        let Some(first) = files.into_iter().next() else {
+            return Err(SyntheticError::ZeroRegions);
+        };
+        let len = usize::try_from(bytes).map_err(|_| SyntheticError::MemoryTooLarge(bytes))?;
+        let mapping = Mapping::map_file(first.file, first.offset, len)
+            .map_err(|error| SyntheticError::Mmap { bytes, error })?;
         Ok(Self::assemble(
             mapping,
             region_pages,
@@ -506,9 +595,40 @@ fn map(bytes: u64) -> Result<Mapping, SyntheticError> {
     Mapping::new(len).map_err(|error| SyntheticError::Mmap { bytes, error })
 }
 
+/// Memory in a new memfd, shared.
+fn map_memfd(bytes: u64) -> Result<Mapping, SyntheticError> {
+    let len = usize::try_from(bytes).map_err(|_| SyntheticError::MemoryTooLarge(bytes))?;
+    Mapping::new_memfd(len).map_err(|error| SyntheticError::Mmap { bytes, error })
+}
+
+/// Device and inode: what tells two descriptors of one file.
+fn file_identity(file: &std::os::fd::OwnedFd) -> std::io::Result<(u64, u64)> {
+    use std::os::fd::AsRawFd;
+    // SAFETY: an all-zero stat is a valid buffer for fstat to fill.
+    let mut stat: libc::stat = unsafe { std::mem::zeroed() };
+    // SAFETY: `file` is open and `stat` writable.
+    if unsafe { libc::fstat(file.as_raw_fd(), &raw mut stat) } != 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok((stat.st_dev, stat.st_ino))
+}
+
 impl GuestMemory for SyntheticGuest {
     fn regions(&self) -> &[MemoryRegion] {
         &self.regions
+    }
+
+    /// The memfd, when the guest was built with one
+    /// ([`SyntheticGuest::new_memfd`], [`SyntheticGuest::from_handed_files`]):
+    /// each region at its place in it.
+    fn region_files(&self) -> Option<Vec<RegionFile<'_>>> {
+        let (file, start) = self.memory.mapping().file()?;
+        Some(
+            self.regions
+                .iter()
+                .map(|region| RegionFile::new(region.id(), file, start + region.guest_addr()))
+                .collect(),
+        )
     }
 }
 

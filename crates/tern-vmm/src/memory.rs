@@ -3,7 +3,9 @@
 //!
 //! The RAM is one anonymous mapping at guest address 0, optionally starting
 //! from the contents of a memory-image file mapped privately (copy-on-write:
-//! the guest's writes never reach the file). Each region carries an
+//! the guest's writes never reach the file). For a same-host hand-over
+//! (`memory_handover`) it is instead a memfd mapped shared ([`memfd`]),
+//! which the destination maps in turn ([`from_handed_file`]). Each region carries an
 //! [`AtomicBitmap`] with one bit per tern page: vm-memory marks it on every
 //! write the VMM makes through its accessors (loading the test program,
 //! [`crate::KvmGuest::write_memory`]), which KVM's dirty log cannot see, and
@@ -11,17 +13,19 @@
 //! own writes are only in KVM's log.
 
 use std::fs::File;
+use std::io::Read;
 use std::num::NonZeroUsize;
-use std::os::fd::AsRawFd;
+use std::os::fd::{AsFd, AsRawFd, FromRawFd, OwnedFd};
 use std::path::Path;
 use std::ptr::NonNull;
+use std::sync::Arc;
 
-use tern_engine::{DirtyBitmap, MemoryRegion, PAGE_SIZE};
+use tern_engine::{DirtyBitmap, HandedFile, MemoryRegion, PAGE_SIZE, RegionFile};
 use vm_memory::bitmap::AtomicBitmap;
 use vm_memory::mmap::MmapRegionBuilder;
 use vm_memory::{
-    GuestAddress, GuestMemoryBackend, GuestMemoryMmap, GuestMemoryRegion, GuestRegionMmap,
-    MmapRegion,
+    FileOffset, GuestAddress, GuestMemoryBackend, GuestMemoryMmap, GuestMemoryRegion,
+    GuestRegionMmap, MmapRegion,
 };
 
 use crate::{Result, VmmError};
@@ -84,6 +88,83 @@ pub fn from_image(len: u64, image: &Path) -> Result<GuestRam> {
         }
     }
     into_ram(mapping, len)
+}
+
+/// Maps `len` bytes of zeroed memory at guest address 0 that live in a new
+/// memfd (close-on-exec, sealable), mapped shared: the memory a same-host
+/// hand-over passes to the destination. With `image`, the memfd starts
+/// with the image's contents (at most `len` bytes of it); the image file
+/// itself is never written.
+pub fn memfd(len: u64, image: Option<&Path>) -> Result<GuestRam> {
+    let size = checked_size(len)?;
+    let mmap_error = |error: std::io::Error| VmmError::Mmap {
+        bytes: len,
+        source: Box::new(error),
+    };
+    // SAFETY: a NUL-terminated name and plain flags; the result is checked.
+    let raw = unsafe {
+        libc::memfd_create(
+            c"tern-vmm guest RAM".as_ptr(),
+            libc::MFD_CLOEXEC | libc::MFD_ALLOW_SEALING,
+        )
+    };
+    if raw < 0 {
+        return Err(mmap_error(std::io::Error::last_os_error()));
+    }
+    // SAFETY: memfd_create returned a new descriptor that nothing else owns.
+    let mut file = File::from(unsafe { OwnedFd::from_raw_fd(raw) });
+    file.set_len(len).map_err(mmap_error)?;
+    if let Some(image) = image {
+        let image_error = |source| VmmError::Image {
+            path: image.display().to_string(),
+            source,
+        };
+        let source = File::open(image).map_err(image_error)?;
+        std::io::copy(&mut source.take(len), &mut file).map_err(image_error)?;
+    }
+    let mapping = shared_mapping(size, FileOffset::new(file, 0), len)?;
+    into_ram(mapping, len)
+}
+
+/// Maps the file a same-host source handed over for its one region, shared,
+/// at guest address 0: the destination's RAM is the source's memory.
+pub fn from_handed_file(handed: HandedFile) -> Result<GuestRam> {
+    let size = checked_size(handed.len)?;
+    if handed.guest_addr != 0 {
+        return Err(VmmError::Config(format!(
+            "the handed-over region starts at guest address {:#x}; this VMM's RAM starts at 0",
+            handed.guest_addr
+        )));
+    }
+    let file = FileOffset::from_arc(Arc::new(File::from(handed.file)), handed.offset);
+    into_ram(shared_mapping(size, file, handed.len)?, handed.len)
+}
+
+/// `size` bytes of `file` from its offset, mapped shared, with a dirty
+/// bitmap of tern pages as [`anonymous_mapping`]'s.
+fn shared_mapping(size: usize, file: FileOffset, len: u64) -> Result<MmapRegion<AtomicBitmap>> {
+    let page = NonZeroUsize::new(PAGE_SIZE).expect("PAGE_SIZE is not zero");
+    MmapRegionBuilder::new_with_bitmap(size, AtomicBitmap::new(size, page))
+        .with_file_offset(file)
+        .with_mmap_prot(libc::PROT_READ | libc::PROT_WRITE)
+        .with_mmap_flags(libc::MAP_SHARED | libc::MAP_NORESERVE)
+        .build()
+        .map_err(|error| VmmError::Mmap {
+            bytes: len,
+            source: Box::new(error),
+        })
+}
+
+/// The files behind `ram`'s regions, numbered as [`engine_regions`] numbers
+/// them; `None` when any region is anonymous memory.
+pub(crate) fn region_files(ram: &GuestRam) -> Option<Vec<RegionFile<'_>>> {
+    ram.iter()
+        .zip(0..)
+        .map(|(region, id)| {
+            let file = region.file_offset()?;
+            Some(RegionFile::new(id, file.file().as_fd(), file.start()))
+        })
+        .collect()
 }
 
 fn anonymous_mapping(len: u64) -> Result<MmapRegion<AtomicBitmap>> {
@@ -187,6 +268,34 @@ mod tests {
             content,
             "file untouched"
         );
+    }
+
+    #[test]
+    fn memfd_ram_is_a_shared_file_starting_from_the_image() {
+        let mut image = tempfile::NamedTempFile::new().unwrap();
+        let content: Vec<u8> = (0..6000u32).map(|i| (i % 251) as u8).collect();
+        image.write_all(&content).unwrap();
+        let ram = memfd(4 * PAGE_SIZE as u64, Some(image.path())).unwrap();
+        assert_eq!(byte(&ram, 5000), content[5000]);
+        assert_eq!(byte(&ram, 7000), 0, "past the end of the image is zero");
+        ram.write_slice(&[0xAA; 16], GuestAddress(0)).unwrap();
+        let files = region_files(&ram).expect("a memfd backs the RAM");
+        let [file] = &files[..] else {
+            panic!("one region, one file: {files:?}")
+        };
+        assert_eq!((file.region_id, file.offset), (0, 0));
+        // The guest's writes are in the file (shared), not in the image.
+        let mut first = [0u8; 16];
+        // SAFETY: an open descriptor and a 16-byte buffer.
+        let read = unsafe { libc::pread(file.file.as_raw_fd(), first.as_mut_ptr().cast(), 16, 0) };
+        assert_eq!(read, 16);
+        assert_eq!(first, [0xAA; 16]);
+        assert_eq!(
+            std::fs::read(image.path()).unwrap(),
+            content,
+            "image untouched"
+        );
+        assert!(region_files(&anonymous(PAGE_SIZE as u64).unwrap()).is_none());
     }
 
     #[test]

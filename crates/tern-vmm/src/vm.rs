@@ -11,8 +11,8 @@ use kvm_bindings::{
 };
 use kvm_ioctls::{Cap, Kvm, VcpuFd, VmFd};
 use tern_engine::{
-    DeviceState, DirtyBitmap, DirtyLog, GuestControl, GuestMemory, GuestResult, MemoryRegion,
-    PAGE_SIZE, StateSection,
+    DeviceState, DirtyBitmap, DirtyLog, GuestControl, GuestMemory, GuestResult, HandedFile,
+    MemoryRegion, PAGE_SIZE, StateSection,
 };
 use vm_memory::{Bytes, GuestAddress, GuestMemoryBackend};
 
@@ -53,6 +53,10 @@ pub struct VmConfig {
     /// guest's writes never reach it). The test guest's code, GDT and
     /// counter overwrite its first pages.
     pub image: Option<PathBuf>,
+    /// RAM in a memfd mapped shared instead of anonymous memory, so that a
+    /// same-host migration can hand it over (`memory_handover`) rather
+    /// than copy it. An image is then copied into the memfd.
+    pub memfd: bool,
 }
 
 impl Default for VmConfig {
@@ -62,6 +66,7 @@ impl Default for VmConfig {
             working_set_pages: 1024,
             workload: crate::guest_code::Workload::Increment,
             image: None,
+            memfd: false,
         }
     }
 }
@@ -389,6 +394,30 @@ impl DestinationVm {
             ram,
         })
     }
+
+    /// Adds the memory a source on this host handed over (this VMM has one
+    /// region): the source's memfd, mapped shared, so no page is copied.
+    pub fn with_handed_files(self, files: Vec<HandedFile>) -> Result<KvmGuest> {
+        let lens: Vec<u64> = files.iter().map(|file| file.len).collect();
+        destination_len(&lens)?;
+        let Some(file) = files.into_iter().next() else {
+            return Err(VmmError::Config("no memory was handed over".into()));
+        };
+        let ram = memory::from_handed_file(file)?;
+        // SAFETY: `ram` outlives the VM: `KvmGuest` owns both and drops the
+        // VM (field `vm`) before the memory (field `ram`).
+        let slot = unsafe { register_ram(&self.vm, &ram, self.mode) }?;
+        Ok(KvmGuest {
+            vcpu: self.vcpu,
+            slot,
+            vm: self.vm,
+            _kvm: self.kvm,
+            // SAFETY: `KvmGuest` owns `ram` and drops it after the regions.
+            regions: unsafe { memory::engine_regions(&ram) },
+            layout: GuestLayout::default(),
+            ram,
+        })
+    }
 }
 
 impl KvmGuest {
@@ -399,6 +428,7 @@ impl KvmGuest {
             return Err(VmmError::KvmUnavailable);
         }
         let ram = match &config.image {
+            _ if config.memfd => memory::memfd(config.memory_bytes, config.image.as_deref())?,
             Some(path) => memory::from_image(config.memory_bytes, path)?,
             None => memory::anonymous(config.memory_bytes)?,
         };
@@ -692,6 +722,12 @@ impl GuestMemory for KvmGuest {
     fn regions(&self) -> &[MemoryRegion] {
         &self.regions
     }
+
+    /// The memfd, when the RAM is one ([`VmConfig::memfd`], or handed
+    /// over to this VM).
+    fn region_files(&self) -> Option<Vec<tern_engine::RegionFile<'_>>> {
+        memory::region_files(&self.ram)
+    }
 }
 
 impl DirtyLog for KvmGuest {
@@ -760,6 +796,7 @@ mod tests {
             working_set_pages: 1024,
             workload: crate::guest_code::Workload::Increment,
             image: None,
+            memfd: false,
         };
         assert!(matches!(small.validate(), Err(VmmError::Config(_))));
         let huge = VmConfig {

@@ -30,6 +30,7 @@ fn config(pages: u32) -> VmConfig {
         working_set_pages: pages,
         workload: Default::default(),
         image: None,
+        memfd: false,
     }
 }
 
@@ -340,6 +341,7 @@ fn memory_image_is_the_starting_content_and_stays_untouched() {
         working_set_pages: 128,
         workload: Default::default(),
         image: Some(image.path().to_owned()),
+        memfd: false,
     })
     .unwrap();
     assert!(guest.wait_for_pass_count_above(3, Duration::from_secs(20)));

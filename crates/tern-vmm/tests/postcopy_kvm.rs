@@ -27,6 +27,7 @@ fn a_kvm_guest_runs_on_through_postcopy() {
         working_set_pages: 2048,
         workload: Default::default(),
         image: None,
+        memfd: false,
     })
     .expect("create the source VM");
     assert!(guest.wait_for_pass_count_above(2, Duration::from_secs(20)));

@@ -29,6 +29,7 @@ fn running_source() -> KvmGuest {
         working_set_pages: 256,
         workload: Default::default(),
         image: None,
+        memfd: false,
     })
     .expect("create the source VM");
     assert!(guest.wait_for_pass_count_above(2, WITHIN), "the guest runs");

@@ -53,6 +53,7 @@
 mod codec;
 mod decoder;
 mod error;
+mod handover;
 mod layout;
 mod message;
 mod pages;
@@ -63,6 +64,10 @@ pub mod snapshot;
 pub use codec::{MAX_PEER_TEXT_CHARS, Reader, Writer, sanitise_peer_text};
 pub use decoder::{Decoded, Event, Expect, FrameDecoder, PagePacket};
 pub use error::{AbortReason, WireError};
+pub use handover::{
+    HANDOVER_FORMAT, HANDOVER_SAMPLE_PAGES, HandedRegion, HandoverCoverage, MAX_HANDOVER_FILES,
+    MemoryHandover,
+};
 pub use message::{
     Abort, AuthChallenge, AuthHello, AuthProof, ChannelHello, Complete, Dictionary,
     DigestAlgorithm, Handshake, Hello, Message, Outcome, OutcomeStats, Ready, RegionInfo,
@@ -198,6 +203,10 @@ pub enum FrameKind {
     /// The destination holds every page, with its digest (main channel,
     /// destination to source, postcopy).
     PostcopyComplete = 18,
+    /// The source's guest memory as files, their descriptors attached
+    /// (main channel of a Unix socket, source to destination, same-host
+    /// hand-over; see [`MemoryHandover`]).
+    MemoryHandover = 19,
     /// Authentication, first on a channel when the sides share a key:
     /// the source's nonce, bound to a session and channel (source to
     /// destination). Numbered apart from the session's own kinds.
@@ -230,6 +239,7 @@ impl FrameKind {
             16 => Self::PageRequest,
             17 => Self::UrgentPages,
             18 => Self::PostcopyComplete,
+            19 => Self::MemoryHandover,
             32 => Self::AuthHello,
             33 => Self::AuthChallenge,
             34 => Self::AuthProof,
@@ -265,6 +275,10 @@ impl FrameKind {
             | Self::PageRequest
             | Self::UrgentPages
             | Self::PostcopyComplete => match postcopy::max_body(self) {
+                Some(max) => max,
+                None => 0,
+            },
+            Self::MemoryHandover => match handover::max_body(self) {
                 Some(max) => max,
                 None => 0,
             },

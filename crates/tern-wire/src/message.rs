@@ -2,6 +2,7 @@
 
 use crate::codec::{Reader, Writer};
 use crate::error::{AbortReason, WireError};
+use crate::handover::{self, MemoryHandover};
 use crate::layout::{
     CompleteRecord, DictionaryRecord, HandshakeRecord, OutcomeRecord, RegionRecord, SetupRecord,
     SyncRecord, WelcomeRecord,
@@ -546,6 +547,8 @@ pub enum Message {
     UrgentPages(UrgentPages),
     /// See [`PostcopyComplete`].
     PostcopyComplete(PostcopyComplete),
+    /// See [`MemoryHandover`].
+    MemoryHandover(MemoryHandover),
 }
 
 impl Message {
@@ -572,6 +575,7 @@ impl Message {
             Self::PageRequest(_) => FrameKind::PageRequest,
             Self::UrgentPages(_) => FrameKind::UrgentPages,
             Self::PostcopyComplete(_) => FrameKind::PostcopyComplete,
+            Self::MemoryHandover(_) => FrameKind::MemoryHandover,
         }
     }
 
@@ -625,6 +629,7 @@ impl Message {
             Self::PageRequest(request) => postcopy::encode_request(request, w),
             Self::UrgentPages(urgent) => postcopy::encode_urgent(urgent, w),
             Self::PostcopyComplete(complete) => postcopy::encode_complete(complete, w),
+            Self::MemoryHandover(handover) => handover::encode(handover, w),
         }
     }
 
@@ -687,6 +692,7 @@ impl Message {
             FrameKind::PostcopyComplete => {
                 Self::PostcopyComplete(postcopy::decode_complete(&mut r)?)
             }
+            FrameKind::MemoryHandover => Self::MemoryHandover(handover::decode(&mut r)?),
             FrameKind::Pages => {
                 return Err(WireError::Unexpected {
                     got: FrameKind::Pages,
@@ -941,6 +947,7 @@ fn kind_name(kind: FrameKind) -> &'static str {
         FrameKind::PageRequest => "page request",
         FrameKind::UrgentPages => "urgent pages",
         FrameKind::PostcopyComplete => "postcopy complete",
+        FrameKind::MemoryHandover => "memory hand-over",
     }
 }
 

@@ -805,3 +805,71 @@ fn receive_decodes_on_the_threads_it_is_given() {
     assert_eq!(too_many.status.code(), Some(2));
     assert!(String::from_utf8_lossy(&too_many.stderr).contains("5000"));
 }
+
+/// `tern migrate --local` to `tern receive --local`: the memory is handed
+/// over as a memfd, no page moves, and the digest and the resumed guest
+/// check it.
+#[test]
+fn migrate_local_hands_memory_over_to_receive_local() {
+    let dir = tempfile::tempdir().unwrap();
+    let listen = format!("unix:{}", dir.path().join("local.sock").display());
+    let destination = Receiver::spawn_at(&["receive"], &listen, &["--local", "--json"]);
+    let source = tern()
+        .args(["migrate", "--local", "--json", "--to", &destination.address])
+        .args(["--memory", "64MiB", "--dirty-rate", "20MiB"])
+        .output()
+        .unwrap();
+    assert!(source.status.success(), "{source:?}");
+    let source = json(&source);
+    let received = destination.report();
+    assert_eq!(source["status"], "completed");
+    assert_eq!(source["digest-verified"], true);
+    assert_eq!(source["ram"]["normal"], 0, "no page is copied: {source}");
+    assert_eq!(source["ram"]["precopy-bytes"], 0, "{source}");
+    assert_eq!(received["digest-verified"], true);
+    assert_eq!(received["normal-pages"], 0, "{received}");
+    assert_eq!(received["memory"], 64 << 20);
+    assert_eq!(received["resumed-guest-dirtying"], true);
+}
+
+/// `--local` on a destination that cannot carry descriptors is refused
+/// before it listens, and a copying destination refuses a hand-over.
+#[test]
+fn local_needs_a_unix_socket_on_both_sides() {
+    let output = tern()
+        .args(["receive", "--local", "--listen", "127.0.0.1:0"])
+        .output()
+        .unwrap();
+    assert!(!output.status.success());
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(stderr.contains("--local needs a unix: address"), "{stderr}");
+    let output = tern()
+        .args([
+            "migrate",
+            "--local",
+            "--to",
+            "127.0.0.1:9",
+            "--memory",
+            "8MiB",
+        ])
+        .output()
+        .unwrap();
+    assert!(!output.status.success());
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(
+        stderr.contains("--local cannot be used with tcp:"),
+        "{stderr}"
+    );
+    let dir = tempfile::tempdir().unwrap();
+    let listen = format!("unix:{}", dir.path().join("copy.sock").display());
+    let destination = Receiver::spawn_at(&["receive"], &listen, &[]);
+    let source = tern()
+        .args(["migrate", "--local", "--to", &destination.address])
+        .args(["--memory", "8MiB"])
+        .output()
+        .unwrap();
+    assert!(!source.status.success());
+    let stderr = String::from_utf8_lossy(&source.stderr);
+    assert!(stderr.contains("hands its memory over"), "{stderr}");
+    assert!(!destination.finish().0.success());
+}

@@ -291,3 +291,39 @@ fn vm_migrate_to_a_synthetic_receiver_is_refused_before_any_page_moves() {
     assert_eq!(report["ram"]["transferred"], 0, "{report}");
     assert_eq!(report["source-guest-runs"], true, "{report}");
 }
+
+/// `tern vm migrate --local` to `tern vm receive --local`: the KVM guest's
+/// RAM is a memfd, handed over; the destination VM maps it and the guest
+/// carries on there, consistent.
+#[test]
+fn vm_migrate_local_hands_the_kvm_guest_memory_over() {
+    if !kvm_available() {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let listen = format!("unix:{}", dir.path().join("vm-local.sock").display());
+    let destination = Receiver::spawn_at(
+        &["vm", "receive"],
+        &listen,
+        &["--local", "--json", "--run-after", "300"],
+    );
+    let source = tern()
+        .args(["vm", "migrate", "--local", "--json"])
+        .args(["--to", &destination.address])
+        .args(["--memory", "64MiB", "--warmup", "200"])
+        .output()
+        .unwrap();
+    assert!(source.status.success(), "{source:?}");
+    let received = destination.report();
+    let source = json(&source);
+    assert_eq!(source["status"], "completed");
+    assert_eq!(source["digest-verified"], true);
+    assert_eq!(source["ram"]["normal"], 0, "no page is copied: {source}");
+    assert!(
+        source.get("source-pass-count").is_none(),
+        "the source's memory is revoked: {source}"
+    );
+    assert_eq!(received["consistency-check"]["passed"], true, "{received}");
+    assert_eq!(received["guest-runs-on-destination"], true);
+    assert!(received["pass-count-before"].as_u64().unwrap() > 0);
+}

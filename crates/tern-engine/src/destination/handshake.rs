@@ -610,6 +610,11 @@ impl Destination {
             {
                 return Err(match read_message(main, decoder) {
                     Ok(Message::Abort(abort)) => peer_aborted(abort),
+                    Ok(Message::MemoryHandover(_)) => MigrationError::Incompatible(
+                        "the source hands its memory over (memory_handover), this destination \
+                         copies it (it should receive with Destination::receive_handover)"
+                            .into(),
+                    ),
                     Ok(other) => MigrationError::Protocol(format!(
                         "expected page channels, got {:?} on the main channel",
                         other.kind()

@@ -253,7 +253,7 @@ const SMALL_FRAME: usize = 8 << 10;
 /// name and the two lengths.
 const SECTION_FRAMING: usize = tern_wire::FRAME_HEADER_LEN + 4 + 4 + tern_wire::MAX_NAME_LEN + 4;
 
-fn too_much_state() -> MigrationError {
+pub(super) fn too_much_state() -> MigrationError {
     MigrationError::Protocol(format!(
         "more state than a destination accepts ({MAX_STATE_SECTIONS} sections, {} MiB in all)",
         MAX_STATE_BYTES >> 20

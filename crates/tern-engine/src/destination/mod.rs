@@ -4,6 +4,7 @@
 mod decode;
 mod dictionary;
 mod handle;
+mod handover;
 pub(crate) mod handshake;
 mod in_memory;
 mod landing_pool;
@@ -391,7 +392,9 @@ impl Destination {
         F: FnOnce(&SessionSetup, &[u8]) -> Result<G, GuestError>,
     {
         self.control.events.status(MigrationStatus::Setup, None);
-        let result = self.receive_session(listener, make_guest);
+        let result = self.receive_session(listener, |handshakes, main, decoder, hello, cpu| {
+            self.run(handshakes, main, decoder, hello, make_guest, cpu)
+        });
         self.record_outcome(&result);
         result
     }
@@ -433,14 +436,21 @@ impl Destination {
         drop(outcome);
     }
 
-    fn receive_session<G, F>(
+    /// Accepts the main channel and runs the session on it with `run`
+    /// (a copy or a hand-over); a failure is told to the source.
+    fn receive_session<G, R>(
         &self,
         listener: &Listener,
-        make_guest: F,
+        run: R,
     ) -> Result<Received<G>, MigrationError>
     where
-        G: DestinationGuest,
-        F: FnOnce(&SessionSetup, &[u8]) -> Result<G, GuestError>,
+        R: FnOnce(
+            &mut handshake::Handshakes<'_>,
+            &mut Channel,
+            &mut FrameDecoder,
+            Message,
+            f64,
+        ) -> Result<Received<G>, MigrationError>,
     {
         let cpu_start = thread_cpu_seconds();
         self.check_policy(listener)
@@ -471,18 +481,12 @@ impl Destination {
             authenticated: main.security().authenticated(),
             tls: main.security().tls.clone(),
         };
-        let result = self
-            .run(
-                &mut handshakes,
-                &mut main,
-                &mut decoder,
-                hello,
-                make_guest,
-                cpu_start,
-            )
-            .map(|received| Received {
-                security,
-                ..received
+        let result =
+            run(&mut handshakes, &mut main, &mut decoder, hello, cpu_start).map(|received| {
+                Received {
+                    security,
+                    ..received
+                }
             });
         if let Err(error) = &result {
             self.stats.set_phase(ReceivePhase::Failed);

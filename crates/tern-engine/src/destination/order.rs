@@ -171,7 +171,7 @@ impl PageChannelState {
 mod tests {
     use super::*;
 
-    const ALL_KINDS: [FrameKind; 13] = [
+    const ALL_KINDS: [FrameKind; 14] = [
         FrameKind::Hello,
         FrameKind::ChannelHello,
         FrameKind::Welcome,
@@ -185,6 +185,7 @@ mod tests {
         FrameKind::Commit,
         FrameKind::Heartbeat,
         FrameKind::Dictionary,
+        FrameKind::MemoryHandover,
     ];
 
     #[test]

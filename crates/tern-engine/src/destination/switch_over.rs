@@ -105,7 +105,7 @@ impl Destination {
     /// Resumes the guest, unless the embedder takes it over paused
     /// (`keep_paused`): committed and verified, it is then the embedder's
     /// to resume.
-    fn resume_unless_kept_paused<G: DestinationGuest>(
+    pub(super) fn resume_unless_kept_paused<G: DestinationGuest>(
         &self,
         guest: &mut G,
     ) -> Result<(), MigrationError> {
@@ -118,7 +118,7 @@ impl Destination {
 
     /// Waits, at most the switch-over timeout, for the source's commit. Any
     /// other answer, or none, means the guest must not run here.
-    fn await_commit(
+    pub(super) fn await_commit(
         &self,
         main: &mut impl FrameSource,
         decoder: &mut FrameDecoder,
@@ -192,7 +192,7 @@ fn memory_digest(shared: &ReceiverShared<'_>) -> u128 {
 }
 
 /// Everything short of running the guest.
-fn restore<G: DestinationGuest>(
+pub(super) fn restore<G: DestinationGuest>(
     guest: &mut G,
     sections: &[StateSection],
 ) -> Result<(), MigrationError> {
@@ -208,7 +208,7 @@ fn restore<G: DestinationGuest>(
 
 /// Tells the source the guest will not run here. Best effort: the error
 /// that caused it is what the caller reports.
-fn refuse(main: &mut impl FrameSink, digest: u128, detail: String) {
+pub(super) fn refuse(main: &mut impl FrameSink, digest: u128, detail: String) {
     let _ = main.send_message(&Message::Outcome(Outcome {
         verified: false,
         digest,

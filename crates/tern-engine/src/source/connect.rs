@@ -420,6 +420,59 @@ pub(super) fn random_session_id() -> u64 {
     }
 }
 
+/// Opens the main channel of a memory hand-over into `main_slot`: the
+/// hello, the VMM configuration, the hand-over with the files attached,
+/// then the destination's welcome and its echo of the hand-over (it has
+/// mapped the files and built its guest). No page channel is opened.
+pub(super) fn connect_handover(
+    config: &MigrationConfig,
+    connector: &dyn Connect,
+    setup: &SessionSetup,
+    session_id: u64,
+    main_slot: &mut Option<Channel>,
+    handover: &tern_wire::MemoryHandover,
+    files: &[std::os::fd::RawFd],
+) -> Result<(), MigrationError> {
+    let failed = MigrationError::channel(0);
+    let main = main_slot.insert(open_channel(config, connector, session_id, 0, None)?);
+    if !main.carries_descriptors() {
+        return Err(MigrationError::UnsupportedTransport {
+            field: "memory_handover",
+            address: connector.address().to_string(),
+            reason: "the main channel is not a plain Unix socket, so it cannot carry the \
+                     memory's file descriptors",
+        });
+    }
+    main.send_message(&Message::Hello(Hello {
+        handshake: Handshake {
+            session_id,
+            channel_index: 0,
+        },
+        setup: setup.clone(),
+    }))
+    .map_err(failed)?;
+    send_vmm_config(main, config)?;
+    let message = Message::MemoryHandover(handover.clone());
+    main.send_message_with_files(&message, files)
+        .map_err(MigrationError::channel(0))?;
+    expect_welcome(main, session_id, 0, None)?;
+    match main
+        .read_expected(Expected::HANDOVER_ECHO)
+        .map_err(MigrationError::channel(0))?
+    {
+        Message::MemoryHandover(echo) if echo == *handover => {}
+        Message::Abort(abort) => return Err(MigrationError::from_peer_abort(abort)),
+        other => {
+            return Err(MigrationError::Protocol(format!(
+                "expected the destination to confirm the memory hand-over, got {:?}",
+                other.kind()
+            )));
+        }
+    }
+    main.set_timeouts(config.io_timeout)
+        .map_err(MigrationError::channel(0))
+}
+
 #[cfg(test)]
 mod tests {
     use std::io::{Read, Write};

@@ -4,6 +4,7 @@ mod cancellable;
 mod connect;
 pub(crate) mod convergence;
 mod dictionary;
+mod handover;
 mod live;
 mod peer;
 mod postcopy;
@@ -230,6 +231,9 @@ impl Source {
         changes: &mut GuestChanges,
         main_slot: &mut Option<Channel>,
     ) -> Result<Option<DestinationStats>, MigrationError> {
+        if self.config.memory_handover {
+            return self.run_handover(guest, connector, changes, main_slot);
+        }
         let config = &self.config;
         let address = connector.address();
         config.check_address(&address)?;

@@ -100,6 +100,24 @@ impl Source {
         // switch-over timeout after its ready, which follows this
         // completion: a ready read after ours has passed (this side stalled)
         // may be one the destination no longer honours.
+        let outcome = self.commit(main, changes, digest)?;
+        self.stats.set_downtime(paused_at.elapsed());
+        self.stats.set_digest_verified_from_comparison();
+        if forced {
+            tracing::info!("switch-over was forced by a limit");
+        }
+        Ok(DestinationStats::from_wire(&outcome.stats))
+    }
+
+    /// Waits for the destination's ready, commits, and waits for its
+    /// outcome: the end of every precopy switch-over and of a hand-over.
+    /// Returns the outcome of a destination that resumed the guest.
+    pub(super) fn commit(
+        &self,
+        main: &mut Channel,
+        changes: &mut GuestChanges,
+        digest: u128,
+    ) -> Result<Outcome, MigrationError> {
         let answer_deadline = Deadline::after(
             self.config.switch_over_timeout,
             "the destination's switch-over answer",
@@ -149,12 +167,7 @@ impl Source {
             }
             Err(error) => return Err(MigrationError::OutcomeUnknown(Box::new(error))),
         };
-        self.stats.set_downtime(paused_at.elapsed());
-        self.stats.set_digest_verified_from_comparison();
-        if forced {
-            tracing::info!("switch-over was forced by a limit");
-        }
-        Ok(DestinationStats::from_wire(&outcome.stats))
+        Ok(outcome)
     }
 
     /// Sends the pages dirtied since the last sync (the workers hash them as
@@ -193,7 +206,7 @@ impl Source {
     }
 
     /// Sends the device state and the completion message with the digest.
-    fn send_state<G: SourceGuest>(
+    pub(super) fn send_state<G: SourceGuest>(
         &self,
         guest: &mut G,
         main: &mut Channel,

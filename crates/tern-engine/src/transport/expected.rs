@@ -36,6 +36,7 @@ impl Expected {
             FrameKind::PageRequest,
             FrameKind::UrgentPages,
             FrameKind::PostcopyComplete,
+            FrameKind::MemoryHandover,
             FrameKind::AuthHello,
             FrameKind::AuthChallenge,
             FrameKind::AuthProof,
@@ -71,6 +72,12 @@ impl Expected {
             FrameKind::Abort,
         ],
         name: "the destination's answer",
+    };
+
+    /// The destination's echo of a memory hand-over: it mapped the files.
+    pub const HANDOVER_ECHO: Self = Self {
+        kinds: &[FrameKind::MemoryHandover, FrameKind::Abort],
+        name: "the destination's confirmation of the memory hand-over",
     };
 
     /// What the destination sends during postcopy: page requests, its

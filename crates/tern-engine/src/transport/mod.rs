@@ -16,6 +16,7 @@
 pub mod auth;
 mod channel_security;
 mod expected;
+pub(crate) mod fds;
 pub mod seam;
 pub mod security;
 pub mod socket;

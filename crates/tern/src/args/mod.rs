@@ -156,6 +156,11 @@ pub(crate) struct MigrateArgs {
     /// --save-vmm-config` writes them out.
     #[arg(long, value_name = "FILE")]
     pub vmm_config: Option<std::path::PathBuf>,
+    /// Same-host migration: hand guest memory over as file descriptors
+    /// over the unix: socket instead of copying it (the synthetic guest is
+    /// then memfd-backed); the destination runs `tern receive --local`.
+    #[arg(long)]
+    pub local: bool,
 }
 
 /// Where and how a destination waits (`tern receive`, `tern vm receive`).
@@ -217,6 +222,11 @@ pub(crate) struct ListenArgs {
     /// 1MiB); a larger one is refused before it is read.
     #[arg(long, default_value = "64KiB", value_parser = crate::units::parse_size)]
     pub max_vmm_config: u64,
+    /// Same-host migration: take guest memory over from the source's file
+    /// descriptors (its `--local`) instead of receiving a copy; needs a
+    /// unix: address.
+    #[arg(long)]
+    pub local: bool,
 }
 
 impl ListenArgs {

@@ -81,6 +81,7 @@ impl VmArgs {
             working_set_pages: pages,
             workload: self.workload,
             image: self.image.clone(),
+            memfd: false,
         })
     }
 }
@@ -126,6 +127,11 @@ pub(crate) struct MigrateArgs {
     pub events: bool,
     #[command(flatten)]
     pub steering: super::steering::SteeringArgs,
+    /// Same-host migration: hand the guest's memory (then a memfd) over as
+    /// file descriptors over the unix: socket instead of copying it; the
+    /// destination runs `tern vm receive --local`.
+    #[arg(long)]
+    pub local: bool,
 }
 
 #[derive(Debug, Args)]

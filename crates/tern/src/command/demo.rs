@@ -191,7 +191,7 @@ impl Rehearsal for SyntheticRehearsal<'_> {
                 guest.mix.text
             );
         }
-        session::fill_guest(guest)
+        session::fill_guest(guest, false)
     }
 
     fn destination_guest(

@@ -54,6 +54,8 @@ pub(crate) struct Departing<'a> {
     pub events: bool,
     /// `--vmm-config`.
     pub vmm_config: Option<&'a Path>,
+    /// `--local`: memory handed over, not copied.
+    pub local: bool,
 }
 
 /// `tern migrate`.
@@ -65,6 +67,7 @@ pub(crate) fn run(args: &MigrateArgs, verbose: bool) -> anyhow::Result<ExitCode>
         steering: &args.steering,
         events: args.events,
         vmm_config: args.vmm_config.as_deref(),
+        local: args.local,
     };
     depart(&departing, &mut SyntheticDeparture { args }, verbose)
 }
@@ -81,6 +84,7 @@ pub(crate) fn depart<D: Departure>(
         config.vmm_config =
             std::fs::read(path).with_context(|| format!("--vmm-config {}", path.display()))?;
     }
+    config.memory_handover = departing.local;
     session::check_config(&config, departing.to)?;
     departure.check()?;
     let source = Source::new(config)?;
@@ -122,7 +126,7 @@ impl Departure for SyntheticDeparture<'_> {
     }
 
     fn start(&mut self) -> anyhow::Result<SyntheticGuest> {
-        session::fill_guest(&self.args.guest)
+        session::fill_guest(&self.args.guest, self.args.local)
     }
 
     fn finish(

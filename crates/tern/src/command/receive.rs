@@ -10,7 +10,8 @@ use std::time::Duration;
 use anyhow::Context;
 use serde::Serialize;
 use tern_engine::{
-    Destination, DestinationGuest, GuestControl, GuestError, Listener, ReceiveHandle, Received,
+    Destination, DestinationGuest, GuestControl, GuestError, HandedFile, Listener, MigrationError,
+    ReceiveHandle, Received,
 };
 use tern_synthetic::SyntheticGuest;
 use tern_wire::SessionSetup;
@@ -34,6 +35,11 @@ pub(crate) trait Arrival {
         &self,
     ) -> anyhow::Result<impl FnOnce(&SessionSetup) -> Result<Self::Guest, GuestError>>;
 
+    /// With `--local`: prepares the step that builds the guest around the
+    /// memory a source on this host hands over, one checked file per
+    /// region, instead of receiving a copy.
+    fn prepare_handover(&self) -> anyhow::Result<impl Adopt<Self::Guest>>;
+
     /// Checks the received guest, which runs here now, and prints the
     /// report; `handle` queries the destination's report, `vmm_config` is
     /// what the source sent as the VMM's configuration. Returns the exit
@@ -45,6 +51,15 @@ pub(crate) trait Arrival {
         vmm_config: &[u8],
     ) -> anyhow::Result<ExitCode>;
 }
+
+/// Builds a guest around the memory a source on this host handed over: the
+/// session setup and one checked file per region.
+pub(crate) trait Adopt<G>:
+    FnOnce(&SessionSetup, Vec<HandedFile>) -> Result<G, GuestError>
+{
+}
+
+impl<G, F> Adopt<G> for F where F: FnOnce(&SessionSetup, Vec<HandedFile>) -> Result<G, GuestError> {}
 
 /// The options every receiving command has.
 pub(crate) struct Serving<'a> {
@@ -102,14 +117,14 @@ fn receive_one<A: Arrival>(
     listener: &Listener,
     steering: &Steering,
 ) -> anyhow::Result<ExitCode> {
-    let make_guest = arrival.prepare()?;
-    let progress = Progress::receiving(destination.stats());
     let mut vmm_config = Vec::new();
-    let received = destination.receive_with_vmm_config(listener, |setup, config| {
-        vmm_config = config.to_vec();
-        make_guest(setup)
-    });
-    progress.finish();
+    let received = receive_guest(
+        serving.listen.local,
+        arrival,
+        destination,
+        listener,
+        &mut vmm_config,
+    )?;
     if let Some(path) = serving.save_vmm_config
         && received.is_ok()
     {
@@ -143,6 +158,39 @@ fn receive_one<A: Arrival>(
     arrival.report(received, &destination.handle(), &vmm_config)
 }
 
+/// Receives the guest: a copy, or with `--local` the source's memory by
+/// hand-over, mapped from the files it passed. `vmm_config` gets the
+/// configuration the source sent. The outer error is the arrival's own
+/// preparation failing; the inner one the migration's.
+fn receive_guest<A: Arrival>(
+    local: bool,
+    arrival: &A,
+    destination: &Destination,
+    listener: &Listener,
+    vmm_config: &mut Vec<u8>,
+) -> anyhow::Result<Result<Received<A::Guest>, MigrationError>> {
+    let received = if local {
+        let adopt = arrival.prepare_handover()?;
+        let progress = Progress::receiving(destination.stats());
+        let received = destination.receive_handover(listener, |setup, config, files| {
+            *vmm_config = config.to_vec();
+            adopt(setup, files)
+        });
+        progress.finish();
+        received
+    } else {
+        let make_guest = arrival.prepare()?;
+        let progress = Progress::receiving(destination.stats());
+        let received = destination.receive_with_vmm_config(listener, |setup, config| {
+            *vmm_config = config.to_vec();
+            make_guest(setup)
+        });
+        progress.finish();
+        received
+    };
+    Ok(received)
+}
+
 /// `tern receive`'s guest: a synthetic guest, shown to go on dirtying
 /// memory here.
 struct SyntheticArrival<'a> {
@@ -156,6 +204,14 @@ impl Arrival for SyntheticArrival<'_> {
         &self,
     ) -> anyhow::Result<impl FnOnce(&SessionSetup) -> Result<SyntheticGuest, GuestError>> {
         Ok(session::destination_guest)
+    }
+
+    fn prepare_handover(&self) -> anyhow::Result<impl Adopt<SyntheticGuest>> {
+        Ok(|_: &SessionSetup, files: Vec<HandedFile>| {
+            SyntheticGuest::from_handed_files(files).map_err(|error| {
+                GuestError::with_source("cannot map the handed-over memory", error)
+            })
+        })
     }
 
     fn report(
@@ -176,11 +232,17 @@ impl Arrival for SyntheticArrival<'_> {
                 vmm_config_bytes: (!vmm_config.is_empty()).then_some(vmm_config.len() as u64),
             })?;
         } else {
+            let how = if self.args.listen.local {
+                "by hand-over, no page copied".to_string()
+            } else {
+                format!(
+                    "in {} pages with data and {} zero pages",
+                    received.stats.normal_pages, received.stats.zero_pages
+                )
+            };
             println!(
-                "received {} in {} pages with data and {} zero pages; digest {}; guest resumed{}",
+                "received {} {how}; digest {}; guest resumed{}",
                 crate::units::human_bytes(report.memory),
-                received.stats.normal_pages,
-                received.stats.zero_pages,
                 if report.digest_verified {
                     "verified"
                 } else {

@@ -86,6 +86,11 @@ fn attach_offloads(transfer: &TransferArgs, config: &mut MigrationConfig) -> any
 pub(crate) fn bind(listen: &ListenArgs) -> anyhow::Result<(Listener, ReceiveConfig)> {
     // Refused before binding: a refusal must not have held the port.
     listen.security.check_before_bind(&listen.listen)?;
+    anyhow::ensure!(
+        !listen.local || matches!(listen.listen, Address::Unix(_) | Address::Fd(_)),
+        "--local needs a unix: address: memory is handed over as file descriptors, which only \
+         a Unix socket carries"
+    );
     let listener = Listener::bind(&listen.listen)
         .with_context(|| format!("cannot listen on {}", listen.listen))?;
     let mut config = listen.receive_settings();
@@ -105,7 +110,21 @@ pub(crate) fn bind(listen: &ListenArgs) -> anyhow::Result<(Listener, ReceiveConf
 /// Starts the KVM test guest; `ends` is how many copies of its memory this
 /// process will hold (2 when the destination runs here too).
 pub(crate) fn start_kvm_guest(vm: &VmArgs, ends: u64) -> anyhow::Result<KvmGuest> {
-    let config = vm.config()?;
+    start_kvm_guest_with(vm.config()?, vm, ends)
+}
+
+/// [`start_kvm_guest`] with its RAM in a memfd, for `--local`.
+pub(crate) fn start_memfd_kvm_guest(vm: &VmArgs) -> anyhow::Result<KvmGuest> {
+    let mut config = vm.config()?;
+    config.memfd = true;
+    start_kvm_guest_with(config, vm, 1)
+}
+
+fn start_kvm_guest_with(
+    config: tern_vmm::VmConfig,
+    vm: &VmArgs,
+    ends: u64,
+) -> anyhow::Result<KvmGuest> {
     let what = if ends > 1 {
         format!(
             "--memory {} with both ends in this process",
@@ -256,15 +275,21 @@ fn option_for(field: &str) -> String {
         "throttle_initial" => "--cpu-throttle-initial".into(),
         "throttle_increment" => "--cpu-throttle-increment".into(),
         "zero_page_offload" => "--dsa-device".into(),
+        "memory_handover" => "--local".into(),
         other => format!("--{}", other.replace('_', "-")),
     }
 }
 
-/// Creates the synthetic guest, showing the fill's progress.
-pub(crate) fn fill_guest(args: &GuestArgs) -> anyhow::Result<SyntheticGuest> {
+/// Creates the synthetic guest, showing the fill's progress; in a memfd
+/// when its memory will be handed over (`--local`).
+pub(crate) fn fill_guest(args: &GuestArgs, memfd: bool) -> anyhow::Result<SyntheticGuest> {
     let config = args.synthetic_config();
     let guest = crate::report::with_fill_progress(config.memory_bytes, |filled| {
-        SyntheticGuest::new_with_fill_progress(&config, filled)
+        if memfd {
+            SyntheticGuest::new_memfd_with_fill_progress(&config, filled)
+        } else {
+            SyntheticGuest::new_with_fill_progress(&config, filled)
+        }
     })
     .context("cannot create the synthetic guest")?;
     if args.touch_zero_pages {

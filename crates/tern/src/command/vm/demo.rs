@@ -136,7 +136,7 @@ impl Rehearsal for KvmRehearsal<'_> {
         let report = SourceReport {
             stats: *failure.stats,
             guest_before_migration: self.rate,
-            source_pass_count: source.pass_count(),
+            source_pass_count: Some(source.pass_count()),
             source_guest_runs: Some(runs),
         };
         if self.args.json {

@@ -6,7 +6,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::Context;
 use serde::Serialize;
-use tern_engine::{GuestControl, GuestError, MigrationStats};
+use tern_engine::{GuestControl, GuestError, HandedFile, MigrationStats};
 use tern_vmm::{ConsistencyReport, DestinationVm, KvmGuest};
 
 use crate::session;
@@ -179,6 +179,18 @@ pub(super) fn prepare_destination()
     })
 }
 
+/// [`prepare_destination`] for `--local`: the VM maps the memory the
+/// source on this host hands over instead of allocating its own.
+pub(super) fn prepare_handover_destination()
+-> anyhow::Result<impl crate::command::receive::Adopt<KvmGuest>> {
+    let vm = DestinationVm::new().context("cannot create the destination VM")?;
+    Ok(move |_: &tern_wire::SessionSetup, files: Vec<HandedFile>| {
+        vm.with_handed_files(files).map_err(|error| {
+            GuestError::with_source("cannot map the handed-over memory into the VM", error)
+        })
+    })
+}
+
 /// The source side's report.
 #[derive(Serialize)]
 #[serde(rename_all = "kebab-case")]
@@ -187,8 +199,10 @@ pub(super) struct SourceReport {
     pub(super) stats: MigrationStats,
     pub(super) guest_before_migration: GuestRate,
     /// The pass count where the source stopped (it runs on the destination
-    /// from there), or where it ran on after a failure.
-    pub(super) source_pass_count: u64,
+    /// from there), or where it ran on after a failure; none after a
+    /// hand-over (`--local`), whose memory the source may no longer read.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub(super) source_pass_count: Option<u64>,
     /// After a failed migration: whether the source guest still runs.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub(super) source_guest_runs: Option<bool>,

@@ -25,6 +25,7 @@ pub(super) fn run(args: &MigrateArgs, verbose: bool) -> anyhow::Result<ExitCode>
         steering: &args.steering,
         events: args.events,
         vmm_config: None,
+        local: args.local,
     };
     let mut departure = KvmDeparture {
         args,
@@ -49,7 +50,11 @@ impl Departure for KvmDeparture<'_> {
     }
 
     fn start(&mut self) -> anyhow::Result<KvmGuest> {
-        let mut guest = session::start_kvm_guest(&self.args.vm, 1)?;
+        let mut guest = if self.args.local {
+            session::start_memfd_kvm_guest(&self.args.vm)?
+        } else {
+            session::start_kvm_guest(&self.args.vm, 1)?
+        };
         self.rate = measure(&guest, Duration::from_millis(self.args.warmup));
         if self.args.paused {
             guest.pause().context("cannot pause the guest")?;
@@ -76,17 +81,27 @@ impl Departure for KvmDeparture<'_> {
                 (*failure.stats, Some(runs), Some(failure.error))
             }
         };
+        // After a hand-over the source's mapping of the memory is revoked
+        // (the guest runs on at the destination, on the same pages):
+        // nothing of it may be read here.
+        let handed_over = self.args.local && error.is_none();
         let report = SourceReport {
             stats,
             guest_before_migration: self.rate,
-            source_pass_count: guest.pass_count(),
+            source_pass_count: (!handed_over).then(|| guest.pass_count()),
             source_guest_runs: runs,
         };
         if self.args.json {
             print_json(&report)?;
         } else if error.is_none() || verbose {
             let mut rows = vec![
-                ("source pass count", report.source_pass_count.to_string()),
+                (
+                    "source pass count",
+                    report.source_pass_count.map_or_else(
+                        || "- (memory handed over)".into(),
+                        |count| count.to_string(),
+                    ),
+                ),
                 guest_write_rate_row(&report.guest_before_migration),
             ];
             if let Some(runs) = runs {

@@ -9,9 +9,11 @@ use tern_engine::{GuestError, ReceiveHandle, Received};
 use tern_vmm::KvmGuest;
 use tern_wire::SessionSetup;
 
-use super::guest::{DestinationProof, prepare_destination, prove_on_destination};
+use super::guest::{
+    DestinationProof, prepare_destination, prepare_handover_destination, prove_on_destination,
+};
 use crate::args::vm::ReceiveArgs;
-use crate::command::receive::{Arrival, Serving, serve};
+use crate::command::receive::{Adopt, Arrival, Serving, serve};
 use crate::report::print_json;
 use crate::units::human_bytes;
 
@@ -51,6 +53,10 @@ impl Arrival for KvmArrival<'_> {
         prepare_destination()
     }
 
+    fn prepare_handover(&self) -> anyhow::Result<impl Adopt<KvmGuest>> {
+        prepare_handover_destination()
+    }
+
     fn report(
         &self,
         received: Received<KvmGuest>,
@@ -71,12 +77,19 @@ impl Arrival for KvmArrival<'_> {
                 proof: &proof,
             })?;
         } else {
-            println!(
-                "received {} ({} pages with data, {} zero)",
-                human_bytes(report.memory),
-                stats.normal_pages,
-                stats.zero_pages
-            );
+            if self.args.listen.local {
+                println!(
+                    "received {} by hand-over, no page copied",
+                    human_bytes(report.memory)
+                );
+            } else {
+                println!(
+                    "received {} ({} pages with data, {} zero)",
+                    human_bytes(report.memory),
+                    stats.normal_pages,
+                    stats.zero_pages
+                );
+            }
             println!(
                 "{:>26}  {}",
                 "security",

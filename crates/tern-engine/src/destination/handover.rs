@@ -7,8 +7,7 @@ use std::os::fd::{AsFd, OwnedFd};
 use std::time::{Duration, Instant};
 
 use tern_wire::{
-    FRAME_HEADER_LEN, FrameDecoder, MAX_HANDOVER_FILES, MemoryHandover, Message, Outcome,
-    SessionSetup,
+    FRAME_HEADER_LEN, FrameDecoder, MAX_HANDOVER_FILES, MemoryHandover, Message, SessionSetup,
 };
 
 use super::handshake::{Greeted, peer_aborted};
@@ -21,7 +20,7 @@ use crate::deadline::Deadline;
 use crate::error::{ChannelError, MigrationError};
 use crate::guest::{DestinationGuest, GuestError, StateSection};
 use crate::handover::{self as shared, HandedFile};
-use crate::stats::{DigestComparison, MigrationStatus, thread_cpu_seconds};
+use crate::stats::{DigestComparison, MigrationStatus};
 use crate::transport::{Channel, Listener, Segment};
 
 impl Destination {
@@ -126,30 +125,8 @@ impl Destination {
             refuse(main, digest, error.chain());
             return Err(error);
         }
-        main.send_message(&Message::Ready(tern_wire::Ready { digest }))
-            .map_err(MigrationError::channel(0))?;
-        self.await_commit(main, decoder)?;
-        if let Err(error) = self.resume_unless_kept_paused(&mut guest) {
-            refuse(main, digest, error.chain());
-            return Err(error);
-        }
-        self.stats.record_main_cpu(thread_cpu_seconds() - cpu_start);
-        let stats = self.stats.snapshot(digest_time);
-        main.send_message(&Message::Outcome(Outcome {
-            verified: true,
-            digest,
-            detail: String::new(),
-            stats: stats.clone(),
-        }))
-        .inspect_err(|error| {
-            tracing::warn!(%error, "the guest was resumed, but the source could not be told");
-        })
-        .ok();
-        self.stats.set_phase(if self.config.keep_paused {
-            ReceivePhase::Paused
-        } else {
-            ReceivePhase::Resumed
-        });
+        let stats =
+            self.commit_and_resume(main, decoder, &mut guest, digest, digest_time, cpu_start)?;
         Ok(Received {
             resumed: !self.config.keep_paused,
             guest,

@@ -72,6 +72,23 @@ impl Destination {
             refuse(main, digest, error.chain());
             return Err(error);
         }
+        self.commit_and_resume(main, decoder, guest, digest, digest_time, cpu_start)
+    }
+
+    /// The end both switch-overs (copy and hand-over) share, where "a
+    /// guest never runs on two hosts" is kept: "ready" with `digest`, the
+    /// source's commit awaited, only then the guest resumed (or kept
+    /// paused), and the source told. Returns the figures sent with the
+    /// outcome.
+    pub(super) fn commit_and_resume<G: DestinationGuest>(
+        &self,
+        main: &mut (impl FrameSink + FrameSource),
+        decoder: &mut FrameDecoder,
+        guest: &mut G,
+        digest: u128,
+        digest_time: Duration,
+        cpu_start: f64,
+    ) -> Result<OutcomeStats, MigrationError> {
         main.send_message(&Message::Ready(Ready { digest }))
             .map_err(MigrationError::channel(0))?;
         self.await_commit(main, decoder)?;

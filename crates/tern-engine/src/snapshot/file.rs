@@ -134,8 +134,8 @@ impl SnapshotFile {
     }
 
     /// Opens `top` on `bases` (oldest first: a full snapshot, then the
-    /// diffs between it and `top`). Each layer is checked alone (see
-    /// [`Layer::open`]), then as a chain: every layer but the first is a
+    /// diffs between it and `top`). Each layer is checked alone (header,
+    /// metadata, trailer, as [`SnapshotFile::open`] does), then as a chain: every layer but the first is a
     /// diff taken on the memory digest of the layer below, the first is
     /// full, and all have the same regions.
     pub fn open_layers(bases: &[PathBuf], top: &Path) -> Result<Self, SnapshotError> {

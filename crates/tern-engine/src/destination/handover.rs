@@ -11,7 +11,7 @@ use tern_wire::{
 };
 
 use super::handshake::{Greeted, peer_aborted};
-use super::live::{MAX_STATE_BYTES, MAX_STATE_SECTIONS, too_much_state};
+use super::live::keep_state_section;
 use super::stream::{FrameSource, read_message, read_message_within};
 use super::switch_over::{refuse, restore};
 use super::{Destination, POLL_INTERVAL, ReceivePhase, Received};
@@ -237,21 +237,7 @@ fn receive_state(
     loop {
         match read_message(main, decoder).map_err(MigrationError::channel(0))? {
             Message::StateSection(section) => {
-                if sections.iter().any(|known| known.name == section.name) {
-                    return Err(MigrationError::Protocol(format!(
-                        "state section '{}' sent twice",
-                        section.name
-                    )));
-                }
-                state_bytes = state_bytes.saturating_add(section.data.len());
-                if sections.len() >= MAX_STATE_SECTIONS || state_bytes > MAX_STATE_BYTES {
-                    return Err(too_much_state());
-                }
-                sections.push(StateSection {
-                    name: section.name,
-                    version: section.version,
-                    data: section.data,
-                });
+                keep_state_section(&mut sections, &mut state_bytes, section)?;
             }
             Message::Complete(complete) => return Ok((sections, complete)),
             Message::Abort(abort) => return Err(peer_aborted(abort)),

@@ -253,6 +253,32 @@ const SMALL_FRAME: usize = 8 << 10;
 /// name and the two lengths.
 const SECTION_FRAMING: usize = tern_wire::FRAME_HEADER_LEN + 4 + 4 + tern_wire::MAX_NAME_LEN + 4;
 
+/// Keeps one state section from the source: a name sent twice, or more
+/// sections or bytes than a destination accepts, is refused before it is
+/// kept. `state_bytes` counts the bytes kept so far.
+pub(super) fn keep_state_section(
+    sections: &mut Vec<StateSection>,
+    state_bytes: &mut usize,
+    section: tern_wire::StateSectionMsg,
+) -> Result<(), MigrationError> {
+    if sections.iter().any(|known| known.name == section.name) {
+        return Err(MigrationError::Protocol(format!(
+            "state section '{}' sent twice",
+            section.name
+        )));
+    }
+    *state_bytes = state_bytes.saturating_add(section.data.len());
+    if sections.len() >= MAX_STATE_SECTIONS || *state_bytes > MAX_STATE_BYTES {
+        return Err(too_much_state());
+    }
+    sections.push(StateSection {
+        name: section.name,
+        version: section.version,
+        data: section.data,
+    });
+    Ok(())
+}
+
 pub(super) fn too_much_state() -> MigrationError {
     MigrationError::Protocol(format!(
         "more state than a destination accepts ({MAX_STATE_SECTIONS} sections, {} MiB in all)",
@@ -335,21 +361,7 @@ fn read_main_channel(
             .map_err(MigrationError::Protocol)?;
         match message {
             Message::StateSection(section) => {
-                if sections.iter().any(|known| known.name == section.name) {
-                    return Err(MigrationError::Protocol(format!(
-                        "state section '{}' sent twice",
-                        section.name
-                    )));
-                }
-                state_bytes = state_bytes.saturating_add(section.data.len());
-                if sections.len() >= MAX_STATE_SECTIONS || state_bytes > MAX_STATE_BYTES {
-                    return Err(too_much_state());
-                }
-                sections.push(StateSection {
-                    name: section.name,
-                    version: section.version,
-                    data: section.data,
-                });
+                keep_state_section(&mut sections, &mut state_bytes, section)?;
             }
             Message::Dictionary(dictionary) => shared.dictionaries.receive(dictionary)?,
             Message::PostcopySwitch(switch) => {

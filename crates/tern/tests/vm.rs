@@ -332,3 +332,31 @@ fn vm_migrate_local_hands_the_kvm_guest_memory_over() {
     assert_eq!(received["guest-runs-on-destination"], true);
     assert!(received["pass-count-before"].as_u64().unwrap() > 0);
 }
+
+#[test]
+fn vm_save_reports_the_guest_running_on_after_a_live_save() {
+    if !kvm_available() {
+        return;
+    }
+    let directory = tempfile::tempdir().unwrap();
+    let file = directory.path().join("guest.tern");
+    let output = tern()
+        .args(["vm", "save", "--json", "--live", "--memory", "32MiB"])
+        .args(["--warmup", "50", "--output", file.to_str().unwrap()])
+        .output()
+        .unwrap();
+    assert!(output.status.success(), "{output:?}");
+    let report = json(&output);
+    // Resumed after the save: its own pass counter moved on.
+    assert_eq!(report["guest-runs"], true, "{report}");
+    assert!(report["pass-count"].as_u64().unwrap() > 0, "{report}");
+
+    let stopped = directory.path().join("stopped.tern");
+    let output = tern()
+        .args(["vm", "save", "--json", "--stop", "--memory", "32MiB"])
+        .args(["--warmup", "50", "--output", stopped.to_str().unwrap()])
+        .output()
+        .unwrap();
+    assert!(output.status.success(), "{output:?}");
+    assert_eq!(json(&output)["guest-runs"], false);
+}

@@ -14,7 +14,7 @@ use crate::config::Verify;
 use crate::error::MigrationError;
 use crate::guest::{MemoryRegion, SourceGuest};
 use crate::handover;
-use crate::stats::{DestinationStats, MigrationStatus, SessionSecurity};
+use crate::stats::{DestinationStats, MigrationStatus};
 use crate::transport::{Channel, Connect};
 
 impl Source {
@@ -46,22 +46,8 @@ impl Source {
             &handover,
             &files,
         )
-        .map_err(|error| {
-            if self.cancel.is_cancelled() {
-                MigrationError::Cancelled
-            } else {
-                error
-            }
-        })?;
-        let Some(main) = main_slot.as_mut() else {
-            return Err(MigrationError::Internal("main channel missing".into()));
-        };
-        self.stats.record_security(SessionSecurity {
-            transport: address.transport().to_string(),
-            authenticated: main.security().authenticated(),
-            tls: main.security().tls.clone(),
-        });
-        self.stats.set_setup_time(self.stats.started().elapsed());
+        .map_err(|error| self.cancelled_or(error))?;
+        let main = self.note_connected(main_slot, &address)?;
         tracing::info!(
             regions = regions.len(),
             bytes = total,

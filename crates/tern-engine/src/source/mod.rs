@@ -251,23 +251,9 @@ impl Source {
             main_slot,
             compression.dictionary.as_ref(),
         )
-        .map_err(|error| {
-            if self.cancel.is_cancelled() {
-                MigrationError::Cancelled
-            } else {
-                error
-            }
-        })?;
+        .map_err(|error| self.cancelled_or(error))?;
         let postcopy_channels = postcopy_channels(config, &page_channels)?;
-        let Some(main) = main_slot.as_mut() else {
-            return Err(MigrationError::Internal("main channel missing".into()));
-        };
-        self.stats.record_security(SessionSecurity {
-            transport: address.transport().to_string(),
-            authenticated: main.security().authenticated(),
-            tls: main.security().tls.clone(),
-        });
-        self.stats.set_setup_time(self.stats.started().elapsed());
+        let main = self.note_connected(main_slot, &address)?;
         tracing::info!(
             channels = config.channels,
             bytes = total,
@@ -347,6 +333,35 @@ impl Source {
             pipeline.shut_down(result.is_err());
             result.map(Some)
         })
+    }
+
+    /// A connect that failed because the migration was cancelled is a
+    /// cancellation, whatever the dial reported.
+    fn cancelled_or(&self, error: MigrationError) -> MigrationError {
+        if self.cancel.is_cancelled() {
+            MigrationError::Cancelled
+        } else {
+            error
+        }
+    }
+
+    /// Every channel is open: records the session's security and the setup
+    /// time, and returns the main channel.
+    fn note_connected<'slot>(
+        &self,
+        main_slot: &'slot mut Option<Channel>,
+        address: &Address,
+    ) -> Result<&'slot mut Channel, MigrationError> {
+        let Some(main) = main_slot.as_mut() else {
+            return Err(MigrationError::Internal("main channel missing".into()));
+        };
+        self.stats.record_security(SessionSecurity {
+            transport: address.transport().to_string(),
+            authenticated: main.security().authenticated(),
+            tls: main.security().tls.clone(),
+        });
+        self.stats.set_setup_time(self.stats.started().elapsed());
+        Ok(main)
     }
 
     /// The switch-over starts: the status and its event.

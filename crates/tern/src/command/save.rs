@@ -44,7 +44,11 @@ pub(crate) fn vm_save(args: &VmSaveArgs) -> anyhow::Result<ExitCode> {
     std::thread::sleep(Duration::from_millis(args.file.warmup));
     let stats = save_guest(&mut guest, &args.file)?;
     let passes = guest.pass_count();
-    report(&args.file, stats, guest.is_running(), Some(passes))
+    // The vCPU takes up a resume on its own thread: the guest runs once its
+    // pass counter moves, not when `resume` returns.
+    let runs = args.file.config().resume
+        && guest.wait_for_pass_count_above(passes, Duration::from_secs(5));
+    report(&args.file, stats, runs, Some(guest.pass_count()))
 }
 
 fn save_guest<G: SourceGuest>(guest: &mut G, args: &SaveFileArgs) -> anyhow::Result<SaveStats> {

@@ -101,8 +101,11 @@ def _tail(path: Path) -> str:
 
 
 def run(cfg: Config, artifacts: Artifacts, case: Case, who: TernContender,
-        work: Path) -> Outcome:
-    """One migration between two tern processes on this machine."""
+        work: Path, raw: dict[str, Any] | None = None) -> Outcome:
+    """One migration between two tern processes on this machine; `raw`, if
+    given, receives both sides' whole `--json` reports (`source`,
+    `destination`: bench/compare/postcopy.py reads fields the outcome
+    leaves out)."""
     recv_err_path, mig_err_path = work / "trecv.err", work / "tmig.err"
     with ExitStack() as stack:
         # Unwound in reverse: the source stopped, the receiver, the files.
@@ -150,6 +153,8 @@ def run(cfg: Config, artifacts: Artifacts, case: Case, who: TernContender,
                                f"{stats.get('error-desc') or _tail(mig_err_path)[-1000:]}")
         recv.wait(30)
         rstats = _json_or_none(dst_report.text(30)) or {}
+        if raw is not None:
+            raw |= {"source": stats, "destination": rstats}
         return outcome(case, stats, rstats, src_cpu1 - src_cpu0, dst_cpu1 - dst_cpu0, wall,
                        dst_threads)
 

@@ -116,6 +116,11 @@ class FiguresTest(unittest.TestCase):
 
 
 class ReportTest(unittest.TestCase):
+    def test_passes_per_second_of_migration(self):
+        self.assertEqual(postcopy.derived({"guest_passes": 5, "total_s": 10.0})["passes_per_s"],
+                         0.5)
+        self.assertIsNone(postcopy.derived({"total_s": 10.0})["passes_per_s"])
+
     def test_medians_per_case_and_failures_listed(self):
         runs = [postcopy.PostcopyRun("1gbit", 512, "tern-postcopy", rep,
                                      metrics={"total_s": t, "guest_ok": True, "loadavg": 3.0})

@@ -359,6 +359,9 @@ def summarize(runs: list[PostcopyRun]) -> list[dict[str, Any]]:
         for key, _, _ in COLUMNS:
             row[key] = median(derived(r.metrics).get(key) for r in done)
         row["guest_ok"] = all(r.metrics.get("guest_ok") for r in done)
+        # Runs that handed over to postcopy (tern's auto may converge
+        # without): the postcopy columns are medians over these only.
+        row["switched"] = sum(1 for r in done if r.metrics.get("switch_s") is not None)
         loads = [r.metrics.get("loadavg") for r in mine if r.metrics.get("loadavg") is not None]
         row["load"] = (min(loads), median(loads), max(loads)) if loads else None
         rows.append(row)
@@ -380,13 +383,14 @@ def markdown(rows: list[dict[str, Any]], header: dict[str, Any]) -> str:
     out = [f"# Issue 24: postcopy vs precopy, tern vs QEMU ({header['date']})", "",
            f"tern {header['tern']}; {header['qemu']}; {header['machine']}", "",
            f"`{' '.join(header['argv'])}`", ""]
-    titles = ["link", "working set", "who", "n"] + [t for _, t, _ in COLUMNS] + ["guest ok",
-                                                                                  "load"]
+    titles = (["link", "working set", "who", "n", "postcopy in"] + [t for _, t, _ in COLUMNS]
+              + ["guest ok", "load"])
     out.append("| " + " | ".join(titles) + " |")
     out.append("|" + " --- |" * len(titles))
     for row in rows:
         cells = [row["link"], f"{row['working_set_mib']} MiB", row["contender"],
-                 f"{row['n']}" + (f" ({row['failed']} failed)" if row["failed"] else "")]
+                 f"{row['n']}" + (f" ({row['failed']} failed)" if row["failed"] else ""),
+                 f"{row['switched']}/{row['n']}"]
         for key, _, fmt in COLUMNS:
             value = row[key]
             cells.append("-" if value is None else fmt.format(value))

@@ -133,7 +133,7 @@ class ReportTest(unittest.TestCase):
         self.assertEqual((rows[1]["n"], rows[1]["failed"]), (0, 1))
         text = postcopy.markdown(rows, {"date": "d", "tern": "t", "qemu": "q",
                                         "machine": "m", "argv": []})
-        self.assertIn("| 1gbit | 512 MiB | tern-postcopy | 3 | 2.00 |", text)
+        self.assertIn("| 1gbit | 512 MiB | tern-postcopy | 3 | 0/3 | 2.00 |", text)
         self.assertIn("0 (1 failed)", text)
 
 

@@ -144,11 +144,8 @@ def _json_run(args: list[str], timeout: float) -> dict[str, Any]:
     return json.loads(done.stdout)
 
 
-def run_tern(binary: Path, cfg: Config, artifacts: Artifacts, state: str, work: Path,
+def run_tern(binary: Path, cfg: Config, artifacts: Artifacts, state: str, path: Path,
              writers: int) -> tuple[dict[str, Any], dict[str, Any]]:
-    path = work / "tern.snap"
-    if path.exists():
-        path.unlink()
     saved = _json_run(tern_save_args(binary, cfg, artifacts, state, path, writers),
                       cfg.timeout)
     metrics = tern_save_metrics(saved)
@@ -162,7 +159,6 @@ def run_tern(binary: Path, cfg: Config, artifacts: Artifacts, state: str, work: 
     lazy = _json_run(tern_restore_args(binary, path, True, writers), cfg.timeout)
     metrics |= tern_restore_metrics(lazy, "lazy")
     metrics["guest_ok"] = bool(metrics["eager_guest_ok"] and metrics["lazy_guest_ok"])
-    path.unlink()
     return metrics, {"save": saved, "eager": eager, "lazy": lazy}
 
 
@@ -185,14 +181,11 @@ def _poll(check, timeout: float, step: float = 0.005) -> float:
     return time.time() - start
 
 
-def run_qemu(cfg: Config, artifacts: Artifacts, state: str, work: Path,
+def run_qemu(cfg: Config, artifacts: Artifacts, state: str, work: Path, path: Path,
              channels: int) -> tuple[dict[str, Any], dict[str, Any]]:
     """QEMU saves to a mapped-ram file, then a new QEMU restores it."""
     for f in work.glob("q*"):
         f.unlink()
-    path = work / "qemu.snap"
-    if path.exists():
-        path.unlink()
     metrics: dict[str, Any] = {}
     raw: dict[str, Any] = {}
     with ExitStack() as stack:
@@ -254,7 +247,6 @@ def run_qemu(cfg: Config, artifacts: Artifacts, state: str, work: Path,
         _poll(lambda: qd.counter() > c1, 10, 0.05)
         metrics |= {"eager_loaded_ms": 1000 * loaded_s, "eager_running_ms": 1000 * running_s,
                     "guest_ok": saved_count is not None and c1 >= saved_count}
-    path.unlink()
     return metrics, raw
 
 
@@ -379,6 +371,10 @@ def main(argv: list[str] | None = None) -> int:
               "machine": procfs.machine_info(), "memory_mib": cfg.memory_mib,
               "writers": args.writers, "filesystem-of-work": _filesystem(work)}
     runs: list[SnapshotRun] = []
+    files: list[Path] = []
+    for stale in work.glob("*.snap"):
+        log(f"removing {stale} (left by an interrupted run)")
+        stale.unlink()
     index = 0
     for rep in range(args.reps):
         for state in states:
@@ -387,12 +383,17 @@ def main(argv: list[str] | None = None) -> int:
             for name in order:
                 run = SnapshotRun(state, name, rep)
                 load = float(Path("/proc/loadavg").read_text().split()[0])
+                # A new file each time, removed only at the end: here (ext4
+                # mounted with discard) removing or replacing a 1 GiB file
+                # takes minutes of discards, which would land in a save.
+                path = work / f"{name}-{state}-{rep}.snap"
+                files.append(path)
                 try:
                     if name == "tern":
-                        run.metrics, run.raw = run_tern(binary, cfg, artifacts, state, work,
+                        run.metrics, run.raw = run_tern(binary, cfg, artifacts, state, path,
                                                         args.writers)
                     else:
-                        run.metrics, run.raw = run_qemu(cfg, artifacts, state, work,
+                        run.metrics, run.raw = run_qemu(cfg, artifacts, state, work, path,
                                                         args.writers)
                     log(f"rep {rep} {state} {name}: " + " ".join(
                         f"{k}={v:.1f}" if isinstance(v, float) else f"{k}={v}"
@@ -403,6 +404,9 @@ def main(argv: list[str] | None = None) -> int:
                 run.metrics["loadavg"] = load
                 runs.append(run)
                 save(out, header, runs)
+    log(f"removing {len(files)} snapshot files")
+    for path in files:
+        path.unlink(missing_ok=True)
     return 0
 
 

@@ -372,9 +372,13 @@ def main(argv: list[str] | None = None) -> int:
               "writers": args.writers, "filesystem-of-work": _filesystem(work)}
     runs: list[SnapshotRun] = []
     files: list[Path] = []
+    # Files an interrupted run left: moved aside now (a rename is instant),
+    # removed with this run's at the end.
+    trash = work / "trash"
+    trash.mkdir(exist_ok=True)
     for stale in work.glob("*.snap"):
-        log(f"removing {stale} (left by an interrupted run)")
-        stale.unlink()
+        stale.rename(trash / f"{time.time_ns()}-{stale.name}")
+    files += list(trash.iterdir())
     index = 0
     for rep in range(args.reps):
         for state in states:
@@ -386,7 +390,8 @@ def main(argv: list[str] | None = None) -> int:
                 # A new file each time, removed only at the end: here (ext4
                 # mounted with discard) removing or replacing a 1 GiB file
                 # takes minutes of discards, which would land in a save.
-                path = work / f"{name}-{state}-{rep}.snap"
+                # (Not named q*: run_qemu clears QEMU's files by that glob.)
+                path = work / f"snap-{name}-{state}-{rep}.snap"
                 files.append(path)
                 try:
                     if name == "tern":

@@ -318,7 +318,10 @@ def run_tern(cfg: Config, artifacts: Artifacts, link: str, who: PostcopyContende
     contender = TernContender(who.name, verify="full", defaults=True,
                               options=who.tern_options)
     raw: dict[str, Any] = {}
-    tern.run(cfg, artifacts, case, contender, work, raw=raw)
+    # One pass over a 1 GiB working set takes seconds on a fresh
+    # destination (every page faulted in): long enough to see one.
+    run_after = max(1000, cfg.working_set_mib * 10)
+    tern.run(cfg, artifacts, case, contender, work, raw=raw, run_after_ms=run_after)
     stats, rstats = raw["source"], raw["destination"]
     return tern_metrics(stats, rstats), {"source": stats, "destination": rstats}
 

@@ -40,7 +40,15 @@ from .processes import kill
 from .stats import median
 
 STATES = ("paused", "running")
-NAMES = ("qemu-mapped-ram", "tern")
+NAMES = ("qemu-mapped-ram", "tern", "qemu-mapped-ram-direct", "tern-direct")
+DEFAULT_NAMES = ("qemu-mapped-ram", "tern")
+
+
+def is_direct(name: str) -> bool:
+    """The `-direct` rows write the file with O_DIRECT: QEMU's `direct-io`
+    parameter (mapped-ram only; it applies to the restore too), tern's
+    `--direct` (the save only)."""
+    return name.endswith("-direct")
 
 
 @dataclass
@@ -62,8 +70,11 @@ def mapped_ram_capabilities() -> list[dict[str, Any]]:
             {"capability": "multifd", "state": True}]
 
 
-def mapped_ram_parameters(channels: int) -> dict[str, Any]:
-    return {"multifd-channels": channels, "max-bandwidth": 64 << 30}
+def mapped_ram_parameters(channels: int, direct: bool = False) -> dict[str, Any]:
+    params: dict[str, Any] = {"multifd-channels": channels, "max-bandwidth": 64 << 30}
+    if direct:
+        params["direct-io"] = True
+    return params
 
 
 def file_sizes(path: Path) -> dict[str, int]:
@@ -88,13 +99,15 @@ def write_back_and_drop(path: Path) -> float:
 
 
 def tern_save_args(binary: Path, cfg: Config, artifacts: Artifacts, state: str, output: Path,
-                   writers: int) -> list[str]:
+                   writers: int, direct: bool = False) -> list[str]:
     args = [str(binary), "vm", "save", "--memory", str(cfg.memory),
             "--working-set", str(cfg.working_set), "--image", str(artifacts.image),
             "--output", str(output), "--writers", str(writers), "--warmup", str(cfg.warmup),
             "--json", "--stop"]
     if state == "running":
         args.append("--live")
+    if direct:
+        args.append("--direct")
     return args
 
 
@@ -145,8 +158,8 @@ def _json_run(args: list[str], timeout: float) -> dict[str, Any]:
 
 
 def run_tern(binary: Path, cfg: Config, artifacts: Artifacts, state: str, path: Path,
-             writers: int) -> tuple[dict[str, Any], dict[str, Any]]:
-    saved = _json_run(tern_save_args(binary, cfg, artifacts, state, path, writers),
+             writers: int, direct: bool = False) -> tuple[dict[str, Any], dict[str, Any]]:
+    saved = _json_run(tern_save_args(binary, cfg, artifacts, state, path, writers, direct),
                       cfg.timeout)
     metrics = tern_save_metrics(saved)
     sizes = file_sizes(path)
@@ -182,7 +195,7 @@ def _poll(check, timeout: float, step: float = 0.005) -> float:
 
 
 def run_qemu(cfg: Config, artifacts: Artifacts, state: str, work: Path, path: Path,
-             channels: int) -> tuple[dict[str, Any], dict[str, Any]]:
+             channels: int, direct: bool = False) -> tuple[dict[str, Any], dict[str, Any]]:
     """QEMU saves to a mapped-ram file, then a new QEMU restores it."""
     for f in work.glob("q*"):
         f.unlink()
@@ -195,7 +208,7 @@ def run_qemu(cfg: Config, artifacts: Artifacts, state: str, work: Path, path: Pa
         stack.callback(kill, src)
         qs = stack.enter_context(closing(qemu.Qmp(work / "qsrc.qmp")))
         qs.cmd("migrate-set-capabilities", capabilities=mapped_ram_capabilities())
-        qs.cmd("migrate-set-parameters", **mapped_ram_parameters(channels))
+        qs.cmd("migrate-set-parameters", **mapped_ram_parameters(channels, direct))
         _wait_serial(work / "qsrc.serial")
         time.sleep(cfg.warmup / 1000)
         if state == "paused":
@@ -227,7 +240,7 @@ def run_qemu(cfg: Config, artifacts: Artifacts, state: str, work: Path, path: Pa
         stack.callback(kill, dst)
         qd = stack.enter_context(closing(qemu.Qmp(work / "qdst.qmp")))
         qd.cmd("migrate-set-capabilities", capabilities=mapped_ram_capabilities())
-        qd.cmd("migrate-set-parameters", **mapped_ram_parameters(channels))
+        qd.cmd("migrate-set-parameters", **mapped_ram_parameters(channels, direct))
         start = time.time()
         qd.cmd("migrate-incoming", uri=f"file:{path}")
 
@@ -327,7 +340,8 @@ def parser() -> argparse.ArgumentParser:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--states", default=",".join(STATES))
-    ap.add_argument("--contenders", default=",".join(NAMES))
+    ap.add_argument("--contenders", default=",".join(DEFAULT_NAMES),
+                    help=f"from {','.join(NAMES)}")
     ap.add_argument("--memory-mib", type=int, default=1024)
     ap.add_argument("--working-set-mib", type=int, default=16)
     ap.add_argument("--writers", type=int, default=4,
@@ -394,12 +408,12 @@ def main(argv: list[str] | None = None) -> int:
                 path = work / f"snap-{name}-{state}-{rep}.snap"
                 files.append(path)
                 try:
-                    if name == "tern":
+                    if name.startswith("tern"):
                         run.metrics, run.raw = run_tern(binary, cfg, artifacts, state, path,
-                                                        args.writers)
+                                                        args.writers, is_direct(name))
                     else:
                         run.metrics, run.raw = run_qemu(cfg, artifacts, state, work, path,
-                                                        args.writers)
+                                                        args.writers, is_direct(name))
                     log(f"rep {rep} {state} {name}: " + " ".join(
                         f"{k}={v:.1f}" if isinstance(v, float) else f"{k}={v}"
                         for k, v in run.metrics.items()))

@@ -31,6 +31,9 @@ class CommandLineTest(unittest.TestCase):
         live = snapshot.tern_save_args(Path("/t/tern"), cfg, ARTIFACTS, "running",
                                        Path("/w/s"), 4)
         self.assertIn("--live", live)
+        self.assertNotIn("--direct", live)
+        self.assertIn("--direct", snapshot.tern_save_args(Path("/t/tern"), cfg, ARTIFACTS,
+                                                          "paused", Path("/w/s"), 4, True))
 
     def test_restore_eager_and_lazy(self):
         eager = snapshot.tern_restore_args(Path("/t/tern"), Path("/w/s"), False, 2)
@@ -43,6 +46,12 @@ class CommandLineTest(unittest.TestCase):
         caps = {c["capability"]: c["state"] for c in snapshot.mapped_ram_capabilities()}
         self.assertEqual(caps, {"mapped-ram": True, "multifd": True})
         self.assertEqual(snapshot.mapped_ram_parameters(4)["multifd-channels"], 4)
+        self.assertNotIn("direct-io", snapshot.mapped_ram_parameters(4))
+        self.assertTrue(snapshot.mapped_ram_parameters(4, direct=True)["direct-io"])
+
+    def test_direct_rows(self):
+        self.assertEqual([n for n in snapshot.NAMES if snapshot.is_direct(n)],
+                         ["qemu-mapped-ram-direct", "tern-direct"])
 
 
 class FilesTest(unittest.TestCase):

@@ -263,6 +263,80 @@ def run_qemu(cfg: Config, artifacts: Artifacts, state: str, work: Path, path: Pa
     return metrics, raw
 
 
+def prefetch_restore_args(binary: Path, snapshot: Path, threads: int, record: Path | None,
+                          working_set: Path | None) -> list[str]:
+    """A lazy restore without prefetch that records the pages the guest
+    faulted on (`record`), or one that prefetches that recorded set first
+    (`working_set`): REAP's idea, Firecracker CI's 128 MiB case."""
+    args = tern_restore_args(binary, snapshot, True, threads)
+    if record is not None:
+        args += ["--no-prefetch", "--record-working-set", str(record)]
+    if working_set is not None:
+        args += ["--working-set", str(working_set)]
+    return args
+
+
+def prefetch_metrics(report: dict[str, Any]) -> dict[str, Any]:
+    """What the guest paid for its faults after a lazy restore."""
+    lazy = report.get("lazy") or {}
+    faults = lazy.get("faults") or {}
+    return {"running_ms": report.get("resumed-after-ms"),
+            "loaded_ms": lazy.get("loaded-after-ms"),
+            "faults": faults.get("faults"), "fault_pages": faults.get("fault-pages"),
+            "blocktime_ms": faults.get("blocktime-ms"),
+            "fault_p50_us": faults.get("fault-latency-p50-us"),
+            "fault_p99_us": faults.get("fault-latency-p99-us"),
+            "guest_ok": bool(report.get("guest-runs") and report.get("digest-verified"))}
+
+
+def run_prefetch(binary: Path, cfg: Config, artifacts: Artifacts, work: Path, threads: int,
+                 reps: int, out: Path, header: dict[str, Any]) -> list[dict[str, Any]]:
+    """The guest (working set `cfg.working_set`) saved paused once; then per
+    repetition a lazy restore without prefetch that records its faulted
+    pages, and one that prefetches them, the order alternating, each from a
+    cold page cache."""
+    path = work / "snap-prefetch.snap"
+    ws = work / "prefetch.ws"
+    _json_run(tern_save_args(binary, cfg, artifacts, "paused", path, threads), cfg.timeout)
+    write_back_and_drop(path)
+    _json_run(prefetch_restore_args(binary, path, threads, ws, None), cfg.timeout)
+    runs: list[dict[str, Any]] = []
+    for rep in range(reps):
+        for prefetch in ((False, True) if rep % 2 == 0 else (True, False)):
+            write_back_and_drop(path)
+            args = prefetch_restore_args(binary, path, threads,
+                                         None if prefetch else work / "again.ws",
+                                         ws if prefetch else None)
+            report = _json_run(args, cfg.timeout)
+            run = {"rep": rep, "prefetch": prefetch, "metrics": prefetch_metrics(report),
+                   "raw": report}
+            run["metrics"]["loadavg"] = float(Path("/proc/loadavg").read_text().split()[0])
+            log(f"rep {rep} prefetch={prefetch}: {run['metrics']}")
+            runs.append(run)
+            out.mkdir(parents=True, exist_ok=True)
+            (out / "results.json").write_text(json.dumps({**header, "runs": runs}, indent=1))
+    rows = []
+    for prefetch in (False, True):
+        mine = [r["metrics"] for r in runs if r["prefetch"] == prefetch]
+        rows.append({"prefetch": prefetch, "n": len(mine)} | {
+            k: median(m.get(k) for m in mine)
+            for k in ("running_ms", "loaded_ms", "faults", "fault_pages", "blocktime_ms",
+                      "fault_p50_us", "fault_p99_us")})
+    lines = [f"# Lazy restore with and without prefetch ({header['date']})", "",
+             f"`{' '.join(header['argv'])}`", "",
+             "| prefetch | n | → running ms | → all loaded ms | faults | pages faulted "
+             "| blocktime ms | fault p50 µs | fault p99 µs |", "|" + " --- |" * 9]
+    for row in rows:
+        lines.append("| " + " | ".join(
+            [("recorded working set" if row["prefetch"] else "none"), str(row["n"])]
+            + ["-" if row[k] is None else f"{row[k]:.1f}"
+               for k in ("running_ms", "loaded_ms", "faults", "fault_pages", "blocktime_ms",
+                         "fault_p50_us", "fault_p99_us")]) + " |")
+    (out / "results.md").write_text("\n".join(lines) + "\n")
+    path.unlink()
+    return rows
+
+
 # ----------------------------------------------------------------- report
 
 
@@ -348,6 +422,10 @@ def parser() -> argparse.ArgumentParser:
                     help="tern's --writers/--threads and QEMU's multifd-channels")
     ap.add_argument("--warmup", type=int, default=1000, help="ms")
     ap.add_argument("--timeout", type=float, default=180, help="per step, s")
+    ap.add_argument("--prefetch", action="store_true",
+                    help="instead: tern's lazy restore of the guest (its working set "
+                         "--working-set-mib) with and without prefetching the set a first "
+                         "restore recorded")
     ap.add_argument("--target-dir", default=os.environ.get("CARGO_TARGET_DIR",
                                                            str(ROOT / "target")))
     ap.add_argument("--work", default="/var/tmp/ternbench-snapshot")
@@ -384,6 +462,9 @@ def main(argv: list[str] | None = None) -> int:
               "tern": f"{tver} (git {commit})", "qemu": qemu.version(),
               "machine": procfs.machine_info(), "memory_mib": cfg.memory_mib,
               "writers": args.writers, "filesystem-of-work": _filesystem(work)}
+    if args.prefetch:
+        run_prefetch(binary, cfg, artifacts, work, args.writers, args.reps, out, header)
+        return 0
     runs: list[SnapshotRun] = []
     files: list[Path] = []
     # Files an interrupted run left: moved aside now (a rename is instant),

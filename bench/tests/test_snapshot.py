@@ -54,6 +54,32 @@ class CommandLineTest(unittest.TestCase):
                          ["qemu-mapped-ram-direct", "tern-direct"])
 
 
+class PrefetchTest(unittest.TestCase):
+    def test_recording_run_has_no_prefetch_and_the_next_prefetches_the_record(self):
+        record = snapshot.prefetch_restore_args(Path("/t/tern"), Path("/w/s"), 4,
+                                                Path("/w/ws"), None)
+        self.assertIn("--lazy", record)
+        self.assertIn("--no-prefetch", record)
+        self.assertEqual(record[record.index("--record-working-set") + 1], "/w/ws")
+        self.assertNotIn("--working-set", record)
+        prefetch = snapshot.prefetch_restore_args(Path("/t/tern"), Path("/w/s"), 4, None,
+                                                  Path("/w/ws"))
+        self.assertNotIn("--no-prefetch", prefetch)
+        self.assertEqual(prefetch[prefetch.index("--working-set") + 1], "/w/ws")
+
+    def test_metrics(self):
+        got = snapshot.prefetch_metrics({
+            "resumed-after-ms": 9.0, "guest-runs": True, "digest-verified": True,
+            "lazy": {"loaded-after-ms": 1700.0,
+                     "faults": {"faults": 62, "fault-pages": 976, "blocktime-ms": 36.2,
+                                "fault-latency-p50-us": 34.0,
+                                "fault-latency-p99-us": 12610.0}}})
+        self.assertEqual((got["running_ms"], got["loaded_ms"], got["blocktime_ms"]),
+                         (9.0, 1700.0, 36.2))
+        self.assertEqual((got["faults"], got["fault_pages"]), (62, 976))
+        self.assertTrue(got["guest_ok"])
+
+
 class FilesTest(unittest.TestCase):
     def test_holes_are_not_counted_on_disk(self):
         with tempfile.TemporaryDirectory() as tmp:

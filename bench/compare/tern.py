@@ -56,12 +56,13 @@ def tls_args(artifacts: Artifacts, who: TernContender, role: str) -> list[str]:
 
 
 def receiver_args(cfg: Config, artifacts: Artifacts, who: TernContender,
-                  mode: str = "paused") -> list[str]:
+                  mode: str = "paused", run_after_ms: int | None = None) -> list[str]:
+    # The rewriting guest's passes take about half a second here.
+    run_after = run_after_ms or (3000 if mode == "running-rewrite" else 1000)
     # Port 0: the ready event says which port the system picked.
     args = [str(artifacts.tern), "vm", "receive", "--listen", "127.0.0.1:0", "--json",
             "--progress", "none",
-            # The rewriting guest's passes take about half a second here.
-            "--run-after", "3000" if mode == "running-rewrite" else "1000",
+            "--run-after", str(run_after),
             "--accept-timeout", str(int(cfg.timeout))]
     if who.verify == "none":
         # The destination decides whether a source may skip the digest;
@@ -101,14 +102,20 @@ def _tail(path: Path) -> str:
 
 
 def run(cfg: Config, artifacts: Artifacts, case: Case, who: TernContender,
-        work: Path) -> Outcome:
-    """One migration between two tern processes on this machine."""
+        work: Path, raw: dict[str, Any] | None = None,
+        run_after_ms: int | None = None) -> Outcome:
+    """One migration between two tern processes on this machine; `raw`, if
+    given, receives both sides' whole `--json` reports (`source`,
+    `destination`: bench/compare/postcopy.py reads fields the outcome
+    leaves out); `run_after_ms`, the receiver's `--run-after` (a guest
+    whose pass takes longer than the default would not be seen to run)."""
     recv_err_path, mig_err_path = work / "trecv.err", work / "tmig.err"
     with ExitStack() as stack:
         # Unwound in reverse: the source stopped, the receiver, the files.
         recv_err = stack.enter_context(open(recv_err_path, "w"))
         mig_err = stack.enter_context(open(mig_err_path, "w"))
-        recv = subprocess.Popen(netem.wrap(receiver_args(cfg, artifacts, who, case.mode), case.link),
+        recv = subprocess.Popen(netem.wrap(receiver_args(cfg, artifacts, who, case.mode,
+                                                         run_after_ms), case.link),
                                 stdout=subprocess.PIPE, stderr=recv_err, text=True)
         stack.callback(kill, recv)
         try:
@@ -150,6 +157,8 @@ def run(cfg: Config, artifacts: Artifacts, case: Case, who: TernContender,
                                f"{stats.get('error-desc') or _tail(mig_err_path)[-1000:]}")
         recv.wait(30)
         rstats = _json_or_none(dst_report.text(30)) or {}
+        if raw is not None:
+            raw |= {"source": stats, "destination": rstats}
         return outcome(case, stats, rstats, src_cpu1 - src_cpu0, dst_cpu1 - dst_cpu0, wall,
                        dst_threads)
 

@@ -126,6 +126,14 @@ fn vm_migrate_to_vm_receive_between_processes() {
         destination_count >= source_count && source_count > 0,
         "the destination carries on from the source's count: source {source_count}, destination {destination_count}"
     );
+    // The count as the migration started: after the warm-up's passes, at
+    // most where the source stopped (the bench's guest work is measured
+    // from it).
+    let start_count = source["source-pass-count-at-start"].as_u64().unwrap();
+    assert!(
+        start_count > 0 && start_count <= source_count,
+        "the count at the start: {start_count}, at the end: {source_count}"
+    );
 }
 
 /// `tern vm migrate` to `tern vm receive` with the given security options

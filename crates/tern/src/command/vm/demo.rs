@@ -136,6 +136,7 @@ impl Rehearsal for KvmRehearsal<'_> {
         let report = SourceReport {
             stats: *failure.stats,
             guest_before_migration: self.rate,
+            source_pass_count_at_start: None,
             source_pass_count: Some(source.pass_count()),
             source_guest_runs: Some(runs),
         };

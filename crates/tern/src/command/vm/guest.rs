@@ -198,6 +198,11 @@ pub(super) struct SourceReport {
     #[serde(flatten)]
     pub(super) stats: MigrationStats,
     pub(super) guest_before_migration: GuestRate,
+    /// The pass count as the migration started (the end of the warm-up):
+    /// with `source-pass-count` and the destination's counts, the work the
+    /// guest did during the migration (bench/compare/postcopy.py).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub(super) source_pass_count_at_start: Option<u64>,
     /// The pass count where the source stopped (it runs on the destination
     /// from there), or where it ran on after a failure; none after a
     /// hand-over (`--local`), whose memory the source may no longer read.

@@ -30,6 +30,7 @@ pub(super) fn run(args: &MigrateArgs, verbose: bool) -> anyhow::Result<ExitCode>
     let mut departure = KvmDeparture {
         args,
         rate: GuestRate::default(),
+        start_pass_count: None,
     };
     depart(&departing, &mut departure, verbose)
 }
@@ -39,6 +40,8 @@ pub(super) fn run(args: &MigrateArgs, verbose: bool) -> anyhow::Result<ExitCode>
 struct KvmDeparture<'a> {
     args: &'a MigrateArgs,
     rate: GuestRate,
+    /// The guest's pass counter as the migration starts.
+    start_pass_count: Option<u64>,
 }
 
 impl Departure for KvmDeparture<'_> {
@@ -56,6 +59,7 @@ impl Departure for KvmDeparture<'_> {
             session::start_kvm_guest(&self.args.vm, 1)?
         };
         self.rate = measure(&guest, Duration::from_millis(self.args.warmup));
+        self.start_pass_count = Some(guest.pass_count());
         if self.args.paused {
             guest.pause().context("cannot pause the guest")?;
         }
@@ -88,6 +92,7 @@ impl Departure for KvmDeparture<'_> {
         let report = SourceReport {
             stats,
             guest_before_migration: self.rate,
+            source_pass_count_at_start: self.start_pass_count,
             source_pass_count: (!handed_over).then(|| guest.pass_count()),
             source_guest_runs: runs,
         };

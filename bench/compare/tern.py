@@ -55,10 +55,16 @@ def tls_args(artifacts: Artifacts, who: TernContender, role: str) -> list[str]:
     return ["--tls-dir", str(artifacts.tls / f"tern-{role}")]
 
 
+def tern_binary(artifacts: Artifacts, who: TernContender) -> str:
+    """The binary both ends of `who` run: its own (a before/after series)
+    or the one built here."""
+    return who.binary or str(artifacts.tern)
+
+
 def receiver_args(cfg: Config, artifacts: Artifacts, who: TernContender,
                   mode: str = "paused") -> list[str]:
     # Port 0: the ready event says which port the system picked.
-    args = [str(artifacts.tern), "vm", "receive", "--listen", "127.0.0.1:0", "--json",
+    args = [tern_binary(artifacts, who), "vm", "receive", "--listen", "127.0.0.1:0", "--json",
             "--progress", "none",
             # The rewriting guest's passes take about half a second here.
             "--run-after", "3000" if mode == "running-rewrite" else "1000",
@@ -73,7 +79,7 @@ def receiver_args(cfg: Config, artifacts: Artifacts, who: TernContender,
 def source_args(cfg: Config, artifacts: Artifacts, case: Case, who: TernContender,
                 address: str) -> list[str]:
     compression = who.compression_for(case)
-    args = [str(artifacts.tern), "vm", "migrate", "--to", address, "--json", "--events",
+    args = [tern_binary(artifacts, who), "vm", "migrate", "--to", address, "--json", "--events",
             "--progress", "none",
             "--memory", str(cfg.memory), "--working-set", str(cfg.working_set_for(case.mode)),
             "--image", str(artifacts.image), "--warmup", str(cfg.warmup),

@@ -8,7 +8,7 @@ use tern_page::PageCompressor;
 use tern_page::codec::{CodecChoice, CodecCounters, CodecId, CodecStats, QplPath};
 
 use super::delta_cache::DeltaCache;
-use super::rate::{LinkQueue, LinkWindow, QueueSamples, link_estimate};
+use super::rate::{LinkQueue, LinkWindow, QueueSamples, link_estimate, link_pushed_back};
 use super::{Pipeline, delta_cache};
 use crate::bitmap::DirtyBitmap;
 use crate::guest::{MemoryRegion, PAGE_SIZE};
@@ -133,6 +133,10 @@ pub(super) struct AutoCodec {
     pub(super) content: tern_page::codec::ContentWatch,
     /// The decisions so far, with their reasons, for the statistics.
     pub(super) report: crate::stats::AutoReport,
+    /// Whether the link pushed back in the last window
+    /// ([`super::rate::link_pushed_back`]): while sending raw, a codec is
+    /// proposed only then.
+    pub(super) link_pushed_back: bool,
 }
 
 /// A codec (or level) must win this many decision windows in a row to take
@@ -186,12 +190,17 @@ impl AutoCodec {
             self.watch_content(&measured, at_ms);
         }
         let current = self.codec();
-        let proposed = tern_page::codec::choose_codec(
-            link,
-            workers,
-            &self.measurements,
+        let proposed = raw_unless_pushed_back(
             current,
-            SWITCH_MARGIN,
+            tern_page::codec::choose_codec(
+                link,
+                workers,
+                &self.measurements,
+                current,
+                SWITCH_MARGIN,
+            ),
+            self.link_pushed_back,
+            link,
         );
         let mut outcome = WindowOutcome::default();
         // The codec in force before the link was measured is a guess
@@ -354,6 +363,29 @@ impl AutoCodec {
     }
 }
 
+/// `proposed`, unless raw is in force and the link did not push back in
+/// the window: then raw stays. A link that takes raw pages as fast as they
+/// come is not what limits the migration, and compressing only adds CPU;
+/// on loopback the rate estimate swings (491 to 3970 MB/s between windows
+/// measured in one run, issue 31), and a low one made auto leave raw for
+/// a codec and come back, up to its switch budget. A link that is the
+/// bottleneck keeps a standing queue in the sockets while raw pages are
+/// sent. Pure.
+pub(super) fn raw_unless_pushed_back(
+    current: CodecId,
+    proposed: tern_page::codec::AutoDecision,
+    pushed_back: bool,
+    link: f64,
+) -> tern_page::codec::AutoDecision {
+    let mut decision = proposed;
+    if current == CodecId::None && proposed.codec != CodecId::None && !pushed_back {
+        decision.codec = CodecId::None;
+        decision.level = 0;
+        decision.effective_bytes_per_sec = link;
+    }
+    decision
+}
+
 /// The link rate as auto decides on it: the (lower) median of the last
 /// [`LinkEstimates::KEPT`] windows' estimates, once
 /// [`LinkEstimates::NEEDED`] are in. One window's estimate (wire bytes per
@@ -446,6 +478,7 @@ impl AutoCodec {
             links: LinkEstimates::default(),
             content: tern_page::codec::ContentWatch::default(),
             report,
+            link_pushed_back: true,
         };
         let reason = match max_bandwidth {
             _ if auto.measurements.is_empty() => "calibration measured no codec".to_string(),
@@ -653,7 +686,9 @@ impl Pipeline<'_> {
         let Some(auto) = self.auto.as_mut() else {
             return;
         };
-        if let Some(link) = auto.links.push(link_estimate(&window)) {
+        auto.link_pushed_back = link_pushed_back(&window);
+        let decided_on = auto.links.push(link_estimate(&window));
+        if let Some(link) = decided_on {
             let outcome = auto.decide(link, measured, workers, at_ms, |codec| {
                 compression.level_for(codec)
             });
@@ -667,6 +702,9 @@ impl Pipeline<'_> {
             busy,
             queue,
         );
+        if let Some(link) = decided_on {
+            self.start_deferred_dictionary(link);
+        }
     }
 }
 
@@ -1032,6 +1070,25 @@ mod tests {
             .collect();
         assert_eq!(recorded.len(), 1 + CODEC_SWITCH_BUDGET as usize);
         assert!(recorded[1].reason.contains("MB/s"), "{:?}", recorded[1]);
+    }
+
+    #[test]
+    fn raw_stays_until_the_link_pushes_back() {
+        // Loopback: the first measured link is faster than every codec.
+        let mut auto = auto_on(software());
+        auto.decide(4000e6, None, 2, 0, |codec| codec.default_level());
+        auto.decide(4000e6, None, 2, 0, |codec| codec.default_level());
+        auto.decide(4000e6, None, 2, 0, |codec| codec.default_level());
+        assert_eq!(auto.codec(), CodecId::None);
+        // Its estimate swings low for many windows, but the sockets never
+        // hold a standing queue: raw stays.
+        auto.link_pushed_back = false;
+        let codecs = follow(&mut auto, &[491e6, 300e6, 200e6, 150e6, 125e6, 125e6]);
+        assert!(codecs.iter().all(|&c| c == CodecId::None), "{codecs:?}");
+        // A slow link that queues: a codec after three windows.
+        auto.link_pushed_back = true;
+        let codecs = follow(&mut auto, &[125e6, 125e6, 125e6]);
+        assert_eq!(codecs, [CodecId::None, CodecId::None, CodecId::Zstd]);
     }
 
     #[test]

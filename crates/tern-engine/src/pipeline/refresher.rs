@@ -101,6 +101,10 @@ pub(crate) struct DictionaryRefresher {
     /// The id the next dictionary gets.
     next_id: u8,
     training: Option<Training>,
+    /// `auto` deferred the session's first dictionary to the migration:
+    /// trained once the measured link shows zstd pays
+    /// ([`start_first`](Self::start_first)).
+    first_pending: bool,
 }
 
 impl DictionaryRefresher {
@@ -113,7 +117,36 @@ impl DictionaryRefresher {
             rule: RefreshRule::default(),
             next_id: 2,
             training: None,
+            first_pending: false,
         })
+    }
+
+    /// A refresher for an `auto` session whose setup trained no dictionary:
+    /// its first one (id 1) is trained during the migration
+    /// ([`start_first`](Self::start_first)) and announced at the next
+    /// iteration boundary; refreshes follow as usual. `None` when
+    /// refreshing is off.
+    pub(crate) fn deferred(mode: DictionaryRefresh, max_len: usize) -> Option<Self> {
+        Self::new(mode, max_len).map(|refresher| Self {
+            next_id: 1,
+            first_pending: true,
+            ..refresher
+        })
+    }
+
+    /// Whether the first dictionary is still to be trained.
+    pub(crate) fn first_pending(&self) -> bool {
+        self.first_pending
+    }
+
+    /// Starts training the first dictionary on `pages()` on a background
+    /// thread, once; whether it started now.
+    pub(crate) fn start_first(&mut self, pages: impl FnOnce() -> Vec<[u8; PAGE_SIZE]>) -> bool {
+        if !std::mem::take(&mut self.first_pending) || self.training.is_some() {
+            return false;
+        }
+        self.start(pages());
+        self.training.is_some()
     }
 
     /// At an iteration boundary (all of the iteration's packets sent, its

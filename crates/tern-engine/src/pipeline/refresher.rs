@@ -298,6 +298,59 @@ mod tests {
         assert!(rule.observe(&window(1000, 2.3)));
     }
 
+    /// Text-like pages: words from a small vocabulary, each page its own
+    /// order of them (something a dictionary learns).
+    fn text_pages(count: u64) -> Vec<[u8; PAGE_SIZE]> {
+        const WORDS: [&str; 8] = [
+            "migration ", "dictionary ", "page ", "link ", "deferred ", "zstd ", "guest ", "tern ",
+        ];
+        (0..count)
+            .map(|index| {
+                let mut page = [0u8; PAGE_SIZE];
+                let mut state = index.wrapping_mul(2654435761).wrapping_add(1);
+                let mut at = 0;
+                while at < PAGE_SIZE {
+                    state = state
+                        .wrapping_mul(6364136223846793005)
+                        .wrapping_add(1442695040888963407);
+                    let word = WORDS[usize::try_from(state >> 61).unwrap_or(0)].as_bytes();
+                    let take = word.len().min(PAGE_SIZE - at);
+                    page[at..at + take].copy_from_slice(&word[..take]);
+                    at += take;
+                }
+                page
+            })
+            .collect()
+    }
+
+    #[test]
+    fn a_deferred_first_dictionary_is_trained_once_and_announced_as_1() {
+        assert!(DictionaryRefresher::deferred(DictionaryRefresh::Off, 4096).is_none());
+        let mut refresher = DictionaryRefresher::deferred(DictionaryRefresh::AtBoundary, 4096)
+            .expect("a refresher");
+        assert!(refresher.first_pending());
+        // Not started: a boundary announces nothing (and its empty window
+        // starts no refresh).
+        assert!(
+            refresher
+                .at_boundary(&RatioWindow::default(), Vec::new)
+                .is_none()
+        );
+        assert!(refresher.start_first(|| text_pages(64)));
+        assert!(!refresher.first_pending());
+        assert!(!refresher.start_first(|| panic!("trained twice")));
+        let first = refresher
+            .at_boundary(&RatioWindow::default(), Vec::new)
+            .expect("the first dictionary at the next boundary");
+        assert_eq!(first.dictionary.id(), 1);
+        // A refresh after it gets the next id.
+        assert!(refresher.at_boundary(&window(1000, 4.0), Vec::new).is_none());
+        let refreshed = refresher
+            .at_boundary(&window(1000, 2.0), || text_pages(64))
+            .expect("a refresh");
+        assert_eq!(refreshed.dictionary.id(), 2);
+    }
+
     #[test]
     fn the_sample_of_dirty_pages_spreads_over_every_region() {
         let mut memory = vec![0u8; 2 * 64 * PAGE_SIZE];

@@ -8,7 +8,7 @@ use tern_page::PageCompressor;
 use tern_page::codec::{CodecChoice, CodecCounters, CodecId, CodecStats, QplPath};
 
 use super::delta_cache::DeltaCache;
-use super::rate::{LinkQueue, LinkWindow, QueueSamples, link_estimate, link_pushed_back};
+use super::rate::{LinkQueue, LinkWindow, QueueSamples, link_estimate};
 use super::{Pipeline, delta_cache};
 use crate::bitmap::DirtyBitmap;
 use crate::guest::{MemoryRegion, PAGE_SIZE};
@@ -133,10 +133,6 @@ pub(super) struct AutoCodec {
     pub(super) content: tern_page::codec::ContentWatch,
     /// The decisions so far, with their reasons, for the statistics.
     pub(super) report: crate::stats::AutoReport,
-    /// Whether the link pushed back in the last window
-    /// ([`super::rate::link_pushed_back`]): while sending raw, a codec is
-    /// proposed only then.
-    pub(super) link_pushed_back: bool,
     /// Data-page bytes per second each codec moved while in force.
     pub(super) achieved: AchievedRates,
     /// Data-page bytes completed when the window started.
@@ -196,17 +192,12 @@ impl AutoCodec {
         let current = self.codec();
         let proposed = self.achieved.unless_achieved_less(
             current,
-            raw_unless_pushed_back(
-                current,
-                tern_page::codec::choose_codec(
-                    link,
-                    workers,
-                    &self.measurements,
-                    current,
-                    SWITCH_MARGIN,
-                ),
-                self.link_pushed_back,
+            tern_page::codec::choose_codec(
                 link,
+                workers,
+                &self.measurements,
+                current,
+                SWITCH_MARGIN,
             ),
         );
         let mut outcome = WindowOutcome::default();
@@ -370,29 +361,6 @@ impl AutoCodec {
     }
 }
 
-/// `proposed`, unless raw is in force and the link did not push back in
-/// the window: then raw stays. A link that takes raw pages as fast as they
-/// come is not what limits the migration, and compressing only adds CPU;
-/// on loopback the rate estimate swings (491 to 3970 MB/s between windows
-/// measured in one run, issue 31), and a low one made auto leave raw for
-/// a codec and come back, up to its switch budget. A link that is the
-/// bottleneck keeps a standing queue in the sockets while raw pages are
-/// sent. Pure.
-pub(super) fn raw_unless_pushed_back(
-    current: CodecId,
-    proposed: tern_page::codec::AutoDecision,
-    pushed_back: bool,
-    link: f64,
-) -> tern_page::codec::AutoDecision {
-    let mut decision = proposed;
-    if current == CodecId::None && proposed.codec != CodecId::None && !pushed_back {
-        decision.codec = CodecId::None;
-        decision.level = 0;
-        decision.effective_bytes_per_sec = link;
-    }
-    decision
-}
-
 /// What the migration achieved with each codec: data-page bytes per
 /// second in the last [`AchievedRates::KEPT`] windows it was in force with
 /// at least [`MEASURED_WINDOW_PAGES`] data pages. The model behind
@@ -403,7 +371,10 @@ pub(super) fn raw_unless_pushed_back(
 /// the prediction.
 #[derive(Debug, Default)]
 pub(super) struct AchievedRates {
-    rates: Vec<(CodecId, std::collections::VecDeque<f64>)>,
+    /// Per codec, its last windows: (window number, rate).
+    rates: Vec<(CodecId, std::collections::VecDeque<(u64, f64)>)>,
+    /// Decision windows so far.
+    window: u64,
 }
 
 impl AchievedRates {
@@ -411,6 +382,16 @@ impl AchievedRates {
     pub(super) const KEPT: usize = 5;
     /// Windows a codec needs before its rate counts.
     pub(super) const NEEDED: usize = 2;
+    /// Only windows this recent count (about a second): a codec refused
+    /// on what it achieved is proposed again once that is stale, so an
+    /// unlucky start (a loaded machine, the first windows) cannot keep
+    /// raw on a slow link for the rest of the migration.
+    pub(super) const FRESH_WINDOWS: u64 = 20;
+
+    /// A decision window ended.
+    pub(super) fn tick(&mut self) {
+        self.window += 1;
+    }
 
     /// Records a window of `codec` that moved `rate` data-page bytes per
     /// second.
@@ -426,16 +407,20 @@ impl AchievedRates {
         if recent.len() == Self::KEPT {
             recent.pop_front();
         }
-        recent.push_back(rate);
+        recent.push_back((self.window, rate));
     }
 
     /// The median of `codec`'s windows, once [`Self::NEEDED`] are in.
     pub(super) fn median(&self, codec: CodecId) -> Option<f64> {
         let recent = &self.rates.iter().find(|(known, _)| *known == codec)?.1;
-        if recent.len() < Self::NEEDED {
+        let mut sorted: Vec<f64> = recent
+            .iter()
+            .filter(|(window, _)| self.window.saturating_sub(*window) <= Self::FRESH_WINDOWS)
+            .map(|&(_, rate)| rate)
+            .collect();
+        if sorted.len() < Self::NEEDED {
             return None;
         }
-        let mut sorted: Vec<f64> = recent.iter().copied().collect();
         sorted.sort_by(f64::total_cmp);
         Some(sorted[sorted.len() / 2])
     }
@@ -554,7 +539,6 @@ impl AutoCodec {
             links: LinkEstimates::default(),
             content: tern_page::codec::ContentWatch::default(),
             report,
-            link_pushed_back: true,
             achieved: AchievedRates::default(),
             data_at_start: 0,
         };
@@ -764,7 +748,7 @@ impl Pipeline<'_> {
         let Some(auto) = self.auto.as_mut() else {
             return;
         };
-        auto.link_pushed_back = link_pushed_back(&window);
+        auto.achieved.tick();
         let data = self.shared.stats.normal_bytes.load(Ordering::Relaxed);
         let data_moved = data.saturating_sub(auto.data_at_start);
         if data_moved >= MEASURED_WINDOW_PAGES * PAGE_SIZE as u64 {
@@ -1158,25 +1142,6 @@ mod tests {
     }
 
     #[test]
-    fn raw_stays_until_the_link_pushes_back() {
-        // Loopback: the first measured link is faster than every codec.
-        let mut auto = auto_on(software());
-        auto.decide(4000e6, None, 2, 0, |codec| codec.default_level());
-        auto.decide(4000e6, None, 2, 0, |codec| codec.default_level());
-        auto.decide(4000e6, None, 2, 0, |codec| codec.default_level());
-        assert_eq!(auto.codec(), CodecId::None);
-        // Its estimate swings low for many windows, but the sockets never
-        // hold a standing queue: raw stays.
-        auto.link_pushed_back = false;
-        let codecs = follow(&mut auto, &[491e6, 300e6, 200e6, 150e6, 125e6, 125e6]);
-        assert!(codecs.iter().all(|&c| c == CodecId::None), "{codecs:?}");
-        // A slow link that queues: a codec after three windows.
-        auto.link_pushed_back = true;
-        let codecs = follow(&mut auto, &[125e6, 125e6, 125e6]);
-        assert_eq!(codecs, [CodecId::None, CodecId::None, CodecId::Zstd]);
-    }
-
-    #[test]
     fn what_a_codec_achieved_overrules_the_prediction() {
         let mut auto = auto_on(software());
         assert_eq!(auto.codec(), CodecId::Zstd);
@@ -1196,10 +1161,27 @@ mod tests {
         let codecs = follow(&mut auto, &[200e6; 6]);
         assert!(codecs.iter().all(|&c| c == CodecId::None), "{codecs:?}");
         // Had zstd achieved more, it would be back after three windows.
+        let mut faster = AchievedRates::default();
+        faster.record(CodecId::None, 900e6);
+        faster.record(CodecId::None, 900e6);
         for _ in 0..AchievedRates::KEPT {
-            auto.achieved.record(CodecId::Zstd, 1200e6);
+            faster.record(CodecId::Zstd, 1200e6);
         }
+        let held = std::mem::replace(&mut auto.achieved, faster);
         let codecs = follow(&mut auto, &[200e6; 3]);
+        assert_eq!(codecs, [CodecId::None, CodecId::None, CodecId::Zstd]);
+        // What zstd achieved goes stale: after a second of raw windows it
+        // is proposed as the model says again.
+        auto.achieved = held;
+        let mut back_to_raw = auto_on(software());
+        follow(&mut back_to_raw, &[4000e6; 3]);
+        back_to_raw.achieved = auto.achieved;
+        assert_eq!(back_to_raw.codec(), CodecId::None);
+        for _ in 0..=AchievedRates::FRESH_WINDOWS {
+            back_to_raw.achieved.tick();
+            back_to_raw.achieved.record(CodecId::None, 900e6);
+        }
+        let codecs = follow(&mut back_to_raw, &[200e6; 3]);
         assert_eq!(codecs, [CodecId::None, CodecId::None, CodecId::Zstd]);
     }
 

@@ -160,9 +160,8 @@ pub(super) fn link_estimate(window: &LinkWindow) -> f64 {
 
 /// Whether the link (or the peer) pushed back during the window: at least
 /// half of its packets, and four or more, found a standing queue in their
-/// socket. Without that, sends were not held up by the link, and a codec
-/// cannot make the migration faster there (it only adds CPU). Pure.
-pub(super) fn link_pushed_back(window: &LinkWindow) -> bool {
+/// socket. Pure.
+fn link_pushed_back(window: &LinkWindow) -> bool {
     let samples = window
         .queue_at_end
         .samples

@@ -76,9 +76,8 @@ impl Pipeline<'_> {
                 trained: 1,
                 ..crate::stats::DictionaryReport::default()
             });
-            let at_ms = crate::numeric::saturating_u64(
-                self.shared.stats.started().elapsed().as_millis(),
-            );
+            let at_ms =
+                crate::numeric::saturating_u64(self.shared.stats.started().elapsed().as_millis());
             if let Some(auto) = self.auto.as_mut() {
                 auto.note(
                     at_ms,
@@ -136,9 +135,8 @@ impl Pipeline<'_> {
             return;
         }
         let regions = &self.shared.regions;
-        let started = refresher.start_first(|| {
-            auto_codec::sample_pages(regions, DICTIONARY_SAMPLE_PAGES)
-        });
+        let started =
+            refresher.start_first(|| auto_codec::sample_pages(regions, DICTIONARY_SAMPLE_PAGES));
         let at_ms =
             crate::numeric::saturating_u64(self.shared.stats.started().elapsed().as_millis());
         if let (true, Some(auto)) = (started, self.auto.as_mut()) {

@@ -302,7 +302,14 @@ mod tests {
     /// order of them (something a dictionary learns).
     fn text_pages(count: u64) -> Vec<[u8; PAGE_SIZE]> {
         const WORDS: [&str; 8] = [
-            "migration ", "dictionary ", "page ", "link ", "deferred ", "zstd ", "guest ", "tern ",
+            "migration ",
+            "dictionary ",
+            "page ",
+            "link ",
+            "deferred ",
+            "zstd ",
+            "guest ",
+            "tern ",
         ];
         (0..count)
             .map(|index| {
@@ -344,7 +351,11 @@ mod tests {
             .expect("the first dictionary at the next boundary");
         assert_eq!(first.dictionary.id(), 1);
         // A refresh after it gets the next id.
-        assert!(refresher.at_boundary(&window(1000, 4.0), Vec::new).is_none());
+        assert!(
+            refresher
+                .at_boundary(&window(1000, 4.0), Vec::new)
+                .is_none()
+        );
         let refreshed = refresher
             .at_boundary(&window(1000, 2.0), || text_pages(64))
             .expect("a refresh");

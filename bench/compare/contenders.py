@@ -8,6 +8,7 @@ old results too.
 
 from __future__ import annotations
 
+import os
 from dataclasses import asdict, dataclass, field
 from typing import Any, Union
 
@@ -72,6 +73,8 @@ class TernContender:
     # tern as it comes: no channel, codec or verification option (auto
     # decides codec, level, dictionary and delta cache; verify full).
     defaults: bool = False
+    # Another tern binary for both ends (None: the one built here).
+    binary: str | None = None
 
     def channels_for(self, case: Case) -> int:
         return self.channels if self.channels is not None else case.channels
@@ -116,11 +119,16 @@ def tern_delta(channels: int) -> TernContender:
 # tern with no option beyond the guest and the downtime limit: what a user
 # gets. A row of every case (issue 31: tern's defaults in every row).
 TERN_DEFAULT = TernContender("tern-default", verify="full", defaults=True)
+# tern-default with another build (a before/after series, interleaved):
+# the binary named by TERNBENCH_BASE_TERN, e.g. the commit before a change.
+BASE_TERN_ENV = "TERNBENCH_BASE_TERN"
+TERN_DEFAULT_BASE = TernContender("tern-default-base", verify="full", defaults=True,
+                                  binary=os.environ.get(BASE_TERN_ENV))
 
 # Every contender, in the order of the report's rows; the TLS pair runs
 # only when asked for (--contenders).
 NAMES = ("qemu", "qemu-nothp", "tern", "tern-default", "tern-dict", "tern-packet", "tern-best",
-         "tern-verify", "qemu-xbzrle", "tern-delta", "qemu-tls", "tern-tls")
+         "tern-verify", "qemu-xbzrle", "tern-delta", "qemu-tls", "tern-tls", "tern-default-base")
 DEFAULT_NAMES = ("qemu", "qemu-nothp", "tern", "tern-default", "tern-dict", "tern-packet",
                  "tern-best", "tern-verify", "qemu-xbzrle", "tern-delta")
 TLS_NAMES = ("qemu-tls", "tern-tls")
@@ -140,7 +148,8 @@ def plan(modes: list[str], links: list[str], channels: list[int], compressions: 
         for link in links:
             for count in channels:
                 for compression in compressions:
-                    rows = ((QEMU, QEMU_NOTHP, TERN, TERN_DEFAULT, QEMU_TLS, TERN_TLS)
+                    rows = ((QEMU, QEMU_NOTHP, TERN, TERN_DEFAULT, QEMU_TLS, TERN_TLS,
+                             TERN_DEFAULT_BASE)
                             + (ZSTD_ROWS if compression == "zstd" else ()))
                     chosen = [c for c in rows if c.name in wanted]
                     if chosen:
@@ -165,6 +174,8 @@ def parse_contenders(text: str) -> list[str]:
     if unknown or not names:
         raise ValueError(f"unknown contender {', '.join(unknown) or '(none)'}: "
                          f"choose from {', '.join(NAMES)}")
+    if TERN_DEFAULT_BASE.name in names and not TERN_DEFAULT_BASE.binary:
+        raise ValueError(f"{TERN_DEFAULT_BASE.name} runs the tern binary named by {BASE_TERN_ENV}")
     return names
 
 

@@ -55,12 +55,18 @@ def tls_args(artifacts: Artifacts, who: TernContender, role: str) -> list[str]:
     return ["--tls-dir", str(artifacts.tls / f"tern-{role}")]
 
 
+def tern_binary(artifacts: Artifacts, who: TernContender) -> str:
+    """The binary both ends of `who` run: its own (a before/after series)
+    or the one built here."""
+    return who.binary or str(artifacts.tern)
+
+
 def receiver_args(cfg: Config, artifacts: Artifacts, who: TernContender,
                   mode: str = "paused", run_after_ms: int | None = None) -> list[str]:
     # The rewriting guest's passes take about half a second here.
     run_after = run_after_ms or (3000 if mode == "running-rewrite" else 1000)
     # Port 0: the ready event says which port the system picked.
-    args = [str(artifacts.tern), "vm", "receive", "--listen", "127.0.0.1:0", "--json",
+    args = [tern_binary(artifacts, who), "vm", "receive", "--listen", "127.0.0.1:0", "--json",
             "--progress", "none",
             "--run-after", str(run_after),
             "--accept-timeout", str(int(cfg.timeout))]
@@ -74,7 +80,7 @@ def receiver_args(cfg: Config, artifacts: Artifacts, who: TernContender,
 def source_args(cfg: Config, artifacts: Artifacts, case: Case, who: TernContender,
                 address: str) -> list[str]:
     compression = who.compression_for(case)
-    args = [str(artifacts.tern), "vm", "migrate", "--to", address, "--json", "--events",
+    args = [tern_binary(artifacts, who), "vm", "migrate", "--to", address, "--json", "--events",
             "--progress", "none",
             "--memory", str(cfg.memory), "--working-set", str(cfg.working_set_for(case.mode)),
             "--image", str(artifacts.image), "--warmup", str(cfg.warmup),

@@ -48,7 +48,8 @@ class PlanTest(unittest.TestCase):
     def test_tls_rows_run_beside_the_plain_ones_when_named(self):
         cases = plan(["paused"], ["1gbit"], [2], ["none"], list(NAMES), extras=False)
         names = [w.name for w in cases[0][1]]
-        self.assertEqual(names, ["qemu", "qemu-nothp", "tern", "tern-default", "qemu-tls", "tern-tls"])
+        self.assertEqual(names, ["qemu", "qemu-nothp", "tern", "tern-default", "qemu-tls", "tern-tls",
+                                 "tern-default-base"])
         self.assertTrue(cases[0][1][4].tls and cases[0][1][5].tls)
         self.assertFalse(config.Config().wants_tls())
         self.assertTrue(config.Config(contenders=["tern-tls"]).wants_tls())

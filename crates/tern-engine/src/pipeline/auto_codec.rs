@@ -133,6 +133,10 @@ pub(super) struct AutoCodec {
     pub(super) content: tern_page::codec::ContentWatch,
     /// The decisions so far, with their reasons, for the statistics.
     pub(super) report: crate::stats::AutoReport,
+    /// Data-page bytes per second each codec moved while in force.
+    pub(super) achieved: AchievedRates,
+    /// Data-page bytes completed when the window started.
+    pub(super) data_at_start: u64,
 }
 
 /// A codec (or level) must win this many decision windows in a row to take
@@ -186,12 +190,15 @@ impl AutoCodec {
             self.watch_content(&measured, at_ms);
         }
         let current = self.codec();
-        let proposed = tern_page::codec::choose_codec(
-            link,
-            workers,
-            &self.measurements,
+        let proposed = self.achieved.unless_achieved_less(
             current,
-            SWITCH_MARGIN,
+            tern_page::codec::choose_codec(
+                link,
+                workers,
+                &self.measurements,
+                current,
+                SWITCH_MARGIN,
+            ),
         );
         let mut outcome = WindowOutcome::default();
         // The codec in force before the link was measured is a guess
@@ -354,6 +361,92 @@ impl AutoCodec {
     }
 }
 
+/// What the migration achieved with each codec: data-page bytes per
+/// second in the last [`AchievedRates::KEPT`] windows it was in force with
+/// at least [`MEASURED_WINDOW_PAGES`] data pages. The model behind
+/// `choose_codec` gives the workers cores of their own; where they share
+/// them with the senders and the peer (loopback on a 2-core machine), a
+/// codec predicted faster than raw moved less (issue 31: raw, lz4 and
+/// zstd in turn within one loopback run). What was achieved overrules
+/// the prediction.
+#[derive(Debug, Default)]
+pub(super) struct AchievedRates {
+    /// Per codec, its last windows: (window number, rate).
+    rates: Vec<(CodecId, std::collections::VecDeque<(u64, f64)>)>,
+    /// Decision windows so far.
+    window: u64,
+}
+
+impl AchievedRates {
+    /// Windows kept per codec.
+    pub(super) const KEPT: usize = 5;
+    /// Windows a codec needs before its rate counts.
+    pub(super) const NEEDED: usize = 2;
+    /// Only windows this recent count (about a second): a codec refused
+    /// on what it achieved is proposed again once that is stale, so an
+    /// unlucky start (a loaded machine, the first windows) cannot keep
+    /// raw on a slow link for the rest of the migration.
+    pub(super) const FRESH_WINDOWS: u64 = 20;
+
+    /// A decision window ended.
+    pub(super) fn tick(&mut self) {
+        self.window += 1;
+    }
+
+    /// Records a window of `codec` that moved `rate` data-page bytes per
+    /// second.
+    pub(super) fn record(&mut self, codec: CodecId, rate: f64) {
+        let index = match self.rates.iter().position(|(known, _)| *known == codec) {
+            Some(index) => index,
+            None => {
+                self.rates.push((codec, std::collections::VecDeque::new()));
+                self.rates.len() - 1
+            }
+        };
+        let recent = &mut self.rates[index].1;
+        if recent.len() == Self::KEPT {
+            recent.pop_front();
+        }
+        recent.push_back((self.window, rate));
+    }
+
+    /// The median of `codec`'s windows, once [`Self::NEEDED`] are in.
+    pub(super) fn median(&self, codec: CodecId) -> Option<f64> {
+        let recent = &self.rates.iter().find(|(known, _)| *known == codec)?.1;
+        let mut sorted: Vec<f64> = recent
+            .iter()
+            .filter(|(window, _)| self.window.saturating_sub(*window) <= Self::FRESH_WINDOWS)
+            .map(|&(_, rate)| rate)
+            .collect();
+        if sorted.len() < Self::NEEDED {
+            return None;
+        }
+        sorted.sort_by(f64::total_cmp);
+        Some(sorted[sorted.len() / 2])
+    }
+
+    /// `proposed`, unless both it and `current` were in force long enough
+    /// to measure and `proposed` did not move [`SWITCH_MARGIN`] more
+    /// data-page bytes per second: then `current` stays. A codec never
+    /// tried is proposed as the model says (bounded by the switch
+    /// budget). Pure.
+    pub(super) fn unless_achieved_less(
+        &self,
+        current: CodecId,
+        proposed: tern_page::codec::AutoDecision,
+    ) -> tern_page::codec::AutoDecision {
+        let mut decision = proposed;
+        if let (Some(now), Some(then)) = (self.median(current), self.median(proposed.codec))
+            && proposed.codec != current
+            && then <= now * (1.0 + SWITCH_MARGIN)
+        {
+            decision.codec = current;
+            decision.effective_bytes_per_sec = now;
+        }
+        decision
+    }
+}
+
 /// The link rate as auto decides on it: the (lower) median of the last
 /// [`LinkEstimates::KEPT`] windows' estimates, once
 /// [`LinkEstimates::NEEDED`] are in. One window's estimate (wire bytes per
@@ -446,6 +539,8 @@ impl AutoCodec {
             links: LinkEstimates::default(),
             content: tern_page::codec::ContentWatch::default(),
             report,
+            achieved: AchievedRates::default(),
+            data_at_start: 0,
         };
         let reason = match max_bandwidth {
             _ if auto.measurements.is_empty() => "calibration measured no codec".to_string(),
@@ -653,7 +748,16 @@ impl Pipeline<'_> {
         let Some(auto) = self.auto.as_mut() else {
             return;
         };
-        if let Some(link) = auto.links.push(link_estimate(&window)) {
+        auto.achieved.tick();
+        let data = self.shared.stats.normal_bytes.load(Ordering::Relaxed);
+        let data_moved = data.saturating_sub(auto.data_at_start);
+        if data_moved >= MEASURED_WINDOW_PAGES * PAGE_SIZE as u64 {
+            auto.achieved
+                .record(self.codec, data_moved as f64 / elapsed);
+        }
+        auto.data_at_start = data;
+        let decided_on = auto.links.push(link_estimate(&window));
+        if let Some(link) = decided_on {
             let outcome = auto.decide(link, measured, workers, at_ms, |codec| {
                 compression.level_for(codec)
             });
@@ -667,6 +771,9 @@ impl Pipeline<'_> {
             busy,
             queue,
         );
+        if let Some(link) = decided_on {
+            self.start_deferred_dictionary(link);
+        }
     }
 }
 
@@ -1032,6 +1139,50 @@ mod tests {
             .collect();
         assert_eq!(recorded.len(), 1 + CODEC_SWITCH_BUDGET as usize);
         assert!(recorded[1].reason.contains("MB/s"), "{:?}", recorded[1]);
+    }
+
+    #[test]
+    fn what_a_codec_achieved_overrules_the_prediction() {
+        let mut auto = auto_on(software());
+        assert_eq!(auto.codec(), CodecId::Zstd);
+        // zstd moved 600 MB/s of data pages (the peer shares the cores).
+        for _ in 0..3 {
+            auto.achieved.record(CodecId::Zstd, 600e6);
+        }
+        // A fast link: raw, never tried, takes over as predicted...
+        let codecs = follow(&mut auto, &[4000e6, 4000e6, 4000e6]);
+        assert_eq!(codecs[2], CodecId::None);
+        // ...and moves 900 MB/s.
+        for _ in 0..3 {
+            auto.achieved.record(CodecId::None, 900e6);
+        }
+        // The link, pushing back, now reads 200 MB/s: the model predicts
+        // 340 MB/s for zstd, but zstd achieved less than raw: raw stays.
+        let codecs = follow(&mut auto, &[200e6; 6]);
+        assert!(codecs.iter().all(|&c| c == CodecId::None), "{codecs:?}");
+        // Had zstd achieved more, it would be back after three windows.
+        let mut faster = AchievedRates::default();
+        faster.record(CodecId::None, 900e6);
+        faster.record(CodecId::None, 900e6);
+        for _ in 0..AchievedRates::KEPT {
+            faster.record(CodecId::Zstd, 1200e6);
+        }
+        let held = std::mem::replace(&mut auto.achieved, faster);
+        let codecs = follow(&mut auto, &[200e6; 3]);
+        assert_eq!(codecs, [CodecId::None, CodecId::None, CodecId::Zstd]);
+        // What zstd achieved goes stale: after a second of raw windows it
+        // is proposed as the model says again.
+        auto.achieved = held;
+        let mut back_to_raw = auto_on(software());
+        follow(&mut back_to_raw, &[4000e6; 3]);
+        back_to_raw.achieved = auto.achieved;
+        assert_eq!(back_to_raw.codec(), CodecId::None);
+        for _ in 0..=AchievedRates::FRESH_WINDOWS {
+            back_to_raw.achieved.tick();
+            back_to_raw.achieved.record(CodecId::None, 900e6);
+        }
+        let codecs = follow(&mut back_to_raw, &[200e6; 3]);
+        assert_eq!(codecs, [CodecId::None, CodecId::None, CodecId::Zstd]);
     }
 
     #[test]

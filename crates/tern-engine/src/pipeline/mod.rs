@@ -245,6 +245,9 @@ struct DictionaryState {
     /// Dictionary-compressed data pages of the iteration being sent.
     window: RatioWindow,
     refresher: Option<DictionaryRefresher>,
+    /// The first dictionary, when `auto` trained it during the migration
+    /// rather than at setup: its bytes, sample pages and training time.
+    deferred: Option<crate::stats::DictionaryReport>,
     refreshes: u64,
     refresh_training_ms: f64,
 }
@@ -355,8 +358,14 @@ impl<'scope> Pipeline<'scope> {
                 in_use: dictionary_id,
                 announced: dictionary_id,
                 window: RatioWindow::default(),
-                refresher: refresh
-                    .and_then(|(mode, max_len)| DictionaryRefresher::new(mode, max_len)),
+                refresher: refresh.and_then(|(mode, max_len)| {
+                    if dictionary_id == 0 {
+                        DictionaryRefresher::deferred(mode, max_len)
+                    } else {
+                        DictionaryRefresher::new(mode, max_len)
+                    }
+                }),
+                deferred: None,
                 refreshes: 0,
                 refresh_training_ms: 0.0,
             },

@@ -150,6 +150,18 @@ pub(super) struct LinkWindow {
 /// (an upper one: a send into a buffer with room returns at once).
 pub(super) fn link_estimate(window: &LinkWindow) -> f64 {
     let seconds = window.seconds.max(1e-6);
+    if link_pushed_back(window) {
+        let left = window.written as f64 + window.queue_at_start.unsent as f64
+            - window.queue_at_end.unsent as f64;
+        return left.max(0.0) / seconds;
+    }
+    window.written as f64 / seconds / window.busy_share.clamp(0.05, 1.0)
+}
+
+/// Whether the link (or the peer) pushed back during the window: at least
+/// half of its packets, and four or more, found a standing queue in their
+/// socket. Pure.
+fn link_pushed_back(window: &LinkWindow) -> bool {
     let samples = window
         .queue_at_end
         .samples
@@ -158,17 +170,12 @@ pub(super) fn link_estimate(window: &LinkWindow) -> f64 {
         .queue_at_end
         .standing
         .saturating_sub(window.queue_at_start.standing);
-    if samples >= 4 && standing * 2 >= samples {
-        let left = window.written as f64 + window.queue_at_start.unsent as f64
-            - window.queue_at_end.unsent as f64;
-        return left.max(0.0) / seconds;
-    }
-    window.written as f64 / seconds / window.busy_share.clamp(0.05, 1.0)
+    samples >= 4 && standing * 2 >= samples
 }
 
 #[cfg(test)]
 mod tests {
-    use super::{LinkWindow, QueueSamples, RateLimiter, link_estimate};
+    use super::{LinkWindow, QueueSamples, RateLimiter, link_estimate, link_pushed_back};
 
     #[test]
     fn a_standing_queue_measures_what_left_the_sockets() {
@@ -190,6 +197,7 @@ mod tests {
             },
         };
         assert_eq!(link_estimate(&saturated), 125_000_000.0);
+        assert!(link_pushed_back(&saturated));
         // The blocked-time estimate would have been 1 GB/s.
         let room = LinkWindow {
             queue_at_end: QueueSamples {
@@ -199,6 +207,7 @@ mod tests {
             ..saturated
         };
         assert_eq!(link_estimate(&room), 1_000_000_000.0);
+        assert!(!link_pushed_back(&room));
     }
     use std::sync::Arc;
     use std::sync::atomic::{AtomicU64, Ordering};

@@ -101,6 +101,10 @@ pub(crate) struct DictionaryRefresher {
     /// The id the next dictionary gets.
     next_id: u8,
     training: Option<Training>,
+    /// `auto` deferred the session's first dictionary to the migration:
+    /// trained once the measured link shows zstd pays
+    /// ([`start_first`](Self::start_first)).
+    first_pending: bool,
 }
 
 impl DictionaryRefresher {
@@ -113,7 +117,36 @@ impl DictionaryRefresher {
             rule: RefreshRule::default(),
             next_id: 2,
             training: None,
+            first_pending: false,
         })
+    }
+
+    /// A refresher for an `auto` session whose setup trained no dictionary:
+    /// its first one (id 1) is trained during the migration
+    /// ([`start_first`](Self::start_first)) and announced at the next
+    /// iteration boundary; refreshes follow as usual. `None` when
+    /// refreshing is off.
+    pub(crate) fn deferred(mode: DictionaryRefresh, max_len: usize) -> Option<Self> {
+        Self::new(mode, max_len).map(|refresher| Self {
+            next_id: 1,
+            first_pending: true,
+            ..refresher
+        })
+    }
+
+    /// Whether the first dictionary is still to be trained.
+    pub(crate) fn first_pending(&self) -> bool {
+        self.first_pending
+    }
+
+    /// Starts training the first dictionary on `pages()` on a background
+    /// thread, once; whether it started now.
+    pub(crate) fn start_first(&mut self, pages: impl FnOnce() -> Vec<[u8; PAGE_SIZE]>) -> bool {
+        if !std::mem::take(&mut self.first_pending) || self.training.is_some() {
+            return false;
+        }
+        self.start(pages());
+        self.training.is_some()
     }
 
     /// At an iteration boundary (all of the iteration's packets sent, its
@@ -263,6 +296,70 @@ mod tests {
         rule.settle();
         assert!(!rule.observe(&window(1000, 2.5)));
         assert!(rule.observe(&window(1000, 2.3)));
+    }
+
+    /// Text-like pages: words from a small vocabulary, each page its own
+    /// order of them (something a dictionary learns).
+    fn text_pages(count: u64) -> Vec<[u8; PAGE_SIZE]> {
+        const WORDS: [&str; 8] = [
+            "migration ",
+            "dictionary ",
+            "page ",
+            "link ",
+            "deferred ",
+            "zstd ",
+            "guest ",
+            "tern ",
+        ];
+        (0..count)
+            .map(|index| {
+                let mut page = [0u8; PAGE_SIZE];
+                let mut state = index.wrapping_mul(2654435761).wrapping_add(1);
+                let mut at = 0;
+                while at < PAGE_SIZE {
+                    state = state
+                        .wrapping_mul(6364136223846793005)
+                        .wrapping_add(1442695040888963407);
+                    let word = WORDS[usize::try_from(state >> 61).unwrap_or(0)].as_bytes();
+                    let take = word.len().min(PAGE_SIZE - at);
+                    page[at..at + take].copy_from_slice(&word[..take]);
+                    at += take;
+                }
+                page
+            })
+            .collect()
+    }
+
+    #[test]
+    fn a_deferred_first_dictionary_is_trained_once_and_announced_as_1() {
+        assert!(DictionaryRefresher::deferred(DictionaryRefresh::Off, 4096).is_none());
+        let mut refresher = DictionaryRefresher::deferred(DictionaryRefresh::AtBoundary, 4096)
+            .expect("a refresher");
+        assert!(refresher.first_pending());
+        // Not started: a boundary announces nothing (and its empty window
+        // starts no refresh).
+        assert!(
+            refresher
+                .at_boundary(&RatioWindow::default(), Vec::new)
+                .is_none()
+        );
+        assert!(refresher.start_first(|| text_pages(64)));
+        assert!(!refresher.first_pending());
+        assert!(!refresher.start_first(|| panic!("trained twice")));
+        let first = refresher
+            .at_boundary(&RatioWindow::default(), Vec::new)
+            .expect("the first dictionary at the next boundary");
+        assert_eq!(first.dictionary.id(), 1);
+        // A refresh after it gets the next id.
+        assert!(
+            refresher
+                .at_boundary(&window(1000, 4.0), Vec::new)
+                .is_none()
+        );
+        let refreshed = refresher
+            .at_boundary(&window(1000, 2.0), || text_pages(64))
+            .expect("a refresh");
+        assert_eq!(refreshed.dictionary.id(), 2);
     }
 
     #[test]

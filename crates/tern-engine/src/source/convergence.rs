@@ -100,10 +100,23 @@ pub(crate) struct Convergence {
     /// next decision removes the throttle.
     unthrottle: bool,
     /// Consecutive syncs where the guest dirtied more than half of what the
-    /// iteration sent.
+    /// iteration sent while the expected downtime did not shrink.
     dirty_outruns: u32,
+    /// The expected downtime at the last sync, to tell a dirty set that
+    /// still gets cheaper to send from one that does not.
+    last_expected_downtime: Option<Duration>,
     throttle: u8,
 }
+
+/// A sync whose expected downtime is at most this share of the last one's
+/// shows the migration converging on its own: the guest is not outrunning
+/// the link, whatever the page counts say. Deltas and compression make a
+/// re-dirtied page cost far less than the first pass's pages (issue 31: the
+/// 512 MiB working set re-sent as deltas at 1 Gbit/s), which page counts
+/// alone do not see; the expected downtime counts pages at the rate the
+/// last iteration moved them. A quarter is above the noise of one
+/// iteration's measured rate on a loaded machine.
+pub(crate) const CONVERGING_SHARE: f64 = 0.75;
 
 impl Convergence {
     pub(super) fn new(config: &MigrationConfig) -> Self {
@@ -118,6 +131,7 @@ impl Convergence {
             max_throttle: 99,
             unthrottle: false,
             dirty_outruns: 0,
+            last_expected_downtime: None,
             throttle: 0,
         }
     }
@@ -185,10 +199,17 @@ impl Convergence {
         None
     }
 
-    /// QEMU's rule: the guest outruns the link when it dirties more than
-    /// half of what one iteration sent; two such syncs in a row raise the
-    /// throttle (initial step, then increments, at most 99%).
+    /// QEMU's rule, in time rather than pages alone: the guest outruns the
+    /// link when it dirties more than half of what one iteration sent and
+    /// the expected downtime did not shrink to [`CONVERGING_SHARE`] of the
+    /// last sync's; two such syncs in a row raise the throttle (initial
+    /// step, then increments, at most 99%).
     fn auto_converge(&mut self, facts: &SyncFacts) -> Option<u8> {
+        let expected = facts.expected_downtime();
+        let converging = self
+            .last_expected_downtime
+            .replace(expected)
+            .is_some_and(|last| expected.as_secs_f64() <= last.as_secs_f64() * CONVERGING_SHARE);
         if std::mem::take(&mut self.unthrottle) {
             self.throttle = 0;
             self.dirty_outruns = 0;
@@ -197,7 +218,7 @@ impl Convergence {
         if !self.auto_converge {
             return None;
         }
-        if facts.dirty_pages * 2 > facts.sent_pages.max(1) {
+        if facts.dirty_pages * 2 > facts.sent_pages.max(1) && !converging {
             self.dirty_outruns += 1;
         } else {
             self.dirty_outruns = 0;
@@ -439,6 +460,36 @@ mod tests {
         assert_eq!(throttles[0], None, "one outrun is not enough");
         assert_eq!(throttles[1], Some(20));
         assert!(throttles[18..].iter().all(Option::is_none), "stays at 99");
+    }
+
+    /// Issue 31's running case: a 512 MiB working set re-dirtied whole
+    /// every pass, but each pass moves it faster (compressed, then as
+    /// deltas): the page counts say "outrun" at every sync, the expected
+    /// downtime says converging, and the guest is not throttled until the
+    /// downtime stops shrinking.
+    #[test]
+    fn a_dirty_set_that_gets_cheaper_to_send_is_not_throttled() {
+        let mut rules = Convergence::new(&config());
+        let working_set = 131_073;
+        // The first pass: 1 GiB at 190 MiB/s of data pages.
+        let first = facts(1, working_set, 262_144, 190.0);
+        assert_eq!(rules.decide(&first), Decision::Iterate { throttle: None });
+        // The working set again, compressed: 1100 MiB/s, all of it dirty.
+        let compressed = facts(2, working_set, working_set, 1100.0);
+        assert_eq!(
+            rules.decide(&compressed),
+            Decision::Iterate { throttle: None },
+            "the downtime shrank from 2.7 to 0.47 s: no throttle"
+        );
+        // As deltas, 1600 MiB/s: 320 ms, still over the limit, shrinking.
+        let deltas = facts(3, working_set, working_set, 1600.0);
+        assert_eq!(rules.decide(&deltas), Decision::Iterate { throttle: None });
+        // No longer shrinking: two such syncs raise the throttle.
+        assert_eq!(rules.decide(&deltas), Decision::Iterate { throttle: None });
+        assert_eq!(
+            rules.decide(&deltas),
+            Decision::Iterate { throttle: Some(20) }
+        );
     }
 
     #[test]

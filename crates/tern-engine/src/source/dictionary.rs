@@ -111,7 +111,16 @@ fn link_faster_than_zstd(
     })
 }
 
-/// With `auto` and no dictionary configured: trains one (unless the
+/// Why `auto` trains no dictionary at setup when no link rate is
+/// configured.
+const DEFERRED_REASON: &str = "the link is not measured yet: trained in the background once auto \
+     measures a link slower than zstd, in force from the next iteration boundary (on a faster \
+     link, training at setup cost 164-315 ms for a dictionary raw never uses)";
+
+/// With `auto` and no dictionary configured: when no link rate is
+/// configured, defers it to the migration (the pipeline trains it once the
+/// measured link picks zstd, `pipeline/dictionary_refresh.rs`). Otherwise
+/// trains one (unless the
 /// configured link is faster than every codec, where `auto` sends raw) and
 /// keeps it when zstd's ratio with it, on pages the training did not see,
 /// beats its ratio without by [`AUTO_DICTIONARY_GAIN`]. The decision and
@@ -131,6 +140,11 @@ fn with_auto_dictionary(
             reason,
         });
     };
+    if config.max_bandwidth.is_none() && config.dictionary_refresh != DictionaryRefresh::Off {
+        setup.dictionary_refresh = Some((config.dictionary_refresh, AUTO_DICTIONARY_LEN));
+        decide(&mut setup, "deferred".into(), DEFERRED_REASON.into());
+        return setup;
+    }
     let sample = calibration_sample(regions);
     let zstd = [(CodecId::Zstd, CodecId::Zstd.default_level())];
     let measure = |dictionary: Option<&CodecDictionary>| {

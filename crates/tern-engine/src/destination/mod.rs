@@ -64,6 +64,10 @@ pub enum ReceivePhase {
     /// Verified and committed; the guest is kept paused for the embedder
     /// ([`ReceiveConfig::keep_paused`]).
     Paused = 5,
+    /// The guest runs here, postcopy lost its connection, and the pages
+    /// it lacks wait for the source's reconnection (docs/postcopy.md,
+    /// "Recovery").
+    PostcopyPaused = 6,
 }
 
 impl ReceivePhase {
@@ -74,6 +78,7 @@ impl ReceivePhase {
             2 => Self::Verifying,
             3 => Self::Resumed,
             5 => Self::Paused,
+            6 => Self::PostcopyPaused,
             _ => Self::Failed,
         }
     }
@@ -87,6 +92,7 @@ impl ReceivePhase {
             Self::Resumed => "resumed",
             Self::Failed => "failed",
             Self::Paused => "paused",
+            Self::PostcopyPaused => "postcopy-paused",
         }
     }
 }

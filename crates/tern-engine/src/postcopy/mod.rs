@@ -116,6 +116,13 @@ pub struct PostcopyReport {
     /// Time from the guest resuming on the destination until every page
     /// was placed there, ms.
     pub delivered_after_ms: f64,
+    /// Times postcopy was paused by a broken or silent connection and
+    /// recovered (docs/postcopy.md, "Recovery").
+    #[serde(default)]
+    pub postcopy_recoveries: u64,
+    /// Time spent `postcopy-paused`, summed, ms.
+    #[serde(default)]
+    pub postcopy_paused_ms: f64,
 }
 
 impl PostcopyReport {

@@ -13,6 +13,7 @@ mod order;
 mod populate;
 mod postcopy;
 mod receiver;
+mod recover;
 mod reuse;
 mod shared;
 mod stream;
@@ -560,6 +561,12 @@ impl Destination {
         if delivered.postcopy.is_some() {
             let report = self.postcopy_switch_over(
                 &shared,
+                recover::Session {
+                    session_id,
+                    identity: main.security().peer_identity.clone(),
+                    channel_count: setup.channel_count,
+                    handshakes,
+                },
                 main,
                 decoder,
                 &mut guest,

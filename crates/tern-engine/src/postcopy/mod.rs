@@ -140,6 +140,23 @@ impl PostcopyReport {
     }
 }
 
+/// Whether a postcopy failure is a lost connection (closed, reset, silent
+/// past its deadline, or not reconnectable yet), which recovery may mend,
+/// rather than a peer that misbehaved or gave up, which it may not.
+pub(crate) fn is_recoverable(error: &crate::error::MigrationError) -> bool {
+    use crate::error::{ChannelError, MigrationError};
+    matches!(
+        error,
+        MigrationError::Channel {
+            source: ChannelError::Closed
+                | ChannelError::Io(_)
+                | ChannelError::Timeout(_)
+                | ChannelError::Connect(..),
+            ..
+        }
+    )
+}
+
 /// A histogram without its empty tail.
 pub(crate) fn trimmed(histogram: &[u64]) -> Vec<u64> {
     let used = histogram

@@ -19,6 +19,7 @@ use crate::cancel::CancelToken;
 use crate::config::MigrationConfig;
 use crate::control::SourceControl;
 use crate::error::{ChannelError, MigrationError};
+pub(super) use crate::postcopy::is_recoverable;
 use crate::postcopy::StaleSet;
 use crate::stats::MigrationStatus;
 use crate::transport::{Channel, Connect, Expected};
@@ -29,21 +30,6 @@ const FIRST_BACKOFF: Duration = Duration::from_millis(50);
 const MAX_BACKOFF: Duration = Duration::from_secs(1);
 /// How often a paused wait looks at the operator's requests.
 const PAUSED_POLL: Duration = Duration::from_millis(20);
-
-/// Whether a postcopy failure is a lost connection, which recovery may
-/// mend, rather than a peer that misbehaved or gave up (which it may not).
-pub(crate) fn is_recoverable(error: &MigrationError) -> bool {
-    matches!(
-        error,
-        MigrationError::Channel {
-            source: ChannelError::Closed
-                | ChannelError::Io(_)
-                | ChannelError::Timeout(_)
-                | ChannelError::Connect(..),
-            ..
-        }
-    )
-}
 
 /// What a reconnection needs from the first connection.
 pub(super) struct Session<'a> {

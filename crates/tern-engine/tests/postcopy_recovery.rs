@@ -15,7 +15,7 @@ use std::time::{Duration, Instant};
 use common::*;
 use tern_engine::{
     Address, Destination, EventBody, MigrationConfig, MigrationStats, MigrationStatus,
-    PostcopyMode, ReceiveConfig, ReceiveHandle, Source,
+    PostcopyMode, ReceiveConfig, ReceiveHandle, Security, Source,
 };
 use tern_synthetic::{ContentMix, SyntheticConfig, SyntheticGuest};
 
@@ -235,15 +235,23 @@ struct Running {
 }
 
 fn start(recover_timeout: Duration) -> Running {
+    start_with(recover_timeout, Security::default())
+}
+
+fn start_with(recover_timeout: Duration, security: Security) -> Running {
     let (listener, listen) = tcp_listener();
-    let destination = Destination::new(destination_config(recover_timeout));
+    let mut receive = destination_config(recover_timeout);
+    receive.security = security.clone();
+    let destination = Destination::new(receive);
     let receive = destination.handle();
     let destination =
         std::thread::spawn(move || destination.receive(&listener, make_destination_guest));
     // 8 MiB/s: the first pass takes about a second and a half, the stale
     // pages about as long.
     let proxy = Proxy::start(listen.clone(), 8 * MIB);
-    let source = Source::new(source_config(recover_timeout)).unwrap();
+    let mut config = source_config(recover_timeout);
+    config.security = security;
+    let source = Source::new(config).unwrap();
     let handle = source.handle();
     let address = proxy.address.clone();
     let source = std::thread::spawn(move || {
@@ -428,6 +436,40 @@ fn a_reconnection_naming_another_session_is_refused() {
         MigrationStatus::PostcopyPaused
     );
     // The real source still gets back in.
+    running.proxy.pass();
+    running.finish();
+}
+
+#[test]
+fn with_an_auth_key_the_source_proves_it_again_and_a_keyless_resume_is_refused() {
+    if !userfaultfd_works() {
+        return;
+    }
+    let security = {
+        let mut security = Security::default();
+        security.auth_key = Some(Arc::new(
+            tern_engine::AuthKey::from_bytes(b"a shared secret of the test").unwrap(),
+        ));
+        security
+    };
+    let running = start_with(Duration::from_secs(60), security);
+    running.wait_postcopy_active();
+    running.proxy.cut();
+    running.wait_both_paused();
+    // Whoever does not hold the key cannot resume the session, whatever
+    // session it names.
+    let resume = tern_wire::Message::PostcopyResume(tern_wire::PostcopyResume {
+        handshake: tern_wire::Handshake {
+            session_id: 0x5eed,
+            channel_index: 0,
+        },
+    });
+    let text = refused_text(&running.listen, &resume);
+    assert!(text.contains("requires an auth key"), "{text}");
+    assert_eq!(
+        running.receive.query().status,
+        MigrationStatus::PostcopyPaused
+    );
     running.proxy.pass();
     running.finish();
 }

@@ -7,7 +7,7 @@ mod common;
 
 use std::io::{Read, Write};
 use std::net::{Shutdown, TcpListener, TcpStream};
-use std::sync::atomic::{AtomicBool, AtomicU8, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU8, Ordering};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
@@ -54,23 +54,27 @@ struct Proxy {
     accept: Option<JoinHandle<()>>,
 }
 
-/// A shared budget of bytes per second for one direction.
+/// A link of `rate` bytes per second for one direction, shared by every
+/// connection, without burst credit: an idle moment (the switch-over)
+/// never lets the stale pages through faster, so postcopy lasts long
+/// enough to be cut.
 struct Link {
     rate: u64,
-    began: Instant,
-    sent: AtomicU64,
+    /// When the bytes handed to the link so far have left it.
+    free_at: Mutex<Instant>,
 }
 
 impl Link {
     /// Paces a copy of `bytes`: the link's clock, not a wait for a
     /// condition.
     fn pace(&self, bytes: usize) {
-        let sent = self.sent.fetch_add(bytes as u64, Ordering::Relaxed) + bytes as u64;
-        let due = Duration::from_secs_f64(sent as f64 / self.rate as f64);
-        let elapsed = self.began.elapsed();
-        if due > elapsed {
-            std::thread::sleep(due - elapsed);
-        }
+        let took = Duration::from_secs_f64(bytes as f64 / self.rate as f64);
+        let done = {
+            let mut free_at = self.free_at.lock().unwrap();
+            *free_at = (*free_at).max(Instant::now()) + took;
+            *free_at
+        };
+        std::thread::sleep(done.saturating_duration_since(Instant::now()));
     }
 }
 
@@ -87,8 +91,7 @@ impl Proxy {
         let done = Arc::new(AtomicBool::new(false));
         let link = Arc::new(Link {
             rate,
-            began: Instant::now(),
-            sent: AtomicU64::new(0),
+            free_at: Mutex::new(Instant::now()),
         });
         let accept = {
             let (mode, streams, done) = (mode.clone(), streams.clone(), done.clone());
@@ -278,6 +281,11 @@ impl Running {
 
     fn wait_both_paused(&self) {
         wait_until("the source pauses postcopy", || {
+            assert!(
+                !self.source.is_finished(),
+                "the migration ended before it paused: {:?}",
+                self.handle.query().error_desc
+            );
             self.handle.query().status == MigrationStatus::PostcopyPaused
         });
         wait_until("the destination pauses postcopy", || {

@@ -115,7 +115,8 @@ impl Proxy {
                             .unwrap();
                         streams.lock().unwrap().push(stream.try_clone().unwrap());
                     }
-                    let (up_from, up_to) = (client.try_clone().unwrap(), server.try_clone().unwrap());
+                    let (up_from, up_to) =
+                        (client.try_clone().unwrap(), server.try_clone().unwrap());
                     let (mode_up, mode_down) = (mode.clone(), mode.clone());
                     let link = link.clone();
                     std::thread::spawn(move || copy(up_from, up_to, &mode_up, Some(&link)));
@@ -232,7 +233,10 @@ struct Running {
     proxy: Proxy,
     destination: JoinHandle<DestinationResult>,
     receive: ReceiveHandle,
-    source: JoinHandle<(Result<MigrationStats, tern_engine::MigrationFailure>, SyntheticGuest)>,
+    source: JoinHandle<(
+        Result<MigrationStats, tern_engine::MigrationFailure>,
+        SyntheticGuest,
+    )>,
     handle: tern_engine::MigrationHandle,
     listen: Address,
 }
@@ -384,7 +388,10 @@ fn past_the_recovery_timeout_both_sides_stay_paused_for_the_operator() {
     );
     assert!(!running.source.is_finished() && !running.destination.is_finished());
     running.receive.recover_postcopy().expect("migrate-recover");
-    running.handle.resume_postcopy().expect("migrate resume=true");
+    running
+        .handle
+        .resume_postcopy()
+        .expect("migrate resume=true");
     running.finish();
 }
 

@@ -710,9 +710,7 @@ impl Message {
                 })?;
                 Self::PostcopyResume(PostcopyResume { handshake })
             }
-            FrameKind::PostcopyMissing => {
-                Self::PostcopyMissing(postcopy::decode_missing(&mut r)?)
-            }
+            FrameKind::PostcopyMissing => Self::PostcopyMissing(postcopy::decode_missing(&mut r)?),
             FrameKind::Pages => {
                 return Err(WireError::Unexpected {
                     got: FrameKind::Pages,

@@ -477,7 +477,10 @@ fn server_auth(
 /// proposed it, and logs it.
 pub(super) fn refuse(
     stats: &ReceiveStats,
-    arrived: &mut Arrived, reason: AbortReason, message: String) {
+    arrived: &mut Arrived,
+    reason: AbortReason,
+    message: String,
+) {
     stats.record_refusal(format!("refused a connection: {message}"));
     let _ = arrived
         .channel

@@ -335,19 +335,19 @@ impl Destination {
             // The source hears at once that this connection is over.
             main.shutdown();
             let paused_at = Instant::now();
-            let reconnected = self
-                .await_reconnection(&mut session, &cause)
-                .and_then(|reconnected| {
-                    let Reconnected {
-                        main: mut new_main,
-                        decoder: new_decoder,
-                        page_channels,
-                    } = reconnected;
-                    recover::send_missing(&mut new_main, &delivery.missing_runs())?;
-                    *main = new_main;
-                    *decoder = new_decoder;
-                    Ok(page_channels)
-                });
+            let reconnected =
+                self.await_reconnection(&mut session, &cause)
+                    .and_then(|reconnected| {
+                        let Reconnected {
+                            main: mut new_main,
+                            decoder: new_decoder,
+                            page_channels,
+                        } = reconnected;
+                        recover::send_missing(&mut new_main, &delivery.missing_runs())?;
+                        *main = new_main;
+                        *decoder = new_decoder;
+                        Ok(page_channels)
+                    });
             paused_for += paused_at.elapsed();
             match reconnected {
                 Ok(page_channels) => {

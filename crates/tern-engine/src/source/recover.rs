@@ -19,8 +19,8 @@ use crate::cancel::CancelToken;
 use crate::config::MigrationConfig;
 use crate::control::SourceControl;
 use crate::error::{ChannelError, MigrationError};
-pub(super) use crate::postcopy::is_recoverable;
 use crate::postcopy::StaleSet;
+pub(super) use crate::postcopy::is_recoverable;
 use crate::stats::MigrationStatus;
 use crate::transport::{Channel, Connect, Expected};
 

@@ -511,6 +511,61 @@ impl Source {
             stale_pages: frozen.stale.total(),
             ..PostcopyReport::default()
         };
+        let setup = handover.setup;
+        let served = self.serve_with_recovery(main, handover, frozen, &counters, &mut report);
+        report.postcopy_bytes = counters.bytes.load(Ordering::Relaxed);
+        report.postcopy_requests = counters.requests.load(Ordering::Relaxed);
+        report.requested_pages = counters.requested_pages.load(Ordering::Relaxed);
+        report.pushed_pages = counters.pushed_pages.load(Ordering::Relaxed);
+        let complete = match served {
+            Ok(complete) => complete,
+            Err(error) => {
+                self.stats.set_postcopy(report);
+                return Err(MigrationError::PostcopyFailed {
+                    fate: "the guest runs on the destination without all of its memory and \
+                           cannot continue without this source, whose copy stays paused",
+                    cause: Box::new(error),
+                });
+            }
+        };
+        report.add_destination(&complete);
+        self.stats.set_postcopy(report);
+        if self.config.verify.compares() {
+            self.stats.set_digest_comparison(DigestComparison {
+                source: digest,
+                destination: complete.digest,
+            });
+            if complete.digest != digest {
+                let pages = describe_runs(&frozen.stale.runs(setup));
+                tracing::error!(
+                    source = format!("{digest:032x}"),
+                    destination = format!("{:032x}", complete.digest),
+                    %pages,
+                    "MEMORY DIGEST MISMATCH AFTER POSTCOPY: the guest already runs on the destination"
+                );
+                return Err(MigrationError::PostcopyDigestMismatch {
+                    source_digest: digest,
+                    destination: complete.digest,
+                    pages,
+                });
+            }
+        }
+        self.stats.set_digest_verified_from_comparison();
+        Ok(())
+    }
+
+    /// Runs postcopy's rounds: one per connection, a lost connection
+    /// paused and mended in between (`source/recover.rs`); the missing
+    /// pages the destination names after a recovery are the next round's
+    /// stale set. Counts recoveries and paused time into `report`.
+    fn serve_with_recovery(
+        &self,
+        main: &mut Channel,
+        handover: Handover<'_>,
+        frozen: &Frozen<'_>,
+        counters: &ServeCounters,
+        report: &mut PostcopyReport,
+    ) -> Result<tern_wire::PostcopyComplete, MigrationError> {
         let session = recover::Session {
             config: &self.config,
             connector: handover.connector,
@@ -533,7 +588,7 @@ impl Source {
                 &round,
                 self.config.io_timeout,
                 &self.stats,
-                &counters,
+                counters,
             );
             let cause = match result {
                 Err(error) if recover::is_recoverable(&error) => error,
@@ -562,45 +617,7 @@ impl Source {
             }
         };
         report.postcopy_paused_ms = paused_for.as_secs_f64() * 1000.0;
-        report.postcopy_bytes = counters.bytes.load(Ordering::Relaxed);
-        report.postcopy_requests = counters.requests.load(Ordering::Relaxed);
-        report.requested_pages = counters.requested_pages.load(Ordering::Relaxed);
-        report.pushed_pages = counters.pushed_pages.load(Ordering::Relaxed);
-        let complete = match served {
-            Ok(complete) => complete,
-            Err(error) => {
-                self.stats.set_postcopy(report);
-                return Err(MigrationError::PostcopyFailed {
-                    fate: "the guest runs on the destination without all of its memory and \
-                           cannot continue without this source, whose copy stays paused",
-                    cause: Box::new(error),
-                });
-            }
-        };
-        report.add_destination(&complete);
-        self.stats.set_postcopy(report);
-        if self.config.verify.compares() {
-            self.stats.set_digest_comparison(DigestComparison {
-                source: digest,
-                destination: complete.digest,
-            });
-            if complete.digest != digest {
-                let pages = describe_runs(&frozen.stale.runs(handover.setup));
-                tracing::error!(
-                    source = format!("{digest:032x}"),
-                    destination = format!("{:032x}", complete.digest),
-                    %pages,
-                    "MEMORY DIGEST MISMATCH AFTER POSTCOPY: the guest already runs on the destination"
-                );
-                return Err(MigrationError::PostcopyDigestMismatch {
-                    source_digest: digest,
-                    destination: complete.digest,
-                    pages,
-                });
-            }
-        }
-        self.stats.set_digest_verified_from_comparison();
-        Ok(())
+        served
     }
 
     /// Ends precopy with the guest paused: a last sync on every page

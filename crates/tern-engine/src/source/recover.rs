@@ -250,3 +250,90 @@ fn read_missing(
     }
     StaleSet::from_runs(setup, &runs).map_err(MigrationError::Protocol)
 }
+
+#[cfg(test)]
+mod tests {
+    use std::os::unix::net::UnixStream;
+
+    use tern_wire::{DigestAlgorithm, Message, PageRun, PostcopyMissing, RegionInfo, SessionSetup};
+
+    use super::read_missing;
+    use crate::bitmap::DirtyBitmap;
+    use crate::postcopy::StaleSet;
+    use crate::transport::Channel;
+
+    fn setup() -> SessionSetup {
+        SessionSetup {
+            page_size: tern_wire::PAGE_SIZE,
+            channel_count: 1,
+            codecs: 0,
+            digest: DigestAlgorithm::None,
+            regions: vec![RegionInfo {
+                id: 3,
+                guest_addr: 0,
+                len: 64 << 12,
+            }],
+            guest_kind: String::new(),
+            dictionaries: 0,
+            vmm_config_len: 0,
+        }
+    }
+
+    /// What `read_missing` makes of `frames`, against pages 8..16 stale.
+    fn missing(frames: &[PostcopyMissing]) -> Result<StaleSet, String> {
+        let mut dirty = DirtyBitmap::new(64);
+        (8..16).for_each(|page| dirty.set(page));
+        let stale = StaleSet::from_dirty(&[dirty]);
+        let (ours, theirs) = UnixStream::pair().unwrap();
+        let mut ours = Channel::from_socket(ours.into()).unwrap();
+        let mut theirs = Channel::from_socket(theirs.into()).unwrap();
+        for frame in frames {
+            theirs
+                .send_message(&Message::PostcopyMissing(frame.clone()))
+                .unwrap();
+        }
+        read_missing(&mut ours, &setup(), &stale).map_err(|error| error.chain())
+    }
+
+    fn run(first_page: u32, pages: u32) -> PageRun {
+        PageRun {
+            region_id: 3,
+            first_page,
+            pages,
+        }
+    }
+
+    #[test]
+    fn the_missing_pages_must_lie_in_our_own_stale_set() {
+        let frame = |more, missing| PostcopyMissing { more, missing };
+        let fine =
+            missing(&[frame(true, vec![run(8, 2)]), frame(false, vec![run(12, 4)])]).unwrap();
+        assert_eq!(fine.total(), 6);
+        for (frames, says) in [
+            (vec![frame(false, vec![run(7, 2)])], "page 7 of region 3"),
+            (vec![frame(false, vec![run(60, 8)])], "page 60 of region 3"),
+            (
+                vec![frame(
+                    false,
+                    vec![PageRun {
+                        region_id: 9,
+                        ..run(8, 1)
+                    }],
+                )],
+                "unknown region 9",
+            ),
+            (vec![frame(true, Vec::new())], "empty frame"),
+            (
+                vec![frame(false, vec![run(8, 8), run(8, 8)])],
+                "more pages than the 8 stale",
+            ),
+            (
+                vec![frame(false, vec![run(8, 2), run(9, 1)])],
+                "named twice",
+            ),
+        ] {
+            let error = missing(&frames).unwrap_err();
+            assert!(error.contains(says), "{frames:?}: {error}");
+        }
+    }
+}

@@ -4,7 +4,7 @@
 //! two-region session through `FrameDecoder` exactly as the engine's
 //! receivers drive it (framing into the decoder's buffer in the pieces it
 //! asks for, payload consumed in place), with the input cut into reads of
-//! varying sizes. The postcopy messages (protocol v8) and the memory
+//! varying sizes. The postcopy messages (protocol v8, recovery's v9) and the memory
 //! hand-over (kind 19) are also decoded
 //! from the raw input as bodies, and whatever decodes must encode back to
 //! the same message. Any panic is a bug.
@@ -56,6 +56,8 @@ fn postcopy_bodies_round_trip(data: &[u8]) {
         FrameKind::PageRequest,
         FrameKind::UrgentPages,
         FrameKind::PostcopyComplete,
+        FrameKind::PostcopyResume,
+        FrameKind::PostcopyMissing,
         FrameKind::MemoryHandover,
     ] {
         if let Ok(message) = Message::decode(kind, data) {

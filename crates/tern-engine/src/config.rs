@@ -335,6 +335,13 @@ pub struct MigrationConfig {
     /// With `postcopy` `Auto`: the highest auto-converge throttle (percent)
     /// precopy may set; where it would throttle more, postcopy starts.
     pub postcopy_max_throttle: u8,
+    /// After the point of no return, how long the source keeps
+    /// reconnecting to a destination whose channels broke (backoff from
+    /// 50 ms to 1 s) before it stays `postcopy-paused` for the operator
+    /// (`MigrationHandle::resume_postcopy`, `migrate` with `resume=true`).
+    /// It never gives the guest up by itself (docs/postcopy.md,
+    /// "Recovery").
+    pub postcopy_recover_timeout: Duration,
     /// Same-host migration by memory hand-over: instead of copying pages,
     /// pass the files backing guest memory ([`crate::GuestMemory::region_files`])
     /// over the main channel, a Unix socket, and send only the device state
@@ -394,6 +401,7 @@ impl Default for MigrationConfig {
             postcopy: crate::postcopy::PostcopyMode::Off,
             postcopy_after: None,
             postcopy_max_throttle: 0,
+            postcopy_recover_timeout: Duration::from_secs(60),
             memory_handover: false,
         }
     }
@@ -749,6 +757,14 @@ pub struct ReceiveConfig {
     /// before the migration fails: the longest a silent source can stall
     /// the guest.
     pub postcopy_request_timeout: Duration,
+    /// After the point of no return, how long a destination whose
+    /// channels broke (or whose source went silent past
+    /// `postcopy_request_timeout`) accepts the source's reconnection
+    /// before it stays `postcopy-paused` for the operator
+    /// (`ReceiveHandle::recover_postcopy`, `migrate-recover`). Guest
+    /// threads touching a missing page wait meanwhile; nothing fails by
+    /// itself (docs/postcopy.md, "Recovery").
+    pub postcopy_recover_timeout: Duration,
 }
 
 /// Whether a destination without an auth key or TLS accepts sessions.
@@ -783,6 +799,7 @@ impl Default for ReceiveConfig {
             keep_paused: false,
             max_vmm_config: 64 << 10,
             postcopy_request_timeout: Duration::from_secs(10),
+            postcopy_recover_timeout: Duration::from_secs(60),
         }
     }
 }

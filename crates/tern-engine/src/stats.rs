@@ -52,6 +52,11 @@ pub enum MigrationStatus {
     /// The guest runs on the destination, which fetches the pages it
     /// still lacks from the paused source (docs/postcopy.md).
     PostcopyActive = 7,
+    /// Postcopy lost its connection: the guest runs on the destination
+    /// (threads touching a missing page wait), the source's copy stays
+    /// frozen, and the sides reconnect (QEMU's `postcopy-paused`;
+    /// docs/postcopy.md, "Recovery").
+    PostcopyPaused = 8,
 }
 
 impl MigrationStatus {
@@ -64,6 +69,7 @@ impl MigrationStatus {
             4 => Self::Failed,
             5 => Self::Cancelled,
             7 => Self::PostcopyActive,
+            8 => Self::PostcopyPaused,
             _ => Self::OutcomeUnknown,
         }
     }

@@ -79,7 +79,7 @@ pub use pages::{
 };
 pub use postcopy::{
     LATENCY_BUCKETS, MAX_REQUEST_PAGES, MAX_STALE_RUNS, PageRequest, PageRun, PostcopyComplete,
-    PostcopySwitch, UrgentPages,
+    PostcopyMissing, PostcopyResume, PostcopySwitch, UrgentPages,
 };
 pub use seal::{
     FRAME_SEALED, FrameOpener, MAX_OPENING_FRAME, MAX_PROOF_FRAME, OPENING_KINDS, PROOF_KINDS,
@@ -89,7 +89,7 @@ pub use seal::{
 /// First bytes of every handshake.
 pub const MAGIC: [u8; 8] = *b"TERNMIG\0";
 /// Protocol version spoken by this build.
-pub const PROTOCOL_VERSION: u16 = 8;
+pub const PROTOCOL_VERSION: u16 = 9;
 /// The only page size this version supports: the one definition of tern's
 /// page size (`tern_page::PAGE_SIZE` and `tern_engine::PAGE_SIZE` are this
 /// value as a `usize`).
@@ -207,6 +207,14 @@ pub enum FrameKind {
     /// (main channel of a Unix socket, source to destination, same-host
     /// hand-over; see [`MemoryHandover`]).
     MemoryHandover = 19,
+    /// A paused postcopy's source connects its main channel again
+    /// (first frame of the connection, after the protections; see
+    /// [`PostcopyResume`]).
+    PostcopyResume = 20,
+    /// The stale pages a paused postcopy's destination still lacks, after
+    /// a [`FrameKind::PostcopyResume`] was welcomed (main channel,
+    /// destination to source; see [`PostcopyMissing`]).
+    PostcopyMissing = 21,
     /// Authentication, first on a channel when the sides share a key:
     /// the source's nonce, bound to a session and channel (source to
     /// destination). Numbered apart from the session's own kinds.
@@ -240,6 +248,8 @@ impl FrameKind {
             17 => Self::UrgentPages,
             18 => Self::PostcopyComplete,
             19 => Self::MemoryHandover,
+            20 => Self::PostcopyResume,
+            21 => Self::PostcopyMissing,
             32 => Self::AuthHello,
             33 => Self::AuthChallenge,
             34 => Self::AuthProof,
@@ -274,7 +284,9 @@ impl FrameKind {
             Self::PostcopySwitch
             | Self::PageRequest
             | Self::UrgentPages
-            | Self::PostcopyComplete => match postcopy::max_body(self) {
+            | Self::PostcopyComplete
+            | Self::PostcopyResume
+            | Self::PostcopyMissing => match postcopy::max_body(self) {
                 Some(max) => max,
                 None => 0,
             },

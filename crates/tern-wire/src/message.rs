@@ -7,7 +7,10 @@ use crate::layout::{
     CompleteRecord, DictionaryRecord, HandshakeRecord, OutcomeRecord, RegionRecord, SetupRecord,
     SyncRecord, WelcomeRecord,
 };
-use crate::postcopy::{self, PageRequest, PostcopyComplete, PostcopySwitch, UrgentPages};
+use crate::postcopy::{
+    self, PageRequest, PostcopyComplete, PostcopyMissing, PostcopyResume, PostcopySwitch,
+    UrgentPages,
+};
 use crate::{
     AUTH_NONCE_LEN, AUTH_PROOF_LEN, FRAME_HEADER_LEN, FrameHeader, FrameKind, MAGIC, MAX_CHANNELS,
     MAX_DICTIONARIES, MAX_DICTIONARY_LEN, MAX_GUEST_KIND_LEN, MAX_NAME_LEN, MAX_REGION_BYTES,
@@ -549,6 +552,10 @@ pub enum Message {
     PostcopyComplete(PostcopyComplete),
     /// See [`MemoryHandover`].
     MemoryHandover(MemoryHandover),
+    /// See [`PostcopyResume`].
+    PostcopyResume(PostcopyResume),
+    /// See [`PostcopyMissing`].
+    PostcopyMissing(PostcopyMissing),
 }
 
 impl Message {
@@ -576,6 +583,8 @@ impl Message {
             Self::UrgentPages(_) => FrameKind::UrgentPages,
             Self::PostcopyComplete(_) => FrameKind::PostcopyComplete,
             Self::MemoryHandover(_) => FrameKind::MemoryHandover,
+            Self::PostcopyResume(_) => FrameKind::PostcopyResume,
+            Self::PostcopyMissing(_) => FrameKind::PostcopyMissing,
         }
     }
 
@@ -630,6 +639,8 @@ impl Message {
             Self::UrgentPages(urgent) => postcopy::encode_urgent(urgent, w),
             Self::PostcopyComplete(complete) => postcopy::encode_complete(complete, w),
             Self::MemoryHandover(handover) => handover::encode(handover, w),
+            Self::PostcopyResume(resume) => resume.handshake.encode(w),
+            Self::PostcopyMissing(missing) => postcopy::encode_missing(missing, w),
         }
     }
 
@@ -693,6 +704,13 @@ impl Message {
                 Self::PostcopyComplete(postcopy::decode_complete(&mut r)?)
             }
             FrameKind::MemoryHandover => Self::MemoryHandover(handover::decode(&mut r)?),
+            FrameKind::PostcopyResume => {
+                let handshake = Handshake::decode(&mut r)?.require_channel(0..=0, |index| {
+                    format!("postcopy resume on channel {index} (must be the main channel, 0)")
+                })?;
+                Self::PostcopyResume(PostcopyResume { handshake })
+            }
+            FrameKind::PostcopyMissing => Self::PostcopyMissing(postcopy::decode_missing(&mut r)?),
             FrameKind::Pages => {
                 return Err(WireError::Unexpected {
                     got: FrameKind::Pages,
@@ -948,6 +966,8 @@ fn kind_name(kind: FrameKind) -> &'static str {
         FrameKind::UrgentPages => "urgent pages",
         FrameKind::PostcopyComplete => "postcopy complete",
         FrameKind::MemoryHandover => "memory hand-over",
+        FrameKind::PostcopyResume => "postcopy resume",
+        FrameKind::PostcopyMissing => "postcopy missing pages",
     }
 }
 

@@ -148,6 +148,31 @@ impl UrgentPages {
     }
 }
 
+/// A paused postcopy's source connects its main channel again (source to
+/// destination, the first frame of a new connection after TLS and the
+/// shared-key handshake, which bind the same session and channel 0): the
+/// session it resumes. The destination welcomes it only while its
+/// postcopy is paused and only for its own session.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct PostcopyResume {
+    /// The session, and channel 0.
+    pub handshake: crate::Handshake,
+}
+
+/// The stale pages a paused postcopy's destination still lacks (destination
+/// to source, main channel, after welcoming a [`PostcopyResume`] and the
+/// page channels): the complement of what it received, as runs (QEMU sends
+/// a received bitmap). A long list takes several frames, each but the last
+/// with `more` set. The source checks every run against its own stale
+/// pages; it resends those and continues.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct PostcopyMissing {
+    /// More frames follow.
+    pub more: bool,
+    /// Missing pages, at most [`MAX_STALE_RUNS`] runs.
+    pub missing: Vec<PageRun>,
+}
+
 /// Buckets of [`PostcopyComplete::latency_histogram`]: bucket `i` counts
 /// faults answered in `[2^i, 2^(i+1))` microseconds (bucket 0 also below
 /// 1 µs, the last one also everything longer).
@@ -190,6 +215,8 @@ pub(crate) const fn max_body(kind: FrameKind) -> Option<usize> {
         FrameKind::PageRequest => Some(PageRequest::ENCODED_LEN),
         FrameKind::UrgentPages => Some(UrgentPages::MAX_BODY),
         FrameKind::PostcopyComplete => Some(PostcopyComplete::ENCODED_LEN),
+        FrameKind::PostcopyResume => Some(crate::Handshake::ENCODED_LEN),
+        FrameKind::PostcopyMissing => Some(PostcopySwitch::MAX_BODY),
         _ => None,
     }
 }
@@ -229,6 +256,25 @@ pub(crate) fn decode_switch(r: &mut Reader<'_>) -> Result<PostcopySwitch, WireEr
         .map(|_| PageRun::decode(r, "stale run"))
         .collect::<Result<_, _>>()?;
     Ok(PostcopySwitch { more, stale })
+}
+
+pub(crate) fn encode_missing(missing: &PostcopyMissing, w: &mut Writer<'_>) {
+    encode_switch(
+        &PostcopySwitch {
+            more: missing.more,
+            stale: missing.missing.clone(),
+        },
+        w,
+    );
+}
+
+/// The same layout as a switch frame: flags, reserved, bounded runs.
+pub(crate) fn decode_missing(r: &mut Reader<'_>) -> Result<PostcopyMissing, WireError> {
+    let PostcopySwitch { more, stale } = decode_switch(r)?;
+    Ok(PostcopyMissing {
+        more,
+        missing: stale,
+    })
 }
 
 pub(crate) fn encode_request(request: &PageRequest, w: &mut Writer<'_>) {
@@ -337,10 +383,31 @@ pub(crate) fn decode_complete(r: &mut Reader<'_>) -> Result<PostcopyComplete, Wi
 }
 
 #[cfg(test)]
+mod resume_tests {
+    use crate::{Handshake, Message, PostcopyResume, WireError};
+
+    #[test]
+    fn a_resume_names_the_main_channel_only() {
+        let resume = Message::PostcopyResume(PostcopyResume {
+            handshake: Handshake {
+                session_id: 1,
+                channel_index: 2,
+            },
+        });
+        let bytes = resume.to_bytes();
+        let decoded = Message::decode(crate::FrameKind::PostcopyResume, &bytes[8..]);
+        assert!(
+            matches!(decoded, Err(WireError::InvalidField { .. })),
+            "{decoded:?}"
+        );
+    }
+}
+
+#[cfg(test)]
 mod tests {
     use super::{
         LATENCY_BUCKETS, MAX_REQUEST_PAGES, MAX_STALE_RUNS, PageRequest, PageRun, PostcopyComplete,
-        PostcopySwitch, UrgentPages,
+        PostcopyMissing, PostcopyResume, PostcopySwitch, UrgentPages,
     };
     use crate::{FRAME_HEADER_LEN, FrameHeader, FrameKind, Message, PAGE_SIZE, WireError};
 
@@ -364,6 +431,20 @@ mod tests {
     fn every_postcopy_message_round_trips() {
         let page = PAGE_SIZE as usize;
         let messages = [
+            Message::PostcopyResume(PostcopyResume {
+                handshake: crate::Handshake {
+                    session_id: 0xfeed,
+                    channel_index: 0,
+                },
+            }),
+            Message::PostcopyMissing(PostcopyMissing {
+                more: true,
+                missing: vec![run(3, 9, 2)],
+            }),
+            Message::PostcopyMissing(PostcopyMissing {
+                more: false,
+                missing: Vec::new(),
+            }),
             Message::PostcopySwitch(PostcopySwitch {
                 more: true,
                 stale: vec![run(0, 1, 3), run(7, u32::MAX, 1)],

@@ -89,12 +89,13 @@ pub trait FrameOpener: Send + fmt::Debug {
 }
 
 /// Every kind that may open a connection: a hello, a channel hello, an
-/// auth hello, or an abort. A destination refuses any other first frame at
-/// its header.
-pub const OPENING_KINDS: [FrameKind; 4] = [
+/// auth hello, a paused postcopy's resume, or an abort. A destination
+/// refuses any other first frame at its header.
+pub const OPENING_KINDS: [FrameKind; 5] = [
     FrameKind::Hello,
     FrameKind::ChannelHello,
     FrameKind::AuthHello,
+    FrameKind::PostcopyResume,
     FrameKind::Abort,
 ];
 

@@ -38,6 +38,9 @@ pub(crate) const COMMANDS: &[&str] = &[
     "migrate_cancel",
     "migrate-switch-over",
     "migrate-start-postcopy",
+    "migrate-resume",
+    "migrate",
+    "migrate-recover",
     "cont",
 ];
 
@@ -484,6 +487,38 @@ fn execute(command: &str, arguments: Value, shared: &Shared) -> Result<Value, Co
         "migrate-start-postcopy" => {
             takes_no_arguments()?;
             source(shared, command)?.start_postcopy()?;
+            Ok(json!({}))
+        }
+        // QEMU's `migrate` with `resume: true` on the source; tern starts
+        // migrations from its command line, so that is all `migrate` does.
+        "migrate" => {
+            if arguments.get("resume").and_then(Value::as_bool) != Some(true) {
+                return Err(CommandError::generic(
+                    "tern starts migrations from its command line: migrate here only resumes a \
+                     postcopy-paused one ({\"resume\": true})",
+                ));
+            }
+            source(shared, command)?.resume_postcopy()?;
+            Ok(json!({}))
+        }
+        "migrate-resume" => {
+            takes_no_arguments()?;
+            source(shared, command)?.resume_postcopy()?;
+            Ok(json!({}))
+        }
+        // QEMU's `migrate-recover` takes the address to listen on; tern's
+        // destination listens on where the reception started.
+        "migrate-recover" => {
+            takes_no_arguments()?;
+            match target(shared)? {
+                Target::Destination(handle) => handle.recover_postcopy()?,
+                Target::Source(_) => {
+                    return Err(CommandError::generic(
+                        "migrate-recover is a destination's command; a source resumes with \
+                         migrate-resume (or migrate with resume=true)",
+                    ));
+                }
+            }
             Ok(json!({}))
         }
         "cont" => {

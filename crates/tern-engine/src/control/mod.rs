@@ -66,6 +66,8 @@ pub(crate) struct SourceControl {
     /// Postcopy's mode, and whether `migrate-start-postcopy` was called.
     postcopy_mode: crate::postcopy::PostcopyMode,
     postcopy_requested: std::sync::atomic::AtomicBool,
+    /// `migrate` with `resume=true`: reconnect a paused postcopy now.
+    postcopy_resume: std::sync::atomic::AtomicBool,
 }
 
 impl SourceControl {
@@ -82,6 +84,7 @@ impl SourceControl {
             final_report: Mutex::new(None),
             postcopy_mode: config.postcopy,
             postcopy_requested: std::sync::atomic::AtomicBool::new(false),
+            postcopy_resume: std::sync::atomic::AtomicBool::new(false),
         }
     }
 
@@ -89,6 +92,12 @@ impl SourceControl {
     pub(crate) fn postcopy_requested(&self) -> bool {
         self.postcopy_requested
             .load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// Takes an operator's request to reconnect a paused postcopy.
+    pub(crate) fn take_postcopy_resume(&self) -> bool {
+        self.postcopy_resume
+            .swap(false, std::sync::atomic::Ordering::AcqRel)
     }
 
     /// Keeps the final report for later queries and sends the final event.
@@ -189,6 +198,25 @@ impl MigrationHandle {
         self.control
             .postcopy_requested
             .store(true, std::sync::atomic::Ordering::Relaxed);
+        Ok(())
+    }
+
+    /// Reconnects a `postcopy-paused` migration now, with a new recovery
+    /// window (QEMU's `migrate` with `resume=true`, `tern ctl ...
+    /// migrate-resume`): what an operator does once the network is back,
+    /// or after the recovery timeout left the migration paused. Refused
+    /// unless the status is `postcopy-paused`.
+    pub fn resume_postcopy(&self) -> Result<(), ControlError> {
+        self.check_running()?;
+        if self.control.stats.status() != MigrationStatus::PostcopyPaused {
+            return Err(ControlError::Unsupported(format!(
+                "Only a postcopy-paused migration resumes (the status is {})",
+                self.control.stats.status().as_str()
+            )));
+        }
+        self.control
+            .postcopy_resume
+            .store(true, std::sync::atomic::Ordering::Release);
         Ok(())
     }
 

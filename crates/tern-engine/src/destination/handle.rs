@@ -20,6 +20,8 @@ pub(crate) struct DestinationControl {
     pub cancel: CancelToken,
     pub events: EventHub,
     report: Mutex<ReceiveOutcome>,
+    /// `migrate-recover`: accept a paused postcopy's reconnection again.
+    postcopy_recover: std::sync::atomic::AtomicBool,
 }
 
 impl DestinationControl {
@@ -29,7 +31,13 @@ impl DestinationControl {
             cancel,
             events: EventHub::new(Side::Destination),
             report: Mutex::new(ReceiveOutcome::default()),
+            postcopy_recover: std::sync::atomic::AtomicBool::new(false),
         }
+    }
+
+    /// Takes an operator's request to accept a reconnection again.
+    pub(crate) fn take_postcopy_recover(&self) -> bool {
+        self.postcopy_recover.swap(false, Ordering::AcqRel)
     }
 
     pub(crate) fn outcome(&self) -> MutexGuard<'_, ReceiveOutcome> {
@@ -59,6 +67,21 @@ impl ReceiveHandle {
     /// resumed here.
     pub fn cancel(&self) {
         self.control.cancel.cancel();
+    }
+
+    /// Accepts a `postcopy-paused` migration's reconnection again, for a
+    /// new recovery window (QEMU's `migrate-recover`, `tern ctl ...
+    /// migrate-recover`; the listener stays the one the reception
+    /// started on). Refused unless postcopy is paused here.
+    pub fn recover_postcopy(&self) -> Result<(), crate::ControlError> {
+        if self.control.stats.phase() != ReceivePhase::PostcopyPaused {
+            return Err(crate::ControlError::Unsupported(format!(
+                "Only a postcopy-paused migration recovers (this destination is {})",
+                self.control.stats.phase().as_str()
+            )));
+        }
+        self.control.postcopy_recover.store(true, Ordering::Release);
+        Ok(())
     }
 
     /// Events from now on, in order, ending after the final status change.
@@ -112,6 +135,7 @@ pub(super) fn phase_status(phase: ReceivePhase) -> MigrationStatus {
         ReceivePhase::Verifying => MigrationStatus::Device,
         ReceivePhase::Resumed | ReceivePhase::Paused => MigrationStatus::Completed,
         ReceivePhase::Failed => MigrationStatus::Failed,
+        ReceivePhase::PostcopyPaused => MigrationStatus::PostcopyPaused,
     }
 }
 

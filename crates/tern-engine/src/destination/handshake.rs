@@ -301,7 +301,12 @@ impl Drop for Handshakes<'_> {
 const OPENING_NAMES: &str = "a hello, a channel hello or an auth hello";
 
 /// What may follow a key exchange.
-const HELLO_KINDS: [FrameKind; 3] = [FrameKind::Hello, FrameKind::ChannelHello, FrameKind::Abort];
+const HELLO_KINDS: [FrameKind; 4] = [
+    FrameKind::Hello,
+    FrameKind::ChannelHello,
+    FrameKind::PostcopyResume,
+    FrameKind::Abort,
+];
 
 /// The largest hello after a key exchange: sealed on the main channel.
 const MAX_SEALED_OPENING_FRAME: usize = MAX_OPENING_FRAME + tern_wire::SEAL_LEN;
@@ -406,6 +411,7 @@ fn first_message(
             let named = match &message {
                 Message::Hello(hello) => Some(hello.handshake),
                 Message::ChannelHello(hello) => Some(hello.handshake),
+                Message::PostcopyResume(resume) => Some(resume.handshake),
                 _ => None,
             };
             if named.is_some_and(|named| named != hello.handshake) {
@@ -469,7 +475,12 @@ fn server_auth(
 
 /// Refuses a whole session with this reason, on the connection that
 /// proposed it, and logs it.
-fn refuse(stats: &ReceiveStats, arrived: &mut Arrived, reason: AbortReason, message: String) {
+pub(super) fn refuse(
+    stats: &ReceiveStats,
+    arrived: &mut Arrived,
+    reason: AbortReason,
+    message: String,
+) {
     stats.record_refusal(format!("refused a connection: {message}"));
     let _ = arrived
         .channel

@@ -13,6 +13,7 @@ mod order;
 mod populate;
 mod postcopy;
 mod receiver;
+mod recover;
 mod reuse;
 mod shared;
 mod stream;
@@ -64,6 +65,10 @@ pub enum ReceivePhase {
     /// Verified and committed; the guest is kept paused for the embedder
     /// ([`ReceiveConfig::keep_paused`]).
     Paused = 5,
+    /// The guest runs here, postcopy lost its connection, and the pages
+    /// it lacks wait for the source's reconnection (docs/postcopy.md,
+    /// "Recovery").
+    PostcopyPaused = 6,
 }
 
 impl ReceivePhase {
@@ -74,6 +79,7 @@ impl ReceivePhase {
             2 => Self::Verifying,
             3 => Self::Resumed,
             5 => Self::Paused,
+            6 => Self::PostcopyPaused,
             _ => Self::Failed,
         }
     }
@@ -87,6 +93,7 @@ impl ReceivePhase {
             Self::Resumed => "resumed",
             Self::Failed => "failed",
             Self::Paused => "paused",
+            Self::PostcopyPaused => "postcopy-paused",
         }
     }
 }
@@ -554,6 +561,12 @@ impl Destination {
         if delivered.postcopy.is_some() {
             let report = self.postcopy_switch_over(
                 &shared,
+                recover::Session {
+                    session_id,
+                    identity: main.security().peer_identity.clone(),
+                    channel_count: setup.channel_count,
+                    handshakes,
+                },
                 main,
                 decoder,
                 &mut guest,

@@ -97,6 +97,17 @@ pub(super) struct Delivery {
     wake: OwnedFd,
     arrived: (Mutex<()>, Condvar),
     failed: AtomicBool,
+    /// A thread lost its channel this round (recovery may mend it).
+    interrupted: AtomicBool,
+    /// A fault waited past `request_timeout` this round: the source is
+    /// silent, and the connection is given up for a new one.
+    stalled: AtomicBool,
+    /// Postcopy is paused: a fault waits without a deadline (the guest's
+    /// memory never leaves userfaultfd while both processes live).
+    paused: AtomicBool,
+    /// Bumped at each recovery: a fault waiting since before it asks again
+    /// (its request may have been lost with the old connection).
+    generation: AtomicU64,
     request_timeout: Duration,
     region_ids: Vec<u32>,
     pub(super) requested_pages: AtomicU64,
@@ -132,6 +143,10 @@ impl Delivery {
             wake: unsafe { OwnedFd::from_raw_fd(wake) },
             arrived: (Mutex::new(()), Condvar::new()),
             failed: AtomicBool::new(false),
+            interrupted: AtomicBool::new(false),
+            stalled: AtomicBool::new(false),
+            paused: AtomicBool::new(false),
+            generation: AtomicU64::new(0),
             request_timeout,
             region_ids: setup.regions.iter().map(|region| region.id).collect(),
             requested_pages: AtomicU64::new(0),
@@ -149,6 +164,57 @@ impl Delivery {
     pub(super) fn fail(&self) {
         self.failed.store(true, Ordering::Release);
         self.notify();
+    }
+
+    /// A thread lost its channel: the round ends, and the faults wait.
+    fn interrupt(&self) {
+        self.interrupted.store(true, Ordering::Release);
+        self.notify();
+    }
+
+    /// Ends a round that lost its connection: faults wait without a
+    /// deadline until [`Delivery::resume`] or [`Delivery::fail`].
+    pub(super) fn pause(&self) {
+        self.paused.store(true, Ordering::Release);
+    }
+
+    /// A new connection: a fault asks again, and has its deadline again.
+    pub(super) fn resume(&self) {
+        self.interrupted.store(false, Ordering::Release);
+        self.stalled.store(false, Ordering::Release);
+        self.generation.fetch_add(1, Ordering::AcqRel);
+        self.paused.store(false, Ordering::Release);
+        self.notify();
+    }
+
+    /// The stale pages not placed yet, as runs in the setup's order: what
+    /// a reconnected source must send again.
+    pub(super) fn missing_runs(&self) -> Vec<PageRun> {
+        let mut runs = Vec::new();
+        for (region, &region_id) in self.region_ids.iter().enumerate() {
+            let pages = self.stale.region_pages(region);
+            let mut page = 0;
+            while page < pages {
+                if !self.stale.contains(region, page) || self.delivered[region].get(page) {
+                    page += 1;
+                    continue;
+                }
+                let first = page;
+                while page < pages
+                    && page - first < u64::from(u32::MAX)
+                    && self.stale.contains(region, page)
+                    && !self.delivered[region].get(page)
+                {
+                    page += 1;
+                }
+                runs.push(PageRun {
+                    region_id,
+                    first_page: u32::try_from(first).unwrap_or(u32::MAX),
+                    pages: u32::try_from(page - first).unwrap_or(u32::MAX),
+                });
+            }
+        }
+        runs
     }
 
     fn notify(&self) {
@@ -216,12 +282,18 @@ impl Delivery {
         unsafe { libc::write(self.wake.as_raw_fd(), one.as_ptr().cast(), one.len()) };
     }
 
-    /// Waits until page `page` of region `region` is placed.
+    /// Waits until page `page` of region `region` is placed. Past
+    /// `request_timeout` the source counts as silent: the connection is
+    /// given up for a new one (the round is marked stalled) and the wait
+    /// goes on, as it does while postcopy is paused; after a recovery the
+    /// page is asked for again. Only [`Delivery::fail`] ends the wait
+    /// without the page.
     fn wait_for(&self, region: usize, page: u64) -> Result<(), PageSourceError> {
         if !self.requested[region].set(page) {
             self.request(region, page);
         }
-        let deadline = Instant::now() + self.request_timeout;
+        let mut generation = self.generation.load(Ordering::Acquire);
+        let mut deadline = Instant::now() + self.request_timeout;
         let mut guard = self.arrived.0.lock().unwrap_or_else(|e| e.into_inner());
         loop {
             if self.delivered[region].get(page) {
@@ -231,19 +303,51 @@ impl Delivery {
                 return Err(PageSourceError::new("postcopy stopped"));
             }
             let now = Instant::now();
-            if now >= deadline {
-                return Err(PageSourceError::new(format!(
-                    "the source did not deliver the page within {} s (postcopy_request_timeout)",
-                    self.request_timeout.as_secs_f64()
-                )));
+            if self.generation.load(Ordering::Acquire) != generation {
+                generation = self.generation.load(Ordering::Acquire);
+                deadline = now + self.request_timeout;
+                self.request_again(region, page);
+            }
+            if self.paused.load(Ordering::Acquire) {
+                deadline = now + self.request_timeout;
+            } else if now >= deadline && !self.stalled.swap(true, Ordering::AcqRel) {
+                tracing::warn!(
+                    page,
+                    region,
+                    timeout_s = self.request_timeout.as_secs_f64(),
+                    "the source did not deliver a page within postcopy_request_timeout; \
+                     reconnecting"
+                );
+                self.notify_locked();
             }
             guard = self
                 .arrived
                 .1
-                .wait_timeout(guard, (deadline - now).min(POLL))
+                .wait_timeout(guard, POLL)
                 .unwrap_or_else(|e| e.into_inner())
                 .0;
         }
+    }
+
+    /// Wakes the waiters while the caller holds the lock.
+    fn notify_locked(&self) {
+        self.arrived.1.notify_all();
+    }
+
+    /// Queues a request for one page whatever was asked before: the answer
+    /// to the first may have been lost with a broken connection.
+    fn request_again(&self, region: usize, page: u64) {
+        self.requests
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .push_back(PageRun {
+                region_id: self.region_ids[region],
+                first_page: u32::try_from(page).unwrap_or(u32::MAX),
+                pages: 1,
+            });
+        let one = 1u64.to_ne_bytes();
+        // SAFETY: eight readable bytes, what an eventfd write takes.
+        unsafe { libc::write(self.wake.as_raw_fd(), one.as_ptr().cast(), one.len()) };
     }
 
     fn take_requests(&self) -> Vec<PageRun> {
@@ -320,7 +424,9 @@ pub(super) struct Phase<'a> {
 }
 
 /// Runs the postcopy phase until every stale page is placed and every
-/// page channel has ended its push, or the first failure.
+/// page channel has ended its push, or the first failure. A lost
+/// connection (see [`crate::postcopy::is_recoverable`]) leaves the faults
+/// waiting for a recovery; any other failure releases them.
 pub(super) fn deliver_all(
     phase: &Phase<'_>,
     main: &mut Channel,
@@ -334,12 +440,13 @@ pub(super) fn deliver_all(
             .map(|(index, channel)| scope.spawn(move || phase.receive_push(index + 1, channel)))
             .collect();
         let urgent = scope.spawn(|| phase.serve_main(main, decoder));
-        let result = phase.wait_until_delivered(&pushers, &urgent);
+        let waited = phase.wait_until_delivered(&pushers, &urgent);
         phase.stop.store(true, Ordering::Release);
-        if result.is_err() {
-            phase.delivery.fail();
+        if waited.is_err() {
+            // Whoever waits on a page stays blocked until the round ends.
+            phase.delivery.pause();
         }
-        let mut first = result.err();
+        let mut first: Option<MigrationError> = None;
         for handle in pushers.into_iter().chain(std::iter::once(urgent)) {
             match handle.join() {
                 Ok(Err(error)) => {
@@ -353,7 +460,17 @@ pub(super) fn deliver_all(
                 Ok(Ok(())) => {}
             }
         }
-        first.map_or(Ok(()), Err)
+        // A thread's own error says more than the wait's.
+        let result = match (first, waited) {
+            (Some(error), _) | (None, Err(error)) => Err(error),
+            (None, Ok(())) => Ok(()),
+        };
+        if let Err(error) = &result
+            && !crate::postcopy::is_recoverable(error)
+        {
+            phase.delivery.fail();
+        }
+        result
     })
 }
 
@@ -368,6 +485,14 @@ impl Phase<'_> {
         loop {
             if self.delivery.failed.load(Ordering::Acquire) {
                 return Err(MigrationError::Internal("postcopy stopped".into()));
+            }
+            if self.delivery.interrupted.load(Ordering::Acquire) {
+                return Err(MigrationError::channel(0)(ChannelError::Closed));
+            }
+            if self.delivery.stalled.load(Ordering::Acquire) {
+                return Err(MigrationError::channel(0)(ChannelError::Timeout(
+                    "a page the guest waits on (postcopy_request_timeout)",
+                )));
             }
             if let Some(error) = self.service.take_failure() {
                 return Err(MigrationError::Internal(format!(
@@ -412,8 +537,8 @@ impl Phase<'_> {
         decoder: &mut FrameDecoder,
     ) -> Result<(), MigrationError> {
         let result = self.serve_main_until_stopped(main, decoder);
-        if result.is_err() {
-            self.delivery.fail();
+        if let Err(error) = &result {
+            self.lost(error);
         }
         result
     }
@@ -487,10 +612,25 @@ impl Phase<'_> {
     /// One page channel's background push, until its last sync.
     fn receive_push(&self, index: usize, mut channel: Channel) -> Result<(), MigrationError> {
         let result = self.receive_push_until_end(index, &mut channel);
-        if result.is_err() {
-            self.delivery.fail();
+        if let Err(error) = &result {
+            self.lost(error);
+        }
+        // Whatever ended the round, the source hears of it at once (the
+        // handle may be a second one on the socket: shut it down).
+        if self.stop.load(Ordering::Acquire) || result.is_err() {
+            channel.shutdown();
         }
         result
+    }
+
+    /// A thread's failure ends the round: a lost connection pauses
+    /// postcopy, anything else fails it.
+    fn lost(&self, error: &MigrationError) {
+        if crate::postcopy::is_recoverable(error) {
+            self.delivery.interrupt();
+        } else {
+            self.delivery.fail();
+        }
     }
 
     fn receive_push_until_end(
@@ -604,6 +744,9 @@ impl Delivery {
         while !self.complete() {
             if self.failed.load(Ordering::Acquire) {
                 return Err(MigrationError::Internal("postcopy stopped".into()));
+            }
+            if self.interrupted.load(Ordering::Acquire) || self.stalled.load(Ordering::Acquire) {
+                return Err(MigrationError::channel(0)(ChannelError::Closed));
             }
             let now = Instant::now();
             if now >= deadline {
@@ -758,7 +901,7 @@ mod tests {
     }
 
     #[test]
-    fn a_fault_on_a_stale_page_asks_the_source_and_a_silent_source_fails_it() {
+    fn a_fault_on_a_stale_page_asks_the_source_and_a_silent_source_pauses_it() {
         let memory = AnonymousMemory::new(8);
         let regions = [memory.region(1)];
         let (delivery, _) = delivery(Duration::from_millis(200));
@@ -797,22 +940,45 @@ mod tests {
                 pages: 2
             }]
         );
-        // Nobody answers: the fault fails at its deadline, with the setting
-        // named, and the memory is released so no thread hangs.
-        assert_eq!(reader.join().unwrap(), (0, 0));
-        let failure = loop {
-            if let Some(failure) = service.take_failure() {
-                break failure;
+        // Nobody answers: past the deadline the round is marked stalled
+        // (the connection is given up for a new one), and the fault keeps
+        // waiting: memory never leaves userfaultfd, nothing reads zeros.
+        while !delivery.stalled.load(std::sync::atomic::Ordering::Acquire) {
+            assert!(Instant::now() < deadline, "a silent source never stalled");
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        delivery.pause();
+        assert!(service.take_failure().is_none());
+        assert!(!reader.is_finished(), "the faulting thread waits");
+        // A recovery: the fault asks again, and the page arrives.
+        delivery.resume();
+        let again = loop {
+            let requests = delivery.take_requests();
+            if !requests.is_empty() {
+                break requests;
             }
-            assert!(Instant::now() < deadline, "the fault never failed");
+            assert!(Instant::now() < deadline, "no request after the recovery");
             std::thread::sleep(Duration::from_millis(1));
         };
-        let mut chain = failure.to_string();
-        let mut cause = std::error::Error::source(&failure);
-        while let Some(next) = cause {
-            chain.push_str(&format!(": {next}"));
-            cause = next.source();
-        }
-        assert!(chain.contains("postcopy_request_timeout"), "{chain}");
+        assert_eq!(again[0].first_page, 2);
+        let page = vec![9u8; PAGE_SIZE];
+        assert!(delivery.place(&service, None, 0, 2, Some(&page)).unwrap());
+        assert_eq!(reader.join().unwrap(), (0, 9));
+        assert_eq!(
+            delivery.missing_runs(),
+            [
+                PageRun {
+                    region_id: 1,
+                    first_page: 0,
+                    pages: 2
+                },
+                PageRun {
+                    region_id: 1,
+                    first_page: 3,
+                    pages: 1
+                }
+            ]
+        );
+        drop(service.stop());
     }
 }

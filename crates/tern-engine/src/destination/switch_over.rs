@@ -13,13 +13,14 @@ use super::handshake::peer_aborted;
 use super::live::Delivered;
 use super::order::MainChannelState;
 use super::postcopy;
+use super::recover::{self, Reconnected};
 use super::shared::ReceiverShared;
 use super::stream::{FrameSink, FrameSource, read_message_until};
 use super::{Destination, POLL_INTERVAL, ReceivePhase};
 use crate::error::{ChannelError, MigrationError};
 use crate::guest::{DestinationGuest, StateSection};
 use crate::postcopy::{PostcopyReport, StaleSet};
-use crate::stats::{DigestComparison, thread_cpu_seconds};
+use crate::stats::{DigestComparison, MigrationStatus, thread_cpu_seconds};
 use crate::transport::Channel;
 
 impl Destination {
@@ -243,6 +244,7 @@ impl Destination {
     pub(super) fn postcopy_switch_over<G: DestinationGuest>(
         &self,
         shared: &ReceiverShared<'_>,
+        mut session: super::recover::Session<'_, '_>,
         main: &mut Channel,
         decoder: &mut FrameDecoder,
         guest: &mut G,
@@ -307,17 +309,62 @@ impl Destination {
         }))
         .map_err(MigrationError::channel(0))?;
         tracing::info!("the guest runs here; postcopy fetches its missing pages");
-        let stop = AtomicBool::new(false);
-        let phase = postcopy::Phase {
-            setup: shared.setup,
-            delivery: &delivery,
-            service: &service,
-            hashes: shared.page_hashes.as_ref(),
-            iteration: complete.final_iteration.saturating_add(1),
-            io_timeout: shared.io_timeout(),
-            stop: &stop,
+        let mut push_channels = push_channels;
+        let mut recoveries = 0u64;
+        let mut paused_for = Duration::ZERO;
+        let delivered = loop {
+            let stop = AtomicBool::new(false);
+            let phase = postcopy::Phase {
+                setup: shared.setup,
+                delivery: &delivery,
+                service: &service,
+                hashes: shared.page_hashes.as_ref(),
+                iteration: complete.final_iteration.saturating_add(1),
+                io_timeout: shared.io_timeout(),
+                stop: &stop,
+            };
+            let cause = match postcopy::deliver_all(
+                &phase,
+                main,
+                decoder,
+                std::mem::take(&mut push_channels),
+            ) {
+                Err(error) if crate::postcopy::is_recoverable(&error) => error,
+                other => break other,
+            };
+            // The source hears at once that this connection is over.
+            main.shutdown();
+            let paused_at = Instant::now();
+            let reconnected =
+                self.await_reconnection(&mut session, &cause)
+                    .and_then(|reconnected| {
+                        let Reconnected {
+                            main: mut new_main,
+                            decoder: new_decoder,
+                            page_channels,
+                        } = reconnected;
+                        recover::send_missing(&mut new_main, &delivery.missing_runs())?;
+                        *main = new_main;
+                        *decoder = new_decoder;
+                        Ok(page_channels)
+                    });
+            paused_for += paused_at.elapsed();
+            match reconnected {
+                Ok(page_channels) => {
+                    push_channels = page_channels;
+                    recoveries += 1;
+                    delivery.resume();
+                    self.control
+                        .events
+                        .status(MigrationStatus::PostcopyActive, None);
+                    tracing::info!("postcopy recovered: the source sends what is missing");
+                }
+                Err(error) => {
+                    delivery.fail();
+                    break Err(error);
+                }
+            }
         };
-        let delivered = postcopy::deliver_all(&phase, main, decoder, push_channels);
         let delivered_after = resumed_at.elapsed();
         let faults = service.stop();
         if let Err(error) = delivered {
@@ -334,13 +381,15 @@ impl Destination {
             .page_hashes
             .as_ref()
             .map_or(0, |hashes| hashes.recorded_digest());
-        let (message, report) = postcopy::completion(
+        let (message, mut report) = postcopy::completion(
             &delivery,
             &faults,
             digest,
             delivered_after,
             &faults.fault_latency_histogram_us,
         );
+        report.postcopy_recoveries = recoveries;
+        report.postcopy_paused_ms = paused_for.as_secs_f64() * 1000.0;
         main.send_message(&Message::PostcopyComplete(message))
             .map_err(MigrationError::channel(0))?;
         if shared.setup.digest != DigestAlgorithm::None {

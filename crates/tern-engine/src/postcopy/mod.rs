@@ -116,6 +116,13 @@ pub struct PostcopyReport {
     /// Time from the guest resuming on the destination until every page
     /// was placed there, ms.
     pub delivered_after_ms: f64,
+    /// Times postcopy was paused by a broken or silent connection and
+    /// recovered (docs/postcopy.md, "Recovery").
+    #[serde(default)]
+    pub postcopy_recoveries: u64,
+    /// Time spent `postcopy-paused`, summed, ms.
+    #[serde(default)]
+    pub postcopy_paused_ms: f64,
 }
 
 impl PostcopyReport {
@@ -131,6 +138,23 @@ impl PostcopyReport {
         self.fault_latency_histogram_us = trimmed(&complete.latency_histogram);
         self.delivered_after_ms = complete.delivered_micros as f64 / 1000.0;
     }
+}
+
+/// Whether a postcopy failure is a lost connection (closed, reset, silent
+/// past its deadline, or not reconnectable yet), which recovery may mend,
+/// rather than a peer that misbehaved or gave up, which it may not.
+pub(crate) fn is_recoverable(error: &crate::error::MigrationError) -> bool {
+    use crate::error::{ChannelError, MigrationError};
+    matches!(
+        error,
+        MigrationError::Channel {
+            source: ChannelError::Closed
+                | ChannelError::Io(_)
+                | ChannelError::Timeout(_)
+                | ChannelError::Connect(..),
+            ..
+        }
+    )
 }
 
 /// A histogram without its empty tail.

@@ -90,7 +90,7 @@ fn send_vmm_config(main: &mut Channel, config: &MigrationConfig) -> Result<(), M
 /// handshake); its hello comes next. `until`, on a second or later
 /// attempt, is the connect timeout's deadline: neither the connection nor
 /// the handshake may wait past it.
-fn open_channel(
+pub(super) fn open_channel(
     config: &MigrationConfig,
     connector: &dyn Connect,
     session_id: u64,
@@ -141,7 +141,7 @@ fn open_channel(
 /// (`MigrationError::NotTern`). When the last attempt cannot even connect
 /// (the destination gone, or sockets handed over once), the error is the
 /// one that made the channel try again.
-fn open_and_greet(
+pub(super) fn open_and_greet(
     config: &MigrationConfig,
     connector: &dyn Connect,
     session_id: u64,
@@ -383,7 +383,7 @@ pub(super) fn session_setup(
 }
 
 /// Reads channel `index`'s welcome, by `until` at the latest when given.
-fn expect_welcome(
+pub(super) fn expect_welcome(
     channel: &mut Channel,
     session_id: u64,
     index: u16,

@@ -8,6 +8,7 @@ mod handover;
 mod live;
 mod peer;
 mod postcopy;
+mod recover;
 mod switch_over;
 
 use std::sync::Arc;
@@ -243,11 +244,12 @@ impl Source {
         let total: u64 = regions.iter().map(MemoryRegion::len).sum();
         self.stats.total.store(total, Ordering::Relaxed);
         self.stats.remaining.store(total, Ordering::Relaxed);
+        let session_id = connect::random_session_id();
         let page_channels = connect::connect(
             config,
             &cancellable::CancellableConnect::new(connector, &self.cancel),
             &setup,
-            connect::random_session_id(),
+            session_id,
             main_slot,
             compression.dictionary.as_ref(),
         )
@@ -304,6 +306,8 @@ impl Source {
                                 channels: postcopy_channels,
                                 setup: &setup,
                                 regions: &regions,
+                                connector,
+                                session_id,
                             },
                         ),
                         None => self.switch_over(guest, main, changes, &mut pipeline, live),

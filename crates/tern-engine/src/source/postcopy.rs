@@ -51,6 +51,9 @@ pub(super) struct Handover<'a> {
     pub setup: &'a tern_wire::SessionSetup,
     /// The guest's regions, in the setup's order.
     pub regions: &'a [MemoryRegion],
+    /// How to connect again after a broken connection (recovery).
+    pub connector: &'a dyn crate::transport::Connect,
+    pub session_id: u64,
 }
 
 /// What the push and the answers read: the frozen memory and what is stale.

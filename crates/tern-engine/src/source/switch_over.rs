@@ -11,6 +11,7 @@ use tern_wire::{
 
 use super::live::LiveEnd;
 use super::postcopy::{self, Frozen, Handover, ServeCounters};
+use super::recover;
 use super::{GuestChanges, Source};
 use crate::bitmap::DirtyBitmap;
 use crate::config::Verify;
@@ -493,7 +494,10 @@ impl Source {
     }
 
     /// Serves the destination until it holds every page, then compares the
-    /// digests: a mismatch now cannot be undone, and says so.
+    /// digests: a mismatch now cannot be undone, and says so. A lost
+    /// connection pauses postcopy and reconnects (`source/recover.rs`);
+    /// only a misbehaving peer, a cancel or a destination that is gone for
+    /// good ends it.
     fn serve_postcopy(
         &self,
         main: &mut Channel,
@@ -507,14 +511,8 @@ impl Source {
             stale_pages: frozen.stale.total(),
             ..PostcopyReport::default()
         };
-        let served = postcopy::serve(
-            main,
-            handover.channels,
-            frozen,
-            self.config.io_timeout,
-            &self.stats,
-            &counters,
-        );
+        let setup = handover.setup;
+        let served = self.serve_with_recovery(main, handover, frozen, &counters, &mut report);
         report.postcopy_bytes = counters.bytes.load(Ordering::Relaxed);
         report.postcopy_requests = counters.requests.load(Ordering::Relaxed);
         report.requested_pages = counters.requested_pages.load(Ordering::Relaxed);
@@ -538,7 +536,7 @@ impl Source {
                 destination: complete.digest,
             });
             if complete.digest != digest {
-                let pages = describe_runs(&frozen.stale.runs(handover.setup));
+                let pages = describe_runs(&frozen.stale.runs(setup));
                 tracing::error!(
                     source = format!("{digest:032x}"),
                     destination = format!("{:032x}", complete.digest),
@@ -554,6 +552,72 @@ impl Source {
         }
         self.stats.set_digest_verified_from_comparison();
         Ok(())
+    }
+
+    /// Runs postcopy's rounds: one per connection, a lost connection
+    /// paused and mended in between (`source/recover.rs`); the missing
+    /// pages the destination names after a recovery are the next round's
+    /// stale set. Counts recoveries and paused time into `report`.
+    fn serve_with_recovery(
+        &self,
+        main: &mut Channel,
+        handover: Handover<'_>,
+        frozen: &Frozen<'_>,
+        counters: &ServeCounters,
+        report: &mut PostcopyReport,
+    ) -> Result<tern_wire::PostcopyComplete, MigrationError> {
+        let session = recover::Session {
+            config: &self.config,
+            connector: handover.connector,
+            session_id: handover.session_id,
+            identity: main.security().peer_identity.clone(),
+            setup: handover.setup,
+        };
+        let mut channels = handover.channels;
+        let mut missing: Option<StaleSet> = None;
+        let mut paused_for = Duration::ZERO;
+        let served = loop {
+            let round = Frozen {
+                regions: frozen.regions,
+                stale: missing.as_ref().unwrap_or(frozen.stale),
+                iteration: frozen.iteration,
+            };
+            let result = postcopy::serve(
+                main,
+                std::mem::take(&mut channels),
+                &round,
+                self.config.io_timeout,
+                &self.stats,
+                counters,
+            );
+            let cause = match result {
+                Err(error) if recover::is_recoverable(&error) => error,
+                other => break other,
+            };
+            main.shutdown();
+            let paused_at = Instant::now();
+            let mended = session.recover(&self.control, &self.cancel, round.stale, &cause);
+            paused_for += paused_at.elapsed();
+            match mended {
+                Ok(mended) => {
+                    *main = mended.main;
+                    channels = mended.page_channels;
+                    missing = Some(mended.missing);
+                    report.postcopy_recoveries += 1;
+                    self.stats.set_status(MigrationStatus::PostcopyActive);
+                    self.control
+                        .events
+                        .status(MigrationStatus::PostcopyActive, None);
+                    tracing::info!(
+                        missing = missing.as_ref().map_or(0, StaleSet::total),
+                        "postcopy recovered; resending what the destination lacks"
+                    );
+                }
+                Err(error) => break Err(error),
+            }
+        };
+        report.postcopy_paused_ms = paused_for.as_secs_f64() * 1000.0;
+        served
     }
 
     /// Ends precopy with the guest paused: a last sync on every page

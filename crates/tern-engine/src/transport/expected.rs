@@ -37,6 +37,8 @@ impl Expected {
             FrameKind::UrgentPages,
             FrameKind::PostcopyComplete,
             FrameKind::MemoryHandover,
+            FrameKind::PostcopyResume,
+            FrameKind::PostcopyMissing,
             FrameKind::AuthHello,
             FrameKind::AuthChallenge,
             FrameKind::AuthProof,
@@ -78,6 +80,13 @@ impl Expected {
     pub const HANDOVER_ECHO: Self = Self {
         kinds: &[FrameKind::MemoryHandover, FrameKind::Abort],
         name: "the destination's confirmation of the memory hand-over",
+    };
+
+    /// A paused postcopy's destination, after welcoming the source back:
+    /// the pages it still lacks.
+    pub const POSTCOPY_MISSING: Self = Self {
+        kinds: &[FrameKind::PostcopyMissing, FrameKind::Abort],
+        name: "the pages postcopy still lacks",
     };
 
     /// What the destination sends during postcopy: page requests, its

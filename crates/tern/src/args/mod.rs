@@ -227,6 +227,12 @@ pub(crate) struct ListenArgs {
     /// unix: address.
     #[arg(long)]
     pub local: bool,
+    /// After postcopy's point of no return, how long to accept the
+    /// source's reconnection once the connection broke, in seconds; then
+    /// the migration stays postcopy-paused until `tern ctl ...
+    /// migrate-recover` (QEMU's migrate-recover). Never a failure.
+    #[arg(long, default_value_t = 60, value_parser = clap::value_parser!(u64).range(1..))]
+    pub postcopy_recover_timeout: u64,
 }
 
 impl ListenArgs {
@@ -243,6 +249,7 @@ impl ListenArgs {
         config.decode_threads = self.decode_threads.map(usize::from);
         config.keep_paused = self.keep_paused;
         config.max_vmm_config = usize::try_from(self.max_vmm_config).unwrap_or(usize::MAX);
+        config.postcopy_recover_timeout = Duration::from_secs(self.postcopy_recover_timeout);
         config
     }
 }

@@ -206,6 +206,12 @@ pub(crate) struct TransferArgs {
     /// precopy may set; where it would throttle more, postcopy starts.
     #[arg(long, default_value_t = 0, value_parser = clap::value_parser!(u8).range(0..=99))]
     pub postcopy_max_throttle: u8,
+    /// After the point of no return, how long the source keeps
+    /// reconnecting to a destination whose channels broke, in seconds;
+    /// then the migration stays postcopy-paused until `tern ctl ...
+    /// migrate-resume` (QEMU: migrate resume=true). Never a failure.
+    #[arg(long, default_value_t = 60, value_parser = clap::value_parser!(u64).range(1..))]
+    pub postcopy_recover_timeout: u64,
 }
 
 impl TransferArgs {
@@ -213,6 +219,7 @@ impl TransferArgs {
     fn apply_postcopy(&self, config: &mut MigrationConfig) -> anyhow::Result<()> {
         config.postcopy = self.postcopy;
         config.postcopy_max_throttle = self.postcopy_max_throttle;
+        config.postcopy_recover_timeout = Duration::from_secs(self.postcopy_recover_timeout);
         config.postcopy_after = match self.postcopy_after {
             Some(seconds) if seconds.is_finite() && seconds >= 0.0 => {
                 Some(Duration::from_secs_f64(seconds))

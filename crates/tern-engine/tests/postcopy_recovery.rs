@@ -1,0 +1,490 @@
+//! Postcopy recovery end to end (docs/postcopy.md, "Recovery"): real
+//! sockets through a small TCP proxy the test cuts, holds and lets through
+//! again, real userfaultfd, the synthetic guest's dirtier faulting on the
+//! destination. Skipped visibly without userfaultfd.
+
+mod common;
+
+use std::io::{Read, Write};
+use std::net::{Shutdown, TcpListener, TcpStream};
+use std::sync::atomic::{AtomicBool, AtomicU8, Ordering};
+use std::sync::{Arc, Mutex};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use common::*;
+use tern_engine::{
+    Address, Destination, EventBody, MigrationConfig, MigrationStats, MigrationStatus,
+    PostcopyMode, ReceiveConfig, ReceiveHandle, Security, Source,
+};
+use tern_synthetic::{ContentMix, SyntheticConfig, SyntheticGuest};
+
+/// Whether this process may use userfaultfd; a skip says why not.
+fn userfaultfd_works() -> bool {
+    // SAFETY: the system call takes flags only; the descriptor is closed
+    // right away.
+    let fd = unsafe { libc::syscall(libc::SYS_userfaultfd, libc::O_CLOEXEC) };
+    if fd >= 0 {
+        // SAFETY: our own descriptor.
+        unsafe { libc::close(libc::c_int::try_from(fd).unwrap()) };
+        return true;
+    }
+    tern_test_skip::skip(
+        tern_test_skip::Need::Userfaultfd,
+        "no userfaultfd for this process",
+    );
+    false
+}
+
+const PASS: u8 = 0;
+/// Every connection is shut down, new ones are closed at once: a severed
+/// network.
+const CUT: u8 = 1;
+/// Nothing moves, nothing closes: a stopped peer (as SIGSTOP would leave
+/// its sockets).
+const HOLD: u8 = 2;
+
+/// A TCP proxy in front of the destination, with a link of `rate` bytes/s
+/// (source to destination) so that postcopy lasts long enough to be cut.
+struct Proxy {
+    address: Address,
+    mode: Arc<AtomicU8>,
+    streams: Arc<Mutex<Vec<TcpStream>>>,
+    done: Arc<AtomicBool>,
+    accept: Option<JoinHandle<()>>,
+}
+
+/// A link of `rate` bytes per second for one direction, shared by every
+/// connection, without burst credit: an idle moment (the switch-over)
+/// never lets the stale pages through faster, so postcopy lasts long
+/// enough to be cut.
+struct Link {
+    rate: u64,
+    /// When the bytes handed to the link so far have left it.
+    free_at: Mutex<Instant>,
+}
+
+impl Link {
+    /// Paces a copy of `bytes`: the link's clock, not a wait for a
+    /// condition.
+    fn pace(&self, bytes: usize) {
+        let took = Duration::from_secs_f64(bytes as f64 / self.rate as f64);
+        let done = {
+            let mut free_at = self.free_at.lock().unwrap();
+            *free_at = (*free_at).max(Instant::now()) + took;
+            *free_at
+        };
+        std::thread::sleep(done.saturating_duration_since(Instant::now()));
+    }
+}
+
+impl Proxy {
+    fn start(target: Address, rate: u64) -> Self {
+        let Address::Tcp(target) = target else {
+            panic!("a TCP destination");
+        };
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        listener.set_nonblocking(true).unwrap();
+        let address = Address::Tcp(listener.local_addr().unwrap().to_string());
+        let mode = Arc::new(AtomicU8::new(PASS));
+        let streams: Arc<Mutex<Vec<TcpStream>>> = Arc::default();
+        let done = Arc::new(AtomicBool::new(false));
+        let link = Arc::new(Link {
+            rate,
+            free_at: Mutex::new(Instant::now()),
+        });
+        let accept = {
+            let (mode, streams, done) = (mode.clone(), streams.clone(), done.clone());
+            std::thread::spawn(move || {
+                while !done.load(Ordering::Acquire) {
+                    let Ok((client, _)) = listener.accept() else {
+                        std::thread::sleep(Duration::from_millis(2));
+                        continue;
+                    };
+                    if mode.load(Ordering::Acquire) == CUT {
+                        drop(client);
+                        continue;
+                    }
+                    let Ok(server) = TcpStream::connect(&target) else {
+                        continue;
+                    };
+                    client.set_nonblocking(false).unwrap();
+                    for stream in [&client, &server] {
+                        stream
+                            .set_read_timeout(Some(Duration::from_millis(10)))
+                            .unwrap();
+                        streams.lock().unwrap().push(stream.try_clone().unwrap());
+                    }
+                    let (up_from, up_to) =
+                        (client.try_clone().unwrap(), server.try_clone().unwrap());
+                    let (mode_up, mode_down) = (mode.clone(), mode.clone());
+                    let link = link.clone();
+                    std::thread::spawn(move || copy(up_from, up_to, &mode_up, Some(&link)));
+                    std::thread::spawn(move || copy(server, client, &mode_down, None));
+                }
+            })
+        };
+        Self {
+            address,
+            mode,
+            streams,
+            done,
+            accept: Some(accept),
+        }
+    }
+
+    /// Severs every connection and refuses new ones.
+    fn cut(&self) {
+        self.mode.store(CUT, Ordering::Release);
+        for stream in self.streams.lock().unwrap().drain(..) {
+            let _ = stream.shutdown(Shutdown::Both);
+        }
+    }
+
+    /// Stops moving bytes, closing nothing.
+    fn hold(&self) {
+        self.mode.store(HOLD, Ordering::Release);
+    }
+
+    /// Lets everything through again.
+    fn pass(&self) {
+        self.mode.store(PASS, Ordering::Release);
+    }
+}
+
+impl Drop for Proxy {
+    fn drop(&mut self) {
+        self.done.store(true, Ordering::Release);
+        self.cut();
+        if let Some(accept) = self.accept.take() {
+            let _ = accept.join();
+        }
+    }
+}
+
+/// Copies `from` to `to` while the proxy passes; ends (closing both) when
+/// either side closes or the proxy cuts.
+fn copy(mut from: TcpStream, mut to: TcpStream, mode: &AtomicU8, link: Option<&Link>) {
+    let mut buf = vec![0u8; 16 << 10];
+    loop {
+        match mode.load(Ordering::Acquire) {
+            CUT => break,
+            HOLD => {
+                std::thread::sleep(Duration::from_millis(2));
+                continue;
+            }
+            _ => {}
+        }
+        match from.read(&mut buf) {
+            Ok(0) => break,
+            Ok(read) => {
+                if let Some(link) = link {
+                    link.pace(read);
+                }
+                if to.write_all(&buf[..read]).is_err() {
+                    break;
+                }
+            }
+            Err(error)
+                if matches!(
+                    error.kind(),
+                    std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+                ) => {}
+            Err(_) => break,
+        }
+    }
+    let _ = from.shutdown(Shutdown::Both);
+    let _ = to.shutdown(Shutdown::Both);
+}
+
+/// A guest whose working set is rewritten much faster than the link
+/// moves it: most of it is stale at the switch.
+fn busy_guest() -> SyntheticGuest {
+    guest_with(SyntheticConfig {
+        memory_bytes: 16 * MIB,
+        regions: 1,
+        mix: ContentMix::new(20, 60, 20).unwrap(),
+        seed: 5,
+        dirty_rate_bytes_per_sec: 64 * MIB,
+        working_set_bytes: 8 * MIB,
+        dirtier_threads: 2,
+    })
+}
+
+fn source_config(recover_timeout: Duration) -> MigrationConfig {
+    let mut config = migration_config(2);
+    config.postcopy = PostcopyMode::AfterFirstPass;
+    config.io_timeout = Duration::from_secs(2);
+    config.postcopy_recover_timeout = recover_timeout;
+    config
+}
+
+fn destination_config(recover_timeout: Duration) -> ReceiveConfig {
+    let mut config = receive_config();
+    config.io_timeout = Duration::from_secs(2);
+    config.postcopy_request_timeout = Duration::from_secs(1);
+    config.postcopy_recover_timeout = recover_timeout;
+    config
+}
+
+/// A migration running through a proxy: the source on one thread, the
+/// destination on another, their handles here.
+struct Running {
+    proxy: Proxy,
+    destination: JoinHandle<DestinationResult>,
+    receive: ReceiveHandle,
+    source: JoinHandle<(
+        Result<MigrationStats, tern_engine::MigrationFailure>,
+        SyntheticGuest,
+    )>,
+    handle: tern_engine::MigrationHandle,
+    listen: Address,
+}
+
+fn start(recover_timeout: Duration) -> Running {
+    start_with(recover_timeout, Security::default())
+}
+
+fn start_with(recover_timeout: Duration, security: Security) -> Running {
+    let (listener, listen) = tcp_listener();
+    let mut receive = destination_config(recover_timeout);
+    receive.security = security.clone();
+    let destination = Destination::new(receive);
+    let receive = destination.handle();
+    let destination =
+        std::thread::spawn(move || destination.receive(&listener, make_destination_guest));
+    // 8 MiB/s: the first pass takes about a second and a half, the stale
+    // pages about as long.
+    let proxy = Proxy::start(listen.clone(), 8 * MIB);
+    let mut config = source_config(recover_timeout);
+    config.security = security;
+    let source = Source::new(config).unwrap();
+    let handle = source.handle();
+    let address = proxy.address.clone();
+    let source = std::thread::spawn(move || {
+        let mut guest = busy_guest();
+        let result = source.migrate(&mut guest, &address);
+        (result, guest)
+    });
+    Running {
+        proxy,
+        destination,
+        receive,
+        source,
+        handle,
+        listen,
+    }
+}
+
+impl Running {
+    fn wait_postcopy_active(&self) {
+        wait_until("postcopy starts", || {
+            self.handle.query().status == MigrationStatus::PostcopyActive
+        });
+    }
+
+    fn wait_both_paused(&self) {
+        wait_until("the source pauses postcopy", || {
+            assert!(
+                !self.source.is_finished(),
+                "the migration ended before it paused: {:?}",
+                self.handle.query().error_desc
+            );
+            self.handle.query().status == MigrationStatus::PostcopyPaused
+        });
+        wait_until("the destination pauses postcopy", || {
+            self.receive.query().status == MigrationStatus::PostcopyPaused
+        });
+    }
+
+    /// Both sides end: the source completed with the digests compared and
+    /// equal, after at least one recovery on each side.
+    fn finish(self) {
+        let (result, guest) = join_within(self.source, "the source");
+        let stats = result.expect("the migration completes after recovering");
+        let mut received = join_within(self.destination, "the destination").expect("destination");
+        assert_eq!(stats.status, MigrationStatus::Completed);
+        assert!(stats.digest_verified, "{:?}", stats.digest_comparison);
+        assert!(received.digest_comparison.unwrap().matched());
+        let postcopy = stats.postcopy.expect("source postcopy report");
+        assert!(postcopy.postcopy_recoveries >= 1, "{postcopy:?}");
+        assert!(postcopy.postcopy_paused_ms > 0.0, "{postcopy:?}");
+        let here = received.stats.postcopy.clone().expect("destination report");
+        assert!(here.postcopy_recoveries >= 1, "{here:?}");
+        eprintln!("source: {postcopy:?}\ndestination: {here:?}");
+        assert!(!guest.is_running(), "the source guest stays paused");
+        tern_engine::GuestControl::pause(&mut received.guest).unwrap();
+    }
+}
+
+#[test]
+fn severed_channels_pause_both_sides_and_recover_automatically() {
+    if !userfaultfd_works() {
+        return;
+    }
+    let running = start(Duration::from_secs(60));
+    running.wait_postcopy_active();
+    running.proxy.cut();
+    running.wait_both_paused();
+    running.proxy.pass();
+    running.finish();
+}
+
+#[test]
+fn a_stopped_source_past_the_deadline_pauses_then_recovers() {
+    if !userfaultfd_works() {
+        return;
+    }
+    let running = start(Duration::from_secs(60));
+    running.wait_postcopy_active();
+    // Nothing moves and nothing closes: the destination's faults pass
+    // postcopy_request_timeout, the source's writes its I/O timeout.
+    running.proxy.hold();
+    running.wait_both_paused();
+    running.proxy.pass();
+    running.finish();
+}
+
+/// Whether `events` hold a `postcopy-paused` status change whose cause
+/// says the recovery timed out.
+fn says_recovery_timed_out(events: &[tern_engine::Event]) -> bool {
+    events.iter().any(|event| match &event.body {
+        EventBody::Migration(change) => {
+            change.status == MigrationStatus::PostcopyPaused
+                && change
+                    .error_desc
+                    .as_deref()
+                    .is_some_and(|desc| desc.contains("recovery timed out"))
+        }
+        _ => false,
+    })
+}
+
+#[test]
+fn past_the_recovery_timeout_both_sides_stay_paused_for_the_operator() {
+    if !userfaultfd_works() {
+        return;
+    }
+    let running = start(Duration::from_millis(500));
+    running.wait_postcopy_active();
+    running.proxy.cut();
+    running.wait_both_paused();
+    wait_until("the source reports the recovery timeout", || {
+        says_recovery_timed_out(&running.handle.history().events)
+    });
+    wait_until("the destination reports the recovery timeout", || {
+        says_recovery_timed_out(&running.receive.history().events)
+    });
+    // Still paused, never failed: the network comes back, and nothing
+    // happens until the operator says so.
+    running.proxy.pass();
+    assert_eq!(
+        running.handle.query().status,
+        MigrationStatus::PostcopyPaused
+    );
+    assert_eq!(
+        running.receive.query().status,
+        MigrationStatus::PostcopyPaused
+    );
+    assert!(!running.source.is_finished() && !running.destination.is_finished());
+    running.receive.recover_postcopy().expect("migrate-recover");
+    running
+        .handle
+        .resume_postcopy()
+        .expect("migrate resume=true");
+    running.finish();
+}
+
+/// Sends `message` on a fresh connection to the destination and returns
+/// the abort's text it answers with.
+fn refused_text(listen: &Address, message: &tern_wire::Message) -> String {
+    let Address::Tcp(listen) = listen else {
+        panic!("a TCP destination");
+    };
+    let mut stream = TcpStream::connect(listen).unwrap();
+    stream
+        .set_read_timeout(Some(DEADLINE))
+        .expect("read timeout");
+    stream.write_all(&message.to_bytes()).unwrap();
+    let mut header = [0u8; tern_wire::FRAME_HEADER_LEN];
+    stream.read_exact(&mut header).expect("an answer");
+    let header = tern_wire::FrameHeader::decode(&header).unwrap();
+    let mut body = vec![0u8; header.body_len as usize];
+    stream.read_exact(&mut body).unwrap();
+    match tern_wire::Message::decode(header.kind, &body).unwrap() {
+        tern_wire::Message::Abort(abort) => abort.message,
+        other => panic!("expected a refusal, got {other:?}"),
+    }
+}
+
+#[test]
+fn a_reconnection_naming_another_session_is_refused() {
+    if !userfaultfd_works() {
+        return;
+    }
+    let running = start(Duration::from_secs(60));
+    running.wait_postcopy_active();
+    running.proxy.cut();
+    running.wait_both_paused();
+    let refused = running.receive.query().refused_connections;
+    // Straight to the destination, past the proxy: a resume of another
+    // session, and a new migration's hello, while postcopy is paused.
+    let resume = tern_wire::Message::PostcopyResume(tern_wire::PostcopyResume {
+        handshake: tern_wire::Handshake {
+            session_id: 0x5eed,
+            channel_index: 0,
+        },
+    });
+    let text = refused_text(&running.listen, &resume);
+    assert!(text.contains("is not the paused postcopy"), "{text}");
+    let channel = tern_wire::Message::ChannelHello(tern_wire::ChannelHello {
+        handshake: tern_wire::Handshake {
+            session_id: 0x5eed,
+            channel_index: 1,
+        },
+    });
+    let text = refused_text(&running.listen, &channel);
+    assert!(text.contains("expected the source's resume"), "{text}");
+    assert!(running.receive.query().refused_connections >= refused + 2);
+    assert_eq!(
+        running.receive.query().status,
+        MigrationStatus::PostcopyPaused
+    );
+    // The real source still gets back in.
+    running.proxy.pass();
+    running.finish();
+}
+
+#[test]
+fn with_an_auth_key_the_source_proves_it_again_and_a_keyless_resume_is_refused() {
+    if !userfaultfd_works() {
+        return;
+    }
+    let security = {
+        let mut security = Security::default();
+        security.auth_key = Some(Arc::new(
+            tern_engine::AuthKey::from_bytes(b"a shared secret of the test").unwrap(),
+        ));
+        security
+    };
+    let running = start_with(Duration::from_secs(60), security);
+    running.wait_postcopy_active();
+    running.proxy.cut();
+    running.wait_both_paused();
+    // Whoever does not hold the key cannot resume the session, whatever
+    // session it names.
+    let resume = tern_wire::Message::PostcopyResume(tern_wire::PostcopyResume {
+        handshake: tern_wire::Handshake {
+            session_id: 0x5eed,
+            channel_index: 0,
+        },
+    });
+    let text = refused_text(&running.listen, &resume);
+    assert!(text.contains("requires an auth key"), "{text}");
+    assert_eq!(
+        running.receive.query().status,
+        MigrationStatus::PostcopyPaused
+    );
+    running.proxy.pass();
+    running.finish();
+}

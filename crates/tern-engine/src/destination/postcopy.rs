@@ -269,17 +269,7 @@ impl Delivery {
         if end == page {
             return;
         }
-        self.requests
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .push_back(PageRun {
-                region_id: self.region_ids[region],
-                first_page: u32::try_from(page).unwrap_or(u32::MAX),
-                pages: u32::try_from(end - page).unwrap_or(1),
-            });
-        let one = 1u64.to_ne_bytes();
-        // SAFETY: eight readable bytes, what an eventfd write takes.
-        unsafe { libc::write(self.wake.as_raw_fd(), one.as_ptr().cast(), one.len()) };
+        self.queue_request(region, page, u32::try_from(end - page).unwrap_or(1));
     }
 
     /// Waits until page `page` of region `region` is placed. Past
@@ -337,13 +327,19 @@ impl Delivery {
     /// Queues a request for one page whatever was asked before: the answer
     /// to the first may have been lost with a broken connection.
     fn request_again(&self, region: usize, page: u64) {
+        self.queue_request(region, page, 1);
+    }
+
+    /// Queues a run of `pages` from `page` and wakes the main-channel
+    /// thread (an eventfd) to send it.
+    fn queue_request(&self, region: usize, page: u64, pages: u32) {
         self.requests
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .push_back(PageRun {
                 region_id: self.region_ids[region],
                 first_page: u32::try_from(page).unwrap_or(u32::MAX),
-                pages: 1,
+                pages,
             });
         let one = 1u64.to_ne_bytes();
         // SAFETY: eight readable bytes, what an eventfd write takes.

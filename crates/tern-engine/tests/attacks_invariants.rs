@@ -8,7 +8,7 @@
 //! Each test prints its time to reject (`--nocapture` shows it), the figure
 //! docs/security.md reports.
 
-mod common;
+use crate::common;
 
 use std::sync::mpsc;
 use std::time::{Duration, Instant};

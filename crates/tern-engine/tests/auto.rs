@@ -2,7 +2,7 @@
 //! in the report with its reason, and the migration it decides for
 //! verifies by digest.
 
-mod common;
+use crate::common;
 
 use std::time::Duration;
 

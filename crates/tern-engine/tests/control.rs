@@ -2,7 +2,7 @@
 //! live and final query, parameters refused after the end, the paused
 //! hand-over (the cross-process tests are in crates/tern/tests/control.rs).
 
-mod common;
+use crate::common;
 
 use common::*;
 use tern_engine::control::GuestState;

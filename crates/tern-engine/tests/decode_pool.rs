@@ -5,7 +5,7 @@
 //! a dirtying guest, so that pages are resent across iterations and each
 //! sync must mean that everything before it has landed.
 
-mod common;
+use crate::common;
 
 use common::*;
 use tern_engine::{Destination, MigrationStatus, Source};

@@ -5,7 +5,7 @@
 //! wrong size or cut short). Each must end in a clear error within a
 //! bounded time.
 
-mod common;
+use crate::common;
 
 use std::time::Duration;
 

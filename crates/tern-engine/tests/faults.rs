@@ -1,7 +1,7 @@
 //! Bad input and faults: every case ends in a clear error, never a panic,
 //! a hang, or a write outside guest memory, and the source guest survives.
 
-mod common;
+use crate::common;
 
 use std::time::Duration;
 

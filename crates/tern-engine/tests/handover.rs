@@ -2,7 +2,7 @@
 //! source passes its memfd, the destination maps it, no page is copied;
 //! and every refusal leaves the source guest running.
 
-mod common;
+use crate::common;
 
 use std::io::{Read, Write};
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};

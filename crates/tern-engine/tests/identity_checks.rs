@@ -7,7 +7,7 @@
 //! covered. The other side of each case accepts, so only the check under
 //! test can refuse.
 
-mod common;
+use crate::common;
 
 use std::sync::Arc;
 use std::time::Duration;

@@ -1,7 +1,7 @@
 //! End-to-end migrations between a source and a destination in this
 //! process, over real sockets, checked by digest.
 
-mod common;
+use crate::common;
 
 use std::time::Duration;
 

@@ -2,7 +2,7 @@
 //! the synthetic guest's dirtier running on the destination while its
 //! missing pages arrive. Skipped visibly without userfaultfd.
 
-mod common;
+use crate::common;
 
 use std::time::Duration;
 

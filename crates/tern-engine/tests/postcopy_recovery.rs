@@ -3,7 +3,7 @@
 //! again, real userfaultfd, the synthetic guest's dirtier faulting on the
 //! destination. Skipped visibly without userfaultfd.
 
-mod common;
+use crate::common;
 
 use std::io::{Read, Write};
 use std::net::{Shutdown, TcpListener, TcpStream};

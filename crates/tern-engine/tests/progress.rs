@@ -2,7 +2,7 @@
 //! within an iteration, the destination's counters, and the byte counters
 //! of the final statistics.
 
-mod common;
+use crate::common;
 
 use std::time::{Duration, Instant};
 

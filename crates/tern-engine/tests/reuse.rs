@@ -1,7 +1,7 @@
 //! Duplicate and delta pages: real migrations over sockets, checked by
 //! digest, with guests that hold duplicate pages and keep writing them.
 
-mod common;
+use crate::common;
 
 use std::time::Duration;
 

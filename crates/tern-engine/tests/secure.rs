@@ -7,7 +7,7 @@
 //! destination's is the reason it logs and keeps in its statistics), with
 //! nothing written to the destination's guest and the source guest running.
 
-mod common;
+use crate::common;
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};

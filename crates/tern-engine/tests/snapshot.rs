@@ -2,7 +2,7 @@
 //! eagerly and lazily, every restore proved by the guest's digest; and
 //! every kind of bad file refused with one line, no guest resumed on it.
 
-mod common;
+use crate::common;
 
 use std::fs::OpenOptions;
 use std::os::unix::fs::FileExt;

@@ -7,7 +7,7 @@
 // Test data: sizes and counters of small guests.
 #![allow(clippy::cast_possible_truncation, clippy::cast_sign_loss)]
 
-mod common;
+use crate::common;
 
 use std::fs::OpenOptions;
 use std::os::unix::fs::{FileExt, MetadataExt};

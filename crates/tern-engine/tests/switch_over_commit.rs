@@ -3,7 +3,7 @@
 //! both hosts, is never left paused without a bounded wait, and a silent or
 //! trickling peer is detected.
 
-mod common;
+use crate::common;
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};

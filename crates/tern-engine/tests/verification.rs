@@ -5,7 +5,7 @@
 //! Each case ends with the digests differing and the guest not resumed;
 //! a control case shows the same fake source verifies when it is honest.
 
-mod common;
+use crate::common;
 
 use std::sync::{Arc, Mutex};
 use std::time::Duration;

@@ -1,0 +1,66 @@
+//! tern-engine's integration tests, as one test binary.
+//!
+//! Each file in this directory is a module here rather than a test binary
+//! of its own: every binary compiled and optimised the engine's generic
+//! pipeline again for its guest types, so 21 binaries cost CI most of its
+//! build (docs/testing.md, "One test binary"). `cargo nextest` still runs
+//! every test in its own process; a test's name is its file's module and
+//! its function, e.g. `migration::a_paused_guest_migrates`.
+//!
+//! A file added to this directory must be named below:
+//! [`every_test_file_is_compiled`] fails otherwise, since Cargo no longer
+//! finds test files by itself (`autotests = false`).
+
+mod common;
+
+mod attacks_invariants;
+mod auto;
+mod control;
+mod decode_pool;
+mod dictionary;
+mod faults;
+mod fuzz_corpus;
+mod handover;
+#[cfg(feature = "tls")]
+mod identity_checks;
+mod migration;
+mod postcopy;
+mod postcopy_recovery;
+mod progress;
+mod reuse;
+#[cfg(feature = "tls")]
+mod secure;
+mod snapshot;
+mod snapshot_diff;
+mod switch_over_commit;
+mod verification;
+#[cfg(feature = "vm-memory")]
+mod vm_memory;
+
+/// Every `.rs` file beside this one is a module above, so no test file is
+/// silently left out of the build.
+#[test]
+fn every_test_file_is_compiled() {
+    let directory = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests");
+    let root = std::fs::read_to_string(directory.join("integration.rs")).expect("read the root");
+    let declared: Vec<&str> = root
+        .lines()
+        .filter_map(|line| line.strip_prefix("mod ")?.strip_suffix(';'))
+        .collect();
+    let mut missing = Vec::new();
+    for entry in std::fs::read_dir(&directory).expect("list tests/") {
+        let path = entry.expect("a directory entry").path();
+        let Some(name) = path.file_stem().and_then(|stem| stem.to_str()) else {
+            continue;
+        };
+        let is_module = path.extension().is_some_and(|extension| extension == "rs")
+            || path.join("mod.rs").is_file();
+        if is_module && name != "integration" && !declared.contains(&name) {
+            missing.push(name.to_owned());
+        }
+    }
+    assert!(
+        missing.is_empty(),
+        "tests/ files not declared in tests/integration.rs (so never compiled): {missing:?}"
+    );
+}

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Re-measures the threat table of docs/security.md ("Measured"): runs the
-# attack tests one file at a time, single-threaded so that no attack
+# attack tests one file (module) at a time, single-threaded so that no attack
 # shares the machine with another, with --nocapture, and prints the
 # figure line each test prints (attack, result, time, receiver peak RSS),
 # with the machine's load before each file. Each test is also a pass/fail
@@ -21,8 +21,9 @@ files=(
 for run in $(seq "$runs"); do
   for entry in "${files[@]}"; do
     read -r crate file <<<"$entry"
-    echo "== run $run: $crate --test $file (load $(cut -d' ' -f1-3 /proc/loadavg))"
-    cargo test --release -q -p "$crate" --test "$file" -- --test-threads 1 --nocapture 2>&1 \
+    echo "== run $run: $crate $file:: (load $(cut -d' ' -f1-3 /proc/loadavg))"
+    # One test binary per crate (docs/testing.md): the file is a module.
+    cargo test --release -q -p "$crate" --test integration -- "$file::" --test-threads 1 --nocapture 2>&1 \
       | grep --line-buffered -E "$figures|test result|FAILED|panicked" || true
   done
 done

@@ -118,7 +118,7 @@ fn migrate_incrementing(
         .unwrap()
         .migrate(&mut guest, &address)
         .expect("migration");
-    let received = destination.join().unwrap().expect("destination");
+    let received = join_within(destination, "the destination").expect("destination");
     assert_eq!(stats.status, MigrationStatus::Completed);
     assert!(stats.digest_verified);
     let mut arrived = received.guest;

@@ -41,7 +41,7 @@ fn both_sides_report_events_in_order_and_keep_the_final_report() {
     let source_events = handle.subscribe();
     let mut guest = guest(16 * MIB, 0);
     let stats = source.migrate(&mut guest, &address).unwrap();
-    let mut received = receiving.join().unwrap().unwrap();
+    let mut received = join_within(receiving, "the destination").unwrap();
 
     let source_names = names(source_events);
     assert_eq!(source_names[..2], ["MIGRATION:setup", "MIGRATION:active"]);
@@ -137,10 +137,10 @@ fn a_failed_reception_is_reported_with_its_cause() {
     });
     assert_eq!(handle.query().status, MigrationStatus::Active);
     source_handle.cancel();
-    let failure = migrating.join().unwrap().unwrap_err();
+    let failure = join_within(migrating, "the migration").unwrap_err();
     assert_eq!(failure.stats.status, MigrationStatus::Cancelled);
     assert_eq!(failure.stats.failed_in, Some(MigrationStatus::Active));
-    assert!(receiving.join().unwrap().is_err());
+    assert!(join_within(receiving, "the destination").is_err());
     let report = handle.query();
     assert_eq!(report.status, MigrationStatus::Failed);
     assert_eq!(report.failed_in, Some(MigrationStatus::Active));
@@ -170,7 +170,7 @@ fn the_vmm_configuration_reaches_the_setup_callback_and_is_bounded() {
     })
     .unwrap();
     source.migrate(&mut guest(4 * MIB, 0), &address).unwrap();
-    receiving.join().unwrap().unwrap();
+    join_within(receiving, "the destination").unwrap();
     assert_eq!(delivered.try_recv().unwrap(), blob);
 
     // Too large for this destination: refused at the hello, nothing sent.
@@ -198,7 +198,7 @@ fn the_vmm_configuration_reaches_the_setup_callback_and_is_bounded() {
         "{}",
         failure.error.chain()
     );
-    assert!(receiving.join().unwrap().is_err());
+    assert!(join_within(receiving, "the destination").is_err());
 }
 
 #[test]
@@ -240,6 +240,6 @@ fn a_vmm_configuration_frame_longer_than_announced_is_refused_at_its_header() {
         body_len: 1 << 20,
     };
     main.write_all(&header.encode()).unwrap();
-    let error = receiving.join().unwrap().unwrap_err();
+    let error = join_within(receiving, "the destination").unwrap_err();
     assert!(error.chain().contains("exceeds"), "{}", error.chain());
 }

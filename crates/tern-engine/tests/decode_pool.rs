@@ -36,7 +36,7 @@ fn migrate_compressed(
         .unwrap()
         .migrate(&mut guest, &address)
         .expect("migration");
-    let mut received = destination.join().unwrap().expect("destination");
+    let mut received = join_within(destination, "the destination").expect("destination");
     assert_eq!(stats.status, MigrationStatus::Completed);
     assert!(
         stats.digest_verified,

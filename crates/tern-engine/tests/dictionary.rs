@@ -35,7 +35,7 @@ fn migrate(
         .unwrap()
         .migrate(&mut guest, &address)
         .expect("migration");
-    destination.join().unwrap().expect("destination");
+    join_within(destination, "the destination").expect("destination");
     assert_eq!(stats.status, MigrationStatus::Completed);
     assert!(stats.digest_verified);
     stats
@@ -93,7 +93,7 @@ fn packet_frames_of_a_guest_with_nothing_to_compress_verify() {
         .unwrap()
         .migrate(&mut guest, &address)
         .expect("migration");
-    destination.join().unwrap().expect("destination");
+    join_within(destination, "the destination").expect("destination");
     assert!(stats.digest_verified);
     let report = stats.compression.expect("compression report");
     // Nothing to learn from random pages: no dictionary, and no frame.
@@ -264,7 +264,7 @@ fn migrate_changing_guest(
         .unwrap()
         .migrate(&mut guest, &address)
         .expect("migration");
-    destination.join().unwrap().expect("destination");
+    join_within(destination, "the destination").expect("destination");
     assert_eq!(stats.status, MigrationStatus::Completed);
     assert!(stats.digest_verified);
     stats
@@ -389,10 +389,7 @@ impl Attack {
     /// The destination's error, which must come within [`DEADLINE`] (the
     /// join is bounded by its own timeouts) and mention `needle`.
     fn expect_error(self, needle: &str) {
-        let error = self
-            .destination
-            .join()
-            .unwrap()
+        let error = join_within(self.destination, "the destination")
             .expect_err("the destination must refuse the session");
         assert!(
             error.chain().contains(needle),

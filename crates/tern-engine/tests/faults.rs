@@ -387,7 +387,7 @@ fn destination_dying_mid_migration_leaves_source_running_and_intact() {
         .unwrap()
         .migrate(&mut guest, &address)
         .expect_err("the destination died");
-    dying.join().unwrap();
+    join_within(dying, "the dying peer");
     assert_eq!(failure.stats.status, MigrationStatus::Failed);
     assert!(
         matches!(
@@ -419,7 +419,7 @@ fn paused_source_memory_is_untouched_by_a_failed_migration() {
         .unwrap()
         .migrate(&mut guest, &address)
         .expect_err("the destination died");
-    dying.join().unwrap();
+    join_within(dying, "the dying peer");
     assert!(
         matches!(
             failure.error,
@@ -595,7 +595,7 @@ fn a_source_failing_after_connecting_tells_the_destination_why() {
         "{}",
         failure.error.chain()
     );
-    match fake.join().unwrap() {
+    match join_within(fake, "the fake peer") {
         Ok(Message::Abort(abort)) => assert!(
             abort.message.contains("welcome on channel 1"),
             "{}",

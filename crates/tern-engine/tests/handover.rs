@@ -10,7 +10,7 @@ use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::Path;
 use std::time::Duration;
 
-use common::{MIB, migration_config, receive_config, wait_until};
+use common::{MIB, join_within, migration_config, receive_config, wait_until};
 use tern_engine::{
     Address, Destination, GuestError, GuestMemory, HandedFile, Listener, MigrationConfig,
     MigrationError, Received, Source,
@@ -102,7 +102,7 @@ fn hands_memory_over_while_a_writer_runs_and_copies_no_page() {
         .unwrap()
         .migrate(&mut guest, &address)
         .expect("hand-over");
-    let received = destination.join().unwrap().expect("destination");
+    let received = join_within(destination, "the destination").expect("destination");
     assert!(stats.digest_verified, "the digest was not compared");
     let comparison = received.digest_comparison.expect("compared");
     assert!(comparison.matched());
@@ -179,7 +179,7 @@ fn a_copying_destination_refuses_a_handover_and_the_source_runs_on() {
         "{}",
         failure.error
     );
-    assert!(destination.join().unwrap().is_err());
+    assert!(join_within(destination, "the destination").is_err());
     assert!(guest.is_running());
 }
 
@@ -297,7 +297,7 @@ fn craft(fds: &[RawFd]) -> (String, Handed) {
         Message::Abort(abort) => abort.message,
         other => format!("{other:?}"),
     };
-    (answer, destination.join().unwrap())
+    (answer, join_within(destination, "the destination"))
 }
 
 #[test]
@@ -397,7 +397,7 @@ fn a_destination_that_dies_before_the_commit_leaves_the_source_running() {
         .unwrap()
         .migrate(&mut guest, &Address::Unix(path))
         .unwrap_err();
-    fake.join().unwrap();
+    join_within(fake, "the fake peer");
     assert!(
         guest.is_running(),
         "the source guest was not resumed: {}",
@@ -416,7 +416,7 @@ fn a_destination_that_dies_before_the_commit_leaves_the_source_running() {
 /// writer, migrated over a Unix socket by copy and by hand-over,
 /// alternated, `TERN_HANDOVER_BENCH_RUNS` times each (default 5); prints
 /// the medians. Run with `cargo test --release -p tern-engine --test
-/// handover -- --ignored --nocapture bench`.
+/// integration -- --ignored --nocapture handover::bench`.
 #[test]
 #[ignore = "a benchmark: run by hand"]
 fn bench_handover_against_copy() {
@@ -453,7 +453,7 @@ fn bench_handover_against_copy() {
                 .unwrap()
                 .migrate(&mut guest, &address)
                 .expect("migrate");
-            destination.join().unwrap().expect("destination");
+            join_within(destination, "the destination").expect("destination");
             row.1.push(stats.downtime);
             row.2.push(stats.total_time);
             row.3.push(stats.ram.transferred);

@@ -41,26 +41,5 @@ mod vm_memory;
 /// silently left out of the build.
 #[test]
 fn every_test_file_is_compiled() {
-    let directory = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests");
-    let root = std::fs::read_to_string(directory.join("integration.rs")).expect("read the root");
-    let declared: Vec<&str> = root
-        .lines()
-        .filter_map(|line| line.strip_prefix("mod ")?.strip_suffix(';'))
-        .collect();
-    let mut missing = Vec::new();
-    for entry in std::fs::read_dir(&directory).expect("list tests/") {
-        let path = entry.expect("a directory entry").path();
-        let Some(name) = path.file_stem().and_then(|stem| stem.to_str()) else {
-            continue;
-        };
-        let is_module = path.extension().is_some_and(|extension| extension == "rs")
-            || path.join("mod.rs").is_file();
-        if is_module && name != "integration" && !declared.contains(&name) {
-            missing.push(name.to_owned());
-        }
-    }
-    assert!(
-        missing.is_empty(),
-        "tests/ files not declared in tests/integration.rs (so never compiled): {missing:?}"
-    );
+    tern_test_skip::assert_every_test_file_is_compiled(env!("CARGO_MANIFEST_DIR"));
 }

@@ -21,7 +21,7 @@ fn migrate_and_check(
     let destination = spawn_destination(listener);
     let source = Source::new(config).unwrap();
     let stats = source.migrate(guest, &address).expect("migration");
-    let received = destination.join().unwrap().expect("destination");
+    let received = join_within(destination, "the destination").expect("destination");
     assert_eq!(stats.status, MigrationStatus::Completed);
     assert!(stats.digest_verified);
     (stats, received.guest)
@@ -145,10 +145,7 @@ fn iteration_limit_with_cancel_policy_leaves_source_running() {
     assert!(matches!(failure.error, MigrationError::LimitReached(_)));
     assert_eq!(failure.stats.status, MigrationStatus::Failed);
     assert!(guest.is_running(), "the source guest must keep running");
-    let error = destination
-        .join()
-        .unwrap()
-        .expect_err("destination must fail");
+    let error = join_within(destination, "the destination").expect_err("destination must fail");
     assert!(
         matches!(error, MigrationError::PeerAborted { .. }),
         "{error}"
@@ -212,14 +209,11 @@ fn cancellation_leaves_source_running_and_intact() {
         cancel.cancel();
     });
     let failure = source.migrate(&mut guest, &address).expect_err("cancelled");
-    canceller.join().unwrap();
+    join_within(canceller, "the canceller");
     assert!(matches!(failure.error, MigrationError::Cancelled));
     assert_eq!(failure.stats.status, MigrationStatus::Cancelled);
     assert_eq!(guest.digest(), digest_before);
-    let error = destination
-        .join()
-        .unwrap()
-        .expect_err("destination must fail");
+    let error = join_within(destination, "the destination").expect_err("destination must fail");
     assert!(error.to_string().contains("cancelled"), "{error}");
 }
 
@@ -243,7 +237,7 @@ fn mismatched_destination_layout_is_refused() {
         failure.error
     );
     assert!(matches!(
-        destination.join().unwrap(),
+        join_within(destination, "the destination"),
         Err(MigrationError::Incompatible(_))
     ));
 }
@@ -326,10 +320,7 @@ fn a_lying_dirty_log_is_caught_by_the_digest_and_the_source_runs_on() {
     assert_eq!(failure.stats.status, MigrationStatus::Failed);
     assert!(!failure.stats.digest_verified);
     assert!(guest.0.is_running(), "the source guest must run on");
-    let error = destination
-        .join()
-        .unwrap()
-        .expect_err("destination must refuse");
+    let error = join_within(destination, "the destination").expect_err("destination must refuse");
     assert!(
         matches!(error, MigrationError::DigestMismatch { .. }),
         "{error}"
@@ -356,7 +347,7 @@ fn verify_none_skips_the_digest() {
         .unwrap()
         .migrate(&mut guest, &address)
         .expect("migration");
-    let received = destination.join().unwrap().expect("destination");
+    let received = join_within(destination, "the destination").expect("destination");
     assert_eq!(stats.status, MigrationStatus::Completed);
     assert!(!stats.digest_verified);
     let mut destination_guest = received.guest;
@@ -393,7 +384,7 @@ fn io_uring_zero_copy_over_loopback_is_accounted_and_verifies() {
     let destination = spawn_destination(listener);
     match Source::new(config).unwrap().migrate(&mut guest, &address) {
         Ok(stats) => {
-            destination.join().unwrap().expect("destination");
+            join_within(destination, "the destination").expect("destination");
             assert!(stats.digest_verified);
             let zero_copy = stats.zero_copy.expect("zero-copy statistics");
             assert!(zero_copy.sends_queued > 0);
@@ -439,7 +430,7 @@ fn zero_copy_over_a_unix_socket_is_refused_before_connecting() {
     // source, and stops only when cancelled.
     assert!(!destination.is_finished());
     cancel.cancel();
-    assert!(destination.join().unwrap().is_err());
+    assert!(join_within(destination, "the destination").is_err());
 }
 
 #[test]
@@ -638,7 +629,7 @@ fn deflate_pages_verify_whichever_inflate_the_destination_picks() {
             .unwrap()
             .migrate(&mut guest, &address)
             .expect("migration");
-        destination.join().unwrap().expect("destination");
+        join_within(destination, "the destination").expect("destination");
         assert!(stats.digest_verified, "{qpl_path}");
         assert!(stats.compression.expect("compression").codecs["deflate"].compressed > 0);
     }
@@ -663,7 +654,7 @@ fn a_destination_that_requires_iaa_without_it_fails_naming_libqpl() {
         .unwrap()
         .migrate(&mut guest, &address)
         .expect_err("the destination cannot inflate as required");
-    let error = destination.join().unwrap().expect_err("no IAA, no libqpl");
+    let error = join_within(destination, "the destination").expect_err("no IAA, no libqpl");
     let message = format!("{error:#}") + &format!(" {:?}", error);
     assert!(message.contains("libqpl"), "{message}");
     assert_ne!(failure.stats.status, MigrationStatus::Completed);

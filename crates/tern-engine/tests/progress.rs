@@ -68,9 +68,9 @@ fn remaining_falls_while_the_first_iteration_is_sent() {
         }
         std::thread::sleep(Duration::from_millis(2));
     }
-    let (result, _guest) = migration.join().unwrap();
+    let (result, _guest) = join_within(migration, "the migration");
     let final_stats = result.expect("migration");
-    destination.join().unwrap().expect("destination");
+    join_within(destination, "the destination").expect("destination");
     assert_eq!(received.phase(), ReceivePhase::Resumed);
 
     assert!(
@@ -95,7 +95,7 @@ fn byte_counters_add_up() {
     let destination = spawn_destination(listener);
     let source = Source::new(migration_config(3)).unwrap();
     let stats = source.migrate(&mut guest, &address).expect("migration");
-    let received = destination.join().unwrap().expect("destination");
+    let received = join_within(destination, "the destination").expect("destination");
     let ram = &stats.ram;
     assert_eq!(ram.page_size, 4096);
     assert_eq!(
@@ -144,8 +144,8 @@ fn zero_copy_counters_are_live_at_each_sync() {
         }
         std::thread::sleep(Duration::from_millis(1));
     }
-    let final_stats = migration.join().unwrap().expect("migration");
-    destination.join().unwrap().expect("destination");
+    let final_stats = join_within(migration, "the migration").expect("migration");
+    join_within(destination, "the destination").expect("destination");
     assert!(final_stats.digest_verified);
 
     let live = live.expect("zero-copy counters were published while the guest ran");

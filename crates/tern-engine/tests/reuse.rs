@@ -55,7 +55,9 @@ fn migrate(guest: &mut SyntheticGuest, config: MigrationConfig) -> tern_engine::
         .unwrap()
         .migrate(guest, &address)
         .expect("migration");
-    let received = destination.join().unwrap().expect("destination").guest;
+    let received = join_within(destination, "the destination")
+        .expect("destination")
+        .guest;
     assert_eq!(stats.status, MigrationStatus::Completed);
     assert!(stats.digest_verified);
     assert!(received.resumed, "the destination resumed after the commit");
@@ -279,7 +281,9 @@ fn pages_rewritten_whole_close_the_delta_gate_and_verify() {
     .unwrap()
     .migrate(&mut guest, &address)
     .expect("migration");
-    let mut received = destination.join().unwrap().expect("destination").guest;
+    let mut received = join_within(destination, "the destination")
+        .expect("destination")
+        .guest;
     assert_eq!(stats.status, MigrationStatus::Completed);
     assert!(stats.digest_verified);
     received.pause().unwrap();

@@ -116,7 +116,7 @@ fn migrate_and_verify(
         .unwrap()
         .migrate(&mut guest, address)
         .expect("migration");
-    let received = receiving.thread.join().unwrap().expect("destination");
+    let received = join_within(receiving.thread, "the destination").expect("destination");
     assert_eq!(stats.status, MigrationStatus::Completed);
     assert!(stats.digest_verified);
     let mut destination = received.guest;
@@ -144,7 +144,7 @@ fn migrate_refused(
     assert!(guest.is_running(), "the source guest runs on");
     let destination = receiving.refusal();
     receiving.cancel.cancel();
-    let result = receiving.thread.join().unwrap();
+    let result = join_within(receiving.thread, "the destination");
     assert!(result.is_err(), "the destination must not complete");
     assert!(
         !receiving.guest_made.load(Ordering::SeqCst),
@@ -483,7 +483,7 @@ fn a_client_without_a_certificate_is_refused() {
     };
     refused.both_say("certificate");
     receiving.cancel.cancel();
-    assert!(receiving.thread.join().unwrap().is_err());
+    assert!(join_within(receiving.thread, "the destination").is_err());
     assert!(!receiving.guest_made.load(Ordering::SeqCst));
 }
 
@@ -514,13 +514,13 @@ fn a_peer_trickling_tls_records_is_cut_off_at_the_transfer_deadline() {
             std::thread::sleep(Duration::from_millis(300));
         }
     });
-    let error = server.join().unwrap().expect_err("the trickle is cut off");
+    let error = join_within(server, "the server").expect_err("the trickle is cut off");
     assert!(
         error.chain().contains("outlasted the I/O timeout"),
         "{}",
         error.chain()
     );
-    trickle.join().unwrap();
+    join_within(trickle, "the trickling peer");
 }
 
 /// A hand-made source: the main channel with one certificate, a page
@@ -588,7 +588,7 @@ fn a_page_channel_with_another_identity_is_refused() {
     let refusal = receiving.refusal();
     assert!(refusal.contains("another certificate"), "{refusal}");
     receiving.cancel.cancel();
-    assert!(receiving.thread.join().unwrap().is_err());
+    assert!(join_within(receiving.thread, "the destination").is_err());
 }
 
 #[test]
@@ -650,7 +650,7 @@ fn skipping_the_digest_is_the_destination_s_choice() {
         .migrate(&mut guest, &address)
         .expect("migration");
     assert!(!stats.digest_verified);
-    receiving.thread.join().unwrap().expect("destination");
+    join_within(receiving.thread, "the destination").expect("destination");
 }
 
 /// Sockets connected beforehand, as a VMM would pass them: one per
@@ -689,7 +689,9 @@ fn an_embedder_s_connected_sockets_carry_a_verified_migration() {
         .migrate_via(&mut guest, &connector)
         .expect("migration");
     assert!(stats.digest_verified);
-    let mut received: SyntheticGuest = receiving.thread.join().unwrap().expect("destination").guest;
+    let mut received: SyntheticGuest = join_within(receiving.thread, "the destination")
+        .expect("destination")
+        .guest;
     received.pause().unwrap();
     assert_eq!(received.digest(), guest.digest());
 }
@@ -859,7 +861,7 @@ fn migrate_through(
         .unwrap()
         .migrate(&mut guest, &through);
     let source_done = started.elapsed();
-    let received = receiving.thread.join().unwrap();
+    let received = join_within(receiving.thread, "the destination");
     // The figure of docs/security.md's threat table.
     eprintln!(
         "key-mode migration through the proxy: source {} after {:.0} ms, destination {} \

@@ -732,7 +732,7 @@ fn a_source_trickling_a_packet_is_cut_off_at_the_transfer_deadline() {
         error.chain()
     );
     drop(main);
-    trickle.join().unwrap();
+    join_within(trickle, "the trickling peer");
 }
 
 // Trickling peers (issue 23): every frame after the handshake, header and
@@ -799,7 +799,7 @@ fn a_commit_trickled_past_the_switch_over_deadline_is_not_taken() {
         error.chain()
     );
     assert_never_resumed(&log);
-    trickling.join().unwrap();
+    join_within(trickling, "the trickling peer");
 }
 
 #[test]
@@ -835,7 +835,7 @@ fn a_state_section_trickled_in_pieces_is_cut_off_at_the_transfer_deadline() {
         "{}",
         error.chain()
     );
-    trickling.join().unwrap();
+    join_within(trickling, "the trickling peer");
     drop(page);
 }
 
@@ -866,6 +866,6 @@ fn a_page_packet_trickled_in_pieces_is_cut_off_at_the_transfer_deadline() {
         "{}",
         error.chain()
     );
-    trickling.join().unwrap();
+    join_within(trickling, "the trickling peer");
     drop(main);
 }

@@ -27,6 +27,9 @@
 use std::fmt;
 use std::io::Write;
 
+mod layout;
+pub use layout::{assert_every_test_file_is_compiled, undeclared_test_files};
+
 /// The environment variable naming the skip log.
 pub const LOG_ENV: &str = "TERN_SKIP_LOG";
 

@@ -3,7 +3,7 @@
 //! killed mid-way releasing its slot, the aggregate metrics, the exit on
 //! SIGTERM (docs/fleet.md).
 
-mod process;
+use crate::process;
 
 use std::io::{BufRead, BufReader, Read, Write};
 use std::path::Path;

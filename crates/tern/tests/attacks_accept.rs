@@ -3,7 +3,7 @@
 //! memory, and a real migration still completes after it. docs/security.md
 //! has the table these tests measure.
 
-mod process;
+use crate::process;
 
 use std::io::{Read, Write};
 use std::net::TcpStream;

@@ -5,7 +5,7 @@
 //! prints what it measured (`--nocapture`), the figures of the threat table
 //! in docs/security.md.
 
-mod process;
+use crate::process;
 
 use std::io::{Read, Write};
 use std::net::TcpStream;

@@ -1,6 +1,6 @@
 //! The `tern` command line, run as separate processes.
 
-mod process;
+use crate::process;
 
 use process::{
     Reaped, Receiver, TlsDirs, assert_reports_tls, event_and_rest, json, read_event, tern,

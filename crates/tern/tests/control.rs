@@ -2,7 +2,7 @@
 //! `tern ctl` and a raw client), the metrics endpoint, exit statuses, the
 //! paused hand-over (docs/control.md).
 
-mod process;
+use crate::process;
 
 use std::io::{BufRead, BufReader, Read, Write};
 use std::os::unix::net::UnixStream;

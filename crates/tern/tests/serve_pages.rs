@@ -8,7 +8,7 @@
 //! test process (or a child of it): a separate process from the handler,
 //! as Firecracker is.
 
-mod process;
+use crate::process;
 
 use std::io::Read;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
@@ -351,18 +351,23 @@ fn a_vmm_that_dies_after_the_handshake_ends_the_handler() {
     let file = dir.path().join("memory");
     memory_file(&file, 64);
     let (handler, socket) = serve(dir.path(), &["--memory-file", file.to_str().unwrap()]);
+    // The test's name in this binary: its module path without the crate.
+    let stand_in = format!(
+        "{}::stand_in_child",
+        module_path!().split_once("::").unwrap().1
+    );
     let child = std::process::Command::new(std::env::current_exe().unwrap())
-        .args([
-            "--exact",
-            "stand_in_child",
-            "--nocapture",
-            "--test-threads",
-            "1",
-        ])
+        .args(["--exact", &stand_in, "--nocapture", "--test-threads", "1"])
         .env("TERN_STANDIN_SOCKET", &socket)
-        .status()
+        .output()
         .unwrap();
-    assert!(child.success());
+    // A filter that matches nothing also exits 0: the child must have run
+    // the stand-in.
+    let child_output = String::from_utf8_lossy(&child.stdout);
+    assert!(
+        child.status.success() && child_output.contains("running 1 test"),
+        "the stand-in child did not run: {child_output}"
+    );
     let (status, _, stderr) = finish(handler);
     assert!(status.success(), "{stderr}");
     assert!(stderr.contains("exited"), "{stderr}");

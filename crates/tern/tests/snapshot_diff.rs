@@ -2,7 +2,7 @@
 //! separate processes, files on disk, the digest compared from the JSON
 //! reports.
 
-mod process;
+use crate::process;
 
 use std::path::Path;
 

@@ -1,7 +1,7 @@
 //! `tern vm` as separate processes, against the host's KVM. Each test
 //! prints a skip message and returns where /dev/kvm is missing.
 
-mod process;
+use crate::process;
 
 use process::{Receiver, TlsDirs, assert_reports_tls, event_and_rest, json, tern, wait_until_read};
 use std::process::Stdio;

@@ -1,4 +1,6 @@
-//! Visible skips for tern's tests.
+//! Visible skips for tern's tests, and the check that keeps each crate's
+//! integration tests in one binary without leaving a file out
+//! ([`assert_every_test_file_is_compiled`]).
 //!
 //! libtest has no run-time skip: a test that cannot run on this machine
 //! (no `/dev/kvm`, no userfaultfd, no libqpl) can only return early, and

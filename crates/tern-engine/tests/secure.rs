@@ -631,6 +631,35 @@ fn an_unauthenticated_destination_on_every_interface_refuses_to_start() {
     );
 }
 
+/// The other half of the policy: a destination that authenticates its
+/// peer (here with a key) may listen on every interface.
+#[test]
+fn a_destination_with_a_key_may_listen_on_every_interface() {
+    let listener = Listener::bind(&"tcp::0".parse().unwrap()).unwrap();
+    let port = match listener.local_address().unwrap() {
+        Address::Tcp(address) => address.rsplit(':').next().unwrap().to_owned(),
+        other => panic!("a TCP listener at {other:?}"),
+    };
+    let address = Address::Tcp(format!("127.0.0.1:{port}"));
+    let security = {
+        let mut config = Security::default();
+        config.auth_key = key("a shared secret of the test");
+        config
+    };
+    let stats = migrate_and_verify(
+        listener,
+        &address,
+        secured_receive(security.clone()),
+        secured_migration(1, security),
+    );
+    assert!(
+        stats
+            .security
+            .expect("the session's security")
+            .authenticated
+    );
+}
+
 #[test]
 fn skipping_the_digest_is_the_destination_s_choice() {
     let (listener, address) = tcp_listener();

@@ -171,7 +171,7 @@ impl PageChannelState {
 mod tests {
     use super::*;
 
-    const ALL_KINDS: [FrameKind; 14] = [
+    const ALL_KINDS: [FrameKind; 24] = [
         FrameKind::Hello,
         FrameKind::ChannelHello,
         FrameKind::Welcome,
@@ -186,6 +186,16 @@ mod tests {
         FrameKind::Heartbeat,
         FrameKind::Dictionary,
         FrameKind::MemoryHandover,
+        FrameKind::VmmConfig,
+        FrameKind::PostcopySwitch,
+        FrameKind::PageRequest,
+        FrameKind::UrgentPages,
+        FrameKind::PostcopyComplete,
+        FrameKind::PostcopyResume,
+        FrameKind::PostcopyMissing,
+        FrameKind::AuthHello,
+        FrameKind::AuthChallenge,
+        FrameKind::AuthProof,
     ];
 
     #[test]
@@ -195,6 +205,7 @@ mod tests {
         // Every (state, kind) pair not listed is refused.
         let allowed: &[(S, K, S)] = &[
             (S::Live, K::Dictionary, S::Live),
+            (S::Live, K::PostcopySwitch, S::Live),
             (S::Live, K::StateSection, S::Sections),
             (S::Live, K::Complete, S::Completed),
             (S::Live, K::Abort, S::Aborted),

@@ -451,6 +451,8 @@ mod tests {
         assert!(!tags_equal(&[1, 2, 3], &[1, 2, 4]));
         assert!(!tags_equal(&[1, 2, 3], &[1, 2]));
         assert!(!tags_equal(&[], &[0]));
+        // Two differences that cancel out under an exclusive or.
+        assert!(!tags_equal(&[1, 2], &[2, 1]));
     }
 
     #[cfg(not(feature = "ring"))]
@@ -515,5 +517,120 @@ mod tests {
             Err(AuthError::TooShort { len: 5 })
         ));
         assert_ne!(nonce().unwrap(), nonce().unwrap());
+    }
+
+    /// A frame as the channel writes it: encoded, then sealed.
+    #[cfg(feature = "ring")]
+    fn sealed(sealer: &mut ControlSealer, message: &tern_wire::Message) -> Vec<u8> {
+        let mut frame = message.to_bytes();
+        sealer.seal(&mut frame);
+        frame
+    }
+
+    /// Hands a sealed frame to `opener` as the decoder does.
+    #[cfg(feature = "ring")]
+    fn open(opener: &mut ControlOpener, frame: &[u8]) -> Result<(), WireError> {
+        let (header, rest) = frame.split_at(FRAME_HEADER_LEN);
+        let (body, seal) = rest.split_at(rest.len() - tern_wire::SEAL_LEN);
+        opener.open(
+            header.try_into().unwrap(),
+            body,
+            &Seal::decode(seal.try_into().unwrap()),
+        )
+    }
+
+    #[cfg(feature = "ring")]
+    fn abort(text: &str) -> tern_wire::Message {
+        tern_wire::Message::Abort(tern_wire::Abort {
+            reason: tern_wire::AbortReason::ProtocolError,
+            message: text.into(),
+        })
+    }
+
+    #[cfg(feature = "ring")]
+    #[test]
+    fn sealed_frames_open_once_in_order_unaltered_and_in_their_direction_only() {
+        let key = AuthKey::from_bytes(b"0123456789abcdef0123").unwrap();
+        let here = bound(7, 0);
+        let (mut source_sealer, mut source_opener) = key.session_keys(&here).for_source();
+        let (_, mut destination_opener) = key.session_keys(&here).for_destination();
+
+        let frames: Vec<Vec<u8>> = (0..3)
+            .map(|n| sealed(&mut source_sealer, &abort(&format!("frame {n}"))))
+            .collect();
+        for (expected, frame) in frames.iter().enumerate() {
+            let seal = &frame[frame.len() - tern_wire::SEAL_LEN..];
+            let seal = Seal::decode(seal.try_into().unwrap());
+            assert_eq!(seal.sequence, expected as u64, "numbered in order");
+        }
+        // The destination opens them in order; the source cannot open its
+        // own direction's frames.
+        assert!(matches!(
+            open(&mut source_opener, &frames[0]),
+            Err(WireError::SealForged(_))
+        ));
+        for frame in &frames {
+            open(&mut destination_opener, frame).unwrap();
+        }
+        // Replayed: its number is behind.
+        assert!(matches!(
+            open(&mut destination_opener, &frames[1]),
+            Err(WireError::SealSequence {
+                got: 1,
+                expected: 3
+            })
+        ));
+
+        // Altered body: the body's hash is in the tag.
+        let mut altered = sealed(&mut source_sealer, &abort("frame 3"));
+        altered[FRAME_HEADER_LEN + 8] ^= 1;
+        assert!(matches!(
+            open(&mut destination_opener, &altered),
+            Err(WireError::SealForged(_))
+        ));
+
+        // Altered header: a commit made a heartbeat, same body length.
+        let (mut sealer, _) = key.session_keys(&here).for_source();
+        let (_, mut opener) = key.session_keys(&here).for_destination();
+        let mut relabelled = sealed(&mut sealer, &tern_wire::Message::Commit);
+        relabelled[0] = tern_wire::FrameKind::Heartbeat as u8;
+        assert!(matches!(
+            open(&mut opener, &relabelled),
+            Err(WireError::SealForged(_))
+        ));
+
+        // Another session's keys (same key, same channel) open nothing.
+        let (mut sealer, _) = key.session_keys(&here).for_source();
+        let (_, mut elsewhere) = key.session_keys(&bound(8, 0)).for_destination();
+        let frame = sealed(&mut sealer, &tern_wire::Message::Commit);
+        assert!(matches!(
+            open(&mut elsewhere, &frame),
+            Err(WireError::SealForged(_))
+        ));
+    }
+
+    #[cfg(feature = "ring")]
+    #[test]
+    fn debug_output_never_shows_a_secret() {
+        let secret = "0123456789abcdef0123";
+        let key = AuthKey::from_bytes(secret.as_bytes()).unwrap();
+        let keys = key.session_keys(&bound(7, 0));
+        let (mut sealer, opener) = keys.for_source();
+        sealed(&mut sealer, &tern_wire::Message::Commit);
+        let shown = [
+            format!("{key:?}"),
+            format!("{keys:?}"),
+            format!("{sealer:?}"),
+            format!("{opener:?}"),
+        ];
+        assert_eq!(
+            shown,
+            [
+                "AuthKey(..)",
+                "SessionKeys(..)",
+                "ControlSealer(next 1)",
+                "ControlOpener(next 0)"
+            ]
+        );
     }
 }

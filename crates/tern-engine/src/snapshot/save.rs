@@ -40,6 +40,12 @@ pub struct SaveConfig {
     /// `snapshot_type: Diff`, compared by content instead of a dirty log
     /// kept since the base).
     pub diff_base: Option<std::path::PathBuf>,
+    /// Wait until the file is on the disk before the save returns (and
+    /// before its header says complete). Off, as QEMU's migration to a
+    /// file: the kernel writes the file back later, and a crash before
+    /// then may lose the snapshot; a file torn that way is refused at
+    /// restore by its chunk hashes, never restored.
+    pub sync: bool,
 }
 
 impl Default for SaveConfig {
@@ -52,6 +58,7 @@ impl Default for SaveConfig {
             final_pass_pages: 1024,
             resume: true,
             diff_base: None,
+            sync: true,
         }
     }
 }
@@ -107,7 +114,7 @@ pub fn save<G: SourceGuest + ?Sized>(
         None => None,
     };
     let base_digest = base.as_ref().map(|base| format!("{:032x}", base.digest));
-    let writer = SlotWriter::create(path, guest.regions(), config.direct, base)?;
+    let writer = SlotWriter::create(path, guest.regions(), config.direct, config.sync, base)?;
     let mut session = Session {
         guest,
         writer: &writer,

@@ -68,6 +68,10 @@ pub(crate) struct SlotWriter {
     slots: File,
     /// The slots bypass the page cache: nothing to write back.
     direct: bool,
+    /// Wait for the disk: start writeback as batches are written and
+    /// fsync before the complete header. Off, the kernel writes the file
+    /// back when it will (QEMU's migration to a file does the same).
+    sync: bool,
     layout: Layout,
     regions: Vec<MemoryRegion>,
     present: Vec<Vec<AtomicU64>>,
@@ -91,6 +95,7 @@ impl SlotWriter {
         path: &Path,
         regions: &[MemoryRegion],
         direct: bool,
+        sync: bool,
         base: Option<DiffBase>,
     ) -> Result<Self, SnapshotError> {
         let shape: Vec<_> = regions
@@ -127,7 +132,9 @@ impl SlotWriter {
         file.write_all_at(&SnapshotMetadata::new(&layout).encode(), 0)
             .map_err(write_error)?;
         // The incomplete header reaches the disk before any page does.
-        file.sync_data().map_err(write_error)?;
+        if sync {
+            file.sync_data().map_err(write_error)?;
+        }
         let slots = if direct {
             open(true)?
         } else {
@@ -139,6 +146,7 @@ impl SlotWriter {
             file,
             slots,
             direct,
+            sync,
             present: layout
                 .regions
                 .iter()
@@ -257,7 +265,7 @@ impl SlotWriter {
     /// at the end. Only a hint: an error here is not reported, the fsync
     /// in `finish` reports any failed write.
     fn start_writeback(&self, region: usize, first: u64, end: u64) {
-        if self.direct {
+        if self.direct || !self.sync {
             return;
         }
         let slots = self.layout.regions[region].slots_offset;
@@ -482,6 +490,9 @@ impl SlotWriter {
     /// calls this while the guest still runs, so that the fsync in
     /// `finish`, with the guest paused, has only the last pass left).
     pub(crate) fn write_back(&self) -> Result<(), SnapshotError> {
+        if !self.sync {
+            return Ok(());
+        }
         self.file
             .sync_data()
             .map_err(|source| self.write_error(source))
@@ -510,7 +521,9 @@ impl SlotWriter {
         let file_len = self.layout.data_end + trailer.len() as u64;
         self.file.set_len(file_len).map_err(error)?;
         // One fsync covers both descriptors: they are the same file.
-        self.file.sync_data().map_err(error)?;
+        if self.sync {
+            self.file.sync_data().map_err(error)?;
+        }
         let mut metadata = SnapshotMetadata::new(&self.layout);
         for (index, region) in self.layout.regions.iter().enumerate() {
             for (word, atomic) in metadata.present[index].iter_mut().zip(&self.present[index]) {
@@ -535,7 +548,9 @@ impl SlotWriter {
         self.file
             .write_all_at(&metadata.encode(), 0)
             .map_err(error)?;
-        self.file.sync_data().map_err(error)?;
+        if self.sync {
+            self.file.sync_data().map_err(error)?;
+        }
         Ok(file_len)
     }
 }

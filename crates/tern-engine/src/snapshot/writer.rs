@@ -91,6 +91,7 @@ impl SlotWriter {
     /// Creates (or truncates) `path` for `regions`, sized to its layout (a
     /// sparse file: nothing is allocated yet), with an incomplete header;
     /// a diff on `base` if there is one.
+    // long: one constructor opens the file, writes its first header and fills every field
     pub(crate) fn create(
         path: &Path,
         regions: &[MemoryRegion],

@@ -34,6 +34,12 @@ class CommandLineTest(unittest.TestCase):
         self.assertNotIn("--direct", live)
         self.assertIn("--direct", snapshot.tern_save_args(Path("/t/tern"), cfg, ARTIFACTS,
                                                           "paused", Path("/w/s"), 4, True))
+        self.assertNotIn("--no-sync", live)
+        self.assertIn("--no-sync", snapshot.tern_save_args(Path("/t/tern"), cfg, ARTIFACTS,
+                                                           "paused", Path("/w/s"), 4,
+                                                           no_sync=True))
+        self.assertTrue(snapshot.is_no_sync("tern-nosync"))
+        self.assertFalse(snapshot.is_no_sync("tern"))
 
     def test_restore_eager_and_lazy(self):
         eager = snapshot.tern_restore_args(Path("/t/tern"), Path("/w/s"), False, 2)

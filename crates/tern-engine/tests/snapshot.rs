@@ -111,6 +111,47 @@ fn a_live_save_of_a_dirtying_guest_restores_to_its_memory_at_the_pause() {
     runs_on(&mut restored.guest);
 }
 
+/// A live save that resumes the guest lets it run before the file is
+/// finished: the guest runs on, and the file restores, whole, to the
+/// digest the save reported.
+#[test]
+fn a_live_save_that_resumes_the_guest_restores_to_the_memory_of_its_pause() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("resumed.tern");
+    let mut guest = source(32 * MIB, 256 * MIB, 2);
+    let config = {
+        let mut config = SaveConfig::default();
+        config.live = true;
+        config.final_pass_pages = 64;
+        config.max_passes = 4;
+        config
+    };
+    let stats = tern_engine::save(&mut guest, &path, &config).unwrap();
+    assert!(guest.is_running(), "the guest runs on after the save");
+    let restored = tern_engine::restore(&path, &held(), empty).unwrap();
+    // The restore checked every chunk and the memory it loaded against
+    // the file's digest: the file is whole and is what the save reported.
+    assert_eq!(restored.stats.digest, stats.digest);
+}
+
+/// Without waiting for the disk the file is still complete and restores
+/// (the kernel writes it back later).
+#[test]
+fn a_save_that_does_not_wait_for_the_disk_restores_to_the_same_memory() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("nosync.tern");
+    let mut guest = source(8 * MIB, 0, 1);
+    let config = {
+        let mut config = SaveConfig::default();
+        config.sync = false;
+        config.resume = false;
+        config
+    };
+    tern_engine::save(&mut guest, &path, &config).unwrap();
+    let restored = tern_engine::restore(&path, &held(), empty).unwrap();
+    assert_eq!(restored.guest.digest(), guest.digest());
+}
+
 #[test]
 fn a_lazy_restore_runs_at_once_and_ends_with_the_saved_memory() {
     let dir = tempfile::tempdir().unwrap();

@@ -66,6 +66,12 @@ pub(crate) struct SlotWriter {
     file: File,
     /// For the slots: `file` again, or an `O_DIRECT` descriptor.
     slots: File,
+    /// The slots bypass the page cache: nothing to write back.
+    direct: bool,
+    /// Wait for the disk: start writeback as batches are written and
+    /// fsync before the complete header. Off, the kernel writes the file
+    /// back when it will (QEMU's migration to a file does the same).
+    sync: bool,
     layout: Layout,
     regions: Vec<MemoryRegion>,
     present: Vec<Vec<AtomicU64>>,
@@ -85,10 +91,12 @@ impl SlotWriter {
     /// Creates (or truncates) `path` for `regions`, sized to its layout (a
     /// sparse file: nothing is allocated yet), with an incomplete header;
     /// a diff on `base` if there is one.
+    // long: one constructor opens the file, writes its first header and fills every field
     pub(crate) fn create(
         path: &Path,
         regions: &[MemoryRegion],
         direct: bool,
+        sync: bool,
         base: Option<DiffBase>,
     ) -> Result<Self, SnapshotError> {
         let shape: Vec<_> = regions
@@ -125,7 +133,9 @@ impl SlotWriter {
         file.write_all_at(&SnapshotMetadata::new(&layout).encode(), 0)
             .map_err(write_error)?;
         // The incomplete header reaches the disk before any page does.
-        file.sync_data().map_err(write_error)?;
+        if sync {
+            file.sync_data().map_err(write_error)?;
+        }
         let slots = if direct {
             open(true)?
         } else {
@@ -136,6 +146,8 @@ impl SlotWriter {
             path: path.to_owned(),
             file,
             slots,
+            direct,
+            sync,
             present: layout
                 .regions
                 .iter()
@@ -235,9 +247,52 @@ impl SlotWriter {
         let memory = self.regions[region];
         let first = batch * BATCH_PAGES;
         let end = (first + BATCH_PAGES).min(memory.pages());
-        if let (Some(base), None) = (&self.base, selected) {
-            return self.write_changed_chunks(base, region, first, end);
+        let looked = if let (Some(base), None) = (&self.base, selected) {
+            self.write_changed_chunks(base, region, first, end)?
+        } else {
+            self.write_selected(region, first, end, selected)?
+        };
+        if looked > 0 {
+            self.start_writeback(region, first, end);
         }
+        Ok(looked)
+    }
+
+    /// Starts writing back the page-cache pages of slots `first..end` of
+    /// `region` without waiting for them. The writer thread does the
+    /// filesystem's share of the work (block allocation, building the
+    /// I/O) now, in parallel with the other writers and while the disk
+    /// writes the earlier batches, instead of one fsync doing all of it
+    /// at the end. Only a hint: an error here is not reported, the fsync
+    /// in `finish` reports any failed write.
+    fn start_writeback(&self, region: usize, first: u64, end: u64) {
+        if self.direct || !self.sync {
+            return;
+        }
+        let slots = self.layout.regions[region].slots_offset;
+        let (Ok(at), Ok(len)) = (
+            crate::numeric::file_offset(slots + first * PAGE),
+            crate::numeric::file_offset((end - first) * PAGE),
+        ) else {
+            return;
+        };
+        // SAFETY: sync_file_range on our descriptor only schedules I/O of
+        // the file's own cached pages; it reads no memory of ours.
+        unsafe {
+            libc::sync_file_range(self.slots.as_raw_fd(), at, len, libc::SYNC_FILE_RANGE_WRITE);
+        }
+    }
+
+    /// Writes the selected pages of `first..end` of `region` (every page
+    /// with `None`); returns how many it looked at.
+    fn write_selected(
+        &self,
+        region: usize,
+        first: u64,
+        end: u64,
+        selected: Option<&DirtyBitmap>,
+    ) -> Result<u64, SnapshotError> {
+        let memory = self.regions[region];
         let mut looked = 0;
         let mut run: Option<(u64, u64)> = None;
         for page in first..end {
@@ -432,6 +487,18 @@ impl SlotWriter {
             .map_err(|error| self.write_error(error))
     }
 
+    /// Waits until every page written so far is on the disk (a live save
+    /// calls this while the guest still runs, so that the fsync in
+    /// `finish`, with the guest paused, has only the last pass left).
+    pub(crate) fn write_back(&self) -> Result<(), SnapshotError> {
+        if !self.sync {
+            return Ok(());
+        }
+        self.file
+            .sync_data()
+            .map_err(|source| self.write_error(source))
+    }
+
     /// The memory digest of what the slots hold now.
     pub(crate) fn digest(&self) -> u128 {
         let mut hasher = Xxh3::new();
@@ -454,8 +521,10 @@ impl SlotWriter {
             .map_err(error)?;
         let file_len = self.layout.data_end + trailer.len() as u64;
         self.file.set_len(file_len).map_err(error)?;
-        self.slots.sync_data().map_err(error)?;
-        self.file.sync_data().map_err(error)?;
+        // One fsync covers both descriptors: they are the same file.
+        if self.sync {
+            self.file.sync_data().map_err(error)?;
+        }
         let mut metadata = SnapshotMetadata::new(&self.layout);
         for (index, region) in self.layout.regions.iter().enumerate() {
             for (word, atomic) in metadata.present[index].iter_mut().zip(&self.present[index]) {
@@ -480,7 +549,9 @@ impl SlotWriter {
         self.file
             .write_all_at(&metadata.encode(), 0)
             .map_err(error)?;
-        self.file.sync_data().map_err(error)?;
+        if self.sync {
+            self.file.sync_data().map_err(error)?;
+        }
         Ok(file_len)
     }
 }

@@ -30,6 +30,11 @@ pub(crate) struct SaveFileArgs {
     /// names it by its memory digest. Restore with --base.
     #[arg(long, value_name = "FILE")]
     pub diff_base: Option<PathBuf>,
+    /// Do not wait for the file to reach the disk (as QEMU's migration to
+    /// a file): faster, but a crash soon after may lose the snapshot (a
+    /// file torn that way is refused at restore, never restored).
+    #[arg(long)]
+    pub no_sync: bool,
     /// Leave the guest paused after the save (it is discarded on exit).
     #[arg(long)]
     pub stop: bool,
@@ -50,6 +55,7 @@ impl SaveFileArgs {
             config.direct = self.direct;
             config.live = self.live;
             config.resume = !self.stop;
+            config.sync = !self.no_sync;
             config.diff_base = self.diff_base.clone();
             config
         }

@@ -568,7 +568,7 @@ mod tests {
         let result = std::thread::scope(|scope| {
             scope.spawn(move || {
                 let mut sink = vec![0u8; 1 << 20];
-                while their_push.read_exact(&mut sink[..1]).is_ok() {}
+                while their_push.read_exact(&mut sink[..4096]).is_ok() {}
             });
             scope.spawn(move || peer(&mut their_main));
             serve(
@@ -658,7 +658,7 @@ mod tests {
             scope.spawn(move || {
                 wait_until(|| answered.load(Ordering::Acquire));
                 let mut sink = vec![0u8; 1 << 20];
-                while their_push.read_exact(&mut sink[..1]).is_ok() {}
+                while their_push.read_exact(&mut sink[..4096]).is_ok() {}
             });
             scope.spawn(move || {
                 let first = 20 * 128;

@@ -953,7 +953,10 @@ mod tests {
             .place(&service, Some(&hashes), 0, 2, Some(&page))
             .expect_err("a page placed after the release must be refused")
             .to_string();
-        assert!(error.contains("after the fault service had stopped"), "{error}");
+        assert!(
+            error.contains("after the fault service had stopped"),
+            "{error}"
+        );
         // Nor does a page nobody faulted on count: memory left userfaultfd.
         assert!(delivery.place(&service, Some(&hashes), 0, 3, None).is_err());
         assert!(!delivery.delivered[0].get(2) && !delivery.delivered[0].get(3));

@@ -563,9 +563,10 @@ fn postcopy_rows(report: &tern_engine::PostcopyReport) -> Vec<(&'static str, Str
         (
             "postcopy",
             format!(
-                "{trigger}: {} stale pages, {} pushed, {} requested in {} requests; {} (postcopy-bytes)",
+                "{trigger}: {} stale pages, {} pushed ({} skipped: sent urgently), {} requested in {} requests; {} (postcopy-bytes)",
                 report.stale_pages,
                 report.pushed_pages,
+                report.push_skipped_pages,
                 report.requested_pages,
                 report.postcopy_requests,
                 human_bytes(report.postcopy_bytes)

@@ -461,6 +461,7 @@ pub(super) fn deliver_all(
             (Some(error), _) | (None, Err(error)) => Err(error),
             (None, Ok(())) => Ok(()),
         };
+        let result = result.and_then(|()| service_intact(phase.service));
         if let Err(error) = &result
             && !crate::postcopy::is_recoverable(error)
         {
@@ -468,6 +469,22 @@ pub(super) fn deliver_all(
         }
         result
     })
+}
+
+/// Every page is in: that counts only if the fault service still holds
+/// guest memory. Once it has released it (it failed), a page missing then
+/// may have been read or written as zeros, and the digest of the bytes
+/// delivered would no longer describe memory.
+fn service_intact(service: &FaultService) -> Result<(), MigrationError> {
+    if service.has_failed() || service.is_released() {
+        let cause = service
+            .take_failure()
+            .map_or_else(|| "it released guest memory".to_owned(), |e| e.to_string());
+        return Err(MigrationError::Internal(format!(
+            "the fault service stopped before every page was placed: {cause}"
+        )));
+    }
+    Ok(())
 }
 
 impl Phase<'_> {
@@ -828,6 +845,7 @@ pub(super) fn completion(
 #[cfg(test)]
 mod tests {
     use std::sync::Arc;
+    use std::sync::atomic::Ordering;
     use std::time::{Duration, Instant};
 
     use tern_wire::{DigestAlgorithm, PageRun, RegionInfo, SessionSetup};
@@ -894,6 +912,57 @@ mod tests {
         assert!(memory.page(1).iter().all(|&byte| byte == 5));
         assert!(memory.page(2).iter().all(|&byte| byte == 0));
         assert!(!delivery.complete(), "pages 0 and 3 are still missing");
+    }
+
+    /// The defect docs/postcopy.md used to list: a fault that fails stops
+    /// the fault service, which releases guest memory (the faulting thread
+    /// then reads zeros); the page's later delivery met `ENOENT`, was
+    /// taken for memory the guest unmapped, and was counted as delivered
+    /// with the hash of bytes that never reached memory.
+    #[test]
+    fn a_page_arriving_after_a_failed_fault_released_memory_is_refused() {
+        let memory = AnonymousMemory::new(8);
+        let regions = [memory.region(1)];
+        let (delivery, _) = delivery(Duration::from_secs(60));
+        let service = match start_faults(&regions, &delivery) {
+            Ok(service) => service,
+            Err(error) => return skip_without_userfaultfd(&error),
+        };
+        let hashes = crate::digest::PageHashes::new(&regions, false);
+        let base = memory.base as usize;
+        let reader = std::thread::spawn(move || {
+            // SAFETY: page 2 (stale) of the mapping, which outlives the
+            // thread (joined below).
+            unsafe { (base as *const u8).add(2 * PAGE_SIZE).read_volatile() }
+        });
+        let deadline = Instant::now() + Duration::from_secs(60);
+        while delivery.take_requests().is_empty() {
+            assert!(Instant::now() < deadline, "no request was made");
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        // The fault fails: the service stops and releases the memory, and
+        // the faulting thread goes on with a page of zeros.
+        delivery.fail();
+        assert_eq!(reader.join().unwrap(), 0);
+        while !service.is_released() {
+            assert!(Instant::now() < deadline, "the service never released");
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        let page = vec![9u8; PAGE_SIZE];
+        let error = delivery
+            .place(&service, Some(&hashes), 0, 2, Some(&page))
+            .expect_err("a page placed after the release must be refused")
+            .to_string();
+        assert!(
+            error.contains("after the fault service had stopped"),
+            "{error}"
+        );
+        // Nor does a page nobody faulted on count: memory left userfaultfd.
+        assert!(delivery.place(&service, Some(&hashes), 0, 3, None).is_err());
+        assert!(!delivery.delivered[0].get(2) && !delivery.delivered[0].get(3));
+        assert_eq!(delivery.delivered_count.load(Ordering::Acquire), 0);
+        assert!(memory.page(2).iter().all(|&byte| byte == 0));
+        drop(service.stop());
     }
 
     #[test]

@@ -52,6 +52,20 @@ pub enum FaultError {
         #[source]
         source: std::io::Error,
     },
+    /// A page arrived after the service had stopped and released guest
+    /// memory from userfaultfd (it failed, or was stopped): the guest may
+    /// already have found zeros there, so the page is refused rather than
+    /// counted as delivered.
+    #[error(
+        "page {page} of region {region} arrived after the fault service had stopped and \
+         released guest memory; the guest may have read zeros there"
+    )]
+    Released {
+        /// Region index.
+        region: usize,
+        /// First page of the placement.
+        page: u64,
+    },
     /// A thread of the service could not be started.
     #[error("cannot start the fault service's threads")]
     Spawn(#[source] std::io::Error),

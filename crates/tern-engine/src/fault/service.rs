@@ -287,6 +287,12 @@ impl FaultService {
         self.shared.failed.lock().ok()?.take()
     }
 
+    /// Whether guest memory has left userfaultfd (the service failed or
+    /// was stopped): from then on nothing can be placed.
+    pub(crate) fn is_released(&self) -> bool {
+        self.shared.uffd.is_released()
+    }
+
     /// Whether the service has failed (without taking the error).
     pub fn has_failed(&self) -> bool {
         self.shared
@@ -334,6 +340,14 @@ impl FaultService {
     /// zeros where `zero` is set), a page there already is left alone, and
     /// threads waiting on the pages wake. Returns how many this call placed.
     /// With units of one page, the pages count as present for the faults.
+    ///
+    /// Once the service has released the memory (it failed, or was
+    /// stopped), every placement fails with [`FaultError::Released`],
+    /// whatever the kernel said: a page missing at the release may have
+    /// been faulted in as zeros, so `ENOENT` (no longer registered) and
+    /// even `EEXIST` no longer mean what they mean while the service runs.
+    /// `ENOENT` while the service runs is memory the guest unmapped, and
+    /// places nothing.
     pub(crate) fn place(
         &self,
         region: usize,
@@ -363,10 +377,20 @@ impl FaultService {
                 Err(error) if is_again(&error) && Instant::now() < deadline => {
                     std::thread::yield_now();
                 }
-                Err(error) if is_gone(&error) => break 0,
-                other => break other?,
+                Err(error) if is_gone(&error) => break Ok(0),
+                other => break other,
             }
         };
+        // Looked at after the placement: the flag is raised before the
+        // memory is unregistered, so a placement refused or skipped
+        // because of the release always sees it.
+        if self.shared.uffd.is_released() {
+            return Err(FaultError::Released {
+                region,
+                page: first,
+            });
+        }
+        let placed = placed?;
         if self.shared.unit_pages == 1 {
             for page in first..first + zero.len() as u64 {
                 self.shared.mark_present(region, page);

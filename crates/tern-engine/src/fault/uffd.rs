@@ -192,6 +192,12 @@ impl Userfault {
         Ok(this)
     }
 
+    /// Whether [`Userfault::release`] has begun: from then on a missing
+    /// page may fault in as zeros, so nothing placed since can be trusted.
+    pub(crate) fn is_released(&self) -> bool {
+        self.released.load(Ordering::Acquire)
+    }
+
     /// Ends the registration: from now on a missing page faults in as
     /// usual, and a thread waiting on one is woken. Idempotent.
     pub(crate) fn release(&self) {

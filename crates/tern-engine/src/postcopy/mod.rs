@@ -103,6 +103,10 @@ pub struct PostcopyReport {
     pub requested_pages: u64,
     /// Pages sent by the background push.
     pub pushed_pages: u64,
+    /// Stale pages the background push left out because an urgent answer
+    /// had already sent them (source only).
+    #[serde(default)]
+    pub push_skipped_pages: u64,
     /// Page faults the destination answered.
     pub faults: u64,
     /// Average time from a fault to its page being placed, µs.

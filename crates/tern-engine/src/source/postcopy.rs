@@ -127,12 +127,46 @@ impl ChunkCursor {
     }
 }
 
+/// The pages this round sent as urgent answers, per region. The push
+/// skips them: once an answer has been written to the main channel it
+/// arrives unless the connection breaks, and a broken connection ends the
+/// round, after which the destination names again everything it lacks.
+/// A page answered after the push took its chunk goes twice, which the
+/// destination's placement settles (`EEXIST`).
+struct Answered {
+    regions: Vec<PageBits>,
+}
+
+impl Answered {
+    fn new(regions: &[MemoryRegion]) -> Self {
+        Self {
+            regions: regions
+                .iter()
+                .map(|region| PageBits::new(region.pages()))
+                .collect(),
+        }
+    }
+
+    fn mark(&self, region: usize, run: &PageRun) {
+        for page in u64::from(run.first_page)..run.end() {
+            self.regions[region].set(page);
+        }
+    }
+
+    fn contains(&self, region: usize, page: u64) -> bool {
+        self.regions.get(region).is_some_and(|bits| bits.get(page))
+    }
+}
+
 /// Counters of the source's postcopy.
 #[derive(Default)]
 pub(super) struct ServeCounters {
     pub requests: AtomicU64,
     pub requested_pages: AtomicU64,
     pub pushed_pages: AtomicU64,
+    /// Stale pages the push left out because an urgent answer had sent
+    /// them already.
+    pub push_skipped_pages: AtomicU64,
     pub bytes: AtomicU64,
 }
 
@@ -147,6 +181,7 @@ pub(super) fn serve(
     counters: &ServeCounters,
 ) -> Result<PostcopyComplete, MigrationError> {
     let cursor = ChunkCursor::new(frozen.stale);
+    let answered = Answered::new(frozen.regions);
     let checker = ZeroChecker::best();
     let stop = AtomicBool::new(false);
     let failure: Mutex<Option<MigrationError>> = Mutex::new(None);
@@ -162,14 +197,15 @@ pub(super) fn serve(
     let pushers_left = AtomicUsize::new(page_channels.len());
     std::thread::scope(|scope| {
         for (index, mut channel) in page_channels.into_iter().enumerate() {
-            let (cursor, checker, stop, failure, pushers_left) =
-                (&cursor, &checker, &stop, &failure, &pushers_left);
+            let (cursor, answered, checker, stop, failure, pushers_left) =
+                (&cursor, &answered, &checker, &stop, &failure, &pushers_left);
             let spawned = std::thread::Builder::new()
                 .name(format!("tern-push-{index}"))
                 .spawn_scoped(scope, move || {
                     let pusher = Pusher {
                         frozen,
                         cursor,
+                        answered,
                         checker,
                         stats,
                         counters,
@@ -194,6 +230,7 @@ pub(super) fn serve(
         let answers = Answers {
             frozen,
             cursor: &cursor,
+            answered: &answered,
             checker: &checker,
             stats,
             counters,
@@ -213,6 +250,7 @@ pub(super) fn serve(
 struct Pusher<'a> {
     frozen: &'a Frozen<'a>,
     cursor: &'a ChunkCursor,
+    answered: &'a Answered,
     checker: &'a ZeroChecker,
     stats: &'a LiveStats,
     counters: &'a ServeCounters,
@@ -232,7 +270,14 @@ impl Pusher<'_> {
             entries.clear();
             segments.clear();
             let end = (first + CHUNK_PAGES).min(memory.pages());
+            let mut skipped = 0;
             for page in (first..end).filter(|&page| self.frozen.stale.contains(region, page)) {
+                // Looked at when the chunk is taken: an answer sent since
+                // then makes the page go twice, never not at all.
+                if self.answered.contains(region, page) {
+                    skipped += 1;
+                    continue;
+                }
                 let Some(ptr) = memory.page_ptr(page) else {
                     continue;
                 };
@@ -251,6 +296,9 @@ impl Pusher<'_> {
                     });
                 }
             }
+            self.counters
+                .push_skipped_pages
+                .fetch_add(skipped, Ordering::Relaxed);
             if entries.is_empty() {
                 continue;
             }
@@ -296,6 +344,7 @@ impl Pusher<'_> {
 struct Answers<'a> {
     frozen: &'a Frozen<'a>,
     cursor: &'a ChunkCursor,
+    answered: &'a Answered,
     checker: &'a ZeroChecker,
     stats: &'a LiveStats,
     counters: &'a ServeCounters,
@@ -428,6 +477,8 @@ impl Answers<'_> {
             data,
         });
         let sent = main.send_message_counted(&urgent).map_err(gone)?;
+        // Marked once written: until then the push must still send them.
+        self.answered.mark(region, &run);
         self.stats.add_postcopy_sent(sent as u64, false);
         self.counters
             .bytes
@@ -448,6 +499,7 @@ fn gone(error: ChannelError) -> MigrationError {
 #[cfg(test)]
 mod tests {
     use std::os::unix::net::UnixStream;
+    use std::sync::atomic::{AtomicBool, Ordering};
     use std::time::Duration;
 
     use tern_wire::{Message, PageRequest, PageRun, PostcopyComplete};
@@ -516,7 +568,7 @@ mod tests {
         let result = std::thread::scope(|scope| {
             scope.spawn(move || {
                 let mut sink = vec![0u8; 1 << 20];
-                while their_push.read_exact(&mut sink[..1]).is_ok() {}
+                while their_push.read_exact(&mut sink[..4096]).is_ok() {}
             });
             scope.spawn(move || peer(&mut their_main));
             serve(
@@ -571,6 +623,92 @@ mod tests {
             counters.requests.load(std::sync::atomic::Ordering::Relaxed),
             1
         );
+    }
+
+    /// The push leaves out the pages an urgent answer sent before it took
+    /// their chunk: 4096 stale pages of data, a push channel nobody reads
+    /// until the answer to a request in chunk 20 has arrived (the pusher is
+    /// stuck in its first chunk meanwhile), then read to its end.
+    #[test]
+    fn the_push_skips_pages_already_sent_as_urgent_answers() {
+        const PAGES: usize = 4096;
+        let memory = AnonymousMemory::new(PAGES);
+        // SAFETY: the mapping's pages, nothing else uses them.
+        unsafe { memory.base.write_bytes(7, PAGES * crate::guest::PAGE_SIZE) };
+        let regions = [memory.region(1)];
+        let mut bitmap = DirtyBitmap::new(PAGES as u64);
+        (0..PAGES as u64).for_each(|page| bitmap.set(page));
+        let stale = StaleSet::from_dirty(&[bitmap]);
+        let frozen = Frozen {
+            regions: &regions,
+            stale: &stale,
+            iteration: 3,
+        };
+        let (mut main, mut their_main) = pair();
+        let (mut push, mut their_push) = pair();
+        // The pusher waits in its first send until the answer has come.
+        for channel in [&mut main, &mut their_main, &mut push, &mut their_push] {
+            channel.set_timeouts(Duration::from_secs(60)).unwrap();
+        }
+        let stats = LiveStats::new();
+        let counters = ServeCounters::default();
+        let answered = AtomicBool::new(false);
+        let result = std::thread::scope(|scope| {
+            let (answered, counters) = (&answered, &counters);
+            scope.spawn(move || {
+                wait_until(|| answered.load(Ordering::Acquire));
+                let mut sink = vec![0u8; 1 << 20];
+                while their_push.read_exact(&mut sink[..4096]).is_ok() {}
+            });
+            scope.spawn(move || {
+                let first = 20 * 128;
+                their_main.send_message(&request(first, 8)).unwrap();
+                match their_main.read_message().unwrap() {
+                    Message::UrgentPages(urgent) => assert_eq!(urgent.first_page, first),
+                    other => panic!("{other:?}"),
+                }
+                answered.store(true, Ordering::Release);
+                wait_until(|| {
+                    counters.pushed_pages.load(Ordering::Acquire)
+                        + counters.push_skipped_pages.load(Ordering::Acquire)
+                        >= PAGES as u64
+                });
+                their_main
+                    .send_message(&Message::PostcopyComplete(PostcopyComplete {
+                        digest: 5,
+                        requested_pages: 8,
+                        pushed_pages: PAGES as u64 - 8,
+                        faults: 1,
+                        blocktime_micros: 10,
+                        delivered_micros: 100,
+                        latency_histogram: vec![0; tern_wire::LATENCY_BUCKETS],
+                    }))
+                    .unwrap();
+            });
+            serve(
+                &mut main,
+                vec![push],
+                &frozen,
+                Duration::from_secs(60),
+                &stats,
+                &counters,
+            )
+        });
+        assert_eq!(result.unwrap().digest, 5);
+        assert_eq!(counters.push_skipped_pages.load(Ordering::Relaxed), 8);
+        assert_eq!(
+            counters.pushed_pages.load(Ordering::Relaxed),
+            PAGES as u64 - 8
+        );
+    }
+
+    /// Polls `done` until it holds, for up to a minute.
+    fn wait_until(done: impl Fn() -> bool) {
+        let deadline = std::time::Instant::now() + Duration::from_secs(60);
+        while !done() {
+            assert!(std::time::Instant::now() < deadline, "timed out");
+            std::thread::sleep(Duration::from_millis(1));
+        }
     }
 
     #[test]

@@ -517,6 +517,7 @@ impl Source {
         report.postcopy_requests = counters.requests.load(Ordering::Relaxed);
         report.requested_pages = counters.requested_pages.load(Ordering::Relaxed);
         report.pushed_pages = counters.pushed_pages.load(Ordering::Relaxed);
+        report.push_skipped_pages = counters.push_skipped_pages.load(Ordering::Relaxed);
         let complete = match served {
             Ok(complete) => complete,
             Err(error) => {

@@ -691,7 +691,7 @@ mod tests {
                 &frozen,
                 Duration::from_secs(60),
                 &stats,
-                &counters,
+                counters,
             )
         });
         assert_eq!(result.unwrap().digest, 5);

@@ -935,19 +935,12 @@ mod tests {
             // thread (joined below).
             unsafe { (base as *const u8).add(2 * PAGE_SIZE).read_volatile() }
         });
-        let deadline = Instant::now() + Duration::from_secs(60);
-        while delivery.take_requests().is_empty() {
-            assert!(Instant::now() < deadline, "no request was made");
-            std::thread::sleep(Duration::from_millis(1));
-        }
+        crate::test_wait::wait_until("a request is made", || !delivery.take_requests().is_empty());
         // The fault fails: the service stops and releases the memory, and
         // the faulting thread goes on with a page of zeros.
         delivery.fail();
         assert_eq!(reader.join().unwrap(), 0);
-        while !service.is_released() {
-            assert!(Instant::now() < deadline, "the service never released");
-            std::thread::sleep(Duration::from_millis(1));
-        }
+        crate::test_wait::wait_until("the service releases memory", || service.is_released());
         let page = vec![9u8; PAGE_SIZE];
         let error = delivery
             .place(&service, Some(&hashes), 0, 2, Some(&page))

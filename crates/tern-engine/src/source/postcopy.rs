@@ -510,6 +510,7 @@ mod tests {
     use crate::error::MigrationError;
     use crate::postcopy::StaleSet;
     use crate::stats::LiveStats;
+    use crate::test_wait::wait_until;
     use crate::transport::Channel;
 
     #[test]
@@ -656,7 +657,7 @@ mod tests {
         let result = std::thread::scope(|scope| {
             let (answered, counters) = (&answered, &counters);
             scope.spawn(move || {
-                wait_until(|| answered.load(Ordering::Acquire));
+                wait_until("the answer arrived", || answered.load(Ordering::Acquire));
                 let mut sink = vec![0u8; 1 << 20];
                 while their_push.read_exact(&mut sink[..4096]).is_ok() {}
             });
@@ -668,7 +669,7 @@ mod tests {
                     other => panic!("{other:?}"),
                 }
                 answered.store(true, Ordering::Release);
-                wait_until(|| {
+                wait_until("the push went through every stale page", || {
                     counters.pushed_pages.load(Ordering::Acquire)
                         + counters.push_skipped_pages.load(Ordering::Acquire)
                         >= PAGES as u64
@@ -700,15 +701,6 @@ mod tests {
             counters.pushed_pages.load(Ordering::Relaxed),
             PAGES as u64 - 8
         );
-    }
-
-    /// Polls `done` until it holds, for up to a minute.
-    fn wait_until(done: impl Fn() -> bool) {
-        let deadline = std::time::Instant::now() + Duration::from_secs(60);
-        while !done() {
-            assert!(std::time::Instant::now() < deadline, "timed out");
-            std::thread::sleep(Duration::from_millis(1));
-        }
     }
 
     #[test]

@@ -608,22 +608,26 @@ mod tests {
                 }
                 other => panic!("{other:?}"),
             }
-            peer.send_message(&Message::PostcopyComplete(PostcopyComplete {
-                digest: 5,
-                requested_pages: 2,
-                pushed_pages: 16,
-                faults: 1,
-                blocktime_micros: 10,
-                delivered_micros: 100,
-                latency_histogram: vec![0; tern_wire::LATENCY_BUCKETS],
-            }))
-            .unwrap();
+            peer.send_message(&complete(2, 16)).unwrap();
         });
         assert_eq!(result.unwrap().digest, 5);
         assert_eq!(
             counters.requests.load(std::sync::atomic::Ordering::Relaxed),
             1
         );
+    }
+
+    /// The destination's end of postcopy, digest 5, after one fault.
+    fn complete(requested_pages: u64, pushed_pages: u64) -> Message {
+        Message::PostcopyComplete(PostcopyComplete {
+            digest: 5,
+            requested_pages,
+            pushed_pages,
+            faults: 1,
+            blocktime_micros: 10,
+            delivered_micros: 100,
+            latency_histogram: vec![0; tern_wire::LATENCY_BUCKETS],
+        })
     }
 
     /// The push leaves out the pages an urgent answer sent before it took
@@ -675,15 +679,7 @@ mod tests {
                         >= PAGES as u64
                 });
                 their_main
-                    .send_message(&Message::PostcopyComplete(PostcopyComplete {
-                        digest: 5,
-                        requested_pages: 8,
-                        pushed_pages: PAGES as u64 - 8,
-                        faults: 1,
-                        blocktime_micros: 10,
-                        delivered_micros: 100,
-                        latency_histogram: vec![0; tern_wire::LATENCY_BUCKETS],
-                    }))
+                    .send_message(&complete(8, PAGES as u64 - 8))
                     .unwrap();
             });
             serve(

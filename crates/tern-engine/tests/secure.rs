@@ -27,6 +27,13 @@ fn key(text: &str) -> Option<Arc<AuthKey>> {
     Some(Arc::new(AuthKey::from_bytes(text.as_bytes()).unwrap()))
 }
 
+/// Security with only an auth key of `secret`.
+fn keyed(secret: &str) -> Security {
+    let mut config = Security::default();
+    config.auth_key = key(secret);
+    config
+}
+
 /// A destination thread, and whether it ever built a guest.
 struct Receiving {
     thread: JoinHandle<DestinationResult>,
@@ -159,11 +166,7 @@ fn migrate_refused(
 #[test]
 fn auth_key_migration_verifies() {
     let (listener, address) = tcp_listener();
-    let security = {
-        let mut config = Security::default();
-        config.auth_key = key("a shared secret of the test");
-        config
-    };
+    let security = keyed("a shared secret of the test");
     let stats = migrate_and_verify(
         listener,
         &address,
@@ -210,11 +213,7 @@ fn an_embedders_auth_crypto_carries_the_session() {
         ));
         config
     };
-    let destination = {
-        let mut config = Security::default();
-        config.auth_key = key("a shared secret of the test");
-        config
-    };
+    let destination = keyed("a shared secret of the test");
     let stats = migrate_and_verify(
         listener,
         &address,
@@ -241,11 +240,7 @@ fn an_auth_crypto_that_is_not_hmac_is_refused() {
         ));
         config
     };
-    let destination = {
-        let mut config = Security::default();
-        config.auth_key = key("a shared secret of the test");
-        config
-    };
+    let destination = keyed("a shared secret of the test");
     migrate_refused(
         listener,
         &address,
@@ -258,16 +253,8 @@ fn an_auth_crypto_that_is_not_hmac_is_refused() {
 #[test]
 fn a_wrong_auth_key_is_refused() {
     let (listener, address) = tcp_listener();
-    let receive = secured_receive({
-        let mut config = Security::default();
-        config.auth_key = key("the destination's secret");
-        config
-    });
-    let migrate = secured_migration(1, {
-        let mut config = Security::default();
-        config.auth_key = key("the source's other secret");
-        config
-    });
+    let receive = secured_receive(keyed("the destination's secret"));
+    let migrate = secured_migration(1, keyed("the source's other secret"));
     let refused = migrate_refused(listener, &address, receive, migrate);
     refused.both_say("auth key");
     assert!(
@@ -282,11 +269,7 @@ fn a_wrong_auth_key_is_refused() {
 #[test]
 fn a_source_without_the_key_is_refused() {
     let (listener, address) = tcp_listener();
-    let receive = secured_receive({
-        let mut config = Security::default();
-        config.auth_key = key("the destination's secret");
-        config
-    });
+    let receive = secured_receive(keyed("the destination's secret"));
     let refused = migrate_refused(listener, &address, receive, migration_config(1));
     refused.both_say("requires an auth key");
 }
@@ -294,11 +277,7 @@ fn a_source_without_the_key_is_refused() {
 #[test]
 fn a_destination_without_a_key_is_refused_by_a_source_with_one() {
     let (listener, address) = tcp_listener();
-    let migrate = secured_migration(1, {
-        let mut config = Security::default();
-        config.auth_key = key("the source's secret key");
-        config
-    });
+    let migrate = secured_migration(1, keyed("the source's secret key"));
     let refused = migrate_refused(listener, &address, receive_config(), migrate);
     refused.both_say("this destination has none");
 }
@@ -641,11 +620,7 @@ fn a_destination_with_a_key_may_listen_on_every_interface() {
         other => panic!("a TCP listener at {other:?}"),
     };
     let address = Address::Tcp(format!("127.0.0.1:{port}"));
-    let security = {
-        let mut config = Security::default();
-        config.auth_key = key("a shared secret of the test");
-        config
-    };
+    let security = keyed("a shared secret of the test");
     let stats = migrate_and_verify(
         listener,
         &address,
@@ -857,14 +832,6 @@ fn proxy(destination: &Address, rewrite: Rewrite) -> Address {
     address
 }
 
-fn keyed() -> Security {
-    {
-        let mut config = Security::default();
-        config.auth_key = key("the key both sides of the path hold");
-        config
-    }
-}
-
 /// The frame kind byte of a frame.
 fn kind_of(frame: &[u8]) -> u8 {
     frame[0]
@@ -881,14 +848,20 @@ fn migrate_through(
     DestinationResult,
 ) {
     let (listener, address) = tcp_listener();
-    let receiving = receive_with(listener, secured_receive(keyed()));
+    let receiving = receive_with(
+        listener,
+        secured_receive(keyed("the key both sides of the path hold")),
+    );
     let through = proxy(&address, Arc::new(std::sync::Mutex::new(rewrite)));
     let mut guest = guest(8 * MIB, MIB);
     guest.resume().unwrap();
     let started = std::time::Instant::now();
-    let result = Source::new(secured_migration(2, keyed()))
-        .unwrap()
-        .migrate(&mut guest, &through);
+    let result = Source::new(secured_migration(
+        2,
+        keyed("the key both sides of the path hold"),
+    ))
+    .unwrap()
+    .migrate(&mut guest, &through);
     let source_done = started.elapsed();
     let received = join_within(receiving.thread, "the destination");
     // The figure of docs/security.md's threat table.

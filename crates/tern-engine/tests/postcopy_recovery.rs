@@ -488,3 +488,64 @@ fn with_an_auth_key_the_source_proves_it_again_and_a_keyless_resume_is_refused()
     running.proxy.pass();
     running.finish();
 }
+
+#[test]
+fn migrate_recover_on_a_new_address_moves_the_reconnection_there() {
+    if !userfaultfd_works() {
+        return;
+    }
+    let running = start(Duration::from_secs(60));
+    running.wait_postcopy_active();
+    // The old path stays dead for good: only the new address can mend it.
+    running.proxy.cut();
+    running.wait_both_paused();
+    let fresh = running
+        .receive
+        .recover_postcopy_at(&Address::Tcp("127.0.0.1:0".into()))
+        .expect("migrate-recover on a new address");
+    assert_ne!(fresh, running.listen, "a new listener, not the first one");
+    running
+        .handle
+        .resume_postcopy_to(fresh)
+        .expect("migrate resume=true with the new URI");
+    running.finish();
+}
+
+#[test]
+fn a_new_recovery_address_is_refused_before_postcopy_pauses_and_when_it_cannot_listen() {
+    if !userfaultfd_works() {
+        return;
+    }
+    let running = start(Duration::from_secs(60));
+    running.wait_postcopy_active();
+    let early = running
+        .receive
+        .recover_postcopy_at(&Address::Tcp("127.0.0.1:0".into()))
+        .expect_err("nothing to recover yet");
+    assert!(early.to_string().contains("postcopy-paused"), "{early}");
+    let early = running
+        .handle
+        .resume_postcopy_to(Address::Tcp("127.0.0.1:1".into()))
+        .expect_err("nothing to resume yet");
+    assert!(early.to_string().contains("postcopy-paused"), "{early}");
+    running.proxy.cut();
+    running.wait_both_paused();
+    // The first listener's own address is taken: a clear error, and the
+    // destination stays paused, still listening where it was.
+    let busy = running
+        .receive
+        .recover_postcopy_at(&running.listen)
+        .expect_err("the address is in use");
+    assert!(busy.to_string().contains("cannot listen on"), "{busy}");
+    let inherited = running
+        .handle
+        .resume_postcopy_to(Address::Fd(vec![3]))
+        .expect_err("fd: cannot be dialled again");
+    assert!(inherited.to_string().contains("not fd:"), "{inherited}");
+    assert_eq!(
+        running.receive.query().status,
+        MigrationStatus::PostcopyPaused
+    );
+    running.proxy.pass();
+    running.finish();
+}

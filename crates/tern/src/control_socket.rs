@@ -15,8 +15,8 @@ use std::time::{Duration, Instant};
 use anyhow::Context;
 use serde_json::{Value, json};
 use tern_engine::{
-    CONTRACT_VERSION, ControlError, Event, EventBody, MigrationHandle, MigrationParameters,
-    ReceiveHandle,
+    Address, CONTRACT_VERSION, ControlError, Event, EventBody, MigrationHandle,
+    MigrationParameters, ReceiveHandle,
 };
 
 /// Longest request line accepted; a longer one closes the connection.
@@ -498,28 +498,36 @@ fn execute(command: &str, arguments: Value, shared: &Shared) -> Result<Value, Co
                      postcopy-paused one ({\"resume\": true})",
                 ));
             }
-            source(shared, command)?.resume_postcopy()?;
-            Ok(json!({}))
+            only_arguments(command, &arguments, &["resume", "uri"])?;
+            resume_postcopy(&source(shared, command)?, &arguments)
         }
         "migrate-resume" => {
-            takes_no_arguments()?;
-            source(shared, command)?.resume_postcopy()?;
-            Ok(json!({}))
+            only_arguments(command, &arguments, &["uri"])?;
+            resume_postcopy(&source(shared, command)?, &arguments)
         }
-        // QEMU's `migrate-recover` takes the address to listen on; tern's
-        // destination listens on where the reception started.
+        // QEMU's `migrate-recover` names the address to listen on; without
+        // one, tern's destination accepts again where the reception started.
         "migrate-recover" => {
-            takes_no_arguments()?;
-            match target(shared)? {
-                Target::Destination(handle) => handle.recover_postcopy()?,
+            only_arguments(command, &arguments, &["uri"])?;
+            let handle = match target(shared)? {
+                Target::Destination(handle) => handle,
                 Target::Source(_) => {
                     return Err(CommandError::generic(
                         "migrate-recover is a destination's command; a source resumes with \
                          migrate-resume (or migrate with resume=true)",
                     ));
                 }
+            };
+            match uri_argument(&arguments)? {
+                Some(address) => {
+                    let bound = handle.recover_postcopy_at(&address)?;
+                    Ok(json!({"uri": bound.to_string()}))
+                }
+                None => {
+                    handle.recover_postcopy()?;
+                    Ok(json!({}))
+                }
             }
-            Ok(json!({}))
         }
         "cont" => {
             takes_no_arguments()?;
@@ -530,6 +538,42 @@ fn execute(command: &str, arguments: Value, shared: &Shared) -> Result<Value, Co
             desc: format!("The command {other} has not been found"),
         }),
     }
+}
+
+/// Refuses arguments other than `allowed`.
+fn only_arguments(command: &str, arguments: &Value, allowed: &[&str]) -> Result<(), CommandError> {
+    let Some(map) = arguments.as_object() else {
+        return Ok(());
+    };
+    match map.keys().find(|name| !allowed.contains(&name.as_str())) {
+        Some(name) => Err(CommandError::generic(format!(
+            "{command} takes no argument {name:?} (it takes: {})",
+            allowed.join(", ")
+        ))),
+        None => Ok(()),
+    }
+}
+
+/// The optional `uri` argument (QEMU's name), as an address.
+fn uri_argument(arguments: &Value) -> Result<Option<Address>, CommandError> {
+    let Some(uri) = arguments.get("uri") else {
+        return Ok(None);
+    };
+    let text = uri
+        .as_str()
+        .ok_or_else(|| CommandError::generic("uri must be a string such as tcp:HOST:PORT"))?;
+    text.parse::<Address>()
+        .map(Some)
+        .map_err(|error| CommandError::generic(format!("uri: {error}")))
+}
+
+/// A postcopy-paused source reconnects, to the `uri` given if any.
+fn resume_postcopy(handle: &MigrationHandle, arguments: &Value) -> Result<Value, CommandError> {
+    match uri_argument(arguments)? {
+        Some(address) => handle.resume_postcopy_to(address)?,
+        None => handle.resume_postcopy()?,
+    }
+    Ok(json!({}))
 }
 
 fn to_value(value: Result<Value, serde_json::Error>) -> Result<Value, CommandError> {

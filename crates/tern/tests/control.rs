@@ -540,6 +540,21 @@ fn bad_commands_get_clear_errors_and_leave_the_migration_untouched() {
     assert!(desc.contains("source"), "{desc}");
     let (_, desc) = error(first.send(r#"{"execute":"migrate-start-postcopy"}"#));
     assert!(desc.contains("Postcopy"), "{desc}");
+    // A resume towards a new address: the URI is checked first, then the
+    // state (nothing is paused here).
+    let (_, desc) =
+        error(first.send(r#"{"execute":"migrate-resume","arguments":{"uri":"ftp://nowhere"}}"#));
+    assert!(desc.starts_with("uri: "), "{desc}");
+    let (_, desc) =
+        error(first.send(r#"{"execute":"migrate-resume","arguments":{"uri":"tcp:127.0.0.1:9"}}"#));
+    assert!(desc.contains("postcopy-paused"), "{desc}");
+    let (_, desc) = error(first.send(
+        r#"{"execute":"migrate","arguments":{"resume":true,"uri":"tcp:127.0.0.1:9","x":1}}"#,
+    ));
+    assert!(desc.contains(r#"no argument "x""#), "{desc}");
+    let (_, desc) =
+        error(first.send(r#"{"execute":"migrate-recover","arguments":{"uri":"tcp::0"}}"#));
+    assert!(desc.contains("destination's command"), "{desc}");
     let reply = second.send(r#"{"execute":"query-migrate","id":"two"}"#);
     assert_eq!(reply["id"], "two");
     assert_eq!(reply["return"]["version"], 1);

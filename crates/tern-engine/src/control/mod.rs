@@ -68,6 +68,9 @@ pub(crate) struct SourceControl {
     postcopy_requested: std::sync::atomic::AtomicBool,
     /// `migrate` with `resume=true`: reconnect a paused postcopy now.
     postcopy_resume: std::sync::atomic::AtomicBool,
+    /// `migrate` with `resume=true` and a URI: where to reconnect from now
+    /// on, when the destination listens somewhere new.
+    postcopy_resume_address: Mutex<Option<crate::transport::Address>>,
 }
 
 impl SourceControl {
@@ -85,6 +88,7 @@ impl SourceControl {
             postcopy_mode: config.postcopy,
             postcopy_requested: std::sync::atomic::AtomicBool::new(false),
             postcopy_resume: std::sync::atomic::AtomicBool::new(false),
+            postcopy_resume_address: Mutex::new(None),
         }
     }
 
@@ -98,6 +102,14 @@ impl SourceControl {
     pub(crate) fn take_postcopy_resume(&self) -> bool {
         self.postcopy_resume
             .swap(false, std::sync::atomic::Ordering::AcqRel)
+    }
+
+    /// Takes the address an operator's resume named, if any.
+    pub(crate) fn take_postcopy_resume_address(&self) -> Option<crate::transport::Address> {
+        self.postcopy_resume_address
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .take()
     }
 
     /// Keeps the final report for later queries and sends the final event.
@@ -207,6 +219,44 @@ impl MigrationHandle {
     /// or after the recovery timeout left the migration paused. Refused
     /// unless the status is `postcopy-paused`.
     pub fn resume_postcopy(&self) -> Result<(), ControlError> {
+        self.check_postcopy_paused()?;
+        self.control
+            .postcopy_resume
+            .store(true, std::sync::atomic::Ordering::Release);
+        Ok(())
+    }
+
+    /// [`MigrationHandle::resume_postcopy`] towards a new address (QEMU's
+    /// `migrate` with `resume=true` and a URI): the destination listens
+    /// there after its `migrate-recover` with that address. Every
+    /// reconnection from now on dials `address`, at once if a recovery
+    /// window is open, with the same protections as the first connection
+    /// (TLS with the same certificate names, the shared key, the session).
+    /// `fd:` addresses are refused: the sockets behind them were taken by
+    /// the first connection. Refused unless the status is
+    /// `postcopy-paused`.
+    pub fn resume_postcopy_to(
+        &self,
+        address: crate::transport::Address,
+    ) -> Result<(), ControlError> {
+        self.check_postcopy_paused()?;
+        if matches!(address, crate::transport::Address::Fd(_)) {
+            return Err(ControlError::Unsupported(
+                "a postcopy resumes on an address to dial (tcp:, unix:, vsock:), not fd:".into(),
+            ));
+        }
+        *self
+            .control
+            .postcopy_resume_address
+            .lock()
+            .unwrap_or_else(|e| e.into_inner()) = Some(address);
+        self.control
+            .postcopy_resume
+            .store(true, std::sync::atomic::Ordering::Release);
+        Ok(())
+    }
+
+    fn check_postcopy_paused(&self) -> Result<(), ControlError> {
         self.check_running()?;
         if self.control.stats.status() != MigrationStatus::PostcopyPaused {
             return Err(ControlError::Unsupported(format!(
@@ -214,9 +264,6 @@ impl MigrationHandle {
                 self.control.stats.status().as_str()
             )));
         }
-        self.control
-            .postcopy_resume
-            .store(true, std::sync::atomic::Ordering::Release);
         Ok(())
     }
 

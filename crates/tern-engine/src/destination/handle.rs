@@ -12,6 +12,7 @@ use crate::control::{
     ReceiveReport, ReceivedPass, Side, Subscription,
 };
 use crate::stats::{CONTRACT_VERSION, DestinationStats, MigrationStatus, SessionSecurity};
+use crate::transport::Listener;
 
 /// What the destination's handle and the destination share.
 #[derive(Debug)]
@@ -22,6 +23,9 @@ pub(crate) struct DestinationControl {
     report: Mutex<ReceiveOutcome>,
     /// `migrate-recover`: accept a paused postcopy's reconnection again.
     postcopy_recover: std::sync::atomic::AtomicBool,
+    /// `migrate-recover` with an address: a listener bound there, for the
+    /// paused reception to accept the source's reconnection on too.
+    recover_listener: Mutex<Option<Listener>>,
 }
 
 impl DestinationControl {
@@ -32,7 +36,16 @@ impl DestinationControl {
             events: EventHub::new(Side::Destination),
             report: Mutex::new(ReceiveOutcome::default()),
             postcopy_recover: std::sync::atomic::AtomicBool::new(false),
+            recover_listener: Mutex::new(None),
         }
+    }
+
+    /// Takes the listener an operator's `migrate-recover` bound, if any.
+    pub(crate) fn take_recover_listener(&self) -> Option<Listener> {
+        self.recover_listener
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .take()
     }
 
     /// Takes an operator's request to accept a reconnection again.
@@ -74,13 +87,47 @@ impl ReceiveHandle {
     /// migrate-recover`; the listener stays the one the reception
     /// started on). Refused unless postcopy is paused here.
     pub fn recover_postcopy(&self) -> Result<(), crate::ControlError> {
+        self.check_postcopy_paused()?;
+        self.control.postcopy_recover.store(true, Ordering::Release);
+        Ok(())
+    }
+
+    /// [`ReceiveHandle::recover_postcopy`] on a new address as well (QEMU's
+    /// `migrate-recover` with its URI): for when the path the source used
+    /// is gone. Binds `address` now, so a bad or busy address is this
+    /// call's error, and returns where it listens (the actual port when
+    /// `address` asks for port 0). The reception accepts the source's
+    /// reconnection there, from now on, as well as on the listener it
+    /// started with, with the same protections (TLS, the shared key, the
+    /// session); a session without authentication takes a new listener
+    /// only where it would take the first (the unauthenticated policy).
+    /// Refused unless postcopy is paused here.
+    pub fn recover_postcopy_at(
+        &self,
+        address: &crate::transport::Address,
+    ) -> Result<crate::transport::Address, crate::ControlError> {
+        self.check_postcopy_paused()?;
+        let failed = |error: std::io::Error| {
+            crate::ControlError::Unsupported(format!("cannot listen on {address}: {error}"))
+        };
+        let listener = Listener::bind(address).map_err(failed)?;
+        let bound = listener.local_address().map_err(failed)?;
+        *self
+            .control
+            .recover_listener
+            .lock()
+            .unwrap_or_else(|e| e.into_inner()) = Some(listener);
+        self.control.postcopy_recover.store(true, Ordering::Release);
+        Ok(bound)
+    }
+
+    fn check_postcopy_paused(&self) -> Result<(), crate::ControlError> {
         if self.control.stats.phase() != ReceivePhase::PostcopyPaused {
             return Err(crate::ControlError::Unsupported(format!(
                 "Only a postcopy-paused migration recovers (this destination is {})",
                 self.control.stats.phase().as_str()
             )));
         }
-        self.control.postcopy_recover.store(true, Ordering::Release);
         Ok(())
     }
 

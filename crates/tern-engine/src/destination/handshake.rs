@@ -87,6 +87,9 @@ type Outcome = (u64, Result<Arrived, ChannelError>);
 /// is never dropped), and a source that is dropped anyway retries.
 pub(super) struct Handshakes<'a> {
     listener: &'a Listener,
+    /// Listeners an operator added while postcopy was paused
+    /// (`migrate-recover` with an address), accepted on as well.
+    added: Vec<Listener>,
     security: Security,
     timeout: Duration,
     limit: usize,
@@ -126,6 +129,7 @@ impl<'a> Handshakes<'a> {
         let (sender, outcomes) = mpsc::channel();
         Self {
             listener,
+            added: Vec::new(),
             security: config.security.clone(),
             timeout: config.handshake_timeout,
             limit: config.max_pending_handshakes.max(1),
@@ -149,6 +153,7 @@ impl<'a> Handshakes<'a> {
                 return Ok(Some(arrived));
             }
             self.close_overdue();
+            self.accept_added()?;
             let remaining = until.saturating_duration_since(Instant::now());
             match self.listener.accept_timeout(remaining.min(ACCEPT_POLL)) {
                 Ok(channel) => self.start(channel),
@@ -159,6 +164,24 @@ impl<'a> Handshakes<'a> {
                 return Ok(self.collect());
             }
         }
+    }
+
+    /// Accepts on `listener` too from now on, with the same protections.
+    pub(super) fn listen_also(&mut self, listener: Listener) {
+        self.added.push(listener);
+    }
+
+    /// Starts the handshake of a connection already waiting on an added
+    /// listener, without waiting for one.
+    fn accept_added(&mut self) -> Result<(), ChannelError> {
+        for index in 0..self.added.len() {
+            match self.added[index].accept_timeout(Duration::ZERO) {
+                Ok(channel) => self.start(channel),
+                Err(ChannelError::Timeout(_)) => {}
+                Err(error) => return Err(error),
+            }
+        }
+        Ok(())
     }
 
     /// Takes the first finished handshake that succeeded; logs the failed.

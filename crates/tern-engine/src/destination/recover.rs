@@ -69,6 +69,7 @@ impl Destination {
                 if self.cancel.is_cancelled() {
                     return Err(MigrationError::Cancelled);
                 }
+                self.adopt_recover_listener(session);
                 let slice = until
                     .saturating_duration_since(Instant::now())
                     .min(POLL_INTERVAL);
@@ -102,6 +103,34 @@ impl Destination {
                     break;
                 }
                 std::thread::sleep(PAUSED_POLL);
+            }
+        }
+    }
+
+    /// Accepts on the listener an operator's `migrate-recover` bound, if
+    /// there is a new one and the unauthenticated policy allows it (else
+    /// it is closed, with an error line and event: the wait goes on).
+    fn adopt_recover_listener(&self, session: &mut Session<'_, '_>) {
+        let Some(listener) = self.control.take_recover_listener() else {
+            return;
+        };
+        let address = listener
+            .local_address()
+            .map_or_else(|_| "a new listener".into(), |address| address.to_string());
+        match self.check_policy(&listener) {
+            Ok(()) => {
+                tracing::info!(%address, "postcopy recovery: also accepting the source on a new address");
+                session.handshakes.listen_also(listener);
+            }
+            Err(error) => {
+                let text = format!(
+                    "migrate-recover: not listening on {address}: {}",
+                    error.chain()
+                );
+                tracing::error!("{text}");
+                self.control
+                    .events
+                    .status(MigrationStatus::PostcopyPaused, Some(text));
             }
         }
     }

@@ -10,6 +10,7 @@
 //! destination answers with the stale pages it still lacks, which are
 //! checked against this side's own stale set before anything is resent.
 
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use tern_wire::{ChannelHello, Handshake, Message, PageRun, PostcopyResume, SessionSetup};
@@ -22,7 +23,7 @@ use crate::error::{ChannelError, MigrationError};
 use crate::postcopy::StaleSet;
 pub(super) use crate::postcopy::is_recoverable;
 use crate::stats::MigrationStatus;
-use crate::transport::{Channel, Connect, Expected};
+use crate::transport::{Channel, Connect, Connector, Expected};
 
 /// The first pause between reconnection attempts; it doubles up to
 /// [`MAX_BACKOFF`].
@@ -40,6 +41,10 @@ pub(super) struct Session<'a> {
     /// certificate): a reconnection must meet the same one.
     pub identity: Option<Vec<u8>>,
     pub setup: &'a SessionSetup,
+    /// Where an operator's resume redirected the reconnections (QEMU's
+    /// `migrate` with `resume=true` and a URI), kept for later recoveries
+    /// of this migration.
+    pub redirected: Mutex<Option<Arc<Connector>>>,
 }
 
 /// A mended connection: the new channels and what the destination lacks.
@@ -72,7 +77,12 @@ impl Session<'_> {
             "postcopy paused: the connection to the destination broke; reconnecting"
         );
         loop {
-            match self.reconnect_for(self.config.postcopy_recover_timeout, cancel, stale)? {
+            match self.reconnect_for(
+                self.config.postcopy_recover_timeout,
+                control,
+                cancel,
+                stale,
+            )? {
                 Some(mended) => return Ok(mended),
                 None => {
                     let text = format!(
@@ -104,6 +114,7 @@ impl Session<'_> {
     fn reconnect_for(
         &self,
         window: Duration,
+        control: &SourceControl,
         cancel: &CancelToken,
         stale: &StaleSet,
     ) -> Result<Option<Mended>, MigrationError> {
@@ -113,6 +124,7 @@ impl Session<'_> {
             if cancel.is_cancelled() {
                 return Err(MigrationError::Cancelled);
             }
+            self.redirect(control)?;
             match self.reconnect_once(stale, until) {
                 Ok(mended) => return Ok(Some(mended)),
                 // A destination that answers with nonsense is not mended by
@@ -131,12 +143,33 @@ impl Session<'_> {
         }
     }
 
+    /// Dials the address an operator's resume named from now on, if a new
+    /// one came.
+    fn redirect(&self, control: &SourceControl) -> Result<(), MigrationError> {
+        let Some(address) = control.take_postcopy_resume_address() else {
+            return Ok(());
+        };
+        let connector = Connector::for_address(&address).map_err(MigrationError::channel(0))?;
+        tracing::info!(%address, "postcopy recovery: reconnecting to a new address");
+        *self.redirected.lock().unwrap_or_else(|e| e.into_inner()) = Some(Arc::new(connector));
+        Ok(())
+    }
+
     /// One attempt: the main channel (protections, `PostcopyResume`,
     /// welcome), the page channels, then the destination's missing pages.
     fn reconnect_once(&self, stale: &StaleSet, until: Instant) -> Result<Mended, MigrationError> {
+        let redirected = self
+            .redirected
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone();
+        let connector: &dyn Connect = match &redirected {
+            Some(connector) => connector.as_ref(),
+            None => self.connector,
+        };
         let mut main = open_channel(
             self.config,
-            self.connector,
+            connector,
             self.session_id,
             0,
             Some(until.max(Instant::now() + Duration::from_millis(1))),
@@ -169,7 +202,7 @@ impl Session<'_> {
                 });
                 open_and_greet(
                     self.config,
-                    self.connector,
+                    connector,
                     self.session_id,
                     index,
                     &hello,

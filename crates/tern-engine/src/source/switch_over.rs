@@ -573,6 +573,7 @@ impl Source {
             session_id: handover.session_id,
             identity: main.security().peer_identity.clone(),
             setup: handover.setup,
+            redirected: std::sync::Mutex::new(None),
         };
         let mut channels = handover.channels;
         let mut missing: Option<StaleSet> = None;

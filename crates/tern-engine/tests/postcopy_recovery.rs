@@ -6,11 +6,10 @@
 use crate::common;
 
 use std::io::{Read, Write};
-use std::net::{Shutdown, TcpListener, TcpStream};
-use std::sync::atomic::{AtomicBool, AtomicU8, Ordering};
-use std::sync::{Arc, Mutex};
+use std::net::TcpStream;
+use std::sync::Arc;
 use std::thread::JoinHandle;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use common::*;
 use tern_engine::{
@@ -18,6 +17,7 @@ use tern_engine::{
     PostcopyMode, ReceiveConfig, ReceiveHandle, Security, Source,
 };
 use tern_synthetic::{ContentMix, SyntheticConfig, SyntheticGuest};
+use tern_test_skip::proxy::Proxy;
 
 /// Whether this process may use userfaultfd; a skip says why not.
 fn userfaultfd_works() -> bool {
@@ -34,167 +34,6 @@ fn userfaultfd_works() -> bool {
         "no userfaultfd for this process",
     );
     false
-}
-
-const PASS: u8 = 0;
-/// Every connection is shut down, new ones are closed at once: a severed
-/// network.
-const CUT: u8 = 1;
-/// Nothing moves, nothing closes: a stopped peer (as SIGSTOP would leave
-/// its sockets).
-const HOLD: u8 = 2;
-
-/// A TCP proxy in front of the destination, with a link of `rate` bytes/s
-/// (source to destination) so that postcopy lasts long enough to be cut.
-struct Proxy {
-    address: Address,
-    mode: Arc<AtomicU8>,
-    streams: Arc<Mutex<Vec<TcpStream>>>,
-    done: Arc<AtomicBool>,
-    accept: Option<JoinHandle<()>>,
-}
-
-/// A link of `rate` bytes per second for one direction, shared by every
-/// connection, without burst credit: an idle moment (the switch-over)
-/// never lets the stale pages through faster, so postcopy lasts long
-/// enough to be cut.
-struct Link {
-    rate: u64,
-    /// When the bytes handed to the link so far have left it.
-    free_at: Mutex<Instant>,
-}
-
-impl Link {
-    /// Paces a copy of `bytes`: the link's clock, not a wait for a
-    /// condition.
-    fn pace(&self, bytes: usize) {
-        let took = Duration::from_secs_f64(bytes as f64 / self.rate as f64);
-        let done = {
-            let mut free_at = self.free_at.lock().unwrap();
-            *free_at = (*free_at).max(Instant::now()) + took;
-            *free_at
-        };
-        std::thread::sleep(done.saturating_duration_since(Instant::now()));
-    }
-}
-
-impl Proxy {
-    fn start(target: Address, rate: u64) -> Self {
-        let Address::Tcp(target) = target else {
-            panic!("a TCP destination");
-        };
-        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
-        listener.set_nonblocking(true).unwrap();
-        let address = Address::Tcp(listener.local_addr().unwrap().to_string());
-        let mode = Arc::new(AtomicU8::new(PASS));
-        let streams: Arc<Mutex<Vec<TcpStream>>> = Arc::default();
-        let done = Arc::new(AtomicBool::new(false));
-        let link = Arc::new(Link {
-            rate,
-            free_at: Mutex::new(Instant::now()),
-        });
-        let accept = {
-            let (mode, streams, done) = (mode.clone(), streams.clone(), done.clone());
-            std::thread::spawn(move || {
-                while !done.load(Ordering::Acquire) {
-                    let Ok((client, _)) = listener.accept() else {
-                        std::thread::sleep(Duration::from_millis(2));
-                        continue;
-                    };
-                    if mode.load(Ordering::Acquire) == CUT {
-                        drop(client);
-                        continue;
-                    }
-                    let Ok(server) = TcpStream::connect(&target) else {
-                        continue;
-                    };
-                    client.set_nonblocking(false).unwrap();
-                    for stream in [&client, &server] {
-                        stream
-                            .set_read_timeout(Some(Duration::from_millis(10)))
-                            .unwrap();
-                        streams.lock().unwrap().push(stream.try_clone().unwrap());
-                    }
-                    let (up_from, up_to) =
-                        (client.try_clone().unwrap(), server.try_clone().unwrap());
-                    let (mode_up, mode_down) = (mode.clone(), mode.clone());
-                    let link = link.clone();
-                    std::thread::spawn(move || copy(up_from, up_to, &mode_up, Some(&link)));
-                    std::thread::spawn(move || copy(server, client, &mode_down, None));
-                }
-            })
-        };
-        Self {
-            address,
-            mode,
-            streams,
-            done,
-            accept: Some(accept),
-        }
-    }
-
-    /// Severs every connection and refuses new ones.
-    fn cut(&self) {
-        self.mode.store(CUT, Ordering::Release);
-        for stream in self.streams.lock().unwrap().drain(..) {
-            let _ = stream.shutdown(Shutdown::Both);
-        }
-    }
-
-    /// Stops moving bytes, closing nothing.
-    fn hold(&self) {
-        self.mode.store(HOLD, Ordering::Release);
-    }
-
-    /// Lets everything through again.
-    fn pass(&self) {
-        self.mode.store(PASS, Ordering::Release);
-    }
-}
-
-impl Drop for Proxy {
-    fn drop(&mut self) {
-        self.done.store(true, Ordering::Release);
-        self.cut();
-        if let Some(accept) = self.accept.take() {
-            let _ = accept.join();
-        }
-    }
-}
-
-/// Copies `from` to `to` while the proxy passes; ends (closing both) when
-/// either side closes or the proxy cuts.
-fn copy(mut from: TcpStream, mut to: TcpStream, mode: &AtomicU8, link: Option<&Link>) {
-    let mut buf = vec![0u8; 16 << 10];
-    loop {
-        match mode.load(Ordering::Acquire) {
-            CUT => break,
-            HOLD => {
-                std::thread::sleep(Duration::from_millis(2));
-                continue;
-            }
-            _ => {}
-        }
-        match from.read(&mut buf) {
-            Ok(0) => break,
-            Ok(read) => {
-                if let Some(link) = link {
-                    link.pace(read);
-                }
-                if to.write_all(&buf[..read]).is_err() {
-                    break;
-                }
-            }
-            Err(error)
-                if matches!(
-                    error.kind(),
-                    std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
-                ) => {}
-            Err(_) => break,
-        }
-    }
-    let _ = from.shutdown(Shutdown::Both);
-    let _ = to.shutdown(Shutdown::Both);
 }
 
 /// A guest whose working set is rewritten much faster than the link
@@ -255,12 +94,15 @@ fn start_with(recover_timeout: Duration, security: Security) -> Running {
         std::thread::spawn(move || destination.receive(&listener, make_destination_guest));
     // 8 MiB/s: the first pass takes about a second and a half, the stale
     // pages about as long.
-    let proxy = Proxy::start(listen.clone(), 8 * MIB);
+    let Address::Tcp(target) = &listen else {
+        panic!("a TCP destination");
+    };
+    let proxy = Proxy::start(target, 8 * MIB);
     let mut config = source_config(recover_timeout);
     config.security = security;
     let source = Source::new(config).unwrap();
     let handle = source.handle();
-    let address = proxy.address.clone();
+    let address = Address::Tcp(proxy.address().to_string());
     let source = std::thread::spawn(move || {
         let mut guest = busy_guest();
         let result = source.migrate(&mut guest, &address);

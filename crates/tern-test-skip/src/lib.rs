@@ -1,6 +1,8 @@
-//! Visible skips for tern's tests, and the check that keeps each crate's
+//! Visible skips for tern's tests, the check that keeps each crate's
 //! integration tests in one binary without leaving a file out
-//! ([`assert_every_test_file_is_compiled`]).
+//! ([`assert_every_test_file_is_compiled`]), and a TCP proxy that cuts,
+//! holds and paces connections ([`proxy::Proxy`]) for the tests of
+//! broken networks.
 //!
 //! libtest has no run-time skip: a test that cannot run on this machine
 //! (no `/dev/kvm`, no userfaultfd, no libqpl) can only return early, and
@@ -30,6 +32,7 @@ use std::fmt;
 use std::io::Write;
 
 mod layout;
+pub mod proxy;
 pub use layout::{assert_every_test_file_is_compiled, undeclared_test_files};
 
 /// The environment variable naming the skip log.

@@ -1,0 +1,266 @@
+//! A TCP proxy that a test cuts, holds and lets through again: a severed
+//! network, a stopped peer and a slow link, with real sockets.
+//!
+//! Shared by the postcopy recovery tests of tern-engine (synthetic guest)
+//! and tern-vmm (KVM guest), which need the same three faults.
+
+use std::io::{Read, Write};
+use std::net::{Shutdown, TcpListener, TcpStream};
+use std::sync::atomic::{AtomicBool, AtomicU8, Ordering};
+use std::sync::{Arc, Mutex};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+const PASS: u8 = 0;
+/// Every connection is shut down, new ones are closed at once: a severed
+/// network.
+const CUT: u8 = 1;
+/// Nothing moves, nothing closes: a stopped peer (as SIGSTOP would leave
+/// its sockets).
+const HOLD: u8 = 2;
+
+/// A TCP proxy on 127.0.0.1 in front of `target`, with a link of `rate`
+/// bytes/s from client to target (so that a transfer lasts long enough to
+/// be cut); the other direction is not paced.
+pub struct Proxy {
+    address: String,
+    mode: Arc<AtomicU8>,
+    streams: Arc<Mutex<Vec<TcpStream>>>,
+    done: Arc<AtomicBool>,
+    accept: Option<JoinHandle<()>>,
+}
+
+/// A link of `rate` bytes per second for one direction, shared by every
+/// connection, without burst credit: an idle moment never lets later
+/// bytes through faster.
+struct Link {
+    rate: u64,
+    /// When the bytes handed to the link so far have left it.
+    free_at: Mutex<Instant>,
+}
+
+impl Link {
+    /// Paces a copy of `bytes`: the link's clock, not a wait for a
+    /// condition.
+    fn pace(&self, bytes: usize) {
+        let took = Duration::from_secs_f64(bytes as f64 / self.rate as f64);
+        let done = {
+            let mut free_at = self.free_at.lock().unwrap_or_else(|e| e.into_inner());
+            *free_at = (*free_at).max(Instant::now()) + took;
+            *free_at
+        };
+        std::thread::sleep(done.saturating_duration_since(Instant::now()));
+    }
+}
+
+impl Proxy {
+    /// Starts a proxy to `target` (`HOST:PORT`) with a client-to-target
+    /// link of `rate` bytes per second.
+    ///
+    /// # Panics
+    /// When no local port can be bound (a broken test machine).
+    pub fn start(target: &str, rate: u64) -> Self {
+        let listener = TcpListener::bind("127.0.0.1:0").expect("bind the proxy");
+        listener.set_nonblocking(true).expect("non-blocking accept");
+        let address = listener.local_addr().expect("proxy address").to_string();
+        let mode = Arc::new(AtomicU8::new(PASS));
+        let streams: Arc<Mutex<Vec<TcpStream>>> = Arc::default();
+        let done = Arc::new(AtomicBool::new(false));
+        let link = Arc::new(Link {
+            rate: rate.max(1),
+            free_at: Mutex::new(Instant::now()),
+        });
+        let target = target.to_string();
+        let accept = {
+            let (mode, streams, done) = (mode.clone(), streams.clone(), done.clone());
+            std::thread::spawn(move || {
+                accept_loop(&listener, &target, &mode, &streams, &done, &link)
+            })
+        };
+        Self {
+            address,
+            mode,
+            streams,
+            done,
+            accept: Some(accept),
+        }
+    }
+
+    /// Where clients connect: `127.0.0.1:PORT`.
+    pub fn address(&self) -> &str {
+        &self.address
+    }
+
+    /// Severs every connection and refuses new ones.
+    pub fn cut(&self) {
+        self.mode.store(CUT, Ordering::Release);
+        for stream in self
+            .streams
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .drain(..)
+        {
+            let _ = stream.shutdown(Shutdown::Both);
+        }
+    }
+
+    /// Stops moving bytes, closing nothing.
+    pub fn hold(&self) {
+        self.mode.store(HOLD, Ordering::Release);
+    }
+
+    /// Lets everything through again (new connections; a cut one stays
+    /// closed).
+    pub fn pass(&self) {
+        self.mode.store(PASS, Ordering::Release);
+    }
+}
+
+impl std::fmt::Debug for Proxy {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let mode = match self.mode.load(Ordering::Acquire) {
+            PASS => "pass",
+            CUT => "cut",
+            _ => "hold",
+        };
+        f.debug_struct("Proxy")
+            .field("address", &self.address)
+            .field("mode", &mode)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Drop for Proxy {
+    fn drop(&mut self) {
+        self.done.store(true, Ordering::Release);
+        self.cut();
+        if let Some(accept) = self.accept.take() {
+            let _ = accept.join();
+        }
+    }
+}
+
+/// Accepts clients until the proxy is dropped, and pairs each with a new
+/// connection to `target` while the proxy is not cut.
+fn accept_loop(
+    listener: &TcpListener,
+    target: &str,
+    mode: &Arc<AtomicU8>,
+    streams: &Mutex<Vec<TcpStream>>,
+    done: &AtomicBool,
+    link: &Arc<Link>,
+) {
+    while !done.load(Ordering::Acquire) {
+        let Ok((client, _)) = listener.accept() else {
+            // Non-blocking: nothing to accept; look again shortly (the
+            // proxy's own poll, not a test waiting for a condition).
+            std::thread::sleep(Duration::from_millis(2));
+            continue;
+        };
+        if mode.load(Ordering::Acquire) == CUT {
+            drop(client);
+            continue;
+        }
+        let Ok(server) = TcpStream::connect(target) else {
+            continue;
+        };
+        if client.set_nonblocking(false).is_err() {
+            continue;
+        }
+        {
+            let mut kept = streams.lock().unwrap_or_else(|e| e.into_inner());
+            for stream in [&client, &server] {
+                // A short read timeout so a copy notices a cut or hold soon.
+                let _ = stream.set_read_timeout(Some(Duration::from_millis(10)));
+                if let Ok(clone) = stream.try_clone() {
+                    kept.push(clone);
+                }
+            }
+        }
+        let (Ok(up_from), Ok(up_to)) = (client.try_clone(), server.try_clone()) else {
+            continue;
+        };
+        let (mode_up, mode_down) = (mode.clone(), mode.clone());
+        let link = link.clone();
+        std::thread::spawn(move || copy(up_from, up_to, &mode_up, Some(&link)));
+        std::thread::spawn(move || copy(server, client, &mode_down, None));
+    }
+}
+
+/// Copies `from` to `to` while the proxy passes; ends (closing both) when
+/// either side closes or the proxy cuts.
+fn copy(mut from: TcpStream, mut to: TcpStream, mode: &AtomicU8, link: Option<&Link>) {
+    let mut buf = vec![0u8; 16 << 10];
+    loop {
+        match mode.load(Ordering::Acquire) {
+            CUT => break,
+            HOLD => {
+                std::thread::sleep(Duration::from_millis(2));
+                continue;
+            }
+            _ => {}
+        }
+        match from.read(&mut buf) {
+            Ok(0) => break,
+            Ok(read) => {
+                if let Some(link) = link {
+                    link.pace(read);
+                }
+                if to.write_all(&buf[..read]).is_err() {
+                    break;
+                }
+            }
+            Err(error)
+                if matches!(
+                    error.kind(),
+                    std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+                ) => {}
+            Err(_) => break,
+        }
+    }
+    let _ = from.shutdown(Shutdown::Both);
+    let _ = to.shutdown(Shutdown::Both);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// An echo server on 127.0.0.1 that answers one connection.
+    fn echo() -> (String, JoinHandle<()>) {
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        let address = listener.local_addr().unwrap().to_string();
+        let server = std::thread::spawn(move || {
+            let (mut stream, _) = listener.accept().unwrap();
+            let mut buf = [0u8; 64];
+            while let Ok(read) = stream.read(&mut buf) {
+                if read == 0 || stream.write_all(&buf[..read]).is_err() {
+                    break;
+                }
+            }
+        });
+        (address, server)
+    }
+
+    #[test]
+    fn bytes_pass_both_ways_and_a_cut_closes_the_connection() {
+        let (target, server) = echo();
+        let proxy = Proxy::start(&target, 1 << 30);
+        let mut client = TcpStream::connect(proxy.address()).unwrap();
+        client
+            .set_read_timeout(Some(Duration::from_secs(60)))
+            .unwrap();
+        client.write_all(b"ping").unwrap();
+        let mut answer = [0u8; 4];
+        client.read_exact(&mut answer).unwrap();
+        assert_eq!(&answer, b"ping");
+        proxy.cut();
+        let mut rest = Vec::new();
+        // The cut closes the client's connection: EOF or a reset, never
+        // a hang (the read timeout above bounds it).
+        let end = client.read_to_end(&mut rest);
+        assert!(end.as_ref().map_or(true, |&read| read == 0), "{end:?}");
+        drop(proxy);
+        server.join().unwrap();
+    }
+}

@@ -43,6 +43,12 @@ const POLL: Duration = Duration::from_millis(20);
 /// The kinds a page channel carries during postcopy.
 const PUSH_FRAMES: &[FrameKind] = &[FrameKind::Pages, FrameKind::Sync, FrameKind::Abort];
 
+/// Requests remembered per connection to match their answers, at most: the
+/// source refuses more than this many unanswered (its
+/// `MAX_PENDING_REQUESTS`). An answer to a request not remembered matches
+/// nothing and releases nothing; the remembered ones still match.
+const MAX_OUTSTANDING: usize = 4096;
+
 /// Zeros a zero page is placed from (a copy: see [`Delivery::place`]).
 static ZERO_PAGE: [u8; PAGE_SIZE] = [0; PAGE_SIZE];
 
@@ -272,6 +278,20 @@ impl Delivery {
         self.queue_request(region, page, u32::try_from(end - page).unwrap_or(1));
     }
 
+    /// Pages an answer left out (the source's push sends them): not asked
+    /// for any more, and a fault waiting on one asks again.
+    fn release(&self, region: usize, pages: std::ops::Range<u64>) {
+        let Some(requested) = self.requested.get(region) else {
+            return;
+        };
+        for page in pages {
+            if !self.delivered[region].get(page) {
+                requested.clear(page);
+            }
+        }
+        self.notify();
+    }
+
     /// Waits until page `page` of region `region` is placed. Past
     /// `request_timeout` the source counts as silent: the connection is
     /// given up for a new one (the round is marked stalled) and the wait
@@ -279,9 +299,6 @@ impl Delivery {
     /// page is asked for again. Only [`Delivery::fail`] ends the wait
     /// without the page.
     fn wait_for(&self, region: usize, page: u64) -> Result<(), PageSourceError> {
-        if !self.requested[region].set(page) {
-            self.request(region, page);
-        }
         let mut generation = self.generation.load(Ordering::Acquire);
         let mut deadline = Instant::now() + self.request_timeout;
         let mut guard = self.arrived.0.lock().unwrap_or_else(|e| e.into_inner());
@@ -291,6 +308,12 @@ impl Delivery {
             }
             if self.failed.load(Ordering::Acquire) {
                 return Err(PageSourceError::new("postcopy stopped"));
+            }
+            // Not asked for yet, or asked for as a neighbour and then left
+            // out of the answer (the push has it on its way, but the guest
+            // waits now).
+            if !self.requested[region].set(page) {
+                self.request(region, page);
             }
             let now = Instant::now();
             if self.generation.load(Ordering::Acquire) != generation {
@@ -562,6 +585,9 @@ impl Phase<'_> {
         decoder: &mut FrameDecoder,
     ) -> Result<(), MigrationError> {
         let channel_error = |error| MigrationError::channel(0)(error);
+        // The requests of this connection not answered yet, in order: the
+        // source answers each, in order, on this channel.
+        let mut outstanding: VecDeque<PageRun> = VecDeque::new();
         while !self.stop.load(Ordering::Acquire) {
             for run in self.delivery.take_requests() {
                 main.send_message(&Message::PageRequest(PageRequest { run }))
@@ -569,6 +595,9 @@ impl Phase<'_> {
                 self.delivery
                     .requested_pages
                     .fetch_add(u64::from(run.pages), Ordering::Relaxed);
+                if outstanding.len() < MAX_OUTSTANDING {
+                    outstanding.push_back(run);
+                }
             }
             if !wait_two(main, &self.delivery.wake, POLL).map_err(channel_error)? {
                 continue;
@@ -577,7 +606,10 @@ impl Phase<'_> {
                 continue;
             }
             match read_message(main, decoder).map_err(MigrationError::channel(0))? {
-                Message::UrgentPages(urgent) => self.place_urgent(&urgent)?,
+                Message::UrgentPages(urgent) => {
+                    self.place_urgent(&urgent)?;
+                    self.release_unanswered(&mut outstanding, &urgent);
+                }
                 Message::Abort(abort) => return Err(peer_aborted(abort)),
                 other => {
                     return Err(MigrationError::Protocol(format!(
@@ -600,6 +632,31 @@ impl Phase<'_> {
                 .place(self.service, self.hashes, region, page, urgent.page(index))?;
         }
         Ok(())
+    }
+
+    /// An answer that covers less than its request left the rest out
+    /// because the source's push has those pages on their way: they are
+    /// no longer asked for, so that a fault on one asks again rather than
+    /// wait for a push copy that may queue behind megabytes.
+    fn release_unanswered(&self, outstanding: &mut VecDeque<PageRun>, urgent: &UrgentPages) {
+        let Some(run) = outstanding.front().copied() else {
+            return;
+        };
+        if (run.region_id, run.first_page) != (urgent.region_id, urgent.first_page) {
+            return;
+        }
+        outstanding.pop_front();
+        let (Ok(region), answered) = (
+            self.region_index(run.region_id),
+            u32::from(urgent.pages),
+        ) else {
+            return;
+        };
+        if answered < run.pages {
+            let first = u64::from(run.first_page);
+            self.delivery
+                .release(region, first + u64::from(answered)..first + u64::from(run.pages));
+        }
     }
 
     fn region_index(&self, id: u32) -> Result<usize, MigrationError> {

@@ -278,6 +278,29 @@ impl Delivery {
         self.queue_request(region, page, u32::try_from(end - page).unwrap_or(1));
     }
 
+    /// Matches an urgent answer with the oldest request of the connection
+    /// not answered yet (`outstanding`, in the order sent; the source
+    /// answers in that order). An answer that covers less than its request
+    /// left the rest out because the source's push has those pages on
+    /// their way: they are no longer asked for, so that a fault on one asks
+    /// again rather than wait for a push copy that may queue behind
+    /// megabytes on a page channel. An answer that matches no request
+    /// releases nothing.
+    fn answered(&self, outstanding: &mut VecDeque<PageRun>, region: usize, urgent: &UrgentPages) {
+        let Some(run) = outstanding.front().copied() else {
+            return;
+        };
+        if (run.region_id, run.first_page) != (urgent.region_id, urgent.first_page) {
+            return;
+        }
+        outstanding.pop_front();
+        let answered = u32::from(urgent.pages);
+        if answered < run.pages {
+            let first = u64::from(run.first_page);
+            self.release(region, first + u64::from(answered)..first + u64::from(run.pages));
+        }
+    }
+
     /// Pages an answer left out (the source's push sends them): not asked
     /// for any more, and a fault waiting on one asks again.
     fn release(&self, region: usize, pages: std::ops::Range<u64>) {
@@ -634,28 +657,10 @@ impl Phase<'_> {
         Ok(())
     }
 
-    /// An answer that covers less than its request left the rest out
-    /// because the source's push has those pages on their way: they are
-    /// no longer asked for, so that a fault on one asks again rather than
-    /// wait for a push copy that may queue behind megabytes.
+    /// Matches an answer with its request (see [`Delivery::answered`]).
     fn release_unanswered(&self, outstanding: &mut VecDeque<PageRun>, urgent: &UrgentPages) {
-        let Some(run) = outstanding.front().copied() else {
-            return;
-        };
-        if (run.region_id, run.first_page) != (urgent.region_id, urgent.first_page) {
-            return;
-        }
-        outstanding.pop_front();
-        let (Ok(region), answered) = (
-            self.region_index(run.region_id),
-            u32::from(urgent.pages),
-        ) else {
-            return;
-        };
-        if answered < run.pages {
-            let first = u64::from(run.first_page);
-            self.delivery
-                .release(region, first + u64::from(answered)..first + u64::from(run.pages));
+        if let Ok(region) = self.region_index(urgent.region_id) {
+            self.delivery.answered(outstanding, region, urgent);
         }
     }
 
@@ -1012,6 +1017,67 @@ mod tests {
         assert!(!delivery.delivered[0].get(2) && !delivery.delivered[0].get(3));
         assert_eq!(delivery.delivered_count.load(Ordering::Acquire), 0);
         assert!(memory.page(2).iter().all(|&byte| byte == 0));
+        drop(service.stop());
+    }
+
+    /// The source answered a request for pages 1..4 with page 1 alone (its
+    /// push had taken pages 2 and 3): a fault on page 2 asks again instead
+    /// of waiting for the push copy, and an answer matching no request
+    /// releases nothing.
+    #[test]
+    fn a_fault_on_a_page_left_out_of_an_answer_asks_again() {
+        let memory = AnonymousMemory::new(8);
+        let regions = [memory.region(1)];
+        let (delivery, _) = delivery(Duration::from_secs(60));
+        let service = match start_faults(&regions, &delivery) {
+            Ok(service) => service,
+            Err(error) => return skip_without_userfaultfd(&error),
+        };
+        let base = memory.base as usize;
+        let read = move |page: usize| {
+            std::thread::spawn(move || {
+                // SAFETY: a stale page of the mapping, which outlives the
+                // thread (joined below).
+                unsafe { (base as *const u8).add(page * PAGE_SIZE).read_volatile() }
+            })
+        };
+        let next_requests = || {
+            let mut requests = Vec::new();
+            crate::test_wait::wait_until("a request", || {
+                requests = delivery.take_requests();
+                !requests.is_empty()
+            });
+            requests
+        };
+        let run = |first_page, pages| PageRun {
+            region_id: 1,
+            first_page,
+            pages,
+        };
+        let first = read(1);
+        let asked = next_requests();
+        assert_eq!(asked, [run(1, 3)]);
+        let mut outstanding = asked.into_iter().collect();
+        let answer = |first_page, pages| tern_wire::UrgentPages {
+            region_id: 1,
+            first_page,
+            pages,
+            zero_mask: 0,
+            data: vec![4u8; usize::from(pages) * PAGE_SIZE],
+        };
+        // An answer to nothing asked: ignored.
+        delivery.answered(&mut outstanding, 0, &answer(3, 1));
+        assert_eq!(outstanding.len(), 1);
+        assert!(delivery.requested[0].get(2) && delivery.requested[0].get(3));
+        let page = vec![4u8; PAGE_SIZE];
+        assert!(delivery.place(&service, None, 0, 1, Some(&page)).unwrap());
+        delivery.answered(&mut outstanding, 0, &answer(1, 1));
+        assert!(outstanding.is_empty());
+        assert_eq!(first.join().unwrap(), 4);
+        let second = read(2);
+        assert_eq!(next_requests(), [run(2, 2)]);
+        assert!(delivery.place(&service, None, 0, 2, Some(&page)).unwrap());
+        assert_eq!(second.join().unwrap(), 4);
         drop(service.stop());
     }
 

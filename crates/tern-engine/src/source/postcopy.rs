@@ -534,7 +534,7 @@ mod tests {
 
     use tern_wire::{Message, PageRequest, PageRun, PostcopyComplete};
 
-    use super::{ChunkCursor, Frozen, MAX_PENDING_REQUESTS, ServeCounters, serve};
+    use super::{Claims, ChunkCursor, Frozen, MAX_PENDING_REQUESTS, ServeCounters, serve};
     use crate::bitmap::DirtyBitmap;
     use crate::destination::test_memory::AnonymousMemory;
     use crate::error::MigrationError;
@@ -727,6 +727,110 @@ mod tests {
             counters.pushed_pages.load(Ordering::Relaxed),
             PAGES as u64 - 8
         );
+    }
+
+    /// An answer sends the faulting page even when the push has taken it,
+    /// and none of its neighbours that the push has taken: 4096 stale
+    /// pages, a push stuck in its first chunk (pages 0..128, claimed) while
+    /// the destination asks for 8 pages from page 5 (one goes: the
+    /// faulting page) and for 8 pages of chunk 20 (all go, and the push
+    /// leaves them out).
+    #[test]
+    fn an_answer_leaves_out_the_neighbours_the_push_has_taken() {
+        const PAGES: usize = 4096;
+        let memory = AnonymousMemory::new(PAGES);
+        // SAFETY: the mapping's pages, nothing else uses them.
+        unsafe { memory.base.write_bytes(7, PAGES * crate::guest::PAGE_SIZE) };
+        let regions = [memory.region(1)];
+        let mut bitmap = DirtyBitmap::new(PAGES as u64);
+        (0..PAGES as u64).for_each(|page| bitmap.set(page));
+        let stale = StaleSet::from_dirty(&[bitmap]);
+        let frozen = Frozen {
+            regions: &regions,
+            stale: &stale,
+            iteration: 3,
+        };
+        let (mut main, mut their_main) = pair();
+        let (mut push, mut their_push) = pair();
+        for channel in [&mut main, &mut their_main, &mut push, &mut their_push] {
+            channel.set_timeouts(Duration::from_secs(60)).unwrap();
+        }
+        let stats = LiveStats::new();
+        let counters = ServeCounters::default();
+        let (pushing, answered) = (AtomicBool::new(false), AtomicBool::new(false));
+        let result = std::thread::scope(|scope| {
+            let (pushing, answered, counters) = (&pushing, &answered, &counters);
+            scope.spawn(move || {
+                let mut sink = vec![0u8; 1 << 20];
+                // The first bytes of chunk 0: the push claimed it whole
+                // before it wrote any, and now waits in that write.
+                their_push.read_exact(&mut sink[..4096]).unwrap();
+                pushing.store(true, Ordering::Release);
+                wait_until("the answers arrived", || answered.load(Ordering::Acquire));
+                while their_push.read_exact(&mut sink[..4096]).is_ok() {}
+            });
+            scope.spawn(move || {
+                wait_until("the push took chunk 0", || pushing.load(Ordering::Acquire));
+                for (first, expected) in [(5, 1), (20 * 128, 8)] {
+                    their_main.send_message(&request(first, 8)).unwrap();
+                    match their_main.read_message().unwrap() {
+                        Message::UrgentPages(urgent) => {
+                            assert_eq!((urgent.first_page, urgent.pages), (first, expected));
+                            assert!(urgent.data.iter().all(|&byte| byte == 7));
+                        }
+                        other => panic!("{other:?}"),
+                    }
+                }
+                answered.store(true, Ordering::Release);
+                wait_until("the push went through every stale page", || {
+                    counters.pushed_pages.load(Ordering::Acquire)
+                        + counters.push_skipped_pages.load(Ordering::Acquire)
+                        >= PAGES as u64
+                });
+                their_main
+                    .send_message(&complete(9, PAGES as u64 - 8))
+                    .unwrap();
+            });
+            serve(
+                &mut main,
+                vec![push],
+                &frozen,
+                Duration::from_secs(60),
+                &stats,
+                counters,
+            )
+        });
+        assert_eq!(result.unwrap().digest, 5);
+        let count = |counter: &std::sync::atomic::AtomicU64| counter.load(Ordering::Relaxed);
+        assert_eq!(count(&counters.requested_pages), 9);
+        assert_eq!(count(&counters.answer_skipped_pages), 7);
+        assert_eq!(count(&counters.resent_pages), 1, "page 5 went twice");
+        assert_eq!(count(&counters.push_skipped_pages), 8);
+        assert_eq!(count(&counters.pushed_pages), PAGES as u64 - 8);
+    }
+
+    #[test]
+    fn claims_go_to_whoever_comes_first_and_an_answer_keeps_its_first_page() {
+        let memory = AnonymousMemory::new(64);
+        let claims = Claims::new(&[memory.region(1)]);
+        let run = |first_page, pages| PageRun {
+            region_id: 1,
+            first_page,
+            pages,
+        };
+        // The push took pages 8..16.
+        assert!((8..16).all(|page| claims.claim(0, page)));
+        assert!(!claims.claim(0, 8) && !claims.claim(0, 70));
+        // Nothing taken: the whole run.
+        assert_eq!(claims.claim_answer(0, &run(0, 4)), (4, false));
+        // Up to the first page the push took.
+        assert_eq!(claims.claim_answer(0, &run(4, 8)), (4, false));
+        // The faulting page itself taken: it goes anyway, alone.
+        assert_eq!(claims.claim_answer(0, &run(10, 8)), (1, true));
+        // A page taken by an answer is left out of the push, and the pages
+        // the answer did not reach are still free.
+        assert!(!claims.claim(0, 3));
+        assert!(claims.claim(0, 16));
     }
 
     #[test]

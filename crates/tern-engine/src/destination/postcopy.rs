@@ -297,7 +297,10 @@ impl Delivery {
         let answered = u32::from(urgent.pages);
         if answered < run.pages {
             let first = u64::from(run.first_page);
-            self.release(region, first + u64::from(answered)..first + u64::from(run.pages));
+            self.release(
+                region,
+                first + u64::from(answered)..first + u64::from(run.pages),
+            );
         }
     }
 

@@ -534,7 +534,7 @@ mod tests {
 
     use tern_wire::{Message, PageRequest, PageRun, PostcopyComplete};
 
-    use super::{Claims, ChunkCursor, Frozen, MAX_PENDING_REQUESTS, ServeCounters, serve};
+    use super::{ChunkCursor, Claims, Frozen, MAX_PENDING_REQUESTS, ServeCounters, serve};
     use crate::bitmap::DirtyBitmap;
     use crate::destination::test_memory::AnonymousMemory;
     use crate::error::MigrationError;

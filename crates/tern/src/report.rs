@@ -563,12 +563,14 @@ fn postcopy_rows(report: &tern_engine::PostcopyReport) -> Vec<(&'static str, Str
         (
             "postcopy",
             format!(
-                "{trigger}: {} stale pages, {} pushed ({} skipped: sent urgently), {} requested in {} requests; {} (postcopy-bytes)",
+                "{trigger}: {} stale pages, {} pushed ({} skipped: sent urgently), {} requested in {} requests ({} skipped: pushed), {} sent twice; {} (postcopy-bytes)",
                 report.stale_pages,
                 report.pushed_pages,
                 report.push_skipped_pages,
                 report.requested_pages,
                 report.postcopy_requests,
+                report.answer_skipped_pages,
+                report.resent_pages,
                 human_bytes(report.postcopy_bytes)
             ),
         ),

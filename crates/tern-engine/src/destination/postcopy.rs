@@ -43,6 +43,12 @@ const POLL: Duration = Duration::from_millis(20);
 /// The kinds a page channel carries during postcopy.
 const PUSH_FRAMES: &[FrameKind] = &[FrameKind::Pages, FrameKind::Sync, FrameKind::Abort];
 
+/// Requests remembered per connection to match their answers, at most: the
+/// source refuses more than this many unanswered (its
+/// `MAX_PENDING_REQUESTS`). An answer to a request not remembered matches
+/// nothing and releases nothing; the remembered ones still match.
+const MAX_OUTSTANDING: usize = 4096;
+
 /// Zeros a zero page is placed from (a copy: see [`Delivery::place`]).
 static ZERO_PAGE: [u8; PAGE_SIZE] = [0; PAGE_SIZE];
 
@@ -272,6 +278,46 @@ impl Delivery {
         self.queue_request(region, page, u32::try_from(end - page).unwrap_or(1));
     }
 
+    /// Matches an urgent answer with the oldest request of the connection
+    /// not answered yet (`outstanding`, in the order sent; the source
+    /// answers in that order). An answer that covers less than its request
+    /// left the rest out because the source's push has those pages on
+    /// their way: they are no longer asked for, so that a fault on one asks
+    /// again rather than wait for a push copy that may queue behind
+    /// megabytes on a page channel. An answer that matches no request
+    /// releases nothing.
+    fn answered(&self, outstanding: &mut VecDeque<PageRun>, region: usize, urgent: &UrgentPages) {
+        let Some(run) = outstanding.front().copied() else {
+            return;
+        };
+        if (run.region_id, run.first_page) != (urgent.region_id, urgent.first_page) {
+            return;
+        }
+        outstanding.pop_front();
+        let answered = u32::from(urgent.pages);
+        if answered < run.pages {
+            let first = u64::from(run.first_page);
+            self.release(
+                region,
+                first + u64::from(answered)..first + u64::from(run.pages),
+            );
+        }
+    }
+
+    /// Pages an answer left out (the source's push sends them): not asked
+    /// for any more, and a fault waiting on one asks again.
+    fn release(&self, region: usize, pages: std::ops::Range<u64>) {
+        let Some(requested) = self.requested.get(region) else {
+            return;
+        };
+        for page in pages {
+            if !self.delivered[region].get(page) {
+                requested.clear(page);
+            }
+        }
+        self.notify();
+    }
+
     /// Waits until page `page` of region `region` is placed. Past
     /// `request_timeout` the source counts as silent: the connection is
     /// given up for a new one (the round is marked stalled) and the wait
@@ -279,9 +325,6 @@ impl Delivery {
     /// page is asked for again. Only [`Delivery::fail`] ends the wait
     /// without the page.
     fn wait_for(&self, region: usize, page: u64) -> Result<(), PageSourceError> {
-        if !self.requested[region].set(page) {
-            self.request(region, page);
-        }
         let mut generation = self.generation.load(Ordering::Acquire);
         let mut deadline = Instant::now() + self.request_timeout;
         let mut guard = self.arrived.0.lock().unwrap_or_else(|e| e.into_inner());
@@ -291,6 +334,12 @@ impl Delivery {
             }
             if self.failed.load(Ordering::Acquire) {
                 return Err(PageSourceError::new("postcopy stopped"));
+            }
+            // Not asked for yet, or asked for as a neighbour and then left
+            // out of the answer (the push has it on its way, but the guest
+            // waits now).
+            if !self.requested[region].set(page) {
+                self.request(region, page);
             }
             let now = Instant::now();
             if self.generation.load(Ordering::Acquire) != generation {
@@ -562,6 +611,9 @@ impl Phase<'_> {
         decoder: &mut FrameDecoder,
     ) -> Result<(), MigrationError> {
         let channel_error = |error| MigrationError::channel(0)(error);
+        // The requests of this connection not answered yet, in order: the
+        // source answers each, in order, on this channel.
+        let mut outstanding: VecDeque<PageRun> = VecDeque::new();
         while !self.stop.load(Ordering::Acquire) {
             for run in self.delivery.take_requests() {
                 main.send_message(&Message::PageRequest(PageRequest { run }))
@@ -569,6 +621,9 @@ impl Phase<'_> {
                 self.delivery
                     .requested_pages
                     .fetch_add(u64::from(run.pages), Ordering::Relaxed);
+                if outstanding.len() < MAX_OUTSTANDING {
+                    outstanding.push_back(run);
+                }
             }
             if !wait_two(main, &self.delivery.wake, POLL).map_err(channel_error)? {
                 continue;
@@ -577,7 +632,10 @@ impl Phase<'_> {
                 continue;
             }
             match read_message(main, decoder).map_err(MigrationError::channel(0))? {
-                Message::UrgentPages(urgent) => self.place_urgent(&urgent)?,
+                Message::UrgentPages(urgent) => {
+                    self.place_urgent(&urgent)?;
+                    self.release_unanswered(&mut outstanding, &urgent);
+                }
                 Message::Abort(abort) => return Err(peer_aborted(abort)),
                 other => {
                     return Err(MigrationError::Protocol(format!(
@@ -600,6 +658,13 @@ impl Phase<'_> {
                 .place(self.service, self.hashes, region, page, urgent.page(index))?;
         }
         Ok(())
+    }
+
+    /// Matches an answer with its request (see [`Delivery::answered`]).
+    fn release_unanswered(&self, outstanding: &mut VecDeque<PageRun>, urgent: &UrgentPages) {
+        if let Ok(region) = self.region_index(urgent.region_id) {
+            self.delivery.answered(outstanding, region, urgent);
+        }
     }
 
     fn region_index(&self, id: u32) -> Result<usize, MigrationError> {
@@ -955,6 +1020,67 @@ mod tests {
         assert!(!delivery.delivered[0].get(2) && !delivery.delivered[0].get(3));
         assert_eq!(delivery.delivered_count.load(Ordering::Acquire), 0);
         assert!(memory.page(2).iter().all(|&byte| byte == 0));
+        drop(service.stop());
+    }
+
+    /// The source answered a request for pages 1..4 with page 1 alone (its
+    /// push had taken pages 2 and 3): a fault on page 2 asks again instead
+    /// of waiting for the push copy, and an answer matching no request
+    /// releases nothing.
+    #[test]
+    fn a_fault_on_a_page_left_out_of_an_answer_asks_again() {
+        let memory = AnonymousMemory::new(8);
+        let regions = [memory.region(1)];
+        let (delivery, _) = delivery(Duration::from_secs(60));
+        let service = match start_faults(&regions, &delivery) {
+            Ok(service) => service,
+            Err(error) => return skip_without_userfaultfd(&error),
+        };
+        let base = memory.base as usize;
+        let read = move |page: usize| {
+            std::thread::spawn(move || {
+                // SAFETY: a stale page of the mapping, which outlives the
+                // thread (joined below).
+                unsafe { (base as *const u8).add(page * PAGE_SIZE).read_volatile() }
+            })
+        };
+        let next_requests = || {
+            let mut requests = Vec::new();
+            crate::test_wait::wait_until("a request", || {
+                requests = delivery.take_requests();
+                !requests.is_empty()
+            });
+            requests
+        };
+        let run = |first_page, pages| PageRun {
+            region_id: 1,
+            first_page,
+            pages,
+        };
+        let first = read(1);
+        let asked = next_requests();
+        assert_eq!(asked, [run(1, 3)]);
+        let mut outstanding = asked.into_iter().collect();
+        let answer = |first_page, pages| tern_wire::UrgentPages {
+            region_id: 1,
+            first_page,
+            pages,
+            zero_mask: 0,
+            data: vec![4u8; usize::from(pages) * PAGE_SIZE],
+        };
+        // An answer to nothing asked: ignored.
+        delivery.answered(&mut outstanding, 0, &answer(3, 1));
+        assert_eq!(outstanding.len(), 1);
+        assert!(delivery.requested[0].get(2) && delivery.requested[0].get(3));
+        let page = vec![4u8; PAGE_SIZE];
+        assert!(delivery.place(&service, None, 0, 1, Some(&page)).unwrap());
+        delivery.answered(&mut outstanding, 0, &answer(1, 1));
+        assert!(outstanding.is_empty());
+        assert_eq!(first.join().unwrap(), 4);
+        let second = read(2);
+        assert_eq!(next_requests(), [run(2, 2)]);
+        assert!(delivery.place(&service, None, 0, 2, Some(&page)).unwrap());
+        assert_eq!(second.join().unwrap(), 4);
         drop(service.stop());
     }
 

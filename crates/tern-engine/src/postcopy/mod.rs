@@ -104,9 +104,19 @@ pub struct PostcopyReport {
     /// Pages sent by the background push.
     pub pushed_pages: u64,
     /// Stale pages the background push left out because an urgent answer
-    /// had already sent them (source only).
+    /// had already claimed them (source only).
     #[serde(default)]
     pub push_skipped_pages: u64,
+    /// Neighbours of a faulting page that an urgent answer left out
+    /// because the background push had claimed them: on their way on a
+    /// page channel (source only).
+    #[serde(default)]
+    pub answer_skipped_pages: u64,
+    /// Pages the source sent twice: faulting pages answered although the
+    /// push had claimed them already (source only; without a recovery,
+    /// `pushed-pages` + `requested-pages` = `stale-pages` + this).
+    #[serde(default)]
+    pub resent_pages: u64,
     /// Page faults the destination answered.
     pub faults: u64,
     /// Average time from a fault to its page being placed, µs.
@@ -204,6 +214,13 @@ impl PageBits {
         }
         let bit = 1 << (page % 64);
         self.words[(page / 64) as usize].fetch_or(bit, Ordering::AcqRel) & bit != 0
+    }
+
+    /// Clears the bit (out of range: nothing).
+    pub(crate) fn clear(&self, page: u64) {
+        if page < self.pages {
+            self.words[(page / 64) as usize].fetch_and(!(1 << (page % 64)), Ordering::AcqRel);
+        }
     }
 
     pub(crate) fn get(&self, page: u64) -> bool {

@@ -127,17 +127,21 @@ impl ChunkCursor {
     }
 }
 
-/// The pages this round sent as urgent answers, per region. The push
-/// skips them: once an answer has been written to the main channel it
-/// arrives unless the connection breaks, and a broken connection ends the
-/// round, after which the destination names again everything it lacks.
-/// A page answered after the push took its chunk goes twice, which the
-/// destination's placement settles (`EEXIST`).
-struct Answered {
+/// One claim per page and round, shared by the push and the urgent
+/// answers: whoever claims a page first sends it, and the other leaves it
+/// out. The push claims a chunk's stale pages as it takes the chunk, an
+/// answer the pages it is about to write; once claimed, a page is on its
+/// way unless the connection breaks, and a broken connection ends the
+/// round, after which the destination names again everything it has not
+/// placed (`source/recover.rs`), and the next round starts with no claims.
+/// The one page sent twice on purpose is a faulting page the push has
+/// claimed already: its push copy may be queued behind megabytes on a
+/// page channel, and the guest waits for it.
+struct Claims {
     regions: Vec<PageBits>,
 }
 
-impl Answered {
+impl Claims {
     fn new(regions: &[MemoryRegion]) -> Self {
         Self {
             regions: regions
@@ -147,14 +151,26 @@ impl Answered {
         }
     }
 
-    fn mark(&self, region: usize, run: &PageRun) {
-        for page in u64::from(run.first_page)..run.end() {
-            self.regions[region].set(page);
-        }
+    /// Claims page `page` of region `region`: whether the caller got it
+    /// (nobody had claimed it before). Out of range: false.
+    fn claim(&self, region: usize, page: u64) -> bool {
+        self.regions.get(region).is_some_and(|bits| !bits.set(page))
     }
 
-    fn contains(&self, region: usize, page: u64) -> bool {
-        self.regions.get(region).is_some_and(|bits| bits.get(page))
+    /// The answer to a request for `run`: its first page (the faulting
+    /// one) whoever claimed it, then the pages after it as long as this
+    /// call claims them; the first page the push claimed before ends it
+    /// (the answer is one contiguous run, and the push sends the rest of
+    /// that chunk). Returns the pages to send and whether the first page
+    /// had been claimed before (it goes twice).
+    fn claim_answer(&self, region: usize, run: &PageRun) -> (u32, bool) {
+        let first = u64::from(run.first_page);
+        let resent = !self.claim(region, first);
+        let mut pages = 1;
+        while pages < run.pages && self.claim(region, first + u64::from(pages)) {
+            pages += 1;
+        }
+        (pages, resent)
     }
 }
 
@@ -164,9 +180,15 @@ pub(super) struct ServeCounters {
     pub requests: AtomicU64,
     pub requested_pages: AtomicU64,
     pub pushed_pages: AtomicU64,
-    /// Stale pages the push left out because an urgent answer had sent
-    /// them already.
+    /// Stale pages the push left out because an urgent answer had claimed
+    /// them.
     pub push_skipped_pages: AtomicU64,
+    /// Requested pages an answer left out because the push had claimed
+    /// them (on their way on a page channel).
+    pub answer_skipped_pages: AtomicU64,
+    /// Faulting pages answered although the push had claimed them: the
+    /// pages the source sent twice.
+    pub resent_pages: AtomicU64,
     pub bytes: AtomicU64,
 }
 
@@ -181,7 +203,7 @@ pub(super) fn serve(
     counters: &ServeCounters,
 ) -> Result<PostcopyComplete, MigrationError> {
     let cursor = ChunkCursor::new(frozen.stale);
-    let answered = Answered::new(frozen.regions);
+    let claims = Claims::new(frozen.regions);
     let checker = ZeroChecker::best();
     let stop = AtomicBool::new(false);
     let failure: Mutex<Option<MigrationError>> = Mutex::new(None);
@@ -197,15 +219,15 @@ pub(super) fn serve(
     let pushers_left = AtomicUsize::new(page_channels.len());
     std::thread::scope(|scope| {
         for (index, mut channel) in page_channels.into_iter().enumerate() {
-            let (cursor, answered, checker, stop, failure, pushers_left) =
-                (&cursor, &answered, &checker, &stop, &failure, &pushers_left);
+            let (cursor, claims, checker, stop, failure, pushers_left) =
+                (&cursor, &claims, &checker, &stop, &failure, &pushers_left);
             let spawned = std::thread::Builder::new()
                 .name(format!("tern-push-{index}"))
                 .spawn_scoped(scope, move || {
                     let pusher = Pusher {
                         frozen,
                         cursor,
-                        answered,
+                        claims,
                         checker,
                         stats,
                         counters,
@@ -230,7 +252,7 @@ pub(super) fn serve(
         let answers = Answers {
             frozen,
             cursor: &cursor,
-            answered: &answered,
+            claims: &claims,
             checker: &checker,
             stats,
             counters,
@@ -250,7 +272,7 @@ pub(super) fn serve(
 struct Pusher<'a> {
     frozen: &'a Frozen<'a>,
     cursor: &'a ChunkCursor,
-    answered: &'a Answered,
+    claims: &'a Claims,
     checker: &'a ZeroChecker,
     stats: &'a LiveStats,
     counters: &'a ServeCounters,
@@ -272,9 +294,9 @@ impl Pusher<'_> {
             let end = (first + CHUNK_PAGES).min(memory.pages());
             let mut skipped = 0;
             for page in (first..end).filter(|&page| self.frozen.stale.contains(region, page)) {
-                // Looked at when the chunk is taken: an answer sent since
-                // then makes the page go twice, never not at all.
-                if self.answered.contains(region, page) {
+                // Claimed before it is read: an answer that comes later
+                // leaves it out, one that came earlier has sent it.
+                if !self.claims.claim(region, page) {
                     skipped += 1;
                     continue;
                 }
@@ -344,7 +366,7 @@ impl Pusher<'_> {
 struct Answers<'a> {
     frozen: &'a Frozen<'a>,
     cursor: &'a ChunkCursor,
-    answered: &'a Answered,
+    claims: &'a Claims,
     checker: &'a ZeroChecker,
     stats: &'a LiveStats,
     counters: &'a ServeCounters,
@@ -450,13 +472,17 @@ impl Answers<'_> {
         Ok(index)
     }
 
-    /// Sends the requested pages from frozen memory.
+    /// Sends the requested pages from frozen memory: the faulting page
+    /// always, its neighbours only while the push has not claimed them
+    /// ([`Claims::claim_answer`]).
     fn answer(&self, main: &mut Channel, run: PageRun) -> Result<(), MigrationError> {
         let region = self.check(&run)?;
         let memory = &self.frozen.regions[region];
+        let (pages, resent) = self.claims.claim_answer(region, &run);
         let mut zero_mask = 0u32;
-        let mut data = Vec::with_capacity(run.pages as usize * PAGE_SIZE);
-        for (index, page) in (u64::from(run.first_page)..run.end()).enumerate() {
+        let mut data = Vec::with_capacity(pages as usize * PAGE_SIZE);
+        let first = u64::from(run.first_page);
+        for (index, page) in (first..first + u64::from(pages)).enumerate() {
             let Some(ptr) = memory.page_ptr(page) else {
                 return Err(MigrationError::Internal("a checked page is missing".into()));
             };
@@ -472,21 +498,25 @@ impl Answers<'_> {
         let urgent = Message::UrgentPages(UrgentPages {
             region_id: run.region_id,
             first_page: run.first_page,
-            pages: u16::try_from(run.pages).unwrap_or(u16::MAX),
+            pages: u16::try_from(pages).unwrap_or(u16::MAX),
             zero_mask,
             data,
         });
         let sent = main.send_message_counted(&urgent).map_err(gone)?;
-        // Marked once written: until then the push must still send them.
-        self.answered.mark(region, &run);
         self.stats.add_postcopy_sent(sent as u64, false);
         self.counters
             .bytes
             .fetch_add(sent as u64, Ordering::Relaxed);
         self.counters
             .requested_pages
-            .fetch_add(u64::from(run.pages), Ordering::Relaxed);
-        self.cursor.steer(region, u64::from(run.first_page));
+            .fetch_add(u64::from(pages), Ordering::Relaxed);
+        self.counters
+            .answer_skipped_pages
+            .fetch_add(u64::from(run.pages - pages), Ordering::Relaxed);
+        if resent {
+            self.counters.resent_pages.fetch_add(1, Ordering::Relaxed);
+        }
+        self.cursor.steer(region, first);
         Ok(())
     }
 }
@@ -504,7 +534,7 @@ mod tests {
 
     use tern_wire::{Message, PageRequest, PageRun, PostcopyComplete};
 
-    use super::{ChunkCursor, Frozen, MAX_PENDING_REQUESTS, ServeCounters, serve};
+    use super::{ChunkCursor, Claims, Frozen, MAX_PENDING_REQUESTS, ServeCounters, serve};
     use crate::bitmap::DirtyBitmap;
     use crate::destination::test_memory::AnonymousMemory;
     use crate::error::MigrationError;
@@ -697,6 +727,110 @@ mod tests {
             counters.pushed_pages.load(Ordering::Relaxed),
             PAGES as u64 - 8
         );
+    }
+
+    /// An answer sends the faulting page even when the push has taken it,
+    /// and none of its neighbours that the push has taken: 4096 stale
+    /// pages, a push stuck in its first chunk (pages 0..128, claimed) while
+    /// the destination asks for 8 pages from page 5 (one goes: the
+    /// faulting page) and for 8 pages of chunk 20 (all go, and the push
+    /// leaves them out).
+    #[test]
+    fn an_answer_leaves_out_the_neighbours_the_push_has_taken() {
+        const PAGES: usize = 4096;
+        let memory = AnonymousMemory::new(PAGES);
+        // SAFETY: the mapping's pages, nothing else uses them.
+        unsafe { memory.base.write_bytes(7, PAGES * crate::guest::PAGE_SIZE) };
+        let regions = [memory.region(1)];
+        let mut bitmap = DirtyBitmap::new(PAGES as u64);
+        (0..PAGES as u64).for_each(|page| bitmap.set(page));
+        let stale = StaleSet::from_dirty(&[bitmap]);
+        let frozen = Frozen {
+            regions: &regions,
+            stale: &stale,
+            iteration: 3,
+        };
+        let (mut main, mut their_main) = pair();
+        let (mut push, mut their_push) = pair();
+        for channel in [&mut main, &mut their_main, &mut push, &mut their_push] {
+            channel.set_timeouts(Duration::from_secs(60)).unwrap();
+        }
+        let stats = LiveStats::new();
+        let counters = ServeCounters::default();
+        let (pushing, answered) = (AtomicBool::new(false), AtomicBool::new(false));
+        let result = std::thread::scope(|scope| {
+            let (pushing, answered, counters) = (&pushing, &answered, &counters);
+            scope.spawn(move || {
+                let mut sink = vec![0u8; 1 << 20];
+                // The first bytes of chunk 0: the push claimed it whole
+                // before it wrote any, and now waits in that write.
+                their_push.read_exact(&mut sink[..4096]).unwrap();
+                pushing.store(true, Ordering::Release);
+                wait_until("the answers arrived", || answered.load(Ordering::Acquire));
+                while their_push.read_exact(&mut sink[..4096]).is_ok() {}
+            });
+            scope.spawn(move || {
+                wait_until("the push took chunk 0", || pushing.load(Ordering::Acquire));
+                for (first, expected) in [(5, 1), (20 * 128, 8)] {
+                    their_main.send_message(&request(first, 8)).unwrap();
+                    match their_main.read_message().unwrap() {
+                        Message::UrgentPages(urgent) => {
+                            assert_eq!((urgent.first_page, urgent.pages), (first, expected));
+                            assert!(urgent.data.iter().all(|&byte| byte == 7));
+                        }
+                        other => panic!("{other:?}"),
+                    }
+                }
+                answered.store(true, Ordering::Release);
+                wait_until("the push went through every stale page", || {
+                    counters.pushed_pages.load(Ordering::Acquire)
+                        + counters.push_skipped_pages.load(Ordering::Acquire)
+                        >= PAGES as u64
+                });
+                their_main
+                    .send_message(&complete(9, PAGES as u64 - 8))
+                    .unwrap();
+            });
+            serve(
+                &mut main,
+                vec![push],
+                &frozen,
+                Duration::from_secs(60),
+                &stats,
+                counters,
+            )
+        });
+        assert_eq!(result.unwrap().digest, 5);
+        let count = |counter: &std::sync::atomic::AtomicU64| counter.load(Ordering::Relaxed);
+        assert_eq!(count(&counters.requested_pages), 9);
+        assert_eq!(count(&counters.answer_skipped_pages), 7);
+        assert_eq!(count(&counters.resent_pages), 1, "page 5 went twice");
+        assert_eq!(count(&counters.push_skipped_pages), 8);
+        assert_eq!(count(&counters.pushed_pages), PAGES as u64 - 8);
+    }
+
+    #[test]
+    fn claims_go_to_whoever_comes_first_and_an_answer_keeps_its_first_page() {
+        let memory = AnonymousMemory::new(64);
+        let claims = Claims::new(&[memory.region(1)]);
+        let run = |first_page, pages| PageRun {
+            region_id: 1,
+            first_page,
+            pages,
+        };
+        // The push took pages 8..16.
+        assert!((8..16).all(|page| claims.claim(0, page)));
+        assert!(!claims.claim(0, 8) && !claims.claim(0, 70));
+        // Nothing taken: the whole run.
+        assert_eq!(claims.claim_answer(0, &run(0, 4)), (4, false));
+        // Up to the first page the push took.
+        assert_eq!(claims.claim_answer(0, &run(4, 8)), (4, false));
+        // The faulting page itself taken: it goes anyway, alone.
+        assert_eq!(claims.claim_answer(0, &run(10, 8)), (1, true));
+        // A page taken by an answer is left out of the push, and the pages
+        // the answer did not reach are still free.
+        assert!(!claims.claim(0, 3));
+        assert!(claims.claim(0, 16));
     }
 
     #[test]

@@ -518,6 +518,8 @@ impl Source {
         report.requested_pages = counters.requested_pages.load(Ordering::Relaxed);
         report.pushed_pages = counters.pushed_pages.load(Ordering::Relaxed);
         report.push_skipped_pages = counters.push_skipped_pages.load(Ordering::Relaxed);
+        report.answer_skipped_pages = counters.answer_skipped_pages.load(Ordering::Relaxed);
+        report.resent_pages = counters.resent_pages.load(Ordering::Relaxed);
         let complete = match served {
             Ok(complete) => complete,
             Err(error) => {

@@ -106,7 +106,7 @@ pub use snapshot::{
 };
 pub use source::{CancelToken, MigrationFailure, Source};
 pub use stats::{
-    DedupStats, DestinationStats, DigestComparison, DowntimeCause, DowntimeParts, LiveStats,
+    DedupStats, DestinationStats, DigestComparison, DowntimeCause, DowntimeParts, DowntimeSide, ExpectedDowntimeParts, LiveStats,
     MigrationStats, MigrationStatus, RamStats, SessionSecurity, XbzrleCacheStats,
 };
 #[cfg(feature = "ring")]

@@ -803,8 +803,8 @@ pub struct ExpectedDowntimeParts {
 impl ExpectedDowntimeParts {
     /// The side whose measured part overran its expected part by more.
     pub fn overrun(&self, actual: &DowntimeParts) -> DowntimeSide {
-        let source = (actual.final_pages + actual.final_rehash + actual.state)
-            .saturating_sub(self.source);
+        let source =
+            (actual.final_pages + actual.final_rehash + actual.state).saturating_sub(self.source);
         let destination = actual.destination.saturating_sub(self.destination);
         if destination > source {
             DowntimeSide::Destination

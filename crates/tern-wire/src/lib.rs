@@ -70,8 +70,8 @@ pub use handover::{
 };
 pub use message::{
     Abort, AuthChallenge, AuthHello, AuthProof, ChannelHello, Complete, Dictionary,
-    DigestAlgorithm, Handshake, Hello, LiveFigures, Message, Outcome, OutcomeStats, Ready, RegionInfo,
-    SessionSetup, StateSectionMsg, Sync, VmmConfig, Welcome,
+    DigestAlgorithm, Handshake, Hello, LiveFigures, Message, Outcome, OutcomeStats, Ready,
+    RegionInfo, SessionSetup, StateSectionMsg, Sync, VmmConfig, Welcome,
 };
 pub use pages::{
     DELTA_ENTRY_LEN, PageEntry, PageKind, PageRef, PagesHeader, decode_page_table,

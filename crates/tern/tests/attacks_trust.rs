@@ -860,7 +860,8 @@ fn a_ready_read_after_the_switch_over_deadline_is_not_committed() {
     });
     let complete = loop {
         if !main.wait_readable(Duration::from_millis(500)).unwrap() {
-            main.send_message(&Message::Heartbeat(Default::default())).unwrap();
+            main.send_message(&Message::Heartbeat(Default::default()))
+                .unwrap();
             continue;
         }
         match main.read_message().unwrap() {

@@ -57,9 +57,10 @@ pub(super) fn receive_all<P: PageStream>(
         let decoders = spawn_decoders(scope, shared, codecs);
         spawn_auditor(scope, shared);
         spawn_fault_server(scope, shared);
-        let main_result = read_main_channel(shared, main, decoder, handles.len()).and_then(|done| {
-            watch_after_completion(shared, main, decoder, &handles).map(|()| done)
-        });
+        let main_result =
+            read_main_channel(shared, main, decoder, handles.len()).and_then(|done| {
+                watch_after_completion(shared, main, decoder, &handles).map(|()| done)
+            });
         let main_result = match main_result {
             Ok(done) => Some(done),
             // A peer abort on the main channel explains whatever the

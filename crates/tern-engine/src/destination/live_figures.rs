@@ -75,7 +75,10 @@ impl FigureWindow {
     /// The figures for a heartbeat sent `lateness` after it was due.
     pub(super) fn next(&mut self, meter: &PlacingMeter, lateness: Duration) -> LiveFigures {
         let now = meter.totals();
-        let window = (now.0 - self.last.0.min(now.0), now.1 - self.last.1.min(now.1));
+        let window = (
+            now.0 - self.last.0.min(now.0),
+            now.1 - self.last.1.min(now.1),
+        );
         let (busy, pages) = if window.1 >= ENOUGH_PAGES {
             self.last = now;
             window

@@ -210,10 +210,10 @@ impl<'s, 'a> PageReceiver<'s, 'a> {
         }
         self.decoder.consume_payload(packet.payload_len);
         let handed = self.landing.hand_off(self.shared, landing, &self.written);
-        self.shared.stats.placing.record(
-            started.elapsed().saturating_sub(read),
-            page_count,
-        );
+        self.shared
+            .stats
+            .placing
+            .record(started.elapsed().saturating_sub(read), page_count);
         handed
     }
 

@@ -117,12 +117,14 @@ impl SyncFacts {
         let remaining = self.dirty_pages as f64 * PAGE_SIZE as f64 + self.state_bytes as f64;
         let link = Duration::from_secs_f64(remaining / self.bandwidth.max(1.0));
         let pages = link.max(self.codec_downtime());
-        let (placing, finish) = self.destination.map_or((Duration::ZERO, Duration::ZERO), |d| {
-            (
-                Duration::from_secs_f64(self.dirty_pages as f64 / d.placed_pages_per_sec),
-                d.finish,
-            )
-        });
+        let (placing, finish) = self
+            .destination
+            .map_or((Duration::ZERO, Duration::ZERO), |d| {
+                (
+                    Duration::from_secs_f64(self.dirty_pages as f64 / d.placed_pages_per_sec),
+                    d.finish,
+                )
+            });
         ExpectedSplit {
             source: pages + self.final_rehash,
             destination: placing.saturating_sub(pages) + finish,
@@ -301,9 +303,7 @@ impl Convergence {
         } else {
             self.last_expected_downtime
                 .replace(expected)
-                .is_some_and(|last| {
-                    expected.as_secs_f64() <= last.as_secs_f64() * CONVERGING_SHARE
-                })
+                .is_some_and(|last| expected.as_secs_f64() <= last.as_secs_f64() * CONVERGING_SHARE)
         };
         if std::mem::take(&mut self.unthrottle) {
             self.throttle = 0;
@@ -431,7 +431,10 @@ mod tests {
             destination: destination(19_200.0, 0),
             ..fits
         };
-        assert_eq!(slow.expected_split().destination, Duration::from_millis(100));
+        assert_eq!(
+            slow.expected_split().destination,
+            Duration::from_millis(100)
+        );
         assert_eq!(rules.decide(&slow), Decision::Iterate { throttle: None });
         // A destination faster than the link adds nothing for its pages.
         let fast = SyncFacts {
@@ -478,12 +481,18 @@ mod tests {
             ..outrun
         };
         for _ in 0..6 {
-            assert_eq!(rules.decide(&switched), Decision::Iterate { throttle: None });
+            assert_eq!(
+                rules.decide(&switched),
+                Decision::Iterate { throttle: None }
+            );
         }
         // Nor does it break a run of outruns: two clean ones still raise
         // the throttle, a switched pass between them or not.
         assert_eq!(rules.decide(&outrun), Decision::Iterate { throttle: None });
-        assert_eq!(rules.decide(&switched), Decision::Iterate { throttle: None });
+        assert_eq!(
+            rules.decide(&switched),
+            Decision::Iterate { throttle: None }
+        );
         assert_eq!(
             rules.decide(&outrun),
             Decision::Iterate { throttle: Some(20) }

@@ -204,7 +204,14 @@ def outcome(case: Case, stats: dict[str, Any], rstats: dict[str, Any], src_cpu: 
     details |= {k: stats[k] for k in ("xbzrle-cache", "dedup") if k in stats}
     # Where the downtime went, and what the last sync predicted (overruns).
     details |= {k: stats[k] for k in ("expected-downtime", "downtime-parts",
-                                      "downtime-exceeded-cause", "digest-time") if k in stats}
+                                      "downtime-exceeded-cause", "digest-time",
+                                      "expected-downtime-parts", "downtime-overrun")
+                if k in stats}
+    # Why a running guest was not seen healthy on the destination.
+    if ok is False:
+        details["guest-proof"] = {k: rstats.get(k) for k in (
+            "consistency-check", "pass-count-before", "pass-count-after",
+            "guest-runs-on-destination")}
     details |= {"dirty-sync-count": ram.get("dirty-sync-count"), "dst-threads": dst_threads,
                 # Auto-converge only raises the throttle: the last is the peak.
                 "peak-throttle": stats.get("cpu-throttle-percentage", 0)}

@@ -106,8 +106,9 @@ pub use snapshot::{
 };
 pub use source::{CancelToken, MigrationFailure, Source};
 pub use stats::{
-    DedupStats, DestinationStats, DigestComparison, DowntimeCause, DowntimeParts, LiveStats,
-    MigrationStats, MigrationStatus, RamStats, SessionSecurity, XbzrleCacheStats,
+    DedupStats, DestinationStats, DigestComparison, DowntimeCause, DowntimeParts, DowntimeSide,
+    ExpectedDowntimeParts, LiveStats, MigrationStats, MigrationStatus, RamStats, SessionSecurity,
+    XbzrleCacheStats,
 };
 #[cfg(feature = "ring")]
 pub use transport::auth::RingCrypto;

@@ -129,6 +129,9 @@ pub struct LiveStats {
     pub(crate) bandwidth: AtomicU64,
     /// Expected downtime in milliseconds.
     pub(crate) expected_downtime_ms: AtomicU64,
+    /// The source's and the destination's parts of it.
+    expected_source_ms: AtomicU64,
+    expected_destination_ms: AtomicU64,
     /// Current iteration.
     pub(crate) iteration: AtomicU64,
     /// Current auto-converge throttle, in percent.
@@ -246,6 +249,8 @@ impl LiveStats {
             dirty_pages_rate: AtomicU64::new(0),
             bandwidth: AtomicU64::new(0),
             expected_downtime_ms: AtomicU64::new(0),
+            expected_source_ms: AtomicU64::new(0),
+            expected_destination_ms: AtomicU64::new(0),
             iteration: AtomicU64::new(0),
             cpu_throttle_percentage: AtomicU64::new(0),
             forced_switch_over: AtomicBool::new(false),
@@ -387,6 +392,13 @@ impl LiveStats {
     /// The downtime limit in force, in milliseconds.
     pub(crate) fn downtime_limit_ms(&self) -> u64 {
         self.downtime_limit_ms.load(Ordering::Relaxed)
+    }
+
+    /// Records the last sync's expected downtime in its two parts.
+    pub(crate) fn set_expected_split(&self, source_ms: u64, destination_ms: u64) {
+        self.expected_source_ms.store(source_ms, Ordering::Relaxed);
+        self.expected_destination_ms
+            .store(destination_ms, Ordering::Relaxed);
     }
 
     pub(crate) fn set_final_pages_time(&self, time: Duration) {
@@ -626,6 +638,10 @@ impl LiveStats {
         let downtime = self.downtime_ms.load(Ordering::Relaxed);
         let downtime_limit = self.downtime_limit_ms.load(Ordering::Relaxed);
         let parts = self.downtime_parts(downtime);
+        let expected = ExpectedDowntimeParts {
+            source: self.expected_source_ms.load(Ordering::Relaxed),
+            destination: self.expected_destination_ms.load(Ordering::Relaxed),
+        };
         let exceeded = downtime_limit > 0 && downtime > downtime_limit;
         MigrationStats {
             version: CONTRACT_VERSION,
@@ -639,6 +655,8 @@ impl LiveStats {
             downtime_exceeded_cause: exceeded.then(|| parts.largest()),
             downtime_parts: (downtime > 0).then_some(parts),
             expected_downtime: self.expected_downtime_ms.load(Ordering::Relaxed),
+            expected_downtime_parts: (downtime > 0).then_some(expected),
+            downtime_overrun: exceeded.then(|| expected.overrun(&parts)),
             digest_time: self.digest_time_ms.load(Ordering::Relaxed),
             digest_rehashed_pages: self.digest_rehashed_pages.load(Ordering::Relaxed),
             ram: self.ram_stats(status, seconds),
@@ -764,6 +782,61 @@ impl DowntimeParts {
     }
 }
 
+/// The downtime the last sync expected, by who spends it, in milliseconds.
+#[derive(
+    Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize, schemars::JsonSchema,
+)]
+#[serde(rename_all = "kebab-case")]
+#[non_exhaustive]
+pub struct ExpectedDowntimeParts {
+    /// The source's part: the last pages (link or codec, the slower) and
+    /// finishing the digest; compare with `final-pages + final-rehash +
+    /// state` of [`DowntimeParts`].
+    pub source: u64,
+    /// The destination's part: placing the last pages where slower than
+    /// the source sends them, then verification, state and resume, from
+    /// the figures its heartbeats carried; compare with
+    /// [`DowntimeParts::destination`].
+    pub destination: u64,
+}
+
+impl ExpectedDowntimeParts {
+    /// The side whose measured part overran its expected part by more.
+    pub fn overrun(&self, actual: &DowntimeParts) -> DowntimeSide {
+        let source =
+            (actual.final_pages + actual.final_rehash + actual.state).saturating_sub(self.source);
+        let destination = actual.destination.saturating_sub(self.destination);
+        if destination > source {
+            DowntimeSide::Destination
+        } else {
+            DowntimeSide::Source
+        }
+    }
+}
+
+/// Which side of the switch-over overran what the estimate gave it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, schemars::JsonSchema)]
+#[serde(rename_all = "kebab-case")]
+#[non_exhaustive]
+pub enum DowntimeSide {
+    /// The source: its last pages, digest or state took longer than
+    /// expected.
+    Source,
+    /// The destination: placing the last pages, verifying or resuming took
+    /// longer than its figures said.
+    Destination,
+}
+
+impl DowntimeSide {
+    /// The name in JSON and in the summary.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Source => "source",
+            Self::Destination => "destination",
+        }
+    }
+}
+
 /// Why the downtime broke its limit: the part of the switch-over that took
 /// the longest.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, schemars::JsonSchema)]
@@ -873,8 +946,17 @@ pub struct MigrationStats {
     pub downtime_parts: Option<DowntimeParts>,
     /// Downtime the last dirty-log sync predicted: the dirty pages still to
     /// send at the measured bandwidth, plus finishing the digest and the
-    /// device state (see `docs/verification.md`).
+    /// device state (see `docs/verification.md`), and the destination's
+    /// share from its heartbeats' figures.
     pub expected_downtime: u64,
+    /// The expected downtime in its two parts, to set beside
+    /// `downtime-parts`, once the guest resumed on the destination.
+    #[serde(skip_serializing_if = "Option::is_none", default)]
+    pub expected_downtime_parts: Option<ExpectedDowntimeParts>,
+    /// When the limit was broken, the side whose part overran its
+    /// expectation by more (see [`DowntimeSide`]).
+    #[serde(skip_serializing_if = "Option::is_none", default)]
+    pub downtime_overrun: Option<DowntimeSide>,
     /// Time the source spent finishing its incremental digest after the
     /// last pages were sent (`--verify full`): hashing the pages marked
     /// stale again and combining the page hashes; part of the downtime.

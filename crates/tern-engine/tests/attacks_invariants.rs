@@ -178,7 +178,7 @@ impl Attacker {
         // The destination's heartbeats may come first, on a slow machine.
         let answer = loop {
             match self.main.read_message() {
-                Ok(Message::Heartbeat) => {}
+                Ok(Message::Heartbeat(_)) => {}
                 other => break other,
             }
         };

@@ -174,7 +174,7 @@ fn expect_abort(channel: &mut Channel, needle: &str) {
     // first on a slow machine.
     let answer = loop {
         match channel.read_message() {
-            Ok(Message::Heartbeat) => {}
+            Ok(Message::Heartbeat(_)) => {}
             other => break other,
         }
     };

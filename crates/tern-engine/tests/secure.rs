@@ -484,7 +484,7 @@ fn a_peer_trickling_tls_records_is_cut_off_at_the_transfer_deadline() {
     let channel = Channel::connect(&address, DEADLINE).unwrap();
     let mut client =
         tern_engine::transport::tls::connect(channel, &client_config, "127.0.0.1").unwrap();
-    let frame = Message::Heartbeat.to_bytes();
+    let frame = Message::Heartbeat(Default::default()).to_bytes();
     let trickle = std::thread::spawn(move || {
         for byte in frame.iter().cycle().take(60) {
             if client.write_all(std::slice::from_ref(byte)).is_err() {

@@ -107,7 +107,8 @@ fn fake_destination(
 fn read_until_complete(main: &mut Channel, heartbeats: bool) -> Result<Complete, Seen> {
     loop {
         if heartbeats && !main.wait_readable(Duration::from_millis(500)).unwrap() {
-            main.send_message(&Message::Heartbeat).unwrap();
+            main.send_message(&Message::Heartbeat(Default::default()))
+                .unwrap();
             continue;
         }
         match main.read_message() {
@@ -592,7 +593,7 @@ fn destination_ready() -> (
     .unwrap();
     let answer = loop {
         match main.read_message().expect("the destination's answer") {
-            Message::Heartbeat => {}
+            Message::Heartbeat(_) => {}
             other => break other,
         }
     };
@@ -691,8 +692,14 @@ fn the_destination_sends_heartbeats_while_pages_flow() {
     let mut hello_setup = setup();
     hello_setup.digest = DigestAlgorithm::Xxh3Pages;
     let (mut main, _page) = fake_source_handshake(&address, hello_setup);
-    assert!(matches!(main.read_message().unwrap(), Message::Heartbeat));
-    assert!(matches!(main.read_message().unwrap(), Message::Heartbeat));
+    assert!(matches!(
+        main.read_message().unwrap(),
+        Message::Heartbeat(_)
+    ));
+    assert!(matches!(
+        main.read_message().unwrap(),
+        Message::Heartbeat(_)
+    ));
 }
 
 #[test]

@@ -70,8 +70,8 @@ pub use handover::{
 };
 pub use message::{
     Abort, AuthChallenge, AuthHello, AuthProof, ChannelHello, Complete, Dictionary,
-    DigestAlgorithm, Handshake, Hello, Message, Outcome, OutcomeStats, Ready, RegionInfo,
-    SessionSetup, StateSectionMsg, Sync, VmmConfig, Welcome,
+    DigestAlgorithm, Handshake, Hello, LiveFigures, Message, Outcome, OutcomeStats, Ready,
+    RegionInfo, SessionSetup, StateSectionMsg, Sync, VmmConfig, Welcome,
 };
 pub use pages::{
     DELTA_ENTRY_LEN, PageEntry, PageKind, PageRef, PagesHeader, decode_page_table,
@@ -89,7 +89,7 @@ pub use seal::{
 /// First bytes of every handshake.
 pub const MAGIC: [u8; 8] = *b"TERNMIG\0";
 /// Protocol version spoken by this build.
-pub const PROTOCOL_VERSION: u16 = 9;
+pub const PROTOCOL_VERSION: u16 = 10;
 /// The only page size this version supports: the one definition of tern's
 /// page size (`tern_page::PAGE_SIZE` and `tern_engine::PAGE_SIZE` are this
 /// value as a `usize`).

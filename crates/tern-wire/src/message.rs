@@ -466,6 +466,23 @@ pub struct Ready {
     pub digest: u128,
 }
 
+/// What the destination measured of its own speed during the live phase,
+/// carried by each heartbeat (version 10) so the source's downtime estimate
+/// includes the destination's share of the switch-over. Advice only: the
+/// source clamps both figures, and nothing is allocated from them. Zero
+/// means "not measured yet".
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct LiveFigures {
+    /// Pages per second the destination's receivers placed (decoded and
+    /// written into guest memory) while busy, all receivers together, over
+    /// the last heartbeat interval.
+    pub placed_pages_per_sec: u32,
+    /// Microseconds the destination expects to need after the last page
+    /// to be ready and resumed (verification, state, resume), from what it
+    /// measured of its own scheduling delay.
+    pub finish_micros: u32,
+}
+
 /// The sender gives up.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Abort {
@@ -530,8 +547,9 @@ pub enum Message {
     Commit,
     /// Sent by the destination about once a second while the live phase
     /// runs, so the source notices a destination that stopped or is cut off
-    /// even when no connection reset ever arrives.
-    Heartbeat,
+    /// even when no connection reset ever arrives. Since version 10 it
+    /// carries what the destination measured: [`LiveFigures`].
+    Heartbeat(LiveFigures),
     /// See [`AuthHello`].
     AuthHello(AuthHello),
     /// See [`AuthChallenge`].
@@ -572,7 +590,7 @@ impl Message {
             Self::Abort(_) => FrameKind::Abort,
             Self::Ready(_) => FrameKind::Ready,
             Self::Commit => FrameKind::Commit,
-            Self::Heartbeat => FrameKind::Heartbeat,
+            Self::Heartbeat(_) => FrameKind::Heartbeat,
             Self::AuthHello(_) => FrameKind::AuthHello,
             Self::AuthChallenge(_) => FrameKind::AuthChallenge,
             Self::AuthProof(_) => FrameKind::AuthProof,
@@ -617,8 +635,12 @@ impl Message {
             Self::Ready(ready) => {
                 w.u128(ready.digest);
             }
-            Self::Commit | Self::Heartbeat => {
+            Self::Commit => {
                 w.zeros(8);
+            }
+            Self::Heartbeat(figures) => {
+                w.u32(figures.placed_pages_per_sec)
+                    .u32(figures.finish_micros);
             }
             Self::AuthHello(hello) => {
                 hello.handshake.encode(w);
@@ -674,10 +696,10 @@ impl Message {
                 r.reserved(8)?;
                 Self::Commit
             }
-            FrameKind::Heartbeat => {
-                r.reserved(8)?;
-                Self::Heartbeat
-            }
+            FrameKind::Heartbeat => Self::Heartbeat(LiveFigures {
+                placed_pages_per_sec: r.u32()?,
+                finish_micros: r.u32()?,
+            }),
             FrameKind::AuthHello => {
                 let handshake = Handshake::decode(&mut r)?
                     .require_channel(0..=MAX_CHANNELS, |index| {

@@ -188,7 +188,7 @@ mod tests {
     #[test]
     fn a_sealing_decoder_takes_sealed_frames_in_order_only() {
         let commit = crate::Message::Commit;
-        let mut stream = sealed(&crate::Message::Heartbeat, 0);
+        let mut stream = sealed(&crate::Message::Heartbeat(Default::default()), 0);
         stream.extend(sealed(&commit, 1));
         assert_eq!(decode_with_opener(&stream).unwrap().len(), 2);
         // Unsealed, replayed, forged.

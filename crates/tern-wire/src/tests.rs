@@ -935,7 +935,10 @@ fn one_of_each_message() -> Vec<Message> {
         }),
         Message::Ready(Ready { digest: 99 }),
         Message::Commit,
-        Message::Heartbeat,
+        Message::Heartbeat(LiveFigures {
+            placed_pages_per_sec: 250_000,
+            finish_micros: 40_000,
+        }),
         Message::AuthHello(AuthHello {
             handshake,
             nonce: [7; AUTH_NONCE_LEN],

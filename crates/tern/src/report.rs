@@ -637,8 +637,17 @@ fn downtime_warning(stats: &MigrationStats) -> Option<String> {
     let cause = stats
         .downtime_exceeded_cause
         .filter(|_| stats.downtime_exceeded)?;
+    let overran = match (stats.downtime_overrun, stats.expected_downtime_parts) {
+        (Some(side), Some(expected)) => format!(
+            "; the {} overran its part (expected: source {} ms, destination {} ms)",
+            side.as_str(),
+            expected.source,
+            expected.destination
+        ),
+        _ => String::new(),
+    };
     Some(format!(
-        "the downtime of {} ms broke the {} ms limit (expected {} ms); most of it: {}{}",
+        "the downtime of {} ms broke the {} ms limit (expected {} ms); most of it: {}{overran}{}",
         stats.downtime,
         stats.downtime_limit,
         stats.expected_downtime,

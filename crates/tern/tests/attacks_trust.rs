@@ -860,12 +860,13 @@ fn a_ready_read_after_the_switch_over_deadline_is_not_committed() {
     });
     let complete = loop {
         if !main.wait_readable(Duration::from_millis(500)).unwrap() {
-            main.send_message(&Message::Heartbeat).unwrap();
+            main.send_message(&Message::Heartbeat(Default::default()))
+                .unwrap();
             continue;
         }
         match main.read_message().unwrap() {
             Message::Complete(complete) => break complete,
-            Message::StateSection(_) | Message::Sync(_) | Message::Heartbeat => {}
+            Message::StateSection(_) | Message::Sync(_) | Message::Heartbeat(_) => {}
             other => panic!("before the completion: {other:?}"),
         }
     };

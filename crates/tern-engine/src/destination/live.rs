@@ -11,6 +11,7 @@ use tern_wire::{Complete, FrameDecoder, HEARTBEAT_INTERVAL, Message, WireError};
 
 use super::POLL_INTERVAL;
 use super::handshake::peer_aborted;
+use super::live_figures::{FigureWindow, PlacingMeter};
 use super::order::MainChannelState;
 use super::receiver::receive_pages;
 use super::shared::ReceiverShared;
@@ -56,9 +57,10 @@ pub(super) fn receive_all<P: PageStream>(
         let decoders = spawn_decoders(scope, shared, codecs);
         spawn_auditor(scope, shared);
         spawn_fault_server(scope, shared);
-        let main_result = read_main_channel(shared, main, decoder).and_then(|done| {
-            watch_after_completion(shared, main, decoder, &handles).map(|()| done)
-        });
+        let main_result =
+            read_main_channel(shared, main, decoder, handles.len()).and_then(|done| {
+                watch_after_completion(shared, main, decoder, &handles).map(|()| done)
+            });
         let main_result = match main_result {
             Ok(done) => Some(done),
             // A peer abort on the main channel explains whatever the
@@ -334,12 +336,13 @@ fn read_main_channel(
     shared: &ReceiverShared<'_>,
     main: &mut (impl FrameSource + FrameSink),
     decoder: &mut FrameDecoder,
+    receivers: usize,
 ) -> Result<MainDelivery, MigrationError> {
     let mut sections: Vec<StateSection> = Vec::new();
     let mut postcopy = PostcopyList::default();
     let mut state_bytes = 0usize;
     let mut state = MainChannelState::Live;
-    let mut heartbeat = Heartbeat::new();
+    let mut heartbeat = Heartbeat::new(receivers);
     loop {
         wait_for_main(shared, main, decoder, &mut heartbeat)?;
         // Only state sections are large: the rest of the budget (of
@@ -427,22 +430,43 @@ fn watch_after_completion<T>(
 /// When the next heartbeat is due. Heartbeats are due on a fixed schedule
 /// (one per [`HEARTBEAT_INTERVAL`] since the live phase began), not an
 /// interval after the previous one, so a late one is followed by the ones
-/// missed and the source can count them against its own clock.
+/// missed and the source can count them against its own clock. Each
+/// carries what the destination measured (`live_figures.rs`), among it how
+/// late this thread woke for the heartbeat: its scheduling delay.
 struct Heartbeat {
     next: Instant,
+    figures: FigureWindow,
+    /// How late the previous heartbeat went out: the figure sent is the
+    /// larger of two, so one lucky wake-up does not hide a loaded host.
+    previous_lateness: Duration,
 }
 
 impl Heartbeat {
-    fn new() -> Self {
+    fn new(receivers: usize) -> Self {
         Self {
             next: Instant::now() + HEARTBEAT_INTERVAL,
+            figures: FigureWindow::new(receivers),
+            previous_lateness: Duration::ZERO,
         }
     }
 
+    /// How long until the next heartbeat is due.
+    fn due_in(&self) -> Duration {
+        self.next.saturating_duration_since(Instant::now())
+    }
+
     /// Sends the heartbeats that are due.
-    fn beat(&mut self, main: &mut impl FrameSink) -> Result<(), MigrationError> {
-        while Instant::now() >= self.next {
-            main.send_message(&Message::Heartbeat)
+    fn beat(
+        &mut self,
+        main: &mut impl FrameSink,
+        meter: &PlacingMeter,
+    ) -> Result<(), MigrationError> {
+        while let Some(lateness) = Instant::now().checked_duration_since(self.next) {
+            let figures = self
+                .figures
+                .next(meter, lateness.max(self.previous_lateness));
+            self.previous_lateness = lateness;
+            main.send_message(&Message::Heartbeat(figures))
                 .map_err(MigrationError::channel(0))?;
             self.next += HEARTBEAT_INTERVAL;
         }
@@ -463,7 +487,7 @@ fn wait_for_main(
     // source; after, only this wait can.
     let mut pages_ended_at: Option<Instant> = None;
     loop {
-        heartbeat.beat(main)?;
+        heartbeat.beat(main, &shared.stats.placing)?;
         if shared.pages_ended()
             && pages_ended_at.get_or_insert_with(Instant::now).elapsed() > shared.io_timeout()
         {
@@ -489,8 +513,10 @@ fn wait_for_main(
             }
             return Err(MigrationError::Internal("a page channel failed".into()));
         }
+        // Woken when the next heartbeat is due, so its lateness is this
+        // thread's scheduling delay, not the poll's granularity.
         if main
-            .wait_readable(POLL_INTERVAL)
+            .wait_readable(POLL_INTERVAL.min(heartbeat.due_in()))
             .map_err(MigrationError::channel(0))?
         {
             return Ok(());

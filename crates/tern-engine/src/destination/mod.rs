@@ -9,6 +9,7 @@ pub(crate) mod handshake;
 mod in_memory;
 mod landing_pool;
 mod live;
+mod live_figures;
 mod order;
 mod populate;
 mod postcopy;
@@ -132,6 +133,8 @@ pub struct ReceiveStats {
     decoder_cpu: AtomicU64,
     /// The digests the switch-over compared, once it compared them.
     digest_comparison: Mutex<Option<DigestComparison>>,
+    /// The receivers' busy time and pages, for the heartbeats' figures.
+    placing: live_figures::PlacingMeter,
 }
 
 impl ReceiveStats {

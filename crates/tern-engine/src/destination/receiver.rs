@@ -13,7 +13,7 @@
 //! whether a compressed page decodes.
 
 use std::sync::atomic::Ordering;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use tern_page::codec::CodecId;
 use tern_wire::{Event, FrameDecoder, FrameKind, Message, PageEntry, PageKind, PagePacket, Sync};
@@ -178,11 +178,14 @@ impl<'s, 'a> PageReceiver<'s, 'a> {
         source: &mut impl FrameSource,
         packet: &PagePacket,
     ) -> Result<(), MigrationError> {
+        let started = Instant::now();
         let mut landing = self.landing.take(self.shared)?;
         let entries = self.decoder.entries();
+        let page_count = entries.len() as u64;
         landing.place(self.shared, packet, entries)?;
         claim_pages(self.shared, self.channel, packet, entries, self.iteration())?;
         landing.populate_raw_pages(self.shared);
+        let before_read = Instant::now();
         // SAFETY: `place` made every segment either a whole page inside the
         // region (bounds-checked by `page_ptr`) or a slice of one of the
         // landing's own buffers, which this receiver holds. Each of those
@@ -196,6 +199,8 @@ impl<'s, 'a> PageReceiver<'s, 'a> {
             .map_err(MigrationError::channel(self.channel))?;
         // The packet, header to payload, was one transfer.
         source.end_transfer();
+        // The wait for the bytes is the link's, which the source measures.
+        let read = before_read.elapsed();
         landing.place_staged(self.shared)?;
         // Marked now, read only by a later packet's duplicates, which land
         // after every packet before them (`hand_off`).
@@ -204,7 +209,12 @@ impl<'s, 'a> PageReceiver<'s, 'a> {
                 .set(packet.region_index, u64::from(entry.page_index));
         }
         self.decoder.consume_payload(packet.payload_len);
-        self.landing.hand_off(self.shared, landing, &self.written)
+        let handed = self.landing.hand_off(self.shared, landing, &self.written);
+        self.shared
+            .stats
+            .placing
+            .record(started.elapsed().saturating_sub(read), page_count);
+        handed
     }
 
     /// Ends the current iteration: every receiver waits for the others, so
@@ -212,8 +222,11 @@ impl<'s, 'a> PageReceiver<'s, 'a> {
     /// must agree on whether it was the last.
     fn end_iteration(&mut self, sync: Sync) -> Result<(), MigrationError> {
         let iteration = self.iteration();
-        // What a sync promises: every page before it is in memory.
+        // What a sync promises: every page before it is in memory. The
+        // wait is the decoders' lag behind this receiver: placing time.
+        let waited = Instant::now();
         self.landing.wait_landed(self.shared)?;
+        self.shared.stats.placing.record(waited.elapsed(), 0);
         self.advance(PageChannelEvent::Sync {
             iteration: sync.iteration,
             last: sync.last,

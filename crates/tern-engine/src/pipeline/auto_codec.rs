@@ -804,6 +804,15 @@ impl Pipeline<'_> {
         }
     }
 
+    /// How many times auto has switched codecs so far (0 without auto):
+    /// the source compares it across an iteration to tell a pass that
+    /// moved at two codecs' rates.
+    pub(crate) fn codec_switches(&self) -> u64 {
+        self.auto
+            .as_ref()
+            .map_or(0, |auto| auto.report.codec_switches)
+    }
+
     /// What compressing the last pages costs at the codec and level in
     /// force, for the downtime estimate: the workers' guest bytes per CPU
     /// second together, and the ratio, as last measured. `None` without

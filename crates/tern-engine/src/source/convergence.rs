@@ -36,16 +36,99 @@ pub(crate) struct SyncFacts {
     /// What compressing the last pages costs at the codec and level in
     /// force (`None`: no compression).
     pub codec: Option<CodecCost>,
+    /// What the destination said it costs (its last heartbeat's figures,
+    /// clamped; `None` before it measured anything).
+    pub destination: Option<DestinationCost>,
+    /// Whether the codec in force changed during the iteration just sent:
+    /// its pages moved partly at another codec's speed (a trial or a
+    /// switch), so its rate says nothing of the guest against the link.
+    pub codec_switched: bool,
+}
+
+/// The destination's share of a switch-over, from the figures its
+/// heartbeats carry ([`tern_wire::LiveFigures`]), clamped by
+/// [`DestinationCost::from_figures`]: advice from the peer, which may only
+/// make the source wait for a smaller dirty set, never allocate.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub(crate) struct DestinationCost {
+    /// Pages per second the destination places (decodes and writes) while
+    /// busy, all its receivers together.
+    pub placed_pages_per_sec: f64,
+    /// What the destination needs after the last page: verification,
+    /// state and resume, as its own scheduling delay suggests.
+    pub finish: Duration,
+}
+
+/// The slowest placement rate a destination's figure may claim: 64 MiB/s
+/// of pages. Below it the figure is taken as this, so a peer that reports
+/// nonsense can slow the switch-over, not stall it.
+pub(crate) const MIN_PLACED_PAGES_PER_SEC: f64 = 16_384.0;
+
+/// The longest finish a destination's figure may claim, as a share of the
+/// downtime limit: a peer's report alone never makes the limit unreachable.
+pub(crate) const MAX_FINISH_SHARE: f64 = 0.5;
+
+impl DestinationCost {
+    /// The destination's figures, clamped for the downtime limit `limit`;
+    /// `None` when it measured nothing yet.
+    pub(crate) fn from_figures(figures: tern_wire::LiveFigures, limit: Duration) -> Option<Self> {
+        if figures.placed_pages_per_sec == 0 && figures.finish_micros == 0 {
+            return None;
+        }
+        let placed = f64::from(figures.placed_pages_per_sec);
+        Some(Self {
+            placed_pages_per_sec: if placed == 0.0 {
+                f64::INFINITY
+            } else {
+                placed.max(MIN_PLACED_PAGES_PER_SEC)
+            },
+            finish: Duration::from_micros(u64::from(figures.finish_micros))
+                .min(limit.mul_f64(MAX_FINISH_SHARE)),
+        })
+    }
+}
+
+/// The expected downtime, split by who spends it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct ExpectedSplit {
+    /// The source's part: the last pages on the link (or through the
+    /// codec, if slower) and finishing the digest.
+    pub source: Duration,
+    /// The destination's part: placing the last pages, where slower than
+    /// the source sends them, and its finish.
+    pub destination: Duration,
 }
 
 impl SyncFacts {
     /// Downtime a switch-over now would cost: the remaining dirty pages and
     /// the device state at the measured bandwidth, and finishing the
-    /// digest.
+    /// digest, plus the destination's share.
     pub(super) fn expected_downtime(&self) -> Duration {
+        let split = self.expected_split();
+        split.source + split.destination
+    }
+
+    /// [`Self::expected_downtime`] in its two parts. The link, the codec
+    /// and the destination's receivers work side by side, so the last
+    /// pages take the longest of the three; what the destination's
+    /// placement adds beyond the source's time is its part, as is its
+    /// finish, which starts only after the last page.
+    pub(crate) fn expected_split(&self) -> ExpectedSplit {
         let remaining = self.dirty_pages as f64 * PAGE_SIZE as f64 + self.state_bytes as f64;
         let link = Duration::from_secs_f64(remaining / self.bandwidth.max(1.0));
-        link.max(self.codec_downtime()) + self.final_rehash
+        let pages = link.max(self.codec_downtime());
+        let (placing, finish) = self
+            .destination
+            .map_or((Duration::ZERO, Duration::ZERO), |d| {
+                (
+                    Duration::from_secs_f64(self.dirty_pages as f64 / d.placed_pages_per_sec),
+                    d.finish,
+                )
+            });
+        ExpectedSplit {
+            source: pages + self.final_rehash,
+            destination: placing.saturating_sub(pages) + finish,
+        }
     }
 }
 
@@ -204,18 +287,30 @@ impl Convergence {
     /// the expected downtime did not shrink to [`CONVERGING_SHARE`] of the
     /// last sync's; two such syncs in a row raise the throttle (initial
     /// step, then increments, at most 99%).
+    ///
+    /// A pass during which the codec changed is no evidence either way:
+    /// its pages moved partly at another codec's rate, so it neither
+    /// counts as an outrun nor breaks a run of them, and it is not the
+    /// baseline the next sync is compared with (issue 31: the runs that
+    /// throttled had made a codec round trip during the working-set
+    /// passes). Auto switches codecs only a few times per migration
+    /// (`CODEC_SWITCH_BUDGET`), so this cannot hold the throttle off for
+    /// long.
     fn auto_converge(&mut self, facts: &SyncFacts) -> Option<u8> {
         let expected = facts.expected_downtime();
-        let converging = self
-            .last_expected_downtime
-            .replace(expected)
-            .is_some_and(|last| expected.as_secs_f64() <= last.as_secs_f64() * CONVERGING_SHARE);
+        let converging = if facts.codec_switched {
+            false
+        } else {
+            self.last_expected_downtime
+                .replace(expected)
+                .is_some_and(|last| expected.as_secs_f64() <= last.as_secs_f64() * CONVERGING_SHARE)
+        };
         if std::mem::take(&mut self.unthrottle) {
             self.throttle = 0;
             self.dirty_outruns = 0;
             return Some(0);
         }
-        if !self.auto_converge {
+        if !self.auto_converge || facts.codec_switched {
             return None;
         }
         if facts.dirty_pages * 2 > facts.sent_pages.max(1) && !converging {
@@ -264,6 +359,8 @@ mod tests {
             state_bytes: 0,
             switch_over_requested: false,
             codec: None,
+            destination: None,
+            codec_switched: false,
         }
     }
 
@@ -299,6 +396,131 @@ mod tests {
         assert_eq!(
             rules.decide(&fast_codec),
             Decision::SwitchOver { forced: false }
+        );
+    }
+
+    fn destination(placed_pages_per_sec: f64, finish_ms: u64) -> Option<DestinationCost> {
+        Some(DestinationCost {
+            placed_pages_per_sec,
+            finish: Duration::from_millis(finish_ms),
+        })
+    }
+
+    /// Issue 31: a run broke the limit by 61 ms, 272 ms of it the
+    /// destination's (its last pages, verification and resume under load),
+    /// which the estimate left out.
+    #[test]
+    fn the_destinations_share_counts_against_the_limit() {
+        // 7680 pages fit in 300 ms at 100 MiB/s of link...
+        let fits = facts(1, 7680, 100_000, 100.0);
+        let mut rules = Convergence::new(&config());
+        assert_eq!(rules.decide(&fits), Decision::SwitchOver { forced: false });
+        // ...not when the destination needs 40 ms after the last page,
+        let finish = SyncFacts {
+            destination: destination(1e6, 40),
+            ..fits
+        };
+        let split = finish.expected_split();
+        assert_eq!(split.source, Duration::from_millis(300));
+        assert_eq!(split.destination, Duration::from_millis(40));
+        assert_eq!(finish.expected_downtime(), Duration::from_millis(340));
+        assert_eq!(rules.decide(&finish), Decision::Iterate { throttle: None });
+        // ...nor when it places only 19 200 pages a second: 400 ms for the
+        // last pages, 100 ms more than the link's 300.
+        let slow = SyncFacts {
+            destination: destination(19_200.0, 0),
+            ..fits
+        };
+        assert_eq!(
+            slow.expected_split().destination,
+            Duration::from_millis(100)
+        );
+        assert_eq!(rules.decide(&slow), Decision::Iterate { throttle: None });
+        // A destination faster than the link adds nothing for its pages.
+        let fast = SyncFacts {
+            destination: destination(100_000.0, 0),
+            ..fits
+        };
+        assert_eq!(fast.expected_downtime(), Duration::from_millis(300));
+        assert_eq!(rules.decide(&fast), Decision::SwitchOver { forced: false });
+    }
+
+    /// The destination's figures are advice: a report of nothing is no
+    /// figure, a crawling rate counts as the floor, and a finish longer
+    /// than half the limit as half the limit.
+    #[test]
+    fn the_destinations_figures_are_clamped() {
+        let limit = Duration::from_millis(300);
+        let figures = |placed, finish_micros| tern_wire::LiveFigures {
+            placed_pages_per_sec: placed,
+            finish_micros,
+        };
+        assert_eq!(DestinationCost::from_figures(figures(0, 0), limit), None);
+        let crawling = DestinationCost::from_figures(figures(1, u32::MAX), limit).unwrap();
+        assert_eq!(crawling.placed_pages_per_sec, MIN_PLACED_PAGES_PER_SEC);
+        assert_eq!(crawling.finish, Duration::from_millis(150));
+        let finish_only = DestinationCost::from_figures(figures(0, 20_000), limit).unwrap();
+        assert!(finish_only.placed_pages_per_sec.is_infinite());
+        assert_eq!(finish_only.finish, Duration::from_millis(20));
+        // However the destination lies, a small enough dirty set fits.
+        let lying = SyncFacts {
+            destination: Some(crawling),
+            ..facts(1, 100, 100_000, 100.0)
+        };
+        assert!(lying.expected_downtime() <= limit);
+    }
+
+    /// Issue 31: the runs that throttled had switched codecs (zstd packet
+    /// frames to raw and back) during the passes auto-converge judged.
+    #[test]
+    fn a_pass_with_a_codec_switch_is_not_an_outrun() {
+        let mut rules = Convergence::new(&config());
+        let outrun = facts(1, 100_000, 100_000, 100.0);
+        let switched = SyncFacts {
+            codec_switched: true,
+            ..outrun
+        };
+        for _ in 0..6 {
+            assert_eq!(
+                rules.decide(&switched),
+                Decision::Iterate { throttle: None }
+            );
+        }
+        // Nor does it break a run of outruns: two clean ones still raise
+        // the throttle, a switched pass between them or not.
+        assert_eq!(rules.decide(&outrun), Decision::Iterate { throttle: None });
+        assert_eq!(
+            rules.decide(&switched),
+            Decision::Iterate { throttle: None }
+        );
+        assert_eq!(
+            rules.decide(&outrun),
+            Decision::Iterate { throttle: Some(20) }
+        );
+    }
+
+    /// A slow pass during a codec switch is not the baseline: the pass
+    /// after it is compared with the last clean one.
+    #[test]
+    fn a_pass_with_a_codec_switch_is_not_the_baseline() {
+        let mut rules = Convergence::new(&config());
+        // 1 s of downtime expected, then a switched pass at a third of the
+        // rate (3 s), then 1 s again: against the switched pass that would
+        // look like converging; against the clean one it is the second
+        // outrun in a row, and the guest is throttled.
+        let clean = facts(1, 100_000, 100_000, 400.0);
+        let slow_switch = SyncFacts {
+            codec_switched: true,
+            ..facts(2, 100_000, 100_000, 133.0)
+        };
+        assert_eq!(rules.decide(&clean), Decision::Iterate { throttle: None });
+        assert_eq!(
+            rules.decide(&slow_switch),
+            Decision::Iterate { throttle: None }
+        );
+        assert_eq!(
+            rules.decide(&clean),
+            Decision::Iterate { throttle: Some(20) }
         );
     }
 

@@ -4,7 +4,7 @@
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
-use super::convergence::{Convergence, Decision, SyncFacts};
+use super::convergence::{Convergence, Decision, DestinationCost, SyncFacts};
 use super::peer::PeerWatch;
 use super::{GuestChanges, Source};
 use crate::bitmap::DirtyBitmap;
@@ -52,6 +52,7 @@ impl Source {
         let mut peer = PeerWatch::new(self.config.io_timeout);
         loop {
             let started = Instant::now();
+            let switches_before = pipe.codec_switches();
             let totals = pipe.send_iteration(&mut bitmaps, iteration, false, Some(main))?;
             let elapsed = started.elapsed().as_secs_f64().max(1e-6);
             if let Some(measured) = measured_bandwidth(&totals, elapsed, bandwidth == 0.0) {
@@ -84,6 +85,8 @@ impl Source {
                 state_bytes: guest.state_size_hint(),
                 switch_over_requested: self.control.parameters.switch_over_requested(),
                 codec: pipe.codec_cost(),
+                destination: DestinationCost::from_figures(peer.figures(), rules.downtime_limit()),
+                codec_switched: pipe.codec_switches() != switches_before,
             };
             // What an operator changed since the last sync applies now.
             rules.apply(self.control.parameters.convergence());
@@ -203,6 +206,8 @@ impl Source {
         stats
             .expected_downtime_ms
             .store(millis(facts.expected_downtime()), Ordering::Relaxed);
+        let split = facts.expected_split();
+        stats.set_expected_split(millis(split.source), millis(split.destination));
         stats
             .iteration
             .store(u64::from(facts.iteration), Ordering::Relaxed);
@@ -210,6 +215,9 @@ impl Source {
             iteration = facts.iteration,
             dirty_pages = facts.dirty_pages,
             bandwidth_mb_s = facts.bandwidth / 1e6,
+            expected_source_ms = millis(split.source),
+            expected_destination_ms = millis(split.destination),
+            codec_switched = facts.codec_switched,
             "dirty iteration done"
         );
     }

@@ -183,11 +183,15 @@ impl Source {
                 let mut stats = self.stats.snapshot();
                 stats.destination = destination;
                 if let Some(cause) = stats.downtime_exceeded_cause {
+                    let expected = stats.expected_downtime_parts.unwrap_or_default();
                     tracing::warn!(
                         downtime_ms = stats.downtime,
                         limit_ms = stats.downtime_limit,
                         expected_ms = stats.expected_downtime,
+                        expected_source_ms = expected.source,
+                        expected_destination_ms = expected.destination,
                         cause = cause.as_str(),
+                        overran = stats.downtime_overrun.map_or("", |side| side.as_str()),
                         "the downtime broke its limit"
                     );
                 }

@@ -3,7 +3,7 @@
 
 use std::time::{Duration, Instant};
 
-use tern_wire::{HEARTBEAT_INTERVAL, Message};
+use tern_wire::{HEARTBEAT_INTERVAL, LiveFigures, Message};
 
 use crate::error::{ChannelError, MigrationError};
 use crate::transport::{Channel, Expected};
@@ -22,6 +22,8 @@ pub(super) struct PeerWatch {
     started: Instant,
     heard: u32,
     silence_limit: Duration,
+    /// What the destination's last heartbeat said it measured.
+    figures: LiveFigures,
 }
 
 impl PeerWatch {
@@ -31,7 +33,14 @@ impl PeerWatch {
             started: Instant::now(),
             heard: 0,
             silence_limit,
+            figures: LiveFigures::default(),
         }
+    }
+
+    /// The figures of the destination's latest heartbeat (zeros before
+    /// any): advice for the downtime estimate, clamped there.
+    pub(super) fn figures(&self) -> LiveFigures {
+        self.figures
     }
 
     /// Reads what the destination sent since the last look: heartbeats
@@ -46,7 +55,10 @@ impl PeerWatch {
                 .read_expected(Expected::LIVE)
                 .map_err(MigrationError::channel(0))?
             {
-                Message::Heartbeat => self.heard = self.heard.saturating_add(1),
+                Message::Heartbeat(figures) => {
+                    self.heard = self.heard.saturating_add(1);
+                    self.figures = figures;
+                }
                 Message::Abort(abort) => {
                     return Err(MigrationError::from_peer_abort(abort));
                 }
@@ -92,7 +104,7 @@ pub(super) fn peer_reason(main: &mut Channel) -> Option<MigrationError> {
             return None;
         }
         match main.read_expected(Expected::LIVE) {
-            Ok(Message::Heartbeat) if !left.is_zero() => {}
+            Ok(Message::Heartbeat(_)) if !left.is_zero() => {}
             Ok(Message::Abort(abort)) => {
                 return Some(MigrationError::from_peer_abort(abort));
             }

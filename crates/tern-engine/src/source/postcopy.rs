@@ -438,7 +438,7 @@ impl Answers<'_> {
                 Ok(None)
             }
             Message::PostcopyComplete(complete) => Ok(Some(complete)),
-            Message::Heartbeat => Ok(None),
+            Message::Heartbeat(_) => Ok(None),
             Message::Abort(abort) => Err(MigrationError::from_peer_abort(abort)),
             other => Err(MigrationError::Protocol(format!(
                 "unexpected {:?} on the main channel during postcopy",

@@ -326,7 +326,7 @@ impl Source {
             match message {
                 Message::Outcome(outcome) => return Ok(Ok(outcome)),
                 Message::Ready(ready) => return Ok(Err(ready)),
-                Message::Heartbeat => {}
+                Message::Heartbeat(_) => {}
                 Message::Abort(abort) => {
                     return Err(MigrationError::from_peer_abort(abort));
                 }

@@ -121,10 +121,8 @@ impl LinkQueue {
             self.standing.fetch_add(1, Ordering::Relaxed);
         }
         if let Some((busy, receiver_limited)) = tcp_busy_and_receiver_limited(fd)
-            && let (Some(busy_slot), Some(limited_slot)) = (
-                self.busy_us.get(index),
-                self.receiver_limited_us.get(index),
-            )
+            && let (Some(busy_slot), Some(limited_slot)) =
+                (self.busy_us.get(index), self.receiver_limited_us.get(index))
         {
             busy_slot.store(busy, Ordering::Relaxed);
             limited_slot.store(receiver_limited, Ordering::Relaxed);
@@ -344,6 +342,29 @@ mod tests {
             ..loopback
         };
         assert!(!super::peer_bound(&idle));
+    }
+
+    #[test]
+    fn the_link_queue_sees_a_peer_that_does_not_read() {
+        use std::io::Write;
+        use std::os::fd::AsRawFd;
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let mut sender = std::net::TcpStream::connect(listener.local_addr().unwrap()).unwrap();
+        // The peer accepts and never reads: its receive window fills.
+        let (_peer, _) = listener.accept().unwrap();
+        sender.set_nonblocking(true).unwrap();
+        let chunk = vec![7u8; 1 << 16];
+        while sender.write(&chunk).is_ok() {}
+        let queue = super::LinkQueue::new(1);
+        crate::test_wait::wait_until("the kernel counts receiver-limited time", || {
+            queue.sample(0, sender.as_raw_fd());
+            queue.snapshot().receiver_limited_us >= super::PEER_BOUND_MIN_BUSY_US
+        });
+        let samples = queue.snapshot();
+        assert!(
+            samples.receiver_limited_us <= samples.busy_us,
+            "{samples:?}"
+        );
     }
 
     #[test]

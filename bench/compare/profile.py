@@ -43,7 +43,8 @@ CATEGORIES: list[tuple[str, re.Pattern[str]]] = [
                                r"|__x64_sys_sendmsg|__sys_sendmsg")),
     ("socket receive", re.compile(r"tcp_recvmsg|sock_recvmsg|do_readv|__sys_recvfrom|"
                                   r"sock_read_iter|__sys_recvmsg")),
-    ("zero-page check", re.compile(r"is_zero|zero_page|all_zero|find_nonzero", re.I)),
+    ("zero-page check", re.compile(r"is_zero|zero_page|all_zero|find_nonzero|tern_page::zero",
+                                    re.I)),
     ("hash (xxh3) / digest", re.compile(r"xxh|XXH|digest|blake|sha", re.I)),
     ("compress", re.compile(r"zstd|ZSTD|lz4|LZ4|deflate|libdeflate|dictionary|ZDICT|COVER",
                             re.I)),

@@ -333,6 +333,15 @@ impl AutoCodec {
                 .find(|m| m.codec == codec)
                 .map_or(0.0, |m| m.effective_rate(link, workers))
         };
+        if link >= super::rate::PEER_BOUND_LINK_RATE {
+            return format!(
+                "the peer, not the link, set the pace (the channels waited for its receive \
+                 window at least half of their busy time): a codec would only add to its \
+                 work; {} replaces {}",
+                proposed.codec.name(),
+                from.name()
+            );
+        }
         let evidence = if first_measurement {
             "the first decision on the measured link".to_string()
         } else {

@@ -69,6 +69,11 @@ pub(super) struct LinkQueue {
     unsent: Box<[AtomicU64]>,
     samples: AtomicU64,
     standing: AtomicU64,
+    /// Per channel, the kernel's TCP counters at its last sample
+    /// (microseconds since the connection opened): time with data in
+    /// flight, and of that, time the peer's receive window held it back.
+    busy_us: Box<[AtomicU64]>,
+    receiver_limited_us: Box<[AtomicU64]>,
 }
 
 /// A queue this long when the next packet is written means the link (or
@@ -85,6 +90,11 @@ pub(super) struct QueueSamples {
     pub standing: u64,
     /// Bytes the channels' sockets held, at each one's last sample.
     pub unsent: u64,
+    /// TCP only: the channels' time with data in flight, and the part of
+    /// it the peer's receive window was full (the peer did not read as
+    /// fast as the link delivered), summed over channels, microseconds.
+    pub busy_us: u64,
+    pub receiver_limited_us: u64,
 }
 
 impl LinkQueue {
@@ -93,6 +103,8 @@ impl LinkQueue {
             unsent: (0..channels).map(|_| AtomicU64::new(0)).collect(),
             samples: AtomicU64::new(0),
             standing: AtomicU64::new(0),
+            busy_us: (0..channels).map(|_| AtomicU64::new(0)).collect(),
+            receiver_limited_us: (0..channels).map(|_| AtomicU64::new(0)).collect(),
         }
     }
 
@@ -108,6 +120,13 @@ impl LinkQueue {
         if unsent >= STANDING_QUEUE_BYTES {
             self.standing.fetch_add(1, Ordering::Relaxed);
         }
+        if let Some((busy, receiver_limited)) = tcp_busy_and_receiver_limited(fd)
+            && let (Some(busy_slot), Some(limited_slot)) =
+                (self.busy_us.get(index), self.receiver_limited_us.get(index))
+        {
+            busy_slot.store(busy, Ordering::Relaxed);
+            limited_slot.store(receiver_limited, Ordering::Relaxed);
+        }
     }
 
     pub(super) fn snapshot(&self) -> QueueSamples {
@@ -115,8 +134,38 @@ impl LinkQueue {
             samples: self.samples.load(Ordering::Relaxed),
             standing: self.standing.load(Ordering::Relaxed),
             unsent: self.unsent.iter().map(|u| u.load(Ordering::Relaxed)).sum(),
+            busy_us: self.busy_us.iter().map(|u| u.load(Ordering::Relaxed)).sum(),
+            receiver_limited_us: self
+                .receiver_limited_us
+                .iter()
+                .map(|u| u.load(Ordering::Relaxed))
+                .sum(),
         }
     }
+}
+
+/// A TCP socket's `tcpi_busy_time` and `tcpi_rwnd_limited` (Linux 4.10+,
+/// microseconds, counted in jiffies), or `None` for another socket.
+fn tcp_busy_and_receiver_limited(fd: RawFd) -> Option<(u64, u64)> {
+    // SAFETY: tcp_info is plain integers; all zeroes is a valid value.
+    let mut info: libc::tcp_info = unsafe { std::mem::zeroed() };
+    let mut len = libc::socklen_t::try_from(std::mem::size_of::<libc::tcp_info>()).ok()?;
+    // SAFETY: getsockopt writes at most `len` bytes into `info`, a live
+    // local of that size, and stores the length it wrote in `len`; a bad
+    // descriptor or a socket that is not TCP only fails.
+    let result = unsafe {
+        libc::getsockopt(
+            fd,
+            libc::IPPROTO_TCP,
+            libc::TCP_INFO,
+            std::ptr::from_mut(&mut info).cast(),
+            &mut len,
+        )
+    };
+    // An older kernel fills less: without the two fields, no answer.
+    let needed = std::mem::offset_of!(libc::tcp_info, tcpi_rwnd_limited) + 8;
+    (result == 0 && usize::try_from(len).ok()? >= needed)
+        .then_some((info.tcpi_busy_time, info.tcpi_rwnd_limited))
 }
 
 /// Bytes a socket holds that the peer has not yet acknowledged (TCP) or
@@ -141,7 +190,19 @@ pub(super) struct LinkWindow {
     pub queue_at_end: QueueSamples,
 }
 
+/// The rate [`link_estimate`] gives a window in which the peer, not the
+/// link, set the pace: faster than any codec, so auto sends raw. A codec
+/// shortens only the wire's part; where the peer's receive window is full,
+/// the peer's work is what takes the time (placing pages: allocating and
+/// mapping them), and decoding adds to it. Issue 31: on loopback auto
+/// read 53-5195 MB/s from such windows and sent zstd, lz4 and raw in turn.
+pub(super) const PEER_BOUND_LINK_RATE: f64 = 1e11;
+
 /// The link's rate as one window shows it, bytes per second. Pure.
+///
+/// When the channels spent at least half of their busy time waiting for
+/// the peer's receive window, the peer was the bottleneck: see
+/// [`PEER_BOUND_LINK_RATE`].
 ///
 /// When at least half of the window's packets found a standing queue, the
 /// link was the bottleneck all along and what left the sockets per second
@@ -150,12 +211,36 @@ pub(super) struct LinkWindow {
 /// (an upper one: a send into a buffer with room returns at once).
 pub(super) fn link_estimate(window: &LinkWindow) -> f64 {
     let seconds = window.seconds.max(1e-6);
+    if peer_bound(window) {
+        return PEER_BOUND_LINK_RATE;
+    }
     if link_pushed_back(window) {
         let left = window.written as f64 + window.queue_at_start.unsent as f64
             - window.queue_at_end.unsent as f64;
         return left.max(0.0) / seconds;
     }
     window.written as f64 / seconds / window.busy_share.clamp(0.05, 1.0)
+}
+
+/// Channels' busy time below this in a window says nothing about who
+/// limited them (the kernel counts in jiffies, 4 ms at HZ=250).
+const PEER_BOUND_MIN_BUSY_US: u64 = 20_000;
+
+/// Whether the peer limited the window: the channels' receive-window-limited
+/// time is at least half of their busy time, over enough busy time to
+/// count. On a shaped 1 Gbit/s link the share is 0-2 %, on loopback with a
+/// slower reader 50-90 % (measured with a sender and a reader in Python,
+/// 0.5 s each). Pure.
+pub(super) fn peer_bound(window: &LinkWindow) -> bool {
+    let busy = window
+        .queue_at_end
+        .busy_us
+        .saturating_sub(window.queue_at_start.busy_us);
+    let limited = window
+        .queue_at_end
+        .receiver_limited_us
+        .saturating_sub(window.queue_at_start.receiver_limited_us);
+    busy >= PEER_BOUND_MIN_BUSY_US && limited * 2 >= busy
 }
 
 /// Whether the link (or the peer) pushed back during the window: at least
@@ -189,11 +274,13 @@ mod tests {
                 samples: 100,
                 standing: 90,
                 unsent: 1_000_000,
+                ..QueueSamples::default()
             },
             queue_at_end: QueueSamples {
                 samples: 140,
                 standing: 130,
                 unsent: 8_500_000,
+                ..QueueSamples::default()
             },
         };
         assert_eq!(link_estimate(&saturated), 125_000_000.0);
@@ -211,6 +298,87 @@ mod tests {
     }
     use std::sync::Arc;
     use std::sync::atomic::{AtomicU64, Ordering};
+
+    /// A 50 ms window of two channels, busy 90 ms together, of which
+    /// `limited_ms` the peer's receive window was full.
+    fn window_with_receiver_limited(limited_ms: u64) -> LinkWindow {
+        LinkWindow {
+            seconds: 0.05,
+            written: 40_000_000,
+            busy_share: 0.9,
+            queue_at_start: QueueSamples {
+                samples: 10,
+                busy_us: 1_000_000,
+                receiver_limited_us: 500_000,
+                ..QueueSamples::default()
+            },
+            queue_at_end: QueueSamples {
+                samples: 90,
+                busy_us: 1_090_000,
+                receiver_limited_us: 500_000 + limited_ms * 1000,
+                ..QueueSamples::default()
+            },
+        }
+    }
+
+    #[test]
+    fn a_peer_that_limits_makes_the_link_faster_than_any_codec() {
+        // Loopback: the receiver's window was full 60 of 90 busy ms.
+        let loopback = window_with_receiver_limited(60);
+        assert!(super::peer_bound(&loopback));
+        assert_eq!(link_estimate(&loopback), super::PEER_BOUND_LINK_RATE);
+        // A shaped link: the window was full 2 ms; the estimate is the
+        // written bytes over the busy share, as before.
+        let shaped = window_with_receiver_limited(2);
+        assert!(!super::peer_bound(&shaped));
+        assert_eq!(link_estimate(&shaped), 40_000_000.0 / 0.05 / 0.9);
+        // Too little busy time says nothing: 12 of 16 ms.
+        let idle = LinkWindow {
+            queue_at_end: QueueSamples {
+                busy_us: 1_016_000,
+                receiver_limited_us: 512_000,
+                ..loopback.queue_at_end
+            },
+            ..loopback
+        };
+        assert!(!super::peer_bound(&idle));
+    }
+
+    #[test]
+    fn the_link_queue_sees_a_peer_that_does_not_read() {
+        use std::io::Write;
+        use std::os::fd::AsRawFd;
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let mut sender = std::net::TcpStream::connect(listener.local_addr().unwrap()).unwrap();
+        // The peer accepts and never reads: its receive window fills.
+        let (_peer, _) = listener.accept().unwrap();
+        sender.set_nonblocking(true).unwrap();
+        let chunk = vec![7u8; 1 << 16];
+        while sender.write(&chunk).is_ok() {}
+        let queue = super::LinkQueue::new(1);
+        crate::test_wait::wait_until("the kernel counts receiver-limited time", || {
+            queue.sample(0, sender.as_raw_fd());
+            queue.snapshot().receiver_limited_us >= super::PEER_BOUND_MIN_BUSY_US
+        });
+        let samples = queue.snapshot();
+        assert!(
+            samples.receiver_limited_us <= samples.busy_us,
+            "{samples:?}"
+        );
+    }
+
+    #[test]
+    fn a_tcp_socket_reports_its_busy_and_receiver_limited_time() {
+        use std::os::fd::AsRawFd;
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let sender = std::net::TcpStream::connect(listener.local_addr().unwrap()).unwrap();
+        let (busy, limited) = super::tcp_busy_and_receiver_limited(sender.as_raw_fd())
+            .expect("Linux 4.10+ reports tcpi_busy_time and tcpi_rwnd_limited");
+        assert!(limited <= busy, "{limited} of {busy}");
+        // Not a TCP socket: no answer.
+        let (unix, _) = std::os::unix::net::UnixStream::pair().unwrap();
+        assert_eq!(super::tcp_busy_and_receiver_limited(unix.as_raw_fd()), None);
+    }
 
     #[test]
     fn rate_limiter_spaces_packets() {

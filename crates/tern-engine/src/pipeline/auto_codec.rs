@@ -748,6 +748,7 @@ impl Pipeline<'_> {
             busy_share,
             queue_at_start: auto.queue_at_start,
             queue_at_end: queue,
+            raw: self.codec == CodecId::None,
         };
         let measured = self.measure_window();
         let at_ms =

@@ -610,6 +610,16 @@ fn a_broken_downtime_limit_is_reported_with_its_cause() {
     assert_eq!(json["downtime-limit"], 100);
     assert!(json["downtime-exceeded-cause"].is_string());
     assert!(json["downtime-parts"]["final-rehash"].is_u64());
+    // The slow state is the source's, which its part of the estimate did
+    // not hold: the report says which side overran.
+    assert_eq!(
+        stats.downtime_overrun,
+        Some(tern_engine::DowntimeSide::Source),
+        "{:?}",
+        stats.expected_downtime_parts
+    );
+    assert_eq!(json["downtime-overrun"], "source");
+    assert!(json["expected-downtime-parts"]["destination"].is_u64());
 }
 
 #[test]

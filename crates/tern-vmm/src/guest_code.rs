@@ -20,8 +20,13 @@
 //! page's byte equals the pass counter's low byte (or is one ahead of it
 //! between the last increment and the counter update): the property
 //! [`crate::KvmGuest::consistency_check`] verifies after a migration. The
-//! serial port receives exactly one byte per pass, so the number of bytes it
-//! has received equals the pass counter whenever the vCPU is paused.
+//! serial port receives exactly one byte per pass, after the counter's
+//! increment: a pause lands between any two instructions, so a paused vCPU
+//! may have counted a pass whose byte it has not sent yet (its instruction
+//! pointer is then on one of the three instructions after the increment,
+//! see [`pass_report`]). Bytes received plus that one unreported pass
+//! ([`crate::KvmGuest::unreported_passes`]) equal the pass counter whenever
+//! the vCPU is paused; never more bytes than passes.
 
 /// Guest-physical address of the GDT.
 pub const GDT_ADDR: u64 = 0x500;
@@ -232,7 +237,6 @@ pub fn code(pages: u32) -> Vec<u8> {
 /// The guest's machine code running `workload` over `pages` pages.
 pub fn code_for(pages: u32, workload: Workload) -> Vec<u8> {
     let base = u32::try_from(WORKING_SET_BASE).expect("below 4 GiB");
-    let counter = u32::try_from(PASS_COUNTER_ADDR).expect("below 4 GiB");
     let buffer = base + pages * PAGE;
     let mut asm = Asm::default();
     if workload == Workload::Rewrite {
@@ -258,12 +262,39 @@ pub fn code_for(pages: u32, workload: Workload) -> Vec<u8> {
     asm.add_eax(PAGE);
     asm.dec(EDX);
     asm.jnz(page);
-    asm.inc_dword_at(counter); // passes += 1
-    asm.mov_al_from(counter); // al = passes (low byte)
-    asm.mov_dx(SERIAL_PORT);
-    asm.out_dx_al(); // report the pass: the only exit
+    asm.emit(&pass_report().bytes);
     asm.jmp(pass);
     asm.code
+}
+
+/// The instructions that close a pass, and where in them a pass is counted
+/// but not yet reported.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct PassReport {
+    /// `inc dword [counter]; mov al, [counter]; mov dx, 0x3f8; out dx, al`.
+    pub bytes: Vec<u8>,
+    /// Offsets into `bytes` of the instructions after the increment, up to
+    /// and including the `out`: a vCPU paused with its instruction pointer
+    /// at one of them has counted the pass and not yet sent its byte.
+    pub unreported_at: Vec<usize>,
+}
+
+/// The end of every pass: count it, then report the counter's low byte on
+/// the serial port (the only exit). The same for every workload.
+pub fn pass_report() -> PassReport {
+    let counter = u32::try_from(PASS_COUNTER_ADDR).expect("below 4 GiB");
+    let mut asm = Asm::default();
+    asm.inc_dword_at(counter); // passes += 1
+    let mut unreported_at = vec![asm.label()];
+    asm.mov_al_from(counter); // al = passes (low byte)
+    unreported_at.push(asm.label());
+    asm.mov_dx(SERIAL_PORT);
+    unreported_at.push(asm.label());
+    asm.out_dx_al(); // report the pass
+    PassReport {
+        bytes: asm.code,
+        unreported_at,
+    }
 }
 
 /// Fills [`REWRITE_BUFFER_BYTES`] at `buffer` with the generator in `ebx`

@@ -305,6 +305,13 @@ impl Vcpu {
         Ok(self.fd.lock().unwrap_or_else(|poison| poison.into_inner()))
     }
 
+    /// The instruction pointer the guest resumes at. The vCPU must be
+    /// paused.
+    pub fn instruction_pointer(&self) -> Result<u64> {
+        let fd = self.paused_fd()?;
+        Ok(fd.get_regs().map_err(VmmError::kvm("get registers"))?.rip)
+    }
+
     /// Saves the vCPU's state. The vCPU must be paused.
     pub fn save(&self) -> Result<VcpuState> {
         let fd = self.paused_fd()?;

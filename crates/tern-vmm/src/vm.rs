@@ -507,6 +507,28 @@ impl KvmGuest {
         self.vcpu.with_serial(|serial| serial.transmitted())
     }
 
+    /// Passes the paused guest has counted but not yet reported on its
+    /// serial port: 1 when the vCPU stopped between the counter's increment
+    /// and the `out` that sends its byte (a pause lands between any two
+    /// instructions), else 0. Whenever the guest is paused and no serial
+    /// byte was lost or repeated, `serial_transmitted() +
+    /// unreported_passes() == pass_count()`. Errors when the vCPU is not
+    /// paused.
+    pub fn unreported_passes(&self) -> Result<u64> {
+        // Flat segments with base 0: the instruction pointer is the
+        // guest-physical address of the next instruction.
+        let next = self.vcpu.instruction_pointer()?;
+        let report = crate::guest_code::pass_report();
+        let mut bytes = vec![0u8; report.bytes.len()];
+        let in_window = report.unreported_at.iter().any(|&offset| {
+            next.checked_sub(offset as u64).is_some_and(|start| {
+                self.ram.read_slice(&mut bytes, GuestAddress(start)).is_ok()
+                    && bytes == report.bytes
+            })
+        });
+        Ok(u64::from(in_window))
+    }
+
     /// The last bytes the guest wrote to its serial port on this host.
     pub fn serial_tail(&self) -> Vec<u8> {
         self.vcpu.with_serial(|serial| serial.tail())

@@ -23,16 +23,24 @@ pub(super) struct ConsistencyJson {
     pub(super) last_byte: u8,
     pub(super) pass_count: u64,
     pub(super) counter_matches: bool,
-    /// Serial bytes received equal the pass counter: no `out` was lost or
-    /// repeated across the migration.
+    /// Serial bytes received, plus the pass whose byte is still owed when
+    /// the pause landed between its count and its `out`, equal the pass
+    /// counter: no `out` was lost or repeated across the migration.
     pub(super) serial_matches: bool,
+    /// 1 when the paused vCPU had counted a pass and not yet sent its
+    /// serial byte, else 0.
+    pub(super) unreported_passes: u64,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub(super) failure: Option<String>,
 }
 
 impl ConsistencyJson {
-    pub(super) fn new(report: ConsistencyReport, serial_bytes: u64) -> Self {
-        let serial_matches = serial_bytes == report.pass_count;
+    pub(super) fn new(
+        report: ConsistencyReport,
+        serial_bytes: u64,
+        unreported_passes: u64,
+    ) -> Self {
+        let serial_matches = serial_bytes + unreported_passes == report.pass_count;
         Self {
             passed: report.passed && serial_matches,
             pages: report.pages,
@@ -42,10 +50,11 @@ impl ConsistencyJson {
             pass_count: report.pass_count,
             counter_matches: report.counter_matches,
             serial_matches,
+            unreported_passes,
             failure: report.failure.or_else(|| {
                 (!serial_matches).then(|| {
                     format!(
-                        "{serial_bytes} serial bytes for {} passes",
+                        "{serial_bytes} serial bytes for {} passes ({unreported_passes} not yet reported)",
                         report.pass_count
                     )
                 })
@@ -97,8 +106,11 @@ pub(super) fn check_paused(guest: &mut KvmGuest) -> anyhow::Result<ConsistencyJs
         .consistency_check()
         .map_err(|reason| anyhow::anyhow!("consistency check: {reason}"))?;
     let serial = guest.serial_transmitted();
+    let unreported = guest
+        .unreported_passes()
+        .context("cannot read the paused vCPU")?;
     guest.resume().context("cannot resume the guest")?;
-    Ok(ConsistencyJson::new(report, serial))
+    Ok(ConsistencyJson::new(report, serial, unreported))
 }
 
 /// What the destination shows after the switch-over: a consistent working

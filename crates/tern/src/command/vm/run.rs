@@ -59,7 +59,10 @@ pub(super) fn run(args: &RunArgs) -> anyhow::Result<ExitCode> {
         let report = guest
             .consistency_check()
             .map_err(|reason| anyhow::anyhow!("consistency check: {reason}"))?;
-        ConsistencyJson::new(report, guest.serial_transmitted())
+        let unreported = guest
+            .unreported_passes()
+            .context("cannot read the paused vCPU")?;
+        ConsistencyJson::new(report, guest.serial_transmitted(), unreported)
     };
     let elapsed = started.elapsed().as_secs_f64();
     let passes = guest.pass_count();

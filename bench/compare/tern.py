@@ -210,7 +210,7 @@ def outcome(case: Case, stats: dict[str, Any], rstats: dict[str, Any], src_cpu: 
     # Why a running guest was not seen healthy on the destination.
     if ok is False:
         details["guest-proof"] = {k: rstats.get(k) for k in (
-            "consistency-check", "pass-count-before", "pass-count-after",
+            "consistency-check", "pass-count-before", "pass-count-after", "first-pass-after-ms",
             "guest-runs-on-destination")}
     details |= {"dirty-sync-count": ram.get("dirty-sync-count"), "dst-threads": dst_threads,
                 # Auto-converge only raises the throttle: the last is the peak.

@@ -46,6 +46,7 @@ fn vm_demo_json_proves_memory_and_execution() {
     let before = report["pass-count-before"].as_u64().unwrap();
     let after = report["pass-count-after"].as_u64().unwrap();
     assert!(after > before, "{before} -> {after}");
+    assert!(report["first-pass-after-ms"].is_u64(), "{report}");
     assert_eq!(report["ram"]["total"], 64 << 20);
     assert_eq!(report["working-set-pages"], 512);
 }

@@ -145,7 +145,8 @@ pub(super) fn prove_on_destination(
     let resumed = Instant::now();
     let advanced =
         guest.wait_for_pass_count_above(pass_count_before, run_after.max(FIRST_PASS_DEADLINE));
-    let first_pass_after_ms = advanced.then(|| resumed.elapsed().as_millis() as u64);
+    let first_pass_after_ms =
+        advanced.then(|| u64::try_from(resumed.elapsed().as_millis()).unwrap_or(u64::MAX));
     std::thread::sleep(run_after);
     let pass_count_after = guest.pass_count();
     Ok(DestinationProof {

@@ -806,3 +806,130 @@ fn check_layout(setup: &SessionSetup, regions: &[MemoryRegion]) -> Result<(), Mi
     }
     Ok(())
 }
+
+#[cfg(test)]
+mod tests {
+    use super::{Handshakes, Pending, random_index};
+    use crate::config::ReceiveConfig;
+    use crate::destination::ReceiveStats;
+    use crate::transport::{Address, Channel, Listener};
+    use std::net::{IpAddr, Ipv4Addr};
+    use std::os::unix::net::UnixStream;
+    use std::sync::Arc;
+    use std::sync::atomic::AtomicBool;
+    use std::time::{Duration, Instant};
+
+    fn address(last: u8) -> Option<IpAddr> {
+        Some(IpAddr::V4(Ipv4Addr::new(127, 0, 0, last)))
+    }
+
+    /// A pending handshake from `peer` over a socket pair whose other end
+    /// the test keeps (the drop shuts it down: the test sees which).
+    fn pending(id: u64, peer: Option<IpAddr>, proved: bool) -> (Pending, UnixStream) {
+        let (ours, theirs) = UnixStream::pair().unwrap();
+        let channel = Channel::from_socket(ours.into()).unwrap();
+        let entry = Pending {
+            id,
+            closer: channel.shutdown_handle().unwrap(),
+            deadline: Instant::now() + Duration::from_secs(600),
+            peer,
+            proved: Arc::new(AtomicBool::new(proved)),
+        };
+        (entry, theirs)
+    }
+
+    fn with_table(limit: usize, check: impl FnOnce(&mut Handshakes<'_>)) {
+        let listener = Listener::bind(&Address::Tcp("127.0.0.1:0".into())).unwrap();
+        let mut config = ReceiveConfig::default();
+        config.max_pending_handshakes = limit;
+        let stats = Arc::new(ReceiveStats::default());
+        check(&mut Handshakes::new(&listener, &config, &stats));
+    }
+
+    fn ids(table: &Handshakes<'_>) -> Vec<u64> {
+        let mut ids: Vec<u64> = table.pending.iter().map(|p| p.id).collect();
+        ids.sort_unstable();
+        ids
+    }
+
+    #[test]
+    fn a_full_table_drops_a_handshake_that_proved_nothing_and_never_a_proved_one() {
+        with_table(4, |table| {
+            let mut peers = Vec::new();
+            for id in 0..4 {
+                let (entry, peer) = pending(id, address(u8::try_from(id).unwrap() + 1), id != 2);
+                table.pending.push(entry);
+                peers.push(peer);
+            }
+            assert!(table.make_room(address(9)), "the unproved handshake makes room");
+            assert_eq!(ids(table), [0, 1, 3], "only the one that proved nothing goes");
+            let (entry, peer) = pending(4, address(9), true);
+            table.pending.push(entry);
+            peers.push(peer);
+            assert!(!table.make_room(address(10)), "every slot has proved the key");
+            assert_eq!(ids(table), [0, 1, 3, 4]);
+        });
+    }
+
+    #[test]
+    fn one_address_holds_at_most_half_the_slots() {
+        with_table(8, |table| {
+            let mut peers = Vec::new();
+            for id in 0..4 {
+                let (entry, peer) = pending(id, address(1), false);
+                table.pending.push(entry);
+                peers.push(peer);
+            }
+            assert!(table.make_room(address(2)), "another address finds room");
+            assert_eq!(table.pending.len(), 4, "and nothing is dropped for it");
+            assert!(table.make_room(address(1)), "a fifth from the first address");
+            assert_eq!(table.pending.len(), 3, "costs one of its own four");
+            assert!(table.pending.iter().all(|p| p.peer == address(1)));
+        });
+    }
+
+    #[test]
+    fn a_connection_past_its_deadline_is_closed() {
+        with_table(4, |table| {
+            let (mut overdue, mut peer) = pending(0, address(1), false);
+            overdue.deadline = Instant::now();
+            let (current, _current_peer) = pending(1, address(1), false);
+            table.pending.push(overdue);
+            table.pending.push(current);
+            table.close_overdue();
+            assert_eq!(ids(table), [1]);
+            // The handshake's own thread holds the socket: only the
+            // shutdown ends it, and the peer reads its end.
+            peer.set_read_timeout(Some(Duration::from_secs(60))).unwrap();
+            let mut byte = [0u8; 1];
+            assert_eq!(std::io::Read::read(&mut peer, &mut byte).unwrap(), 0);
+            assert_eq!(table.stats.refused_connections(), 1, "the close is recorded");
+        });
+    }
+
+    /// The handshake to drop for room is drawn at random, so that a flood
+    /// cannot aim the drops at the real source's connection (a fixed choice,
+    /// with `swap_remove` moving the newest connection into the freed slot,
+    /// would drop the same newcomer every time).
+    #[test]
+    fn the_dropped_handshake_is_drawn_uniformly_below_the_count() {
+        const SLOTS: usize = 8;
+        const DRAWS: usize = 16_000;
+        let mut counts = [0usize; SLOTS];
+        for _ in 0..DRAWS {
+            let index = random_index(SLOTS);
+            assert!(index < SLOTS, "{index} is not below {SLOTS}");
+            counts[index] += 1;
+        }
+        // 2,000 expected per slot, standard deviation about 42: a slot
+        // outside 1,500..2,500 is more than ten deviations away.
+        for (slot, &count) in counts.iter().enumerate() {
+            assert!(
+                (1_500..2_500).contains(&count),
+                "slot {slot} drawn {count} times: {counts:?}"
+            );
+        }
+        assert_eq!(random_index(0), 0, "nothing to draw from");
+        assert_eq!(random_index(1), 0);
+    }
+}

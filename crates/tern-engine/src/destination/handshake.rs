@@ -841,7 +841,7 @@ mod tests {
     fn with_table(limit: usize, check: impl FnOnce(&mut Handshakes<'_>)) {
         let listener = Listener::bind(&Address::Tcp("127.0.0.1:0".into())).unwrap();
         let mut config = ReceiveConfig::default();
-        config.max_pending_handshakes = limit;
+        config.max_pending_handshakes(limit);
         let stats = Arc::new(ReceiveStats::default());
         check(&mut Handshakes::new(&listener, &config, &stats));
     }

@@ -823,9 +823,10 @@ mod tests {
         Some(IpAddr::V4(Ipv4Addr::new(127, 0, 0, last)))
     }
 
-    /// A pending handshake from `peer` over a socket pair whose other end
-    /// the test keeps (the drop shuts it down: the test sees which).
-    fn pending(id: u64, peer: Option<IpAddr>, proved: bool) -> (Pending, UnixStream) {
+    /// A pending handshake from `peer` over a socket pair: the entry, the
+    /// channel its handshake thread would hold (kept open by the test, so
+    /// only a shutdown ends the connection) and the peer's end.
+    fn pending_held(id: u64, peer: Option<IpAddr>, proved: bool) -> (Pending, Channel, UnixStream) {
         let (ours, theirs) = UnixStream::pair().unwrap();
         let channel = Channel::from_socket(ours.into()).unwrap();
         let entry = Pending {
@@ -835,7 +836,21 @@ mod tests {
             peer,
             proved: Arc::new(AtomicBool::new(proved)),
         };
-        (entry, theirs)
+        (entry, channel, theirs)
+    }
+
+    fn pending(id: u64, peer: Option<IpAddr>, proved: bool) -> (Pending, (Channel, UnixStream)) {
+        let (entry, channel, theirs) = pending_held(id, peer, proved);
+        (entry, (channel, theirs))
+    }
+
+    /// Whether the peer's end reads the end of the connection (waits up to
+    /// a minute; a connection left open fails the test, never hangs it).
+    fn reads_end(peer: &mut UnixStream) -> bool {
+        peer.set_read_timeout(Some(Duration::from_secs(60)))
+            .unwrap();
+        let mut byte = [0u8; 1];
+        matches!(std::io::Read::read(peer, &mut byte), Ok(0))
     }
 
     fn with_table(limit: usize, check: impl FnOnce(&mut Handshakes<'_>)) {
@@ -904,7 +919,7 @@ mod tests {
     #[test]
     fn a_connection_past_its_deadline_is_closed() {
         with_table(4, |table| {
-            let (mut overdue, mut peer) = pending(0, address(1), false);
+            let (mut overdue, _held, mut peer) = pending_held(0, address(1), false);
             overdue.deadline = Instant::now();
             let (current, _current_peer) = pending(1, address(1), false);
             table.pending.push(overdue);
@@ -913,10 +928,7 @@ mod tests {
             assert_eq!(ids(table), [1]);
             // The handshake's own thread holds the socket: only the
             // shutdown ends it, and the peer reads its end.
-            peer.set_read_timeout(Some(Duration::from_secs(60)))
-                .unwrap();
-            let mut byte = [0u8; 1];
-            assert_eq!(std::io::Read::read(&mut peer, &mut byte).unwrap(), 0);
+            assert!(reads_end(&mut peer));
             assert_eq!(
                 table.stats.refused_connections(),
                 1,
@@ -965,5 +977,14 @@ mod tests {
             }
             assert_eq!(ids(table), [0, 1, 2]);
         });
+    }
+
+    /// When the accept loop ends (the session started or failed), every
+    /// handshake still in progress is cut, not left to its deadline.
+    #[test]
+    fn the_handshakes_in_progress_end_with_the_table() {
+        let (entry, _held, mut peer) = pending_held(0, address(1), false);
+        with_table(4, |table| table.pending.push(entry));
+        assert!(reads_end(&mut peer));
     }
 }

@@ -19,7 +19,10 @@ use tern_engine::{
     AuthKey, Channel, Destination, GuestControl, GuestMemory, Listener, MigrationConfig,
     MigrationError, ReceiveConfig, Security, Source, TlsConfig,
 };
-use tern_wire::{DigestAlgorithm, Handshake, Hello, Message, RegionInfo, SessionSetup, Welcome};
+use tern_wire::{
+    ChannelHello, DigestAlgorithm, Handshake, Hello, Message, PostcopyResume, RegionInfo,
+    SessionSetup, Welcome,
+};
 
 fn tls_security(config: TlsConfig) -> Security {
     {
@@ -235,6 +238,18 @@ fn setup() -> SessionSetup {
 /// A hand-made source proves the key for one session and then says hello
 /// for `hello`; the destination's answer.
 fn hello_after_key_exchange(proved: Handshake, hello: Handshake) -> (Message, String) {
+    opening_after_key_exchange(
+        proved,
+        Message::Hello(Hello {
+            handshake: hello,
+            setup: setup(),
+        }),
+    )
+}
+
+/// A hand-made source proves the key for `proved` and then sends
+/// `opening`; the destination's answer and its first refusal.
+fn opening_after_key_exchange(proved: Handshake, opening: Message) -> (Message, String) {
     let (listener, address) = tcp_listener();
     let receive = {
         let mut config = receive_config();
@@ -245,11 +260,7 @@ fn hello_after_key_exchange(proved: Handshake, hello: Handshake) -> (Message, St
     let mut channel = Channel::connect(&address, Duration::from_secs(5)).expect("connect");
     channel.set_timeouts(DEADLINE).unwrap();
     let mut main = secure_client(channel, &key(), None, proved).expect("the key exchange");
-    main.send_message(&Message::Hello(Hello {
-        handshake: hello,
-        setup: setup(),
-    }))
-    .unwrap();
+    main.send_message(&opening).unwrap();
     let answer = main.read_message().expect("the destination's answer");
     let refusal = (!matches!(answer, Message::Welcome(_))).then(|| first_refusal(&stats));
     cancel.cancel();
@@ -289,4 +300,52 @@ fn an_authenticated_hello_for_the_proved_session_is_welcomed() {
     };
     let (answer, _) = hello_after_key_exchange(proved, proved);
     assert!(matches!(answer, Message::Welcome(_)), "{answer:?}");
+}
+
+/// The identity check covers every opening that names a session: a page
+/// channel's hello and a postcopy reconnection's, not only the main hello.
+#[test]
+fn an_authenticated_channel_hello_or_resume_for_another_channel_is_refused() {
+    let reason = "the hello names another session or channel than the authentication";
+    let page_channel = Handshake {
+        session_id: 0x0a,
+        channel_index: 1,
+    };
+    let main = Handshake {
+        channel_index: 0,
+        ..page_channel
+    };
+    let openings = [
+        (
+            page_channel,
+            Message::ChannelHello(ChannelHello {
+                handshake: Handshake {
+                    channel_index: 2,
+                    ..page_channel
+                },
+            }),
+        ),
+        (
+            main,
+            Message::PostcopyResume(PostcopyResume {
+                handshake: Handshake {
+                    session_id: 0x0b,
+                    ..main
+                },
+            }),
+        ),
+    ];
+    for (proved, opening) in openings {
+        let kind = opening.kind();
+        let (answer, refusal) = opening_after_key_exchange(proved, opening);
+        let Message::Abort(abort) = answer else {
+            panic!("{kind:?}: expected an abort, got {answer:?}")
+        };
+        assert!(
+            abort.message.contains(reason),
+            "{kind:?}: {}",
+            abort.message
+        );
+        assert!(refusal.contains(reason), "{kind:?}: {refusal}");
+    }
 }

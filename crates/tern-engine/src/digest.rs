@@ -742,4 +742,23 @@ mod tests {
         assert!((20.0..1_000_000.0).contains(&nanos), "{nanos} ns per page");
         assert!((20.0..1_000_000.0).contains(&page_hash_ns()));
     }
+
+    /// The audit waits for its allowance before reading more: 100 bytes at
+    /// a floor and cap of 1,000 bytes a second cannot be read before 0.1 s
+    /// (a lower bound, which no load can break); a stop ends the wait.
+    #[test]
+    fn the_audit_waits_for_its_allowance_unless_stopped() {
+        let pace = AuditPace {
+            max_bytes_per_second: 1_000,
+            floor_bytes_per_second: 1_000,
+            data_bytes: &|| 0,
+        };
+        let running = AtomicBool::new(false);
+        let started = Instant::now();
+        pace.wait_for_allowance(started, 100, &running);
+        assert!(started.elapsed() >= Duration::from_millis(100));
+        let stopped = AtomicBool::new(true);
+        // Returns at once: an allowance of a billion bytes would take 11 days.
+        pace.wait_for_allowance(Instant::now(), 1 << 30, &stopped);
+    }
 }

@@ -727,6 +727,10 @@ impl Phase<'_> {
         let error = |failure| MigrationError::channel(index)(failure);
         let mut decoder =
             FrameDecoder::with_setup(self.setup.clone()).only(PUSH_FRAMES, "postcopy pages");
+        // The dictionaries precopy's last sync put in force (a refresh, or
+        // one auto trained during the migration): the push's packets may
+        // name them, as precopy's last ones could.
+        decoder.allow_dictionaries(self.receiver.dictionaries.in_force());
         let mut payload = vec![0u8; tern_wire::MAX_PAGES_PER_PACKET * PAGE_SIZE];
         let mut decompressors = Decompressors::new(self.codecs, self.receiver)?;
         let mut page = Box::new([0u8; PAGE_SIZE]);

@@ -202,7 +202,11 @@ fn a_compressed_postcopy_push_verifies_and_sends_fewer_bytes_than_raw() {
             .migrate(&mut guest, &address)
             .expect("migration");
         let received = destination.join().unwrap().expect("destination");
-        assert!(stats.digest_verified, "{name}: {:?}", stats.digest_comparison);
+        assert!(
+            stats.digest_verified,
+            "{name}: {:?}",
+            stats.digest_comparison
+        );
         assert_eq!(received.guest.digest(), guest.digest(), "{name}");
         let postcopy = stats.postcopy.expect("postcopy report");
         eprintln!("{name}: {postcopy:?}");
@@ -217,6 +221,9 @@ fn a_compressed_postcopy_push_verifies_and_sends_fewer_bytes_than_raw() {
             "{name}: the push sent {} bytes for {raw_data} bytes of data pages: {postcopy:?}",
             postcopy.push_bytes
         );
-        assert!(postcopy.postcopy_bytes >= postcopy.push_bytes, "{postcopy:?}");
+        assert!(
+            postcopy.postcopy_bytes >= postcopy.push_bytes,
+            "{postcopy:?}"
+        );
     }
 }

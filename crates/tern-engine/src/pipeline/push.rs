@@ -178,6 +178,14 @@ impl PushEncoder {
     }
 }
 
+impl PushBatch {
+    /// The table of the packet last encoded (for tests).
+    #[cfg(test)]
+    pub(crate) fn kinds(&self) -> Vec<PageKind> {
+        self.batch.entries.iter().map(|entry| entry.kind).collect()
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use tern_page::codec::CodecId;
@@ -202,7 +210,7 @@ mod tests {
                     state ^= state << 13;
                     state ^= state >> 7;
                     state ^= state << 17;
-                    *byte = state as u8;
+                    *byte = state.to_le_bytes()[0];
                 }),
                 _ => bytes
                     .iter_mut()
@@ -250,13 +258,5 @@ mod tests {
         );
         assert_eq!(packet.compressed_pages, 0);
         assert!(packet.wire_bytes > 3 * PAGE_SIZE as u64);
-    }
-}
-
-impl PushBatch {
-    /// The table of the packet last encoded (for tests).
-    #[cfg(test)]
-    pub(crate) fn kinds(&self) -> Vec<PageKind> {
-        self.batch.entries.iter().map(|entry| entry.kind).collect()
     }
 }

@@ -575,6 +575,17 @@ fn postcopy_rows(report: &tern_engine::PostcopyReport) -> Vec<(&'static str, Str
             ),
         ),
         (
+            "postcopy push",
+            format!(
+                "{} pages in {} ({} compressed with {}, {} zero pages)",
+                report.pushed_pages,
+                human_bytes(report.push_bytes),
+                report.push_compressed_pages,
+                report.push_codec.as_deref().unwrap_or("no codec"),
+                report.push_zero_pages
+            ),
+        ),
+        (
             "page faults",
             format!(
                 "{} on the destination, {:.0} µs average, blocktime {:.1} ms; histogram (µs, powers of 2): {:?}",

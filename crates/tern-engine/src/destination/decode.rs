@@ -349,17 +349,35 @@ struct CompressedInput<'d> {
 
 impl<'d> CompressedInput<'d> {
     fn new(landing: &Landing, decompressors: &'d mut Decompressors) -> Self {
-        let frame = (landing.codec == codec_id::ZSTD_PACKET).then(|| {
-            let pages = landing
-                .entries
+        Self::for_packet(
+            landing.codec,
+            landing.dictionary,
+            &landing.entries,
+            decompressors,
+        )
+    }
+
+    /// The input of a packet with codec byte `codec`, dictionary
+    /// `dictionary` and table `entries`.
+    fn for_packet(
+        codec: u8,
+        dictionary: u8,
+        entries: &[PageEntry],
+        decompressors: &'d mut Decompressors,
+    ) -> Self {
+        let frame = (codec == codec_id::ZSTD_PACKET).then(|| {
+            let pages = entries
                 .iter()
                 .filter(|entry| entry.kind == PageKind::Compressed)
                 .count();
             (pages, None)
         });
         Self {
-            decompressor: decompressors.by_codec[usize::from(landing.codec)].as_mut(),
-            dictionary: landing.dictionary,
+            decompressor: decompressors
+                .by_codec
+                .get_mut(usize::from(codec))
+                .and_then(Option::as_mut),
+            dictionary,
             frame,
         }
     }
@@ -400,6 +418,45 @@ impl<'d> CompressedInput<'d> {
         // own buffer, which cannot overlap guest memory.
         unsafe { std::ptr::copy_nonoverlapping(page.as_ptr(), page_out, PAGE_SIZE) };
         Ok(())
+    }
+}
+
+/// A packet's compressed pages decoded one at a time into a buffer rather
+/// than into guest memory: postcopy's push, whose pages are placed
+/// atomically (`UFFDIO_COPY`) from that buffer once decoded, so that the
+/// guest, which runs meanwhile, never sees a page half-written.
+pub(super) struct PacketPages<'d>(CompressedInput<'d>);
+
+impl Decompressors {
+    /// The decoder of one packet's compressed pages (`packet`, `entries`),
+    /// once the dictionaries in force are known.
+    pub(super) fn packet<'d>(
+        &'d mut self,
+        shared: &ReceiverShared<'_>,
+        packet: &PagePacket,
+        entries: &[PageEntry],
+    ) -> Result<PacketPages<'d>, MigrationError> {
+        self.learn_dictionaries_for(packet.header.dictionary, shared)?;
+        Ok(PacketPages(CompressedInput::for_packet(
+            packet.header.codec,
+            packet.header.dictionary,
+            entries,
+            self,
+        )))
+    }
+}
+
+impl PacketPages<'_> {
+    /// Decodes the packet's next compressed page (its own bytes `input`;
+    /// a packet frame's later pages have none) into `page`. Bad input is
+    /// an error and leaves nothing but `page` written.
+    pub(super) fn decode_next(
+        &mut self,
+        input: &[u8],
+        page: &mut [u8; PAGE_SIZE],
+    ) -> Result<(), String> {
+        // SAFETY: `page` is PAGE_SIZE bytes this call borrows exclusively.
+        unsafe { self.0.decode_next(input, page.as_mut_ptr()) }
     }
 }
 

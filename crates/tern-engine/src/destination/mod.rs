@@ -575,6 +575,7 @@ impl Destination {
                 &mut guest,
                 delivered,
                 push_channels,
+                &codecs,
                 cpu_start,
             )?;
             let mut stats = self.local_stats(&self.stats.snapshot(Duration::ZERO));

@@ -22,12 +22,15 @@ use std::sync::{Arc, Condvar, Mutex};
 use std::thread::ScopedJoinHandle;
 use std::time::{Duration, Instant};
 
+use tern_page::codec::CodecId;
 use tern_wire::{
     FrameDecoder, FrameKind, MAX_REQUEST_PAGES, Message, PageKind, PageRequest, PageRun,
     PostcopyComplete, SessionSetup, UrgentPages,
 };
 
+use super::decode::Decompressors;
 use super::handshake::peer_aborted;
+use super::shared::ReceiverShared;
 use super::stream::{FrameSource, read_event, read_message};
 use crate::digest::{PageHashes, page_hash, zero_page_hash};
 use crate::error::{ChannelError, MigrationError};
@@ -466,6 +469,11 @@ pub(super) struct Phase<'a> {
     pub iteration: u32,
     pub io_timeout: Duration,
     pub stop: &'a AtomicBool,
+    /// The receivers' state, for the push's decompressors (codecs and
+    /// dictionaries as precopy left them).
+    pub receiver: &'a ReceiverShared<'a>,
+    /// The codecs the source announced.
+    pub codecs: &'a [CodecId],
 }
 
 /// Runs the postcopy phase until every stale page is placed and every
@@ -719,7 +727,13 @@ impl Phase<'_> {
         let error = |failure| MigrationError::channel(index)(failure);
         let mut decoder =
             FrameDecoder::with_setup(self.setup.clone()).only(PUSH_FRAMES, "postcopy pages");
+        // The dictionaries precopy's last sync put in force (a refresh, or
+        // one auto trained during the migration): the push's packets may
+        // name them, as precopy's last ones could.
+        decoder.allow_dictionaries(self.receiver.dictionaries.in_force());
         let mut payload = vec![0u8; tern_wire::MAX_PAGES_PER_PACKET * PAGE_SIZE];
+        let mut decompressors = Decompressors::new(self.codecs, self.receiver)?;
+        let mut page = Box::new([0u8; PAGE_SIZE]);
         let mut silent_since = Instant::now();
         loop {
             if self.stop.load(Ordering::Acquire) {
@@ -763,20 +777,33 @@ impl Phase<'_> {
                     FrameSource::end_transfer(channel);
                     read.map_err(error)?;
                     decoder.consume_payload(len);
-                    self.place_packet(index, &packet, decoder.entries(), &payload[..len])?;
+                    let pushed = Pushed {
+                        packet: &packet,
+                        entries: decoder.entries(),
+                        payload: &payload[..len],
+                    };
+                    self.place_packet(index, &pushed, &mut decompressors, &mut page)?;
                 }
             }
         }
     }
 
-    /// Places a pushed packet's pages: raw and zero pages only.
+    /// Places a pushed packet's pages: zero, raw and compressed pages (a
+    /// compressed page is decoded into `page` first, then placed whole,
+    /// as a raw one is). Bad compressed input fails postcopy with a
+    /// protocol error naming the page, which stays unplaced.
     fn place_packet(
         &self,
         index: usize,
-        packet: &tern_wire::PagePacket,
-        entries: &[tern_wire::PageEntry],
-        payload: &[u8],
+        pushed: &Pushed<'_>,
+        decompressors: &mut Decompressors,
+        page_buf: &mut [u8; PAGE_SIZE],
     ) -> Result<(), MigrationError> {
+        let Pushed {
+            packet,
+            entries,
+            payload,
+        } = *pushed;
         if packet.header.iteration != self.iteration {
             return Err(MigrationError::Protocol(format!(
                 "channel {index}: postcopy packet of iteration {}, expected {}",
@@ -784,20 +811,34 @@ impl Phase<'_> {
             )));
         }
         let region = packet.region_index;
-        let mut offset = 0;
+        let mut pages = decompressors.packet(self.receiver, packet, entries)?;
+        let mut rest = payload;
         for entry in entries {
             let page = u64::from(entry.page_index);
             self.check_stale(region, page)?;
+            let len = entry.encoded_len as usize;
+            let Some((input, after)) = rest.split_at_checked(len) else {
+                return Err(MigrationError::Protocol(format!(
+                    "channel {index}: a postcopy packet's table names more bytes than it carries"
+                )));
+            };
+            rest = after;
             let bytes = match entry.kind {
                 PageKind::Zero => None,
-                PageKind::Raw => {
-                    let bytes = &payload[offset..offset + PAGE_SIZE];
-                    offset += PAGE_SIZE;
-                    Some(bytes)
+                PageKind::Raw => Some(input),
+                PageKind::Compressed => {
+                    pages.decode_next(input, page_buf).map_err(|error| {
+                        MigrationError::Protocol(format!(
+                            "channel {index}: page {page} of region {}: {error}",
+                            packet.header.region_id
+                        ))
+                    })?;
+                    Some(&page_buf[..])
                 }
                 other => {
                     return Err(MigrationError::Protocol(format!(
-                        "channel {index}: a {other:?} page in the postcopy push (raw and zero only)"
+                        "channel {index}: a {other:?} page in the postcopy push \
+                         (zero, raw and compressed only)"
                     )));
                 }
             };
@@ -810,6 +851,14 @@ impl Phase<'_> {
         }
         Ok(())
     }
+}
+
+/// A pushed packet as read: its header, table and payload.
+#[derive(Clone, Copy)]
+struct Pushed<'p> {
+    packet: &'p tern_wire::PagePacket,
+    entries: &'p [tern_wire::PageEntry],
+    payload: &'p [u8],
 }
 
 impl Delivery {

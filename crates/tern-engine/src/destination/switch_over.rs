@@ -250,6 +250,7 @@ impl Destination {
         guest: &mut G,
         delivered: Delivered,
         push_channels: Vec<Channel>,
+        codecs: &[tern_page::codec::CodecId],
         cpu_start: f64,
     ) -> Result<PostcopyReport, MigrationError> {
         let Delivered {
@@ -322,6 +323,8 @@ impl Destination {
                 iteration: complete.final_iteration.saturating_add(1),
                 io_timeout: shared.io_timeout(),
                 stop: &stop,
+                receiver: shared,
+                codecs,
             };
             let cause = match postcopy::deliver_all(
                 &phase,

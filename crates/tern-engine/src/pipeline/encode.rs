@@ -32,7 +32,7 @@ pub(super) fn encode(shared: &Shared, batch: &mut Batch, scratch: &mut Scratch) 
 
 /// Fills the batch's page table and packet prefix from the pages' kinds
 /// and the compressor's outcomes.
-fn build_table(shared: &Shared, batch: &mut Batch) {
+pub(super) fn build_table(shared: &Shared, batch: &mut Batch) {
     batch.entries.clear();
     batch.zero_pages = 0;
     batch.normal_pages = 0;

@@ -130,6 +130,27 @@ pub(super) fn send_batch(
     batch: &Batch,
     segments: &mut Vec<Segment>,
 ) -> Result<(), ChannelError> {
+    batch_segments(shared, batch, segments);
+    match channel {
+        // SAFETY: the prefix and the other buffers live in the batch, which
+        // outlives the call; page pointers come from `page_ptr`, inside the
+        // region's mapping, which outlives the migration. Concurrent guest
+        // writes are acceptable (see `send_vectored`).
+        PageSender::Plain(channel) => unsafe { channel.send_vectored(segments) },
+        // SAFETY: as above; the data segments point into guest memory,
+        // which stays mapped until the sender flushes at the next sync.
+        PageSender::ZeroCopy(sender) => unsafe {
+            sender
+                .send(&batch.prefix, &segments[1..])
+                .map_err(ZeroCopyError::into_channel_error)
+        },
+    }
+}
+
+/// The batch's packet as pieces to write in order: its prefix (header and
+/// table), then each page's payload (guest memory for a raw page, the
+/// batch's buffers for the others), adjacent pieces joined.
+pub(super) fn batch_segments(shared: &Shared, batch: &Batch, segments: &mut Vec<Segment>) {
     let region = &shared.regions[batch.region];
     segments.clear();
     segments.push(Segment {
@@ -171,19 +192,5 @@ pub(super) fn send_batch(
             }
             _ => segments.push(Segment { ptr, len }),
         }
-    }
-    match channel {
-        // SAFETY: the prefix and the other buffers live in the batch, which
-        // outlives the call; page pointers come from `page_ptr`, inside the
-        // region's mapping, which outlives the migration. Concurrent guest
-        // writes are acceptable (see `send_vectored`).
-        PageSender::Plain(channel) => unsafe { channel.send_vectored(segments) },
-        // SAFETY: as above; the data segments point into guest memory,
-        // which stays mapped until the sender flushes at the next sync.
-        PageSender::ZeroCopy(sender) => unsafe {
-            sender
-                .send(&batch.prefix, &segments[1..])
-                .map_err(ZeroCopyError::into_channel_error)
-        },
     }
 }

@@ -117,6 +117,22 @@ pub struct PostcopyReport {
     /// `pushed-pages` + `requested-pages` = `stale-pages` + this).
     #[serde(default)]
     pub resent_pages: u64,
+    /// The codec the background push compressed its data pages with:
+    /// the one precopy had in force at the switch (source only; absent
+    /// when the push sent them raw).
+    #[serde(skip_serializing_if = "Option::is_none", default)]
+    pub push_codec: Option<String>,
+    /// Bytes of the background push's packets (headers, tables, pages),
+    /// part of `postcopy-bytes` (source only): against `pushed-pages` ×
+    /// 4096, what the codec and zero pages saved.
+    #[serde(default)]
+    pub push_bytes: u64,
+    /// Pushed pages that went compressed (source only).
+    #[serde(default)]
+    pub push_compressed_pages: u64,
+    /// Pushed pages that went as zero pages, without bytes (source only).
+    #[serde(default)]
+    pub push_zero_pages: u64,
     /// Page faults the destination answered.
     pub faults: u64,
     /// Average time from a fault to its page being placed, µs.

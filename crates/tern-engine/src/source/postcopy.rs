@@ -16,16 +16,14 @@ use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use tern_page::zero::ZeroChecker;
-use tern_wire::{
-    MAX_PAGES_PER_PACKET, Message, PageEntry, PageKind, PageRun, PostcopyComplete, Sync,
-    UrgentPages, codec_id, encode_pages_prefix,
-};
+use tern_wire::{MAX_PAGES_PER_PACKET, Message, PageRun, PostcopyComplete, Sync, UrgentPages};
 
 use crate::error::{ChannelError, MigrationError};
 use crate::guest::{MemoryRegion, PAGE_SIZE};
+use crate::pipeline::{PushEncoder, PushedPacket};
 use crate::postcopy::{PageBits, StaleSet};
 use crate::stats::LiveStats;
-use crate::transport::{Channel, Expected, Segment, ShutdownHandle};
+use crate::transport::{Channel, Expected, ShutdownHandle};
 
 /// Requests read but not answered yet, at most: a destination that sends
 /// more without reading the answers is flooding, and the migration fails
@@ -62,6 +60,8 @@ pub(super) struct Frozen<'a> {
     pub stale: &'a StaleSet,
     /// The iteration number the push's packets and syncs carry.
     pub iteration: u32,
+    /// How the push encodes its packets: precopy's codec at the switch.
+    pub encoder: &'a PushEncoder,
 }
 
 /// The chunks that hold stale pages, handed to the pushers one at a time,
@@ -190,6 +190,22 @@ pub(super) struct ServeCounters {
     /// pages the source sent twice.
     pub resent_pages: AtomicU64,
     pub bytes: AtomicU64,
+    /// The push's packets: bytes on the wire, and pages sent compressed
+    /// and as zero pages.
+    pub push_bytes: AtomicU64,
+    pub push_compressed_pages: AtomicU64,
+    pub push_zero_pages: AtomicU64,
+}
+
+impl ServeCounters {
+    fn add_push(&self, pushed: &PushedPacket) {
+        self.push_bytes
+            .fetch_add(pushed.wire_bytes, Ordering::Relaxed);
+        self.push_compressed_pages
+            .fetch_add(pushed.compressed_pages, Ordering::Relaxed);
+        self.push_zero_pages
+            .fetch_add(pushed.zero_pages, Ordering::Relaxed);
+    }
 }
 
 /// Runs the postcopy phase to its end: the destination's completion, or
@@ -219,8 +235,8 @@ pub(super) fn serve(
     let pushers_left = AtomicUsize::new(page_channels.len());
     std::thread::scope(|scope| {
         for (index, mut channel) in page_channels.into_iter().enumerate() {
-            let (cursor, claims, checker, stop, failure, pushers_left) =
-                (&cursor, &claims, &checker, &stop, &failure, &pushers_left);
+            let (cursor, claims, stop, failure, pushers_left) =
+                (&cursor, &claims, &stop, &failure, &pushers_left);
             let spawned = std::thread::Builder::new()
                 .name(format!("tern-push-{index}"))
                 .spawn_scoped(scope, move || {
@@ -228,7 +244,6 @@ pub(super) fn serve(
                         frozen,
                         cursor,
                         claims,
-                        checker,
                         stats,
                         counters,
                     };
@@ -273,26 +288,26 @@ struct Pusher<'a> {
     frozen: &'a Frozen<'a>,
     cursor: &'a ChunkCursor,
     claims: &'a Claims,
-    checker: &'a ZeroChecker,
     stats: &'a LiveStats,
     counters: &'a ServeCounters,
 }
 
 impl Pusher<'_> {
     /// Sends chunks until none is left (or `stop`), then the last sync.
+    /// Each chunk's stale pages go as one packet, encoded as precopy
+    /// encoded its last pass (zero pages, the codec in force).
     fn push(&self, channel: &mut Channel, stop: &AtomicBool) -> Result<(), ChannelError> {
-        let mut prefix = Vec::new();
-        let mut entries = Vec::with_capacity(MAX_PAGES_PER_PACKET);
-        let mut segments: Vec<Segment> = Vec::with_capacity(MAX_PAGES_PER_PACKET + 1);
+        let encoder = self.frozen.encoder;
+        let mut packet = encoder.batch();
+        let mut pages: Vec<u32> = Vec::with_capacity(MAX_PAGES_PER_PACKET);
         while let Some((region, first)) = self.cursor.take() {
             if stop.load(Ordering::Acquire) {
                 return Ok(());
             }
             let memory = &self.frozen.regions[region];
-            entries.clear();
-            segments.clear();
             let end = (first + CHUNK_PAGES).min(memory.pages());
             let mut skipped = 0;
+            pages.clear();
             for page in (first..end).filter(|&page| self.frozen.stale.contains(region, page)) {
                 // Claimed before it is read: an answer that comes later
                 // leaves it out, one that came earlier has sent it.
@@ -300,53 +315,33 @@ impl Pusher<'_> {
                     skipped += 1;
                     continue;
                 }
-                let Some(ptr) = memory.page_ptr(page) else {
-                    continue;
-                };
-                // SAFETY: `page_ptr` checked the page; the guest is paused
-                // for good, so the page is readable and unchanging.
-                let zero = unsafe { self.checker.is_zero_page(ptr) };
-                entries.push(PageEntry {
-                    page_index: u32::try_from(page).unwrap_or(u32::MAX),
-                    kind: if zero { PageKind::Zero } else { PageKind::Raw },
-                    encoded_len: if zero { 0 } else { tern_wire::PAGE_SIZE },
-                });
-                if !zero {
-                    segments.push(Segment {
-                        ptr,
-                        len: PAGE_SIZE,
-                    });
+                // Region sizes fit the protocol's 32-bit page indices
+                // (checked before the migration starts).
+                if let Ok(page) = u32::try_from(page) {
+                    pages.push(page);
                 }
             }
             self.counters
                 .push_skipped_pages
                 .fetch_add(skipped, Ordering::Relaxed);
-            if entries.is_empty() {
+            if pages.is_empty() {
                 continue;
             }
-            prefix.clear();
-            encode_pages_prefix(
-                &mut prefix,
-                memory.id(),
+            let pushed = encoder.encode(
+                &mut packet,
+                region,
                 self.frozen.iteration,
-                codec_id::NONE,
-                &entries,
+                pages.iter().copied(),
             );
-            let mut all = Vec::with_capacity(segments.len() + 1);
-            all.push(Segment {
-                ptr: prefix.as_ptr(),
-                len: prefix.len(),
-            });
-            all.extend_from_slice(&segments);
-            // SAFETY: the prefix lives through the call, and every other
-            // segment is a page of paused guest memory (see above).
-            unsafe { channel.send_vectored(&all) }?;
-            let bytes = (prefix.len() + segments.len() * PAGE_SIZE) as u64;
-            self.stats.add_postcopy_sent(bytes, true);
-            self.counters.bytes.fetch_add(bytes, Ordering::Relaxed);
+            encoder.send(&mut packet, channel)?;
+            self.stats.add_postcopy_sent(pushed.wire_bytes, true);
+            self.counters
+                .bytes
+                .fetch_add(pushed.wire_bytes, Ordering::Relaxed);
+            self.counters.add_push(&pushed);
             self.counters
                 .pushed_pages
-                .fetch_add(entries.len() as u64, Ordering::Relaxed);
+                .fetch_add(pushed.pages, Ordering::Relaxed);
         }
         let sync = Message::Sync(Sync {
             iteration: self.frozen.iteration,
@@ -534,10 +529,13 @@ mod tests {
 
     use tern_wire::{Message, PageRequest, PageRun, PostcopyComplete};
 
+    use tern_page::codec::CodecId;
+
     use super::{ChunkCursor, Claims, Frozen, MAX_PENDING_REQUESTS, ServeCounters, serve};
     use crate::bitmap::DirtyBitmap;
     use crate::destination::test_memory::AnonymousMemory;
     use crate::error::MigrationError;
+    use crate::pipeline::PushEncoder;
     use crate::postcopy::StaleSet;
     use crate::stats::LiveStats;
     use crate::test_wait::wait_until;
@@ -587,10 +585,12 @@ mod tests {
         let mut bitmap = DirtyBitmap::new(64);
         (0..16).for_each(|page| bitmap.set(page * 4));
         let stale = StaleSet::from_dirty(&[bitmap]);
+        let encoder = PushEncoder::for_tests(&regions, CodecId::None);
         let frozen = Frozen {
             regions: &regions,
             stale: &stale,
             iteration: 3,
+            encoder: &encoder,
         };
         let (mut main, mut their_main) = pair();
         let (push, mut their_push) = pair();
@@ -674,10 +674,12 @@ mod tests {
         let mut bitmap = DirtyBitmap::new(PAGES as u64);
         (0..PAGES as u64).for_each(|page| bitmap.set(page));
         let stale = StaleSet::from_dirty(&[bitmap]);
+        let encoder = PushEncoder::for_tests(&regions, CodecId::None);
         let frozen = Frozen {
             regions: &regions,
             stale: &stale,
             iteration: 3,
+            encoder: &encoder,
         };
         let (mut main, mut their_main) = pair();
         let (mut push, mut their_push) = pair();
@@ -745,10 +747,12 @@ mod tests {
         let mut bitmap = DirtyBitmap::new(PAGES as u64);
         (0..PAGES as u64).for_each(|page| bitmap.set(page));
         let stale = StaleSet::from_dirty(&[bitmap]);
+        let encoder = PushEncoder::for_tests(&regions, CodecId::None);
         let frozen = Frozen {
             regions: &regions,
             stale: &stale,
             iteration: 3,
+            encoder: &encoder,
         };
         let (mut main, mut their_main) = pair();
         let (mut push, mut their_push) = pair();

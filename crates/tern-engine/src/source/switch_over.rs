@@ -484,10 +484,12 @@ impl Source {
             stale_pages = stale.total(),
             "the guest runs on the destination; serving its missing pages"
         );
+        let encoder = pipe.push_encoder();
         let frozen = Frozen {
             regions: handover.regions,
             stale: &stale,
             iteration: iteration.saturating_add(1),
+            encoder: &encoder,
         };
         self.serve_postcopy(main, handover, &frozen, digest)?;
         Ok(DestinationStats::from_wire(&resumed.stats))
@@ -520,6 +522,12 @@ impl Source {
         report.push_skipped_pages = counters.push_skipped_pages.load(Ordering::Relaxed);
         report.answer_skipped_pages = counters.answer_skipped_pages.load(Ordering::Relaxed);
         report.resent_pages = counters.resent_pages.load(Ordering::Relaxed);
+        let codec = frozen.encoder.codec();
+        report.push_codec =
+            (codec != tern_page::codec::CodecId::None).then(|| codec.name().to_owned());
+        report.push_bytes = counters.push_bytes.load(Ordering::Relaxed);
+        report.push_compressed_pages = counters.push_compressed_pages.load(Ordering::Relaxed);
+        report.push_zero_pages = counters.push_zero_pages.load(Ordering::Relaxed);
         let complete = match served {
             Ok(complete) => complete,
             Err(error) => {
@@ -585,6 +593,7 @@ impl Source {
                 regions: frozen.regions,
                 stale: missing.as_ref().unwrap_or(frozen.stale),
                 iteration: frozen.iteration,
+                encoder: frozen.encoder,
             };
             let result = postcopy::serve(
                 main,

@@ -861,12 +861,22 @@ mod tests {
                 table.pending.push(entry);
                 peers.push(peer);
             }
-            assert!(table.make_room(address(9)), "the unproved handshake makes room");
-            assert_eq!(ids(table), [0, 1, 3], "only the one that proved nothing goes");
+            assert!(
+                table.make_room(address(9)),
+                "the unproved handshake makes room"
+            );
+            assert_eq!(
+                ids(table),
+                [0, 1, 3],
+                "only the one that proved nothing goes"
+            );
             let (entry, peer) = pending(4, address(9), true);
             table.pending.push(entry);
             peers.push(peer);
-            assert!(!table.make_room(address(10)), "every slot has proved the key");
+            assert!(
+                !table.make_room(address(10)),
+                "every slot has proved the key"
+            );
             assert_eq!(ids(table), [0, 1, 3, 4]);
         });
     }
@@ -882,7 +892,10 @@ mod tests {
             }
             assert!(table.make_room(address(2)), "another address finds room");
             assert_eq!(table.pending.len(), 4, "and nothing is dropped for it");
-            assert!(table.make_room(address(1)), "a fifth from the first address");
+            assert!(
+                table.make_room(address(1)),
+                "a fifth from the first address"
+            );
             assert_eq!(table.pending.len(), 3, "costs one of its own four");
             assert!(table.pending.iter().all(|p| p.peer == address(1)));
         });
@@ -900,10 +913,15 @@ mod tests {
             assert_eq!(ids(table), [1]);
             // The handshake's own thread holds the socket: only the
             // shutdown ends it, and the peer reads its end.
-            peer.set_read_timeout(Some(Duration::from_secs(60))).unwrap();
+            peer.set_read_timeout(Some(Duration::from_secs(60)))
+                .unwrap();
             let mut byte = [0u8; 1];
             assert_eq!(std::io::Read::read(&mut peer, &mut byte).unwrap(), 0);
-            assert_eq!(table.stats.refused_connections(), 1, "the close is recorded");
+            assert_eq!(
+                table.stats.refused_connections(),
+                1,
+                "the close is recorded"
+            );
         });
     }
 

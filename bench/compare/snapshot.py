@@ -417,6 +417,85 @@ def save(out: Path, header: dict[str, Any], runs: list[SnapshotRun]) -> None:
     (out / "results.md").write_text(markdown(summarize(runs), {**header, "_runs": runs}))
 
 
+# ------------------------------------------------------------ diff sizes
+
+DIFF_MODES = ("chunk", "page")
+
+
+def diff_save_args(binary: Path, memory_mib: int, writers: int, base: Path, diff: Path,
+                   percent: int, mode: str) -> list[str]:
+    """The synthetic guest (it can dirty a known set of pages), no dirtier:
+    a full save, then `percent` % of pages written spread across memory,
+    then a diff. `chunk`: the diff compared by content (whole 16-page
+    chunks); `page`: from the dirty log kept since the base
+    (`--track-dirty-pages`, exactly the pages written)."""
+    args = [str(binary), "save", "--memory", f"{memory_mib}MiB", "--dirty-rate", "0",
+            "--output", str(base), "--diff-output", str(diff), "--diff-after", "0",
+            "--diff-dirty-spread", str(percent), "--writers", str(writers), "--warmup", "0",
+            "--json"]
+    if mode == "page":
+        args.append("--track-dirty-pages")
+    return args
+
+
+def diff_metrics(report: dict[str, Any], diff: Path) -> dict[str, Any]:
+    stats = report["diffs"][0]
+    return {"diff_save_ms": stats["total-time-ms"],
+            "diff_pages_written": stats["normal"], "diff_zero_pages": stats["duplicate"],
+            "pages_left_to_base": stats["unchanged-pages"],
+            "pages_dirtied": stats.get("pages-dirtied"),
+            "diff_disk_mib": file_sizes(diff)["disk"] / 2**20,
+            "base_save_ms": report["total-time-ms"], "digest": stats["digest"]}
+
+
+def run_diff(binary: Path, args: argparse.Namespace, work: Path, out: Path,
+             header: dict[str, Any]) -> None:
+    """Chunk- against page-granular diffs, interleaved, each restored
+    eagerly on its base (the restore checks the digest)."""
+    runs: list[SnapshotRun] = []
+    for rep in range(args.reps):
+        order = DIFF_MODES if rep % 2 == 0 else DIFF_MODES[::-1]
+        for mode in order:
+            run = SnapshotRun("diff", mode, rep)
+            run.metrics["loadavg"] = float(Path("/proc/loadavg").read_text().split()[0])
+            base, diff = work / f"diff-base-{mode}-{rep}.snap", work / f"diff-{mode}-{rep}.snap"
+            try:
+                saved = _json_run(diff_save_args(binary, args.memory_mib, args.writers, base,
+                                                 diff, args.diff_percent, mode), args.timeout)
+                run.metrics |= diff_metrics(saved, diff)
+                restored = _json_run([str(binary), "restore", "--snapshot", str(diff), "--base",
+                                      str(base), "--run-after", "0", "--json"], args.timeout)
+                run.metrics["restore_digest_ok"] = restored.get("digest") == \
+                    run.metrics["digest"]
+                run.raw = {"save": saved, "restore": restored}
+                log(f"rep {rep} diff {mode}: " + " ".join(
+                    f"{k}={v}" for k, v in run.metrics.items() if k != "digest"))
+            except Exception as error:  # noqa: BLE001 - recorded, run goes on
+                run.error = f"{type(error).__name__}: {error}"
+                log(f"rep {rep} diff {mode}: FAILED {run.error[:300]}")
+            for path in (base, diff):
+                path.unlink(missing_ok=True)
+            runs.append(run)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.json").write_text(json.dumps(
+        {**header, "diff_percent": args.diff_percent, "runs": [asdict(r) for r in runs]},
+        indent=1, default=str))
+    keys = ("diff_save_ms", "diff_pages_written", "diff_disk_mib", "pages_dirtied",
+            "base_save_ms", "loadavg")
+    lines = [f"# Diff snapshots, chunk- vs page-granular ({args.memory_mib} MiB synthetic "
+             f"guest, {args.diff_percent} % of pages dirtied spread across memory)", "",
+             f"{header['date']}, {header['tern']}, medians of {args.reps} runs", "",
+             "| diff | " + " | ".join(keys) + " | restored by digest |",
+             "|---|" + "---|" * (len(keys) + 1)]
+    for mode in DIFF_MODES:
+        ok = [r for r in runs if r.contender == mode and not r.error]
+        cells = [f"{median([r.metrics[k] for r in ok]):.2f}" if ok else "-" for k in keys]
+        good = all(r.metrics.get("restore_digest_ok") for r in ok) and bool(ok)
+        lines.append(f"| {mode} | " + " | ".join(cells) + f" | {good} |")
+    (out / "results.md").write_text("\n".join(lines) + "\n")
+    print((out / "results.md").read_text())
+
+
 # -------------------------------------------------------------------- main
 
 
@@ -437,6 +516,11 @@ def parser() -> argparse.ArgumentParser:
                     help="instead: tern's lazy restore of the guest (its working set "
                          "--working-set-mib) with and without prefetching the set a first "
                          "restore recorded")
+    ap.add_argument("--diff", action="store_true",
+                    help="instead: diff snapshots chunk- vs page-granular (tern save of the "
+                         "synthetic guest with and without --track-dirty-pages) after "
+                         "--diff-percent of pages spread across memory were written")
+    ap.add_argument("--diff-percent", type=int, default=1)
     ap.add_argument("--target-dir", default=os.environ.get("CARGO_TARGET_DIR",
                                                            str(ROOT / "target")))
     ap.add_argument("--work", default="/var/tmp/ternbench-snapshot")
@@ -455,6 +539,15 @@ def main(argv: list[str] | None = None) -> int:
     work, out = Path(args.work), Path(args.out)
     work.mkdir(parents=True, exist_ok=True)
     binary = system.build_tern(args.target_dir, log)
+    if args.diff:
+        header = {"date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+                  "argv": sys.argv[1:] if argv is None else argv,
+                  "tern": subprocess.run([str(binary), "--version"], capture_output=True,
+                                         text=True).stdout.strip(),
+                  "machine": procfs.machine_info(), "memory_mib": args.memory_mib,
+                  "writers": args.writers, "filesystem-of-work": _filesystem(work)}
+        run_diff(binary, args, work, out, header)
+        return 0
     cfg = Config(reps=args.reps, memory_mib=args.memory_mib,
                  working_set_mib=args.working_set_mib, warmup=args.warmup,
                  timeout=args.timeout, contenders=["qemu", "tern"], work=str(work))

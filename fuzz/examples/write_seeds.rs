@@ -251,7 +251,10 @@ fn write_delta_seeds(dir: &Path) -> std::io::Result<()> {
 /// Snapshot files as `snapshot_file` reads them: the metadata block, then
 /// the trailer (the page slots left out, so each seed stays small), for
 /// one and for several regions, complete and incomplete, full and diff; a
-/// trailer with no sections; and standalone working-set files.
+/// trailer with no sections; and standalone working-set files. The seed
+/// `tracked_page_diff` is not made here: it is a real tracked diff (pages
+/// changed alone, 1 % spread across 64 MiB) from `tern save
+/// --track-dirty-pages --diff-output`, cut the same way, and kept.
 fn write_snapshot_seeds(dir: &Path) -> std::io::Result<()> {
     use tern_wire::snapshot::{
         SnapshotMetadata, SnapshotSection, Trailer, WorkingSet, plan_layout,

@@ -101,8 +101,8 @@ pub use guest::{
 pub use handover::HandedFile;
 pub use postcopy::{PostcopyMode, PostcopyReport, PostcopyTrigger};
 pub use snapshot::{
-    LazyRestore, RestoreConfig, Restored, SaveConfig, SnapshotError, SnapshotFile, restore,
-    restore_lazy, save,
+    DirtyTracker, LazyRestore, RestoreConfig, Restored, SaveConfig, SnapshotError, SnapshotFile,
+    restore, restore_lazy, save, save_tracked,
 };
 pub use source::{CancelToken, MigrationFailure, Source};
 pub use stats::{

@@ -32,6 +32,7 @@ mod reuse;
 mod secure;
 mod snapshot;
 mod snapshot_diff;
+mod snapshot_tracked;
 mod switch_over_commit;
 mod verification;
 #[cfg(feature = "vm-memory")]

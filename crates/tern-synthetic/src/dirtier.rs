@@ -140,6 +140,30 @@ impl Memory {
         self.bitmaps[region][(local / 64) as usize].fetch_or(1 << (local % 64), Ordering::Release);
     }
 
+    /// Changes `page` (below the total, checked by the caller): adds one
+    /// to its first word, so its content always differs, then marks it as
+    /// `dirty_one` does.
+    pub(crate) fn change_page(&self, page: u64) {
+        assert!(page < self.total_pages(), "page {page} out of range");
+        // Inside the mapping (asserted above), whose length is a usize.
+        #[expect(
+            clippy::cast_possible_truncation,
+            reason = "an offset into the mapping"
+        )]
+        let byte = (page * PAGE_SIZE as u64) as usize;
+        // SAFETY: the page lies inside the mapping (asserted above), page
+        // aligned, hence aligned for `u64`; volatile, as in `dirty_one`.
+        unsafe {
+            let word = self.mapping.ptr().add(byte).cast::<u64>();
+            word.write_volatile(word.read_volatile().wrapping_add(1));
+        }
+        self.dirtied.fetch_add(1, Ordering::Relaxed);
+        fence(Ordering::SeqCst);
+        if self.logging.load(Ordering::SeqCst) {
+            self.mark(page);
+        }
+    }
+
     /// One dirtying step: 64 pseudo-random bytes at a pseudo-random aligned
     /// offset of a pseudo-random working-set page, then the dirty bit.
     ///

@@ -101,6 +101,14 @@ pub enum SyntheticError {
     /// The operation needs the guest paused.
     #[error("the guest must be paused for this operation")]
     NotPaused,
+    /// A page index past the guest's memory.
+    #[error("page {page} is outside the guest's {total} pages")]
+    PageOutOfRange {
+        /// The page asked for.
+        page: u64,
+        /// The guest's pages.
+        total: u64,
+    },
     /// mmap failed.
     #[error("cannot map {bytes} bytes of guest memory: {error}")]
     Mmap {
@@ -576,6 +584,24 @@ impl SyntheticGuest {
             return Err(SyntheticError::NotPaused);
         }
         self.dirtier.step(pages);
+        Ok(())
+    }
+
+    /// Changes each page of `pages` (indices over all regions, in order)
+    /// and marks it in the dirty log, as a guest write would: tests and
+    /// benchmarks dirty a known set, e.g. pages spread across memory. The
+    /// guest must be paused; pages past the end are refused.
+    pub fn dirty_pages(&mut self, pages: &[u64]) -> Result<(), SyntheticError> {
+        if self.is_running() {
+            return Err(SyntheticError::NotPaused);
+        }
+        let total = self.memory.total_pages();
+        if let Some(&page) = pages.iter().find(|&&page| page >= total) {
+            return Err(SyntheticError::PageOutOfRange { page, total });
+        }
+        for &page in pages {
+            self.memory.change_page(page);
+        }
         Ok(())
     }
 

@@ -20,13 +20,16 @@
 //! differs from its base's and names the base by its memory digest; both
 //! restores take it on its bases ([`RestoreConfig::bases`]), each page
 //! from the topmost file that defines it, and [`merge`] writes the whole
-//! as one full snapshot.
+//! as one full snapshot. [`save_tracked`] keeps the guest's dirty log
+//! running after a save ([`DirtyTracker`]), and a diff it saves next holds
+//! exactly the pages written since, not whole chunks.
 
 mod file;
 mod lazy;
 mod merge;
 mod restore;
 mod save;
+mod tracker;
 mod writer;
 
 use std::path::PathBuf;
@@ -35,7 +38,8 @@ pub use file::SnapshotFile;
 pub use lazy::{LazyRestore, LazyStats};
 pub use merge::{MergeStats, merge};
 pub use restore::{RestoreConfig, RestoreStats, Restored, restore};
-pub use save::{SaveConfig, SaveStats, save};
+pub use save::{SaveConfig, SaveStats, save, save_tracked};
+pub use tracker::DirtyTracker;
 
 pub use lazy::restore_lazy;
 

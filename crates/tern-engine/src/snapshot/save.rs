@@ -12,6 +12,7 @@ use crate::guest::SourceGuest;
 use crate::snapshot::SnapshotError;
 use crate::snapshot::check_layer_shape;
 use crate::snapshot::file::Layer;
+use crate::snapshot::tracker::{self, DirtyTracker, Tracked};
 use crate::snapshot::writer::{DiffBase, SlotWriter};
 use std::os::unix::fs::MetadataExt;
 
@@ -95,6 +96,10 @@ pub struct SaveStats {
     /// Diff: the memory digest of the base it was taken on.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub base_digest: Option<String>,
+    /// The dirty log was left running for the next save
+    /// ([`save_tracked`]); a diff then holds exactly the pages the log
+    /// reported since its base.
+    pub tracked: bool,
 }
 
 /// Saves `guest` to `path`. On any error the guest runs on as it did
@@ -108,13 +113,97 @@ pub fn save<G: SourceGuest + ?Sized>(
     if config.writers == 0 {
         return Err(SnapshotError::Config("writers must be at least 1".into()));
     }
-    let started = Instant::now();
     let base = match &config.diff_base {
         Some(base) => Some(open_base(base, path, guest.regions(), guest.guest_kind())?),
         None => None,
     };
+    save_with(guest, path, config, base, None)
+}
+
+/// Saves `guest` to `path` and leaves its dirty log running for the next
+/// save (Firecracker's `track_dirty_pages`). Without
+/// [`SaveConfig::diff_base`] the save is full and `tracker` then tracks
+/// from it; with it, the save is a diff of exactly the pages the log
+/// reported since that base (Firecracker's `snapshot_type: Diff`), which
+/// must be the snapshot `tracker` tracks from: any other is refused. After
+/// a diff, `tracker` tracks from the diff. On any error the guest runs on,
+/// the file stays marked incomplete, and `tracker` still tracks from its
+/// snapshot, owing the pages the failed save took from the log.
+pub fn save_tracked<G: SourceGuest + ?Sized>(
+    guest: &mut G,
+    path: &Path,
+    config: &SaveConfig,
+    tracker: &mut DirtyTracker,
+) -> Result<SaveStats, SnapshotError> {
+    if config.writers == 0 {
+        return Err(SnapshotError::Config("writers must be at least 1".into()));
+    }
+    let base = match &config.diff_base {
+        Some(base_path) => {
+            let base = open_base(base_path, path, guest.regions(), guest.guest_kind())?;
+            check_tracked_base(tracker, base_path, base.digest, guest.regions())?;
+            Some(base)
+        }
+        None => None,
+    };
+    save_with(guest, path, config, base, Some(tracker))
+}
+
+/// A tracked diff's base must be the snapshot the log runs since.
+fn check_tracked_base(
+    tracker: &DirtyTracker,
+    base_path: &Path,
+    base_digest: u128,
+    regions: &[crate::guest::MemoryRegion],
+) -> Result<(), SnapshotError> {
+    let Some(since) = tracker.since() else {
+        return Err(SnapshotError::Chain(format!(
+            "no dirty log runs since {}: save it with tracking first, or take the diff by content",
+            base_path.display()
+        )));
+    };
+    if since.digest != base_digest {
+        return Err(SnapshotError::Chain(format!(
+            "{} holds the memory with digest {base_digest:032x}, but the dirty log runs since {} (digest {:032x}): not the base of a tracked diff",
+            base_path.display(),
+            since.path.display(),
+            since.digest
+        )));
+    }
+    if since.shape != tracker::shape(regions) {
+        return Err(SnapshotError::Shape(
+            "the guest's regions changed since the tracked snapshot".into(),
+        ));
+    }
+    Ok(())
+}
+
+// long: the one save path (full, diff by content, tracked) with its bookkeeping
+fn save_with<G: SourceGuest + ?Sized>(
+    guest: &mut G,
+    path: &Path,
+    config: &SaveConfig,
+    base: Option<DiffBase>,
+    mut tracker: Option<&mut DirtyTracker>,
+) -> Result<SaveStats, SnapshotError> {
+    let started = Instant::now();
     let base_digest = base.as_ref().map(|base| format!("{:032x}", base.digest));
+    let is_diff = base.is_some();
     let writer = SlotWriter::create(path, guest.regions(), config.direct, config.sync, base)?;
+    let track = tracker.as_deref().map(|tracker| {
+        let since = tracker.since();
+        if is_diff && let Some(since) = since {
+            writer.seed_hashes(&since.page_hashes);
+        }
+        Track {
+            was_logging: since.is_some(),
+            owed: match (is_diff, since) {
+                (true, Some(since)) => Some(since.owed.clone()),
+                _ => None,
+            },
+            synced: tracker::empty_bitmaps(guest.regions()),
+        }
+    });
     let mut session = Session {
         guest,
         writer: &writer,
@@ -123,6 +212,7 @@ pub fn save<G: SourceGuest + ?Sized>(
         resumed_at: None,
         logging: false,
         passes: 0,
+        track,
     };
     let result = session.run();
     let paused_for = session.paused_at.map(|at| {
@@ -131,9 +221,25 @@ pub fn save<G: SourceGuest + ?Sized>(
             .map_or_else(|| at.elapsed(), |resumed| resumed - at)
     });
     let undo = session.undo(result.is_ok());
+    if let (Some(tracker), Some(track)) = (tracker.as_deref_mut(), session.track.take()) {
+        settle(
+            tracker,
+            track,
+            result.is_ok() && undo.is_ok(),
+            &writer,
+            path,
+            session.guest.regions(),
+        );
+    }
     let (file_bytes, working_set) = result?;
     undo?;
     let counters = &writer.counters;
+    let memory_pages: u64 = session.guest.regions().iter().map(|r| r.pages()).sum();
+    let unchanged_pages = if tracker.is_some() && is_diff {
+        memory_pages - writer.changed_pages()
+    } else {
+        counters.unchanged_pages.load(Ordering::Relaxed)
+    };
     Ok(SaveStats {
         total_time_ms: millis(started.elapsed()),
         downtime_ms: paused_for.map_or(0.0, millis),
@@ -145,9 +251,39 @@ pub fn save<G: SourceGuest + ?Sized>(
         memory_bytes: session.guest.regions().iter().map(|r| r.len()).sum(),
         digest: format!("{:032x}", writer.digest()),
         working_set_pages: working_set as u64,
-        unchanged_pages: counters.unchanged_pages.load(Ordering::Relaxed),
+        unchanged_pages,
         base_digest,
+        tracked: tracker.is_some(),
     })
+}
+
+/// After a tracked save: on success the tracker tracks from the new file;
+/// on failure it keeps its snapshot and owes every page the save took
+/// from the log (a first tracked save that failed stopped the log, and
+/// the tracker stays empty).
+fn settle(
+    tracker: &mut DirtyTracker,
+    track: Track,
+    succeeded: bool,
+    writer: &SlotWriter,
+    path: &Path,
+    regions: &[crate::guest::MemoryRegion],
+) {
+    if succeeded {
+        tracker.set(Tracked {
+            digest: writer.digest(),
+            path: path.to_owned(),
+            shape: tracker::shape(regions),
+            page_hashes: writer.page_hashes(),
+            owed: tracker::empty_bitmaps(regions),
+        });
+    } else if let Some(since) = tracker.since_mut() {
+        for (owed, synced) in since.owed.iter_mut().zip(&track.synced) {
+            owed.merge(synced);
+        }
+    } else {
+        tracker.clear();
+    }
 }
 
 /// Opens and checks the base of a diff to be saved at `output`: a
@@ -191,6 +327,19 @@ struct Session<'a, G: SourceGuest + ?Sized> {
     resumed_at: Option<Instant>,
     logging: bool,
     passes: u32,
+    /// A tracked save ([`save_tracked`]); `None` for a plain one.
+    track: Option<Track>,
+}
+
+/// A tracked save's dirty-log bookkeeping.
+struct Track {
+    /// The log ran before this save (a tracker's): it is synced, never
+    /// started, and never stopped.
+    was_logging: bool,
+    /// A tracked diff: the pages earlier failed saves took from the log.
+    owed: Option<Vec<DirtyBitmap>>,
+    /// Every page this save took from the log (owed if it fails).
+    synced: Vec<DirtyBitmap>,
 }
 
 impl<G: SourceGuest + ?Sized> Session<'_, G> {
@@ -203,7 +352,9 @@ impl<G: SourceGuest + ?Sized> Session<'_, G> {
         } else {
             self.pause()?;
             self.passes = 1;
-            self.writer.write_pages(None, self.config.writers)?;
+            let first = self.start_log()?;
+            self.writer
+                .write_pages(first.as_deref(), self.config.writers)?;
         }
         let sections = self.guest.save_state()?;
         // Memory and state are captured: the guest need not wait for the
@@ -235,21 +386,20 @@ impl<G: SourceGuest + ?Sized> Session<'_, G> {
     /// Live passes, then the final one paused. Returns the pages the last
     /// live pass found dirty: the guest's write working set.
     fn precopy(&mut self) -> Result<WorkingSet, SnapshotError> {
-        self.guest.start_dirty_log()?;
-        self.logging = true;
-        let mut bitmaps: Vec<DirtyBitmap> = self
-            .guest
-            .regions()
-            .iter()
-            .map(|region| DirtyBitmap::new(region.pages()))
-            .collect();
+        if self.track.is_none() {
+            self.guest.start_dirty_log()?;
+            self.logging = true;
+        }
+        let first = self.start_log()?;
+        let mut bitmaps = tracker::empty_bitmaps(self.guest.regions());
         self.passes = 1;
-        self.writer.write_pages(None, self.config.writers)?;
+        self.writer
+            .write_pages(first.as_deref(), self.config.writers)?;
         loop {
             for bitmap in &mut bitmaps {
                 bitmap.clear();
             }
-            self.guest.sync_dirty_log(&mut bitmaps)?;
+            self.sync(&mut bitmaps)?;
             let dirty: u64 = bitmaps.iter().map(DirtyBitmap::count).sum();
             if dirty <= self.config.final_pass_pages || self.passes >= self.config.max_passes {
                 break;
@@ -281,7 +431,7 @@ impl<G: SourceGuest + ?Sized> Session<'_, G> {
             .iter()
             .map(|b| DirtyBitmap::new(b.pages()))
             .collect();
-        self.guest.sync_dirty_log(&mut last)?;
+        self.sync(&mut last)?;
         for (bitmap, extra) in bitmaps.iter_mut().zip(&last) {
             bitmap.merge(extra);
         }
@@ -289,6 +439,44 @@ impl<G: SourceGuest + ?Sized> Session<'_, G> {
         self.writer
             .write_pages(Some(&bitmaps), self.config.writers)?;
         Ok(working_set)
+    }
+
+    /// A tracked save's log at its first pass: started if no tracker
+    /// started it (the pages written from now on are what the next diff
+    /// holds), synced if one did. Returns the first pass's selection:
+    /// `None` (every page) but for a tracked diff, whose first pass writes
+    /// the pages the log and earlier failed saves report.
+    fn start_log(&mut self) -> Result<Option<Vec<DirtyBitmap>>, SnapshotError> {
+        let Some(track) = &self.track else {
+            return Ok(None);
+        };
+        if !track.was_logging {
+            self.guest.start_dirty_log()?;
+            self.logging = true;
+            return Ok(None);
+        }
+        self.logging = true;
+        let mut first = tracker::empty_bitmaps(self.guest.regions());
+        self.sync(&mut first)?;
+        let owed = self.track.as_ref().and_then(|track| track.owed.as_ref());
+        Ok(owed.map(|owed| {
+            for (bitmap, owed) in first.iter_mut().zip(owed) {
+                bitmap.merge(owed);
+            }
+            first
+        }))
+    }
+
+    /// Syncs the dirty log into `bitmaps`, recording the pages for a
+    /// tracked save (they are owed to the next diff if this one fails).
+    fn sync(&mut self, bitmaps: &mut [DirtyBitmap]) -> Result<(), SnapshotError> {
+        self.guest.sync_dirty_log(bitmaps)?;
+        if let Some(track) = &mut self.track {
+            for (synced, bitmap) in track.synced.iter_mut().zip(bitmaps.iter()) {
+                synced.merge(bitmap);
+            }
+        }
+        Ok(())
     }
 
     fn pause(&mut self) -> Result<(), SnapshotError> {
@@ -301,7 +489,14 @@ impl<G: SourceGuest + ?Sized> Session<'_, G> {
     /// (always after a failure: the source guest keeps running).
     fn undo(&mut self, succeeded: bool) -> Result<(), SnapshotError> {
         let mut first_error = None;
+        // A tracked save leaves the log running, for the next diff, unless
+        // it started the log and failed (nothing tracks from it then).
+        let keep_log = self
+            .track
+            .as_ref()
+            .is_some_and(|track| succeeded || track.was_logging);
         if self.logging
+            && !keep_log
             && let Err(error) = self.guest.stop_dirty_log()
         {
             first_error.get_or_insert(error);

@@ -13,7 +13,9 @@
 //! A diff snapshot's first pass compares each chunk's hash with its base's
 //! and writes only the chunks that differ (all their pages, marked
 //! changed); later passes of a live save write the pages the dirty log
-//! reports, page by page, and mark them changed.
+//! reports, page by page, and mark them changed. A tracked diff
+//! (`save_tracked`) starts from its base's page hashes and writes only
+//! the pages its dirty log reports, page by page, from the first pass on.
 
 use std::fs::{File, OpenOptions};
 use std::os::fd::AsRawFd;
@@ -398,6 +400,34 @@ impl SlotWriter {
             chunk_start = chunk_end;
         }
         Ok(end - first)
+    }
+
+    /// A tracked diff: every page's hash as the base holds it, so that the
+    /// pages the diff does not write keep their place in the chunk hashes
+    /// and the digest without being read.
+    pub(crate) fn seed_hashes(&self, page_hashes: &[Vec<u64>]) {
+        for (atomics, hashes) in self.hashes.iter().zip(page_hashes) {
+            for (atomic, &hash) in atomics.iter().zip(hashes) {
+                atomic.store(hash, Ordering::Relaxed);
+            }
+        }
+    }
+
+    /// Every page's hash as the slots (and, for a diff, its base) hold it.
+    pub(crate) fn page_hashes(&self) -> Vec<Vec<u64>> {
+        self.hashes
+            .iter()
+            .map(|hashes| hashes.iter().map(|h| h.load(Ordering::Relaxed)).collect())
+            .collect()
+    }
+
+    /// Diff: the pages it defines.
+    pub(crate) fn changed_pages(&self) -> u64 {
+        self.changed
+            .iter()
+            .flatten()
+            .map(|word| u64::from(word.load(Ordering::Relaxed).count_ones()))
+            .sum()
     }
 
     /// Diff: records that the diff defines `page` (no-op for a full save).

@@ -30,6 +30,20 @@ pub(crate) struct SaveFileArgs {
     /// names it by its memory digest. Restore with --base.
     #[arg(long, value_name = "FILE")]
     pub diff_base: Option<PathBuf>,
+    /// Keep the guest's dirty log running after the save, so the diffs
+    /// of --diff-output hold exactly the pages written since, not whole
+    /// chunks. Firecracker: `track_dirty_pages`. QEMU: no equivalent.
+    #[arg(long)]
+    pub track_dirty_pages: bool,
+    /// After the save, save a diff into FILE, each on the file saved
+    /// before it (repeat for a chain): from the dirty log with
+    /// --track-dirty-pages, else by content. Restore with --base.
+    /// Firecracker: `snapshot_type: Diff`.
+    #[arg(long, value_name = "FILE")]
+    pub diff_output: Vec<PathBuf>,
+    /// How long the guest runs before each --diff-output, in milliseconds.
+    #[arg(long, default_value_t = 500, requires = "diff_output")]
+    pub diff_after: u64,
     /// Do not wait for the file to reach the disk (as QEMU's migration to
     /// a file): faster, but a crash soon after may lose the snapshot (a
     /// file torn that way is refused at restore, never restored).
@@ -68,6 +82,12 @@ pub(crate) struct SaveArgs {
     pub guest: GuestArgs,
     #[command(flatten)]
     pub file: SaveFileArgs,
+    /// Before each --diff-output, pause the guest and write this percent
+    /// of its pages, spread evenly across memory (a known set to diff:
+    /// tests and benchmarks).
+    #[arg(long, value_name = "PERCENT", requires = "diff_output",
+          value_parser = clap::value_parser!(u8).range(1..=100))]
+    pub diff_dirty_spread: Option<u8>,
 }
 
 #[derive(Debug, Args)]

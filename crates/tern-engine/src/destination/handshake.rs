@@ -987,4 +987,37 @@ mod tests {
         with_table(4, |table| table.pending.push(entry));
         assert!(reads_end(&mut peer));
     }
+
+    /// A guest of exactly the destination's limit is taken; one page more
+    /// is refused before anything is allocated for it.
+    #[test]
+    fn the_memory_limit_takes_a_guest_of_its_size_and_refuses_one_page_more() {
+        use tern_wire::{DigestAlgorithm, RegionInfo, SessionSetup};
+        const LIMIT: u64 = 8 << 20;
+        let mut config = ReceiveConfig::default();
+        config.max_memory(Some(LIMIT));
+        let destination = crate::Destination::new(config);
+        let setup = |len| SessionSetup {
+            page_size: 4096,
+            channel_count: 1,
+            codecs: 0,
+            digest: DigestAlgorithm::Xxh3Pages,
+            regions: vec![RegionInfo {
+                id: 0,
+                guest_addr: 0,
+                len,
+            }],
+            guest_kind: String::new(),
+            dictionaries: 0,
+            vmm_config_len: 0,
+        };
+        assert_eq!(destination.check_resources(&setup(LIMIT)), Ok(()));
+        let refusal = destination
+            .check_resources(&setup(LIMIT + 4096))
+            .unwrap_err();
+        assert!(
+            refusal.contains("more than this destination accepts"),
+            "{refusal}"
+        );
+    }
 }

@@ -20,7 +20,7 @@
 //! assert_eq!(join_within(thread, "the setter"), 7);
 //! ```
 
-use std::io::Read;
+use std::io::{Read, Write};
 use std::process::{Child, ExitStatus, Output};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
@@ -118,6 +118,31 @@ pub fn output_within(mut child: Child, what: &str) -> Output {
         stdout: collect(stdout, "stdout"),
         stderr: collect(stderr, "stderr"),
     }
+}
+
+/// Runs `work`, a wait that cannot be polled (a fault on memory a
+/// userfaultfd handler serves, a blocking read no kill can end); if it has
+/// not returned after [`DEADLINE`], writes what is blocked on standard
+/// error and ends the whole test process with a failure status (101, a
+/// failed test's), since the blocked thread cannot be interrupted. Under
+/// cargo-nextest, which runs each test in its own process, that fails just
+/// this test.
+pub fn exit_after_deadline<T>(what: &str, work: impl FnOnce() -> T) -> T {
+    let (done, watching) = std::sync::mpsc::channel::<()>();
+    let what = what.to_string();
+    let watchdog = std::thread::spawn(move || {
+        if let Err(std::sync::mpsc::RecvTimeoutError::Timeout) = watching.recv_timeout(DEADLINE) {
+            let _ = writeln!(
+                std::io::stderr(),
+                "FAILED: still blocked after {DEADLINE:?} waiting until {what}; the test process exits"
+            );
+            std::process::exit(101);
+        }
+    });
+    let value = work();
+    let _ = done.send(());
+    let _ = watchdog.join();
+    value
 }
 
 fn read_on_thread(mut pipe: impl Read + Send + 'static) -> JoinHandle<Vec<u8>> {

@@ -76,8 +76,6 @@ mod ring;
 pub mod snapshot;
 pub mod source;
 pub mod stats;
-#[cfg(test)]
-mod test_wait;
 pub mod transport;
 #[cfg(feature = "vm-memory")]
 pub mod vm_memory;

@@ -275,7 +275,7 @@ mod tests {
             receiver.read_exact(&mut sink).unwrap();
         });
         sender.write_all(&vec![7; 1 << 20]).unwrap();
-        reading.join().unwrap();
+        tern_test_skip::wait::join_within(reading, "the reader of 1 MiB");
         let after = tcp_bytes_sent(&[pid])[&pid];
         assert!(after >= before + (1 << 20), "{before} then {after}");
         assert!(!tcp_bytes_sent(&[u32::MAX]).contains_key(&u32::MAX));

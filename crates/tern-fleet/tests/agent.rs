@@ -17,9 +17,8 @@ use tern_engine::{
 use tern_fleet::protocol::{FleetState, MigrationView};
 use tern_fleet::{Agent, JoinOptions, Settings, Steered, join};
 use tern_synthetic::{SyntheticConfig, SyntheticGuest};
+use tern_test_skip::wait::{DEADLINE, join_within, output_within, wait_until};
 
-/// Far beyond any scheduling delay: only a hang fails.
-const DEADLINE: Duration = Duration::from_secs(60);
 const MB: u64 = 1_000_000;
 
 fn settings(slots: u32, bandwidth: u64) -> Settings {
@@ -39,15 +38,6 @@ fn source_handle() -> (Source, MigrationHandle) {
     let source = Source::new(MigrationConfig::default()).expect("source");
     let handle = source.handle();
     (source, handle)
-}
-
-/// Polls `condition` until it holds; fails the test after [`DEADLINE`].
-fn wait_for(what: &str, mut condition: impl FnMut() -> bool) {
-    let deadline = Instant::now() + DEADLINE;
-    while !condition() {
-        assert!(Instant::now() < deadline, "timed out waiting for {what}");
-        std::thread::sleep(Duration::from_millis(20));
-    }
 }
 
 fn find(agent: &Agent, id: &str) -> Option<MigrationView> {
@@ -117,7 +107,7 @@ fn beyond_its_slot_a_migration_waits_queued_and_starts_when_the_slot_frees() {
             JoinOptions::new("second"),
         )
     });
-    wait_for("the second to be listed as queued first in line", || {
+    wait_until("the second to be listed as queued first in line", || {
         agent.view().migrations.iter().any(|member| {
             member.name == "second"
                 && member.state == FleetState::Queued
@@ -127,10 +117,10 @@ fn beyond_its_slot_a_migration_waits_queued_and_starts_when_the_slot_frees() {
     assert!(!waiting.is_finished());
     assert_eq!(find(&agent, &first_id).unwrap().state, FleetState::Running);
     drop(first);
-    let second = waiting.join().unwrap().unwrap();
+    let second = join_within(waiting, "the queued join").unwrap();
     assert!(second.state().granted);
     let second_id = second.state().migration.unwrap();
-    wait_for("the second to run alone", || {
+    wait_until("the second to run alone", || {
         agent.view().migrations.len() == 1
             && find(&agent, &second_id).is_some_and(|member| member.state == FleetState::Running)
     });
@@ -164,7 +154,7 @@ fn beyond_the_inbound_slots_a_destination_waits_queued_and_starts_when_a_slot_fr
         })
     };
     let second = waiting("second-in");
-    wait_for("the second to queue first in line", || {
+    wait_until("the second to queue first in line", || {
         agent.view().migrations.iter().any(|member| {
             member.name == "second-in"
                 && member.state == FleetState::Queued
@@ -172,7 +162,7 @@ fn beyond_the_inbound_slots_a_destination_waits_queued_and_starts_when_a_slot_fr
         })
     });
     let third = waiting("third-in");
-    wait_for("the third to queue behind it", || {
+    wait_until("the third to queue behind it", || {
         agent.view().migrations.iter().any(|member| {
             member.name == "third-in"
                 && member.state == FleetState::Queued
@@ -191,11 +181,11 @@ fn beyond_the_inbound_slots_a_destination_waits_queued_and_starts_when_a_slot_fr
     assert!(!second.is_finished() && !third.is_finished());
     assert_eq!(find(&agent, &first_id).unwrap().state, FleetState::Running);
     drop(first);
-    let (_second_destination, second) = second.join().unwrap();
+    let (_second_destination, second) = join_within(second, "the second's queued join");
     let second = second.unwrap();
     assert!(second.state().granted);
     let second_id = second.state().migration.unwrap();
-    wait_for("the second running, the third first in line", || {
+    wait_until("the second running, the third first in line", || {
         let view = agent.view();
         find(&agent, &second_id).is_some_and(|member| member.state == FleetState::Running)
             && view
@@ -205,7 +195,7 @@ fn beyond_the_inbound_slots_a_destination_waits_queued_and_starts_when_a_slot_fr
     });
     assert!(!third.is_finished(), "one inbound slot");
     drop(second);
-    let (_third_destination, third) = third.join().unwrap();
+    let (_third_destination, third) = join_within(third, "the third's queued join");
     assert!(third.unwrap().state().granted);
 }
 
@@ -224,14 +214,14 @@ fn the_share_is_applied_to_the_migration_and_redivided() {
         JoinOptions::new("a"),
     )
     .unwrap();
-    wait_for("a to have the whole budget", || {
+    wait_until("a to have the whole budget", || {
         a_handle.parameters().max_bandwidth == Some(100 * MB)
     });
     let (_b_source, b_handle) = source_handle();
     let mut options = JoinOptions::new("b");
     options.policy.bandwidth_per_migration = Some(30 * MB);
     let b = join(agent.path(), Steered::Source(b_handle.clone()), options).unwrap();
-    wait_for("the budget split, b capped at 30 MB/s", || {
+    wait_until("the budget split, b capped at 30 MB/s", || {
         let (a_share, b_share) = (
             a_handle.parameters().max_bandwidth.unwrap_or(0),
             b_handle.parameters().max_bandwidth.unwrap_or(0),
@@ -239,7 +229,7 @@ fn the_share_is_applied_to_the_migration_and_redivided() {
         b_share <= 30 * MB && a_share + b_share <= 100 * MB && a_share >= 70 * MB
     });
     drop(b);
-    wait_for("a to have it all again", || {
+    wait_until("a to have it all again", || {
         a_handle.parameters().max_bandwidth == Some(100 * MB)
     });
     drop(a);
@@ -261,7 +251,7 @@ fn a_member_that_dies_releases_its_slot_and_share() {
         json!({"name": "doomed", "direction": "outbound", "memory": 1 << 30}),
     );
     assert_eq!(reply["return"]["state"], "queued", "{reply}");
-    wait_for("the doomed member to hold the slot", || {
+    wait_until("the doomed member to hold the slot", || {
         agent
             .view()
             .migrations
@@ -272,16 +262,16 @@ fn a_member_that_dies_releases_its_slot_and_share() {
     let path = agent.path().to_path_buf();
     let waiting =
         std::thread::spawn(move || join(&path, Steered::Source(handle), JoinOptions::new("next")));
-    wait_for("the next to queue", || agent.view().migrations.len() == 2);
+    wait_until("the next to queue", || agent.view().migrations.len() == 2);
     drop(doomed);
-    wait_for("the slot and the whole share to pass on", || {
+    wait_until("the slot and the whole share to pass on", || {
         let view = agent.view();
         view.migrations.len() == 1
             && view.migrations[0].name == "next"
             && view.migrations[0].state == FleetState::Running
             && view.migrations[0].share == 100 * MB
     });
-    let next = waiting.join().unwrap().unwrap();
+    let next = join_within(waiting, "the queued join").unwrap();
     assert!(next.state().granted);
 }
 
@@ -298,11 +288,11 @@ fn when_the_agent_dies_the_migration_keeps_its_share_and_rejoins_the_next() {
     )
     .unwrap();
     let id = member.state().migration.unwrap();
-    wait_for("the share applied", || {
+    wait_until("the share applied", || {
         handle.parameters().max_bandwidth == Some(80 * MB)
     });
     drop(agent);
-    wait_for("the member to notice", || !member.state().connected);
+    wait_until("the member to notice", || !member.state().connected);
     assert_eq!(
         handle.parameters().max_bandwidth,
         Some(80 * MB),
@@ -310,10 +300,10 @@ fn when_the_agent_dies_the_migration_keeps_its_share_and_rejoins_the_next() {
     );
     // A new agent with another budget, on the same path.
     let agent = Agent::start(&path, settings(1, 50 * MB)).unwrap();
-    wait_for("the member to rejoin, running, with its id", || {
+    wait_until("the member to rejoin, running, with its id", || {
         find(&agent, &id).is_some_and(|view| view.state == FleetState::Running)
     });
-    wait_for("the new share applied", || {
+    wait_until("the new share applied", || {
         handle.parameters().max_bandwidth == Some(50 * MB)
     });
     assert!(member.state().sessions >= 2);
@@ -329,12 +319,12 @@ fn an_operator_cancels_a_queued_migration_through_the_agent() {
     let path = agent.path().to_path_buf();
     let waiting =
         std::thread::spawn(move || join(&path, Steered::Source(second), JoinOptions::new("b")));
-    wait_for("b to queue", || agent.view().migrations.len() == 2);
+    wait_until("b to queue", || agent.view().migrations.len() == 2);
     let queued = agent.view().migrations[1].migration.clone();
     let mut operator = Client::connect(agent.path());
     let reply = operator.execute("migrate_cancel", json!({"migration": queued}));
     assert_eq!(reply, json!({"return": {}}));
-    let second = waiting.join().unwrap().unwrap();
+    let second = join_within(waiting, "the queued join").unwrap();
     assert!(second.state().cancelled && !second.state().granted);
     // Unknown ids and commands are refused by name; the connection stays.
     let reply = operator.execute("migrate_cancel", json!({"migration": "m999"}));
@@ -370,7 +360,7 @@ fn a_member_claiming_more_than_its_process_wrote_is_not_believed() {
         "status": "active", "transferred": 1u64 << 50, "remaining": 4096,
         "total": 1u64 << 30, "transfer-rate": 1u64 << 40, "iterations": 3,
     });
-    wait_for(
+    wait_until(
         "the agent to have measured the process and disbelieve it",
         || {
             let reply = liar.execute("fleet-report", claim.clone());
@@ -421,8 +411,11 @@ fn as_nobody(path: &Path) -> String {
         .arg(path)
         .uid(65534)
         .gid(65534)
-        .output()
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
         .expect("python3 runs");
+    let output = output_within(output, "python3 knocking as user 65534");
     String::from_utf8_lossy(&output.stdout).into_owned() + &String::from_utf8_lossy(&output.stderr)
 }
 
@@ -482,7 +475,7 @@ fn migrate_as_member(agent: &Path, name: &str, dirty_rate: u64, seed: u64) -> (b
     let mut guest = synthetic(32 << 20, dirty_rate, seed);
     let stats = source.migrate(&mut guest, &address);
     drop(member);
-    let received = receiving.join().unwrap();
+    let received = join_within(receiving, "the destination");
     let stats = stats.expect("the migration completes");
     let mut received = received.expect("the destination receives");
     tern_engine::GuestControl::pause(&mut received.guest).unwrap();
@@ -514,7 +507,7 @@ fn two_real_migrations_pass_one_slot_in_turn_and_both_verify() {
             })
         })
         .collect();
-    wait_for("both to queue behind the blocker", || {
+    wait_until("both to queue behind the blocker", || {
         let view = agent.view();
         let mut positions: Vec<_> = view
             .migrations
@@ -549,7 +542,7 @@ fn two_real_migrations_pass_one_slot_in_turn_and_both_verify() {
         assert_eq!(migration.join().unwrap(), (true, true));
     }
     assert_eq!(most_running, 1, "one outbound slot");
-    wait_for("both to have left", || agent.view().migrations.is_empty());
+    wait_until("both to have left", || agent.view().migrations.is_empty());
     assert_eq!(
         agent.view().counters.succeeded,
         4,
@@ -651,8 +644,8 @@ fn the_completion_timeout_switches_a_guest_that_cannot_converge_to_postcopy_unth
     watching.store(false, std::sync::atomic::Ordering::Relaxed);
     let last_action = find(&agent, &id).and_then(|view| view.last_action);
     drop(member);
-    let peak_throttle = watcher.join().unwrap();
-    let received = receiving.join().unwrap();
+    let peak_throttle = join_within(watcher, "the throttle watcher");
+    let received = join_within(receiving, "the destination");
     let stats = stats.expect("the migration ends");
     let mut received = received.expect("the destination receives");
     tern_engine::GuestControl::pause(&mut received.guest).unwrap();

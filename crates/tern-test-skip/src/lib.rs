@@ -1,8 +1,9 @@
 //! Visible skips for tern's tests, the check that keeps each crate's
 //! integration tests in one binary without leaving a file out
-//! ([`assert_every_test_file_is_compiled`]), and a TCP proxy that cuts,
-//! holds and paces connections ([`proxy::Proxy`]) for the tests of
-//! broken networks.
+//! ([`assert_every_test_file_is_compiled`]), bounded waits that fail a
+//! test naming what did not happen instead of hanging it ([`wait`]), and
+//! a TCP proxy that cuts, holds and paces connections ([`proxy::Proxy`])
+//! for the tests of broken networks.
 //!
 //! libtest has no run-time skip: a test that cannot run on this machine
 //! (no `/dev/kvm`, no userfaultfd, no libqpl) can only return early, and
@@ -33,6 +34,7 @@ use std::io::Write;
 
 mod layout;
 pub mod proxy;
+pub mod wait;
 pub use layout::{assert_every_test_file_is_compiled, undeclared_test_files};
 
 /// The environment variable naming the skip log.

@@ -11,6 +11,7 @@ use tern_engine::{
     Address, Destination, DirtyBitmap, DirtyLog, GuestControl, GuestMemory, Listener,
     MigrationConfig, MigrationStatus, ReceiveConfig, Source,
 };
+use tern_test_skip::wait::join_within;
 use tern_vmm::{KvmGuest, VmConfig, kvm_available};
 
 const MIB: u64 = 1 << 20;
@@ -264,10 +265,7 @@ fn live_migration_over_tcp_keeps_the_guest_counting() {
         .unwrap()
         .migrate(&mut guest, &address)
         .expect("the migration completes");
-    let received = destination
-        .join()
-        .unwrap()
-        .expect("the destination completes");
+    let received = join_within(destination, "the destination").expect("the destination completes");
     assert_eq!(stats.status, MigrationStatus::Completed);
     assert!(stats.digest_verified);
     assert!(stats.ram.iterations >= 1);
@@ -335,7 +333,7 @@ fn destination_dying_mid_migration_leaves_the_source_running() {
         .unwrap()
         .migrate(&mut guest, &address)
         .expect_err("the destination died");
-    dying.join().unwrap();
+    join_within(dying, "the dying destination");
     assert_eq!(failure.stats.status, MigrationStatus::Failed);
     assert!(guest.is_running(), "status {:?}", guest.vcpu_status());
     let passes = guest.pass_count();

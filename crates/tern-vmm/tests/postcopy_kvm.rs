@@ -4,33 +4,17 @@
 //! (docs/postcopy.md). Skipped visibly without /dev/kvm.
 
 use std::thread::JoinHandle;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use tern_engine::{
     Address, Destination, GuestControl, Listener, MigrationConfig, MigrationError, MigrationStats,
     MigrationStatus, PostcopyMode, ReceiveConfig, ReceiveHandle, Received, Source,
 };
 use tern_test_skip::proxy::Proxy;
+use tern_test_skip::wait::{join_within, wait_until};
 use tern_vmm::{KvmGuest, VmConfig, kvm_available};
 
 const MIB: u64 = 1 << 20;
-
-/// How long a test waits for something that should happen soon: far
-/// beyond any scheduling delay on a loaded machine, so only a hang fails.
-const DEADLINE: Duration = Duration::from_secs(60);
-
-/// Polls `condition` until it holds; panics naming `what` after
-/// [`DEADLINE`].
-fn wait_until(what: &str, mut condition: impl FnMut() -> bool) {
-    let deadline = Instant::now() + DEADLINE;
-    while !condition() {
-        assert!(
-            Instant::now() < deadline,
-            "timed out after {DEADLINE:?} waiting until {what}"
-        );
-        std::thread::sleep(Duration::from_millis(5));
-    }
-}
 
 fn kvm_or_skip() -> bool {
     if kvm_available() {
@@ -120,11 +104,6 @@ fn check_moved(stats: &MigrationStats, received: Received<KvmGuest>, source: &Kv
     moved.pause().unwrap();
     let report = moved.consistency_check().unwrap();
     assert!(report.passed, "{report:?}");
-}
-
-fn join_within<T>(thread: JoinHandle<T>, what: &str) -> T {
-    wait_until(&format!("{what} ends"), || thread.is_finished());
-    thread.join().unwrap_or_else(|_| panic!("{what} panicked"))
 }
 
 #[test]

@@ -17,7 +17,7 @@ const WITHIN: Duration = Duration::from_secs(30);
 macro_rules! require_kvm {
     () => {
         if !kvm_available() {
-            eprintln!("skipped: /dev/kvm not available");
+            tern_test_skip::skip(tern_test_skip::Need::Kvm, "/dev/kvm not available");
             return;
         }
     };

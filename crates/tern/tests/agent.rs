@@ -7,24 +7,11 @@ use crate::process;
 
 use std::io::{BufRead, BufReader, Read, Write};
 use std::path::Path;
-use std::process::{Child, Stdio};
-use std::time::{Duration, Instant};
+use std::process::Stdio;
 
-use process::{Receiver, free_port, tern};
+use process::{Reaped, Receiver, free_port, killed_after_deadline, tern};
 use serde_json::Value;
-
-const DEADLINE: Duration = Duration::from_secs(60);
-
-fn poll<T>(what: &str, mut check: impl FnMut() -> Option<T>) -> T {
-    let started = Instant::now();
-    loop {
-        if let Some(value) = check() {
-            return value;
-        }
-        assert!(started.elapsed() < DEADLINE, "timed out waiting for {what}");
-        std::thread::sleep(Duration::from_millis(20));
-    }
-}
+use tern_test_skip::wait::{DEADLINE, wait_for};
 
 /// `tern ctl AGENT query-fleet`'s migrations.
 fn fleet(socket: &Path) -> Option<Vec<Value>> {
@@ -45,7 +32,7 @@ fn named<'a>(migrations: &'a [Value], name: &str) -> Option<&'a Value> {
     migrations.iter().find(|member| member["name"] == name)
 }
 
-fn spawn_migrate(to: &str, agent: &Path, name: &str, extra: &[&str]) -> Child {
+fn spawn_migrate(to: &str, agent: &Path, name: &str, extra: &[&str]) -> Reaped {
     tern()
         .args(["migrate", "--json", "--progress", "none", "--to", to])
         .args(["--memory", "64MiB", "--mix", "0:100:0"])
@@ -56,19 +43,8 @@ fn spawn_migrate(to: &str, agent: &Path, name: &str, extra: &[&str]) -> Child {
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .spawn()
+        .map(Reaped::new)
         .unwrap()
-}
-
-/// Kills the child when dropped: a failed assertion leaves no process.
-struct Reaped(Child);
-
-impl Drop for Reaped {
-    fn drop(&mut self) {
-        if self.0.try_wait().ok().flatten().is_none() {
-            let _ = self.0.kill();
-            let _ = self.0.wait();
-        }
-    }
 }
 
 fn scrape(port: u16) -> String {
@@ -86,40 +62,41 @@ fn migrations_queue_at_the_agent_and_a_killed_one_frees_its_slot() {
     let dir = tempfile::tempdir().unwrap();
     let socket = dir.path().join("agent.sock");
     let metrics_port = free_port();
-    let mut agent = Reaped(
-        tern()
-            .args(["agent", "--bandwidth", "200MiB", "--outbound-slots", "1"])
-            .arg("--socket")
-            .arg(&socket)
-            .args(["--metrics-listen", &format!("127.0.0.1:{metrics_port}")])
-            .stdout(Stdio::piped())
-            .stderr(Stdio::null())
-            .spawn()
-            .unwrap(),
-    );
-    let mut ready = String::new();
-    BufReader::new(agent.0.stdout.take().unwrap())
-        .read_line(&mut ready)
+    let mut agent = tern()
+        .args(["agent", "--bandwidth", "200MiB", "--outbound-slots", "1"])
+        .arg("--socket")
+        .arg(&socket)
+        .args(["--metrics-listen", &format!("127.0.0.1:{metrics_port}")])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .map(Reaped::new)
         .unwrap();
+    let mut ready = String::new();
+    let mut stdout = BufReader::new(agent.stdout.take().unwrap());
+    killed_after_deadline(agent.id(), "`tern agent` before its ready event", || {
+        stdout.read_line(&mut ready)
+    })
+    .unwrap();
     assert!(ready.contains(r#""event":"listening""#), "{ready}");
     let agent_flag = ["--agent", socket.to_str().unwrap()];
     let slow_receiver = Receiver::spawn(&["receive", "--json"], &agent_flag);
     let receiver = Receiver::spawn(&["receive", "--json"], &agent_flag);
     // The first is slow (its own cap, 2 MiB/s, stays its cap under the
     // agent), so that it still runs when killed.
-    let mut slow = Reaped(spawn_migrate(
+    let mut slow = spawn_migrate(
         &slow_receiver.address,
         &socket,
         "slow",
         &["--max-bandwidth", "2MiB"],
-    ));
-    poll("the slow one to run capped at its own 2 MiB/s", || {
+    );
+    wait_for("the slow one to run capped at its own 2 MiB/s", || {
         let migrations = fleet(&socket)?;
         let member = named(&migrations, "slow")?;
         (member["state"] == "running" && member["share"] == 2 << 20).then_some(())
     });
     let next = spawn_migrate(&receiver.address, &socket, "next", &[]);
-    poll("the next to queue first in line", || {
+    wait_for("the next to queue first in line", || {
         let migrations = fleet(&socket)?;
         let member = named(&migrations, "next")?;
         (member["state"] == "queued" && member["position"] == 1).then_some(())
@@ -131,9 +108,9 @@ fn migrations_queue_at_the_agent_and_a_killed_one_frees_its_slot() {
     );
     assert!(text.contains(r#"name="slow""#), "{text}");
     // The slow one dies mid-migration: its slot passes on.
-    slow.0.kill().unwrap();
-    slow.0.wait().unwrap();
-    poll("the slot to pass to the next", || {
+    slow.kill().unwrap();
+    slow.wait().unwrap();
+    wait_for("the slot to pass to the next", || {
         let migrations = fleet(&socket)?;
         let gone = named(&migrations, "slow").is_none();
         let next = named(&migrations, "next");
@@ -157,9 +134,9 @@ fn migrations_queue_at_the_agent_and_a_killed_one_frees_its_slot() {
     // SIGTERM: the agent exits 143 and removes its socket.
     // SAFETY: kill(2) on our own child's pid.
     unsafe {
-        libc::kill(libc::pid_t::try_from(agent.0.id()).unwrap(), libc::SIGTERM);
+        libc::kill(libc::pid_t::try_from(agent.id()).unwrap(), libc::SIGTERM);
     }
-    let status = agent.0.wait().unwrap();
+    let status = agent.wait().unwrap();
     assert_eq!(status.code(), Some(143));
     assert!(!socket.exists());
 }

@@ -15,6 +15,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use process::{Reaped, Receiver, TlsDirs, tern, wait_until_read};
+use tern_test_skip::wait::{exit_within, join_within, wait_for, wait_until};
 use tern_wire::{
     Abort, AbortReason, AuthHello, DigestAlgorithm, FRAME_HEADER_LEN, FrameHeader, FrameKind,
     Handshake, Hello, Message, Ready, RegionInfo, SessionSetup, Welcome,
@@ -483,7 +484,7 @@ fn an_authenticated_migration_gets_through_connections_held_hostage() {
         flooded.push(authenticated_migration(&receiver.address, key_path));
     }
     stop.store(true, Ordering::Relaxed);
-    attacker.join().unwrap();
+    join_within(attacker, "the hostage taker");
     eprintln!(
         "hostage attack: {HOSTILE} idle connections held, {} reopened; authenticated 32 MiB \
          migrations took {flooded:?} (without the attack {quiet:?}; load {})",
@@ -492,7 +493,7 @@ fn an_authenticated_migration_gets_through_connections_held_hostage() {
     );
     receiver.child.kill().unwrap();
     receiver.child.wait().unwrap();
-    let stderr = stderr.join().unwrap();
+    let stderr = join_within(stderr, "the receiver's stderr reader");
     assert!(
         stderr.contains("to make room"),
         "the receiver must have dropped idle handshakes: {stderr}"
@@ -717,11 +718,9 @@ fn a_declared_guest_costs_its_documented_bookkeeping_before_any_page() {
         })
         .collect();
     // Every receiver started: the bookkeeping was allocated before them.
-    let until = Instant::now() + Duration::from_secs(60);
-    while status_count(&receiver.child, "Threads:") < idle_threads + u64::from(CHANNELS) {
-        assert!(Instant::now() < until, "the receivers did not start");
-        std::thread::sleep(Duration::from_millis(5));
-    }
+    wait_until("the receivers start", || {
+        status_count(&receiver.child, "Threads:") >= idle_threads + u64::from(CHANNELS)
+    });
     let cost = status_bytes(&receiver.child, "VmHWM:").saturating_sub(idle);
     drop(channels);
     drop(main);
@@ -744,23 +743,6 @@ fn a_declared_guest_costs_its_documented_bookkeeping_before_any_page() {
         cost <= bound,
         "{cost} bytes above idle for a declared 16 GiB guest, more than {bound}"
     );
-}
-
-/// The child's exit status, waited for up to `limit` (then it is killed
-/// and the test fails).
-fn exit_within(child: &mut std::process::Child, limit: Duration) -> std::process::ExitStatus {
-    let until = Instant::now() + limit;
-    loop {
-        if let Some(status) = child.try_wait().unwrap() {
-            return status;
-        }
-        if Instant::now() >= until {
-            let _ = child.kill();
-            let _ = child.wait();
-            panic!("the child did not exit within {limit:?}");
-        }
-        std::thread::sleep(Duration::from_millis(10));
-    }
 }
 
 /// The state of process `pid` (`R`, `S`, `T` for stopped, ...).
@@ -884,9 +866,9 @@ fn a_ready_read_after_the_switch_over_deadline_is_not_committed() {
     while let Ok(message) = main.read_message() {
         seen.push(message);
     }
-    let status = exit_within(&mut source, Duration::from_secs(60));
-    let stderr = stderr.join().unwrap();
-    drain.join().unwrap();
+    let status = exit_within(&mut source, "the stalled source");
+    let stderr = join_within(stderr, "the source's stderr reader");
+    join_within(drain, "the page channel's drain");
     eprintln!(
         "a ready read {} ms after the source stopped (1 s switch-over deadline): {seen:?}, \
          source exit {status}, load {}",
@@ -971,8 +953,12 @@ fn a_commit_read_after_the_destination_s_switch_over_deadline_is_not_taken() {
     let to_destination = Arc::new(AtomicU64::new(0));
     let stopped_at: Arc<std::sync::Mutex<Option<(Instant, u64)>>> = Arc::default();
     let mut pipes = Vec::new();
+    proxy.set_nonblocking(true).unwrap();
     for index in 0..2 {
-        let (from_source, _) = proxy.accept().unwrap();
+        let (from_source, _) = wait_for(&format!("the source opens channel {index}"), || {
+            proxy.accept().ok()
+        });
+        from_source.set_nonblocking(false).unwrap();
         let to_receiver = connect(destination_port);
         let (source_in, receiver_in) = (
             from_source.try_clone().unwrap(),
@@ -1007,32 +993,23 @@ fn a_commit_read_after_the_destination_s_switch_over_deadline_is_not_taken() {
     }
     // The source commits: its commit waits in the stopped destination's
     // socket (it comes through the proxy, so it was read from the source).
-    let until = Instant::now() + Duration::from_secs(60);
-    let stopped = loop {
-        if let Some((stopped, sent_before)) = *stopped_at.lock().unwrap()
-            && to_destination.load(Ordering::Acquire) > sent_before
-        {
-            break stopped;
-        }
-        assert!(
-            Instant::now() < until,
-            "the destination never said ready, or the source never committed"
-        );
-        std::thread::sleep(Duration::from_millis(5));
-    };
+    let stopped = wait_for("the destination says ready and the source commits", || {
+        let (stopped, sent_before) = (*stopped_at.lock().unwrap())?;
+        (to_destination.load(Ordering::Acquire) > sent_before).then_some(stopped)
+    });
     // The attack is the stall itself: the destination stays stopped past
     // its 1 s switch-over deadline, with the commit waiting in its socket.
     std::thread::sleep(Duration::from_millis(1500).saturating_sub(stopped.elapsed()));
     let stall = stopped.elapsed();
     signal(destination_pid, libc::SIGCONT);
-    let destination_status = exit_within(&mut receiver.child, Duration::from_secs(60));
-    let source_status = exit_within(&mut source, Duration::from_secs(60));
+    let destination_status = exit_within(&mut receiver.child, "the stalled destination");
+    let source_status = exit_within(&mut source, "the source");
     let (receiver_stderr, source_stderr) = (
-        receiver_stderr.join().unwrap(),
-        source_stderr.join().unwrap(),
+        join_within(receiver_stderr, "the receiver's stderr reader"),
+        join_within(source_stderr, "the source's stderr reader"),
     );
     for pipe in pipes {
-        pipe.join().unwrap();
+        join_within(pipe, "a proxy pipe");
     }
     eprintln!(
         "a commit read {} ms after the destination stopped (1 s switch-over deadline): \

@@ -125,6 +125,7 @@ fn killed_receiver_fails_the_migration_cleanly() {
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .spawn()
+        .map(Reaped::new)
         .unwrap();
     // 1 MiB of the 64 MiB of random pages: the transfer is under way and
     // still has seconds to go at 16 MiB/s.
@@ -454,7 +455,7 @@ fn migrating_event_comes_while_the_migration_runs() {
         .map(Reaped::new)
         .unwrap();
     let mut stdout = std::io::BufReader::new(migrate.stdout.take().unwrap());
-    let event = read_event(&mut stdout);
+    let event = read_event(migrate.id(), &mut stdout);
     assert_eq!(event["event"], "migrating", "{event}");
     assert_eq!(event["address"], address.as_str());
     send_signal(&migrate, libc::SIGINT);

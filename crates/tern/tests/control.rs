@@ -8,13 +8,10 @@ use std::io::{BufRead, BufReader, Read, Write};
 use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
 use std::process::Stdio;
-use std::time::{Duration, Instant};
 
 use process::{Reaped, Receiver, free_port, json, tern};
 use serde_json::Value;
-
-/// A generous deadline for anything a test waits for.
-const DEADLINE: Duration = Duration::from_secs(60);
+use tern_test_skip::wait::{DEADLINE, join_within, output_within, wait_for};
 
 fn socket_in(dir: &tempfile::TempDir, name: &str) -> PathBuf {
     dir.path().join(name)
@@ -35,26 +32,14 @@ fn ctl(socket: &Path, args: &[&str]) -> (i32, Value) {
     }
 }
 
-/// Polls `check` until it returns a value, at most [`DEADLINE`].
-fn poll<T>(what: &str, mut check: impl FnMut() -> Option<T>) -> T {
-    let started = Instant::now();
-    loop {
-        if let Some(value) = check() {
-            return value;
-        }
-        assert!(started.elapsed() < DEADLINE, "timed out waiting for {what}");
-        std::thread::sleep(Duration::from_millis(20));
-    }
-}
-
 /// Waits until the socket accepts connections.
 fn wait_for_socket(socket: &Path) {
-    poll("the control socket", || UnixStream::connect(socket).ok());
+    wait_for("the control socket", || UnixStream::connect(socket).ok());
 }
 
 /// The report of query-migrate once `accept` takes it.
 fn query_until(socket: &Path, what: &str, accept: impl Fn(&Value) -> bool) -> Value {
-    poll(what, || {
+    wait_for(what, || {
         let (code, report) = ctl(socket, &["query-migrate"]);
         (code == 0 && accept(&report)).then_some(report)
     })
@@ -464,7 +449,7 @@ fn metrics_are_scraped_mid_run_with_kubevirt_names() {
             &format!("127.0.0.1:{port}"),
         ],
     );
-    let text = poll("a scrape with data moving", || {
+    let text = wait_for("a scrape with data moving", || {
         let text = scrape(port)?;
         (metric(&text, "tern_migration_data_processed_bytes")? > 0.0).then_some(text)
     });
@@ -676,7 +661,7 @@ fn a_peer_that_is_not_tern_is_named() {
         } else {
             assert!(desc.contains("'S'"), "{desc}");
         }
-        server.join().unwrap();
+        join_within(server, "the server that is not tern");
     }
 }
 
@@ -855,8 +840,11 @@ fn an_external_script_watches_steers_and_cancels_through_socket_and_metrics() {
     let output = std::process::Command::new("python3")
         .arg(script)
         .args(["--tern", env!("CARGO_BIN_EXE_tern")])
-        .output()
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
         .unwrap();
+    let output = output_within(output, "examples/steer.py");
     let stdout = String::from_utf8_lossy(&output.stdout);
     assert!(
         output.status.success(),

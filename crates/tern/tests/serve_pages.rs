@@ -10,17 +10,15 @@
 
 use crate::process;
 
-use std::io::Read;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Stdio};
-use std::time::{Duration, Instant};
 
 use process::tern;
+use tern_test_skip::wait::{exit_after_deadline, output_within, wait_for};
 
 const PAGE: usize = 4096;
-const DEADLINE: Duration = Duration::from_secs(60);
 
 // <linux/userfaultfd.h>, generic _IOC encoding (x86-64, aarch64).
 const UFFDIO_API: libc::c_ulong = 0xc018_aa3f;
@@ -131,20 +129,9 @@ impl Drop for StandIn {
 }
 
 fn connect(socket: &Path) -> UnixStream {
-    let until = Instant::now() + DEADLINE;
-    loop {
-        match UnixStream::connect(socket) {
-            Ok(stream) => return stream,
-            Err(error) => {
-                assert!(
-                    Instant::now() < until,
-                    "cannot connect to {}: {error}",
-                    socket.display()
-                );
-                std::thread::sleep(Duration::from_millis(5));
-            }
-        }
-    }
+    wait_for(&format!("{} accepts connections", socket.display()), || {
+        UnixStream::connect(socket).ok()
+    })
 }
 
 fn send_with_fd(stream: &UnixStream, bytes: &[u8], fd: i32) {
@@ -190,33 +177,13 @@ fn serve(dir: &Path, source: &[&str]) -> (Child, PathBuf) {
 }
 
 /// Waits for the handler to exit, within the deadline (no hang).
-fn finish(mut child: Child) -> (std::process::ExitStatus, String, String) {
-    let until = Instant::now() + DEADLINE;
-    let status = loop {
-        if let Some(status) = child.try_wait().unwrap() {
-            break status;
-        }
-        if Instant::now() > until {
-            let _ = child.kill();
-            panic!("tern serve-pages did not exit");
-        }
-        std::thread::sleep(Duration::from_millis(10));
-    };
-    let mut stdout = String::new();
-    let mut stderr = String::new();
-    child
-        .stdout
-        .take()
-        .unwrap()
-        .read_to_string(&mut stdout)
-        .unwrap();
-    child
-        .stderr
-        .take()
-        .unwrap()
-        .read_to_string(&mut stderr)
-        .unwrap();
-    (status, stdout, stderr)
+fn finish(child: Child) -> (std::process::ExitStatus, String, String) {
+    let output = output_within(child, "tern serve-pages");
+    (
+        output.status,
+        String::from_utf8(output.stdout).unwrap(),
+        String::from_utf8(output.stderr).unwrap(),
+    )
 }
 
 /// A memory file: pages hold their index, every fourth is zero.
@@ -269,17 +236,20 @@ fn a_raw_memory_file_is_served_with_removes_and_statistics() {
             (64 * PAGE, 64 * PAGE, (64 * PAGE) as u64),
         ],
     );
-    for page in [0, 5, 70, 127, 3] {
-        assert_eq!(
-            standin.page(page),
-            bytes[page * PAGE..(page + 1) * PAGE],
-            "page {page}"
-        );
-    }
-    // The balloon takes pages 5-6 back: they fault again and come as zeros.
-    standin.remove(5, 2);
-    assert!(standin.page(5).iter().all(|&byte| byte == 0));
-    assert_eq!(standin.page(8), bytes[8 * PAGE..9 * PAGE]);
+    exit_after_deadline("the handler serves the faulted pages", || {
+        for page in [0, 5, 70, 127, 3] {
+            assert_eq!(
+                standin.page(page),
+                bytes[page * PAGE..(page + 1) * PAGE],
+                "page {page}"
+            );
+        }
+        // The balloon takes pages 5-6 back: they fault again and come as
+        // zeros.
+        standin.remove(5, 2);
+        assert!(standin.page(5).iter().all(|&byte| byte == 0));
+        assert_eq!(standin.page(8), bytes[8 * PAGE..9 * PAGE]);
+    });
     drop(standin);
     // The stand-in "exits": here it closes the socket and its descriptor,
     // which is what the handler can see of a VMM that ends; the handler
@@ -323,13 +293,15 @@ fn a_tern_snapshot_is_served_and_read_back_exactly() {
     let expected = guest.region_bytes(0).unwrap();
     let (handler, socket) = serve(dir.path(), &["--snapshot", path.to_str().unwrap()]);
     let _stream = standin.send(&socket, &[(0, 4 << 20, 0)]);
-    for page in 0..(4 << 20) / PAGE {
-        assert_eq!(
-            standin.page(page),
-            expected[page * PAGE..(page + 1) * PAGE],
-            "page {page}"
-        );
-    }
+    exit_after_deadline("the handler serves the snapshot's pages", || {
+        for page in 0..(4 << 20) / PAGE {
+            assert_eq!(
+                standin.page(page),
+                expected[page * PAGE..(page + 1) * PAGE],
+                "page {page}"
+            );
+        }
+    });
     // SAFETY: signalling our own child.
     unsafe { libc::kill(libc::pid_t::try_from(handler.id()).unwrap(), libc::SIGTERM) };
     let (status, stdout, stderr) = finish(handler);
@@ -359,8 +331,11 @@ fn a_vmm_that_dies_after_the_handshake_ends_the_handler() {
     let child = std::process::Command::new(std::env::current_exe().unwrap())
         .args(["--exact", &stand_in, "--nocapture", "--test-threads", "1"])
         .env("TERN_STANDIN_SOCKET", &socket)
-        .output()
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
         .unwrap();
+    let child = output_within(child, "the stand-in child");
     // A filter that matches nothing also exits 0: the child must have run
     // the stand-in.
     let child_output = String::from_utf8_lossy(&child.stdout);

@@ -1,23 +1,28 @@
-//! `tern vm` as separate processes, against the host's KVM. Each test
-//! prints a skip message and returns where /dev/kvm is missing.
+//! `tern vm` as separate processes, against the host's KVM. Where
+//! /dev/kvm is missing each test skips visibly (`tern_test_skip::skip`:
+//! `SKIPPED` on the runner's output, counted apart by `.ci/run`) and
+//! returns.
 
 use crate::process;
 
-use process::{Receiver, TlsDirs, assert_reports_tls, event_and_rest, json, tern, wait_until_read};
+use process::{
+    Reaped, Receiver, TlsDirs, assert_reports_tls, event_and_rest, json, tern, wait_until_read,
+};
 use std::process::Stdio;
 
-fn kvm_available() -> bool {
+/// Whether /dev/kvm exists; where it does not, records the running test's
+/// skip (the caller returns at once).
+fn kvm_or_skip() -> bool {
     if std::path::Path::new("/dev/kvm").exists() {
-        true
-    } else {
-        tern_test_skip::skip(tern_test_skip::Need::Kvm, "/dev/kvm not available");
-        false
+        return true;
     }
+    tern_test_skip::skip(tern_test_skip::Need::Kvm, "/dev/kvm not available");
+    false
 }
 
 #[test]
 fn vm_demo_json_proves_memory_and_execution() {
-    if !kvm_available() {
+    if !kvm_or_skip() {
         return;
     }
     let output = tern()
@@ -53,7 +58,7 @@ fn vm_demo_json_proves_memory_and_execution() {
 
 #[test]
 fn vm_run_reports_the_dirty_rate() {
-    if !kvm_available() {
+    if !kvm_or_skip() {
         return;
     }
     let output = tern()
@@ -94,7 +99,7 @@ fn receiver(extra: &[&str]) -> Receiver {
 
 #[test]
 fn vm_migrate_to_vm_receive_between_processes() {
-    if !kvm_available() {
+    if !kvm_or_skip() {
         return;
     }
     let destination = receiver(&["--json", "--run-after", "300"]);
@@ -171,7 +176,7 @@ fn secured_vm_migration(
 
 #[test]
 fn vm_migrate_and_receive_over_tls() {
-    if !kvm_available() {
+    if !kvm_or_skip() {
         return;
     }
     let pki = TlsDirs::new();
@@ -185,7 +190,7 @@ fn vm_migrate_and_receive_over_tls() {
 
 #[test]
 fn vm_migrate_and_receive_with_an_auth_key() {
-    if !kvm_available() {
+    if !kvm_or_skip() {
         return;
     }
     let dir = tempfile::tempdir().unwrap();
@@ -202,7 +207,7 @@ fn vm_migrate_and_receive_with_an_auth_key() {
 
 #[test]
 fn vm_migrate_events_announce_the_start_before_the_report() {
-    if !kvm_available() {
+    if !kvm_or_skip() {
         return;
     }
     let destination = receiver(&["--json", "--run-after", "100"]);
@@ -224,7 +229,7 @@ fn vm_migrate_events_announce_the_start_before_the_report() {
 
 #[test]
 fn vm_migrate_survives_a_killed_receiver() {
-    if !kvm_available() {
+    if !kvm_or_skip() {
         return;
     }
     let Receiver {
@@ -261,6 +266,7 @@ fn vm_migrate_survives_a_killed_receiver() {
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .spawn()
+        .map(Reaped::new)
         .unwrap();
     // Some pages have arrived: the kill lands after the handshake, during
     // the transfer, whatever setup costs on a loaded machine.
@@ -276,7 +282,7 @@ fn vm_migrate_survives_a_killed_receiver() {
 
 #[test]
 fn vm_migrate_to_a_synthetic_receiver_is_refused_before_any_page_moves() {
-    if !kvm_available() {
+    if !kvm_or_skip() {
         return;
     }
     let destination = Receiver::spawn(
@@ -319,7 +325,7 @@ fn vm_migrate_to_a_synthetic_receiver_is_refused_before_any_page_moves() {
 /// carries on there, consistent.
 #[test]
 fn vm_migrate_local_hands_the_kvm_guest_memory_over() {
-    if !kvm_available() {
+    if !kvm_or_skip() {
         return;
     }
     let dir = tempfile::tempdir().unwrap();
@@ -352,7 +358,7 @@ fn vm_migrate_local_hands_the_kvm_guest_memory_over() {
 
 #[test]
 fn vm_save_reports_the_guest_running_on_after_a_live_save() {
-    if !kvm_available() {
+    if !kvm_or_skip() {
         return;
     }
     let directory = tempfile::tempdir().unwrap();

@@ -1049,12 +1049,14 @@ mod tests {
             // thread (joined below).
             unsafe { (base as *const u8).add(2 * PAGE_SIZE).read_volatile() }
         });
-        crate::test_wait::wait_until("a request is made", || !delivery.take_requests().is_empty());
+        tern_test_skip::wait::wait_until("a request is made", || {
+            !delivery.take_requests().is_empty()
+        });
         // The fault fails: the service stops and releases the memory, and
         // the faulting thread goes on with a page of zeros.
         delivery.fail();
         assert_eq!(reader.join().unwrap(), 0);
-        crate::test_wait::wait_until("the service releases memory", || service.is_released());
+        tern_test_skip::wait::wait_until("the service releases memory", || service.is_released());
         let page = vec![9u8; PAGE_SIZE];
         let error = delivery
             .place(&service, Some(&hashes), 0, 2, Some(&page))
@@ -1095,7 +1097,7 @@ mod tests {
         };
         let next_requests = || {
             let mut requests = Vec::new();
-            crate::test_wait::wait_until("a request", || {
+            tern_test_skip::wait::wait_until("a request", || {
                 requests = delivery.take_requests();
                 !requests.is_empty()
             });

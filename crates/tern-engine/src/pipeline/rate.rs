@@ -372,7 +372,7 @@ mod tests {
         let chunk = vec![7u8; 1 << 16];
         while sender.write(&chunk).is_ok() {}
         let queue = super::LinkQueue::new(1);
-        crate::test_wait::wait_until("the kernel counts receiver-limited time", || {
+        tern_test_skip::wait::wait_until("the kernel counts receiver-limited time", || {
             queue.sample(0, sender.as_raw_fd());
             queue.snapshot().receiver_limited_us >= super::PEER_BOUND_MIN_BUSY_US
         });

@@ -538,8 +538,8 @@ mod tests {
     use crate::pipeline::PushEncoder;
     use crate::postcopy::StaleSet;
     use crate::stats::LiveStats;
-    use crate::test_wait::wait_until;
     use crate::transport::Channel;
+    use tern_test_skip::wait::wait_until;
 
     #[test]
     fn the_push_takes_every_chunk_once_and_follows_requests() {

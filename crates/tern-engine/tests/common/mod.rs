@@ -77,21 +77,9 @@ pub(crate) fn spawn_destination(listener: Listener) -> JoinHandle<DestinationRes
     })
 }
 
-/// How long a test waits for something that should happen at once: far
-/// beyond any scheduling delay on a loaded machine, so only a hang fails.
-pub(crate) const DEADLINE: Duration = Duration::from_secs(60);
-
-/// Polls `condition` until it holds; panics naming `what` after [`DEADLINE`].
-pub(crate) fn wait_until(what: &str, mut condition: impl FnMut() -> bool) {
-    let deadline = std::time::Instant::now() + DEADLINE;
-    while !condition() {
-        assert!(
-            std::time::Instant::now() < deadline,
-            "timed out after {DEADLINE:?} waiting until {what}"
-        );
-        std::thread::sleep(Duration::from_millis(5));
-    }
-}
+// The bounded waits (docs/testing.md, "Fail, don't hang"): one copy, in
+// tern-test-skip, shared by every crate's tests.
+pub(crate) use tern_test_skip::wait::{DEADLINE, join_within, wait_until};
 
 /// PEM files of a throwaway CA and hosts it signed, made for one test.
 pub(crate) struct TestPki {
@@ -231,16 +219,4 @@ pub(crate) fn spawn_held_destination(
             })
         })
     })
-}
-
-/// Joins `thread` once it has finished, polling; panics naming `what`
-/// after [`DEADLINE`], so a product deadline that stopped working fails the
-/// test instead of hanging it (the thread is left behind; the test process
-/// ends with the failure).
-pub(crate) fn join_within<T>(thread: JoinHandle<T>, what: &str) -> T {
-    wait_until(&format!("{what} ends"), || thread.is_finished());
-    match thread.join() {
-        Ok(value) => value,
-        Err(panic) => std::panic::resume_unwind(panic),
-    }
 }

@@ -1,12 +1,113 @@
 //! Helpers for tests that run the `tern` binary as separate processes.
 #![allow(dead_code)]
 
+use std::ffi::OsStr;
 use std::ops::{Deref, DerefMut};
-use std::process::{Child, Command, Output};
+use std::process::{Child, Command, ExitStatus, Output, Stdio};
+use std::sync::mpsc;
+
+use tern_test_skip::wait::{DEADLINE, exit_within, output_within};
 
 /// The `tern` binary built for these tests.
-pub(crate) fn tern() -> Command {
-    Command::new(env!("CARGO_BIN_EXE_tern"))
+pub(crate) fn tern() -> Tern {
+    Tern {
+        command: Command::new(env!("CARGO_BIN_EXE_tern")),
+        line: "tern".to_string(),
+        stdin: false,
+        stdout: false,
+        stderr: false,
+    }
+}
+
+/// A `tern` command line whose [`Tern::output`] and [`Tern::status`] wait
+/// at most [`DEADLINE`] (docs/testing.md, "Fail, don't hang"): a `tern`
+/// that hangs is killed and the test fails naming the command line. The
+/// builder methods are [`Command`]'s; there is deliberately no `Deref` to
+/// it, whose `output` would wait without a bound.
+pub(crate) struct Tern {
+    command: Command,
+    /// The command line, for the failure message.
+    line: String,
+    /// Whether the test chose the standard streams itself.
+    stdin: bool,
+    stdout: bool,
+    stderr: bool,
+}
+
+impl Tern {
+    pub(crate) fn arg(&mut self, arg: impl AsRef<OsStr>) -> &mut Self {
+        self.line.push(' ');
+        self.line.push_str(&arg.as_ref().to_string_lossy());
+        self.command.arg(arg);
+        self
+    }
+
+    pub(crate) fn args<I: IntoIterator<Item = S>, S: AsRef<OsStr>>(
+        &mut self,
+        args: I,
+    ) -> &mut Self {
+        for arg in args {
+            self.arg(arg);
+        }
+        self
+    }
+
+    pub(crate) fn env(&mut self, key: impl AsRef<OsStr>, value: impl AsRef<OsStr>) -> &mut Self {
+        self.command.env(key, value);
+        self
+    }
+
+    pub(crate) fn env_remove(&mut self, key: impl AsRef<OsStr>) -> &mut Self {
+        self.command.env_remove(key);
+        self
+    }
+
+    pub(crate) fn stdin(&mut self, stdin: impl Into<Stdio>) -> &mut Self {
+        self.stdin = true;
+        self.command.stdin(stdin);
+        self
+    }
+
+    pub(crate) fn stdout(&mut self, stdout: impl Into<Stdio>) -> &mut Self {
+        self.stdout = true;
+        self.command.stdout(stdout);
+        self
+    }
+
+    pub(crate) fn stderr(&mut self, stderr: impl Into<Stdio>) -> &mut Self {
+        self.stderr = true;
+        self.command.stderr(stderr);
+        self
+    }
+
+    /// [`Command::spawn`]: the test bounds its waits on the child (wrap
+    /// it in [`Reaped`], whose waits are bounded).
+    pub(crate) fn spawn(&mut self) -> std::io::Result<Child> {
+        self.command.spawn()
+    }
+
+    /// [`Command::output`] (standard input empty, output and error
+    /// captured unless the test chose otherwise), waiting at most
+    /// [`DEADLINE`].
+    pub(crate) fn output(&mut self) -> std::io::Result<Output> {
+        if !self.stdin {
+            self.command.stdin(Stdio::null());
+        }
+        if !self.stdout {
+            self.command.stdout(Stdio::piped());
+        }
+        if !self.stderr {
+            self.command.stderr(Stdio::piped());
+        }
+        let child = self.command.spawn()?;
+        Ok(output_within(child, &format!("`{}`", self.line)))
+    }
+
+    /// [`Command::status`], waiting at most [`DEADLINE`].
+    pub(crate) fn status(&mut self) -> std::io::Result<ExitStatus> {
+        let mut child = self.command.spawn()?;
+        Ok(exit_within(&mut child, &format!("`{}`", self.line)))
+    }
 }
 
 /// A child process that is killed and reaped when dropped, unless it was
@@ -18,10 +119,50 @@ impl Reaped {
         Self(Some(child))
     }
 
-    /// [`Child::wait_with_output`], which takes the child.
+    /// [`Child::wait_with_output`], which takes the child, waiting at most
+    /// [`DEADLINE`].
     pub(crate) fn wait_with_output(mut self) -> std::io::Result<Output> {
-        self.0.take().expect("a child").wait_with_output()
+        Ok(output_within(
+            self.0.take().expect("a child"),
+            "a `tern` child",
+        ))
     }
+
+    /// [`Child::wait`], waiting at most [`DEADLINE`] (this method, not the
+    /// child's, is the one `reaped.wait()` calls).
+    pub(crate) fn wait(&mut self) -> std::io::Result<ExitStatus> {
+        Ok(exit_within(self, "a `tern` child"))
+    }
+}
+
+/// Runs `work`, which waits on process `pid` (reads its output until it
+/// ends, waits for it); if `work` has not returned after [`DEADLINE`],
+/// kills the process, which ends the wait, and then fails the test naming
+/// `what`. For blocking reads of a child's pipes, which have no deadline
+/// of their own.
+pub(crate) fn killed_after_deadline<T>(pid: u32, what: &str, work: impl FnOnce() -> T) -> T {
+    let (done, watching) = mpsc::channel::<()>();
+    let watchdog = std::thread::spawn(move || {
+        let late = matches!(
+            watching.recv_timeout(DEADLINE),
+            Err(mpsc::RecvTimeoutError::Timeout)
+        );
+        if late {
+            let pid = libc::pid_t::try_from(pid).expect("a pid");
+            // SAFETY: a signal to the test's own child, still unreaped (the
+            // work waiting on it has not returned), so the pid is its.
+            unsafe { libc::kill(pid, libc::SIGKILL) };
+        }
+        late
+    });
+    let value = work();
+    let _ = done.send(());
+    let late = watchdog.join().expect("the watchdog");
+    assert!(
+        !late,
+        "{what} (process {pid}) still going after {DEADLINE:?}; killed"
+    );
+    value
 }
 
 impl Deref for Reaped {
@@ -78,11 +219,15 @@ pub(crate) fn event_and_rest(output: &Output) -> (serde_json::Value, &[u8]) {
     (event, &stdout[end + 1..])
 }
 
-/// Reads one line from a child's stdout (blocking until it comes, or an
-/// empty string if the child exits first) and parses it as an event.
-pub(crate) fn read_event(stdout: &mut impl std::io::BufRead) -> serde_json::Value {
+/// Reads one line from the stdout of child `pid` (blocking until it comes,
+/// or an empty string if the child exits first; the child is killed
+/// after [`DEADLINE`]) and parses it as an event.
+pub(crate) fn read_event(pid: u32, stdout: &mut impl std::io::BufRead) -> serde_json::Value {
     let mut line = String::new();
-    stdout.read_line(&mut line).unwrap();
+    killed_after_deadline(pid, "a `tern` child before its next event", || {
+        stdout.read_line(&mut line)
+    })
+    .unwrap();
     serde_json::from_str(&line)
         .unwrap_or_else(|error| panic!("the line is not an event ({error}): {line:?}"))
 }
@@ -130,7 +275,8 @@ impl Receiver {
         // Blocks until the line arrives: the receiver prints it as soon as
         // it listens, or exits (an empty read) if it cannot.
         let mut line = String::new();
-        stdout.read_line(&mut line).unwrap();
+        let what = format!("`tern {}` before its ready event", command.join(" "));
+        killed_after_deadline(child.id(), &what, || stdout.read_line(&mut line)).unwrap();
         let event: serde_json::Value = serde_json::from_str(&line)
             .unwrap_or_else(|error| panic!("the first line is not an event ({error}): {line:?}"));
         assert_eq!(event["event"], "listening", "{line}");
@@ -156,7 +302,7 @@ impl Receiver {
                 }
             }
         });
-        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+        let deadline = std::time::Instant::now() + DEADLINE;
         let mut seen = Vec::new();
         loop {
             let left = deadline.saturating_duration_since(std::time::Instant::now());
@@ -174,16 +320,26 @@ impl Receiver {
         port.parse().expect("a port number")
     }
 
-    /// Waits for the receiver to exit: its status, the rest of its stdout,
-    /// its stderr.
+    /// Waits (at most [`DEADLINE`]) for the receiver to exit: its status,
+    /// the rest of its stdout, its stderr.
     pub(crate) fn finish(mut self) -> (std::process::ExitStatus, Vec<u8>, String) {
         use std::io::Read;
-        let mut rest = Vec::new();
-        self.stdout.read_to_end(&mut rest).unwrap();
-        let mut stderr = String::new();
-        if let Some(mut pipe) = self.child.stderr.take() {
-            pipe.read_to_string(&mut stderr).unwrap();
-        }
+        let pid = self.child.id();
+        let stderr = self.child.stderr.take();
+        let (rest, stderr) = killed_after_deadline(pid, "the receiver", || {
+            // Both pipes at once: one left unread could fill and stall
+            // the receiver while the other is read.
+            let stderr = std::thread::spawn(move || {
+                let mut text = String::new();
+                if let Some(mut pipe) = stderr {
+                    pipe.read_to_string(&mut text).unwrap();
+                }
+                text
+            });
+            let mut rest = Vec::new();
+            self.stdout.read_to_end(&mut rest).unwrap();
+            (rest, stderr.join().expect("the stderr reader"))
+        });
         let status = self.child.wait().unwrap();
         (status, rest, stderr)
     }
@@ -215,16 +371,10 @@ pub(crate) fn wait_until_read(child: &std::process::Child, bytes: u64) {
             .and_then(|value| value.trim().parse().ok())
             .unwrap_or(0)
     };
-    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
-    while read() < bytes {
-        assert!(
-            std::time::Instant::now() < deadline,
-            "process {} read only {} of {bytes} bytes in 60 s",
-            child.id(),
-            read()
-        );
-        std::thread::sleep(std::time::Duration::from_millis(5));
-    }
+    tern_test_skip::wait::wait_until(
+        &format!("process {} has read {bytes} bytes", child.id()),
+        || read() >= bytes,
+    );
 }
 
 /// `--tls-dir` directories made for one test (rcgen): a CA, and one

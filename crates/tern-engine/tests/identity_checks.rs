@@ -349,3 +349,33 @@ fn an_authenticated_channel_hello_or_resume_for_another_channel_is_refused() {
         assert!(refusal.contains(reason), "{kind:?}: {refusal}");
     }
 }
+
+/// The largest legal hello (every region, the longest guest kind) still
+/// fits once sealed: the sealed opening's bound is the plain one plus the
+/// seal, neither less (a real source with many regions refused) nor more.
+#[test]
+fn the_largest_legal_hello_is_welcomed_sealed() {
+    let proved = Handshake {
+        session_id: 0x0c,
+        channel_index: 0,
+    };
+    let mut largest = setup();
+    largest.regions = (0..tern_wire::MAX_REGIONS)
+        .map(|id| RegionInfo {
+            id: u32::try_from(id).unwrap(),
+            guest_addr: u64::try_from(id).unwrap() << 30,
+            len: 1 << 20,
+        })
+        .collect();
+    largest.guest_kind = "k".repeat(tern_wire::MAX_GUEST_KIND_LEN);
+    let hello = Message::Hello(Hello {
+        handshake: proved,
+        setup: largest,
+    });
+    assert_eq!(hello.to_bytes().len(), tern_wire::MAX_OPENING_FRAME);
+    let (answer, refusal) = opening_after_key_exchange(proved, hello);
+    assert!(
+        matches!(answer, Message::Welcome(_)),
+        "{answer:?}: {refusal}"
+    );
+}

@@ -350,11 +350,14 @@ fn an_authenticated_channel_hello_or_resume_for_another_channel_is_refused() {
     }
 }
 
-/// The largest legal hello (every region, the longest guest kind) still
-/// fits once sealed: the sealed opening's bound is the plain one plus the
-/// seal, neither less (a real source with many regions refused) nor more.
+/// A hello with every region the protocol allows still fits once sealed:
+/// the sealed opening's bound is the plain one plus the seal, not less (a
+/// real source with many regions would be refused). The guest kind is the
+/// test guest's own (`synthetic`, 55 bytes short of the longest), so the
+/// sealed frame is 15 bytes under its bound and 25 over the plain bound
+/// minus the seal.
 #[test]
-fn the_largest_legal_hello_is_welcomed_sealed() {
+fn a_hello_with_every_region_is_welcomed_sealed() {
     let proved = Handshake {
         session_id: 0x0c,
         channel_index: 0,
@@ -363,16 +366,21 @@ fn the_largest_legal_hello_is_welcomed_sealed() {
     largest.regions = (0..tern_wire::MAX_REGIONS)
         .map(|id| RegionInfo {
             id: u32::try_from(id).unwrap(),
-            guest_addr: u64::try_from(id).unwrap() << 30,
+            guest_addr: u64::try_from(id).unwrap() << 20,
             len: 1 << 20,
         })
         .collect();
-    largest.guest_kind = "k".repeat(tern_wire::MAX_GUEST_KIND_LEN);
+    largest.guest_kind = "synthetic".into();
     let hello = Message::Hello(Hello {
         handshake: proved,
         setup: largest,
     });
-    assert_eq!(hello.to_bytes().len(), tern_wire::MAX_OPENING_FRAME);
+    let short_of_longest_kind = tern_wire::MAX_GUEST_KIND_LEN - "synthetic".len();
+    assert_eq!(
+        hello.to_bytes().len(),
+        tern_wire::MAX_OPENING_FRAME - short_of_longest_kind
+    );
+    assert!(short_of_longest_kind < 2 * tern_wire::SEAL_LEN);
     let (answer, refusal) = opening_after_key_exchange(proved, hello);
     assert!(
         matches!(answer, Message::Welcome(_)),

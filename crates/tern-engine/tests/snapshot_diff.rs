@@ -15,8 +15,9 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use common::MIB;
+use common::snapshot::{empty, on, one_line, restore_lazy_or_skip};
 use tern_engine::snapshot::{SaveConfig, SaveStats, SnapshotFile, merge};
-use tern_engine::{GuestControl, GuestError, PAGE_SIZE, RestoreConfig, SnapshotError};
+use tern_engine::{GuestControl, PAGE_SIZE};
 use tern_synthetic::{ContentMix, SyntheticConfig, SyntheticGuest};
 
 const LOADED_WITHIN: Duration = Duration::from_secs(60);
@@ -36,10 +37,6 @@ fn source(dirty_rate: u64) -> SyntheticGuest {
     })
 }
 
-fn empty(lens: &[u64]) -> Result<SyntheticGuest, GuestError> {
-    SyntheticGuest::empty(lens).map_err(|error| GuestError::with_source("empty guest", error))
-}
-
 /// Saves `guest` (paused, left paused) to `path`, a diff on `base` if
 /// given. Returns the statistics and the guest's memory hash.
 fn save(guest: &mut SyntheticGuest, path: &Path, base: Option<&Path>) -> (SaveStats, u128) {
@@ -48,26 +45,6 @@ fn save(guest: &mut SyntheticGuest, path: &Path, base: Option<&Path>) -> (SaveSt
     config.diff_base = base.map(Path::to_owned);
     let stats = tern_engine::save(guest, path, &config).expect("save");
     (stats, guest.digest())
-}
-
-fn on(bases: &[&Path]) -> RestoreConfig {
-    let mut config = RestoreConfig::default();
-    config.resume = false;
-    config.bases = bases.iter().map(|path| path.to_path_buf()).collect();
-    config
-}
-
-/// The error as the CLI prints it: the whole chain on one line.
-fn one_line(error: &SnapshotError) -> String {
-    let mut line = error.to_string();
-    let mut source = std::error::Error::source(error);
-    while let Some(cause) = source {
-        line.push_str(": ");
-        line.push_str(&cause.to_string());
-        source = cause.source();
-    }
-    assert!(!line.contains('\n'), "{line}");
-    line
 }
 
 /// Disk the file takes (holes take none).
@@ -130,15 +107,8 @@ fn a_diff_holds_only_changed_chunks_and_restores_eagerly_on_its_base() {
 #[test]
 fn a_diff_restores_lazily_on_its_base() {
     let pair = base_and_diff(300);
-    let lazy = match tern_engine::restore_lazy(&pair.diff, &on(&[&pair.base]), empty) {
-        Err(SnapshotError::Fault(error)) => {
-            tern_test_skip::skip(
-                tern_test_skip::Need::Userfaultfd,
-                format!("no userfaultfd for this process: {error}"),
-            );
-            return;
-        }
-        other => other.unwrap(),
+    let Some(lazy) = restore_lazy_or_skip(&pair.diff, &[&pair.base]) else {
+        return;
     };
     let (mut guest, stats) = lazy.wait_loaded(LOADED_WITHIN).unwrap();
     // The digest of the pages the loaders and faults verified.

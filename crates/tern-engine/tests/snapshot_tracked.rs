@@ -15,10 +15,9 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use common::MIB;
+use common::snapshot::{empty, on, one_line, restore_lazy_or_skip};
 use tern_engine::snapshot::{SaveConfig, SaveStats, SnapshotFile, merge};
-use tern_engine::{
-    DirtyTracker, GuestControl, GuestError, PAGE_SIZE, RestoreConfig, SnapshotError,
-};
+use tern_engine::{DirtyTracker, GuestControl, PAGE_SIZE};
 use tern_synthetic::{ContentMix, SyntheticConfig, SyntheticGuest};
 
 const LOADED_WITHIN: Duration = Duration::from_secs(60);
@@ -39,10 +38,6 @@ fn source(dirty_rate: u64) -> SyntheticGuest {
     })
 }
 
-fn empty(lens: &[u64]) -> Result<SyntheticGuest, GuestError> {
-    SyntheticGuest::empty(lens).map_err(|error| GuestError::with_source("empty guest", error))
-}
-
 fn config(base: Option<&Path>) -> SaveConfig {
     let mut config = SaveConfig::default();
     config.resume = false;
@@ -58,26 +53,6 @@ fn save_tracked(
     base: Option<&Path>,
 ) -> SaveStats {
     tern_engine::save_tracked(guest, path, &config(base), tracker).expect("tracked save")
-}
-
-fn on(bases: &[&Path]) -> RestoreConfig {
-    let mut config = RestoreConfig::default();
-    config.resume = false;
-    config.bases = bases.iter().map(|path| path.to_path_buf()).collect();
-    config
-}
-
-/// The error as the CLI prints it: the whole chain on one line.
-fn one_line(error: &SnapshotError) -> String {
-    let mut line = error.to_string();
-    let mut source = std::error::Error::source(error);
-    while let Some(cause) = source {
-        line.push_str(": ");
-        line.push_str(&cause.to_string());
-        source = cause.source();
-    }
-    assert!(!line.contains('\n'), "{line}");
-    line
 }
 
 /// One page in every `stride`, from `first`: a spread across all memory
@@ -174,15 +149,8 @@ fn a_diff_by_content_of_the_same_pages_writes_whole_chunks() {
 #[test]
 fn a_tracked_diff_restores_lazily_on_its_base() {
     let tracked = tracked_base_and_diff();
-    let lazy = match tern_engine::restore_lazy(&tracked.diff, &on(&[&tracked.base]), empty) {
-        Err(SnapshotError::Fault(error)) => {
-            tern_test_skip::skip(
-                tern_test_skip::Need::Userfaultfd,
-                format!("no userfaultfd for this process: {error}"),
-            );
-            return;
-        }
-        other => other.unwrap(),
+    let Some(lazy) = restore_lazy_or_skip(&tracked.diff, &[&tracked.base]) else {
+        return;
     };
     let (mut guest, stats) = lazy.wait_loaded(LOADED_WITHIN).unwrap();
     assert_eq!(stats.digest, tracked.stats.digest);

@@ -2,6 +2,8 @@
 
 #![allow(dead_code)]
 
+pub(crate) mod snapshot;
+
 use std::thread::JoinHandle;
 use std::time::Duration;
 

@@ -11,8 +11,10 @@ use std::time::Duration;
 
 use common::MIB;
 use tern_engine::snapshot::{LazyRestore, SaveConfig, SnapshotFile};
-use tern_engine::{GuestControl, GuestError, GuestMemory, PAGE_SIZE, RestoreConfig, SnapshotError};
+use tern_engine::{GuestControl, GuestMemory, PAGE_SIZE, RestoreConfig, SnapshotError};
 use tern_synthetic::{ContentMix, SyntheticConfig, SyntheticGuest};
+
+use common::snapshot::{empty, one_line};
 
 const LOADED_WITHIN: Duration = Duration::from_secs(60);
 
@@ -28,10 +30,6 @@ fn source(memory: u64, dirty_rate: u64, regions: u32) -> SyntheticGuest {
     })
 }
 
-fn empty(lens: &[u64]) -> Result<SyntheticGuest, GuestError> {
-    SyntheticGuest::empty(lens).map_err(|error| GuestError::with_source("empty guest", error))
-}
-
 fn paused_save(guest: &mut SyntheticGuest, path: &Path) -> u128 {
     let config = {
         let mut config = SaveConfig::default();
@@ -40,19 +38,6 @@ fn paused_save(guest: &mut SyntheticGuest, path: &Path) -> u128 {
     };
     tern_engine::save(guest, path, &config).expect("save");
     guest.digest()
-}
-
-/// The error as the CLI prints it: the whole chain on one line.
-fn one_line(error: &SnapshotError) -> String {
-    let mut line = error.to_string();
-    let mut source = std::error::Error::source(error);
-    while let Some(cause) = source {
-        line.push_str(": ");
-        line.push_str(&cause.to_string());
-        source = cause.source();
-    }
-    assert!(!line.contains('\n'), "{line}");
-    line
 }
 
 #[test]

@@ -10,11 +10,11 @@ use std::path::Path;
 use std::time::Duration;
 
 use common::MIB;
-use tern_engine::snapshot::{LazyRestore, SaveConfig, SnapshotFile};
+use tern_engine::snapshot::{SaveConfig, SnapshotFile};
 use tern_engine::{GuestControl, GuestMemory, PAGE_SIZE, RestoreConfig, SnapshotError};
 use tern_synthetic::{ContentMix, SyntheticConfig, SyntheticGuest};
 
-use common::snapshot::{empty, one_line};
+use common::snapshot::{empty, lazy_or_skip, one_line};
 
 const LOADED_WITHIN: Duration = Duration::from_secs(60);
 
@@ -145,15 +145,8 @@ fn a_lazy_restore_runs_at_once_and_ends_with_the_saved_memory() {
     // the digest compares while the guest runs.
     let mut guest = source(16 * MIB, 0, 1);
     let digest = paused_save(&mut guest, &path);
-    let lazy = match tern_engine::restore_lazy(&path, &RestoreConfig::default(), empty) {
-        Err(SnapshotError::Fault(error)) => {
-            tern_test_skip::skip(
-                tern_test_skip::Need::Userfaultfd,
-                format!("no userfaultfd for this process: {error}"),
-            );
-            return;
-        }
-        other => other.unwrap(),
+    let Some(lazy) = lazy_or_skip(&path, &RestoreConfig::default()) else {
+        return;
     };
     assert!(lazy.guest().is_running());
     let (mut restored, stats) = lazy.wait_loaded(LOADED_WITHIN).unwrap();
@@ -173,11 +166,7 @@ fn a_lazily_restored_guest_dirties_memory_while_it_loads() {
         config.background = false;
         config
     };
-    let Ok(lazy) = tern_engine::restore_lazy(&path, &config, empty) else {
-        tern_test_skip::skip(
-            tern_test_skip::Need::Userfaultfd,
-            "no userfaultfd for this process",
-        );
+    let Some(lazy) = lazy_or_skip(&path, &config) else {
         return;
     };
     // Nothing loads but what the guest touches, and it makes progress.
@@ -199,11 +188,7 @@ fn a_lazy_restore_without_loaders_serves_every_page_by_fault() {
         config.background = false;
         config
     };
-    let Ok(lazy) = tern_engine::restore_lazy(&path, &config, empty) else {
-        tern_test_skip::skip(
-            tern_test_skip::Need::Userfaultfd,
-            "no userfaultfd for this process",
-        );
+    let Some(lazy) = lazy_or_skip(&path, &config) else {
         return;
     };
     // Reading all memory faults every chunk in.
@@ -245,19 +230,6 @@ fn first_present_page(path: &Path) -> (u64, u64) {
 fn change_slot(path: &Path, offset: u64) {
     let file = OpenOptions::new().write(true).open(path).unwrap();
     file.write_all_at(b"changed", offset).unwrap();
-}
-
-fn lazy_or_skip(path: &Path, config: &RestoreConfig) -> Option<LazyRestore<SyntheticGuest>> {
-    match tern_engine::restore_lazy(path, config, empty) {
-        Err(SnapshotError::Fault(error)) => {
-            tern_test_skip::skip(
-                tern_test_skip::Need::Userfaultfd,
-                format!("no userfaultfd for this process: {error}"),
-            );
-            None
-        }
-        other => Some(other.unwrap()),
-    }
 }
 
 #[test]

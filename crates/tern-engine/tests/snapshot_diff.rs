@@ -15,7 +15,7 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use common::MIB;
-use common::snapshot::{empty, on, one_line, restore_lazy_or_skip};
+use common::snapshot::{empty, lazy_or_skip, on, one_line};
 use tern_engine::snapshot::{SaveConfig, SaveStats, SnapshotFile, merge};
 use tern_engine::{GuestControl, PAGE_SIZE};
 use tern_synthetic::{ContentMix, SyntheticConfig, SyntheticGuest};
@@ -107,7 +107,7 @@ fn a_diff_holds_only_changed_chunks_and_restores_eagerly_on_its_base() {
 #[test]
 fn a_diff_restores_lazily_on_its_base() {
     let pair = base_and_diff(300);
-    let Some(lazy) = restore_lazy_or_skip(&pair.diff, &[&pair.base]) else {
+    let Some(lazy) = lazy_or_skip(&pair.diff, &on(&[&pair.base])) else {
         return;
     };
     let (mut guest, stats) = lazy.wait_loaded(LOADED_WITHIN).unwrap();
@@ -129,11 +129,7 @@ fn a_diff_of_a_diff_restores_on_both_bases_eagerly_and_lazily() {
     let (stats, memory) = save(&mut guest, &second, Some(&first));
     let restored = tern_engine::restore(&second, &on(&[&base, &first]), empty).unwrap();
     assert_eq!(restored.guest.digest(), memory);
-    let Ok(lazy) = tern_engine::restore_lazy(&second, &on(&[&base, &first]), empty) else {
-        tern_test_skip::skip(
-            tern_test_skip::Need::Userfaultfd,
-            "no userfaultfd for this process",
-        );
+    let Some(lazy) = lazy_or_skip(&second, &on(&[&base, &first])) else {
         return;
     };
     let (_, lazy_stats) = lazy.wait_loaded(LOADED_WITHIN).unwrap();

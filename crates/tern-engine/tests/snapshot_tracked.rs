@@ -15,7 +15,7 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use common::MIB;
-use common::snapshot::{empty, on, one_line, restore_lazy_or_skip};
+use common::snapshot::{empty, lazy_or_skip, on, one_line};
 use tern_engine::snapshot::{SaveConfig, SaveStats, SnapshotFile, merge};
 use tern_engine::{DirtyTracker, GuestControl, PAGE_SIZE};
 use tern_synthetic::{ContentMix, SyntheticConfig, SyntheticGuest};
@@ -149,7 +149,7 @@ fn a_diff_by_content_of_the_same_pages_writes_whole_chunks() {
 #[test]
 fn a_tracked_diff_restores_lazily_on_its_base() {
     let tracked = tracked_base_and_diff();
-    let Some(lazy) = restore_lazy_or_skip(&tracked.diff, &[&tracked.base]) else {
+    let Some(lazy) = lazy_or_skip(&tracked.diff, &on(&[&tracked.base])) else {
         return;
     };
     let (mut guest, stats) = lazy.wait_loaded(LOADED_WITHIN).unwrap();

@@ -1055,7 +1055,10 @@ mod tests {
         // The fault fails: the service stops and releases the memory, and
         // the faulting thread goes on with a page of zeros.
         delivery.fail();
-        assert_eq!(reader.join().unwrap(), 0);
+        assert_eq!(
+            tern_test_skip::wait::join_within(reader, "the faulting reader"),
+            0
+        );
         tern_test_skip::wait::wait_until("the service releases memory", || service.is_released());
         let page = vec![9u8; PAGE_SIZE];
         let error = delivery
@@ -1127,11 +1130,17 @@ mod tests {
         assert!(delivery.place(&service, None, 0, 1, Some(&page)).unwrap());
         delivery.answered(&mut outstanding, 0, &answer(1, 1));
         assert!(outstanding.is_empty());
-        assert_eq!(first.join().unwrap(), 4);
+        assert_eq!(
+            tern_test_skip::wait::join_within(first, "the first fault"),
+            4
+        );
         let second = read(2);
         assert_eq!(next_requests(), [run(2, 2)]);
         assert!(delivery.place(&service, None, 0, 2, Some(&page)).unwrap());
-        assert_eq!(second.join().unwrap(), 4);
+        assert_eq!(
+            tern_test_skip::wait::join_within(second, "the second fault"),
+            4
+        );
         drop(service.stop());
     }
 
@@ -1198,7 +1207,10 @@ mod tests {
         assert_eq!(again[0].first_page, 2);
         let page = vec![9u8; PAGE_SIZE];
         assert!(delivery.place(&service, None, 0, 2, Some(&page)).unwrap());
-        assert_eq!(reader.join().unwrap(), (0, 9));
+        assert_eq!(
+            tern_test_skip::wait::join_within(reader, "the faulting reader"),
+            (0, 9)
+        );
         assert_eq!(
             delivery.missing_runs(),
             [

@@ -535,6 +535,7 @@ mod tests {
     use crate::bitmap::DirtyBitmap;
     use crate::destination::test_memory::AnonymousMemory;
     use crate::error::MigrationError;
+    use crate::guest::MemoryRegion;
     use crate::pipeline::PushEncoder;
     use crate::postcopy::StaleSet;
     use crate::stats::LiveStats;
@@ -570,6 +571,18 @@ mod tests {
         ours.set_timeouts(Duration::from_secs(5)).unwrap();
         theirs.set_timeouts(Duration::from_secs(5)).unwrap();
         (ours, theirs)
+    }
+
+    /// `pages` pages of sevens in one region, every one stale: the mapping
+    /// (kept alive by the caller), its region and the stale set.
+    fn every_page_stale(pages: usize) -> (AnonymousMemory, [MemoryRegion; 1], StaleSet) {
+        let memory = AnonymousMemory::new(pages);
+        // SAFETY: the mapping's pages, nothing else uses them.
+        unsafe { memory.base.write_bytes(7, pages * crate::guest::PAGE_SIZE) };
+        let regions = [memory.region(1)];
+        let mut bitmap = DirtyBitmap::new(pages as u64);
+        (0..pages as u64).for_each(|page| bitmap.set(page));
+        (memory, regions, StaleSet::from_dirty(&[bitmap]))
     }
 
     /// Runs `serve` over 64 pages (16 stale) against `peer`, which plays
@@ -667,13 +680,7 @@ mod tests {
     #[test]
     fn the_push_skips_pages_already_sent_as_urgent_answers() {
         const PAGES: usize = 4096;
-        let memory = AnonymousMemory::new(PAGES);
-        // SAFETY: the mapping's pages, nothing else uses them.
-        unsafe { memory.base.write_bytes(7, PAGES * crate::guest::PAGE_SIZE) };
-        let regions = [memory.region(1)];
-        let mut bitmap = DirtyBitmap::new(PAGES as u64);
-        (0..PAGES as u64).for_each(|page| bitmap.set(page));
-        let stale = StaleSet::from_dirty(&[bitmap]);
+        let (_memory, regions, stale) = every_page_stale(PAGES);
         let encoder = PushEncoder::for_tests(&regions, CodecId::None);
         let frozen = Frozen {
             regions: &regions,
@@ -740,13 +747,7 @@ mod tests {
     #[test]
     fn an_answer_leaves_out_the_neighbours_the_push_has_taken() {
         const PAGES: usize = 4096;
-        let memory = AnonymousMemory::new(PAGES);
-        // SAFETY: the mapping's pages, nothing else uses them.
-        unsafe { memory.base.write_bytes(7, PAGES * crate::guest::PAGE_SIZE) };
-        let regions = [memory.region(1)];
-        let mut bitmap = DirtyBitmap::new(PAGES as u64);
-        (0..PAGES as u64).for_each(|page| bitmap.set(page));
-        let stale = StaleSet::from_dirty(&[bitmap]);
+        let (_memory, regions, stale) = every_page_stale(PAGES);
         let encoder = PushEncoder::for_tests(&regions, CodecId::None);
         let frozen = Frozen {
             regions: &regions,

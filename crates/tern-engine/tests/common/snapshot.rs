@@ -31,13 +31,13 @@ pub(crate) fn one_line(error: &SnapshotError) -> String {
     line
 }
 
-/// A lazy restore of `path` on `bases` into an empty guest, or `None`
+/// A lazy restore of `path` with `config` into an empty guest, or `None`
 /// after a visible skip where this process has no userfaultfd.
-pub(crate) fn restore_lazy_or_skip(
+pub(crate) fn lazy_or_skip(
     path: &Path,
-    bases: &[&Path],
+    config: &RestoreConfig,
 ) -> Option<LazyRestore<SyntheticGuest>> {
-    match tern_engine::restore_lazy(path, &on(bases), empty) {
+    match tern_engine::restore_lazy(path, config, empty) {
         Err(SnapshotError::Fault(error)) => {
             tern_test_skip::skip(
                 tern_test_skip::Need::Userfaultfd,

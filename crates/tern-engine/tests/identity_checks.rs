@@ -250,6 +250,23 @@ fn hello_after_key_exchange(proved: Handshake, hello: Handshake) -> (Message, St
 /// A hand-made source proves the key for `proved` and then sends
 /// `opening`; the destination's answer and its first refusal.
 fn opening_after_key_exchange(proved: Handshake, opening: Message) -> (Message, String) {
+    let (answer, stats, destination) = answer_after_key_exchange(proved, opening);
+    let refusal = (!matches!(answer, Message::Welcome(_))).then(|| first_refusal(&stats));
+    let _ = destination();
+    (answer, refusal.unwrap_or_default())
+}
+
+/// The destination's answer to `opening`, sent after a key exchange that
+/// proved `proved`; its statistics; and a call that cancels the
+/// destination and returns its outcome.
+fn answer_after_key_exchange(
+    proved: Handshake,
+    opening: Message,
+) -> (
+    Message,
+    Arc<tern_engine::ReceiveStats>,
+    impl FnOnce() -> DestinationResult,
+) {
     let (listener, address) = tcp_listener();
     let receive = {
         let mut config = receive_config();
@@ -262,10 +279,11 @@ fn opening_after_key_exchange(proved: Handshake, opening: Message) -> (Message, 
     let mut main = secure_client(channel, &key(), None, proved).expect("the key exchange");
     main.send_message(&opening).unwrap();
     let answer = main.read_message().expect("the destination's answer");
-    let refusal = (!matches!(answer, Message::Welcome(_))).then(|| first_refusal(&stats));
-    cancel.cancel();
-    let _ = join_within(destination, "the destination");
-    (answer, refusal.unwrap_or_default())
+    let outcome = move || {
+        cancel.cancel();
+        join_within(destination, "the destination")
+    };
+    (answer, stats, outcome)
 }
 
 #[test]
@@ -350,12 +368,10 @@ fn an_authenticated_channel_hello_or_resume_for_another_channel_is_refused() {
     }
 }
 
-/// A hello with every region the protocol allows still fits once sealed:
-/// the sealed opening's bound is the plain one plus the seal, not less (a
-/// real source with many regions would be refused). The guest kind is the
-/// test guest's own (`synthetic`, 55 bytes short of the longest), so the
-/// sealed frame is 15 bytes under its bound and 25 over the plain bound
-/// minus the seal.
+/// A hello with every region the protocol allows is welcomed once sealed
+/// (a real source with many regions must not be refused). The guest kind
+/// is the test guest's own, `synthetic`, so the hello is 55 bytes short of
+/// the longest: the next test covers the longest.
 #[test]
 fn a_hello_with_every_region_is_welcomed_sealed() {
     let proved = Handshake {
@@ -363,13 +379,7 @@ fn a_hello_with_every_region_is_welcomed_sealed() {
         channel_index: 0,
     };
     let mut largest = setup();
-    largest.regions = (0..tern_wire::MAX_REGIONS)
-        .map(|id| RegionInfo {
-            id: u32::try_from(id).unwrap(),
-            guest_addr: u64::try_from(id).unwrap() << 20,
-            len: 1 << 20,
-        })
-        .collect();
+    largest.regions = every_region();
     largest.guest_kind = "synthetic".into();
     let hello = Message::Hello(Hello {
         handshake: proved,
@@ -386,4 +396,45 @@ fn a_hello_with_every_region_is_welcomed_sealed() {
         matches!(answer, Message::Welcome(_)),
         "{answer:?}: {refusal}"
     );
+}
+
+/// The longest hello the protocol allows (every region, the longest guest
+/// kind: exactly `MAX_OPENING_FRAME`) is read whole once sealed: the
+/// sealed frame's bound is the plain one plus the seal, not less. The
+/// guest kind is not the test guest's, so the destination answers with
+/// that refusal, which it can only give after decoding the whole frame; a
+/// bound short of the seal refuses the frame's length instead.
+#[test]
+fn the_longest_hello_is_read_whole_sealed() {
+    let proved = Handshake {
+        session_id: 0x0d,
+        channel_index: 0,
+    };
+    let mut longest = setup();
+    longest.regions = every_region();
+    longest.guest_kind = "k".repeat(tern_wire::MAX_GUEST_KIND_LEN);
+    let hello = Message::Hello(Hello {
+        handshake: proved,
+        setup: longest,
+    });
+    assert_eq!(hello.to_bytes().len(), tern_wire::MAX_OPENING_FRAME);
+    let (answer, _, destination) = answer_after_key_exchange(proved, hello);
+    let Message::Abort(abort) = answer else {
+        panic!("expected the guest kind's refusal, got {answer:?}")
+    };
+    let reason = "the source sends a kkkk";
+    assert!(abort.message.contains(reason), "{}", abort.message);
+    let failure = destination().expect_err("a guest of another kind");
+    assert!(failure.to_string().contains(reason), "{failure}");
+}
+
+/// As many 1 MiB regions as the protocol allows.
+fn every_region() -> Vec<RegionInfo> {
+    (0..tern_wire::MAX_REGIONS)
+        .map(|id| RegionInfo {
+            id: u32::try_from(id).unwrap(),
+            guest_addr: u64::try_from(id).unwrap() << 20,
+            len: 1 << 20,
+        })
+        .collect()
 }

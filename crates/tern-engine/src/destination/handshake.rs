@@ -331,9 +331,6 @@ const HELLO_KINDS: [FrameKind; 4] = [
     FrameKind::Abort,
 ];
 
-/// The largest hello after a key exchange: sealed on the main channel.
-const MAX_SEALED_OPENING_FRAME: usize = MAX_OPENING_FRAME + tern_wire::SEAL_LEN;
-
 /// The first byte of a TLS ClientHello record, which no tern frame kind
 /// uses.
 const TLS_HANDSHAKE_RECORD: u8 = 0x16;
@@ -430,7 +427,9 @@ fn first_message(
                 decoder.seal_with(Box::new(opener));
             }
             decoder.restrict(Some((&HELLO_KINDS, "a hello or a channel hello")));
-            let message = read_message_within(channel, decoder, MAX_SEALED_OPENING_FRAME)?;
+            // The bound is the plain frame's: a sealed frame's reader adds
+            // the seal's own bytes to it.
+            let message = read_message_within(channel, decoder, MAX_OPENING_FRAME)?;
             let named = match &message {
                 Message::Hello(hello) => Some(hello.handshake),
                 Message::ChannelHello(hello) => Some(hello.handshake),

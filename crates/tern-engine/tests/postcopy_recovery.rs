@@ -391,3 +391,27 @@ fn a_new_recovery_address_is_refused_before_postcopy_pauses_and_when_it_cannot_l
     running.proxy.pass();
     running.finish();
 }
+
+/// A reconnection broken again half-way (its main channel back, its page
+/// channel closed at once) does not end the migration: the source dials
+/// again (here the page channel, within the same attempt: seen with the
+/// proxy's log), and the migration completes with the memory verified.
+/// It does not force a whole failed attempt on the destination's side
+/// (docs/testing.md, the open `recover.rs:82` mutant).
+#[test]
+fn a_reconnection_that_fails_half_way_is_tried_again() {
+    if !userfaultfd_works() {
+        return;
+    }
+    let running = start(Duration::from_secs(60));
+    running.wait_postcopy_active();
+    running.proxy.cut();
+    running.wait_both_paused();
+    running.proxy.pass_first(1);
+    wait_until(
+        "the proxy closes a channel of the first reconnection",
+        || running.proxy.turned_away() > 0,
+    );
+    running.proxy.pass();
+    running.finish();
+}

@@ -6,7 +6,7 @@
 
 use std::io::{Read, Write};
 use std::net::{Shutdown, TcpListener, TcpStream};
-use std::sync::atomic::{AtomicBool, AtomicU8, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU8, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
@@ -25,9 +25,40 @@ const HOLD: u8 = 2;
 pub struct Proxy {
     address: String,
     mode: Arc<AtomicU8>,
+    /// How many more new connections pass ([`UNLIMITED`]: all of them),
+    /// and how many were turned away past that count.
+    admissions: Arc<Admissions>,
     streams: Arc<Mutex<Vec<TcpStream>>>,
     done: Arc<AtomicBool>,
     accept: Option<JoinHandle<()>>,
+}
+
+/// No limit on the new connections a passing proxy lets through.
+const UNLIMITED: usize = usize::MAX;
+
+/// The new connections a passing proxy still lets through, and those it
+/// turned away past that count.
+struct Admissions {
+    left: AtomicUsize,
+    turned_away: AtomicUsize,
+}
+
+impl Admissions {
+    /// Takes one admission, or counts the connection as turned away.
+    fn admit(&self) -> bool {
+        let admitted = self
+            .left
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |left| match left {
+                0 => None,
+                UNLIMITED => Some(UNLIMITED),
+                left => Some(left - 1),
+            })
+            .is_ok();
+        if !admitted {
+            self.turned_away.fetch_add(1, Ordering::AcqRel);
+        }
+        admitted
+    }
 }
 
 /// A link of `rate` bytes per second for one direction, shared by every
@@ -64,6 +95,10 @@ impl Proxy {
         listener.set_nonblocking(true).expect("non-blocking accept");
         let address = listener.local_addr().expect("proxy address").to_string();
         let mode = Arc::new(AtomicU8::new(PASS));
+        let admissions = Arc::new(Admissions {
+            left: AtomicUsize::new(UNLIMITED),
+            turned_away: AtomicUsize::new(0),
+        });
         let streams: Arc<Mutex<Vec<TcpStream>>> = Arc::default();
         let done = Arc::new(AtomicBool::new(false));
         let link = Arc::new(Link {
@@ -73,13 +108,19 @@ impl Proxy {
         let target = target.to_string();
         let accept = {
             let (mode, streams, done) = (mode.clone(), streams.clone(), done.clone());
+            let admissions = admissions.clone();
             std::thread::spawn(move || {
-                accept_loop(&listener, &target, &mode, &streams, &done, &link)
+                let gate = Gate {
+                    mode: &mode,
+                    admissions: &admissions,
+                };
+                accept_loop(&listener, &target, &gate, &streams, &done, &link)
             })
         };
         Self {
             address,
             mode,
+            admissions,
             streams,
             done,
             accept: Some(accept),
@@ -112,7 +153,23 @@ impl Proxy {
     /// Lets everything through again (new connections; a cut one stays
     /// closed).
     pub fn pass(&self) {
+        self.admissions.left.store(UNLIMITED, Ordering::Release);
         self.mode.store(PASS, Ordering::Release);
+    }
+
+    /// Lets the next `connections` new connections through and closes
+    /// every newer one at once, as a cut would (those let through keep
+    /// passing): a network that breaks again half-way through a
+    /// reconnection.
+    pub fn pass_first(&self, connections: usize) {
+        self.admissions.left.store(connections, Ordering::Release);
+        self.mode.store(PASS, Ordering::Release);
+    }
+
+    /// The new connections closed at once because a [`Proxy::pass_first`]
+    /// count was used up (not those closed while cut).
+    pub fn turned_away(&self) -> usize {
+        self.admissions.turned_away.load(Ordering::Acquire)
     }
 }
 
@@ -140,12 +197,26 @@ impl Drop for Proxy {
     }
 }
 
+/// What decides whether a new connection passes.
+struct Gate<'a> {
+    mode: &'a Arc<AtomicU8>,
+    admissions: &'a Admissions,
+}
+
+impl Gate<'_> {
+    /// Whether a new connection passes: not while cut, nor past a
+    /// [`Proxy::pass_first`] count.
+    fn admits(&self) -> bool {
+        self.mode.load(Ordering::Acquire) != CUT && self.admissions.admit()
+    }
+}
+
 /// Accepts clients until the proxy is dropped, and pairs each with a new
-/// connection to `target` while the proxy is not cut.
+/// connection to `target` while the gate admits it.
 fn accept_loop(
     listener: &TcpListener,
     target: &str,
-    mode: &Arc<AtomicU8>,
+    gate: &Gate<'_>,
     streams: &Mutex<Vec<TcpStream>>,
     done: &AtomicBool,
     link: &Arc<Link>,
@@ -157,7 +228,7 @@ fn accept_loop(
             std::thread::sleep(Duration::from_millis(2));
             continue;
         };
-        if mode.load(Ordering::Acquire) == CUT {
+        if !gate.admits() {
             drop(client);
             continue;
         }
@@ -180,7 +251,7 @@ fn accept_loop(
         let (Ok(up_from), Ok(up_to)) = (client.try_clone(), server.try_clone()) else {
             continue;
         };
-        let (mode_up, mode_down) = (mode.clone(), mode.clone());
+        let (mode_up, mode_down) = (gate.mode.clone(), gate.mode.clone());
         let link = link.clone();
         std::thread::spawn(move || copy(up_from, up_to, &mode_up, Some(&link)));
         std::thread::spawn(move || copy(server, client, &mode_down, None));
@@ -260,6 +331,34 @@ mod tests {
         // a hang (the read timeout above bounds it).
         let end = client.read_to_end(&mut rest);
         assert!(end.as_ref().map_or(true, |&read| read == 0), "{end:?}");
+        drop(proxy);
+        server.join().unwrap();
+    }
+
+    #[test]
+    fn past_its_count_a_passing_proxy_closes_new_connections_at_once() {
+        let (target, server) = echo();
+        let proxy = Proxy::start(&target, 1 << 30);
+        proxy.pass_first(1);
+        let mut first = TcpStream::connect(proxy.address()).unwrap();
+        first
+            .set_read_timeout(Some(Duration::from_secs(60)))
+            .unwrap();
+        let mut second = TcpStream::connect(proxy.address()).unwrap();
+        second
+            .set_read_timeout(Some(Duration::from_secs(60)))
+            .unwrap();
+        // The second is closed unanswered: EOF or a reset, never a hang.
+        let mut rest = Vec::new();
+        let end = second.read_to_end(&mut rest);
+        assert!(end.as_ref().map_or(true, |&read| read == 0), "{end:?}");
+        assert_eq!(proxy.turned_away(), 1);
+        // The first still passes.
+        first.write_all(b"ping").unwrap();
+        let mut answer = [0u8; 4];
+        first.read_exact(&mut answer).unwrap();
+        assert_eq!(&answer, b"ping");
+        drop(first);
         drop(proxy);
         server.join().unwrap();
     }

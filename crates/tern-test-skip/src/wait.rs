@@ -153,6 +153,18 @@ pub fn exit_after_deadline<T>(what: &str, work: impl FnOnce() -> T) -> T {
     value
 }
 
+/// [`std::thread::scope`] under [`exit_after_deadline`]: a scope joins its
+/// threads before it returns, so one whose threads wait on the product (a
+/// fault a handler must serve, a barrier, a cancelled dial) cannot be left
+/// behind; one still running after [`DEADLINE`] ends the test process,
+/// naming `what`.
+pub fn scope_within<'env, T>(
+    what: &str,
+    body: impl for<'scope> FnOnce(&'scope std::thread::Scope<'scope, 'env>) -> T,
+) -> T {
+    exit_after_deadline(what, || std::thread::scope(body))
+}
+
 fn read_on_thread(mut pipe: impl Read + Send + 'static) -> JoinHandle<Vec<u8>> {
     std::thread::spawn(move || {
         let mut bytes = Vec::new();

@@ -502,6 +502,7 @@ impl SyncBarrier {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use tern_test_skip::wait::scope_within;
 
     #[test]
     fn a_claimed_page_cannot_be_claimed_again_until_cleared() {
@@ -544,26 +545,21 @@ mod tests {
     fn cross_votes(votes: &[SyncVote]) -> (Vec<Result<(), BarrierError>>, usize) {
         let barrier = SyncBarrier::new(votes.len());
         let released = AtomicU64::new(0);
-        // The parties wait in the barrier: one it never lets go ends the
-        // test process, named, instead of hanging it.
-        let results =
-            tern_test_skip::wait::exit_after_deadline("every party leaves the barrier", || {
-                std::thread::scope(|scope| {
-                    let handles: Vec<_> = votes
-                        .iter()
-                        .map(|&last| {
-                            let barrier = &barrier;
-                            let released = &released;
-                            scope.spawn(move || {
-                                barrier.wait(last, |_| {
-                                    released.fetch_add(1, Ordering::Relaxed);
-                                })
-                            })
+        let results = scope_within("the barrier lets every party go", |scope| {
+            let handles: Vec<_> = votes
+                .iter()
+                .map(|&last| {
+                    let barrier = &barrier;
+                    let released = &released;
+                    scope.spawn(move || {
+                        barrier.wait(last, |_| {
+                            released.fetch_add(1, Ordering::Relaxed);
                         })
-                        .collect();
-                    handles.into_iter().map(|h| h.join().unwrap()).collect()
+                    })
                 })
-            });
+                .collect();
+            handles.into_iter().map(|h| h.join().unwrap()).collect()
+        });
         (
             results,
             usize::try_from(released.load(Ordering::Relaxed)).unwrap(),

@@ -671,23 +671,20 @@ mod tests {
         // SAFETY: page 1 of the registered mapping; `source` holds a page.
         unsafe { userfault.place(memory.base.add(PAGE_SIZE), source.as_ptr(), 1) }.unwrap();
         let base = memory.base as usize;
-        // The reader's fault ends only when the handler serves it: a
-        // handler that stops ends the test process, named.
-        tern_test_skip::wait::exit_after_deadline("the reader's faults are served", || {
-            std::thread::scope(|scope| {
-                scope.spawn(|| userfault.serve_faults());
-                let reader = scope.spawn(move || {
-                    // SAFETY: pages 0-2 of the mapping, which outlives the
-                    // scope; page 2 is written (a first touch of a fresh page).
-                    unsafe {
-                        let base = base as *mut u8;
-                        base.add(2 * PAGE_SIZE).write(3);
-                        (*base, *base.add(PAGE_SIZE), *base.add(2 * PAGE_SIZE))
-                    }
-                });
-                assert_eq!(reader.join().unwrap(), (0, 5, 3));
-                userfault.release();
+        // The reader's fault ends only when the handler serves it.
+        tern_test_skip::wait::scope_within("the reader's faults are served", |scope| {
+            scope.spawn(|| userfault.serve_faults());
+            let reader = scope.spawn(move || {
+                // SAFETY: pages 0-2 of the mapping, which outlives the
+                // scope; page 2 is written (a first touch of a fresh page).
+                unsafe {
+                    let base = base as *mut u8;
+                    base.add(2 * PAGE_SIZE).write(3);
+                    (*base, *base.add(PAGE_SIZE), *base.add(2 * PAGE_SIZE))
+                }
             });
+            assert_eq!(reader.join().unwrap(), (0, 5, 3));
+            userfault.release();
         });
         assert!(memory.page(3).iter().all(|&byte| byte == 0));
     }

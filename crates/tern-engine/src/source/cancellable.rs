@@ -70,14 +70,11 @@ mod tests {
         let connector = Connector::for_address(&address).unwrap();
         let cancel = CancelToken::new();
         let connect = CancellableConnect::new(&connector, &cancel);
-        // Only the cancel ends the hour's dial: one that does not ends
-        // the test process, named.
-        let error = tern_test_skip::wait::exit_after_deadline("the cancel ends the dial", || {
-            std::thread::scope(|scope| {
-                let dialling = scope.spawn(|| connect.connect(0, Duration::from_secs(3600)));
-                cancel.cancel();
-                dialling.join().unwrap().expect_err("nobody listens")
-            })
+        // Only the cancel ends the hour's dial.
+        let error = tern_test_skip::wait::scope_within("the cancel ends the dial", |scope| {
+            let dialling = scope.spawn(|| connect.connect(0, Duration::from_secs(3600)));
+            cancel.cancel();
+            dialling.join().unwrap().expect_err("nobody listens")
         });
         assert!(is_cancel(&error), "{error:?}");
         // Cancelled already: the next channel is not even dialled.
@@ -96,14 +93,13 @@ mod tests {
             .parse()
             .unwrap();
         let cancel = CancelToken::new();
-        let error = tern_test_skip::wait::exit_after_deadline("the cancel ends the dial", || {
-            std::thread::scope(|scope| {
-                let dialling = scope.spawn(|| {
-                    Channel::connect_cancellable(&address, Duration::from_secs(3600), &cancel)
-                });
-                cancel.cancel();
-                dialling.join().unwrap().expect_err("nobody listens")
-            })
+        // Only the cancel ends the hour's dial.
+        let error = tern_test_skip::wait::scope_within("the cancel ends the dial", |scope| {
+            let dialling = scope.spawn(|| {
+                Channel::connect_cancellable(&address, Duration::from_secs(3600), &cancel)
+            });
+            cancel.cancel();
+            dialling.join().unwrap().expect_err("nobody listens")
         });
         assert!(is_cancel(&error), "{error:?}");
     }

@@ -540,7 +540,7 @@ mod tests {
     use crate::postcopy::StaleSet;
     use crate::stats::LiveStats;
     use crate::transport::Channel;
-    use tern_test_skip::wait::wait_until;
+    use tern_test_skip::wait::{scope_within, wait_until};
 
     #[test]
     fn the_push_takes_every_chunk_once_and_follows_requests() {
@@ -609,24 +609,20 @@ mod tests {
         let (push, mut their_push) = pair();
         let stats = LiveStats::new();
         let counters = ServeCounters::default();
-        // `serve` ends on the destination's completion or at its own
-        // deadline; past the test's, the process ends, naming it.
-        let result = tern_test_skip::wait::exit_after_deadline("serve ends", || {
-            std::thread::scope(|scope| {
-                scope.spawn(move || {
-                    let mut sink = vec![0u8; 1 << 20];
-                    while their_push.read_exact(&mut sink[..4096]).is_ok() {}
-                });
-                scope.spawn(move || peer(&mut their_main));
-                serve(
-                    &mut main,
-                    vec![push],
-                    &frozen,
-                    Duration::from_secs(5),
-                    &stats,
-                    &counters,
-                )
-            })
+        let result = scope_within("serve ends", |scope| {
+            scope.spawn(move || {
+                let mut sink = vec![0u8; 1 << 20];
+                while their_push.read_exact(&mut sink[..4096]).is_ok() {}
+            });
+            scope.spawn(move || peer(&mut their_main));
+            serve(
+                &mut main,
+                vec![push],
+                &frozen,
+                Duration::from_secs(5),
+                &stats,
+                &counters,
+            )
         });
         (result, counters)
     }
@@ -701,42 +697,38 @@ mod tests {
         let stats = LiveStats::new();
         let counters = ServeCounters::default();
         let answered = AtomicBool::new(false);
-        // `serve` ends on the destination's completion or at its own
-        // deadline; past the test's, the process ends, naming it.
-        let result = tern_test_skip::wait::exit_after_deadline("serve ends", || {
-            std::thread::scope(|scope| {
-                let (answered, counters) = (&answered, &counters);
-                scope.spawn(move || {
-                    wait_until("the answer arrived", || answered.load(Ordering::Acquire));
-                    let mut sink = vec![0u8; 1 << 20];
-                    while their_push.read_exact(&mut sink[..4096]).is_ok() {}
+        let result = scope_within("serve ends", |scope| {
+            let (answered, counters) = (&answered, &counters);
+            scope.spawn(move || {
+                wait_until("the answer arrived", || answered.load(Ordering::Acquire));
+                let mut sink = vec![0u8; 1 << 20];
+                while their_push.read_exact(&mut sink[..4096]).is_ok() {}
+            });
+            scope.spawn(move || {
+                let first = 20 * 128;
+                their_main.send_message(&request(first, 8)).unwrap();
+                match their_main.read_message().unwrap() {
+                    Message::UrgentPages(urgent) => assert_eq!(urgent.first_page, first),
+                    other => panic!("{other:?}"),
+                }
+                answered.store(true, Ordering::Release);
+                wait_until("the push went through every stale page", || {
+                    counters.pushed_pages.load(Ordering::Acquire)
+                        + counters.push_skipped_pages.load(Ordering::Acquire)
+                        >= PAGES as u64
                 });
-                scope.spawn(move || {
-                    let first = 20 * 128;
-                    their_main.send_message(&request(first, 8)).unwrap();
-                    match their_main.read_message().unwrap() {
-                        Message::UrgentPages(urgent) => assert_eq!(urgent.first_page, first),
-                        other => panic!("{other:?}"),
-                    }
-                    answered.store(true, Ordering::Release);
-                    wait_until("the push went through every stale page", || {
-                        counters.pushed_pages.load(Ordering::Acquire)
-                            + counters.push_skipped_pages.load(Ordering::Acquire)
-                            >= PAGES as u64
-                    });
-                    their_main
-                        .send_message(&complete(8, PAGES as u64 - 8))
-                        .unwrap();
-                });
-                serve(
-                    &mut main,
-                    vec![push],
-                    &frozen,
-                    Duration::from_secs(60),
-                    &stats,
-                    counters,
-                )
-            })
+                their_main
+                    .send_message(&complete(8, PAGES as u64 - 8))
+                    .unwrap();
+            });
+            serve(
+                &mut main,
+                vec![push],
+                &frozen,
+                Duration::from_secs(60),
+                &stats,
+                counters,
+            )
         });
         assert_eq!(result.unwrap().digest, 5);
         assert_eq!(counters.push_skipped_pages.load(Ordering::Relaxed), 8);
@@ -771,51 +763,47 @@ mod tests {
         let stats = LiveStats::new();
         let counters = ServeCounters::default();
         let (pushing, answered) = (AtomicBool::new(false), AtomicBool::new(false));
-        // `serve` ends on the destination's completion or at its own
-        // deadline; past the test's, the process ends, naming it.
-        let result = tern_test_skip::wait::exit_after_deadline("serve ends", || {
-            std::thread::scope(|scope| {
-                let (pushing, answered, counters) = (&pushing, &answered, &counters);
-                scope.spawn(move || {
-                    let mut sink = vec![0u8; 1 << 20];
-                    // The first bytes of chunk 0: the push claimed it whole
-                    // before it wrote any, and now waits in that write.
-                    their_push.read_exact(&mut sink[..4096]).unwrap();
-                    pushing.store(true, Ordering::Release);
-                    wait_until("the answers arrived", || answered.load(Ordering::Acquire));
-                    while their_push.read_exact(&mut sink[..4096]).is_ok() {}
-                });
-                scope.spawn(move || {
-                    wait_until("the push took chunk 0", || pushing.load(Ordering::Acquire));
-                    for (first, expected) in [(5, 1), (20 * 128, 8)] {
-                        their_main.send_message(&request(first, 8)).unwrap();
-                        match their_main.read_message().unwrap() {
-                            Message::UrgentPages(urgent) => {
-                                assert_eq!((urgent.first_page, urgent.pages), (first, expected));
-                                assert!(urgent.data.iter().all(|&byte| byte == 7));
-                            }
-                            other => panic!("{other:?}"),
+        let result = scope_within("serve ends", |scope| {
+            let (pushing, answered, counters) = (&pushing, &answered, &counters);
+            scope.spawn(move || {
+                let mut sink = vec![0u8; 1 << 20];
+                // The first bytes of chunk 0: the push claimed it whole
+                // before it wrote any, and now waits in that write.
+                their_push.read_exact(&mut sink[..4096]).unwrap();
+                pushing.store(true, Ordering::Release);
+                wait_until("the answers arrived", || answered.load(Ordering::Acquire));
+                while their_push.read_exact(&mut sink[..4096]).is_ok() {}
+            });
+            scope.spawn(move || {
+                wait_until("the push took chunk 0", || pushing.load(Ordering::Acquire));
+                for (first, expected) in [(5, 1), (20 * 128, 8)] {
+                    their_main.send_message(&request(first, 8)).unwrap();
+                    match their_main.read_message().unwrap() {
+                        Message::UrgentPages(urgent) => {
+                            assert_eq!((urgent.first_page, urgent.pages), (first, expected));
+                            assert!(urgent.data.iter().all(|&byte| byte == 7));
                         }
+                        other => panic!("{other:?}"),
                     }
-                    answered.store(true, Ordering::Release);
-                    wait_until("the push went through every stale page", || {
-                        counters.pushed_pages.load(Ordering::Acquire)
-                            + counters.push_skipped_pages.load(Ordering::Acquire)
-                            >= PAGES as u64
-                    });
-                    their_main
-                        .send_message(&complete(9, PAGES as u64 - 8))
-                        .unwrap();
+                }
+                answered.store(true, Ordering::Release);
+                wait_until("the push went through every stale page", || {
+                    counters.pushed_pages.load(Ordering::Acquire)
+                        + counters.push_skipped_pages.load(Ordering::Acquire)
+                        >= PAGES as u64
                 });
-                serve(
-                    &mut main,
-                    vec![push],
-                    &frozen,
-                    Duration::from_secs(60),
-                    &stats,
-                    counters,
-                )
-            })
+                their_main
+                    .send_message(&complete(9, PAGES as u64 - 8))
+                    .unwrap();
+            });
+            serve(
+                &mut main,
+                vec![push],
+                &frozen,
+                Duration::from_secs(60),
+                &stats,
+                counters,
+            )
         });
         assert_eq!(result.unwrap().digest, 5);
         let count = |counter: &std::sync::atomic::AtomicU64| counter.load(Ordering::Relaxed);

@@ -140,15 +140,22 @@ mod tests {
                 }
             })
         };
-        while doorbell.get().is_none() {
-            thread::yield_now();
-        }
+        tern_test_skip::wait::wait_until("the consumer has its doorbell", || {
+            doorbell.get().is_some()
+        });
+        // A consumer that a ring did not wake stops taking items: the ring
+        // stays full and the test fails at the deadline, not spinning.
+        let deadline = std::time::Instant::now() + tern_test_skip::wait::DEADLINE;
         for value in 1..=10_000u64 {
             let mut item = value;
             loop {
                 match ring.push(item) {
                     Ok(()) => break,
                     Err(back) => {
+                        assert!(
+                            std::time::Instant::now() < deadline,
+                            "the consumer stopped taking items at {value}"
+                        );
                         item = back;
                         thread::yield_now();
                     }
@@ -156,7 +163,7 @@ mod tests {
             }
             doorbell.get().unwrap().ring();
         }
-        consumer.join().unwrap();
+        tern_test_skip::wait::join_within(consumer, "the consumer");
         assert_eq!(sum.load(Ordering::Relaxed), 10_000 * 10_001 / 2);
     }
 }

@@ -125,8 +125,12 @@ struct FakeSource {
     pages: Vec<Channel>,
 }
 
+/// A channel to the destination whose every read and write waits at most
+/// [`DEADLINE`]: a destination that stops answering fails the test.
 fn connect(address: &tern_engine::Address) -> Channel {
-    Channel::connect(address, Duration::from_secs(5)).expect("connect")
+    let mut channel = Channel::connect(address, Duration::from_secs(5)).expect("connect");
+    channel.set_timeouts(DEADLINE).expect("timeouts");
+    channel
 }
 
 fn handshake(address: &tern_engine::Address, channels: u16) -> FakeSource {
@@ -157,10 +161,7 @@ fn expect_destination_error(
     destination: std::thread::JoinHandle<DestinationResult>,
     needle: &str,
 ) -> MigrationError {
-    let error = destination
-        .join()
-        .expect("destination must not panic")
-        .expect_err("destination must fail");
+    let error = join_within(destination, "the destination").expect_err("destination must fail");
     let chain = error.chain();
     assert!(
         chain.to_lowercase().contains(&needle.to_lowercase()),
@@ -383,10 +384,12 @@ fn destination_dying_mid_migration_leaves_source_running_and_intact() {
     guest.resume().unwrap();
     let (listener, address) = tcp_listener();
     let dying = dying_destination(listener, 2, 1 << 20);
-    let failure = Source::new(migration_config(2))
-        .unwrap()
-        .migrate(&mut guest, &address)
-        .expect_err("the destination died");
+    let failure = exit_after_deadline("the source's migration to a dying destination", || {
+        Source::new(migration_config(2))
+            .unwrap()
+            .migrate(&mut guest, &address)
+    })
+    .expect_err("the destination died");
     join_within(dying, "the dying peer");
     assert_eq!(failure.stats.status, MigrationStatus::Failed);
     assert!(
@@ -415,10 +418,12 @@ fn paused_source_memory_is_untouched_by_a_failed_migration() {
     let digest_before = guest.digest();
     let (listener, address) = tcp_listener();
     let dying = dying_destination(listener, 1, 256 << 10);
-    let failure = Source::new(migration_config(1))
-        .unwrap()
-        .migrate(&mut guest, &address)
-        .expect_err("the destination died");
+    let failure = exit_after_deadline("the source's migration to a dying destination", || {
+        Source::new(migration_config(1))
+            .unwrap()
+            .migrate(&mut guest, &address)
+    })
+    .expect_err("the destination died");
     join_within(dying, "the dying peer");
     assert!(
         matches!(
@@ -442,10 +447,10 @@ fn nobody_listening_is_a_clear_error() {
     let mut guest = guest(4 * MIB, 0);
     let mut config = migration_config(1);
     config.connect_timeout = Duration::from_millis(200);
-    let failure = Source::new(config)
-        .unwrap()
-        .migrate(&mut guest, &address)
-        .expect_err("nobody listens");
+    let failure = exit_after_deadline("the source's connect to nobody", || {
+        Source::new(config).unwrap().migrate(&mut guest, &address)
+    })
+    .expect_err("nobody listens");
     assert!(
         failure.error.chain().contains("Cannot connect"),
         "{}",
@@ -589,7 +594,10 @@ fn a_source_failing_after_connecting_tells_the_destination_why() {
     });
     let source = Source::new(migration_config(2)).unwrap();
     let mut guest = guest(4 * MIB, 0);
-    let failure = source.migrate(&mut guest, &address).unwrap_err();
+    let failure = exit_after_deadline("the source's migration to a fake destination", || {
+        source.migrate(&mut guest, &address)
+    })
+    .unwrap_err();
     assert!(
         failure.error.chain().contains("welcome on channel 1"),
         "{}",

@@ -10,7 +10,7 @@ use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::Path;
 use std::time::Duration;
 
-use common::{MIB, join_within, migration_config, receive_config, wait_until};
+use common::{MIB, exit_after_deadline, join_within, migration_config, receive_config, wait_until};
 use tern_engine::{
     Address, Destination, GuestError, GuestMemory, HandedFile, Listener, MigrationConfig,
     MigrationError, Received, Source,
@@ -155,10 +155,12 @@ fn refuses_memory_without_files_before_connecting() {
     // Bound but never served: a refusal must come before any connection.
     let (_listener, address) = unix_listener(dir.path());
     let mut guest = SyntheticGuest::new(&synthetic(4 * MIB, 1, MIB)).unwrap();
-    let failure = Source::new(handover_config())
-        .unwrap()
-        .migrate(&mut guest, &address)
-        .unwrap_err();
+    let failure = exit_after_deadline("the source's refused hand-over", || {
+        Source::new(handover_config())
+            .unwrap()
+            .migrate(&mut guest, &address)
+    })
+    .unwrap_err();
     let text = failure.error.to_string();
     assert!(text.contains("not backed by files"), "{text}");
     assert!(guest.is_running());
@@ -170,10 +172,12 @@ fn a_copying_destination_refuses_a_handover_and_the_source_runs_on() {
     let (listener, address) = unix_listener(dir.path());
     let destination = common::spawn_destination(listener);
     let mut guest = SyntheticGuest::new_memfd(&synthetic(4 * MIB, 1, MIB)).unwrap();
-    let failure = Source::new(handover_config())
-        .unwrap()
-        .migrate(&mut guest, &address)
-        .unwrap_err();
+    let failure = exit_after_deadline("the source's refused hand-over", || {
+        Source::new(handover_config())
+            .unwrap()
+            .migrate(&mut guest, &address)
+    })
+    .unwrap_err();
     assert!(
         failure.error.to_string().contains("hands its memory over"),
         "{}",
@@ -393,10 +397,12 @@ fn a_destination_that_dies_before_the_commit_leaves_the_source_running() {
         drop(stream);
     });
     let mut guest = SyntheticGuest::new_memfd(&synthetic(8 * MIB, 1, 8 * MIB)).unwrap();
-    let failure = Source::new(handover_config())
-        .unwrap()
-        .migrate(&mut guest, &Address::Unix(path))
-        .unwrap_err();
+    let failure = exit_after_deadline("the source's hand-over to a dying destination", || {
+        Source::new(handover_config())
+            .unwrap()
+            .migrate(&mut guest, &Address::Unix(path))
+    })
+    .unwrap_err();
     join_within(fake, "the fake peer");
     assert!(
         guest.is_running(),

@@ -83,10 +83,10 @@ fn migration(security: Security) -> MigrationConfig {
 fn source_refuses(address: &tern_engine::Address, config: MigrationConfig) -> MigrationError {
     let mut guest = guest(4 * MIB, 0);
     guest.resume().unwrap();
-    let failure = Source::new(config)
-        .unwrap()
-        .migrate(&mut guest, address)
-        .expect_err("the migration must fail");
+    let failure = exit_after_deadline("the source's refused migration", || {
+        Source::new(config).unwrap().migrate(&mut guest, address)
+    })
+    .expect_err("the migration must fail");
     assert!(guest.is_running(), "the source guest runs on");
     failure.error
 }

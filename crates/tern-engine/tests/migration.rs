@@ -398,7 +398,7 @@ fn io_uring_zero_copy_over_loopback_is_accounted_and_verifies() {
                 .contains("io_uring SENDMSG_ZC is not available") =>
         {
             tern_test_skip::skip(tern_test_skip::Need::IoUring, failure.error.chain());
-            let _ = destination.join();
+            let _ = join_within(destination, "the destination");
         }
         Err(failure) => panic!("{}", failure.error.chain()),
     }

@@ -75,7 +75,7 @@ fn a_guest_that_cannot_converge_migrates_with_postcopy_auto() {
     let destination = spawn_destination(listener);
     let source = Source::new(postcopy_config(PostcopyMode::Auto)).unwrap();
     let stats = source.migrate(&mut guest, &address).expect("migration");
-    let mut received = destination.join().unwrap().expect("destination");
+    let mut received = join_within(destination, "the destination").expect("destination");
     assert_eq!(stats.status, MigrationStatus::Completed);
     assert!(stats.digest_verified, "{:?}", stats.digest_comparison);
     assert!(!guest.is_running(), "the source stays paused");
@@ -122,7 +122,7 @@ fn memory_held_paused_after_postcopy_equals_the_source() {
     let destination = spawn_destination_with(listener, receive);
     let source = Source::new(postcopy_config(PostcopyMode::AfterFirstPass)).unwrap();
     let stats = source.migrate(&mut guest, &address).expect("migration");
-    let received = destination.join().unwrap().expect("destination");
+    let received = join_within(destination, "the destination").expect("destination");
     assert!(stats.digest_verified);
     assert_eq!(
         stats.postcopy.as_ref().and_then(|p| p.trigger),
@@ -154,8 +154,8 @@ fn migrate_start_postcopy_hands_over_on_request() {
         handle.start_postcopy()
     });
     let stats = source.migrate(&mut guest, &address).expect("migration");
-    requester.join().unwrap().expect("start_postcopy");
-    let mut received = destination.join().unwrap().expect("destination");
+    join_within(requester, "the postcopy requester").expect("start_postcopy");
+    let mut received = join_within(destination, "the destination").expect("destination");
     assert!(stats.digest_verified);
     assert_eq!(
         stats.postcopy.as_ref().and_then(|p| p.trigger),
@@ -201,7 +201,7 @@ fn a_compressed_postcopy_push_verifies_and_sends_fewer_bytes_than_raw() {
             .unwrap()
             .migrate(&mut guest, &address)
             .expect("migration");
-        let received = destination.join().unwrap().expect("destination");
+        let received = join_within(destination, "the destination").expect("destination");
         assert!(
             stats.digest_verified,
             "{name}: {:?}",

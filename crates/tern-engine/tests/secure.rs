@@ -144,10 +144,10 @@ fn migrate_refused(
     let mut guest = guest(8 * MIB, MIB);
     guest.resume().unwrap();
     let receiving = receive_with(listener, receive);
-    let failure = Source::new(migrate)
-        .unwrap()
-        .migrate(&mut guest, address)
-        .expect_err("the migration must fail");
+    let failure = exit_after_deadline("the source's refused migration", || {
+        Source::new(migrate).unwrap().migrate(&mut guest, address)
+    })
+    .expect_err("the migration must fail");
     assert!(guest.is_running(), "the source guest runs on");
     let destination = receiving.refusal();
     receiving.cancel.cancel();
@@ -856,12 +856,14 @@ fn migrate_through(
     let mut guest = guest(8 * MIB, MIB);
     guest.resume().unwrap();
     let started = std::time::Instant::now();
-    let result = Source::new(secured_migration(
-        2,
-        keyed("the key both sides of the path hold"),
-    ))
-    .unwrap()
-    .migrate(&mut guest, &through);
+    let result = exit_after_deadline("the source's migration through the proxy", || {
+        Source::new(secured_migration(
+            2,
+            keyed("the key both sides of the path hold"),
+        ))
+        .unwrap()
+        .migrate(&mut guest, &through)
+    });
     let source_done = started.elapsed();
     let received = join_within(receiving.thread, "the destination");
     // The figure of docs/security.md's threat table.

@@ -95,7 +95,7 @@ fn fake_destination(
         };
         drop(main);
         for drain in drains {
-            let _ = drain.join();
+            join_within(drain, "a page channel's drain");
         }
         seen
     })
@@ -204,7 +204,9 @@ fn migrate_to_fake(at: AtSwitchOver) -> (tern_synthetic::SyntheticGuest, Migrati
     let mut guest = guest(8 * MIB, 0);
     let mut config = migration_config(1);
     config.switch_over_timeout = Duration::from_secs(1);
-    let result = Source::new(config).unwrap().migrate(&mut guest, &address);
+    let result = exit_after_deadline("the source's migration to a fake destination", || {
+        Source::new(config).unwrap().migrate(&mut guest, &address)
+    });
     let seen = join_within(fake, "the fake destination");
     (guest, result, seen)
 }
@@ -390,10 +392,10 @@ fn a_destination_without_heartbeats_is_detected_during_the_live_phase() {
     // first look at the heartbeats finds too few, whatever the machine's
     // load; the fake drains the pages, so no send is ever blocked.
     config.max_bandwidth = Some(MIB);
-    let failure = Source::new(config)
-        .unwrap()
-        .migrate(&mut guest, &address)
-        .expect_err("the destination is silent");
+    let failure = exit_after_deadline("the source's migration to a silent destination", || {
+        Source::new(config).unwrap().migrate(&mut guest, &address)
+    })
+    .expect_err("the destination is silent");
     assert!(
         failure.error.chain().contains("heartbeat"),
         "{}",
@@ -791,9 +793,7 @@ fn a_commit_trickled_past_the_switch_over_deadline_is_not_taken() {
         .map(|byte| vec![byte])
         .collect();
     let trickling = trickle(main, bytes, Duration::from_millis(300));
-    let error = destination
-        .join()
-        .expect("no panic")
+    let error = join_within(destination, "the destination")
         .expect_err("a commit that is not whole by the deadline is not one");
     eprintln!(
         "a trickled commit: the destination gave up {:?} after its ready (switch-over \
@@ -829,10 +829,7 @@ fn a_state_section_trickled_in_pieces_is_cut_off_at_the_transfer_deadline() {
     let pieces = section.chunks(64 << 10).map(<[u8]>::to_vec).collect();
     let started = std::time::Instant::now();
     let trickling = trickle(main, pieces, Duration::from_millis(400));
-    let error = destination
-        .join()
-        .expect("no panic")
-        .expect_err("the trickle is cut off");
+    let error = join_within(destination, "the destination").expect_err("the trickle is cut off");
     eprintln!(
         "a trickled state section: cut off after {:?} (I/O timeout 1 s)",
         started.elapsed()
@@ -860,10 +857,7 @@ fn a_page_packet_trickled_in_pieces_is_cut_off_at_the_transfer_deadline() {
     ];
     let started = std::time::Instant::now();
     let trickling = trickle(page, pieces, Duration::from_millis(600));
-    let error = destination
-        .join()
-        .expect("no panic")
-        .expect_err("the trickle is cut off");
+    let error = join_within(destination, "the destination").expect_err("the trickle is cut off");
     eprintln!(
         "a trickled page packet: cut off after {:?} (I/O timeout 1 s)",
         started.elapsed()

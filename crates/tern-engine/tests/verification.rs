@@ -79,6 +79,7 @@ impl FakeSource {
             channel_index,
         };
         let mut main = Channel::connect(address, Duration::from_secs(5)).expect("connect");
+        main.set_timeouts(DEADLINE).expect("timeouts");
         main.send_message(&Message::Hello(Hello {
             handshake: handshake(0),
             setup,
@@ -86,6 +87,7 @@ impl FakeSource {
         .unwrap();
         assert!(matches!(main.read_message().unwrap(), Message::Welcome(_)));
         let mut pages = Channel::connect(address, Duration::from_secs(5)).expect("connect");
+        pages.set_timeouts(DEADLINE).expect("timeouts");
         pages
             .send_message(&Message::ChannelHello(ChannelHello {
                 handshake: handshake(1),

@@ -35,11 +35,14 @@ pub const DEADLINE: Duration = Duration::from_secs(60);
 const LONGEST_POLL: Duration = Duration::from_millis(16);
 
 /// Polls `check` until it returns a value and returns it; panics naming
-/// `what` after [`DEADLINE`].
+/// `what` after [`DEADLINE`]. Like every wait here that panics, the panic
+/// names the test's line that waited (`#[track_caller]`), not this file.
+#[track_caller]
 pub fn wait_for<T>(what: &str, check: impl FnMut() -> Option<T>) -> T {
     wait_for_within(DEADLINE, what, check)
 }
 
+#[track_caller]
 fn wait_for_within<T>(limit: Duration, what: &str, mut check: impl FnMut() -> Option<T>) -> T {
     let deadline = Instant::now() + limit;
     let mut pause = Duration::from_millis(1);
@@ -58,6 +61,7 @@ fn wait_for_within<T>(limit: Duration, what: &str, mut check: impl FnMut() -> Op
 
 /// Polls `condition` until it holds; panics naming `what` after
 /// [`DEADLINE`].
+#[track_caller]
 pub fn wait_until(what: &str, mut condition: impl FnMut() -> bool) {
     wait_for(what, || condition().then_some(()));
 }
@@ -65,6 +69,7 @@ pub fn wait_until(what: &str, mut condition: impl FnMut() -> bool) {
 /// Joins `thread` once it has finished; panics naming `what` after
 /// [`DEADLINE`] (the thread is left behind; the test process ends with
 /// the failure). A panic of the thread is the test's panic.
+#[track_caller]
 pub fn join_within<T>(thread: JoinHandle<T>, what: &str) -> T {
     wait_until(&format!("{what} ends"), || thread.is_finished());
     match thread.join() {
@@ -75,10 +80,12 @@ pub fn join_within<T>(thread: JoinHandle<T>, what: &str) -> T {
 
 /// Waits for `child` to exit and returns its status; after [`DEADLINE`],
 /// kills and reaps it and panics naming `what`.
+#[track_caller]
 pub fn exit_within(child: &mut Child, what: &str) -> ExitStatus {
     exit_before(child, what, DEADLINE)
 }
 
+#[track_caller]
 fn exit_before(child: &mut Child, what: &str, limit: Duration) -> ExitStatus {
     let deadline = Instant::now() + limit;
     let mut pause = Duration::from_millis(1);
@@ -102,6 +109,7 @@ fn exit_before(child: &mut Child, what: &str, limit: Duration) -> ExitStatus {
 /// [`Child::wait_with_output`] with [`DEADLINE`]: reads the child's piped
 /// standard output and error (empty where not piped) while waiting for it
 /// to exit; after the deadline kills it and panics naming `what`.
+#[track_caller]
 pub fn output_within(mut child: Child, what: &str) -> Output {
     let stdout = child.stdout.take().map(read_on_thread);
     let stderr = child.stderr.take().map(read_on_thread);
@@ -145,6 +153,18 @@ pub fn exit_after_deadline<T>(what: &str, work: impl FnOnce() -> T) -> T {
     value
 }
 
+/// [`std::thread::scope`] under [`exit_after_deadline`]: a scope joins its
+/// threads before it returns, so one whose threads wait on the product (a
+/// fault a handler must serve, a barrier, a cancelled dial) cannot be left
+/// behind; one still running after [`DEADLINE`] ends the test process,
+/// naming `what`.
+pub fn scope_within<'env, T>(
+    what: &str,
+    body: impl for<'scope> FnOnce(&'scope std::thread::Scope<'scope, 'env>) -> T,
+) -> T {
+    exit_after_deadline(what, || std::thread::scope(body))
+}
+
 fn read_on_thread(mut pipe: impl Read + Send + 'static) -> JoinHandle<Vec<u8>> {
     std::thread::spawn(move || {
         let mut bytes = Vec::new();
@@ -180,6 +200,35 @@ mod tests {
         );
         // Reaped by the failed wait: nothing left to wait for.
         assert!(child.try_wait().unwrap().is_some());
+    }
+
+    #[test]
+    fn a_failed_wait_names_the_line_that_waited() {
+        let waited_at = std::sync::Arc::new(std::sync::Mutex::new(None));
+        let record = std::sync::Arc::clone(&waited_at);
+        let previous = std::panic::take_hook();
+        std::panic::set_hook(Box::new(move |info| {
+            let ours = info
+                .payload()
+                .downcast_ref::<String>()
+                .is_some_and(|message| message.contains("the line that waited"));
+            if ours {
+                *record.lock().unwrap() =
+                    info.location().map(|at| (at.file().to_string(), at.line()));
+            }
+        }));
+        let line = line!() + 2;
+        let failure = std::panic::catch_unwind(|| {
+            wait_for_within(Duration::from_millis(10), "the line that waited", || {
+                None::<()>
+            })
+        });
+        std::panic::set_hook(previous);
+        assert!(failure.is_err());
+        assert_eq!(
+            waited_at.lock().unwrap().clone(),
+            Some((file!().to_string(), line))
+        );
     }
 
     #[test]

@@ -502,6 +502,7 @@ impl SyncBarrier {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use tern_test_skip::wait::scope_within;
 
     #[test]
     fn a_claimed_page_cannot_be_claimed_again_until_cleared() {
@@ -544,7 +545,7 @@ mod tests {
     fn cross_votes(votes: &[SyncVote]) -> (Vec<Result<(), BarrierError>>, usize) {
         let barrier = SyncBarrier::new(votes.len());
         let released = AtomicU64::new(0);
-        let results = std::thread::scope(|scope| {
+        let results = scope_within("the barrier lets every party go", |scope| {
             let handles: Vec<_> = votes
                 .iter()
                 .map(|&last| {

@@ -671,7 +671,8 @@ mod tests {
         // SAFETY: page 1 of the registered mapping; `source` holds a page.
         unsafe { userfault.place(memory.base.add(PAGE_SIZE), source.as_ptr(), 1) }.unwrap();
         let base = memory.base as usize;
-        std::thread::scope(|scope| {
+        // The reader's fault ends only when the handler serves it.
+        tern_test_skip::wait::scope_within("the reader's faults are served", |scope| {
             scope.spawn(|| userfault.serve_faults());
             let reader = scope.spawn(move || {
                 // SAFETY: pages 0-2 of the mapping, which outlives the

@@ -540,7 +540,7 @@ mod tests {
     use crate::postcopy::StaleSet;
     use crate::stats::LiveStats;
     use crate::transport::Channel;
-    use tern_test_skip::wait::wait_until;
+    use tern_test_skip::wait::{scope_within, wait_until};
 
     #[test]
     fn the_push_takes_every_chunk_once_and_follows_requests() {
@@ -609,7 +609,7 @@ mod tests {
         let (push, mut their_push) = pair();
         let stats = LiveStats::new();
         let counters = ServeCounters::default();
-        let result = std::thread::scope(|scope| {
+        let result = scope_within("serve ends", |scope| {
             scope.spawn(move || {
                 let mut sink = vec![0u8; 1 << 20];
                 while their_push.read_exact(&mut sink[..4096]).is_ok() {}
@@ -697,7 +697,7 @@ mod tests {
         let stats = LiveStats::new();
         let counters = ServeCounters::default();
         let answered = AtomicBool::new(false);
-        let result = std::thread::scope(|scope| {
+        let result = scope_within("serve ends", |scope| {
             let (answered, counters) = (&answered, &counters);
             scope.spawn(move || {
                 wait_until("the answer arrived", || answered.load(Ordering::Acquire));
@@ -763,7 +763,7 @@ mod tests {
         let stats = LiveStats::new();
         let counters = ServeCounters::default();
         let (pushing, answered) = (AtomicBool::new(false), AtomicBool::new(false));
-        let result = std::thread::scope(|scope| {
+        let result = scope_within("serve ends", |scope| {
             let (pushing, answered, counters) = (&pushing, &answered, &counters);
             scope.spawn(move || {
                 let mut sink = vec![0u8; 1 << 20];

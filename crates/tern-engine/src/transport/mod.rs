@@ -1142,7 +1142,7 @@ mod tests {
         ];
         // SAFETY: both buffers are owned here and outlive the call.
         unsafe { server.read_scattered(&segments) }.unwrap();
-        sender.join().unwrap();
+        tern_test_skip::wait::join_within(sender, "the vectored send");
         assert!(first.iter().all(|&x| x == 1));
         assert_eq!(&second[second.len() - 3..], &[2, 2, 2]);
         assert!(matches!(server.read_message(), Err(ChannelError::Closed)));

@@ -81,7 +81,11 @@ pub(crate) fn spawn_destination(listener: Listener) -> JoinHandle<DestinationRes
 
 // The bounded waits (docs/testing.md, "Fail, don't hang"): one copy, in
 // tern-test-skip, shared by every crate's tests.
-pub(crate) use tern_test_skip::wait::{DEADLINE, join_within, wait_until};
+// A call into the product on the test's own thread that waits on a fake or
+// failing peer (a source whose destination goes silent, dies or refuses)
+// runs under `exit_after_deadline`: only the product's own deadline ends
+// it, and a lost one ends the test process, named, instead of hanging it.
+pub(crate) use tern_test_skip::wait::{DEADLINE, exit_after_deadline, join_within, wait_until};
 
 /// PEM files of a throwaway CA and hosts it signed, made for one test.
 pub(crate) struct TestPki {

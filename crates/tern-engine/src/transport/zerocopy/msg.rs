@@ -959,7 +959,10 @@ mod enobufs_tests {
         let stats = sender.stats();
         let expected: u64 =
             memory.iter().map(|&b| u64::from(b)).sum::<u64>() * (total / memory.len()) as u64;
-        assert_eq!(reader.join().unwrap(), expected);
+        assert_eq!(
+            tern_test_skip::wait::join_within(reader, "the reader"),
+            expected
+        );
         assert_eq!(stats.sends_queued, stats.sends_completed);
         // Two sends in flight (2 x 72 KiB charged) exceed the 100 KiB limit.
         assert!(stats.enobufs_retries > 0, "{stats:?}");

@@ -89,7 +89,7 @@ pub(crate) fn round_trip<S: ZeroCopyTransport>(
     assert_eq!(sender.outstanding_sends(), 0);
     let stats = sender.stats();
     sender.channel().shutdown();
-    reader.join().unwrap();
+    tern_test_skip::wait::join_within(reader, "the reader");
     assert!(usize::try_from(stats.max_outstanding_bytes).unwrap() >= max_seen);
     assert!(
         usize::try_from(stats.max_outstanding_bytes).unwrap() <= window,
@@ -160,7 +160,7 @@ pub(crate) fn flush_after_hang_up<S: ZeroCopyTransport + 'static>(
     let outcome = result
         .recv_timeout(Duration::from_secs(60))
         .expect("flush did not notice the hang-up before its timeout");
-    flushing.join().unwrap();
+    tern_test_skip::wait::join_within(flushing, "the flushing thread");
     drop(server);
     outcome
 }

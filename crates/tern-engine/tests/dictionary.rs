@@ -119,8 +119,8 @@ fn auto_with_a_dictionary_verifies() {
 /// of its size. At every dirty-log sync (the first ends iteration 0) it
 /// rewrites its working set with windows of another passage, so the
 /// setup's dictionary stops helping: a refresh pays.
-struct ChangingGuest {
-    inner: tern_synthetic::SyntheticGuest,
+pub(crate) struct ChangingGuest {
+    pub(crate) inner: tern_synthetic::SyntheticGuest,
     working_set_pages: u64,
 }
 
@@ -139,7 +139,7 @@ fn passage(seed: u64) -> Vec<u8> {
 }
 
 impl ChangingGuest {
-    fn new(memory: u64, working_set_pages: u64) -> Self {
+    pub(crate) fn new(memory: u64, working_set_pages: u64) -> Self {
         let inner = guest_with(tern_synthetic::SyntheticConfig {
             memory_bytes: memory,
             regions: 1,

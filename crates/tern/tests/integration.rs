@@ -11,6 +11,7 @@ mod control;
 mod process;
 mod serve_pages;
 mod snapshot_diff;
+mod snapshot_tracked;
 mod vm;
 
 /// Every `.rs` file beside this one is a module above, so no test file is

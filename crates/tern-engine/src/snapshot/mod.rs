@@ -35,7 +35,7 @@ mod writer;
 use std::path::PathBuf;
 
 pub use file::SnapshotFile;
-pub use lazy::{LazyRestore, LazyStats};
+pub use lazy::{LazyRestore, LazyStats, StartupTimes};
 pub use merge::{MergeStats, merge};
 pub use restore::{RestoreConfig, RestoreStats, Restored, restore};
 pub use save::{SaveConfig, SaveStats, save, save_tracked};

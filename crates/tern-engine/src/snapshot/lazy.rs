@@ -39,7 +39,11 @@ impl<G: DestinationGuest> std::fmt::Debug for LazyRestore<G> {
 pub struct StartupTimes {
     /// Opening the files and checking header, metadata and trailer.
     pub open_ms: f64,
-    /// Building the guest (its memory mapped, its VM created).
+    /// Building what of the guest does not depend on the file (a VM),
+    /// alongside the opening ([`restore_lazy_prepared`]).
+    pub prepare_ms: f64,
+    /// From the file opened to the guest built (waiting for the prepared
+    /// part, then its memory mapped and registered).
     pub guest_ms: f64,
     /// Registering memory with userfaultfd and starting the service.
     pub register_ms: f64,
@@ -80,14 +84,55 @@ pub fn restore_lazy<G: DestinationGuest>(
     config: &RestoreConfig,
     make_guest: impl FnOnce(&[u64]) -> crate::guest::GuestResult<G>,
 ) -> Result<LazyRestore<G>, SnapshotError> {
+    restore_lazy_prepared(path, config, || Ok(()), |(), lens| make_guest(lens))
+}
+
+/// [`restore_lazy`] for a guest built in two steps: `prepare` builds what
+/// does not depend on the file (a VM and its vCPU, which take
+/// milliseconds of KVM work) on its own thread while the file is opened
+/// and checked, then `make_guest` adds memory of the snapshot's region
+/// lengths. Both are on the way to a running guest; done side by side,
+/// the restore waits for the longer, not the sum. A file that fails its
+/// checks is refused as before, and the prepared part is dropped without
+/// having run.
+pub fn restore_lazy_prepared<G: DestinationGuest, P: Send>(
+    path: &Path,
+    config: &RestoreConfig,
+    prepare: impl FnOnce() -> crate::guest::GuestResult<P> + Send,
+    make_guest: impl FnOnce(P, &[u64]) -> crate::guest::GuestResult<G>,
+) -> Result<LazyRestore<G>, SnapshotError> {
     let started = Instant::now();
     let mut startup = StartupTimes::default();
+    let (file, prepared) = std::thread::scope(|scope| {
+        let preparing = std::thread::Builder::new()
+            .name("tern-prepare".into())
+            .spawn_scoped(scope, || {
+                let began = Instant::now();
+                (prepare(), Lap(began).ms())
+            })
+            .map_err(|error| {
+                SnapshotError::Guest(crate::guest::GuestError::with_source(
+                    "cannot start the thread that builds the guest",
+                    error,
+                ))
+            });
+        let file = SnapshotFile::open_layers(&config.bases, path);
+        startup.open_ms = Lap(started).ms();
+        let prepared = preparing.map(|thread| {
+            let (prepared, ms) = thread
+                .join()
+                .unwrap_or_else(|panic| std::panic::resume_unwind(panic));
+            startup.prepare_ms = ms;
+            prepared
+        });
+        (file, prepared)
+    });
+    // The file's verdict first: a bad file is refused whatever the guest.
+    let file = Arc::new(file?);
+    let guest = make_guest(prepared??, &file.region_lens())?;
     let mut lap = Lap(started);
-    let file = Arc::new(SnapshotFile::open_layers(&config.bases, path)?);
-    startup.open_ms = lap.ms();
-    let guest = make_guest(&file.region_lens())?;
     check_shape(&file, guest.regions(), guest.guest_kind())?;
-    startup.guest_ms = lap.ms();
+    startup.guest_ms = lap.ms() - startup.open_ms;
     let working_set = match (&config.working_set, config.prefetch_working_set) {
         (_, false) => Vec::new(),
         (Some(recorded), true) => recorded.clone(),

@@ -41,7 +41,7 @@ pub use restore::{RestoreConfig, RestoreStats, Restored, restore};
 pub use save::{SaveConfig, SaveStats, save, save_tracked};
 pub use tracker::DirtyTracker;
 
-pub use lazy::restore_lazy;
+pub use lazy::{restore_lazy, restore_lazy_prepared};
 
 use crate::fault::FaultError;
 use crate::guest::GuestError;

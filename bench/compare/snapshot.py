@@ -375,8 +375,11 @@ def run_prefetch(binary: Path, cfg: Config, artifacts: Artifacts, work: Path, th
     ws = work / "prefetch.ws"
     _json_run(tern_save_args(binary, cfg, artifacts, "paused", path, threads), cfg.timeout)
     write_back_and_drop(path)
-    _json_run(prefetch_restore_args(binary, path, threads, ws, None, touch_spread_mib),
-              cfg.timeout)
+    # The recording run: faults only for its first 500 ms (`--load-after`),
+    # so the set holds every page the guest touched then, not only those
+    # the in-order loader had not reached yet (REAP records the same way).
+    _json_run(prefetch_restore_args(binary, path, threads, ws, None, touch_spread_mib)
+              + ["--load-after", "500"], cfg.timeout)
     runs: list[dict[str, Any]] = []
     for rep in range(reps):
         for prefetch in ((False, True) if rep % 2 == 0 else (True, False)):

@@ -197,6 +197,11 @@ impl<G: DestinationGuest> LazyRestore<G> {
         self.resumed_after
     }
 
+    /// Time since the restore began (opening the file).
+    pub fn elapsed(&self) -> Duration {
+        self.started.elapsed()
+    }
+
     /// The fault service's statistics so far.
     pub fn fault_stats(&self) -> FaultStats {
         self.service
@@ -212,6 +217,20 @@ impl<G: DestinationGuest> LazyRestore<G> {
             .as_ref()
             .map(FaultService::faulted_pages)
             .unwrap_or_default()
+    }
+
+    /// Starts `threads` background loaders (at least one) for a restore
+    /// begun with [`RestoreConfig::background`] off: until now only the
+    /// guest's faults brought pages in, so [`LazyRestore::faulted_pages`]
+    /// holds everything it touched (REAP's recording run); from now on
+    /// everything else loads too, and [`LazyRestore::wait_loaded`] can end.
+    pub fn start_loading(&mut self, threads: usize) -> Result<(), SnapshotError> {
+        let service = self
+            .service
+            .as_mut()
+            .ok_or_else(|| SnapshotError::Config("already waited".into()))?;
+        service.add_loaders(threads.max(1))?;
+        Ok(())
     }
 
     /// Whether the fault service has stopped on an error.

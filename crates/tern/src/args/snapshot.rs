@@ -135,6 +135,12 @@ pub(crate) struct RestoreArgs {
     /// How long the restored guest runs before the report, in milliseconds.
     #[arg(long, default_value_t = 500)]
     pub run_after: u64,
+    /// Lazy: start the background loaders only this many milliseconds
+    /// after the resume (and after --touch-spread); until then only the
+    /// guest's faults bring pages in, so --record-working-set records
+    /// everything the guest touched in that time (REAP's recording run).
+    #[arg(long, value_name = "MS", requires = "lazy")]
+    pub load_after: Option<u64>,
     /// Lazy: how long memory may take to load fully, in seconds.
     #[arg(long, default_value_t = 300)]
     pub load_timeout: u64,

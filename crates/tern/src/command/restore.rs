@@ -130,7 +130,7 @@ fn run<G: Restorable>(args: &RestoreArgs) -> anyhow::Result<ExitCode> {
     let failed = |error| Incomplete::error(error, "the restore failed; no guest runs");
     let touched;
     let (mut guest, resumed_after_ms, lazy, digest) = if args.lazy {
-        let restore = tern_engine::restore_lazy_prepared(
+        let mut restore = tern_engine::restore_lazy_prepared(
             &args.snapshot,
             &config,
             G::prepare,
@@ -138,6 +138,15 @@ fn run<G: Restorable>(args: &RestoreArgs) -> anyhow::Result<ExitCode> {
         )
         .map_err(failed)?;
         touched = touch(restore.guest(), args.touch_spread)?;
+        if let Some(ms) = args.load_after {
+            let resumed = restore.resumed_after();
+            let since_resume = Duration::from_millis(ms);
+            let ran = restore.elapsed().saturating_sub(resumed);
+            std::thread::sleep(since_resume.saturating_sub(ran));
+            restore
+                .start_loading(config.threads)
+                .map_err(failed)?;
+        }
         let resumed_after_ms = restore.resumed_after().as_secs_f64() * 1000.0;
         let (guest, stats) = restore
             .wait_loaded(Duration::from_secs(args.load_timeout))
@@ -294,7 +303,7 @@ fn restore_config(args: &RestoreArgs) -> anyhow::Result<RestoreConfig> {
         config.threads = usize::from(args.threads);
         config.prefetch_working_set = !args.no_prefetch;
         config.working_set = working_set;
-        config.background = true;
+        config.background = args.load_after.is_none();
         config.resume = true;
         config.bases = args.base.clone();
         config

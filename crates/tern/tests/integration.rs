@@ -11,6 +11,7 @@ mod control;
 mod process;
 mod serve_pages;
 mod snapshot_diff;
+mod snapshot_lazy;
 mod snapshot_tracked;
 mod vm;
 

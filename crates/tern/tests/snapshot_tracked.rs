@@ -84,8 +84,8 @@ fn tracked_diffs_hold_exactly_the_dirtied_pages_and_restore_to_the_same_memory()
     let (by_content, content_files) = save_chain(dir.path(), "content", false);
     assert_eq!(tracked["tracked"], true, "{tracked}");
     assert_eq!(tracked["digest"], by_content["digest"]);
-    let metadata_bytes = tracked["file-bytes"].as_u64().unwrap()
-        - tracked["memory-bytes"].as_u64().unwrap();
+    let metadata_bytes =
+        tracked["file-bytes"].as_u64().unwrap() - tracked["memory-bytes"].as_u64().unwrap();
     for (index, diff) in [&files[1], &files[2]].into_iter().enumerate() {
         let report = &tracked["diffs"][index];
         assert_eq!(report["pages-dirtied"], DIRTIED, "{report}");

@@ -143,9 +143,7 @@ fn run<G: Restorable>(args: &RestoreArgs) -> anyhow::Result<ExitCode> {
             let since_resume = Duration::from_millis(ms);
             let ran = restore.elapsed().saturating_sub(resumed);
             std::thread::sleep(since_resume.saturating_sub(ran));
-            restore
-                .start_loading(config.threads)
-                .map_err(failed)?;
+            restore.start_loading(config.threads).map_err(failed)?;
         }
         let resumed_after_ms = restore.resumed_after().as_secs_f64() * 1000.0;
         let (guest, stats) = restore

@@ -275,11 +275,15 @@ def run_qemu(cfg: Config, artifacts: Artifacts, state: str, work: Path, path: Pa
 
 
 def prefetch_restore_args(binary: Path, snapshot: Path, threads: int, record: Path | None,
-                          working_set: Path | None) -> list[str]:
+                          working_set: Path | None, touch_spread_mib: int = 0) -> list[str]:
     """A lazy restore without prefetch that records the pages the guest
     faulted on (`record`), or one that prefetches that recorded set first
-    (`working_set`): REAP's idea, Firecracker CI's 128 MiB case."""
+    (`working_set`): REAP's idea, Firecracker CI's 128 MiB case. With
+    `touch_spread_mib`, the restore reads that much memory spread across the
+    guest right after the resume (`--touch-spread`) and reports the time."""
     args = tern_restore_args(binary, snapshot, True, threads)
+    if touch_spread_mib:
+        args += ["--touch-spread", f"{touch_spread_mib}MiB"]
     if record is not None:
         args += ["--no-prefetch", "--record-working-set", str(record)]
     if working_set is not None:
@@ -291,7 +295,9 @@ def prefetch_metrics(report: dict[str, Any]) -> dict[str, Any]:
     """What the guest paid for its faults after a lazy restore."""
     lazy = report.get("lazy") or {}
     faults = lazy.get("faults") or {}
+    touched = report.get("touched") or {}
     return {"running_ms": report.get("resumed-after-ms"),
+            "touched_ms": touched.get("after-ms"), "touched_pages": touched.get("pages"),
             "loaded_ms": lazy.get("loaded-after-ms"),
             "faults": faults.get("faults"), "fault_pages": faults.get("fault-pages"),
             "blocktime_ms": faults.get("blocktime-ms"),
@@ -300,8 +306,67 @@ def prefetch_metrics(report: dict[str, Any]) -> dict[str, Any]:
             "guest_ok": bool(report.get("guest-runs") and report.get("digest-verified"))}
 
 
+PREFETCH_KEYS = ("running_ms", "touched_ms", "loaded_ms", "faults", "fault_pages",
+                 "blocktime_ms", "fault_p50_us", "fault_p99_us")
+
+
+def spread(values) -> str | None:
+    """min-max of the values present, for the report."""
+    have = [v for v in values if v is not None]
+    return f"{min(have):.1f}-{max(have):.1f}" if have else None
+
+
+def run_lazy_startup(binaries: dict[str, Path], cfg: Config, artifacts: Artifacts, work: Path,
+                     threads: int, reps: int, out: Path, header: dict[str, Any]) -> None:
+    """A/B of the lazy restore's time to a running guest: one paused save,
+    then per repetition a lazy restore by each binary (order alternating),
+    each from a cold page cache, with tern's breakdown of where the time
+    went (`lazy.startup`)."""
+    path = work / "snap-startup.snap"
+    first = next(iter(binaries.values()))
+    _json_run(tern_save_args(first, cfg, artifacts, "paused", path, threads, no_sync=True),
+              cfg.timeout)
+    runs: list[dict[str, Any]] = []
+    names = list(binaries)
+    for rep in range(reps):
+        for name in (names if rep % 2 == 0 else names[::-1]):
+            write_back_and_drop(path)
+            load = float(Path("/proc/loadavg").read_text().split()[0])
+            report = _json_run(tern_restore_args(binaries[name], path, True, threads),
+                               cfg.timeout)
+            startup = (report.get("lazy") or {}).get("startup") or {}
+            metrics = {"running_ms": report.get("resumed-after-ms"), "loadavg": load,
+                       "guest_ok": bool(report.get("guest-runs")
+                                        and report.get("digest-verified"))}
+            metrics |= {k.replace("-", "_"): v for k, v in startup.items()}
+            runs.append({"rep": rep, "binary": name, "metrics": metrics})
+            log(f"rep {rep} {name}: {metrics}")
+            out.mkdir(parents=True, exist_ok=True)
+            (out / "results.json").write_text(json.dumps({**header, "runs": runs}, indent=1))
+    keys = ("running_ms", "open_ms", "prepare_ms", "guest_ms", "register_ms", "state_ms",
+            "resume_ms")
+    lines = [f"# Lazy restore → running, A/B ({header['date']})", "",
+             f"`{' '.join(header['argv'])}`", "",
+             "| binary | n | → running ms (median) | spread | ≤ 10 ms | "
+             + " | ".join(keys[1:]) + " | load | guest ok |", "|" + " --- |" * (len(keys) + 5)]
+    for name in names:
+        mine = [r["metrics"] for r in runs if r["binary"] == name]
+        cells = [name, str(len(mine)), f"{median(m['running_ms'] for m in mine):.1f}",
+                 spread(m["running_ms"] for m in mine) or "-",
+                 f"{sum(m['running_ms'] <= 10 for m in mine)}/{len(mine)}"]
+        for k in keys[1:]:
+            have = [m.get(k) for m in mine if m.get(k) is not None]
+            cells.append(f"{median(have):.1f}" if have else "-")
+        cells += [spread(m["loadavg"] for m in mine) or "-",
+                  str(all(m["guest_ok"] for m in mine))]
+        lines.append("| " + " | ".join(cells) + " |")
+    (out / "results.md").write_text("\n".join(lines) + "\n")
+    path.unlink()
+
+
 def run_prefetch(binary: Path, cfg: Config, artifacts: Artifacts, work: Path, threads: int,
-                 reps: int, out: Path, header: dict[str, Any]) -> list[dict[str, Any]]:
+                 reps: int, out: Path, header: dict[str, Any],
+                 touch_spread_mib: int = 0) -> list[dict[str, Any]]:
     """The guest (working set `cfg.working_set`) saved paused once; then per
     repetition a lazy restore without prefetch that records its faulted
     pages, and one that prefetches them, the order alternating, each from a
@@ -310,14 +375,18 @@ def run_prefetch(binary: Path, cfg: Config, artifacts: Artifacts, work: Path, th
     ws = work / "prefetch.ws"
     _json_run(tern_save_args(binary, cfg, artifacts, "paused", path, threads), cfg.timeout)
     write_back_and_drop(path)
-    _json_run(prefetch_restore_args(binary, path, threads, ws, None), cfg.timeout)
+    # The recording run: faults only for its first 500 ms (`--load-after`),
+    # so the set holds every page the guest touched then, not only those
+    # the in-order loader had not reached yet (REAP records the same way).
+    _json_run(prefetch_restore_args(binary, path, threads, ws, None, touch_spread_mib)
+              + ["--load-after", "500"], cfg.timeout)
     runs: list[dict[str, Any]] = []
     for rep in range(reps):
         for prefetch in ((False, True) if rep % 2 == 0 else (True, False)):
             write_back_and_drop(path)
             args = prefetch_restore_args(binary, path, threads,
                                          None if prefetch else work / "again.ws",
-                                         ws if prefetch else None)
+                                         ws if prefetch else None, touch_spread_mib)
             report = _json_run(args, cfg.timeout)
             run = {"rep": rep, "prefetch": prefetch, "metrics": prefetch_metrics(report),
                    "raw": report}
@@ -331,18 +400,21 @@ def run_prefetch(binary: Path, cfg: Config, artifacts: Artifacts, work: Path, th
         mine = [r["metrics"] for r in runs if r["prefetch"] == prefetch]
         rows.append({"prefetch": prefetch, "n": len(mine)} | {
             k: median(m.get(k) for m in mine)
-            for k in ("running_ms", "loaded_ms", "faults", "fault_pages", "blocktime_ms",
-                      "fault_p50_us", "fault_p99_us")})
+            for k in PREFETCH_KEYS + ("loadavg",)})
+        rows[-1]["spread"] = {k: spread(m.get(k) for m in mine) for k in PREFETCH_KEYS}
     lines = [f"# Lazy restore with and without prefetch ({header['date']})", "",
              f"`{' '.join(header['argv'])}`", "",
-             "| prefetch | n | → running ms | → all loaded ms | faults | pages faulted "
-             "| blocktime ms | fault p50 µs | fault p99 µs |", "|" + " --- |" * 9]
+             "| prefetch | n | → running ms | working set read ms | → all loaded ms | faults "
+             "| pages faulted | blocktime ms | fault p50 µs | fault p99 µs | load |",
+             "|" + " --- |" * 11]
     for row in rows:
         lines.append("| " + " | ".join(
             [("recorded working set" if row["prefetch"] else "none"), str(row["n"])]
             + ["-" if row[k] is None else f"{row[k]:.1f}"
-               for k in ("running_ms", "loaded_ms", "faults", "fault_pages", "blocktime_ms",
-                         "fault_p50_us", "fault_p99_us")]) + " |")
+               for k in PREFETCH_KEYS + ("loadavg",)]) + " |")
+    lines += ["", "Spread (min-max): " + "; ".join(
+        f"{'prefetch' if row['prefetch'] else 'none'} {k} {row['spread'][k]}"
+        for row in rows for k in ("touched_ms", "blocktime_ms") if row["spread"][k])]
     (out / "results.md").write_text("\n".join(lines) + "\n")
     path.unlink()
     return rows
@@ -516,6 +588,15 @@ def parser() -> argparse.ArgumentParser:
                     help="instead: tern's lazy restore of the guest (its working set "
                          "--working-set-mib) with and without prefetching the set a first "
                          "restore recorded")
+    ap.add_argument("--touch-spread-mib", type=int, default=0,
+                    help="with --prefetch: each restore reads this much memory spread across "
+                         "the guest right after the resume (tern restore --touch-spread) and "
+                         "reports the time: a working set the in-order loader does not reach "
+                         "first")
+    ap.add_argument("--lazy-startup", action="store_true",
+                    help="instead: A/B of the lazy restore's time to running, this tree's "
+                         "tern against --base-tern, alternating, cold page cache")
+    ap.add_argument("--base-tern", help="with --lazy-startup: the other tern binary")
     ap.add_argument("--diff", action="store_true",
                     help="instead: diff snapshots chunk- vs page-granular (tern save of the "
                          "synthetic guest with and without --track-dirty-pages) after "
@@ -567,7 +648,14 @@ def main(argv: list[str] | None = None) -> int:
               "machine": procfs.machine_info(), "memory_mib": cfg.memory_mib,
               "writers": args.writers, "filesystem-of-work": _filesystem(work)}
     if args.prefetch:
-        run_prefetch(binary, cfg, artifacts, work, args.writers, args.reps, out, header)
+        run_prefetch(binary, cfg, artifacts, work, args.writers, args.reps, out, header,
+                     args.touch_spread_mib)
+        return 0
+    if args.lazy_startup:
+        if not args.base_tern:
+            raise SystemExit("--lazy-startup needs --base-tern")
+        run_lazy_startup({"base": Path(args.base_tern), "new": binary}, cfg, artifacts, work,
+                         args.writers, args.reps, out, header)
         return 0
     runs: list[SnapshotRun] = []
     files: list[Path] = []

@@ -84,6 +84,20 @@ class PrefetchTest(unittest.TestCase):
                          (9.0, 1700.0, 36.2))
         self.assertEqual((got["faults"], got["fault_pages"]), (62, 976))
         self.assertTrue(got["guest_ok"])
+        self.assertIsNone(got["touched_ms"])
+
+    def test_spread_working_set_is_read_and_timed(self):
+        args = snapshot.prefetch_restore_args(Path("/t/tern"), Path("/w/s"), 4, None,
+                                              Path("/w/ws"), 128)
+        self.assertEqual(args[args.index("--touch-spread") + 1], "128MiB")
+        self.assertNotIn("--touch-spread",
+                         snapshot.prefetch_restore_args(Path("/t/tern"), Path("/w/s"), 4,
+                                                        None, Path("/w/ws")))
+        got = snapshot.prefetch_metrics({"resumed-after-ms": 9.0,
+                                         "touched": {"pages": 32768, "after-ms": 310.5}})
+        self.assertEqual((got["touched_ms"], got["touched_pages"]), (310.5, 32768))
+        self.assertEqual(snapshot.spread([3.0, None, 1.5]), "1.5-3.0")
+        self.assertIsNone(snapshot.spread([None]))
 
 
 class FilesTest(unittest.TestCase):

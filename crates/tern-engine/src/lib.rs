@@ -100,7 +100,7 @@ pub use handover::HandedFile;
 pub use postcopy::{PostcopyMode, PostcopyReport, PostcopyTrigger};
 pub use snapshot::{
     DirtyTracker, LazyRestore, RestoreConfig, Restored, SaveConfig, SnapshotError, SnapshotFile,
-    restore, restore_lazy, save, save_tracked,
+    restore, restore_lazy, restore_lazy_prepared, save, save_tracked,
 };
 pub use source::{CancelToken, MigrationFailure, Source};
 pub use stats::{

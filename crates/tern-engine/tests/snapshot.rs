@@ -278,6 +278,69 @@ fn a_changed_chunk_found_by_the_background_loader_stops_the_restore() {
     );
 }
 
+/// The part of a guest built alongside the opening of the file
+/// (`restore_lazy_prepared`): counts its live copies.
+struct Prepared {
+    _alive: std::sync::Arc<()>,
+}
+
+#[test]
+fn a_lazy_restore_builds_its_prepared_part_alongside_and_ends_with_the_saved_memory() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("prepared.tern");
+    let mut guest = source(16 * MIB, 0, 2);
+    let digest = paused_save(&mut guest, &path);
+    let alive = std::sync::Arc::new(());
+    let prepared = Prepared {
+        _alive: std::sync::Arc::clone(&alive),
+    };
+    let restored = tern_engine::restore_lazy_prepared(
+        &path,
+        &RestoreConfig::default(),
+        move || Ok(prepared),
+        |prepared: Prepared, lens: &[u64]| {
+            drop(prepared);
+            empty(lens)
+        },
+    );
+    let lazy = match restored {
+        Err(SnapshotError::Fault(error)) => {
+            tern_test_skip::skip(tern_test_skip::Need::Userfaultfd, error.to_string());
+            return;
+        }
+        other => other.unwrap(),
+    };
+    assert_eq!(std::sync::Arc::strong_count(&alive), 1);
+    let (mut restored, stats) = lazy.wait_loaded(LOADED_WITHIN).unwrap();
+    assert!(stats.resumed_after_ms >= stats.startup.open_ms, "{stats:?}");
+    restored.pause().unwrap();
+    assert_eq!(restored.digest(), digest);
+}
+
+/// A bad file is refused before the guest is built, and what was built
+/// alongside the opening is dropped, never used.
+#[test]
+fn a_lazy_restore_refuses_a_bad_file_before_building_the_guest() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("foreign");
+    std::fs::write(&path, vec![0x5a; 1 << 16]).unwrap();
+    let alive = std::sync::Arc::new(());
+    let prepared = Prepared {
+        _alive: std::sync::Arc::clone(&alive),
+    };
+    let error = tern_engine::restore_lazy_prepared(
+        &path,
+        &RestoreConfig::default(),
+        move || Ok(prepared),
+        |_: Prepared, _: &[u64]| -> Result<SyntheticGuest, tern_engine::GuestError> {
+            panic!("a guest built for a file that failed its checks")
+        },
+    )
+    .unwrap_err();
+    assert!(one_line(&error).contains("not a tern snapshot"), "{error}");
+    assert_eq!(std::sync::Arc::strong_count(&alive), 1);
+}
+
 fn saved_file(dir: &Path) -> std::path::PathBuf {
     let path = dir.join("bad.tern");
     let mut guest = source(4 * MIB, 0, 1);

@@ -11,6 +11,8 @@ mod control;
 mod process;
 mod serve_pages;
 mod snapshot_diff;
+mod snapshot_lazy;
+mod snapshot_tracked;
 mod vm;
 
 /// Every `.rs` file beside this one is a module above, so no test file is

@@ -254,10 +254,18 @@ impl FaultService {
             threads: Vec::new(),
         };
         service.spawn("tern-faults", |shared| shared.serve_faults())?;
-        for _ in 0..config.loaders {
-            service.spawn("tern-loader", |shared| shared.load_all())?;
-        }
+        service.add_loaders(config.loaders)?;
         Ok(service)
+    }
+
+    /// Starts `count` more background loaders: a service started with
+    /// none (faults only) begins loading everything else now. Loaders
+    /// share one cursor, so pages are never loaded twice by them.
+    pub fn add_loaders(&mut self, count: usize) -> Result<(), FaultError> {
+        for _ in 0..count {
+            self.spawn("tern-loader", |shared| shared.load_all())?;
+        }
+        Ok(())
     }
 
     fn spawn(&mut self, name: &str, run: fn(&Shared)) -> Result<(), FaultError> {

@@ -59,16 +59,30 @@ impl Layer {
             source,
         };
         let actual = file.metadata().map_err(read_error)?.len();
-        let mut head = vec![0u8; SNAPSHOT_HEADER_LEN];
+        // One read for the header and, for guests up to about 1.5 GiB, the
+        // metadata block after it: on a cold page cache each read is a
+        // trip to the disk before the guest can run. Bounded by a constant
+        // and by the file's real length, not by anything the file says.
+        let first = FIRST_READ.min(usize::try_from(actual).unwrap_or(FIRST_READ));
+        let mut head = vec![0u8; first.max(SNAPSHOT_HEADER_LEN)];
         let got = read_up_to(&file, &mut head, 0).map_err(read_error)?;
         head.truncate(got);
         let header = SnapshotHeader::decode(&head).map_err(format)?;
         // The file's real length bounds every read below: a header that
         // claims more than the file holds is refused before allocating.
         header.check_file_len(actual).map_err(format)?;
-        let mut block =
-            vec![0u8; declared_len("metadata length", header.metadata_len).map_err(format)?];
-        file.read_exact_at(&mut block, 0).map_err(read_error)?;
+        // The trailer (device state) is read last: its disk read starts
+        // now, while the metadata is read and checked.
+        advise_will_need(&file, header.data_end, header.trailer_len);
+        let metadata_len = declared_len("metadata length", header.metadata_len).map_err(format)?;
+        let block = if metadata_len <= head.len() {
+            head.truncate(metadata_len);
+            head
+        } else {
+            let mut block = vec![0u8; metadata_len];
+            file.read_exact_at(&mut block, 0).map_err(read_error)?;
+            block
+        };
         let metadata = SnapshotMetadata::decode(&block).map_err(format)?;
         if metadata.header != header {
             return Err(format(tern_wire::snapshot::SnapshotError::MetadataChecksum));
@@ -399,6 +413,23 @@ fn check_chain(layers: &[Layer]) -> Result<(), SnapshotError> {
         }
     }
     Ok(())
+}
+
+/// The first read of a snapshot: its header and, when it fits, its
+/// metadata block (164 000 bytes for a 1 GiB guest).
+const FIRST_READ: usize = 256 * 1024;
+
+/// Asks the kernel to start reading `len` bytes at `offset` into the page
+/// cache. Only a hint: an error (or a length past the file) changes
+/// nothing but the speed.
+fn advise_will_need(file: &File, offset: u64, len: u64) {
+    use std::os::fd::AsRawFd;
+    let (Ok(offset), Ok(len)) = (libc::off_t::try_from(offset), libc::off_t::try_from(len)) else {
+        return;
+    };
+    // SAFETY: posix_fadvise reads nothing from memory; the descriptor is
+    // open for the call.
+    unsafe { libc::posix_fadvise(file.as_raw_fd(), offset, len, libc::POSIX_FADV_WILLNEED) };
 }
 
 /// Reads as much of `buf` as the file holds from `offset`.

@@ -35,13 +35,13 @@ mod writer;
 use std::path::PathBuf;
 
 pub use file::SnapshotFile;
-pub use lazy::{LazyRestore, LazyStats};
+pub use lazy::{LazyRestore, LazyStats, StartupTimes};
 pub use merge::{MergeStats, merge};
 pub use restore::{RestoreConfig, RestoreStats, Restored, restore};
 pub use save::{SaveConfig, SaveStats, save, save_tracked};
 pub use tracker::DirtyTracker;
 
-pub use lazy::restore_lazy;
+pub use lazy::{restore_lazy, restore_lazy_prepared};
 
 use crate::fault::FaultError;
 use crate::guest::GuestError;

@@ -125,9 +125,22 @@ pub(crate) struct RestoreArgs {
     /// (a working set for the next --working-set).
     #[arg(long)]
     pub record_working_set: Option<PathBuf>,
+    /// Right after the resume, read SIZE of guest memory spread across
+    /// all of it (runs of one 64 KiB chunk, evenly spaced), as a guest
+    /// touching a working set would, and report how long that took: the
+    /// time to fault in a working set that the in-order loader does not
+    /// reach first (Firecracker CI's case; for --working-set benchmarks).
+    #[arg(long, value_name = "SIZE", value_parser = crate::units::parse_size)]
+    pub touch_spread: Option<u64>,
     /// How long the restored guest runs before the report, in milliseconds.
     #[arg(long, default_value_t = 500)]
     pub run_after: u64,
+    /// Lazy: start the background loaders only this many milliseconds
+    /// after the resume (and after --touch-spread); until then only the
+    /// guest's faults bring pages in, so --record-working-set records
+    /// everything the guest touched in that time (REAP's recording run).
+    #[arg(long, value_name = "MS", requires = "lazy")]
+    pub load_after: Option<u64>,
     /// Lazy: how long memory may take to load fully, in seconds.
     #[arg(long, default_value_t = 300)]
     pub load_timeout: u64,

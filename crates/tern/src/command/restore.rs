@@ -11,7 +11,7 @@ use serde::Serialize;
 use tern_engine::snapshot::LazyStats;
 use tern_engine::{DestinationGuest, GuestError, RestoreConfig};
 use tern_synthetic::SyntheticGuest;
-use tern_vmm::KvmGuest;
+use tern_vmm::{DestinationVm, KvmGuest};
 use tern_wire::snapshot::WorkingSet;
 
 use crate::args::snapshot::{MergeSnapshotArgs, RestoreArgs};
@@ -31,6 +31,9 @@ struct RestoreReport {
     resumed_after_ms: f64,
     #[serde(skip_serializing_if = "Option::is_none")]
     lazy: Option<LazyStats>,
+    /// --touch-spread: the working set read right after the resume.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    touched: Option<Touched>,
     digest: String,
     digest_verified: bool,
     guest_runs: bool,
@@ -40,8 +43,23 @@ struct RestoreReport {
     pass_count_after: Option<u64>,
 }
 
+/// The spread working set read after the resume (--touch-spread).
+#[derive(Serialize)]
+#[serde(rename_all = "kebab-case")]
+struct Touched {
+    pages: u64,
+    /// From the guest resumed (the return of the restore) to the last
+    /// page read.
+    after_ms: f64,
+}
+
 /// What the command needs from either guest.
 trait Restorable: DestinationGuest + Sized {
+    /// What can be built before the snapshot's sizes are known (a lazy
+    /// restore builds it while the file is opened).
+    type Prepared: Send;
+    fn prepare() -> Result<Self::Prepared, GuestError>;
+    fn make_prepared(prepared: Self::Prepared, lens: &[u64]) -> Result<Self, GuestError>;
     fn make(lens: &[u64]) -> Result<Self, GuestError>;
     /// A progress measure that grows while the guest runs.
     fn progress(&self) -> u64;
@@ -49,6 +67,13 @@ trait Restorable: DestinationGuest + Sized {
 }
 
 impl Restorable for SyntheticGuest {
+    type Prepared = ();
+    fn prepare() -> Result<(), GuestError> {
+        Ok(())
+    }
+    fn make_prepared((): (), lens: &[u64]) -> Result<Self, GuestError> {
+        Self::make(lens)
+    }
     fn make(lens: &[u64]) -> Result<Self, GuestError> {
         let total = lens.iter().sum();
         session::check_memory_fits(total, "the snapshot's guest")
@@ -65,6 +90,17 @@ impl Restorable for SyntheticGuest {
 }
 
 impl Restorable for KvmGuest {
+    /// The VM and its vCPU: milliseconds of KVM work that need no size.
+    type Prepared = DestinationVm;
+    fn prepare() -> Result<DestinationVm, GuestError> {
+        DestinationVm::new().map_err(GuestError::from)
+    }
+    fn make_prepared(vm: DestinationVm, lens: &[u64]) -> Result<Self, GuestError> {
+        let total = lens.iter().sum();
+        session::check_memory_fits(total, "the snapshot's guest")
+            .map_err(|error| GuestError::new(error.to_string()))?;
+        vm.with_memory(lens).map_err(GuestError::from)
+    }
     fn make(lens: &[u64]) -> Result<Self, GuestError> {
         let total = lens.iter().sum();
         session::check_memory_fits(total, "the snapshot's guest")
@@ -92,9 +128,23 @@ pub(crate) fn vm_restore(args: &RestoreArgs) -> anyhow::Result<ExitCode> {
 fn run<G: Restorable>(args: &RestoreArgs) -> anyhow::Result<ExitCode> {
     let config = restore_config(args)?;
     let failed = |error| Incomplete::error(error, "the restore failed; no guest runs");
+    let touched;
     let (mut guest, resumed_after_ms, lazy, digest) = if args.lazy {
-        let restore =
-            tern_engine::restore_lazy(&args.snapshot, &config, G::make).map_err(failed)?;
+        let mut restore = tern_engine::restore_lazy_prepared(
+            &args.snapshot,
+            &config,
+            G::prepare,
+            G::make_prepared,
+        )
+        .map_err(failed)?;
+        touched = touch(restore.guest(), args.touch_spread)?;
+        if let Some(ms) = args.load_after {
+            let resumed = restore.resumed_after();
+            let since_resume = Duration::from_millis(ms);
+            let ran = restore.elapsed().saturating_sub(resumed);
+            std::thread::sleep(since_resume.saturating_sub(ran));
+            restore.start_loading(config.threads).map_err(failed)?;
+        }
         let resumed_after_ms = restore.resumed_after().as_secs_f64() * 1000.0;
         let (guest, stats) = restore
             .wait_loaded(Duration::from_secs(args.load_timeout))
@@ -110,6 +160,7 @@ fn run<G: Restorable>(args: &RestoreArgs) -> anyhow::Result<ExitCode> {
         (guest, resumed_after_ms, Some(stats), digest)
     } else {
         let restored = tern_engine::restore(&args.snapshot, &config, G::make).map_err(failed)?;
+        touched = touch(&restored.guest, args.touch_spread)?;
         let stats = restored.stats;
         (restored.guest, stats.total_time_ms, None, stats.digest)
     };
@@ -125,6 +176,7 @@ fn run<G: Restorable>(args: &RestoreArgs) -> anyhow::Result<ExitCode> {
         mode: if args.lazy { "lazy" } else { "eager" },
         resumed_after_ms,
         lazy,
+        touched,
         digest,
         digest_verified: true,
         guest_runs,
@@ -186,6 +238,51 @@ fn print_report(args: &RestoreArgs, report: &RestoreReport) -> anyhow::Result<()
     Ok(())
 }
 
+/// Pages of a working set of `bytes` spread across `total` pages: runs of
+/// one chunk (16 pages), evenly spaced from the first page to the last.
+fn spread_working_set(total: u64, bytes: u64) -> Vec<u64> {
+    const RUN: u64 = 16;
+    let runs = bytes.div_ceil(RUN * 4096).clamp(1, (total / RUN).max(1));
+    (0..runs)
+        .flat_map(|run| {
+            let first = (run * total / runs) / RUN * RUN;
+            first..(first + RUN).min(total)
+        })
+        .collect()
+}
+
+/// Reads one byte of every page of a spread working set of `bytes`
+/// (pages over all regions, in order), as the guest would: each missing
+/// page faults in through the restore. None without --touch-spread.
+fn touch<G: DestinationGuest>(guest: &G, bytes: Option<u64>) -> anyhow::Result<Option<Touched>> {
+    let Some(bytes) = bytes else {
+        return Ok(None);
+    };
+    let started = std::time::Instant::now();
+    let regions = guest.regions();
+    let total = regions.iter().map(tern_engine::MemoryRegion::pages).sum();
+    let pages = spread_working_set(total, bytes);
+    let (mut region, mut first) = (0, 0);
+    for &page in &pages {
+        while page - first >= regions[region].pages() {
+            first += regions[region].pages();
+            region += 1;
+        }
+        let ptr = regions[region]
+            .page_ptr(page - first)
+            .context("a page outside the guest")?;
+        // SAFETY: a page of guest memory, mapped for the guest's lifetime
+        // (`guest` is borrowed); read atomically, as the running guest may
+        // write it.
+        let byte = unsafe { std::sync::atomic::AtomicU8::from_ptr(ptr) };
+        std::hint::black_box(byte.load(std::sync::atomic::Ordering::Relaxed));
+    }
+    Ok(Some(Touched {
+        pages: pages.len() as u64,
+        after_ms: started.elapsed().as_secs_f64() * 1000.0,
+    }))
+}
+
 /// The engine's settings for the restore, with the working set
 /// `--working-set` names read from its file.
 fn restore_config(args: &RestoreArgs) -> anyhow::Result<RestoreConfig> {
@@ -204,7 +301,7 @@ fn restore_config(args: &RestoreArgs) -> anyhow::Result<RestoreConfig> {
         config.threads = usize::from(args.threads);
         config.prefetch_working_set = !args.no_prefetch;
         config.working_set = working_set;
-        config.background = true;
+        config.background = args.load_after.is_none();
         config.resume = true;
         config.bases = args.base.clone();
         config

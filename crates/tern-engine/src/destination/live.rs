@@ -59,7 +59,9 @@ pub(super) fn receive_all<P: PageStream>(
         spawn_fault_server(scope, shared);
         let main_result =
             read_main_channel(shared, main, decoder, handles.len()).and_then(|done| {
-                watch_after_completion(shared, main, decoder, &handles).map(|()| done)
+                watch_after_completion(shared, main, decoder, &handles)?;
+                shared.stats.timeline.mark("receivers-ended");
+                Ok(done)
             });
         let main_result = match main_result {
             Ok(done) => Some(done),
@@ -97,7 +99,9 @@ pub(super) fn receive_all<P: PageStream>(
                 }
             }
         }
+        shared.stats.timeline.mark("receivers-joined");
         receivers_failed |= join_decoders(shared, decoders);
+        shared.stats.timeline.mark("decoders-joined");
         match main_result {
             Some((sections, complete, postcopy)) if !receivers_failed => Ok(Delivered {
                 sections,
@@ -371,6 +375,7 @@ fn read_main_channel(
                 postcopy.add(switch, shared.setup.total_bytes() / PAGE_SIZE as u64)?;
             }
             Message::Complete(complete) => {
+                shared.stats.timeline.origin("complete-read");
                 shared.set_final_iteration(complete.final_iteration);
                 return Ok((sections, complete, postcopy.finish()?));
             }

@@ -422,6 +422,15 @@ impl<'scope> Pipeline<'scope> {
     }
 
     /// The incremental digest the workers keep (with verification).
+    /// Bytes written to the page channels that the destination's kernel
+    /// has not acknowledged yet, all channels together.
+    pub(crate) fn unacknowledged_bytes(&self) -> Option<u64> {
+        self.shutdown_handles
+            .iter()
+            .map(ShutdownHandle::unacknowledged_bytes)
+            .sum()
+    }
+
     pub(crate) fn page_hashes(&self) -> Option<&PageHashes> {
         self.shared.page_hashes.as_deref()
     }

@@ -168,6 +168,7 @@ fn spawn_auditor<'scope>(scope: &'scope Scope<'scope, '_>, shared: &'scope Recei
                     &|| shared.stats.record_audit_pass(),
                 )
             };
+            shared.stats.timeline.mark("auditor-ended");
         });
     if let Err(error) = spawned {
         // The audit adds to the digest's reach; the migration is sound

@@ -564,6 +564,7 @@ impl Destination {
             .collect();
         self.stats.timeline.clear();
         let delivered = live::receive_all(&shared, main, decoder, channels, &codecs)?;
+        self.stats.timeline.mark("live-phase-ended");
         self.control.events.status(MigrationStatus::Device, None);
         if delivered.postcopy.is_some() {
             let report = self.postcopy_switch_over(

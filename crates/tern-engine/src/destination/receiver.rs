@@ -106,8 +106,9 @@ struct PageReceiver<'s, 'a> {
     /// When the current iteration's first packet came, for the
     /// switch-over's timeline should the iteration be the last.
     iteration_began: Option<StepMark>,
-    /// When the previous iteration's sync was read.
+    /// When the previous iteration's sync was read, and the one before.
     previous_sync_read: Option<StepMark>,
+    second_last_sync_read: Option<StepMark>,
 }
 
 impl PageReceiver<'_, '_> {
@@ -134,6 +135,7 @@ impl<'s, 'a> PageReceiver<'s, 'a> {
             written: WrittenHere::new(shared),
             iteration_began: None,
             previous_sync_read: None,
+            second_last_sync_read: None,
         })
     }
 
@@ -253,9 +255,16 @@ impl<'s, 'a> PageReceiver<'s, 'a> {
         self.shared.end_iteration(iteration, sync)?;
         let began = self.iteration_began.take();
         let previous = self.previous_sync_read.replace(sync_read.clone());
+        let second_last = std::mem::replace(&mut self.second_last_sync_read, previous.clone());
         if let Some(landed) = landed {
             let timeline = &self.shared.stats.timeline;
             let index = self.index;
+            if let Some(second_last) = second_last {
+                timeline.record(
+                    format!("receiver-{index}-second-last-sync-read"),
+                    second_last,
+                );
+            }
             if let Some(previous) = previous {
                 timeline.record(format!("receiver-{index}-previous-sync-read"), previous);
             }

@@ -52,6 +52,7 @@ impl Destination {
         check_complete(&final_iterations, sections.len(), &complete)?;
         tracing::debug!("all pages and state received");
         self.stats.set_phase(ReceivePhase::Verifying);
+        self.stats.timeline.mark("digest-started");
         let digest_started = Instant::now();
         let digest = memory_digest(shared);
         let digest_time = digest_started.elapsed();

@@ -713,12 +713,20 @@ mod tests {
             let auditor = passed
                 .recv_timeout(Duration::from_secs(60))
                 .expect("the audit's first pass");
-            assert_eq!(nice_of(auditor), 19, "the auditor runs at the lowest priority");
+            assert_eq!(
+                nice_of(auditor),
+                19,
+                "the auditor runs at the lowest priority"
+            );
             hashes.stop_audit();
             let own = nice_of(this_thread_id());
             // SAFETY: geteuid has no preconditions.
             if unsafe { libc::geteuid() } == 0 {
-                assert_eq!(nice_of(auditor), own, "stopped, it runs at the caller's priority");
+                assert_eq!(
+                    nice_of(auditor),
+                    own,
+                    "stopped, it runs at the caller's priority"
+                );
             } else {
                 // Not permitted to raise it: nothing fails, it stays low.
                 assert!(nice_of(auditor) >= own);

@@ -11,7 +11,7 @@ use tern_wire::{Complete, FrameDecoder, HEARTBEAT_INTERVAL, Message, WireError};
 
 use super::POLL_INTERVAL;
 use super::handshake::peer_aborted;
-use super::live_figures::{FigureWindow, PlacingMeter};
+use super::live_figures::FigureWindow;
 use super::order::MainChannelState;
 use super::receiver::receive_pages;
 use super::shared::ReceiverShared;
@@ -465,12 +465,15 @@ impl Heartbeat {
     fn beat(
         &mut self,
         main: &mut impl FrameSink,
-        meter: &PlacingMeter,
+        stats: &super::ReceiveStats,
     ) -> Result<(), MigrationError> {
         while let Some(lateness) = Instant::now().checked_duration_since(self.next) {
-            let figures = self
-                .figures
-                .next(meter, lateness.max(self.previous_lateness));
+            let figures = self.figures.next(
+                &stats.placing,
+                lateness.max(self.previous_lateness),
+                stats.backlog.total(),
+                stats.received.load(Ordering::Relaxed),
+            );
             self.previous_lateness = lateness;
             main.send_message(&Message::Heartbeat(figures))
                 .map_err(MigrationError::channel(0))?;
@@ -493,7 +496,7 @@ fn wait_for_main(
     // source; after, only this wait can.
     let mut pages_ended_at: Option<Instant> = None;
     loop {
-        heartbeat.beat(main, &shared.stats.placing)?;
+        heartbeat.beat(main, shared.stats)?;
         if shared.pages_ended()
             && pages_ended_at.get_or_insert_with(Instant::now).elapsed() > shared.io_timeout()
         {

@@ -43,9 +43,10 @@ pub(super) fn receive_pages(
         shared.wait_for_data(&source, receiver.channel)?;
         match receiver.read_packet(&mut source)? {
             Packet::Pages(packet) => {
+                let unread = source.unread_bytes();
+                shared.stats.backlog.record(index, unread);
                 if receiver.iteration_began.is_none() {
-                    receiver.iteration_began =
-                        Some(StepMark::now().with_queued(source.unread_bytes()));
+                    receiver.iteration_began = Some(StepMark::now().with_queued(unread));
                 }
                 receiver.receive_packet(&mut source, &packet)?;
             }

@@ -33,6 +33,7 @@ pub(super) struct Delivered {
 
 /// Runs the receivers and reads the main channel until the source's
 /// `Complete`; any failure stops every thread and the first one is returned.
+// long: the live phase's threads started, watched and joined in one scope, in order
 pub(super) fn receive_all<P: PageStream>(
     shared: &ReceiverShared<'_>,
     main: &mut (impl FrameSource + FrameSink),

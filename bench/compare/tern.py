@@ -207,11 +207,19 @@ def outcome(case: Case, stats: dict[str, Any], rstats: dict[str, Any], src_cpu: 
                                       "downtime-exceeded-cause", "digest-time",
                                       "expected-downtime-parts", "downtime-overrun")
                 if k in stats}
-    # Why a running guest was not seen healthy on the destination.
-    if ok is False:
+    # Whether (and how soon) a running guest was seen healthy on the
+    # destination, every run: a failed proof says why.
+    if is_running(case.mode):
         details["guest-proof"] = {k: rstats.get(k) for k in (
             "consistency-check", "pass-count-before", "pass-count-after", "first-pass-after-ms",
             "guest-runs-on-destination")}
+    # The switch-over's steps on both sides (issue 31), when the build
+    # records them: the same host's CLOCK_MONOTONIC lines them up.
+    timelines = {side: report["switch-over-timeline"]
+                 for side, report in (("source", stats), ("destination", rstats))
+                 if isinstance(report.get("switch-over-timeline"), dict)}
+    if timelines:
+        details["switch-over-timeline"] = timelines
     details |= {"dirty-sync-count": ram.get("dirty-sync-count"), "dst-threads": dst_threads,
                 # Auto-converge only raises the throttle: the last is the peak.
                 "peak-throttle": stats.get("cpu-throttle-percentage", 0)}

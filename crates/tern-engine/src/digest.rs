@@ -6,8 +6,8 @@
 //! they are known to be zero, and reading untouched memory costs a page
 //! fault per page for nothing.
 
-use std::sync::OnceLock;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
 use xxhash_rust::xxh3::{Xxh3, xxh3_64};
@@ -153,6 +153,10 @@ pub(crate) struct PageHashes {
     audit_passes: AtomicU64,
     /// Tells the auditors to stop.
     audit_stop: AtomicBool,
+    /// The auditors running at their lowered priority, by thread id; each
+    /// takes itself off before it ends, under the lock, so an id here is
+    /// always a live auditor's.
+    lowered_auditors: Mutex<Vec<libc::pid_t>>,
 }
 
 /// What [`PageHashes::finish`] did.
@@ -188,6 +192,7 @@ impl PageHashes {
             found_changed: AtomicU64::new(0),
             audit_passes: AtomicU64::new(0),
             audit_stop: AtomicBool::new(false),
+            lowered_auditors: Mutex::new(Vec::new()),
         }
     }
 
@@ -251,9 +256,22 @@ impl PageHashes {
             != 0
     }
 
-    /// Ends every [`PageHashes::audit`] soon (within one slice).
+    /// Ends every [`PageHashes::audit`] soon (within one slice), and gives
+    /// each auditor back the caller's priority: the switch-over waits for
+    /// the auditors to end, and at the lowest priority on a busy host one
+    /// waited for a CPU for 250 ms while the guest was paused (issue 31).
+    /// Raising a priority needs the right to (`CAP_SYS_NICE`, or an
+    /// `RLIMIT_NICE` that allows it); without it the auditor ends at its
+    /// low priority, as before.
     pub(crate) fn stop_audit(&self) {
         self.audit_stop.store(true, Ordering::Relaxed);
+        let mut lowered = self
+            .lowered_auditors
+            .lock()
+            .unwrap_or_else(|e| e.into_inner());
+        for thread in lowered.drain(..) {
+            restore_priority(thread);
+        }
     }
 
     /// Reads memory page by page, round and round, within `pace`, until
@@ -271,7 +289,15 @@ impl PageHashes {
         skip: &(dyn Fn(usize, u64) -> bool + Sync),
         on_pass: &(dyn Fn() + Sync),
     ) -> f64 {
-        lower_this_threads_priority();
+        if lower_this_threads_priority() {
+            self.lowered_auditors
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .push(this_thread_id());
+        }
+        // Taken off the list however the audit ends, before the thread
+        // does: `stop_audit` never renices an id a thread no longer has.
+        let _off_the_list = OffTheList(self);
         let cpu_start = thread_cpu_seconds();
         let stop = &self.audit_stop;
         let started = Instant::now();
@@ -469,7 +495,7 @@ fn measure_page_hash_ns() -> f64 {
 /// Gives the calling thread the lowest scheduling priority (nice 19), so
 /// that an audit takes the CPU the migration leaves and slows down rather
 /// than the migration when the cores are busy. Best effort.
-fn lower_this_threads_priority() {
+fn lower_this_threads_priority() -> bool {
     // SAFETY: `gettid` has no preconditions; `setpriority` on a thread id
     // changes only that thread's nice value (Linux), and a failure is
     // harmless, only leaving the priority as it was.
@@ -479,6 +505,49 @@ fn lower_this_threads_priority() {
     };
     if failed {
         tracing::debug!("cannot lower the audit thread's priority");
+    }
+    !failed
+}
+
+fn this_thread_id() -> libc::pid_t {
+    // SAFETY: gettid has no preconditions and cannot fail.
+    unsafe { libc::gettid() }
+}
+
+/// Gives auditor `thread` the calling thread's nice value; a refusal (no
+/// right to raise a priority) leaves it as it was.
+fn restore_priority(thread: libc::pid_t) {
+    // SAFETY: getpriority and setpriority on thread ids only read and set
+    // nice values (Linux); `thread` is a live auditor (the caller holds
+    // the list it is taken off before it ends). getpriority returns the
+    // nice value itself for PRIO_PROCESS, -1 being a valid one: errno
+    // tells a failure, which then leaves the auditor as it is.
+    let restored = unsafe {
+        *libc::__errno_location() = 0;
+        let own = libc::getpriority(libc::PRIO_PROCESS, this_thread_id().cast_unsigned());
+        *libc::__errno_location() == 0
+            && libc::setpriority(libc::PRIO_PROCESS, thread.cast_unsigned(), own) == 0
+    };
+    if !restored {
+        tracing::debug!(
+            thread,
+            "cannot raise the stopping auditor's priority: it ends at its low one"
+        );
+    }
+}
+
+/// Takes the auditor running on this thread off the lowered list when it
+/// ends.
+struct OffTheList<'a>(&'a PageHashes);
+
+impl Drop for OffTheList<'_> {
+    fn drop(&mut self) {
+        let thread = this_thread_id();
+        self.0
+            .lowered_auditors
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .retain(|&listed| listed != thread);
     }
 }
 
@@ -613,6 +682,59 @@ mod tests {
         let again = unsafe { hashes.finish(2) };
         assert_eq!(again.rehashed_pages, 0);
         assert_eq!(again.digest.value, full.value);
+    }
+
+    fn nice_of(thread: libc::pid_t) -> libc::c_int {
+        // SAFETY: getpriority only reads a nice value.
+        unsafe { libc::getpriority(libc::PRIO_PROCESS, thread.cast_unsigned()) }
+    }
+
+    #[test]
+    fn stopping_the_audit_gives_the_auditor_back_the_callers_priority() {
+        let mut memory = vec![0u8; 16 * PAGE_SIZE];
+        let region = region_over(&mut memory);
+        let hashes = PageHashes::new(&[region], false);
+        let (at_pass_end, passed) = std::sync::mpsc::channel();
+        let (release, released) = std::sync::mpsc::channel::<()>();
+        let released = Mutex::new(released);
+        std::thread::scope(|scope| {
+            // Dropped as the test fails too: the auditor is never held.
+            let release = release;
+            scope.spawn(|| {
+                let on_pass = || {
+                    let _ = at_pass_end.send(this_thread_id());
+                    // Held here, still listed, until the test has looked.
+                    let _ = released
+                        .lock()
+                        .unwrap()
+                        .recv_timeout(Duration::from_secs(60));
+                };
+                // SAFETY: the memory outlives the scope; nothing writes.
+                unsafe { hashes.audit(&AuditPace::unlimited(), &|_, _| false, &on_pass) };
+            });
+            let auditor = passed
+                .recv_timeout(Duration::from_secs(60))
+                .expect("the audit's first pass");
+            assert_eq!(
+                nice_of(auditor),
+                19,
+                "the auditor runs at the lowest priority"
+            );
+            hashes.stop_audit();
+            let own = nice_of(this_thread_id());
+            // SAFETY: geteuid has no preconditions.
+            if unsafe { libc::geteuid() } == 0 {
+                assert_eq!(
+                    nice_of(auditor),
+                    own,
+                    "stopped, it runs at the caller's priority"
+                );
+            } else {
+                // Not permitted to raise it: nothing fails, it stays low.
+                assert!(nice_of(auditor) >= own);
+            }
+            let _ = release.send(());
+        });
     }
 
     #[test]

@@ -76,6 +76,7 @@ mod ring;
 pub mod snapshot;
 pub mod source;
 pub mod stats;
+mod switch_over_timeline;
 pub mod transport;
 #[cfg(feature = "vm-memory")]
 pub mod vm_memory;
@@ -108,6 +109,7 @@ pub use stats::{
     ExpectedDowntimeParts, LiveStats, MigrationStats, MigrationStatus, RamStats, SessionSecurity,
     XbzrleCacheStats,
 };
+pub use switch_over_timeline::{SwitchOverTimeline, TimelineStep};
 #[cfg(feature = "ring")]
 pub use transport::auth::RingCrypto;
 pub use transport::auth::{AuthCrypto, AuthKey};

@@ -93,6 +93,8 @@ impl MigrationStatus {
 #[derive(Debug)]
 pub struct LiveStats {
     origin: Instant,
+    /// The switch-over's steps (`switch_over_timeline.rs`).
+    pub(crate) timeline: crate::switch_over_timeline::TimelineRecorder,
     /// When the migration started, as nanoseconds after `origin`.
     start_offset_ns: AtomicU64,
     status: AtomicU8,
@@ -233,6 +235,7 @@ impl LiveStats {
     pub fn new() -> Self {
         Self {
             origin: Instant::now(),
+            timeline: Default::default(),
             start_offset_ns: AtomicU64::new(0),
             status: AtomicU8::new(MigrationStatus::Setup as u8),
             transferred: AtomicU64::new(0),
@@ -657,6 +660,7 @@ impl LiveStats {
             expected_downtime: self.expected_downtime_ms.load(Ordering::Relaxed),
             expected_downtime_parts: (downtime > 0).then_some(expected),
             downtime_overrun: exceeded.then(|| expected.overrun(&parts)),
+            switch_over_timeline: self.timeline.report(),
             digest_time: self.digest_time_ms.load(Ordering::Relaxed),
             digest_rehashed_pages: self.digest_rehashed_pages.load(Ordering::Relaxed),
             ram: self.ram_stats(status, seconds),
@@ -957,6 +961,11 @@ pub struct MigrationStats {
     /// expectation by more (see [`DowntimeSide`]).
     #[serde(skip_serializing_if = "Option::is_none", default)]
     pub downtime_overrun: Option<DowntimeSide>,
+    /// The switch-over's steps as the source took them, from the pause
+    /// (its origin) to the destination's outcome, each with the recording
+    /// thread's CPU and run-queue time since its previous step.
+    #[serde(skip_serializing_if = "Option::is_none", default)]
+    pub switch_over_timeline: Option<crate::SwitchOverTimeline>,
     /// Time the source spent finishing its incremental digest after the
     /// last pages were sent (`--verify full`): hashing the pages marked
     /// stale again and combining the page hashes; part of the downtime.
@@ -1278,6 +1287,11 @@ pub struct DestinationStats {
     /// migration switched to it.
     #[serde(skip_serializing_if = "Option::is_none", default)]
     pub postcopy: Option<crate::postcopy::PostcopyReport>,
+    /// On the destination's own copy, the switch-over's steps as it took
+    /// them, from reading the source's `Complete` (its origin) to sending
+    /// its outcome, each receiver's last iteration included.
+    #[serde(skip_serializing_if = "Option::is_none", default)]
+    pub switch_over_timeline: Option<crate::SwitchOverTimeline>,
 }
 
 impl DestinationStats {
@@ -1298,6 +1312,7 @@ impl DestinationStats {
             digest_time: stats.digest_micros / 1000,
             cpu_seconds,
             postcopy: None,
+            switch_over_timeline: None,
         }
     }
 }

@@ -11,7 +11,7 @@ use tern_wire::{Complete, FrameDecoder, HEARTBEAT_INTERVAL, Message, WireError};
 
 use super::POLL_INTERVAL;
 use super::handshake::peer_aborted;
-use super::live_figures::{FigureWindow, PlacingMeter};
+use super::live_figures::FigureWindow;
 use super::order::MainChannelState;
 use super::receiver::receive_pages;
 use super::shared::ReceiverShared;
@@ -33,6 +33,7 @@ pub(super) struct Delivered {
 
 /// Runs the receivers and reads the main channel until the source's
 /// `Complete`; any failure stops every thread and the first one is returned.
+// long: the live phase's threads started, watched and joined in one scope, in order
 pub(super) fn receive_all<P: PageStream>(
     shared: &ReceiverShared<'_>,
     main: &mut (impl FrameSource + FrameSink),
@@ -59,7 +60,9 @@ pub(super) fn receive_all<P: PageStream>(
         spawn_fault_server(scope, shared);
         let main_result =
             read_main_channel(shared, main, decoder, handles.len()).and_then(|done| {
-                watch_after_completion(shared, main, decoder, &handles).map(|()| done)
+                watch_after_completion(shared, main, decoder, &handles)?;
+                shared.stats.timeline.mark("receivers-ended");
+                Ok(done)
             });
         let main_result = match main_result {
             Ok(done) => Some(done),
@@ -97,7 +100,9 @@ pub(super) fn receive_all<P: PageStream>(
                 }
             }
         }
+        shared.stats.timeline.mark("receivers-joined");
         receivers_failed |= join_decoders(shared, decoders);
+        shared.stats.timeline.mark("decoders-joined");
         match main_result {
             Some((sections, complete, postcopy)) if !receivers_failed => Ok(Delivered {
                 sections,
@@ -164,6 +169,7 @@ fn spawn_auditor<'scope>(scope: &'scope Scope<'scope, '_>, shared: &'scope Recei
                     &|| shared.stats.record_audit_pass(),
                 )
             };
+            shared.stats.timeline.mark("auditor-ended");
         });
     if let Err(error) = spawned {
         // The audit adds to the digest's reach; the migration is sound
@@ -371,6 +377,7 @@ fn read_main_channel(
                 postcopy.add(switch, shared.setup.total_bytes() / PAGE_SIZE as u64)?;
             }
             Message::Complete(complete) => {
+                shared.stats.timeline.origin("complete-read");
                 shared.set_final_iteration(complete.final_iteration);
                 return Ok((sections, complete, postcopy.finish()?));
             }
@@ -459,12 +466,15 @@ impl Heartbeat {
     fn beat(
         &mut self,
         main: &mut impl FrameSink,
-        meter: &PlacingMeter,
+        stats: &super::ReceiveStats,
     ) -> Result<(), MigrationError> {
         while let Some(lateness) = Instant::now().checked_duration_since(self.next) {
-            let figures = self
-                .figures
-                .next(meter, lateness.max(self.previous_lateness));
+            let figures = self.figures.next(
+                &stats.placing,
+                lateness.max(self.previous_lateness),
+                stats.backlog.total(),
+                stats.received.load(Ordering::Relaxed),
+            );
             self.previous_lateness = lateness;
             main.send_message(&Message::Heartbeat(figures))
                 .map_err(MigrationError::channel(0))?;
@@ -487,7 +497,7 @@ fn wait_for_main(
     // source; after, only this wait can.
     let mut pages_ended_at: Option<Instant> = None;
     loop {
-        heartbeat.beat(main, &shared.stats.placing)?;
+        heartbeat.beat(main, shared.stats)?;
         if shared.pages_ended()
             && pages_ended_at.get_or_insert_with(Instant::now).elapsed() > shared.io_timeout()
         {

@@ -135,6 +135,10 @@ pub struct ReceiveStats {
     digest_comparison: Mutex<Option<DigestComparison>>,
     /// The receivers' busy time and pages, for the heartbeats' figures.
     placing: live_figures::PlacingMeter,
+    /// The receivers' unread bytes, for the heartbeats' figures.
+    backlog: live_figures::BacklogMeter,
+    /// The switch-over's steps (`switch_over_timeline.rs`).
+    pub(crate) timeline: crate::switch_over_timeline::TimelineRecorder,
 }
 
 impl ReceiveStats {
@@ -340,6 +344,7 @@ impl Destination {
         stats
             .cpu_seconds
             .insert("decoders".into(), self.stats.decoder_cpu_seconds());
+        stats.switch_over_timeline = self.stats.timeline.report();
         stats
     }
 
@@ -559,7 +564,9 @@ impl Destination {
             .iter()
             .filter_map(|channel| channel.try_clone().ok())
             .collect();
+        self.stats.timeline.clear();
         let delivered = live::receive_all(&shared, main, decoder, channels, &codecs)?;
+        self.stats.timeline.mark("live-phase-ended");
         self.control.events.status(MigrationStatus::Device, None);
         if delivered.postcopy.is_some() {
             let report = self.postcopy_switch_over(

@@ -25,6 +25,7 @@ use super::reuse::WrittenHere;
 use super::shared::ReceiverShared;
 use super::stream::{FrameSource, read_event};
 use crate::error::{ChannelError, MigrationError};
+use crate::switch_over_timeline::StepMark;
 
 /// What a page channel carries.
 const PAGE_CHANNEL_FRAMES: &[FrameKind] = &[FrameKind::Pages, FrameKind::Sync, FrameKind::Abort];
@@ -41,8 +42,18 @@ pub(super) fn receive_pages(
     loop {
         shared.wait_for_data(&source, receiver.channel)?;
         match receiver.read_packet(&mut source)? {
-            Packet::Pages(packet) => receiver.receive_packet(&mut source, &packet)?,
-            Packet::Sync(sync) => receiver.end_iteration(sync)?,
+            Packet::Pages(packet) => {
+                let unread = source.unread_bytes();
+                shared.stats.backlog.record(index, unread);
+                if receiver.iteration_began.is_none() {
+                    receiver.iteration_began = Some(StepMark::now().with_queued(unread));
+                }
+                receiver.receive_packet(&mut source, &packet)?;
+            }
+            Packet::Sync(sync) => {
+                let read = StepMark::now().with_queued(source.unread_bytes());
+                receiver.end_iteration(sync, read)?;
+            }
         }
         if let PageChannelState::Ended(last) = receiver.state {
             refuse_trailing_bytes(&mut source, receiver.channel)?;
@@ -93,6 +104,12 @@ struct PageReceiver<'s, 'a> {
     /// The pages this receiver's packets wrote in the current iteration,
     /// which its later duplicates may copy.
     written: WrittenHere,
+    /// When the current iteration's first packet came, for the
+    /// switch-over's timeline should the iteration be the last.
+    iteration_began: Option<StepMark>,
+    /// When the previous iteration's sync was read, and the one before.
+    previous_sync_read: Option<StepMark>,
+    second_last_sync_read: Option<StepMark>,
 }
 
 impl PageReceiver<'_, '_> {
@@ -117,6 +134,9 @@ impl<'s, 'a> PageReceiver<'s, 'a> {
                 .only(PAGE_CHANNEL_FRAMES, "pages or a sync on a page channel"),
             landing: ReceiverLanding::new(shared, index, decompressors),
             written: WrittenHere::new(shared),
+            iteration_began: None,
+            previous_sync_read: None,
+            second_last_sync_read: None,
         })
     }
 
@@ -220,18 +240,42 @@ impl<'s, 'a> PageReceiver<'s, 'a> {
     /// Ends the current iteration: every receiver waits for the others, so
     /// no page of the next iteration lands before all of this one, and all
     /// must agree on whether it was the last.
-    fn end_iteration(&mut self, sync: Sync) -> Result<(), MigrationError> {
+    fn end_iteration(&mut self, sync: Sync, sync_read: StepMark) -> Result<(), MigrationError> {
         let iteration = self.iteration();
+        let last = sync.last;
         // What a sync promises: every page before it is in memory. The
         // wait is the decoders' lag behind this receiver: placing time.
         let waited = Instant::now();
         self.landing.wait_landed(self.shared)?;
         self.shared.stats.placing.record(waited.elapsed(), 0);
+        let landed = last.then(StepMark::now);
         self.advance(PageChannelEvent::Sync {
             iteration: sync.iteration,
             last: sync.last,
         })?;
         self.shared.end_iteration(iteration, sync)?;
+        let began = self.iteration_began.take();
+        let previous = self.previous_sync_read.replace(sync_read.clone());
+        let second_last = std::mem::replace(&mut self.second_last_sync_read, previous.clone());
+        if let Some(landed) = landed {
+            let timeline = &self.shared.stats.timeline;
+            let index = self.index;
+            if let Some(second_last) = second_last {
+                timeline.record(
+                    format!("receiver-{index}-second-last-sync-read"),
+                    second_last,
+                );
+            }
+            if let Some(previous) = previous {
+                timeline.record(format!("receiver-{index}-previous-sync-read"), previous);
+            }
+            if let Some(began) = began {
+                timeline.record(format!("receiver-{index}-last-iteration-began"), began);
+            }
+            timeline.record(format!("receiver-{index}-last-sync-read"), sync_read);
+            timeline.record(format!("receiver-{index}-landed"), landed);
+            timeline.mark(format!("receiver-{index}-past-barrier"));
+        }
         // Past the barrier: the dictionaries the sync counted are in force.
         self.decoder
             .allow_dictionaries(self.shared.dictionaries.in_force());

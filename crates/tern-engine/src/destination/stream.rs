@@ -34,6 +34,12 @@ pub(crate) trait FrameSource {
 
     /// Ends the message [`FrameSource::begin_transfer`] started.
     fn end_transfer(&mut self) {}
+
+    /// Bytes that have arrived and wait to be read, when the stream can
+    /// tell (a socket's receive queue): the switch-over's timeline.
+    fn unread_bytes(&self) -> Option<u64> {
+        None
+    }
 }
 
 impl FrameSource for Channel {
@@ -56,6 +62,10 @@ impl FrameSource for Channel {
 
     fn end_transfer(&mut self) {
         Channel::end_transfer(self);
+    }
+
+    fn unread_bytes(&self) -> Option<u64> {
+        crate::switch_over_timeline::socket_unread(self.raw_fd())
     }
 }
 

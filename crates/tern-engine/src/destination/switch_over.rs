@@ -52,9 +52,11 @@ impl Destination {
         check_complete(&final_iterations, sections.len(), &complete)?;
         tracing::debug!("all pages and state received");
         self.stats.set_phase(ReceivePhase::Verifying);
+        self.stats.timeline.mark("digest-started");
         let digest_started = Instant::now();
         let digest = memory_digest(shared);
         let digest_time = digest_started.elapsed();
+        self.stats.timeline.mark("digest-finished");
         if shared.setup.digest != DigestAlgorithm::None && digest != complete.digest {
             let error = MigrationError::DigestMismatch {
                 source_digest: complete.digest,
@@ -73,6 +75,7 @@ impl Destination {
             refuse(main, digest, error.chain());
             return Err(error);
         }
+        self.stats.timeline.mark("state-restored");
         self.commit_and_resume(main, decoder, guest, digest, digest_time, cpu_start)
     }
 
@@ -92,11 +95,14 @@ impl Destination {
     ) -> Result<OutcomeStats, MigrationError> {
         main.send_message(&Message::Ready(Ready { digest }))
             .map_err(MigrationError::channel(0))?;
+        self.stats.timeline.mark("ready-sent");
         self.await_commit(main, decoder)?;
+        self.stats.timeline.mark("commit-read");
         if let Err(error) = self.resume_unless_kept_paused(guest) {
             refuse(main, digest, error.chain());
             return Err(error);
         }
+        self.stats.timeline.mark("resumed");
         self.stats.record_main_cpu(thread_cpu_seconds() - cpu_start);
         let stats = self.stats.snapshot(digest_time);
         main.send_message(&Message::Outcome(Outcome {
@@ -112,6 +118,7 @@ impl Destination {
             tracing::warn!(%error, "the guest was resumed, but the source could not be told");
         })
         .ok();
+        self.stats.timeline.mark("outcome-sent");
         self.stats.set_phase(if self.config.keep_paused {
             ReceivePhase::Paused
         } else {

@@ -14,8 +14,10 @@ use crate::bitmap::DirtyBitmap;
 use crate::guest::{MemoryRegion, PAGE_SIZE};
 
 /// What compressing pages costs at the codec and level in force: the
-/// workers' guest bytes per CPU second together, and the ratio, as last
-/// measured (with `auto`, at the level it will use for the last pages).
+/// workers' guest bytes per second together, each at its measured speed
+/// per CPU second times the share of a CPU the workers got over the last
+/// pass (`cpu_share.rs`), and the ratio, as last measured (with `auto`, at
+/// the level it will use for the last pages).
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub(crate) struct CodecCost {
     pub guest_bytes_per_sec: f64,
@@ -827,11 +829,15 @@ impl Pipeline<'_> {
     /// force, for the downtime estimate: the workers' guest bytes per CPU
     /// second together, and the ratio, as last measured. `None` without
     /// compression or before any measurement.
+    /// The workers' share of a CPU is sampled each call (once a sync): a
+    /// codec measured per CPU second compresses the last pages that much
+    /// slower on a busy host.
     pub(crate) fn codec_cost(&self) -> Option<CodecCost> {
+        let cpu_share = self.shared.worker_cpu.sample();
         if self.codec == CodecId::None {
             return None;
         }
-        let workers = self.shared.worker_rings.len().max(1) as f64;
+        let workers = self.shared.worker_rings.len().max(1) as f64 * cpu_share;
         let measured = match &self.auto {
             Some(auto) => auto
                 .measurements

@@ -34,6 +34,7 @@ use crate::transport::{Channel, ShutdownHandle};
 mod auto_codec;
 mod batch;
 mod classify;
+mod cpu_share;
 mod dedup;
 mod delta_cache;
 mod dictionary_refresh;
@@ -87,6 +88,8 @@ struct Shared {
     sender_busy_ns: AtomicU64,
     /// The sockets' queues, for the link estimate of adaptive compression.
     link_queue: Option<LinkQueue>,
+    /// How much of a CPU the workers get, for the last pages' codec time.
+    worker_cpu: cpu_share::WorkerCpuShare,
     worker_rings: Vec<Ring<Box<Batch>>>,
     worker_bells: Vec<OnceLock<Doorbell>>,
     sender_rings: Vec<Ring<SendItem>>,
@@ -122,6 +125,7 @@ impl Shared {
             sender_busy_ns: AtomicU64::new(0),
             link_queue: (setup.compression.choice == CodecChoice::Auto)
                 .then(|| LinkQueue::new(channel_count)),
+            worker_cpu: cpu_share::WorkerCpuShare::new(setup.workers),
             worker_rings: (0..setup.workers)
                 .map(|_| Ring::new(WORKER_RING_CAPACITY))
                 .collect(),
@@ -387,7 +391,10 @@ impl<'scope> Pipeline<'scope> {
             let shared_for_thread = shared.clone();
             let handle = thread::Builder::new()
                 .name(format!("tern-worker-{index}"))
-                .spawn_scoped(scope, move || run_worker(&shared_for_thread, index))
+                .spawn_scoped(scope, move || {
+                    shared_for_thread.worker_cpu.register(index);
+                    run_worker(&shared_for_thread, index)
+                })
                 .map_err(MigrationError::Thread)?;
             let _ = shared.worker_bells[index].set(Doorbell::new(handle.thread().clone()));
             self.handles.push(handle);
@@ -422,6 +429,15 @@ impl<'scope> Pipeline<'scope> {
     }
 
     /// The incremental digest the workers keep (with verification).
+    /// Bytes written to the page channels that the destination's kernel
+    /// has not acknowledged yet, all channels together.
+    pub(crate) fn unacknowledged_bytes(&self) -> Option<u64> {
+        self.shutdown_handles
+            .iter()
+            .map(ShutdownHandle::unacknowledged_bytes)
+            .sum()
+    }
+
     pub(crate) fn page_hashes(&self) -> Option<&PageHashes> {
         self.shared.page_hashes.as_deref()
     }

@@ -20,6 +20,7 @@ use crate::guest::SourceGuest;
 use crate::pipeline::Pipeline;
 use crate::postcopy::{PostcopyReport, StaleSet};
 use crate::stats::{DestinationStats, DigestComparison, MigrationStatus};
+use crate::switch_over_timeline::StepMark;
 use crate::transport::{Channel, Expected};
 
 impl Source {
@@ -54,6 +55,11 @@ impl Source {
         live: LiveEnd,
     ) -> Result<DestinationStats, MigrationError> {
         let paused_at = Instant::now();
+        self.stats.timeline.clear();
+        self.stats.timeline.origin_at(
+            "pause-requested",
+            StepMark::now().with_queued(pipe.unacknowledged_bytes()),
+        );
         let result = self.pause_and_switch(guest, main, changes, pipe, live, paused_at);
         if result.is_err() && changes.paused {
             // Failed or unknown: the guest was paused this long so far (it
@@ -83,9 +89,11 @@ impl Source {
         self.stats.set_status(MigrationStatus::Device);
         guest.pause().map_err(MigrationError::guest("pause"))?;
         changes.paused = true;
+        self.stats.timeline.mark("paused");
         guest
             .sync_dirty_log(&mut bitmaps)
             .map_err(MigrationError::guest("sync dirty log"))?;
+        self.stats.timeline.mark("dirty-log-synced");
         self.stats.dirty_sync_count.fetch_add(1, Ordering::Relaxed);
         let digest = self.send_last_pages(pipe, &mut bitmaps, iteration)?;
         tracing::debug!(
@@ -124,6 +132,7 @@ impl Source {
             "the destination's switch-over answer",
         );
         self.await_ready(main, digest, &answer_deadline)?;
+        self.stats.timeline.mark("ready-read");
         // From here on the destination may run the guest: never resume it
         // here, whatever happens next.
         changes.committed = true;
@@ -134,7 +143,11 @@ impl Source {
         let answer = main
             .send_message(&Message::Commit)
             .map_err(MigrationError::channel(0))
-            .and_then(|()| self.await_answer(main, &commit_deadline));
+            .and_then(|()| {
+                self.stats.timeline.mark("commit-sent");
+                self.await_answer(main, &commit_deadline)
+            });
+        self.stats.timeline.mark("answer-read");
         let outcome = match answer {
             Ok(Ok(outcome)) if outcome.verified => outcome,
             // A definite "not resumed": the guest runs nowhere, so it
@@ -193,6 +206,10 @@ impl Source {
         let sending = Instant::now();
         pipe.send_iteration(bitmaps, iteration, true, None)?;
         self.stats.set_final_pages_time(sending.elapsed());
+        self.stats.timeline.record(
+            "last-pages-sent",
+            StepMark::now().with_queued(pipe.unacknowledged_bytes()),
+        );
         self.stats.remaining.store(0, Ordering::Relaxed);
         let Some(hashes) = pipe.page_hashes() else {
             return Ok(0);
@@ -200,6 +217,7 @@ impl Source {
         // SAFETY: the guest is paused and the pipeline has sent (and
         // hashed) everything, so nothing writes memory or records hashes.
         let finished = unsafe { hashes.finish(self.config.digest_thread_count()) };
+        self.stats.timeline.mark("digest-finished");
         self.stats.record_cpu("digest", finished.digest.cpu_seconds);
         self.stats.set_digest_time(finished.digest.elapsed);
         self.stats.record_digest_rehash(finished.rehashed_pages);
@@ -218,6 +236,7 @@ impl Source {
         let sections = guest
             .save_state()
             .map_err(MigrationError::guest("save state"))?;
+        self.stats.timeline.mark("state-saved");
         let mut send_paused = |message: Message| {
             let sent = main
                 .send_message_counted(&message)
@@ -237,6 +256,7 @@ impl Source {
             sections: u32::try_from(sections.len()).unwrap_or(u32::MAX),
             digest,
         }));
+        self.stats.timeline.mark("complete-sent");
         self.stats.set_state_time(started.elapsed());
         sent
     }

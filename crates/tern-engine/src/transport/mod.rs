@@ -322,6 +322,11 @@ struct Transfer {
 pub struct ShutdownHandle(std::os::fd::OwnedFd);
 
 impl ShutdownHandle {
+    /// Bytes the socket holds that its peer has not acknowledged.
+    pub(crate) fn unacknowledged_bytes(&self) -> Option<u64> {
+        crate::switch_over_timeline::socket_unacknowledged(self.0.as_raw_fd())
+    }
+
     /// Shuts both directions down.
     pub fn shutdown(&self) {
         // SAFETY: shutting down an open socket has no memory effects.

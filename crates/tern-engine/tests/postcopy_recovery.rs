@@ -118,6 +118,20 @@ fn start_with(recover_timeout: Duration, security: Security) -> Running {
     }
 }
 
+/// A migration in postcopy whose network the proxy cut: both sides
+/// paused.
+fn paused_by_a_cut(recover_timeout: Duration) -> Running {
+    paused_by_a_cut_with(recover_timeout, Security::default())
+}
+
+fn paused_by_a_cut_with(recover_timeout: Duration, security: Security) -> Running {
+    let running = start_with(recover_timeout, security);
+    running.wait_postcopy_active();
+    running.proxy.cut();
+    running.wait_both_paused();
+    running
+}
+
 impl Running {
     fn wait_postcopy_active(&self) {
         wait_until("postcopy starts", || {
@@ -164,10 +178,7 @@ fn severed_channels_pause_both_sides_and_recover_automatically() {
     if !userfaultfd_works() {
         return;
     }
-    let running = start(Duration::from_secs(60));
-    running.wait_postcopy_active();
-    running.proxy.cut();
-    running.wait_both_paused();
+    let running = paused_by_a_cut(Duration::from_secs(60));
     running.proxy.pass();
     running.finish();
 }
@@ -207,10 +218,7 @@ fn past_the_recovery_timeout_both_sides_stay_paused_for_the_operator() {
     if !userfaultfd_works() {
         return;
     }
-    let running = start(Duration::from_millis(500));
-    running.wait_postcopy_active();
-    running.proxy.cut();
-    running.wait_both_paused();
+    let running = paused_by_a_cut(Duration::from_millis(500));
     wait_until("the source reports the recovery timeout", || {
         says_recovery_timed_out(&running.handle.history().events)
     });
@@ -264,10 +272,7 @@ fn a_reconnection_naming_another_session_is_refused() {
     if !userfaultfd_works() {
         return;
     }
-    let running = start(Duration::from_secs(60));
-    running.wait_postcopy_active();
-    running.proxy.cut();
-    running.wait_both_paused();
+    let running = paused_by_a_cut(Duration::from_secs(60));
     let refused = running.receive.query().refused_connections;
     // Straight to the destination, past the proxy: a resume of another
     // session, and a new migration's hello, while postcopy is paused.
@@ -309,10 +314,7 @@ fn with_an_auth_key_the_source_proves_it_again_and_a_keyless_resume_is_refused()
         ));
         security
     };
-    let running = start_with(Duration::from_secs(60), security);
-    running.wait_postcopy_active();
-    running.proxy.cut();
-    running.wait_both_paused();
+    let running = paused_by_a_cut_with(Duration::from_secs(60), security);
     // Whoever does not hold the key cannot resume the session, whatever
     // session it names.
     let resume = tern_wire::Message::PostcopyResume(tern_wire::PostcopyResume {
@@ -336,11 +338,8 @@ fn migrate_recover_on_a_new_address_moves_the_reconnection_there() {
     if !userfaultfd_works() {
         return;
     }
-    let running = start(Duration::from_secs(60));
-    running.wait_postcopy_active();
     // The old path stays dead for good: only the new address can mend it.
-    running.proxy.cut();
-    running.wait_both_paused();
+    let running = paused_by_a_cut(Duration::from_secs(60));
     let fresh = running
         .receive
         .recover_postcopy_at(&Address::Tcp("127.0.0.1:0".into()))
@@ -403,10 +402,7 @@ fn a_reconnection_that_fails_half_way_is_tried_again() {
     if !userfaultfd_works() {
         return;
     }
-    let running = start(Duration::from_secs(60));
-    running.wait_postcopy_active();
-    running.proxy.cut();
-    running.wait_both_paused();
+    let running = paused_by_a_cut(Duration::from_secs(60));
     running.proxy.pass_first(1);
     wait_until(
         "the proxy closes a channel of the first reconnection",

@@ -41,23 +41,67 @@ const UNLIMITED: usize = usize::MAX;
 struct Admissions {
     left: AtomicUsize,
     turned_away: AtomicUsize,
+    /// Connections let through by a count that their target closed
+    /// before their client did.
+    counted_closed_by_target: AtomicUsize,
+}
+
+/// Whether a new connection passes, and how.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Admission {
+    TurnedAway,
+    /// Let through with no count in force.
+    Unlimited,
+    /// Let through by a [`Proxy::pass_first`] count.
+    Counted,
 }
 
 impl Admissions {
     /// Takes one admission, or counts the connection as turned away.
-    fn admit(&self) -> bool {
-        let admitted = self
+    fn admit(&self) -> Admission {
+        match self
             .left
             .fetch_update(Ordering::AcqRel, Ordering::Acquire, |left| match left {
                 0 => None,
                 UNLIMITED => Some(UNLIMITED),
                 left => Some(left - 1),
-            })
-            .is_ok();
-        if !admitted {
-            self.turned_away.fetch_add(1, Ordering::AcqRel);
+            }) {
+            Ok(UNLIMITED) => Admission::Unlimited,
+            Ok(_) => Admission::Counted,
+            Err(_) => {
+                self.turned_away.fetch_add(1, Ordering::AcqRel);
+                Admission::TurnedAway
+            }
         }
-        admitted
+    }
+}
+
+/// What a copy does when its side of the connection closes.
+enum End {
+    /// Client to target: marks that the client closed first.
+    Client(Arc<AtomicBool>),
+    /// Target to client: counts a target that closed first, for a
+    /// connection a [`Proxy::pass_first`] count let through.
+    Target {
+        client_closed: Arc<AtomicBool>,
+        counted: Option<Arc<Admissions>>,
+    },
+}
+
+impl End {
+    fn closed(&self) {
+        match self {
+            Self::Client(closed) => closed.store(true, Ordering::Release),
+            Self::Target {
+                client_closed,
+                counted: Some(admissions),
+            } if !client_closed.load(Ordering::Acquire) => {
+                admissions
+                    .counted_closed_by_target
+                    .fetch_add(1, Ordering::AcqRel);
+            }
+            Self::Target { .. } => {}
+        }
     }
 }
 
@@ -98,6 +142,7 @@ impl Proxy {
         let admissions = Arc::new(Admissions {
             left: AtomicUsize::new(UNLIMITED),
             turned_away: AtomicUsize::new(0),
+            counted_closed_by_target: AtomicUsize::new(0),
         });
         let streams: Arc<Mutex<Vec<TcpStream>>> = Arc::default();
         let done = Arc::new(AtomicBool::new(false));
@@ -171,6 +216,15 @@ impl Proxy {
     pub fn turned_away(&self) -> usize {
         self.admissions.turned_away.load(Ordering::Acquire)
     }
+
+    /// How many of the connections a [`Proxy::pass_first`] count let
+    /// through were closed by the target before the client closed them:
+    /// the target gave up on them.
+    pub fn counted_closed_by_target(&self) -> usize {
+        self.admissions
+            .counted_closed_by_target
+            .load(Ordering::Acquire)
+    }
 }
 
 impl std::fmt::Debug for Proxy {
@@ -200,14 +254,17 @@ impl Drop for Proxy {
 /// What decides whether a new connection passes.
 struct Gate<'a> {
     mode: &'a Arc<AtomicU8>,
-    admissions: &'a Admissions,
+    admissions: &'a Arc<Admissions>,
 }
 
 impl Gate<'_> {
     /// Whether a new connection passes: not while cut, nor past a
     /// [`Proxy::pass_first`] count.
-    fn admits(&self) -> bool {
-        self.mode.load(Ordering::Acquire) != CUT && self.admissions.admit()
+    fn admits(&self) -> Admission {
+        if self.mode.load(Ordering::Acquire) == CUT {
+            return Admission::TurnedAway;
+        }
+        self.admissions.admit()
     }
 }
 
@@ -228,7 +285,8 @@ fn accept_loop(
             std::thread::sleep(Duration::from_millis(2));
             continue;
         };
-        if !gate.admits() {
+        let admission = gate.admits();
+        if admission == Admission::TurnedAway {
             drop(client);
             continue;
         }
@@ -253,14 +311,20 @@ fn accept_loop(
         };
         let (mode_up, mode_down) = (gate.mode.clone(), gate.mode.clone());
         let link = link.clone();
-        std::thread::spawn(move || copy(up_from, up_to, &mode_up, Some(&link)));
-        std::thread::spawn(move || copy(server, client, &mode_down, None));
+        let client_closed = Arc::new(AtomicBool::new(false));
+        let up_end = End::Client(client_closed.clone());
+        let down_end = End::Target {
+            client_closed,
+            counted: (admission == Admission::Counted).then(|| gate.admissions.clone()),
+        };
+        std::thread::spawn(move || copy(up_from, up_to, &mode_up, Some(&link), &up_end));
+        std::thread::spawn(move || copy(server, client, &mode_down, None, &down_end));
     }
 }
 
 /// Copies `from` to `to` while the proxy passes; ends (closing both) when
-/// either side closes or the proxy cuts.
-fn copy(mut from: TcpStream, mut to: TcpStream, mode: &AtomicU8, link: Option<&Link>) {
+/// either side closes (told to `end`) or the proxy cuts.
+fn copy(mut from: TcpStream, mut to: TcpStream, mode: &AtomicU8, link: Option<&Link>, end: &End) {
     let mut buf = vec![0u8; 16 << 10];
     loop {
         match mode.load(Ordering::Acquire) {
@@ -272,7 +336,10 @@ fn copy(mut from: TcpStream, mut to: TcpStream, mode: &AtomicU8, link: Option<&L
             _ => {}
         }
         match from.read(&mut buf) {
-            Ok(0) => break,
+            Ok(0) => {
+                end.closed();
+                break;
+            }
             Ok(read) => {
                 if let Some(link) = link {
                     link.pace(read);
@@ -361,5 +428,32 @@ mod tests {
         drop(first);
         drop(proxy);
         server.join().unwrap();
+    }
+
+    #[test]
+    fn a_counted_connection_the_target_closes_is_counted_and_others_are_not() {
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        let target = listener.local_addr().unwrap().to_string();
+        // The target closes each connection as soon as it accepts it.
+        let server = std::thread::spawn(move || {
+            for _ in 0..2 {
+                drop(listener.accept().unwrap());
+            }
+        });
+        let proxy = Proxy::start(&target, 1 << 30);
+        let mut uncounted = TcpStream::connect(proxy.address()).unwrap();
+        uncounted
+            .set_read_timeout(Some(Duration::from_secs(60)))
+            .unwrap();
+        let _ = uncounted.read_to_end(&mut Vec::new());
+        // Its copy counted (or not) before it closed the client.
+        assert_eq!(proxy.counted_closed_by_target(), 0);
+        proxy.pass_first(1);
+        let _counted = TcpStream::connect(proxy.address()).unwrap();
+        crate::wait::wait_until("the proxy counts the target's close", || {
+            proxy.counted_closed_by_target() == 1
+        });
+        server.join().unwrap();
+        drop(proxy);
     }
 }

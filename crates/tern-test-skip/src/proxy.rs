@@ -399,7 +399,7 @@ mod tests {
         let end = client.read_to_end(&mut rest);
         assert!(end.as_ref().map_or(true, |&read| read == 0), "{end:?}");
         drop(proxy);
-        server.join().unwrap();
+        crate::wait::join_within(server, "the target");
     }
 
     #[test]
@@ -427,7 +427,7 @@ mod tests {
         assert_eq!(&answer, b"ping");
         drop(first);
         drop(proxy);
-        server.join().unwrap();
+        crate::wait::join_within(server, "the target");
     }
 
     #[test]
@@ -453,7 +453,7 @@ mod tests {
         crate::wait::wait_until("the proxy counts the target's close", || {
             proxy.counted_closed_by_target() == 1
         });
-        server.join().unwrap();
+        crate::wait::join_within(server, "the target");
         drop(proxy);
     }
 }

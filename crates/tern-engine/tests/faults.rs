@@ -234,6 +234,68 @@ fn wrong_session_on_a_page_channel_is_turned_away() {
 }
 
 #[test]
+fn a_page_channel_index_outside_the_session_is_turned_away() {
+    let (listener, address) = tcp_listener();
+    let destination = spawn_destination(listener);
+    let mut main = connect(&address);
+    main.send_message(&hello(2)).unwrap();
+    assert!(matches!(main.read_message().unwrap(), Message::Welcome(_)));
+    // Index 0 is the main channel's (the frame decoder refuses it) and 3
+    // is past the two announced (the session's check refuses it): each is
+    // turned away without ending the migration; accepted, either would
+    // index a channel slot that does not exist.
+    for (outside, refusal) in [
+        (0, "channel index 0"),
+        (3, "channel index 3 is outside 1..=2"),
+    ] {
+        let mut stray = connect(&address);
+        stray
+            .send_message(&channel_hello(SESSION, outside))
+            .unwrap();
+        expect_abort(&mut stray, refusal);
+    }
+    let mut right = Vec::new();
+    for index in [2, 1] {
+        let mut channel = connect(&address);
+        channel
+            .send_message(&channel_hello(SESSION, index))
+            .unwrap();
+        assert!(matches!(
+            channel.read_message().unwrap(),
+            Message::Welcome(_)
+        ));
+        right.push(channel);
+    }
+    drop(right);
+    drop(main);
+    expect_destination_error(destination, "closed");
+}
+
+#[test]
+fn a_page_channel_that_never_comes_is_named_when_the_wait_ends() {
+    let (listener, address) = tcp_listener();
+    let destination = std::thread::spawn(move || {
+        let mut config = receive_config();
+        config.accept_timeout = Duration::from_secs(1);
+        tern_engine::Destination::new(config).receive(&listener, make_destination_guest)
+    });
+    let mut main = connect(&address);
+    main.send_message(&hello(2)).unwrap();
+    assert!(matches!(main.read_message().unwrap(), Message::Welcome(_)));
+    let mut first = connect(&address);
+    first.send_message(&channel_hello(SESSION, 1)).unwrap();
+    assert!(matches!(first.read_message().unwrap(), Message::Welcome(_)));
+    // Channel 2 never connects: the accept deadline ends the wait and the
+    // error names the channel still awaited, not the main channel or the
+    // one that came.
+    let error = expect_destination_error(destination, "page channels");
+    assert!(
+        matches!(error, MigrationError::Channel { index: 2, .. }),
+        "{error:?}"
+    );
+}
+
+#[test]
 fn page_outside_the_region_is_refused() {
     let (listener, address) = tcp_listener();
     let destination = spawn_destination(listener);

@@ -250,23 +250,44 @@ fn hello_after_key_exchange(proved: Handshake, hello: Handshake) -> (Message, St
 /// A hand-made source proves the key for `proved` and then sends
 /// `opening`; the destination's answer and its first refusal.
 fn opening_after_key_exchange(proved: Handshake, opening: Message) -> (Message, String) {
-    let (answer, stats, destination) = answer_after_key_exchange(proved, opening);
-    let refusal = (!matches!(answer, Message::Welcome(_))).then(|| first_refusal(&stats));
-    let _ = destination();
+    let answered = answer_after_key_exchange(proved, opening);
+    let refusal = (!matches!(answered.answer, Message::Welcome(_))).then(|| {
+        // A refusal that ends the session (not one connection) is counted
+        // nowhere: the destination's end stops the wait instead, so a
+        // wrong refusal fails at once rather than at the deadline.
+        wait_until("the destination refuses a connection or ends", || {
+            answered.stats.refused_connections() > 0 || answered.destination.is_finished()
+        });
+        answered
+            .stats
+            .last_refusal()
+            .unwrap_or_else(|| "no connection refused: the session ended".into())
+    });
+    let answer = answered.answer.clone();
+    let _ = answered.outcome();
     (answer, refusal.unwrap_or_default())
 }
 
+/// The destination's answer to an opening sent after a key exchange, with
+/// what the test needs to read its statistics and end it.
+struct Answered {
+    answer: Message,
+    stats: Arc<tern_engine::ReceiveStats>,
+    destination: std::thread::JoinHandle<DestinationResult>,
+    cancel: tern_engine::CancelToken,
+}
+
+impl Answered {
+    /// Cancels the destination and returns its outcome.
+    fn outcome(self) -> DestinationResult {
+        self.cancel.cancel();
+        join_within(self.destination, "the destination")
+    }
+}
+
 /// The destination's answer to `opening`, sent after a key exchange that
-/// proved `proved`; its statistics; and a call that cancels the
-/// destination and returns its outcome.
-fn answer_after_key_exchange(
-    proved: Handshake,
-    opening: Message,
-) -> (
-    Message,
-    Arc<tern_engine::ReceiveStats>,
-    impl FnOnce() -> DestinationResult,
-) {
+/// proved `proved`.
+fn answer_after_key_exchange(proved: Handshake, opening: Message) -> Answered {
     let (listener, address) = tcp_listener();
     let receive = {
         let mut config = receive_config();
@@ -279,11 +300,12 @@ fn answer_after_key_exchange(
     let mut main = secure_client(channel, &key(), None, proved).expect("the key exchange");
     main.send_message(&opening).unwrap();
     let answer = main.read_message().expect("the destination's answer");
-    let outcome = move || {
-        cancel.cancel();
-        join_within(destination, "the destination")
-    };
-    (answer, stats, outcome)
+    Answered {
+        answer,
+        stats,
+        destination,
+        cancel,
+    }
 }
 
 #[test]
@@ -418,13 +440,16 @@ fn the_longest_hello_is_read_whole_sealed() {
         setup: longest,
     });
     assert_eq!(hello.to_bytes().len(), tern_wire::MAX_OPENING_FRAME);
-    let (answer, _, destination) = answer_after_key_exchange(proved, hello);
-    let Message::Abort(abort) = answer else {
-        panic!("expected the guest kind's refusal, got {answer:?}")
+    let answered = answer_after_key_exchange(proved, hello);
+    let Message::Abort(abort) = &answered.answer else {
+        panic!(
+            "expected the guest kind's refusal, got {:?}",
+            answered.answer
+        )
     };
     let reason = "the source sends a kkkk";
     assert!(abort.message.contains(reason), "{}", abort.message);
-    let failure = destination().expect_err("a guest of another kind");
+    let failure = answered.outcome().expect_err("a guest of another kind");
     assert!(failure.to_string().contains(reason), "{failure}");
 }
 

@@ -148,22 +148,35 @@ fn paused_by_a_cut_of(running: Running) -> Running {
 impl Running {
     fn wait_postcopy_active(&self) {
         wait_until("postcopy starts", || {
+            self.assert_both_live("started postcopy");
             self.handle.query().status == MigrationStatus::PostcopyActive
         });
     }
 
     fn wait_both_paused(&self) {
         wait_until("the source pauses postcopy", || {
-            assert!(
-                !self.source.is_finished(),
-                "the migration ended before it paused: {:?}",
-                self.handle.query().error_desc
-            );
+            self.assert_both_live("paused");
             self.handle.query().status == MigrationStatus::PostcopyPaused
         });
         wait_until("the destination pauses postcopy", || {
+            self.assert_both_live("paused");
             self.receive.query().status == MigrationStatus::PostcopyPaused
         });
+    }
+
+    /// A side that ended fails the wait at once, with its error, instead
+    /// of at the wait's deadline.
+    fn assert_both_live(&self, awaited: &str) {
+        assert!(
+            !self.source.is_finished(),
+            "the migration ended before it {awaited}: {:?}",
+            self.handle.query().error_desc
+        );
+        assert!(
+            !self.destination.is_finished(),
+            "the destination ended before it {awaited}: {:?}",
+            self.receive.query().error_desc
+        );
     }
 
     /// Both sides end: the source completed with the digests compared and

@@ -453,3 +453,57 @@ fn a_reconnection_the_destination_gives_up_on_is_followed_by_the_next() {
     running.proxy.pass();
     running.finish();
 }
+
+/// Whether `events` hold a `postcopy-paused` status change.
+fn ever_paused(events: &[tern_engine::Event]) -> bool {
+    events.iter().any(|event| {
+        matches!(&event.body, EventBody::Migration(change)
+            if change.status == MigrationStatus::PostcopyPaused)
+    })
+}
+
+/// A destination that fails on a protocol error after the point of no
+/// return (every byte the source sends turns to garbage on the way) gives
+/// up, pauses its guest, and says so to the source, which does not take
+/// the end of the connection for a broken link to mend: it ends at once
+/// with `PostcopyFailed` (exit status 6 in the CLI), its guest paused,
+/// instead of waiting `postcopy-paused` for a destination that will never
+/// take it back. The recovery window is far longer than the test's
+/// deadline: a source that paused would hang the test.
+#[test]
+fn a_destination_that_fails_on_a_protocol_error_says_so_and_the_source_reports_the_guest_lost() {
+    if !userfaultfd_works() {
+        return;
+    }
+    let running = start(Duration::from_secs(600));
+    running.wait_postcopy_active();
+    running.proxy.corrupt();
+    let failed = join_within(running.destination, "the destination")
+        .err()
+        .expect("the destination fails");
+    match &failed {
+        tern_engine::MigrationError::PostcopyFailed { fate, cause } => {
+            assert!(fate.contains("paused on the destination"), "{fate}");
+            assert!(!cause.chain().is_empty());
+        }
+        other => panic!("the destination: {other:?}"),
+    }
+    let (result, guest) = join_within(running.source, "the source");
+    let failure = result.expect_err("the source reports the guest's fate");
+    match &failure.error {
+        tern_engine::MigrationError::PostcopyFailed { fate, cause } => {
+            assert!(
+                matches!(**cause, tern_engine::MigrationError::PeerAborted { .. }),
+                "the destination's own word, not a lost link: {cause:?}"
+            );
+            assert!(fate.contains("destination gave up"), "{fate}");
+        }
+        other => panic!("the source: {other:?}"),
+    }
+    assert_eq!(failure.stats.status, MigrationStatus::Failed);
+    assert!(
+        !ever_paused(&running.handle.history().events),
+        "the source never waited for a recovery"
+    );
+    assert!(!guest.is_running(), "the source guest stays paused");
+}

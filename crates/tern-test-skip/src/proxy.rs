@@ -18,6 +18,10 @@ const CUT: u8 = 1;
 /// Nothing moves, nothing closes: a stopped peer (as SIGSTOP would leave
 /// its sockets).
 const HOLD: u8 = 2;
+/// Bytes keep moving, but those from client to target arrive as 0xFF: a
+/// peer (or a link) that sends garbage, which the target must refuse as a
+/// protocol error (0xFF is no frame kind). The other direction passes.
+const CORRUPT: u8 = 3;
 
 /// A TCP proxy on 127.0.0.1 in front of `target`, with a link of `rate`
 /// bytes/s from client to target (so that a transfer lasts long enough to
@@ -195,6 +199,12 @@ impl Proxy {
         self.mode.store(HOLD, Ordering::Release);
     }
 
+    /// From now on every byte from client to target (on every connection,
+    /// open or new) arrives as 0xFF; the other direction passes unchanged.
+    pub fn corrupt(&self) {
+        self.mode.store(CORRUPT, Ordering::Release);
+    }
+
     /// Lets everything through again (new connections; a cut one stays
     /// closed).
     pub fn pass(&self) {
@@ -232,6 +242,7 @@ impl std::fmt::Debug for Proxy {
         let mode = match self.mode.load(Ordering::Acquire) {
             PASS => "pass",
             CUT => "cut",
+            CORRUPT => "corrupt",
             _ => "hold",
         };
         f.debug_struct("Proxy")
@@ -343,6 +354,10 @@ fn copy(mut from: TcpStream, mut to: TcpStream, mode: &AtomicU8, link: Option<&L
             Ok(read) => {
                 if let Some(link) = link {
                     link.pace(read);
+                    // The paced copy is the client-to-target one.
+                    if mode.load(Ordering::Acquire) == CORRUPT {
+                        buf[..read].fill(0xFF);
+                    }
                 }
                 if to.write_all(&buf[..read]).is_err() {
                     break;
@@ -398,6 +413,29 @@ mod tests {
         // a hang (the read timeout above bounds it).
         let end = client.read_to_end(&mut rest);
         assert!(end.as_ref().map_or(true, |&read| read == 0), "{end:?}");
+        drop(proxy);
+        crate::wait::join_within(server, "the target");
+    }
+
+    #[test]
+    fn a_corrupting_proxy_turns_client_bytes_into_0xff_and_passes_the_answers() {
+        let (target, server) = echo();
+        let proxy = Proxy::start(&target, 1 << 30);
+        let mut client = TcpStream::connect(proxy.address()).unwrap();
+        client
+            .set_read_timeout(Some(Duration::from_secs(60)))
+            .unwrap();
+        let mut answer = [0u8; 4];
+        client.write_all(b"ping").unwrap();
+        client.read_exact(&mut answer).unwrap();
+        assert_eq!(&answer, b"ping");
+        proxy.corrupt();
+        // The echo sends back what reached it: the garbage, unchanged on
+        // the way back.
+        client.write_all(b"pong").unwrap();
+        client.read_exact(&mut answer).unwrap();
+        assert_eq!(answer, [0xFF; 4]);
+        drop(client);
         drop(proxy);
         crate::wait::join_within(server, "the target");
     }

@@ -7,7 +7,7 @@
 use std::io::{Read, Write};
 use std::net::{Shutdown, TcpListener, TcpStream};
 use std::sync::atomic::{AtomicBool, AtomicU8, AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, Weak};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
@@ -32,7 +32,10 @@ pub struct Proxy {
     /// How many more new connections pass ([`UNLIMITED`]: all of them),
     /// and how many were turned away past that count.
     admissions: Arc<Admissions>,
-    streams: Arc<Mutex<Vec<TcpStream>>>,
+    /// The sockets of the connections open now, for a cut: weak, so that
+    /// a connection whose copies have ended closes its sockets, and a
+    /// peer that writes on gets a reset, as it would without a proxy.
+    streams: Arc<Mutex<Vec<Weak<TcpStream>>>>,
     done: Arc<AtomicBool>,
     accept: Option<JoinHandle<()>>,
 }
@@ -148,7 +151,7 @@ impl Proxy {
             turned_away: AtomicUsize::new(0),
             counted_closed_by_target: AtomicUsize::new(0),
         });
-        let streams: Arc<Mutex<Vec<TcpStream>>> = Arc::default();
+        let streams: Arc<Mutex<Vec<Weak<TcpStream>>>> = Arc::default();
         let done = Arc::new(AtomicBool::new(false));
         let link = Arc::new(Link {
             rate: rate.max(1),
@@ -189,6 +192,7 @@ impl Proxy {
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .drain(..)
+            .filter_map(|stream| stream.upgrade())
         {
             let _ = stream.shutdown(Shutdown::Both);
         }
@@ -285,7 +289,7 @@ fn accept_loop(
     listener: &TcpListener,
     target: &str,
     gate: &Gate<'_>,
-    streams: &Mutex<Vec<TcpStream>>,
+    streams: &Mutex<Vec<Weak<TcpStream>>>,
     done: &AtomicBool,
     link: &Arc<Link>,
 ) {
@@ -307,19 +311,17 @@ fn accept_loop(
         if client.set_nonblocking(false).is_err() {
             continue;
         }
+        let (client, server) = (Arc::new(client), Arc::new(server));
         {
             let mut kept = streams.lock().unwrap_or_else(|e| e.into_inner());
+            kept.retain(|stream| stream.strong_count() > 0);
             for stream in [&client, &server] {
                 // A short read timeout so a copy notices a cut or hold soon.
                 let _ = stream.set_read_timeout(Some(Duration::from_millis(10)));
-                if let Ok(clone) = stream.try_clone() {
-                    kept.push(clone);
-                }
+                kept.push(Arc::downgrade(stream));
             }
         }
-        let (Ok(up_from), Ok(up_to)) = (client.try_clone(), server.try_clone()) else {
-            continue;
-        };
+        let (up_from, up_to) = (client.clone(), server.clone());
         let (mode_up, mode_down) = (gate.mode.clone(), gate.mode.clone());
         let link = link.clone();
         let client_closed = Arc::new(AtomicBool::new(false));
@@ -328,14 +330,16 @@ fn accept_loop(
             client_closed,
             counted: (admission == Admission::Counted).then(|| gate.admissions.clone()),
         };
-        std::thread::spawn(move || copy(up_from, up_to, &mode_up, Some(&link), &up_end));
-        std::thread::spawn(move || copy(server, client, &mode_down, None, &down_end));
+        std::thread::spawn(move || copy(&up_from, &up_to, &mode_up, Some(&link), &up_end));
+        std::thread::spawn(move || copy(&server, &client, &mode_down, None, &down_end));
     }
 }
 
-/// Copies `from` to `to` while the proxy passes; ends (closing both) when
-/// either side closes (told to `end`) or the proxy cuts.
-fn copy(mut from: TcpStream, mut to: TcpStream, mode: &AtomicU8, link: Option<&Link>, end: &End) {
+/// Copies `from` to `to` while the proxy passes; ends (shutting both
+/// down) when either side closes (told to `end`) or the proxy cuts. The
+/// sockets close once both copies of their connection have ended.
+fn copy(from: &TcpStream, to: &TcpStream, mode: &AtomicU8, link: Option<&Link>, end: &End) {
+    let (mut from, mut to) = (from, to);
     let mut buf = vec![0u8; 16 << 10];
     loop {
         match mode.load(Ordering::Acquire) {

@@ -17,7 +17,7 @@
 
 use std::collections::VecDeque;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::thread::ScopedJoinHandle;
 use std::time::{Duration, Instant};
@@ -568,33 +568,51 @@ fn run_round(
     decoder: &mut FrameDecoder,
     channels: &mut [Channel],
 ) -> Result<(), MigrationError> {
+    // The thread that failed first: its error is the cause, and those of
+    // the others may be its consequences (a placement refused because
+    // the failure released guest memory, a channel shut down for it).
+    let first_failed = AtomicUsize::new(usize::MAX);
+    let noted = |thread: usize, result: Result<(), MigrationError>| {
+        if result.is_err() {
+            let _ = first_failed.compare_exchange(
+                usize::MAX,
+                thread,
+                Ordering::AcqRel,
+                Ordering::Acquire,
+            );
+        }
+        result
+    };
     std::thread::scope(|scope| {
         let pushers: Vec<ScopedJoinHandle<'_, Result<(), MigrationError>>> = channels
             .iter_mut()
             .enumerate()
-            .map(|(index, channel)| scope.spawn(move || phase.receive_push(index + 1, channel)))
+            .map(|(index, channel)| {
+                scope.spawn(move || noted(index, phase.receive_push(index + 1, channel)))
+            })
             .collect();
-        let urgent = scope.spawn(|| phase.serve_main(main, decoder));
+        let main_thread = pushers.len();
+        let urgent = scope.spawn(move || noted(main_thread, phase.serve_main(main, decoder)));
         let waited = phase.wait_until_delivered(&pushers, &urgent);
         phase.stop.store(true, Ordering::Release);
         if waited.is_err() {
             // Whoever waits on a page stays blocked until the round ends.
             phase.delivery.pause();
         }
-        let mut first: Option<MigrationError> = None;
-        for handle in pushers.into_iter().chain(std::iter::once(urgent)) {
-            match handle.join() {
-                Ok(Err(error)) => {
-                    first.get_or_insert(error);
-                }
-                Err(_) => {
-                    first.get_or_insert(MigrationError::Internal(
-                        "a postcopy thread panicked".into(),
-                    ));
-                }
-                Ok(Ok(())) => {}
-            }
-        }
+        let mut errors: Vec<Option<MigrationError>> = pushers
+            .into_iter()
+            .chain(std::iter::once(urgent))
+            .map(|handle| match handle.join() {
+                Ok(result) => result.err(),
+                Err(_) => Some(MigrationError::Internal(
+                    "a postcopy thread panicked".into(),
+                )),
+            })
+            .collect();
+        let first = errors
+            .get_mut(first_failed.load(Ordering::Acquire))
+            .and_then(Option::take)
+            .or_else(|| errors.into_iter().flatten().next());
         // A thread's own error says more than the wait's.
         let result = match (first, waited) {
             (Some(error), _) | (None, Err(error)) => Err(error),

@@ -256,13 +256,17 @@ impl std::fmt::Debug for Proxy {
     }
 }
 
+/// Dropped, the proxy first stops listening (its accept thread ends with
+/// the listener), then severs every connection: a client that notices
+/// the cut and dials again finds nothing listening, as after the end of
+/// the process it stood for.
 impl Drop for Proxy {
     fn drop(&mut self) {
         self.done.store(true, Ordering::Release);
-        self.cut();
         if let Some(accept) = self.accept.take() {
             let _ = accept.join();
         }
+        self.cut();
     }
 }
 

@@ -148,9 +148,11 @@ fn start(recover_timeout: &str) -> Running {
 }
 
 impl Running {
+    /// The source is `postcopy-active` once the destination acknowledged
+    /// the commit: the guest runs there. (The destination itself reports
+    /// `device` until the end of postcopy.)
     fn wait_postcopy_active(&self) {
         wait_status(&self.source_socket, "source", "postcopy-active");
-        wait_status(&self.destination_socket, "destination", "postcopy-active");
     }
 
     /// Both processes exit 0, the digests compared and equal, after at
@@ -182,7 +184,11 @@ fn a_sigstopped_source_mid_postcopy_is_recovered_with_its_memory_verified() {
     let running = start("60");
     running.wait_postcopy_active();
     signal(running.migrate.id(), libc::SIGSTOP);
-    wait_status(&running.destination_socket, "destination", "postcopy-paused");
+    wait_status(
+        &running.destination_socket,
+        "destination",
+        "postcopy-paused",
+    );
     signal(running.migrate.id(), libc::SIGCONT);
     running.finish_recovered();
 }
@@ -207,7 +213,11 @@ fn past_the_recovery_window_tern_ctl_migrate_recover_and_resume_mend_postcopy() 
         .stderr_line_with("postcopy recovery timed out");
     running.proxy.pass();
     wait_status(&running.source_socket, "source", "postcopy-paused");
-    wait_status(&running.destination_socket, "destination", "postcopy-paused");
+    wait_status(
+        &running.destination_socket,
+        "destination",
+        "postcopy-paused",
+    );
     assert!(ctl(&running.destination_socket, &["migrate-recover"]).0);
     assert!(ctl(&running.source_socket, &["migrate-resume"]).0);
     // The report is JSON on stdout; stderr was taken for the lines above.
@@ -235,7 +245,11 @@ fn a_source_killed_mid_postcopy_leaves_the_destination_paused_until_cancelled_th
     running.wait_postcopy_active();
     running.migrate.kill().unwrap();
     running.migrate.wait().unwrap();
-    wait_status(&running.destination_socket, "destination", "postcopy-paused");
+    wait_status(
+        &running.destination_socket,
+        "destination",
+        "postcopy-paused",
+    );
     assert!(ctl(&running.destination_socket, &["migrate_cancel"]).0);
     let (status, _, stderr) = running.receiver.finish();
     assert_eq!(status.code(), Some(6), "{stderr}");
@@ -272,7 +286,10 @@ fn a_destination_killed_mid_postcopy_is_reported_and_cancelling_the_source_exits
     assert!(ctl(&running.source_socket, &["migrate_cancel"]).0);
     let status = running.migrate.wait().unwrap();
     assert_eq!(status.code(), Some(6));
-    let fate = line_with(&source_lines, "Postcopy failed after the point of no return");
+    let fate = line_with(
+        &source_lines,
+        "Postcopy failed after the point of no return",
+    );
     assert!(
         fate.contains("cannot continue without this source"),
         "{fate}"

@@ -236,7 +236,9 @@ impl Session<'_> {
 enum Attempts {
     Mended(Box<Mended>),
     /// None worked; `all_refused` when each was refused at connect.
-    TimedOut { all_refused: bool },
+    TimedOut {
+        all_refused: bool,
+    },
 }
 
 /// Whether a reconnection was refused before any byte moved: the host

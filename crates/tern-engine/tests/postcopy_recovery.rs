@@ -522,9 +522,9 @@ fn a_destination_that_fails_on_a_protocol_error_says_so_and_the_source_reports_t
     );
     running.wait_postcopy_active();
     running.proxy.corrupt();
-    let failed = join_within(running.destination, "the destination")
-        .err()
-        .expect("the destination fails");
+    let Err(failed) = join_within(running.destination, "the destination") else {
+        panic!("the destination completed on garbage");
+    };
     match &failed {
         tern_engine::MigrationError::PostcopyFailed { fate, cause } => {
             assert!(fate.contains("paused on the destination"), "{fate}");

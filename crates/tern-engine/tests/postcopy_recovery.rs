@@ -94,6 +94,29 @@ fn start_configured(
     security: Security,
     tune: impl FnOnce(&mut MigrationConfig, &mut ReceiveConfig),
 ) -> Running {
+    // 8 MiB/s: the first pass takes about a second and a half, the stale
+    // pages about as long.
+    let link = Link {
+        rate: 8 * MIB,
+        guest: busy_guest,
+    };
+    start_on(&link, recover_timeout, security, tune)
+}
+
+/// The proxy's pace and the guest it carries.
+struct Link {
+    /// Bytes per second from source to destination.
+    rate: u64,
+    guest: fn() -> SyntheticGuest,
+}
+
+/// [`start_configured`] over `link`.
+fn start_on(
+    link: &Link,
+    recover_timeout: Duration,
+    security: Security,
+    tune: impl FnOnce(&mut MigrationConfig, &mut ReceiveConfig),
+) -> Running {
     let (listener, listen) = tcp_listener();
     let mut receive = destination_config(recover_timeout);
     receive.security = security.clone();
@@ -104,17 +127,16 @@ fn start_configured(
     let receive = destination.handle();
     let destination =
         std::thread::spawn(move || destination.receive(&listener, make_destination_guest));
-    // 8 MiB/s: the first pass takes about a second and a half, the stale
-    // pages about as long.
     let Address::Tcp(target) = &listen else {
         panic!("a TCP destination");
     };
-    let proxy = Proxy::start(target, 8 * MIB);
+    let proxy = Proxy::start(target, link.rate);
     let source = Source::new(config).unwrap();
     let handle = source.handle();
     let address = Address::Tcp(proxy.address().to_string());
+    let make_guest = link.guest;
     let source = std::thread::spawn(move || {
-        let mut guest = busy_guest();
+        let mut guest = make_guest();
         let result = source.migrate(&mut guest, &address);
         (result, guest)
     });
@@ -465,4 +487,93 @@ fn a_reconnection_the_destination_gives_up_on_is_followed_by_the_next() {
     );
     running.proxy.pass();
     running.finish();
+}
+
+/// Whether `events` hold a `postcopy-paused` status change.
+fn ever_paused(events: &[tern_engine::Event]) -> bool {
+    events.iter().any(|event| {
+        matches!(&event.body, EventBody::Migration(change)
+            if change.status == MigrationStatus::PostcopyPaused)
+    })
+}
+
+/// A destination that fails on a protocol error after the point of no
+/// return (every byte the source sends turns to garbage on the way) gives
+/// up, pauses its guest, and says so to the source, which does not take
+/// the end of the connection for a broken link to mend: it ends at once
+/// with `PostcopyFailed` (exit status 6 in the CLI), its guest paused,
+/// instead of waiting `postcopy-paused` for a destination that will never
+/// take it back. The recovery window is far longer than the test's
+/// deadline: a source that paused would hang the test.
+#[test]
+fn a_destination_that_fails_on_a_protocol_error_says_so_and_the_source_reports_the_guest_lost() {
+    if !userfaultfd_works() {
+        return;
+    }
+    // A push that outlasts the sockets' buffers: the source's pushers are
+    // still writing when the destination gives up, so that they see their
+    // channels end, as they would without a proxy.
+    let link = Link {
+        rate: 32 * MIB,
+        guest: || {
+            guest_with(SyntheticConfig {
+                memory_bytes: 64 * MIB,
+                regions: 1,
+                mix: ContentMix::new(20, 60, 20).unwrap(),
+                seed: 6,
+                dirty_rate_bytes_per_sec: 128 * MIB,
+                working_set_bytes: 48 * MIB,
+                dirtier_threads: 2,
+            })
+        },
+    };
+    let running = start_on(
+        &link,
+        Duration::from_secs(600),
+        Security::default(),
+        |_, _| {},
+    );
+    running.wait_postcopy_active();
+    running.proxy.corrupt();
+    let Err(failed) = join_within(running.destination, "the destination") else {
+        panic!("the destination completed on garbage");
+    };
+    match &failed {
+        tern_engine::MigrationError::PostcopyFailed { fate, cause } => {
+            assert!(fate.contains("paused on the destination"), "{fate}");
+            // The garbage itself, not one of its consequences (a page
+            // refused once the failure had released guest memory).
+            assert_eq!(
+                cause.abort_reason(),
+                tern_wire::AbortReason::ProtocolError,
+                "{}",
+                cause.chain()
+            );
+        }
+        other => panic!("the destination: {other:?}"),
+    }
+    let (result, guest) = join_within(running.source, "the source");
+    let failure = result.expect_err("the source reports the guest's fate");
+    match &failure.error {
+        tern_engine::MigrationError::PostcopyFailed { fate, cause } => {
+            assert!(
+                matches!(
+                    **cause,
+                    tern_engine::MigrationError::PeerAborted {
+                        reason: tern_wire::AbortReason::ProtocolError,
+                        ..
+                    }
+                ),
+                "the destination's own word, not a lost link: {cause:?}"
+            );
+            assert!(fate.contains("destination gave up"), "{fate}");
+        }
+        other => panic!("the source: {other:?}"),
+    }
+    assert_eq!(failure.stats.status, MigrationStatus::Failed);
+    assert!(
+        !ever_paused(&running.handle.history().events),
+        "the source never waited for a recovery"
+    );
+    assert!(!guest.is_running(), "the source guest stays paused");
 }

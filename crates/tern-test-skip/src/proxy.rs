@@ -7,7 +7,7 @@
 use std::io::{Read, Write};
 use std::net::{Shutdown, TcpListener, TcpStream};
 use std::sync::atomic::{AtomicBool, AtomicU8, AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, Weak};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
@@ -18,6 +18,10 @@ const CUT: u8 = 1;
 /// Nothing moves, nothing closes: a stopped peer (as SIGSTOP would leave
 /// its sockets).
 const HOLD: u8 = 2;
+/// Bytes keep moving, but those from client to target arrive as 0xFF: a
+/// peer (or a link) that sends garbage, which the target must refuse as a
+/// protocol error (0xFF is no frame kind). The other direction passes.
+const CORRUPT: u8 = 3;
 
 /// A TCP proxy on 127.0.0.1 in front of `target`, with a link of `rate`
 /// bytes/s from client to target (so that a transfer lasts long enough to
@@ -28,7 +32,10 @@ pub struct Proxy {
     /// How many more new connections pass ([`UNLIMITED`]: all of them),
     /// and how many were turned away past that count.
     admissions: Arc<Admissions>,
-    streams: Arc<Mutex<Vec<TcpStream>>>,
+    /// The sockets of the connections open now, for a cut: weak, so that
+    /// a connection whose copies have ended closes its sockets, and a
+    /// peer that writes on gets a reset, as it would without a proxy.
+    streams: Arc<Mutex<Vec<Weak<TcpStream>>>>,
     done: Arc<AtomicBool>,
     accept: Option<JoinHandle<()>>,
 }
@@ -144,7 +151,7 @@ impl Proxy {
             turned_away: AtomicUsize::new(0),
             counted_closed_by_target: AtomicUsize::new(0),
         });
-        let streams: Arc<Mutex<Vec<TcpStream>>> = Arc::default();
+        let streams: Arc<Mutex<Vec<Weak<TcpStream>>>> = Arc::default();
         let done = Arc::new(AtomicBool::new(false));
         let link = Arc::new(Link {
             rate: rate.max(1),
@@ -185,6 +192,7 @@ impl Proxy {
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .drain(..)
+            .filter_map(|stream| stream.upgrade())
         {
             let _ = stream.shutdown(Shutdown::Both);
         }
@@ -193,6 +201,12 @@ impl Proxy {
     /// Stops moving bytes, closing nothing.
     pub fn hold(&self) {
         self.mode.store(HOLD, Ordering::Release);
+    }
+
+    /// From now on every byte from client to target (on every connection,
+    /// open or new) arrives as 0xFF; the other direction passes unchanged.
+    pub fn corrupt(&self) {
+        self.mode.store(CORRUPT, Ordering::Release);
     }
 
     /// Lets everything through again (new connections; a cut one stays
@@ -232,6 +246,7 @@ impl std::fmt::Debug for Proxy {
         let mode = match self.mode.load(Ordering::Acquire) {
             PASS => "pass",
             CUT => "cut",
+            CORRUPT => "corrupt",
             _ => "hold",
         };
         f.debug_struct("Proxy")
@@ -241,13 +256,17 @@ impl std::fmt::Debug for Proxy {
     }
 }
 
+/// Dropped, the proxy first stops listening (its accept thread ends with
+/// the listener), then severs every connection: a client that notices
+/// the cut and dials again finds nothing listening, as after the end of
+/// the process it stood for.
 impl Drop for Proxy {
     fn drop(&mut self) {
         self.done.store(true, Ordering::Release);
-        self.cut();
         if let Some(accept) = self.accept.take() {
             let _ = accept.join();
         }
+        self.cut();
     }
 }
 
@@ -274,7 +293,7 @@ fn accept_loop(
     listener: &TcpListener,
     target: &str,
     gate: &Gate<'_>,
-    streams: &Mutex<Vec<TcpStream>>,
+    streams: &Mutex<Vec<Weak<TcpStream>>>,
     done: &AtomicBool,
     link: &Arc<Link>,
 ) {
@@ -296,19 +315,17 @@ fn accept_loop(
         if client.set_nonblocking(false).is_err() {
             continue;
         }
+        let (client, server) = (Arc::new(client), Arc::new(server));
         {
             let mut kept = streams.lock().unwrap_or_else(|e| e.into_inner());
+            kept.retain(|stream| stream.strong_count() > 0);
             for stream in [&client, &server] {
                 // A short read timeout so a copy notices a cut or hold soon.
                 let _ = stream.set_read_timeout(Some(Duration::from_millis(10)));
-                if let Ok(clone) = stream.try_clone() {
-                    kept.push(clone);
-                }
+                kept.push(Arc::downgrade(stream));
             }
         }
-        let (Ok(up_from), Ok(up_to)) = (client.try_clone(), server.try_clone()) else {
-            continue;
-        };
+        let (up_from, up_to) = (client.clone(), server.clone());
         let (mode_up, mode_down) = (gate.mode.clone(), gate.mode.clone());
         let link = link.clone();
         let client_closed = Arc::new(AtomicBool::new(false));
@@ -317,14 +334,16 @@ fn accept_loop(
             client_closed,
             counted: (admission == Admission::Counted).then(|| gate.admissions.clone()),
         };
-        std::thread::spawn(move || copy(up_from, up_to, &mode_up, Some(&link), &up_end));
-        std::thread::spawn(move || copy(server, client, &mode_down, None, &down_end));
+        std::thread::spawn(move || copy(&up_from, &up_to, &mode_up, Some(&link), &up_end));
+        std::thread::spawn(move || copy(&server, &client, &mode_down, None, &down_end));
     }
 }
 
-/// Copies `from` to `to` while the proxy passes; ends (closing both) when
-/// either side closes (told to `end`) or the proxy cuts.
-fn copy(mut from: TcpStream, mut to: TcpStream, mode: &AtomicU8, link: Option<&Link>, end: &End) {
+/// Copies `from` to `to` while the proxy passes; ends (shutting both
+/// down) when either side closes (told to `end`) or the proxy cuts. The
+/// sockets close once both copies of their connection have ended.
+fn copy(from: &TcpStream, to: &TcpStream, mode: &AtomicU8, link: Option<&Link>, end: &End) {
+    let (mut from, mut to) = (from, to);
     let mut buf = vec![0u8; 16 << 10];
     loop {
         match mode.load(Ordering::Acquire) {
@@ -343,6 +362,10 @@ fn copy(mut from: TcpStream, mut to: TcpStream, mode: &AtomicU8, link: Option<&L
             Ok(read) => {
                 if let Some(link) = link {
                     link.pace(read);
+                    // The paced copy is the client-to-target one.
+                    if mode.load(Ordering::Acquire) == CORRUPT {
+                        buf[..read].fill(0xFF);
+                    }
                 }
                 if to.write_all(&buf[..read]).is_err() {
                     break;
@@ -398,6 +421,29 @@ mod tests {
         // a hang (the read timeout above bounds it).
         let end = client.read_to_end(&mut rest);
         assert!(end.as_ref().map_or(true, |&read| read == 0), "{end:?}");
+        drop(proxy);
+        crate::wait::join_within(server, "the target");
+    }
+
+    #[test]
+    fn a_corrupting_proxy_turns_client_bytes_into_0xff_and_passes_the_answers() {
+        let (target, server) = echo();
+        let proxy = Proxy::start(&target, 1 << 30);
+        let mut client = TcpStream::connect(proxy.address()).unwrap();
+        client
+            .set_read_timeout(Some(Duration::from_secs(60)))
+            .unwrap();
+        let mut answer = [0u8; 4];
+        client.write_all(b"ping").unwrap();
+        client.read_exact(&mut answer).unwrap();
+        assert_eq!(&answer, b"ping");
+        proxy.corrupt();
+        // The echo sends back what reached it: the garbage, unchanged on
+        // the way back.
+        client.write_all(b"pong").unwrap();
+        client.read_exact(&mut answer).unwrap();
+        assert_eq!(answer, [0xFF; 4]);
+        drop(client);
         drop(proxy);
         crate::wait::join_within(server, "the target");
     }

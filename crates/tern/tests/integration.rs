@@ -8,6 +8,7 @@ mod attacks_accept;
 mod attacks_trust;
 mod cli;
 mod control;
+mod postcopy_processes;
 mod process;
 mod serve_pages;
 mod snapshot_diff;

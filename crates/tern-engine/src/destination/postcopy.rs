@@ -17,14 +17,14 @@
 
 use std::collections::VecDeque;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::thread::ScopedJoinHandle;
 use std::time::{Duration, Instant};
 
 use tern_page::codec::CodecId;
 use tern_wire::{
-    FrameDecoder, FrameKind, MAX_REQUEST_PAGES, Message, PageKind, PageRequest, PageRun,
+    Abort, FrameDecoder, FrameKind, MAX_REQUEST_PAGES, Message, PageKind, PageRequest, PageRun,
     PostcopyComplete, SessionSetup, UrgentPages,
 };
 
@@ -501,35 +501,118 @@ pub(super) fn deliver_all(
     phase: &Phase<'_>,
     main: &mut Channel,
     decoder: &mut FrameDecoder,
-    channels: Vec<Channel>,
+    mut channels: Vec<Channel>,
 ) -> Result<(), MigrationError> {
+    let result = run_round(phase, main, decoder, &mut channels);
+    if let Err(error) = &result {
+        // A destination that gives up says so before any channel closes:
+        // a source that saw a page channel close first would take it for
+        // a broken link and wait, paused, for a recovery that never comes.
+        if !crate::postcopy::is_recoverable(error)
+            && !matches!(error, MigrationError::PeerAborted { .. })
+        {
+            tell_source_we_failed(main, error, phase.io_timeout);
+        }
+        // Whatever ended the round, the source hears of it now (each
+        // handle may be a second one on its socket: shut it down).
+        for channel in &channels {
+            channel.shutdown();
+        }
+    }
+    result
+}
+
+/// Sends the source an abort naming `error`, then waits up to `linger`
+/// for it to close the main channel (bytes it sends meanwhile are read
+/// and dropped): until then the page channels stay open, so that the
+/// abort is what the source sees first. Best effort: a main channel that
+/// is gone ends it at once.
+fn tell_source_we_failed(main: &mut Channel, error: &MigrationError, linger: Duration) {
+    let abort = Message::Abort(Abort {
+        reason: error.abort_reason(),
+        message: format!(
+            "postcopy failed on the destination, which paused the guest without all of its \
+             memory: {}",
+            error.chain()
+        ),
+    });
+    if main.send_message(&abort).is_err() {
+        return;
+    }
+    let until = Instant::now() + linger;
+    let mut byte = [0u8; 1];
+    loop {
+        let left = until.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return;
+        }
+        match main.wait_readable(left.min(POLL)) {
+            Ok(true) => {
+                // One byte at a time: what follows the abort may be
+                // anything, and a read never waits for more than is there.
+                if main.read_exact(&mut byte).is_err() {
+                    return;
+                }
+            }
+            Ok(false) => {}
+            Err(_) => return,
+        }
+    }
+}
+
+/// One round of postcopy on one connection: the push receivers and the
+/// main channel's thread, until every page is in or the first failure.
+fn run_round(
+    phase: &Phase<'_>,
+    main: &mut Channel,
+    decoder: &mut FrameDecoder,
+    channels: &mut [Channel],
+) -> Result<(), MigrationError> {
+    // The thread that failed first: its error is the cause, and those of
+    // the others may be its consequences (a placement refused because
+    // the failure released guest memory, a channel shut down for it).
+    let first_failed = AtomicUsize::new(usize::MAX);
+    let noted = |thread: usize, result: Result<(), MigrationError>| {
+        if result.is_err() {
+            let _ = first_failed.compare_exchange(
+                usize::MAX,
+                thread,
+                Ordering::AcqRel,
+                Ordering::Acquire,
+            );
+        }
+        result
+    };
     std::thread::scope(|scope| {
         let pushers: Vec<ScopedJoinHandle<'_, Result<(), MigrationError>>> = channels
-            .into_iter()
+            .iter_mut()
             .enumerate()
-            .map(|(index, channel)| scope.spawn(move || phase.receive_push(index + 1, channel)))
+            .map(|(index, channel)| {
+                scope.spawn(move || noted(index, phase.receive_push(index + 1, channel)))
+            })
             .collect();
-        let urgent = scope.spawn(|| phase.serve_main(main, decoder));
+        let main_thread = pushers.len();
+        let urgent = scope.spawn(move || noted(main_thread, phase.serve_main(main, decoder)));
         let waited = phase.wait_until_delivered(&pushers, &urgent);
         phase.stop.store(true, Ordering::Release);
         if waited.is_err() {
             // Whoever waits on a page stays blocked until the round ends.
             phase.delivery.pause();
         }
-        let mut first: Option<MigrationError> = None;
-        for handle in pushers.into_iter().chain(std::iter::once(urgent)) {
-            match handle.join() {
-                Ok(Err(error)) => {
-                    first.get_or_insert(error);
-                }
-                Err(_) => {
-                    first.get_or_insert(MigrationError::Internal(
-                        "a postcopy thread panicked".into(),
-                    ));
-                }
-                Ok(Ok(())) => {}
-            }
-        }
+        let mut errors: Vec<Option<MigrationError>> = pushers
+            .into_iter()
+            .chain(std::iter::once(urgent))
+            .map(|handle| match handle.join() {
+                Ok(result) => result.err(),
+                Err(_) => Some(MigrationError::Internal(
+                    "a postcopy thread panicked".into(),
+                )),
+            })
+            .collect();
+        let first = errors
+            .get_mut(first_failed.load(Ordering::Acquire))
+            .and_then(Option::take)
+            .or_else(|| errors.into_iter().flatten().next());
         // A thread's own error says more than the wait's.
         let result = match (first, waited) {
             (Some(error), _) | (None, Err(error)) => Err(error),
@@ -713,15 +796,12 @@ impl Phase<'_> {
     }
 
     /// One page channel's background push, until its last sync.
-    fn receive_push(&self, index: usize, mut channel: Channel) -> Result<(), MigrationError> {
-        let result = self.receive_push_until_end(index, &mut channel);
+    /// The channel stays open: [`deliver_all`] closes it once the round
+    /// has ended and the source was told why.
+    fn receive_push(&self, index: usize, channel: &mut Channel) -> Result<(), MigrationError> {
+        let result = self.receive_push_until_end(index, channel);
         if let Err(error) = &result {
             self.lost(error);
-        }
-        // Whatever ended the round, the source hears of it at once (the
-        // handle may be a second one on the socket: shut it down).
-        if self.stop.load(Ordering::Acquire) || result.is_err() {
-            channel.shutdown();
         }
         result
     }

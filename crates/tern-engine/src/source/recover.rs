@@ -83,13 +83,24 @@ impl Session<'_> {
                 cancel,
                 stale,
             )? {
-                Some(mended) => return Ok(mended),
-                None => {
+                Attempts::Mended(mended) => return Ok(*mended),
+                Attempts::TimedOut { all_refused } => {
+                    // Refused at every attempt: the host answers and
+                    // nothing listens, as when the destination's process
+                    // is gone. Still no proof (a firewall may refuse too),
+                    // and giving up would lose a guest that may yet be
+                    // mended: the operator decides, knowing this.
+                    let seen = if all_refused {
+                        "; every attempt was refused (nothing listens at the destination's \
+                         address: if its process is gone, so is the guest)"
+                    } else {
+                        ""
+                    };
                     let text = format!(
-                        "postcopy recovery timed out after {} s: the migration stays \
+                        "postcopy recovery timed out after {} s{seen}: the migration stays \
                          postcopy-paused (the guest runs on the destination without all of its \
                          memory); reconnect with migrate resume=true (tern ctl ... \
-                         migrate-resume) or cancel",
+                         migrate-resume) or cancel (exit status 6)",
                         self.config.postcopy_recover_timeout.as_secs_f64()
                     );
                     tracing::error!("{text}");
@@ -110,33 +121,35 @@ impl Session<'_> {
         }
     }
 
-    /// Attempts with backoff for `window`; `None` when none worked.
+    /// Attempts with backoff for `window`.
     fn reconnect_for(
         &self,
         window: Duration,
         control: &SourceControl,
         cancel: &CancelToken,
         stale: &StaleSet,
-    ) -> Result<Option<Mended>, MigrationError> {
+    ) -> Result<Attempts, MigrationError> {
         let until = Instant::now() + window;
         let mut backoff = FIRST_BACKOFF;
+        let mut all_refused = true;
         loop {
             if cancel.is_cancelled() {
                 return Err(MigrationError::Cancelled);
             }
             self.redirect(control)?;
             match self.reconnect_once(stale, until) {
-                Ok(mended) => return Ok(Some(mended)),
+                Ok(mended) => return Ok(Attempts::Mended(Box::new(mended))),
                 // A destination that answers with nonsense is not mended by
                 // trying again.
                 Err(error @ MigrationError::Protocol(_)) => return Err(error),
                 Err(error) => {
+                    all_refused &= refused_at_connect(&error);
                     tracing::debug!(error = %error.chain(), "postcopy reconnection failed");
                 }
             }
             let now = Instant::now();
             if now + backoff >= until {
-                return Ok(None);
+                return Ok(Attempts::TimedOut { all_refused });
             }
             std::thread::sleep(backoff);
             backoff = (backoff * 2).min(MAX_BACKOFF);
@@ -217,6 +230,27 @@ impl Session<'_> {
             missing,
         })
     }
+}
+
+/// How a window of reconnection attempts ended.
+enum Attempts {
+    Mended(Box<Mended>),
+    /// None worked; `all_refused` when each was refused at connect.
+    TimedOut {
+        all_refused: bool,
+    },
+}
+
+/// Whether a reconnection was refused before any byte moved: the host
+/// answered and nothing listens at the address.
+fn refused_at_connect(error: &MigrationError) -> bool {
+    matches!(
+        error,
+        MigrationError::Channel {
+            source: ChannelError::Connect(_, io),
+            ..
+        } if matches!(io.kind(), std::io::ErrorKind::ConnectionRefused | std::io::ErrorKind::NotFound)
+    )
 }
 
 /// Reads the destination's missing pages: every run must lie inside this

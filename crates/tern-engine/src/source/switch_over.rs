@@ -552,9 +552,17 @@ impl Source {
             Ok(complete) => complete,
             Err(error) => {
                 self.stats.set_postcopy(report);
+                // The destination's abort is its own word that it gave up:
+                // nothing is left to recover.
+                let fate = if matches!(error, MigrationError::PeerAborted { .. }) {
+                    "the destination gave up and paused the guest without all of its memory: \
+                     the guest is lost, and this source's copy, which is stale, stays paused"
+                } else {
+                    "the guest runs on the destination without all of its memory and cannot \
+                     continue without this source, whose copy stays paused"
+                };
                 return Err(MigrationError::PostcopyFailed {
-                    fate: "the guest runs on the destination without all of its memory and \
-                           cannot continue without this source, whose copy stays paused",
+                    fate,
                     cause: Box::new(error),
                 });
             }

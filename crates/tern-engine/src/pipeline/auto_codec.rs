@@ -8,7 +8,7 @@ use tern_page::PageCompressor;
 use tern_page::codec::{CodecChoice, CodecCounters, CodecId, CodecStats, QplPath};
 
 use super::delta_cache::DeltaCache;
-use super::rate::{LinkQueue, LinkWindow, QueueSamples, link_busy_share, link_estimate};
+use super::rate::{LinkQueue, LinkWindow, QueueSamples, link_estimate};
 use super::{Pipeline, delta_cache};
 use crate::bitmap::DirtyBitmap;
 use crate::guest::{MemoryRegion, PAGE_SIZE};
@@ -738,16 +738,12 @@ impl Pipeline<'_> {
             .as_ref()
             .map(LinkQueue::snapshot)
             .unwrap_or_default();
-        // The share of time the link was busy: near 1 the link is the
+        // The share of time the senders were busy: near 1 the link is the
         // bottleneck and the wire rate is its capacity; lower, the link
         // could carry proportionally more.
-        let busy_share = link_busy_share(
-            busy - auto.busy_at_start,
-            elapsed,
-            self.channel_count,
-            &auto.queue_at_start,
-            &queue,
-        );
+        let busy_share =
+            ((busy - auto.busy_at_start) as f64 / 1e9 / (elapsed * self.channel_count as f64))
+                .clamp(0.05, 1.0);
         let window = LinkWindow {
             seconds: elapsed,
             written: wire - auto.wire_at_start,

@@ -228,44 +228,6 @@ pub(super) fn link_estimate(window: &LinkWindow) -> f64 {
     window.written as f64 / seconds / window.busy_share.clamp(0.05, 1.0)
 }
 
-/// The share of a window's time the link was busy, for the estimate of a
-/// window in which it did not push back: the larger of the senders' share
-/// (time blocked in a send, from `sender_busy_ns` of the window) and the
-/// sockets' (the kernel's time with data in flight, `tcpi_busy_time`, less
-/// the time the peer's receive window was full, `tcpi_rwnd_limited`), each
-/// over `channels` channels, clamped to 0.05..=1. Pure.
-///
-/// A send into a socket buffer with room returns at once, so the senders'
-/// share alone reads a link that carries each packet before the next is
-/// written as idle: on the bench's shaped 1 Gbit/s link the first
-/// decisions of 15 of 20 runs (issue 31, series E and F) read it at
-/// 900-2300 MB/s with zstd in force and went raw, then came back
-/// 300-1300 ms later; a postcopy run stayed raw on 1889 MB/s until 55 s.
-/// The kernel counts the time the link took to carry and acknowledge
-/// them.
-pub(super) fn link_busy_share(
-    sender_busy_ns: u64,
-    seconds: f64,
-    channels: usize,
-    queue_at_start: &QueueSamples,
-    queue_at_end: &QueueSamples,
-) -> f64 {
-    let channel_seconds = seconds.max(1e-6) * channels.max(1) as f64;
-    let senders = sender_busy_ns as f64 / 1e9 / channel_seconds;
-    // Time the peer's receive window held the data back is the peer's,
-    // not the link's: a peer that limits is for `peer_bound` to judge.
-    let in_flight = queue_at_end
-        .busy_us
-        .saturating_sub(queue_at_start.busy_us)
-        .saturating_sub(
-            queue_at_end
-                .receiver_limited_us
-                .saturating_sub(queue_at_start.receiver_limited_us),
-        );
-    let sockets = in_flight as f64 / 1e6 / channel_seconds;
-    senders.max(sockets).clamp(0.05, 1.0)
-}
-
 /// Channels' busy time below this in a window says nothing about who
 /// limited them (the kernel counts in jiffies, 4 ms at HZ=250).
 const PEER_BOUND_MIN_BUSY_US: u64 = 20_000;
@@ -419,50 +381,6 @@ mod tests {
             samples.receiver_limited_us <= samples.busy_us,
             "{samples:?}"
         );
-    }
-
-    #[test]
-    fn the_link_is_busy_while_its_sockets_hold_data_in_flight() {
-        let at = |busy_us| QueueSamples {
-            busy_us,
-            ..QueueSamples::default()
-        };
-        // Issue 31: a 70 ms window on the shaped 1 Gbit/s link, zstd in
-        // force, 8.4 MB written by two channels whose sends took 4 ms in
-        // all; their sockets had data in flight 63 and 59 ms.
-        let share = super::link_busy_share(4_000_000, 0.07, 2, &at(1_000_000), &at(1_122_000));
-        assert!((share - 122.0 / 140.0).abs() < 1e-9, "{share}");
-        let window = LinkWindow {
-            raw: false,
-            seconds: 0.07,
-            written: 8_400_000,
-            busy_share: share,
-            queue_at_start: at(1_000_000),
-            queue_at_end: at(1_122_000),
-        };
-        let estimate = link_estimate(&window);
-        assert!((estimate / 1e6 - 137.7).abs() < 0.1, "{estimate}");
-        // The senders' share alone: 30x the link.
-        let senders_only = super::link_busy_share(4_000_000, 0.07, 2, &at(0), &at(0));
-        assert_eq!(senders_only, 0.05);
-        // Loopback: data in flight for moments; the senders' share, if
-        // larger, counts; neither goes past the clamp.
-        let loopback = super::link_busy_share(28_000_000, 0.07, 2, &at(0), &at(3_000));
-        assert!((loopback - 0.2).abs() < 1e-9, "{loopback}");
-        assert_eq!(
-            super::link_busy_share(u64::MAX, 0.07, 2, &at(0), &at(u64::MAX)),
-            1.0
-        );
-        assert_eq!(super::link_busy_share(0, 0.0, 0, &at(5), &at(0)), 0.05);
-        // A peer that does not read keeps data in flight: that time is not
-        // the link's (loopback with zstd in force must still go raw).
-        let peer_limited = QueueSamples {
-            busy_us: 1_122_000,
-            receiver_limited_us: 110_000,
-            ..QueueSamples::default()
-        };
-        let share = super::link_busy_share(0, 0.07, 2, &at(1_000_000), &peer_limited);
-        assert!((share - 12.0 / 140.0).abs() < 1e-9, "{share}");
     }
 
     #[test]

@@ -203,37 +203,8 @@ impl AutoCodec {
             ),
         );
         let mut outcome = WindowOutcome::default();
-        // The codec in force before the link was measured is a guess
-        // (calibration's, for a link of unknown speed): the first decision
-        // on a measured link replaces it at once.
-        let verdict = if first_measurement {
-            match self.codec_choice.settle(proposed.codec) {
-                Some(from) => tern_page::codec::Steadiness::Switched { from },
-                None => tern_page::codec::Steadiness::Kept,
-            }
-        } else {
-            self.codec_choice.offer(proposed.codec)
-        };
-        let beyond_budget = matches!(verdict, tern_page::codec::Steadiness::OverBudget)
-            && current == CodecId::None
-            && proposed.codec != CodecId::None;
-        // Raw is not held by the spent budget. A raw window's estimate can
-        // only overstate the link (what left the sockets where the link
-        // pushed back, else what the busy share allows), so a codec it
-        // proposes is measured, not noise. Issue 31: a postcopy run spent
-        // its three switches on misread windows (the last to raw on a
-        // 1889 MB/s reading of the shaped 1 Gbit/s link) and sent raw for
-        // 47 s, 212 confirmed proposals held; under raw no ratio is
-        // measured, so the content watch could never renew the budget.
-        let verdict = if beyond_budget {
-            self.codec_choice
-                .settle(proposed.codec)
-                .map_or(tern_page::codec::Steadiness::Kept, |from| {
-                    tern_page::codec::Steadiness::Switched { from }
-                })
-        } else {
-            verdict
-        };
+        let (verdict, beyond_budget) =
+            self.codec_verdict(current, proposed.codec, first_measurement);
         match verdict {
             tern_page::codec::Steadiness::Switched { from } => {
                 let level = level_for(proposed.codec);
@@ -271,6 +242,48 @@ impl AutoCodec {
             outcome.level = self.decide_level(&measured, link, workers, at_ms);
         }
         outcome
+    }
+
+    /// What the codec's hysteresis makes of `proposed` against `current`,
+    /// and whether it takes over beyond the switches allowed.
+    fn codec_verdict(
+        &mut self,
+        current: CodecId,
+        proposed: CodecId,
+        first_measurement: bool,
+    ) -> (tern_page::codec::Steadiness<CodecId>, bool) {
+        // The codec in force before the link was measured is a guess
+        // (calibration's, for a link of unknown speed): the first decision
+        // on a measured link replaces it at once.
+        if first_measurement {
+            let verdict = match self.codec_choice.settle(proposed) {
+                Some(from) => tern_page::codec::Steadiness::Switched { from },
+                None => tern_page::codec::Steadiness::Kept,
+            };
+            return (verdict, false);
+        }
+        let verdict = self.codec_choice.offer(proposed);
+        // Raw is not held by the spent budget. A raw window's estimate can
+        // only overstate the link (what left the sockets where the link
+        // pushed back, else what the busy share allows), so a codec it
+        // proposes is measured, not noise. Issue 31: a postcopy run spent
+        // its three switches on misread windows (the last to raw on a
+        // 1889 MB/s reading of the shaped 1 Gbit/s link) and sent raw for
+        // 47 s, 212 confirmed proposals held; under raw no ratio is
+        // measured, so the content watch could never renew the budget.
+        if matches!(verdict, tern_page::codec::Steadiness::OverBudget)
+            && current == CodecId::None
+            && proposed != CodecId::None
+        {
+            let verdict = self
+                .codec_choice
+                .settle(proposed)
+                .map_or(tern_page::codec::Steadiness::Kept, |from| {
+                    tern_page::codec::Steadiness::Switched { from }
+                });
+            return (verdict, true);
+        }
+        (verdict, false)
     }
 
     /// The level for the codec in force, measured as `measured` over the
@@ -1218,7 +1231,10 @@ mod tests {
             .rev()
             .find(|d| d.subject == "codec")
             .unwrap();
-        assert!(last.reason.contains("beyond the switches allowed"), "{last:?}");
+        assert!(
+            last.reason.contains("beyond the switches allowed"),
+            "{last:?}"
+        );
         // A codec is held as before: misread windows leave it in force.
         let codecs = follow(&mut auto, &[memory_speed; 9]);
         assert!(codecs.iter().all(|&c| c == CodecId::Zstd), "{codecs:?}");

@@ -473,6 +473,7 @@ impl Heartbeat {
                 &stats.placing,
                 lateness.max(self.previous_lateness),
                 stats.backlog.total(),
+                stats.backlog.take_lag(Instant::now()),
                 stats.received.load(Ordering::Relaxed),
             );
             self.previous_lateness = lateness;

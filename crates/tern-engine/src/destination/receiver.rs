@@ -44,14 +44,23 @@ pub(super) fn receive_pages(
         match receiver.read_packet(&mut source)? {
             Packet::Pages(packet) => {
                 let unread = source.unread_bytes();
-                shared.stats.backlog.record(index, unread);
+                let rest = u64::try_from(packet.payload_len).unwrap_or(u64::MAX);
+                shared
+                    .stats
+                    .backlog
+                    .record(index, unread, rest, Instant::now());
                 if receiver.iteration_began.is_none() {
                     receiver.iteration_began = Some(StepMark::now().with_queued(unread));
                 }
                 receiver.receive_packet(&mut source, &packet)?;
             }
             Packet::Sync(sync) => {
-                let read = StepMark::now().with_queued(source.unread_bytes());
+                let unread = source.unread_bytes();
+                shared
+                    .stats
+                    .backlog
+                    .record(index, unread, 0, Instant::now());
+                let read = StepMark::now().with_queued(unread);
                 receiver.end_iteration(sync, read)?;
             }
         }

@@ -203,17 +203,8 @@ impl AutoCodec {
             ),
         );
         let mut outcome = WindowOutcome::default();
-        // The codec in force before the link was measured is a guess
-        // (calibration's, for a link of unknown speed): the first decision
-        // on a measured link replaces it at once.
-        let verdict = if first_measurement {
-            match self.codec_choice.settle(proposed.codec) {
-                Some(from) => tern_page::codec::Steadiness::Switched { from },
-                None => tern_page::codec::Steadiness::Kept,
-            }
-        } else {
-            self.codec_choice.offer(proposed.codec)
-        };
+        let (verdict, beyond_budget) =
+            self.codec_verdict(current, proposed.codec, first_measurement);
         match verdict {
             tern_page::codec::Steadiness::Switched { from } => {
                 let level = level_for(proposed.codec);
@@ -224,7 +215,14 @@ impl AutoCodec {
                 );
                 self.content.reset();
                 self.report.codec_switches += 1;
-                let reason = self.codec_reason(from, proposed, link, workers, first_measurement);
+                let mut reason =
+                    self.codec_reason(from, proposed, link, workers, first_measurement);
+                if beyond_budget {
+                    reason.push_str(
+                        " (beyond the switches allowed: raw's windows measure the link, and \
+                         raw is not held on a link a codec beats)",
+                    );
+                }
                 self.note(at_ms, "codec", proposed.codec.name().to_string(), reason);
                 outcome.codec = Some(proposed.codec);
                 outcome.level = Some(level);
@@ -244,6 +242,48 @@ impl AutoCodec {
             outcome.level = self.decide_level(&measured, link, workers, at_ms);
         }
         outcome
+    }
+
+    /// What the codec's hysteresis makes of `proposed` against `current`,
+    /// and whether it takes over beyond the switches allowed.
+    fn codec_verdict(
+        &mut self,
+        current: CodecId,
+        proposed: CodecId,
+        first_measurement: bool,
+    ) -> (tern_page::codec::Steadiness<CodecId>, bool) {
+        // The codec in force before the link was measured is a guess
+        // (calibration's, for a link of unknown speed): the first decision
+        // on a measured link replaces it at once.
+        if first_measurement {
+            let verdict = match self.codec_choice.settle(proposed) {
+                Some(from) => tern_page::codec::Steadiness::Switched { from },
+                None => tern_page::codec::Steadiness::Kept,
+            };
+            return (verdict, false);
+        }
+        let verdict = self.codec_choice.offer(proposed);
+        // Raw is not held by the spent budget. A raw window's estimate can
+        // only overstate the link (what left the sockets where the link
+        // pushed back, else what the busy share allows), so a codec it
+        // proposes is measured, not noise. Issue 31: a postcopy run spent
+        // its three switches on misread windows (the last to raw on a
+        // 1889 MB/s reading of the shaped 1 Gbit/s link) and sent raw for
+        // 47 s, 212 confirmed proposals held; under raw no ratio is
+        // measured, so the content watch could never renew the budget.
+        if matches!(verdict, tern_page::codec::Steadiness::OverBudget)
+            && current == CodecId::None
+            && proposed != CodecId::None
+        {
+            let verdict = self
+                .codec_choice
+                .settle(proposed)
+                .map_or(tern_page::codec::Steadiness::Kept, |from| {
+                    tern_page::codec::Steadiness::Switched { from }
+                });
+            return (verdict, true);
+        }
+        (verdict, false)
     }
 
     /// The level for the codec in force, measured as `measured` over the
@@ -1164,6 +1204,44 @@ mod tests {
             .collect();
         assert_eq!(recorded.len(), 1 + CODEC_SWITCH_BUDGET as usize);
         assert!(recorded[1].reason.contains("MB/s"), "{:?}", recorded[1]);
+    }
+
+    /// Issue 31: a postcopy run spent the budget on misread windows, the
+    /// last switch to raw, and sent raw on a 1 Gbit/s link for 47 s.
+    #[test]
+    fn the_spent_budget_does_not_hold_raw_on_a_slow_link() {
+        let mut auto = auto_on(software());
+        let slow = 125e6;
+        let memory_speed = 5e9;
+        // Runs of three windows: slow (zstd kept), then misread as fast
+        // (raw), slow (zstd), fast (raw): the three switches allowed.
+        let misread: Vec<f64> = (0..12)
+            .map(|w| if (w / 3) % 2 == 0 { slow } else { memory_speed })
+            .collect();
+        follow(&mut auto, &misread);
+        assert_eq!(auto.codec(), CodecId::None);
+        assert_eq!(auto.report.codec_switches, u64::from(CODEC_SWITCH_BUDGET));
+        // Raw's windows on the slow link: zstd again, beyond the budget.
+        let codecs = follow(&mut auto, &[slow; 3]);
+        assert_eq!(codecs.last(), Some(&CodecId::Zstd), "{codecs:?}");
+        let last = auto
+            .report
+            .decisions
+            .iter()
+            .rev()
+            .find(|d| d.subject == "codec")
+            .unwrap();
+        assert!(
+            last.reason.contains("beyond the switches allowed"),
+            "{last:?}"
+        );
+        // A codec is held as before: misread windows leave it in force.
+        let codecs = follow(&mut auto, &[memory_speed; 9]);
+        assert!(codecs.iter().all(|&c| c == CodecId::Zstd), "{codecs:?}");
+        assert_eq!(
+            auto.report.codec_switches,
+            u64::from(CODEC_SWITCH_BUDGET) + 1
+        );
     }
 
     #[test]

@@ -415,7 +415,15 @@ fn vm_save_and_restore_eager_lazy_and_diff_between_processes() {
     let full = directory.path().join("full.tern");
     let diff = directory.path().join("diff.tern");
     let output = tern()
-        .args(["vm", "save", "--json", "--stop", "--track-dirty-pages", "--memory", "32MiB"])
+        .args([
+            "vm",
+            "save",
+            "--json",
+            "--stop",
+            "--track-dirty-pages",
+            "--memory",
+            "32MiB",
+        ])
         .args(["--warmup", "50", "--diff-after", "200", "--output"])
         .arg(&full)
         .arg("--diff-output")

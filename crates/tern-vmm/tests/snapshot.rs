@@ -61,6 +61,16 @@ fn xxhash(bytes: &[u8]) -> u128 {
 }
 
 fn save_paused(guest: &mut KvmGuest, path: &std::path::Path, live: bool) -> (u128, u64) {
+    let (hash, passes, _) = save_paused_with_digest(guest, path, live);
+    (hash, passes)
+}
+
+/// As `save_paused`, also returning the memory digest the save recorded.
+fn save_paused_with_digest(
+    guest: &mut KvmGuest,
+    path: &std::path::Path,
+    live: bool,
+) -> (u128, u64, String) {
     let config = {
         let mut config = SaveConfig::default();
         config.live = live;
@@ -68,8 +78,8 @@ fn save_paused(guest: &mut KvmGuest, path: &std::path::Path, live: bool) -> (u12
         config.final_pass_pages = 16;
         config
     };
-    tern_engine::save(guest, path, &config).expect("save");
-    (memory_hash(guest), guest.pass_count())
+    let stats = tern_engine::save(guest, path, &config).expect("save");
+    (memory_hash(guest), guest.pass_count(), stats.digest)
 }
 
 #[test]
@@ -107,7 +117,7 @@ fn a_lazily_restored_kvm_guest_counts_on_while_its_memory_loads() {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("lazy.tern");
     let mut source = running_source();
-    let (_, passes) = save_paused(&mut source, &path, false);
+    let (_, passes, digest) = save_paused_with_digest(&mut source, &path, false);
     drop(source);
     let config = {
         let mut config = RestoreConfig::default();
@@ -139,6 +149,9 @@ fn a_lazily_restored_kvm_guest_counts_on_while_its_memory_loads() {
     memory_hash(lazy.guest());
     let (mut restored, stats) = lazy.wait_loaded(WITHIN).unwrap();
     assert!(stats.faults.faults > 0);
+    // Every page came from the file with its chunk's hash checked, and
+    // the digest of what was loaded is the one the save recorded.
+    assert_eq!(stats.digest, digest);
     restored.pause().unwrap();
     let report = restored.consistency_check().unwrap();
     assert!(report.passed, "{report:?}");
@@ -188,7 +201,60 @@ fn a_tracked_diff_of_the_kvm_guest_restores_on_its_base() {
     restore.bases = vec![base];
     let restored = tern_engine::restore(&diff, &restore, destination).unwrap();
     assert_eq!(restored.stats.digest, stats.digest);
-    let restored = restored.guest;
+    let mut restored = restored.guest;
     assert_eq!(memory_hash(&restored), hash);
     assert_eq!(restored.pass_count(), passes);
+    restored.resume().unwrap();
+    assert!(
+        restored.wait_for_pass_count_above(passes + 2, WITHIN),
+        "the guest restored from base + diff counts on (status {:?})",
+        restored.vcpu_status()
+    );
+}
+
+/// Base + tracked diff of the KVM guest restored lazily: the guest runs
+/// at once on pages faulted in from whichever layer defines them, counts
+/// on, and once everything is loaded the digest is the diff's.
+#[test]
+fn a_tracked_diff_of_the_kvm_guest_restores_lazily_on_its_base_and_counts_on() {
+    require_kvm!();
+    let dir = tempfile::tempdir().unwrap();
+    let base = dir.path().join("base.tern");
+    let diff = dir.path().join("diff.tern");
+    let mut source = running_source();
+    let mut tracker = tern_engine::DirtyTracker::new();
+    let mut config = SaveConfig::default();
+    tern_engine::save_tracked(&mut source, &base, &config, &mut tracker).expect("base");
+    let passes = source.pass_count();
+    assert!(
+        source.wait_for_pass_count_above(passes + 2, WITHIN),
+        "the guest counts on after the base"
+    );
+    config.resume = false;
+    config.diff_base = Some(base.clone());
+    let saved = tern_engine::save_tracked(&mut source, &diff, &config, &mut tracker).expect("diff");
+    let passes = source.pass_count();
+    drop(source);
+    let mut restore = RestoreConfig::default();
+    restore.bases = vec![base];
+    let lazy = match tern_engine::restore_lazy(&diff, &restore, destination) {
+        Err(SnapshotError::Fault(error)) => {
+            tern_test_skip::skip(
+                tern_test_skip::Need::Userfaultfd,
+                format!("no userfaultfd for this process: {error}"),
+            );
+            return;
+        }
+        other => other.unwrap(),
+    };
+    assert!(
+        lazy.guest().wait_for_pass_count_above(passes + 2, WITHIN),
+        "the lazily restored guest counts on (status {:?})",
+        lazy.guest().vcpu_status()
+    );
+    let (mut restored, stats) = lazy.wait_loaded(WITHIN).unwrap();
+    assert_eq!(stats.digest, saved.digest);
+    restored.pause().unwrap();
+    let report = restored.consistency_check().unwrap();
+    assert!(report.passed, "{report:?}");
 }

@@ -383,3 +383,72 @@ fn vm_save_reports_the_guest_running_on_after_a_live_save() {
     assert!(output.status.success(), "{output:?}");
     assert_eq!(json(&output)["guest-runs"], false);
 }
+
+/// `tern vm restore` of `file` (on `bases`), eager or lazy, as a user runs it.
+fn vm_restore(file: &std::path::Path, bases: &[&std::path::Path], lazy: bool) -> serde_json::Value {
+    let mut command = tern();
+    command.args(["vm", "restore", "--json", "--run-after", "300"]);
+    command.arg("--snapshot").arg(file);
+    for base in bases {
+        command.arg("--base").arg(base);
+    }
+    if lazy {
+        command.arg("--lazy");
+    }
+    let output = command.output().unwrap();
+    assert!(output.status.success(), "{output:?}");
+    json(&output)
+}
+
+/// The whole path through the binary for the KVM guest: `tern vm save`
+/// (a full snapshot and a tracked diff on it, the guest stopped at the
+/// end), then `tern vm restore` eager and `--lazy` of each in new
+/// processes: the digest the restore verified is the one the save
+/// recorded, and the restored guest's pass counter moves on from where it
+/// was saved.
+#[test]
+fn vm_save_and_restore_eager_lazy_and_diff_between_processes() {
+    if !kvm_or_skip() {
+        return;
+    }
+    let directory = tempfile::tempdir().unwrap();
+    let full = directory.path().join("full.tern");
+    let diff = directory.path().join("diff.tern");
+    let output = tern()
+        .args([
+            "vm",
+            "save",
+            "--json",
+            "--stop",
+            "--track-dirty-pages",
+            "--memory",
+            "32MiB",
+        ])
+        .args(["--warmup", "50", "--diff-after", "200", "--output"])
+        .arg(&full)
+        .arg("--diff-output")
+        .arg(&diff)
+        .output()
+        .unwrap();
+    assert!(output.status.success(), "{output:?}");
+    let saved = json(&output);
+    let saved_diff = &saved["diffs"][0];
+    assert!(saved_diff["digest"].is_string(), "{saved}");
+    for (file, bases, digest) in [
+        (&full, vec![], &saved["digest"]),
+        (&diff, vec![full.as_path()], &saved_diff["digest"]),
+    ] {
+        for lazy in [false, true] {
+            let restored = vm_restore(file, &bases, lazy);
+            let context = format!("{} lazy={lazy}: {restored}", file.display());
+            assert_eq!(&restored["digest"], digest, "{context}");
+            assert_eq!(restored["guest-runs"], true, "{context}");
+            let before = restored["pass-count-before"].as_u64().unwrap();
+            let after = restored["pass-count-after"].as_u64().unwrap();
+            assert!(after > before, "the guest counts on: {context}");
+        }
+    }
+    // The full snapshot was taken with the guest running on afterwards
+    // (only the last save stops it), so the diff's guest is further on.
+    assert!(saved["pass-count"].as_u64().unwrap() > 0, "{saved}");
+}

@@ -38,7 +38,7 @@ pub use file::SnapshotFile;
 pub use lazy::{LazyRestore, LazyStats, StartupTimes};
 pub use merge::{MergeStats, merge};
 pub use restore::{RestoreConfig, RestoreStats, Restored, restore};
-pub use save::{SaveConfig, SaveStats, save, save_tracked};
+pub use save::{SaveConfig, SaveStats, default_writers, save, save_tracked};
 pub use tracker::DirtyTracker;
 
 pub use lazy::{restore_lazy, restore_lazy_prepared};

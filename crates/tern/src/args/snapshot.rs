@@ -19,9 +19,9 @@ pub(crate) struct SaveFileArgs {
     /// only for the last pass); default: pause, then write.
     #[arg(long)]
     pub live: bool,
-    /// Writer threads.
-    #[arg(long, default_value_t = 4, value_parser = clap::value_parser!(u16).range(1..=256))]
-    pub writers: u16,
+    /// Writer threads [default: the cores this process may run on, at most 4].
+    #[arg(long, value_parser = clap::value_parser!(u16).range(1..=256))]
+    pub writers: Option<u16>,
     /// Write pages with O_DIRECT, bypassing the page cache.
     #[arg(long)]
     pub direct: bool,
@@ -65,7 +65,9 @@ impl SaveFileArgs {
     pub(crate) fn config(&self) -> SaveConfig {
         {
             let mut config = SaveConfig::default();
-            config.writers = usize::from(self.writers);
+            if let Some(writers) = self.writers {
+                config.writers = usize::from(writers);
+            }
             config.direct = self.direct;
             config.live = self.live;
             config.resume = !self.stop;

@@ -490,6 +490,15 @@ mod tests {
     use crate::error::{ChannelError, MigrationError};
     use crate::transport::{Address, Channel, Connect, Connector};
 
+    /// Each migration's session id is its own: a destination tells a
+    /// stray or stale connection from the session in progress by it.
+    #[test]
+    fn session_ids_differ_from_one_migration_to_the_next() {
+        let ids: std::collections::HashSet<u64> =
+            (0..64).map(|_| super::random_session_id()).collect();
+        assert_eq!(ids.len(), 64);
+    }
+
     const SESSION: u64 = 0x7e57_c0de;
 
     /// What the fake destination does with one connection.

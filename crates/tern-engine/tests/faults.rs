@@ -142,19 +142,23 @@ fn handshake_with_codecs(address: &tern_engine::Address, channels: u16, codecs: 
     main.send_message(&hello_with_codecs(channels, codecs))
         .unwrap();
     assert!(matches!(main.read_message().unwrap(), Message::Welcome(_)));
-    let mut pages = Vec::new();
-    for index in 1..=channels {
-        let mut channel = connect(address);
-        channel
-            .send_message(&channel_hello(SESSION, index))
-            .unwrap();
-        assert!(matches!(
-            channel.read_message().unwrap(),
-            Message::Welcome(_)
-        ));
-        pages.push(channel);
-    }
+    let pages = (1..=channels)
+        .map(|index| welcomed_page_channel(address, index))
+        .collect();
     FakeSource { main, pages }
+}
+
+/// Page channel `index` of the session, connected and welcomed.
+fn welcomed_page_channel(address: &tern_engine::Address, index: u16) -> Channel {
+    let mut channel = connect(address);
+    channel
+        .send_message(&channel_hello(SESSION, index))
+        .unwrap();
+    assert!(matches!(
+        channel.read_message().unwrap(),
+        Message::Welcome(_)
+    ));
+    channel
 }
 
 fn expect_destination_error(
@@ -254,18 +258,10 @@ fn a_page_channel_index_outside_the_session_is_turned_away() {
             .unwrap();
         expect_abort(&mut stray, refusal);
     }
-    let mut right = Vec::new();
-    for index in [2, 1] {
-        let mut channel = connect(&address);
-        channel
-            .send_message(&channel_hello(SESSION, index))
-            .unwrap();
-        assert!(matches!(
-            channel.read_message().unwrap(),
-            Message::Welcome(_)
-        ));
-        right.push(channel);
-    }
+    let right: Vec<Channel> = [2, 1]
+        .into_iter()
+        .map(|index| welcomed_page_channel(&address, index))
+        .collect();
     drop(right);
     drop(main);
     expect_destination_error(destination, "closed");

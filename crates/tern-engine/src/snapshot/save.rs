@@ -53,9 +53,9 @@ pub struct SaveConfig {
 /// Writers a save uses unless told: one per core this process may run
 /// on, at most 4. Buffered writes to one file take its inode lock in turn
 /// (ext4), so writers beyond the cores only wait for the lock, or hold it
-/// while descheduled: on 2 loaded cores a paused 1 GiB save took 1.85 s
-/// (median) with 2 writers against 3.03 s with 4 (docs/snapshots.md,
-/// "Save").
+/// while descheduled: on 2 loaded cores a paused 1 GiB save took 2.30 s
+/// (median of 7, interleaved) with 2 writers against 2.98 s with 4
+/// (docs/snapshots.md, "Measured").
 pub fn default_writers() -> usize {
     std::thread::available_parallelism().map_or(1, |cores| cores.get().min(4))
 }

@@ -256,11 +256,7 @@ impl AutoCodec {
         // (calibration's, for a link of unknown speed): the first decision
         // on a measured link replaces it at once.
         if first_measurement {
-            let verdict = match self.codec_choice.settle(proposed) {
-                Some(from) => tern_page::codec::Steadiness::Switched { from },
-                None => tern_page::codec::Steadiness::Kept,
-            };
-            return (verdict, false);
+            return (self.settle_codec(proposed), false);
         }
         let verdict = self.codec_choice.offer(proposed);
         // Raw is not held by the spent budget. A raw window's estimate can
@@ -275,15 +271,19 @@ impl AutoCodec {
             && current == CodecId::None
             && proposed != CodecId::None
         {
-            let verdict = self
-                .codec_choice
-                .settle(proposed)
-                .map_or(tern_page::codec::Steadiness::Kept, |from| {
-                    tern_page::codec::Steadiness::Switched { from }
-                });
-            return (verdict, true);
+            return (self.settle_codec(proposed), true);
         }
         (verdict, false)
+    }
+
+    /// Puts `proposed` in force past the hysteresis: switched from the
+    /// codec before, or kept when it was already in force.
+    fn settle_codec(&mut self, proposed: CodecId) -> tern_page::codec::Steadiness<CodecId> {
+        self.codec_choice
+            .settle(proposed)
+            .map_or(tern_page::codec::Steadiness::Kept, |from| {
+                tern_page::codec::Steadiness::Switched { from }
+            })
     }
 
     /// The level for the codec in force, measured as `measured` over the

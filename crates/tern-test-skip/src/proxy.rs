@@ -362,10 +362,9 @@ fn copy(from: &TcpStream, to: &TcpStream, mode: &AtomicU8, link: Option<&Link>, 
             Ok(read) => {
                 if let Some(link) = link {
                     link.pace(read);
-                    // The paced copy is the client-to-target one.
-                    if mode.load(Ordering::Acquire) == CORRUPT {
-                        buf[..read].fill(0xFF);
-                    }
+                }
+                if matches!(end, End::Client(_)) && mode.load(Ordering::Acquire) == CORRUPT {
+                    buf[..read].fill(0xFF);
                 }
                 if to.write_all(&buf[..read]).is_err() {
                     break;

@@ -19,22 +19,7 @@ use tern_engine::{
 use tern_synthetic::{ContentMix, SyntheticConfig, SyntheticGuest};
 use tern_test_skip::proxy::Proxy;
 
-/// Whether this process may use userfaultfd; a skip says why not.
-fn userfaultfd_works() -> bool {
-    // SAFETY: the system call takes flags only; the descriptor is closed
-    // right away.
-    let fd = unsafe { libc::syscall(libc::SYS_userfaultfd, libc::O_CLOEXEC) };
-    if fd >= 0 {
-        // SAFETY: our own descriptor.
-        unsafe { libc::close(libc::c_int::try_from(fd).unwrap()) };
-        return true;
-    }
-    tern_test_skip::skip(
-        tern_test_skip::Need::Userfaultfd,
-        "no userfaultfd for this process",
-    );
-    false
-}
+use tern_test_skip::userfaultfd_works;
 
 /// A guest whose working set is rewritten much faster than the link
 /// moves it: most of it is stale at the switch.

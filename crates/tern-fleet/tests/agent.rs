@@ -17,6 +17,7 @@ use tern_engine::{
 use tern_fleet::protocol::{FleetState, MigrationView};
 use tern_fleet::{Agent, JoinOptions, Settings, Steered, join};
 use tern_synthetic::{SyntheticConfig, SyntheticGuest};
+use tern_test_skip::userfaultfd_works;
 use tern_test_skip::wait::{DEADLINE, join_within, output_within, wait_until};
 
 const MB: u64 = 1_000_000;
@@ -548,34 +549,6 @@ fn two_real_migrations_pass_one_slot_in_turn_and_both_verify() {
         4,
         "two sources, two destinations"
     );
-}
-
-/// Whether this process may use userfaultfd (postcopy's destination); a
-/// skip says why not.
-fn userfaultfd_works() -> bool {
-    // SAFETY: the system call takes flags only; the descriptor is closed
-    // right away.
-    let fd = unsafe { libc::syscall(libc::SYS_userfaultfd, libc::O_CLOEXEC) };
-    if let Ok(fd) = i32::try_from(fd)
-        && fd >= 0
-    {
-        // SAFETY: our own descriptor, closed once.
-        unsafe { libc::close(fd) };
-        return true;
-    }
-    if std::fs::OpenOptions::new()
-        .read(true)
-        .write(true)
-        .open("/dev/userfaultfd")
-        .is_ok()
-    {
-        return true;
-    }
-    tern_test_skip::skip(
-        tern_test_skip::Need::Userfaultfd,
-        "no userfaultfd for this process",
-    );
-    false
 }
 
 // long: one migration under a policy, watched from start to end

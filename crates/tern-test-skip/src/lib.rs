@@ -126,6 +126,31 @@ fn append(path: &std::ffi::OsStr, line: &str) {
     }
 }
 
+/// Whether this process may create a userfaultfd (the system call, or
+/// `/dev/userfaultfd` where the call is refused to unprivileged users);
+/// where it may not, records the skip, and the caller returns.
+pub fn userfaultfd_works() -> bool {
+    // SAFETY: the system call takes flags only; the descriptor is closed
+    // right away.
+    let fd = unsafe { libc::syscall(libc::SYS_userfaultfd, libc::O_CLOEXEC) };
+    if let Ok(fd) = libc::c_int::try_from(fd)
+        && fd >= 0
+    {
+        // SAFETY: our own descriptor, closed once.
+        unsafe { libc::close(fd) };
+        return true;
+    }
+    let device = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open("/dev/userfaultfd");
+    if device.is_ok() {
+        return true;
+    }
+    skip(Need::Userfaultfd, "no userfaultfd for this process");
+    false
+}
+
 #[cfg(test)]
 mod tests {
     use super::{LOG_ENV, Need, skip};

@@ -17,22 +17,7 @@ use tern_test_skip::wait::{DEADLINE, wait_until};
 
 const MIB: u64 = 1 << 20;
 
-/// Whether this process may use userfaultfd; a skip says why not.
-fn userfaultfd_works() -> bool {
-    // SAFETY: the system call takes flags only; the descriptor is closed
-    // right away.
-    let fd = unsafe { libc::syscall(libc::SYS_userfaultfd, libc::O_CLOEXEC) };
-    if fd >= 0 {
-        // SAFETY: our own descriptor.
-        unsafe { libc::close(libc::c_int::try_from(fd).unwrap()) };
-        return true;
-    }
-    tern_test_skip::skip(
-        tern_test_skip::Need::Userfaultfd,
-        "no userfaultfd for this process",
-    );
-    false
-}
+use tern_test_skip::userfaultfd_works;
 
 /// `tern ctl SOCKET ARGS...`: whether it succeeded, and its stdout as JSON
 /// (null when it failed).

@@ -357,15 +357,16 @@ fn refuses_a_file_sealed_against_writes() {
     assert!(result.is_err());
 }
 
-/// A destination that takes the hand-over, confirms it, reads the state
-/// and the completion, and dies (closes) before its ready: the source
-/// must resume its guest, which keeps running on its own memory.
-#[test]
-fn a_destination_that_dies_before_the_commit_leaves_the_source_running() {
-    let dir = tempfile::tempdir().unwrap();
-    let path = dir.path().join("main.sock");
-    let listener = UnixListener::bind(&path).unwrap();
-    let fake = std::thread::spawn(move || {
+/// A fake destination on `listener`: takes the source's hello and
+/// hand-over (the kernel closes the descriptors, read as plain bytes),
+/// welcomes it, confirms the hand-over `confirm` makes of it, then hands
+/// the stream to `then`.
+fn fake_handover_destination(
+    listener: UnixListener,
+    confirm: fn(MemoryHandover) -> MemoryHandover,
+    then: fn(UnixStream),
+) -> std::thread::JoinHandle<()> {
+    std::thread::spawn(move || {
         let (mut stream, _) = listener.accept().unwrap();
         stream
             .set_read_timeout(Some(Duration::from_secs(30)))
@@ -373,7 +374,6 @@ fn a_destination_that_dies_before_the_commit_leaves_the_source_running() {
         let Message::Hello(hello) = read_frame(&mut stream) else {
             panic!("hello")
         };
-        // Read as plain bytes: the kernel closes the descriptors.
         let Message::MemoryHandover(handover) = read_frame(&mut stream) else {
             panic!("handover")
         };
@@ -387,34 +387,85 @@ fn a_destination_that_dies_before_the_commit_leaves_the_source_running() {
             )
             .unwrap();
         stream
-            .write_all(&Message::MemoryHandover(handover).to_bytes())
+            .write_all(&Message::MemoryHandover(confirm(handover)).to_bytes())
             .unwrap();
-        loop {
-            if let Message::Complete(_) = read_frame(&mut stream) {
-                break;
-            }
-        }
-        drop(stream);
-    });
+        then(stream);
+    })
+}
+
+/// Migrates a hand-over guest to the fake destination at `path`; returns
+/// the guest and the source's failure.
+fn hand_over_to_a_fake(path: &Path, what: &str) -> (SyntheticGuest, MigrationError) {
     let mut guest = SyntheticGuest::new_memfd(&synthetic(8 * MIB, 1, 8 * MIB)).unwrap();
-    let failure = exit_after_deadline("the source's hand-over to a dying destination", || {
+    let failure = exit_after_deadline(what, || {
         Source::new(handover_config())
             .unwrap()
-            .migrate(&mut guest, &Address::Unix(path))
+            .migrate(&mut guest, &Address::Unix(path.to_path_buf()))
     })
     .unwrap_err();
-    join_within(fake, "the fake peer");
+    (guest, failure.error)
+}
+
+/// The source's guest must still be running on its own memory: its
+/// writer goes on.
+fn assert_runs_on(guest: &SyntheticGuest, error: &MigrationError) {
     assert!(
         guest.is_running(),
-        "the source guest was not resumed: {}",
-        failure.error
+        "the source guest was not resumed: {error}"
     );
-    // Its memory is still its own: the writer goes on.
     let before = guest.dirtied_pages();
     wait_until("the source's writer to go on", || {
         guest.dirtied_pages() > before
     });
     assert!(guest.digest() != 0);
+}
+
+/// A destination that takes the hand-over, confirms it, reads the state
+/// and the completion, and dies (closes) before its ready: the source
+/// must resume its guest, which keeps running on its own memory.
+#[test]
+fn a_destination_that_dies_before_the_commit_leaves_the_source_running() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("main.sock");
+    let fake = fake_handover_destination(
+        UnixListener::bind(&path).unwrap(),
+        |handover| handover,
+        |mut stream| {
+            while !matches!(read_frame(&mut stream), Message::Complete(_)) {}
+        },
+    );
+    let (guest, error) =
+        hand_over_to_a_fake(&path, "the source's hand-over to a dying destination");
+    join_within(fake, "the fake peer");
+    assert_runs_on(&guest, &error);
+}
+
+/// A destination confirming another hand-over than the one sent (here
+/// its region starts one page further into the file) has mapped other
+/// memory than the source's: the source refuses the confirmation for
+/// what it is, before any page or state goes, and its guest runs on.
+#[test]
+fn a_hand_over_confirmed_for_other_memory_is_refused_and_the_source_runs_on() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("main.sock");
+    let fake = fake_handover_destination(
+        UnixListener::bind(&path).unwrap(),
+        |mut handover| {
+            handover.regions[0].offset += 4096;
+            handover
+        },
+        drop,
+    );
+    let (guest, error) =
+        hand_over_to_a_fake(&path, "the source's hand-over to a confused destination");
+    join_within(fake, "the fake peer");
+    assert!(
+        error
+            .to_string()
+            .contains("expected the destination to confirm the memory hand-over"),
+        "{error}"
+    );
+    assert_runs_on(&guest, &error);
 }
 
 /// The measurement behind docs/benchmarks.md, "Same-host hand-over": a

@@ -707,6 +707,48 @@ mod tests {
         assert!(memory.page(1).iter().all(|&byte| byte == 9));
     }
 
+    /// The registration's check that UFFDIO_COPY is offered reads the bit
+    /// the kernel sets for it: bit `_UFFDIO_COPY`, the ioctl's number.
+    #[test]
+    fn the_needed_ioctl_bit_is_the_copy_ioctl_s_number() {
+        let copy_number = super::abi::UFFDIO_COPY & 0xff;
+        assert_eq!(super::abi::NEEDED_IOCTL_BITS, 1 << copy_number);
+    }
+
+    /// Neither descriptor outlives an `exec` (a helper the VMM starts must
+    /// not hold guest memory's fault descriptor), and neither blocks: the
+    /// fault threads read until `EAGAIN` and must never sleep in a read.
+    #[test]
+    fn both_descriptors_close_on_exec_and_never_block() {
+        use std::os::fd::AsRawFd;
+        let memory = AnonymousMemory::new(1);
+        let regions = [memory.region(1)];
+        let Ok(userfault) = Userfault::register(&regions) else {
+            tern_test_skip::skip(
+                tern_test_skip::Need::Userfaultfd,
+                "no userfaultfd for this process",
+            );
+            return;
+        };
+        for (name, fd) in [
+            ("userfaultfd", &userfault.fd),
+            ("wake eventfd", &userfault.wake),
+        ] {
+            // SAFETY: fcntl reads the flags of a descriptor we own.
+            let (descriptor_flags, status_flags) = unsafe {
+                (
+                    libc::fcntl(fd.as_raw_fd(), libc::F_GETFD),
+                    libc::fcntl(fd.as_raw_fd(), libc::F_GETFL),
+                )
+            };
+            assert!(
+                descriptor_flags & libc::FD_CLOEXEC != 0,
+                "{name} is inherited"
+            );
+            assert!(status_flags & libc::O_NONBLOCK != 0, "{name} blocks");
+        }
+    }
+
     #[test]
     fn memory_that_is_not_page_aligned_is_refused() {
         let mut heap = vec![0u8; 3 * PAGE_SIZE];

@@ -617,7 +617,7 @@ fn open() -> io::Result<OwnedFd> {
 
 #[cfg(test)]
 mod tests {
-    use super::{MemoryRegion, PAGE_SIZE, Userfault};
+    use super::{MemoryRegion, PAGE_SIZE, Userfault, Wait};
     use crate::destination::test_memory::AnonymousMemory;
 
     #[test]
@@ -757,6 +757,46 @@ mod tests {
             );
             assert!(status_flags & libc::O_NONBLOCK != 0, "{name} blocks");
         }
+    }
+
+    /// A wait ends at once, and says why, once `stop_waiting` was called,
+    /// however long its timeout: the service's stop must not wait out a
+    /// poll.
+    #[test]
+    fn a_wait_after_stop_waiting_ends_at_once_as_stopped() {
+        let memory = AnonymousMemory::new(1);
+        let regions = [memory.region(1)];
+        let Ok(userfault) = Userfault::register(&regions) else {
+            tern_test_skip::skip(
+                tern_test_skip::Need::Userfaultfd,
+                "no userfaultfd for this process",
+            );
+            return;
+        };
+        userfault.stop_waiting();
+        assert_eq!(userfault.wait(60_000), Wait::Stopped);
+        // And every later wait too.
+        assert_eq!(userfault.wait(60_000), Wait::Stopped);
+    }
+
+    /// A peer's descriptor that never had its `UFFDIO_API` handshake polls
+    /// as an error, which the wait reports as closed: the fault thread
+    /// then fails the service instead of spinning on events it can never
+    /// read.
+    #[test]
+    fn an_adopted_descriptor_without_its_handshake_waits_as_closed() {
+        let fd = match super::open() {
+            Ok(fd) => fd,
+            Err(error) => {
+                tern_test_skip::skip(
+                    tern_test_skip::Need::Userfaultfd,
+                    format!("no userfaultfd for this process: {error}"),
+                );
+                return;
+            }
+        };
+        let userfault = Userfault::adopt(fd, Vec::new()).unwrap();
+        assert_eq!(userfault.wait(60_000), Wait::Closed);
     }
 
     #[test]

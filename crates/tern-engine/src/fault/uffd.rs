@@ -587,27 +587,35 @@ fn wake_eventfd() -> io::Result<OwnedFd> {
 /// A new userfaultfd: through `/dev/userfaultfd` (its owner may use it
 /// whatever `vm.unprivileged_userfaultfd` says), else the system call.
 fn open() -> io::Result<OwnedFd> {
+    open_through_device().or_else(|_| open_through_system_call())
+}
+
+/// A new userfaultfd from `/dev/userfaultfd` (Linux 6.1 and later).
+fn open_through_device() -> io::Result<OwnedFd> {
     // SAFETY: a NUL-terminated path; the result is checked.
     let device =
         unsafe { libc::open(c"/dev/userfaultfd".as_ptr(), libc::O_RDWR | libc::O_CLOEXEC) };
-    let fd = if device >= 0 {
-        // SAFETY: `device` is a descriptor we just opened and own alone.
-        let device = unsafe { OwnedFd::from_raw_fd(device) };
-        // SAFETY: the ioctl takes the new descriptor's flags as its argument.
-        unsafe {
-            libc::ioctl(
-                device.as_raw_fd(),
-                abi::USERFAULTFD_IOC_NEW,
-                libc::O_CLOEXEC | libc::O_NONBLOCK,
-            )
-        }
-    } else {
-        // SAFETY: the system call takes flags only.
-        let fd =
-            unsafe { libc::syscall(libc::SYS_userfaultfd, libc::O_CLOEXEC | libc::O_NONBLOCK) };
-        // A descriptor or -1: both fit an int.
-        libc::c_int::try_from(fd).unwrap_or(-1)
-    };
+    let device = owned(device)?;
+    // SAFETY: the ioctl takes the new descriptor's flags as its argument.
+    owned(unsafe {
+        libc::ioctl(
+            device.as_raw_fd(),
+            abi::USERFAULTFD_IOC_NEW,
+            libc::O_CLOEXEC | libc::O_NONBLOCK,
+        )
+    })
+}
+
+/// A new userfaultfd from the `userfaultfd(2)` system call.
+fn open_through_system_call() -> io::Result<OwnedFd> {
+    // SAFETY: the system call takes flags only.
+    let fd = unsafe { libc::syscall(libc::SYS_userfaultfd, libc::O_CLOEXEC | libc::O_NONBLOCK) };
+    // A descriptor or -1: both fit an int.
+    owned(libc::c_int::try_from(fd).unwrap_or(-1))
+}
+
+/// Owns a descriptor a system call just returned, or its error.
+fn owned(fd: libc::c_int) -> io::Result<OwnedFd> {
     if fd < 0 {
         return Err(io::Error::last_os_error());
     }
@@ -725,12 +733,27 @@ mod tests {
         assert_eq!(super::abi::NEEDED_IOCTL_BITS, 1 << copy_number);
     }
 
+    fn assert_close_on_exec_and_non_blocking(name: &str, fd: &std::os::fd::OwnedFd) {
+        use std::os::fd::AsRawFd;
+        // SAFETY: fcntl reads the flags of a descriptor we own.
+        let (descriptor_flags, status_flags) = unsafe {
+            (
+                libc::fcntl(fd.as_raw_fd(), libc::F_GETFD),
+                libc::fcntl(fd.as_raw_fd(), libc::F_GETFL),
+            )
+        };
+        assert!(
+            descriptor_flags & libc::FD_CLOEXEC != 0,
+            "{name} is inherited"
+        );
+        assert!(status_flags & libc::O_NONBLOCK != 0, "{name} blocks");
+    }
+
     /// Neither descriptor outlives an `exec` (a helper the VMM starts must
     /// not hold guest memory's fault descriptor), and neither blocks: the
     /// fault threads read until `EAGAIN` and must never sleep in a read.
     #[test]
     fn both_descriptors_close_on_exec_and_never_block() {
-        use std::os::fd::AsRawFd;
         let memory = AnonymousMemory::new(1);
         let regions = [memory.region(1)];
         let Ok(userfault) = Userfault::register(&regions) else {
@@ -740,22 +763,26 @@ mod tests {
             );
             return;
         };
-        for (name, fd) in [
-            ("userfaultfd", &userfault.fd),
-            ("wake eventfd", &userfault.wake),
+        assert_close_on_exec_and_non_blocking("userfaultfd", &userfault.fd);
+        assert_close_on_exec_and_non_blocking("wake eventfd", &userfault.wake);
+    }
+
+    /// Both ways of opening a userfaultfd give the same descriptor: the
+    /// device where it exists, the system call elsewhere (each skipped
+    /// visibly where this machine refuses it).
+    #[test]
+    fn the_device_and_the_system_call_each_open_a_close_on_exec_non_blocking_descriptor() {
+        for (name, opened) in [
+            ("/dev/userfaultfd", super::open_through_device()),
+            ("userfaultfd(2)", super::open_through_system_call()),
         ] {
-            // SAFETY: fcntl reads the flags of a descriptor we own.
-            let (descriptor_flags, status_flags) = unsafe {
-                (
-                    libc::fcntl(fd.as_raw_fd(), libc::F_GETFD),
-                    libc::fcntl(fd.as_raw_fd(), libc::F_GETFL),
-                )
-            };
-            assert!(
-                descriptor_flags & libc::FD_CLOEXEC != 0,
-                "{name} is inherited"
-            );
-            assert!(status_flags & libc::O_NONBLOCK != 0, "{name} blocks");
+            match opened {
+                Ok(fd) => assert_close_on_exec_and_non_blocking(name, &fd),
+                Err(error) => tern_test_skip::skip(
+                    tern_test_skip::Need::Userfaultfd,
+                    format!("{name} refused: {error}"),
+                ),
+            }
         }
     }
 

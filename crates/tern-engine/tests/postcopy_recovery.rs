@@ -231,6 +231,95 @@ fn a_stopped_source_past_the_deadline_pauses_then_recovers() {
     running.finish();
 }
 
+/// One page channel broken mid-postcopy while the main channel and the
+/// other page channel carry on: the round ends on both sides (the side
+/// that sees the break first pauses, and its shutdown tells the other),
+/// the source reconnects every channel, and the migration completes with
+/// the memory verified, after a recovery on each side.
+#[test]
+fn one_page_channel_broken_while_the_others_carry_on_pauses_both_sides_and_recovers() {
+    if !userfaultfd_works() {
+        return;
+    }
+    let running = start(Duration::from_secs(60));
+    running.wait_postcopy_active();
+    // The source opens its channels one after the other: the main channel
+    // is the proxy's connection 0, the page channels 1 and 2.
+    assert!(
+        running.proxy.cut_connection(2),
+        "the second page channel is open"
+    );
+    // The pause may be short (the network is up): the events keep it.
+    wait_until("the source pauses postcopy", || {
+        ever_paused(&running.handle.history().events)
+    });
+    wait_until("the destination pauses postcopy", || {
+        ever_paused(&running.receive.history().events)
+    });
+    let causes: Vec<String> = [running.handle.history(), running.receive.history()]
+        .iter()
+        .flat_map(|history| pause_causes(&history.events))
+        .collect();
+    // The broken channel is what paused postcopy, on the side that saw
+    // it first (the other sees the main channel shut down).
+    assert!(
+        causes.iter().any(|cause| cause.starts_with("Channel 2 ")),
+        "{causes:?}"
+    );
+    running.finish();
+}
+
+/// The causes (`error-desc`) of the `postcopy-paused` status changes in
+/// `events`.
+fn pause_causes(events: &[tern_engine::Event]) -> Vec<String> {
+    events
+        .iter()
+        .filter_map(|event| match &event.body {
+            EventBody::Migration(change) if change.status == MigrationStatus::PostcopyPaused => {
+                change.error_desc.clone()
+            }
+            _ => None,
+        })
+        .collect()
+}
+
+/// A stopped destination (nothing moves, nothing closes, and its own
+/// deadlines do not run: here they are longer than the test) past the
+/// source's deadlines: the source pauses on its own I/O timeout, not a
+/// hang nor a failure, and tries to reconnect while the destination,
+/// which noticed nothing, is still `postcopy-active`. Once the
+/// destination runs again it finds the source's channels closed, pauses,
+/// accepts the reconnection, and the migration completes with the memory
+/// verified.
+#[test]
+fn a_stopped_destination_past_the_sources_deadline_pauses_the_source_then_recovers() {
+    if !userfaultfd_works() {
+        return;
+    }
+    let running = start_configured(
+        Duration::from_secs(60),
+        Security::default(),
+        |_, destination| {
+            destination.io_timeout = Duration::from_secs(600);
+            destination.postcopy_request_timeout = Duration::from_secs(600);
+        },
+    );
+    running.wait_postcopy_active();
+    running.proxy.hold();
+    wait_until("the source pauses postcopy", || {
+        running.assert_both_live("paused");
+        running.handle.query().status == MigrationStatus::PostcopyPaused
+    });
+    assert_eq!(
+        running.receive.query().status,
+        MigrationStatus::PostcopyActive,
+        "the destination noticed nothing: the source paused on its own deadline"
+    );
+    assert!(!ever_paused(&running.receive.history().events));
+    running.proxy.pass();
+    running.finish();
+}
+
 /// Whether `events` hold a `postcopy-paused` status change whose cause
 /// says the recovery timed out.
 fn says_recovery_timed_out(events: &[tern_engine::Event]) -> bool {

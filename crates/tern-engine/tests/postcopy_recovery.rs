@@ -206,14 +206,66 @@ impl Running {
     }
 }
 
+/// Also holds the statuses both sides report, QEMU's on each side: the
+/// destination is `postcopy-active` from the commit on (before it acked
+/// the commit, so as soon as the source is), `postcopy-paused` while
+/// paused, `postcopy-recover` while a welcomed reconnection exchanges
+/// what is missing, then `postcopy-active` again.
 #[test]
 fn severed_channels_pause_both_sides_and_recover_automatically() {
     if !userfaultfd_works() {
         return;
     }
-    let running = paused_by_a_cut(Duration::from_secs(60));
+    let running = start(Duration::from_secs(60));
+    running.wait_postcopy_active();
+    assert_eq!(
+        running.receive.query().status,
+        MigrationStatus::PostcopyActive
+    );
+    running.proxy.cut();
+    running.wait_both_paused();
     running.proxy.pass();
+    let (handle, receive) = (running.handle.clone(), running.receive.clone());
     running.finish();
+    use MigrationStatus::{
+        Active, Completed, Device, PostcopyActive, PostcopyPaused, PostcopyRecover,
+    };
+    let recovered = [
+        Active,
+        Device,
+        PostcopyActive,
+        PostcopyPaused,
+        PostcopyRecover,
+        PostcopyActive,
+        Completed,
+    ];
+    for (side, events) in [
+        ("source", handle.history().events),
+        ("destination", receive.history().events),
+    ] {
+        let seen = statuses(&events);
+        assert!(in_order(&recovered, &seen), "the {side}'s statuses: {seen:?}");
+    }
+}
+
+/// The statuses of the `MIGRATION` events in `events`, in order.
+fn statuses(events: &[tern_engine::Event]) -> Vec<MigrationStatus> {
+    events
+        .iter()
+        .filter_map(|event| match &event.body {
+            EventBody::Migration(change) => Some(change.status),
+            _ => None,
+        })
+        .collect()
+}
+
+/// Whether `expected` appears in `seen` in order (other statuses may come
+/// between, such as a second pause).
+fn in_order(expected: &[MigrationStatus], seen: &[MigrationStatus]) -> bool {
+    let mut seen = seen.iter();
+    expected
+        .iter()
+        .all(|status| seen.any(|candidate| candidate == status))
 }
 
 #[test]
@@ -626,6 +678,10 @@ fn a_destination_that_fails_on_a_protocol_error_says_so_and_the_source_reports_t
         }
         other => panic!("the destination: {other:?}"),
     }
+    // The destination's report names the phase it failed in: postcopy's.
+    let report = running.receive.query();
+    assert_eq!(report.status, MigrationStatus::Failed);
+    assert_eq!(report.failed_in, Some(MigrationStatus::PostcopyActive));
     let (result, guest) = join_within(running.source, "the source");
     let failure = result.expect_err("the source reports the guest's fate");
     match &failure.error {

@@ -244,7 +244,10 @@ fn severed_channels_pause_both_sides_and_recover_automatically() {
         ("destination", receive.history().events),
     ] {
         let seen = statuses(&events);
-        assert!(in_order(&recovered, &seen), "the {side}'s statuses: {seen:?}");
+        assert!(
+            in_order(&recovered, &seen),
+            "the {side}'s statuses: {seen:?}"
+        );
     }
 }
 

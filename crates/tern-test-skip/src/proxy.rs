@@ -36,10 +36,13 @@ pub struct Proxy {
     /// number of its connection (0 for the first let through): weak, so
     /// that a connection whose copies have ended closes its sockets, and a
     /// peer that writes on gets a reset, as it would without a proxy.
-    streams: Arc<Mutex<Vec<(usize, Weak<TcpStream>)>>>,
+    streams: Arc<Mutex<Vec<Numbered>>>,
     done: Arc<AtomicBool>,
     accept: Option<JoinHandle<()>>,
 }
+
+/// A socket of an open connection, with the number of its connection.
+type Numbered = (usize, Weak<TcpStream>);
 
 /// No limit on the new connections a passing proxy lets through.
 const UNLIMITED: usize = usize::MAX;
@@ -152,7 +155,7 @@ impl Proxy {
             turned_away: AtomicUsize::new(0),
             counted_closed_by_target: AtomicUsize::new(0),
         });
-        let streams: Arc<Mutex<Vec<(usize, Weak<TcpStream>)>>> = Arc::default();
+        let streams: Arc<Mutex<Vec<Numbered>>> = Arc::default();
         let done = Arc::new(AtomicBool::new(false));
         let link = Arc::new(Link {
             rate: rate.max(1),
@@ -312,7 +315,7 @@ fn accept_loop(
     listener: &TcpListener,
     target: &str,
     gate: &Gate<'_>,
-    streams: &Mutex<Vec<(usize, Weak<TcpStream>)>>,
+    streams: &Mutex<Vec<Numbered>>,
     done: &AtomicBool,
     link: &Arc<Link>,
 ) {

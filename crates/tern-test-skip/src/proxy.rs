@@ -412,49 +412,16 @@ mod tests {
 
     /// An echo server on 127.0.0.1 that answers one connection.
     fn echo() -> (String, JoinHandle<()>) {
+        echo_each(1)
+    }
+
+    /// An echo server on 127.0.0.1 that answers `connections`
+    /// connections, each on a thread of its own.
+    fn echo_each(connections: usize) -> (String, JoinHandle<()>) {
         let listener = TcpListener::bind("127.0.0.1:0").unwrap();
         let address = listener.local_addr().unwrap().to_string();
         let server = std::thread::spawn(move || {
-            let (mut stream, _) = listener.accept().unwrap();
-            let mut buf = [0u8; 64];
-            while let Ok(read) = stream.read(&mut buf) {
-                if read == 0 || stream.write_all(&buf[..read]).is_err() {
-                    break;
-                }
-            }
-        });
-        (address, server)
-    }
-
-    #[test]
-    fn bytes_pass_both_ways_and_a_cut_closes_the_connection() {
-        let (target, server) = echo();
-        let proxy = Proxy::start(&target, 1 << 30);
-        let mut client = TcpStream::connect(proxy.address()).unwrap();
-        client
-            .set_read_timeout(Some(Duration::from_secs(60)))
-            .unwrap();
-        client.write_all(b"ping").unwrap();
-        let mut answer = [0u8; 4];
-        client.read_exact(&mut answer).unwrap();
-        assert_eq!(&answer, b"ping");
-        proxy.cut();
-        let mut rest = Vec::new();
-        // The cut closes the client's connection: EOF or a reset, never
-        // a hang (the read timeout above bounds it).
-        let end = client.read_to_end(&mut rest);
-        assert!(end.as_ref().map_or(true, |&read| read == 0), "{end:?}");
-        drop(proxy);
-        crate::wait::join_within(server, "the target");
-    }
-
-    #[test]
-    fn cutting_one_connection_leaves_the_others_passing() {
-        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
-        let target = listener.local_addr().unwrap().to_string();
-        // Echoes each of two connections on a thread of its own.
-        let server = std::thread::spawn(move || {
-            let echoes: Vec<_> = (0..2)
+            let echoes: Vec<_> = (0..connections)
                 .map(|_| {
                     let (mut stream, _) = listener.accept().unwrap();
                     std::thread::spawn(move || {
@@ -471,17 +438,51 @@ mod tests {
                 echo.join().unwrap();
             }
         });
+        (address, server)
+    }
+
+    /// A client of `proxy` whose reads give up after a minute, never hang.
+    fn client_of(proxy: &Proxy) -> TcpStream {
+        let client = TcpStream::connect(proxy.address()).unwrap();
+        client
+            .set_read_timeout(Some(Duration::from_secs(60)))
+            .unwrap();
+        client
+    }
+
+    /// Sends `bytes` through `client` and returns the echo's answer.
+    fn round_trip(client: &mut TcpStream, bytes: &[u8; 4]) -> [u8; 4] {
+        let mut answer = [0u8; 4];
+        client.write_all(bytes).unwrap();
+        client.read_exact(&mut answer).unwrap();
+        answer
+    }
+
+    #[test]
+    fn bytes_pass_both_ways_and_a_cut_closes_the_connection() {
+        let (target, server) = echo();
+        let proxy = Proxy::start(&target, 1 << 30);
+        let mut client = client_of(&proxy);
+        assert_eq!(&round_trip(&mut client, b"ping"), b"ping");
+        proxy.cut();
+        let mut rest = Vec::new();
+        // The cut closes the client's connection: EOF or a reset, never
+        // a hang (the read timeout above bounds it).
+        let end = client.read_to_end(&mut rest);
+        assert!(end.as_ref().map_or(true, |&read| read == 0), "{end:?}");
+        drop(proxy);
+        crate::wait::join_within(server, "the target");
+    }
+
+    #[test]
+    fn cutting_one_connection_leaves_the_others_passing() {
+        let (target, server) = echo_each(2);
         let proxy = Proxy::start(&target, 1 << 30);
         let connect = || {
-            let mut client = TcpStream::connect(proxy.address()).unwrap();
-            client
-                .set_read_timeout(Some(Duration::from_secs(60)))
-                .unwrap();
+            let mut client = client_of(&proxy);
             // An answer: the proxy has let this connection through (and
             // numbered it) before the next one arrives.
-            let mut answer = [0u8; 4];
-            client.write_all(b"ping").unwrap();
-            client.read_exact(&mut answer).unwrap();
+            round_trip(&mut client, b"ping");
             client
         };
         let (mut first, mut second) = (connect(), connect());
@@ -489,10 +490,7 @@ mod tests {
         assert!(!proxy.cut_connection(1), "already cut");
         let end = second.read_to_end(&mut Vec::new());
         assert!(end.as_ref().map_or(true, |&read| read == 0), "{end:?}");
-        first.write_all(b"pong").unwrap();
-        let mut answer = [0u8; 4];
-        first.read_exact(&mut answer).unwrap();
-        assert_eq!(&answer, b"pong");
+        assert_eq!(&round_trip(&mut first, b"pong"), b"pong");
         drop(first);
         drop(proxy);
         crate::wait::join_within(server, "the target");
@@ -502,20 +500,12 @@ mod tests {
     fn a_corrupting_proxy_turns_client_bytes_into_0xff_and_passes_the_answers() {
         let (target, server) = echo();
         let proxy = Proxy::start(&target, 1 << 30);
-        let mut client = TcpStream::connect(proxy.address()).unwrap();
-        client
-            .set_read_timeout(Some(Duration::from_secs(60)))
-            .unwrap();
-        let mut answer = [0u8; 4];
-        client.write_all(b"ping").unwrap();
-        client.read_exact(&mut answer).unwrap();
-        assert_eq!(&answer, b"ping");
+        let mut client = client_of(&proxy);
+        assert_eq!(&round_trip(&mut client, b"ping"), b"ping");
         proxy.corrupt();
         // The echo sends back what reached it: the garbage, unchanged on
         // the way back.
-        client.write_all(b"pong").unwrap();
-        client.read_exact(&mut answer).unwrap();
-        assert_eq!(answer, [0xFF; 4]);
+        assert_eq!(round_trip(&mut client, b"pong"), [0xFF; 4]);
         drop(client);
         drop(proxy);
         crate::wait::join_within(server, "the target");

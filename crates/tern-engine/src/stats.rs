@@ -57,6 +57,11 @@ pub enum MigrationStatus {
     /// frozen, and the sides reconnect (QEMU's `postcopy-paused`;
     /// docs/postcopy.md, "Recovery").
     PostcopyPaused = 8,
+    /// A paused postcopy reconnects: the destination welcomed the
+    /// source's resume, and the sides exchange what is missing before
+    /// postcopy goes on (QEMU's `postcopy-recover`; a failed attempt
+    /// goes back to `postcopy-paused`).
+    PostcopyRecover = 9,
 }
 
 impl MigrationStatus {
@@ -70,6 +75,7 @@ impl MigrationStatus {
             5 => Self::Cancelled,
             7 => Self::PostcopyActive,
             8 => Self::PostcopyPaused,
+            9 => Self::PostcopyRecover,
             _ => Self::OutcomeUnknown,
         }
     }

@@ -206,14 +206,69 @@ impl Running {
     }
 }
 
+/// Also holds the statuses both sides report, QEMU's on each side: the
+/// destination is `postcopy-active` from the commit on (before it acked
+/// the commit, so as soon as the source is), `postcopy-paused` while
+/// paused, `postcopy-recover` while a welcomed reconnection exchanges
+/// what is missing, then `postcopy-active` again.
 #[test]
 fn severed_channels_pause_both_sides_and_recover_automatically() {
     if !userfaultfd_works() {
         return;
     }
-    let running = paused_by_a_cut(Duration::from_secs(60));
+    let running = start(Duration::from_secs(60));
+    running.wait_postcopy_active();
+    assert_eq!(
+        running.receive.query().status,
+        MigrationStatus::PostcopyActive
+    );
+    running.proxy.cut();
+    running.wait_both_paused();
     running.proxy.pass();
+    let (handle, receive) = (running.handle.clone(), running.receive.clone());
     running.finish();
+    use MigrationStatus::{
+        Active, Completed, Device, PostcopyActive, PostcopyPaused, PostcopyRecover,
+    };
+    let recovered = [
+        Active,
+        Device,
+        PostcopyActive,
+        PostcopyPaused,
+        PostcopyRecover,
+        PostcopyActive,
+        Completed,
+    ];
+    for (side, events) in [
+        ("source", handle.history().events),
+        ("destination", receive.history().events),
+    ] {
+        let seen = statuses(&events);
+        assert!(
+            in_order(&recovered, &seen),
+            "the {side}'s statuses: {seen:?}"
+        );
+    }
+}
+
+/// The statuses of the `MIGRATION` events in `events`, in order.
+fn statuses(events: &[tern_engine::Event]) -> Vec<MigrationStatus> {
+    events
+        .iter()
+        .filter_map(|event| match &event.body {
+            EventBody::Migration(change) => Some(change.status),
+            _ => None,
+        })
+        .collect()
+}
+
+/// Whether `expected` appears in `seen` in order (other statuses may come
+/// between, such as a second pause).
+fn in_order(expected: &[MigrationStatus], seen: &[MigrationStatus]) -> bool {
+    let mut seen = seen.iter();
+    expected
+        .iter()
+        .all(|status| seen.any(|candidate| candidate == status))
 }
 
 #[test]
@@ -227,6 +282,95 @@ fn a_stopped_source_past_the_deadline_pauses_then_recovers() {
     // postcopy_request_timeout, the source's writes its I/O timeout.
     running.proxy.hold();
     running.wait_both_paused();
+    running.proxy.pass();
+    running.finish();
+}
+
+/// One page channel broken mid-postcopy while the main channel and the
+/// other page channel carry on: the round ends on both sides (the side
+/// that sees the break first pauses, and its shutdown tells the other),
+/// the source reconnects every channel, and the migration completes with
+/// the memory verified, after a recovery on each side.
+#[test]
+fn one_page_channel_broken_while_the_others_carry_on_pauses_both_sides_and_recovers() {
+    if !userfaultfd_works() {
+        return;
+    }
+    let running = start(Duration::from_secs(60));
+    running.wait_postcopy_active();
+    // The source opens its channels one after the other: the main channel
+    // is the proxy's connection 0, the page channels 1 and 2.
+    assert!(
+        running.proxy.cut_connection(2),
+        "the second page channel is open"
+    );
+    // The pause may be short (the network is up): the events keep it.
+    wait_until("the source pauses postcopy", || {
+        ever_paused(&running.handle.history().events)
+    });
+    wait_until("the destination pauses postcopy", || {
+        ever_paused(&running.receive.history().events)
+    });
+    let causes: Vec<String> = [running.handle.history(), running.receive.history()]
+        .iter()
+        .flat_map(|history| pause_causes(&history.events))
+        .collect();
+    // The broken channel is what paused postcopy, on the side that saw
+    // it first (the other sees the main channel shut down).
+    assert!(
+        causes.iter().any(|cause| cause.starts_with("Channel 2 ")),
+        "{causes:?}"
+    );
+    running.finish();
+}
+
+/// The causes (`error-desc`) of the `postcopy-paused` status changes in
+/// `events`.
+fn pause_causes(events: &[tern_engine::Event]) -> Vec<String> {
+    events
+        .iter()
+        .filter_map(|event| match &event.body {
+            EventBody::Migration(change) if change.status == MigrationStatus::PostcopyPaused => {
+                change.error_desc.clone()
+            }
+            _ => None,
+        })
+        .collect()
+}
+
+/// A stopped destination (nothing moves, nothing closes, and its own
+/// deadlines do not run: here they are longer than the test) past the
+/// source's deadlines: the source pauses on its own I/O timeout, not a
+/// hang nor a failure, and tries to reconnect while the destination,
+/// which noticed nothing, is still `postcopy-active`. Once the
+/// destination runs again it finds the source's channels closed, pauses,
+/// accepts the reconnection, and the migration completes with the memory
+/// verified.
+#[test]
+fn a_stopped_destination_past_the_sources_deadline_pauses_the_source_then_recovers() {
+    if !userfaultfd_works() {
+        return;
+    }
+    let running = start_configured(
+        Duration::from_secs(60),
+        Security::default(),
+        |_, destination| {
+            destination.io_timeout = Duration::from_secs(600);
+            destination.postcopy_request_timeout = Duration::from_secs(600);
+        },
+    );
+    running.wait_postcopy_active();
+    running.proxy.hold();
+    wait_until("the source pauses postcopy", || {
+        running.assert_both_live("paused");
+        running.handle.query().status == MigrationStatus::PostcopyPaused
+    });
+    assert_eq!(
+        running.receive.query().status,
+        MigrationStatus::PostcopyActive,
+        "the destination noticed nothing: the source paused on its own deadline"
+    );
+    assert!(!ever_paused(&running.receive.history().events));
     running.proxy.pass();
     running.finish();
 }
@@ -537,6 +681,10 @@ fn a_destination_that_fails_on_a_protocol_error_says_so_and_the_source_reports_t
         }
         other => panic!("the destination: {other:?}"),
     }
+    // The destination's report names the phase it failed in: postcopy's.
+    let report = running.receive.query();
+    assert_eq!(report.status, MigrationStatus::Failed);
+    assert_eq!(report.failed_in, Some(MigrationStatus::PostcopyActive));
     let (result, guest) = join_within(running.source, "the source");
     let failure = result.expect_err("the source reports the guest's fate");
     match &failure.error {

@@ -32,13 +32,17 @@ pub struct Proxy {
     /// How many more new connections pass ([`UNLIMITED`]: all of them),
     /// and how many were turned away past that count.
     admissions: Arc<Admissions>,
-    /// The sockets of the connections open now, for a cut: weak, so that
-    /// a connection whose copies have ended closes its sockets, and a
+    /// The sockets of the connections open now, for a cut, each with the
+    /// number of its connection (0 for the first let through): weak, so
+    /// that a connection whose copies have ended closes its sockets, and a
     /// peer that writes on gets a reset, as it would without a proxy.
-    streams: Arc<Mutex<Vec<Weak<TcpStream>>>>,
+    streams: Arc<Mutex<Vec<Numbered>>>,
     done: Arc<AtomicBool>,
     accept: Option<JoinHandle<()>>,
 }
+
+/// A socket of an open connection, with the number of its connection.
+type Numbered = (usize, Weak<TcpStream>);
 
 /// No limit on the new connections a passing proxy lets through.
 const UNLIMITED: usize = usize::MAX;
@@ -151,7 +155,7 @@ impl Proxy {
             turned_away: AtomicUsize::new(0),
             counted_closed_by_target: AtomicUsize::new(0),
         });
-        let streams: Arc<Mutex<Vec<Weak<TcpStream>>>> = Arc::default();
+        let streams: Arc<Mutex<Vec<Numbered>>> = Arc::default();
         let done = Arc::new(AtomicBool::new(false));
         let link = Arc::new(Link {
             rate: rate.max(1),
@@ -187,15 +191,33 @@ impl Proxy {
     /// Severs every connection and refuses new ones.
     pub fn cut(&self) {
         self.mode.store(CUT, Ordering::Release);
-        for stream in self
-            .streams
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .drain(..)
-            .filter_map(|stream| stream.upgrade())
-        {
-            let _ = stream.shutdown(Shutdown::Both);
-        }
+        self.sever(|_| true);
+    }
+
+    /// Severs connection `number` alone (0 for the first the proxy let
+    /// through, in the order it accepted them), if it is still open: one
+    /// broken connection while the others, and new ones, carry on.
+    /// Returns whether it was open.
+    pub fn cut_connection(&self, number: usize) -> bool {
+        self.sever(|candidate| candidate == number) > 0
+    }
+
+    /// Shuts down the open sockets of the connections `chosen` picks by
+    /// number, and forgets them; returns how many sockets were open.
+    fn sever(&self, chosen: impl Fn(usize) -> bool) -> usize {
+        let mut streams = self.streams.lock().unwrap_or_else(|e| e.into_inner());
+        let mut severed = 0;
+        streams.retain(|(number, stream)| {
+            if !chosen(*number) {
+                return true;
+            }
+            if let Some(stream) = stream.upgrade() {
+                let _ = stream.shutdown(Shutdown::Both);
+                severed += 1;
+            }
+            false
+        });
+        severed
     }
 
     /// Stops moving bytes, closing nothing.
@@ -293,10 +315,11 @@ fn accept_loop(
     listener: &TcpListener,
     target: &str,
     gate: &Gate<'_>,
-    streams: &Mutex<Vec<Weak<TcpStream>>>,
+    streams: &Mutex<Vec<Numbered>>,
     done: &AtomicBool,
     link: &Arc<Link>,
 ) {
+    let mut connections = 0..;
     while !done.load(Ordering::Acquire) {
         let Ok((client, _)) = listener.accept() else {
             // Non-blocking: nothing to accept; look again shortly (the
@@ -316,13 +339,14 @@ fn accept_loop(
             continue;
         }
         let (client, server) = (Arc::new(client), Arc::new(server));
+        let number = connections.next().unwrap_or(usize::MAX);
         {
             let mut kept = streams.lock().unwrap_or_else(|e| e.into_inner());
-            kept.retain(|stream| stream.strong_count() > 0);
+            kept.retain(|(_, stream)| stream.strong_count() > 0);
             for stream in [&client, &server] {
                 // A short read timeout so a copy notices a cut or hold soon.
                 let _ = stream.set_read_timeout(Some(Duration::from_millis(10)));
-                kept.push(Arc::downgrade(stream));
+                kept.push((number, Arc::downgrade(stream)));
             }
         }
         let (up_from, up_to) = (client.clone(), server.clone());
@@ -388,32 +412,58 @@ mod tests {
 
     /// An echo server on 127.0.0.1 that answers one connection.
     fn echo() -> (String, JoinHandle<()>) {
+        echo_each(1)
+    }
+
+    /// An echo server on 127.0.0.1 that answers `connections`
+    /// connections, each on a thread of its own.
+    fn echo_each(connections: usize) -> (String, JoinHandle<()>) {
         let listener = TcpListener::bind("127.0.0.1:0").unwrap();
         let address = listener.local_addr().unwrap().to_string();
         let server = std::thread::spawn(move || {
-            let (mut stream, _) = listener.accept().unwrap();
-            let mut buf = [0u8; 64];
-            while let Ok(read) = stream.read(&mut buf) {
-                if read == 0 || stream.write_all(&buf[..read]).is_err() {
-                    break;
-                }
+            let echoes: Vec<_> = (0..connections)
+                .map(|_| {
+                    let (mut stream, _) = listener.accept().unwrap();
+                    std::thread::spawn(move || {
+                        let mut buf = [0u8; 64];
+                        while let Ok(read) = stream.read(&mut buf) {
+                            if read == 0 || stream.write_all(&buf[..read]).is_err() {
+                                break;
+                            }
+                        }
+                    })
+                })
+                .collect();
+            for echo in echoes {
+                echo.join().unwrap();
             }
         });
         (address, server)
+    }
+
+    /// A client of `proxy` whose reads give up after a minute, never hang.
+    fn client_of(proxy: &Proxy) -> TcpStream {
+        let client = TcpStream::connect(proxy.address()).unwrap();
+        client
+            .set_read_timeout(Some(Duration::from_secs(60)))
+            .unwrap();
+        client
+    }
+
+    /// Sends `bytes` through `client` and returns the echo's answer.
+    fn round_trip(client: &mut TcpStream, bytes: &[u8; 4]) -> [u8; 4] {
+        let mut answer = [0u8; 4];
+        client.write_all(bytes).unwrap();
+        client.read_exact(&mut answer).unwrap();
+        answer
     }
 
     #[test]
     fn bytes_pass_both_ways_and_a_cut_closes_the_connection() {
         let (target, server) = echo();
         let proxy = Proxy::start(&target, 1 << 30);
-        let mut client = TcpStream::connect(proxy.address()).unwrap();
-        client
-            .set_read_timeout(Some(Duration::from_secs(60)))
-            .unwrap();
-        client.write_all(b"ping").unwrap();
-        let mut answer = [0u8; 4];
-        client.read_exact(&mut answer).unwrap();
-        assert_eq!(&answer, b"ping");
+        let mut client = client_of(&proxy);
+        assert_eq!(&round_trip(&mut client, b"ping"), b"ping");
         proxy.cut();
         let mut rest = Vec::new();
         // The cut closes the client's connection: EOF or a reset, never
@@ -425,23 +475,37 @@ mod tests {
     }
 
     #[test]
+    fn cutting_one_connection_leaves_the_others_passing() {
+        let (target, server) = echo_each(2);
+        let proxy = Proxy::start(&target, 1 << 30);
+        let connect = || {
+            let mut client = client_of(&proxy);
+            // An answer: the proxy has let this connection through (and
+            // numbered it) before the next one arrives.
+            round_trip(&mut client, b"ping");
+            client
+        };
+        let (mut first, mut second) = (connect(), connect());
+        assert!(proxy.cut_connection(1));
+        assert!(!proxy.cut_connection(1), "already cut");
+        let end = second.read_to_end(&mut Vec::new());
+        assert!(end.as_ref().map_or(true, |&read| read == 0), "{end:?}");
+        assert_eq!(&round_trip(&mut first, b"pong"), b"pong");
+        drop(first);
+        drop(proxy);
+        crate::wait::join_within(server, "the target");
+    }
+
+    #[test]
     fn a_corrupting_proxy_turns_client_bytes_into_0xff_and_passes_the_answers() {
         let (target, server) = echo();
         let proxy = Proxy::start(&target, 1 << 30);
-        let mut client = TcpStream::connect(proxy.address()).unwrap();
-        client
-            .set_read_timeout(Some(Duration::from_secs(60)))
-            .unwrap();
-        let mut answer = [0u8; 4];
-        client.write_all(b"ping").unwrap();
-        client.read_exact(&mut answer).unwrap();
-        assert_eq!(&answer, b"ping");
+        let mut client = client_of(&proxy);
+        assert_eq!(&round_trip(&mut client, b"ping"), b"ping");
         proxy.corrupt();
         // The echo sends back what reached it: the garbage, unchanged on
         // the way back.
-        client.write_all(b"pong").unwrap();
-        client.read_exact(&mut answer).unwrap();
-        assert_eq!(answer, [0xFF; 4]);
+        assert_eq!(round_trip(&mut client, b"pong"), [0xFF; 4]);
         drop(client);
         drop(proxy);
         crate::wait::join_within(server, "the target");

@@ -134,10 +134,14 @@ fn start(recover_timeout: &str) -> Running {
 
 impl Running {
     /// The source is `postcopy-active` once the destination acknowledged
-    /// the commit: the guest runs there. (The destination itself reports
-    /// `device` until the end of postcopy.)
+    /// the commit: the guest runs there, and the destination says
+    /// `postcopy-active` too (QEMU's status on both sides), as it did
+    /// before it acknowledged.
     fn wait_postcopy_active(&self) {
         wait_status(&self.source_socket, "source", "postcopy-active");
+        let (answered, report) = ctl(&self.destination_socket, &["query-migrate"]);
+        assert!(answered);
+        assert_eq!(report["status"], "postcopy-active", "{report}");
     }
 
     /// Both processes exit 0, the digests compared and equal, after at
@@ -175,6 +179,27 @@ fn a_sigstopped_source_mid_postcopy_is_recovered_with_its_memory_verified() {
         "postcopy-paused",
     );
     signal(running.migrate.id(), libc::SIGCONT);
+    running.finish_recovered();
+}
+
+/// The destination stopped with SIGSTOP after the point of no return,
+/// past the source's I/O timeout: the source pauses on its own deadline
+/// (not a hang, not a failure) and tries to reconnect while the
+/// destination cannot answer. Once the destination runs again it finds
+/// the source's channels closed, pauses too, takes the reconnection,
+/// and the migration completes with the memory verified on both sides.
+#[test]
+fn a_sigstopped_destination_mid_postcopy_pauses_the_source_and_is_recovered_with_its_memory_verified()
+ {
+    if !userfaultfd_works() {
+        return;
+    }
+    let running = start("60");
+    running.wait_postcopy_active();
+    let destination = running.receiver.child.id();
+    signal(destination, libc::SIGSTOP);
+    wait_status(&running.source_socket, "source", "postcopy-paused");
+    signal(destination, libc::SIGCONT);
     running.finish_recovered();
 }
 

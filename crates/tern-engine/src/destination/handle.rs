@@ -183,6 +183,8 @@ pub(super) fn phase_status(phase: ReceivePhase) -> MigrationStatus {
         ReceivePhase::Resumed | ReceivePhase::Paused => MigrationStatus::Completed,
         ReceivePhase::Failed => MigrationStatus::Failed,
         ReceivePhase::PostcopyPaused => MigrationStatus::PostcopyPaused,
+        ReceivePhase::PostcopyActive => MigrationStatus::PostcopyActive,
+        ReceivePhase::PostcopyRecover => MigrationStatus::PostcopyRecover,
     }
 }
 

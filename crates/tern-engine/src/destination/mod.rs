@@ -70,6 +70,12 @@ pub enum ReceivePhase {
     /// it lacks wait for the source's reconnection (docs/postcopy.md,
     /// "Recovery").
     PostcopyPaused = 6,
+    /// The guest runs here and fetches the pages it lacks from the
+    /// source: the postcopy commit is past (docs/postcopy.md).
+    PostcopyActive = 7,
+    /// A paused postcopy reconnects: the source's resume was welcomed,
+    /// its page channels and the missing pages are on their way.
+    PostcopyRecover = 8,
 }
 
 impl ReceivePhase {
@@ -81,6 +87,8 @@ impl ReceivePhase {
             3 => Self::Resumed,
             5 => Self::Paused,
             6 => Self::PostcopyPaused,
+            7 => Self::PostcopyActive,
+            8 => Self::PostcopyRecover,
             _ => Self::Failed,
         }
     }
@@ -95,6 +103,8 @@ impl ReceivePhase {
             Self::Failed => "failed",
             Self::Paused => "paused",
             Self::PostcopyPaused => "postcopy-paused",
+            Self::PostcopyActive => "postcopy-active",
+            Self::PostcopyRecover => "postcopy-recover",
         }
     }
 }

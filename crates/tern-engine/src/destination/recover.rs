@@ -47,12 +47,13 @@ pub(super) struct Reconnected {
 impl Destination {
     /// Waits for the source's reconnection, window after window (each
     /// `postcopy_recover_timeout`, the next one opened by the operator),
-    /// until it comes or the reception is cancelled. `cause` is why
-    /// postcopy paused.
+    /// until it comes, has been told the `missing` pages, or the reception
+    /// is cancelled. `cause` is why postcopy paused.
     pub(super) fn await_reconnection(
         &self,
         session: &mut Session<'_, '_>,
         cause: &MigrationError,
+        missing: &[PageRun],
     ) -> Result<Reconnected, MigrationError> {
         self.stats.set_phase(ReceivePhase::PostcopyPaused);
         self.control
@@ -73,14 +74,12 @@ impl Destination {
                 let slice = until
                     .saturating_duration_since(Instant::now())
                     .min(POLL_INTERVAL);
-                match self.accept_reconnection(session, slice) {
-                    Ok(Some(reconnected)) => {
-                        self.stats.set_phase(ReceivePhase::Resumed);
-                        return Ok(reconnected);
-                    }
+                match self.accept_reconnection(session, slice, missing) {
+                    Ok(Some(reconnected)) => return Ok(reconnected),
                     Ok(None) => {}
                     Err(error) if crate::postcopy::is_recoverable(&error) => {
                         tracing::debug!(error = %error.chain(), "a reconnection failed");
+                        self.back_to_paused(&error);
                     }
                     Err(error) => return Err(error),
                 }
@@ -104,6 +103,18 @@ impl Destination {
                 }
                 std::thread::sleep(PAUSED_POLL);
             }
+        }
+    }
+
+    /// A reconnection that failed after its resume was welcomed
+    /// (`postcopy-recover`) leaves postcopy paused again, saying why.
+    fn back_to_paused(&self, error: &MigrationError) {
+        if self.stats.phase() == ReceivePhase::PostcopyRecover {
+            self.stats.set_phase(ReceivePhase::PostcopyPaused);
+            self.control.events.status(
+                MigrationStatus::PostcopyPaused,
+                Some(format!("the reconnection failed: {}", error.chain())),
+            );
         }
     }
 
@@ -136,12 +147,14 @@ impl Destination {
     }
 
     /// One connection, if one finished its handshake within `wait`: a
-    /// resume of this session is welcomed and its page channels accepted;
-    /// anything else is refused.
+    /// resume of this session is welcomed (`postcopy-recover` from then
+    /// on), its page channels accepted, and the `missing` pages named to
+    /// it; anything else is refused.
     fn accept_reconnection(
         &self,
         session: &mut Session<'_, '_>,
         wait: Duration,
+        missing: &[PageRun],
     ) -> Result<Option<Reconnected>, MigrationError> {
         let Some(mut arrived) = session
             .handshakes
@@ -181,6 +194,10 @@ impl Destination {
         let mut decoder = arrived.decoder;
         main.set_timeouts(self.config.io_timeout)
             .map_err(MigrationError::channel(0))?;
+        self.stats.set_phase(ReceivePhase::PostcopyRecover);
+        self.control
+            .events
+            .status(MigrationStatus::PostcopyRecover, None);
         main.send_message(&Message::Welcome(Welcome {
             session_id: session.session_id,
             channel_index: 0,
@@ -193,6 +210,7 @@ impl Destination {
             session.session_id,
             session.channel_count,
         )?;
+        send_missing(&mut main, missing)?;
         Ok(Some(Reconnected {
             main,
             decoder,
@@ -203,7 +221,7 @@ impl Destination {
 
 /// Tells the reconnected source which stale pages are still missing, in as
 /// many frames as they take.
-pub(super) fn send_missing(main: &mut Channel, runs: &[PageRun]) -> Result<(), MigrationError> {
+fn send_missing(main: &mut Channel, runs: &[PageRun]) -> Result<(), MigrationError> {
     let mut frames = runs.chunks(MAX_STALE_RUNS).peekable();
     if frames.peek().is_none() {
         return main

@@ -13,7 +13,7 @@ use super::handshake::peer_aborted;
 use super::live::Delivered;
 use super::order::MainChannelState;
 use super::postcopy;
-use super::recover::{self, Reconnected};
+use super::recover::Reconnected;
 use super::shared::ReceiverShared;
 use super::stream::{FrameSink, FrameSource, read_message_until};
 use super::{Destination, POLL_INTERVAL, ReceivePhase};
@@ -308,7 +308,10 @@ impl Destination {
         }
         let resumed_at = Instant::now();
         self.stats.record_main_cpu(thread_cpu_seconds() - cpu_start);
-        self.stats.set_phase(ReceivePhase::Resumed);
+        self.stats.set_phase(ReceivePhase::PostcopyActive);
+        self.control
+            .events
+            .status(MigrationStatus::PostcopyActive, None);
         main.send_message(&Message::Outcome(Outcome {
             verified: true,
             digest: 0,
@@ -345,25 +348,23 @@ impl Destination {
             // The source hears at once that this connection is over.
             main.shutdown();
             let paused_at = Instant::now();
+            // Nothing is placed while paused (the round's threads have
+            // ended): what is missing now is what the source must resend.
             let reconnected =
-                self.await_reconnection(&mut session, &cause)
-                    .and_then(|reconnected| {
-                        let Reconnected {
-                            main: mut new_main,
-                            decoder: new_decoder,
-                            page_channels,
-                        } = reconnected;
-                        recover::send_missing(&mut new_main, &delivery.missing_runs())?;
-                        *main = new_main;
-                        *decoder = new_decoder;
-                        Ok(page_channels)
-                    });
+                self.await_reconnection(&mut session, &cause, &delivery.missing_runs());
             paused_for += paused_at.elapsed();
             match reconnected {
-                Ok(page_channels) => {
+                Ok(Reconnected {
+                    main: new_main,
+                    decoder: new_decoder,
+                    page_channels,
+                }) => {
+                    *main = new_main;
+                    *decoder = new_decoder;
                     push_channels = page_channels;
                     recoveries += 1;
                     delivery.resume();
+                    self.stats.set_phase(ReceivePhase::PostcopyActive);
                     self.control
                         .events
                         .status(MigrationStatus::PostcopyActive, None);
@@ -379,8 +380,8 @@ impl Destination {
         let faults = service.stop();
         if let Err(error) = delivered {
             // Memory the guest depends on will never arrive: stop it here.
+            // The phase stays postcopy's, the one the failure names.
             let _ = guest.pause();
-            self.stats.set_phase(ReceivePhase::Paused);
             return Err(MigrationError::PostcopyFailed {
                 fate: "the guest is paused on the destination without all of its memory; \
                        it must not be resumed, and the source's copy stays paused",
@@ -402,6 +403,11 @@ impl Destination {
         report.postcopy_paused_ms = paused_for.as_secs_f64() * 1000.0;
         main.send_message(&Message::PostcopyComplete(message))
             .map_err(MigrationError::channel(0))?;
+        self.stats.set_phase(if self.config.keep_paused {
+            ReceivePhase::Paused
+        } else {
+            ReceivePhase::Resumed
+        });
         if shared.setup.digest != DigestAlgorithm::None {
             self.stats.set_digest_comparison(DigestComparison {
                 source: complete.digest,

@@ -137,7 +137,7 @@ impl Session<'_> {
                 return Err(MigrationError::Cancelled);
             }
             self.redirect(control)?;
-            match self.reconnect_once(stale, until) {
+            match self.reconnect_once(control, stale, until) {
                 Ok(mended) => return Ok(Attempts::Mended(Box::new(mended))),
                 // A destination that answers with nonsense is not mended by
                 // trying again.
@@ -145,6 +145,7 @@ impl Session<'_> {
                 Err(error) => {
                     all_refused &= refused_at_connect(&error);
                     tracing::debug!(error = %error.chain(), "postcopy reconnection failed");
+                    back_to_paused(control, &error);
                 }
             }
             let now = Instant::now();
@@ -169,8 +170,14 @@ impl Session<'_> {
     }
 
     /// One attempt: the main channel (protections, `PostcopyResume`,
-    /// welcome), the page channels, then the destination's missing pages.
-    fn reconnect_once(&self, stale: &StaleSet, until: Instant) -> Result<Mended, MigrationError> {
+    /// welcome, then `postcopy-recover`), the page channels, then the
+    /// destination's missing pages.
+    fn reconnect_once(
+        &self,
+        control: &SourceControl,
+        stale: &StaleSet,
+        until: Instant,
+    ) -> Result<Mended, MigrationError> {
         let redirected = self
             .redirected
             .lock()
@@ -202,6 +209,10 @@ impl Session<'_> {
         main.send_message(&Message::PostcopyResume(PostcopyResume { handshake }))
             .map_err(MigrationError::channel(0))?;
         expect_welcome(&mut main, self.session_id, 0, Some(until))?;
+        control.stats.set_status(MigrationStatus::PostcopyRecover);
+        control
+            .events
+            .status(MigrationStatus::PostcopyRecover, None);
         main.set_timeouts(self.config.io_timeout)
             .map_err(MigrationError::channel(0))?;
         let identity = main.security().peer_identity.clone();
@@ -229,6 +240,18 @@ impl Session<'_> {
             page_channels,
             missing,
         })
+    }
+}
+
+/// An attempt that failed after the destination welcomed it
+/// (`postcopy-recover`) leaves postcopy paused again, saying why.
+fn back_to_paused(control: &SourceControl, error: &MigrationError) {
+    if control.stats.status() == MigrationStatus::PostcopyRecover {
+        control.stats.set_status(MigrationStatus::PostcopyPaused);
+        control.events.status(
+            MigrationStatus::PostcopyPaused,
+            Some(format!("the reconnection failed: {}", error.chain())),
+        );
     }
 }
 

@@ -40,6 +40,14 @@ pub use layout::{assert_every_test_file_is_compiled, undeclared_test_files};
 /// The environment variable naming the skip log.
 pub const LOG_ENV: &str = "TERN_SKIP_LOG";
 
+/// The environment variable naming needs this run must not skip for,
+/// comma-separated by [`Need::name`] (`TERN_REQUIRE=kvm,userfaultfd`): a
+/// skip for one of them fails its test instead. For a machine known to
+/// have them, where a skip means the environment or the code broke (a
+/// mutation that makes userfaultfd unusable would otherwise turn every
+/// test of it into a pass).
+pub const REQUIRE_ENV: &str = "TERN_REQUIRE";
+
 /// What a skipped test needed and this machine lacks (or, for the tests of
 /// a fallback, has): the optional paths CI reports as exercised or not.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -96,6 +104,16 @@ pub fn skip(need: Need, reason: impl fmt::Display) {
     if let Some(path) = std::env::var_os(LOG_ENV) {
         append(&path, &format!("{test}\t{need}\t{reason}\n"));
     }
+    let required = std::env::var(REQUIRE_ENV).unwrap_or_default();
+    assert!(
+        !is_required(need, &required),
+        "{test} would skip, but {REQUIRE_ENV}={required} requires {need}: {reason}"
+    );
+}
+
+/// Whether `need` is among the comma-separated names in `required`.
+fn is_required(need: Need, required: &str) -> bool {
+    required.split(',').any(|name| name.trim() == need.name())
 }
 
 /// The running test's name: libtest runs each test on a thread named
@@ -153,7 +171,7 @@ pub fn userfaultfd_works() -> bool {
 
 #[cfg(test)]
 mod tests {
-    use super::{LOG_ENV, Need, skip};
+    use super::{LOG_ENV, Need, is_required, skip};
 
     #[test]
     fn a_skip_is_logged_with_the_test_name_and_reason() {
@@ -170,5 +188,14 @@ mod tests {
             text,
             "tests::a_skip_is_logged_with_the_test_name_and_reason\tkvm\tno kvm here\n"
         );
+    }
+
+    #[test]
+    fn a_need_is_required_only_when_named_whole() {
+        assert!(is_required(Need::Kvm, "kvm"));
+        assert!(is_required(Need::Userfaultfd, "kvm, userfaultfd"));
+        assert!(!is_required(Need::Kvm, ""));
+        assert!(!is_required(Need::Kvm, "no-kvm"));
+        assert!(!is_required(Need::Qpl, "kvm,userfaultfd"));
     }
 }

@@ -528,6 +528,46 @@ mod tests {
         assert_eq!(won.iter().sum::<u64>(), 4096);
     }
 
+    /// In one iteration a page is either written by a packet (claimed) or
+    /// read by duplicates (referenced), never both: a duplicate of a page
+    /// another channel is writing would copy half-written bytes, and a
+    /// packet over a page a duplicate read would change what it copied.
+    #[test]
+    fn a_page_is_either_claimed_for_writing_or_read_by_duplicates_in_one_iteration() {
+        let memory = crate::destination::test_memory::AnonymousMemory::new(4);
+        let regions = [memory.region(1)];
+        let setup = SessionSetup {
+            page_size: tern_wire::PAGE_SIZE,
+            channel_count: 1,
+            codecs: 0,
+            digest: DigestAlgorithm::None,
+            regions: vec![tern_wire::RegionInfo {
+                id: 1,
+                guest_addr: 0,
+                len: 4 * tern_wire::PAGE_SIZE as u64,
+            }],
+            guest_kind: String::new(),
+            dictionaries: 0,
+            vmm_config_len: 0,
+        };
+        let stats = ReceiveStats::default();
+        let cancel = CancelToken::new();
+        let shared =
+            ReceiverShared::new(&setup, &regions, 1, &stats, Duration::from_secs(1), &cancel);
+        assert!(shared.claim(0, 0), "a fresh page is claimed");
+        assert!(
+            !shared.reference(0, 0),
+            "a claimed page is read by a duplicate"
+        );
+        assert!(
+            shared.reference(0, 1),
+            "a fresh page is not read by a duplicate"
+        );
+        assert!(shared.reference(0, 1), "a page two duplicates read");
+        assert!(!shared.claim(0, 1), "a page duplicates read is claimed");
+        assert!(shared.claim(0, 2), "a page beside them is not claimed");
+    }
+
     /// Runs `parties` threads through one barrier generation, each saying
     /// whether its sync was the last; returns each one's result and how
     /// often the release ran.

@@ -528,6 +528,23 @@ mod tests {
         assert_eq!(won.iter().sum::<u64>(), 4096);
     }
 
+    /// A zero page received over a populated page clears its bit alone:
+    /// the other pages of its word, and those of the next word, keep
+    /// theirs; a page past the bitmap's last word changes nothing.
+    #[test]
+    fn clearing_a_page_leaves_every_other_page_as_it_was() {
+        let bitmap = AtomicBitmap::new(130);
+        for page in [0, 1, 63, 64, 65, 129] {
+            bitmap.set(page);
+        }
+        bitmap.clear(64);
+        bitmap.clear(1);
+        bitmap.set(192);
+        bitmap.clear(200);
+        let set: Vec<u64> = (0..256).filter(|&page| bitmap.get(page)).collect();
+        assert_eq!(set, [0, 63, 65, 129]);
+    }
+
     /// In one iteration a page is either written by a packet (claimed) or
     /// read by duplicates (referenced), never both: a duplicate of a page
     /// another channel is writing would copy half-written bytes, and a

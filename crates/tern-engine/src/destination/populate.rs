@@ -140,8 +140,6 @@ fn populate(shared: &ReceiverShared<'_>, start: *mut u8, pages: usize) {
 mod tests {
     use std::time::Duration;
 
-    use tern_wire::{DigestAlgorithm, RegionInfo, SessionSetup};
-
     use super::*;
     use crate::destination::ReceiveStats;
     use crate::destination::test_memory::AnonymousMemory;
@@ -176,20 +174,7 @@ mod tests {
         // SAFETY: the mapping just made; 4 KiB pages so residency is per page.
         unsafe { libc::madvise(base.cast(), len, libc::MADV_NOHUGEPAGE) };
         let regions = [memory.region(5)];
-        let setup = SessionSetup {
-            page_size: tern_wire::PAGE_SIZE,
-            channel_count: 1,
-            codecs: 0,
-            digest: DigestAlgorithm::None,
-            regions: vec![RegionInfo {
-                id: 5,
-                guest_addr: 0,
-                len: len as u64,
-            }],
-            guest_kind: String::new(),
-            dictionaries: 0,
-            vmm_config_len: 0,
-        };
+        let setup = memory.setup(5);
         let stats = ReceiveStats::default();
         let cancel = CancelToken::new();
         let shared =

@@ -553,20 +553,7 @@ mod tests {
     fn a_page_is_either_claimed_for_writing_or_read_by_duplicates_in_one_iteration() {
         let memory = crate::destination::test_memory::AnonymousMemory::new(4);
         let regions = [memory.region(1)];
-        let setup = SessionSetup {
-            page_size: tern_wire::PAGE_SIZE,
-            channel_count: 1,
-            codecs: 0,
-            digest: DigestAlgorithm::None,
-            regions: vec![tern_wire::RegionInfo {
-                id: 1,
-                guest_addr: 0,
-                len: 4 * tern_wire::PAGE_SIZE as u64,
-            }],
-            guest_kind: String::new(),
-            dictionaries: 0,
-            vmm_config_len: 0,
-        };
+        let setup = memory.setup(1);
         let stats = ReceiveStats::default();
         let cancel = CancelToken::new();
         let shared =

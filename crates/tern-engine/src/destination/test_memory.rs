@@ -4,6 +4,8 @@
 
 use std::ptr::NonNull;
 
+use tern_wire::{DigestAlgorithm, RegionInfo, SessionSetup};
+
 use crate::guest::{MemoryRegion, PAGE_SIZE};
 
 /// A private anonymous mapping, unmapped on drop.
@@ -38,6 +40,25 @@ impl AnonymousMemory {
     pub(crate) fn region(&self, id: u32) -> MemoryRegion {
         // SAFETY: the mapping outlives every region a test makes of it.
         unsafe { MemoryRegion::new(id, 0, NonNull::new(self.base).unwrap(), self.len as u64) }
+    }
+
+    /// A one-channel session's setup whose one region, `id`, is this
+    /// whole mapping, without digest, codecs or dictionaries.
+    pub(crate) fn setup(&self, id: u32) -> SessionSetup {
+        SessionSetup {
+            page_size: tern_wire::PAGE_SIZE,
+            channel_count: 1,
+            codecs: 0,
+            digest: DigestAlgorithm::None,
+            regions: vec![RegionInfo {
+                id,
+                guest_addr: 0,
+                len: self.len as u64,
+            }],
+            guest_kind: String::new(),
+            dictionaries: 0,
+            vmm_config_len: 0,
+        }
     }
 
     /// Page `index`, which must be readable now.

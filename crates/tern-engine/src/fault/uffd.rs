@@ -628,6 +628,19 @@ mod tests {
     use super::{MemoryRegion, PAGE_SIZE, Userfault, Wait};
     use crate::destination::test_memory::AnonymousMemory;
 
+    /// `regions` registered, or `None` after a visible skip where this
+    /// process has no userfaultfd.
+    fn registered(regions: &[MemoryRegion]) -> Option<Userfault> {
+        Userfault::register(regions)
+            .map_err(|error| {
+                tern_test_skip::skip(
+                    tern_test_skip::Need::Userfaultfd,
+                    format!("no userfaultfd for this process: {error}"),
+                );
+            })
+            .ok()
+    }
+
     #[test]
     fn pages_are_placed_with_their_contents_and_present_ones_written_in_place() {
         let memory = AnonymousMemory::new(8);
@@ -639,15 +652,8 @@ mod tests {
             assert_eq!(memory.base.add(3 * PAGE_SIZE).read_volatile(), 0);
         }
         let regions = [memory.region(1)];
-        let userfault = match Userfault::register(&regions) {
-            Ok(userfault) => userfault,
-            Err(error) => {
-                tern_test_skip::skip(
-                    tern_test_skip::Need::Userfaultfd,
-                    format!("no userfaultfd for this process: {error}"),
-                );
-                return;
-            }
+        let Some(userfault) = registered(&regions) else {
+            return;
         };
         let source: Vec<u8> = (0..4 * PAGE_SIZE)
             .map(|i| u8::try_from(i / PAGE_SIZE + 1).unwrap())
@@ -669,11 +675,7 @@ mod tests {
     fn another_thread_touching_a_missing_page_is_served_zeros() {
         let memory = AnonymousMemory::new(4);
         let regions = [memory.region(1)];
-        let Ok(userfault) = Userfault::register(&regions) else {
-            tern_test_skip::skip(
-                tern_test_skip::Need::Userfaultfd,
-                "no userfaultfd for this process",
-            );
+        let Some(userfault) = registered(&regions) else {
             return;
         };
         let source = vec![5u8; PAGE_SIZE];
@@ -711,11 +713,7 @@ mod tests {
     fn after_release_placing_writes_the_pages_anyway() {
         let memory = AnonymousMemory::new(2);
         let regions = [memory.region(1)];
-        let Ok(userfault) = Userfault::register(&regions) else {
-            tern_test_skip::skip(
-                tern_test_skip::Need::Userfaultfd,
-                "no userfaultfd for this process",
-            );
+        let Some(userfault) = registered(&regions) else {
             return;
         };
         userfault.release();
@@ -756,11 +754,7 @@ mod tests {
     fn both_descriptors_close_on_exec_and_never_block() {
         let memory = AnonymousMemory::new(1);
         let regions = [memory.region(1)];
-        let Ok(userfault) = Userfault::register(&regions) else {
-            tern_test_skip::skip(
-                tern_test_skip::Need::Userfaultfd,
-                "no userfaultfd for this process",
-            );
+        let Some(userfault) = registered(&regions) else {
             return;
         };
         assert_close_on_exec_and_non_blocking("userfaultfd", &userfault.fd);
@@ -793,11 +787,7 @@ mod tests {
     fn a_wait_after_stop_waiting_ends_at_once_as_stopped() {
         let memory = AnonymousMemory::new(1);
         let regions = [memory.region(1)];
-        let Ok(userfault) = Userfault::register(&regions) else {
-            tern_test_skip::skip(
-                tern_test_skip::Need::Userfaultfd,
-                "no userfaultfd for this process",
-            );
+        let Some(userfault) = registered(&regions) else {
             return;
         };
         userfault.stop_waiting();

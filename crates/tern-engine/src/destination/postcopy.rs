@@ -1059,7 +1059,7 @@ mod tests {
     use std::sync::atomic::Ordering;
     use std::time::{Duration, Instant};
 
-    use tern_wire::{DigestAlgorithm, PageRun, RegionInfo, SessionSetup};
+    use tern_wire::{PageRun, SessionSetup};
 
     use super::{Delivery, start_faults};
     use crate::destination::test_memory::AnonymousMemory;
@@ -1067,20 +1067,7 @@ mod tests {
     use crate::postcopy::StaleSet;
 
     fn setup(pages: u64) -> SessionSetup {
-        SessionSetup {
-            page_size: tern_wire::PAGE_SIZE,
-            channel_count: 1,
-            codecs: 0,
-            digest: DigestAlgorithm::None,
-            regions: vec![RegionInfo {
-                id: 1,
-                guest_addr: 0,
-                len: pages * PAGE_SIZE as u64,
-            }],
-            guest_kind: String::new(),
-            dictionaries: 0,
-            vmm_config_len: 0,
-        }
+        crate::destination::test_memory::one_region_setup(1, pages * PAGE_SIZE as u64)
     }
 
     /// Pages 0..4 of 8 stale, a delivery with `timeout` per fault.

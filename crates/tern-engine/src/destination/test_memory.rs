@@ -43,22 +43,9 @@ impl AnonymousMemory {
     }
 
     /// A one-channel session's setup whose one region, `id`, is this
-    /// whole mapping, without digest, codecs or dictionaries.
+    /// whole mapping.
     pub(crate) fn setup(&self, id: u32) -> SessionSetup {
-        SessionSetup {
-            page_size: tern_wire::PAGE_SIZE,
-            channel_count: 1,
-            codecs: 0,
-            digest: DigestAlgorithm::None,
-            regions: vec![RegionInfo {
-                id,
-                guest_addr: 0,
-                len: self.len as u64,
-            }],
-            guest_kind: String::new(),
-            dictionaries: 0,
-            vmm_config_len: 0,
-        }
+        one_region_setup(id, self.len as u64)
     }
 
     /// Page `index`, which must be readable now.
@@ -78,5 +65,24 @@ impl Drop for AnonymousMemory {
     fn drop(&mut self) {
         // SAFETY: the mapping made in `new`, no longer used.
         unsafe { libc::munmap(self.base.cast(), self.len) };
+    }
+}
+
+/// A one-channel session's setup with one region, `id`, of `len` bytes,
+/// without digest, codecs or dictionaries.
+pub(crate) fn one_region_setup(id: u32, len: u64) -> SessionSetup {
+    SessionSetup {
+        page_size: tern_wire::PAGE_SIZE,
+        channel_count: 1,
+        codecs: 0,
+        digest: DigestAlgorithm::None,
+        regions: vec![RegionInfo {
+            id,
+            guest_addr: 0,
+            len,
+        }],
+        guest_kind: String::new(),
+        dictionaries: 0,
+        vmm_config_len: 0,
     }
 }

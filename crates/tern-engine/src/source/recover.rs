@@ -345,7 +345,7 @@ fn read_missing(
 mod tests {
     use std::os::unix::net::UnixStream;
 
-    use tern_wire::{DigestAlgorithm, Message, PageRun, PostcopyMissing, RegionInfo, SessionSetup};
+    use tern_wire::{Message, PageRun, PostcopyMissing, SessionSetup};
 
     use super::read_missing;
     use crate::bitmap::DirtyBitmap;
@@ -353,20 +353,7 @@ mod tests {
     use crate::transport::Channel;
 
     fn setup() -> SessionSetup {
-        SessionSetup {
-            page_size: tern_wire::PAGE_SIZE,
-            channel_count: 1,
-            codecs: 0,
-            digest: DigestAlgorithm::None,
-            regions: vec![RegionInfo {
-                id: 3,
-                guest_addr: 0,
-                len: 64 << 12,
-            }],
-            guest_kind: String::new(),
-            dictionaries: 0,
-            vmm_config_len: 0,
-        }
+        crate::destination::test_memory::one_region_setup(3, 64 << 12)
     }
 
     /// What `read_missing` makes of `frames`, against pages 8..16 stale.

@@ -55,10 +55,7 @@ impl Destination {
         cause: &MigrationError,
         missing: &[PageRun],
     ) -> Result<Reconnected, MigrationError> {
-        self.stats.set_phase(ReceivePhase::PostcopyPaused);
-        self.control
-            .events
-            .status(MigrationStatus::PostcopyPaused, Some(cause.chain()));
+        self.enter_postcopy_phase(ReceivePhase::PostcopyPaused, Some(cause.chain()));
         tracing::warn!(
             error = %cause.chain(),
             "postcopy paused: the connection to the source broke; the guest runs on, \
@@ -110,12 +107,21 @@ impl Destination {
     /// (`postcopy-recover`) leaves postcopy paused again, saying why.
     fn back_to_paused(&self, error: &MigrationError) {
         if self.stats.phase() == ReceivePhase::PostcopyRecover {
-            self.stats.set_phase(ReceivePhase::PostcopyPaused);
-            self.control.events.status(
-                MigrationStatus::PostcopyPaused,
+            self.enter_postcopy_phase(
+                ReceivePhase::PostcopyPaused,
                 Some(format!("the reconnection failed: {}", error.chain())),
             );
         }
+    }
+
+    /// Enters a postcopy phase: the report's status and the `MIGRATION`
+    /// event that announces it, always the pair, so watchers never see
+    /// one without the other. `error_desc` says why, for a pause.
+    pub(super) fn enter_postcopy_phase(&self, phase: ReceivePhase, error_desc: Option<String>) {
+        self.stats.set_phase(phase);
+        self.control
+            .events
+            .status(super::handle::phase_status(phase), error_desc);
     }
 
     /// Accepts on the listener an operator's `migrate-recover` bound, if
@@ -194,10 +200,7 @@ impl Destination {
         let mut decoder = arrived.decoder;
         main.set_timeouts(self.config.io_timeout)
             .map_err(MigrationError::channel(0))?;
-        self.stats.set_phase(ReceivePhase::PostcopyRecover);
-        self.control
-            .events
-            .status(MigrationStatus::PostcopyRecover, None);
+        self.enter_postcopy_phase(ReceivePhase::PostcopyRecover, None);
         main.send_message(&Message::Welcome(Welcome {
             session_id: session.session_id,
             channel_index: 0,

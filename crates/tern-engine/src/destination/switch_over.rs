@@ -20,7 +20,7 @@ use super::{Destination, POLL_INTERVAL, ReceivePhase};
 use crate::error::{ChannelError, MigrationError};
 use crate::guest::{DestinationGuest, StateSection};
 use crate::postcopy::{PostcopyReport, StaleSet};
-use crate::stats::{DigestComparison, MigrationStatus, thread_cpu_seconds};
+use crate::stats::{DigestComparison, thread_cpu_seconds};
 use crate::transport::Channel;
 
 impl Destination {
@@ -119,12 +119,18 @@ impl Destination {
         })
         .ok();
         self.stats.timeline.mark("outcome-sent");
-        self.stats.set_phase(if self.config.keep_paused {
+        self.stats.set_phase(self.finished_phase());
+        Ok(stats)
+    }
+
+    /// The phase a completed reception ends in: the guest runs here, or
+    /// the embedder takes it over paused (`keep_paused`).
+    fn finished_phase(&self) -> ReceivePhase {
+        if self.config.keep_paused {
             ReceivePhase::Paused
         } else {
             ReceivePhase::Resumed
-        });
-        Ok(stats)
+        }
     }
 
     /// Resumes the guest, unless the embedder takes it over paused
@@ -308,10 +314,7 @@ impl Destination {
         }
         let resumed_at = Instant::now();
         self.stats.record_main_cpu(thread_cpu_seconds() - cpu_start);
-        self.stats.set_phase(ReceivePhase::PostcopyActive);
-        self.control
-            .events
-            .status(MigrationStatus::PostcopyActive, None);
+        self.enter_postcopy_phase(ReceivePhase::PostcopyActive, None);
         main.send_message(&Message::Outcome(Outcome {
             verified: true,
             digest: 0,
@@ -364,10 +367,7 @@ impl Destination {
                     push_channels = page_channels;
                     recoveries += 1;
                     delivery.resume();
-                    self.stats.set_phase(ReceivePhase::PostcopyActive);
-                    self.control
-                        .events
-                        .status(MigrationStatus::PostcopyActive, None);
+                    self.enter_postcopy_phase(ReceivePhase::PostcopyActive, None);
                     tracing::info!("postcopy recovered: the source sends what is missing");
                 }
                 Err(error) => {
@@ -403,11 +403,7 @@ impl Destination {
         report.postcopy_paused_ms = paused_for.as_secs_f64() * 1000.0;
         main.send_message(&Message::PostcopyComplete(message))
             .map_err(MigrationError::channel(0))?;
-        self.stats.set_phase(if self.config.keep_paused {
-            ReceivePhase::Paused
-        } else {
-            ReceivePhase::Resumed
-        });
+        self.stats.set_phase(self.finished_phase());
         if shared.setup.digest != DigestAlgorithm::None {
             self.stats.set_digest_comparison(DigestComparison {
                 source: complete.digest,

@@ -319,7 +319,7 @@ fn accept_loop(
     done: &AtomicBool,
     link: &Arc<Link>,
 ) {
-    let mut connections = 0..;
+    let mut next_number = 0;
     while !done.load(Ordering::Acquire) {
         let Ok((client, _)) = listener.accept() else {
             // Non-blocking: nothing to accept; look again shortly (the
@@ -339,7 +339,8 @@ fn accept_loop(
             continue;
         }
         let (client, server) = (Arc::new(client), Arc::new(server));
-        let number = connections.next().unwrap_or(usize::MAX);
+        let number = next_number;
+        next_number += 1;
         {
             let mut kept = streams.lock().unwrap_or_else(|e| e.into_inner());
             kept.retain(|(_, stream)| stream.strong_count() > 0);

@@ -620,10 +620,7 @@ fn a_reconnection_the_destination_gives_up_on_is_followed_by_the_next() {
 
 /// Whether `events` hold a `postcopy-paused` status change.
 fn ever_paused(events: &[tern_engine::Event]) -> bool {
-    events.iter().any(|event| {
-        matches!(&event.body, EventBody::Migration(change)
-            if change.status == MigrationStatus::PostcopyPaused)
-    })
+    statuses(events).contains(&MigrationStatus::PostcopyPaused)
 }
 
 /// A destination that fails on a protocol error after the point of no

@@ -519,14 +519,23 @@ impl Shared {
             Event::PageFault(address) => {
                 let began = Instant::now();
                 self.counters.faults.fetch_add(1, Ordering::Relaxed);
-                if let Some((region, page)) = self.locate(address)
-                    && self.load_unit(region, page / self.unit_pages, true)?
-                    && let Ok(mut faulted) = self.faulted.lock()
-                {
-                    faulted.push((
-                        crate::numeric::saturating_u32(region),
-                        crate::numeric::saturating_u32(page),
-                    ));
+                if let Some((region, page)) = self.locate(address) {
+                    if self.load_unit(region, page / self.unit_pages, true)? {
+                        if let Ok(mut faulted) = self.faulted.lock() {
+                            faulted.push((
+                                crate::numeric::saturating_u32(region),
+                                crate::numeric::saturating_u32(page),
+                            ));
+                        }
+                    } else {
+                        // Its unit was placed, yet the page is missing:
+                        // it was dropped (`MADV_DONTNEED`) on a descriptor
+                        // that reports no removes, as ours do not. Freshly
+                        // released memory reads as zeros; left missing, the
+                        // page would fault again for ever. A page placed
+                        // meanwhile stays (the kernel refuses to replace it).
+                        self.place_runs(region, page, &[], &[true])?;
+                    }
                 }
                 // Whoever placed the page, its waiters wake now.
                 self.uffd.wake_range(address, PAGE);
@@ -729,3 +738,6 @@ impl Shared {
         }
     }
 }
+
+#[cfg(test)]
+mod tests;

@@ -60,6 +60,8 @@ mod abi {
     pub(super) const UFFD_EVENT_PAGEFAULT: u8 = 0x12;
     pub(super) const UFFD_EVENT_REMOVE: u8 = 0x15;
     pub(super) const UFFD_API: u64 = 0xaa;
+    #[cfg(test)]
+    pub(super) const UFFD_FEATURE_EVENT_REMOVE: u64 = 1 << 3;
     pub(super) const UFFDIO_REGISTER_MODE_MISSING: u64 = 1;
     /// The bit of `UFFDIO_COPY` in a registration's `ioctls`.
     pub(super) const NEEDED_IOCTL_BITS: u64 = 1 << 3;
@@ -141,10 +143,22 @@ impl Userfault {
     /// Registers every region for missing pages; an error says why this
     /// process cannot (the caller then faults pages in as before).
     pub(crate) fn register(regions: &[MemoryRegion]) -> io::Result<Self> {
+        Self::register_with_features(regions, 0)
+    }
+
+    /// [`Userfault::register`] asking also for `UFFD_EVENT_REMOVE`, as
+    /// Firecracker's descriptors do: a test of the service's handling of
+    /// removes needs one in this process.
+    #[cfg(test)]
+    pub(crate) fn register_reporting_removes(regions: &[MemoryRegion]) -> io::Result<Self> {
+        Self::register_with_features(regions, abi::UFFD_FEATURE_EVENT_REMOVE)
+    }
+
+    fn register_with_features(regions: &[MemoryRegion], features: u64) -> io::Result<Self> {
         let fd = open()?;
         let mut api = abi::Api {
             api: abi::UFFD_API,
-            features: 0,
+            features,
             ioctls: 0,
         };
         // SAFETY: `api` is the structure UFFDIO_API reads and writes.

@@ -390,3 +390,70 @@ fn waiting_for_the_peer_ends_when_asked_to() {
     assert!(service.wait_peer_gone(&AtomicBool::new(true)).is_ok());
     assert!(!service.has_failed());
 }
+
+#[test]
+fn a_region_of_more_than_64_units_is_tracked_unit_by_unit() {
+    // 130 units of one page: three words of the bitmaps.
+    let memory = AnonymousMemory::new(130);
+    let source = Arc::new(PatternSource::default());
+    let config = FaultConfig {
+        unit_pages: 1,
+        ..config(0)
+    };
+    let service = match FaultService::register_and_start(
+        &[memory.region(0)],
+        Arc::clone(&source) as Arc<dyn PageSource>,
+        config,
+    ) {
+        Ok(service) => service,
+        Err(error) => {
+            return tern_test_skip::skip(
+                tern_test_skip::Need::Userfaultfd,
+                format!("no userfaultfd for this process: {error}"),
+            );
+        }
+    };
+    let outside = vec![4u8; 129 * PAGE_SIZE];
+    assert_eq!(service.place(0, 0, &outside, &[false; 129]).unwrap(), 129);
+    assert!(!service.is_loaded());
+    assert_eq!(read(&memory, [129]), expected_pages(0, [129]));
+    assert!(service.is_loaded());
+    assert_eq!(read(&memory, [0, 64, 128]), [4; 3]);
+    assert_eq!(source.fetched(), [(0, 129, 1)]);
+}
+
+/// Replaces pages `first..first + count` of `memory` with a fresh mapping,
+/// which no userfaultfd serves: to the service, memory unmapped since.
+fn map_afresh(memory: &AnonymousMemory, first: usize, count: usize) {
+    // SAFETY: whole pages inside the mapping, replaced in place (the
+    // mapping stays ours, to be unmapped whole when `memory` drops).
+    let mapped = unsafe {
+        libc::mmap(
+            memory.base.add(first * PAGE_SIZE).cast(),
+            count * PAGE_SIZE,
+            libc::PROT_READ | libc::PROT_WRITE,
+            libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_FIXED,
+            -1,
+            0,
+        )
+    };
+    assert_ne!(
+        mapped,
+        libc::MAP_FAILED,
+        "{}",
+        std::io::Error::last_os_error()
+    );
+}
+
+#[test]
+fn a_placement_into_memory_unmapped_since_places_nothing_and_fails_nothing() {
+    let source = Arc::new(PatternSource::default());
+    let Some((memory, service)) = served(&source, config(0)) else {
+        return;
+    };
+    map_afresh(&memory[1], 0, 7);
+    let outside = vec![6u8; 4 * PAGE_SIZE];
+    assert_eq!(service.place(1, 0, &outside, &[false; 4]).unwrap(), 0);
+    assert!(!service.has_failed());
+    assert_eq!(read(&memory[0], 0..10), expected_pages(0, 0..10));
+}

@@ -152,6 +152,7 @@ fn a_touched_page_brings_its_unit_and_the_loaders_bring_the_rest_once() {
     // its neighbours then read without a fault.
     assert_eq!(read(&memory[0], [5]), [0]);
     assert_eq!(read(&memory[0], 4..8), expected_pages(0, 4..8));
+    assert!(!service.is_released() && !service.has_failed());
     assert_eq!(read(&memory[1], [6]), expected_pages(1, [6]));
     let stats = service.stats();
     assert_eq!((stats.faults, stats.fault_pages), (2, 4 + 3));
@@ -197,7 +198,8 @@ fn a_touched_page_brings_its_unit_and_the_loaders_bring_the_rest_once() {
 #[test]
 fn a_loader_takes_the_working_set_first_in_its_order() {
     let source = Arc::new(PatternSource::default());
-    let working_set = vec![(1, 5), (1, 4), (0, 9), (7, 0), (0, 10), (1, 1)];
+    // (0, 10) is one page past region 0's end, in a unit that exists.
+    let working_set = vec![(0, 10), (1, 5), (1, 4), (0, 9), (7, 0), (1, 1)];
     let with_working_set = FaultConfig {
         working_set,
         ..config(1)

@@ -105,9 +105,9 @@ pub use snapshot::{
 };
 pub use source::{CancelToken, MigrationFailure, Source};
 pub use stats::{
-    DedupStats, DestinationStats, DigestComparison, DowntimeCause, DowntimeParts, DowntimeSide,
-    ExpectedDowntimeParts, LiveStats, MigrationStats, MigrationStatus, RamStats, SessionSecurity,
-    XbzrleCacheStats,
+    DedupStats, DestinationCatchUp, DestinationStats, DigestComparison, DowntimeCause,
+    DowntimeParts, DowntimeSide, ExpectedDowntimeParts, LiveStats, MigrationStats, MigrationStatus,
+    RamStats, SessionSecurity, XbzrleCacheStats,
 };
 pub use switch_over_timeline::{SwitchOverTimeline, TimelineStep};
 #[cfg(feature = "ring")]

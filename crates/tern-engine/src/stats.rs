@@ -146,6 +146,14 @@ pub struct LiveStats {
     pub(crate) cpu_throttle_percentage: AtomicU64,
     /// Whether the switch-over was forced by a limit.
     pub(crate) forced_switch_over: AtomicBool,
+    /// Microseconds the source waited, its guest running, for the
+    /// destination to apply every pass but the last before pausing.
+    catch_up_micros: AtomicU64,
+    /// Whether the source waited at all (a wait can round to 0 µs).
+    caught_up_after_waiting: AtomicBool,
+    /// Passes the destination was behind (beyond the one in flight) when
+    /// the guest paused anyway: the wait's budget had run out.
+    behind_at_pause: AtomicU64,
     setup_time_ms: AtomicU64,
     downtime_ms: AtomicU64,
     downtime_limit_ms: AtomicU64,
@@ -263,6 +271,9 @@ impl LiveStats {
             iteration: AtomicU64::new(0),
             cpu_throttle_percentage: AtomicU64::new(0),
             forced_switch_over: AtomicBool::new(false),
+            catch_up_micros: AtomicU64::new(0),
+            caught_up_after_waiting: AtomicBool::new(false),
+            behind_at_pause: AtomicU64::new(0),
             setup_time_ms: AtomicU64::new(0),
             downtime_ms: AtomicU64::new(0),
             downtime_limit_ms: AtomicU64::new(0),
@@ -391,6 +402,31 @@ impl LiveStats {
 
     pub(crate) fn set_downtime(&self, time: Duration) {
         self.downtime_ms.store(millis(time), Ordering::Relaxed);
+    }
+
+    /// The source waited `waited` for the destination to catch up.
+    pub(crate) fn record_catch_up(&self, waited: Duration) {
+        self.caught_up_after_waiting.store(true, Ordering::Relaxed);
+        self.catch_up_micros.fetch_add(
+            crate::numeric::saturating_u64(waited.as_micros()),
+            Ordering::Relaxed,
+        );
+    }
+
+    /// The guest paused with the destination `passes` behind.
+    pub(crate) fn record_behind_at_pause(&self, passes: u32) {
+        self.caught_up_after_waiting.store(true, Ordering::Relaxed);
+        self.behind_at_pause
+            .store(u64::from(passes), Ordering::Relaxed);
+    }
+
+    pub(crate) fn destination_catch_up(&self) -> Option<DestinationCatchUp> {
+        self.caught_up_after_waiting
+            .load(Ordering::Relaxed)
+            .then(|| DestinationCatchUp {
+                waited_ms: self.catch_up_micros.load(Ordering::Relaxed) as f64 / 1000.0,
+                behind_at_pause: self.behind_at_pause.load(Ordering::Relaxed),
+            })
     }
 
     pub(crate) fn set_downtime_limit(&self, limit: Duration) {
@@ -666,6 +702,7 @@ impl LiveStats {
             expected_downtime: self.expected_downtime_ms.load(Ordering::Relaxed),
             expected_downtime_parts: (downtime > 0).then_some(expected),
             downtime_overrun: exceeded.then(|| expected.overrun(&parts)),
+            destination_catch_up: self.destination_catch_up(),
             switch_over_timeline: self.timeline.report(),
             digest_time: self.digest_time_ms.load(Ordering::Relaxed),
             digest_rehashed_pages: self.digest_rehashed_pages.load(Ordering::Relaxed),
@@ -790,6 +827,23 @@ impl DowntimeParts {
         .max_by_key(|&(ms, _)| ms)
         .map_or(DowntimeCause::Link, |(_, cause)| cause)
     }
+}
+
+/// The source held its switch-over because the destination had not yet
+/// applied every pass but the last one sent (it says which it applied,
+/// protocol 12): the guest ran on, and the source sent more passes, until
+/// it caught up or the wait's budget ran out.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Serialize, Deserialize, schemars::JsonSchema)]
+#[serde(rename_all = "kebab-case")]
+#[non_exhaustive]
+pub struct DestinationCatchUp {
+    /// Time the source waited for it in all, its guest running, in
+    /// milliseconds.
+    pub waited_ms: f64,
+    /// Passes the destination was still behind, beyond the one in flight,
+    /// when the guest paused: 0 when it caught up; more when the budget
+    /// ran out, which then explains a downtime over the limit.
+    pub behind_at_pause: u64,
 }
 
 /// The downtime the last sync expected, by who spends it, in milliseconds.
@@ -967,6 +1021,10 @@ pub struct MigrationStats {
     /// expectation by more (see [`DowntimeSide`]).
     #[serde(skip_serializing_if = "Option::is_none", default)]
     pub downtime_overrun: Option<DowntimeSide>,
+    /// When the source held its switch-over for the destination to catch
+    /// up (see [`DestinationCatchUp`]); absent when it never had to.
+    #[serde(skip_serializing_if = "Option::is_none", default)]
+    pub destination_catch_up: Option<DestinationCatchUp>,
     /// The switch-over's steps as the source took them, from the pause
     /// (its origin) to the destination's outcome, each with the recording
     /// thread's CPU and run-queue time since its previous step.

@@ -175,10 +175,11 @@ impl Attacker {
     /// The abort the destination sends on the main channel, which must
     /// mention one of `needles`; returns when it came.
     fn expect_abort_of(&mut self, needles: &[&str]) -> Instant {
-        // The destination's heartbeats may come first, on a slow machine.
+        // The destination's heartbeats (and passes applied) may come
+        // first, on a slow machine.
         let answer = loop {
             match self.main.read_message() {
-                Ok(Message::Heartbeat(_)) => {}
+                Ok(Message::Heartbeat(_) | Message::PassApplied(_)) => {}
                 other => break other,
             }
         };

@@ -175,11 +175,11 @@ fn expect_destination_error(
 }
 
 fn expect_abort(channel: &mut Channel, needle: &str) {
-    // A destination past the handshake sends heartbeats, which may come
-    // first on a slow machine.
+    // A destination past the handshake sends heartbeats (and passes
+    // applied), which may come first on a slow machine.
     let answer = loop {
         match channel.read_message() {
-            Ok(Message::Heartbeat(_)) => {}
+            Ok(Message::Heartbeat(_) | Message::PassApplied(_)) => {}
             other => break other,
         }
     };

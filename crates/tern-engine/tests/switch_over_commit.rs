@@ -595,7 +595,7 @@ fn destination_ready() -> (
     .unwrap();
     let answer = loop {
         match main.read_message().expect("the destination's answer") {
-            Message::Heartbeat(_) => {}
+            Message::Heartbeat(_) | Message::PassApplied(_) => {}
             other => break other,
         }
     };
@@ -702,6 +702,50 @@ fn the_destination_sends_heartbeats_while_pages_flow() {
         main.read_message().unwrap(),
         Message::Heartbeat(_)
     ));
+}
+
+/// Reads the destination's main channel until it says it applied
+/// `passes` passes, skipping its heartbeats; every count it tells on the
+/// way must grow and stay within `passes`. Fails at the deadline.
+fn read_until_applied(main: &mut Channel, passes: u32, told: &mut u32) {
+    let until = std::time::Instant::now() + DEADLINE;
+    while *told < passes {
+        assert!(
+            std::time::Instant::now() < until,
+            "the destination never said it applied {passes} passes (it said {told})"
+        );
+        match main.read_message().expect("the destination's main channel") {
+            Message::Heartbeat(_) => {}
+            Message::PassApplied(applied) => {
+                assert!(
+                    applied.passes > *told && applied.passes <= passes,
+                    "told {} after {told}, with {passes} sent",
+                    applied.passes
+                );
+                *told = applied.passes;
+            }
+            other => panic!("expected passes applied, got {other:?}"),
+        }
+    }
+}
+
+#[test]
+fn the_destination_tells_the_source_each_pass_it_applied() {
+    let (listener, address) = tcp_listener();
+    let _destination = spawn_destination(listener);
+    let mut verified = setup();
+    verified.digest = DigestAlgorithm::Xxh3Pages;
+    let (mut main, mut page) = fake_source_handshake(&address, verified);
+    let mut told = 0;
+    for iteration in 0..3 {
+        page.send_message(&Message::Sync(Sync {
+            iteration,
+            last: false,
+            dictionaries: 0,
+        }))
+        .unwrap();
+        read_until_applied(&mut main, iteration + 1, &mut told);
+    }
 }
 
 #[test]

@@ -146,7 +146,7 @@ impl FakeSource {
             .unwrap();
         loop {
             match self.main.read_message() {
-                Ok(Message::Heartbeat(_)) => {}
+                Ok(Message::Heartbeat(_) | Message::PassApplied(_)) => {}
                 // The digests matched: commit, as a source does.
                 Ok(Message::Ready(_)) => self.main.send_message(&Message::Commit).unwrap(),
                 Ok(Message::Outcome(outcome)) if outcome.verified => return Ok(()),

@@ -70,8 +70,8 @@ pub use handover::{
 };
 pub use message::{
     Abort, AuthChallenge, AuthHello, AuthProof, ChannelHello, Complete, Dictionary,
-    DigestAlgorithm, Handshake, Hello, LiveFigures, Message, Outcome, OutcomeStats, Ready,
-    RegionInfo, SessionSetup, StateSectionMsg, Sync, VmmConfig, Welcome,
+    DigestAlgorithm, Handshake, Hello, LiveFigures, Message, Outcome, OutcomeStats, PassApplied,
+    Ready, RegionInfo, SessionSetup, StateSectionMsg, Sync, VmmConfig, Welcome,
 };
 pub use pages::{
     DELTA_ENTRY_LEN, PageEntry, PageKind, PageRef, PagesHeader, decode_page_table,
@@ -89,7 +89,7 @@ pub use seal::{
 /// First bytes of every handshake.
 pub const MAGIC: [u8; 8] = *b"TERNMIG\0";
 /// Protocol version spoken by this build.
-pub const PROTOCOL_VERSION: u16 = 11;
+pub const PROTOCOL_VERSION: u16 = 12;
 /// The only page size this version supports: the one definition of tern's
 /// page size (`tern_page::PAGE_SIZE` and `tern_engine::PAGE_SIZE` are this
 /// value as a `usize`).
@@ -215,6 +215,9 @@ pub enum FrameKind {
     /// a [`FrameKind::PostcopyResume`] was welcomed (main channel,
     /// destination to source; see [`PostcopyMissing`]).
     PostcopyMissing = 21,
+    /// The destination has applied every page of the first passes (main
+    /// channel, destination to source, live phase; see [`PassApplied`]).
+    PassApplied = 22,
     /// Authentication, first on a channel when the sides share a key:
     /// the source's nonce, bound to a session and channel (source to
     /// destination). Numbered apart from the session's own kinds.
@@ -250,6 +253,7 @@ impl FrameKind {
             19 => Self::MemoryHandover,
             20 => Self::PostcopyResume,
             21 => Self::PostcopyMissing,
+            22 => Self::PassApplied,
             32 => Self::AuthHello,
             33 => Self::AuthChallenge,
             34 => Self::AuthProof,
@@ -275,7 +279,7 @@ impl FrameKind {
             Self::Outcome => 32 + MAX_TEXT_LEN + OutcomeStats::MAX_ENCODED_LEN,
             Self::Abort => 8 + MAX_TEXT_LEN,
             Self::Ready => 16,
-            Self::Commit | Self::Heartbeat => 8,
+            Self::Commit | Self::Heartbeat | Self::PassApplied => 8,
             Self::Dictionary => Dictionary::HEADER_LEN + MAX_DICTIONARY_LEN,
             Self::VmmConfig => VmmConfig::HEADER_LEN + MAX_VMM_CONFIG_LEN,
             Self::AuthHello => Handshake::ENCODED_LEN + AUTH_NONCE_LEN,

@@ -483,6 +483,19 @@ pub struct LiveFigures {
     pub finish_micros: u32,
 }
 
+/// The destination has applied every page of the first `passes` dirty
+/// passes: each of its receivers has passed those passes' syncs, so the
+/// pages are in guest memory. Sent on the main channel during the live
+/// phase each time the count grows (since version 12). The source pauses
+/// its guest only when the destination is within one pass of what it sent
+/// (issue 31: a destination two passes behind at the pause, its receivers
+/// waiting for a CPU, broke the downtime limit with little unread).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct PassApplied {
+    /// Passes applied, counting from the first (pass 0 applied: 1).
+    pub passes: u32,
+}
+
 /// The sender gives up.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Abort {
@@ -574,6 +587,8 @@ pub enum Message {
     PostcopyResume(PostcopyResume),
     /// See [`PostcopyMissing`].
     PostcopyMissing(PostcopyMissing),
+    /// See [`PassApplied`].
+    PassApplied(PassApplied),
 }
 
 impl Message {
@@ -603,6 +618,7 @@ impl Message {
             Self::MemoryHandover(_) => FrameKind::MemoryHandover,
             Self::PostcopyResume(_) => FrameKind::PostcopyResume,
             Self::PostcopyMissing(_) => FrameKind::PostcopyMissing,
+            Self::PassApplied(_) => FrameKind::PassApplied,
         }
     }
 
@@ -663,6 +679,9 @@ impl Message {
             Self::MemoryHandover(handover) => handover::encode(handover, w),
             Self::PostcopyResume(resume) => resume.handshake.encode(w),
             Self::PostcopyMissing(missing) => postcopy::encode_missing(missing, w),
+            Self::PassApplied(applied) => {
+                w.u32(applied.passes).zeros(4);
+            }
         }
     }
 
@@ -733,6 +752,11 @@ impl Message {
                 Self::PostcopyResume(PostcopyResume { handshake })
             }
             FrameKind::PostcopyMissing => Self::PostcopyMissing(postcopy::decode_missing(&mut r)?),
+            FrameKind::PassApplied => {
+                let passes = r.u32()?;
+                r.reserved(4)?;
+                Self::PassApplied(PassApplied { passes })
+            }
             FrameKind::Pages => {
                 return Err(WireError::Unexpected {
                     got: FrameKind::Pages,
@@ -990,6 +1014,7 @@ fn kind_name(kind: FrameKind) -> &'static str {
         FrameKind::MemoryHandover => "memory hand-over",
         FrameKind::PostcopyResume => "postcopy resume",
         FrameKind::PostcopyMissing => "postcopy missing pages",
+        FrameKind::PassApplied => "pass applied",
     }
 }
 

@@ -940,6 +940,7 @@ fn one_of_each_message() -> Vec<Message> {
             placed_pages_per_sec: 250_000,
             finish_micros: 40_000,
         }),
+        Message::PassApplied(PassApplied { passes: 7 }),
         Message::AuthHello(AuthHello {
             handshake,
             nonce: [7; AUTH_NONCE_LEN],

@@ -7,9 +7,8 @@ use std::thread::{Scope, ScopedJoinHandle};
 use std::time::{Duration, Instant};
 
 use tern_page::codec::CodecId;
-use tern_wire::{Complete, FrameDecoder, HEARTBEAT_INTERVAL, Message, WireError};
+use tern_wire::{Complete, FrameDecoder, HEARTBEAT_INTERVAL, Message, PassApplied, WireError};
 
-use super::POLL_INTERVAL;
 use super::handshake::peer_aborted;
 use super::live_figures::FigureWindow;
 use super::order::MainChannelState;
@@ -446,6 +445,8 @@ struct Heartbeat {
     /// How late the previous heartbeat went out: the figure sent is the
     /// larger of two, so one lucky wake-up does not hide a loaded host.
     previous_lateness: Duration,
+    /// Passes applied the source has been told of.
+    passes_told: u32,
 }
 
 impl Heartbeat {
@@ -454,7 +455,24 @@ impl Heartbeat {
             next: Instant::now() + HEARTBEAT_INTERVAL,
             figures: FigureWindow::new(receivers),
             previous_lateness: Duration::ZERO,
+            passes_told: 0,
         }
+    }
+
+    /// Tells the source of the passes applied since it was last told: it
+    /// pauses its guest only when this side is within one pass of it.
+    fn tell_passes(
+        &mut self,
+        main: &mut impl FrameSink,
+        shared: &ReceiverShared<'_>,
+    ) -> Result<(), MigrationError> {
+        let passes = shared.passes_applied();
+        if passes > self.passes_told {
+            main.send_message(&Message::PassApplied(PassApplied { passes }))
+                .map_err(MigrationError::channel(0))?;
+            self.passes_told = passes;
+        }
+        Ok(())
     }
 
     /// How long until the next heartbeat is due.
@@ -485,6 +503,12 @@ impl Heartbeat {
     }
 }
 
+/// How often the main thread looks for passes applied to tell the source
+/// (it is woken by the main channel only): a source about to switch over
+/// waits for the word, so it should not wait for a long poll. A wake-up
+/// that finds nothing costs a few microseconds.
+const PASS_POLL: Duration = Duration::from_millis(5);
+
 /// Waits for the main channel, which carries little from the source during
 /// the live phase (refreshed dictionaries), looking at the failure flag and sending heartbeats
 /// meanwhile.
@@ -499,6 +523,7 @@ fn wait_for_main(
     let mut pages_ended_at: Option<Instant> = None;
     loop {
         heartbeat.beat(main, shared.stats)?;
+        heartbeat.tell_passes(main, shared)?;
         if shared.pages_ended()
             && pages_ended_at.get_or_insert_with(Instant::now).elapsed() > shared.io_timeout()
         {
@@ -525,9 +550,10 @@ fn wait_for_main(
             return Err(MigrationError::Internal("a page channel failed".into()));
         }
         // Woken when the next heartbeat is due, so its lateness is this
-        // thread's scheduling delay, not the poll's granularity.
+        // thread's scheduling delay, not the poll's granularity; and often
+        // enough that a pass applied is told while the source decides.
         if main
-            .wait_readable(POLL_INTERVAL.min(heartbeat.due_in()))
+            .wait_readable(PASS_POLL.min(heartbeat.due_in()))
             .map_err(MigrationError::channel(0))?
         {
             return Ok(());

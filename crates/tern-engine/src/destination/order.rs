@@ -171,7 +171,7 @@ impl PageChannelState {
 mod tests {
     use super::*;
 
-    const ALL_KINDS: [FrameKind; 24] = [
+    const ALL_KINDS: [FrameKind; 25] = [
         FrameKind::Hello,
         FrameKind::ChannelHello,
         FrameKind::Welcome,
@@ -193,6 +193,7 @@ mod tests {
         FrameKind::PostcopyComplete,
         FrameKind::PostcopyResume,
         FrameKind::PostcopyMissing,
+        FrameKind::PassApplied,
         FrameKind::AuthHello,
         FrameKind::AuthChallenge,
         FrameKind::AuthProof,

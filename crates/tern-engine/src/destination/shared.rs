@@ -2,7 +2,7 @@
 //! session, per-page bookkeeping, the iteration barrier and the first
 //! failure.
 
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::{Condvar, Mutex};
 use std::time::{Duration, Instant};
 
@@ -62,6 +62,9 @@ pub(super) struct ReceiverShared<'a> {
     /// Every page channel has passed its last sync: only the main channel
     /// has more to say.
     pages_ended: AtomicBool,
+    /// Passes every receiver has ended, their pages in memory: what the
+    /// main channel tells the source (`PassApplied`).
+    passes_applied: AtomicU32,
     failed: AtomicBool,
     /// The first failure; later ones are its consequences. Taken once per
     /// failure, never on the per-page path.
@@ -113,6 +116,7 @@ impl<'a> ReceiverShared<'a> {
             barrier: SyncBarrier::new(receivers),
             final_iteration: AtomicU64::new(NO_FINAL_ITERATION),
             pages_ended: AtomicBool::new(false),
+            passes_applied: AtomicU32::new(0),
             failed: AtomicBool::new(false),
             first_failure: Mutex::new(None),
             stats,
@@ -214,8 +218,12 @@ impl<'a> ReceiverShared<'a> {
                 self.dictionaries.put_in_force(sync.dictionaries);
                 // Every receiver is in the barrier: the counters hold this
                 // iteration's pages and none of the next one's.
-                if agreed && let Some(passes) = &self.passes {
-                    passes.report(u64::from(iteration) + 1, self.stats);
+                if agreed {
+                    self.passes_applied
+                        .store(iteration.saturating_add(1), Ordering::Release);
+                    if let Some(passes) = &self.passes {
+                        passes.report(u64::from(iteration) + 1, self.stats);
+                    }
                 }
             })
             .map_err(|error| match error {
@@ -229,6 +237,11 @@ impl<'a> ReceiverShared<'a> {
             self.pages_ended.store(true, Ordering::Release);
         }
         Ok(())
+    }
+
+    /// Passes every receiver has ended, their pages in guest memory.
+    pub(super) fn passes_applied(&self) -> u32 {
+        self.passes_applied.load(Ordering::Acquire)
     }
 
     /// Whether every page channel has passed its last sync.

@@ -1,9 +1,10 @@
 //! What the destination says, or is told, on the main channel outside the
-//! normal flow: aborts in both directions.
+//! normal flow: heartbeats and passes applied from it, aborts in both
+//! directions.
 
 use std::time::{Duration, Instant};
 
-use tern_wire::{HEARTBEAT_INTERVAL, LiveFigures, Message};
+use tern_wire::{HEARTBEAT_INTERVAL, LiveFigures, Message, PassApplied};
 
 use crate::error::{ChannelError, MigrationError};
 use crate::transport::{Channel, Expected};
@@ -24,6 +25,9 @@ pub(super) struct PeerWatch {
     silence_limit: Duration,
     /// What the destination's last heartbeat said it measured.
     figures: LiveFigures,
+    /// Passes the destination said it applied (its latest
+    /// `PassApplied`, protocol 12): every page of them is in its memory.
+    passes_applied: u32,
 }
 
 impl PeerWatch {
@@ -34,6 +38,7 @@ impl PeerWatch {
             heard: 0,
             silence_limit,
             figures: LiveFigures::default(),
+            passes_applied: 0,
         }
     }
 
@@ -43,32 +48,25 @@ impl PeerWatch {
         self.figures
     }
 
-    /// Reads what the destination sent since the last look: heartbeats
-    /// renew its liveness, an abort or anything else fails the migration,
-    /// and so does silence beyond the limit.
-    pub(super) fn check(&mut self, main: &mut Channel) -> Result<(), MigrationError> {
+    /// Passes the destination has applied, by its word.
+    pub(super) fn passes_applied(&self) -> u32 {
+        self.passes_applied
+    }
+
+    /// Reads what the destination sent since the last look (`passes_sent`
+    /// passes so far): heartbeats renew its liveness, passes applied are
+    /// counted, an abort or anything else fails the migration, and so does
+    /// silence beyond the limit.
+    pub(super) fn check(
+        &mut self,
+        main: &mut Channel,
+        passes_sent: u32,
+    ) -> Result<(), MigrationError> {
         while main
             .wait_readable(Duration::ZERO)
             .map_err(MigrationError::channel(0))?
         {
-            match main
-                .read_expected(Expected::LIVE)
-                .map_err(MigrationError::channel(0))?
-            {
-                Message::Heartbeat(figures) => {
-                    self.heard = self.heard.saturating_add(1);
-                    self.figures = figures;
-                }
-                Message::Abort(abort) => {
-                    return Err(MigrationError::from_peer_abort(abort));
-                }
-                other => {
-                    return Err(MigrationError::Protocol(format!(
-                        "unexpected {:?} from the destination during the live phase",
-                        other.kind()
-                    )));
-                }
-            }
+            self.read_one(main, passes_sent)?;
         }
         let silent = self
             .started
@@ -82,6 +80,71 @@ impl PeerWatch {
         }
         Ok(())
     }
+
+    /// Waits until the destination says it applied `passes` passes (of
+    /// `passes_sent`), reading what it sends meanwhile, until `until`.
+    /// Returns whether it did.
+    pub(super) fn wait_for_passes(
+        &mut self,
+        main: &mut Channel,
+        passes: u32,
+        passes_sent: u32,
+        until: Instant,
+    ) -> Result<bool, MigrationError> {
+        while self.passes_applied < passes {
+            let left = until.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                return Ok(false);
+            }
+            if main
+                .wait_readable(left)
+                .map_err(MigrationError::channel(0))?
+            {
+                self.read_one(main, passes_sent)?;
+            }
+        }
+        Ok(true)
+    }
+
+    /// Reads one message the destination sent during the live phase.
+    fn read_one(&mut self, main: &mut Channel, passes_sent: u32) -> Result<(), MigrationError> {
+        match main
+            .read_expected(Expected::LIVE)
+            .map_err(MigrationError::channel(0))?
+        {
+            Message::Heartbeat(figures) => {
+                self.heard = self.heard.saturating_add(1);
+                self.figures = figures;
+            }
+            Message::PassApplied(applied) => {
+                self.passes_applied = checked_passes(applied, self.passes_applied, passes_sent)?;
+            }
+            Message::Abort(abort) => {
+                return Err(MigrationError::from_peer_abort(abort));
+            }
+            other => {
+                return Err(MigrationError::Protocol(format!(
+                    "unexpected {:?} from the destination during the live phase",
+                    other.kind()
+                )));
+            }
+        }
+        Ok(())
+    }
+}
+
+/// A destination's count of passes applied, which can neither go back nor
+/// pass what was sent: either is a protocol error (the count only ever
+/// delays a switch-over, but a peer that says such things is not trusted
+/// with the rest).
+fn checked_passes(applied: PassApplied, before: u32, sent: u32) -> Result<u32, MigrationError> {
+    if applied.passes < before || applied.passes > sent {
+        return Err(MigrationError::Protocol(format!(
+            "the destination says it applied {} passes, after {before}, of {sent} sent",
+            applied.passes
+        )));
+    }
+    Ok(applied.passes)
 }
 
 /// Tells the destination why the migration stops (unless it told us).
@@ -104,7 +167,7 @@ pub(super) fn peer_reason(main: &mut Channel) -> Option<MigrationError> {
             return None;
         }
         match main.read_expected(Expected::LIVE) {
-            Ok(Message::Heartbeat(_)) if !left.is_zero() => {}
+            Ok(Message::Heartbeat(_) | Message::PassApplied(_)) if !left.is_zero() => {}
             Ok(Message::Abort(abort)) => {
                 return Some(MigrationError::from_peer_abort(abort));
             }

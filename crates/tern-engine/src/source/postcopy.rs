@@ -433,7 +433,7 @@ impl Answers<'_> {
                 Ok(None)
             }
             Message::PostcopyComplete(complete) => Ok(Some(complete)),
-            Message::Heartbeat(_) => Ok(None),
+            Message::Heartbeat(_) | Message::PassApplied(_) => Ok(None),
             Message::Abort(abort) => Err(MigrationError::from_peer_abort(abort)),
             other => Err(MigrationError::Protocol(format!(
                 "unexpected {:?} on the main channel during postcopy",

@@ -346,7 +346,8 @@ impl Source {
             match message {
                 Message::Outcome(outcome) => return Ok(Ok(outcome)),
                 Message::Ready(ready) => return Ok(Err(ready)),
-                Message::Heartbeat(_) => {}
+                // Sent before the destination read the completion.
+                Message::Heartbeat(_) | Message::PassApplied(_) => {}
                 Message::Abort(abort) => {
                     return Err(MigrationError::from_peer_abort(abort));
                 }

@@ -39,6 +39,7 @@ impl Expected {
             FrameKind::MemoryHandover,
             FrameKind::PostcopyResume,
             FrameKind::PostcopyMissing,
+            FrameKind::PassApplied,
             FrameKind::AuthHello,
             FrameKind::AuthChallenge,
             FrameKind::AuthProof,
@@ -58,19 +59,26 @@ impl Expected {
         name: "an auth challenge",
     };
 
-    /// What the destination sends on its own while the live phase runs.
+    /// What the destination sends on its own while the live phase runs:
+    /// heartbeats, and the passes it has applied.
     pub const LIVE: Self = Self {
-        kinds: &[FrameKind::Heartbeat, FrameKind::Abort],
-        name: "a heartbeat",
+        kinds: &[
+            FrameKind::Heartbeat,
+            FrameKind::PassApplied,
+            FrameKind::Abort,
+        ],
+        name: "a heartbeat or a pass applied",
     };
 
     /// The destination's answer to the switch-over (`Complete`, then
-    /// `Commit`), with the heartbeats it sends meanwhile.
+    /// `Commit`), with the heartbeats and passes applied it sent meanwhile
+    /// (one sent before it read the completion may still be on its way).
     pub const SWITCH_OVER_ANSWER: Self = Self {
         kinds: &[
             FrameKind::Outcome,
             FrameKind::Ready,
             FrameKind::Heartbeat,
+            FrameKind::PassApplied,
             FrameKind::Abort,
         ],
         name: "the destination's answer",
@@ -90,12 +98,14 @@ impl Expected {
     };
 
     /// What the destination sends during postcopy: page requests, its
-    /// completion, heartbeats.
+    /// completion, heartbeats, and a pass applied sent before it read the
+    /// switch.
     pub const POSTCOPY: Self = Self {
         kinds: &[
             FrameKind::PageRequest,
             FrameKind::PostcopyComplete,
             FrameKind::Heartbeat,
+            FrameKind::PassApplied,
             FrameKind::Abort,
         ],
         name: "a page request or the postcopy completion",

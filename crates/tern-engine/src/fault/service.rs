@@ -507,8 +507,15 @@ impl Shared {
                     }
                 }
                 // The range was unmapped (or the process ended) since the
-                // fault was queued: nobody waits for the page any more.
-                Err(error) if is_gone(&error) => return Ok(()),
+                // fault was queued: no page of ours goes there any more. A
+                // thread still waiting is woken to fault on what is mapped
+                // there now (or to find its process gone).
+                Err(error) if is_gone(&error) => {
+                    if let Event::PageFault(address) = event {
+                        self.uffd.wake_range(address, PAGE);
+                    }
+                    return Ok(());
+                }
                 other => return other,
             }
         }

@@ -508,6 +508,9 @@ mod tests {
         Silent,
         /// Closes it at once.
         Close,
+        /// Reads the channel hello whole, then closes it: the source's
+        /// read of the welcome meets the end of the stream, not a reset.
+        ReadThenClose,
         /// Reads the channel hello and welcomes it.
         Welcome,
     }
@@ -538,6 +541,7 @@ mod tests {
                     match plan(connection) {
                         Answer::Silent => held.push(stream),
                         Answer::Close => drop(stream),
+                        Answer::ReadThenClose => drop(read_hello(&stream)),
                         Answer::Welcome => welcome(stream),
                     }
                 }
@@ -565,21 +569,25 @@ mod tests {
         }
     }
 
+    /// Reads a channel hello whole; `None` if the source gave up first.
+    fn read_hello(mut stream: &TcpStream) -> Option<ChannelHello> {
+        let _ = stream.set_read_timeout(Some(Duration::from_secs(60)));
+        let mut head = [0u8; FRAME_HEADER_LEN];
+        stream.read_exact(&mut head).ok()?;
+        let header = FrameHeader::decode(&head).unwrap();
+        let mut body = vec![0u8; header.body_len as usize];
+        stream.read_exact(&mut body).ok()?;
+        let Message::ChannelHello(hello) = Message::decode(header.kind, &body).unwrap() else {
+            panic!("expected a channel hello");
+        };
+        Some(hello)
+    }
+
     /// Reads a channel hello and answers it with its welcome; a source that
     /// gave up meanwhile is no error here.
     fn welcome(mut stream: TcpStream) {
-        let _ = stream.set_read_timeout(Some(Duration::from_secs(60)));
-        let mut head = [0u8; FRAME_HEADER_LEN];
-        let Ok(()) = stream.read_exact(&mut head) else {
+        let Some(hello) = read_hello(&stream) else {
             return;
-        };
-        let header = FrameHeader::decode(&head).unwrap();
-        let mut body = vec![0u8; header.body_len as usize];
-        let Ok(()) = stream.read_exact(&mut body) else {
-            return;
-        };
-        let Message::ChannelHello(hello) = Message::decode(header.kind, &body).unwrap() else {
-            panic!("expected a channel hello");
         };
         let welcome = Message::Welcome(Welcome {
             session_id: hello.handshake.session_id,
@@ -704,6 +712,25 @@ mod tests {
         // Far below the 60 s handshake timeout a retry without the
         // deadline would wait, far above the 1 s it should take.
         assert!(took < Duration::from_secs(30), "took {took:?}");
+    }
+
+    /// A destination short of handshake slots closes a page channel after
+    /// reading its hello, without a word: the end of the stream, where a
+    /// welcome was due, is retried like a reset.
+    #[test]
+    fn a_page_channel_closed_after_its_hello_is_opened_again() {
+        let destination = FakeDestination::start(|connection| {
+            if connection == 0 {
+                Answer::ReadThenClose
+            } else {
+                Answer::Welcome
+            }
+        });
+        let connector = Counting::new(Connector::Dial(destination.address()));
+        let config = config(Duration::from_secs(60), Duration::from_secs(60));
+        let result = open_and_greet(&config, &connector, SESSION, 1, &hello(1), None);
+        assert!(result.is_ok(), "{:?}", result.err().map(|e| e.chain()));
+        assert_eq!(connector.attempts(), 2);
     }
 
     /// A main channel's silence after its hello is how a peer that is not

@@ -30,12 +30,17 @@ fn expected(region: usize, page: u64) -> u8 {
 }
 
 /// The pages of [`expected`]; records each fetch (region, first page,
-/// pages) in order, and refuses the unit beginning at `failing`.
+/// pages) in order, refuses the unit beginning at `failing`, and holds
+/// the fetch of the unit beginning at `held` until the test lets it go.
 #[derive(Default)]
 struct PatternSource {
     fetched: Mutex<Vec<(usize, u64, usize)>>,
     failing: Option<(usize, u64)>,
+    held: Option<HeldUnit>,
 }
+
+/// A unit whose fetch waits for a word on the channel.
+type HeldUnit = ((usize, u64), Mutex<std::sync::mpsc::Receiver<()>>);
 
 impl PatternSource {
     fn fetched(&self) -> Vec<(usize, u64, usize)> {
@@ -55,6 +60,11 @@ impl PageSource for PatternSource {
             .lock()
             .unwrap()
             .push((region, first, zero.len()));
+        if let Some((unit, release)) = &self.held
+            && *unit == (region, first)
+        {
+            let _ = release.lock().unwrap().recv();
+        }
         if self.failing == Some((region, first)) {
             return Err(PageSourceError::new("this unit cannot be read"));
         }
@@ -458,4 +468,35 @@ fn a_placement_into_memory_unmapped_since_places_nothing_and_fails_nothing() {
     assert_eq!(service.place(1, 0, &outside, &[false; 4]).unwrap(), 0);
     assert!(!service.has_failed());
     assert_eq!(read(&memory[0], 0..10), expected_pages(0, 0..10));
+}
+
+#[test]
+fn a_fault_on_memory_unmapped_while_its_unit_was_fetched_wakes_and_fails_nothing() {
+    let (release, held) = std::sync::mpsc::channel();
+    let source = Arc::new(PatternSource {
+        held: Some(((0, 4), Mutex::new(held))),
+        ..PatternSource::default()
+    });
+    let Some((memory, service)) = served(&source, config(0)) else {
+        return;
+    };
+    tern_test_skip::wait::scope_within("the faulting thread is woken", |scope| {
+        let page = memory[0].page(5).as_ptr() as usize;
+        // SAFETY: a byte of the mapping, which outlives the scope.
+        let reader = scope.spawn(move || unsafe { (page as *const u8).read_volatile() });
+        tern_test_skip::wait::wait_until("the fault's unit is being fetched", || {
+            source.fetched().contains(&(0, 4, 4))
+        });
+        // The guest's memory there is replaced while the service fetches:
+        // its placement finds nothing of its own (ENOENT).
+        map_afresh(&memory[0], 4, 4);
+        release.send(()).unwrap();
+        assert_eq!(reader.join().unwrap(), 0, "the fresh mapping's zeros");
+    });
+    assert!(!service.has_failed());
+    assert_eq!(
+        read(&memory[0], [0]),
+        expected_pages(0, [0]),
+        "still serving"
+    );
 }

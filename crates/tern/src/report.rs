@@ -447,7 +447,6 @@ fn summary_rows(stats: &MigrationStats) -> Vec<(&'static str, String)> {
         ),
         ("throttle", format!("{}%", stats.cpu_throttle_percentage)),
         ("forced switch-over", stats.forced_switch_over.to_string()),
-        ("waited for the destination", catch_up_line(stats)),
         ("digest verified", digest_line(stats)),
         (
             "security",
@@ -644,20 +643,6 @@ fn downtime_row(stats: &MigrationStats) -> String {
     row
 }
 
-/// How long the switch-over waited for the destination to catch up.
-fn catch_up_line(stats: &MigrationStats) -> String {
-    match stats.destination_catch_up {
-        None => "no".into(),
-        Some(catch_up) if catch_up.behind_at_pause == 0 => {
-            format!("{:.0} ms, until it caught up", catch_up.waited_ms)
-        }
-        Some(catch_up) => format!(
-            "{:.0} ms, then paused with it {} passes behind",
-            catch_up.waited_ms, catch_up.behind_at_pause
-        ),
-    }
-}
-
 /// The warning line of a downtime that broke its limit.
 fn downtime_warning(stats: &MigrationStats) -> Option<String> {
     let cause = stats
@@ -672,17 +657,8 @@ fn downtime_warning(stats: &MigrationStats) -> Option<String> {
         ),
         _ => String::new(),
     };
-    let behind = match stats.destination_catch_up {
-        Some(catch_up) if catch_up.behind_at_pause > 0 => format!(
-            "; the guest paused with the destination {} passes behind, after waiting {:.0} ms \
-             for it to catch up",
-            catch_up.behind_at_pause, catch_up.waited_ms
-        ),
-        _ => String::new(),
-    };
     Some(format!(
-        "the downtime of {} ms broke the {} ms limit (expected {} ms); most of it: \
-         {}{overran}{behind}{}",
+        "the downtime of {} ms broke the {} ms limit (expected {} ms); most of it: {}{overran}{}",
         stats.downtime,
         stats.downtime_limit,
         stats.expected_downtime,

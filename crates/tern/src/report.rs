@@ -767,10 +767,9 @@ mod tests {
         assert!(downtime_row(&stats).contains("final rehash 380 ms"));
         assert_eq!(catch_up_row(&stats), "no");
         // Paused with the destination behind: the warning names its lag.
-        let behind: tern_engine::DestinationCatchUp = serde_json::from_value(
-            serde_json::json!({"waited-ms": 3000.0, "behind-at-pause": 2}),
-        )
-        .unwrap();
+        let behind: tern_engine::DestinationCatchUp =
+            serde_json::from_value(serde_json::json!({"waited-ms": 3000.0, "behind-at-pause": 2}))
+                .unwrap();
         stats.destination_catch_up = Some(behind);
         let warning = downtime_warning(&stats).expect("a warning");
         assert!(

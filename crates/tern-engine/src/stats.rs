@@ -404,7 +404,8 @@ impl LiveStats {
         self.downtime_ms.store(millis(time), Ordering::Relaxed);
     }
 
-    /// The source waited `waited` for the destination to catch up.
+    /// The source waited `waited` for the destination to catch up (called
+    /// with zero as the wait starts, so that the live query shows it).
     pub(crate) fn record_catch_up(&self, waited: Duration) {
         self.caught_up_after_waiting.store(true, Ordering::Relaxed);
         self.catch_up_micros.fetch_add(

@@ -15,6 +15,7 @@ mod common;
 
 mod attacks_invariants;
 mod auto;
+mod catch_up;
 mod control;
 mod decode_pool;
 mod dictionary;

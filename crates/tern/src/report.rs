@@ -414,6 +414,7 @@ fn summary_rows(stats: &MigrationStats) -> Vec<(&'static str, String)> {
             "expected downtime",
             format!("{} ms", stats.expected_downtime),
         ),
+        ("waited for destination", catch_up_row(stats)),
         (
             "source digest",
             format!(
@@ -643,6 +644,20 @@ fn downtime_row(stats: &MigrationStats) -> String {
     row
 }
 
+/// How long the switch-over waited, the guest running, for the destination
+/// to apply every pass but the last (protocol 12), and whether it paused
+/// with the destination still behind.
+fn catch_up_row(stats: &MigrationStats) -> String {
+    match stats.destination_catch_up {
+        None => "no".into(),
+        Some(catch_up) if catch_up.behind_at_pause > 0 => format!(
+            "{:.0} ms, then paused with it {} passes behind (the wait's budget ran out)",
+            catch_up.waited_ms, catch_up.behind_at_pause
+        ),
+        Some(catch_up) => format!("{:.0} ms, until it caught up", catch_up.waited_ms),
+    }
+}
+
 /// The warning line of a downtime that broke its limit.
 fn downtime_warning(stats: &MigrationStats) -> Option<String> {
     let cause = stats
@@ -657,8 +672,16 @@ fn downtime_warning(stats: &MigrationStats) -> Option<String> {
         ),
         _ => String::new(),
     };
+    // The destination's lag is downtime no estimate saw: name it.
+    let lag = match stats.destination_catch_up {
+        Some(catch_up) if catch_up.behind_at_pause > 0 => format!(
+            "; the destination was {} passes behind at the pause, after a wait of {:.0} ms",
+            catch_up.behind_at_pause, catch_up.waited_ms
+        ),
+        _ => String::new(),
+    };
     Some(format!(
-        "the downtime of {} ms broke the {} ms limit (expected {} ms); most of it: {}{overran}{}",
+        "the downtime of {} ms broke the {} ms limit (expected {} ms); most of it: {}{overran}{lag}{}",
         stats.downtime,
         stats.downtime_limit,
         stats.expected_downtime,
@@ -742,6 +765,18 @@ mod tests {
         );
         assert!(warning.ends_with("final-rehash"), "{warning}");
         assert!(downtime_row(&stats).contains("final rehash 380 ms"));
+        assert_eq!(catch_up_row(&stats), "no");
+        // Paused with the destination behind: the warning names its lag.
+        let behind: tern_engine::DestinationCatchUp =
+            serde_json::from_value(serde_json::json!({"waited-ms": 3000.0, "behind-at-pause": 2}))
+                .unwrap();
+        stats.destination_catch_up = Some(behind);
+        let warning = downtime_warning(&stats).expect("a warning");
+        assert!(
+            warning.contains("the destination was 2 passes behind at the pause"),
+            "{warning}"
+        );
+        assert!(catch_up_row(&stats).contains("2 passes behind"));
         stats.downtime_exceeded = false;
         assert_eq!(downtime_warning(&stats), None);
     }

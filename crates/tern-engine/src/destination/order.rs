@@ -254,6 +254,11 @@ mod tests {
         );
         let refused = MainChannelState::Live.next(FrameKind::Pages).unwrap_err();
         assert_eq!(refused, "unexpected Pages on the main channel");
+        // Only the destination tells passes applied (protocol 12).
+        let refused = MainChannelState::Live
+            .next(FrameKind::PassApplied)
+            .unwrap_err();
+        assert_eq!(refused, "unexpected PassApplied on the main channel");
     }
 
     #[test]

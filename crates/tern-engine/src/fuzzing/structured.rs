@@ -3,7 +3,8 @@
 //! refresh, iterations of pages of every kind: zero, raw, compressed,
 //! duplicate, delta; state sections, the completion with its digest, the
 //! commit), which is built and then corrupted as the input's last choices
-//! say. Byte-level mutations of such inputs change the session's shape,
+//! say; the very last may slip in a frame only a destination sends
+//! (`PassApplied`, protocol 12), which must be refused. Byte-level mutations of such inputs change the session's shape,
 //! not its framing, so the fuzzer spends its time past the handshake: in
 //! the receivers, the claims, the dictionaries, the switch-over.
 //!
@@ -15,7 +16,8 @@ use arbitrary::Unstructured;
 use tern_page::codec::{CodecDictionary, CodecId, CompressedBatch, PageCompressor, PageOutcome};
 use tern_wire::{
     ChannelHello, Complete, DigestAlgorithm, Handshake, Hello, Message, PageEntry, PageKind,
-    PageRef, PagesHeader, RegionInfo, SessionSetup, StateSectionMsg, Sync, encode_packet_prefix,
+    PageRef, PagesHeader, PassApplied, RegionInfo, SessionSetup, StateSectionMsg, Sync,
+    encode_packet_prefix,
 };
 use xxhash_rust::xxh3::Xxh3;
 
@@ -50,9 +52,28 @@ pub fn structured_session(data: &[u8]) -> (Vec<u8>, Vec<Vec<u8>>) {
     for iteration in 0..iterations {
         session.iteration(&mut choices, iteration, iteration + 1 == iterations);
     }
+    // The live phase's end on the main channel: a frame boundary.
+    let live_end = session.main.len();
     let (mut main, mut pages) = session.finish(&mut choices, iterations - 1);
     corrupt(&mut choices, &mut main, &mut pages);
+    // Chosen last, so that the seeds chosen before it keep their sessions.
+    if choices.int_in_range(0..=7u8).unwrap_or(0) == 7 {
+        insert_pass_applied(&mut main, live_end, &mut choices);
+    }
     (main, pages)
+}
+
+/// A `PassApplied` (protocol 12), which only a destination sends, put on
+/// the main channel at `at` (the live phase's end, unless a corruption
+/// moved it) as though the source sent it: the destination must refuse it.
+fn insert_pass_applied(main: &mut Vec<u8>, at: usize, choices: &mut Unstructured<'_>) {
+    let mut frame = Vec::new();
+    Message::PassApplied(PassApplied {
+        passes: choices.arbitrary().unwrap_or(0),
+    })
+    .encode(&mut frame);
+    let at = at.min(main.len());
+    main.splice(at..at, frame);
 }
 
 /// What an entry of a packet carries, before encoding.

@@ -167,6 +167,15 @@ impl Source {
             self.stats.record_behind_at_pause(behind);
             return Ok(decision);
         }
+        // Shown at once in the live query, not only once the wait is over:
+        // an operator watching a switch-over that does not come sees why.
+        self.stats.record_catch_up(Duration::ZERO);
+        tracing::info!(
+            passes_applied = peer.passes_applied(),
+            passes_sent,
+            budget_left_ms = millis(*budget),
+            "holding the switch-over: the destination is more than one pass behind"
+        );
         let started = Instant::now();
         let caught_up = peer.wait_for_passes(main, needed, passes_sent, started + *budget)?;
         let waited = started.elapsed();

@@ -553,8 +553,9 @@ impl Shared {
                 }
             }
             Event::Remove { start, end } => {
-                self.counters.removes.fetch_add(1, Ordering::Relaxed);
                 self.remove(start, end);
+                // Counted once handled: the counter says the bitmaps know.
+                self.counters.removes.fetch_add(1, Ordering::Release);
             }
             Event::Other(_) => {}
         }
@@ -733,7 +734,7 @@ impl Shared {
             fault_pages: self.counters.fault_pages.load(Ordering::Relaxed),
             prefetched_pages: self.counters.prefetched_pages.load(Ordering::Relaxed),
             zero_pages: self.counters.zero_pages.load(Ordering::Relaxed),
-            removes: self.counters.removes.load(Ordering::Relaxed),
+            removes: self.counters.removes.load(Ordering::Acquire),
             fault_latency_p50_us: percentile(0.5),
             fault_latency_p99_us: percentile(0.99),
             loaded_after_ms: self

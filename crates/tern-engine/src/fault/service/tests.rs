@@ -164,11 +164,18 @@ fn a_touched_page_brings_its_unit_and_the_loaders_bring_the_rest_once() {
     assert_eq!(read(&memory[0], 4..8), expected_pages(0, 4..8));
     assert!(!service.is_released() && !service.has_failed());
     assert_eq!(read(&memory[1], [6]), expected_pages(1, [6]));
-    let stats = service.stats();
-    assert_eq!((stats.faults, stats.fault_pages), (2, 4 + 3));
+    // A waiting thread wakes as its page is placed, before the service
+    // has counted it: the counts settle soon after.
+    let stats = settled(&service, |stats| {
+        stats.fault_pages == 4 + 3 && stats.zero_pages == 2
+    });
+    assert_eq!(stats.faults, 2);
     assert_eq!(stats.prefetched_pages, 0);
     // Page 5 of both units; region 1's last unit is pages 4-6.
     assert_eq!(stats.zero_pages, 2);
+    tern_test_skip::wait::wait_until("both faults are recorded", || {
+        service.faulted_pages().len() == 2
+    });
     assert_eq!(service.faulted_pages(), [(0, 5), (1, 6)]);
     assert_eq!(source.fetched(), [(0, 4, 4), (1, 4, 3)]);
     assert_eq!(stats.fault_latency_histogram_us.iter().sum::<u64>(), 2);
@@ -230,6 +237,35 @@ fn a_loader_takes_the_working_set_first_in_its_order() {
     assert_eq!(stats.prefetched_pages, 17);
 }
 
+/// The service's statistics once `done` holds of them (its counts trail
+/// the wake-up of the thread that faulted).
+fn settled(service: &FaultService, done: impl Fn(&super::FaultStats) -> bool) -> super::FaultStats {
+    tern_test_skip::wait::wait_for("the service's counts settle", || {
+        let stats = service.stats();
+        done(&stats).then_some(stats)
+    })
+}
+
+/// Waits until every unit is present (placed before its thread woke, and
+/// marked just after).
+fn loaded(service: &FaultService) {
+    tern_test_skip::wait::wait_until("every unit is marked present", || service.is_loaded());
+}
+
+/// Drops pages `first..first + count` of `memory` (`MADV_DONTNEED`, which
+/// waits until the service has read the remove event), then waits until
+/// the service has handled `removes` removes in all.
+fn drop_handled(
+    service: &FaultService,
+    memory: &AnonymousMemory,
+    first: usize,
+    count: usize,
+    removes: u64,
+) {
+    drop_pages(memory, first, count);
+    settled(service, |stats| stats.removes == removes);
+}
+
 /// Drops pages `first..first + count` of `memory` (`MADV_DONTNEED`, which
 /// waits until the service has read the remove event).
 fn drop_pages(memory: &AnonymousMemory, first: usize, count: usize) {
@@ -257,15 +293,14 @@ fn dropped_pages_read_as_zeros_and_their_units_are_missing_again() {
     // Every unit by a fault.
     read(&memory[0], [0, 4, 8]);
     read(&memory[1], [0, 4]);
-    assert!(service.is_loaded());
+    loaded(&service);
     // Pages 3 and 4: the last of unit 0, the first of unit 1.
-    drop_pages(&memory[0], 3, 2);
-    assert_eq!(service.stats().removes, 1);
+    drop_handled(&service, &memory[0], 3, 2, 1);
     assert!(!service.is_loaded(), "units 0 and 1 are missing again");
     assert_eq!(read(&memory[0], [3]), [0], "a dropped page reads as zeros");
     assert!(!service.is_loaded(), "unit 1 is still missing");
     assert_eq!(read(&memory[0], [4]), [0]);
-    assert!(service.is_loaded());
+    loaded(&service);
     // The pages of those units that were not dropped kept their bytes.
     assert_eq!(read(&memory[0], 0..3), expected_pages(0, 0..3));
     assert_eq!(read(&memory[0], 5..8), expected_pages(0, 5..8));
@@ -282,7 +317,6 @@ fn a_page_dropped_without_a_remove_event_reads_as_zeros() {
         return;
     };
     read(&memory[0], [0, 4, 8]);
-    let zero_pages = service.stats().zero_pages;
     // Our own descriptors report no removes: the service learns of these
     // only when the pages fault.
     drop_pages(&memory[0], 3, 2);
@@ -291,7 +325,8 @@ fn a_page_dropped_without_a_remove_event_reads_as_zeros() {
     assert_eq!(read(&memory[0], 5..8), expected_pages(0, 5..8));
     let stats = service.stop();
     assert_eq!(stats.removes, 0);
-    assert_eq!(stats.zero_pages, zero_pages + 2);
+    // Pages 2, 5 and 8 of the units, then the two dropped.
+    assert_eq!(stats.zero_pages, 3 + 2);
     assert_eq!(source.fetched().len(), 3, "nothing fetched again");
 }
 
@@ -429,7 +464,7 @@ fn a_region_of_more_than_64_units_is_tracked_unit_by_unit() {
     assert_eq!(service.place(0, 0, &outside, &[false; 129]).unwrap(), 129);
     assert!(!service.is_loaded());
     assert_eq!(read(&memory, [129]), expected_pages(0, [129]));
-    assert!(service.is_loaded());
+    loaded(&service);
     assert_eq!(read(&memory, [0, 64, 128]), [4; 3]);
     assert_eq!(source.fetched(), [(0, 129, 1)]);
 }
@@ -499,4 +534,84 @@ fn a_fault_on_memory_unmapped_while_its_unit_was_fetched_wakes_and_fails_nothing
         expected_pages(0, [0]),
         "still serving"
     );
+}
+
+#[test]
+fn adjacent_regions_are_told_apart_at_their_border() {
+    // Both regions in one mapping: region 1 begins where region 0 ends.
+    let memory = AnonymousMemory::new(17);
+    let split = 10 * PAGE_SIZE;
+    // SAFETY: two disjoint ranges of the mapping, which outlives them.
+    let regions = unsafe {
+        let base = std::ptr::NonNull::new(memory.base).unwrap();
+        [
+            MemoryRegion::new(0, 0, base, split as u64),
+            MemoryRegion::new(1, split as u64, base.add(split), 7 * PAGE_SIZE as u64),
+        ]
+    };
+    let source = Arc::new(PatternSource::default());
+    let service = match FaultService::register_and_start(
+        &regions,
+        Arc::clone(&source) as Arc<dyn PageSource>,
+        config(0),
+    ) {
+        Ok(service) => service,
+        Err(error) => {
+            return tern_test_skip::skip(
+                tern_test_skip::Need::Userfaultfd,
+                format!("no userfaultfd for this process: {error}"),
+            );
+        }
+    };
+    assert_eq!(read(&memory, [10]), expected_pages(1, [0]));
+    assert_eq!(read(&memory, [9]), expected_pages(0, [9]));
+    assert_eq!(source.fetched(), [(1, 0, 4), (0, 8, 2)]);
+    drop(service);
+}
+
+fn one_page_units(loaders: usize) -> FaultConfig {
+    FaultConfig {
+        unit_pages: 1,
+        ..config(loaders)
+    }
+}
+
+#[test]
+fn a_dropped_page_makes_its_own_unit_missing_and_no_other() {
+    let source = Arc::new(PatternSource::default());
+    let Some((memory, service)) = served_through(
+        &source,
+        one_page_units(0),
+        Userfault::register_reporting_removes,
+    ) else {
+        return;
+    };
+    read(&memory[0], 0..10);
+    read(&memory[1], 0..7);
+    loaded(&service);
+    // Pages of both address parities, so that a mask that cleared the
+    // wrong bit would take in a neighbour for one of them.
+    for (removes, page) in [(1, 3), (2, 4)] {
+        drop_handled(&service, &memory[0], page, 1, removes);
+        assert!(!service.is_loaded(), "page {page} is missing again");
+        assert_eq!(read(&memory[0], [page]), [0]);
+        loaded(&service);
+    }
+    assert_eq!(read(&memory[0], [2, 5]), expected_pages(0, [2, 5]));
+}
+
+#[test]
+fn a_page_dropped_before_its_unit_was_placed_takes_no_unit_away() {
+    let source = Arc::new(PatternSource::default());
+    let Some((memory, mut service)) =
+        served_through(&source, config(0), Userfault::register_reporting_removes)
+    else {
+        return;
+    };
+    drop_handled(&service, &memory[0], 1, 1, 1);
+    assert!(!service.is_loaded(), "nothing was ever loaded");
+    service.add_loaders(1).unwrap();
+    service.wait_loaded(tern_test_skip::wait::DEADLINE).unwrap();
+    assert_eq!(read(&memory[0], 0..4), [1, 0, 0, 4], "page 1 as zeros");
+    assert_eq!(source.fetched().len(), 5, "every unit once");
 }

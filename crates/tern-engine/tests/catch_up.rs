@@ -52,7 +52,7 @@ impl AckGate {
     }
 
     /// Forwards a frame from the destination, or holds it back.
-    fn from_destination(&self, frame: Vec<u8>) -> bool {
+    fn forward_to_source(&self, frame: Vec<u8>) -> bool {
         let mut held = self.held.lock().unwrap();
         if frame[0] == FrameKind::PassApplied as u8
             && let Some(held) = held.as_mut()
@@ -65,7 +65,7 @@ impl AckGate {
     }
 
     /// Notes a frame from the source.
-    fn from_source(&self, frame: &[u8]) {
+    fn note_to_destination(&self, frame: &[u8]) {
         if frame[0] == FrameKind::Complete as u8 && self.held.lock().unwrap().is_some() {
             self.completed_while_held.store(true, Ordering::SeqCst);
         }
@@ -108,14 +108,14 @@ fn gated_proxy(destination: &Address, gate: Arc<AckGate>) -> Address {
                 let back = gate.clone();
                 std::thread::spawn(move || {
                     while let Some(frame) = read_frame(&mut up)
-                        && back.from_destination(frame)
+                        && back.forward_to_source(frame)
                     {}
                     let _ = downstream.shutdown(Shutdown::Both);
                 });
                 let forth = gate.clone();
                 std::thread::spawn(move || {
                     while let Some(frame) = read_frame(&mut down) {
-                        forth.from_source(&frame);
+                        forth.note_to_destination(&frame);
                         if upstream.write_all(&frame).is_err() {
                             break;
                         }

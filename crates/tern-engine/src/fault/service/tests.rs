@@ -25,7 +25,7 @@ fn expected(region: usize, page: u64) -> u8 {
     if page % 3 == 2 {
         0
     } else {
-        u8::try_from(region * 50 + page as usize + 1).unwrap()
+        u8::try_from(region as u64 * 50 + page + 1).unwrap()
     }
 }
 

@@ -824,6 +824,29 @@ fn destination_with_io_timeout(
     (destination, main, page)
 }
 
+/// Once every page channel has passed its last sync, only the main
+/// channel can carry more, and a source that then says nothing (no state,
+/// no completion) is cut off at the I/O timeout, as a silent page channel
+/// would have been.
+#[test]
+fn a_source_silent_after_its_last_pages_is_cut_off_at_the_io_timeout() {
+    let (destination, _main, mut page) = destination_with_io_timeout(Duration::from_secs(1));
+    page.send_message(&Message::Sync(Sync {
+        iteration: 0,
+        last: true,
+        dictionaries: 0,
+    }))
+    .unwrap();
+    let error = join_within(destination, "the destination").expect_err("the source fell silent");
+    assert!(
+        error
+            .chain()
+            .contains("the source's state after its last pages"),
+        "{}",
+        error.chain()
+    );
+}
+
 #[test]
 fn a_commit_trickled_past_the_switch_over_deadline_is_not_taken() {
     // Switch-over timeout 1 s, I/O timeout 10 s: one byte of the commit

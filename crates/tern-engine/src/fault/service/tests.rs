@@ -563,6 +563,15 @@ fn adjacent_regions_are_told_apart_at_their_border() {
             );
         }
     };
+    // Three pages from region 0's page 8 would run into region 1, which
+    // the kernel cannot see (one mapping): the service refuses them.
+    let outside = vec![9u8; 3 * PAGE_SIZE];
+    let refused = service.place(0, 8, &outside, &[false; 3]);
+    assert!(
+        matches!(refused, Err(FaultError::Place { ref source, .. })
+            if source.raw_os_error() == Some(libc::EINVAL)),
+        "{refused:?}"
+    );
     assert_eq!(read(&memory, [10]), expected_pages(1, [0]));
     assert_eq!(read(&memory, [9]), expected_pages(0, [9]));
     assert_eq!(source.fetched(), [(1, 0, 4), (0, 8, 2)]);

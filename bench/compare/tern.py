@@ -205,7 +205,10 @@ def outcome(case: Case, stats: dict[str, Any], rstats: dict[str, Any], src_cpu: 
     # Where the downtime went, and what the last sync predicted (overruns).
     details |= {k: stats[k] for k in ("expected-downtime", "downtime-parts",
                                       "downtime-exceeded-cause", "digest-time",
-                                      "expected-downtime-parts", "downtime-overrun")
+                                      "expected-downtime-parts", "downtime-overrun",
+                                      # Protocol 12: the switch-over's wait for
+                                      # the destination, when it had one.
+                                      "destination-catch-up")
                 if k in stats}
     # Whether (and how soon) a running guest was seen healthy on the
     # destination, every run: a failed proof says why.

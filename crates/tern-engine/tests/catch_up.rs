@@ -15,22 +15,6 @@ use common::*;
 use tern_engine::{Address, GuestControl, MigrationParameters, MigrationStatus, Source};
 use tern_wire::FrameKind;
 
-/// Reads one whole frame (with its seal, if sealed) from `from`.
-fn read_frame(from: &mut TcpStream) -> Option<Vec<u8>> {
-    let mut frame = vec![0u8; tern_wire::FRAME_HEADER_LEN];
-    from.read_exact(&mut frame).ok()?;
-    let header: [u8; 8] = frame[..8].try_into().unwrap();
-    let body = u32::from_le_bytes(header[4..8].try_into().unwrap()) as usize;
-    let seal = if tern_wire::header_is_sealed(&header) {
-        tern_wire::SEAL_LEN
-    } else {
-        0
-    };
-    frame.resize(8 + body + seal, 0);
-    from.read_exact(&mut frame[8..]).ok()?;
-    Some(frame)
-}
-
 /// The destination's main channel as the source gets it: every frame but
 /// the passes applied goes through at once; those wait, in order, while
 /// the gate is closed.
@@ -107,14 +91,14 @@ fn gated_proxy(destination: &Address, gate: Arc<AckGate>) -> Address {
                 );
                 let back = gate.clone();
                 std::thread::spawn(move || {
-                    while let Some(frame) = read_frame(&mut up)
+                    while let Some(frame) = read_raw_frame(&mut up)
                         && back.forward_to_source(frame)
                     {}
                     let _ = downstream.shutdown(Shutdown::Both);
                 });
                 let forth = gate.clone();
                 std::thread::spawn(move || {
-                    while let Some(frame) = read_frame(&mut down) {
+                    while let Some(frame) = read_raw_frame(&mut down) {
                         forth.note_to_destination(&frame);
                         if upstream.write_all(&frame).is_err() {
                             break;

@@ -757,23 +757,6 @@ enum Way {
 /// and seal, as read).
 type Rewrite = Arc<std::sync::Mutex<dyn FnMut(Way, &mut Vec<u8>) + Send>>;
 
-/// Reads one whole frame (with its seal, if sealed) from `from`.
-fn read_frame(from: &mut std::net::TcpStream) -> Option<Vec<u8>> {
-    use std::io::Read;
-    let mut frame = vec![0u8; tern_wire::FRAME_HEADER_LEN];
-    from.read_exact(&mut frame).ok()?;
-    let header: [u8; 8] = frame[..8].try_into().unwrap();
-    let body = u32::from_le_bytes(header[4..8].try_into().unwrap()) as usize;
-    let seal = if tern_wire::header_is_sealed(&header) {
-        tern_wire::SEAL_LEN
-    } else {
-        0
-    };
-    frame.resize(8 + body + seal, 0);
-    from.read_exact(&mut frame[8..]).ok()?;
-    Some(frame)
-}
-
 /// Copies frames from `from` to `to`, through `rewrite`, until either
 /// side closes.
 fn pump_frames(
@@ -783,7 +766,7 @@ fn pump_frames(
     rewrite: Rewrite,
 ) {
     use std::io::Write;
-    while let Some(mut frame) = read_frame(&mut from) {
+    while let Some(mut frame) = read_raw_frame(&mut from) {
         (rewrite.lock().unwrap())(way, &mut frame);
         if to.write_all(&frame).is_err() {
             break;

@@ -217,7 +217,9 @@ pub enum FrameKind {
     PostcopyMissing = 21,
     /// The destination has applied every page of the first passes (main
     /// channel, destination to source, live phase; see [`PassApplied`]).
-    PassApplied = 22,
+    /// Not 22: that is 0x16, the first byte of a TLS record, by which a
+    /// destination without TLS recognises a TLS source.
+    PassApplied = 23,
     /// Authentication, first on a channel when the sides share a key:
     /// the source's nonce, bound to a session and channel (source to
     /// destination). Numbered apart from the session's own kinds.
@@ -253,7 +255,7 @@ impl FrameKind {
             19 => Self::MemoryHandover,
             20 => Self::PostcopyResume,
             21 => Self::PostcopyMissing,
-            22 => Self::PassApplied,
+            23 => Self::PassApplied,
             32 => Self::AuthHello,
             33 => Self::AuthChallenge,
             34 => Self::AuthProof,

@@ -822,6 +822,14 @@ mod tests {
         Some(IpAddr::V4(Ipv4Addr::new(127, 0, 0, last)))
     }
 
+    /// A TLS source is recognised by its first byte only because no frame
+    /// kind is 0x16 (protocol 12 numbered `PassApplied` 23 for this).
+    #[test]
+    fn no_frame_kind_is_a_tls_record_s_first_byte() {
+        let header = [super::TLS_HANDSHAKE_RECORD, 0, 0, 0, 0, 0, 0, 0];
+        assert!(tern_wire::FrameHeader::decode(&header).is_err());
+    }
+
     /// A pending handshake from `peer` over a socket pair: the entry, the
     /// channel its handshake thread would hold (kept open by the test, so
     /// only a shutdown ends the connection) and the peer's end.

@@ -3,7 +3,7 @@
 //! the destination's `PassApplied` frames, so that to the source the
 //! destination never applied a pass until the test lets them through.
 
-use std::io::{Read, Write};
+use std::io::Write;
 use std::net::{Shutdown, TcpListener, TcpStream};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};

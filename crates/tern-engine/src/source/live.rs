@@ -316,11 +316,7 @@ mod tests {
     /// A source, the main channel's two ends (the source's and the
     /// destination's), and the source's watch of it.
     fn watched() -> (Source, Channel, Channel, PeerWatch) {
-        let (ours, theirs) = std::os::unix::net::UnixStream::pair().unwrap();
-        let mut ours = Channel::from_socket(ours.into()).unwrap();
-        let mut theirs = Channel::from_socket(theirs.into()).unwrap();
-        ours.set_timeouts(Duration::from_secs(5)).unwrap();
-        theirs.set_timeouts(Duration::from_secs(5)).unwrap();
+        let (ours, theirs) = Channel::pair();
         let source = Source::new(MigrationConfig::default()).unwrap();
         (
             source,

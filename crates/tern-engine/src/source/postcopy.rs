@@ -523,7 +523,6 @@ fn gone(error: ChannelError) -> MigrationError {
 
 #[cfg(test)]
 mod tests {
-    use std::os::unix::net::UnixStream;
     use std::sync::atomic::{AtomicBool, Ordering};
     use std::time::Duration;
 
@@ -564,15 +563,6 @@ mod tests {
         assert_eq!(rest, [(0, 128), (0, 256)]);
     }
 
-    fn pair() -> (Channel, Channel) {
-        let (ours, theirs) = UnixStream::pair().unwrap();
-        let mut ours = Channel::from_socket(ours.into()).unwrap();
-        let mut theirs = Channel::from_socket(theirs.into()).unwrap();
-        ours.set_timeouts(Duration::from_secs(5)).unwrap();
-        theirs.set_timeouts(Duration::from_secs(5)).unwrap();
-        (ours, theirs)
-    }
-
     /// `pages` pages of sevens in one region, every one stale: the mapping
     /// (kept alive by the caller), its region and the stale set.
     fn every_page_stale(pages: usize) -> (AnonymousMemory, [MemoryRegion; 1], StaleSet) {
@@ -605,8 +595,8 @@ mod tests {
             iteration: 3,
             encoder: &encoder,
         };
-        let (mut main, mut their_main) = pair();
-        let (push, mut their_push) = pair();
+        let (mut main, mut their_main) = Channel::pair();
+        let (push, mut their_push) = Channel::pair();
         let stats = LiveStats::new();
         let counters = ServeCounters::default();
         let result = scope_within("serve ends", |scope| {
@@ -688,8 +678,8 @@ mod tests {
             iteration: 3,
             encoder: &encoder,
         };
-        let (mut main, mut their_main) = pair();
-        let (mut push, mut their_push) = pair();
+        let (mut main, mut their_main) = Channel::pair();
+        let (mut push, mut their_push) = Channel::pair();
         // The pusher waits in its first send until the answer has come.
         for channel in [&mut main, &mut their_main, &mut push, &mut their_push] {
             channel.set_timeouts(Duration::from_secs(60)).unwrap();
@@ -755,8 +745,8 @@ mod tests {
             iteration: 3,
             encoder: &encoder,
         };
-        let (mut main, mut their_main) = pair();
-        let (mut push, mut their_push) = pair();
+        let (mut main, mut their_main) = Channel::pair();
+        let (mut push, mut their_push) = Channel::pair();
         for channel in [&mut main, &mut their_main, &mut push, &mut their_push] {
             channel.set_timeouts(Duration::from_secs(60)).unwrap();
         }

@@ -343,7 +343,6 @@ fn read_missing(
 
 #[cfg(test)]
 mod tests {
-    use std::os::unix::net::UnixStream;
 
     use tern_wire::{Message, PageRun, PostcopyMissing, SessionSetup};
 
@@ -361,9 +360,7 @@ mod tests {
         let mut dirty = DirtyBitmap::new(64);
         (8..16).for_each(|page| dirty.set(page));
         let stale = StaleSet::from_dirty(&[dirty]);
-        let (ours, theirs) = UnixStream::pair().unwrap();
-        let mut ours = Channel::from_socket(ours.into()).unwrap();
-        let mut theirs = Channel::from_socket(theirs.into()).unwrap();
+        let (mut ours, mut theirs) = Channel::pair();
         for frame in frames {
             theirs
                 .send_message(&Message::PostcopyMissing(frame.clone()))

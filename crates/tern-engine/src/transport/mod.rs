@@ -480,6 +480,18 @@ impl Channel {
         ))
     }
 
+    /// Both ends of a connected pair of channels over a Unix socket pair,
+    /// each with 5 s timeouts: a peer for unit tests of one side.
+    #[cfg(test)]
+    pub(crate) fn pair() -> (Self, Self) {
+        let (ours, theirs) = std::os::unix::net::UnixStream::pair().unwrap();
+        let mut ours = Self::from_socket(ours.into()).unwrap();
+        let mut theirs = Self::from_socket(theirs.into()).unwrap();
+        ours.set_timeouts(Duration::from_secs(5)).unwrap();
+        theirs.set_timeouts(Duration::from_secs(5)).unwrap();
+        (ours, theirs)
+    }
+
     /// A channel over a connected stream socket this process owns (one an
     /// embedder connected or accepted itself, or inherited). Fails when `fd`
     /// is not a stream socket.

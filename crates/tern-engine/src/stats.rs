@@ -149,8 +149,10 @@ pub struct LiveStats {
     /// Microseconds the source waited, its guest running, for the
     /// destination to apply every pass but the last before pausing.
     catch_up_micros: AtomicU64,
-    /// Whether the source waited at all (a wait can round to 0 µs).
-    caught_up_after_waiting: AtomicBool,
+    /// Whether the source held its switch-over for the destination at
+    /// all (a wait can round to 0 µs, and the live query shows a hold from
+    /// its start).
+    held_for_destination: AtomicBool,
     /// Passes the destination was behind (beyond the one in flight) when
     /// the guest paused anyway: the wait's budget had run out.
     behind_at_pause: AtomicU64,
@@ -272,7 +274,7 @@ impl LiveStats {
             cpu_throttle_percentage: AtomicU64::new(0),
             forced_switch_over: AtomicBool::new(false),
             catch_up_micros: AtomicU64::new(0),
-            caught_up_after_waiting: AtomicBool::new(false),
+            held_for_destination: AtomicBool::new(false),
             behind_at_pause: AtomicU64::new(0),
             setup_time_ms: AtomicU64::new(0),
             downtime_ms: AtomicU64::new(0),
@@ -404,10 +406,14 @@ impl LiveStats {
         self.downtime_ms.store(millis(time), Ordering::Relaxed);
     }
 
-    /// The source waited `waited` for the destination to catch up (called
-    /// with zero as the wait starts, so that the live query shows it).
+    /// The source holds its switch-over for the destination from now on.
+    pub(crate) fn record_hold(&self) {
+        self.held_for_destination.store(true, Ordering::Relaxed);
+    }
+
+    /// The source waited `waited` for the destination to catch up.
     pub(crate) fn record_catch_up(&self, waited: Duration) {
-        self.caught_up_after_waiting.store(true, Ordering::Relaxed);
+        self.record_hold();
         self.catch_up_micros.fetch_add(
             crate::numeric::saturating_u64(waited.as_micros()),
             Ordering::Relaxed,
@@ -416,13 +422,13 @@ impl LiveStats {
 
     /// The guest paused with the destination `passes` behind.
     pub(crate) fn record_behind_at_pause(&self, passes: u32) {
-        self.caught_up_after_waiting.store(true, Ordering::Relaxed);
+        self.record_hold();
         self.behind_at_pause
             .store(u64::from(passes), Ordering::Relaxed);
     }
 
     pub(crate) fn destination_catch_up(&self) -> Option<DestinationCatchUp> {
-        self.caught_up_after_waiting
+        self.held_for_destination
             .load(Ordering::Relaxed)
             .then(|| DestinationCatchUp {
                 waited_ms: self.catch_up_micros.load(Ordering::Relaxed) as f64 / 1000.0,

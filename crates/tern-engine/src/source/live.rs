@@ -169,7 +169,7 @@ impl Source {
         }
         // Shown at once in the live query, not only once the wait is over:
         // an operator watching a switch-over that does not come sees why.
-        self.stats.record_catch_up(Duration::ZERO);
+        self.stats.record_hold();
         tracing::info!(
             passes_applied = peer.passes_applied(),
             passes_sent,

@@ -157,6 +157,17 @@ struct Counters {
     removes: AtomicU64,
 }
 
+/// This process's `memory` as the ranges a service serves.
+fn served_regions(memory: &[crate::guest::MemoryRegion]) -> Vec<ServedRegion> {
+    memory
+        .iter()
+        .map(|region| ServedRegion {
+            base: region.host_ptr() as u64,
+            len: region.len(),
+        })
+        .collect()
+}
+
 fn bits(count: u64) -> Vec<AtomicU64> {
     (0..count.div_ceil(64)).map(|_| AtomicU64::new(0)).collect()
 }
@@ -177,14 +188,7 @@ impl FaultService {
         config: FaultConfig,
     ) -> Result<Self, FaultError> {
         let uffd = Userfault::register(memory).map_err(FaultError::Userfaultfd)?;
-        let regions = memory
-            .iter()
-            .map(|region| ServedRegion {
-                base: region.host_ptr() as u64,
-                len: region.len(),
-            })
-            .collect();
-        Self::start(uffd, regions, source, config)
+        Self::start(uffd, served_regions(memory), source, config)
     }
 
     /// Serves memory another process registered and handed over

@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use tern_test_skip::wait::exit_after_deadline;
 
-use super::{FaultConfig, FaultService, PAGE_SIZE, ServedRegion};
+use super::{FaultConfig, FaultService, PAGE_SIZE};
 use crate::destination::test_memory::AnonymousMemory;
 use crate::fault::uffd::Userfault;
 use crate::fault::{FaultError, PageSource, PageSourceError};
@@ -96,7 +96,19 @@ fn served_through(
 ) -> Option<([AnonymousMemory; 2], FaultService)> {
     let memory = PAGES.map(AnonymousMemory::new);
     let regions = [memory[0].region(0), memory[1].region(1)];
-    let uffd = match register(&regions) {
+    let service = started(&regions, source, config, register)?;
+    Some((memory, service))
+}
+
+/// A service of `regions` through a descriptor `register` made for them,
+/// or `None` after a visible skip where this process has no userfaultfd.
+fn started(
+    regions: &[MemoryRegion],
+    source: &Arc<PatternSource>,
+    config: FaultConfig,
+    register: fn(&[MemoryRegion]) -> std::io::Result<Userfault>,
+) -> Option<FaultService> {
+    let uffd = match register(regions) {
         Ok(uffd) => uffd,
         Err(error) => {
             tern_test_skip::skip(
@@ -106,16 +118,8 @@ fn served_through(
             return None;
         }
     };
-    let served = regions
-        .iter()
-        .map(|region| ServedRegion {
-            base: region.host_ptr() as u64,
-            len: region.len(),
-        })
-        .collect();
     let source = Arc::clone(source) as Arc<dyn PageSource>;
-    let service = FaultService::start(uffd, served, source, config).unwrap();
-    Some((memory, service))
+    Some(FaultService::start(uffd, super::served_regions(regions), source, config).unwrap())
 }
 
 fn config(loaders: usize) -> FaultConfig {
@@ -447,18 +451,8 @@ fn a_region_of_more_than_64_units_is_tracked_unit_by_unit() {
         unit_pages: 1,
         ..config(0)
     };
-    let service = match FaultService::register_and_start(
-        &[memory.region(0)],
-        Arc::clone(&source) as Arc<dyn PageSource>,
-        config,
-    ) {
-        Ok(service) => service,
-        Err(error) => {
-            return tern_test_skip::skip(
-                tern_test_skip::Need::Userfaultfd,
-                format!("no userfaultfd for this process: {error}"),
-            );
-        }
+    let Some(service) = started(&[memory.region(0)], &source, config, Userfault::register) else {
+        return;
     };
     let outside = vec![4u8; 129 * PAGE_SIZE];
     assert_eq!(service.place(0, 0, &outside, &[false; 129]).unwrap(), 129);
@@ -550,18 +544,8 @@ fn adjacent_regions_are_told_apart_at_their_border() {
         ]
     };
     let source = Arc::new(PatternSource::default());
-    let service = match FaultService::register_and_start(
-        &regions,
-        Arc::clone(&source) as Arc<dyn PageSource>,
-        config(0),
-    ) {
-        Ok(service) => service,
-        Err(error) => {
-            return tern_test_skip::skip(
-                tern_test_skip::Need::Userfaultfd,
-                format!("no userfaultfd for this process: {error}"),
-            );
-        }
+    let Some(service) = started(&regions, &source, config(0), Userfault::register) else {
+        return;
     };
     // Three pages from region 0's page 8 would run into region 1, which
     // the kernel cannot see (one mapping): the service refuses them.

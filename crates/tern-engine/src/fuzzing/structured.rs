@@ -4,9 +4,10 @@
 //! duplicate, delta; state sections, the completion with its digest, the
 //! commit), which is built and then corrupted as the input's last choices
 //! say; the very last may slip in a frame only a destination sends
-//! (`PassApplied`, protocol 12), which must be refused. Byte-level mutations of such inputs change the session's shape,
-//! not its framing, so the fuzzer spends its time past the handshake: in
-//! the receivers, the claims, the dictionaries, the switch-over.
+//! (`PassApplied`, protocol 12), which must be refused. Byte-level
+//! mutations of such inputs change the session's shape, not its framing,
+//! so the fuzzer spends its time past the handshake: in the receivers,
+//! the claims, the dictionaries, the switch-over.
 //!
 //! An input that runs out of bytes takes the first choice everywhere
 //! (`arbitrary` yields zeros), so the empty input is a valid, verified

@@ -8,7 +8,9 @@ use tern_page::PageCompressor;
 use tern_page::codec::{CodecChoice, CodecCounters, CodecId, CodecStats, QplPath};
 
 use super::delta_cache::DeltaCache;
-use super::rate::{LinkQueue, LinkWindow, QueueSamples, link_estimate};
+use super::rate::{
+    LinkQueue, LinkWindow, QueueSamples, link_estimate, link_measured, written_rate,
+};
 use super::{Pipeline, delta_cache};
 use crate::bitmap::DirtyBitmap;
 use crate::guest::{MemoryRegion, PAGE_SIZE};
@@ -507,9 +509,23 @@ impl AchievedRates {
 /// a window of zero pages hardly uses it. Single windows like these made
 /// auto leave a codec for raw or lz4 and come back a window later, sending
 /// that window's pages with a worse ratio (docs/compression.md).
+///
+/// Once the link has pushed back, a window that did not, and wrote no more
+/// than that measured rate, gives no estimate at all: the link was not
+/// loaded, so nothing says how much more it could carry. Its busy-share
+/// estimate is then the written rate times up to 20 (the share's floor),
+/// which is what, by its figure, made auto leave zstd for lz4 at 2.5 s on
+/// the shaped 1 Gbit/s link in series J2 (rep 0: it decided on a 1268 MB/s
+/// link, 20 times 63 MB/s, after windows that had measured 101 MB/s; lz4
+/// for 1.4 s, the run 6.06 s against the series' median 4.40).
 #[derive(Debug, Default)]
 pub(super) struct LinkEstimates {
     recent: std::collections::VecDeque<f64>,
+    /// The last window in which the link pushed back: its number and the
+    /// rate it measured.
+    measured: Option<(u64, f64)>,
+    /// Windows seen so far.
+    windows: u64,
 }
 
 impl LinkEstimates {
@@ -517,6 +533,32 @@ impl LinkEstimates {
     pub(super) const KEPT: usize = 5;
     /// Windows measured before the first decision.
     pub(super) const NEEDED: usize = 3;
+    /// A measured rate stands this many windows (about a second at
+    /// [`AUTO_DECISION_INTERVAL`]): on a link that has stopped pushing back
+    /// for that long, the link is not what limits, and windows count again
+    /// as before it was measured.
+    pub(super) const MEASURED_FRESH_WINDOWS: u64 = 20;
+
+    /// Reads one window: the rate to decide on, as [`Self::push`], or
+    /// `None` also when the window did not load a link measured before.
+    pub(super) fn push_window(&mut self, window: &LinkWindow) -> Option<f64> {
+        self.windows += 1;
+        let estimate = link_estimate(window);
+        if link_measured(window) {
+            self.measured = Some((self.windows, estimate));
+        } else if let Some((at, rate)) = self.measured
+            && self.windows - at <= Self::MEASURED_FRESH_WINDOWS
+            && written_rate(window) <= rate
+        {
+            tracing::trace!(
+                written = written_rate(window),
+                measured = rate,
+                "auto: a window that did not load the link measures nothing"
+            );
+            return None;
+        }
+        self.push(estimate)
+    }
 
     /// Adds a window's estimate; the rate to decide on, once enough are in.
     pub(super) fn push(&mut self, estimate: f64) -> Option<f64> {
@@ -808,7 +850,7 @@ impl Pipeline<'_> {
                 .record(self.codec, data_moved as f64 / elapsed);
         }
         auto.data_at_start = data;
-        let decided_on = auto.links.push(link_estimate(&window));
+        let decided_on = auto.links.push_window(&window);
         if let Some(link) = decided_on {
             let outcome = auto.decide(link, measured, workers, at_ms, |codec| {
                 compression.level_for(codec)
@@ -1130,6 +1172,91 @@ mod tests {
         // A link that really changed wins after three windows.
         assert_eq!(links.push(1200e6), Some(120e6));
         assert_eq!(links.push(1180e6), Some(1180e6));
+    }
+
+    /// A 50 ms window that wrote `written` bytes, with every packet finding
+    /// a standing queue (`pushed_back`) or none, the senders busy
+    /// `busy_share` of the time.
+    fn window(written: u64, pushed_back: bool, busy_share: f64) -> LinkWindow {
+        let queue = QueueSamples {
+            samples: 10,
+            standing: if pushed_back { 10 } else { 0 },
+            unsent: 4_000_000,
+            ..QueueSamples::default()
+        };
+        LinkWindow {
+            seconds: 0.05,
+            written,
+            busy_share,
+            // As much queued at the start as at the end: what left the
+            // sockets is what was written.
+            queue_at_start: QueueSamples {
+                unsent: 4_000_000,
+                ..QueueSamples::default()
+            },
+            queue_at_end: queue,
+            raw: false,
+        }
+    }
+
+    /// Rates in whole MB/s, for exact comparisons.
+    fn mb(rates: &[Option<f64>]) -> Vec<Option<u64>> {
+        rates
+            .iter()
+            .map(|rate| rate.map(|r| (r / 1e6).round() as u64))
+            .collect()
+    }
+
+    #[test]
+    fn a_window_that_did_not_load_a_measured_link_does_not_read_as_a_fast_one() {
+        // The shaped 1 Gbit/s link with zstd in force: the queue stands.
+        let loaded = window(6_250_000, true, 0.3);
+        // A window at an iteration's end: 63 MB/s written, sends returning
+        // at once, no queue; its estimate alone is 20 times that.
+        let idle = window(3_170_000, false, 0.05);
+        assert_eq!(mb(&[Some(link_estimate(&idle))]), [Some(1268)]);
+        let mut links = LinkEstimates::default();
+        let mut decided: Vec<_> = (0..3).map(|_| links.push_window(&loaded)).collect();
+        decided.extend((0..3).map(|_| links.push_window(&idle)));
+        decided.push(links.push_window(&loaded));
+        assert_eq!(
+            mb(&decided),
+            [None, None, Some(125), None, None, None, Some(125)]
+        );
+        // Before the link ever pushed back, such windows count as they did
+        // (loopback never pushes back: its first decision needs them).
+        let mut unmeasured = LinkEstimates::default();
+        let decided: Vec<_> = (0..3).map(|_| unmeasured.push_window(&idle)).collect();
+        assert_eq!(mb(&decided), [None, None, Some(1268)]);
+    }
+
+    #[test]
+    fn a_link_that_carries_more_than_it_measured_is_followed() {
+        let mut links = LinkEstimates::default();
+        for _ in 0..3 {
+            links.push_window(&window(6_250_000, true, 0.3));
+        }
+        // 400 MB/s written, no queue, senders half busy: faster than measured.
+        let faster = window(20_000_000, false, 0.5);
+        let decided: Vec<_> = (0..3).map(|_| links.push_window(&faster)).collect();
+        // The median follows once three of the five kept windows say so.
+        assert_eq!(mb(&decided), [Some(125), Some(125), Some(800)]);
+    }
+
+    #[test]
+    fn a_measured_rate_stands_about_a_second() {
+        let mut links = LinkEstimates::default();
+        for _ in 0..3 {
+            links.push_window(&window(6_250_000, true, 0.3));
+        }
+        let idle = window(3_170_000, false, 0.05);
+        let quiet = LinkEstimates::MEASURED_FRESH_WINDOWS;
+        for _ in 0..quiet {
+            assert_eq!(links.push_window(&idle), None);
+        }
+        // A link that has not pushed back for that long is not what limits.
+        let decided: Vec<_> = (0..3).map(|_| links.push_window(&idle)).collect();
+        assert_eq!(mb(&decided), [Some(125), Some(125), Some(1268)]);
     }
 
     fn auto_on(candidates: Vec<CodecMeasurement>) -> AutoCodec {

@@ -249,6 +249,18 @@ pub(super) fn peer_bound(window: &LinkWindow) -> bool {
     busy >= PEER_BOUND_MIN_BUSY_US && limited * 2 >= busy
 }
 
+/// Whether the window measured the link itself: it pushed back (a standing
+/// queue), and not because a peer limited raw's pages (that window's
+/// estimate is [`PEER_BOUND_LINK_RATE`], a verdict, not a rate). Pure.
+pub(super) fn link_measured(window: &LinkWindow) -> bool {
+    !(window.raw && peer_bound(window)) && link_pushed_back(window)
+}
+
+/// What the window handed to the sockets per second. Pure.
+pub(super) fn written_rate(window: &LinkWindow) -> f64 {
+    window.written as f64 / window.seconds.max(1e-6)
+}
+
 /// Whether the link (or the peer) pushed back during the window: at least
 /// half of its packets, and four or more, found a standing queue in their
 /// socket. Pure.

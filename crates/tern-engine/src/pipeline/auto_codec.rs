@@ -1231,6 +1231,25 @@ mod tests {
     }
 
     #[test]
+    fn a_queue_the_peer_made_does_not_stand_for_the_link() {
+        // Loopback with zstd in force and the destination still setting up:
+        // the queue stands, but the channels waited on the peer's receive
+        // window for 80 of their 90 ms busy.
+        let mut slow_peer = window(6_250_000, true, 0.3);
+        slow_peer.queue_at_end.busy_us = 90_000;
+        slow_peer.queue_at_end.receiver_limited_us = 80_000;
+        let idle = window(3_170_000, false, 0.05);
+        let mut links = LinkEstimates::default();
+        let mut decided: Vec<_> = (0..3).map(|_| links.push_window(&slow_peer)).collect();
+        decided.extend((0..3).map(|_| links.push_window(&idle)));
+        // The idle windows count: the lower median moves once three are in.
+        assert_eq!(
+            mb(&decided),
+            [None, None, Some(125), Some(125), Some(125), Some(1268)]
+        );
+    }
+
+    #[test]
     fn a_link_that_carries_more_than_it_measured_is_followed() {
         let mut links = LinkEstimates::default();
         for _ in 0..3 {

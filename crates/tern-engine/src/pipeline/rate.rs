@@ -250,10 +250,11 @@ pub(super) fn peer_bound(window: &LinkWindow) -> bool {
 }
 
 /// Whether the window measured the link itself: it pushed back (a standing
-/// queue), and not because a peer limited raw's pages (that window's
-/// estimate is [`PEER_BOUND_LINK_RATE`], a verdict, not a rate). Pure.
+/// queue), and not because the peer did not read (whatever the codec: on
+/// loopback a destination still setting up makes a queue stand at the
+/// rate it reads, which says nothing of the link). Pure.
 pub(super) fn link_measured(window: &LinkWindow) -> bool {
-    !(window.raw && peer_bound(window)) && link_pushed_back(window)
+    !peer_bound(window) && link_pushed_back(window)
 }
 
 /// What the window handed to the sockets per second. Pure.

@@ -1215,7 +1215,7 @@ mod tests {
     fn mb(rates: &[Option<f64>]) -> Vec<Option<u64>> {
         rates
             .iter()
-            .map(|rate| rate.map(|r| (r / 1e6).round() as u64))
+            .map(|rate| rate.map(|r| crate::numeric::saturating_u64_from_f64((r / 1e6).round())))
             .collect()
     }
 

@@ -1277,12 +1277,19 @@ mod tests {
         assert_eq!(decided, [None, None, None]);
     }
 
-    #[test]
-    fn a_link_that_carries_more_than_it_measured_is_followed() {
+    /// Estimates after three windows in which the link pushed back at
+    /// 125 MB/s.
+    fn measured_at_125_mb_s() -> LinkEstimates {
         let mut links = LinkEstimates::default();
         for _ in 0..3 {
             links.push_window(&window(6_250_000, true, 0.3));
         }
+        links
+    }
+
+    #[test]
+    fn a_link_that_carries_more_than_it_measured_is_followed() {
+        let mut links = measured_at_125_mb_s();
         // 400 MB/s written, no queue, senders half busy: faster than measured.
         let faster = window(20_000_000, false, 0.5);
         let decided: Vec<_> = (0..3).map(|_| links.push_window(&faster)).collect();
@@ -1292,10 +1299,7 @@ mod tests {
 
     #[test]
     fn a_measured_rate_stands_about_a_second() {
-        let mut links = LinkEstimates::default();
-        for _ in 0..3 {
-            links.push_window(&window(6_250_000, true, 0.3));
-        }
+        let mut links = measured_at_125_mb_s();
         let idle = window(3_170_000, false, 0.05);
         let quiet = LinkEstimates::MEASURED_FRESH_WINDOWS;
         for _ in 0..quiet {

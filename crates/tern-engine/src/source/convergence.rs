@@ -805,6 +805,17 @@ mod tests {
         );
     }
 
+    /// QEMU's threshold: more than half of what the pass sent; exactly half
+    /// is not an outrun, however long it lasts.
+    #[test]
+    fn a_guest_dirtying_exactly_half_is_not_throttled() {
+        let mut rules = Convergence::new(&config());
+        let half = facts(1, 50_000, 100_000, 100.0);
+        for _ in 0..6 {
+            assert_eq!(rules.decide(&half), Decision::Iterate { throttle: None });
+        }
+    }
+
     #[test]
     fn auto_converge_needs_two_outruns_in_a_row_and_can_be_off() {
         let mut rules = Convergence::new(&config());

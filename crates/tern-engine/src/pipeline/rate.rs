@@ -225,7 +225,7 @@ pub(super) fn link_estimate(window: &LinkWindow) -> f64 {
             - window.queue_at_end.unsent as f64;
         return left.max(0.0) / seconds;
     }
-    window.written as f64 / seconds / window.busy_share.clamp(0.05, 1.0)
+    written_rate(window) / window.busy_share.clamp(0.05, 1.0)
 }
 
 /// Channels' busy time below this in a window says nothing about who

@@ -554,18 +554,19 @@ impl LinkEstimates {
         self.measured
             .retain(|&(at, _)| now - at <= Self::MEASURED_FRESH_WINDOWS);
         let carried = self.measured.iter().map(|&(_, rate)| rate).reduce(f64::max);
+        let (measured, written) = (link_measured(window), written_rate(window));
         tracing::trace!(
             estimate,
-            written = written_rate(window),
+            written,
             busy_share = window.busy_share,
-            measured = link_measured(window),
+            measured,
             carried,
             raw = window.raw,
             "auto: link window"
         );
-        if link_measured(window) {
+        if measured {
             self.measured.push_back((now, estimate));
-        } else if carried.is_some_and(|carried| written_rate(window) <= carried) {
+        } else if carried.is_some_and(|carried| written <= carried) {
             tracing::trace!("auto: a window that did not load the link measures nothing");
             return None;
         }

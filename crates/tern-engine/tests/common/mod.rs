@@ -228,18 +228,21 @@ pub(crate) fn spawn_held_destination(
 }
 
 /// Reads one whole frame, as bytes, from `from`: header, body and, when
-/// the header says it is sealed, its seal. `None` once the stream ends.
+/// the header says it is sealed, its seal. `None` once the stream ends,
+/// or at a header tern would refuse (the body is allocated only up to
+/// what its kind allows, not to what the header declares).
 pub(crate) fn read_raw_frame(from: &mut impl std::io::Read) -> Option<Vec<u8>> {
     let mut frame = vec![0u8; tern_wire::FRAME_HEADER_LEN];
     from.read_exact(&mut frame).ok()?;
-    let header: [u8; 8] = frame[..8].try_into().unwrap();
-    let body = u32::from_le_bytes(header[4..8].try_into().unwrap()) as usize;
+    let header: [u8; tern_wire::FRAME_HEADER_LEN] = frame[..].try_into().unwrap();
+    let body = tern_wire::FrameHeader::decode(&header).ok()?.body_len as usize;
     let seal = if tern_wire::header_is_sealed(&header) {
         tern_wire::SEAL_LEN
     } else {
         0
     };
-    frame.resize(8 + body + seal, 0);
-    from.read_exact(&mut frame[8..]).ok()?;
+    frame.resize(tern_wire::FRAME_HEADER_LEN + body + seal, 0);
+    from.read_exact(&mut frame[tern_wire::FRAME_HEADER_LEN..])
+        .ok()?;
     Some(frame)
 }

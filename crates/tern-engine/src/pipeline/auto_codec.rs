@@ -156,6 +156,19 @@ pub(super) const LEVEL_CHANGE_BUDGET: u32 = 4;
 /// measurements).
 pub(crate) const SWITCH_MARGIN: f64 = 0.15;
 
+/// What a codec decision rests on, for its hysteresis and its reason.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Evidence {
+    /// The first reading of the migration: it replaces calibration's
+    /// guess at once.
+    FirstReading { measured: bool },
+    /// The first window to measure the link after a decision on a bound
+    /// ([`LinkReading::corrects_guess`]): taken at once.
+    CorrectsGuess,
+    /// Anything else: [`CONFIRM_WINDOWS`] in a row.
+    Confirmed,
+}
+
 /// What one decision window changed.
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
 pub(super) struct WindowOutcome {
@@ -182,13 +195,22 @@ impl AutoCodec {
     /// starts at.
     pub(super) fn decide(
         &mut self,
-        link: f64,
+        reading: LinkReading,
         measured: Option<tern_page::codec::CodecMeasurement>,
         workers: usize,
         at_ms: u64,
         level_for: impl Fn(CodecId) -> i32,
     ) -> WindowOutcome {
-        let first_measurement = self.report.link_rate == 0;
+        let link = reading.rate;
+        let evidence = if self.report.link_rate == 0 {
+            Evidence::FirstReading {
+                measured: reading.measured,
+            }
+        } else if reading.corrects_guess {
+            Evidence::CorrectsGuess
+        } else {
+            Evidence::Confirmed
+        };
         self.report.link_rate = crate::numeric::saturating_u64_from_f64(link);
         if let Some(measured) = measured {
             self.watch_content(&measured, at_ms);
@@ -205,8 +227,7 @@ impl AutoCodec {
             ),
         );
         let mut outcome = WindowOutcome::default();
-        let (verdict, beyond_budget) =
-            self.codec_verdict(current, proposed.codec, first_measurement);
+        let (verdict, beyond_budget) = self.codec_verdict(current, proposed.codec, evidence);
         match verdict {
             tern_page::codec::Steadiness::Switched { from } => {
                 let level = level_for(proposed.codec);
@@ -217,8 +238,7 @@ impl AutoCodec {
                 );
                 self.content.reset();
                 self.report.codec_switches += 1;
-                let mut reason =
-                    self.codec_reason(from, proposed, link, workers, first_measurement);
+                let mut reason = self.codec_reason(from, proposed, link, workers, evidence);
                 if beyond_budget {
                     reason.push_str(
                         " (beyond the switches allowed: raw's windows measure the link, and \
@@ -252,12 +272,13 @@ impl AutoCodec {
         &mut self,
         current: CodecId,
         proposed: CodecId,
-        first_measurement: bool,
+        evidence: Evidence,
     ) -> (tern_page::codec::Steadiness<CodecId>, bool) {
-        // The codec in force before the link was measured is a guess
-        // (calibration's, for a link of unknown speed): the first decision
-        // on a measured link replaces it at once.
-        if first_measurement {
+        // The codec in force before the first reading is a guess
+        // (calibration's, for a link of unknown speed), and so is one
+        // chosen on a bound of the link: the first reading, and the first
+        // measurement after a guess, replace it at once.
+        if evidence != Evidence::Confirmed {
             return (self.settle_codec(proposed), false);
         }
         let verdict = self.codec_choice.offer(proposed);
@@ -366,7 +387,7 @@ impl AutoCodec {
         proposed: tern_page::codec::AutoDecision,
         link: f64,
         workers: usize,
-        first_measurement: bool,
+        evidence: Evidence,
     ) -> String {
         let rate_of = |codec: CodecId| {
             if codec == CodecId::None {
@@ -386,10 +407,22 @@ impl AutoCodec {
                 from.name()
             );
         }
-        let evidence = if first_measurement {
-            "the first decision on the measured link".to_string()
-        } else {
-            format!("{CONFIRM_WINDOWS} windows in a row")
+        let evidence = match evidence {
+            Evidence::FirstReading { measured: true } => {
+                "the first decision on the measured link".to_string()
+            }
+            Evidence::FirstReading { measured: false } => {
+                "the first decision, on a link that has not pushed back yet: its rate is an \
+                 upper bound (the senders' busy share), a guess the first window that measures \
+                 the link corrects"
+                    .to_string()
+            }
+            Evidence::CorrectsGuess => {
+                "the first window that measured the link after a decision on an upper bound of \
+                 it: the guess is corrected at once"
+                    .to_string()
+            }
+            Evidence::Confirmed => format!("{CONFIRM_WINDOWS} windows in a row"),
         };
         format!(
             "{} moves {:.0} MB/s of guest memory against {:.0} MB/s for {} on a {:.0} MB/s link \
@@ -520,7 +553,12 @@ impl AchievedRates {
 /// for 1.4 s, the run 6.06 s against the series' median 4.40).
 #[derive(Debug, Default)]
 pub(super) struct LinkEstimates {
-    recent: std::collections::VecDeque<f64>,
+    /// The last windows' estimates, each with whether its window measured
+    /// the link (pushed back) or only bounded it from above.
+    recent: std::collections::VecDeque<(f64, bool)>,
+    /// A rate was given from a bound: the decision on it was a guess,
+    /// which the next window that measures the link corrects.
+    guessed: bool,
     /// The windows of the last [`Self::MEASURED_FRESH_WINDOWS`] in which
     /// the link pushed back: each one's number and the rate it measured.
     measured: std::collections::VecDeque<(u64, f64)>,
@@ -547,7 +585,13 @@ impl LinkEstimates {
     /// one run (tbf's burst, the queue read a packet apart), and against
     /// the last one alone a window writing 90 MB/s after one reading 80
     /// would count, at 20 times its rate.
-    pub(super) fn push_window(&mut self, window: &LinkWindow) -> Option<f64> {
+    ///
+    /// A window that measures the link after a rate was given from a bound
+    /// drops the bounds and is decided on at once
+    /// ([`LinkReading::corrects_guess`]): the bounds were what made the
+    /// guess, and three windows more of it cost 10 MiB of raw pages at
+    /// 1 Gbit/s (issue 31, item 2).
+    pub(super) fn push_window(&mut self, window: &LinkWindow) -> Option<LinkReading> {
         self.windows += 1;
         let estimate = link_estimate(window);
         let now = self.windows;
@@ -566,27 +610,82 @@ impl LinkEstimates {
         );
         if measured {
             self.measured.push_back((now, estimate));
+            if std::mem::take(&mut self.guessed) {
+                self.recent.retain(|&(_, measured)| measured);
+                if self.recent.len() == Self::KEPT {
+                    self.recent.pop_front();
+                }
+                self.recent.push_back((estimate, true));
+                tracing::trace!("auto: the first measurement after a guess decides at once");
+                return Some(LinkReading {
+                    rate: estimate,
+                    measured: true,
+                    corrects_guess: true,
+                });
+            }
         } else if carried.is_some_and(|carried| written <= carried) {
             tracing::trace!("auto: a window that did not load the link measures nothing");
             return None;
         }
-        self.push(estimate)
+        self.push_estimate(estimate, measured)
     }
 
     /// Adds a window's estimate; the rate to decide on, once enough are in.
+    #[cfg(test)]
     pub(super) fn push(&mut self, estimate: f64) -> Option<f64> {
+        self.push_estimate(estimate, true)
+            .map(|reading| reading.rate)
+    }
+
+    /// Adds a window's estimate, `measured` or a bound; the reading to
+    /// decide on, once enough are in.
+    fn push_estimate(&mut self, estimate: f64, measured: bool) -> Option<LinkReading> {
         if self.recent.len() == Self::KEPT {
             self.recent.pop_front();
         }
-        self.recent.push_back(estimate);
+        self.recent.push_back((estimate, measured));
         if self.recent.len() < Self::NEEDED {
             return None;
         }
-        let mut sorted: Vec<f64> = self.recent.iter().copied().collect();
-        sorted.sort_by(f64::total_cmp);
+        let mut sorted: Vec<(f64, bool)> = self.recent.iter().copied().collect();
+        sorted.sort_by(|a, b| a.0.total_cmp(&b.0));
         // The lower median: in doubt, the slower link, on which a codec
         // costs least if wrong (raw on a slow link costs most).
-        Some(sorted[(sorted.len() - 1) / 2])
+        let (rate, measured) = sorted[(sorted.len() - 1) / 2];
+        self.guessed |= !measured;
+        Some(LinkReading {
+            rate,
+            measured,
+            corrects_guess: false,
+        })
+    }
+}
+
+/// The link rate one decision is taken on, and what it rests on.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub(super) struct LinkReading {
+    /// Bytes per second.
+    pub rate: f64,
+    /// The window the rate is from measured the link (pushed back);
+    /// otherwise the rate is an upper bound (the senders' busy share of a
+    /// window in which sends returned at once), and a decision on it a
+    /// guess.
+    pub measured: bool,
+    /// The first window to measure the link after a guess: the guess's
+    /// bounds are dropped and the decision taken at once, past the
+    /// confirming windows.
+    pub corrects_guess: bool,
+}
+
+impl LinkReading {
+    /// A reading of windows that measured the link.
+    #[cfg(test)]
+    pub(super) fn measured(rate: f64) -> Self {
+        Self {
+            rate,
+            measured: true,
+            corrects_guess: false,
+        }
     }
 }
 
@@ -864,8 +963,8 @@ impl Pipeline<'_> {
         }
         auto.data_at_start = data;
         let decided_on = auto.links.push_window(&window);
-        if let Some(link) = decided_on {
-            let outcome = auto.decide(link, measured, workers, at_ms, |codec| {
+        if let Some(reading) = decided_on {
+            let outcome = auto.decide(reading, measured, workers, at_ms, |codec| {
                 compression.level_for(codec)
             });
             if let Some(codec) = outcome.codec {
@@ -878,8 +977,8 @@ impl Pipeline<'_> {
             busy,
             queue,
         );
-        if let Some(link) = decided_on {
-            self.start_deferred_dictionary(link);
+        if let Some(reading) = decided_on {
+            self.start_deferred_dictionary(reading.rate);
         }
     }
 }
@@ -1213,10 +1312,12 @@ mod tests {
     }
 
     /// Rates in whole MB/s, for exact comparisons.
-    fn mb(rates: &[Option<f64>]) -> Vec<Option<u64>> {
-        rates
+    fn mb(readings: &[Option<LinkReading>]) -> Vec<Option<u64>> {
+        readings
             .iter()
-            .map(|rate| rate.map(|r| crate::numeric::saturating_u64_from_f64((r / 1e6).round())))
+            .map(|reading| {
+                reading.map(|r| crate::numeric::saturating_u64_from_f64((r.rate / 1e6).round()))
+            })
             .collect()
     }
 
@@ -1227,7 +1328,10 @@ mod tests {
         // A window at an iteration's end: 63 MB/s written, sends returning
         // at once, no queue; its estimate alone is 20 times that.
         let idle = window(3_170_000, false, 0.05);
-        assert_eq!(mb(&[Some(link_estimate(&idle))]), [Some(1268)]);
+        assert_eq!(
+            mb(&[Some(LinkReading::measured(link_estimate(&idle)))]),
+            [Some(1268)]
+        );
         let mut links = LinkEstimates::default();
         let mut decided: Vec<_> = (0..3).map(|_| links.push_window(&loaded)).collect();
         decided.extend((0..3).map(|_| links.push_window(&idle)));
@@ -1311,6 +1415,111 @@ mod tests {
         assert_eq!(mb(&decided), [Some(125), Some(125), Some(1268)]);
     }
 
+    /// Issue 31, item 2: under load the workers wrote 99 MB/s into the
+    /// shaped 1 Gbit/s link, too little to make a queue stand, and the
+    /// busy-share bound (20 times that) sent raw; the link pushed back in
+    /// raw's first window, and zstd came back three windows later.
+    #[test]
+    fn the_first_measurement_after_a_guess_is_decided_on_at_once() {
+        let codec_bound = window(4_937_500, false, 0.05);
+        let raw_pushed_back = window(6_250_000, true, 1.0);
+        let mut links = LinkEstimates::default();
+        let guessed: Vec<_> = (0..3).map(|_| links.push_window(&codec_bound)).collect();
+        assert_eq!(mb(&guessed), [None, None, Some(1975)]);
+        assert!(!guessed[2].unwrap().measured);
+        // Raw's first window measures the link: decided on alone, at once.
+        let corrected = links.push_window(&raw_pushed_back).unwrap();
+        assert_eq!(mb(&[Some(corrected)]), [Some(125)]);
+        assert!(corrected.measured && corrected.corrects_guess);
+        // The bounds are gone: the next windows' median is of measurements.
+        let next: Vec<_> = (0..2)
+            .map(|_| links.push_window(&raw_pushed_back))
+            .collect();
+        assert_eq!(mb(&next), [None, Some(125)]);
+        assert!(next[1].is_some_and(|r| r.measured && !r.corrects_guess));
+        // A measured link corrects nothing.
+        let mut measured = measured_at_125_mb_s();
+        let reading = measured.push_window(&raw_pushed_back).unwrap();
+        assert!(!reading.corrects_guess);
+    }
+
+    /// Issue 31, item 2: zstd on one loaded core stopped loading the link
+    /// for a second; the measured rate went stale, the bounds sent raw, and
+    /// raw was held a second more.
+    #[test]
+    fn a_guess_after_a_measured_rate_went_stale_is_corrected_at_once() {
+        let mut links = measured_at_125_mb_s();
+        let idle = window(3_170_000, false, 0.05);
+        for _ in 0..LinkEstimates::MEASURED_FRESH_WINDOWS {
+            assert_eq!(links.push_window(&idle), None);
+        }
+        let guessed: Vec<_> = (0..3).map(|_| links.push_window(&idle)).collect();
+        assert_eq!(mb(&guessed), [Some(125), Some(125), Some(1268)]);
+        assert!(guessed[1].unwrap().measured && !guessed[2].unwrap().measured);
+        let corrected = links.push_window(&window(5_000_000, true, 1.0)).unwrap();
+        assert_eq!(mb(&[Some(corrected)]), [Some(100)]);
+        assert!(corrected.corrects_guess);
+    }
+
+    #[test]
+    fn a_codec_left_on_a_guess_comes_back_with_the_first_measurement() {
+        let mut auto = auto_on(software());
+        assert_eq!(auto.codec(), CodecId::Zstd);
+        let guess = LinkReading {
+            rate: 1975e6,
+            measured: false,
+            corrects_guess: false,
+        };
+        for _ in 0..CONFIRM_WINDOWS {
+            auto.decide(guess, None, 2, 0, |c| c.default_level());
+        }
+        assert_eq!(auto.codec(), CodecId::None);
+        // Raw's first window measured the link: zstd at once, not after
+        // three windows more of raw.
+        let measured = LinkReading {
+            corrects_guess: true,
+            ..LinkReading::measured(125e6)
+        };
+        auto.decide(measured, None, 2, 50, |c| c.default_level());
+        assert_eq!(auto.codec(), CodecId::Zstd);
+        let last = auto.report.decisions.last().unwrap();
+        assert!(last.reason.contains("corrected at once"), "{last:?}");
+        // Without the correction, one window decides nothing.
+        let mut confirming = auto_on(software());
+        for _ in 0..CONFIRM_WINDOWS {
+            confirming.decide(guess, None, 2, 0, |c| c.default_level());
+        }
+        confirming.decide(LinkReading::measured(125e6), None, 2, 50, |c| {
+            c.default_level()
+        });
+        assert_eq!(confirming.codec(), CodecId::None);
+    }
+
+    #[test]
+    fn the_first_decision_on_a_bound_says_it_is_a_guess() {
+        let setup = CompressionSetup {
+            choice: CodecChoice::Auto,
+            level: None,
+            qpl_path: QplPath::Software,
+            deflate_through_qpl: false,
+            packet_frames: false,
+            dictionary: None,
+            dictionary_report: None,
+            dictionary_refresh: None,
+            auto_decisions: Vec::new(),
+        };
+        let mut auto = AutoCodec::start(2, software(), None, &setup);
+        let guess = LinkReading {
+            rate: 1975e6,
+            measured: false,
+            corrects_guess: false,
+        };
+        auto.decide(guess, None, 2, 198, |c| c.default_level());
+        assert_eq!(auto.codec(), CodecId::None);
+        let last = auto.report.decisions.last().unwrap();
+        assert!(last.reason.contains("upper bound"), "{last:?}");
+    }
+
     fn auto_on(candidates: Vec<CodecMeasurement>) -> AutoCodec {
         let setup = CompressionSetup {
             choice: CodecChoice::Auto,
@@ -1325,7 +1534,9 @@ mod tests {
         };
         let mut auto = AutoCodec::start(2, candidates, None, &setup);
         // The first measured link (1 Gbit/s) settles the start's guess.
-        auto.decide(125e6, None, 2, 0, |codec| codec.default_level());
+        auto.decide(LinkReading::measured(125e6), None, 2, 0, |codec| {
+            codec.default_level()
+        });
         auto
     }
 
@@ -1336,9 +1547,13 @@ mod tests {
             .iter()
             .enumerate()
             .map(|(window, &link)| {
-                auto.decide(link, None, 2, window as u64 * 50, |codec| {
-                    codec.default_level()
-                });
+                auto.decide(
+                    LinkReading::measured(link),
+                    None,
+                    2,
+                    window as u64 * 50,
+                    |codec| codec.default_level(),
+                );
                 auto.codec()
             })
             .collect()
@@ -1499,7 +1714,9 @@ mod tests {
             ..measured(codec, 300e6, ratio)
         };
         for ratio in [1.4, 1.4, 3.0, 3.0] {
-            auto.decide(125e6, Some(at(ratio)), 2, 0, |c| c.default_level());
+            auto.decide(LinkReading::measured(125e6), Some(at(ratio)), 2, 0, |c| {
+                c.default_level()
+            });
         }
         assert_eq!(auto.report.content_changes, 1);
         assert_eq!(auto.codec_choice.switches(), 0);
@@ -1517,7 +1734,9 @@ mod tests {
                 level: auto.level(),
                 ..measured(CodecId::Zstd, rate, 2.1)
             };
-            auto.decide(125e6, Some(m), 2, 0, |c| c.default_level());
+            auto.decide(LinkReading::measured(125e6), Some(m), 2, 0, |c| {
+                c.default_level()
+            });
         }
         assert_eq!(auto.report.level_changes, 0);
         // Steadily idle CPU: up one level after three windows.
@@ -1526,7 +1745,9 @@ mod tests {
                 level: auto.level(),
                 ..measured(CodecId::Zstd, 300e6, 2.1)
             };
-            auto.decide(125e6, Some(m), 2, 0, |c| c.default_level());
+            auto.decide(LinkReading::measured(125e6), Some(m), 2, 0, |c| {
+                c.default_level()
+            });
         }
         assert_eq!(auto.level(), 2);
         assert_eq!(auto.report.level_changes, 1);

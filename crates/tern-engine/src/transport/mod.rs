@@ -226,6 +226,17 @@ impl Listener {
         }
     }
 
+    /// The socket a connection arrives on, to poll beside other files;
+    /// `None` for an embedder's listener, which only waits by itself.
+    pub(crate) fn readiness_fd(&self) -> Option<RawFd> {
+        match self {
+            Self::Tcp(listener) => Some(listener.as_raw_fd()),
+            Self::Unix(listener, _) => Some(listener.as_raw_fd()),
+            Self::Socket(socket) => Some(socket.as_raw_fd()),
+            Self::Custom(_) => None,
+        }
+    }
+
     /// Waits at most `timeout` for a connection.
     pub fn accept_timeout(&self, timeout: Duration) -> Result<Channel, ChannelError> {
         let fd = match self {
@@ -1008,6 +1019,32 @@ fn connect_tcp(host_port: &str, timeout: Duration) -> io::Result<TcpStream> {
         }
     }
     Err(last_error)
+}
+
+/// Waits at most `timeout` until one of `fds` is readable; which are.
+pub(crate) fn poll_readable_any<const N: usize>(
+    fds: [RawFd; N],
+    timeout: Duration,
+) -> io::Result<[bool; N]> {
+    let mut poll_fds = fds.map(|fd| libc::pollfd {
+        fd,
+        events: libc::POLLIN,
+        revents: 0,
+    });
+    let millis = libc::c_int::try_from(timeout.as_millis()).unwrap_or(libc::c_int::MAX);
+    let count = libc::nfds_t::try_from(N).unwrap_or(libc::nfds_t::MAX);
+    loop {
+        // SAFETY: `poll_fds` is an array of `N` valid pollfds that lives
+        // for the duration of the call, and `count` is `N`.
+        let ready = unsafe { libc::poll(poll_fds.as_mut_ptr(), count, millis) };
+        if ready >= 0 {
+            return Ok(poll_fds.map(|polled| polled.revents != 0));
+        }
+        let error = io::Error::last_os_error();
+        if error.kind() != io::ErrorKind::Interrupted {
+            return Err(error);
+        }
+    }
 }
 
 pub(crate) fn poll_readable(fd: RawFd, timeout: Duration) -> io::Result<bool> {

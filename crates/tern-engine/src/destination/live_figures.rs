@@ -221,10 +221,21 @@ impl FigureWindow {
         } else {
             now
         };
-        LiveFigures {
+        let figures = LiveFigures {
             placed_pages_per_sec: placed_rate(busy, pages, self.receivers),
             finish_micros: finish_estimate(lateness, drain.max(lag.max(previous_lag))),
-        }
+        };
+        tracing::debug!(
+            lateness_ms = lateness.as_secs_f64() * 1e3,
+            backlog,
+            drain_ms = drain.as_secs_f64() * 1e3,
+            lag_ms = lag.as_secs_f64() * 1e3,
+            previous_lag_ms = previous_lag.as_secs_f64() * 1e3,
+            finish_ms = f64::from(figures.finish_micros) / 1e3,
+            placed_pages_per_sec = figures.placed_pages_per_sec,
+            "heartbeat figures"
+        );
+        figures
     }
 }
 

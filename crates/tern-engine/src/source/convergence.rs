@@ -195,6 +195,9 @@ pub(crate) struct Convergence {
     /// under `--postcopy auto`, where the first throttle step is the
     /// hand-over to postcopy rather than a throttle on the guest.
     first_sync_counts: bool,
+    /// The last decision was a switch-over the caller did not make (it
+    /// held it for the destination to catch up, `hold_for_destination`).
+    switch_over_held: bool,
     throttle: u8,
 }
 
@@ -223,6 +226,7 @@ impl Convergence {
             dirty_outruns: 0,
             last_expected_downtime: None,
             first_sync_counts: config.postcopy == crate::postcopy::PostcopyMode::Auto,
+            switch_over_held: false,
             throttle: 0,
         }
     }
@@ -251,8 +255,14 @@ impl Convergence {
     /// the iteration and time limits with their policy; then
     /// auto-converge.
     pub(super) fn decide(&mut self, facts: &SyncFacts) -> Decision {
+        let after_hold = std::mem::take(&mut self.switch_over_held);
         let expected_downtime = facts.expected_downtime();
         if expected_downtime <= self.downtime_limit {
+            // Converged: no outrun stands, and the pass after it, should
+            // the caller hold the switch-over, has no baseline.
+            self.switch_over_held = true;
+            self.dirty_outruns = 0;
+            self.last_expected_downtime = None;
             return Decision::SwitchOver { forced: false };
         }
         if facts.cancelled {
@@ -273,7 +283,7 @@ impl Convergence {
             };
         }
         Decision::Iterate {
-            throttle: self.auto_converge(facts),
+            throttle: self.auto_converge(facts, after_hold),
         }
     }
 
@@ -311,6 +321,16 @@ impl Convergence {
     /// (`CODEC_SWITCH_BUDGET`), so this cannot hold the throttle off for
     /// long.
     ///
+    /// A sync that fit the limit ends a run of outruns and leaves no
+    /// baseline, and the pass after a switch-over the caller held for the
+    /// destination (`hold_for_destination`) is no evidence: it carries
+    /// what the guest dirtied during the wait. Issue 31: the destination's
+    /// figure (its worst lag of the last heartbeats, at the 270 ms clamp)
+    /// kept such holds coming, and the passes around them (source parts of
+    /// 12 and 47 ms, or 25 then 146 and 216 ms) counted as outruns across
+    /// the holds: 3 of the 9 throttle steps in 16 running runs at 1 Gbit/s
+    /// came after a hold.
+    ///
     /// The first sync is no evidence either: it has no earlier expected
     /// downtime to say whether the dirty set gets cheaper to send, and it
     /// compares the dirty set with the first pass, which sent all of
@@ -322,11 +342,12 @@ impl Convergence {
     /// 6 runs of 6. Under `--postcopy auto` the first sync still counts:
     /// there the first step hands the guest over to postcopy, whose timing
     /// was measured with it (docs/postcopy.md), and throttles nothing.
-    fn auto_converge(&mut self, facts: &SyncFacts) -> Option<u8> {
+    fn auto_converge(&mut self, facts: &SyncFacts, after_hold: bool) -> Option<u8> {
         // The source's part only: the destination's (its lag, its finish)
         // does not shrink with the dirty set, and a throttle cannot cure it.
         let expected = facts.expected_split().source;
-        let baseline = if facts.codec_switched {
+        let no_evidence = facts.codec_switched || after_hold;
+        let baseline = if no_evidence {
             None
         } else {
             self.last_expected_downtime.replace(expected)
@@ -336,7 +357,7 @@ impl Convergence {
             self.dirty_outruns = 0;
             return Some(0);
         }
-        if !self.auto_converge || facts.codec_switched {
+        if !self.auto_converge || no_evidence {
             return None;
         }
         let converging = match baseline {
@@ -556,6 +577,38 @@ mod tests {
         );
         assert_eq!(
             rules.decide(&lagging(5, 5_018)),
+            Decision::Iterate { throttle: Some(20) }
+        );
+    }
+
+    /// Issue 31, running at 1 Gbit/s: a sync that fits the limit is
+    /// held for the destination, the guest dirties on meanwhile, and the
+    /// passes after the hold grow; that is no outrun of the link.
+    #[test]
+    fn a_switch_over_held_for_the_destination_does_not_count_towards_the_throttle() {
+        let mut rules = Convergence::new(&config());
+        let shrinking = [
+            facts(1, 131_073, 262_144, 100.0),
+            facts(2, 60_000, 131_073, 100.0),
+            facts(3, 30_000, 60_000, 100.0),
+        ];
+        for pass in &shrinking {
+            assert_eq!(rules.decide(pass), Decision::Iterate { throttle: None });
+        }
+        // 1 MiB: it fits, but the destination is behind: held.
+        let fits = facts(4, 256, 30_000, 100.0);
+        assert_eq!(rules.decide(&fits), Decision::SwitchOver { forced: false });
+        // What the guest dirtied during the wait (586 ms of downtime),
+        // then more in each pass (648, 1172 ms).
+        let after_wait = facts(5, 15_000, 256, 100.0);
+        let grown = facts(6, 16_600, 15_000, 100.0);
+        let more = facts(7, 30_000, 16_600, 100.0);
+        for pass in [&after_wait, &grown, &more] {
+            assert_eq!(rules.decide(pass), Decision::Iterate { throttle: None });
+        }
+        // Outruns count again once a baseline stands after the hold.
+        assert_eq!(
+            rules.decide(&facts(8, 40_000, 30_000, 100.0)),
             Decision::Iterate { throttle: Some(20) }
         );
     }

@@ -939,17 +939,22 @@ mod tests {
         let (done, waited) = std::sync::mpsc::channel();
         std::thread::spawn(move || {
             let outcome = handshakes.accept_or_wake(Duration::from_secs(86_400));
-            let _ = done.send(outcome.map(|_| ()));
+            let _ = done.send((outcome.map(|_| ()), handshakes));
         });
         // What a handshake thread does once its outcome is sent.
         std::io::Write::write(&mut &*wake, &[1]).unwrap();
-        let outcome = waited
+        let (outcome, handshakes) = waited
             .recv_timeout(Duration::from_secs(60))
             .expect("the wake ended the accept loop's wait");
         assert!(
             matches!(outcome, Err(crate::error::ChannelError::Timeout(_))),
             "{outcome:?}"
         );
+        // The wake was taken: the next wait is not ended by it again (the
+        // loop would spin until the next connection).
+        let waker = handshakes.waker.as_ref().unwrap();
+        let fd = std::os::fd::AsRawFd::as_raw_fd(&waker.readable);
+        assert!(!crate::transport::poll_readable(fd, Duration::ZERO).unwrap());
     }
 
     fn with_table(limit: usize, check: impl FnOnce(&mut Handshakes<'_>)) {

@@ -1578,18 +1578,7 @@ mod tests {
     }
 
     fn auto_on(candidates: Vec<CodecMeasurement>) -> AutoCodec {
-        let setup = CompressionSetup {
-            choice: CodecChoice::Auto,
-            level: None,
-            qpl_path: QplPath::Software,
-            deflate_through_qpl: false,
-            packet_frames: false,
-            dictionary: None,
-            dictionary_report: None,
-            dictionary_refresh: None,
-            auto_decisions: Vec::new(),
-        };
-        let mut auto = AutoCodec::start(2, candidates, None, &setup);
+        let mut auto = auto_unsettled(candidates);
         // The first measured link (1 Gbit/s) settles the start's guess.
         auto.decide(LinkReading::measured(125e6), None, 2, 0, |codec| {
             codec.default_level()

@@ -173,11 +173,13 @@ enum Evidence {
     Confirmed,
 }
 
-/// What one decision window changed.
+/// What one decision window changed, and the link rate it decided on (a
+/// guess's correction where one was taken, else the reading's median).
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
 pub(super) struct WindowOutcome {
     pub codec: Option<CodecId>,
     pub level: Option<i32>,
+    pub link: f64,
 }
 
 impl AutoCodec {
@@ -192,7 +194,7 @@ impl AutoCodec {
     }
 
     /// One decision window, pure apart from `self`: the codec and level for
-    /// the next batches from the link rate `link` (bytes per second) and the
+    /// the next batches from the link's `reading` ([`Self::weigh`]) and the
     /// current codec's measurement over the window (`measured`, at the
     /// window's level), with `workers` compressing; `at_ms` stamps the
     /// recorded decisions. `level_for` is the level a newly chosen codec
@@ -213,7 +215,10 @@ impl AutoCodec {
         }
         let current = self.codec();
         let proposed = self.propose(link, workers);
-        let mut outcome = WindowOutcome::default();
+        let mut outcome = WindowOutcome {
+            link,
+            ..WindowOutcome::default()
+        };
         let (verdict, beyond_budget) = self.codec_verdict(current, proposed.codec, evidence);
         match verdict {
             tern_page::codec::Steadiness::Switched { from } => {
@@ -1003,14 +1008,15 @@ impl Pipeline<'_> {
                 .record(self.codec, data_moved as f64 / elapsed);
         }
         auto.data_at_start = data;
-        let decided_on = auto.links.push_window(&window);
-        if let Some(reading) = decided_on {
+        let mut decided_link = None;
+        if let Some(reading) = auto.links.push_window(&window) {
             let outcome = auto.decide(reading, measured, workers, at_ms, |codec| {
                 compression.level_for(codec)
             });
             if let Some(codec) = outcome.codec {
                 self.codec = codec;
             }
+            decided_link = Some(outcome.link);
         }
         auto.start_window(
             current_counters(&self.codec_stats, self.codec),
@@ -1018,12 +1024,7 @@ impl Pipeline<'_> {
             busy,
             queue,
         );
-        if decided_on.is_some() {
-            // The rate decided on: a correction's, where one was taken.
-            let link = self
-                .auto
-                .as_ref()
-                .map_or(0.0, |auto| auto.report.link_rate as f64);
+        if let Some(link) = decided_link {
             self.start_deferred_dictionary(link);
         }
     }

@@ -1047,24 +1047,9 @@ pub(crate) fn poll_readable_any<const N: usize>(
     }
 }
 
+/// Waits at most `timeout` until `fd` is readable; whether it is.
 pub(crate) fn poll_readable(fd: RawFd, timeout: Duration) -> io::Result<bool> {
-    let mut poll_fd = libc::pollfd {
-        fd,
-        events: libc::POLLIN,
-        revents: 0,
-    };
-    let millis = libc::c_int::try_from(timeout.as_millis()).unwrap_or(libc::c_int::MAX);
-    loop {
-        // SAFETY: `poll_fd` is a valid pollfd for the duration of the call.
-        let ready = unsafe { libc::poll(&mut poll_fd, 1, millis) };
-        if ready >= 0 {
-            return Ok(ready > 0);
-        }
-        let error = io::Error::last_os_error();
-        if error.kind() != io::ErrorKind::Interrupted {
-            return Err(error);
-        }
-    }
+    poll_readable_any([fd], timeout).map(|[readable]| readable)
 }
 
 pub(crate) fn map_io(error: io::Error) -> ChannelError {

@@ -707,8 +707,11 @@ fn the_destination_sends_heartbeats_while_pages_flow() {
 /// Reads the destination's main channel until it says it applied
 /// `passes` passes, skipping its heartbeats; every count it tells on the
 /// way must grow and stay within `passes`. Fails at the deadline.
-fn read_until_applied(main: &mut Channel, passes: u32, told: &mut u32) {
+/// Reads the destination's main channel until it says it applied
+/// `passes` passes; returns the lag the last word carried.
+fn read_until_applied(main: &mut Channel, passes: u32, told: &mut u32) -> Duration {
     let until = std::time::Instant::now() + DEADLINE;
+    let mut lag = Duration::ZERO;
     while *told < passes {
         assert!(
             std::time::Instant::now() < until,
@@ -723,10 +726,12 @@ fn read_until_applied(main: &mut Channel, passes: u32, told: &mut u32) {
                     applied.passes
                 );
                 *told = applied.passes;
+                lag = Duration::from_micros(applied.lag_micros.into());
             }
             other => panic!("expected passes applied, got {other:?}"),
         }
     }
+    lag
 }
 
 #[test]
@@ -738,13 +743,22 @@ fn the_destination_tells_the_source_each_pass_it_applied() {
     let (mut main, mut page) = fake_source_handshake(&address, verified);
     let mut told = 0;
     for iteration in 0..3 {
+        let sent = std::time::Instant::now();
         page.send_message(&Message::Sync(Sync {
             iteration,
             last: false,
             dictionaries: 0,
         }))
         .unwrap();
-        read_until_applied(&mut main, iteration + 1, &mut told);
+        let lag = read_until_applied(&mut main, iteration + 1, &mut told);
+        // Protocol 13: the pass's lag behind the link. Nothing follows the
+        // sync, so it arrived after it was sent: the lag cannot be longer
+        // than the time from sending it to the word that it was applied.
+        assert!(
+            lag <= sent.elapsed(),
+            "pass {iteration}: a lag of {lag:?}, {:?} after the sync was sent",
+            sent.elapsed()
+        );
     }
 }
 

@@ -89,7 +89,7 @@ pub use seal::{
 /// First bytes of every handshake.
 pub const MAGIC: [u8; 8] = *b"TERNMIG\0";
 /// Protocol version spoken by this build.
-pub const PROTOCOL_VERSION: u16 = 12;
+pub const PROTOCOL_VERSION: u16 = 13;
 /// The only page size this version supports: the one definition of tern's
 /// page size (`tern_page::PAGE_SIZE` and `tern_engine::PAGE_SIZE` are this
 /// value as a `usize`).

@@ -479,7 +479,8 @@ pub struct LiveFigures {
     pub placed_pages_per_sec: u32,
     /// Microseconds the destination expects to need after the last page
     /// to be ready and resumed (verification, state, resume), from what it
-    /// measured of its own scheduling delay.
+    /// measured of its own scheduling delay. Since version 13 without its
+    /// lag behind the link, which each [`PassApplied`] carries instead.
     pub finish_micros: u32,
 }
 
@@ -494,6 +495,12 @@ pub struct LiveFigures {
 pub struct PassApplied {
     /// Passes applied, counting from the first (pass 0 applied: 1).
     pub passes: u32,
+    /// How long after the last of the pass's bytes reached the destination
+    /// (at the latest) its pages were all in memory, in microseconds
+    /// (since version 13): the destination's lag behind the link at that
+    /// pass's end, which the last pass would see again. Advice, clamped by
+    /// the source like the heartbeat's figures.
+    pub lag_micros: u32,
 }
 
 /// The sender gives up.
@@ -680,7 +687,7 @@ impl Message {
             Self::PostcopyResume(resume) => resume.handshake.encode(w),
             Self::PostcopyMissing(missing) => postcopy::encode_missing(missing, w),
             Self::PassApplied(applied) => {
-                w.u32(applied.passes).zeros(4);
+                w.u32(applied.passes).u32(applied.lag_micros);
             }
         }
     }
@@ -752,11 +759,10 @@ impl Message {
                 Self::PostcopyResume(PostcopyResume { handshake })
             }
             FrameKind::PostcopyMissing => Self::PostcopyMissing(postcopy::decode_missing(&mut r)?),
-            FrameKind::PassApplied => {
-                let passes = r.u32()?;
-                r.reserved(4)?;
-                Self::PassApplied(PassApplied { passes })
-            }
+            FrameKind::PassApplied => Self::PassApplied(PassApplied {
+                passes: r.u32()?,
+                lag_micros: r.u32()?,
+            }),
             FrameKind::Pages => {
                 return Err(WireError::Unexpected {
                     got: FrameKind::Pages,

@@ -7,7 +7,7 @@ use std::thread::{Scope, ScopedJoinHandle};
 use std::time::{Duration, Instant};
 
 use tern_page::codec::CodecId;
-use tern_wire::{Complete, FrameDecoder, HEARTBEAT_INTERVAL, Message, PassApplied, WireError};
+use tern_wire::{Complete, FrameDecoder, HEARTBEAT_INTERVAL, Message, WireError};
 
 use super::handshake::peer_aborted;
 use super::live_figures::FigureWindow;
@@ -459,18 +459,25 @@ impl Heartbeat {
         }
     }
 
-    /// Tells the source of the passes applied since it was last told: it
-    /// pauses its guest only when this side is within one pass of it.
+    /// Tells the source of the passes applied since it was last told, with
+    /// the latest one's lag behind the link: it pauses its guest only when
+    /// this side is within one pass of it, and counts the lag in its
+    /// downtime estimate.
     fn tell_passes(
         &mut self,
         main: &mut impl FrameSink,
         shared: &ReceiverShared<'_>,
     ) -> Result<(), MigrationError> {
-        let passes = shared.passes_applied();
-        if passes > self.passes_told {
-            main.send_message(&Message::PassApplied(PassApplied { passes }))
+        let applied = shared.last_pass_applied();
+        if applied.passes > self.passes_told {
+            tracing::debug!(
+                passes = applied.passes,
+                lag_ms = f64::from(applied.lag_micros) / 1e3,
+                "pass applied"
+            );
+            main.send_message(&Message::PassApplied(applied))
                 .map_err(MigrationError::channel(0))?;
-            self.passes_told = passes;
+            self.passes_told = applied.passes;
         }
         Ok(())
     }
@@ -487,13 +494,9 @@ impl Heartbeat {
         stats: &super::ReceiveStats,
     ) -> Result<(), MigrationError> {
         while let Some(lateness) = Instant::now().checked_duration_since(self.next) {
-            let figures = self.figures.next(
-                &stats.placing,
-                lateness.max(self.previous_lateness),
-                stats.backlog.total(),
-                stats.backlog.take_lag(Instant::now()),
-                stats.received.load(Ordering::Relaxed),
-            );
+            let figures = self
+                .figures
+                .next(&stats.placing, lateness.max(self.previous_lateness));
             self.previous_lateness = lateness;
             main.send_message(&Message::Heartbeat(figures))
                 .map_err(MigrationError::channel(0))?;

@@ -13,13 +13,13 @@
 //! work itself. Issue 31: a run under load 11 spent 272 ms on the
 //! destination's side where the source expected none of it.
 //!
-//! The finish also counts the receivers' backlog: bytes the kernel has
-//! received (and acknowledged, so the source counts them as sent) that the
-//! receivers have not read yet, at the rate they read over the last
-//! interval. A destination short of CPU falls behind the link, and its
-//! sockets' buffers (up to 32 MiB each here) hold the rest of a pass: in
-//! issue 31's runs the last pages waited up to 700 ms behind the previous
-//! pass's.
+//! How far the destination is behind the link is not a heartbeat's: it is
+//! measured per pass ([`PassLagMeter`]) and told with each pass applied
+//! (protocol 13), since the source decides at its syncs, pass by pass.
+//! Issue 31: the worst lag of the last two heartbeat intervals, which the
+//! heartbeat carried before, was a second or two stale when the source
+//! decided, and held 8 of 16 running migrations at the 270 ms clamp
+//! (302 ms in one interval, 8-19 ms in the three before it).
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
@@ -64,100 +64,93 @@ impl PlacingMeter {
     }
 }
 
-/// Channels whose backlog is counted; a receiver beyond them is left out
+/// Channels whose lag is measured; a receiver beyond them is left out
 /// (a destination has a handful).
-const BACKLOG_CHANNELS: usize = 32;
+const LAG_CHANNELS: usize = 32;
 
-/// Each receiver's unread bytes at its latest frame, and how far behind the
-/// link it is in time, written by the receivers and read by the main thread
-/// at each heartbeat.
+/// When each receiver was last caught up with the link, and when the
+/// current pass's sync reached it at the latest: written by the receivers,
+/// taken once per pass by the last receiver to end it.
 ///
-/// The lag: a receiver that reads a frame and finds no more unread bytes
-/// than the frame's own rest has read everything that had arrived, so it
-/// is caught up at that moment. Until the next such moment, every byte it
-/// has not read arrived after the last one: the time since is how long its
-/// oldest unread byte has waited, and about the time the unread rest needs
-/// at the pace the receiver kept. Bytes say nothing of that where a
-/// destination short of CPU falls behind by whole passes of few bytes each:
-/// issue 31's series F rep 5 broke the limit with 0.3-0.7 MB unread, two
-/// small passes and 250-350 ms behind at the pause, and a figure of 11 ms.
+/// A receiver that reads a frame's head and finds no more unread bytes than
+/// the frame's own rest has read everything that had arrived: it is caught
+/// up at that moment. Its pass's sync, read later, arrived after the last
+/// such moment; read caught up, it arrived about when read. So the pass's
+/// lag, the time from its last byte's arrival to its pages all in memory,
+/// is at most the time from the latest of those moments, over the
+/// receivers, to the barrier's end: it counts the socket's backlog, the
+/// decoders' and the barrier's waits, whatever the bytes (issue 31, series
+/// F rep 5: a destination two small passes behind, 0.3-0.7 MB unread,
+/// was 250-350 ms late at the pause).
 #[derive(Debug)]
-pub(crate) struct BacklogMeter {
-    unread: [AtomicU64; BACKLOG_CHANNELS],
-    /// Per receiver: 0 while caught up at its latest frame, else when it
-    /// was last caught up (nanoseconds since `origin`, plus one).
-    behind_since: [AtomicU64; BACKLOG_CHANNELS],
-    /// Per receiver: when it was last caught up, as `behind_since`; 0
-    /// before its first frame.
-    caught_up_at: [AtomicU64; BACKLOG_CHANNELS],
-    /// The longest lag a receiver showed at a frame since the main thread
-    /// last took it, nanoseconds.
-    worst_lag: AtomicU64,
+pub(crate) struct PassLagMeter {
+    /// Per receiver: when it was last caught up (nanoseconds since
+    /// `origin`, plus one); 0 before its first frame.
+    caught_up_at: [AtomicU64; LAG_CHANNELS],
+    /// Per receiver: the latest its current pass's sync can have arrived,
+    /// as `caught_up_at`; 0 until it reads the sync.
+    sync_arrived_by: [AtomicU64; LAG_CHANNELS],
     origin: Instant,
 }
 
-impl Default for BacklogMeter {
+impl Default for PassLagMeter {
     fn default() -> Self {
         Self {
-            unread: Default::default(),
-            behind_since: Default::default(),
             caught_up_at: Default::default(),
-            worst_lag: AtomicU64::new(0),
+            sync_arrived_by: Default::default(),
             origin: Instant::now(),
         }
     }
 }
 
-impl BacklogMeter {
+impl PassLagMeter {
     /// Receiver `index`'s socket held `unread` bytes not yet read after
     /// it read a frame's head at `at`, of which `rest` are the frame's own
-    /// (a packet's payload; none for a sync).
+    /// (a packet's payload; none for a sync). `None`: the transport cannot
+    /// tell.
     pub(super) fn record(&self, index: usize, unread: Option<u64>, rest: u64, at: Instant) {
-        let (Some(slot), Some(unread)) = (self.unread.get(index), unread) else {
+        let (Some(caught_up), Some(unread)) = (self.caught_up_at.get(index), unread) else {
             return;
         };
-        slot.store(unread, Ordering::Relaxed);
-        let (Some(behind), Some(caught_up)) =
-            (self.behind_since.get(index), self.caught_up_at.get(index))
-        else {
-            return;
-        };
-        let now = self.stamp(at);
-        let last = caught_up.load(Ordering::Relaxed);
         // The first frame has no earlier moment to be behind since.
-        if unread <= rest || last == 0 {
-            caught_up.store(now, Ordering::Relaxed);
-            behind.store(0, Ordering::Relaxed);
-        } else {
-            behind.store(last, Ordering::Relaxed);
-            self.worst_lag
-                .fetch_max(now.saturating_sub(last), Ordering::Relaxed);
+        if unread <= rest || caught_up.load(Ordering::Relaxed) == 0 {
+            caught_up.store(self.stamp(at), Ordering::Relaxed);
         }
     }
 
-    /// Unread bytes of every receiver, at each one's latest frame.
-    pub(super) fn total(&self) -> u64 {
-        self.unread
-            .iter()
-            .map(|slot| slot.load(Ordering::Relaxed))
-            .sum()
+    /// Receiver `index` read its pass's sync at `at` with `unread` bytes
+    /// after it. A transport that cannot tell its unread bytes counts as
+    /// caught up: the sync arrived when read.
+    pub(super) fn record_sync(&self, index: usize, unread: Option<u64>, at: Instant) {
+        self.record(index, unread, 0, at);
+        let (Some(caught_up), Some(arrived_by)) = (
+            self.caught_up_at.get(index),
+            self.sync_arrived_by.get(index),
+        ) else {
+            return;
+        };
+        let by = match unread {
+            Some(_) => caught_up.load(Ordering::Relaxed),
+            None => self.stamp(at),
+        };
+        arrived_by.store(by, Ordering::Relaxed);
     }
 
-    /// The longest lag since the last call: the worst any receiver showed
-    /// at a frame, or shows now if it was behind at its latest frame (a
-    /// receiver waiting for its decoders or the others reads nothing).
-    pub(super) fn take_lag(&self, now: Instant) -> Duration {
-        let now = self.stamp(now);
-        let current = self
-            .behind_since
+    /// The pass's lag at `now`, when every receiver has ended it (so each
+    /// recorded its sync, and none records the next pass's yet): the time
+    /// since the latest moment any receiver's sync can have arrived. Clears
+    /// the syncs for the next pass.
+    pub(super) fn take_pass_lag(&self, now: Instant) -> Duration {
+        let latest = self
+            .sync_arrived_by
             .iter()
-            .map(|slot| slot.load(Ordering::Relaxed))
-            .filter(|&since| since != 0)
-            .map(|since| now.saturating_sub(since))
+            .map(|slot| slot.swap(0, Ordering::Relaxed))
             .max()
             .unwrap_or(0);
-        let worst = self.worst_lag.swap(0, Ordering::Relaxed);
-        Duration::from_nanos(worst.max(current))
+        if latest == 0 {
+            return Duration::ZERO;
+        }
+        Duration::from_nanos(self.stamp(now).saturating_sub(latest))
     }
 
     /// `at` as nanoseconds since the meter's origin, plus one (so 0 is
@@ -168,18 +161,17 @@ impl BacklogMeter {
     }
 }
 
+/// A pass's lag in whole microseconds, as `PassApplied` carries it.
+pub(super) fn lag_micros(lag: Duration) -> u32 {
+    u32::try_from(lag.as_micros()).unwrap_or(u32::MAX)
+}
+
 /// The main thread's side: the meter's totals at the last heartbeat, and
 /// the figures each heartbeat carries.
 #[derive(Debug)]
 pub(super) struct FigureWindow {
     receivers: u32,
     last: (u64, u64),
-    /// Bytes read from all channels at the last heartbeat, and when.
-    last_received: Option<(u64, Instant)>,
-    /// The receivers' lag the previous heartbeat counted: the figure sent
-    /// is the larger of two, since the source may decide on it a second
-    /// later.
-    previous_lag: Duration,
 }
 
 impl FigureWindow {
@@ -187,29 +179,11 @@ impl FigureWindow {
         Self {
             receivers: u32::try_from(receivers.max(1)).unwrap_or(u32::MAX),
             last: (0, 0),
-            last_received: None,
-            previous_lag: Duration::ZERO,
         }
     }
 
-    /// The figures for a heartbeat sent `lateness` after it was due, with
-    /// `backlog` bytes unread in the receivers' sockets, the receivers
-    /// `lag` behind the link at worst since the last heartbeat, and
-    /// `received` bytes read from all channels so far.
-    pub(super) fn next(
-        &mut self,
-        meter: &PlacingMeter,
-        lateness: Duration,
-        backlog: u64,
-        lag: Duration,
-        received: u64,
-    ) -> LiveFigures {
-        let now_at = Instant::now();
-        let drain = self.last_received.map_or(Duration::ZERO, |(before, at)| {
-            drain_time(backlog, received.saturating_sub(before), now_at - at)
-        });
-        self.last_received = Some((received, now_at));
-        let previous_lag = std::mem::replace(&mut self.previous_lag, lag);
+    /// The figures for a heartbeat sent `lateness` after it was due.
+    pub(super) fn next(&mut self, meter: &PlacingMeter, lateness: Duration) -> LiveFigures {
         let now = meter.totals();
         let window = (
             now.0 - self.last.0.min(now.0),
@@ -223,33 +197,16 @@ impl FigureWindow {
         };
         let figures = LiveFigures {
             placed_pages_per_sec: placed_rate(busy, pages, self.receivers),
-            finish_micros: finish_estimate(lateness, drain.max(lag.max(previous_lag))),
+            finish_micros: finish_estimate(lateness),
         };
         tracing::debug!(
             lateness_ms = lateness.as_secs_f64() * 1e3,
-            backlog,
-            drain_ms = drain.as_secs_f64() * 1e3,
-            lag_ms = lag.as_secs_f64() * 1e3,
-            previous_lag_ms = previous_lag.as_secs_f64() * 1e3,
             finish_ms = f64::from(figures.finish_micros) / 1e3,
             placed_pages_per_sec = figures.placed_pages_per_sec,
             "heartbeat figures"
         );
         figures
     }
-}
-
-/// How long reading `backlog` bytes takes at the pace `read` bytes took
-/// `over`: the whole interval again when nothing was read (it made no
-/// progress at all), none without a backlog. Pure.
-pub(super) fn drain_time(backlog: u64, read: u64, over: Duration) -> Duration {
-    if backlog == 0 {
-        return Duration::ZERO;
-    }
-    if read == 0 {
-        return over;
-    }
-    over.mul_f64((backlog as f64 / read as f64).min(1e6))
 }
 
 /// Pages per second `receivers` working side by side place, from their
@@ -267,13 +224,9 @@ pub(super) fn placed_rate(busy_nanos: u64, pages: u64, receivers: u32) -> u32 {
 }
 
 /// The finish's expected time from the latest delay of a scheduled
-/// wake-up and the time to catch up with the link (the receivers' backlog
-/// at their reading pace, or their lag, whichever is longer), in
-/// microseconds.
-pub(super) fn finish_estimate(lateness: Duration, drain: Duration) -> u32 {
-    let finish = FINISH_FLOOR
-        .saturating_add(lateness.saturating_mul(FINISH_WAKE_UPS))
-        .saturating_add(drain);
+/// wake-up, in microseconds.
+pub(super) fn finish_estimate(lateness: Duration) -> u32 {
+    let finish = FINISH_FLOOR.saturating_add(lateness.saturating_mul(FINISH_WAKE_UPS));
     u32::try_from(finish.as_micros()).unwrap_or(u32::MAX)
 }
 
@@ -294,125 +247,67 @@ mod tests {
 
     #[test]
     fn a_late_heartbeat_lengthens_the_finish() {
-        let none = Duration::ZERO;
-        assert_eq!(finish_estimate(none, none), 10_000);
-        assert_eq!(finish_estimate(Duration::from_millis(50), none), 210_000);
-        assert_eq!(
-            finish_estimate(Duration::from_secs(1 << 40), none),
-            u32::MAX
-        );
-    }
-
-    #[test]
-    fn a_backlog_lengthens_the_finish_by_the_time_to_read_it() {
-        let second = Duration::from_secs(1);
-        // 12.5 MB unread at 50 MB read in the last second: 250 ms.
-        let drain = drain_time(12_500_000, 50_000_000, second);
-        assert_eq!(drain, Duration::from_millis(250));
-        assert_eq!(
-            finish_estimate(Duration::ZERO, drain),
-            260_000,
-            "the floor and the backlog's time"
-        );
-        assert_eq!(drain_time(0, 50_000_000, second), Duration::ZERO);
-        // Nothing read at all: the interval again.
-        assert_eq!(drain_time(1, 0, second), second);
-        assert_eq!(finish_estimate(Duration::ZERO, Duration::MAX), u32::MAX);
-    }
-
-    #[test]
-    fn the_backlog_sums_the_receivers_latest_figures() {
-        let meter = BacklogMeter::default();
-        let now = Instant::now();
-        meter.record(0, Some(100), 0, now);
-        meter.record(1, Some(50), 0, now);
-        meter.record(0, Some(30), 0, now);
-        meter.record(1, None, 0, now);
-        meter.record(BACKLOG_CHANNELS, Some(1 << 40), 0, now);
-        assert_eq!(meter.total(), 80);
+        assert_eq!(finish_estimate(Duration::ZERO), 10_000);
+        assert_eq!(finish_estimate(Duration::from_millis(50)), 210_000);
+        assert_eq!(finish_estimate(Duration::from_secs(1 << 40)), u32::MAX);
     }
 
     /// Issue 31, series F rep 5: a destination two small passes behind
-    /// with little unread was 250-350 ms late at the pause, and its figure
-    /// said 11 ms. The lag is time, whatever the bytes.
+    /// with little unread was 250-350 ms late at the pause. The lag is
+    /// time, whatever the bytes: from the latest its sync can have arrived
+    /// to the pass's end.
     #[test]
-    fn a_receiver_behind_the_link_shows_its_lag_until_it_catches_up() {
-        let meter = BacklogMeter::default();
+    fn a_pass_lags_from_its_sync_latest_arrival_to_its_end() {
+        let meter = PassLagMeter::default();
         let start = Instant::now();
         let at = |ms| start + Duration::from_millis(ms);
         // The first frame has nothing to be behind since.
         meter.record(0, Some(5 << 20), 100, at(0));
-        assert_eq!(meter.take_lag(at(0)), Duration::ZERO);
-        // Caught up: no more unread than the packet's own payload.
+        // Receiver 0 caught up at 10 ms (no more unread than the packet's
+        // own payload), then behind at 40 and at its sync at 300: the
+        // sync arrived after 10 ms, the pass ends at 320.
         meter.record(0, Some(100), 100, at(10));
-        meter.record(1, Some(0), 0, at(10));
-        assert_eq!(meter.take_lag(at(500)), Duration::ZERO);
-        // Behind by few bytes: a sync read with a packet's head after it.
-        meter.record(0, Some(4096), 0, at(100));
-        assert_eq!(meter.take_lag(at(400)), Duration::from_millis(390));
-        // Stuck (in the barrier, say): the lag grows while it reads nothing.
-        assert_eq!(meter.take_lag(at(600)), Duration::from_millis(590));
-        // Still behind at its next frame, then caught up: the worst it
-        // showed counts once, at the next look.
-        meter.record(0, Some(8192), 0, at(700));
-        meter.record(0, Some(0), 0, at(710));
-        assert_eq!(meter.take_lag(at(800)), Duration::from_millis(690));
-        assert_eq!(meter.take_lag(at(900)), Duration::ZERO);
-        // Another receiver's lag counts too; a channel beyond the meter's
-        // does not.
-        meter.record(1, Some(1), 0, at(1000));
-        meter.record(BACKLOG_CHANNELS, Some(1 << 40), 0, at(1000));
-        assert_eq!(meter.take_lag(at(1010)), Duration::from_millis(1000));
-    }
-
-    #[test]
-    fn the_lag_lengthens_the_finish_for_two_heartbeats() {
-        let meter = PlacingMeter::default();
-        let mut window = FigureWindow::new(1);
-        let figure = |window: &mut FigureWindow, lag_ms| {
-            window
-                .next(&meter, Duration::ZERO, 0, Duration::from_millis(lag_ms), 0)
-                .finish_micros
-        };
-        assert_eq!(figure(&mut window, 0), 10_000);
-        assert_eq!(figure(&mut window, 200), 210_000);
-        // The source may decide on a figure a second old: the next one
-        // still counts the lag.
-        assert_eq!(figure(&mut window, 0), 210_000);
-        assert_eq!(figure(&mut window, 0), 10_000);
+        meter.record(0, Some(9000), 100, at(40));
+        meter.record_sync(0, Some(4096), at(300));
+        // Receiver 1 read its sync caught up at 100: it arrived then.
+        meter.record_sync(1, Some(0), at(100));
+        assert_eq!(meter.take_pass_lag(at(320)), Duration::from_millis(220));
+        // Taken: the next pass starts from nothing.
+        assert_eq!(meter.take_pass_lag(at(400)), Duration::ZERO);
+        // Both caught up at their syncs: the lag is the barrier's wait
+        // after the later one.
+        meter.record_sync(0, Some(0), at(500));
+        meter.record_sync(1, Some(0), at(505));
+        assert_eq!(meter.take_pass_lag(at(507)), Duration::from_millis(2));
+        // A transport that cannot count its unread bytes: arrived when
+        // read. A channel beyond the meter's is left out.
+        meter.record_sync(0, None, at(600));
+        meter.record_sync(LAG_CHANNELS, Some(1 << 40), at(0));
+        assert_eq!(meter.take_pass_lag(at(610)), Duration::from_millis(10));
+        assert_eq!(lag_micros(Duration::from_millis(7)), 7000);
+        assert_eq!(lag_micros(Duration::MAX), u32::MAX);
     }
 
     #[test]
     fn each_heartbeat_measures_its_own_interval_when_it_has_enough_pages() {
         let meter = PlacingMeter::default();
         let mut window = FigureWindow::new(1);
-        assert_eq!(
-            window
-                .next(&meter, Duration::ZERO, 0, Duration::ZERO, 0)
-                .placed_pages_per_sec,
-            0
-        );
+        assert_eq!(window.next(&meter, Duration::ZERO).placed_pages_per_sec, 0);
         meter.record(Duration::from_millis(100), 10_000);
         assert_eq!(
-            window
-                .next(&meter, Duration::ZERO, 0, Duration::ZERO, 0)
-                .placed_pages_per_sec,
+            window.next(&meter, Duration::ZERO).placed_pages_per_sec,
             100_000
         );
         // A slower interval is seen as such, not averaged away.
         meter.record(Duration::from_millis(400), 10_000);
         assert_eq!(
-            window
-                .next(&meter, Duration::ZERO, 0, Duration::ZERO, 0)
-                .placed_pages_per_sec,
+            window.next(&meter, Duration::ZERO).placed_pages_per_sec,
             25_000
         );
         // Too few pages: the figure since the start.
         meter.record(Duration::from_millis(500), 10);
         assert_eq!(
-            window
-                .next(&meter, Duration::ZERO, 0, Duration::ZERO, 0)
-                .placed_pages_per_sec,
+            window.next(&meter, Duration::ZERO).placed_pages_per_sec,
             20_010
         );
     }

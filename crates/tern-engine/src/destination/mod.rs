@@ -145,8 +145,8 @@ pub struct ReceiveStats {
     digest_comparison: Mutex<Option<DigestComparison>>,
     /// The receivers' busy time and pages, for the heartbeats' figures.
     placing: live_figures::PlacingMeter,
-    /// The receivers' unread bytes, for the heartbeats' figures.
-    backlog: live_figures::BacklogMeter,
+    /// The receivers' lag behind the link, told with each pass applied.
+    lag: live_figures::PassLagMeter,
     /// The switch-over's steps (`switch_over_timeline.rs`).
     pub(crate) timeline: crate::switch_over_timeline::TimelineRecorder,
 }

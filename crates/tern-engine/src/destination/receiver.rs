@@ -45,10 +45,7 @@ pub(super) fn receive_pages(
             Packet::Pages(packet) => {
                 let unread = source.unread_bytes();
                 let rest = u64::try_from(packet.payload_len).unwrap_or(u64::MAX);
-                shared
-                    .stats
-                    .backlog
-                    .record(index, unread, rest, Instant::now());
+                shared.stats.lag.record(index, unread, rest, Instant::now());
                 if receiver.iteration_began.is_none() {
                     receiver.iteration_began = Some(StepMark::now().with_queued(unread));
                 }
@@ -56,10 +53,7 @@ pub(super) fn receive_pages(
             }
             Packet::Sync(sync) => {
                 let unread = source.unread_bytes();
-                shared
-                    .stats
-                    .backlog
-                    .record(index, unread, 0, Instant::now());
+                shared.stats.lag.record_sync(index, unread, Instant::now());
                 let read = StepMark::now().with_queued(unread);
                 receiver.end_iteration(sync, read)?;
             }

@@ -2,16 +2,17 @@
 //! session, per-page bookkeeping, the iteration barrier and the first
 //! failure.
 
-use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Condvar, Mutex};
 use std::time::{Duration, Instant};
 
 use tern_page::codec::{CodecDictionary, QplPath};
-use tern_wire::{DigestAlgorithm, SessionSetup, Sync};
+use tern_wire::{DigestAlgorithm, PassApplied, SessionSetup, Sync};
 
 use super::dictionary::SessionDictionaries;
 use super::handle::PassReporter;
 use super::landing_pool::DecodePool;
+use super::live_figures::lag_micros;
 use super::stream::FrameSource;
 use super::userfault::Userfault;
 use super::{POLL_INTERVAL, ReceiveStats};
@@ -62,9 +63,11 @@ pub(super) struct ReceiverShared<'a> {
     /// Every page channel has passed its last sync: only the main channel
     /// has more to say.
     pages_ended: AtomicBool,
-    /// Passes every receiver has ended, their pages in memory: what the
-    /// main channel tells the source (`PassApplied`).
-    passes_applied: AtomicU32,
+    /// Passes every receiver has ended, their pages in memory (high 32
+    /// bits), and the latest one's lag behind the link in microseconds
+    /// (low 32): what the main channel tells the source (`PassApplied`),
+    /// in one word so the two always belong together.
+    last_pass_applied: AtomicU64,
     failed: AtomicBool,
     /// The first failure; later ones are its consequences. Taken once per
     /// failure, never on the per-page path.
@@ -116,7 +119,7 @@ impl<'a> ReceiverShared<'a> {
             barrier: SyncBarrier::new(receivers),
             final_iteration: AtomicU64::new(NO_FINAL_ITERATION),
             pages_ended: AtomicBool::new(false),
-            passes_applied: AtomicU32::new(0),
+            last_pass_applied: AtomicU64::new(0),
             failed: AtomicBool::new(false),
             first_failure: Mutex::new(None),
             stats,
@@ -219,8 +222,10 @@ impl<'a> ReceiverShared<'a> {
                 // Every receiver is in the barrier: the counters hold this
                 // iteration's pages and none of the next one's.
                 if agreed {
-                    self.passes_applied
-                        .store(iteration.saturating_add(1), Ordering::Release);
+                    let lag = self.stats.lag.take_pass_lag(Instant::now());
+                    let passes = iteration.saturating_add(1);
+                    let word = u64::from(passes) << 32 | u64::from(lag_micros(lag));
+                    self.last_pass_applied.store(word, Ordering::Release);
                     if let Some(passes) = &self.passes {
                         passes.report(u64::from(iteration) + 1, self.stats);
                     }
@@ -239,9 +244,14 @@ impl<'a> ReceiverShared<'a> {
         Ok(())
     }
 
-    /// Passes every receiver has ended, their pages in guest memory.
-    pub(super) fn passes_applied(&self) -> u32 {
-        self.passes_applied.load(Ordering::Acquire)
+    /// Passes every receiver has ended, their pages in guest memory, and
+    /// the latest one's lag behind the link.
+    pub(super) fn last_pass_applied(&self) -> PassApplied {
+        let word = self.last_pass_applied.load(Ordering::Acquire);
+        PassApplied {
+            passes: (word >> 32) as u32,
+            lag_micros: word as u32,
+        }
     }
 
     /// Whether every page channel has passed its last sync.

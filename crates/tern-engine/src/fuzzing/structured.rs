@@ -64,13 +64,14 @@ pub fn structured_session(data: &[u8]) -> (Vec<u8>, Vec<Vec<u8>>) {
     (main, pages)
 }
 
-/// A `PassApplied` (protocol 12), which only a destination sends, put on
+/// A `PassApplied` (protocol 12; its lag since 13), which only a destination sends, put on
 /// the main channel at `at` (the live phase's end, unless a corruption
 /// moved it) as though the source sent it: the destination must refuse it.
 fn insert_pass_applied(main: &mut Vec<u8>, at: usize, choices: &mut Unstructured<'_>) {
     let mut frame = Vec::new();
     Message::PassApplied(PassApplied {
         passes: choices.arbitrary().unwrap_or(0),
+        lag_micros: choices.arbitrary().unwrap_or(0),
     })
     .encode(&mut frame);
     let at = at.min(main.len());

@@ -72,10 +72,16 @@ pub(crate) const MIN_PLACED_PAGES_PER_SEC: f64 = 16_384.0;
 pub(crate) const MAX_FINISH_SHARE: f64 = 0.9;
 
 impl DestinationCost {
-    /// The destination's figures, clamped for the downtime limit `limit`;
-    /// `None` when it measured nothing yet.
-    pub(crate) fn from_figures(figures: tern_wire::LiveFigures, limit: Duration) -> Option<Self> {
-        if figures.placed_pages_per_sec == 0 && figures.finish_micros == 0 {
+    /// The destination's figures: its heartbeat's, and the lag behind the
+    /// link of the latest pass it applied (`PassApplied`, protocol 13),
+    /// which the last pass would see again; clamped for the downtime limit
+    /// `limit`. `None` when it measured nothing yet.
+    pub(crate) fn from_figures(
+        figures: tern_wire::LiveFigures,
+        pass_lag: Duration,
+        limit: Duration,
+    ) -> Option<Self> {
+        if figures.placed_pages_per_sec == 0 && figures.finish_micros == 0 && pass_lag.is_zero() {
             return None;
         }
         let placed = f64::from(figures.placed_pages_per_sec);
@@ -86,6 +92,7 @@ impl DestinationCost {
                 placed.max(MIN_PLACED_PAGES_PER_SEC)
             },
             finish: Duration::from_micros(u64::from(figures.finish_micros))
+                .saturating_add(pass_lag)
                 .min(limit.mul_f64(MAX_FINISH_SHARE)),
         })
     }
@@ -507,13 +514,26 @@ mod tests {
             placed_pages_per_sec: placed,
             finish_micros,
         };
-        assert_eq!(DestinationCost::from_figures(figures(0, 0), limit), None);
-        let crawling = DestinationCost::from_figures(figures(1, u32::MAX), limit).unwrap();
+        let none = Duration::ZERO;
+        let ms = Duration::from_millis;
+        assert_eq!(
+            DestinationCost::from_figures(figures(0, 0), none, limit),
+            None
+        );
+        let crawling = DestinationCost::from_figures(figures(1, u32::MAX), none, limit).unwrap();
         assert_eq!(crawling.placed_pages_per_sec, MIN_PLACED_PAGES_PER_SEC);
-        assert_eq!(crawling.finish, Duration::from_millis(270));
-        let finish_only = DestinationCost::from_figures(figures(0, 20_000), limit).unwrap();
+        assert_eq!(crawling.finish, ms(270));
+        let finish_only = DestinationCost::from_figures(figures(0, 20_000), none, limit).unwrap();
         assert!(finish_only.placed_pages_per_sec.is_infinite());
-        assert_eq!(finish_only.finish, Duration::from_millis(20));
+        assert_eq!(finish_only.finish, ms(20));
+        // The latest pass's lag adds to the finish, under the same clamp;
+        // a lag alone, before any heartbeat, is a figure.
+        let lagging = DestinationCost::from_figures(figures(0, 20_000), ms(100), limit).unwrap();
+        assert_eq!(lagging.finish, ms(120));
+        let lag_only = DestinationCost::from_figures(figures(0, 0), ms(30), limit).unwrap();
+        assert_eq!(lag_only.finish, ms(30));
+        let far_behind = DestinationCost::from_figures(figures(0, 20_000), ms(900), limit);
+        assert_eq!(far_behind.unwrap().finish, ms(270));
         // However the destination lies, a small enough dirty set fits.
         let lying = SyncFacts {
             destination: Some(crawling),

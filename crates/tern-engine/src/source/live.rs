@@ -93,7 +93,11 @@ impl Source {
                 state_bytes: guest.state_size_hint(),
                 switch_over_requested: self.control.parameters.switch_over_requested(),
                 codec: pipe.codec_cost(),
-                destination: DestinationCost::from_figures(peer.figures(), rules.downtime_limit()),
+                destination: DestinationCost::from_figures(
+                    peer.figures(),
+                    peer.pass_lag(),
+                    rules.downtime_limit(),
+                ),
                 codec_switched: pipe.codec_switches() != switches_before,
             };
             // What an operator changed since the last sync applies now.
@@ -330,9 +334,26 @@ mod tests {
     const ITERATE: Decision = Decision::Iterate { throttle: None };
 
     fn applied(destination: &mut Channel, passes: u32) {
+        applied_with_lag(destination, passes, 0);
+    }
+
+    fn applied_with_lag(destination: &mut Channel, passes: u32, lag_micros: u32) {
         destination
-            .send_message(&Message::PassApplied(PassApplied { passes }))
+            .send_message(&Message::PassApplied(PassApplied { passes, lag_micros }))
             .unwrap();
+    }
+
+    /// Protocol 13: the lag the destination measured at its latest pass's
+    /// end is what the source counts, not an older pass's.
+    #[test]
+    fn the_latest_pass_applied_gives_the_destinations_lag() {
+        let (_source, mut main, mut destination, mut peer) = watched();
+        assert_eq!(peer.pass_lag(), Duration::ZERO);
+        applied_with_lag(&mut destination, 1, 250_000);
+        applied_with_lag(&mut destination, 2, 4_000);
+        peer.check(&mut main, 3).unwrap();
+        assert_eq!(peer.passes_applied(), 2);
+        assert_eq!(peer.pass_lag(), Duration::from_millis(4));
     }
 
     #[test]

@@ -28,6 +28,9 @@ pub(super) struct PeerWatch {
     /// Passes the destination said it applied (its latest
     /// `PassApplied`, protocol 12): every page of them is in its memory.
     passes_applied: u32,
+    /// The latest of them's lag behind the link, by its word (protocol
+    /// 13).
+    pass_lag: Duration,
 }
 
 impl PeerWatch {
@@ -39,6 +42,7 @@ impl PeerWatch {
             silence_limit,
             figures: LiveFigures::default(),
             passes_applied: 0,
+            pass_lag: Duration::ZERO,
         }
     }
 
@@ -51,6 +55,12 @@ impl PeerWatch {
     /// Passes the destination has applied, by its word.
     pub(super) fn passes_applied(&self) -> u32 {
         self.passes_applied
+    }
+
+    /// How far behind the link the destination was at the end of the
+    /// latest pass it applied, by its word: advice, clamped where used.
+    pub(super) fn pass_lag(&self) -> Duration {
+        self.pass_lag
     }
 
     /// Reads what the destination sent since the last look (`passes_sent`
@@ -118,6 +128,7 @@ impl PeerWatch {
             }
             Message::PassApplied(applied) => {
                 self.passes_applied = checked_passes(applied, self.passes_applied, passes_sent)?;
+                self.pass_lag = Duration::from_micros(u64::from(applied.lag_micros));
             }
             Message::Abort(abort) => {
                 return Err(MigrationError::from_peer_abort(abort));

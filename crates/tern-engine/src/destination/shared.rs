@@ -248,9 +248,10 @@ impl<'a> ReceiverShared<'a> {
     /// the latest one's lag behind the link.
     pub(super) fn last_pass_applied(&self) -> PassApplied {
         let word = self.last_pass_applied.load(Ordering::Acquire);
+        let half = |bits: u64| u32::try_from(bits & u64::from(u32::MAX)).unwrap_or(u32::MAX);
         PassApplied {
-            passes: (word >> 32) as u32,
-            lag_micros: word as u32,
+            passes: half(word >> 32),
+            lag_micros: half(word),
         }
     }
 

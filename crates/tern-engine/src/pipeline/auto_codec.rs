@@ -1066,10 +1066,12 @@ impl Pipeline<'_> {
             .map_or(0, |auto| auto.report.codec_switches)
     }
 
-    /// What compressing the last pages costs at the codec and level in
+    /// What encoding the last pages costs at the codec and level in
     /// force, for the downtime estimate: the workers' guest bytes per CPU
-    /// second together, and the ratio, as last measured. `None` without
-    /// compression or before any measurement.
+    /// second together (over the last pass's mix of pages, see
+    /// `encode_cost.rs`, or at the codec's own speed), and the codec's
+    /// ratio, as last measured. `None` without compression or before any
+    /// measurement.
     /// The workers' share of a CPU is sampled each call (once a sync): a
     /// codec measured per CPU second compresses the last pages that much
     /// slower on a busy host.
@@ -1095,8 +1097,16 @@ impl Pipeline<'_> {
                 )
             }
         }?;
+        // The last pass's pages as they were encoded (zero, duplicate and
+        // delta pages cheaper than compressed ones), when it had the codec
+        // and level in force throughout; else the codec's own speed, as
+        // though every page went through it.
+        let per_cpu_sec = self
+            .encode_cost
+            .last_pass_bytes_per_cpu_sec(self.codec, self.batch_level())
+            .unwrap_or(measured.compress_bytes_per_sec);
         Some(CodecCost {
-            guest_bytes_per_sec: measured.compress_bytes_per_sec * workers,
+            guest_bytes_per_sec: per_cpu_sec * workers,
             ratio: measured.ratio,
         })
     }

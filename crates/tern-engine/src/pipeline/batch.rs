@@ -31,6 +31,9 @@ pub(crate) struct Batch {
     pub(super) compressed: CompressedBatch,
     /// What the worker's compressor did for this batch.
     pub(super) codec_stats: CodecStats,
+    /// The worker's CPU time on encoding the batch, every kind of page
+    /// (`encode_cost.rs`), in nanoseconds.
+    pub(super) encode_cpu_ns: u64,
     pub(super) entries: Vec<PageEntry>,
     pub(super) prefix: Vec<u8>,
     pub(super) wire_bytes: u64,
@@ -106,6 +109,7 @@ impl Batch {
             level: 1,
             compressed: CompressedBatch::new(),
             codec_stats: CodecStats::default(),
+            encode_cpu_ns: 0,
             entries: Vec::with_capacity(MAX_PAGES_PER_PACKET),
             prefix: Vec::with_capacity(64 + MAX_PAGES_PER_PACKET * PageEntry::ENCODED_LEN),
             wire_bytes: 0,

@@ -39,6 +39,7 @@ mod dedup;
 mod delta_cache;
 mod dictionary_refresh;
 mod encode;
+mod encode_cost;
 mod push;
 mod rate;
 mod refresher;
@@ -239,6 +240,9 @@ pub(crate) struct Pipeline<'scope> {
     dictionaries: DictionaryState,
     /// Auto's delta cache, until it decided: its allowance and offload.
     delta_auto: Option<(u64, Option<Arc<dyn DeltaOffload>>)>,
+    /// The workers' encoding cost per page, by pass (the last pages'
+    /// codec time in the downtime estimate).
+    encode_cost: encode_cost::PassEncodeCost,
 }
 
 /// The producer's view of the session's dictionaries.
@@ -376,6 +380,7 @@ impl<'scope> Pipeline<'scope> {
                 refresh_training_ms: 0.0,
             },
             delta_auto,
+            encode_cost: encode_cost::PassEncodeCost::default(),
         };
         pipeline.spawn_workers(scope)?;
         pipeline.spawn_senders(scope, channels)?;
@@ -495,6 +500,7 @@ impl<'scope> Pipeline<'scope> {
             }
         }
         self.sync_channels(iteration, last, bitmaps, main)?;
+        self.encode_cost.end_pass();
         self.publish_reports();
         Ok(self.totals)
     }
@@ -581,6 +587,12 @@ impl<'scope> Pipeline<'scope> {
                 Completion::Batch(batch) => {
                     self.in_flight -= 1;
                     self.codec_stats.merge(&batch.codec_stats);
+                    self.encode_cost.add(
+                        batch.pages.len() as u64,
+                        batch.encode_cpu_ns,
+                        batch.codec,
+                        batch.level,
+                    );
                     self.totals.pages += batch.pages.len() as u64;
                     self.totals.data_pages += batch.normal_pages;
                     self.totals.wire_bytes += batch.wire_bytes;

@@ -3,6 +3,7 @@
 
 use std::thread;
 
+use tern_page::cpu_time::thread_cpu_ns;
 use tern_wire::{MAX_PAGES_PER_PACKET, PageKind};
 
 use super::Shared;
@@ -27,7 +28,9 @@ pub(super) fn run_worker(shared: &Shared, index: usize) {
         });
         let Some(mut batch) = item else { break };
         shared.producer_bell.ring();
+        let encode_started = thread_cpu_ns();
         encode(shared, &mut batch, &mut scratch);
+        batch.encode_cpu_ns = thread_cpu_ns().saturating_sub(encode_started);
         let target = batch
             .reuse
             .route

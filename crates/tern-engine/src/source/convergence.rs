@@ -36,8 +36,9 @@ pub(crate) struct SyncFacts {
     /// What compressing the last pages costs at the codec and level in
     /// force (`None`: no compression).
     pub codec: Option<CodecCost>,
-    /// What the destination said it costs (its last heartbeat's figures,
-    /// clamped; `None` before it measured anything).
+    /// What the destination said it costs (its last heartbeat's figures
+    /// and its latest pass's lag, clamped; `None` before it measured
+    /// anything).
     pub destination: Option<DestinationCost>,
     /// Whether the codec in force changed during the iteration just sent:
     /// its pages moved partly at another codec's speed (a trial or a
@@ -46,7 +47,8 @@ pub(crate) struct SyncFacts {
 }
 
 /// The destination's share of a switch-over, from the figures its
-/// heartbeats carry ([`tern_wire::LiveFigures`]), clamped by
+/// heartbeats carry ([`tern_wire::LiveFigures`]) and its latest pass's lag
+/// ([`tern_wire::PassApplied`]), clamped by
 /// [`DestinationCost::from_figures`]: advice from the peer, which may only
 /// make the source wait for a smaller dirty set, never allocate.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -54,8 +56,9 @@ pub(crate) struct DestinationCost {
     /// Pages per second the destination places (decodes and writes) while
     /// busy, all its receivers together.
     pub placed_pages_per_sec: f64,
-    /// What the destination needs after the last page: verification,
-    /// state and resume, as its own scheduling delay suggests.
+    /// What the destination needs after the last page: catching up with
+    /// the link, as its latest pass did, then verification, state and
+    /// resume, as its own scheduling delay suggests.
     pub finish: Duration,
 }
 
@@ -332,8 +335,8 @@ impl Convergence {
     /// baseline, and the pass after a switch-over the caller held for the
     /// destination (`hold_for_destination`) is no evidence: it carries
     /// what the guest dirtied during the wait. Issue 31: the destination's
-    /// figure (its worst lag of the last heartbeats, at the 270 ms clamp)
-    /// kept such holds coming, and the passes around them (source parts of
+    /// figure (then its worst lag of the last heartbeats, at the 270 ms
+    /// clamp; a pass's lag since protocol 13) kept such holds coming, and the passes around them (source parts of
     /// 12 and 47 ms, or 25 then 146 and 216 ms) counted as outruns across
     /// the holds: 3 of the 9 throttle steps in 16 running runs at 1 Gbit/s
     /// came after a hold.

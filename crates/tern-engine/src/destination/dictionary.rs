@@ -76,10 +76,11 @@ fn describe(message: &Message) -> String {
 
 /// The session's dictionaries at the destination: those of the setup, and
 /// those the source sends on the main channel during the live phase (a
-/// refresh), each with the next id. A packet may name only the ones *in
-/// force*: those the syncs of an earlier iteration announced, once every
-/// page channel crossed that iteration's barrier (docs/protocol.md,
-/// "Dictionaries"). At most `MAX_DICTIONARIES` of at most
+/// refresh), each with the next id. A packet names one *in force*: one
+/// the syncs of an earlier iteration announced, once every page channel
+/// crossed that iteration's barrier, or (protocol 13) one the main channel
+/// has delivered, or delivers within the I/O timeout, which the packet
+/// then puts in force (docs/protocol.md, "Dictionaries"). At most `MAX_DICTIONARIES` of at most
 /// `MAX_DICTIONARY_LEN` bytes each are ever held: the source cannot make
 /// this side allocate more, whatever it sends.
 pub(super) struct SessionDictionaries {
@@ -143,14 +144,52 @@ impl SessionDictionaries {
                 "a sync counts {count} dictionaries, {in_force} are already in force"
             )));
         }
+        self.wait_delivered(count, deadline, stop, |delivered| {
+            format!("a sync counts {count} dictionaries, the main channel delivered {delivered}")
+        })
+    }
+
+    /// Puts dictionary `id`, which a packet names, in force for every
+    /// receiver and decoder (protocol 13: a packet may name a dictionary
+    /// the source sent on the main channel during the pass, before the
+    /// packet), waiting (until `deadline`, or until `stop` says the
+    /// session failed) for the main channel to deliver it, since the two
+    /// channels race. A source that names one it never sends is refused
+    /// at the deadline.
+    pub(super) fn put_named_in_force(
+        &self,
+        id: u8,
+        deadline: Instant,
+        stop: impl Fn() -> Result<(), MigrationError>,
+    ) -> Result<(), MigrationError> {
+        if id <= self.in_force() {
+            return Ok(());
+        }
+        self.wait_delivered(id, deadline, stop, |delivered| {
+            format!(
+                "a packet names dictionary {id}, the main channel delivered {delivered} within \
+                 the I/O timeout"
+            )
+        })?;
+        self.put_in_force(id);
+        Ok(())
+    }
+
+    /// Waits until the main channel has delivered `count` dictionaries,
+    /// or until `stop` says the session failed (its error), or until
+    /// `deadline`: a protocol error, `late` of the count delivered.
+    fn wait_delivered(
+        &self,
+        count: u8,
+        deadline: Instant,
+        stop: impl Fn() -> Result<(), MigrationError>,
+        late: impl FnOnce(usize) -> String,
+    ) -> Result<(), MigrationError> {
         let mut received = self.received();
         while received.len() < usize::from(count) {
             stop()?;
             if Instant::now() >= deadline {
-                return Err(MigrationError::Protocol(format!(
-                    "a sync counts {count} dictionaries, the main channel delivered {}",
-                    received.len()
-                )));
+                return Err(MigrationError::Protocol(late(received.len())));
             }
             received = self
                 .arrived
@@ -161,8 +200,11 @@ impl SessionDictionaries {
         Ok(())
     }
 
-    /// Puts the first `count` dictionaries in force; called by the last
-    /// receiver to reach an iteration's barrier, while no packet is decoded.
+    /// Puts the first `count` dictionaries in force: by the last receiver
+    /// to reach an iteration's barrier, or by a receiver that read a
+    /// packet naming one the main channel delivered. Never fewer: decoders
+    /// load what is in force when a packet names one they lack, and the
+    /// dictionaries received are only ever appended.
     pub(super) fn put_in_force(&self, count: u8) {
         self.in_force.fetch_max(count, Ordering::AcqRel);
     }

@@ -66,6 +66,17 @@ pub(super) fn receive_pages(
     }
 }
 
+/// A page channel's decoder: pages, syncs and aborts only, and packets
+/// that may name any dictionary a session can have (protocol 13: one the
+/// main channel delivers during the pass; the receiver waits for it, see
+/// `SessionDictionaries::put_named_in_force`).
+fn page_channel_decoder(shared: &ReceiverShared<'_>) -> FrameDecoder {
+    let mut decoder = FrameDecoder::with_setup(shared.setup.clone())
+        .only(PAGE_CHANNEL_FRAMES, "pages or a sync on a page channel");
+    decoder.allow_dictionaries(tern_wire::MAX_DICTIONARIES);
+    decoder
+}
+
 /// Nothing may follow a page channel's last sync. What has arrived by then
 /// is checked (a correct source sends nothing more, so this never refuses
 /// one); what comes later is never read.
@@ -133,8 +144,7 @@ impl<'s, 'a> PageReceiver<'s, 'a> {
             index,
             channel: index + 1,
             state: PageChannelState::Iteration(0),
-            decoder: FrameDecoder::with_setup(shared.setup.clone())
-                .only(PAGE_CHANNEL_FRAMES, "pages or a sync on a page channel"),
+            decoder: page_channel_decoder(shared),
             landing: ReceiverLanding::new(shared, index, decompressors),
             written: WrittenHere::new(shared),
             iteration_began: None,
@@ -153,6 +163,12 @@ impl<'s, 'a> PageReceiver<'s, 'a> {
                 self.advance(PageChannelEvent::Pages {
                     iteration: packet.header.iteration,
                 })?;
+                let shared = self.shared;
+                shared.dictionaries.put_named_in_force(
+                    packet.header.dictionary,
+                    Instant::now() + shared.io_timeout(),
+                    || shared.check_failed(),
+                )?;
                 Packet::Pages(packet)
             }
             Event::Message(Message::Sync(sync)) => Packet::Sync(sync),
@@ -279,9 +295,6 @@ impl<'s, 'a> PageReceiver<'s, 'a> {
             timeline.record(format!("receiver-{index}-landed"), landed);
             timeline.mark(format!("receiver-{index}-past-barrier"));
         }
-        // Past the barrier: the dictionaries the sync counted are in force.
-        self.decoder
-            .allow_dictionaries(self.shared.dictionaries.in_force());
         self.written.clear();
         if self.index == 0 {
             self.shared

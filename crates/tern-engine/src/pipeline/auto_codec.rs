@@ -934,25 +934,54 @@ pub(crate) fn sample_pages_at(
 ) -> Vec<[u8; PAGE_SIZE]> {
     let samples = count as u64;
     let total: u64 = regions.iter().map(MemoryRegion::pages).sum();
-    let mut sample = Vec::with_capacity(count);
-    for index in 0..samples {
-        let mut global = (index * total.max(1) / samples + offset) % total.max(1);
-        for region in regions {
-            if global < region.pages() {
-                if let Some(ptr) = region.page_ptr(global) {
-                    let mut page = [0u8; PAGE_SIZE];
-                    // SAFETY: a whole page inside the region's mapping; the
-                    // guest may write it meanwhile, which only makes the
-                    // sample a little stale.
-                    unsafe { std::ptr::copy_nonoverlapping(ptr, page.as_mut_ptr(), PAGE_SIZE) };
-                    sample.push(page);
-                }
-                break;
-            }
-            global -= region.pages();
-        }
+    (0..samples)
+        .filter_map(|index| {
+            copy_page(
+                regions,
+                (index * total.max(1) / samples + offset) % total.max(1),
+            )
+        })
+        .collect()
+}
+
+/// `runs` runs of `run_pages` consecutive pages, spread evenly over guest
+/// memory half a spacing from its start: what a packet of a pass holds,
+/// neighbours together, where single sampled pages would each come from
+/// elsewhere.
+pub(crate) fn sample_runs(
+    regions: &[MemoryRegion],
+    runs: usize,
+    run_pages: usize,
+) -> Vec<[u8; PAGE_SIZE]> {
+    let total: u64 = regions.iter().map(MemoryRegion::pages).sum();
+    let (runs, run_pages) = (runs as u64, run_pages as u64);
+    if total < runs * run_pages {
+        return Vec::new();
     }
-    sample
+    let spacing = total / runs.max(1);
+    (0..runs)
+        .flat_map(|run| {
+            let start = run * spacing + spacing.saturating_sub(run_pages) / 2;
+            (start..start + run_pages).filter_map(|global| copy_page(regions, global))
+        })
+        .collect()
+}
+
+/// A copy of page `global`, counted across `regions` in order.
+fn copy_page(regions: &[MemoryRegion], mut global: u64) -> Option<[u8; PAGE_SIZE]> {
+    for region in regions {
+        if global < region.pages() {
+            let ptr = region.page_ptr(global)?;
+            let mut page = [0u8; PAGE_SIZE];
+            // SAFETY: a whole page inside the region's mapping; the guest
+            // may write it meanwhile, which only makes the sample a little
+            // stale.
+            unsafe { std::ptr::copy_nonoverlapping(ptr, page.as_mut_ptr(), PAGE_SIZE) };
+            return Some(page);
+        }
+        global -= region.pages();
+    }
+    None
 }
 
 impl Pipeline<'_> {

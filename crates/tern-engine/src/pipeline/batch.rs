@@ -24,7 +24,8 @@ pub(crate) struct Batch {
     /// The dictionary the compressor used (0: none), named in the header.
     pub(super) dictionary: u8,
     /// The dictionary in force for zstd when the producer made the batch
-    /// (0: none); changes only at an iteration boundary.
+    /// (0: none); changes at an iteration boundary, or within a pass once
+    /// `auto`'s first is trained (`dictionary_refresh.rs`).
     pub(super) use_dictionary: u8,
     /// The level to compress at (auto tunes it).
     pub(super) level: i32,

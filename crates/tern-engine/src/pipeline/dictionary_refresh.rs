@@ -12,12 +12,22 @@
 //! The destination puts it in force at the barrier of *i*, which each
 //! receiver reaches only once the main channel has delivered every
 //! dictionary its sync counts; packets of *i+1* are read after the barrier.
+//!
+//! `auto`'s first dictionary, deferred from setup and trained in the
+//! background once the link is measured, does not wait for a boundary
+//! (protocol 13): it goes on the main channel as soon as it is trained,
+//! and the batches made after that name it. A packet naming it may reach
+//! the destination before the main channel's copy (two connections race);
+//! its receiver waits for the copy, at most the I/O timeout. A paused
+//! migration is one pass: at a boundary, the dictionary came into force
+//! only for pages it had already sent (issue 31, item 4: the text pages
+//! of the `runs` image went as 11.7 MB without it).
 
 use tern_page::codec::DICTIONARY_SAMPLE_PAGES;
-use tern_wire::{Dictionary, Message, codec_id};
+use tern_wire::{Dictionary, MAX_PAGES_PER_PACKET, Message, codec_id};
 
 use super::batch::Batch;
-use super::refresher::sample_dirty_pages;
+use super::refresher::{HELD_OUT_RUNS, HeldOut, Judge, Refreshed, sample_dirty_pages};
 use super::{DictionaryState, Pipeline, auto_codec};
 use crate::bitmap::DirtyBitmap;
 use crate::error::MigrationError;
@@ -59,6 +69,78 @@ impl Pipeline<'_> {
         }) else {
             return Ok(());
         };
+        let Some(refreshed) = self.keep_first_if_it_pays(refreshed) else {
+            return Ok(());
+        };
+        self.announce_dictionary(refreshed, main, "in force from the next iteration")
+    }
+
+    /// `refreshed`, unless it is `auto`'s first dictionary and the codec in
+    /// force did not do better with it on the held-out pages: then it is
+    /// dropped, with refreshing (there is no dictionary 1 to refresh), and
+    /// the decision says why.
+    fn keep_first_if_it_pays(&mut self, refreshed: Refreshed) -> Option<Refreshed> {
+        let Some(held_out) = refreshed
+            .held_out
+            .filter(|_| refreshed.dictionary.id() == 1)
+        else {
+            return Some(refreshed);
+        };
+        if held_out.pays() {
+            return Some(refreshed);
+        }
+        self.dictionaries.refresher = None;
+        let at_ms =
+            crate::numeric::saturating_u64(self.shared.stats.started().elapsed().as_millis());
+        let codec = self.codec.name();
+        if let Some(auto) = self.auto.as_mut() {
+            auto.note(
+                at_ms,
+                "dictionary",
+                "off".to_string(),
+                format!(
+                    "{codec}'s ratio on {} held-out pages was {:.4} with it against {:.4} \
+                     without: below the {:.0} % a dictionary must gain",
+                    held_out.pages,
+                    held_out.with,
+                    held_out.without,
+                    (HeldOut::GAIN - 1.0) * 100.0
+                ),
+            );
+        }
+        tracing::info!(?held_out, "the first dictionary does not pay: not used");
+        None
+    }
+
+    /// In the middle of a pass, once `auto`'s first dictionary finished
+    /// training: announces it on `main` and compresses the batches made
+    /// from now on against it (order: see the module's comment).
+    pub(super) fn announce_first_dictionary(
+        &mut self,
+        main: &mut Channel,
+    ) -> Result<(), MigrationError> {
+        let Some(refresher) = self.dictionaries.refresher.as_mut() else {
+            return Ok(());
+        };
+        let Some(refreshed) = refresher.take_first_if_finished() else {
+            return Ok(());
+        };
+        let Some(refreshed) = self.keep_first_if_it_pays(refreshed) else {
+            return Ok(());
+        };
+        self.announce_dictionary(refreshed, main, "in use from the next batch")?;
+        self.dictionaries.in_use = self.dictionaries.announced;
+        Ok(())
+    }
+
+    /// Sends `refreshed` on `main` and records it; `when` says when it
+    /// comes into use, for auto's decision log.
+    fn announce_dictionary(
+        &mut self,
+        refreshed: Refreshed,
+        main: &mut Channel,
+        when: &str,
+    ) -> Result<(), MigrationError> {
         let dictionary = refreshed.dictionary;
         main.send_message(&Message::Dictionary(Dictionary {
             id: dictionary.id(),
@@ -84,8 +166,12 @@ impl Pipeline<'_> {
                     "dictionary",
                     dictionary.bytes().len().to_string(),
                     format!(
-                        "trained in the background in {:.0} ms: in force from the next iteration",
-                        refreshed.training_ms
+                        "trained in the background in {:.0} ms{}: {when}",
+                        refreshed.training_ms,
+                        refreshed.held_out.map_or(String::new(), |held_out| format!(
+                            "; ratio on {} held-out pages {:.4} with it against {:.4} without",
+                            held_out.pages, held_out.with, held_out.without
+                        ))
                     ),
                 );
             }
@@ -120,14 +206,17 @@ impl Pipeline<'_> {
     /// With `auto` and the first dictionary deferred from setup: once the
     /// decision on the measured link (`link`, bytes per second) is a zstd
     /// codec, starts training it on pages sampled across guest memory, on
-    /// a background thread; it comes into force at the next iteration
-    /// boundary. On a link faster than the codecs (raw) it is never
-    /// trained, and setup no longer pays for it (issue 31: 164-315 ms of
-    /// a loopback migration's setup).
+    /// a background thread, where it is then judged on held-out runs of
+    /// pages with the codec and level in force; it comes into use as soon
+    /// as it is trained, if it pays (`keep_first_if_it_pays`). On a link
+    /// faster than the codecs (raw) it is never trained, and setup no
+    /// longer pays for it (issue 31: 164-315 ms of a loopback migration's
+    /// setup).
     pub(super) fn start_deferred_dictionary(&mut self, link: f64) {
         if !self.codec.is_zstd() {
             return;
         }
+        let (codec, level) = (self.codec, self.batch_level());
         let Some(refresher) = self.dictionaries.refresher.as_mut() else {
             return;
         };
@@ -135,8 +224,14 @@ impl Pipeline<'_> {
             return;
         }
         let regions = &self.shared.regions;
-        let started =
-            refresher.start_first(|| auto_codec::sample_pages(regions, DICTIONARY_SAMPLE_PAGES));
+        let started = refresher.start_first(
+            || auto_codec::sample_pages(regions, DICTIONARY_SAMPLE_PAGES),
+            || Judge {
+                pages: auto_codec::sample_runs(regions, HELD_OUT_RUNS, MAX_PAGES_PER_PACKET),
+                codec,
+                level,
+            },
+        );
         let at_ms =
             crate::numeric::saturating_u64(self.shared.stats.started().elapsed().as_millis());
         if let (true, Some(auto)) = (started, self.auto.as_mut()) {

@@ -250,7 +250,8 @@ struct DictionaryState {
     /// The id zstd batches are compressed against (0: none).
     in_use: u8,
     /// The highest id announced on the main channel; in use from the
-    /// iteration after the sync that counts it.
+    /// iteration after the sync that counts it (`auto`'s first: at once,
+    /// see `dictionary_refresh.rs`).
     announced: u8,
     /// Dictionary-compressed data pages of the iteration being sent.
     window: RatioWindow,
@@ -457,7 +458,7 @@ impl<'scope> Pipeline<'scope> {
         bitmaps: &mut [DirtyBitmap],
         iteration: u32,
         last: bool,
-        main: Option<&mut Channel>,
+        mut main: Option<&mut Channel>,
     ) -> Result<IterationTotals, MigrationError> {
         self.totals = IterationTotals::default();
         if !last {
@@ -493,6 +494,9 @@ impl<'scope> Pipeline<'scope> {
                     && let Some(full) = batch.take()
                 {
                     self.submit(full)?;
+                    if let Some(main) = main.as_deref_mut() {
+                        self.announce_first_dictionary(main)?;
+                    }
                 }
             }
             if let Some(partial) = batch.take() {

@@ -114,8 +114,8 @@ fn link_faster_than_zstd(
 /// Why `auto` trains no dictionary at setup when no link rate is
 /// configured.
 const DEFERRED_REASON: &str = "the link is not measured yet: trained in the background once auto \
-     measures a link slower than zstd, in force from the next iteration boundary (on a faster \
-     link, training at setup cost 164-315 ms for a dictionary raw never uses)";
+     measures a link slower than zstd, in use as soon as it is trained (on a faster link, \
+     training at setup cost 164-315 ms for a dictionary raw never uses)";
 
 /// With `auto` and no dictionary configured: when no link rate is
 /// configured, defers it to the migration (the pipeline trains it once the

@@ -246,3 +246,62 @@ pub(crate) fn read_raw_frame(from: &mut impl std::io::Read) -> Option<Vec<u8>> {
         .ok()?;
     Some(frame)
 }
+
+/// A link of `bytes_per_sec` in front of `destination`, for every
+/// connection together, source to destination (the other way is not
+/// paced): the proxy forwards what it reads no faster than that. Returns
+/// the address the source connects to. The pacing sleeps: that is the
+/// link's speed, not a wait for a condition.
+pub(crate) fn paced_proxy(destination: &Address, bytes_per_sec: u64) -> Address {
+    use std::io::{Read, Write};
+    use std::net::{Shutdown, TcpListener, TcpStream};
+    use std::sync::{Arc, Mutex};
+    use std::time::Instant;
+
+    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+    let address = Address::Tcp(listener.local_addr().unwrap().to_string());
+    let Address::Tcp(upstream) = destination.clone() else {
+        panic!("a TCP destination")
+    };
+    // When the link is next free.
+    let free_at = Arc::new(Mutex::new(Instant::now()));
+    std::thread::spawn(move || {
+        for downstream in listener.incoming() {
+            let Ok(mut downstream) = downstream else {
+                return;
+            };
+            let Ok(mut upstream) = TcpStream::connect(&upstream) else {
+                return;
+            };
+            let (mut down, mut up) = (
+                downstream.try_clone().unwrap(),
+                upstream.try_clone().unwrap(),
+            );
+            let free_at = free_at.clone();
+            std::thread::spawn(move || {
+                let mut buffer = vec![0u8; 64 << 10];
+                while let Ok(read) = down.read(&mut buffer) {
+                    if read == 0 {
+                        break;
+                    }
+                    let send_at = {
+                        let mut free = free_at.lock().unwrap();
+                        let at = (*free).max(Instant::now());
+                        *free = at + Duration::from_secs_f64(read as f64 / bytes_per_sec as f64);
+                        at
+                    };
+                    std::thread::sleep(send_at.saturating_duration_since(Instant::now()));
+                    if upstream.write_all(&buffer[..read]).is_err() {
+                        break;
+                    }
+                }
+                let _ = upstream.shutdown(Shutdown::Both);
+            });
+            std::thread::spawn(move || {
+                let _ = std::io::copy(&mut up, &mut downstream);
+                let _ = downstream.shutdown(Shutdown::Both);
+            });
+        }
+    });
+    address
+}

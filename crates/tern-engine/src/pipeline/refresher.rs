@@ -497,20 +497,59 @@ mod tests {
         assert!(!measured.pays(), "{measured:?}");
     }
 
-    #[test]
-    fn the_sample_of_dirty_pages_spreads_over_every_region() {
+    /// 128 pages, each filled with its number, and two regions of 64 over
+    /// them; the memory must outlive the regions.
+    fn numbered_memory() -> Vec<u8> {
         let mut memory = vec![0u8; 2 * 64 * PAGE_SIZE];
         for (index, page) in memory.chunks_mut(PAGE_SIZE).enumerate() {
             page.fill(crate::numeric::low_byte(index as u64));
         }
+        memory
+    }
+
+    fn two_regions(memory: &mut [u8]) -> [MemoryRegion; 2] {
+        assert_eq!(memory.len(), 2 * 64 * PAGE_SIZE);
         let base = std::ptr::NonNull::new(memory.as_mut_ptr()).unwrap();
-        // SAFETY: two halves of `memory`, which outlives the regions.
-        let regions = unsafe {
+        // SAFETY: two halves of `memory`, which the caller keeps alive
+        // while it uses the regions.
+        unsafe {
             [
                 MemoryRegion::new(0, 0, base, 64 * PAGE_SIZE as u64),
                 MemoryRegion::new(1, 1 << 32, base.add(64 * PAGE_SIZE), 64 * PAGE_SIZE as u64),
             ]
+        }
+    }
+
+    /// The held-out runs a first dictionary is judged on: neighbours
+    /// together, each run half a spacing into its share of memory, across
+    /// the regions' boundary as though memory were one.
+    #[test]
+    fn held_out_runs_are_consecutive_pages_spread_over_memory() {
+        let mut memory = numbered_memory();
+        let regions = two_regions(&mut memory);
+        let firsts = |runs, run_pages| -> Vec<u8> {
+            super::super::auto_codec::sample_runs(&regions, runs, run_pages)
+                .iter()
+                .map(|page| page[0])
+                .collect()
         };
+        // 128 pages, 2 runs of 4: shares of 64, each run at 30.
+        assert_eq!(firsts(2, 4), [30, 31, 32, 33, 94, 95, 96, 97]);
+        // 3 runs of 8: shares of 42 pages, each run 17 pages in.
+        let three: Vec<u8> = [17u8, 59, 101]
+            .iter()
+            .flat_map(|&start| start..start + 8)
+            .collect();
+        assert_eq!(firsts(3, 8), three);
+        // Memory smaller than the runs: nothing.
+        assert!(firsts(2, 65).is_empty());
+        assert_eq!(firsts(1, 128).len(), 128);
+    }
+
+    #[test]
+    fn the_sample_of_dirty_pages_spreads_over_every_region() {
+        let mut memory = numbered_memory();
+        let regions = two_regions(&mut memory);
         let mut bitmaps = [DirtyBitmap::new(64), DirtyBitmap::new(64)];
         for page in (0..64).step_by(2) {
             bitmaps[0].set(page);

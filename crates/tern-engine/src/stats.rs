@@ -866,7 +866,7 @@ pub struct ExpectedDowntimeParts {
     pub source: u64,
     /// The destination's part: placing the last pages where slower than
     /// the source sends them, then verification, state and resume, from
-    /// the figures its heartbeats carried; compare with
+    /// the figures its heartbeats and passes applied carried; compare with
     /// [`DowntimeParts::destination`].
     pub destination: u64,
 }
@@ -1018,7 +1018,7 @@ pub struct MigrationStats {
     /// Downtime the last dirty-log sync predicted: the dirty pages still to
     /// send at the measured bandwidth, plus finishing the digest and the
     /// device state (see `docs/verification.md`), and the destination's
-    /// share from its heartbeats' figures.
+    /// share from its heartbeats' and passes applied's figures.
     pub expected_downtime: u64,
     /// The expected downtime in its two parts, to set beside
     /// `downtime-parts`, once the guest resumed on the destination.

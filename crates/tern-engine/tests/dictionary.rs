@@ -666,6 +666,16 @@ fn autos_first_dictionary_is_used_within_the_pass_that_trained_it() {
     assert!(stats.digest_verified);
     let report = stats.compression.expect("compression report");
     let auto = report.auto.as_ref().expect("auto's report");
+    // Trained once the link was measured, and the decision says at what.
+    let training = auto
+        .decisions
+        .iter()
+        .find(|decision| decision.subject == "dictionary" && decision.choice == "training")
+        .unwrap_or_else(|| panic!("no training decision: {auto:?}"));
+    assert!(
+        !training.reason.contains(" 0 MB/s") && training.reason.contains("MB/s link"),
+        "{training:?}"
+    );
     let in_use = auto
         .decisions
         .iter()

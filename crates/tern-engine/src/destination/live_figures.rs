@@ -288,6 +288,19 @@ mod tests {
         assert_eq!(lag_micros(Duration::MAX), u32::MAX);
     }
 
+    /// A sync read at the meter's very first instant is still a sync (its
+    /// stamp is not the "never" of 0).
+    #[test]
+    fn a_sync_at_the_meters_origin_counts() {
+        let meter = PassLagMeter::default();
+        let origin = meter.origin;
+        meter.record_sync(0, Some(0), origin);
+        assert_eq!(
+            meter.take_pass_lag(origin + Duration::from_millis(5)),
+            Duration::from_millis(5)
+        );
+    }
+
     #[test]
     fn each_heartbeat_measures_its_own_interval_when_it_has_enough_pages() {
         let meter = PlacingMeter::default();

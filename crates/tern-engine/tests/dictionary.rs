@@ -652,10 +652,10 @@ fn sliced_text_guest(memory: u64) -> tern_synthetic::SyntheticGuest {
 /// its memory matches by digest.
 #[test]
 fn autos_first_dictionary_is_used_within_the_pass_that_trained_it() {
-    let mut guest = sliced_text_guest(64 * MIB);
+    let mut guest = sliced_text_guest(96 * MIB);
     let (listener, address) = tcp_listener();
     let destination = spawn_destination(listener);
-    let link = paced_proxy(&address, 16 * MIB);
+    let link = paced_proxy(&address, 12 * MIB);
     let mut config = migration_config(2);
     config.compression = CodecChoice::Auto;
     let stats = Source::new(config)

@@ -112,6 +112,12 @@ mod tests {
         cost.add(ENOUGH_PAGES - 1, 1_000_000, ZSTD, 1);
         cost.end_pass();
         assert_eq!(cost.last_pass_bytes_per_cpu_sec(ZSTD, 1), None);
+        cost.add(ENOUGH_PAGES, 1_000_000, ZSTD, 1);
+        cost.end_pass();
+        assert!(
+            cost.last_pass_bytes_per_cpu_sec(ZSTD, 1).is_some(),
+            "just enough"
+        );
         cost.add(1024, 1_000_000, ZSTD, 1);
         cost.add(1024, 1_000_000, ZSTD, 3);
         cost.end_pass();

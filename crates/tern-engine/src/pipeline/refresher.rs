@@ -236,6 +236,12 @@ impl DictionaryRefresher {
         self.take_finished()
     }
 
+    /// Whether a training thread has finished (and is not yet taken).
+    #[cfg(test)]
+    fn training_finished(&self) -> bool {
+        self.training.as_ref().is_some_and(|h| h.is_finished())
+    }
+
     /// At an iteration boundary (all of the iteration's packets sent, its
     /// syncs not yet): judges the iteration's window, starts training on
     /// `sample()` if a refresh pays, and returns a dictionary whose training
@@ -468,6 +474,63 @@ mod tests {
         let refreshed = refresher
             .at_boundary(&window(1000, 2.0), || text_pages(64))
             .expect("a refresh");
+        assert_eq!(refreshed.dictionary.id(), 2);
+    }
+
+    /// Polls `refresher` until its training thread has finished, within
+    /// a minute.
+    fn until_trained(refresher: &DictionaryRefresher) {
+        let deadline = Instant::now() + std::time::Duration::from_secs(60);
+        while !refresher.training_finished() {
+            assert!(Instant::now() < deadline, "training never finished");
+            std::thread::yield_now();
+        }
+    }
+
+    /// Protocol 13: the first dictionary is taken mid-pass as soon as it
+    /// is trained; a refresh (id 2 on) only at a boundary.
+    #[test]
+    fn only_the_first_dictionary_is_taken_in_the_middle_of_a_pass() {
+        let mut refresher = DictionaryRefresher::deferred(DictionaryRefresh::Background, 4096)
+            .expect("a refresher");
+        assert!(
+            refresher.take_first_if_finished().is_none(),
+            "nothing trains"
+        );
+        let corpus = |from: u64| -> Vec<[u8; PAGE_SIZE]> {
+            (from..from + 64)
+                .map(|seed| tern_page::codec::corpus_page("text", seed))
+                .collect()
+        };
+        let judge = || Judge {
+            pages: corpus(500),
+            codec: CodecId::Zstd,
+            level: 1,
+        };
+        assert!(refresher.start_first(|| corpus(0), judge));
+        until_trained(&refresher);
+        let first = refresher
+            .take_first_if_finished()
+            .expect("the first, trained");
+        assert_eq!(first.dictionary.id(), 1);
+        // A refresh: trained on a ratio drop, finished, and still not
+        // taken mid-pass; the boundary takes it.
+        assert!(
+            refresher
+                .at_boundary(&window(1000, 4.0), Vec::new)
+                .is_none()
+        );
+        assert!(
+            refresher
+                .at_boundary(&window(1000, 2.0), || corpus(100))
+                .is_none(),
+            "training in the background"
+        );
+        until_trained(&refresher);
+        assert!(refresher.take_first_if_finished().is_none());
+        let refreshed = refresher
+            .at_boundary(&RatioWindow::default(), Vec::new)
+            .expect("the refresh at the boundary");
         assert_eq!(refreshed.dictionary.id(), 2);
     }
 

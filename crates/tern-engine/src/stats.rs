@@ -1018,7 +1018,7 @@ pub struct MigrationStats {
     /// Downtime the last dirty-log sync predicted: the dirty pages still to
     /// send at the measured bandwidth, plus finishing the digest and the
     /// device state (see `docs/verification.md`), and the destination's
-    /// share from its heartbeats' and passes applied's figures.
+    /// share from the figures of its heartbeats and passes applied.
     pub expected_downtime: u64,
     /// The expected downtime in its two parts, to set beside
     /// `downtime-parts`, once the guest resumed on the destination.

@@ -26,14 +26,24 @@ const REGION_BYTES: u64 = 4 << 20;
 fn migrate(
     configure: impl FnOnce(&mut tern_engine::MigrationConfig),
 ) -> tern_engine::MigrationStats {
-    let mut guest = guest(32 * MIB, 8 * MIB);
+    migrate_guest(&mut guest(32 * MIB, 8 * MIB), configure, Address::clone)
+}
+
+/// Migrates `guest` with `configure` applied, to a destination reached
+/// through `link` (given the destination's address, the one the source
+/// connects to); the destination must verify by digest.
+fn migrate_guest(
+    guest: &mut tern_synthetic::SyntheticGuest,
+    configure: impl FnOnce(&mut tern_engine::MigrationConfig),
+    link: impl FnOnce(&Address) -> Address,
+) -> tern_engine::MigrationStats {
     let (listener, address) = tcp_listener();
     let destination = spawn_destination(listener);
     let mut config = migration_config(2);
     configure(&mut config);
     let stats = Source::new(config)
         .unwrap()
-        .migrate(&mut guest, &address)
+        .migrate(guest, &link(&address))
         .expect("migration");
     join_within(destination, "the destination").expect("destination");
     assert_eq!(stats.status, MigrationStatus::Completed);
@@ -83,18 +93,15 @@ fn packet_frames_of_a_guest_with_nothing_to_compress_verify() {
         working_set_bytes: 4 * MIB,
         dirtier_threads: 1,
     });
-    let (listener, address) = tcp_listener();
-    let destination = spawn_destination(listener);
-    let mut config = migration_config(2);
-    config.compression = CodecChoice::Zstd;
-    config.packet_frames = true;
-    config.compression_dictionary = Some(16 << 10);
-    let stats = Source::new(config)
-        .unwrap()
-        .migrate(&mut guest, &address)
-        .expect("migration");
-    join_within(destination, "the destination").expect("destination");
-    assert!(stats.digest_verified);
+    let stats = migrate_guest(
+        &mut guest,
+        |config| {
+            config.compression = CodecChoice::Zstd;
+            config.packet_frames = true;
+            config.compression_dictionary = Some(16 << 10);
+        },
+        Address::clone,
+    );
     let report = stats.compression.expect("compression report");
     // Nothing to learn from random pages: no dictionary, and no frame.
     assert!(report.dictionary.is_none());
@@ -138,17 +145,31 @@ fn passage(seed: u64) -> Vec<u8> {
         .collect()
 }
 
+/// A one-region guest of `memory` bytes filled with `mix` from `seed`,
+/// which writes nothing by itself.
+fn still_guest(
+    memory: u64,
+    mix: tern_synthetic::ContentMix,
+    seed: u64,
+) -> tern_synthetic::SyntheticGuest {
+    guest_with(tern_synthetic::SyntheticConfig {
+        memory_bytes: memory,
+        regions: 1,
+        mix,
+        seed,
+        dirty_rate_bytes_per_sec: 0,
+        working_set_bytes: 0,
+        dirtier_threads: 1,
+    })
+}
+
 impl ChangingGuest {
     pub(crate) fn new(memory: u64, working_set_pages: u64) -> Self {
-        let inner = guest_with(tern_synthetic::SyntheticConfig {
-            memory_bytes: memory,
-            regions: 1,
-            mix: tern_synthetic::ContentMix::new(100, 0, 0).unwrap(),
-            seed: 3,
-            dirty_rate_bytes_per_sec: 0,
-            working_set_bytes: 0,
-            dirtier_threads: 1,
-        });
+        let inner = still_guest(
+            memory,
+            tern_synthetic::ContentMix::new(100, 0, 0).unwrap(),
+            3,
+        );
         let mut guest = Self {
             inner,
             working_set_pages,
@@ -616,15 +637,11 @@ fn a_malformed_dictionary_is_named_as_the_source_s() {
 /// the passage, a 64 KiB dictionary all of it: the dictionary pays even in
 /// packet frames, as it does on that image.
 fn sliced_text_guest(memory: u64) -> tern_synthetic::SyntheticGuest {
-    let guest = guest_with(tern_synthetic::SyntheticConfig {
-        memory_bytes: memory,
-        regions: 1,
-        mix: tern_synthetic::ContentMix::new(75, 25, 0).unwrap(),
-        seed: 9,
-        dirty_rate_bytes_per_sec: 0,
-        working_set_bytes: 0,
-        dirtier_threads: 1,
-    });
+    let guest = still_guest(
+        memory,
+        tern_synthetic::ContentMix::new(75, 25, 0).unwrap(),
+        9,
+    );
     const LONG_PASSAGE: usize = 64 << 10;
     let text: Vec<u8> = (0..LONG_PASSAGE / PASSAGE_LEN + 1)
         .flat_map(|seed| passage(seed as u64 + 100))
@@ -652,18 +669,11 @@ fn sliced_text_guest(memory: u64) -> tern_synthetic::SyntheticGuest {
 /// its memory matches by digest.
 #[test]
 fn autos_first_dictionary_is_used_within_the_pass_that_trained_it() {
-    let mut guest = sliced_text_guest(96 * MIB);
-    let (listener, address) = tcp_listener();
-    let destination = spawn_destination(listener);
-    let link = paced_proxy(&address, 12 * MIB);
-    let mut config = migration_config(2);
-    config.compression = CodecChoice::Auto;
-    let stats = Source::new(config)
-        .unwrap()
-        .migrate(&mut guest, &link)
-        .expect("migration");
-    join_within(destination, "the destination").expect("destination");
-    assert!(stats.digest_verified);
+    let stats = migrate_guest(
+        &mut sliced_text_guest(96 * MIB),
+        |config| config.compression = CodecChoice::Auto,
+        |destination| paced_proxy(destination, 12 * MIB),
+    );
     let report = stats.compression.expect("compression report");
     let auto = report.auto.as_ref().expect("auto's report");
     // Trained once the link was measured, and the decision says at what.

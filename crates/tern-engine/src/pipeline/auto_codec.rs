@@ -1022,8 +1022,7 @@ impl Pipeline<'_> {
             raw: self.codec == CodecId::None,
         };
         let measured = self.measure_window();
-        let at_ms =
-            crate::numeric::saturating_u64(self.shared.stats.started().elapsed().as_millis());
+        let at_ms = self.elapsed_ms();
         let workers = self.shared.worker_rings.len();
         let compression = &self.shared.compression;
         let Some(auto) = self.auto.as_mut() else {
@@ -1175,10 +1174,20 @@ impl Pipeline<'_> {
             }
         };
         self.delta_auto = None;
-        let at_ms =
-            crate::numeric::saturating_u64(self.shared.stats.started().elapsed().as_millis());
+        self.note_auto("delta-cache", choice, reason);
+    }
+
+    /// Milliseconds since the migration started: when auto decides.
+    fn elapsed_ms(&self) -> u64 {
+        crate::numeric::saturating_u64(self.shared.stats.started().elapsed().as_millis())
+    }
+
+    /// Records auto's decision on `subject`, stamped now (nothing without
+    /// auto).
+    pub(super) fn note_auto(&mut self, subject: &str, choice: String, reason: String) {
+        let at_ms = self.elapsed_ms();
         if let Some(auto) = self.auto.as_mut() {
-            auto.note(at_ms, "delta-cache", choice, reason);
+            auto.note(at_ms, subject, choice, reason);
         }
     }
 }

@@ -80,34 +80,21 @@ impl Pipeline<'_> {
     /// dropped, with refreshing (there is no dictionary 1 to refresh), and
     /// the decision says why.
     fn keep_first_if_it_pays(&mut self, refreshed: Refreshed) -> Option<Refreshed> {
-        let Some(held_out) = refreshed
-            .held_out
-            .filter(|_| refreshed.dictionary.id() == 1)
-        else {
+        // Only the first is judged (`start_first`): a refresh has none.
+        let Some(held_out) = refreshed.held_out.filter(|held_out| !held_out.pays()) else {
             return Some(refreshed);
         };
-        if held_out.pays() {
-            return Some(refreshed);
-        }
         self.dictionaries.refresher = None;
-        let at_ms =
-            crate::numeric::saturating_u64(self.shared.stats.started().elapsed().as_millis());
-        let codec = self.codec.name();
-        if let Some(auto) = self.auto.as_mut() {
-            auto.note(
-                at_ms,
-                "dictionary",
-                "off".to_string(),
-                format!(
-                    "{codec}'s ratio on {} held-out pages was {:.4} with it against {:.4} \
-                     without: below the {:.0} % a dictionary must gain",
-                    held_out.pages,
-                    held_out.with,
-                    held_out.without,
-                    (HeldOut::GAIN - 1.0) * 100.0
-                ),
-            );
-        }
+        let reason = format!(
+            "{}'s ratio on {} held-out pages was {:.4} with it against {:.4} without: below the \
+             {:.0} % a dictionary must gain",
+            self.codec.name(),
+            held_out.pages,
+            held_out.with,
+            held_out.without,
+            (HeldOut::GAIN - 1.0) * 100.0
+        );
+        self.note_auto("dictionary", "off".to_string(), reason);
         tracing::info!(?held_out, "the first dictionary does not pay: not used");
         None
     }
@@ -158,23 +145,20 @@ impl Pipeline<'_> {
                 trained: 1,
                 ..crate::stats::DictionaryReport::default()
             });
-            let at_ms =
-                crate::numeric::saturating_u64(self.shared.stats.started().elapsed().as_millis());
-            if let Some(auto) = self.auto.as_mut() {
-                auto.note(
-                    at_ms,
-                    "dictionary",
-                    dictionary.bytes().len().to_string(),
-                    format!(
-                        "trained in the background in {:.0} ms{}: {when}",
-                        refreshed.training_ms,
-                        refreshed.held_out.map_or(String::new(), |held_out| format!(
-                            "; ratio on {} held-out pages {:.4} with it against {:.4} without",
-                            held_out.pages, held_out.with, held_out.without
-                        ))
-                    ),
-                );
-            }
+            let judged = refreshed.held_out.map_or(String::new(), |held_out| {
+                format!(
+                    "; ratio on {} held-out pages {:.4} with it against {:.4} without",
+                    held_out.pages, held_out.with, held_out.without
+                )
+            });
+            self.note_auto(
+                "dictionary",
+                dictionary.bytes().len().to_string(),
+                format!(
+                    "trained in the background in {:.0} ms{judged}: {when}",
+                    refreshed.training_ms
+                ),
+            );
         } else {
             self.dictionaries.refreshes += 1;
             self.dictionaries.refresh_training_ms += refreshed.training_ms;
@@ -232,21 +216,15 @@ impl Pipeline<'_> {
                 level,
             },
         );
-        let at_ms =
-            crate::numeric::saturating_u64(self.shared.stats.started().elapsed().as_millis());
-        if let (true, Some(auto)) = (started, self.auto.as_mut()) {
-            let codec = self.codec.name();
-            auto.note(
-                at_ms,
-                "dictionary",
-                "training".to_string(),
-                format!(
-                    "{codec} on the measured {:.0} MB/s link: training a dictionary on {} \
-                     sampled pages in the background",
-                    link / 1e6,
-                    DICTIONARY_SAMPLE_PAGES
-                ),
+        if started {
+            let reason = format!(
+                "{} on the measured {:.0} MB/s link: training a dictionary on {} sampled pages \
+                 in the background",
+                codec.name(),
+                link / 1e6,
+                DICTIONARY_SAMPLE_PAGES
             );
+            self.note_auto("dictionary", "training".to_string(), reason);
         }
     }
 }

@@ -80,9 +80,10 @@ fn describe(message: &Message) -> String {
 /// the syncs of an earlier iteration announced, once every page channel
 /// crossed that iteration's barrier, or (protocol 13) one the main channel
 /// has delivered, or delivers within the I/O timeout, which the packet
-/// then puts in force (docs/protocol.md, "Dictionaries"). At most `MAX_DICTIONARIES` of at most
-/// `MAX_DICTIONARY_LEN` bytes each are ever held: the source cannot make
-/// this side allocate more, whatever it sends.
+/// then puts in force (docs/protocol.md, "Dictionaries"). At most
+/// `MAX_DICTIONARIES` of at most `MAX_DICTIONARY_LEN` bytes each are ever
+/// held: the source cannot make this side allocate more, whatever it
+/// sends.
 pub(super) struct SessionDictionaries {
     received: Mutex<Vec<CodecDictionary>>,
     /// Rung when the main channel delivers one.
@@ -152,20 +153,21 @@ impl SessionDictionaries {
     /// Puts dictionary `id`, which a packet names, in force for every
     /// receiver and decoder (protocol 13: a packet may name a dictionary
     /// the source sent on the main channel during the pass, before the
-    /// packet), waiting (until `deadline`, or until `stop` says the
+    /// packet), waiting (at most `timeout`, or until `stop` says the
     /// session failed) for the main channel to deliver it, since the two
     /// channels race. A source that names one it never sends is refused
-    /// at the deadline.
+    /// at the deadline. Called for every packet: one that names a
+    /// dictionary in force costs an atomic load.
     pub(super) fn put_named_in_force(
         &self,
         id: u8,
-        deadline: Instant,
+        timeout: Duration,
         stop: impl Fn() -> Result<(), MigrationError>,
     ) -> Result<(), MigrationError> {
         if id <= self.in_force() {
             return Ok(());
         }
-        self.wait_delivered(id, deadline, stop, |delivered| {
+        self.wait_delivered(id, Instant::now() + timeout, stop, |delivered| {
             format!(
                 "a packet names dictionary {id}, the main channel delivered {delivered} within \
                  the I/O timeout"

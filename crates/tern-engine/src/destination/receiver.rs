@@ -166,7 +166,7 @@ impl<'s, 'a> PageReceiver<'s, 'a> {
                 let shared = self.shared;
                 shared.dictionaries.put_named_in_force(
                     packet.header.dictionary,
-                    Instant::now() + shared.io_timeout(),
+                    shared.io_timeout(),
                     || shared.check_failed(),
                 )?;
                 Packet::Pages(packet)

@@ -223,8 +223,8 @@ impl<'a> ReceiverShared<'a> {
                 // iteration's pages and none of the next one's.
                 if agreed {
                     let lag = self.stats.lag.take_pass_lag(Instant::now());
-                    let passes = iteration.saturating_add(1);
-                    let word = u64::from(passes) << 32 | u64::from(lag_micros(lag));
+                    let applied = iteration.saturating_add(1);
+                    let word = u64::from(applied) << 32 | u64::from(lag_micros(lag));
                     self.last_pass_applied.store(word, Ordering::Release);
                     if let Some(passes) = &self.passes {
                         passes.report(u64::from(iteration) + 1, self.stats);

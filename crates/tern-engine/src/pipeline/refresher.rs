@@ -229,15 +229,13 @@ impl DictionaryRefresher {
     /// middle of a pass (protocol 13); `None` while it trains, and for any
     /// later dictionary, which waits for an iteration boundary.
     pub(crate) fn take_first_if_finished(&mut self) -> Option<Refreshed> {
-        let finished = self.training.as_ref().is_some_and(|h| h.is_finished());
-        if self.next_id != 1 || !finished {
+        if self.next_id != 1 || !self.training_finished() {
             return None;
         }
         self.take_finished()
     }
 
     /// Whether a training thread has finished (and is not yet taken).
-    #[cfg(test)]
     fn training_finished(&self) -> bool {
         self.training.as_ref().is_some_and(|h| h.is_finished())
     }

@@ -280,6 +280,12 @@ pub struct MigrationConfig {
     /// zstd with all compressible pages of a packet in one frame (ratio over
     /// independence). Only with zstd; `auto` weighs both framings itself.
     pub packet_frames: bool,
+    /// zstd as one stream per page channel, flushed at each packet's end:
+    /// a packet's matches reach back over what its channel sent before
+    /// (QEMU's multifd zstd), and a channel's packets decode in order on
+    /// its receiver. Only with zstd, without packet frames or a
+    /// dictionary; `auto` uses it as its zstd framing for whole packets.
+    pub stream_frames: bool,
     /// With `compression: Auto` and no `compression_dictionary`: auto
     /// trains a zstd dictionary at setup and keeps it when it improves
     /// zstd's ratio on pages the training did not see (unless the
@@ -385,6 +391,7 @@ impl Default for MigrationConfig {
             compression_dictionary: None,
             dictionary_refresh: DictionaryRefresh::default(),
             packet_frames: false,
+            stream_frames: false,
             auto_dictionary: true,
             delta_cache_allowance: None,
             verify: Verify::Full,
@@ -446,6 +453,7 @@ setters!(MigrationConfig {
     compression_dictionary: Option<usize>,
     dictionary_refresh: DictionaryRefresh,
     packet_frames: bool,
+    stream_frames: bool,
     verify: Verify,
     digest_threads: usize,
     zero_copy: bool,
@@ -643,6 +651,30 @@ impl MigrationConfig {
                     "packet frames are a zstd framing; compression is {} (auto chooses the \
                      framing itself)",
                     self.compression
+                ),
+            );
+        }
+        if self.stream_frames
+            && (self.compression != CodecChoice::Zstd
+                || self.packet_frames
+                || self.compression_dictionary.is_some())
+        {
+            return bad(
+                "stream_frames",
+                format!(
+                    "a stream per channel is a zstd framing without packet frames or a \
+                     dictionary (its window holds what the channel sent); compression is {}{}{}",
+                    self.compression,
+                    if self.packet_frames {
+                        ", with packet frames"
+                    } else {
+                        ""
+                    },
+                    if self.compression_dictionary.is_some() {
+                        ", with a dictionary"
+                    } else {
+                        ""
+                    },
                 ),
             );
         }

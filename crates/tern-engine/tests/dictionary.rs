@@ -32,7 +32,7 @@ fn migrate(
 /// Migrates `guest` with `configure` applied, to a destination reached
 /// through `link` (given the destination's address, the one the source
 /// connects to); the destination must verify by digest.
-fn migrate_guest(
+pub(crate) fn migrate_guest(
     guest: &mut tern_synthetic::SyntheticGuest,
     configure: impl FnOnce(&mut tern_engine::MigrationConfig),
     link: impl FnOnce(&Address) -> Address,
@@ -345,7 +345,7 @@ fn dictionary_options_outside_zstd_are_refused_up_front() {
 }
 
 /// A destination on its own thread and a source driven by hand.
-struct Attack {
+pub(crate) struct Attack {
     destination: std::thread::JoinHandle<DestinationResult>,
     address: Address,
     main: Channel,
@@ -359,7 +359,7 @@ fn connect(address: &Address) -> Channel {
 
 /// Sends a hello announcing `codecs` and `dictionaries`, one page channel,
 /// and reads the welcome.
-fn hello(codecs: u8, dictionaries: u8) -> Attack {
+pub(crate) fn hello(codecs: u8, dictionaries: u8) -> Attack {
     let (listener, address) = tcp_listener();
     let destination = spawn_destination(listener);
     let mut main = connect(&address);
@@ -393,7 +393,7 @@ fn hello(codecs: u8, dictionaries: u8) -> Attack {
 }
 
 impl Attack {
-    fn page_channel(&self) -> Channel {
+    pub(crate) fn page_channel(&self) -> Channel {
         let mut channel = connect(&self.address);
         channel
             .send_message(&Message::ChannelHello(ChannelHello {
@@ -409,7 +409,7 @@ impl Attack {
 
     /// The destination's error, which must come within [`DEADLINE`] (the
     /// join is bounded by its own timeouts) and mention `needle`.
-    fn expect_error(self, needle: &str) {
+    pub(crate) fn expect_error(self, needle: &str) {
         let error = join_within(self.destination, "the destination")
             .expect_err("the destination must refuse the session");
         assert!(
@@ -461,7 +461,7 @@ fn a_dictionary_of_another_id_than_expected_is_refused() {
 }
 
 /// One packet of region 0, iteration 0, with `entries` and `payload`.
-fn packet(codec: u8, dictionary: u8, entries: &[PageEntry], payload: &[u8]) -> Vec<u8> {
+pub(crate) fn packet(codec: u8, dictionary: u8, entries: &[PageEntry], payload: &[u8]) -> Vec<u8> {
     let header = PagesHeader {
         region_id: 0,
         iteration: 0,
@@ -482,7 +482,7 @@ fn packet(codec: u8, dictionary: u8, entries: &[PageEntry], payload: &[u8]) -> V
     bytes
 }
 
-fn compressed(page_index: u32, encoded_len: usize) -> PageEntry {
+pub(crate) fn compressed(page_index: u32, encoded_len: usize) -> PageEntry {
     PageEntry {
         page_index,
         kind: PageKind::Compressed,
@@ -636,7 +636,7 @@ fn a_malformed_dictionary_is_named_as_the_source_s() {
 /// a seeded offset (a quarter). A packet frame holds a few dozen slices of
 /// the passage, a 64 KiB dictionary all of it: the dictionary pays even in
 /// packet frames, as it does on that image.
-fn sliced_text_guest(memory: u64) -> tern_synthetic::SyntheticGuest {
+pub(crate) fn sliced_text_guest(memory: u64) -> tern_synthetic::SyntheticGuest {
     let guest = still_guest(
         memory,
         tern_synthetic::ContentMix::new(75, 25, 0).unwrap(),
@@ -659,40 +659,4 @@ fn sliced_text_guest(memory: u64) -> tern_synthetic::SyntheticGuest {
         unsafe { std::ptr::copy_nonoverlapping(text[offset..].as_ptr(), ptr, 4096) };
     }
     guest
-}
-
-/// Issue 31, item 4 (protocol 13): `auto`'s first dictionary, deferred
-/// from setup and trained once the link is measured, comes into use
-/// within the pass it was trained in; a paused guest's migration is one
-/// pass, so at the next boundary it would have compressed nothing. The
-/// destination takes packets naming it before any sync counted it, and
-/// its memory matches by digest.
-#[test]
-fn autos_first_dictionary_is_used_within_the_pass_that_trained_it() {
-    let stats = migrate_guest(
-        &mut sliced_text_guest(96 * MIB),
-        |config| config.compression = CodecChoice::Auto,
-        |destination| paced_proxy(destination, 12 * MIB),
-    );
-    let report = stats.compression.expect("compression report");
-    let auto = report.auto.as_ref().expect("auto's report");
-    // Trained once the link was measured, and the decision says at what.
-    let training = auto
-        .decisions
-        .iter()
-        .find(|decision| decision.subject == "dictionary" && decision.choice == "training")
-        .unwrap_or_else(|| panic!("no training decision: {auto:?}"));
-    assert!(
-        !training.reason.contains(" 0 MB/s") && training.reason.contains("MB/s link"),
-        "{training:?}"
-    );
-    let in_use = auto
-        .decisions
-        .iter()
-        .find(|decision| decision.subject == "dictionary" && decision.choice.parse::<u64>().is_ok())
-        .unwrap_or_else(|| panic!("no dictionary trained: {auto:?}"));
-    assert!(
-        in_use.reason.contains("in use from the next batch"),
-        "{in_use:?}"
-    );
 }

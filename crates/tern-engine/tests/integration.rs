@@ -34,6 +34,7 @@ mod secure;
 mod snapshot;
 mod snapshot_diff;
 mod snapshot_tracked;
+mod streams;
 mod switch_over_commit;
 mod verification;
 #[cfg(feature = "vm-memory")]

@@ -136,14 +136,24 @@ fn a_packet_names_only_a_dictionary_the_session_announced() {
 
 #[test]
 fn a_packet_frame_belongs_to_its_first_compressed_entry_and_must_shrink() {
-    let setup = zstd_setup(1 << codec_id::ZSTD_PACKET, 0);
+    for codec in [codec_id::ZSTD_PACKET, codec_id::ZSTD_STREAM] {
+        a_frame_per_packet_belongs_to_its_first_entry(codec);
+    }
+    // Per-page zstd keeps its rule: every compressed page has bytes.
+    let setup = zstd_setup(1 << codec_id::ZSTD, 0);
+    let bytes = packet(header(codec_id::ZSTD, 0), &[compressed(0, 0)], 0);
+    assert!(decode_stream(&bytes, Some(&setup)).is_err());
+}
+
+fn a_frame_per_packet_belongs_to_its_first_entry(codec: u8) {
+    let setup = zstd_setup(1 << codec, 0);
     let raw = PageEntry {
         page_index: 5,
         kind: PageKind::Raw,
         encoded_len: PAGE_SIZE,
     };
     let good = [compressed(0, 300), raw, compressed(1, 0), compressed(2, 0)];
-    let bytes = packet(header(codec_id::ZSTD_PACKET, 0), &good, 300 + 4096);
+    let bytes = packet(header(codec, 0), &good, 300 + 4096);
     let frames = decode_stream(&bytes, Some(&setup)).unwrap();
     assert!(matches!(&frames[..], [Frame::Pages(_, entries)] if entries[..] == good[..]));
     // The decoder hands out the frame as the first entry's payload, then
@@ -168,17 +178,43 @@ fn a_packet_frame_belongs_to_its_first_compressed_entry_and_must_shrink() {
     ];
     for entries in refused {
         let payload: u32 = entries.iter().map(|entry| entry.encoded_len).sum();
-        let bytes = packet(header(codec_id::ZSTD_PACKET, 0), entries, payload as usize);
+        let bytes = packet(header(codec, 0), entries, payload as usize);
         assert!(
             decode_stream(&bytes, Some(&setup)).is_err(),
             "{entries:?} must be refused"
         );
     }
     // A packet whose pages all went raw has no frame, and is fine.
-    let bytes = packet(header(codec_id::ZSTD_PACKET, 0), &[raw], 4096);
+    let bytes = packet(header(codec, 0), &[raw], 4096);
     assert!(decode_stream(&bytes, Some(&setup)).is_ok());
-    // Per-page zstd keeps its rule: every compressed page has bytes.
-    let setup = zstd_setup(1 << codec_id::ZSTD, 0);
-    let bytes = packet(header(codec_id::ZSTD, 0), &[compressed(0, 0)], 0);
-    assert!(decode_stream(&bytes, Some(&setup)).is_err());
+}
+
+#[test]
+fn a_stream_packets_dictionary_byte_is_its_restart_flag() {
+    // A session with dictionaries: the byte still names none of them.
+    let setup = zstd_setup(1 << codec_id::ZSTD_STREAM | 1 << codec_id::ZSTD, 3);
+    let entries = [compressed(0, 100)];
+    for (byte, restarts) in [(0, false), (codec_id::STREAM_RESTART, true)] {
+        let bytes = packet(header(codec_id::ZSTD_STREAM, byte), &entries, 100);
+        let frames = decode_stream(&bytes, Some(&setup)).unwrap();
+        let [Frame::Pages(header, _)] = &frames[..] else {
+            panic!("one packet expected, got {frames:?}");
+        };
+        assert_eq!(header.restarts_stream(), restarts);
+        assert_eq!(header.named_dictionary(), 0);
+    }
+    let bytes = packet(header(codec_id::ZSTD_STREAM, 2), &entries, 100);
+    assert!(matches!(
+        decode_stream(&bytes, Some(&setup)),
+        Err(WireError::InvalidField {
+            field: "packet dictionary",
+            ..
+        })
+    ));
+    // Other codecs' byte names a dictionary, and never restarts a stream.
+    let bytes = packet(header(codec_id::ZSTD, 1), &entries, 100);
+    let frames = decode_stream(&bytes, Some(&setup)).unwrap();
+    assert!(
+        matches!(&frames[..], [Frame::Pages(h, _)] if h.named_dictionary() == 1 && !h.restarts_stream())
+    );
 }

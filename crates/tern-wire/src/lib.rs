@@ -89,7 +89,7 @@ pub use seal::{
 /// First bytes of every handshake.
 pub const MAGIC: [u8; 8] = *b"TERNMIG\0";
 /// Protocol version spoken by this build.
-pub const PROTOCOL_VERSION: u16 = 13;
+pub const PROTOCOL_VERSION: u16 = 14;
 /// The only page size this version supports: the one definition of tern's
 /// page size (`tern_page::PAGE_SIZE` and `tern_engine::PAGE_SIZE` are this
 /// value as a `usize`).
@@ -111,9 +111,27 @@ pub mod codec_id {
     /// compressed entry carries the frame, the others carry no bytes, and
     /// the frame decodes to exactly 4096 bytes per compressed entry.
     pub const ZSTD_PACKET: u8 = 4;
+    /// zstd, one stream per page channel: a packet's compressed pages are
+    /// the stream's next bytes, flushed at the packet's end (the table as
+    /// for [`ZSTD_PACKET`]), so they decode only after every earlier
+    /// packet of the stream, on that channel, in order. The packet
+    /// header's dictionary byte is the stream's restart flag
+    /// ([`STREAM_RESTART`]): the receiver starts a new stream with it.
+    pub const ZSTD_STREAM: u8 = 5;
+    /// The dictionary byte of a [`ZSTD_STREAM`] packet whose bytes begin a
+    /// new stream (a new zstd frame, perhaps at another level).
+    pub const STREAM_RESTART: u8 = 1;
+    /// The largest window a [`ZSTD_STREAM`] stream may use, as a power of
+    /// two (2 MiB): what a receiver keeps of each channel's history.
+    pub const STREAM_WINDOW_LOG: u32 = 21;
     /// Whether a codec may name a [`crate::Dictionary`] in a packet.
     pub fn takes_dictionary(codec: u8) -> bool {
         codec == ZSTD || codec == ZSTD_PACKET
+    }
+    /// Whether a packet's compressed pages share one frame, carried by its
+    /// first compressed entry ([`ZSTD_PACKET`], [`ZSTD_STREAM`]).
+    pub fn one_frame_per_packet(codec: u8) -> bool {
+        codec == ZSTD_PACKET || codec == ZSTD_STREAM
     }
 }
 /// Largest compression dictionary ([`Dictionary`]); the destination refuses

@@ -6,7 +6,8 @@
 //! and a DSA delta record for a delta page. A packet of codec
 //! [`codec_id::ZSTD_PACKET`] carries all its compressed pages in one zstd
 //! frame: the first compressed entry's length is the frame's, the other
-//! compressed entries have none.
+//! compressed entries have none. A packet of [`codec_id::ZSTD_STREAM`]
+//! has the same table, its bytes the channel stream's next.
 
 use crate::codec::{Reader, Writer};
 use crate::error::WireError;
@@ -108,11 +109,29 @@ pub struct PagesHeader {
     pub codec: u8,
     /// The dictionary the packet's compressed pages were made with: 0 for
     /// none, else one of the session's [`crate::Dictionary`] ids (only
-    /// with a codec that takes one, [`codec_id::takes_dictionary`]).
+    /// with a codec that takes one, [`codec_id::takes_dictionary`]). With
+    /// [`codec_id::ZSTD_STREAM`], the stream's restart flag (0 or
+    /// [`codec_id::STREAM_RESTART`]).
     pub dictionary: u8,
 }
 
 impl PagesHeader {
+    /// The dictionary the packet names: 0 for none, and for a codec that
+    /// takes none (whose byte means something else, or nothing).
+    pub fn named_dictionary(&self) -> u8 {
+        if codec_id::takes_dictionary(self.codec) {
+            self.dictionary
+        } else {
+            0
+        }
+    }
+
+    /// Whether the packet's bytes begin a new channel stream
+    /// ([`codec_id::ZSTD_STREAM`] with [`codec_id::STREAM_RESTART`]).
+    pub fn restarts_stream(&self) -> bool {
+        self.codec == codec_id::ZSTD_STREAM && self.dictionary == codec_id::STREAM_RESTART
+    }
+
     /// Encoded size: region, iteration, count, codec, dictionary.
     pub const ENCODED_LEN: usize = 12;
 
@@ -142,7 +161,9 @@ impl PagesHeader {
                 detail: format!("codec {codec} was not announced in the session setup"),
             });
         }
+        let restart = codec == codec_id::ZSTD_STREAM && dictionary == codec_id::STREAM_RESTART;
         if dictionary != 0
+            && !restart
             && (!codec_id::takes_dictionary(codec) || dictionary > setup.dictionaries)
         {
             return Err(WireError::InvalidField {
@@ -196,7 +217,7 @@ pub fn decode_page_table(
     let page_size = setup.page_size;
     let mut r = Reader::new(table, "page table");
     let mut expected = 0usize;
-    let packet_frame = header.codec == codec_id::ZSTD_PACKET;
+    let packet_frame = codec_id::one_frame_per_packet(header.codec);
     let mut frame_seen = false;
     for _ in 0..header.page_count {
         let page_index = r.u32()?;

@@ -249,7 +249,7 @@ fn land(
     let populated = &shared.populated[region];
     let hashes = shared.page_hashes.as_ref();
     let mut payloads = &landing.compressed[..];
-    decompressors.learn_dictionaries_for(landing.dictionary, shared)?;
+    decompressors.learn_dictionaries_for(landing.named_dictionary(), shared)?;
     let mut compressed = CompressedInput::new(landing, decompressors);
     let mut counts = PageCounts::default();
     for (entry, &ptr) in landing.entries.iter().zip(&landing.pages) {
@@ -337,10 +337,12 @@ unsafe fn reuse_page(
 
 /// Where a packet's compressed pages come from: each page's own bytes,
 /// decoded alone (against the packet's dictionary, if it names one), or
-/// the packet's one frame (codec `zstd-packet`), decoded at its first
-/// compressed page into exactly the packet's compressed pages.
+/// the packet's one frame (codecs `zstd-packet` and `zstd-stream`),
+/// decoded at its first compressed page into exactly the packet's
+/// compressed pages.
 struct CompressedInput<'d> {
     decompressor: Option<&'d mut PageDecompressor>,
+    /// The header's dictionary byte (a stream's restart flag).
     dictionary: u8,
     /// For a packet frame: how many pages it holds, and once decoded,
     /// those not yet written.
@@ -365,7 +367,7 @@ impl<'d> CompressedInput<'d> {
         entries: &[PageEntry],
         decompressors: &'d mut Decompressors,
     ) -> Self {
-        let frame = (codec == codec_id::ZSTD_PACKET).then(|| {
+        let frame = codec_id::one_frame_per_packet(codec).then(|| {
             let pages = entries
                 .iter()
                 .filter(|entry| entry.kind == PageKind::Compressed)
@@ -436,7 +438,7 @@ impl Decompressors {
         packet: &PagePacket,
         entries: &[PageEntry],
     ) -> Result<PacketPages<'d>, MigrationError> {
-        self.learn_dictionaries_for(packet.header.dictionary, shared)?;
+        self.learn_dictionaries_for(packet.header.named_dictionary(), shared)?;
         Ok(PacketPages(CompressedInput::for_packet(
             packet.header.codec,
             packet.header.dictionary,
@@ -593,7 +595,11 @@ impl ReceiverLanding {
             self.wait_landed(shared)?;
         }
         pool.in_flight[self.owner].fetch_add(1, Ordering::Relaxed);
-        if pool.threads == 0 || copies_pages || !landing.needs_decoding() {
+        if pool.threads == 0
+            || copies_pages
+            || !landing.needs_decoding()
+            || landing.continues_a_stream()
+        {
             return pool.finish(landing, &mut self.decompressors, shared, Some(written));
         }
         if let Err(landing) = pool.queued.push(landing) {

@@ -6,7 +6,7 @@
 use std::sync::OnceLock;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 
-use tern_wire::{MAX_PAGES_PER_PACKET, PageEntry, PageKind};
+use tern_wire::{MAX_PAGES_PER_PACKET, PageEntry, PageKind, codec_id};
 
 use crate::guest::PAGE_SIZE;
 use crate::ring::{Doorbell, Ring};
@@ -29,7 +29,8 @@ pub(super) struct Landing {
     pub(super) region_index: usize,
     pub(super) region_id: u32,
     pub(super) codec: u8,
-    /// The dictionary the packet names (0: none).
+    /// The packet header's dictionary byte: the dictionary the packet
+    /// names (0: none), or a channel stream's restart flag.
     pub(super) dictionary: u8,
     /// The packet's table.
     pub(super) entries: Vec<PageEntry>,
@@ -83,6 +84,24 @@ impl Landing {
         self.entries
             .iter()
             .any(|entry| entry.kind == PageKind::Compressed)
+    }
+
+    /// The dictionary the packet names (0: none, or a codec that takes
+    /// none).
+    pub(super) fn named_dictionary(&self) -> u8 {
+        if codec_id::takes_dictionary(self.codec) {
+            self.dictionary
+        } else {
+            0
+        }
+    }
+
+    /// Whether this packet's compressed pages continue its channel's
+    /// stream ([`codec_id::ZSTD_STREAM`]): then only the channel's own
+    /// decoder, fed its packets in order, can decode it, so it lands on its
+    /// receiver, never in the pool.
+    pub(super) fn continues_a_stream(&self) -> bool {
+        self.codec == codec_id::ZSTD_STREAM && self.needs_decoding()
     }
 
     /// Whether a page of this packet copies another page (a duplicate):

@@ -165,7 +165,7 @@ impl<'s, 'a> PageReceiver<'s, 'a> {
                 })?;
                 let shared = self.shared;
                 shared.dictionaries.put_named_in_force(
-                    packet.header.dictionary,
+                    packet.header.named_dictionary(),
                     shared.io_timeout(),
                     || shared.check_failed(),
                 )?;

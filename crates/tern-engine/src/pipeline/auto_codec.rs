@@ -37,6 +37,8 @@ pub(crate) struct CompressionSetup {
     pub deflate_through_qpl: bool,
     /// zstd in packet frames ([`CodecId::ZstdPacket`]) rather than per page.
     pub packet_frames: bool,
+    /// zstd as one stream per channel ([`CodecId::ZstdStream`]).
+    pub stream_frames: bool,
     /// The session's zstd dictionary, once trained (see `dictionary.rs`).
     pub dictionary: Option<tern_page::codec::CodecDictionary>,
     /// How the dictionary was trained, for the statistics.
@@ -54,13 +56,18 @@ impl CompressionSetup {
         match self.choice.wire() {
             Some(CodecId::None) => Vec::new(),
             Some(CodecId::Zstd) if self.packet_frames => vec![CodecId::ZstdPacket],
+            // The stream first (what the workers use); per-page zstd for
+            // postcopy's push, whose packets go on no channel stream.
+            Some(CodecId::Zstd) if self.stream_frames => vec![CodecId::ZstdStream, CodecId::Zstd],
             Some(codec) => vec![codec],
-            // auto: the codecs this build has (see tern-page's features).
+            // auto: the codecs this build has (see tern-page's features);
+            // for whole packets, a stream per channel, whose window covers
+            // a packet frame's and more (docs/compression.md, "Streams").
             None => [
                 CodecId::Zstd,
                 CodecId::Deflate,
                 CodecId::Lz4,
-                CodecId::ZstdPacket,
+                CodecId::ZstdStream,
             ]
             .into_iter()
             .filter(|codec| codec.is_built())
@@ -851,7 +858,7 @@ pub(super) fn calibrate_codecs(
         (CodecId::Zstd, CodecId::Zstd.default_level()),
         (CodecId::Deflate, CodecId::Deflate.default_level()),
         (CodecId::Lz4, CodecId::Lz4.default_level()),
-        (CodecId::ZstdPacket, CodecId::ZstdPacket.default_level()),
+        (CodecId::ZstdStream, CodecId::ZstdStream.default_level()),
     ];
     let measurements =
         tern_page::codec::calibrate_with_dictionary(&sample, &candidates, dictionary)
@@ -1294,6 +1301,7 @@ mod tests {
             qpl_path: QplPath::Software,
             deflate_through_qpl: calibration.deflate_through_qpl,
             packet_frames: false,
+            stream_frames: false,
             dictionary: None,
             dictionary_report: None,
             dictionary_refresh: None,
@@ -1343,6 +1351,7 @@ mod tests {
             qpl_path: QplPath::Software,
             deflate_through_qpl: false,
             packet_frames: false,
+            stream_frames: false,
             dictionary: None,
             dictionary_report: None,
             dictionary_refresh: None,
@@ -1564,6 +1573,7 @@ mod tests {
             qpl_path: QplPath::Software,
             deflate_through_qpl: false,
             packet_frames: false,
+            stream_frames: false,
             dictionary: None,
             dictionary_report: None,
             dictionary_refresh: None,

@@ -27,7 +27,9 @@ use tern_page::codec::DICTIONARY_SAMPLE_PAGES;
 use tern_wire::{Dictionary, MAX_PAGES_PER_PACKET, Message, codec_id};
 
 use super::batch::Batch;
-use super::refresher::{HELD_OUT_RUNS, HeldOut, Judge, Refreshed, sample_dirty_pages};
+use super::refresher::{
+    DictionaryRefresher, HELD_OUT_RUNS, HeldOut, Judge, Refreshed, sample_dirty_pages,
+};
 use super::{DictionaryState, Pipeline, auto_codec};
 use crate::bitmap::DirtyBitmap;
 use crate::error::MigrationError;
@@ -197,6 +199,10 @@ impl Pipeline<'_> {
     /// longer pays for it (issue 31: 164-315 ms of a loopback migration's
     /// setup).
     pub(super) fn start_deferred_dictionary(&mut self, link: f64) {
+        if self.codec.is_stream() {
+            self.forgo_deferred_dictionary(link);
+            return;
+        }
         if !self.codec.is_zstd() {
             return;
         }
@@ -225,6 +231,27 @@ impl Pipeline<'_> {
                 DICTIONARY_SAMPLE_PAGES
             );
             self.note_auto("dictionary", "training".to_string(), reason);
+        }
+    }
+
+    /// A channel stream on the measured link: its window holds what the
+    /// channel sent (2 MiB of it), which a 64 KiB dictionary would add to
+    /// only in a stream's first packets, so the first dictionary is not
+    /// trained.
+    fn forgo_deferred_dictionary(&mut self, link: f64) {
+        let forgone = self
+            .dictionaries
+            .refresher
+            .as_mut()
+            .is_some_and(DictionaryRefresher::forgo_first);
+        if forgone {
+            let reason = format!(
+                "{} on the measured {:.0} MB/s link: each channel's stream reaches back over \
+                 what the channel sent, where a dictionary would help only its first packets",
+                self.codec.name(),
+                link / 1e6,
+            );
+            self.note_auto("dictionary", "off".to_string(), reason);
         }
     }
 }

@@ -1,6 +1,7 @@
 //! Building a batch's packet: compression of its data pages and the
 //! header and page table.
 
+use tern_page::PageCompressor;
 use tern_page::codec::{CodecId, CodecStats, PageOutcome};
 use tern_wire::{PageEntry, PageKind, PageRef, PagesHeader, encode_packet_prefix};
 
@@ -18,6 +19,9 @@ use crate::digest::{page_hash, zero_page_hash};
 )]
 const PAGE_REF_LEN: u32 = PageRef::ENCODED_LEN as u32;
 
+/// Every step of a batch's packet; a channel stream's batch stops before
+/// compression, which needs its channel's stream ([`compress_in_stream`],
+/// then [`build_table`], in `worker.rs`).
 pub(super) fn encode(shared: &Shared, batch: &mut Batch, scratch: &mut Scratch) {
     if !batch.prechecked {
         classify(shared, batch, scratch);
@@ -26,6 +30,9 @@ pub(super) fn encode(shared: &Shared, batch: &mut Batch, scratch: &mut Scratch) 
     hash_pages(shared, batch);
     find_duplicates(shared, batch, scratch);
     encode_deltas(shared, batch, &mut scratch.delta_gate);
+    if batch.codec.is_stream() {
+        return;
+    }
     compress(shared, batch, scratch);
     build_table(shared, batch);
 }
@@ -115,10 +122,7 @@ fn hash_pages(shared: &Shared, batch: &mut Batch) {
 /// Compresses the batch's data pages with the batch's codec, each page on
 /// its own; pages that would not shrink stay raw.
 pub(super) fn compress(shared: &Shared, batch: &mut Batch, scratch: &mut Scratch) {
-    batch.compressed.clear();
-    batch.codec_stats = CodecStats::default();
-    batch.dictionary = 0;
-    if batch.codec == CodecId::None {
+    if !start_compressing(batch) {
         return;
     }
     let slot = &mut scratch.compressors[batch.codec as usize];
@@ -139,6 +143,54 @@ pub(super) fn compress(shared: &Shared, batch: &mut Batch, scratch: &mut Scratch
         *slot = None;
         *asked = batch.level;
     }
+    let Some(compressor) = compressor_in(shared, batch, slot, dictionary) else {
+        return;
+    };
+    run_compressor(shared, batch, &mut scratch.pointers, compressor);
+}
+
+/// Compresses a channel stream's batch with the channel's stream
+/// compressor `stream` (made at the batch's level when first needed; a new
+/// level restarts the stream), and sets the packet's restart flag.
+pub(super) fn compress_in_stream(
+    shared: &Shared,
+    batch: &mut Batch,
+    pointers: &mut Vec<*const u8>,
+    stream: &mut Option<PageCompressor>,
+) {
+    if !start_compressing(batch) {
+        return;
+    }
+    if let Some(compressor) = stream.as_mut() {
+        compressor.set_level(batch.level);
+    }
+    let Some(compressor) = compressor_in(shared, batch, stream, 0) else {
+        return;
+    };
+    run_compressor(shared, batch, pointers, compressor);
+    batch.dictionary = if batch.compressed.stream_restart {
+        tern_wire::codec_id::STREAM_RESTART
+    } else {
+        0
+    };
+}
+
+/// Clears the batch's compression; `false` when it has no codec.
+fn start_compressing(batch: &mut Batch) -> bool {
+    batch.compressed.clear();
+    batch.codec_stats = CodecStats::default();
+    batch.dictionary = 0;
+    batch.codec != CodecId::None
+}
+
+/// The compressor in `slot`, made for the batch's codec and level against
+/// dictionary `dictionary` when the slot is empty.
+fn compressor_in<'s>(
+    shared: &Shared,
+    batch: &Batch,
+    slot: &'s mut Option<PageCompressor>,
+    dictionary: u8,
+) -> Option<&'s mut PageCompressor> {
     if slot.is_none() {
         let in_force = shared.dictionary(dictionary);
         match shared
@@ -149,15 +201,22 @@ pub(super) fn compress(shared: &Shared, batch: &mut Batch, scratch: &mut Scratch
             Err(error) => {
                 // Checked at start-up, so this is unexpected: send raw.
                 tracing::warn!(%error, "cannot create a compressor; sending pages raw");
-                return;
+                return None;
             }
         }
     }
-    let Some(compressor) = slot.as_mut() else {
-        return;
-    };
-    scratch.pointers.clear();
-    scratch.pointers.extend(
+    slot.as_mut()
+}
+
+/// Runs `compressor` over the batch's data pages.
+fn run_compressor(
+    shared: &Shared,
+    batch: &mut Batch,
+    pointers: &mut Vec<*const u8>,
+    compressor: &mut PageCompressor,
+) {
+    pointers.clear();
+    pointers.extend(
         (0..batch.pages.len())
             .filter(|&position| batch.kinds[position] == PageKind::Raw)
             .map(|position| data_ptr(shared, batch, position)),
@@ -166,7 +225,7 @@ pub(super) fn compress(shared: &Shared, batch: &mut Batch, scratch: &mut Scratch
     // which outlives the migration, or the batch's copies; the compressor
     // copies each page before compressing it, so concurrent guest writes
     // only make it stale.
-    unsafe { compressor.compress_batch(&scratch.pointers, &mut batch.compressed) };
+    unsafe { compressor.compress_batch(pointers, &mut batch.compressed) };
     batch.codec_stats = compressor.take_stats();
     batch.dictionary = compressor.dictionary_id();
 }

@@ -111,6 +111,12 @@ struct Shared {
     /// The session's zstd dictionaries, ids 1, 2, …: the setup's and the
     /// refreshes announced so far. Read when a worker makes a compressor.
     dictionaries: Mutex<Vec<tern_page::codec::CodecDictionary>>,
+    /// Each page channel's stream compressor ([`CodecId::ZstdStream`]),
+    /// made when first needed: a worker holds it from compressing a batch
+    /// until the batch is on the channel's ring, so the channel sends the
+    /// stream's packets in the order they were made (`worker.rs`). Taken
+    /// once per batch, never per page.
+    streams: Vec<Mutex<Option<tern_page::PageCompressor>>>,
 }
 
 impl Shared {
@@ -157,6 +163,7 @@ impl Shared {
             page_hashes: setup.page_hashes,
             regions: setup.regions,
             dictionaries: Mutex::new(setup.compression.dictionary.iter().cloned().collect()),
+            streams: (0..channel_count).map(|_| Mutex::new(None)).collect(),
             compression: setup.compression,
         }
     }

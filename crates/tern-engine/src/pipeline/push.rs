@@ -58,10 +58,21 @@ impl Pipeline<'_> {
     pub(crate) fn push_encoder(&self) -> PushEncoder {
         PushEncoder {
             shared: self.shared.clone(),
-            codec: self.codec,
+            codec: push_codec(self.codec),
             level: self.batch_level(),
             dictionary: self.dictionaries.in_use,
         }
+    }
+}
+
+/// The push's packets go on no channel's stream (its threads each send on
+/// their own, in no order a stream could follow): a stream's pages go per
+/// page instead, with zstd, which a session with the stream announces.
+fn push_codec(codec: CodecId) -> CodecId {
+    if codec.is_stream() {
+        CodecId::Zstd
+    } else {
+        codec
     }
 }
 
@@ -136,7 +147,7 @@ impl PushEncoder {
 
         let choice = match codec {
             CodecId::None => CodecChoice::None,
-            CodecId::Zstd | CodecId::ZstdPacket => CodecChoice::Zstd,
+            CodecId::Zstd | CodecId::ZstdPacket | CodecId::ZstdStream => CodecChoice::Zstd,
             CodecId::Lz4 => CodecChoice::Lz4,
             _ => CodecChoice::Deflate,
         };
@@ -146,6 +157,7 @@ impl PushEncoder {
             qpl_path: QplPath::Software,
             deflate_through_qpl: false,
             packet_frames: codec == CodecId::ZstdPacket,
+            stream_frames: codec == CodecId::ZstdStream,
             dictionary: None,
             dictionary_report: None,
             dictionary_refresh: None,

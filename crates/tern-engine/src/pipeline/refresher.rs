@@ -209,6 +209,12 @@ impl DictionaryRefresher {
         self.first_pending
     }
 
+    /// Gives up the first dictionary before training it (the codec in
+    /// force takes none); `true` if it was still to be trained.
+    pub(crate) fn forgo_first(&mut self) -> bool {
+        std::mem::take(&mut self.first_pending)
+    }
+
     /// Starts training the first dictionary on `pages()` on a background
     /// thread, once, then judging it there on what `judge()` gives;
     /// whether it started now.

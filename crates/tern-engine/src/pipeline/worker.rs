@@ -1,15 +1,18 @@
 //! The worker threads: classify and encode a batch, hand it to the
-//! least-loaded sender.
+//! least-loaded sender (a channel stream's batch: to a channel whose stream
+//! is free, compressed with it).
 
+use std::sync::{MutexGuard, PoisonError, TryLockError};
 use std::thread;
 
+use tern_page::PageCompressor;
 use tern_page::cpu_time::thread_cpu_ns;
 use tern_wire::{MAX_PAGES_PER_PACKET, PageKind};
 
 use super::Shared;
 use super::batch::{Batch, SendItem};
 use super::dedup::IndexedPage;
-use super::encode::encode;
+use super::encode::{build_table, compress_in_stream, encode};
 use super::reuse::publish;
 use super::scratch::Scratch;
 use crate::stats::thread_cpu_seconds;
@@ -30,37 +33,91 @@ pub(super) fn run_worker(shared: &Shared, index: usize) {
         shared.producer_bell.ring();
         let encode_started = thread_cpu_ns();
         encode(shared, &mut batch, &mut scratch);
-        batch.encode_cpu_ns = thread_cpu_ns().saturating_sub(encode_started);
-        let target = batch
-            .reuse
-            .route
-            .unwrap_or_else(|| least_loaded_sender(shared, index));
-        indexable_pages(shared, &batch, target, &mut published);
-        let mut item = SendItem::Batch(batch);
-        loop {
-            match shared.sender_rings[target].push(item) {
-                Ok(()) => break,
-                Err(back) => {
-                    // Cannot happen while rings hold the whole pool; stay
-                    // correct anyway.
-                    if shared.is_stopping() {
-                        return;
-                    }
-                    item = back;
-                    thread::yield_now();
-                }
-            }
-        }
-        // Only now that the batch is queued on its channel may a later
-        // batch reference its pages (routed to the same channel).
-        publish(shared, &published);
-        if let Some(bell) = shared.sender_bells[target].get() {
-            bell.ring();
+        let queued = if batch.codec.is_stream() {
+            // The stream's packets must reach its channel in the order
+            // they were compressed: held from compressing to queueing.
+            let (target, mut stream) = lock_stream(shared, batch.reuse.route, index);
+            compress_in_stream(shared, &mut batch, &mut scratch.pointers, &mut stream);
+            build_table(shared, &mut batch);
+            batch.encode_cpu_ns = thread_cpu_ns().saturating_sub(encode_started);
+            queue(shared, batch, target, &mut published)
+        } else {
+            batch.encode_cpu_ns = thread_cpu_ns().saturating_sub(encode_started);
+            let target = batch
+                .reuse
+                .route
+                .unwrap_or_else(|| least_loaded_sender(shared, index));
+            queue(shared, batch, target, &mut published)
+        };
+        if !queued {
+            return;
         }
     }
     shared
         .stats
         .record_cpu(&format!("worker-{index}"), thread_cpu_seconds() - cpu_start);
+}
+
+/// Puts `batch` on channel `target`'s ring and wakes its sender; `false`
+/// when the pipeline stops first.
+fn queue(
+    shared: &Shared,
+    batch: Box<Batch>,
+    target: usize,
+    published: &mut Vec<(u64, IndexedPage)>,
+) -> bool {
+    indexable_pages(shared, &batch, target, published);
+    let mut item = SendItem::Batch(batch);
+    loop {
+        match shared.sender_rings[target].push(item) {
+            Ok(()) => break,
+            Err(back) => {
+                // Cannot happen while rings hold the whole pool; stay
+                // correct anyway.
+                if shared.is_stopping() {
+                    return false;
+                }
+                item = back;
+                thread::yield_now();
+            }
+        }
+    }
+    // Only now that the batch is queued on its channel may a later
+    // batch reference its pages (routed to the same channel).
+    publish(shared, published);
+    if let Some(bell) = shared.sender_bells[target].get() {
+        bell.ring();
+    }
+    true
+}
+
+/// The channel a stream batch goes on and its stream, locked: the route
+/// its duplicates need, else the least-loaded channel whose stream no
+/// other worker holds (waiting for the least-loaded one when all are held).
+fn lock_stream(
+    shared: &Shared,
+    route: Option<usize>,
+    worker: usize,
+) -> (usize, MutexGuard<'_, Option<PageCompressor>>) {
+    let lock = |channel: usize| {
+        shared.streams[channel]
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+    };
+    if let Some(channel) = route {
+        return (channel, lock(channel));
+    }
+    let first = least_loaded_sender(shared, worker);
+    let channels = shared.streams.len();
+    for offset in 0..channels {
+        let channel = (first + offset) % channels;
+        match shared.streams[channel].try_lock() {
+            Ok(stream) => return (channel, stream),
+            Err(TryLockError::Poisoned(poisoned)) => return (channel, poisoned.into_inner()),
+            Err(TryLockError::WouldBlock) => {}
+        }
+    }
+    (first, lock(first))
 }
 
 pub(super) fn least_loaded_sender(shared: &Shared, worker: usize) -> usize {

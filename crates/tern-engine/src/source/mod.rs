@@ -84,6 +84,7 @@ impl Source {
             qpl_path: config.qpl_path,
             deflate_through_qpl: false,
             packet_frames: config.packet_frames,
+            stream_frames: config.stream_frames,
             dictionary: None,
             dictionary_report: None,
             dictionary_refresh: None,

@@ -54,6 +54,15 @@ pub(crate) trait PageEncoder: Send {
         let _ = (pages, batch, sampling);
         None
     }
+
+    /// Takes `level` in place, for an encoder that cannot be rebuilt
+    /// without losing state the receiver shares (a channel stream, which
+    /// then restarts): `true` if it did; `false` for the others, which are
+    /// made anew for a new level.
+    fn set_level(&mut self, level: i32) -> bool {
+        let _ = level;
+        false
+    }
 }
 
 /// One receiver's decompressor for one codec.

@@ -41,6 +41,10 @@ pub struct CompressedBatch {
     pub data: Vec<u8>,
     /// One entry per input page.
     pub outcomes: Vec<PageOutcome>,
+    /// For a channel stream ([`CodecId::ZstdStream`](super::CodecId::ZstdStream)):
+    /// the compressed bytes begin a new stream, which the packet must say
+    /// ([`tern_wire::codec_id::STREAM_RESTART`]).
+    pub stream_restart: bool,
 }
 
 impl CompressedBatch {
@@ -53,6 +57,7 @@ impl CompressedBatch {
     pub fn clear(&mut self) {
         self.data.clear();
         self.outcomes.clear();
+        self.stream_restart = false;
     }
 
     /// The compressed bytes of page `i`, or `None` if it goes raw.

@@ -219,14 +219,19 @@ pub(super) fn decode_all(
     let mut decoded = 0;
     let mut page = [0u8; PAGE_SIZE];
     for batch in batches {
-        if decoder.codec() == CodecId::ZstdPacket {
+        if matches!(decoder.codec(), CodecId::ZstdPacket | CodecId::ZstdStream) {
             let pages = batch
                 .outcomes
                 .iter()
                 .filter(|outcome| matches!(outcome, PageOutcome::Compressed { .. }))
                 .count();
+            // A stream's packets say where it restarts, in the dictionary's byte.
+            let byte = match decoder.codec() {
+                CodecId::ZstdStream => u8::from(batch.stream_restart),
+                _ => id,
+            };
             if pages > 0 {
-                decoded += decoder.decompress_packet(&batch.data, id, pages)?.len();
+                decoded += decoder.decompress_packet(&batch.data, byte, pages)?.len();
             }
             continue;
         }

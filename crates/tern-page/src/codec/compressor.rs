@@ -162,6 +162,22 @@ impl PageCompressor {
         self.level
     }
 
+    /// Takes `level` (clamped) in place, when the codec keeps state the
+    /// receiver shares and so cannot be made anew (a channel stream, which
+    /// restarts at its next packet): `true` if it did. Other codecs return
+    /// `false` and are made anew for a new level.
+    pub fn set_level(&mut self, level: i32) -> bool {
+        let level = self.codec.clamp_level(level);
+        let done = self
+            .engine
+            .as_mut()
+            .is_some_and(|engine| engine.set_level(level));
+        if done {
+            self.level = level;
+        }
+        done
+    }
+
     /// This worker's counters.
     pub fn stats(&self) -> &CodecStats {
         &self.stats

@@ -27,16 +27,21 @@ pub enum CodecId {
     /// zstd, one frame for all compressed pages of a packet (ratio over
     /// independence: the pages of a packet decode together).
     ZstdPacket = codec_id::ZSTD_PACKET,
+    /// zstd, one stream per page channel, flushed at each packet's end
+    /// (ratio over independence: a packet decodes after the channel's
+    /// earlier ones, in order).
+    ZstdStream = codec_id::ZSTD_STREAM,
 }
 
 impl CodecId {
     /// Every wire codec.
-    pub const ALL: [CodecId; 5] = [
+    pub const ALL: [CodecId; 6] = [
         CodecId::None,
         CodecId::Zstd,
         CodecId::Deflate,
         CodecId::Lz4,
         CodecId::ZstdPacket,
+        CodecId::ZstdStream,
     ];
 
     /// Short lowercase name.
@@ -47,13 +52,22 @@ impl CodecId {
             CodecId::Deflate => "deflate",
             CodecId::Lz4 => "lz4",
             CodecId::ZstdPacket => "zstd-packet",
+            CodecId::ZstdStream => "zstd-stream",
         }
     }
 
     /// Whether the codec is zstd, per page or per packet (the codecs that
-    /// take a dictionary).
+    /// take a dictionary; a channel stream takes none: its window holds
+    /// what the channel sent before).
     pub fn is_zstd(self) -> bool {
         matches!(self, CodecId::Zstd | CodecId::ZstdPacket)
+    }
+
+    /// Whether a compressor of this codec carries state from packet to
+    /// packet, so that its packets must go on one channel in the order it
+    /// made them ([`CodecId::ZstdStream`]).
+    pub fn is_stream(self) -> bool {
+        self == CodecId::ZstdStream
     }
 
     /// The wire byte.
@@ -69,6 +83,7 @@ impl CodecId {
             codec_id::DEFLATE => Ok(CodecId::Deflate),
             codec_id::LZ4 => Ok(CodecId::Lz4),
             codec_id::ZSTD_PACKET => Ok(CodecId::ZstdPacket),
+            codec_id::ZSTD_STREAM => Ok(CodecId::ZstdStream),
             other => Err(CodecError::UnknownCodecId(other)),
         }
     }
@@ -78,7 +93,7 @@ impl CodecId {
         match self {
             CodecId::None => (0, 0),
             // Negative levels are zstd's "fast" levels.
-            CodecId::Zstd | CodecId::ZstdPacket => ZSTD_LEVELS,
+            CodecId::Zstd | CodecId::ZstdPacket | CodecId::ZstdStream => ZSTD_LEVELS,
             // libdeflate: 0 is store-only (never shrinks), so start at 1.
             CodecId::Deflate => (1, 12),
             CodecId::Lz4 => (1, 1),
@@ -96,7 +111,7 @@ impl CodecId {
     /// The level actually used when `requested` is asked for.
     /// zstd's 0 means its default, 3.
     pub fn clamp_level(self, requested: i32) -> i32 {
-        if self.is_zstd() && requested == 0 {
+        if (self.is_zstd() || self.is_stream()) && requested == 0 {
             return ZSTD_DEFAULT_LEVEL;
         }
         let (lo, hi) = self.level_range();
@@ -127,6 +142,7 @@ impl FromStr for CodecId {
             "deflate" => Ok(CodecId::Deflate),
             "lz4" => Ok(CodecId::Lz4),
             "zstd-packet" => Ok(CodecId::ZstdPacket),
+            "zstd-stream" => Ok(CodecId::ZstdStream),
             _ => Err(CodecError::UnknownCodec(s.to_owned())),
         }
     }
@@ -229,17 +245,20 @@ pub enum CodecImpl {
     Qpl = 4,
     /// zstd, one frame per packet.
     ZstdPacket = 5,
+    /// zstd, one stream per channel.
+    ZstdStream = 6,
 }
 
 impl CodecImpl {
     /// Every implementation, in index order.
-    pub const ALL: [CodecImpl; 6] = [
+    pub const ALL: [CodecImpl; 7] = [
         CodecImpl::None,
         CodecImpl::Zstd,
         CodecImpl::Deflate,
         CodecImpl::Lz4,
         CodecImpl::Qpl,
         CodecImpl::ZstdPacket,
+        CodecImpl::ZstdStream,
     ];
 
     /// Short lowercase name.
@@ -251,6 +270,7 @@ impl CodecImpl {
             CodecImpl::Lz4 => "lz4",
             CodecImpl::Qpl => "qpl",
             CodecImpl::ZstdPacket => "zstd-packet",
+            CodecImpl::ZstdStream => "zstd-stream",
         }
     }
 
@@ -263,6 +283,7 @@ impl CodecImpl {
             CodecId::Deflate => CodecImpl::Deflate,
             CodecId::Lz4 => CodecImpl::Lz4,
             CodecId::ZstdPacket => CodecImpl::ZstdPacket,
+            CodecId::ZstdStream => CodecImpl::ZstdStream,
         }
     }
 
@@ -274,6 +295,7 @@ impl CodecImpl {
             CodecImpl::Deflate | CodecImpl::Qpl => CodecId::Deflate,
             CodecImpl::Lz4 => CodecId::Lz4,
             CodecImpl::ZstdPacket => CodecId::ZstdPacket,
+            CodecImpl::ZstdStream => CodecId::ZstdStream,
         }
     }
 }

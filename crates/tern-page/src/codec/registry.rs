@@ -131,6 +131,7 @@ mod tests {
         let features = [
             (CodecImpl::Zstd, cfg!(feature = "zstd")),
             (CodecImpl::ZstdPacket, cfg!(feature = "zstd")),
+            (CodecImpl::ZstdStream, cfg!(feature = "zstd")),
             (CodecImpl::Deflate, cfg!(feature = "deflate")),
             (CodecImpl::Lz4, cfg!(feature = "lz4")),
             (CodecImpl::Qpl, cfg!(feature = "qpl")),

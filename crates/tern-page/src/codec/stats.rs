@@ -72,7 +72,7 @@ impl CodecCounters {
 /// engine with [`merge`](Self::merge).
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
 pub struct CodecStats {
-    per_impl: [CodecCounters; 6],
+    per_impl: [CodecCounters; 7],
 }
 
 impl CodecStats {

@@ -153,7 +153,7 @@ fn stream_of_len(codec: CodecId, len: usize) -> Vec<u8> {
             out
         }
         CodecId::Lz4 => lz4_flex::block::compress(&data),
-        CodecId::None => unreachable!(),
+        CodecId::None | CodecId::ZstdStream => unreachable!(),
     }
 }
 

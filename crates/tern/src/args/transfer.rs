@@ -142,6 +142,13 @@ pub(crate) struct TransferArgs {
     /// channel.
     #[arg(long)]
     pub packet_frames: bool,
+    /// zstd as one stream per page channel, flushed at each packet's end:
+    /// a packet's matches reach back over what its channel sent before
+    /// (as QEMU's multifd zstd); a channel's packets decode in order. With
+    /// --compression zstd, without --packet-frames or a dictionary (auto
+    /// uses it as its zstd framing).
+    #[arg(long)]
+    pub stream_frames: bool,
     /// Compare memory digests before resuming on the destination.
     #[arg(long, default_value = "full", value_parser = verify_values())]
     pub verify: Verify,
@@ -366,6 +373,7 @@ impl TransferArgs {
         config.auto_dictionary = self.compression_dictionary == DictionaryChoice::Auto;
         config.dictionary_refresh = self.dictionary_refresh;
         config.packet_frames = self.packet_frames;
+        config.stream_frames = self.stream_frames;
     }
 }
 

@@ -1,6 +1,7 @@
 //! zstd ([`zstd`](::zstd) crate, libzstd): per page ([`CodecImpl::Zstd`])
 //! and one frame per packet ([`CodecImpl::ZstdPacket`], in `packet.rs`),
-//! both with the session's dictionaries, which it also trains.
+//! both with the session's dictionaries, which it also trains; and one
+//! stream per channel ([`CodecImpl::ZstdStream`], in `stream.rs`).
 //!
 //! Frames carry no checksum, no content size and no dictionary id (the page
 //! size is known, the packet names its dictionary; bytes saved per page).
@@ -8,8 +9,10 @@
 //! to the input.
 
 mod packet;
+mod stream;
 
 use packet::{PacketFrame, ZstdDecoders};
+use stream::{StreamDecoder, StreamEncoder};
 
 use crate::PAGE_SIZE;
 use crate::codec::backend::{Backend, PageDecoder, PageEncoder};
@@ -35,6 +38,13 @@ pub(super) const BACKENDS: &[Backend] = &[
         decoder: || Ok(Box::new(ZstdDecoder::new(true)?)),
         available: None,
         trainer: Some(train),
+    },
+    Backend {
+        implementation: CodecImpl::ZstdStream,
+        encoder: |level, _, _| Ok(Box::new(StreamEncoder::new(level)?)),
+        decoder: || Ok(Box::new(StreamDecoder::new()?)),
+        available: None,
+        trainer: None,
     },
 ];
 
@@ -151,6 +161,68 @@ impl PageDecoder for ZstdDecoder {
             return Err(CodecError::NoCodec);
         }
         self.decoders.decompress_packet(frame, dictionary, pages)
+    }
+}
+
+impl PageEncoder for StreamEncoder {
+    fn level(&self) -> i32 {
+        StreamEncoder::level(self)
+    }
+
+    /// A page alone is not a stream packet: this codec compresses batches.
+    fn compress(
+        &mut self,
+        _: &[u8; PAGE_SIZE],
+        _: &mut [u8; MAX_COMPRESSED],
+        _: &mut CodecCounters,
+    ) -> Option<usize> {
+        None
+    }
+
+    unsafe fn compress_batch(
+        &mut self,
+        pages: &[*const u8],
+        batch: &mut CompressedBatch,
+        sampling: bool,
+    ) -> Option<CodecCounters> {
+        // SAFETY: forwarded caller contract.
+        Some(unsafe { self.compress(pages, batch, sampling) })
+    }
+
+    fn set_level(&mut self, level: i32) -> bool {
+        StreamEncoder::set_level(self, level);
+        true
+    }
+}
+
+impl PageDecoder for StreamDecoder {
+    /// A stream's pages come in packets only.
+    fn decompress(
+        &mut self,
+        _: &[u8],
+        _: u8,
+        _: &mut [u8; PAGE_SIZE],
+    ) -> Result<usize, CodecError> {
+        Err(CodecError::NoCodec)
+    }
+
+    fn decompress_packet(
+        &mut self,
+        frame: &[u8],
+        restart: u8,
+        pages: usize,
+    ) -> Result<&[u8], CodecError> {
+        let restart = match restart {
+            0 => false,
+            tern_wire::codec_id::STREAM_RESTART => true,
+            other => {
+                return Err(CodecError::Malformed {
+                    codec: "zstd stream",
+                    detail: format!("restart flag {other}"),
+                });
+            }
+        };
+        StreamDecoder::decompress_packet(self, frame, restart, pages)
     }
 }
 

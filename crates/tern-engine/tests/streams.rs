@@ -5,11 +5,12 @@
 //! clear error within a bounded time.
 
 use crate::common;
-use crate::dictionary::{migrate_guest, sliced_text_guest};
+use crate::dictionary::{compressed, hello, migrate_guest, packet, sliced_text_guest};
 
 use common::*;
 use tern_engine::Address;
-use tern_page::codec::CodecChoice;
+use tern_page::codec::{CodecChoice, CodecId, CompressedBatch, PageCompressor};
+use tern_wire::{PageEntry, codec_id};
 
 /// Migrates the benchmarks' `mixed`-like guest with zstd in packet frames
 /// or in streams over `channels` channels; returns the codec's figures.
@@ -73,4 +74,33 @@ fn auto_takes_a_stream_per_channel_on_a_slow_link() {
         off.reason.contains("zstd-stream on the measured") && !off.reason.contains(" 0 MB/s"),
         "{off:?}"
     );
+}
+
+/// The second packet of a stream, alone: its bytes refer to the first,
+/// which this channel never carried.
+fn second_packet_of_a_stream(pages: usize) -> Vec<u8> {
+    let text: Vec<[u8; 4096]> = (0..2 * pages)
+        .map(|i| tern_page::codec::corpus_page("text", i as u64 % 3))
+        .collect();
+    let mut compressor = PageCompressor::new(CodecId::ZstdStream, 1).unwrap();
+    let mut batch = CompressedBatch::new();
+    for chunk in text.chunks(pages) {
+        let pointers: Vec<*const u8> = chunk.iter().map(|page| page.as_ptr()).collect();
+        // SAFETY: whole pages of `text`, alive during the call.
+        unsafe { compressor.compress_batch(&pointers, &mut batch) };
+    }
+    assert!(!batch.stream_restart);
+    batch.data
+}
+
+#[test]
+fn a_packet_continuing_a_stream_the_channel_never_began_is_refused() {
+    let attack = hello(1 << codec_id::ZSTD_STREAM, 0);
+    let mut channel = attack.page_channel();
+    let bytes = second_packet_of_a_stream(4);
+    let entries: Vec<PageEntry> = (0..4)
+        .map(|page| compressed(page, if page == 0 { bytes.len() } else { 0 }))
+        .collect();
+    let _ = channel.write_all(&packet(codec_id::ZSTD_STREAM, 0, &entries, &bytes));
+    attack.expect_error("zstd stream page malformed");
 }

@@ -37,11 +37,12 @@ const MAX_PAGES_PER_PACKET: usize = 4;
 const MAX_CORRUPTIONS: usize = 3;
 
 /// The codecs a session may announce, in the order of their choice bits.
-const CODECS: [CodecId; 4] = [
+const CODECS: [CodecId; 5] = [
     CodecId::Zstd,
     CodecId::Deflate,
     CodecId::Lz4,
     CodecId::ZstdPacket,
+    CodecId::ZstdStream,
 ];
 
 /// Builds the session `data` describes and corrupts it; its streams as
@@ -103,6 +104,8 @@ struct Session {
     refresh: bool,
     main: Vec<u8>,
     channels: Vec<Vec<u8>>,
+    /// Each page channel's zstd stream (codec 5), made at its first packet.
+    streams: Vec<Option<PageCompressor>>,
 }
 
 impl Session {
@@ -162,6 +165,7 @@ impl Session {
             vmm_config_len: 0,
         };
         let main = main_start(&setup, &dictionaries);
+        let streams = (0..channel_count).map(|_| None).collect();
         let channels = (1..=channel_count)
             .map(|index| {
                 Message::ChannelHello(ChannelHello {
@@ -179,6 +183,7 @@ impl Session {
             refresh,
             main,
             channels,
+            streams,
         }
     }
 
@@ -255,7 +260,7 @@ impl Session {
             return;
         }
         let dictionary = (dictionary > 0).then(|| &self.dictionaries[usize::from(dictionary) - 1]);
-        let header = PagesHeader {
+        let mut header = PagesHeader {
             region_id: self.setup.regions[region].id,
             iteration,
             page_count: 0,
@@ -266,11 +271,21 @@ impl Session {
             },
             dictionary: dictionary.map_or(0, CodecDictionary::id),
         };
+        // A stream's packets continue their channel's stream, in order.
+        let mut made_here = None;
+        let compressor = if codec.is_stream() {
+            &mut self.streams[channel]
+        } else {
+            &mut made_here
+        };
+        if codec != CodecId::None && compressor.is_none() {
+            *compressor =
+                PageCompressor::with_dictionary(codec, codec.default_level(), dictionary).ok();
+        }
         encode_packet(
             &mut self.channels[channel],
-            &header,
-            codec,
-            dictionary,
+            &mut header,
+            compressor.as_mut(),
             &planned,
         );
     }
@@ -301,7 +316,11 @@ impl Session {
     ) -> Planned {
         // A packet codec frames all its pages together: only zero pages
         // and data beside it.
-        let kinds = if codec == CodecId::ZstdPacket { 2 } else { 4 };
+        let kinds = if matches!(codec, CodecId::ZstdPacket | CodecId::ZstdStream) {
+            2
+        } else {
+            4
+        };
         let kind = choices.choose_index(kinds).unwrap_or(1);
         let seed = choices.arbitrary::<u8>().unwrap_or(0);
         match kind {
@@ -538,13 +557,14 @@ fn tweak(page: &mut [u8; PAGE_SIZE], seed: u8) {
 }
 
 /// Appends the packet of `planned` entries: data pages compressed with
-/// `codec` where they shrink (one frame for a packet codec), the others
-/// raw; duplicates and deltas with their payloads.
+/// `compressor` (the packet's codec) where they shrink (one frame for a
+/// packet codec, the channel stream's next bytes for a stream, whose
+/// restart the header then says), the others raw; duplicates and deltas
+/// with their payloads.
 fn encode_packet(
     stream: &mut Vec<u8>,
-    header: &PagesHeader,
-    codec: CodecId,
-    dictionary: Option<&CodecDictionary>,
+    header: &mut PagesHeader,
+    compressor: Option<&mut PageCompressor>,
     planned: &[(u32, Planned)],
 ) {
     let data: Vec<&[u8]> = planned
@@ -556,13 +576,13 @@ fn encode_packet(
         .collect();
     let pointers: Vec<*const u8> = data.iter().map(|page| page.as_ptr()).collect();
     let mut batch = CompressedBatch::new();
-    if codec != CodecId::None
-        && let Ok(mut compressor) =
-            PageCompressor::with_dictionary(codec, codec.default_level(), dictionary)
-    {
+    if let Some(compressor) = compressor {
         // SAFETY: every pointer is a whole page of `planned`, alive and
         // unchanged during the call.
         unsafe { compressor.compress_batch(&pointers, &mut batch) };
+        if batch.stream_restart {
+            header.dictionary = tern_wire::codec_id::STREAM_RESTART;
+        }
     }
     let mut entries = Vec::new();
     let mut payload = Vec::new();

@@ -51,9 +51,7 @@ mod worker;
 mod zero_as_normal;
 
 use auto_codec::{AutoCodec, calibrate_codecs};
-pub(crate) use auto_codec::{
-    CodecCost, CompressionSetup, SWITCH_MARGIN, calibration_sample, sample_pages,
-};
+pub(crate) use auto_codec::{CodecCost, CompressionSetup, sample_pages};
 use batch::{Batch, Completion, SendItem};
 use classify::classify;
 use dedup::{DedupIndex, Reference, resend_referencing_pages};

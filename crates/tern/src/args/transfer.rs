@@ -121,10 +121,11 @@ pub(crate) struct TransferArgs {
     /// Train a zstd dictionary of at most this size (256B to 128KiB) on
     /// sampled guest pages at setup and compress every zstd page against it;
     /// pages stay independent. With zstd or auto; auto (with --compression
-    /// auto) trains 64KiB: at setup when --max-bandwidth names a link slower
-    /// than zstd (kept when it improves zstd's ratio on pages the training
-    /// did not see), otherwise in the background once the measured link
-    /// picks zstd, in force from the next iteration. QEMU: no parameter.
+    /// auto) trains 64KiB in the background once the measured link has it
+    /// keep per-page zstd, in use once it pays on pages the training did
+    /// not see; none when it compresses whole packets as a zstd stream per
+    /// channel, whose window holds what the channel sent. QEMU: no
+    /// parameter.
     #[arg(long, default_value = "auto", value_parser = parse_dictionary_choice)]
     pub compression_dictionary: DictionaryChoice,
     /// Train the dictionary again, on the pages being sent, when its ratio

@@ -8,6 +8,7 @@
 //! Compressing a 4 KiB input with a known size makes zstd size its window
 //! to the input.
 
+mod frame;
 mod packet;
 mod stream;
 

@@ -9,11 +9,11 @@
 
 use tern_wire::MAX_PAGES_PER_PACKET;
 
+use super::frame;
 use crate::PAGE_SIZE;
-use crate::codec::batch::{CompressedBatch, PageOutcome, RawReason};
+use crate::codec::batch::CompressedBatch;
 use crate::codec::dictionary::CodecDictionary;
 use crate::codec::error::CodecError;
-use crate::codec::sample::looks_incompressible_bytes;
 use crate::codec::stats::CodecCounters;
 
 /// A worker's buffers for packet frames: the packet's pages as one input,
@@ -43,69 +43,18 @@ impl PacketFrame {
         batch: &mut CompressedBatch,
         sampling: bool,
     ) -> CodecCounters {
-        let mut counters = CodecCounters {
-            pages: pages.len() as u64,
-            bytes_in: (pages.len() * PAGE_SIZE) as u64,
-            ..CodecCounters::default()
-        };
-        self.input.clear();
-        for &page in pages.iter().take(MAX_PAGES_PER_PACKET) {
-            let start = self.input.len();
-            self.input.resize(start + PAGE_SIZE, 0);
-            // SAFETY: the caller guarantees PAGE_SIZE readable bytes at
-            // `page`; the destination is this buffer's last PAGE_SIZE bytes.
-            unsafe {
-                core::ptr::copy_nonoverlapping(page, self.input[start..].as_mut_ptr(), PAGE_SIZE);
-            }
-            let snapshot: &[u8; PAGE_SIZE] = self.input[start..]
-                .try_into()
-                .expect("a page was just appended");
-            if sampling && looks_incompressible_bytes(snapshot) {
-                self.input.truncate(start);
-                batch.outcomes.push(PageOutcome::Raw(RawReason::Sampled));
-                counters.skipped_by_sampling += 1;
-            } else {
-                // Filled in below, once the frame's fate is known.
-                batch
-                    .outcomes
-                    .push(PageOutcome::Compressed { offset: 0, len: 0 });
-            }
-        }
+        // SAFETY: forwarded caller contract.
+        let mut counters = unsafe { frame::gather(&mut self.input, pages, batch, sampling) };
         let members = (self.input.len() / PAGE_SIZE) as u64;
-        counters.bytes_out = counters.skipped_by_sampling * PAGE_SIZE as u64;
         if members == 0 {
             return counters;
         }
         self.output.resize(self.input.len() - 1, 0);
         let frame = match compressor.compress_to_buffer(&self.input[..], &mut self.output[..]) {
-            Ok(len) if len > 0 && len < self.input.len() => Some(len),
+            Ok(len) if len > 0 && len < self.input.len() => Some(&self.output[..len]),
             _ => None,
         };
-        let mut first = true;
-        for outcome in &mut batch.outcomes {
-            if let PageOutcome::Compressed { .. } = outcome {
-                *outcome = match frame {
-                    Some(len) if first => PageOutcome::Compressed { offset: 0, len },
-                    Some(len) => PageOutcome::Compressed {
-                        offset: len,
-                        len: 0,
-                    },
-                    None => PageOutcome::Raw(RawReason::DidNotShrink),
-                };
-                first = false;
-            }
-        }
-        match frame {
-            Some(len) => {
-                batch.data.extend_from_slice(&self.output[..len]);
-                counters.compressed = members;
-                counters.bytes_out += len as u64;
-            }
-            None => {
-                counters.raw_fallbacks = members;
-                counters.bytes_out += members * PAGE_SIZE as u64;
-            }
-        }
+        frame::settle(batch, frame, members, &mut counters);
         counters
     }
 }

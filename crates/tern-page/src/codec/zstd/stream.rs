@@ -23,10 +23,10 @@ use ::zstd::stream::raw::{
 use tern_wire::MAX_PAGES_PER_PACKET;
 use tern_wire::codec_id::STREAM_WINDOW_LOG;
 
+use super::frame;
 use crate::PAGE_SIZE;
-use crate::codec::batch::{CompressedBatch, PageOutcome, RawReason};
+use crate::codec::batch::CompressedBatch;
 use crate::codec::error::CodecError;
-use crate::codec::sample::looks_incompressible_bytes;
 use crate::codec::stats::CodecCounters;
 
 fn init_error(error: std::io::Error) -> CodecError {
@@ -98,9 +98,8 @@ impl StreamEncoder {
         sampling: bool,
     ) -> CodecCounters {
         // SAFETY: forwarded caller contract.
-        let mut counters = unsafe { self.gather(pages, batch, sampling) };
+        let mut counters = unsafe { frame::gather(&mut self.input, pages, batch, sampling) };
         let members = (self.input.len() / PAGE_SIZE) as u64;
-        counters.bytes_out = counters.skipped_by_sampling * PAGE_SIZE as u64;
         if members == 0 {
             return counters;
         }
@@ -111,74 +110,13 @@ impl StreamEncoder {
             .filter(|&len| len < self.input.len());
         // Bytes the receiver does not get must not be referred to.
         self.restart = flushed.is_none();
-        let mut first = true;
-        for outcome in &mut batch.outcomes {
-            if let PageOutcome::Compressed { .. } = outcome {
-                *outcome = match flushed {
-                    Some(len) if first => PageOutcome::Compressed { offset: 0, len },
-                    Some(len) => PageOutcome::Compressed {
-                        offset: len,
-                        len: 0,
-                    },
-                    None => PageOutcome::Raw(RawReason::DidNotShrink),
-                };
-                first = false;
-            }
-        }
-        match flushed {
-            Some(len) => {
-                batch.data.extend_from_slice(&self.output[..len]);
-                batch.stream_restart = restart;
-                counters.compressed = members;
-                counters.bytes_out += len as u64;
-            }
-            None => {
-                counters.raw_fallbacks = members;
-                counters.bytes_out += members * PAGE_SIZE as u64;
-            }
-        }
-        counters
-    }
-
-    /// Copies the pages into the input, leaving out those the sample finds
-    /// random; one outcome per page (compressed ones filled in later).
-    ///
-    /// # Safety
-    ///
-    /// As [`compress`](Self::compress).
-    unsafe fn gather(
-        &mut self,
-        pages: &[*const u8],
-        batch: &mut CompressedBatch,
-        sampling: bool,
-    ) -> CodecCounters {
-        let mut counters = CodecCounters {
-            pages: pages.len() as u64,
-            bytes_in: (pages.len() * PAGE_SIZE) as u64,
-            ..CodecCounters::default()
-        };
-        self.input.clear();
-        for &page in pages.iter().take(MAX_PAGES_PER_PACKET) {
-            let start = self.input.len();
-            self.input.resize(start + PAGE_SIZE, 0);
-            // SAFETY: the caller guarantees PAGE_SIZE readable bytes at
-            // `page`; the destination is this buffer's last PAGE_SIZE bytes.
-            unsafe {
-                core::ptr::copy_nonoverlapping(page, self.input[start..].as_mut_ptr(), PAGE_SIZE);
-            }
-            let snapshot: &[u8; PAGE_SIZE] = self.input[start..]
-                .try_into()
-                .expect("a page was just appended");
-            if sampling && looks_incompressible_bytes(snapshot) {
-                self.input.truncate(start);
-                batch.outcomes.push(PageOutcome::Raw(RawReason::Sampled));
-                counters.skipped_by_sampling += 1;
-            } else {
-                batch
-                    .outcomes
-                    .push(PageOutcome::Compressed { offset: 0, len: 0 });
-            }
-        }
+        batch.stream_restart = restart && flushed.is_some();
+        frame::settle(
+            batch,
+            flushed.map(|len| &self.output[..len]),
+            members,
+            &mut counters,
+        );
         counters
     }
 
@@ -314,6 +252,7 @@ fn malformed(error: std::io::Error) -> CodecError {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::codec::batch::{PageOutcome, RawReason};
     use crate::codec::{CodecId, PageCompressor, PageDecompressor, corpus_page};
 
     /// `count` text pages, each a slice of the corpus text stamped with

@@ -61,12 +61,14 @@ impl CompressionSetup {
             Some(CodecId::Zstd) if self.stream_frames => vec![CodecId::ZstdStream, CodecId::Zstd],
             Some(codec) => vec![codec],
             // auto: the codecs this build has (see tern-page's features);
-            // for whole packets, a stream per channel, whose window covers
-            // a packet frame's and more (docs/compression.md, "Streams").
+            // for whole packets, packet frames (its start) and a stream per
+            // channel, whose window covers a packet frame's and more
+            // (docs/compression.md, "A stream per channel").
             None => [
                 CodecId::Zstd,
                 CodecId::Deflate,
                 CodecId::Lz4,
+                CodecId::ZstdPacket,
                 CodecId::ZstdStream,
             ]
             .into_iter()
@@ -271,14 +273,16 @@ impl AutoCodec {
         let current = self.codec();
         self.achieved.unless_achieved_less(
             current,
-            tern_page::codec::choose_codec(
-                link,
-                workers,
-                &self.measurements,
-                current,
-                SWITCH_MARGIN,
-            ),
+            tern_page::codec::choose_codec(link, workers, &self.deciding(), current, SWITCH_MARGIN),
         )
+    }
+
+    /// The codecs a decision on a measured link weighs: all measured, but
+    /// packet frames where a channel stream is measured
+    /// ([`without_packet_frames_beside_a_stream`]); packet frames are only
+    /// the start's stand-in for it ([`start_candidates`]).
+    fn deciding(&self) -> Vec<tern_page::codec::CodecMeasurement> {
+        without_packet_frames_beside_a_stream(&self.measurements)
     }
 
     /// The link rate to decide on and what it rests on. A correction of a
@@ -306,7 +310,7 @@ impl AutoCodec {
             let on_a_faster_link = tern_page::codec::choose_codec(
                 rate * GUESS_CORRECTION_NOISE,
                 workers,
-                &self.measurements,
+                &self.deciding(),
                 current,
                 SWITCH_MARGIN,
             );
@@ -770,7 +774,7 @@ impl AutoCodec {
     ) -> Self {
         let mut selector = tern_page::AutoSelector::new(workers);
         let link = max_bandwidth.map_or(SLOWER_THAN_ANY_CODEC, |rate| rate as f64);
-        let first = selector.next(link, &measurements);
+        let first = selector.next(link, &start_candidates(&measurements, max_bandwidth));
         let mut report = crate::stats::AutoReport::default();
         for decision in &compression.auto_decisions {
             report.record(decision.clone());
@@ -818,6 +822,47 @@ impl AutoCodec {
     }
 }
 
+/// The codecs auto may start with: all, on a configured link; on a link
+/// still to be measured, none of the channel streams (packet frames stand
+/// in for them until the first decision, [`AutoCodec::deciding`]). A stream's packets
+/// are decoded by their receiver, which stops reading its socket
+/// meanwhile, so a first window under a stream can measure the receivers
+/// instead of the link, and a link that looks slow keeps the stream: on
+/// loopback (issue 31, series `stream46-loopback`) 3 of 8 migrations that
+/// started with one measured a 609-641 MB/s "link" and kept it to the
+/// end, 0.48-0.53 s against 0.42 for those that measured 6-8 GB/s and
+/// went raw. Packet frames, decoded by the pool, measure the link.
+fn start_candidates(
+    measurements: &[tern_page::codec::CodecMeasurement],
+    max_bandwidth: Option<u64>,
+) -> Vec<tern_page::codec::CodecMeasurement> {
+    match max_bandwidth {
+        Some(_) => without_packet_frames_beside_a_stream(measurements),
+        None => measurements
+            .iter()
+            .filter(|measured| !measured.codec.is_stream())
+            .copied()
+            .collect(),
+    }
+}
+
+/// `measurements` without packet frames when a channel stream is among
+/// them: the stream finds what a packet frame finds and what its channel
+/// sent before, at the same speed, which calibration's 64 scattered pages
+/// (one packet's worth) cannot show.
+fn without_packet_frames_beside_a_stream(
+    measurements: &[tern_page::codec::CodecMeasurement],
+) -> Vec<tern_page::codec::CodecMeasurement> {
+    let stream = measurements
+        .iter()
+        .any(|measured| measured.codec.is_stream());
+    measurements
+        .iter()
+        .filter(|measured| !(stream && measured.codec == CodecId::ZstdPacket))
+        .copied()
+        .collect()
+}
+
 /// A link rate (bytes per second) below any codec's speed: the selector
 /// then ranks codecs by ratio alone.
 const SLOWER_THAN_ANY_CODEC: f64 = 1.0;
@@ -858,6 +903,7 @@ pub(super) fn calibrate_codecs(
         (CodecId::Zstd, CodecId::Zstd.default_level()),
         (CodecId::Deflate, CodecId::Deflate.default_level()),
         (CodecId::Lz4, CodecId::Lz4.default_level()),
+        (CodecId::ZstdPacket, CodecId::ZstdPacket.default_level()),
         (CodecId::ZstdStream, CodecId::ZstdStream.default_level()),
     ];
     let measurements =
@@ -1615,6 +1661,39 @@ mod tests {
         let last = auto.report.decisions.last().unwrap();
         assert!(last.reason.contains("corrected at once"), "{last:?}");
         assert_eq!(auto.report.codec_switches, 2);
+    }
+
+    /// A channel stream is never the start on a link still to be measured
+    /// (its receivers' decoding can pass for the link); packet frames
+    /// stand in for it, and a decision on a measured slow link takes the
+    /// stream, never packet frames, even where calibration's one packet of
+    /// scattered pages measured both alike.
+    #[test]
+    fn packet_frames_stand_in_for_the_stream_until_the_link_is_measured() {
+        let mut candidates = software();
+        candidates.push(measured(CodecId::ZstdPacket, 150e6, 2.3));
+        candidates.push(measured(CodecId::ZstdStream, 150e6, 2.3));
+        let mut auto = auto_unsettled(candidates.clone());
+        assert_eq!(auto.codec(), CodecId::ZstdPacket);
+        // The link pushed back at 100 MB/s: slower than zstd.
+        let slow = window(5_000_000, true, 1.0);
+        let codecs = run_windows(&mut auto, &[slow; 3]);
+        assert_eq!(codecs[2], CodecId::ZstdStream, "{:?}", auto.report);
+        // A configured link is known: the stream may start.
+        let setup = CompressionSetup {
+            choice: CodecChoice::Auto,
+            level: None,
+            qpl_path: QplPath::Software,
+            deflate_through_qpl: false,
+            packet_frames: false,
+            stream_frames: false,
+            dictionary: None,
+            dictionary_report: None,
+            dictionary_refresh: None,
+            auto_decisions: Vec::new(),
+        };
+        let known = AutoCodec::start(2, candidates, Some(100_000_000), &setup);
+        assert_eq!(known.codec(), CodecId::ZstdStream);
     }
 
     /// Loopback: one raw window after a guess read 1264 MB/s, and lz4,

@@ -54,6 +54,7 @@ fn main() -> std::io::Result<()> {
         }
     }
     write_packet_seeds(&seeds.join("decompress_zstd_packet"))?;
+    write_zstd_stream_seeds(&seeds.join("decompress_zstd_stream"))?;
     write_delta_seeds(&seeds.join("apply_delta"))?;
     write_stream_seeds(&seeds.join("decode_stream"), &main, &pages)?;
     write_handover_seed(&seeds.join("decode_stream"))?;
@@ -218,6 +219,39 @@ fn write_packet_seeds(dir: &Path) -> std::io::Result<()> {
         fs::write(dir.join(name), seed)?;
     }
     Ok(())
+}
+
+/// A channel's zstd stream: three packets of text and binary pages (the
+/// first restarts the stream, the later ones refer back to it), then the
+/// same after a new level, in the target's layout
+/// ([`tern_fuzz::stream_packets`]).
+fn write_zstd_stream_seeds(dir: &Path) -> std::io::Result<()> {
+    use tern_page::codec::{CompressedBatch, PageOutcome};
+    fs::create_dir_all(dir)?;
+    let mut compressor = PageCompressor::new(CodecId::ZstdStream, 1).expect("zstd");
+    let mut seed = Vec::new();
+    for packet in 0..4u64 {
+        if packet == 3 {
+            compressor.set_level(3);
+        }
+        let content: Vec<[u8; PAGE_SIZE]> = (0..6)
+            .map(|i| corpus_page(if i % 3 == 2 { "binary" } else { "text" }, packet * 6 + i))
+            .collect();
+        let pointers: Vec<*const u8> = content.iter().map(|page| page.as_ptr()).collect();
+        let mut batch = CompressedBatch::new();
+        // SAFETY: whole pages of `content`, alive during the call.
+        unsafe { compressor.compress_batch(&pointers, &mut batch) };
+        let compressed = batch
+            .outcomes
+            .iter()
+            .filter(|outcome| matches!(outcome, PageOutcome::Compressed { .. }))
+            .count() as u8;
+        let len = u16::try_from(batch.data.len()).expect("a small packet");
+        seed.push((compressed - 1) | if batch.stream_restart { 0x80 } else { 0 });
+        seed.extend_from_slice(&len.to_le_bytes());
+        seed.extend_from_slice(&batch.data);
+    }
+    fs::write(dir.join("four-packets"), seed)
 }
 
 /// Real delta records: a small change, the longest record, an unchanged

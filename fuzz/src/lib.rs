@@ -64,3 +64,36 @@ pub fn apply_delta(data: &[u8]) {
         }
     }
 }
+
+/// The packets of a channel stream in `data`, in order: each a head byte
+/// (the packet's compressed pages, 1 to 128, less one, and in its top bit
+/// the restart flag), a little-endian u16 length, then that many bytes (or
+/// what is left). Shared by the target and the seed writer.
+pub fn stream_packets(mut data: &[u8]) -> Vec<(usize, bool, &[u8])> {
+    let mut packets = Vec::new();
+    while let [head, low, high, rest @ ..] = data {
+        let len = usize::from(u16::from_le_bytes([*low, *high])).min(rest.len());
+        let (bytes, after) = rest.split_at(len);
+        packets.push((usize::from(head & 0x7f) + 1, head & 0x80 != 0, bytes));
+        data = after;
+    }
+    packets
+}
+
+/// Decodes `data`'s packets ([`stream_packets`]) one after another with one
+/// channel's zstd stream decoder, as a receiver does: each decodes to
+/// exactly its pages or fails with a typed error, never writing more, and
+/// after a failure the stream is given up (as the receiver ends the
+/// session).
+pub fn decompress_stream(data: &[u8]) {
+    let mut decompressor = PageDecompressor::new(CodecId::ZstdStream).expect("zstd is built");
+    for (pages, restart, bytes) in stream_packets(data) {
+        match decompressor.decompress_packet(bytes, u8::from(restart), pages) {
+            Ok(decoded) => {
+                assert_eq!(decoded.len(), pages * PAGE_SIZE);
+                assert!(!bytes.is_empty() && bytes.len() < pages * PAGE_SIZE);
+            }
+            Err(_) => return,
+        }
+    }
+}

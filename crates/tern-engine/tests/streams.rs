@@ -104,3 +104,39 @@ fn a_packet_continuing_a_stream_the_channel_never_began_is_refused() {
     let _ = channel.write_all(&packet(codec_id::ZSTD_STREAM, 0, &entries, &bytes));
     attack.expect_error("zstd stream page malformed");
 }
+
+#[test]
+fn stream_frames_outside_plain_zstd_are_refused_up_front() {
+    let refused = |configure: fn(&mut tern_engine::MigrationConfig), needle: &str| {
+        let mut config = migration_config(2);
+        config.stream_frames = true;
+        configure(&mut config);
+        let error = tern_engine::Source::new(config).unwrap_err().to_string();
+        assert!(
+            error.contains("stream_frames") && error.contains(needle),
+            "{error}"
+        );
+    };
+    refused(
+        |config| config.compression = CodecChoice::Auto,
+        "compression is auto",
+    );
+    refused(
+        |config| {
+            config.compression = CodecChoice::Zstd;
+            config.packet_frames = true;
+        },
+        "with packet frames",
+    );
+    refused(
+        |config| {
+            config.compression = CodecChoice::Zstd;
+            config.compression_dictionary = Some(4096);
+        },
+        "with a dictionary",
+    );
+    let mut config = migration_config(2);
+    config.compression = CodecChoice::Zstd;
+    config.stream_frames = true;
+    assert!(tern_engine::Source::new(config).is_ok());
+}

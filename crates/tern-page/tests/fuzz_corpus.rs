@@ -99,6 +99,43 @@ fn zstd_packet_seeds() {
     assert!(count > 0, "no seeds in {}", dir.display());
 }
 
+/// The `decompress_zstd_stream` target's seeds, through the layout it
+/// reads (`fuzz/src/lib.rs`, `stream_packets`: a head byte with the pages
+/// and the restart flag, a u16 length, the bytes): the written seed's four
+/// packets decode in order on one stream decoder.
+#[test]
+fn zstd_stream_seeds() {
+    if !CodecId::ZstdStream.is_built() {
+        return;
+    }
+    let dir =
+        PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../fuzz/seeds/decompress_zstd_stream");
+    let mut count = 0;
+    for entry in std::fs::read_dir(&dir).unwrap_or_else(|e| panic!("{}: {e}", dir.display())) {
+        let path = entry.expect("a directory entry").path();
+        let mut data = &std::fs::read(&path).expect("a seed")[..];
+        let mut decoder = PageDecompressor::new(CodecId::ZstdStream).expect("zstd");
+        let mut packets = 0;
+        while let [head, low, high, rest @ ..] = data {
+            let len = usize::from(u16::from_le_bytes([*low, *high])).min(rest.len());
+            let (bytes, after) = rest.split_at(len);
+            let pages = usize::from(head & 0x7f) + 1;
+            let result = decoder.decompress_packet(bytes, u8::from(head & 0x80 != 0), pages);
+            if path.ends_with("four-packets") {
+                let decoded = result.unwrap_or_else(|error| panic!("{}: {error}", path.display()));
+                assert_eq!(decoded.len(), pages * PAGE_SIZE);
+            }
+            packets += 1;
+            data = after;
+        }
+        if path.ends_with("four-packets") {
+            assert_eq!(packets, 4);
+        }
+        count += 1;
+    }
+    assert!(count > 0, "no seeds in {}", dir.display());
+}
+
 /// The `apply_delta` target's kept inputs: real records apply, the named
 /// bad ones are refused without touching the page.
 #[test]

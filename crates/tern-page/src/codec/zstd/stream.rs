@@ -128,8 +128,10 @@ impl StreamEncoder {
             self.encoder
                 .set_parameter(CParameter::CompressionLevel(self.level))?;
         }
+        // zstd's bound for the input in one frame; should a flush need more,
+        // it fails, and the pages go raw (the stream restarts).
         self.output
-            .resize(::zstd::zstd_safe::compress_bound(self.input.len()) + 64, 0);
+            .resize(::zstd::zstd_safe::compress_bound(self.input.len()), 0);
         let mut input = InBuffer::around(&self.input[..]);
         let mut output = OutBuffer::around(&mut self.output[..]);
         while input.pos() < self.input.len() {
@@ -139,10 +141,8 @@ impl StreamEncoder {
                 return Err(std::io::Error::other("zstd made no progress"));
             }
         }
-        while self.encoder.flush(&mut output)? > 0 {
-            if output.pos() == output.capacity() {
-                return Err(std::io::Error::other("zstd's flush outgrew its bound"));
-            }
+        if self.encoder.flush(&mut output)? > 0 {
+            return Err(std::io::Error::other("zstd's flush outgrew its bound"));
         }
         Ok(output.pos())
     }
@@ -310,6 +310,10 @@ mod tests {
 
     #[test]
     fn a_new_level_restarts_the_stream_and_still_decodes() {
+        assert_eq!(
+            PageCompressor::new(CodecId::ZstdStream, 7).unwrap().level(),
+            7
+        );
         let mut compressor = PageCompressor::new(CodecId::ZstdStream, 1).unwrap();
         let mut decoder = PageDecompressor::new(CodecId::ZstdStream).unwrap();
         let first = text_pages(0, 16);
@@ -349,11 +353,60 @@ mod tests {
                 .iter()
                 .all(|outcome| *outcome == PageOutcome::Raw(RawReason::DidNotShrink))
         );
+        // Counted as raw: every byte of the four pages went out.
+        let counted = compressor.take_stats();
+        let counters = counted.get(compressor.implementation());
+        assert_eq!((counters.raw_fallbacks, counters.compressed), (4, 0));
+        assert_eq!(counters.bytes_out, 4 * PAGE_SIZE as u64);
         let mut decoder = PageDecompressor::new(CodecId::ZstdStream).unwrap();
         let pages = text_pages(0, 8);
         let batch = compress(&mut compressor, &pages);
         assert!(batch.stream_restart);
         assert_eq!(decode(&mut decoder, &batch, 8).unwrap(), pages.concat());
+        // Counted as the stream's bytes, beside a random page sampled raw.
+        compressor.set_sampling(true);
+        compressor.take_stats();
+        let mut mixed = text_pages(8, 3);
+        mixed.push(corpus_page("random", 9));
+        let batch = compress(&mut compressor, &mixed);
+        let counted = compressor.take_stats();
+        let counters = counted.get(compressor.implementation());
+        assert_eq!((counters.compressed, counters.skipped_by_sampling), (3, 1));
+        assert_eq!(
+            counters.bytes_out,
+            (batch.data.len() + PAGE_SIZE) as u64,
+            "{counters:?}"
+        );
+    }
+
+    /// Bytes no packet of `pages` pages can carry are refused before the
+    /// stream sees them: none, as many as the pages or more, no pages, more
+    /// than a packet holds.
+    #[test]
+    fn the_decoder_refuses_impossible_lengths_before_decoding() {
+        let mut compressor = PageCompressor::new(CodecId::ZstdStream, 1).unwrap();
+        let batch = compress(&mut compressor, &text_pages(0, 2));
+        let mut decoder = StreamDecoder::new().unwrap();
+        let refused = |decoder: &mut StreamDecoder, frame: &[u8], pages: usize| {
+            matches!(
+                decoder.decompress_packet(frame, true, pages),
+                Err(CodecError::BadInputLength { .. })
+            )
+        };
+        assert!(refused(&mut decoder, &[], 2));
+        assert!(refused(&mut decoder, &vec![0; 2 * PAGE_SIZE], 2));
+        assert!(refused(&mut decoder, &batch.data, 0));
+        assert!(refused(&mut decoder, &batch.data, MAX_PAGES_PER_PACKET + 1));
+        // The same bytes with their own page count decode, and so does a
+        // full packet.
+        assert_eq!(
+            decoder.decompress_packet(&batch.data, true, 2).unwrap(),
+            text_pages(0, 2).concat()
+        );
+        let full = text_pages(2, MAX_PAGES_PER_PACKET);
+        let batch = compress(&mut compressor, &full);
+        let decoded = decoder.decompress_packet(&batch.data, false, MAX_PAGES_PER_PACKET);
+        assert_eq!(decoded.unwrap(), full.concat());
     }
 
     /// A frame with a bigger window than [`STREAM_WINDOW_LOG`] allows, or
@@ -380,7 +433,8 @@ mod tests {
         let mut decoder = StreamDecoder::new().unwrap();
         assert!(matches!(
             decoder.decompress_packet(&batch.data, true, 7),
-            Err(CodecError::PacketSize { .. })
+            Err(CodecError::PacketSize { decoded, expected, .. })
+                if expected == 7 * PAGE_SIZE && decoded == expected + 1
         ));
         let mut decoder = StreamDecoder::new().unwrap();
         assert!(matches!(

@@ -434,6 +434,19 @@ mod tests {
             .collect()
     }
 
+    /// A channel stream on the measured link: the first dictionary is
+    /// given up once, and then never trained.
+    #[test]
+    fn a_forgone_first_dictionary_is_never_trained() {
+        let mut refresher = DictionaryRefresher::deferred(DictionaryRefresh::Background, 4096)
+            .expect("a refresher");
+        assert!(refresher.forgo_first());
+        assert!(!refresher.first_pending());
+        assert!(!refresher.forgo_first(), "given up twice");
+        assert!(!refresher.start_first(|| panic!("trained"), || panic!("judged")));
+        assert!(refresher.take_first_if_finished().is_none());
+    }
+
     #[test]
     fn a_deferred_first_dictionary_is_trained_once_and_announced_as_1() {
         assert!(DictionaryRefresher::deferred(DictionaryRefresh::Off, 4096).is_none());

@@ -192,28 +192,19 @@ fn carries_delta(input: &[u8]) -> bool {
 /// Packet frames of text and binary pages, with and without the target's
 /// dictionary, each behind the byte that gives its page count.
 fn write_packet_seeds(dir: &Path) -> std::io::Result<()> {
-    use tern_page::codec::{CompressedBatch, PageOutcome};
     fs::create_dir_all(dir)?;
     let dictionary = tern_fuzz::packet_dictionary();
     for (name, with_dictionary, pages) in [("text", false, 5u8), ("mixed_dict", true, 9)] {
         let content: Vec<[u8; PAGE_SIZE]> = (0..u64::from(pages))
             .map(|i| corpus_page(if i % 2 == 0 { "text" } else { "binary" }, i + 1))
             .collect();
-        let pointers: Vec<*const u8> = content.iter().map(|page| page.as_ptr()).collect();
         let mut compressor = PageCompressor::with_dictionary(
             CodecId::ZstdPacket,
             1,
             with_dictionary.then_some(&dictionary),
         )
         .expect("zstd");
-        let mut batch = CompressedBatch::new();
-        // SAFETY: whole pages of `content`, alive during the call.
-        unsafe { compressor.compress_batch(&pointers, &mut batch) };
-        let compressed = batch
-            .outcomes
-            .iter()
-            .filter(|outcome| matches!(outcome, PageOutcome::Compressed { .. }))
-            .count() as u8;
+        let (batch, compressed) = compress_packet(&mut compressor, &content);
         let mut seed = vec![(compressed - 1) | if with_dictionary { 0x80 } else { 0 }];
         seed.extend_from_slice(&batch.data);
         fs::write(dir.join(name), seed)?;
@@ -221,12 +212,30 @@ fn write_packet_seeds(dir: &Path) -> std::io::Result<()> {
     Ok(())
 }
 
+/// `content` compressed as one packet by `compressor`, and how many of its
+/// pages went compressed.
+fn compress_packet(
+    compressor: &mut PageCompressor,
+    content: &[[u8; PAGE_SIZE]],
+) -> (tern_page::codec::CompressedBatch, u8) {
+    use tern_page::codec::{CompressedBatch, PageOutcome};
+    let pointers: Vec<*const u8> = content.iter().map(|page| page.as_ptr()).collect();
+    let mut batch = CompressedBatch::new();
+    // SAFETY: whole pages of `content`, alive during the call.
+    unsafe { compressor.compress_batch(&pointers, &mut batch) };
+    let compressed = batch
+        .outcomes
+        .iter()
+        .filter(|outcome| matches!(outcome, PageOutcome::Compressed { .. }))
+        .count() as u8;
+    (batch, compressed)
+}
+
 /// A channel's zstd stream: three packets of text and binary pages (the
 /// first restarts the stream, the later ones refer back to it), then the
 /// same after a new level, in the target's layout
 /// ([`tern_fuzz::stream_packets`]).
 fn write_zstd_stream_seeds(dir: &Path) -> std::io::Result<()> {
-    use tern_page::codec::{CompressedBatch, PageOutcome};
     fs::create_dir_all(dir)?;
     let mut compressor = PageCompressor::new(CodecId::ZstdStream, 1).expect("zstd");
     let mut seed = Vec::new();
@@ -237,15 +246,7 @@ fn write_zstd_stream_seeds(dir: &Path) -> std::io::Result<()> {
         let content: Vec<[u8; PAGE_SIZE]> = (0..6)
             .map(|i| corpus_page(if i % 3 == 2 { "binary" } else { "text" }, packet * 6 + i))
             .collect();
-        let pointers: Vec<*const u8> = content.iter().map(|page| page.as_ptr()).collect();
-        let mut batch = CompressedBatch::new();
-        // SAFETY: whole pages of `content`, alive during the call.
-        unsafe { compressor.compress_batch(&pointers, &mut batch) };
-        let compressed = batch
-            .outcomes
-            .iter()
-            .filter(|outcome| matches!(outcome, PageOutcome::Compressed { .. }))
-            .count() as u8;
+        let (batch, compressed) = compress_packet(&mut compressor, &content);
         let len = u16::try_from(batch.data.len()).expect("a small packet");
         seed.push((compressed - 1) | if batch.stream_restart { 0x80 } else { 0 });
         seed.extend_from_slice(&len.to_le_bytes());

@@ -1342,16 +1342,8 @@ mod tests {
         assert_eq!(decide(&software()), CodecId::Zstd);
         assert_eq!(decide(&calibration.measurements), CodecId::Deflate);
         let setup = CompressionSetup {
-            choice: CodecChoice::Auto,
-            level: None,
-            qpl_path: QplPath::Software,
             deflate_through_qpl: calibration.deflate_through_qpl,
-            packet_frames: false,
-            stream_frames: false,
-            dictionary: None,
-            dictionary_report: None,
-            dictionary_refresh: None,
-            auto_decisions: Vec::new(),
+            ..auto_setup()
         };
         // Without libqpl here the QPL compressor cannot be made: the error
         // shows the setup asked for it.
@@ -1391,18 +1383,7 @@ mod tests {
 
     #[test]
     fn auto_starts_with_the_best_ratio_unless_the_link_is_known_to_be_fast() {
-        let setup = CompressionSetup {
-            choice: CodecChoice::Auto,
-            level: None,
-            qpl_path: QplPath::Software,
-            deflate_through_qpl: false,
-            packet_frames: false,
-            stream_frames: false,
-            dictionary: None,
-            dictionary_report: None,
-            dictionary_refresh: None,
-            auto_decisions: Vec::new(),
-        };
+        let setup = auto_setup();
         let mut candidates = software();
         candidates.push(measured(CodecId::ZstdPacket, 150e6, 2.3));
         let start = |max_bandwidth| {
@@ -1612,8 +1593,9 @@ mod tests {
         assert_eq!(reading.correction, Some(100e6));
     }
 
-    fn auto_unsettled(candidates: Vec<CodecMeasurement>) -> AutoCodec {
-        let setup = CompressionSetup {
+    /// `auto`'s setup as the tests make it: no level, dictionary or QPL.
+    fn auto_setup() -> CompressionSetup {
+        CompressionSetup {
             choice: CodecChoice::Auto,
             level: None,
             qpl_path: QplPath::Software,
@@ -1624,7 +1606,11 @@ mod tests {
             dictionary_report: None,
             dictionary_refresh: None,
             auto_decisions: Vec::new(),
-        };
+        }
+    }
+
+    fn auto_unsettled(candidates: Vec<CodecMeasurement>) -> AutoCodec {
+        let setup = auto_setup();
         AutoCodec::start(2, candidates, None, &setup)
     }
 
@@ -1680,18 +1666,7 @@ mod tests {
         let codecs = run_windows(&mut auto, &[slow; 3]);
         assert_eq!(codecs[2], CodecId::ZstdStream, "{:?}", auto.report);
         // A configured link is known: the stream may start.
-        let setup = CompressionSetup {
-            choice: CodecChoice::Auto,
-            level: None,
-            qpl_path: QplPath::Software,
-            deflate_through_qpl: false,
-            packet_frames: false,
-            stream_frames: false,
-            dictionary: None,
-            dictionary_report: None,
-            dictionary_refresh: None,
-            auto_decisions: Vec::new(),
-        };
+        let setup = auto_setup();
         let known = AutoCodec::start(2, candidates, Some(100_000_000), &setup);
         assert_eq!(known.codec(), CodecId::ZstdStream);
     }

@@ -7,6 +7,7 @@ use tern_wire::MAX_PAGES_PER_PACKET;
 
 use crate::PAGE_SIZE;
 use crate::codec::batch::{CompressedBatch, PageOutcome, RawReason};
+use crate::codec::error::CodecError;
 use crate::codec::sample::looks_incompressible_bytes;
 use crate::codec::stats::CodecCounters;
 
@@ -90,4 +91,22 @@ pub(super) fn settle(
             counters.bytes_out += members * PAGE_SIZE as u64;
         }
     }
+}
+
+/// The bytes `pages` pages decode to, when `frame` may carry them: 1 to
+/// [`MAX_PAGES_PER_PACKET`] pages, and fewer bytes than they decode to but
+/// at least one; else [`CodecError::BadInputLength`] naming `codec`.
+pub(super) fn decoded_len(
+    frame: &[u8],
+    pages: usize,
+    codec: &'static str,
+) -> Result<usize, CodecError> {
+    let expected = pages.min(MAX_PAGES_PER_PACKET) * PAGE_SIZE;
+    if pages == 0 || pages > MAX_PAGES_PER_PACKET || frame.is_empty() || frame.len() >= expected {
+        return Err(CodecError::BadInputLength {
+            codec,
+            len: frame.len(),
+        });
+    }
+    Ok(expected)
 }

@@ -145,14 +145,7 @@ impl ZstdDecoders {
         dictionary: u8,
         pages: usize,
     ) -> Result<&[u8], CodecError> {
-        let expected = pages.min(MAX_PAGES_PER_PACKET) * PAGE_SIZE;
-        if pages == 0 || pages > MAX_PAGES_PER_PACKET || frame.is_empty() || frame.len() >= expected
-        {
-            return Err(CodecError::BadInputLength {
-                codec: "zstd packet",
-                len: frame.len(),
-            });
-        }
+        let expected = frame::decoded_len(frame, pages, "zstd packet")?;
         let mut packet = std::mem::take(&mut self.packet);
         packet.resize(expected, 0);
         let too_long = CodecError::PacketSize {

@@ -178,14 +178,7 @@ impl StreamDecoder {
         restart: bool,
         pages: usize,
     ) -> Result<&[u8], CodecError> {
-        let expected = pages.min(MAX_PAGES_PER_PACKET) * PAGE_SIZE;
-        if pages == 0 || pages > MAX_PAGES_PER_PACKET || frame.is_empty() || frame.len() >= expected
-        {
-            return Err(CodecError::BadInputLength {
-                codec: "zstd stream",
-                len: frame.len(),
-            });
-        }
+        let expected = frame::decoded_len(frame, pages, "zstd stream")?;
         if restart {
             self.decoder.reinit().map_err(malformed)?;
         }

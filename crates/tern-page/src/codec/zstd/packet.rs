@@ -7,8 +7,6 @@
 //! pages × `PAGE_SIZE` bytes: its output buffer is exactly that long and
 //! zstd stops at its end.
 
-use tern_wire::MAX_PAGES_PER_PACKET;
-
 use super::frame;
 use crate::PAGE_SIZE;
 use crate::codec::batch::CompressedBatch;

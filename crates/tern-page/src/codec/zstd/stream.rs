@@ -20,7 +20,6 @@
 use ::zstd::stream::raw::{
     CParameter, DParameter, Decoder, Encoder, InBuffer, Operation, OutBuffer,
 };
-use tern_wire::MAX_PAGES_PER_PACKET;
 use tern_wire::codec_id::STREAM_WINDOW_LOG;
 
 use super::frame;
@@ -244,6 +243,8 @@ fn malformed(error: std::io::Error) -> CodecError {
 
 #[cfg(test)]
 mod tests {
+    use tern_wire::MAX_PAGES_PER_PACKET;
+
     use super::*;
     use crate::codec::batch::{PageOutcome, RawReason};
     use crate::codec::{CodecId, PageCompressor, PageDecompressor, corpus_page};

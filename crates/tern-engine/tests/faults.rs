@@ -767,3 +767,64 @@ fn bad_deltas_are_refused() {
         expect_abort(&mut fake.main, needle);
     }
 }
+
+/// A zero-page offload that panics on the workers' first batch: a bug on a
+/// pipeline thread, not input.
+#[derive(Debug)]
+struct PanickingOffload;
+
+impl tern_page::ZeroPageOffload for PanickingOffload {
+    unsafe fn submit(
+        &self,
+        _: &[*const u8],
+    ) -> Result<tern_page::offload::Ticket, tern_page::offload::OffloadError> {
+        panic!("the offload broke")
+    }
+
+    fn wait(
+        &self,
+        _: tern_page::offload::Ticket,
+        _: &mut Vec<bool>,
+    ) -> Result<(), tern_page::offload::OffloadError> {
+        panic!("no ticket was ever given")
+    }
+
+    fn is_done(&self, _: &tern_page::offload::Ticket) -> bool {
+        true
+    }
+
+    fn stats(&self) -> tern_page::offload::ZeroOffloadStats {
+        tern_page::offload::ZeroOffloadStats::default()
+    }
+
+    fn describe(&self) -> String {
+        "an offload that panics".into()
+    }
+}
+
+/// A pipeline thread that panics fails the migration with an error that
+/// names it, well within the caller's deadline, instead of leaving the
+/// producer waiting for batches that never come back; the source guest
+/// runs on.
+#[test]
+fn a_pipeline_thread_that_panics_fails_the_migration_and_the_source_runs_on() {
+    let mut guest = guest(16 * MIB, 8 * MIB);
+    let (listener, address) = tcp_listener();
+    let destination = spawn_destination(listener);
+    let mut config = migration_config(2);
+    config.zero_page_detection = tern_engine::ZeroPageDetection::Dsa;
+    config.zero_page_offload = Some(std::sync::Arc::new(PanickingOffload));
+    let failure = exit_after_deadline("a migration whose worker panics", || {
+        Source::new(config).unwrap().migrate(&mut guest, &address)
+    })
+    .expect_err("a worker panicked");
+    assert_eq!(failure.stats.status, MigrationStatus::Failed);
+    assert!(
+        matches!(&failure.error, MigrationError::Internal(text)
+            if text.contains("worker-") && text.contains("panicked: the offload broke")),
+        "{}",
+        failure.error.chain()
+    );
+    assert!(guest.is_running(), "the source guest must run on");
+    let _ = join_within(destination, "the destination");
+}

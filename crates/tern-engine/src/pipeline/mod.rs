@@ -185,6 +185,25 @@ impl Shared {
         self.stop();
     }
 
+    /// Runs a pipeline thread's `body`; a panic in it fails the migration
+    /// with the panic's message. The producer waits on the failure flag,
+    /// never on a thread that is gone: without this, a worker that
+    /// panicked (cargo-mutants made one index out of range) left the
+    /// producer waiting for its batches until the caller's own deadline.
+    fn failing_on_panic(&self, thread: &str, body: impl FnOnce()) {
+        let Err(panic) = std::panic::catch_unwind(std::panic::AssertUnwindSafe(body)) else {
+            return;
+        };
+        let message = panic
+            .downcast_ref::<&str>()
+            .map(|text| (*text).to_string())
+            .or_else(|| panic.downcast_ref::<String>().cloned())
+            .unwrap_or_else(|| "no message".to_string());
+        self.fail(MigrationError::Internal(format!(
+            "the pipeline's {thread} thread panicked: {message}"
+        )));
+    }
+
     fn take_failure(&self) -> Option<MigrationError> {
         self.failure
             .lock()
@@ -404,7 +423,9 @@ impl<'scope> Pipeline<'scope> {
                 .name(format!("tern-worker-{index}"))
                 .spawn_scoped(scope, move || {
                     shared_for_thread.worker_cpu.register(index);
-                    run_worker(&shared_for_thread, index)
+                    shared_for_thread.failing_on_panic(&format!("worker-{index}"), || {
+                        run_worker(&shared_for_thread, index);
+                    });
                 })
                 .map_err(MigrationError::Thread)?;
             let _ = shared.worker_bells[index].set(Doorbell::new(handle.thread().clone()));
@@ -430,7 +451,9 @@ impl<'scope> Pipeline<'scope> {
             let handle = thread::Builder::new()
                 .name(format!("tern-sender-{index}"))
                 .spawn_scoped(scope, move || {
-                    run_sender(&shared_for_thread, index, channel)
+                    shared_for_thread.failing_on_panic(&format!("sender-{index}"), || {
+                        run_sender(&shared_for_thread, index, channel);
+                    });
                 })
                 .map_err(MigrationError::Thread)?;
             let _ = shared.sender_bells[index].set(Doorbell::new(handle.thread().clone()));

@@ -110,3 +110,21 @@ pub(super) fn decoded_len(
     }
     Ok(expected)
 }
+
+/// That `decoded` bytes came out where the table says `expected`: else
+/// [`CodecError::PacketSize`] naming `codec`.
+pub(super) fn exactly(
+    decoded: usize,
+    expected: usize,
+    codec: &'static str,
+) -> Result<(), CodecError> {
+    if decoded == expected {
+        Ok(())
+    } else {
+        Err(CodecError::PacketSize {
+            codec,
+            decoded,
+            expected,
+        })
+    }
+}

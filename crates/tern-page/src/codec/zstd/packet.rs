@@ -157,14 +157,7 @@ impl ZstdDecoders {
                 .map_err(|error| decode_error(error, too_long))
         });
         self.packet = packet;
-        let decoded = decoded?;
-        if decoded != expected {
-            return Err(CodecError::PacketSize {
-                codec: "zstd",
-                decoded,
-                expected,
-            });
-        }
+        frame::exactly(decoded?, expected, "zstd")?;
         Ok(&self.packet[..expected])
     }
 }

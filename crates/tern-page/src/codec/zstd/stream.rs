@@ -185,14 +185,7 @@ impl StreamDecoder {
         packet.resize(expected, 0);
         let decoded = self.decode_into(frame, &mut packet[..]);
         self.packet = packet;
-        let decoded = decoded?;
-        if decoded != expected {
-            return Err(CodecError::PacketSize {
-                codec: "zstd stream",
-                decoded,
-                expected,
-            });
-        }
+        frame::exactly(decoded?, expected, "zstd stream")?;
         Ok(&self.packet[..expected])
     }
 

@@ -128,3 +128,13 @@ pub(super) fn exactly(
         })
     }
 }
+
+/// `buffer`'s first `len` bytes, growing it (zero-filled) only when it is
+/// shorter: packets' lengths vary, and shrinking then growing the buffer
+/// again would zero the difference for every packet.
+pub(super) fn room(buffer: &mut Vec<u8>, len: usize) -> &mut [u8] {
+    if buffer.len() < len {
+        buffer.resize(len, 0);
+    }
+    &mut buffer[..len]
+}

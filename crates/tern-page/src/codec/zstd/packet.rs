@@ -47,8 +47,8 @@ impl PacketFrame {
         if members == 0 {
             return counters;
         }
-        self.output.resize(self.input.len() - 1, 0);
-        let frame = match compressor.compress_to_buffer(&self.input[..], &mut self.output[..]) {
+        let output = frame::room(&mut self.output, self.input.len() - 1);
+        let frame = match compressor.compress_to_buffer(&self.input[..], output) {
             Ok(len) if len > 0 && len < self.input.len() => Some(&self.output[..len]),
             _ => None,
         };
@@ -145,7 +145,7 @@ impl ZstdDecoders {
     ) -> Result<&[u8], CodecError> {
         let expected = frame::decoded_len(frame, pages, "zstd packet")?;
         let mut packet = std::mem::take(&mut self.packet);
-        packet.resize(expected, 0);
+        frame::room(&mut packet, expected);
         let too_long = CodecError::PacketSize {
             codec: "zstd",
             decoded: expected + 1,

@@ -129,10 +129,9 @@ impl StreamEncoder {
         }
         // zstd's bound for the input in one frame; should a flush need more,
         // it fails, and the pages go raw (the stream restarts).
-        self.output
-            .resize(::zstd::zstd_safe::compress_bound(self.input.len()), 0);
+        let bound = ::zstd::zstd_safe::compress_bound(self.input.len());
         let mut input = InBuffer::around(&self.input[..]);
-        let mut output = OutBuffer::around(&mut self.output[..]);
+        let mut output = OutBuffer::around(frame::room(&mut self.output, bound));
         while input.pos() < self.input.len() {
             let before = (input.pos(), output.pos());
             self.encoder.run(&mut input, &mut output)?;
@@ -182,8 +181,7 @@ impl StreamDecoder {
             self.decoder.reinit().map_err(malformed)?;
         }
         let mut packet = std::mem::take(&mut self.packet);
-        packet.resize(expected, 0);
-        let decoded = self.decode_into(frame, &mut packet[..]);
+        let decoded = self.decode_into(frame, frame::room(&mut packet, expected));
         self.packet = packet;
         frame::exactly(decoded?, expected, "zstd stream")?;
         Ok(&self.packet[..expected])

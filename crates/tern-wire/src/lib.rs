@@ -128,6 +128,12 @@ pub mod codec_id {
     pub fn takes_dictionary(codec: u8) -> bool {
         codec == ZSTD || codec == ZSTD_PACKET
     }
+    /// The dictionary a packet of `codec` with dictionary byte `byte`
+    /// names: the byte for a codec that takes dictionaries, else 0 (the
+    /// byte then means something else, [`STREAM_RESTART`], or nothing).
+    pub fn named_dictionary(codec: u8, byte: u8) -> u8 {
+        if takes_dictionary(codec) { byte } else { 0 }
+    }
     /// Whether a packet's compressed pages share one frame, carried by its
     /// first compressed entry ([`ZSTD_PACKET`], [`ZSTD_STREAM`]).
     pub fn one_frame_per_packet(codec: u8) -> bool {

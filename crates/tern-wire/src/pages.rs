@@ -119,11 +119,7 @@ impl PagesHeader {
     /// The dictionary the packet names: 0 for none, and for a codec that
     /// takes none (whose byte means something else, or nothing).
     pub fn named_dictionary(&self) -> u8 {
-        if codec_id::takes_dictionary(self.codec) {
-            self.dictionary
-        } else {
-            0
-        }
+        codec_id::named_dictionary(self.codec, self.dictionary)
     }
 
     /// Whether the packet's bytes begin a new channel stream

@@ -89,19 +89,15 @@ impl Landing {
     /// The dictionary the packet names (0: none, or a codec that takes
     /// none).
     pub(super) fn named_dictionary(&self) -> u8 {
-        if codec_id::takes_dictionary(self.codec) {
-            self.dictionary
-        } else {
-            0
-        }
+        codec_id::named_dictionary(self.codec, self.dictionary)
     }
 
-    /// Whether this packet's compressed pages continue its channel's
-    /// stream ([`codec_id::ZSTD_STREAM`]): then only the channel's own
-    /// decoder, fed its packets in order, can decode it, so it lands on its
-    /// receiver, never in the pool.
+    /// Whether this packet's compressed pages, if it has any, continue its
+    /// channel's stream ([`codec_id::ZSTD_STREAM`]): then only the
+    /// channel's own decoder, fed its packets in order, can decode them, so
+    /// the packet lands on its receiver, never in the pool.
     pub(super) fn continues_a_stream(&self) -> bool {
-        self.codec == codec_id::ZSTD_STREAM && self.needs_decoding()
+        self.codec == codec_id::ZSTD_STREAM
     }
 
     /// Whether a page of this packet copies another page (a duplicate):

@@ -33,22 +33,23 @@ pub(super) fn run_worker(shared: &Shared, index: usize) {
         shared.producer_bell.ring();
         let encode_started = thread_cpu_ns();
         encode(shared, &mut batch, &mut scratch);
-        let queued = if batch.codec.is_stream() {
-            // The stream's packets must reach its channel in the order
-            // they were compressed: held from compressing to queueing.
+        // A stream's packets must reach its channel in the order they
+        // were compressed: its stream is held from compressing to queueing.
+        let (target, stream) = if batch.codec.is_stream() {
             let (target, mut stream) = lock_stream(shared, batch.reuse.route, index);
             compress_in_stream(shared, &mut batch, &mut scratch.pointers, &mut stream);
             build_table(shared, &mut batch);
-            batch.encode_cpu_ns = thread_cpu_ns().saturating_sub(encode_started);
-            queue(shared, batch, target, &mut published)
+            (target, Some(stream))
         } else {
-            batch.encode_cpu_ns = thread_cpu_ns().saturating_sub(encode_started);
-            let target = batch
-                .reuse
-                .route
-                .unwrap_or_else(|| least_loaded_sender(shared, index));
-            queue(shared, batch, target, &mut published)
+            let route = batch.reuse.route;
+            (
+                route.unwrap_or_else(|| least_loaded_sender(shared, index)),
+                None,
+            )
         };
+        batch.encode_cpu_ns = thread_cpu_ns().saturating_sub(encode_started);
+        let queued = queue(shared, batch, target, &mut published);
+        drop(stream);
         if !queued {
             return;
         }

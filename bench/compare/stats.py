@@ -8,8 +8,11 @@ from dataclasses import dataclass
 
 from .contenders import Run
 
-QEMU_NAMES = ("qemu", "qemu-nothp")
-TERN_NAMES = ("tern", "tern-dict", "tern-packet", "tern-best", "tern-verify")
+# Each side's contenders its best is taken from: all but the TLS rows
+# (their own comparison) and tern-default-base (another build).
+QEMU_NAMES = ("qemu", "qemu-nothp", "qemu-xbzrle")
+TERN_NAMES = ("tern", "tern-default", "tern-dict", "tern-packet", "tern-best", "tern-verify",
+              "tern-delta")
 
 
 @dataclass

@@ -53,7 +53,8 @@ class StatsTest(unittest.TestCase):
     def test_best_per_mode_and_link(self):
         summary = stats.summarize([
             Run(CASE, "qemu", 0, outcome(3.0)), Run(CASE, "qemu-nothp", 0, outcome(2.0)),
-            Run(CASE, "tern", 0, outcome(1.5)), Run(EXTRA, "tern-best", 0, outcome(1.0))])
+            Run(CASE, "tern", 0, outcome(1.5)), Run(EXTRA, "tern-best", 0, outcome(1.0)),
+            Run(CASE, "tern-default-base", 0, outcome(0.5))])
         self.assertEqual(stats.best(summary, "running", "loopback", stats.QEMU_NAMES),
                          (2.0, "2ch/none qemu-nothp"))
         self.assertEqual(stats.best(summary, "running", "loopback", stats.TERN_NAMES),

@@ -35,6 +35,21 @@ pub enum ChannelError {
     Auth(String),
 }
 
+/// Runs a migration thread's `body`; a panic in it becomes `Err` with the
+/// panic's message, for the caller to fail the migration with. The other
+/// threads wait on a failure flag, never on a thread that is gone, so a
+/// panic must set that flag or they wait for the thread until a deadline
+/// (or, where the peer keeps its channel alive, for good).
+pub(crate) fn catching_panic<T>(body: impl FnOnce() -> T) -> Result<T, String> {
+    std::panic::catch_unwind(std::panic::AssertUnwindSafe(body)).map_err(|panic| {
+        panic
+            .downcast_ref::<&str>()
+            .map(|text| (*text).to_string())
+            .or_else(|| panic.downcast_ref::<String>().cloned())
+            .unwrap_or_else(|| "no message".to_string())
+    })
+}
+
 /// `error` and each of its causes, joined by ": ".
 fn cause_chain(error: &dyn std::error::Error) -> String {
     let mut text = error.to_string();

@@ -319,6 +319,36 @@ fn tls_migration_verifies_with_a_key_too() {
     }
 }
 
+/// A channel's zstd stream (protocol 14) under TLS: the stream's packets
+/// are records like any others, decoded on their channel in order.
+#[test]
+fn tls_carries_each_channels_zstd_stream() {
+    let pki = TestPki::new("tern test CA");
+    let (listener, address) = tcp_listener();
+    let mut migrate = secured_migration(3, tls(pki.config(&pki.identity(&["source.test"]))));
+    migrate.compression = tern_page::codec::CodecChoice::Zstd;
+    migrate.stream_frames = true;
+    let stats = migrate_and_verify(
+        listener,
+        &address,
+        secured_receive(tls(pki.config(&pki.identity(&["127.0.0.1"])))),
+        migrate,
+    );
+    assert!(
+        stats
+            .security
+            .expect("the session's security")
+            .tls
+            .is_some()
+    );
+    let report = stats.compression.expect("compression report");
+    assert!(
+        report.codecs["zstd-stream"].compressed > 0,
+        "{:?}",
+        report.codecs
+    );
+}
+
 #[test]
 fn tls_over_a_unix_socket_checks_the_given_host_name() {
     let pki = TestPki::new("tern test CA");

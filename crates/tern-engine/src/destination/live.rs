@@ -138,7 +138,9 @@ fn spawn_fault_server<'scope>(
     };
     let spawned = std::thread::Builder::new()
         .name("tern-faults".into())
-        .spawn_scoped(scope, move || userfault.serve_faults());
+        .spawn_scoped(scope, move || {
+            shared.failing_on_panic("fault server", || userfault.serve_faults());
+        });
     if let Err(error) = spawned {
         tracing::warn!(%error, "cannot start the userfaultfd thread: pages fault in");
         userfault.release();
@@ -159,15 +161,17 @@ fn spawn_auditor<'scope>(scope: &'scope Scope<'scope, '_>, shared: &'scope Recei
             let populated = &shared.populated;
             let received_data =
                 || shared.stats.normal_pages.load(Ordering::Relaxed) * PAGE_SIZE as u64;
-            // SAFETY: guest memory stays mapped for the whole migration,
-            // beyond this scope, which ends after `stop_audit`.
-            unsafe {
-                hashes.audit(
-                    &AuditPace::proportional(&received_data),
-                    &|region, page| !populated[region].get(page),
-                    &|| shared.stats.record_audit_pass(),
-                )
-            };
+            shared.failing_on_panic("audit", || {
+                // SAFETY: guest memory stays mapped for the whole migration,
+                // beyond this scope, which ends after `stop_audit`.
+                unsafe {
+                    hashes.audit(
+                        &AuditPace::proportional(&received_data),
+                        &|region, page| !populated[region].get(page),
+                        &|| shared.stats.record_audit_pass(),
+                    )
+                }
+            });
             shared.stats.timeline.mark("auditor-ended");
         });
     if let Err(error) = spawned {
@@ -189,7 +193,9 @@ fn spawn_decoders<'scope>(
         let spawned = std::thread::Builder::new()
             .name(format!("tern-decoder-{index}"))
             .spawn_scoped(scope, move || {
-                shared.pool.run_decoder(index, shared, codecs)
+                shared.failing_on_panic("decoder", || {
+                    shared.pool.run_decoder(index, shared, codecs);
+                });
             });
         match spawned {
             Ok(handle) => handles.push(handle),
@@ -230,8 +236,13 @@ fn spawn_receivers<'scope, P: PageStream + 'scope>(
             .name(format!("tern-receiver-{index}"))
             .spawn_scoped(scope, move || {
                 let cpu_start = thread_cpu_seconds();
-                let result = receive_pages(shared, index, channel, codecs)
-                    .map_err(|error| shared.fail(error));
+                let received = shared
+                    .failing_on_panic("receiver", || receive_pages(shared, index, channel, codecs));
+                // A panic has failed the migration already.
+                let result = match received {
+                    Some(result) => result.map_err(|error| shared.fail(error)),
+                    None => Err(()),
+                };
                 shared
                     .stats
                     .record_receiver_cpu(index, thread_cpu_seconds() - cpu_start);
@@ -561,5 +572,137 @@ fn wait_for_main(
         {
             return Ok(());
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::ptr::NonNull;
+
+    use tern_wire::{DigestAlgorithm, RegionInfo, SessionSetup};
+
+    use super::*;
+    use crate::destination::ReceiveStats;
+    use crate::guest::MemoryRegion;
+    use crate::source::CancelToken;
+    use crate::transport::Segment;
+
+    /// A main channel on which the source keeps quiet, as it does while
+    /// pages flow: the destination's wait for it has no deadline of its own
+    /// then (the page channels' receivers have theirs).
+    struct QuietMain;
+
+    impl FrameSource for QuietMain {
+        fn wait_readable(&self, timeout: Duration) -> Result<bool, ChannelError> {
+            // A socket's poll with nothing to read: the whole timeout passes.
+            std::thread::sleep(timeout.min(Duration::from_millis(5)));
+            Ok(false)
+        }
+
+        fn read_exact(&mut self, _: &mut [u8]) -> Result<(), ChannelError> {
+            Err(ChannelError::Closed)
+        }
+
+        unsafe fn read_scattered(&mut self, _: &[Segment]) -> Result<(), ChannelError> {
+            Err(ChannelError::Closed)
+        }
+    }
+
+    impl FrameSink for QuietMain {
+        fn send_message(&mut self, _: &Message) -> Result<(), ChannelError> {
+            Ok(())
+        }
+    }
+
+    /// A page channel whose reading panics, as a bug on the receive path
+    /// would.
+    struct PanickingChannel;
+
+    impl FrameSource for PanickingChannel {
+        fn wait_readable(&self, _: Duration) -> Result<bool, ChannelError> {
+            panic!("a bug on the receive path");
+        }
+
+        fn read_exact(&mut self, _: &mut [u8]) -> Result<(), ChannelError> {
+            panic!("a bug on the receive path");
+        }
+
+        unsafe fn read_scattered(&mut self, _: &[Segment]) -> Result<(), ChannelError> {
+            panic!("a bug on the receive path");
+        }
+    }
+
+    impl PageStream for PanickingChannel {
+        type Interrupt = ();
+
+        fn interrupt_handle(&self) -> Result<(), ChannelError> {
+            Ok(())
+        }
+
+        fn interrupt(_: &()) {}
+    }
+
+    #[test]
+    fn a_receiver_that_panics_fails_the_migration_with_its_message() {
+        const PAGES: usize = 16;
+        let setup = SessionSetup {
+            page_size: tern_wire::PAGE_SIZE,
+            channel_count: 1,
+            codecs: 1 << tern_wire::codec_id::ZSTD,
+            digest: DigestAlgorithm::Xxh3Pages,
+            regions: vec![RegionInfo {
+                id: 5,
+                guest_addr: 0,
+                len: (PAGES * PAGE_SIZE) as u64,
+            }],
+            guest_kind: String::new(),
+            dictionaries: 0,
+            vmm_config_len: 0,
+        };
+        let mut memory = vec![0u8; PAGES * PAGE_SIZE];
+        // SAFETY: `memory` is a writable allocation of that length that
+        // outlives every use of the region below.
+        let region = unsafe {
+            MemoryRegion::new(
+                5,
+                0,
+                NonNull::new(memory.as_mut_ptr()).unwrap(),
+                memory.len() as u64,
+            )
+        };
+        let regions = [region];
+        let (stats, cancel) = (ReceiveStats::default(), CancelToken::new());
+        let shared = ReceiverShared::new(
+            &setup,
+            &regions,
+            1,
+            &stats,
+            Duration::from_secs(30),
+            &cancel,
+        )
+        .with_decode_threads(1);
+        // Without the failure the panic sets, the quiet main channel is
+        // waited on for good: the watchdog ends the test as failed.
+        let result = tern_test_skip::wait::exit_after_deadline(
+            "the receiver's panic ends the migration",
+            || {
+                receive_all(
+                    &shared,
+                    &mut QuietMain,
+                    &mut FrameDecoder::new(),
+                    vec![PanickingChannel],
+                    &[CodecId::Zstd],
+                )
+            },
+        );
+        let error = result
+            .err()
+            .expect("a migration whose receiver panicked fails");
+        assert!(
+            error
+                .to_string()
+                .contains("the destination's receiver thread panicked: a bug on the receive path"),
+            "{error}"
+        );
     }
 }

@@ -288,6 +288,23 @@ impl<'a> ReceiverShared<'a> {
         self.stop();
     }
 
+    /// Runs a receive thread's `body` (a receiver, decoder, auditor or the
+    /// fault server); a panic in it fails the migration with the panic's
+    /// message, and `None` stands for the body's result. The main channel's
+    /// wait has no deadline of its own while page channels are open (their
+    /// receivers time out on a silent source), so a receiver that was gone
+    /// without a word left it waiting for as long as the source kept the
+    /// main channel alive.
+    pub(super) fn failing_on_panic<T>(&self, thread: &str, body: impl FnOnce() -> T) -> Option<T> {
+        crate::error::catching_panic(body)
+            .map_err(|message| {
+                self.fail(MigrationError::Internal(format!(
+                    "the destination's {thread} thread panicked: {message}"
+                )));
+            })
+            .ok()
+    }
+
     /// Records `error` as the cause, replacing what was recorded.
     pub(super) fn fail_first(&self, error: MigrationError) {
         *self.first_failure.lock().unwrap_or_else(|e| e.into_inner()) = Some(error);

@@ -191,17 +191,11 @@ impl Shared {
     /// panicked (cargo-mutants made one index out of range) left the
     /// producer waiting for its batches until the caller's own deadline.
     fn failing_on_panic(&self, thread: &str, body: impl FnOnce()) {
-        let Err(panic) = std::panic::catch_unwind(std::panic::AssertUnwindSafe(body)) else {
-            return;
-        };
-        let message = panic
-            .downcast_ref::<&str>()
-            .map(|text| (*text).to_string())
-            .or_else(|| panic.downcast_ref::<String>().cloned())
-            .unwrap_or_else(|| "no message".to_string());
-        self.fail(MigrationError::Internal(format!(
-            "the pipeline's {thread} thread panicked: {message}"
-        )));
+        if let Err(message) = crate::error::catching_panic(body) {
+            self.fail(MigrationError::Internal(format!(
+                "the pipeline's {thread} thread panicked: {message}"
+            )));
+        }
     }
 
     fn take_failure(&self) -> Option<MigrationError> {

@@ -577,13 +577,9 @@ fn wait_for_main(
 
 #[cfg(test)]
 mod tests {
-    use std::ptr::NonNull;
-
-    use tern_wire::{DigestAlgorithm, RegionInfo, SessionSetup};
-
     use super::*;
     use crate::destination::ReceiveStats;
-    use crate::guest::MemoryRegion;
+    use crate::destination::test_memory::AnonymousMemory;
     use crate::source::CancelToken;
     use crate::transport::Segment;
 
@@ -644,33 +640,8 @@ mod tests {
 
     #[test]
     fn a_receiver_that_panics_fails_the_migration_with_its_message() {
-        const PAGES: usize = 16;
-        let setup = SessionSetup {
-            page_size: tern_wire::PAGE_SIZE,
-            channel_count: 1,
-            codecs: 1 << tern_wire::codec_id::ZSTD,
-            digest: DigestAlgorithm::Xxh3Pages,
-            regions: vec![RegionInfo {
-                id: 5,
-                guest_addr: 0,
-                len: (PAGES * PAGE_SIZE) as u64,
-            }],
-            guest_kind: String::new(),
-            dictionaries: 0,
-            vmm_config_len: 0,
-        };
-        let mut memory = vec![0u8; PAGES * PAGE_SIZE];
-        // SAFETY: `memory` is a writable allocation of that length that
-        // outlives every use of the region below.
-        let region = unsafe {
-            MemoryRegion::new(
-                5,
-                0,
-                NonNull::new(memory.as_mut_ptr()).unwrap(),
-                memory.len() as u64,
-            )
-        };
-        let regions = [region];
+        let memory = AnonymousMemory::new(16);
+        let (setup, regions) = (memory.setup(5), [memory.region(5)]);
         let (stats, cancel) = (ReceiveStats::default(), CancelToken::new());
         let shared = ReceiverShared::new(
             &setup,

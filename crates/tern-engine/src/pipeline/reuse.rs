@@ -146,9 +146,27 @@ fn mark_duplicate(shared: &Shared, batch: &mut Batch, position: usize, region: u
     batch.reuse.counts.duplicate_pages += 1;
 }
 
+/// Bytes compared before the whole pages: most candidates are another
+/// page that shares only the index's bucket (a 3 GiB guest's first pass
+/// met 65,669 candidates for 510 duplicates), and their first cache line
+/// already differs.
+const PREFIX: usize = 64;
+
 /// Compares two pages through copies: guest memory is never borrowed as a
-/// slice while the guest may write it.
+/// slice while the guest may write it. Their first [`PREFIX`] bytes first,
+/// so a page that differs early costs one cache line of each, not two
+/// whole pages copied.
 fn same_bytes(a: *const u8, b: *const u8, compare: &mut [Vec<u8>; 2]) -> bool {
+    let (mut first_prefix, mut second_prefix) = ([0u8; PREFIX], [0u8; PREFIX]);
+    // SAFETY: both are whole readable pages, longer than the prefix (see
+    // below); the arrays are ours.
+    unsafe {
+        std::ptr::copy_nonoverlapping(a, first_prefix.as_mut_ptr(), PREFIX);
+        std::ptr::copy_nonoverlapping(b, second_prefix.as_mut_ptr(), PREFIX);
+    }
+    if first_prefix != second_prefix {
+        return false;
+    }
     let [first, second] = compare;
     first.resize(PAGE_SIZE, 0);
     second.resize(PAGE_SIZE, 0);
@@ -206,5 +224,28 @@ pub(super) fn publish(shared: &Shared, pages: &[(u64, IndexedPage)]) {
         for &(hash, page) in pages {
             index.publish(hash, page);
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn pages_are_the_same_only_when_every_byte_is() {
+        let mut compare = [Vec::new(), Vec::new()];
+        let page = vec![7u8; PAGE_SIZE];
+        let mut other = page.clone();
+        assert!(same_bytes(page.as_ptr(), other.as_ptr(), &mut compare));
+        // A difference past the prefix, and one inside it.
+        for at in [PAGE_SIZE - 1, PREFIX, PREFIX - 1, 0] {
+            other[at] = 8;
+            assert!(
+                !same_bytes(page.as_ptr(), other.as_ptr(), &mut compare),
+                "{at}"
+            );
+            other[at] = 7;
+        }
+        assert!(same_bytes(page.as_ptr(), other.as_ptr(), &mut compare));
     }
 }

@@ -585,14 +585,32 @@ mod tests {
 
     /// A main channel on which the source keeps quiet, as it does while
     /// pages flow: the destination's wait for it has no deadline of its own
-    /// then (the page channels' receivers have theirs).
-    struct QuietMain;
+    /// then (the page channels' receivers have theirs). A real socket whose
+    /// peer sends nothing.
+    struct QuietMain {
+        socket: std::net::TcpStream,
+        _peer: std::net::TcpStream,
+    }
+
+    impl QuietMain {
+        fn new() -> Self {
+            let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+            let peer = std::net::TcpStream::connect(listener.local_addr().unwrap()).unwrap();
+            let (socket, _) = listener.accept().unwrap();
+            Self {
+                socket,
+                _peer: peer,
+            }
+        }
+    }
 
     impl FrameSource for QuietMain {
         fn wait_readable(&self, timeout: Duration) -> Result<bool, ChannelError> {
-            // A socket's poll with nothing to read: the whole timeout passes.
-            std::thread::sleep(timeout.min(Duration::from_millis(5)));
-            Ok(false)
+            self.socket
+                .set_read_timeout(Some(timeout.max(Duration::from_millis(1))))
+                .unwrap();
+            // Nothing ever comes: the read waits out its timeout.
+            Ok(self.socket.peek(&mut [0u8; 1]).is_ok())
         }
 
         fn read_exact(&mut self, _: &mut [u8]) -> Result<(), ChannelError> {
@@ -659,7 +677,7 @@ mod tests {
             || {
                 receive_all(
                     &shared,
-                    &mut QuietMain,
+                    &mut QuietMain::new(),
                     &mut FrameDecoder::new(),
                     vec![PanickingChannel],
                     &[CodecId::Zstd],

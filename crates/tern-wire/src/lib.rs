@@ -134,6 +134,11 @@ pub mod codec_id {
     pub fn named_dictionary(codec: u8, byte: u8) -> u8 {
         if takes_dictionary(codec) { byte } else { 0 }
     }
+    /// Whether a packet of `codec` with dictionary byte `byte` begins a new
+    /// channel stream ([`ZSTD_STREAM`] with [`STREAM_RESTART`]).
+    pub fn restarts_stream(codec: u8, byte: u8) -> bool {
+        codec == ZSTD_STREAM && byte == STREAM_RESTART
+    }
     /// Whether a packet's compressed pages share one frame, carried by its
     /// first compressed entry ([`ZSTD_PACKET`], [`ZSTD_STREAM`]).
     pub fn one_frame_per_packet(codec: u8) -> bool {

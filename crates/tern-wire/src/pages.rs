@@ -125,7 +125,7 @@ impl PagesHeader {
     /// Whether the packet's bytes begin a new channel stream
     /// ([`codec_id::ZSTD_STREAM`] with [`codec_id::STREAM_RESTART`]).
     pub fn restarts_stream(&self) -> bool {
-        self.codec == codec_id::ZSTD_STREAM && self.dictionary == codec_id::STREAM_RESTART
+        codec_id::restarts_stream(self.codec, self.dictionary)
     }
 
     /// Encoded size: region, iteration, count, codec, dictionary.
@@ -157,9 +157,8 @@ impl PagesHeader {
                 detail: format!("codec {codec} was not announced in the session setup"),
             });
         }
-        let restart = codec == codec_id::ZSTD_STREAM && dictionary == codec_id::STREAM_RESTART;
         if dictionary != 0
-            && !restart
+            && !codec_id::restarts_stream(codec, dictionary)
             && (!codec_id::takes_dictionary(codec) || dictionary > setup.dictionaries)
         {
             return Err(WireError::InvalidField {

@@ -287,9 +287,10 @@ pub struct MigrationConfig {
     /// dictionary; `auto` uses it as its zstd framing for whole packets.
     pub stream_frames: bool,
     /// With `compression: Auto` and no `compression_dictionary`: auto
-    /// trains a zstd dictionary at setup and keeps it when it improves
-    /// zstd's ratio on pages the training did not see (unless the
-    /// configured `max_bandwidth` is faster than every codec). See
+    /// decides the session's zstd dictionary itself: trained in the
+    /// background once the measured link has it keep per-page zstd, in use
+    /// once it pays on pages the training did not see; none with its zstd
+    /// stream per channel, nor with `dictionary_refresh` off. See
     /// docs/compression.md, "Auto".
     pub auto_dictionary: bool,
     /// With `compression: Auto` and `delta_cache_size` 0: the most memory

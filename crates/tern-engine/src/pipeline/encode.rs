@@ -147,6 +147,7 @@ pub(super) fn compress(shared: &Shared, batch: &mut Batch, scratch: &mut Scratch
         return;
     };
     run_compressor(shared, batch, &mut scratch.pointers, compressor);
+    batch.dictionary = compressor.dictionary_id();
 }
 
 /// Compresses a channel stream's batch with the channel's stream
@@ -227,5 +228,4 @@ fn run_compressor(
     // only make it stale.
     unsafe { compressor.compress_batch(pointers, &mut batch.compressed) };
     batch.codec_stats = compressor.take_stats();
-    batch.dictionary = compressor.dictionary_id();
 }

@@ -183,7 +183,7 @@ impl PushEncoder {
         let level = setup.compression.level_for(codec);
         Self {
             shared: Arc::new(Shared::new(setup, 1, 1)),
-            codec,
+            codec: push_codec(codec),
             level,
             dictionary: 0,
         }
@@ -256,6 +256,30 @@ mod tests {
             packet.wire_bytes < 2 * PAGE_SIZE as u64,
             "two pages compressed, one raw, one zero: {packet:?}"
         );
+    }
+
+    /// A session with a zstd stream per channel pushes per-page zstd,
+    /// which it announces beside the stream: the push's packets go on no
+    /// channel stream.
+    #[test]
+    fn a_channel_streams_session_pushes_per_page_zstd() {
+        let memory = memory();
+        let encoder = PushEncoder::for_tests(&[memory.region(1)], CodecId::ZstdStream);
+        assert_eq!(encoder.codec(), CodecId::Zstd);
+        let mut out = encoder.batch();
+        let packet = encoder.encode(&mut out, 0, 5, 0..4);
+        assert_eq!(
+            out.kinds(),
+            [
+                PageKind::Compressed,
+                PageKind::Zero,
+                PageKind::Raw,
+                PageKind::Compressed
+            ]
+        );
+        assert_eq!(packet.compressed_pages, 2);
+        assert_eq!(out.batch.codec, CodecId::Zstd);
+        assert_eq!(out.batch.dictionary, 0, "per-page zstd names no stream restart");
     }
 
     #[test]

@@ -207,6 +207,14 @@ mod tests {
     use crate::destination::test_memory::AnonymousMemory;
     use crate::guest::PAGE_SIZE;
 
+    /// [`memory`]'s pages as a push with a codec sends them.
+    const TEXT_ZERO_RANDOM_TEXT: [PageKind; 4] = [
+        PageKind::Compressed,
+        PageKind::Zero,
+        PageKind::Raw,
+        PageKind::Compressed,
+    ];
+
     /// Four pages: text (compresses), zeros, random bytes (does not), text.
     fn memory() -> AnonymousMemory {
         let memory = AnonymousMemory::new(4);
@@ -239,15 +247,7 @@ mod tests {
         let encoder = PushEncoder::for_tests(&[memory.region(1)], CodecId::Lz4);
         let mut out = encoder.batch();
         let packet = encoder.encode(&mut out, 0, 5, 0..4);
-        assert_eq!(
-            out.kinds(),
-            [
-                PageKind::Compressed,
-                PageKind::Zero,
-                PageKind::Raw,
-                PageKind::Compressed
-            ]
-        );
+        assert_eq!(out.kinds(), TEXT_ZERO_RANDOM_TEXT);
         assert_eq!(
             (packet.pages, packet.compressed_pages, packet.zero_pages),
             (4, 2, 1)
@@ -268,18 +268,13 @@ mod tests {
         assert_eq!(encoder.codec(), CodecId::Zstd);
         let mut out = encoder.batch();
         let packet = encoder.encode(&mut out, 0, 5, 0..4);
-        assert_eq!(
-            out.kinds(),
-            [
-                PageKind::Compressed,
-                PageKind::Zero,
-                PageKind::Raw,
-                PageKind::Compressed
-            ]
-        );
+        assert_eq!(out.kinds(), TEXT_ZERO_RANDOM_TEXT);
         assert_eq!(packet.compressed_pages, 2);
         assert_eq!(out.batch.codec, CodecId::Zstd);
-        assert_eq!(out.batch.dictionary, 0, "per-page zstd names no stream restart");
+        assert_eq!(
+            out.batch.dictionary, 0,
+            "per-page zstd names no stream restart"
+        );
     }
 
     #[test]
